@@ -1,0 +1,48 @@
+"""Exceptions raised by pytest-gpuregress.
+
+Every error a user can hit names the file or rank involved and says how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class GpuRegressError(Exception):
+    """Base class for every error this plugin raises on purpose."""
+
+
+class ReferenceProblem(GpuRegressError):
+    """A stored reference cannot be used: missing, corrupt or foreign."""
+
+    def __init__(self, path: object, problem: str, fix: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{self.path}: {problem}\n  fix: {fix}")
+
+
+class MissingReference(ReferenceProblem):
+    """No reference was recorded for this scenario and platform."""
+
+
+class CorruptReference(ReferenceProblem):
+    """The files exist but do not parse or do not match their manifest."""
+
+
+class ForeignReference(ReferenceProblem):
+    """The reference is valid but was recorded for another scenario configuration."""
+
+
+class ReferenceExists(ReferenceProblem):
+    """Refusing to overwrite a reference without the record flag."""
+
+
+class RankFailure(GpuRegressError):
+    """One or more ranks raised, crashed or hung; the message carries per-rank detail."""
+
+
+class UnsupportedPlatform(GpuRegressError):
+    """The requested device, backend or world size is not available here."""
+
+
+class BadFaultSpec(GpuRegressError):
+    """A fault-injection spec could not be parsed."""

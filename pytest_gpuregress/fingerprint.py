@@ -1,0 +1,243 @@
+"""The stack fingerprint: everything that can change the numbers a training step computes.
+
+``collect()`` imports torch and reads versions, devices, BLAS and kernel switches and the
+collective-library environment. ``diff()`` and ``numerics_key()`` work on plain dicts, so the
+comparison side never needs torch. A fingerprint is a two-level dict: section -> field -> value.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from importlib import metadata
+from typing import Any
+
+Fingerprint = dict[str, dict[str, Any]]
+
+# Sections and fields that decide whether bitwise equality can be expected (the exact lane).
+# Left out on purpose: timestamps, host names, the Python patch level, safetensors and our own
+# version (they store numbers, they do not compute them).
+NUMERICS_FIELDS: dict[str, tuple[str, ...]] = {
+    "versions": ("torch", "transformers", "peft", "accelerate", "numpy"),
+    "device": ("kind", "name", "count", "arch", "cuda", "hip", "driver", "cpu_model", "cpu_capability"),
+    "numerics": (
+        "blas",
+        "sdpa_backends",
+        "tf32_matmul",
+        "tf32_cudnn",
+        "float32_matmul_precision",
+        "bf16_reduced_precision_reduction",
+        "fp16_reduced_precision_reduction",
+        "deterministic_algorithms",
+        "cudnn_deterministic",
+        "cudnn_benchmark",
+        "cublas_workspace_config",
+        "num_threads",
+    ),
+    "comm": ("backend", "world_size", "nccl_version", "env"),
+}
+
+_ENV_PREFIXES = ("NCCL_", "RCCL_", "HSA_", "GLOO_", "TORCH_NCCL_", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS", "MKL_")
+_ENV_IGNORED = {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_FILE"}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _blas_info(torch: Any) -> str:
+    text = torch.__config__.show()
+    found = re.search(r"BLAS_INFO=(\w+)", text)
+    blas = found.group(1) if found else "unknown"
+    mkl = re.search(r"Intel\(R\) (?:oneAPI )?Math Kernel Library Version ([\d.]+)", text)
+    return f"{blas} {mkl.group(1)}" if mkl else blas
+
+
+def _sdpa_backends(torch: Any) -> dict[str, bool]:
+    cuda = torch.backends.cuda
+    out: dict[str, bool] = {}
+    for name in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled", "cudnn_sdp_enabled"):
+        fn = getattr(cuda, name, None)
+        if fn is not None:
+            out[name.replace("_sdp_enabled", "")] = bool(fn())
+    return out
+
+
+def _device_section(torch: Any, device_kind: str) -> dict[str, Any]:
+    cpu_capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
+    section: dict[str, Any] = {
+        "kind": device_kind,
+        "cpu_model": _cpu_model(),
+        "cpu_capability": cpu_capability,
+        "machine": platform.machine(),
+    }
+    if device_kind == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        arch = getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}"
+        section.update(
+            name=torch.cuda.get_device_name(0),
+            count=torch.cuda.device_count(),
+            arch=arch.split(":")[0],
+            cuda=torch.version.cuda,
+            hip=getattr(torch.version, "hip", None),
+            driver=_driver_version(torch),
+        )
+    else:
+        section.update(name="cpu", count=os.cpu_count(), arch=platform.machine())
+    return section
+
+
+def _driver_version(torch: Any) -> str | None:
+    try:
+        if getattr(torch.version, "hip", None):
+            return _read_first("/sys/module/amdgpu/version")
+        return _read_first("/proc/driver/nvidia/version")
+    except OSError:
+        return None
+
+
+def _read_first(path: str) -> str | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        line = fh.readline().strip()
+    found = re.search(r"(\d+\.\d+(?:\.\d+)?)", line)
+    return found.group(1) if found else line or None
+
+
+def _nccl_version(torch: Any) -> str | None:
+    try:
+        if not torch.cuda.is_available():
+            return None
+        version = torch.cuda.nccl.version()
+        return ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
+    except Exception:  # noqa: BLE001 - a build without NCCL simply has none
+        return None
+
+
+def comm_env() -> dict[str, str]:
+    return {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k.startswith(_ENV_PREFIXES) and k not in _ENV_IGNORED
+    }
+
+
+def collect(
+    device_kind: str = "cpu",
+    backend: str | None = None,
+    world_size: int | None = None,
+    determinism: dict[str, Any] | None = None,
+) -> Fingerprint:
+    """Read the fingerprint of this process's stack. Imports torch."""
+    import torch
+
+    cuda_matmul = torch.backends.cuda.matmul
+    numerics: dict[str, Any] = {
+        "blas": _blas_info(torch),
+        "sdpa_backends": _sdpa_backends(torch),
+        "tf32_matmul": bool(getattr(cuda_matmul, "allow_tf32", False)),
+        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "bf16_reduced_precision_reduction": bool(
+            getattr(cuda_matmul, "allow_bf16_reduced_precision_reduction", False)
+        ),
+        "fp16_reduced_precision_reduction": bool(
+            getattr(cuda_matmul, "allow_fp16_reduced_precision_reduction", False)
+        ),
+        "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "num_threads": torch.get_num_threads(),
+    }
+    if determinism:
+        numerics.update({f"determinism.{k}": v for k, v in determinism.items()})
+    return {
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": _version("transformers"),
+            "peft": _version("peft"),
+            "accelerate": _version("accelerate"),
+            "safetensors": _version("safetensors"),
+            "numpy": _version("numpy"),
+            "pytest_gpuregress": _version("pytest-gpuregress"),
+        },
+        "device": _device_section(torch, device_kind),
+        "numerics": numerics,
+        "comm": {
+            "backend": backend,
+            "world_size": world_size,
+            "nccl_version": _nccl_version(torch),
+            "rccl": bool(getattr(torch.version, "hip", None)),
+            "env": comm_env(),
+        },
+    }
+
+
+def diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
+    """Fields that differ, as (section.field, reference value, current value)."""
+    out: list[tuple[str, Any, Any]] = []
+    for section in sorted(set(reference) | set(current)):
+        ref_sec, cur_sec = reference.get(section, {}), current.get(section, {})
+        if not isinstance(ref_sec, dict) or not isinstance(cur_sec, dict):
+            if ref_sec != cur_sec:
+                out.append((section, ref_sec, cur_sec))
+            continue
+        for key in sorted(set(ref_sec) | set(cur_sec)):
+            a, b = ref_sec.get(key), cur_sec.get(key)
+            if a != b:
+                out.append((f"{section}.{key}", a, b))
+    return out
+
+
+def numerics_key(fp: Fingerprint) -> dict[str, Any]:
+    """The subset of a fingerprint whose equality means bitwise-equal results are expected."""
+    key: dict[str, Any] = {}
+    for section, fields in NUMERICS_FIELDS.items():
+        sec = fp.get(section, {})
+        for name in fields:
+            key[f"{section}.{name}"] = sec.get(name)
+        if section == "numerics":
+            key.update({f"numerics.{k}": v for k, v in sec.items() if k.startswith("determinism.")})
+    return key
+
+
+def numerics_diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
+    ref, cur = numerics_key(reference), numerics_key(current)
+    return [(k, ref[k], cur[k]) for k in sorted(ref) if ref[k] != cur[k]]
+
+
+def header_lines(fp: Fingerprint) -> list[str]:
+    """A few lines for the pytest report header."""
+    v, d, n, c = fp["versions"], fp["device"], fp["numerics"], fp["comm"]
+    device = f"{d.get('name')} x{d.get('count')} ({d.get('arch')})" if d.get("kind") != "cpu" else (
+        f"cpu {d.get('cpu_model')} [{d.get('cpu_capability')}]"
+    )
+    accel = ", ".join(
+        f"{k} {d[k]}" for k in ("cuda", "hip", "driver") if d.get(k)
+    ) or "no accelerator runtime"
+    env = " ".join(f"{k}={val}" for k, val in c.get("env", {}).items()) or "none"
+    return [
+        f"gpuregress stack: torch {v['torch']}, transformers {v['transformers']}, peft {v['peft']}, "
+        f"accelerate {v['accelerate']}, safetensors {v['safetensors']}, python {v['python']}",
+        f"gpuregress device: {device}; {accel}; nccl {c.get('nccl_version') or '-'}",
+        f"gpuregress numerics: blas {n['blas']}, tf32 {n['tf32_matmul']}, "
+        f"deterministic {n['deterministic_algorithms']}, threads {n['num_threads']}; comm env: {env}",
+    ]

@@ -1,0 +1,156 @@
+"""RunRecord: what one scenario run produced, in a torch-free form.
+
+A record is JSON (scalars, per-step series, digests, config, fingerprint) plus one safetensors
+file (matrices and tensors, as numpy arrays). The same two files are what a worker hands back
+to the launcher and what the store keeps as a reference, so there is exactly one serializer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import atomic
+from .errors import CorruptReference
+
+RECORD_FORMAT = "gpuregress-record/1"
+RECORD_JSON = "record.json"
+TENSORS_FILE = "tensors.safetensors"
+
+
+@dataclass
+class RunRecord:
+    """Results of one scenario run.
+
+    series:   per-step scalars, e.g. ``loss`` and ``grad_norm`` (float64, stored with repr precision)
+    arrays:   named numpy arrays, e.g. ``param_grad_norm`` [steps, params] and ``step0_grad/<param>``
+    digests:  per-parameter digests of the final weights (sha256 of the bytes, float64 sums)
+    results:  scenario-specific structured results (e.g. collective cases), JSON-serialisable
+    """
+
+    scenario: str
+    config: dict[str, Any]
+    platform_key: str
+    world_size: int
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    series: dict[str, list[float]] = field(default_factory=dict)
+    param_names: list[str] = field(default_factory=list)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    digests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    results: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        return len(self.series.get("loss", []))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": RECORD_FORMAT,
+            "scenario": self.scenario,
+            "config": self.config,
+            "platform_key": self.platform_key,
+            "world_size": self.world_size,
+            "fingerprint": self.fingerprint,
+            "series": {k: [float(x) for x in v] for k, v in self.series.items()},
+            "param_names": self.param_names,
+            "digests": self.digests,
+            "timings": self.timings,
+            "results": self.results,
+            "notes": self.notes,
+        }
+
+    def save(self, directory: Path) -> list[Path]:
+        """Write record.json and tensors.safetensors into ``directory``; return the paths."""
+        from safetensors.numpy import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        json_path = directory / RECORD_JSON
+        atomic.write_json(json_path, self.to_json())
+        tensor_path = directory / TENSORS_FILE
+        arrays = {k: np.ascontiguousarray(v) for k, v in self.arrays.items()}
+        tmp = tensor_path.with_name(f".{TENSORS_FILE}.tmp")
+        save_file(arrays, str(tmp), metadata={"format": RECORD_FORMAT})
+        tmp.chmod(0o644)
+        tmp.replace(tensor_path)
+        return [json_path, tensor_path]
+
+    @classmethod
+    def load(cls, directory: Path) -> RunRecord:
+        """Read a record; raise CorruptReference naming the file on any parse problem."""
+        json_path = directory / RECORD_JSON
+        tensor_path = directory / TENSORS_FILE
+        data = read_json(json_path)
+        if data.get("format") != RECORD_FORMAT:
+            raise CorruptReference(
+                json_path,
+                f"format is {data.get('format')!r}, expected {RECORD_FORMAT!r}",
+                "re-record it with this version of pytest-gpuregress (--gpuregress-record)",
+            )
+        try:
+            record = cls(
+                scenario=str(data["scenario"]),
+                config=dict(data["config"]),
+                platform_key=str(data["platform_key"]),
+                world_size=int(data["world_size"]),
+                fingerprint=dict(data.get("fingerprint", {})),
+                series={k: [float(x) for x in v] for k, v in data.get("series", {}).items()},
+                param_names=list(data.get("param_names", [])),
+                digests=dict(data.get("digests", {})),
+                timings=dict(data.get("timings", {})),
+                results=dict(data.get("results", {})),
+                notes=list(data.get("notes", [])),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptReference(
+                json_path, f"missing or malformed field: {exc!r}", "re-record it (--gpuregress-record)"
+            ) from exc
+        record.arrays = _read_tensors(tensor_path)
+        return record
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CorruptReference(path, "file is missing", "re-record it (--gpuregress-record)")
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptReference(path, f"not valid JSON ({exc})", "restore it from git or re-record it") from exc
+    if not isinstance(data, dict):
+        raise CorruptReference(path, "top level is not a JSON object", "restore it from git or re-record it")
+    return data
+
+
+def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+    # safetensors never executes code from the file: this is why references are not pickles.
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    if not path.is_file():
+        raise CorruptReference(path, "file is missing", "re-record it (--gpuregress-record)")
+    try:
+        return dict(load_file(str(path)))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CorruptReference(
+            path, f"not a readable safetensors file ({exc})", "restore it from git or re-record it"
+        ) from exc
+
+
+def float_digest(values: np.ndarray) -> dict[str, Any]:
+    """sha256 of the raw bytes plus float64 sums: bitwise identity and a readable magnitude."""
+    import hashlib
+
+    flat = np.ascontiguousarray(values)
+    as64 = flat.astype(np.float64)
+    return {
+        "sha256": hashlib.sha256(flat.tobytes()).hexdigest(),
+        "sum": float(as64.sum()),
+        "abs_sum": float(np.abs(as64).sum()),
+        "shape": list(flat.shape),
+        "dtype": str(flat.dtype),
+    }

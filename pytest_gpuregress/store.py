@@ -1,0 +1,125 @@
+"""The reference store: ``<root>/<scenario>/<platform-key>/``.
+
+Each reference is record.json + tensors.safetensors (see record.py) and a manifest.json holding
+the sha256 of both, the store format and when and with what it was recorded. Writes go to a
+staging directory that is swapped in whole, and an existing reference is only replaced when the
+caller says so (the ``--gpuregress-record`` flag).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import atomic
+from .errors import CorruptReference, ForeignReference, MissingReference, ReferenceExists
+from .record import RECORD_JSON, TENSORS_FILE, RunRecord, read_json
+
+MANIFEST = "manifest.json"
+STORE_FORMAT = "gpuregress-reference/1"
+
+
+@dataclass(frozen=True)
+class ReferenceLocation:
+    """Where a reference for (scenario, platform) lives, and the command that records it."""
+
+    root: Path
+    scenario: str
+    platform_key: str
+    record_hint: str = "pytest --gpuregress --gpuregress-record"
+
+    @property
+    def path(self) -> Path:
+        return self.root / self.scenario / self.platform_key
+
+
+def write_reference(loc: ReferenceLocation, record: RunRecord, *, overwrite: bool) -> Path:
+    """Atomically store ``record``; refuse to replace an existing reference unless ``overwrite``."""
+    target = loc.path
+    if (target / MANIFEST).exists() and not overwrite:
+        raise ReferenceExists(
+            target, "a reference is already stored here", "pass --gpuregress-record to replace it on purpose"
+        )
+    staged = atomic.staging_dir_for(target)
+    try:
+        files = record.save(staged)
+        manifest = {
+            "format": STORE_FORMAT,
+            "scenario": record.scenario,
+            "platform_key": record.platform_key,
+            "recorded_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "files": {f.name: atomic.sha256_file(f) for f in files},
+        }
+        atomic.write_json(staged / MANIFEST, manifest)
+        atomic.replace_dir(staged, target)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    return target
+
+
+def read_reference(loc: ReferenceLocation) -> RunRecord:
+    """Load and verify a reference. Raises MissingReference or CorruptReference naming the file."""
+    target = loc.path
+    manifest_path = target / MANIFEST
+    if not manifest_path.exists():
+        what = "no reference recorded" if not target.exists() else "directory has no manifest.json"
+        raise MissingReference(
+            target,
+            f"{what} for scenario {loc.scenario!r} on platform {loc.platform_key!r}",
+            f"record one on a known-good stack: {loc.record_hint}",
+        )
+    manifest = read_json(manifest_path)
+    if manifest.get("format") != STORE_FORMAT:
+        raise CorruptReference(
+            manifest_path,
+            f"not a pytest-gpuregress reference manifest (format {manifest.get('format')!r})",
+            f"remove the directory or re-record it: {loc.record_hint}",
+        )
+    files = manifest.get("files")
+    if not isinstance(files, dict) or set(files) != {RECORD_JSON, TENSORS_FILE}:
+        raise CorruptReference(manifest_path, "manifest lists the wrong files", f"re-record it: {loc.record_hint}")
+    for name, expected in files.items():
+        path = target / name
+        if not path.is_file():
+            raise CorruptReference(path, "file listed in manifest.json is missing", f"re-record it: {loc.record_hint}")
+        actual = atomic.sha256_file(path)
+        if actual != expected:
+            raise CorruptReference(
+                path,
+                f"sha256 {actual[:12]}… does not match manifest.json ({str(expected)[:12]}…): "
+                "the file was truncated, edited or partly copied",
+                f"restore it from version control, or re-record it: {loc.record_hint}",
+            )
+    return RunRecord.load(target)
+
+
+def check_compatible(loc: ReferenceLocation, reference: RunRecord, run: RunRecord) -> None:
+    """Refuse to compare against a reference of another scenario, config or world size."""
+    problems: list[str] = []
+    if reference.scenario != run.scenario:
+        problems.append(f"scenario: reference {reference.scenario!r}, this run {run.scenario!r}")
+    if reference.world_size != run.world_size:
+        problems.append(f"world size: reference {reference.world_size}, this run {run.world_size}")
+    problems.extend(_config_diff(reference.config, run.config))
+    if problems:
+        raise ForeignReference(
+            loc.path / RECORD_JSON,
+            "reference was recorded for a different setup:\n    " + "\n    ".join(problems),
+            "run with the reference's settings, or record a reference for this setup: " + loc.record_hint,
+        )
+
+
+def _config_diff(ref: dict[str, Any], run: dict[str, Any], prefix: str = "") -> list[str]:
+    out: list[str] = []
+    for key in sorted(set(ref) | set(run)):
+        a, b = ref.get(key, "<absent>"), run.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(_config_diff(a, b, f"{prefix}{key}."))
+        elif a != b:
+            out.append(f"config {prefix}{key}: reference {a!r}, this run {b!r}")
+    return out

@@ -1,0 +1,46 @@
+"""Shared helpers for the plugin's own tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+# pytester's inline runs restore sys.modules after each run, and torch's C extension cannot be
+# imported a second time in one process: import the heavy modules once, before any inline run.
+import safetensors.numpy  # noqa: F401,E402
+import torch  # noqa: F401,E402
+import torch.distributed  # noqa: F401,E402
+import transformers  # noqa: F401,E402
+
+from pytest_gpuregress.record import RunRecord
+
+
+def make_record(steps: int = 5, seed: int = 0, **overrides: object) -> RunRecord:
+    """A small synthetic training record, as the fsdp scenario would produce it."""
+    rng = np.random.default_rng(seed)
+    loss = list(np.linspace(5.5, 3.0, steps) + rng.normal(0, 1e-3, steps))
+    record = RunRecord(
+        scenario="fsdp",
+        config={"steps": steps, "lr": 3e-3, "dtype": "fp32", "model": "tiny-llama"},
+        platform_key="cpu-gloo-w2-fp32",
+        world_size=2,
+        fingerprint={"versions": {"torch": "2.13.0", "python": "3.11.7"}, "device": {"kind": "cpu"},
+                     "numerics": {"blas": "mkl"}, "comm": {"backend": "gloo", "world_size": 2}},
+        series={"loss": loss, "grad_norm": list(rng.uniform(0.5, 2.0, steps))},
+        param_names=["a.weight", "b.weight"],
+        arrays={
+            "param_grad_norm": rng.uniform(0.1, 1.0, (steps, 2)),
+            "step0_grad/a.weight": rng.normal(0, 1, (16, 8)).astype(np.float32),
+            "step0_grad/b.weight": rng.normal(0, 1, (32,)).astype(np.float32),
+        },
+        digests={"a.weight": {"sha256": "aa", "sum": 1.0, "abs_sum": 10.0, "shape": [16, 8], "dtype": "float32"},
+                 "b.weight": {"sha256": "bb", "sum": 2.0, "abs_sum": 20.0, "shape": [32], "dtype": "float32"}},
+    )
+    for key, value in overrides.items():
+        setattr(record, key, value)
+    return record
+
+
+@pytest.fixture
+def record() -> RunRecord:
+    return make_record()

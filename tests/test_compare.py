@@ -1,0 +1,93 @@
+"""The comparison lanes, the suspected component, and the failure report."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pytest_gpuregress.compare import compare_training, ulps32
+from pytest_gpuregress.report import format_comparison
+
+from .conftest import make_record
+
+
+def _report(cmp) -> str:  # type: ignore[no-untyped-def]
+    return format_comparison(cmp, scenario="fsdp", platform_key="cpu-gloo-w2-fp32", reference_path="REF",
+                             record_hint="HINT")
+
+
+def test_identical_runs_pass_in_the_exact_lane() -> None:
+    cmp = compare_training(make_record(), make_record())
+    assert cmp.lane == "exact" and cmp.passed
+
+
+def test_one_ulp_in_the_loss_fails_the_exact_lane_at_its_step() -> None:
+    run = make_record()
+    loss = run.series["loss"]
+    loss[3] = float(np.nextafter(np.float32(loss[3]), np.float32(10)))
+    cmp = compare_training(make_record(), run)
+    finding = next(f for f in cmp.findings if f.metric == "loss")
+    assert finding.step == 3 and "first differing step 3" in finding.message and "ulp32" in finding.message
+    assert "HINT" in _report(cmp)
+
+
+def test_changed_stack_selects_the_tolerant_lane_and_reports_the_change() -> None:
+    run = make_record()
+    run.fingerprint = {**run.fingerprint, "versions": {"torch": "2.14.1", "python": "3.11.7"}}
+    run.series["loss"] = [x * (1 + 1e-8) for x in run.series["loss"]]
+    cmp = compare_training(make_record(), run)
+    assert cmp.lane == "tolerant" and cmp.passed
+    assert ("versions.torch", "2.13.0", "2.14.1") in cmp.stack_changes
+
+
+def test_python_patch_level_does_not_leave_the_exact_lane() -> None:
+    run = make_record()
+    run.fingerprint = {**run.fingerprint, "versions": {"torch": "2.13.0", "python": "3.11.9"}}
+    assert compare_training(make_record(), run).lane == "exact"
+
+
+def test_sparse_step0_gradient_error_points_at_a_collective() -> None:
+    run = make_record()
+    grad = run.arrays["step0_grad/a.weight"].copy()
+    grad[5, 3] *= 1.001
+    run.arrays["step0_grad/a.weight"] = grad
+    cmp = compare_training(make_record(), run, lane="tolerant")
+    finding = cmp.findings[0]
+    assert finding.metric == "step0_grad" and finding.component == "collective"
+    assert finding.tensor == "a.weight" and "(5, 3)" in finding.message and "[16, 8] = 128 elements" in finding.message
+    report = _report(cmp)
+    assert "[collective]" in report and "worst entries" in report and "(5, 3)" in report
+
+
+def test_dense_step0_gradient_error_points_at_a_kernel() -> None:
+    run = make_record()
+    run.arrays["step0_grad/b.weight"] = run.arrays["step0_grad/b.weight"] * np.float32(1.001)
+    cmp = compare_training(make_record(), run, lane="tolerant")
+    assert cmp.findings[0].component == "kernel"
+
+
+def test_late_divergence_with_clean_step0_points_at_optimizer_or_collective() -> None:
+    run = make_record()
+    run.series["loss"] = run.series["loss"][:2] + [x * 1.01 for x in run.series["loss"][2:]]
+    cmp = compare_training(make_record(), run, lane="tolerant")
+    loss = next(f for f in cmp.findings if f.metric == "loss")
+    assert loss.step == 2 and loss.component == "optimizer or collective"
+
+
+def test_nan_is_a_difference_in_both_lanes() -> None:
+    run = make_record()
+    run.series["loss"][1] = float("nan")
+    for lane in ("exact", "tolerant"):
+        assert not compare_training(make_record(), run, lane=lane).passed
+
+
+def test_final_weights_compared_by_digest() -> None:
+    run = make_record()
+    run.digests = {**run.digests, "b.weight": {**run.digests["b.weight"], "sha256": "cc"}}
+    cmp = compare_training(make_record(), run)
+    assert [f.metric for f in cmp.findings] == ["final_weights"] and "b.weight" in cmp.findings[0].message
+
+
+def test_ulps32_counts_representable_steps() -> None:
+    one = np.float32(1.0)
+    assert int(ulps32(np.asarray(one), np.asarray(np.nextafter(one, np.float32(2))))) == 1
+    assert int(ulps32(np.asarray(np.float32(-0.0)), np.asarray(np.float32(0.0)))) == 0

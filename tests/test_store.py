@@ -1,0 +1,112 @@
+"""The reference store: atomic writes, no silent overwrite, clear errors for bad references."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pytest_gpuregress import store
+from pytest_gpuregress.errors import CorruptReference, ForeignReference, MissingReference, ReferenceExists
+from pytest_gpuregress.record import RunRecord
+
+from .conftest import make_record
+
+
+@pytest.fixture
+def loc(tmp_path: Path) -> store.ReferenceLocation:
+    return store.ReferenceLocation(tmp_path / "refs", "fsdp", "cpu-gloo-w2-fp32", "RECORD-HINT")
+
+
+def test_round_trip_is_exact(loc: store.ReferenceLocation, record: RunRecord) -> None:
+    store.write_reference(loc, record, overwrite=False)
+    back = store.read_reference(loc)
+    assert back.series == record.series
+    assert back.config == record.config and back.digests == record.digests
+    for key, value in record.arrays.items():
+        assert back.arrays[key].dtype == value.dtype
+        np.testing.assert_array_equal(back.arrays[key], value)
+    # nothing but the reference itself is left behind
+    assert sorted(p.name for p in loc.path.parent.iterdir()) == ["cpu-gloo-w2-fp32"]
+    assert sorted(p.name for p in loc.path.iterdir()) == ["manifest.json", "record.json", "tensors.safetensors"]
+
+
+def test_never_overwrites_without_the_flag(loc: store.ReferenceLocation, record: RunRecord) -> None:
+    store.write_reference(loc, record, overwrite=False)
+    before = (loc.path / "record.json").read_bytes()
+    with pytest.raises(ReferenceExists, match="--gpuregress-record"):
+        store.write_reference(loc, make_record(seed=1), overwrite=False)
+    assert (loc.path / "record.json").read_bytes() == before
+    store.write_reference(loc, make_record(seed=1), overwrite=True)
+    assert (loc.path / "record.json").read_bytes() != before
+
+
+def test_missing_reference_names_path_and_command(loc: store.ReferenceLocation) -> None:
+    with pytest.raises(MissingReference) as info:
+        store.read_reference(loc)
+    assert str(loc.path) in str(info.value) and "RECORD-HINT" in str(info.value)
+
+
+def test_truncated_tensors_are_named(loc: store.ReferenceLocation, record: RunRecord) -> None:
+    store.write_reference(loc, record, overwrite=False)
+    tensors = loc.path / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:100])
+    with pytest.raises(CorruptReference, match="tensors.safetensors.*truncated, edited"):
+        store.read_reference(loc)
+
+
+def test_edited_json_is_named(loc: store.ReferenceLocation, record: RunRecord) -> None:
+    store.write_reference(loc, record, overwrite=False)
+    path = loc.path / "record.json"
+    path.write_text(path.read_text().replace('"lr": 0.003', '"lr": 0.004'))
+    with pytest.raises(CorruptReference, match="record.json: sha256"):
+        store.read_reference(loc)
+
+
+def test_garbage_manifest_is_named(loc: store.ReferenceLocation, record: RunRecord) -> None:
+    store.write_reference(loc, record, overwrite=False)
+    (loc.path / "manifest.json").write_text("{not json")
+    with pytest.raises(CorruptReference, match="manifest.json: not valid JSON"):
+        store.read_reference(loc)
+
+
+def test_foreign_manifest_format_is_named(loc: store.ReferenceLocation, record: RunRecord) -> None:
+    store.write_reference(loc, record, overwrite=False)
+    (loc.path / "manifest.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(CorruptReference, match="not a pytest-gpuregress reference"):
+        store.read_reference(loc)
+
+
+def test_pickle_is_never_loaded(loc: store.ReferenceLocation, record: RunRecord) -> None:
+    """A pickle where safetensors belongs is rejected as corrupt, not executed."""
+    import pickle
+
+    store.write_reference(loc, record, overwrite=False)
+    tensors = loc.path / "tensors.safetensors"
+    tensors.write_bytes(pickle.dumps({"x": 1}))
+    manifest = json.loads((loc.path / "manifest.json").read_text())
+    from pytest_gpuregress.atomic import sha256_file
+
+    manifest["files"]["tensors.safetensors"] = sha256_file(tensors)
+    (loc.path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CorruptReference, match="not a readable safetensors file"):
+        store.read_reference(loc)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"world_size": 4}, "world size: reference 2, this run 4"),
+        ({"config": {"steps": 5, "lr": 3e-3, "dtype": "fp32", "model": "other"}}, "config model"),
+        ({"scenario": "lora"}, "scenario: reference 'fsdp', this run 'lora'"),
+    ],
+)
+def test_foreign_reference_is_refused(loc: store.ReferenceLocation, record: RunRecord, change: dict,
+                                      message: str) -> None:
+    store.write_reference(loc, record, overwrite=False)
+    reference = store.read_reference(loc)
+    with pytest.raises(ForeignReference, match=message) as info:
+        store.check_compatible(loc, reference, make_record(**change))
+    assert "record.json" in str(info.value)

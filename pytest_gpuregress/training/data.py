@@ -1,0 +1,65 @@
+"""Deterministic, learnable token data that is identical on every platform.
+
+Tokens come from a sparse Markov chain: each token has a few likely successors. The chain and the
+samples are derived from a counter-based hash (splitmix64) of (seed, step, sample, position), so
+they depend on no library's random stream and are the same on every machine and version. The
+global batch of a step is fixed; a rank takes a contiguous slice of it, so changing the world size
+changes who computes what, not what is computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .counter_rng import hash_words, unit_float
+
+
+@dataclass(frozen=True)
+class MarkovTokens:
+    """Sequences from a fixed sparse Markov chain; learnable well below ln(vocab)."""
+
+    vocab_size: int
+    seq_len: int
+    global_batch: int
+    seed: int = 1234
+    branching: int = 4  # successors per token
+    # probability mass of successor k; the chain's entropy is that of this distribution
+    weights: tuple[float, ...] = (0.7, 0.15, 0.1, 0.05)
+
+    def successors(self) -> np.ndarray:
+        """[vocab, branching] table of successor tokens."""
+        tok = np.arange(self.vocab_size, dtype=np.uint64)[:, None]
+        k = np.arange(self.branching, dtype=np.uint64)[None, :]
+        return (hash_words(self.seed, 1, tok, k) % np.uint64(self.vocab_size)).astype(np.int64)
+
+    def global_batch_at(self, step: int) -> np.ndarray:
+        """[global_batch, seq_len + 1] int64 tokens for ``step`` (inputs and shifted labels)."""
+        table = self.successors()
+        cdf = np.cumsum(np.asarray(self.weights[: self.branching], dtype=np.float64))
+        cdf /= cdf[-1]
+        sample = np.arange(self.global_batch, dtype=np.uint64)
+        out = np.empty((self.global_batch, self.seq_len + 1), dtype=np.int64)
+        out[:, 0] = (hash_words(self.seed, 2, step, sample) % np.uint64(self.vocab_size)).astype(np.int64)
+        for pos in range(1, self.seq_len + 1):
+            u = unit_float(hash_words(self.seed, 3, step, sample, pos))
+            choice = np.searchsorted(cdf, u, side="right").clip(max=self.branching - 1)
+            out[:, pos] = table[out[:, pos - 1], choice]
+        return out
+
+    def rank_batch(self, step: int, rank: int, world_size: int) -> np.ndarray:
+        """This rank's contiguous slice of the global batch."""
+        if self.global_batch % world_size:
+            raise ValueError(
+                f"global batch {self.global_batch} is not divisible by world size {world_size}; "
+                "choose a world size that divides it or change the model's global_batch"
+            )
+        per_rank = self.global_batch // world_size
+        return self.global_batch_at(step)[rank * per_rank : (rank + 1) * per_rank]
+
+    def entropy_floor(self) -> float:
+        """The lowest achievable mean cross-entropy (nats): a learnable target well below ln(V)."""
+        w = np.asarray(self.weights[: self.branching], dtype=np.float64)
+        w /= w.sum()
+        return float(-(w * np.log(w)).sum())

@@ -1,0 +1,81 @@
+"""Build tiny models from the config files in ``models/``, with platform-independent init.
+
+Initial weights come from a counter-based hash of (seed, parameter name) through Box-Muller in
+float64, never from torch's or transformers' random streams, so a new library version that
+reorders module construction or changes its init code cannot move the starting point.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..paths import data_dir
+from .counter_rng import hash_words, unit_float
+
+MODEL_SIZES = ("cpu", "gpu")
+
+
+def model_dir(name: str, size: str) -> Path:
+    """The directory holding ``config.json`` for model ``name`` at ``size`` (cpu or gpu)."""
+    candidate = Path(name)
+    if candidate.is_dir() and (candidate / "config.json").is_file():
+        return candidate
+    root = data_dir("models")
+    path = root / name / size
+    if not (path / "config.json").is_file():
+        known = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        raise FileNotFoundError(
+            f"{path / 'config.json'}: no such model config; known models: {known}. "
+            "Pass a directory containing a transformers config.json instead."
+        )
+    return path
+
+
+def load_config(name: str, size: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir(name, size)), local_files_only=True)
+
+
+def config_digest(config: Any) -> str:
+    """A short hash of the model config, stored with references to detect a foreign model."""
+    import json
+
+    text = json.dumps(config.to_diff_dict(), sort_keys=True, default=str)
+    return f"{zlib.crc32(text.encode()):08x}"
+
+
+def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """N(0, std^2) samples keyed by (seed, name), identical on every platform."""
+    count = int(np.prod(shape)) if shape else 1
+    key = zlib.crc32(name.encode())
+    idx = np.arange((count + 1) // 2, dtype=np.uint64)
+    u1 = unit_float(hash_words(seed, 10, key, idx))
+    u2 = unit_float(hash_words(seed, 11, key, idx))
+    radius = np.sqrt(-2.0 * np.log1p(-u1))  # 1 - u1 is in (0, 1], so log is finite
+    z = np.concatenate([radius * np.cos(2 * np.pi * u2), radius * np.sin(2 * np.pi * u2)])[:count]
+    return (z * std).reshape(shape)
+
+
+def build_causal_lm(config: Any, seed: int) -> Any:
+    """A transformers causal LM from ``config`` on the CPU in fp32, initialised from ``seed``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    std = float(getattr(config, "initializer_range", 0.02))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                values = seeded_normal(seed, name, tuple(param.shape), std)
+                param.copy_(torch.from_numpy(values).to(param.dtype))
+    return model

@@ -1,0 +1,82 @@
+"""Deterministic data and seeded initialisation: same everywhere, independent of world size."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pytest_gpuregress.training.counter_rng import hash_words, splitmix64
+from pytest_gpuregress.training.data import MarkovTokens
+from pytest_gpuregress.training.models import config_digest, load_config, model_dir, seeded_normal
+
+
+def test_splitmix64_known_value() -> None:
+    # First output of the reference splitmix64 generator seeded with 0.
+    assert int(splitmix64(np.asarray(0, dtype=np.uint64))) == 0xE220A8397B1DCDAF
+
+
+def test_hash_depends_on_every_part() -> None:
+    assert int(hash_words(1, 2, 3)) != int(hash_words(1, 2, 4)) != int(hash_words(2, 2, 3))
+
+
+def test_global_batch_is_independent_of_world_size() -> None:
+    data = MarkovTokens(vocab_size=64, seq_len=16, global_batch=8, seed=7)
+    whole = data.global_batch_at(3)
+    for world in (1, 2, 4, 8):
+        parts = np.concatenate([data.rank_batch(3, r, world) for r in range(world)])
+        np.testing.assert_array_equal(parts, whole)
+
+
+def test_data_is_reproducible_and_differs_by_step() -> None:
+    data = MarkovTokens(vocab_size=64, seq_len=16, global_batch=4)
+    np.testing.assert_array_equal(data.global_batch_at(0), data.global_batch_at(0))
+    assert not np.array_equal(data.global_batch_at(0), data.global_batch_at(1))
+    assert data.global_batch_at(0).min() >= 0 and data.global_batch_at(0).max() < 64
+
+
+def test_data_follows_the_chain_so_it_is_learnable() -> None:
+    data = MarkovTokens(vocab_size=64, seq_len=32, global_batch=16)
+    table = data.successors()
+    tokens = data.global_batch_at(0)
+    for row in tokens:
+        for prev, nxt in zip(row[:-1], row[1:]):
+            assert nxt in table[prev]
+    assert data.entropy_floor() < 0.5 * math.log(64)
+
+
+def test_uneven_world_size_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="not divisible by world size 3"):
+        MarkovTokens(vocab_size=8, seq_len=4, global_batch=8).rank_batch(0, 0, 3)
+
+
+def test_seeded_normal_is_deterministic_and_normal() -> None:
+    a = seeded_normal(0, "w", (200, 50), 0.02)
+    np.testing.assert_array_equal(a, seeded_normal(0, "w", (200, 50), 0.02))
+    assert not np.array_equal(a, seeded_normal(0, "v", (200, 50), 0.02))
+    assert abs(a.mean()) < 1e-3 and abs(a.std() - 0.02) < 1e-3
+
+
+def test_model_configs_ship_in_both_sizes() -> None:
+    cpu, gpu = load_config("tiny-llama", "cpu"), load_config("tiny-llama", "gpu")
+    assert cpu.num_key_value_heads < cpu.num_attention_heads  # GQA
+    assert gpu.hidden_size > cpu.hidden_size
+    assert config_digest(cpu) != config_digest(gpu)
+
+
+def test_unknown_model_names_the_file() -> None:
+    with pytest.raises(FileNotFoundError, match="no-such-model/cpu/config.json"):
+        model_dir("no-such-model", "cpu")
+
+
+def test_build_is_identical_across_builds() -> None:
+    torch = pytest.importorskip("torch")
+    from pytest_gpuregress.training.models import build_causal_lm
+
+    cfg = load_config("tiny-llama", "cpu")
+    a, b = build_causal_lm(cfg, seed=3), build_causal_lm(cfg, seed=3)
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb and torch.equal(pa, pb)
+    c = build_causal_lm(cfg, seed=4)
+    assert not torch.equal(next(a.parameters()), next(c.parameters()))

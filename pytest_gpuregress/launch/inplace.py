@@ -1,0 +1,84 @@
+"""Run under torchrun/srun: this pytest process is one rank, and every rank runs the same tests.
+
+The process group is created once from torchrun's environment (its addresses, its store) and
+reused by every test. Per-rank records travel to all ranks as JSON bytes in a uint8 tensor:
+never pickled, so ``all_gather_object`` is not used. Every rank then compares, so every rank
+reaches the same verdict; only rank 0 writes references.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..record import RunRecord
+from .job import Job
+from .spawn import LaunchResult, RankOutcome
+
+
+def _gather_json(payload: dict[str, Any], device: str) -> list[dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+
+    data = torch.tensor(list(json.dumps(payload).encode()), dtype=torch.uint8, device=device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    chunks = [torch.zeros_like(padded) for _ in sizes]
+    dist.all_gather(chunks, padded)
+    return [json.loads(bytes(c[: int(s.item())].cpu().tolist()).decode()) for c, s in zip(chunks, sizes)]
+
+
+class InPlaceLauncher:
+    """Runs a Job in this process, which torchrun already made one rank of the job."""
+
+    def __init__(self) -> None:
+        self.rank = int(os.environ["RANK"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == 0
+
+    def make_run_dir(self) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"gpuregress-rank{self.rank}-"))
+
+    def run(self, job: Job, wall_timeout_s: float) -> LaunchResult:
+        import torch.distributed as dist
+
+        from .worker import _init_process_group, execute_rank
+
+        # Multi-node: torchrun's rendezvous and addresses, not a FileStore on loopback.
+        job = replace(job, loopback_only=False)
+        Path(job.run_dir).mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        if not dist.is_initialized():
+            _init_process_group(job, self.rank, self.local_rank)
+        record, ctx = execute_rank(job, self.rank, self.local_rank, init_group=False)
+        everyone = _gather_json(record.to_json(), ctx.device)
+        records = []
+        for rank, data in enumerate(everyone):
+            if rank == self.rank:
+                records.append(record)
+                continue
+            other = RunRecord(
+                scenario=data["scenario"], config=data["config"], platform_key=data["platform_key"],
+                world_size=data["world_size"], fingerprint=data["fingerprint"], series=data["series"],
+                param_names=data["param_names"], digests=data["digests"], timings=data["timings"],
+                results=data["results"], notes=data["notes"],
+            )
+            records.append(other)
+            # Arrays stay local (they can be large). Scenarios store only global values in them
+            # (full gradients, all-reduced norms), identical on every rank, so the local copy serves.
+            other.arrays = record.arrays
+        outcomes = [RankOutcome(rank=r, status="delivered", returncode=None, last_progress=None)
+                    for r in range(job.world_size)]
+        return LaunchResult(records=records, outcomes=outcomes, wall_s=time.monotonic() - started)

@@ -1,0 +1,83 @@
+"""The job a group of ranks runs, and the files through which ranks report back.
+
+The launcher writes ``job.json``; every rank reads it, runs the scenario, and writes into the
+run directory:
+  rank<r>.progress    one line per completed phase or step (appended; the last line is the answer
+                      to "how far did it get" when a rank hangs)
+  rank<r>/            its RunRecord (record.json + tensors.safetensors)
+  rank<r>.done        written after the record: from here on the rank's work is delivered
+  rank<r>.error.json  the exception and traceback, when the scenario raised
+  rank<r>.stack       Python stacks of all threads, dumped on SIGUSR1 when the launcher times out
+  rank<r>.log         the rank's stdout and stderr
+All of it is plain text or JSON: nothing that crosses a process boundary is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Job:
+    """What every rank of one group runs."""
+
+    scenario: str  # a registered scenario name, or "package.module:function"
+    config: dict[str, Any]
+    world_size: int
+    device_kind: str  # "cpu" or "cuda" (ROCm builds of torch report cuda too)
+    backend: str  # "gloo" or "nccl"
+    run_dir: str
+    timeout_s: float  # per-collective timeout given to the process group
+    faults: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for this group only
+    loopback_only: bool = True  # single-machine runs bind every socket to the loopback interface
+    collect_fingerprint: bool = True
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1, sort_keys=True))
+
+    @classmethod
+    def load(cls, path: Path) -> Job:
+        return cls(**json.loads(path.read_text()))
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """Paths one rank writes, relative to the run directory."""
+
+    run_dir: Path
+    rank: int
+
+    @property
+    def progress(self) -> Path:
+        return self.run_dir / f"rank{self.rank}.progress"
+
+    @property
+    def record_dir(self) -> Path:
+        return self.run_dir / f"rank{self.rank}"
+
+    @property
+    def done(self) -> Path:
+        return self.run_dir / f"rank{self.rank}.done"
+
+    @property
+    def error(self) -> Path:
+        return self.run_dir / f"rank{self.rank}.error.json"
+
+    @property
+    def stack(self) -> Path:
+        return self.run_dir / f"rank{self.rank}.stack"
+
+    @property
+    def log(self) -> Path:
+        return self.run_dir / f"rank{self.rank}.log"
+
+    def last_progress(self) -> str | None:
+        try:
+            lines = self.progress.read_text().splitlines()
+        except OSError:
+            return None
+        return lines[-1] if lines else None

@@ -1,0 +1,231 @@
+"""Spawn a group of ranks on this machine, watch them, and classify how each one ended.
+
+Every rank is a fresh interpreter in its own session (so its whole process tree can be killed),
+with stdout and stderr in a log file. The launcher polls until every rank has exited, or one has
+failed, or the wall-clock limit passes. A rank ends in one of four ways:
+  delivered  wrote its record and done marker; whatever happens at teardown afterwards
+             (SIGABRT from gloo's threads, a hang in destroy) is noted, never a failure
+  raised     the scenario raised; its traceback comes back from rank<r>.error.json
+  died       exited or was killed by a signal before delivering
+  hung       still running at the limit; its Python stacks are dumped (SIGUSR1) before the kill
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import RankFailure
+from ..record import RunRecord
+from .job import Job, RankFiles
+from .net import loopback_env
+
+POLL_S = 0.05
+# After the first rank fails, how long peers get to report their own error before being killed.
+FAILURE_GRACE_S = 3.0
+# After every rank has delivered, how long teardown may take before the stragglers are killed.
+TEARDOWN_GRACE_S = 20.0
+LOG_TAIL_LINES = 25
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    status: str  # delivered | raised | died | hung | stopped
+    returncode: int | None
+    last_progress: str | None
+    error: dict[str, str] | None = None
+    stack: str | None = None
+    log_tail: str = ""
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.returncode is not None and self.returncode < 0:
+            try:
+                return signal.Signals(-self.returncode).name
+            except ValueError:
+                return f"signal {-self.returncode}"
+        return None
+
+    def describe(self) -> str:
+        where = f"last progress: {self.last_progress or 'none (died before the scenario started)'}"
+        if self.status == "raised" and self.error:
+            return f"rank {self.rank} raised {self.error['type']} ({where})\n{self.error['traceback']}"
+        if self.status in ("hung", "stopped"):
+            stack = _main_thread_stack(self.stack) or "(no stack dumped)"
+            why = "still running at the time limit" if self.status == "hung" else "stopped after a peer failed"
+            return f"rank {self.rank} {self.status}: {why} ({where})\n{stack}"
+        how = self.signal_name or f"exit code {self.returncode}"
+        return f"rank {self.rank} died with {how} before delivering results ({where})\n{self.log_tail}"
+
+
+@dataclass
+class LaunchResult:
+    records: list[RunRecord]
+    outcomes: list[RankOutcome]
+    notes: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def _main_thread_stack(dump: str | None) -> str | None:
+    if not dump:
+        return None
+    blocks = dump.strip().split("\n\n")
+    current = [b for b in blocks if "most recent call first" in b and b.startswith("Current thread")]
+    return (current[0] if current else blocks[-1]).strip()
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class SpawnLauncher:
+    """Runs a Job as ``world_size`` local processes with a FileStore rendezvous."""
+
+    def __init__(self, keep_dirs: bool = False, base_dir: Path | None = None) -> None:
+        self.keep_dirs = keep_dirs
+        self.base_dir = base_dir
+
+    def make_run_dir(self) -> Path:
+        if self.base_dir is not None:
+            self.base_dir.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix="gpuregress-run-", dir=self.base_dir))
+
+    def run(self, job: Job, wall_timeout_s: float) -> LaunchResult:
+        run_dir = Path(job.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        job_path = run_dir / "job.json"
+        job.save(job_path)
+        env = dict(os.environ)
+        if job.loopback_only:
+            env.update(loopback_env())
+        env.update(job.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["WORLD_SIZE"] = str(job.world_size)
+        procs: list[subprocess.Popen[bytes]] = []
+        started = time.monotonic()
+        for rank in range(job.world_size):
+            files = RankFiles(run_dir, rank)
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), GPUREGRESS_SPAWNED="1")
+            with open(files.log, "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "pytest_gpuregress.launch.worker", str(job_path), str(rank)],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=rank_env,
+                        start_new_session=True,
+                    )
+                )
+        try:
+            outcomes, notes = self._watch(job, procs, started + wall_timeout_s)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    _kill_group(proc, signal.SIGKILL)
+                proc.wait()
+        wall = time.monotonic() - started
+        failed = [o for o in outcomes if o.status != "delivered"]
+        if failed:
+            raise RankFailure(self._failure_message(job, outcomes, failed, wall_timeout_s))
+        records = [RunRecord.load(RankFiles(run_dir, r).record_dir) for r in range(job.world_size)]
+        if not self.keep_dirs:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        return LaunchResult(records=records, outcomes=outcomes, notes=notes, wall_s=wall)
+
+    def _watch(
+        self, job: Job, procs: list[subprocess.Popen[bytes]], deadline: float
+    ) -> tuple[list[RankOutcome], list[str]]:
+        run_dir = Path(job.run_dir)
+        files = [RankFiles(run_dir, r) for r in range(job.world_size)]
+        first_failure: float | None = None
+        all_delivered_at: float | None = None
+        timed_out = False
+        while True:
+            now = time.monotonic()
+            codes = [p.poll() for p in procs]
+            delivered = [f.done.exists() for f in files]
+            if all(c is not None for c in codes):
+                break
+            if any(c not in (None, 0) and not d for c, d in zip(codes, delivered)):
+                first_failure = first_failure or now
+                if now - first_failure > FAILURE_GRACE_S:
+                    break
+            if all(delivered):
+                all_delivered_at = all_delivered_at or now
+                if now - all_delivered_at > TEARDOWN_GRACE_S:
+                    break
+            if now > deadline:
+                timed_out = True
+                break
+            time.sleep(POLL_S)
+        # Ask ranks that are still working for their Python stacks before they are killed.
+        pending = [p for p, f in zip(procs, files) if p.poll() is None and not f.done.exists()]
+        for proc in pending:
+            try:
+                os.kill(proc.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        if pending:
+            time.sleep(1.0)
+        outcomes: list[RankOutcome] = []
+        notes: list[str] = []
+        for rank, (proc, f) in enumerate(zip(procs, files)):
+            code = proc.poll()
+            outcome = RankOutcome(rank=rank, status="", returncode=code, last_progress=f.last_progress())
+            if f.done.exists():
+                outcome.status = "delivered"
+                if code is None:
+                    notes.append(f"rank {rank} delivered its results but had not exited; killed at teardown")
+                elif code != 0:
+                    notes.append(
+                        f"rank {rank} delivered its results, then exited with "
+                        f"{outcome.signal_name or code} during teardown (ignored)"
+                    )
+            elif f.error.exists():
+                outcome.status = "raised"
+                outcome.error = json.loads(f.error.read_text())
+            elif code is None:
+                outcome.status = "hung" if timed_out else "stopped"
+                outcome.stack = f.stack.read_text(errors="replace") if f.stack.exists() else None
+            else:
+                outcome.status = "died"
+            outcome.log_tail = _tail(f.log)
+            outcomes.append(outcome)
+        return outcomes, notes
+
+    def _failure_message(
+        self, job: Job, outcomes: list[RankOutcome], failed: list[RankOutcome], wall_timeout_s: float
+    ) -> str:
+        hung = [o for o in failed if o.status == "hung"]
+        head = (
+            f"scenario {job.scenario!r} on {job.world_size} {job.backend} ranks: "
+            + ", ".join(f"rank {o.rank} {o.status}" for o in outcomes)
+        )
+        if hung:
+            head += f" (time limit {wall_timeout_s:.0f}s, --gpuregress-timeout)"
+        # The root cause first: a rank that raised or died, before peers that only noticed it.
+        order = {"raised": 0, "died": 1, "hung": 2, "stopped": 3}
+        body = "\n\n".join(o.describe() for o in sorted(failed, key=lambda o: (order[o.status], o.rank)))
+        return f"{head}\nlogs: {job.run_dir}\n\n{body}"

@@ -1,0 +1,106 @@
+"""The plugin's pytest surface, through pytester: options, ini keys, collection, skipping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+USER_TESTS = """
+import sys
+import pytest
+
+def test_plain():
+    # without --gpuregress the plugin must not have imported torch
+    assert "torch" not in sys.modules
+
+def test_uses_plugin(gpuregress):
+    assert gpuregress.options.steps == 7
+
+@pytest.mark.gpuregress
+def test_marked():
+    pass
+"""
+
+
+def test_without_the_flag_tests_are_skipped_and_torch_is_not_imported(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(passed=1, skipped=2)
+    result.stdout.fnmatch_lines(["*pass --gpuregress to run it*"])
+
+
+def test_flag_runs_only_plugin_tests_from_user_paths_plus_the_builtin_suite(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest("--gpuregress", "--collect-only", "-q", ".")
+    result.stdout.fnmatch_lines(["*test_user.py::test_uses_plugin*", "*test_user.py::test_marked*",
+                                 "*test_training_matches_reference[[]fsdp[]]*"])
+    assert "test_plain" not in result.stdout.str()
+
+
+def test_builtin_suite_runs_from_any_directory_and_selects_by_scenario(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "fsdp")
+    result.stdout.fnmatch_lines(["*test_training_matches_reference[[]fsdp[]]*", "*1 test collected*"])
+    result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "lora")
+    result.stdout.fnmatch_lines(["*1 deselected*"])
+
+
+def test_ini_keys_set_options(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ngpuregress = true\ngpuregress_steps = 7\ngpuregress_device = cpu\n")
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest("-k", "uses_plugin", "test_user.py")
+    result.assert_outcomes(passed=1, deselected=3)
+
+
+def test_command_line_beats_ini(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ngpuregress_steps = 3\n")
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest("--gpuregress", "--gpuregress-steps", "7", "-k", "uses_plugin", "test_user.py")
+    result.assert_outcomes(passed=1, deselected=3)
+
+
+def test_header_shows_the_stack_fingerprint(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "--gpuregress-device=cpu")
+    result = pytester.runpytest("--gpuregress", "--collect-only", "--gpuregress-device=cpu")
+    result.stdout.fnmatch_lines([
+        "gpuregress stack: torch *, transformers *, peft *, accelerate *, safetensors *",
+        "gpuregress device: cpu *",
+        "gpuregress numerics: blas *",
+        "gpuregress run: 2 gloo ranks on cpu (spawned locally); comparing references in *",
+    ])
+
+
+def test_reference_dir_as_two_words_fails_clearly_when_it_moves_the_rootdir(
+    pytester: pytest.Pytester, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    pytester.makeini("[pytest]\ngpuregress_steps = 7\n")
+    elsewhere = tmp_path_factory.mktemp("refs-elsewhere")
+    result = pytester.runpytest_subprocess("--gpuregress", "--collect-only", "--gpuregress-reference-dir", str(elsewhere))
+    result.stderr.fnmatch_lines([f"*Write it as one word: --gpuregress-reference-dir={elsewhere}*"])
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result = pytester.runpytest_subprocess("--gpuregress", "--collect-only", f"--gpuregress-reference-dir={elsewhere}")
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines([f"*comparing references in {elsewhere}*", "configfile: tox.ini*"])
+
+
+def test_reference_dir_as_two_words_is_fine_when_harmless(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\n")
+    Path(pytester.path, "refs").mkdir()
+    result = pytester.runpytest_subprocess("--gpuregress", "--collect-only", "--gpuregress-reference-dir", "refs")
+    assert result.ret == pytest.ExitCode.OK, result.stderr.str()
+
+
+def test_cuda_requested_on_a_cpu_machine_is_a_clear_usage_error(pytester: pytest.Pytester) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = pytester.runpytest_subprocess("--gpuregress", "--gpuregress-device=cuda")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*sees no GPU*--gpuregress-device cpu*"])
+
+
+def test_bad_ini_value_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ngpuregress_lane = fuzzy\n")
+    result = pytester.runpytest_subprocess("--gpuregress", "--collect-only")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*gpuregress_lane = 'fuzzy': must be one of*"])

@@ -1,0 +1,201 @@
+"""End to end through pytester: real gloo ranks, real FSDP2 training, injected faults.
+
+One short reference (8 steps) is recorded once per module; every test compares against a copy.
+Each test that injects a fault also checks the message names what a user needs: the metric,
+step, tensor, component, rank or file.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+STEPS = "8"
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A reference for the fsdp scenario at 8 steps, recorded through the real command line."""
+    root = tmp_path_factory.mktemp("recorded")
+    refs = root / "refs"
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-record",
+           f"--gpuregress-steps={STEPS}", f"--gpuregress-reference-dir={refs}", "-k", "fsdp"]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (refs / "fsdp" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
+    return refs
+
+
+@pytest.fixture
+def refs(recorded: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "refs"
+    shutil.copytree(recorded, copy)
+    return copy
+
+
+def run(pytester: pytest.Pytester, refs: Path, *extra: str) -> pytest.RunResult:
+    return pytester.runpytest(
+        "-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-steps={STEPS}",
+        f"--gpuregress-reference-dir={refs}", "-k", "fsdp", *extra,
+    )
+
+
+def test_recorded_reference_passes_in_the_exact_lane_every_time(pytester: pytest.Pytester, refs: Path) -> None:
+    for _ in range(2):
+        result = run(pytester, refs)
+        result.assert_outcomes(passed=1)
+        result.stdout.fnmatch_lines(["fsdp cpu-gloo-w2-fp32: PASSED [[]exact lane[]] 8 steps*"])
+
+
+def test_reduce_scatter_corrupted_in_one_size_band_is_caught(pytester: pytest.Pytester, refs: Path) -> None:
+    # The root group (embedding, lm_head, final norm) reduce-scatters 131,328 bytes; each decoder
+    # layer 184,832. The band hits the root group only.
+    fault = "collective:op=reduce_scatter,min_bytes=100000,max_bytes=160000,mode=nudge,rel=1e-3"
+    result = run(pytester, refs, f"--gpuregress-inject={fault}")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "lane: exact" in out
+    assert "[collective] step0_grad " in out
+    corrupted = [line for line in out.splitlines() if "] step0_grad " in line]
+    assert corrupted and all(("embed_tokens" in l or "lm_head" in l or "model.norm" in l) for l in corrupted)
+    assert "elements differ" in out and "worst entries" in out
+    assert "nothing in the stack fingerprint changed" in out
+    assert "--gpuregress-record" in out
+
+
+def test_changed_learning_rate_is_caught(pytester: pytest.Pytester, refs: Path) -> None:
+    result = run(pytester, refs, "--gpuregress-inject=lr_scale:factor=1.05")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*[[]optimizer or collective[]] loss: first differing step 1 of 8*"])
+    assert "step0_grad" not in result.stdout.str()  # step 0 ran before the first optimizer step
+
+
+def test_legitimate_kernel_drift_shows_in_the_exact_lane_but_passes_the_tolerant_one(
+    pytester: pytest.Pytester, refs: Path
+) -> None:
+    drift = "--gpuregress-inject=linear_noise:rel=1e-7"
+    exact = run(pytester, refs, drift)
+    exact.assert_outcomes(failed=1)
+    exact.stdout.fnmatch_lines(["*lane: exact*", "*[[]kernel[]] step0_grad*"])
+    tolerant = run(pytester, refs, drift, "--gpuregress-lane=tolerant")
+    tolerant.assert_outcomes(passed=1)
+
+
+def test_missing_reference_fails_with_the_record_command(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    result = run(pytester, empty)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        f"*MissingReference: {empty}/fsdp/cpu-gloo-w2-fp32: no reference recorded*",
+        f"*fix: record one on a known-good stack: pytest --gpuregress --gpuregress-record -k fsdp "
+        f"--gpuregress-reference-dir={empty} --gpuregress-steps=8*",
+    ])
+    assert not empty.exists()  # a comparing run never writes
+
+
+def test_corrupt_reference_names_the_file(pytester: pytest.Pytester, refs: Path) -> None:
+    tensors = refs / "fsdp" / "cpu-gloo-w2-fp32" / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[: tensors.stat().st_size // 2])
+    result = run(pytester, refs)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([f"*CorruptReference: {tensors}: sha256 * does not match manifest.json*"])
+
+
+def test_foreign_reference_names_what_differs(pytester: pytest.Pytester, refs: Path) -> None:
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-steps=6",
+                                f"--gpuregress-reference-dir={refs}")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*ForeignReference: *record.json: reference was recorded for a different setup*",
+                                 "*config steps: reference 8, this run 6*"])
+
+
+def test_hung_rank_fails_within_the_timeout_with_rank_step_and_stack(pytester: pytest.Pytester, refs: Path) -> None:
+    started = time.monotonic()
+    result = run(pytester, refs, "--gpuregress-inject=hang:rank=1,step=2", "--gpuregress-timeout=25")
+    elapsed = time.monotonic() - started
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*rank 1 hung: still running at the time limit (last progress: step 2 done)*"])
+    assert "in _install_hang" in result.stdout.str() or "time.sleep" in result.stdout.str() or "faults.py" in result.stdout.str()
+    assert elapsed < 25 + 30, elapsed
+
+
+def test_rank_that_raises_reports_its_traceback(pytester: pytest.Pytester, refs: Path) -> None:
+    result = run(pytester, refs, "--gpuregress-inject=crash:rank=1,step=1")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*rank 1 raised RuntimeError (last progress: step 1 done)*",
+                                 "*RuntimeError: injected crash*"])
+
+
+def test_rank_killed_before_delivering_fails_with_its_signal(pytester: pytest.Pytester, refs: Path) -> None:
+    result = run(pytester, refs, "--gpuregress-inject=crash:rank=1,step=1,how=abort")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*rank 1 died with SIGABRT before delivering results (last progress: step 1 done)*"])
+
+
+def test_abort_at_teardown_after_delivery_is_harmless(pytester: pytest.Pytester, refs: Path) -> None:
+    result = run(pytester, refs, "--gpuregress-inject=teardown_abort:rank=1")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*note: rank 1 delivered its results, then exited with SIGABRT during teardown (ignored)*"])
+
+
+USER_SCENARIO = '''
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pytest_gpuregress.record import RunRecord
+
+
+def train(ctx):
+    """A user's own loop: plain DDP-style data parallel linear regression."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=ctx.config.get("lr", 0.1))
+    losses = []
+    for step in range(ctx.config["steps"]):
+        x = torch.arange(8.0).reshape(2, 4) / 8 + ctx.rank
+        loss = (model(x) - 1).pow(2).mean()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= ctx.world_size
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / ctx.world_size)
+        ctx.step_done(step)
+    return RunRecord(scenario="user-linear", config=dict(ctx.config), platform_key="", world_size=ctx.world_size,
+                     series={"loss": losses})
+'''
+
+USER_TEST = '''
+from pytest_gpuregress.launch.net import is_loopback
+
+
+def test_my_loop(gpuregress):
+    record = gpuregress.run("user_scenario:train", config={"steps": 5})
+    listening = [a for addrs in record.results["listening"].values() for a in addrs]
+    assert listening and all(is_loopback(a) for a in listening), listening
+    gpuregress.check(record, name="user-linear")
+'''
+
+
+def test_users_own_training_loop_through_the_fixture(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pytester.makepyfile(user_scenario=USER_SCENARIO, test_user=USER_TEST)
+    refs = tmp_path / "user-refs"
+    args = ["-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={refs}", "-k", "my_loop",
+            "test_user.py"]
+    pytester.runpytest(*args, "--gpuregress-record").assert_outcomes(passed=1)
+    assert (refs / "user-linear" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
+    pytester.runpytest(*args).assert_outcomes(passed=1)
+    broken = pytester.runpytest(*args, "--gpuregress-inject=collective:op=all_reduce,mode=zero_tail,count=1")
+    broken.assert_outcomes(failed=1)
+    broken.stdout.fnmatch_lines(["*loss: first differing step 0*"])

@@ -1,0 +1,48 @@
+"""The gpuregress command line, on stored references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pytest_gpuregress import store
+from pytest_gpuregress.cli import main
+
+from .conftest import make_record
+
+
+@pytest.fixture
+def two_refs(tmp_path: Path) -> tuple[Path, Path]:
+    a = store.write_reference(store.ReferenceLocation(tmp_path / "a", "fsdp", "cpu-gloo-w2-fp32"), make_record(),
+                              overwrite=False)
+    changed = make_record()
+    changed.series["loss"][2] += 0.5
+    b = store.write_reference(store.ReferenceLocation(tmp_path / "b", "fsdp", "cpu-gloo-w2-fp32"), changed,
+                              overwrite=False)
+    return a, b
+
+
+def test_show_summarises_a_reference(two_refs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", str(two_refs[0])]) == 0
+    out = capsys.readouterr().out
+    assert "scenario:  fsdp" in out and "platform:  cpu-gloo-w2-fp32 (2 ranks)" in out and "steps:     5" in out
+
+
+def test_compare_passes_identical_and_fails_different(two_refs: tuple[Path, Path],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", str(two_refs[0]), str(two_refs[0])]) == 0
+    assert main(["compare", str(two_refs[0]), str(two_refs[1])]) == 1
+    assert "loss: first differing step 2" in capsys.readouterr().out
+
+
+def test_corrupt_reference_is_a_clear_error(two_refs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    (two_refs[1] / "record.json").write_text("{}")
+    assert main(["show", str(two_refs[1])]) == 2
+    assert "record.json: sha256" in capsys.readouterr().err
+
+
+def test_env_prints_the_fingerprint(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["env", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert '"torch":' in out and '"cpu_capability":' in out

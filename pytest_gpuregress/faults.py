@@ -18,6 +18,8 @@ prove the detectors fire on their own stack. Kinds:
   crash         ``crash:rank=1,step=3,how=raise|exit|abort``
   teardown_abort ``teardown_abort:rank=1``: SIGABRT after results are delivered (what gloo does
                 at exit on torch 2.13); a correct launcher ignores it
+  emulate_premul_sum  give gloo a PREMUL_SUM all-reduce (input x factor, then SUM) so that a
+                ``collective:reduce_op=premul_sum`` fault can be shown caught on a CPU
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ class _CollectiveFault:
         self.every = max(1, int(spec.num("every", 1)))
         self.target_ranks = spec.ranks()
         self.calls = 0
-        self.stale: dict[tuple[str, int], list[Any]] = {}
+        self.stale: dict[tuple[Any, ...], list[Any]] = {}
 
     def matches(self, family: str, size: int, out: Any, op: Any) -> bool:
         if family not in self.ops or not (self.min_bytes <= size <= self.max_bytes):
@@ -145,7 +147,7 @@ class _CollectiveFault:
         self.calls += 1
         outputs = _flat_outputs(out)
         if self.mode == "stale_chunk":
-            key = (family, size)
+            key = (family, str(outputs[0].dtype), tuple(tuple(t.shape) for t in outputs))
             previous = self.stale.get(key)
             self.stale[key] = [t.detach().clone() for t in outputs]
             if previous is None or self.calls % self.every:
@@ -191,7 +193,7 @@ class _CollectiveFault:
 def _reduce_op_name(op: Any) -> str | None:
     if op is None:
         return "sum"
-    text = str(op).lower()
+    text = str(getattr(op, "op", op)).lower()  # a ReduceOp object (PREMUL_SUM) wraps its RedOpType
     for name in ("premul_sum", "avg", "max", "min", "product", "sum"):
         if name in text:
             return name
@@ -292,6 +294,26 @@ def _install_crash(spec: FaultSpec, ctx: Any) -> None:
     ctx.step_hooks.append(_step_fault(spec, lambda: _crash_now(how)))
 
 
+def _install_emulate_premul_sum(spec: FaultSpec, ctx: Any) -> None:
+    """Run PREMUL_SUM all-reduces as (input x factor) then SUM, as NCCL does internally.
+
+    Only for backends without PREMUL_SUM (gloo), so a fault on that path can be injected and seen
+    caught on a CPU. Install it before the ``collective`` fault that should corrupt its output.
+    """
+    import torch.distributed as dist
+
+    original = dist.all_reduce
+
+    def all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
+        if _reduce_op_name(op) == "premul_sum":
+            tensor.mul_(op.__getstate__()[1])
+            op = dist.ReduceOp.SUM
+        return original(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+    dist.all_reduce = all_reduce
+    ctx.config["emulated_ops"] = [*ctx.config.get("emulated_ops", []), "premul_sum"]
+
+
 def _install_teardown_abort(spec: FaultSpec, ctx: Any) -> None:
     ctx.teardown_hooks.append(os.abort)
 
@@ -303,4 +325,5 @@ _INSTALLERS: dict[str, Callable[[FaultSpec, Any], None]] = {
     "hang": _install_hang,
     "crash": _install_crash,
     "teardown_abort": _install_teardown_abort,
+    "emulate_premul_sum": _install_emulate_premul_sum,
 }

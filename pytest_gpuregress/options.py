@@ -29,6 +29,12 @@ OPTIONS: list[tuple[str, str, Any, str]] = [
     ("--gpuregress-inject", "list", [], "inject a fault into every rank, to prove a detector fires "
                                          "(see pytest_gpuregress/faults.py); repeatable"),
     ("--gpuregress-keep-runs", "flag", False, "keep every run's rank logs and records (kept on failure anyway)"),
+    ("--gpuregress-collectives-max-bytes", "str", None,
+     "largest collective buffer in the sweep, e.g. 4MiB (default: 4MiB on the CPU, 256MiB on GPUs)"),
+    ("--gpuregress-collectives-repeats", "int", 3, "times each collective case runs; some faults are intermittent"),
+    ("--gpuregress-nccl-protos", "str", "", "comma-separated NCCL_PROTO values (LL,LL128,Simple): the sweep runs "
+                                             "once per value, each in its own group of ranks"),
+    ("--gpuregress-nccl-algos", "str", "", "comma-separated NCCL_ALGO values (Ring,Tree), crossed with the protocols"),
 ]
 
 
@@ -81,6 +87,10 @@ class Options:
     lane: str = "auto"
     inject: list[str] = field(default_factory=list)
     keep_runs: bool = False
+    collectives_max_bytes: str | None = None
+    collectives_repeats: int = 3
+    nccl_protos: list[str] = field(default_factory=list)
+    nccl_algos: list[str] = field(default_factory=list)
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Options:
@@ -102,6 +112,10 @@ class Options:
             lane=values["gpuregress_lane"],
             inject=list(values["gpuregress_inject"] or []),
             keep_runs=bool(values["gpuregress_keep_runs"]),
+            collectives_max_bytes=values["gpuregress_collectives_max_bytes"],
+            collectives_repeats=int(values["gpuregress_collectives_repeats"]),
+            nccl_protos=[p.strip() for p in str(values["gpuregress_nccl_protos"]).split(",") if p.strip()],
+            nccl_algos=[a.strip() for a in str(values["gpuregress_nccl_algos"]).split(",") if a.strip()],
         )
 
 

@@ -24,11 +24,15 @@ FIXTURES = {"gpuregress"}
 MARKERS = {
     "gpuregress": "a numerics regression test of pytest-gpuregress; runs only with --gpuregress",
     "gpuregress_training": "built-in training scenario compared with its stored reference",
+    "gpuregress_collectives": "built-in collective case checked against its closed-form result",
 }
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
     add_options(parser)
+    # Registered now, not during pytest_configure: a plugin registered inside that hook has it
+    # replayed at once, before the cache plugin is configured.
+    pluginmanager.register(_LateConfigure(), "gpuregress-session")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -47,7 +51,6 @@ def pytest_configure(config: pytest.Config) -> None:
         config.args = [*config.args, str(SUITE_FILE)]
     else:
         config.args = [str(SUITE_FILE)]
-    config.pluginmanager.register(_LateConfigure(), "gpuregress-session")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -60,7 +63,8 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
         return (yield)
     except (GpuRegressError, RegressionFailure) as exc:
         kind = "regression" if isinstance(exc, RegressionFailure) else type(exc).__name__
-        pytest.fail(f"gpuregress {kind}: {exc}", pytrace=False)
+        message = f"gpuregress {kind}: {exc}"
+    pytest.fail(message, pytrace=False)  # outside the except block: no chained traceback
 
 
 def _session(config: pytest.Config) -> GpuRegressSession:
@@ -72,6 +76,8 @@ class _LateConfigure:
 
     @pytest.hookimpl(trylast=True)
     def pytest_configure(self, config: pytest.Config) -> None:
+        if not config.stash[OPTIONS_KEY].enabled:
+            return
         from .errors import UnsupportedPlatform
         from .session import GpuRegressSession
 
@@ -100,7 +106,18 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     )
     if options.inject:
         lines.append(f"gpuregress faults injected: {'; '.join(options.inject)}")
+    if session.protocol_pinning_ignored:
+        lines.append(f"gpuregress: NCCL protocol/algorithm pinning does not apply to {plat.backend}; "
+                     "the collective sweep runs once with the backend's default")
     return lines
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "collective_case" not in metafunc.fixturenames:
+        return
+    session = metafunc.config.stash.get(SESSION_KEY, None)
+    ids = [c.id for c in session.collectives.all_cases()] if session is not None else ["collectives"]
+    metafunc.parametrize("collective_case", ids, ids=ids)
 
 
 def _wants_gpuregress(item: pytest.Item) -> bool:
@@ -108,6 +125,7 @@ def _wants_gpuregress(item: pytest.Item) -> bool:
     return bool(names & FIXTURES) or item.get_closest_marker("gpuregress") is not None
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected: the sweep runs what is left
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     options = config.stash[OPTIONS_KEY]
     if not options.enabled:
@@ -122,6 +140,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
+    session = config.stash[SESSION_KEY]
+    chosen = {i.callspec.params["collective_case"] for i in items
+              if hasattr(i, "callspec") and "collective_case" in i.callspec.params}
+    session.collectives.selected = [c for c in session.collectives.all_cases() if c.id in chosen]
 
 
 @pytest.fixture(scope="session")
@@ -144,9 +166,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if SESSION_KEY not in config.stash:
         return
     session = config.stash[SESSION_KEY]
-    if not session.outcomes:
-        return
-    terminalreporter.section("gpuregress")
+    if session.outcomes:
+        terminalreporter.section("gpuregress")
     for outcome in session.outcomes:
         lane = f" [{outcome.lane} lane]" if outcome.lane else ""
         terminalreporter.write_line(
@@ -154,3 +175,29 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         )
         for note in outcome.notes:
             terminalreporter.write_line(f"    note: {note}")
+    _collectives_summary(terminalreporter, session)
+
+
+def _collectives_summary(terminalreporter: Any, session: GpuRegressSession) -> None:
+    sweep = session.collectives
+    if not sweep.timings and not sweep.failures:
+        return
+    write = terminalreporter.write_line
+    plat = session.platform
+    terminalreporter.section("gpuregress collectives")
+    for protocol, seconds in sweep.timings.items():
+        where = f", record in {sweep.saved[protocol]}" if protocol in sweep.saved else ""
+        write(f"protocol {protocol}: {sum(1 for c in sweep.selected if c.protocol == protocol)} cases on "
+              f"{plat.world_size} {plat.backend} ranks in {seconds:.1f}s{where}")
+    if session.protocol_pinning_ignored:
+        write(f"NCCL protocol/algorithm pinning does not apply to {plat.backend}: ran the default sweep once")
+    for line in sweep.protocol_table():
+        write(line)
+    dtype = "bf16" if plat.device_kind == "cuda" else "fp32"
+    for protocol in sweep.timings:
+        rows = [r for r in sweep.bandwidth_table(dtype, protocol) if " sum " in r or "op " in r.split("size")[0]]
+        if len(rows) > 1:
+            write(f"all_reduce SUM {dtype} bandwidth, protocol {protocol} (full table: bandwidth.txt beside the saved record):")
+            for row in rows:
+                if row.lstrip().startswith(("op", "all_reduce ")):
+                    write(row)

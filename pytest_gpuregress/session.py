@@ -47,6 +47,15 @@ class GpuRegressSession:
         self.platform: Platform = resolve_platform(options.device, options.world_size)
         self.outcomes: list[Outcome] = []
         self._launcher: Any = None
+        from .sweep import CollectiveSweep, protocol_groups
+
+        groups = protocol_groups(options.nccl_protos, options.nccl_algos, self.platform.backend)
+        self.collectives = CollectiveSweep(self, groups)
+
+    @property
+    def protocol_pinning_ignored(self) -> bool:
+        """Protocol options were given but this backend has no protocols to pin."""
+        return bool(self.options.nccl_protos or self.options.nccl_algos) and self.platform.backend != "nccl"
 
     # --- where references live ------------------------------------------------------------------
 
@@ -137,6 +146,16 @@ class GpuRegressSession:
         return record
 
     # --- verdicts -----------------------------------------------------------------------------------
+
+    def check_collective(self, case_id: str) -> None:
+        """Fail with the op, dtype, size, placement, first wrong index, rank and values when wrong."""
+        __tracebackhide__ = True
+        from .collectives import verdict
+
+        case, result = self.collectives.result(case_id)
+        problem = verdict(case, result, self.platform.world_size)
+        if problem:
+            raise RegressionFailure(f"[collective] {problem}")
 
     def check(self, record: RunRecord, *, name: str | None = None) -> Comparison | None:
         """Record ``record`` (with --gpuregress-record) or compare it with its reference.

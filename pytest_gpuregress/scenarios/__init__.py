@@ -8,6 +8,7 @@ from .base import FunctionScenario, RankContext, Scenario, resolve_entry
 
 BUILTIN: dict[str, str] = {
     "fsdp": "pytest_gpuregress.scenarios.fsdp:SCENARIO",
+    "collectives": "pytest_gpuregress.scenarios.collectives:SCENARIO",
 }
 
 

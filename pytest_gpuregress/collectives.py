@@ -1,0 +1,252 @@
+"""The collective sweep's plan: cases, sizes, ids, inputs with exactly known results, verdicts.
+
+torch-free. Inputs are small integers that depend on rank and index and stay exact in bf16 (and
+so in every wider type), so every output element has a closed-form answer compared bit for bit
+(the nccl-tests method). The value formulas only use integer operators, so they run on numpy
+arrays here and on torch tensors inside the ranks.
+
+Size ``n`` is elements per rank per peer: an all-reduce or broadcast moves ``n`` elements; an
+all-gather, reduce-scatter or all-to-all has ``world * n`` elements on its large side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# dtype name -> (element bytes, torch attribute)
+DTYPES: dict[str, tuple[int, str]] = {
+    "fp32": (4, "float32"),
+    "bf16": (2, "bfloat16"),
+    "fp16": (2, "float16"),
+    "int32": (4, "int32"),
+    "fp8e4m3": (1, "float8_e4m3fn"),
+    "fp8e5m2": (1, "float8_e5m2"),
+}
+REDUCE_OPS = ("sum", "avg", "max", "min", "premul_sum")
+# (op, variant, reduce op, in place)
+KINDS: list[tuple[str, str, str, bool]] = [
+    *[("all_reduce", "", r, True) for r in REDUCE_OPS],
+    ("reduce_scatter", "single", "sum", False),
+    ("reduce_scatter", "single", "sum", True),
+    ("reduce_scatter", "single", "avg", False),
+    ("reduce_scatter", "list", "sum", False),
+    ("all_gather", "single", "", False),
+    ("all_gather", "single", "", True),
+    ("all_gather", "list", "", False),
+    ("broadcast", "", "", True),
+    ("all_to_all", "single", "", False),
+    ("all_to_all", "list", "", False),
+]
+TAIL = 16  # elements at the end of a buffer that are also checked on their own
+MOVE_ONLY = {"all_gather", "broadcast", "all_to_all"}
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str  # all_reduce | reduce_scatter | all_gather | broadcast | all_to_all
+    variant: str  # single | list | ""
+    reduce_op: str  # sum | avg | max | min | premul_sum | ""
+    dtype: str
+    n: int
+    in_place: bool
+    protocol: str = "default"
+
+    @property
+    def id(self) -> str:
+        parts = [self.op, self.variant, self.reduce_op, self.dtype, f"n{self.n}",
+                 "inplace" if self.in_place else "outofplace"]
+        if self.protocol != "default":
+            parts.insert(0, f"proto_{self.protocol}")
+        return "-".join(p for p in parts if p)
+
+    def nbytes(self, world: int) -> int:
+        """Bytes of the larger buffer (nccl-tests' size column)."""
+        elems = self.n if self.op in ("all_reduce", "broadcast") else world * self.n
+        return elems * DTYPES[self.dtype][0]
+
+    def bus_factor(self, world: int) -> float:
+        """algbw x factor = busbw, as nccl-tests defines it."""
+        if world == 1:
+            return 1.0
+        if self.op == "all_reduce":
+            return 2 * (world - 1) / world
+        return 1.0 if self.op == "broadcast" else (world - 1) / world
+
+    def describe(self, world: int) -> str:
+        op = f"{self.op}{'(' + self.variant + ')' if self.variant else ''}"
+        red = f" {self.reduce_op.upper()}" if self.reduce_op else ""
+        where = "in place" if self.in_place else "out of place"
+        proto = f", protocol {self.protocol}" if self.protocol != "default" else ""
+        return f"{op}{red} {self.dtype} n={self.n} ({human_bytes(self.nbytes(world))}) {where}{proto}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": self.op, "variant": self.variant, "reduce_op": self.reduce_op, "dtype": self.dtype,
+                "n": self.n, "in_place": self.in_place, "protocol": self.protocol}
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+def sizes(max_bytes: int, elem_bytes: int, world: int, tail_base: int = 1024) -> list[int]:
+    """Powers of two from 1 element up to ``max_bytes`` on the large side, plus tail_base + 1..15."""
+    out: list[int] = []
+    n = 1
+    while n * elem_bytes * world <= max_bytes:
+        out.append(n)
+        n *= 2
+    if tail_base * elem_bytes * world <= max_bytes:
+        out.extend(tail_base + t for t in range(1, 16))
+    return sorted(set(out))
+
+
+def supported(backend: str, op: str, reduce_op: str, dtype: str, emulated: tuple[str, ...] = ()) -> bool:
+    """What each backend can run, as measured (gloo on torch 2.13: no PREMUL_SUM, no fp8, no int AVG).
+
+    ``emulated``: ops a fault shim provides (emulate_premul_sum), all-reduce only."""
+    is_int = dtype == "int32"
+    if dtype.startswith("fp8"):
+        return backend == "nccl" and op in MOVE_ONLY
+    if reduce_op == "premul_sum":
+        if "premul_sum" in emulated and op == "all_reduce":
+            return not is_int
+        return backend == "nccl" and not is_int
+    if reduce_op == "avg" and is_int:
+        return False
+    return True
+
+
+def plan(backend: str, world: int, max_bytes: int, dtypes: list[str] | None = None,
+         protocols: list[str] | None = None, emulated: tuple[str, ...] = ()) -> list[Case]:
+    chosen = dtypes or (["fp32", "bf16", "fp16", "int32"] + (["fp8e4m3", "fp8e5m2"] if backend == "nccl" else []))
+    cases: list[Case] = []
+    for protocol in protocols or ["default"]:
+        for op, variant, reduce_op, in_place in KINDS:
+            for dtype in chosen:
+                if not supported(backend, op, reduce_op, dtype, emulated):
+                    continue
+                for n in sizes(max_bytes, DTYPES[dtype][0], world):
+                    cases.append(Case(op, variant, reduce_op, dtype, n, in_place, protocol))
+    return cases
+
+
+# --- exactly known inputs and results -----------------------------------------------------------
+
+
+# Largest integer that every code path keeps exact: bf16 (and so every wider type) to 256, e4m3 to
+# 16, e5m2 to 8. fp8 cases only move data, so their values never add up.
+_EXACT_INTEGERS = {"fp8e4m3": 16, "fp8e5m2": 8}
+
+
+def value_limit(world: int, dtype: str) -> int:
+    """Largest input value: sums over ``world`` ranks must stay exact."""
+    if dtype in _EXACT_INTEGERS:
+        return _EXACT_INTEGERS[dtype] - 1
+    return max(2, 256 // max(world, 1) - 1)
+
+
+def rank_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) -> Any:
+    """Input element ``idx`` of ``rank``: 1..K, depending on both (idx is an int64 array or tensor).
+
+    ``salt`` (the repeat number) changes every value between repeats, so a stale buffer from the
+    previous call is wrong, not accidentally right."""
+    k = value_limit(world, dtype)
+    return (idx * 7 + rank * 13 + salt * 5) % k + 1
+
+
+def avg_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) -> Any:
+    """Inputs whose sum over ranks is world x base, so AVG and PREMUL_SUM(1/world) are exact."""
+    k = value_limit(world, dtype)
+    base = (idx * 7 + salt * 5) % max(1, k - 2) + 2
+    pairs = world - (world % 2)
+    delta = 0 if rank >= pairs else (1 if rank % 2 == 0 else -1)
+    return base + delta
+
+
+def premul_factor(world: int) -> float:
+    """1/world when that is a power of two (FSDP2's divide factor, the path of pytorch#190745), else 0.5."""
+    return 1.0 / world if world & (world - 1) == 0 else 0.5
+
+
+def expected_reduction(idx: Any, world: int, dtype: str, reduce_op: str, reduce: Any, salt: int = 0) -> Any:
+    """Closed-form result of reducing element ``idx`` over all ranks. ``reduce(op, a, b)`` combines
+    two arrays elementwise for max and min (numpy.maximum or torch.maximum, ...)."""
+    if reduce_op in ("avg", "premul_sum"):
+        total = avg_values(idx, 0, world, dtype, salt) * 0
+        for r in range(world):
+            total = total + avg_values(idx, r, world, dtype, salt)
+        return total / world if reduce_op == "avg" else total * premul_factor(world)
+    result = rank_values(idx, 0, world, dtype, salt)
+    for r in range(1, world):
+        other = rank_values(idx, r, world, dtype, salt)
+        result = result + other if reduce_op == "sum" else reduce(reduce_op, result, other)
+    return result
+
+
+def inputs_for(case: Case, idx: Any, rank: int, world: int, salt: int = 0) -> Any:
+    if case.reduce_op in ("avg", "premul_sum"):
+        return avg_values(idx, rank, world, case.dtype, salt)
+    return rank_values(idx, rank, world, case.dtype, salt)
+
+
+def merge_rank_results(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Sum wrong-element counts over ranks (the nccl-tests #wrong column); keep the first wrong rank."""
+    merged: dict[str, dict[str, Any]] = {}
+    for rank, results in enumerate(per_rank):
+        for case_id, res in results.items():
+            into = merged.setdefault(case_id, {"wrong": 0, "tail_wrong": 0, "bad_repeats": 0, "repeats": 0,
+                                               "first": None, "error": None, "time_s": 0.0, "nbytes": res["nbytes"],
+                                               "case": res["case"]})
+            into["wrong"] += res["wrong"]
+            into["tail_wrong"] += res["tail_wrong"]
+            into["bad_repeats"] = max(into["bad_repeats"], res["bad_repeats"])
+            into["repeats"] = max(into["repeats"], res["repeats"])
+            into["time_s"] = max(into["time_s"], res["time_s"])  # the slowest rank sets the pace
+            if res.get("first") and into["first"] is None:
+                into["first"] = {**res["first"], "rank": rank}
+            if res.get("error") and into["error"] is None:
+                into["error"] = f"rank {rank}: {res['error']}"
+    return merged
+
+
+def verdict(case: Case, result: dict[str, Any], world: int) -> str | None:
+    """None when the case is right; otherwise the failure message naming what a user needs."""
+    what = case.describe(world)
+    if result.get("error"):
+        return f"{what}: raised {result['error']}"
+    if not result["wrong"]:
+        return None
+    first = result["first"] or {}
+    intermittent = (f"on {result['bad_repeats']} of {result['repeats']} repeats (intermittent)"
+                    if result["bad_repeats"] < result["repeats"] else f"on all {result['repeats']} repeats")
+    return (
+        f"{what}: {result['wrong']} wrong elements summed over ranks and repeats "
+        f"({result['tail_wrong']} of them in the last {TAIL}), {intermittent}; "
+        f"first wrong index {first.get('index')} on rank {first.get('rank')}: "
+        f"expected {first.get('expected')!r}, got {first.get('got')!r}"
+    )
+
+
+def bandwidth_table(cases: list[Case], results: dict[str, dict[str, Any]], world: int,
+                    dtype: str | None = None, protocol: str = "default") -> list[str]:
+    """nccl-tests style rows: size, count, type, redop, time, algbw, busbw, #wrong. Figures, not verdicts."""
+    lines = [f"  {'op':<28} {'size':>10} {'count':>10} {'type':>8} {'redop':>10} {'time(us)':>10} "
+             f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>7}"]
+    for case in cases:
+        if case.protocol != protocol or (dtype and case.dtype != dtype):
+            continue
+        res = results.get(case.id)
+        if res is None or res.get("error"):
+            continue
+        seconds = max(float(res["time_s"]), 1e-9)
+        algbw = case.nbytes(world) / seconds / 1e9
+        name = f"{case.op}{'(' + case.variant + ')' if case.variant else ''}{' inplace' if case.in_place else ''}"
+        lines.append(f"  {name:<28} {case.nbytes(world):>10} {case.n:>10} {case.dtype:>8} "
+                     f"{case.reduce_op or '-':>10} {seconds * 1e6:>10.1f} {algbw:>11.3f} "
+                     f"{algbw * case.bus_factor(world):>11.3f} {res['wrong']:>7}")
+    return lines

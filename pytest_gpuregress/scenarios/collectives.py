@@ -1,0 +1,156 @@
+"""Scenario ``collectives``: every planned case run on every rank and checked bit for bit.
+
+The plan (pytest_gpuregress/collectives.py) arrives in the config as a list of cases. Each rank
+builds its inputs from closed-form integers, runs the collective (``async_op=True`` then
+``wait()``, so an error is raised by the call that caused it), and compares its output with the
+expected bits. Each rank counts its own wrong elements; the launcher sums them over ranks from
+the per-rank records, so no collective is trusted to report on collectives.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from .. import collectives as plan
+from ..record import RunRecord
+from .base import RankContext
+
+_INT_VIEW = {1: "uint8", 2: "int16", 4: "int32"}
+
+
+class CollectivesScenario:
+    name = "collectives"
+
+    def default_config(self, device_kind: str, steps: int | None) -> dict[str, Any]:
+        return {"max_bytes": (256 << 20) if device_kind == "cuda" else (4 << 20), "repeats": 3, "cases": []}
+
+    def platform_tag(self, config: dict[str, Any]) -> str:
+        return "sweep"
+
+    def run(self, ctx: RankContext) -> RunRecord:
+        import torch
+
+        repeats = int(ctx.config.get("repeats", 3))
+        results: dict[str, Any] = {}
+        cases = [plan.Case(**c) for c in ctx.config["cases"]]
+        for number, case in enumerate(cases):
+            results[case.id] = _run_case(case, ctx, repeats, torch)
+            if number % 50 == 0:
+                ctx.progress(f"case {number} of {len(cases)}: {case.id}")
+        return RunRecord(scenario=self.name, config={k: v for k, v in ctx.config.items() if k != "cases"},
+                         platform_key="", world_size=ctx.world_size, results={"cases": results})
+
+    def merge(self, records: list[RunRecord]) -> RunRecord:
+        merged = records[0]
+        merged.results["cases"] = plan.merge_rank_results([r.results["cases"] for r in records])
+        return merged
+
+
+def _reduce_op(dist: Any, name: str, world: int) -> Any:
+    if name == "premul_sum":
+        return dist._make_nccl_premul_sum(plan.premul_factor(world))
+    return {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN}[name]
+
+
+def _prepare(case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> tuple[Any, Any, Any]:
+    """(call, output reader, expected) for one repeat of ``case`` on this rank."""
+    import torch.distributed as dist
+
+    dtype = getattr(torch, plan.DTYPES[case.dtype][1])
+    w, r, n, dev = ctx.world_size, ctx.rank, case.n, ctx.device
+    idx = torch.arange(n, dtype=torch.int64, device=dev)
+
+    def values(offset: int, rank: int) -> Any:
+        return plan.inputs_for(case, idx + offset, rank, w, salt).to(dtype)
+
+    def chunks(rank: int) -> list[Any]:
+        return [values(q * n, rank) for q in range(w)]
+
+    def blank(count: int) -> Any:
+        return torch.zeros(count, dtype=dtype, device=dev)  # 0 is never an expected value
+
+    def reduce(op: str, a: Any, b: Any) -> Any:
+        return torch.maximum(a, b) if op == "max" else torch.minimum(a, b)
+
+    get_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    if case.op == "all_reduce":
+        t = values(0, r)
+        expected = plan.expected_reduction(idx, w, case.dtype, case.reduce_op, reduce, salt).to(dtype)
+        return (lambda: dist.all_reduce(t, op=_reduce_op(dist, case.reduce_op, w), async_op=True)), (lambda: t), expected
+    if case.op == "broadcast":
+        root = w - 1  # not rank 0, so a root mix-up shows
+        t = values(0, r)
+        return (lambda: dist.broadcast(t, src=root, async_op=True)), (lambda: t), values(0, root)
+    if case.op == "all_gather":
+        expected = torch.cat([values(0, q) for q in range(w)])
+        mine = values(0, r)
+        if case.variant == "list":
+            outs = [blank(n) for _ in range(w)]
+            return (lambda: dist.all_gather(outs, mine, async_op=True)), (lambda: torch.cat(outs)), expected
+        out = blank(w * n)
+        if case.in_place:
+            out[r * n : (r + 1) * n] = mine
+            mine = out[r * n : (r + 1) * n]
+        return (lambda: get_single(out, mine, async_op=True)), (lambda: out), expected
+    if case.op == "reduce_scatter":
+        op = _reduce_op(dist, case.reduce_op, w)
+        expected = plan.expected_reduction(idx + r * n, w, case.dtype, case.reduce_op, reduce, salt).to(dtype)
+        if case.variant == "list":
+            out = blank(n)
+            ins = chunks(r)
+            return (lambda: dist.reduce_scatter(out, ins, op=op, async_op=True)), (lambda: out), expected
+        full = torch.cat(chunks(r))
+        out = full[r * n : (r + 1) * n] if case.in_place else blank(n)
+        return (lambda: scatter_single(out, full, op=op, async_op=True)), (lambda: out), expected
+    if case.op == "all_to_all":
+        expected = torch.cat([values(r * n, s) for s in range(w)])
+        if case.variant == "list":
+            outs = [blank(n) for _ in range(w)]
+            ins = chunks(r)
+            return (lambda: dist.all_to_all(outs, ins, async_op=True)), (lambda: torch.cat(outs)), expected
+        out, full = blank(w * n), torch.cat(chunks(r))
+        return (lambda: dist.all_to_all_single(out, full, async_op=True)), (lambda: out), expected
+    raise ValueError(f"unknown collective {case.op!r}")
+
+
+def _run_case(case: plan.Case, ctx: RankContext, repeats: int, torch: Any) -> dict[str, Any]:
+    result: dict[str, Any] = {"case": case.to_json(), "nbytes": case.nbytes(ctx.world_size), "wrong": 0,
+                              "tail_wrong": 0, "bad_repeats": 0, "repeats": repeats, "first": None,
+                              "error": None, "time_s": 0.0}
+    times: list[float] = []
+    for salt in range(repeats):
+        try:
+            call, read, expected = _prepare(case, ctx, salt, torch)
+            if ctx.device_kind == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            work = call()
+            if work is not None:
+                work.wait()
+            if ctx.device_kind == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            got = read()
+        except Exception as exc:  # noqa: BLE001 - a collective that raises is a finding, not a crash
+            result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            break
+        view = getattr(torch, _INT_VIEW[got.element_size()])
+        wrong = got.reshape(-1).view(view) != expected.reshape(-1).view(view)
+        count = int(wrong.sum())
+        if count:
+            result["wrong"] += count
+            result["tail_wrong"] += int(wrong[-plan.TAIL :].sum())
+            result["bad_repeats"] += 1
+            if result["first"] is None:
+                i = int(wrong.nonzero()[0])
+                result["first"] = {"index": i, "expected": float(expected.reshape(-1)[i].float()),
+                                   "got": float(got.reshape(-1)[i].float()), "repeat": salt}
+    result["time_s"] = statistics.median(times) if times else 0.0
+    return result
+
+
+SCENARIO = CollectivesScenario()

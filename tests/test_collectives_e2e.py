@@ -1,0 +1,100 @@
+"""The collective sweep end to end on 2 gloo ranks, with each fault class of FAULTS.md section 1.
+
+Sweeps stop at 64 KiB to keep these quick; the default CPU sweep (4 MiB) is timed by
+benchmarks/collective_sweep.py instead.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pytest_gpuregress import collectives as plan
+
+pytestmark = pytest.mark.slow
+SMALL = "--gpuregress-collectives-max-bytes=64KiB"
+
+
+def sweep(pytester: pytest.Pytester, selection: str, *faults: str, extra: tuple[str, ...] = ()) -> pytest.RunResult:
+    args = ["-p", "no:cacheprovider", "--gpuregress", SMALL, "-k", f"test_collective and ({selection})", "-rf", *extra]
+    args += [f"--gpuregress-inject={f}" for f in faults]
+    return pytester.runpytest(*args)
+
+
+def failed_ids(result: pytest.RunResult) -> list[str]:
+    return re.findall(r"FAILED \S*test_collective\[([^\]]+)\]", result.stdout.str())
+
+
+def nbytes_of(case_id: str) -> int:
+    """Bytes of the larger buffer for a case id on 2 ranks (the fault's size filter uses the same)."""
+    op = case_id.split("-")[0]
+    n = int(re.search(r"-n(\d+)-", case_id).group(1))  # type: ignore[union-attr]
+    dtype = next(d for d in plan.DTYPES if f"-{d}-" in case_id)
+    return n * plan.DTYPES[dtype][0] * (1 if op in ("all_reduce", "broadcast") else 2)
+
+
+def test_clean_sweep_passes(pytester: pytest.Pytester) -> None:
+    result = sweep(pytester, "fp32 or bf16 or fp16 or int32")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 0 and outcomes["passed"] > 1000
+    result.stdout.fnmatch_lines(["*protocol default: * cases on 2 gloo ranks in *s*",
+                                 "*all_reduce SUM fp32 bandwidth*", "*algbw(GB/s)*busbw(GB/s)*"])
+
+
+def test_corruption_in_one_size_band_only_is_caught_and_named(pytester: pytest.Pytester) -> None:
+    result = sweep(pytester, "fp32", "collective:min_bytes=2048,max_bytes=8192,mode=nudge")
+    failed = failed_ids(result)
+    assert failed, result.stdout.str()
+    assert all(2048 <= nbytes_of(c) <= 8192 for c in failed), failed
+    assert {c.split("-")[0] for c in failed} == {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all"}
+    result.stdout.fnmatch_lines(["*[[]collective[]] all_reduce SUM fp32 n=512 (2 KiB) in place: 6 wrong elements*"
+                                 "first wrong index 256 on rank 0*"])
+    result.stdout.fnmatch_lines(["*<=64KiB*", "*default*0*"])  # the protocol-by-band table
+
+
+def test_last_eight_elements_zeroed_for_bf16_avg_is_caught(pytester: pytest.Pytester) -> None:
+    result = sweep(pytester, "bf16 and all_reduce", "collective:op=all_reduce,dtype=bfloat16,reduce_op=avg,mode=zero_tail,count=8")
+    failed = failed_ids(result)
+    assert failed and all(c.startswith("all_reduce-avg-bf16-") for c in failed), failed
+    assert len(failed) == len(plan.sizes(64 << 10, 2, 2))  # every size fails, nothing else does
+    result.stdout.fnmatch_lines(["*all_reduce AVG bf16 n=1024 (2 KiB) in place: 48 wrong elements summed over ranks "
+                                 "and repeats (48 of them in the last 16), on all 3 repeats; first wrong index 1016*"])
+
+
+def test_premul_sum_returning_zeros_is_caught(pytester: pytest.Pytester) -> None:
+    result = sweep(pytester, "premul_sum", "emulate_premul_sum",
+                   "collective:op=all_reduce,reduce_op=premul_sum,mode=zeros")
+    failed = failed_ids(result)
+    assert failed and all("-premul_sum-" in c for c in failed)
+    assert result.parseoutcomes().get("passed", 0) == 0
+    result.stdout.fnmatch_lines(["*all_reduce PREMUL_SUM bf16 n=* in place: * wrong elements*got 0.0*"])
+
+
+def test_premul_sum_is_clean_when_only_emulated(pytester: pytest.Pytester) -> None:
+    result = sweep(pytester, "premul_sum and fp32", "emulate_premul_sum")
+    assert result.parseoutcomes().get("failed", 0) == 0 and result.parseoutcomes()["passed"] > 10
+
+
+def test_one_stale_chunk_in_all_gather_is_caught(pytester: pytest.Pytester) -> None:
+    result = sweep(pytester, "fp32", "collective:op=all_gather,mode=stale_chunk")
+    failed = failed_ids(result)
+    assert failed and all(c.startswith("all_gather-") for c in failed), failed
+    # the first repeat has no stale buffer to return, so the others fail: reported as intermittent
+    result.stdout.fnmatch_lines(["*all_gather(single) fp32 n=1024 (8 KiB) out of place: 4096 wrong elements*"
+                                 "on 2 of 3 repeats (intermittent)*"])
+
+
+def test_fault_that_fires_on_one_call_in_twenty_is_caught(pytester: pytest.Pytester) -> None:
+    result = sweep(pytester, "fp32 and all_reduce", "collective:op=all_reduce,every=20,mode=nudge")
+    failed = failed_ids(result)
+    total = result.parseoutcomes()["passed"] + len(failed)
+    # 3 repeats per case, one call in 20 corrupted: about 3/20 of the cases
+    assert 0.05 * total < len(failed) < 0.3 * total, (len(failed), total)
+    result.stdout.fnmatch_lines(["*on 1 of 3 repeats (intermittent)*"])
+
+
+def test_protocol_pinning_says_it_does_not_apply_to_gloo(pytester: pytest.Pytester) -> None:
+    result = sweep(pytester, "n1 and fp32", extra=("--gpuregress-nccl-protos=LL,LL128,Simple",))
+    result.stdout.fnmatch_lines(["*NCCL protocol/algorithm pinning does not apply to gloo*"])
+    assert "proto_LL" not in result.stdout.str()

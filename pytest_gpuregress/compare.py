@@ -130,7 +130,7 @@ def _series(metric: str, ref: list[float], got: list[float], lane: str, tol: flo
         metric=metric,
         component="",
         message=(
-            f"{metric}: first differing step {step} of {n}: expected {r[step]!r}, got {g[step]!r} "
+            f"{metric}: first differing step {step} of {n}: expected {float(r[step])!r}, got {float(g[step])!r} "
             f"({measure}); {int(bad.sum())} steps differ, max rel {float(rel.max()):.3g}"
         ),
         step=step,
@@ -163,7 +163,8 @@ def _param_grad_norms(ref: RunRecord, run: RunRecord, lane: str, tol: float) -> 
         component="",
         message=(
             f"param_grad_norm: first differing step {step}: {len(params_bad)} of {r.shape[1]} parameters, "
-            f"first {names[first]}: expected {r[step, first]!r}, got {g[step, first]!r} (rel {rel[step, first]:.3g})"
+            f"first {names[first]}: expected {float(r[step, first])!r}, got {float(g[step, first])!r} "
+            f"(rel {rel[step, first]:.3g})"
         ),
         step=step,
         tensor=names[first],

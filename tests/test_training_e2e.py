@@ -64,7 +64,8 @@ def test_reduce_scatter_corrupted_in_one_size_band_is_caught(pytester: pytest.Py
     assert "lane: exact" in out
     assert "[collective] step0_grad " in out
     corrupted = [line for line in out.splitlines() if "] step0_grad " in line]
-    assert corrupted and all(("embed_tokens" in l or "lm_head" in l or "model.norm" in l) for l in corrupted)
+    root_group = ("embed_tokens", "lm_head", "model.norm")
+    assert corrupted and all(any(name in line for name in root_group) for line in corrupted), corrupted
     assert "elements differ" in out and "worst entries" in out
     assert "nothing in the stack fingerprint changed" in out
     assert "--gpuregress-record" in out
@@ -122,7 +123,7 @@ def test_hung_rank_fails_within_the_timeout_with_rank_step_and_stack(pytester: p
     elapsed = time.monotonic() - started
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*rank 1 hung: still running at the time limit (last progress: step 2 done)*"])
-    assert "in _install_hang" in result.stdout.str() or "time.sleep" in result.stdout.str() or "faults.py" in result.stdout.str()
+    assert 'faults.py", line' in result.stdout.str()  # the hung rank's own Python stack, where it sleeps
     assert elapsed < 25 + 30, elapsed
 
 

@@ -8,9 +8,10 @@ compares what it returns. A user's own training loop plugs in through ``Function
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from ..record import RunRecord
 

@@ -38,8 +38,15 @@ NUMERICS_FIELDS: dict[str, tuple[str, ...]] = {
     "comm": ("backend", "world_size", "nccl_version", "env"),
 }
 
-_ENV_PREFIXES = ("NCCL_", "RCCL_", "HSA_", "GLOO_", "TORCH_NCCL_", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS", "MKL_")
-_ENV_IGNORED = {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_FILE"}
+_ENV_PREFIXES = ("NCCL_", "RCCL_", "HSA_", "GLOO_", "TORCH_NCCL_", "ATEN_CPU_CAPABILITY", "MKL_")
+# Settings that route sockets, log or handle errors but do not change a computed number. Thread
+# counts are recorded as numerics.num_threads, so OMP_NUM_THREADS is not needed here.
+_ENV_IGNORED = {
+    "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
+    "TORCH_NCCL_DESYNC_DEBUG",
+}
 
 
 def _version(dist: str) -> str | None:

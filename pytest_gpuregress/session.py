@@ -184,6 +184,8 @@ class GpuRegressSession:
         verdict = "passed" if comparison.passed else "failed"
         loss = record.series.get("loss") or [float("nan")]
         detail = f"{record.steps} steps, loss {loss[0]:.4f} -> {loss[-1]:.4f}, reference {loc.path}"
+        if comparison.lane == "tolerant":
+            detail += f"; {comparison.lane_reason}"
         self.outcomes.append(Outcome(scenario, record.platform_key, verdict, comparison.lane, detail, record.notes))
         if not comparison.passed:
             raise RegressionFailure(

@@ -200,3 +200,14 @@ def test_users_own_training_loop_through_the_fixture(pytester: pytest.Pytester, 
     broken = pytester.runpytest(*args, "--gpuregress-inject=collective:op=all_reduce,mode=zero_tail,count=1")
     broken.assert_outcomes(failed=1)
     broken.stdout.fnmatch_lines(["*loss: first differing step 0*"])
+
+
+def test_under_torchrun_every_rank_runs_in_place_and_agrees(recorded: Path, tmp_path: Path) -> None:
+    """torchrun sets RANK and WORLD_SIZE: each pytest process is one rank on torchrun's rendezvous."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "pytest",
+           "-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-steps={STEPS}",
+           f"--gpuregress-reference-dir={recorded}", "-k", "fsdp"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("fsdp cpu-gloo-w2-fp32: PASSED [exact lane] 8 steps") == 2, done.stdout[-3000:]
+    assert "in place under torchrun" in done.stdout

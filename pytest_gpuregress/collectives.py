@@ -30,6 +30,7 @@ KINDS: list[tuple[str, str, str, bool]] = [
     ("reduce_scatter", "single", "sum", False),
     ("reduce_scatter", "single", "sum", True),
     ("reduce_scatter", "single", "avg", False),
+    ("reduce_scatter", "single", "premul_sum", False),  # FSDP2's gradient path with a divide factor
     ("reduce_scatter", "list", "sum", False),
     ("all_gather", "single", "", False),
     ("all_gather", "single", "", True),

@@ -29,7 +29,9 @@ def set_determinism(seed: int, *, device_kind: str, cpu_threads: int | None = 1)
         torch.cuda.manual_seed_all(seed)
     if cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
-    torch.use_deterministic_algorithms(True, warn_only=False)
+    # Strict on the CPU. On GPUs some kernels (flash/mem-efficient SDPA backward) have no
+    # deterministic variant and would raise; warn_only keeps deterministic choices where they exist.
+    torch.use_deterministic_algorithms(True, warn_only=device_kind == "cuda")
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     # TF32 silently lowers fp32 matmul precision on Ampere+ and its default moved between releases.

@@ -94,12 +94,12 @@ def _device_section(torch: Any, device_kind: str) -> dict[str, Any]:
         "machine": platform.machine(),
     }
     if device_kind == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        arch = getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}"
+        from .platforms import gpu_arch
+
         section.update(
             name=torch.cuda.get_device_name(0),
             count=torch.cuda.device_count(),
-            arch=arch.split(":")[0],
+            arch=gpu_arch(torch),
             cuda=torch.version.cuda,
             hip=getattr(torch.version, "hip", None),
             driver=_driver_version(torch),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import UnsupportedPlatform
 
@@ -56,7 +57,13 @@ def resolve_platform(device: str = "auto", world_size: int | None = None) -> Pla
         raise UnsupportedPlatform(f"world size {world}: need at least one rank")
     if kind == "cpu":
         return Platform("cpu", "gloo", world, "cpu", "cpu", in_place)
-    props = torch.cuda.get_device_properties(0)
     rocm = bool(getattr(torch.version, "hip", None))
-    arch = (getattr(props, "gcnArchName", "") or "").split(":")[0] if rocm else f"sm_{props.major}{props.minor}"
-    return Platform("cuda", "nccl", world, arch or "unknown", "rocm" if rocm else "cuda", in_place)
+    return Platform("cuda", "nccl", world, gpu_arch(torch), "rocm" if rocm else "cuda", in_place)
+
+
+def gpu_arch(torch: Any, index: int = 0) -> str:
+    """gfx942 on ROCm (gcnArchName without feature flags), sm_90 on CUDA."""
+    props = torch.cuda.get_device_properties(index)
+    if getattr(torch.version, "hip", None):
+        return (getattr(props, "gcnArchName", "") or "unknown").split(":")[0]
+    return f"sm_{props.major}{props.minor}"

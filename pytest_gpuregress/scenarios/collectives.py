@@ -55,6 +55,11 @@ def _reduce_op(dist: Any, name: str, world: int) -> Any:
             "min": dist.ReduceOp.MIN}[name]
 
 
+def _cast(values: Any, dtype: Any, torch: Any) -> Any:
+    """int64 or float64 integers to ``dtype``, through float64 for floats (int64 -> fp8 has no kernel)."""
+    return values.to(dtype) if not dtype.is_floating_point else values.to(torch.float64).to(dtype)
+
+
 def _prepare(case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> tuple[Any, Any, Any]:
     """(call, output reader, expected) for one repeat of ``case`` on this rank."""
     import torch.distributed as dist
@@ -64,7 +69,7 @@ def _prepare(case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> tuple[
     idx = torch.arange(n, dtype=torch.int64, device=dev)
 
     def values(offset: int, rank: int) -> Any:
-        return plan.inputs_for(case, idx + offset, rank, w, salt).to(dtype)
+        return _cast(plan.inputs_for(case, idx + offset, rank, w, salt), dtype, torch)
 
     def chunks(rank: int) -> list[Any]:
         return [values(q * n, rank) for q in range(w)]
@@ -79,7 +84,7 @@ def _prepare(case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> tuple[
     scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     if case.op == "all_reduce":
         t = values(0, r)
-        expected = plan.expected_reduction(idx, w, case.dtype, case.reduce_op, reduce, salt).to(dtype)
+        expected = _cast(plan.expected_reduction(idx, w, case.dtype, case.reduce_op, reduce, salt), dtype, torch)
         return (lambda: dist.all_reduce(t, op=_reduce_op(dist, case.reduce_op, w), async_op=True)), (lambda: t), expected
     if case.op == "broadcast":
         root = w - 1  # not rank 0, so a root mix-up shows
@@ -98,7 +103,7 @@ def _prepare(case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> tuple[
         return (lambda: get_single(out, mine, async_op=True)), (lambda: out), expected
     if case.op == "reduce_scatter":
         op = _reduce_op(dist, case.reduce_op, w)
-        expected = plan.expected_reduction(idx + r * n, w, case.dtype, case.reduce_op, reduce, salt).to(dtype)
+        expected = _cast(plan.expected_reduction(idx + r * n, w, case.dtype, case.reduce_op, reduce, salt), dtype, torch)
         if case.variant == "list":
             out = blank(n)
             ins = chunks(r)

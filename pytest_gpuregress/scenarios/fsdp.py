@@ -22,7 +22,7 @@ from .base import RankContext, merge_rank0
 # Per-size defaults. The CPU size runs 300 steps in well under a minute on two cores.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": {"model_size": "cpu", "dtype": "fp32", "global_batch": 16, "seq_len": 64, "lr": 3e-3},
-    "cuda": {"model_size": "gpu", "dtype": "bf16", "global_batch": 32, "seq_len": 256, "lr": 6e-4},
+    "cuda": {"model_size": "gpu", "dtype": "bf16", "global_batch": 48, "seq_len": 256, "lr": 6e-4},
 }
 _COMMON: dict[str, Any] = {
     "model": "tiny-llama",

@@ -81,7 +81,9 @@ class GpuRegressSession:
     def location(self, scenario: str, platform_key: str, *, for_writing: bool = False) -> store.ReferenceLocation:
         hint = self.record_hint(scenario)
         user = store.ReferenceLocation(self.user_reference_root, scenario, platform_key, hint)
-        if for_writing or (user.path / store.MANIFEST).exists():
+        # An explicit --gpuregress-reference-dir means that directory only; the shipped
+        # references are the fallback of the default location.
+        if for_writing or self.options.reference_dir is not None or (user.path / store.MANIFEST).exists():
             return user
         shipped = store.ReferenceLocation(self.shipped_reference_root, scenario, platform_key, hint)
         if (shipped.path / store.MANIFEST).exists():

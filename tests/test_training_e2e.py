@@ -111,7 +111,7 @@ def test_corrupt_reference_names_the_file(pytester: pytest.Pytester, refs: Path)
 
 def test_foreign_reference_names_what_differs(pytester: pytest.Pytester, refs: Path) -> None:
     result = pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-steps=6",
-                                f"--gpuregress-reference-dir={refs}")
+                                f"--gpuregress-reference-dir={refs}", "-k", "fsdp")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*ForeignReference: *record.json: reference was recorded for a different setup*",
                                  "*config steps: reference 8, this run 6*"])

@@ -7,6 +7,7 @@ to the launcher and what the store keeps as a reference, so there is exactly one
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,8 +144,6 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
 
 def float_digest(values: np.ndarray) -> dict[str, Any]:
     """sha256 of the raw bytes plus float64 sums: bitwise identity and a readable magnitude."""
-    import hashlib
-
     flat = np.ascontiguousarray(values)
     as64 = flat.astype(np.float64)
     return {

@@ -21,6 +21,7 @@ from .platforms import Platform, resolve_platform
 from .record import RunRecord
 from .report import format_comparison
 from .scenarios import FunctionScenario, Scenario, get_scenario
+from .sweep import CollectiveSweep, protocol_groups
 
 
 class RegressionFailure(AssertionError):
@@ -47,8 +48,6 @@ class GpuRegressSession:
         self.platform: Platform = resolve_platform(options.device, options.world_size)
         self.outcomes: list[Outcome] = []
         self._launcher: Any = None
-        from .sweep import CollectiveSweep, protocol_groups
-
         groups = protocol_groups(options.nccl_protos, options.nccl_algos, self.platform.backend)
         self.collectives = CollectiveSweep(self, groups)
 

@@ -9,6 +9,7 @@ caller says so (the ``--gpuregress-record`` flag).
 from __future__ import annotations
 
 import datetime as _dt
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,6 @@ def write_reference(loc: ReferenceLocation, record: RunRecord, *, overwrite: boo
         atomic.write_json(staged / MANIFEST, manifest)
         atomic.replace_dir(staged, target)
     except BaseException:
-        import shutil
-
         shutil.rmtree(staged, ignore_errors=True)
         raise
     return target

@@ -234,12 +234,17 @@ def verdict(case: Case, result: dict[str, Any], world: int) -> str | None:
 
 
 def bandwidth_table(cases: list[Case], results: dict[str, dict[str, Any]], world: int,
-                    dtype: str | None = None, protocol: str = "default") -> list[str]:
-    """nccl-tests style rows: size, count, type, redop, time, algbw, busbw, #wrong. Figures, not verdicts."""
+                    dtype: str | None = None, protocol: str = "default", op: str | None = None,
+                    reduce_op: str | None = None) -> list[str]:
+    """nccl-tests style rows: size, count, type, redop, time, algbw, busbw, #wrong. Figures, not verdicts.
+
+    ``dtype``, ``op`` and ``reduce_op`` narrow the rows; the header is always the first line."""
     lines = [f"  {'op':<28} {'size':>10} {'count':>10} {'type':>8} {'redop':>10} {'time(us)':>10} "
              f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>7}"]
     for case in cases:
-        if case.protocol != protocol or (dtype and case.dtype != dtype):
+        if case.protocol != protocol or any(
+            want and have != want for want, have in ((dtype, case.dtype), (op, case.op), (reduce_op, case.reduce_op))
+        ):
             continue
         res = results.get(case.id)
         if res is None or res.get("error"):

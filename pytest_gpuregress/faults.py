@@ -33,20 +33,20 @@ from typing import Any
 
 from .errors import BadFaultSpec
 
-# dist function -> (op family, index of the output argument, name of the output keyword)
-_COLLECTIVES: dict[str, tuple[str, int, str]] = {
-    "all_reduce": ("all_reduce", 0, "tensor"),
-    "reduce_scatter_single": ("reduce_scatter", 0, "output"),
-    "reduce_scatter_tensor": ("reduce_scatter", 0, "output"),
-    "_reduce_scatter_base": ("reduce_scatter", 0, "output"),
-    "reduce_scatter": ("reduce_scatter", 0, "output"),
-    "all_gather_single": ("all_gather", 0, "output_tensor"),
-    "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
-    "_all_gather_base": ("all_gather", 0, "output_tensor"),
-    "all_gather": ("all_gather", 0, "tensor_list"),
-    "broadcast": ("broadcast", 0, "tensor"),
-    "all_to_all_single": ("all_to_all", 0, "output"),
-    "all_to_all": ("all_to_all", 0, "output_tensor_list"),
+# dist function -> (op family, keyword of the output argument, which is always the first)
+_COLLECTIVES: dict[str, tuple[str, str]] = {
+    "all_reduce": ("all_reduce", "tensor"),
+    "reduce_scatter_single": ("reduce_scatter", "output"),
+    "reduce_scatter_tensor": ("reduce_scatter", "output"),
+    "_reduce_scatter_base": ("reduce_scatter", "output"),
+    "reduce_scatter": ("reduce_scatter", "output"),
+    "all_gather_single": ("all_gather", "output_tensor"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "_all_gather_base": ("all_gather", "output_tensor"),
+    "all_gather": ("all_gather", "tensor_list"),
+    "broadcast": ("broadcast", "tensor"),
+    "all_to_all_single": ("all_to_all", "output"),
+    "all_to_all": ("all_to_all", "output_tensor_list"),
 }
 _MODES = ("nudge", "zero_tail", "zeros", "stale_chunk")
 _local = threading.local()
@@ -146,18 +146,16 @@ class _CollectiveFault:
         if not self.matches(family, size, out, op):
             return
         self.calls += 1
+        fire = self.calls % self.every == 0
         outputs = _flat_outputs(out)
         if self.mode == "stale_chunk":
             key = (family, str(outputs[0].dtype), tuple(tuple(t.shape) for t in outputs))
             previous = self.stale.get(key)
             self.stale[key] = [t.detach().clone() for t in outputs]
-            if previous is None or self.calls % self.every:
-                return
-            self._restore_chunk(outputs, previous)
-            return
-        if self.calls % self.every:
-            return
-        self._corrupt(outputs)
+            if fire and previous is not None:
+                self._restore_chunk(outputs, previous)
+        elif fire:
+            self._corrupt(outputs)
 
     def _restore_chunk(self, outputs: list[Any], previous: list[Any]) -> None:
         chunk = int(self.spec.num("chunk", -1))
@@ -203,14 +201,14 @@ def _reduce_op_name(op: Any) -> str | None:
 
 def _wrap_collective(dist: Any, name: str, fault: _CollectiveFault) -> None:
     original = getattr(dist, name)
-    family, out_index, out_key = _COLLECTIVES[name]
+    family, out_key = _COLLECTIVES[name]
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if getattr(_local, "inside", False):  # one collective implemented through another
             return original(*args, **kwargs)
         _local.inside = True
         try:
-            out = kwargs.get(out_key, args[out_index] if len(args) > out_index else None)
+            out = kwargs.get(out_key, args[0] if args else None)
             size = max(_nbytes(out), _nbytes(args[1] if len(args) > 1 else kwargs.get("input", None)))
             work = original(*args, **kwargs)
             if kwargs.get("async_op") and work is not None:

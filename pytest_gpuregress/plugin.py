@@ -195,9 +195,8 @@ def _collectives_summary(terminalreporter: Any, session: GpuRegressSession) -> N
         write(line)
     dtype = "bf16" if plat.device_kind == "cuda" else "fp32"
     for protocol in sweep.timings:
-        rows = [r for r in sweep.bandwidth_table(dtype, protocol) if " sum " in r or "op " in r.split("size")[0]]
+        rows = sweep.bandwidth_table(dtype, protocol, op="all_reduce", reduce_op="sum")
         if len(rows) > 1:
             write(f"all_reduce SUM {dtype} bandwidth, protocol {protocol} (full table: bandwidth.txt beside the saved record):")
             for row in rows:
-                if row.lstrip().startswith(("op", "all_reduce ")):
-                    write(row)
+                write(row)

@@ -68,18 +68,32 @@ class RunRecord:
 
     def save(self, directory: Path) -> list[Path]:
         """Write record.json and tensors.safetensors into ``directory``; return the paths."""
-        from safetensors.numpy import save_file
+        from safetensors.numpy import save
 
         directory.mkdir(parents=True, exist_ok=True)
         json_path = directory / RECORD_JSON
         atomic.write_json(json_path, self.to_json())
         tensor_path = directory / TENSORS_FILE
         arrays = {k: np.ascontiguousarray(v) for k, v in self.arrays.items()}
-        tmp = tensor_path.with_name(f".{TENSORS_FILE}.tmp")
-        save_file(arrays, str(tmp), metadata={"format": RECORD_FORMAT})
-        tmp.chmod(0o644)
-        tmp.replace(tensor_path)
+        atomic.write_bytes(tensor_path, save(arrays, metadata={"format": RECORD_FORMAT}))
         return [json_path, tensor_path]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunRecord:
+        """The inverse of ``to_json`` (without arrays). Raises KeyError, TypeError or ValueError."""
+        return cls(
+            scenario=str(data["scenario"]),
+            config=dict(data["config"]),
+            platform_key=str(data["platform_key"]),
+            world_size=int(data["world_size"]),
+            fingerprint=dict(data.get("fingerprint", {})),
+            series={k: [float(x) for x in v] for k, v in data.get("series", {}).items()},
+            param_names=list(data.get("param_names", [])),
+            digests=dict(data.get("digests", {})),
+            timings=dict(data.get("timings", {})),
+            results=dict(data.get("results", {})),
+            notes=list(data.get("notes", [])),
+        )
 
     @classmethod
     def load(cls, directory: Path) -> RunRecord:
@@ -94,19 +108,7 @@ class RunRecord:
                 "re-record it with this version of pytest-gpuregress (--gpuregress-record)",
             )
         try:
-            record = cls(
-                scenario=str(data["scenario"]),
-                config=dict(data["config"]),
-                platform_key=str(data["platform_key"]),
-                world_size=int(data["world_size"]),
-                fingerprint=dict(data.get("fingerprint", {})),
-                series={k: [float(x) for x in v] for k, v in data.get("series", {}).items()},
-                param_names=list(data.get("param_names", [])),
-                digests=dict(data.get("digests", {})),
-                timings=dict(data.get("timings", {})),
-                results=dict(data.get("results", {})),
-                notes=list(data.get("notes", [])),
-            )
+            record = cls.from_json(data)
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptReference(
                 json_path, f"missing or malformed field: {exc!r}", "re-record it (--gpuregress-record)"

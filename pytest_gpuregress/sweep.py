@@ -117,5 +117,6 @@ class CollectiveSweep:
         return ["failing cases by protocol and size band:",
                 f"  {'protocol':<14} " + " ".join(f"{lbl:>9}" for _, lbl in SIZE_BANDS), *rows]
 
-    def bandwidth_table(self, dtype: str | None = None, protocol: str = "default") -> list[str]:
-        return plan.bandwidth_table(self.selected, self.results, self.session.platform.world_size, dtype, protocol)
+    def bandwidth_table(self, dtype: str | None = None, protocol: str = "default", **narrow: str) -> list[str]:
+        return plan.bandwidth_table(self.selected, self.results, self.session.platform.world_size, dtype, protocol,
+                                    **narrow)

@@ -69,12 +69,7 @@ class InPlaceLauncher:
             if rank == self.rank:
                 records.append(record)
                 continue
-            other = RunRecord(
-                scenario=data["scenario"], config=data["config"], platform_key=data["platform_key"],
-                world_size=data["world_size"], fingerprint=data["fingerprint"], series=data["series"],
-                param_names=data["param_names"], digests=data["digests"], timings=data["timings"],
-                results=data["results"], notes=data["notes"],
-            )
+            other = RunRecord.from_json(data)
             records.append(other)
             # Arrays stay local (they can be large). Scenarios store only global values in them
             # (full gradients, all-reduced norms), identical on every rank, so the local copy serves.

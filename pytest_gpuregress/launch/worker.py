@@ -13,7 +13,6 @@ abort that still happens after step 1 cannot lose results: the launcher only nee
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import signal
 import sys
@@ -22,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import atomic
 from .job import Job, RankFiles
 
 if TYPE_CHECKING:
@@ -69,9 +69,7 @@ def _write_error(files: RankFiles, exc: BaseException) -> None:
         "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         "last_progress": files.last_progress(),
     }
-    tmp = files.error.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(files.error)
+    atomic.write_json(files.error, payload)
 
 
 def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = True) -> tuple[RunRecord, RankContext]:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from pytest_gpuregress import collectives as plan
-from pytest_gpuregress.launch.job import Job
-from pytest_gpuregress.launch.spawn import SpawnLauncher
-from pytest_gpuregress.platforms import resolve_platform
-from pytest_gpuregress.scenarios import get_scenario
+from pytest_gpuregress.options import Options
+from pytest_gpuregress.session import GpuRegressSession
 from pytest_gpuregress.sweep import parse_bytes
 
 
@@ -24,20 +23,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default=None, help="table rows for this dtype only (default: all)")
     args = parser.parse_args()
-    platform = resolve_platform(args.device)
-    scenario = get_scenario("collectives")
-    config = scenario.default_config(platform.device_kind, None)
+    session = GpuRegressSession(Options(device=args.device, timeout=1800), Path.cwd())
+    platform = session.platform
+    config = session.resolve("collectives").default_config(platform.device_kind, None)
     max_bytes = parse_bytes(args.max_bytes) if args.max_bytes else config["max_bytes"]
     cases = plan.plan(platform.backend, platform.world_size, max_bytes)
-    config.update(cases=[c.to_json() for c in cases], repeats=args.repeats)
-    launcher = SpawnLauncher()
-    job = Job(scenario="collectives", config=config, world_size=platform.world_size,
-              device_kind=platform.device_kind, backend=platform.backend, run_dir=str(launcher.make_run_dir()),
-              timeout_s=1800)
     started = time.monotonic()
-    result = launcher.run(job, wall_timeout_s=1800)
+    record = session.run("collectives", config={"cases": [c.to_json() for c in cases], "repeats": args.repeats})
     wall = time.monotonic() - started
-    record = scenario.merge(result.records)
     failing = [c for c in cases if plan.verdict(c, record.results["cases"][c.id], platform.world_size)]
     for line in plan.bandwidth_table(cases, record.results["cases"], platform.world_size, args.dtype):
         print(line)

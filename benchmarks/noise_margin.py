@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 
 from pytest_gpuregress.compare import _rel
-from pytest_gpuregress.launch.job import Job
-from pytest_gpuregress.launch.spawn import SpawnLauncher
-from pytest_gpuregress.scenarios import get_scenario
+from pytest_gpuregress.options import Options
+from pytest_gpuregress.record import RunRecord
+from pytest_gpuregress.session import GpuRegressSession
 
 CASES: list[tuple[str, str, list[str], dict[str, str]]] = [
     ("legit", "ATEN_CPU_CAPABILITY=default (no SIMD)", [], {"ATEN_CPU_CAPABILITY": "default"}),
@@ -32,17 +33,13 @@ CASES: list[tuple[str, str, list[str], dict[str, str]]] = [
 ]
 
 
-def run(steps: int, faults: list[str], env: dict[str, str]) -> tuple[object, float]:
-    scenario = get_scenario("fsdp")
-    launcher = SpawnLauncher()
-    job = Job(scenario="fsdp", config=scenario.default_config("cpu", steps), world_size=2, device_kind="cpu",
-              backend="gloo", run_dir=str(launcher.make_run_dir()), timeout_s=900, faults=faults, env=env)
+def run(session: GpuRegressSession, faults: list[str], env: dict[str, str]) -> tuple[RunRecord, float]:
     t0 = time.monotonic()
-    result = launcher.run(job, wall_timeout_s=900)
-    return scenario.merge(result.records), time.monotonic() - t0
+    record = session.run("fsdp", faults=faults, env=env)
+    return record, time.monotonic() - t0
 
 
-def deviations(ref: object, got: object) -> dict[str, float]:
+def deviations(ref: RunRecord, got: RunRecord) -> dict[str, float]:
     out = {
         "loss": float(_rel(got.series["loss"], ref.series["loss"]).max()),
         "grad_norm": float(_rel(got.series["grad_norm"], ref.series["grad_norm"]).max()),
@@ -66,13 +63,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
-    clean, wall = run(args.steps, [], {})
+    session = GpuRegressSession(Options(device="cpu", steps=args.steps, timeout=900), Path.cwd())
+    clean, wall = run(session, [], {})
     print(f"clean run: {args.steps} steps in {wall:.1f}s, loss {clean.series['loss'][0]:.4f} -> "
           f"{clean.series['loss'][-1]:.4f}")
     metrics = ["loss", "grad_norm", "param_grad_norm", "step0_grad", "final_weights", "first_loss_step"]
     print(f"{'kind':<6} {'case':<46} " + " ".join(f"{m:>15}" for m in metrics))
     for kind, label, faults, env in CASES:
-        got, _ = run(args.steps, faults, env)
+        got, _ = run(session, faults, env)
         dev = deviations(clean, got)
         print(f"{kind:<6} {label:<46} " + " ".join(f"{dev[m]:>15.3g}" for m in metrics), flush=True)
 

@@ -37,24 +37,21 @@ RAW_SCRIPT = textwrap.dedent('''
 
 def soak_launches(runs: int) -> None:
     from pytest_gpuregress.errors import RankFailure
-    from pytest_gpuregress.launch.job import Job
-    from pytest_gpuregress.launch.spawn import SpawnLauncher
-    from pytest_gpuregress.scenarios import get_scenario
+    from pytest_gpuregress.options import Options
+    from pytest_gpuregress.session import GpuRegressSession
 
-    scenario = get_scenario("fsdp")
+    session = GpuRegressSession(Options(device="cpu", steps=3, timeout=240), Path.cwd())
     failures, tolerated, started = 0, 0, time.monotonic()
     for i in range(runs):
-        launcher = SpawnLauncher()
-        job = Job(scenario="fsdp", config=scenario.default_config("cpu", 3), world_size=2, device_kind="cpu",
-                  backend="gloo", run_dir=str(launcher.make_run_dir()), timeout_s=300)
         try:
-            result = launcher.run(job, wall_timeout_s=240)
-            tolerated += len(result.notes)
-            for note in result.notes:
-                print(f"run {i}: {note}")
+            record = session.run("fsdp")
         except RankFailure as exc:
             failures += 1
             print(f"run {i}: FAILED\n{exc}")
+            continue
+        for note in record.notes:
+            tolerated += 1
+            print(f"run {i}: {note}")
     print(f"launches: {runs}, failed: {failures}, teardown deaths tolerated: {tolerated}, "
           f"{time.monotonic() - started:.0f}s")
 

@@ -10,10 +10,10 @@ import argparse
 import time
 from pathlib import Path
 
-from pytest_gpuregress import collectives as plan
-from pytest_gpuregress.options import Options
-from pytest_gpuregress.session import GpuRegressSession
-from pytest_gpuregress.sweep import parse_bytes
+from pytest_gpuregress.plugin.options import Options
+from pytest_gpuregress.plugin.session import GpuRegressSession
+from pytest_gpuregress.scenarios.collectives import DEFAULT_MAX_BYTES, plan
+from pytest_gpuregress.units import human_bytes, parse_bytes
 
 
 def main() -> None:
@@ -25,8 +25,7 @@ def main() -> None:
     args = parser.parse_args()
     session = GpuRegressSession(Options(device=args.device, timeout=1800), Path.cwd())
     platform = session.platform
-    config = session.resolve("collectives").default_config(platform.device_kind, None)
-    max_bytes = parse_bytes(args.max_bytes) if args.max_bytes else config["max_bytes"]
+    max_bytes = parse_bytes(args.max_bytes) if args.max_bytes else DEFAULT_MAX_BYTES[platform.device_kind]
     cases = plan.plan(platform.backend, platform.world_size, max_bytes)
     started = time.monotonic()
     record = session.run("collectives", config={"cases": [c.to_json() for c in cases], "repeats": args.repeats})
@@ -34,7 +33,7 @@ def main() -> None:
     failing = [c for c in cases if plan.verdict(c, record.results["cases"][c.id], platform.world_size)]
     for line in plan.bandwidth_table(cases, record.results["cases"], platform.world_size, args.dtype):
         print(line)
-    print(f"\nsweep: {len(cases)} cases x {args.repeats} repeats up to {plan.human_bytes(max_bytes)} on "
+    print(f"\nsweep: {len(cases)} cases x {args.repeats} repeats up to {human_bytes(max_bytes)} on "
           f"{platform.world_size} {platform.backend} ranks: {wall:.1f}s wall (start-up included), "
           f"{len(failing)} failing")
 

@@ -15,7 +15,7 @@ python3 -m pytest_gpuregress.cli env > "$OUT/fingerprint.json" 2>&1
 run "${P[@]}" -k fsdp --gpuregress-steps=100 --gpuregress-record "--gpuregress-reference-dir=$OUT/refs"
 run "${P[@]}" -k fsdp --gpuregress-steps=100 "--gpuregress-reference-dir=$OUT/refs"
 run "${P[@]}" -k fsdp --gpuregress-steps=100 "--gpuregress-reference-dir=$OUT/refs"
-run "${P[@]}" -k collective --gpuregress-nccl-protos=LL,LL128,Simple
+run "${P[@]}" -k collectives --gpuregress-nccl-protos=LL,LL128,Simple
 run "${P[@]}" -k "all_reduce and avg and bf16" \
     "--gpuregress-inject=collective:op=all_reduce,dtype=bfloat16,reduce_op=avg,mode=zero_tail,count=8"
 run python3 benchmarks/collective_sweep.py --dtype bf16

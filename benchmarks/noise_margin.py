@@ -3,7 +3,7 @@
 Runs the scenario clean, then under emulated legitimate changes (a different CPU kernel set,
 a 1e-7 relative change in every linear layer) and under emulated faults, and prints for each
 the largest deviation of every compared metric from the clean run. The tolerant lane's
-fp32 defaults in pytest_gpuregress/compare.py sit between the two groups.
+fp32 defaults in pytest_gpuregress/reference/compare.py sit between the two groups.
 
     python benchmarks/noise_margin.py --steps 300
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pytest_gpuregress.compare import _rel
-from pytest_gpuregress.options import Options
-from pytest_gpuregress.record import RunRecord
-from pytest_gpuregress.session import GpuRegressSession
+from pytest_gpuregress.plugin.options import Options
+from pytest_gpuregress.plugin.session import GpuRegressSession
+from pytest_gpuregress.reference.compare import _rel
+from pytest_gpuregress.reference.record import RunRecord
 
 CASES: list[tuple[str, str, list[str], dict[str, str]]] = [
     ("legit", "ATEN_CPU_CAPABILITY=default (no SIMD)", [], {"ATEN_CPU_CAPABILITY": "default"}),

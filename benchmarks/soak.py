@@ -37,8 +37,8 @@ RAW_SCRIPT = textwrap.dedent('''
 
 def soak_launches(runs: int) -> None:
     from pytest_gpuregress.errors import RankFailure
-    from pytest_gpuregress.options import Options
-    from pytest_gpuregress.session import GpuRegressSession
+    from pytest_gpuregress.plugin.options import Options
+    from pytest_gpuregress.plugin.session import GpuRegressSession
 
     session = GpuRegressSession(Options(device="cpu", steps=3, timeout=240), Path.cwd())
     failures, tolerated, started = 0, 0, time.monotonic()

@@ -46,3 +46,11 @@ class UnsupportedPlatform(GpuRegressError):
 
 class BadFaultSpec(GpuRegressError):
     """A fault-injection spec could not be parsed."""
+
+
+class ScenarioProblem(GpuRegressError):
+    """A scenario cannot be found, imported or used."""
+
+
+class RegressionFailure(AssertionError):
+    """A run differs from its reference, or a check case from its closed-form result. The message is the report."""

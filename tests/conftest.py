@@ -12,7 +12,7 @@ import torch  # noqa: F401,E402
 import torch.distributed  # noqa: F401,E402
 import transformers  # noqa: F401,E402
 
-from pytest_gpuregress.record import RunRecord
+from pytest_gpuregress.reference.record import RunRecord
 
 
 def make_record(steps: int = 5, seed: int = 0, **overrides: object) -> RunRecord:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuregress import store
 from pytest_gpuregress.cli import main
+from pytest_gpuregress.reference import store
 
 from .conftest import make_record
 
@@ -43,6 +43,18 @@ def test_corrupt_reference_is_a_clear_error(two_refs: tuple[Path, Path], capsys:
 
 
 def test_env_prints_the_fingerprint(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import torch
+
     assert main(["env", "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
-    assert '"torch":' in out and '"cpu_capability":' in out
+    fingerprint = json.loads(capsys.readouterr().out)
+    assert fingerprint["versions"]["torch"] == torch.__version__
+    assert fingerprint["comm"]["backend"] == "gloo" and fingerprint["comm"]["world_size"] == 2
+    assert fingerprint["device"]["kind"] == "cpu" and fingerprint["device"]["cpu_capability"]
+
+
+def test_scenarios_lists_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["scenarios"]) == 0
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()}
+    assert rows["fsdp"] == "training" and rows["collectives"] == "check"

@@ -1,4 +1,4 @@
-"""The collective sweep end to end on 2 gloo ranks, with each fault class of FAULTS.md section 1.
+"""The collective sweep end to end on 2 gloo ranks, with each collective fault class of docs/faults.md.
 
 Sweeps stop at 64 KiB to keep these quick; the default CPU sweep (4 MiB) is timed by
 benchmarks/collective_sweep.py instead.
@@ -10,20 +10,34 @@ import re
 
 import pytest
 
-from pytest_gpuregress import collectives as plan
+from pytest_gpuregress.scenarios.collectives import plan
 
 pytestmark = pytest.mark.slow
 SMALL = "--gpuregress-collectives-max-bytes=64KiB"
 
 
 def sweep(pytester: pytest.Pytester, selection: str, *faults: str, extra: tuple[str, ...] = ()) -> pytest.RunResult:
-    args = ["-p", "no:cacheprovider", "--gpuregress", SMALL, "-k", f"test_collective and ({selection})", "-rf", *extra]
+    args = ["-p", "no:cacheprovider", "--gpuregress", SMALL, "-k", f"collectives and ({selection})", "-rf", *extra]
     args += [f"--gpuregress-inject={f}" for f in faults]
     return pytester.runpytest(*args)
 
 
 def failed_ids(result: pytest.RunResult) -> list[str]:
-    return re.findall(r"FAILED \S*test_collective\[([^\]]+)\]", result.stdout.str())
+    return re.findall(r"FAILED \S*test_scenario\[collectives-([^\]]+)\]", result.stdout.str())
+
+
+def band_table(result: pytest.RunResult) -> dict[str, dict[str, int]]:
+    """The summary's failing-cases-by-protocol-and-size-band table, as protocol -> band -> count."""
+    lines = result.stdout.str().splitlines()
+    start = lines.index("failing cases by protocol and size band:")
+    bands = lines[start + 1].split()[1:]
+    table: dict[str, dict[str, int]] = {}
+    for line in lines[start + 2 :]:
+        cells = line.split()
+        if len(cells) != len(bands) + 1 or not all(c.isdigit() for c in cells[1:]):
+            break
+        table[cells[0]] = dict(zip(bands, map(int, cells[1:])))
+    return table
 
 
 def nbytes_of(case_id: str) -> int:
@@ -50,11 +64,13 @@ def test_corruption_in_one_size_band_only_is_caught_and_named(pytester: pytest.P
     assert {c.split("-")[0] for c in failed} == {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all"}
     result.stdout.fnmatch_lines(["*[[]collective[]] all_reduce SUM fp32 n=512 (2 KiB) in place: 6 wrong elements*"
                                  "first wrong index 256 on rank 0*"])
-    result.stdout.fnmatch_lines(["*<=64KiB*", "*default*0*"])  # the protocol-by-band table
+    bands = band_table(result)
+    assert bands["default"]["<=64KiB"] == len(failed)  # every failing case sits in that band
+    assert all(count == 0 for band, count in bands["default"].items() if band != "<=64KiB"), bands
 
 
 def test_last_eight_elements_zeroed_for_bf16_avg_is_caught(pytester: pytest.Pytester) -> None:
-    result = sweep(pytester, "bf16 and all_reduce", "collective:op=all_reduce,dtype=bfloat16,reduce_op=avg,mode=zero_tail,count=8")
+    result = sweep(pytester, "bf16 and all_reduce", "collective:op=all_reduce,dtype=bf16,reduce_op=avg,mode=zero_tail,count=8")
     failed = failed_ids(result)
     assert failed and all(c.startswith("all_reduce-avg-bf16-") for c in failed), failed
     assert len(failed) == len(plan.sizes(64 << 10, 2, 2))  # every size fails, nothing else does

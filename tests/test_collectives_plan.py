@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pytest_gpuregress import collectives as plan
-from pytest_gpuregress.sweep import parse_bytes, protocol_groups
+from pytest_gpuregress.scenarios.collectives import plan, protocol_groups
+from pytest_gpuregress.units import parse_bytes
 
 
 def _np_reduce(op: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:

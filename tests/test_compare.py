@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pytest_gpuregress.compare import compare_training, ulps32
-from pytest_gpuregress.report import format_comparison
+from pytest_gpuregress.reference.compare import compare_training, ulps32
+from pytest_gpuregress.reference.report import format_comparison
 
 from .conftest import make_record
 
@@ -77,7 +77,10 @@ def test_nan_is_a_difference_in_both_lanes() -> None:
     run = make_record()
     run.series["loss"][1] = float("nan")
     for lane in ("exact", "tolerant"):
-        assert not compare_training(make_record(), run, lane=lane).passed
+        cmp = compare_training(make_record(), run, lane=lane)
+        loss = next(f for f in cmp.findings if f.metric == "loss")
+        assert loss.step == 1, lane
+        assert "got nan" in loss.message, loss.message
 
 
 def test_final_weights_compared_by_digest() -> None:

@@ -34,16 +34,16 @@ def test_flag_runs_only_plugin_tests_from_user_paths_plus_the_builtin_suite(pyte
     pytester.makepyfile(test_user=USER_TESTS)
     result = pytester.runpytest("--gpuregress", "--collect-only", "-q", ".")
     result.stdout.fnmatch_lines(["*test_user.py::test_uses_plugin*", "*test_user.py::test_marked*",
-                                 "*test_training_matches_reference[[]fsdp[]]*"])
+                                 "*test_scenario[[]fsdp[]]*"])
     assert "test_plain" not in result.stdout.str()
 
 
 def test_builtin_suite_runs_from_any_directory_and_selects_by_scenario(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "fsdp")
-    result.stdout.fnmatch_lines(["*test_training_matches_reference[[]fsdp[]]*", "1/* tests collected (* deselected)*"])
+    result.stdout.fnmatch_lines(["*test_scenario[[]fsdp[]]*", "1/* tests collected (* deselected)*"])
     result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "all_reduce and bf16 and n1024")
-    result.stdout.fnmatch_lines(["*test_collective[[]all_reduce-sum-bf16-n1024-inplace[]]*",
-                                 "*test_collective[[]all_reduce-avg-bf16-n1024-inplace[]]*"])
+    result.stdout.fnmatch_lines(["*test_scenario[[]collectives-all_reduce-sum-bf16-n1024-inplace[]]*",
+                                 "*test_scenario[[]collectives-all_reduce-avg-bf16-n1024-inplace[]]*"])
     assert "fsdp" not in result.stdout.str()
 
 

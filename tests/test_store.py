@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytest_gpuregress import store
 from pytest_gpuregress.errors import CorruptReference, ForeignReference, MissingReference, ReferenceExists
-from pytest_gpuregress.record import RunRecord
+from pytest_gpuregress.reference import store
+from pytest_gpuregress.reference.record import RunRecord
 
 from .conftest import make_record
 
@@ -79,20 +79,32 @@ def test_foreign_manifest_format_is_named(loc: store.ReferenceLocation, record: 
         store.read_reference(loc)
 
 
-def test_pickle_is_never_loaded(loc: store.ReferenceLocation, record: RunRecord) -> None:
-    """A pickle where safetensors belongs is rejected as corrupt, not executed."""
+class _Payload:
+    """Unpickling this creates the file named in ``marker``: proof that a pickle was executed."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_is_never_loaded(loc: store.ReferenceLocation, record: RunRecord, tmp_path: Path) -> None:
+    """A malicious pickle where safetensors belongs is rejected as corrupt, never executed."""
     import pickle
 
+    marker = tmp_path / "pwned"
     store.write_reference(loc, record, overwrite=False)
     tensors = loc.path / "tensors.safetensors"
-    tensors.write_bytes(pickle.dumps({"x": 1}))
+    tensors.write_bytes(pickle.dumps(_Payload(str(marker))))
     manifest = json.loads((loc.path / "manifest.json").read_text())
-    from pytest_gpuregress.atomic import sha256_file
+    from pytest_gpuregress.reference.atomic import sha256_file
 
     manifest["files"]["tensors.safetensors"] = sha256_file(tensors)
     (loc.path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CorruptReference, match="not a readable safetensors file"):
         store.read_reference(loc)
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize(

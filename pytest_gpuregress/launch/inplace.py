@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..record import RunRecord
+from ..reference.record import RunRecord
 from .job import Job
 from .spawn import LaunchResult, RankOutcome
 

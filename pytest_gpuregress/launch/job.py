@@ -24,7 +24,7 @@ from typing import Any
 class Job:
     """What every rank of one group runs."""
 
-    scenario: str  # a registered scenario name, or "package.module:function"
+    scenario: str  # the rank entry, "package.module:function", run as function(ctx) -> RunRecord
     config: dict[str, Any]
     world_size: int
     device_kind: str  # "cpu" or "cuda" (ROCm builds of torch report cuda too)

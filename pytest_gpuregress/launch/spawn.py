@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import RankFailure
-from ..record import RunRecord
+from ..reference.record import RunRecord
 from .job import Job, RankFiles
 from .net import loopback_env
 

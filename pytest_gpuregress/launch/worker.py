@@ -21,12 +21,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import atomic
+from ..reference import atomic
 from .job import Job, RankFiles
 
 if TYPE_CHECKING:
-    from ..record import RunRecord
-    from ..scenarios import RankContext
+    from ..reference.record import RunRecord
+    from ..scenarios.base import RankContext
 
 EXIT_SCENARIO_ERROR = 3
 
@@ -75,9 +75,10 @@ def _write_error(files: RankFiles, exc: BaseException) -> None:
 def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = True) -> tuple[RunRecord, RankContext]:
     """Run the scenario as one rank; shared by the spawned worker and the in-place launcher."""
     from .. import faults
-    from ..determinism import set_determinism
-    from ..fingerprint import collect
-    from ..scenarios import RankContext, get_scenario
+    from ..scenarios import resolve_entry
+    from ..scenarios.base import RankContext
+    from ..stack.determinism import set_determinism
+    from ..stack.fingerprint import collect
     from .net import listening_addresses
 
     files = RankFiles(Path(job.run_dir), rank)
@@ -93,14 +94,18 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
     )
     ctx.progress("start")
     installed = faults.install(job.faults, ctx)
-    scenario = get_scenario(job.scenario)
+    run_scenario = resolve_entry(job.scenario)
     switches = set_determinism(int(job.config.get("seed", 0)), device_kind=job.device_kind)
     if init_group:
         _init_process_group(job, rank, local_rank)
     ctx.progress("process group ready")
     if job.collect_fingerprint and rank == 0:
         ctx.fingerprint = collect(job.device_kind, job.backend, job.world_size, switches)
-    record = scenario.run(ctx)
+    try:
+        record = run_scenario(ctx)
+    finally:
+        for undo in reversed(ctx.cleanup_hooks):  # in place, the process runs later tests too
+            undo()
     record.fingerprint = record.fingerprint or ctx.fingerprint
     record.notes.extend(f"fault injected: {spec}" for spec in installed)
     if job.loopback_only:

@@ -1,26 +1,76 @@
-"""What a scenario is, and what it gets on each rank.
+"""What a scenario is: the one interface every built-in and plug-in scenario implements.
 
-A scenario is a training or checking procedure that runs on every rank of a process group and
-returns a RunRecord. It knows nothing of pytest. The launcher gives it a RankContext; the plugin
-compares what it returns. A user's own training loop plugs in through ``FunctionScenario``.
+A scenario declares, on the session side (torch-free, imported at collection):
+  name            its name, used in test ids (``-k name``) and reference folders
+  kind            "training": each case's record is compared with a stored reference;
+                  "check": each case has a closed-form verdict and needs no reference
+  cases()         its test cases: ids and marks, and which launch carries each one
+  default_config  its configuration per device; stored with references
+  launches()      how the selected cases are grouped into launches of ranks
+  rank_entry      "package.module:function", the code every rank runs: ``function(ctx) -> RunRecord``
+  merge()         how the per-rank records become one
+  verdict()       reference-free findings for one case (all a check scenario has)
+  summary()       optional lines for the terminal summary
+  options         optional ``--gpuregress-<name>`` options of its own
+
+Rank-side code lives in its own module (``rank.py`` in each scenario folder) and is the only part
+that imports torch. A scenario knows nothing of pytest; the plugin drives it through this interface.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..record import RunRecord
+from ..reference.record import RunRecord
+
+if TYPE_CHECKING:
+    from ..faults import FaultSpec
+    from ..plugin.options import OptionSpec
 
 StepHook = Callable[[int, int], None]  # (rank, step) -> None; faults use it to hang or crash
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What a scenario may know of the session: where it runs, the steps asked for, faults, its options."""
+
+    device_kind: str  # cpu | cuda (ROCm builds of torch report cuda too)
+    backend: str  # gloo | nccl
+    world_size: int
+    steps: int | None = None
+    faults: tuple[FaultSpec, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def option(self, name: str) -> Any:
+        """The value of this scenario's ``--gpuregress-<name>`` option (None when unset and no default)."""
+        return self.options.get("gpuregress_" + name.replace("-", "_"))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One test case of a scenario. ``launch`` names the launch that carries it."""
+
+    id: str
+    marks: tuple[str, ...] = ()
+    launch: str = "default"
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One group of ranks: the config every rank receives, and extra environment for this group only."""
+
+    key: str
+    config: dict[str, Any]
+    env: dict[str, str] = field(default_factory=dict)
+
+
 @dataclass
 class RankContext:
-    """Everything a scenario needs to know about where it runs."""
+    """Everything rank-side scenario code needs to know about where it runs."""
 
     rank: int
     world_size: int
@@ -31,7 +81,8 @@ class RankContext:
     run_dir: Path
     fingerprint: dict[str, Any] = field(default_factory=dict)
     step_hooks: list[StepHook] = field(default_factory=list)
-    teardown_hooks: list[Callable[[], None]] = field(default_factory=list)
+    teardown_hooks: list[Callable[[], None]] = field(default_factory=list)  # after results are delivered
+    cleanup_hooks: list[Callable[[], None]] = field(default_factory=list)  # undo installed faults
     progress_path: Path | None = None
 
     @property
@@ -51,68 +102,75 @@ class RankContext:
             hook(self.rank, step)
 
 
-class Scenario(Protocol):
-    """A named procedure run on every rank; see FsdpScenario for a complete example."""
+class Scenario:
+    """Base class with the defaults of a one-case training scenario; see the module docstring."""
 
-    name: str
+    name: ClassVar[str] = ""
+    kind: ClassVar[str] = "training"
+    rank_entry: ClassVar[str] = ""
+    options: ClassVar[tuple[OptionSpec, ...]] = ()
 
-    def default_config(self, device_kind: str, steps: int | None) -> dict[str, Any]:
-        """The configuration this scenario runs with on ``device_kind``; stored with references."""
-        ...
+    def default_config(self, setup: Setup) -> dict[str, Any]:
+        """The configuration this scenario runs with; stored with its references."""
+        config: dict[str, Any] = {}
+        if setup.steps is not None:
+            config["steps"] = setup.steps
+        return config
 
     def platform_tag(self, config: dict[str, Any]) -> str:
-        """Short tag for the reference directory, e.g. the compute dtype."""
-        ...
+        """Short tag for the reference folder, e.g. the compute dtype."""
+        return str(config.get("dtype", "fp32"))
 
-    def run(self, ctx: RankContext) -> RunRecord:
-        """Run on one rank inside an initialised process group."""
-        ...
+    def cases(self, setup: Setup) -> list[Case]:
+        return [Case(self.name)]
+
+    def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
+        """Group the selected ``cases`` into launches; each case's ``launch`` must name one of them."""
+        return [Launch("default", self.default_config(setup))]
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
-        """Combine the per-rank records (index = rank) into the one that is compared."""
-        ...
+        """Combine the per-rank records (index = rank). By default rank 0's, which holds global values."""
+        return records[0]
+
+    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
+        """Reference-free findings for ``case``, each a complete message naming its component; [] when clean."""
+        return []
+
+    def header(self, setup: Setup) -> list[str]:
+        """Lines for the report header, e.g. a setting that does not apply on this platform."""
+        return []
+
+    def artifacts(self, key: str, record: RunRecord, setup: Setup) -> dict[str, str]:
+        """Extra text files (name -> content) saved beside a launch's record in the artifacts folder."""
+        return {}
+
+    def summary(self, records: dict[str, RunRecord | None], setup: Setup) -> list[str]:
+        """Lines for this scenario's terminal summary, given its launches' records by key (None: it failed)."""
+        return []
 
 
-def merge_rank0(records: list[RunRecord]) -> RunRecord:
-    """For scenarios whose rank-0 record already holds global values (losses are all-reduced)."""
-    return records[0]
+class CheckScenario(Scenario):
+    """A scenario whose cases are judged by closed-form verdicts, with no stored reference."""
+
+    kind: ClassVar[str] = "check"
 
 
 @dataclass
-class FunctionScenario:
-    """Wraps a user's ``def train(ctx: RankContext) -> RunRecord`` found by "module:function"."""
+class FunctionScenario(Scenario):
+    """A user's own ``def train(ctx: RankContext) -> RunRecord``, found by "module:function"."""
 
-    entry: str
-    name: str = ""
+    entry: str = ""
     config: dict[str, Any] = field(default_factory=dict)
-    tag: str = "fp32"
 
-    def __post_init__(self) -> None:
-        self.name = self.name or self.entry.rsplit(":", 1)[-1]
+    @property  # type: ignore[override]
+    def name(self) -> str:  # noqa: D401 - the function's name
+        return self.entry.rsplit(":", 1)[-1]
 
-    def default_config(self, device_kind: str, steps: int | None) -> dict[str, Any]:
-        cfg = dict(self.config)
-        if steps is not None:
-            cfg.setdefault("steps", steps)
-        return cfg
+    @property  # type: ignore[override]
+    def rank_entry(self) -> str:
+        return self.entry
 
-    def platform_tag(self, config: dict[str, Any]) -> str:
-        return str(config.get("dtype", self.tag))
-
-    def run(self, ctx: RankContext) -> RunRecord:
-        return resolve_entry(self.entry)(ctx)
-
-    def merge(self, records: list[RunRecord]) -> RunRecord:
-        return merge_rank0(records)
-
-
-def resolve_entry(entry: str) -> Any:
-    """Import ``"package.module:attr"``; a clear error names what was not found."""
-    module_name, _, attr = entry.partition(":")
-    if not attr:
-        raise ValueError(f"scenario entry {entry!r} must look like 'package.module:function'")
-    module = importlib.import_module(module_name)
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"scenario entry {entry!r}: module {module_name} has no attribute {attr!r}") from None
+    def default_config(self, setup: Setup) -> dict[str, Any]:
+        config = super().default_config(setup)
+        config.update(self.config)
+        return config

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..paths import data_dir
+from ..resources import shipped_dir
 from .counter_rng import hash_words, unit_float
 
 MODEL_SIZES = ("cpu", "gpu")
@@ -24,7 +24,7 @@ def model_dir(name: str, size: str) -> Path:
     candidate = Path(name)
     if candidate.is_dir() and (candidate / "config.json").is_file():
         return candidate
-    root = data_dir("models")
+    root = shipped_dir("models")
     path = root / name / size
     if not (path / "config.json").is_file():
         known = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
@@ -67,7 +67,7 @@ def build_causal_lm(config: Any, seed: int) -> Any:
     from transformers import AutoModelForCausalLM
 
     with torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config)  # float32, torch's default dtype
     std = float(getattr(config, "initializer_range", 0.02))
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import CorruptReference, ForeignReference, MissingReference, ReferenceExists
 from . import atomic
-from .errors import CorruptReference, ForeignReference, MissingReference, ReferenceExists
 from .record import RECORD_JSON, TENSORS_FILE, RunRecord, read_json
 
 MANIFEST = "manifest.json"

@@ -1,8 +1,9 @@
 """The collective sweep's plan: cases, sizes, ids, inputs with exactly known results, verdicts.
 
-torch-free. Inputs are small integers that depend on rank and index and stay exact in bf16 (and
-so in every wider type), so every output element has a closed-form answer compared bit for bit
-(the nccl-tests method). The value formulas only use integer operators, so they run on numpy
+torch-free: the session plans and judges with it, and the ranks (``rank.py``) build inputs from
+it. Inputs are small integers that depend on rank and index and stay exact in bf16 (and so in
+every wider type), so every output element has a closed-form answer compared bit for bit (the
+nccl-tests method). The value formulas only use integer operators, so they run on numpy
 arrays here and on torch tensors inside the ranks.
 
 Size ``n`` is elements per rank per peer: an all-reduce or broadcast moves ``n`` elements; an
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from ...units import human_bytes
 
 # dtype name -> (element bytes, torch attribute)
 DTYPES: dict[str, tuple[int, str]] = {
@@ -84,14 +87,6 @@ class Case:
     def to_json(self) -> dict[str, Any]:
         return {"op": self.op, "variant": self.variant, "reduce_op": self.reduce_op, "dtype": self.dtype,
                 "n": self.n, "in_place": self.in_place, "protocol": self.protocol}
-
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
 
 
 def sizes(max_bytes: int, elem_bytes: int, world: int, tail_base: int = 1024) -> list[int]:

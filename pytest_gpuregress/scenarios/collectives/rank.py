@@ -1,6 +1,6 @@
-"""Scenario ``collectives``: every planned case run on every rank and checked bit for bit.
+"""The collective sweep on one rank: every planned case run and checked bit for bit.
 
-The plan (pytest_gpuregress/collectives.py) arrives in the config as a list of cases. Each rank
+The plan (``plan.py``) arrives in the config as a list of cases. Each rank
 builds its inputs from closed-form integers, runs the collective (``async_op=True`` then
 ``wait()``, so an error is raised by the call that caused it), and compares its output with the
 expected bits. Each rank counts its own wrong elements; the launcher sums them over ranks from
@@ -13,39 +13,11 @@ import statistics
 import time
 from typing import Any
 
-from .. import collectives as plan
-from ..record import RunRecord
-from .base import RankContext
+from ...reference.record import RunRecord
+from ..base import RankContext
+from . import plan
 
 _INT_VIEW = {1: "uint8", 2: "int16", 4: "int32"}
-
-
-class CollectivesScenario:
-    name = "collectives"
-
-    def default_config(self, device_kind: str, steps: int | None) -> dict[str, Any]:
-        return {"max_bytes": (256 << 20) if device_kind == "cuda" else (4 << 20), "repeats": 3, "cases": []}
-
-    def platform_tag(self, config: dict[str, Any]) -> str:
-        return "sweep"
-
-    def run(self, ctx: RankContext) -> RunRecord:
-        import torch
-
-        repeats = int(ctx.config.get("repeats", 3))
-        results: dict[str, Any] = {}
-        cases = [plan.Case(**c) for c in ctx.config["cases"]]
-        for number, case in enumerate(cases):
-            results[case.id] = _run_case(case, ctx, repeats, torch)
-            if number % 50 == 0:
-                ctx.progress(f"case {number} of {len(cases)}: {case.id}")
-        return RunRecord(scenario=self.name, config={k: v for k, v in ctx.config.items() if k != "cases"},
-                         platform_key="", world_size=ctx.world_size, results={"cases": results})
-
-    def merge(self, records: list[RunRecord]) -> RunRecord:
-        merged = records[0]
-        merged.results["cases"] = plan.merge_rank_results([r.results["cases"] for r in records])
-        return merged
 
 
 def _reduce_op(dist: Any, name: str, world: int) -> Any:
@@ -158,4 +130,16 @@ def _run_case(case: plan.Case, ctx: RankContext, repeats: int, torch: Any) -> di
     return result
 
 
-SCENARIO = CollectivesScenario()
+def run(ctx: RankContext) -> RunRecord:
+    """Run every case of ``ctx.config["cases"]``; count this rank's wrong elements per case."""
+    import torch
+
+    repeats = int(ctx.config.get("repeats", 3))
+    results: dict[str, Any] = {}
+    cases = [plan.Case(**c) for c in ctx.config["cases"]]
+    for number, case in enumerate(cases):
+        results[case.id] = _run_case(case, ctx, repeats, torch)
+        if number % 50 == 0:
+            ctx.progress(f"case {number} of {len(cases)}: {case.id}")
+    return RunRecord(scenario="collectives", config={k: v for k, v in ctx.config.items() if k != "cases"},
+                     platform_key="", world_size=ctx.world_size, results={"cases": results})

@@ -1,7 +1,8 @@
 """The pytest plugin: options, header, the built-in suite, fixtures, markers and the summary.
 
 Without ``--gpuregress`` the plugin only registers its options and markers, skips tests that need
-it, and imports nothing heavy: torch is imported only once the flag is on.
+it, and imports nothing heavy: torch is imported only once the flag is on. Scenarios come from
+the registry (``pytest_gpuregress.scenarios``); nothing here names one.
 """
 
 from __future__ import annotations
@@ -11,25 +12,36 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .options import Options, add_options, check_reference_dir_argument
+from .options import CORE_OPTIONS, Options, OptionSpec, add_options, check_reference_dir_argument
 
 if TYPE_CHECKING:
     from .session import GpuRegressSession
 
 SESSION_KEY = pytest.StashKey["GpuRegressSession"]()
 OPTIONS_KEY = pytest.StashKey[Options]()
-USER_ARGS_KEY = pytest.StashKey[bool]()
 SUITE_FILE = Path(__file__).resolve().parent / "suite" / "test_gpuregress_suite.py"
 FIXTURES = {"gpuregress"}
 MARKERS = {
     "gpuregress": "a numerics regression test of pytest-gpuregress; runs only with --gpuregress",
-    "gpuregress_training": "built-in training scenario compared with its stored reference",
-    "gpuregress_collectives": "built-in collective case checked against its closed-form result",
+    "gpuregress_training": "a built-in or plug-in training scenario, compared with its stored reference",
+    "gpuregress_check": "a case of a check scenario, judged against its closed-form result",
 }
+_registry_error: list[str] = []  # a broken plug-in scenario is reported only once --gpuregress is on
+
+
+def _scenario_option_specs() -> list[OptionSpec]:
+    from ..errors import ScenarioProblem
+    from ..scenarios import registry
+
+    try:
+        return [spec for sc in registry().values() for spec in sc.options]
+    except ScenarioProblem as exc:
+        _registry_error.append(str(exc))
+        return []
 
 
 def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
-    add_options(parser)
+    add_options(parser, [*CORE_OPTIONS, *_scenario_option_specs()])
     # Registered now, not during pytest_configure: a plugin registered inside that hook has it
     # replayed at once, before the cache plugin is configured.
     pluginmanager.register(_LateConfigure(), "gpuregress-session")
@@ -39,15 +51,15 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
-    options = Options.from_config(config)
+    options = Options.from_config(config, _scenario_option_specs() if not _registry_error else [])
     config.stash[OPTIONS_KEY] = options
     if not options.enabled:
         return
+    if _registry_error:
+        raise pytest.UsageError(f"gpuregress scenarios: {_registry_error[0]}")
     check_reference_dir_argument(config)
     # The built-in suite always runs; tests the user named run beside it.
-    user_gave_paths = bool(config.option.file_or_dir)
-    config.stash[USER_ARGS_KEY] = user_gave_paths
-    if user_gave_paths:
+    if config.option.file_or_dir:
         config.args = [*config.args, str(SUITE_FILE)]
     else:
         config.args = [str(SUITE_FILE)]
@@ -56,8 +68,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
     """Our own errors carry complete messages; show them without the plugin's internal traceback."""
-    from .errors import GpuRegressError
-    from .session import RegressionFailure
+    from ..errors import GpuRegressError, RegressionFailure
 
     try:
         return (yield)
@@ -78,22 +89,26 @@ class _LateConfigure:
     def pytest_configure(self, config: pytest.Config) -> None:
         if not config.stash[OPTIONS_KEY].enabled:
             return
-        from .errors import UnsupportedPlatform
+        from ..errors import UnsupportedPlatform
         from .session import GpuRegressSession
 
         cache = getattr(config, "cache", None)
         output = cache.mkdir("gpuregress-runs") if cache is not None else None
         try:
-            config.stash[SESSION_KEY] = GpuRegressSession(config.stash[OPTIONS_KEY], config.rootpath, output)
+            session = GpuRegressSession(config.stash[OPTIONS_KEY], config.rootpath, output)
         except UnsupportedPlatform as exc:
             raise pytest.UsageError(str(exc)) from None
+        config.stash[SESSION_KEY] = session
+        for mark in sorted({m for _, case in session.all_cases() for m in case.marks}):
+            config.addinivalue_line("markers", f"{mark}: a mark of a gpuregress scenario case")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:
     options = config.stash.get(OPTIONS_KEY, None)
     if options is None or not options.enabled:
         return None
-    from .fingerprint import collect, header_lines
+    from ..scenarios import registry
+    from ..stack.fingerprint import collect, header_lines
 
     session = _session(config)
     plat = session.platform
@@ -106,18 +121,26 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     )
     if options.inject:
         lines.append(f"gpuregress faults injected: {'; '.join(options.inject)}")
-    if session.protocol_pinning_ignored:
-        lines.append(f"gpuregress: NCCL protocol/algorithm pinning does not apply to {plat.backend}; "
-                     "the collective sweep runs once with the backend's default")
+    for scenario in registry().values():
+        lines += scenario.header(session.setup)
     return lines
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "collective_case" not in metafunc.fixturenames:
+    if "gpuregress_case" not in metafunc.fixturenames:
         return
+    from .session import test_id
+
     session = metafunc.config.stash.get(SESSION_KEY, None)
-    ids = [c.id for c in session.collectives.all_cases()] if session is not None else ["collectives"]
-    metafunc.parametrize("collective_case", ids, ids=ids)
+    if session is None:
+        metafunc.parametrize("gpuregress_case", [("", "")], ids=["gpuregress"])
+        return
+    params = []
+    for scenario, case in session.all_cases():
+        kind_mark = pytest.mark.gpuregress_training if scenario.kind == "training" else pytest.mark.gpuregress_check
+        marks = [kind_mark, *(getattr(pytest.mark, m) for m in case.marks)]
+        params.append(pytest.param((scenario.name, case.id), id=test_id(scenario, case), marks=marks))
+    metafunc.parametrize("gpuregress_case", params)
 
 
 def _wants_gpuregress(item: pytest.Item) -> bool:
@@ -125,7 +148,7 @@ def _wants_gpuregress(item: pytest.Item) -> bool:
     return bool(names & FIXTURES) or item.get_closest_marker("gpuregress") is not None
 
 
-@pytest.hookimpl(trylast=True)  # after -k and -m have deselected: the sweep runs what is left
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected: launches carry what is left
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     options = config.stash[OPTIONS_KEY]
     if not options.enabled:
@@ -140,10 +163,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
-    session = config.stash[SESSION_KEY]
-    chosen = {i.callspec.params["collective_case"] for i in items
-              if hasattr(i, "callspec") and "collective_case" in i.callspec.params}
-    session.collectives.selected = [c for c in session.collectives.all_cases() if c.id in chosen]
+    chosen = {tuple(i.callspec.params["gpuregress_case"]) for i in items
+              if hasattr(i, "callspec") and "gpuregress_case" in i.callspec.params}
+    config.stash[SESSION_KEY].select(chosen)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")
@@ -165,6 +187,8 @@ def gpuregress(request: pytest.FixtureRequest) -> GpuRegressSession:
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     if SESSION_KEY not in config.stash:
         return
+    from ..scenarios import registry
+
     session = config.stash[SESSION_KEY]
     if session.outcomes:
         terminalreporter.section("gpuregress")
@@ -175,28 +199,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         )
         for note in outcome.notes:
             terminalreporter.write_line(f"    note: {note}")
-    _collectives_summary(terminalreporter, session)
-
-
-def _collectives_summary(terminalreporter: Any, session: GpuRegressSession) -> None:
-    sweep = session.collectives
-    if not sweep.timings and not sweep.failures:
-        return
-    write = terminalreporter.write_line
-    plat = session.platform
-    terminalreporter.section("gpuregress collectives")
-    for protocol, seconds in sweep.timings.items():
-        where = f", record in {sweep.saved[protocol]}" if protocol in sweep.saved else ""
-        write(f"protocol {protocol}: {sum(1 for c in sweep.selected if c.protocol == protocol)} cases on "
-              f"{plat.world_size} {plat.backend} ranks in {seconds:.1f}s{where}")
-    if session.protocol_pinning_ignored:
-        write(f"NCCL protocol/algorithm pinning does not apply to {plat.backend}: ran the default sweep once")
-    for line in sweep.protocol_table():
-        write(line)
-    dtype = "bf16" if plat.device_kind == "cuda" else "fp32"
-    for protocol in sweep.timings:
-        rows = sweep.bandwidth_table(dtype, protocol, op="all_reduce", reduce_op="sum")
-        if len(rows) > 1:
-            write(f"all_reduce SUM {dtype} bandwidth, protocol {protocol} (full table: bandwidth.txt beside the saved record):")
-            for row in rows:
-                write(row)
+    for name, launched in session.launched.items():
+        scenario = registry()[name]
+        records = {key: (None if isinstance(r, Exception) else r) for key, r in launched.items()}
+        lines = scenario.summary(records, session.setup)
+        lines += [f"{key}: record in {path}" for (sc, key), path in session.saved.items() if sc == name]
+        if lines:
+            terminalreporter.section(f"gpuregress {name}")
+            for line in lines:
+                terminalreporter.write_line(line)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import fingerprint as fp
+from ..stack import fingerprint as fp
 from .record import RunRecord
 
 WORST_ROWS = 8
@@ -255,7 +255,8 @@ def _suspect(findings: list[Finding]) -> None:
 
     - step-0 gradients wrong in a few elements: a collective (reduce-scatter) corrupted them;
       wrong nearly everywhere: a kernel (forward or backward math) changed.
-    - loss wrong at step 0 with the same weights: a kernel in the forward pass.
+    - loss wrong at step 0 with no step-0 gradients recorded: a kernel or a collective; without
+      the gradients there is no evidence to tell them apart, so both are named.
     - step-0 numbers right but training diverges later: the optimizer, the schedule, or a
       collective at a later step (a stale all-gather); the first step says where to look.
     """
@@ -270,7 +271,7 @@ def _suspect(findings: list[Finding]) -> None:
         if step0:
             f.component = step0[0].component
         elif loss is not None and loss.step == 0:
-            f.component = "kernel"
+            f.component = "kernel or collective"
         else:
             f.component = "optimizer or collective"
 

@@ -3,6 +3,7 @@
     gpuregress env                      the stack fingerprint of this machine, as JSON
     gpuregress show DIR                 what a reference holds: scenario, platform, steps, loss, stack
     gpuregress compare REF RUN          compare two stored references or records, as the plugin would
+    gpuregress scenarios                the installed scenarios: built-in and from other packages
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import json
 import sys
 from pathlib import Path
 
-from .compare import compare_training
-from .errors import GpuRegressError
-from .record import RunRecord
-from .report import format_comparison
-from .store import MANIFEST, ReferenceLocation, read_reference
+from ..errors import GpuRegressError
+from ..reference.compare import compare_training
+from ..reference.record import RunRecord
+from ..reference.report import format_comparison
+from ..reference.store import MANIFEST, ReferenceLocation, read_reference
 
 
 def _load(path: Path) -> RunRecord:
@@ -27,8 +28,8 @@ def _load(path: Path) -> RunRecord:
 
 
 def _env(args: argparse.Namespace) -> int:
-    from .fingerprint import collect
-    from .platforms import resolve_platform
+    from ..stack.fingerprint import collect
+    from ..stack.platforms import resolve_platform
 
     plat = resolve_platform(args.device)
     print(json.dumps(collect(plat.device_kind, plat.backend, plat.world_size), indent=1, sort_keys=True))
@@ -59,6 +60,16 @@ def _compare(args: argparse.Namespace) -> int:
     return 1
 
 
+def _scenarios(args: argparse.Namespace) -> int:
+    from ..scenarios import registry
+
+    for name, scenario in registry().items():
+        module = type(scenario).__module__
+        doc = (type(scenario).__doc__ or (__import__(module, fromlist=["_"]).__doc__ or "")).strip().splitlines()
+        print(f"{name:<14} {scenario.kind:<9} {module}  {doc[0] if doc else ''}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpuregress", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     cmp.add_argument("run")
     cmp.add_argument("--lane", choices=["auto", "exact", "tolerant"], default="auto")
     cmp.set_defaults(func=_compare)
+    scenarios = sub.add_parser("scenarios", help="list the installed scenarios")
+    scenarios.set_defaults(func=_scenarios)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

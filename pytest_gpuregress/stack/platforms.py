@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import UnsupportedPlatform
+from ..errors import UnsupportedPlatform
 
 
 @dataclass(frozen=True)

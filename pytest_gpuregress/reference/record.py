@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import CorruptReference
 from . import atomic
-from .errors import CorruptReference
 
 RECORD_FORMAT = "gpuregress-record/1"
 RECORD_JSON = "record.json"

@@ -1,0 +1,170 @@
+"""Fault injection: emulate the stack bugs this plugin exists to catch, on any machine.
+
+A fault is a spec string ``kind:key=value,key=value`` (``--gpuregress-inject``). Specs are parsed
+and validated once, at configure time, against the schema of their kind below: an unknown kind,
+key or value is a usage error that lists what is allowed, before any rank starts. The ranks then
+install the validated specs (``install``). This module is torch-free; each kind's installer lives
+in a module of its own and is imported only on the ranks. See docs/faults.md for the bug classes.
+
+To add a fault kind: write ``install(spec, ctx)`` in a module here and add a ``FaultKind`` to ``KINDS``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import BadFaultSpec
+
+COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
+REDUCE_OPS = ("sum", "avg", "max", "min", "premul_sum")
+# Short names used in case ids and messages -> torch dtype names. Either spelling is accepted.
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int32": "int32",
+               "fp8e4m3": "float8_e4m3fn", "fp8e5m2": "float8_e5m2", "fp64": "float64"}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One key of a fault spec: its type and, for choices, the allowed values ('|' joins several)."""
+
+    kind: str  # number | int | choice | choices | ranks | dtype
+    help: str
+    choices: tuple[str, ...] = ()
+
+    def parse(self, value: str) -> Any:
+        if self.kind == "number":
+            return float(value)
+        if self.kind == "int":
+            return int(value)
+        if self.kind == "ranks":
+            return frozenset(int(r) for r in value.split("|"))
+        if self.kind == "dtype":
+            name = DTYPE_NAMES.get(value, value)
+            if name not in DTYPE_NAMES.values():
+                raise ValueError
+            return name
+        picked = tuple(value.split("|")) if self.kind == "choices" else (value,)
+        if not all(p in self.choices for p in picked):
+            raise ValueError
+        return frozenset(picked) if self.kind == "choices" else value
+
+    def describe(self) -> str:
+        allowed = {"number": "a number", "int": "an integer", "ranks": "rank numbers joined by '|'",
+                   "dtype": "one of " + ", ".join(sorted(set(DTYPE_NAMES) | set(DTYPE_NAMES.values())))}
+        if self.kind in ("choice", "choices"):
+            joined = "|".join(self.choices)
+            return f"one of {joined}" + (" (several joined by '|')" if self.kind == "choices" else "")
+        return allowed[self.kind]
+
+
+@dataclass(frozen=True)
+class FaultKind:
+    name: str
+    installer: str  # "module:function", relative to this package, called as function(spec, ctx) on each rank
+    help: str
+    params: dict[str, Param] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """A validated fault: its kind and typed parameters. ``text`` is what the user wrote."""
+
+    kind: str
+    params: dict[str, Any]
+    text: str
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.params.get(key, default)
+
+    @property
+    def ranks(self) -> frozenset[int] | None:
+        return self.params.get("ranks", self.params.get("rank"))
+
+
+_RANKS = Param("ranks", "only these ranks ('|'-separated)")
+_STEP = Param("int", "the step after which it fires")
+
+KINDS: dict[str, FaultKind] = {k.name: k for k in (
+    FaultKind("collective", ".collective:install", "corrupt the output of matching collectives", {
+        "op": Param("choices", "which collectives", COLLECTIVE_OPS),
+        "mode": Param("choice", "nudge: one element x (1+rel); zero_tail: the last `count` elements; zeros; "
+                                "stale_chunk: chunk `chunk` keeps the previous call's value",
+                      ("nudge", "zero_tail", "zeros", "stale_chunk")),
+        "rel": Param("number", "relative size of a nudge (default 1e-3)"),
+        "count": Param("int", "elements zeroed by zero_tail (default 8)"),
+        "chunk": Param("int", "which chunk stale_chunk restores (default -1, the last)"),
+        "pieces": Param("int", "chunks a single-tensor output is cut into for stale_chunk (default 2)"),
+        "min_bytes": Param("number", "smallest matching message (the larger of input and output)"),
+        "max_bytes": Param("number", "largest matching message"),
+        "dtype": Param("dtype", "only this dtype"),
+        "reduce_op": Param("choice", "only this reduction", REDUCE_OPS),
+        "ranks": _RANKS,
+        "rank": _RANKS,
+        "every": Param("int", "fire on 1 matching call in N"),
+    }),
+    FaultKind("emulate_premul_sum", ".collective:install_premul_sum_emulation",
+              "give gloo a PREMUL_SUM all-reduce (input x factor, then SUM), so a premul_sum fault can be shown "
+              "caught on a CPU"),
+    FaultKind("lr_scale", ".training:install_lr_scale", "every optimizer step uses lr x factor", {
+        "factor": Param("number", "the learning-rate factor (default 1.01)"), "ranks": _RANKS, "rank": _RANKS}),
+    FaultKind("linear_noise", ".training:install_linear_noise",
+              "every F.linear output x (1+rel): legitimate kernel drift at 1e-7", {
+                  "rel": Param("number", "relative change (default 1e-7)"), "ranks": _RANKS, "rank": _RANKS}),
+    FaultKind("hang", ".process:install_hang", "the rank sleeps after completing a step", {
+        "rank": _RANKS, "ranks": _RANKS, "step": _STEP, "seconds": Param("number", "how long (default 3600)")}),
+    FaultKind("crash", ".process:install_crash", "the rank fails after completing a step", {
+        "rank": _RANKS, "ranks": _RANKS, "step": _STEP,
+        "how": Param("choice", "raise an exception, exit, or abort", ("raise", "exit", "abort"))}),
+    FaultKind("teardown_abort", ".process:install_teardown_abort",
+              "SIGABRT after results are delivered (what gloo does at exit on torch 2.13); a correct launcher ignores it",
+              {"rank": _RANKS, "ranks": _RANKS}),
+)}
+
+
+def parse(text: str) -> FaultSpec:
+    """Parse and validate one spec; BadFaultSpec says what is allowed."""
+    kind_name, _, rest = text.partition(":")
+    kind = KINDS.get(kind_name.strip())
+    if kind is None:
+        raise BadFaultSpec(f"{text!r}: unknown fault kind {kind_name.strip()!r}; known kinds: {', '.join(KINDS)}")
+    params: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = (s.strip() for s in item.partition("="))
+        if not eq:
+            raise BadFaultSpec(f"{text!r}: {item!r} is not key=value")
+        param = kind.params.get(key)
+        if param is None:
+            allowed = ", ".join(kind.params) or "none"
+            raise BadFaultSpec(f"{text!r}: fault kind {kind.name!r} has no key {key!r}; its keys: {allowed}")
+        try:
+            params[key] = param.parse(value)
+        except ValueError:
+            raise BadFaultSpec(f"{text!r}: {key}={value!r} is not allowed; {key} takes {param.describe()}") from None
+    return FaultSpec(kind.name, params, text)
+
+
+def parse_all(texts: tuple[str, ...] | list[str]) -> list[FaultSpec]:
+    return [parse(t) for t in texts]
+
+
+def install(texts: list[str], ctx: Any) -> list[str]:
+    """On a rank: install every fault in this process; return the specs that apply to this rank.
+
+    A collective fault is installed on every rank (its own ``ranks`` filter decides where it fires,
+    so the call sequence stays the same everywhere); other kinds only on the ranks they name."""
+    installed = []
+    for spec in parse_all(texts):
+        if spec.kind != "collective" and spec.ranks is not None and ctx.rank not in spec.ranks:
+            continue
+        module, _, function = KINDS[spec.kind].installer.partition(":")
+        installer: Callable[[FaultSpec, Any], None] = getattr(importlib.import_module(module, __name__), function)
+        installer(spec, ctx)
+        installed.append(spec.text)
+    return installed
+
+
+def emulated_ops(specs: tuple[FaultSpec, ...] | list[FaultSpec]) -> tuple[str, ...]:
+    """Collective ops a fault shim provides on this backend (only ``premul_sum`` today)."""
+    return ("premul_sum",) if any(s.kind == "emulate_premul_sum" for s in specs) else ()

@@ -1,0 +1,194 @@
+"""Command-line options and their ini keys: declared once, typed, validated, resolved into one dataclass.
+
+Each ``--gpuregress-foo-bar`` option has the ini key ``gpuregress_foo_bar``; the command line wins.
+A scenario may declare options of its own (``Scenario.options``); they are added to the same
+group and reach the scenario, validated, through ``Setup.option``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..errors import BadFaultSpec
+from ..faults import FaultSpec, parse_all
+from ..units import parse_bytes
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One ``--gpuregress-<name>`` option.
+
+    kind: flag | str | int | float | bytes | list (repeatable) | csv (comma-separated) | choice
+    minimum: the smallest accepted number (int, float and bytes kinds)
+    """
+
+    name: str
+    kind: str
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+
+    @property
+    def flag(self) -> str:
+        return f"--gpuregress-{self.name}" if self.name else "--gpuregress"
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    def convert(self, raw: Any, where: str) -> Any:
+        """``raw`` (a string from the command line or ini file) as this option's type, or a UsageError."""
+        if raw is None:
+            return self.default
+        if self.kind in ("flag", "list"):
+            return raw
+        if self.kind == "csv":
+            return [p.strip() for p in str(raw).split(",") if p.strip()]
+        if self.kind == "choice":
+            if raw not in self.choices:
+                raise pytest.UsageError(f"{where} {raw!r}: must be one of {', '.join(self.choices)}")
+            return raw
+        if self.kind == "str":
+            return str(raw)
+        parse: Callable[[str], float] = {"int": int, "float": float, "bytes": parse_bytes}[self.kind]
+        try:
+            value = parse(str(raw).strip())
+        except ValueError:
+            example = {"int": "an integer such as 300", "float": "a number such as 600",
+                       "bytes": "a size such as 4MiB, 512KiB or 65536"}[self.kind]
+            raise pytest.UsageError(f"{where} {raw!r}: expected {example}") from None
+        if self.minimum is not None and value < self.minimum:
+            raise pytest.UsageError(f"{where} {raw!r}: must be at least {self.minimum:g}")
+        return value
+
+
+CORE_OPTIONS: tuple[OptionSpec, ...] = (
+    OptionSpec("", "flag", False, "run the built-in regression suite and enable the gpuregress fixtures"),
+    OptionSpec("record", "flag", False, "write (or overwrite) references from this run instead of comparing"),
+    OptionSpec("reference-dir", "str", None,
+               "directory of references to compare against and record into (default: <rootdir>/reference_runs, "
+               "falling back to the references shipped with the plugin)"),
+    OptionSpec("device", "choice", "auto", "cuda also covers ROCm builds of torch", choices=("auto", "cpu", "cuda")),
+    OptionSpec("world-size", "int", None, "ranks to spawn (default: one per local GPU, or 2 on the CPU)", minimum=1),
+    OptionSpec("steps", "int", None, "training steps (default: the scenario's, 300 for fsdp)", minimum=1),
+    OptionSpec("timeout", "float", 600.0, "wall-clock seconds one group of ranks may take before it is reported "
+                                          "as hung and killed", minimum=1),
+    OptionSpec("lane", "choice", "auto", "comparison lane: exact (bitwise) when the numerics fingerprint matches, "
+                                         "tolerant otherwise", choices=("auto", "exact", "tolerant")),
+    OptionSpec("inject", "list", [], "inject a fault into every rank, to prove a detector fires "
+                                     "(see docs/faults.md); repeatable"),
+    OptionSpec("keep-runs", "flag", False, "keep every run's rank logs and records (kept on failure anyway)"),
+)
+
+
+def add_options(parser: pytest.Parser, specs: Iterable[OptionSpec]) -> None:
+    group = parser.getgroup("gpuregress", "training-stack numerics regression (pytest-gpuregress)")
+    for spec in specs:
+        if spec.kind == "flag":
+            group.addoption(spec.flag, action="store_true", default=None, dest=spec.dest, help=spec.help)
+            parser.addini(spec.dest, help=spec.help, type="bool", default=spec.default)
+        elif spec.kind == "list":
+            group.addoption(spec.flag, action="append", default=None, dest=spec.dest, metavar="SPEC", help=spec.help)
+            parser.addini(spec.dest, help=spec.help, type="linelist", default=spec.default)
+        else:
+            # No argparse type or choices: our own conversion gives the one-line message for both sources.
+            metavar = "|".join(spec.choices) if spec.choices else spec.kind.upper()
+            group.addoption(spec.flag, action="store", default=None, dest=spec.dest, metavar=metavar,
+                            help=f"{spec.help} (default: {spec.default})")
+            parser.addini(spec.dest, help=spec.help, default=None)
+
+
+def resolve(config: pytest.Config, spec: OptionSpec) -> Any:
+    """The option's value: command line, else ini key, else default; converted and validated."""
+    cli = config.getoption(spec.dest)
+    if cli is not None:
+        return spec.convert(cli, spec.flag)
+    ini = config.getini(spec.dest)
+    if spec.kind in ("flag", "list"):
+        return ini if ini not in (None, "") else spec.default
+    return spec.convert(None if ini in (None, "") else ini, f"ini key {spec.dest} =")
+
+
+@dataclass(frozen=True)
+class Options:
+    enabled: bool = False
+    record: bool = False
+    reference_dir: Path | None = None
+    device: str = "auto"
+    world_size: int | None = None
+    steps: int | None = None
+    timeout: float = 600.0
+    lane: str = "auto"
+    inject: tuple[str, ...] = ()
+    faults: tuple[FaultSpec, ...] = ()
+    keep_runs: bool = False
+    # A scenario's own options, by dest (e.g. gpuregress_collectives_repeats); validated like the rest.
+    scenario_values: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: pytest.Config, scenario_specs: Iterable[OptionSpec] = ()) -> Options:
+        if not resolve(config, CORE_OPTIONS[0]):  # off: the other values are not read, so not judged
+            return cls()
+        values = {spec.dest: resolve(config, spec) for spec in CORE_OPTIONS}
+        inject = tuple(values["gpuregress_inject"] or ())
+        try:
+            faults = tuple(parse_all(inject))
+        except BadFaultSpec as exc:
+            raise pytest.UsageError(f"--gpuregress-inject: {exc}") from None
+        ref = values["gpuregress_reference_dir"]
+        return cls(
+            enabled=True,
+            record=bool(values["gpuregress_record"]),
+            reference_dir=(config.invocation_params.dir / ref).resolve() if ref else None,
+            device=values["gpuregress_device"],
+            world_size=values["gpuregress_world_size"],
+            steps=values["gpuregress_steps"],
+            timeout=float(values["gpuregress_timeout"]),
+            lane=values["gpuregress_lane"],
+            inject=inject,
+            faults=faults,
+            keep_runs=bool(values["gpuregress_keep_runs"]),
+            scenario_values={spec.dest: resolve(config, spec) for spec in scenario_specs},
+        )
+
+
+def check_reference_dir_argument(config: pytest.Config) -> None:
+    """Fail clearly when ``--gpuregress-reference-dir DIR`` (two words) moved pytest's rootdir.
+
+    pytest chooses its rootdir and ini file before plugins add their options, so it takes an
+    existing DIR after an option it does not know yet for a test path. ``--opt=DIR`` is one word
+    and is safe. Here we recompute the choice without DIR and stop if it differs.
+    """
+    args = list(config.invocation_params.args)
+    if "--gpuregress-reference-dir" not in args[:-1]:
+        return
+    value = args[args.index("--gpuregress-reference-dir") + 1]
+    if not (config.invocation_params.dir / value).is_dir():
+        return
+    from _pytest.config.findpaths import determine_setup
+
+    wanted = {
+        "inifile": config.option.inifilename,
+        "override_ini": config.option.override_ini,
+        "args": [str(a) for a in config.option.file_or_dir or []],
+        "rootdir_cmd_arg": config.option.rootdir or None,
+        "invocation_dir": config.invocation_params.dir,
+    }
+    params = inspect.signature(determine_setup).parameters
+    try:
+        rootpath, inipath = determine_setup(**{k: v for k, v in wanted.items() if k in params})[:2]
+    except Exception:  # noqa: BLE001 - private API; when in doubt, ask for the safe spelling
+        rootpath, inipath = None, None
+    if (rootpath, inipath) != (config.rootpath, config.inipath):
+        raise pytest.UsageError(
+            f"--gpuregress-reference-dir {value}: pytest took the directory for a test path while choosing "
+            f"its rootdir ({config.rootpath}) and ini file ({config.inipath}), before this plugin was loaded. "
+            f"Write it as one word: --gpuregress-reference-dir={value}"
+        )

@@ -1,0 +1,249 @@
+"""One pytest session's gpuregress state: platform, launcher, references, launches and results.
+
+The plugin creates it when ``--gpuregress`` is on; the ``gpuregress`` fixture hands it to tests.
+It ties a scenario (launch) to a reference (store) and a verdict (compare, report), through the
+scenario interface only: nothing here names a scenario.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import MissingReference, RankFailure, RegressionFailure
+from ..launch.job import Job
+from ..reference import store
+from ..reference.compare import Comparison, compare_training
+from ..reference.record import RunRecord
+from ..reference.report import format_comparison
+from ..resources import shipped_dir
+from ..scenarios import Case, Launch, Scenario, Setup, get_scenario, registry
+from ..stack.platforms import Platform, resolve_platform
+from .options import Options
+
+
+@dataclass
+class Outcome:
+    """One scenario run, for the terminal summary."""
+
+    scenario: str
+    platform_key: str
+    verdict: str  # passed | failed | recorded | error
+    lane: str = ""
+    detail: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def test_id(scenario: Scenario, case: Case) -> str:
+    """The case's pytest id: the scenario's name, then the case's own id where it has one."""
+    return case.id if case.id == scenario.name else f"{scenario.name}-{case.id}"
+
+
+class GpuRegressSession:
+    def __init__(self, options: Options, rootpath: Path, output_dir: Path | None = None) -> None:
+        self.options = options
+        self.rootpath = rootpath
+        self.output_dir = output_dir
+        self.platform: Platform = resolve_platform(options.device, options.world_size)
+        self.setup = Setup(
+            device_kind=self.platform.device_kind,
+            backend=self.platform.backend,
+            world_size=self.platform.world_size,
+            steps=options.steps,
+            faults=options.faults,
+            options=dict(options.scenario_values),
+        )
+        self.outcomes: list[Outcome] = []
+        self.selected: dict[str, list[Case]] = {}  # scenario -> cases left after -k and -m
+        # scenario -> launch key -> merged record, or the launch's failure message
+        self.launched: dict[str, dict[str, RunRecord | RankFailure]] = {}
+        self.saved: dict[tuple[str, str], Path] = {}
+        self._launcher: Any = None
+
+    # --- cases ---------------------------------------------------------------------------------
+
+    def all_cases(self) -> list[tuple[Scenario, Case]]:
+        return [(sc, case) for sc in registry().values() for case in sc.cases(self.setup)]
+
+    def select(self, chosen: set[tuple[str, str]]) -> None:
+        """Keep the (scenario, case id) pairs that survived -k and -m, so launches carry only those."""
+        self.selected = {}
+        for sc, case in self.all_cases():
+            if (sc.name, case.id) in chosen:
+                self.selected.setdefault(sc.name, []).append(case)
+
+    # --- where references live ------------------------------------------------------------------
+
+    @property
+    def user_reference_root(self) -> Path:
+        return self.options.reference_dir or (self.rootpath / "reference_runs")
+
+    @property
+    def shipped_reference_root(self) -> Path:
+        return shipped_dir("reference_runs")
+
+    def record_hint(self, selection: str) -> str:
+        parts = ["pytest", "--gpuregress", "--gpuregress-record", "-k", selection]
+        parts.append(f"--gpuregress-reference-dir={self.user_reference_root}")
+        if self.options.steps:
+            parts.append(f"--gpuregress-steps={self.options.steps}")
+        if self.options.world_size:
+            parts.append(f"--gpuregress-world-size={self.options.world_size}")
+        if self.options.device != "auto":
+            parts.append(f"--gpuregress-device={self.options.device}")
+        return shlex.join(parts)
+
+    def location(self, name: str, platform_key: str, *, for_writing: bool = False) -> store.ReferenceLocation:
+        hint = self.record_hint(name)
+        user = store.ReferenceLocation(self.user_reference_root, name, platform_key, hint)
+        # An explicit --gpuregress-reference-dir means that directory only; the shipped
+        # references are the fallback of the default location.
+        if for_writing or self.options.reference_dir is not None or (user.path / store.MANIFEST).exists():
+            return user
+        shipped = store.ReferenceLocation(self.shipped_reference_root, name, platform_key, hint)
+        if (shipped.path / store.MANIFEST).exists():
+            return shipped
+        return user
+
+    # --- running ----------------------------------------------------------------------------------
+
+    @property
+    def launcher(self) -> Any:
+        if self._launcher is None:
+            if self.platform.in_place:
+                from ..launch.inplace import InPlaceLauncher
+
+                self._launcher = InPlaceLauncher()
+            else:
+                from ..launch.spawn import SpawnLauncher
+
+                self._launcher = SpawnLauncher(keep_dirs=self.options.keep_runs, base_dir=self.output_dir)
+        return self._launcher
+
+    def run(
+        self,
+        scenario: str | Scenario,
+        *,
+        config: dict[str, Any] | None = None,
+        faults: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> RunRecord:
+        """Run ``scenario`` (a name, "module:function", or a Scenario) on every rank; return the merged record."""
+        sc = get_scenario(scenario) if isinstance(scenario, str) else scenario
+        cfg = sc.default_config(self.setup)
+        cfg.update(config or {})
+        return self._launch(sc, Launch("default", cfg, dict(env or {})), faults or [])
+
+    def _launch(self, sc: Scenario, launch: Launch, faults: list[str]) -> RunRecord:
+        job = Job(
+            scenario=sc.rank_entry,
+            config=launch.config,
+            world_size=self.platform.world_size,
+            device_kind=self.platform.device_kind,
+            backend=self.platform.backend,
+            run_dir=str(self.launcher.make_run_dir()),
+            # The wall-clock limit fires first, so hung ranks are reported with their stacks
+            # rather than a peer's collective timeout.
+            timeout_s=self.options.timeout + 60,
+            faults=[*self.options.inject, *faults],
+            env=dict(launch.env),
+            loopback_only=not self.platform.in_place,
+        )
+        result = self.launcher.run(job, wall_timeout_s=self.options.timeout)
+        record = sc.merge(result.records)
+        record.platform_key = self.platform.key(sc.platform_tag(launch.config))
+        record.timings["launch_wall_s"] = result.wall_s
+        listening: dict[str, Any] = {}
+        for rec in result.records:
+            listening.update(rec.results.get("listening", {}))
+        if listening:
+            record.results["listening"] = listening
+        record.notes.extend(result.notes)
+        return record
+
+    def launch_for(self, sc: Scenario, case: Case) -> RunRecord:
+        """The merged record of the launch that carries ``case``: run on first use, then served from the cache.
+
+        A failed launch fails every case it carries with the same message, without running again."""
+        done = self.launched.setdefault(sc.name, {})
+        if case.launch not in done:
+            cases = self.selected.get(sc.name) or [case]
+            launch = next(la for la in sc.launches(cases, self.setup) if la.key == case.launch)
+            try:
+                done[case.launch] = record = self._launch(sc, launch, [])
+            except RankFailure as exc:
+                done[case.launch] = RankFailure(f"scenario {sc.name!r}, launch {launch.key!r} did not finish:\n{exc}")
+            else:
+                self._save_artifacts(sc, launch.key, record)
+        outcome = done[case.launch]
+        if isinstance(outcome, RankFailure):
+            raise outcome
+        return outcome
+
+    def _save_artifacts(self, sc: Scenario, key: str, record: RunRecord) -> None:
+        if self.output_dir is None or sc.kind != "check":
+            return
+        target = self.output_dir / sc.name / record.platform_key / key.replace("+", "_")
+        record.save(target)
+        for name, text in sc.artifacts(key, record, self.setup).items():
+            (target / name).write_text(text)
+        self.saved[(sc.name, key)] = target
+
+    # --- verdicts -----------------------------------------------------------------------------------
+
+    def run_case(self, scenario: str, case_id: str) -> None:
+        """Run one case of a registered scenario and give its verdict: the built-in suite's one test."""
+        __tracebackhide__ = True
+        sc = registry()[scenario]
+        case = next(c for c in self.selected.get(scenario, []) or sc.cases(self.setup) if c.id == case_id)
+        record = self.launch_for(sc, case)
+        problems = sc.verdict(case, record, self.setup)
+        if sc.kind == "training":
+            self.check(record, name=case.id, extra=problems)
+        elif problems:
+            raise RegressionFailure("\n".join(problems))
+
+    def check(self, record: RunRecord, *, name: str | None = None, extra: list[str] | None = None) -> Comparison | None:
+        """Record ``record`` (with --gpuregress-record) or compare it with its reference.
+
+        ``extra``: reference-free findings of the scenario, reported with the comparison's.
+        Raises RegressionFailure with the full report when it differs; MissingReference,
+        CorruptReference or ForeignReference when the reference cannot be used.
+        """
+        __tracebackhide__ = True
+        scenario = name or record.scenario
+        extra = extra or []
+        if self.options.record:
+            if extra:  # never store a reference that fails its own checks
+                raise RegressionFailure(f"not recording {scenario!r}: the run fails its own checks\n" + "\n".join(extra))
+            loc = self.location(scenario, record.platform_key, for_writing=True)
+            if not getattr(self.launcher, "is_writer", True):  # under torchrun only rank 0 writes
+                return None
+            path = store.write_reference(loc, record, overwrite=True)
+            self.outcomes.append(Outcome(scenario, record.platform_key, "recorded", detail=str(path),
+                                         notes=record.notes))
+            return None
+        loc = self.location(scenario, record.platform_key)
+        try:
+            reference = store.read_reference(loc)
+        except MissingReference:
+            self.outcomes.append(Outcome(scenario, record.platform_key, "error", detail="no reference"))
+            raise
+        store.check_compatible(loc, reference, record)
+        comparison = compare_training(reference, record, lane=self.options.lane)
+        passed = comparison.passed and not extra
+        loss = record.series.get("loss") or [float("nan")]
+        detail = f"{record.steps} steps, loss {loss[0]:.4f} -> {loss[-1]:.4f}, reference {loc.path}"
+        if comparison.lane == "tolerant":
+            detail += f"; {comparison.lane_reason}"
+        self.outcomes.append(Outcome(scenario, record.platform_key, "passed" if passed else "failed",
+                                     comparison.lane, detail, record.notes))
+        if comparison.passed and extra:
+            raise RegressionFailure("\n".join([*extra, f"(the comparison with the reference {loc.path} passed)"]))
+        if not passed:
+            report = format_comparison(comparison, scenario=scenario, platform_key=record.platform_key,
+                                       reference_path=str(loc.path), record_hint=loc.record_hint)
+            raise RegressionFailure("\n".join([*extra, report]) if extra else report)
+        return comparison

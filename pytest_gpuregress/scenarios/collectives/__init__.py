@@ -1,0 +1,145 @@
+"""Scenario ``collectives``: every op, variant, dtype and size against its closed-form result, bit for bit.
+
+Session side. ``plan.py`` (torch-free) lists the cases and judges them; ``rank.py`` runs them on
+every rank. Launching ranks per case would take hours, so the selected cases of one protocol
+group (an ``NCCL_PROTO``/``NCCL_ALGO`` setting) share one launch, and each case reads its verdict
+from that launch's merged record.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...faults import emulated_ops
+from ...plugin.options import OptionSpec
+from ...reference.record import RunRecord
+from ..base import Case, CheckScenario, Launch, Setup
+from . import plan
+
+SIZE_BANDS = [(1 << 10, "<=1KiB"), (64 << 10, "<=64KiB"), (512 << 10, "<=512KiB"), (4 << 20, "<=4MiB"),
+              (64 << 20, "<=64MiB"), (1 << 62, ">64MiB")]
+DEFAULT_MAX_BYTES = {"cpu": 4 << 20, "cuda": 256 << 20}
+
+
+def protocol_groups(protos: list[str], algos: list[str], backend: str) -> dict[str, dict[str, str]]:
+    """Label -> environment for each group of ranks. Only NCCL/RCCL have protocols."""
+    if backend != "nccl" or not (protos or algos):
+        return {"default": {}}
+    groups: dict[str, dict[str, str]] = {}
+    for proto in protos or [""]:
+        for algo in algos or [""]:
+            label = "+".join(p for p in (proto, algo) if p)
+            groups[label] = {k: v for k, v in (("NCCL_PROTO", proto), ("NCCL_ALGO", algo)) if v}
+    return groups
+
+
+class CollectivesScenario(CheckScenario):
+    name = "collectives"
+    rank_entry = "pytest_gpuregress.scenarios.collectives.rank:run"
+    options = (
+        OptionSpec("collectives-max-bytes", "bytes", None,
+                   "largest collective buffer in the sweep, e.g. 4MiB (default: 4MiB on the CPU, 256MiB on GPUs)",
+                   minimum=1),
+        OptionSpec("collectives-repeats", "int", 3, "times each collective case runs; some faults are intermittent",
+                   minimum=1),
+        OptionSpec("nccl-protos", "csv", [], "comma-separated NCCL_PROTO values (LL,LL128,Simple): the sweep runs "
+                                             "once per value, each in its own group of ranks"),
+        OptionSpec("nccl-algos", "csv", [], "comma-separated NCCL_ALGO values (Ring,Tree), crossed with the protocols"),
+    )
+
+    def groups(self, setup: Setup) -> dict[str, dict[str, str]]:
+        return protocol_groups(setup.option("nccl-protos") or [], setup.option("nccl-algos") or [], setup.backend)
+
+    def pinning_ignored(self, setup: Setup) -> bool:
+        """Protocol options were given but this backend has no protocols to pin."""
+        return bool(setup.option("nccl-protos") or setup.option("nccl-algos")) and setup.backend != "nccl"
+
+    def planned(self, setup: Setup) -> list[plan.Case]:
+        max_bytes = setup.option("collectives-max-bytes") or DEFAULT_MAX_BYTES.get(setup.device_kind, 4 << 20)
+        return plan.plan(setup.backend, setup.world_size, max_bytes, protocols=list(self.groups(setup)),
+                         emulated=emulated_ops(setup.faults))
+
+    def cases(self, setup: Setup) -> list[Case]:
+        return [Case(c.id, launch=c.protocol, data=c.to_json()) for c in self.planned(setup)]
+
+    def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
+        groups = self.groups(setup)
+        repeats = setup.option("collectives-repeats")
+        return [
+            Launch(protocol, {"cases": [c.data for c in cases if c.launch == protocol], "repeats": repeats}, env)
+            for protocol, env in groups.items()
+            if any(c.launch == protocol for c in cases)
+        ]
+
+    def merge(self, records: list[RunRecord]) -> RunRecord:
+        merged = records[0]
+        merged.results["cases"] = plan.merge_rank_results([r.results["cases"] for r in records])
+        return merged
+
+    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
+        problem = plan.verdict(plan.Case(**case.data), record.results["cases"][case.id], setup.world_size)
+        return [f"[collective] {problem}"] if problem else []
+
+    def header(self, setup: Setup) -> list[str]:
+        if not self.pinning_ignored(setup):
+            return []
+        return [f"gpuregress: NCCL protocol/algorithm pinning does not apply to {setup.backend}; "
+                "the collective sweep runs once with the backend's default"]
+
+    def artifacts(self, key: str, record: RunRecord, setup: Setup) -> dict[str, str]:
+        cases, results = _cases_and_results(record)
+        table = plan.bandwidth_table(cases, results, setup.world_size, protocol=key)
+        return {"bandwidth.txt": "\n".join(table) + "\n"}
+
+    def summary(self, records: dict[str, RunRecord | None], setup: Setup) -> list[str]:
+        lines: list[str] = []
+        for protocol, record in records.items():
+            if record is None:
+                continue
+            cases, _ = _cases_and_results(record)
+            lines.append(f"protocol {protocol}: {len(cases)} cases on {setup.world_size} {setup.backend} ranks in "
+                         f"{record.timings.get('launch_wall_s', 0.0):.1f}s")
+        if self.pinning_ignored(setup):
+            lines.append(f"NCCL protocol/algorithm pinning does not apply to {setup.backend}: ran the default sweep once")
+        lines += self.protocol_table(records, setup)
+        dtype = "bf16" if setup.device_kind == "cuda" else "fp32"
+        for protocol, record in records.items():
+            if record is None:
+                continue
+            cases, results = _cases_and_results(record)
+            rows = plan.bandwidth_table(cases, results, setup.world_size, dtype, protocol, op="all_reduce",
+                                        reduce_op="sum")
+            if len(rows) > 1:
+                lines.append(f"all_reduce SUM {dtype} bandwidth, protocol {protocol} "
+                             "(full table: bandwidth.txt beside the saved record):")
+                lines += rows
+        return lines
+
+    def protocol_table(self, records: dict[str, RunRecord | None], setup: Setup) -> list[str]:
+        """Which protocol fails at which size band: counts of failing cases; 'did not run' for a failed launch."""
+        world = setup.world_size
+        rows = []
+        for protocol, record in records.items():
+            if record is None:
+                rows.append(f"  {protocol:<14} did not run")
+                continue
+            counts = dict.fromkeys((label for _, label in SIZE_BANDS), 0)
+            cases, results = _cases_and_results(record)
+            for case in cases:
+                if plan.verdict(case, results[case.id], world):
+                    counts[next(lbl for limit, lbl in SIZE_BANDS if case.nbytes(world) <= limit)] += 1
+            rows.append(f"  {protocol:<14} " + " ".join(f"{counts[lbl]:>9}" for _, lbl in SIZE_BANDS))
+        return ["failing cases by protocol and size band:",
+                f"  {'protocol':<14} " + " ".join(f"{lbl:>9}" for _, lbl in SIZE_BANDS), *rows]
+
+
+def _cases_and_results(record: RunRecord) -> tuple[list[plan.Case], dict[str, Any]]:
+    """The cases a launch ran, in plan order (a stored record keeps them sorted by id), and their results."""
+    results = record.results["cases"]
+    kinds = {kind: i for i, kind in enumerate(plan.KINDS)}
+    cases = [plan.Case(**r["case"]) for r in results.values()]
+    cases.sort(key=lambda c: (kinds[(c.op, c.variant, c.reduce_op, c.in_place)], c.dtype, c.n))
+    return cases, results
+
+
+SCENARIO = CollectivesScenario()

@@ -1,0 +1,51 @@
+"""Scenario ``fsdp``: fixed-seed FSDP2 training of a tiny Llama, compared with its stored reference.
+
+Session side: the configuration per device. The training loop itself is in ``rank.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..base import Scenario, Setup
+
+# Per-size defaults. The CPU size runs 300 steps in well under a minute on two cores.
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {"model_size": "cpu", "dtype": "fp32", "global_batch": 16, "seq_len": 64, "lr": 3e-3},
+    "cuda": {"model_size": "gpu", "dtype": "bf16", "global_batch": 48, "seq_len": 256, "lr": 6e-4},
+}
+COMMON: dict[str, Any] = {
+    "model": "tiny-llama",
+    "steps": 300,
+    "seed": 0,
+    "data_seed": 1234,
+    "warmup_steps": 20,
+    "min_lr_ratio": 0.1,
+    "weight_decay": 0.1,
+    "betas": [0.9, 0.95],
+    "eps": 1e-8,
+    "grad_clip": 1.0,
+}
+
+
+def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A training scenario's config: common values, the device's, the steps asked for, the model's identity."""
+    from ...training.models import config_digest, load_config
+
+    config = dict(common)
+    config.update(per_device["cuda" if setup.device_kind == "cuda" else "cpu"])
+    if setup.steps is not None:
+        config["steps"] = int(setup.steps)
+    config["model_config_digest"] = config_digest(load_config(config["model"], config["model_size"]))
+    return config
+
+
+class FsdpScenario(Scenario):
+    name = "fsdp"
+    rank_entry = "pytest_gpuregress.scenarios.fsdp.rank:run"
+
+    def default_config(self, setup: Setup) -> dict[str, Any]:
+        return training_config(setup, COMMON, DEVICE_DEFAULTS)
+
+
+SCENARIO = FsdpScenario()

@@ -1,0 +1,68 @@
+"""Option values and fault specs are validated once, at configure time: a one-line usage error, no rank started."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_gpuregress.errors import BadFaultSpec
+from pytest_gpuregress.faults import parse
+
+
+@pytest.mark.parametrize(
+    ("argument", "message"),
+    [
+        ("--gpuregress-steps=abc", "--gpuregress-steps 'abc': expected an integer such as 300"),
+        ("--gpuregress-steps=0", "--gpuregress-steps '0': must be at least 1"),
+        ("--gpuregress-world-size=0", "--gpuregress-world-size '0': must be at least 1"),
+        ("--gpuregress-timeout=soon", "--gpuregress-timeout 'soon': expected a number such as 600"),
+        ("--gpuregress-collectives-max-bytes=lots", "--gpuregress-collectives-max-bytes 'lots': expected a size such as 4MiB"),
+        ("--gpuregress-collectives-max-bytes=0", "--gpuregress-collectives-max-bytes '0': must be at least 1"),
+        ("--gpuregress-collectives-repeats=0", "--gpuregress-collectives-repeats '0': must be at least 1"),
+        ("--gpuregress-lane=fuzzy", "--gpuregress-lane 'fuzzy': must be one of auto, exact, tolerant"),
+        ("--gpuregress-inject=colective:op=all_reduce", "unknown fault kind 'colective'; known kinds: collective, "),
+        ("--gpuregress-inject=collective:opp=all_reduce", "fault kind 'collective' has no key 'opp'; its keys: op, mode,"),
+        ("--gpuregress-inject=collective:op=allreduce", "op='allreduce' is not allowed; op takes one of all_reduce|"),
+        ("--gpuregress-inject=collective:mode=flip", "mode='flip' is not allowed; mode takes one of nudge|zero_tail"),
+        ("--gpuregress-inject=collective:dtype=bf17", "dtype='bf17' is not allowed; dtype takes one of bf16, "),
+        ("--gpuregress-inject=collective:rel=big", "rel='big' is not allowed; rel takes a number"),
+        ("--gpuregress-inject=lr_scale:1.01", "'1.01' is not key=value"),
+    ],
+)
+def test_bad_values_are_one_line_usage_errors_before_any_rank_starts(
+    pytester: pytest.Pytester, argument: str, message: str
+) -> None:
+    result = pytester.runpytest("--gpuregress", argument)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [line for line in result.stderr.lines if line.startswith("ERROR:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr.str()
+    assert "Traceback" not in result.stderr.str() and "INTERNALERROR" not in result.stderr.str()
+    assert not list(pytester.path.rglob("gpuregress-run-*"))  # no rank was started
+
+
+def test_bad_ini_value_names_the_ini_key(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ngpuregress_steps = many\n")
+    result = pytester.runpytest("--gpuregress")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: ini key gpuregress_steps = 'many': expected an integer*"])
+
+
+def test_without_the_flag_bad_values_are_not_read(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    pytester.runpytest("--gpuregress-steps=abc").assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("spelling", ["bf16", "bfloat16"])
+def test_dtype_filters_take_short_and_torch_names(spelling: str) -> None:
+    assert parse(f"collective:dtype={spelling}").get("dtype") == "bfloat16"
+
+
+def test_fault_values_are_typed() -> None:
+    spec = parse("collective:op=all_reduce|reduce_scatter,rel=1e-4,count=3,ranks=0|1,every=20")
+    assert spec.get("op") == {"all_reduce", "reduce_scatter"}
+    assert spec.get("rel") == 1e-4 and spec.get("count") == 3 and spec.get("every") == 20
+    assert spec.ranks == {0, 1}
+
+
+def test_a_kind_without_keys_refuses_every_key() -> None:
+    with pytest.raises(BadFaultSpec, match="has no key 'x'; its keys: none"):
+        parse("emulate_premul_sum:x=1")

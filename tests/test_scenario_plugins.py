@@ -1,0 +1,64 @@
+"""Scenarios as plug-ins: the README's toy scenario, registered by entry point, runs like a built-in one."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "toy_scenario" / "gpuregress_toy.py"
+
+
+def install_entry_point(pytester: pytest.Pytester, name: str, value: str, dist: str = "gpuregress_toy") -> None:
+    """What ``pip install`` of a package with a ``gpuregress.scenarios`` entry point leaves on sys.path."""
+    info = pytester.path / f"{dist}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[gpuregress.scenarios]\n{name} = {value}\n")
+
+
+@pytest.mark.slow
+def test_toy_scenario_records_compares_and_fails_under_a_fault(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    shutil.copy(EXAMPLE, pytester.path / EXAMPLE.name)
+    install_entry_point(pytester, "toy", "gpuregress_toy:SCENARIO")
+    refs = tmp_path / "refs"
+    args = ["-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={refs}", "-k", "toy"]
+
+    missing = pytester.runpytest_subprocess(*args)
+    missing.assert_outcomes(failed=1)
+    missing.stdout.fnmatch_lines(["*MissingReference*toy/cpu-gloo-w2-fp32: no reference recorded*",
+                                  "*fix: record one on a known-good stack: pytest --gpuregress --gpuregress-record -k toy*"])
+
+    pytester.runpytest_subprocess(*args, "--gpuregress-record").assert_outcomes(passed=1)
+    assert (refs / "toy" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
+
+    clean = pytester.runpytest_subprocess(*args)
+    clean.assert_outcomes(passed=1)
+    clean.stdout.fnmatch_lines(["toy cpu-gloo-w2-fp32: PASSED [[]exact lane[]] 20 steps*"])
+
+    broken = pytester.runpytest_subprocess(*args, "--gpuregress-inject=collective:op=all_reduce,mode=nudge,rel=1e-3")
+    broken.assert_outcomes(failed=1)
+    broken.stdout.fnmatch_lines(["*scenario 'toy' on cpu-gloo-w2-fp32 differs from its reference*",
+                                 "*loss: first differing step 0 of 20*"])
+
+    listed = pytester.run("gpuregress", "scenarios")
+    assert any(line.startswith("toy ") and "training" in line for line in listed.stdout.lines), listed.stdout.str()
+
+
+def test_a_broken_plug_in_is_a_usage_error_naming_its_entry_point(pytester: pytest.Pytester) -> None:
+    install_entry_point(pytester, "broken", "no_such_module:SCENARIO", dist="broken_pkg")
+    result = pytester.runpytest_subprocess("--gpuregress", "--collect-only")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*gpuregress scenarios: 'no_such_module:SCENARIO': cannot import no_such_module*"])
+    # Without --gpuregress the plugin stays out of the way.
+    pytester.makepyfile("def test_ok():\n    pass\n")
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+
+
+def test_a_plug_in_that_is_not_a_scenario_is_refused(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(not_a_scenario="SCENARIO = object()\n")
+    install_entry_point(pytester, "odd", "not_a_scenario:SCENARIO", dist="odd_pkg")
+    result = pytester.runpytest_subprocess("--gpuregress", "--collect-only")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*entry point odd = not_a_scenario:SCENARIO (odd_pkg): not a scenario*"])

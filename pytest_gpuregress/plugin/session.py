@@ -8,6 +8,7 @@ scenario interface only: nothing here names a scenario.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ class GpuRegressSession:
         # scenario -> launch key -> merged record, or the launch's failure message
         self.launched: dict[str, dict[str, RunRecord | RankFailure]] = {}
         self.saved: dict[tuple[str, str], Path] = {}
+        self._recorded: dict[Path, RunRecord] = {}
         self._launcher: Any = None
 
     # --- cases ---------------------------------------------------------------------------------
@@ -200,15 +202,25 @@ class GpuRegressSession:
         case = next(c for c in self.selected.get(scenario, []) or sc.cases(self.setup) if c.id == case_id)
         record = self.launch_for(sc, case)
         problems = sc.verdict(case, record, self.setup)
-        if sc.kind == "training":
-            self.check(record, name=case.id, extra=problems)
+        reference = sc.reference_name(case)
+        if reference is not None:
+            lane = self.options.lane
+            self.check(record, name=reference, extra=problems, compare=lambda ref, run: sc.compare(ref, run, case, lane))
         elif problems:
             raise RegressionFailure("\n".join(problems))
 
-    def check(self, record: RunRecord, *, name: str | None = None, extra: list[str] | None = None) -> Comparison | None:
+    def check(
+        self,
+        record: RunRecord,
+        *,
+        name: str | None = None,
+        extra: list[str] | None = None,
+        compare: Callable[[RunRecord, RunRecord], Comparison] | None = None,
+    ) -> Comparison | None:
         """Record ``record`` (with --gpuregress-record) or compare it with its reference.
 
         ``extra``: reference-free findings of the scenario, reported with the comparison's.
+        ``compare``: the scenario's own comparison (default: losses, gradients and weights).
         Raises RegressionFailure with the full report when it differs; MissingReference,
         CorruptReference or ForeignReference when the reference cannot be used.
         """
@@ -221,7 +233,10 @@ class GpuRegressSession:
             loc = self.location(scenario, record.platform_key, for_writing=True)
             if not getattr(self.launcher, "is_writer", True):  # under torchrun only rank 0 writes
                 return None
+            if self._recorded.get(loc.path) is record:  # cases of one launch sharing one reference
+                return None
             path = store.write_reference(loc, record, overwrite=True)
+            self._recorded[loc.path] = record
             self.outcomes.append(Outcome(scenario, record.platform_key, "recorded", detail=str(path),
                                          notes=record.notes))
             return None
@@ -232,7 +247,7 @@ class GpuRegressSession:
             self.outcomes.append(Outcome(scenario, record.platform_key, "error", detail="no reference"))
             raise
         store.check_compatible(loc, reference, record)
-        comparison = compare_training(reference, record, lane=self.options.lane)
+        comparison = (compare or (lambda ref, run: compare_training(ref, run, lane=self.options.lane)))(reference, record)
         passed = comparison.passed and not extra
         loss = record.series.get("loss") or [float("nan")]
         detail = f"{record.steps} steps, loss {loss[0]:.4f} -> {loss[-1]:.4f}, reference {loc.path}"

@@ -9,7 +9,9 @@ A scenario declares, on the session side (torch-free, imported at collection):
   launches()      how the selected cases are grouped into launches of ranks
   rank_entry      "package.module:function", the code every rank runs: ``function(ctx) -> RunRecord``
   merge()         how the per-rank records become one
-  verdict()       reference-free findings for one case (all a check scenario has)
+  verdict()       reference-free findings for one case (all a check scenario needs)
+  reference_name  the stored reference a case is compared with (every training case; None for checks)
+  compare()       how a case's record is compared with that reference (default: the training comparison)
   summary()       optional lines for the terminal summary
   options         optional ``--gpuregress-<name>`` options of its own
 
@@ -29,6 +31,7 @@ from ..reference.record import RunRecord
 if TYPE_CHECKING:
     from ..faults import FaultSpec
     from ..plugin.options import OptionSpec
+    from ..reference.compare import Comparison
 
 StepHook = Callable[[int, int], None]  # (rank, step) -> None; faults use it to hang or crash
 
@@ -135,6 +138,19 @@ class Scenario:
     def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
         """Reference-free findings for ``case``, each a complete message naming its component; [] when clean."""
         return []
+
+    def reference_name(self, case: Case) -> str | None:
+        """The stored reference ``case`` is compared with (a folder under the reference root), or None.
+
+        Training scenarios compare every case; a check scenario may compare some cases (say, checksums
+        whose expected values are not known in closed form). Cases of one launch may share a reference."""
+        return case.id if self.kind == "training" else None
+
+    def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
+        """Compare ``record`` with its reference for ``case``. By default: losses, gradients and weights."""
+        from ..reference.compare import compare_training
+
+        return compare_training(reference, record, lane=lane)
 
     def header(self, setup: Setup) -> list[str]:
         """Lines for the report header, e.g. a setting that does not apply on this platform."""

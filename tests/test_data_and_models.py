@@ -9,7 +9,7 @@ import pytest
 
 from pytest_gpuregress.training.counter_rng import hash_words, splitmix64
 from pytest_gpuregress.training.data import MarkovTokens
-from pytest_gpuregress.training.models import config_digest, load_config, model_dir, seeded_normal
+from pytest_gpuregress.training.models import architecture_digest, load_config, model_dir, seeded_normal
 
 
 def test_splitmix64_known_value() -> None:
@@ -62,7 +62,22 @@ def test_model_configs_ship_in_both_sizes() -> None:
     cpu, gpu = load_config("tiny-llama", "cpu"), load_config("tiny-llama", "gpu")
     assert cpu.num_key_value_heads < cpu.num_attention_heads  # GQA
     assert gpu.hidden_size > cpu.hidden_size
-    assert config_digest(cpu) != config_digest(gpu)
+    assert architecture_digest("tiny-llama", "cpu") != architecture_digest("tiny-llama", "gpu")
+
+
+def test_architecture_digest_ignores_version_stamps_but_not_the_architecture(tmp_path) -> None:
+    import json
+
+    shipped = json.loads((model_dir("tiny-llama", "cpu") / "config.json").read_text())
+    digests = {}
+    for label, change in {"same": {}, "stamped": {"transformers_version": "9.9.9", "torch_dtype": "bfloat16"},
+                          "wider": {"hidden_size": 128}}.items():
+        folder = tmp_path / label
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**shipped, **change}))
+        digests[label] = architecture_digest(str(folder), "cpu")
+    assert digests["same"] == digests["stamped"] == architecture_digest("tiny-llama", "cpu")
+    assert digests["wider"] != digests["same"]
 
 
 def test_unknown_model_names_the_file() -> None:

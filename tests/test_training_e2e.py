@@ -75,7 +75,7 @@ def test_changed_learning_rate_is_caught(pytester: pytest.Pytester, refs: Path) 
     result = run(pytester, refs, "--gpuregress-inject=lr_scale:factor=1.05")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*[[]optimizer or collective[]] loss: first differing step 1 of 8*"])
-    assert "step0_grad" not in result.stdout.str()  # step 0 ran before the first optimizer step
+    assert "] step0_grad" not in result.stdout.str()  # step 0 ran before the first optimizer step
 
 
 def test_legitimate_kernel_drift_shows_in_the_exact_lane_but_passes_the_tolerant_one(

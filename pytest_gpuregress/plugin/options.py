@@ -17,6 +17,7 @@ import pytest
 
 from ..errors import BadFaultSpec
 from ..faults import FaultSpec, parse_all
+from ..training.noise import DEFAULT_REPLICAS, PERTURBATIONS
 from ..units import parse_bytes
 
 
@@ -34,6 +35,7 @@ class OptionSpec:
     help: str
     choices: tuple[str, ...] = ()
     minimum: float | None = None
+    maximum: float | None = None
 
     @property
     def flag(self) -> str:
@@ -66,6 +68,8 @@ class OptionSpec:
             raise pytest.UsageError(f"{where} {raw!r}: expected {example}") from None
         if self.minimum is not None and value < self.minimum:
             raise pytest.UsageError(f"{where} {raw!r}: must be at least {self.minimum:g}")
+        if self.maximum is not None and value > self.maximum:
+            raise pytest.UsageError(f"{where} {raw!r}: must be at most {self.maximum:g}")
         return value
 
 
@@ -85,6 +89,9 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("inject", "list", [], "inject a fault into every rank, to prove a detector fires "
                                      "(see docs/faults.md); repeatable"),
     OptionSpec("keep-runs", "flag", False, "keep every run's rank logs and records (kept on failure anyway)"),
+    OptionSpec("replicas", "int", DEFAULT_REPLICAS,
+               "noise replicas run when recording a training reference; their spread sets the tolerant lane's "
+               f"limits (0 to {len(PERTURBATIONS)}; 0 records no envelope)", minimum=0, maximum=len(PERTURBATIONS)),
 )
 
 
@@ -129,6 +136,7 @@ class Options:
     inject: tuple[str, ...] = ()
     faults: tuple[FaultSpec, ...] = ()
     keep_runs: bool = False
+    replicas: int = DEFAULT_REPLICAS
     # A scenario's own options, by dest (e.g. gpuregress_collectives_repeats); validated like the rest.
     scenario_values: dict[str, Any] = field(default_factory=dict)
 
@@ -155,6 +163,7 @@ class Options:
             inject=inject,
             faults=faults,
             keep_runs=bool(values["gpuregress_keep_runs"]),
+            replicas=int(values["gpuregress_replicas"]),
             scenario_values={spec.dest: resolve(config, spec) for spec in scenario_specs},
         )
 

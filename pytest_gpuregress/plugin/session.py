@@ -15,10 +15,10 @@ from typing import Any
 
 from ..errors import MissingReference, RankFailure, RegressionFailure
 from ..launch.job import Job
-from ..reference import store
+from ..reference import envelope, store
 from ..reference.compare import Comparison, compare_training
 from ..reference.record import RunRecord
-from ..reference.report import format_comparison
+from ..reference.report import format_comparison, format_margins
 from ..resources import shipped_dir
 from ..scenarios import Case, Launch, Scenario, Setup, get_scenario, registry
 from ..stack.platforms import Platform, resolve_platform
@@ -171,8 +171,7 @@ class GpuRegressSession:
         A failed launch fails every case it carries with the same message, without running again."""
         done = self.launched.setdefault(sc.name, {})
         if case.launch not in done:
-            cases = self.selected.get(sc.name) or [case]
-            launch = next(la for la in sc.launches(cases, self.setup) if la.key == case.launch)
+            launch = self._launch_of(sc, case)
             try:
                 done[case.launch] = record = self._launch(sc, launch, [])
             except RankFailure as exc:
@@ -183,6 +182,20 @@ class GpuRegressSession:
         if isinstance(outcome, RankFailure):
             raise outcome
         return outcome
+
+    def _launch_of(self, sc: Scenario, case: Case) -> Launch:
+        cases = self.selected.get(sc.name) or [case]
+        return next(la for la in sc.launches(cases, self.setup) if la.key == case.launch)
+
+    def _attach_envelope(self, sc: Scenario, case: Case, record: RunRecord) -> None:
+        """Run the scenario's noise replicas and store their spread with ``record`` (record mode only)."""
+        replicas = sc.noise_replicas(self._launch_of(sc, case), self.setup, self.options.replicas)
+        if not replicas or any(k.startswith(envelope.PREFIX) for k in record.arrays):
+            return
+        perturbed = [self._launch(sc, replica, []) for replica in replicas]
+        record.arrays.update(envelope.measure(record, perturbed))
+        record.results["envelope"] = {"replicas": [r.key for r in replicas], "k": envelope.K,
+                                      "floors": vars(envelope.floors_for(str(record.config.get("dtype", "fp32"))))}
 
     def _save_artifacts(self, sc: Scenario, key: str, record: RunRecord) -> None:
         if self.output_dir is None or sc.kind != "check":
@@ -203,6 +216,8 @@ class GpuRegressSession:
         record = self.launch_for(sc, case)
         problems = sc.verdict(case, record, self.setup)
         reference = sc.reference_name(case)
+        if reference is not None and self.options.record and self.options.replicas and not problems:
+            self._attach_envelope(sc, case, record)
         if reference is not None:
             lane = self.options.lane
             self.check(record, name=reference, extra=problems, compare=lambda ref, run: sc.compare(ref, run, case, lane))
@@ -251,6 +266,7 @@ class GpuRegressSession:
         passed = comparison.passed and not extra
         loss = record.series.get("loss") or [float("nan")]
         detail = f"{record.steps} steps, loss {loss[0]:.4f} -> {loss[-1]:.4f}, reference {loc.path}"
+        detail += f"; {format_margins(comparison)}"
         if comparison.lane == "tolerant":
             detail += f"; {comparison.lane_reason}"
         self.outcomes.append(Outcome(scenario, record.platform_key, "passed" if passed else "failed",

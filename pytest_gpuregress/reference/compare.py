@@ -4,8 +4,8 @@ Two lanes:
   exact     the numerics fingerprint matches, so every stored number must be bitwise equal.
             Any difference is reported with its first step and its distance in float32 ulps.
   tolerant  the stack changed (new torch, driver, CPU kernels...), so numbers may move within
-            per-metric tolerances. Defaults below are per compute dtype; a later issue replaces
-            them with tolerances measured from a noise envelope.
+            per-metric limits: K x the noise envelope stored with the reference plus a floor
+            (envelope.py), or fixed per-dtype limits for a reference without an envelope.
 
 Every finding names the metric, the step, the tensor and its size, expected and got, how far
 past its tolerance it is, and the component it points to (see ``_suspect``).
@@ -13,12 +13,15 @@ past its tolerance it is, and the component it points to (see ``_suspect``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..stack import fingerprint as fp
+from .envelope import PREFIX as ENVELOPE_PREFIX
+from .envelope import digest_deviation, floors_for, limit, rel, step0_names, tensor_deviation
 from .record import RunRecord
 
 WORST_ROWS = 8
@@ -28,7 +31,7 @@ SPARSE_FRACTION = 0.05
 
 @dataclass(frozen=True)
 class Tolerances:
-    """Tolerant-lane limits. Relative for scalars; for tensors, |a-b| / max|reference|."""
+    """Tolerant-lane limits without an envelope. Relative for scalars; for tensors, |a-b| / max|reference|."""
 
     loss: float
     grad_norm: float
@@ -37,12 +40,12 @@ class Tolerances:
     final_weights: float
 
 
-# fp32 on CPU, measured by benchmarks/noise_margin.py (300 steps, 2 gloo ranks). Max deviation
-# from a clean run, legitimate (every linear layer x (1+1e-7)) vs fault (one element of each
-# reduce-scatter x (1+1e-4)):
-#   loss 2.0e-7 vs 1.7e-7 (the loss alone cannot tell them apart), grad_norm 3.5e-7 vs 6.8e-7,
-#   param_grad_norm 1.5e-6 vs 1.3e-5, step-0 gradients 7.9e-7 vs 2.4e-5.
-# Each limit sits between the two where they separate, and well above legitimate drift elsewhere.
+# Limits for references that carry no noise envelope (a user's own loop, a reference recorded with
+# --gpuregress-replicas=0). fp32 on CPU, measured by benchmarks/noise_margin.py (300 steps, 2 gloo
+# ranks): legitimate drift (every linear layer x (1+1e-7)) vs a fault (one element of each
+# reduce-scatter x (1+1e-4)): loss 2.0e-7 vs 1.7e-7 (the loss alone cannot tell them apart),
+# grad_norm 3.5e-7 vs 6.8e-7, param_grad_norm 1.5e-6 vs 1.3e-5, step-0 gradients 7.9e-7 vs 2.4e-5.
+# The bf16 values are rough: references recorded with replicas use the measured envelope instead.
 DEFAULT_TOLERANCES: dict[str, Tolerances] = {
     "fp32": Tolerances(loss=1e-6, grad_norm=2e-6, param_grad_norm=5e-6, step0_grad=5e-6, final_weights=1e-6),
     "bf16": Tolerances(loss=2e-2, grad_norm=5e-2, param_grad_norm=1e-1, step0_grad=5e-2, final_weights=5e-2),
@@ -71,6 +74,10 @@ class Comparison:
     lane_reason: str
     findings: list[Finding]
     stack_changes: list[tuple[str, Any, Any]]
+    # metric -> largest deviation as a multiple of its tolerant-lane limit, in either lane: how close
+    # this run came to failing on another stack (0 when bitwise equal).
+    margins: dict[str, float] = field(default_factory=dict)
+    limits_from: str = "fixed"  # "envelope" when the reference carries one
 
     @property
     def passed(self) -> bool:
@@ -83,7 +90,7 @@ def choose_lane(reference: RunRecord, run: RunRecord, requested: str = "auto") -
         return requested, f"{requested} lane requested"
     if not changed:
         return "exact", "the numerics fingerprint matches the reference, so results must be bitwise equal"
-    names = ", ".join(k for k, _, _ in changed[:4]) + (" ..." if len(changed) > 4 else "")
+    names = ", ".join(fp.describe_change(*c) for c in changed[:4]) + (" ..." if len(changed) > 4 else "")
     return "tolerant", f"the stack changed ({names}), so results may move within tolerances"
 
 
@@ -102,152 +109,181 @@ def _bits_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a64.view(np.int64) != b64.view(np.int64)
 
 
-def _rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.abs(a - b) / np.maximum(np.abs(b), np.finfo(np.float64).tiny)
-    return np.where(np.isnan(a) != np.isnan(b), np.inf, np.nan_to_num(out, nan=0.0, posinf=np.inf))
+def _worst(
+    label: Callable[[int], str], expected: np.ndarray, got: np.ndarray, diff: np.ndarray
+) -> list[tuple[str, float, float, float]]:
+    """The largest entries of ``diff`` (flat arrays), labelled only for those rows: cheap on large tensors."""
+    count = min(WORST_ROWS, diff.size)
+    if count == 0:
+        return []
+    top = np.argpartition(-diff, count - 1)[:count]
+    top = top[np.argsort(-diff[top], kind="stable")]
+    return [(label(int(i)), float(expected[i]), float(got[i]), float(diff[i])) for i in top if diff[i] > 0]
 
 
-def _worst(labels: list[str], expected: np.ndarray, got: np.ndarray, diff: np.ndarray) -> list[tuple[str, float, float, float]]:
-    order = np.argsort(-diff, kind="stable")[:WORST_ROWS]
-    return [(labels[i], float(expected[i]), float(got[i]), float(diff[i])) for i in order if diff[i] > 0]
+@dataclass(frozen=True)
+class _Check:
+    """One metric's deviations and limits, shaped alike, and the lane's verdict per entry."""
+
+    dev: np.ndarray
+    limit: np.ndarray
+    bad: np.ndarray
+
+    def margin(self) -> float:
+        if self.dev.size == 0:
+            return 0.0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(self.dev > 0, self.dev / self.limit, 0.0)
+        return float(np.max(ratio))
+
+    def measure(self, index: Any, lane: str, ulps: int | None = None) -> str:
+        if lane == "exact":
+            return f"{ulps} ulp32" if ulps is not None else "bits differ"
+        return f"{float(self.dev[index]):.3g} > tol {float(self.limit[index]):.3g}"
 
 
-def _series(metric: str, ref: list[float], got: list[float], lane: str, tol: float) -> Finding | None:
+def _check(dev: np.ndarray, limit: np.ndarray, lane: str, ref: np.ndarray, got: np.ndarray) -> _Check:
+    bad = _bits_differ(ref, got) if lane == "exact" else dev > limit
+    return _Check(dev, np.broadcast_to(limit, dev.shape), bad)
+
+
+def _series(metric: str, ref: list[float], got: list[float], lane: str, limit: np.ndarray) -> tuple[Finding | None, float]:
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
-    n = min(len(r), len(g))
     if len(r) != len(g):
-        return Finding(metric, "unknown", f"{metric}: reference has {len(r)} steps, this run {len(g)}")
-    bad = _bits_differ(r, g) if lane == "exact" else _rel(g, r) > tol
-    if not bad.any():
-        return None
-    step = int(np.argmax(bad))
-    rel = _rel(g[:n], r[:n])
-    ulp = ulps32(g[:n], r[:n])
-    measure = f"{int(ulp[step])} ulp32" if lane == "exact" else f"rel {rel[step]:.3g} > tol {tol:.3g}"
-    return Finding(
+        return Finding(metric, "unknown", f"{metric}: reference has {len(r)} steps, this run {len(g)}"), float("inf")
+    check = _check(rel(g, r), limit, lane, r, g)
+    if not check.bad.any():
+        return None, check.margin()
+    n = len(r)
+    step = int(np.argmax(check.bad))
+    ulp = ulps32(g, r)
+    finding = Finding(
         metric=metric,
         component="",
         message=(
             f"{metric}: first differing step {step} of {n}: expected {float(r[step])!r}, got {float(g[step])!r} "
-            f"({measure}); {int(bad.sum())} steps differ, max rel {float(rel.max()):.3g}"
+            f"({check.measure(step, lane, int(ulp[step]))}); {int(check.bad.sum())} steps differ, "
+            f"max rel {float(check.dev.max()):.3g}"
         ),
         step=step,
         expected=float(r[step]),
         got=float(g[step]),
-        distance=float(ulp[step] if lane == "exact" else rel[step]),
-        tolerance=0.0 if lane == "exact" else tol,
-        worst=_worst([f"step {i}" for i in range(n)], r, g, rel),
+        distance=float(ulp[step] if lane == "exact" else check.dev[step]),
+        tolerance=0.0 if lane == "exact" else float(check.limit[step]),
+        worst=_worst(lambda i: f"step {i}", r, g, check.dev),
     )
+    return finding, check.margin()
 
 
-def _param_grad_norms(ref: RunRecord, run: RunRecord, lane: str, tol: float) -> Finding | None:
+def _param_grad_norms(ref: RunRecord, run: RunRecord, lane: str, limit: np.ndarray) -> tuple[Finding | None, float]:
     r, g = ref.arrays.get("param_grad_norm"), run.arrays.get("param_grad_norm")
     if r is None or g is None:
-        return None
+        return None, 0.0
     if r.shape != g.shape:
-        return Finding("param_grad_norm", "unknown", f"param_grad_norm: shape {r.shape} vs {g.shape}")
-    rel = _rel(g, r)
-    bad = _bits_differ(r, g) if lane == "exact" else rel > tol
-    if not bad.any():
-        return None
-    steps_bad = np.nonzero(bad.any(axis=1))[0]
-    step = int(steps_bad[0])
-    params_bad = np.nonzero(bad[step])[0]
+        return Finding("param_grad_norm", "unknown", f"param_grad_norm: shape {r.shape} vs {g.shape}"), float("inf")
+    check = _check(rel(g, r), limit, lane, r, g)
+    if not check.bad.any():
+        return None, check.margin()
+    step = int(np.nonzero(check.bad.any(axis=1))[0][0])
+    params_bad = np.nonzero(check.bad[step])[0]
     names = ref.param_names or [f"param{i}" for i in range(r.shape[1])]
     first = int(params_bad[0])
-    labels = [names[i] for i in range(r.shape[1])]
-    return Finding(
+    finding = Finding(
         metric="param_grad_norm",
         component="",
         message=(
             f"param_grad_norm: first differing step {step}: {len(params_bad)} of {r.shape[1]} parameters, "
             f"first {names[first]}: expected {float(r[step, first])!r}, got {float(g[step, first])!r} "
-            f"(rel {rel[step, first]:.3g})"
+            f"({check.measure((step, first), lane, int(ulps32(g[step, first], r[step, first])))})"
         ),
         step=step,
         tensor=names[first],
         expected=float(r[step, first]),
         got=float(g[step, first]),
-        distance=float(rel[step, first]),
-        tolerance=0.0 if lane == "exact" else tol,
-        worst=_worst([f"step {step} {n}" for n in labels], r[step], g[step], rel[step]),
+        distance=float(check.dev[step, first]),
+        tolerance=0.0 if lane == "exact" else float(check.limit[step, first]),
+        worst=_worst(lambda i: f"step {step} {names[i]}", r[step], g[step], check.dev[step]),
     )
+    return finding, check.margin()
 
 
-def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, tol: float) -> list[Finding]:
+def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, float]) -> tuple[list[Finding], float]:
     out: list[Finding] = []
-    for key in sorted(k for k in ref.arrays if k.startswith("step0_grad/")):
-        name = key.split("/", 1)[1]
+    margin = 0.0
+    for name in step0_names(ref):
+        key = f"step0_grad/{name}"
         r, g = ref.arrays[key], run.arrays.get(key)
         size = f"{list(r.shape)} = {r.size} elements"
         if g is None or g.shape != r.shape:
             out.append(Finding("step0_grad", "unknown", f"step0_grad {name}: missing or reshaped in this run",
                                step=0, tensor=name, size=size))
             continue
-        scale = max(float(np.abs(r).max()), np.finfo(np.float32).tiny)
-        diff = np.abs(g.astype(np.float64) - r.astype(np.float64)) / scale
-        diff = np.where(np.isnan(g) != np.isnan(r), np.inf, np.nan_to_num(diff, nan=0.0))
-        bad = _bits_differ(r, g) if lane == "exact" else diff > tol
-        if not bad.any():
+        rf, gf = r.reshape(-1), g.reshape(-1)
+        check = _check(tensor_deviation(gf, rf), np.asarray(limits[name]), lane, rf, gf)
+        margin = max(margin, check.margin())
+        if not check.bad.any():
             continue
-        flat_bad = np.nonzero(bad.reshape(-1))[0]
+        flat_bad = np.nonzero(check.bad)[0]
         first = int(flat_bad[0])
-        idx = tuple(int(i) for i in np.unravel_index(first, r.shape))
-        rf, gf, df = r.reshape(-1), g.reshape(-1), diff.reshape(-1)
-        labels = [str(tuple(int(i) for i in np.unravel_index(j, r.shape))) for j in range(r.size)]
-        measure = f"{int(ulps32(gf[first], rf[first]))} ulp32" if lane == "exact" else f"{df[first]:.3g} > tol {tol:.3g}"
+
+        def where(j: int, shape: tuple[int, ...] = r.shape) -> str:
+            return str(tuple(int(i) for i in np.unravel_index(j, shape)))
+
         out.append(
             Finding(
                 metric="step0_grad",
                 component="",
                 message=(
                     f"step0_grad {name} {size}: {len(flat_bad)} elements differ "
-                    f"({100 * len(flat_bad) / r.size:.3g}%), first at {idx}: expected {float(rf[first])!r}, "
-                    f"got {float(gf[first])!r} ({measure}); max |diff|/max|ref| {float(df.max()):.3g}"
+                    f"({100 * len(flat_bad) / r.size:.3g}%), first at {where(first)}: expected {float(rf[first])!r}, "
+                    f"got {float(gf[first])!r} ({check.measure(first, lane, int(ulps32(gf[first], rf[first])))}); "
+                    f"max |diff|/max|ref| {float(check.dev.max()):.3g}"
                 ),
                 step=0,
                 tensor=name,
                 size=size,
                 expected=float(rf[first]),
                 got=float(gf[first]),
-                distance=float(df[first]),
-                tolerance=0.0 if lane == "exact" else tol,
+                distance=float(check.dev[first]),
+                tolerance=0.0 if lane == "exact" else float(check.limit[first]),
                 fraction=len(flat_bad) / r.size,
-                worst=_worst(labels, rf, gf, df),
+                worst=_worst(where, rf, gf, check.dev),
             )
         )
-    return out
+    return out, margin
 
 
-def _final_weights(ref: RunRecord, run: RunRecord, lane: str, tol: float) -> Finding | None:
+def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, float]) -> tuple[Finding | None, float]:
     bad: list[tuple[str, float, float, float]] = []
-    for name, rd in ref.digests.items():
-        gd = run.digests.get(name)
+    margin = 0.0
+    for name in sorted(ref.digests):
+        rd, gd = ref.digests[name], run.digests.get(name)
         if gd is None:
             bad.append((name, float("nan"), float("nan"), float("inf")))
             continue
-        rel = float(_rel(np.asarray(gd["abs_sum"]), np.asarray(rd["abs_sum"])))
-        if (rd["sha256"] != gd["sha256"]) if lane == "exact" else rel > tol:
-            bad.append((name, float(rd["abs_sum"]), float(gd["abs_sum"]), rel))
+        dev = digest_deviation(gd, rd)
+        margin = max(margin, dev / limits[name] if dev > 0 else 0.0)
+        if (rd["sha256"] != gd["sha256"]) if lane == "exact" else dev > limits[name]:
+            bad.append((name, float(rd["abs_sum"]), float(gd["abs_sum"]), dev))
     if not bad:
-        return None
+        return None, margin
     bad.sort(key=lambda row: -row[3])
     name = bad[0][0]
-    return Finding(
+    finding = Finding(
         metric="final_weights",
         component="",
         message=(
             f"final_weights: {len(bad)} of {len(ref.digests)} parameters differ after the last step "
-            f"({'sha256' if lane == 'exact' else 'sum |w|'}); largest: {name} (rel {bad[0][3]:.3g})"
+            f"({'sha256' if lane == 'exact' else 'sum, |sum| and signed checksum'}); largest: {name} "
+            f"(rel {bad[0][3]:.3g}" + ("" if lane == "exact" else f" > tol {limits[name]:.3g}") + ")"
         ),
         tensor=name,
         size=str(ref.digests[name].get("shape")),
         distance=bad[0][3],
-        tolerance=0.0 if lane == "exact" else tol,
+        tolerance=0.0 if lane == "exact" else limits[name],
         worst=bad[:WORST_ROWS],
     )
+    return finding, margin
 
 
 def _suspect(findings: list[Finding]) -> None:
@@ -276,25 +312,54 @@ def _suspect(findings: list[Finding]) -> None:
             f.component = "optimizer or collective"
 
 
+def _limits(reference: RunRecord, tolerances: Tolerances | None) -> tuple[dict[str, Any], str]:
+    """Per-metric tolerant-lane limits: K x envelope + floor where the reference has an envelope, else fixed."""
+    dtype = str(reference.config.get("dtype", "fp32"))
+    fixed = tolerances or DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["bf16"])
+    floors = floors_for(dtype)
+    steps = len(reference.series.get("loss", []))
+    names = step0_names(reference)
+    digests = sorted(reference.digests)
+    has_envelope = tolerances is None and any(k.startswith(ENVELOPE_PREFIX) for k in reference.arrays)
+    out: dict[str, Any] = {}
+    for metric in ("loss", "grad_norm", "param_grad_norm", "step0_grad", "final_weights"):
+        enveloped = limit(reference, metric, getattr(floors, metric)) if has_envelope else None
+        if enveloped is None:
+            shape = {"loss": steps, "grad_norm": len(reference.series.get("grad_norm", [])),
+                     "step0_grad": len(names), "final_weights": len(digests)}.get(metric)
+            param = reference.arrays.get("param_grad_norm")
+            shape = param.shape if metric == "param_grad_norm" and param is not None else shape
+            enveloped = np.full(shape or 0, getattr(fixed, metric), dtype=np.float64)
+        out[metric] = enveloped
+    out["step0_grad"] = dict(zip(names, out["step0_grad"].tolist()))
+    out["final_weights"] = dict(zip(digests, out["final_weights"].tolist()))
+    return out, "envelope" if has_envelope else "fixed"
+
+
 def compare_training(
     reference: RunRecord, run: RunRecord, *, lane: str = "auto", tolerances: Tolerances | None = None
 ) -> Comparison:
-    """Compare two training records (losses, gradient norms, step-0 gradients, final weights)."""
+    """Compare two training records (losses, gradient norms, step-0 gradients, final weights).
+
+    ``tolerances`` replaces the envelope and the fixed limits with explicit ones."""
     chosen, reason = choose_lane(reference, run, lane)
-    dtype = str(reference.config.get("dtype", "fp32"))
-    tol = tolerances or DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["bf16"])
+    limits, source = _limits(reference, tolerances)
     findings: list[Finding] = []
-    findings.extend(_step0_grads(reference, run, chosen, tol.step0_grad))
-    for metric, limit in (("loss", tol.loss), ("grad_norm", tol.grad_norm)):
+    margins: dict[str, float] = {}
+    step0, margins["step0_grad"] = _step0_grads(reference, run, chosen, limits["step0_grad"])
+    findings.extend(step0)
+    for metric in ("loss", "grad_norm"):
         if metric in reference.series:
-            found = _series(metric, reference.series[metric], run.series.get(metric, []), chosen, limit)
+            found, margins[metric] = _series(metric, reference.series[metric], run.series.get(metric, []), chosen,
+                                             limits[metric])
             if found:
                 findings.append(found)
-    for extra in (
-        _param_grad_norms(reference, run, chosen, tol.param_grad_norm),
-        _final_weights(reference, run, chosen, tol.final_weights),
+    for metric, (found, margin) in (
+        ("param_grad_norm", _param_grad_norms(reference, run, chosen, limits["param_grad_norm"])),
+        ("final_weights", _final_weights(reference, run, chosen, limits["final_weights"])),
     ):
-        if extra:
-            findings.append(extra)
+        margins[metric] = margin
+        if found:
+            findings.append(found)
     _suspect(findings)
-    return Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint))
+    return Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source)

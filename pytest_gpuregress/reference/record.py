@@ -145,13 +145,20 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def float_digest(values: np.ndarray) -> dict[str, Any]:
-    """sha256 of the raw bytes plus float64 sums: bitwise identity and a readable magnitude."""
+    """sha256 of the raw bytes, plus float64 sums a tolerant comparison can read.
+
+    ``sum`` and ``abs_sum`` give the magnitude; ``signed_dot`` (the sum of w[i] times a fixed +-1
+    pattern) moves when signs flip or elements trade places, which neither sum notices."""
     flat = np.ascontiguousarray(values)
     as64 = flat.astype(np.float64)
+    index = np.arange(as64.size, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # a multiplicative hash, wrapping mod 2**64 by design
+        pattern = 1.0 - 2.0 * ((index * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(63)).astype(np.float64)
     return {
         "sha256": hashlib.sha256(flat.tobytes()).hexdigest(),
         "sum": float(as64.sum()),
         "abs_sum": float(np.abs(as64).sum()),
+        "signed_dot": float(as64.reshape(-1) @ pattern),
         "shape": list(flat.shape),
         "dtype": str(flat.dtype),
     }

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..stack.fingerprint import describe_change
 from .compare import Comparison, Finding
 
 MAX_FINDINGS = 12
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.9g}"
-    text = repr(value) if not isinstance(value, str) else value
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def format_table(rows: list[tuple[str, float, float, float]], diff_label: str = "diff") -> list[str]:
@@ -29,7 +23,14 @@ def format_stack_changes(changes: list[tuple[str, Any, Any]]) -> list[str]:
     if not changes:
         return ["  nothing in the stack fingerprint changed: suspect nondeterminism, an injected fault, "
                 "or hardware"]
-    return [f"  {name}: {_fmt(old)} -> {_fmt(new)}" for name, old, new in changes]
+    return [f"  {describe_change(*change)}" for change in changes]
+
+
+def format_margins(comparison: Comparison) -> str:
+    """Worst deviation per metric as a multiple of its tolerant-lane limit: how close the run came."""
+    source = "K x envelope + floor" if comparison.limits_from == "envelope" else "fixed limits"
+    cells = ", ".join(f"{metric} {value:.2g}x" for metric, value in comparison.margins.items())
+    return f"worst/limit ({source}): {cells}"
 
 
 def format_finding(finding: Finding) -> list[str]:

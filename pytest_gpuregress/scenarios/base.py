@@ -13,6 +13,7 @@ A scenario declares, on the session side (torch-free, imported at collection):
   reference_name  the stored reference a case is compared with (every training case; None for checks)
   compare()       how a case's record is compared with that reference (default: the training comparison)
   summary()       optional lines for the terminal summary
+  noise_replicas  optional perturbed launches whose spread becomes the tolerant lane's envelope
   options         optional ``--gpuregress-<name>`` options of its own
 
 Rank-side code lives in its own module (``rank.py`` in each scenario folder) and is the only part
@@ -130,6 +131,11 @@ class Scenario:
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
         """Group the selected ``cases`` into launches; each case's ``launch`` must name one of them."""
         return [Launch("default", self.default_config(setup))]
+
+    def noise_replicas(self, launch: Launch, setup: Setup, count: int) -> list[Launch]:
+        """Up to ``count`` launches of ``launch`` with legitimate perturbations, run when a reference is
+        recorded; their spread is the noise envelope (training/noise.py). [] records no envelope."""
+        return []
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
         """Combine the per-rank records (index = rank). By default rank 0's, which holds global values."""

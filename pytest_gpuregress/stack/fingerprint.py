@@ -16,8 +16,14 @@ from typing import Any
 Fingerprint = dict[str, dict[str, Any]]
 
 # Sections and fields that decide whether bitwise equality can be expected (the exact lane).
+# The rule: a field belongs when it can change a computed number on the same inputs: library
+# versions that compute (torch, transformers, peft, accelerate, numpy), the device and its kernel
+# set (GPU name, count and architecture, driver, CPU model and ATen capability), the BLAS, the
+# kernel switches, the threads per rank, the backend, world size and collective settings.
 # Left out on purpose: timestamps, host names, the Python patch level, safetensors and our own
-# version (they store numbers, they do not compute them).
+# version (they store numbers, they do not compute them), and the machine's CPU core count (each
+# rank runs one thread, so the core count changes no number; it is recorded as device.cpu_count).
+# None of these fields can make a reference foreign: they only choose the lane.
 NUMERICS_FIELDS: dict[str, tuple[str, ...]] = {
     "versions": ("torch", "transformers", "peft", "accelerate", "numpy"),
     "device": ("kind", "name", "count", "arch", "cuda", "hip", "driver", "cpu_model", "cpu_capability"),
@@ -91,6 +97,7 @@ def _device_section(torch: Any, device_kind: str) -> dict[str, Any]:
         "kind": device_kind,
         "cpu_model": _cpu_model(),
         "cpu_capability": cpu_capability,
+        "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
     }
     if device_kind == "cuda" and torch.cuda.is_available():
@@ -105,7 +112,7 @@ def _device_section(torch: Any, device_kind: str) -> dict[str, Any]:
             driver=_driver_version(torch),
         )
     else:
-        section.update(name="cpu", count=os.cpu_count(), arch=platform.machine())
+        section.update(name="cpu", count=None, arch=platform.machine())  # count: accelerators only
     return section
 
 
@@ -212,6 +219,18 @@ def diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, A
             if a != b:
                 out.append((f"{section}.{key}", a, b))
     return out
+
+
+def describe_change(name: str, old: Any, new: Any) -> str:
+    """One change for a report: ``transformers 5.24.0 -> 5.23.0``, ``device.cpu_capability: AVX2 -> AVX512``."""
+    if name.startswith("versions."):
+        return f"{name.split('.', 1)[1]} {old} -> {new}"
+    return f"{name}: {_short(old)} -> {_short(new)}"
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def numerics_key(fp: Fingerprint) -> dict[str, Any]:

@@ -41,12 +41,27 @@ def load_config(name: str, size: str) -> Any:
     return AutoConfig.from_pretrained(str(model_dir(name, size)), local_files_only=True)
 
 
-def config_digest(config: Any) -> str:
-    """A short hash of the model config, stored with references to detect a foreign model."""
+# Keys of a config.json that say who wrote the file or how to run it, not what the model is: a
+# transformers upgrade rewrites transformers_version, so it must never make a reference foreign.
+NOT_ARCHITECTURE = frozenset({"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache",
+                              "output_attentions", "output_hidden_states", "return_dict"})
+
+
+def architecture_digest(name: str, size: str) -> str:
+    """A short hash of what the model is: its config file without version stamps and run switches.
+
+    Read from the file, not from a transformers config object, whose serialised form gains new
+    defaults with every release. Stored with references: a different architecture is foreign."""
+    import hashlib
     import json
 
-    text = json.dumps(config.to_diff_dict(), sort_keys=True, default=str)
-    return f"{zlib.crc32(text.encode()):08x}"
+    path = model_dir(name, size) / "config.json"
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable JSON model config ({exc})") from None
+    identity = {k: v for k, v in fields.items() if k not in NOT_ARCHITECTURE}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> np.ndarray:

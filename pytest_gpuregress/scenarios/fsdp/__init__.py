@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..base import Scenario, Setup
+from ..base import Launch, Scenario, Setup
 
 # Per-size defaults. The CPU size runs 300 steps in well under a minute on two cores.
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -30,13 +30,13 @@ COMMON: dict[str, Any] = {
 
 def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A training scenario's config: common values, the device's, the steps asked for, the model's identity."""
-    from ...training.models import config_digest, load_config
+    from ...training.models import architecture_digest
 
     config = dict(common)
     config.update(per_device["cuda" if setup.device_kind == "cuda" else "cpu"])
     if setup.steps is not None:
         config["steps"] = int(setup.steps)
-    config["model_config_digest"] = config_digest(load_config(config["model"], config["model_size"]))
+    config["model_architecture"] = architecture_digest(config["model"], config["model_size"])
     return config
 
 
@@ -46,6 +46,17 @@ class FsdpScenario(Scenario):
 
     def default_config(self, setup: Setup) -> dict[str, Any]:
         return training_config(setup, COMMON, DEVICE_DEFAULTS)
+
+    def noise_replicas(self, launch: Launch, setup: Setup, count: int) -> list[Launch]:
+        return perturbed_launches(launch, setup, count)
+
+
+def perturbed_launches(launch: Launch, setup: Setup, count: int) -> list[Launch]:
+    """The noise replicas of a training launch: its config with a ``perturbation`` the rank code applies."""
+    from ...training.noise import replica_plan
+
+    return [Launch(f"replica-{perturbation}", {**launch.config, "perturbation": perturbation}, {**launch.env, **env})
+            for perturbation, env in replica_plan(count, setup.device_kind)]
 
 
 SCENARIO = FsdpScenario()

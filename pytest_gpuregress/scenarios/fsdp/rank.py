@@ -27,11 +27,16 @@ def run(ctx: RankContext) -> RunRecord:
 
     from ...training.data import MarkovTokens
     from ...training.models import build_causal_lm, load_config
+    from ...training.noise import apply_batch_order, apply_kernel_path, apply_weight_perturbation
 
     cfg = ctx.config
     device = torch.device(ctx.device)
     model_config = load_config(cfg["model"], cfg["model_size"])
-    model = build_causal_lm(model_config, seed=int(cfg["seed"])).to(device)
+    model = build_causal_lm(model_config, seed=int(cfg["seed"]))
+    perturbation = str(cfg.get("perturbation", ""))  # set only in the noise replicas of a recording
+    apply_weight_perturbation(model, perturbation, cfg["dtype"])
+    apply_kernel_path(perturbation, ctx.device_kind)
+    model = model.to(device)
     ctx.progress("model built")
 
     mp_policy = MixedPrecisionPolicy()
@@ -70,7 +75,8 @@ def run(ctx: RankContext) -> RunRecord:
     ctx.progress("training")
     for step in range(steps):
         t0 = time.perf_counter()
-        tokens = torch.from_numpy(data.rank_batch(step, ctx.rank, ctx.world_size)).to(device)
+        tokens = apply_batch_order(torch.from_numpy(data.rank_batch(step, ctx.rank, ctx.world_size)), perturbation)
+        tokens = tokens.to(device)
         logits = model(input_ids=tokens[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)

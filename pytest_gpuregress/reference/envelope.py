@@ -1,0 +1,123 @@
+"""The noise envelope: how far a healthy stack's legitimate perturbations move each metric.
+
+At record time a training scenario runs replicas (training/noise.py: initial weights one ulp off,
+sums in another order, another kernel path). ``measure`` turns their deviations from the base run
+into per-step, per-metric spreads, stored with the reference as ``envelope/<metric>`` arrays. The
+tolerant lane then allows ``K x spread + floor`` (``limit``), so its limits come from measured
+noise, not from guesses. numpy only.
+
+Deviation measures are the comparison's own (``deviations``), so the envelope and the check can
+never disagree on what is measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .record import RunRecord
+
+PREFIX = "envelope/"
+
+# K and the floors were chosen from data: benchmarks/noise_margin.py, 300 steps, 2 gloo ranks, fp32,
+# three replicas (table in the README, "The noise envelope"). As multiples of the replicas' spread,
+# legitimate changes reached at most 3.5x (every linear layer x (1 + 1e-7): param_grad_norm) and
+# 1.0x (AVX2 -> no SIMD kernels). The faults the tolerant lane must catch reached 100x
+# (param_grad_norm) and 63x (step-0 gradients) for one element of each small reduce-scatter off by
+# 1e-4, and over 5000x on every trajectory metric for lr x 1.001. K = 10 leaves about 3x above the
+# worst legitimate change and 6x below the weakest fault.
+K = 10.0
+
+
+@dataclass(frozen=True)
+class Floors:
+    """The smallest allowed deviation per metric, for entries where no replica moved at all."""
+
+    loss: float
+    grad_norm: float
+    param_grad_norm: float
+    step0_grad: float
+    final_weights: float
+
+
+# fp32: two float32 ulps (2.4e-7 relative): a floor that covers rounding, and stays 50x below the
+# weakest fault above. bf16: one bf16 ulp (2^-8), not yet measured on a GPU.
+FLOORS: dict[str, Floors] = {
+    "fp32": Floors(loss=2.5e-7, grad_norm=2.5e-7, param_grad_norm=2.5e-7, step0_grad=2.5e-7, final_weights=2.5e-7),
+    "bf16": Floors(loss=4e-3, grad_norm=4e-3, param_grad_norm=4e-3, step0_grad=4e-3, final_weights=4e-3),
+}
+
+
+def floors_for(dtype: str) -> Floors:
+    return FLOORS.get(dtype, FLOORS["bf16"])
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b| / |b| elementwise in float64; a NaN on one side only is an infinite deviation."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.abs(a - b) / np.maximum(np.abs(b), np.finfo(np.float64).tiny)
+    return np.where(np.isnan(a) != np.isnan(b), np.inf, np.nan_to_num(out, nan=0.0, posinf=np.inf))
+
+
+def tensor_deviation(run: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """|run - ref| / max|ref| elementwise: the scale of the whole tensor, so near-zero entries do not explode."""
+    scale = max(float(np.abs(ref).max()) if ref.size else 0.0, float(np.finfo(np.float32).tiny))
+    diff = np.abs(run.astype(np.float64) - ref.astype(np.float64)) / scale
+    return np.where(np.isnan(run) != np.isnan(ref), np.inf, np.nan_to_num(diff, nan=0.0))
+
+
+def digest_deviation(run: dict, ref: dict) -> float:
+    """How far final-weight digests moved: magnitude (abs_sum), sign (sum) and arrangement (signed_dot)."""
+    magnitude = float(rel(np.asarray(run["abs_sum"]), np.asarray(ref["abs_sum"])))
+    scale = max(abs(float(ref["abs_sum"])), float(np.finfo(np.float64).tiny))
+    signed = [abs(float(run[k]) - float(ref[k])) / scale for k in ("sum", "signed_dot") if k in run and k in ref]
+    value = max([magnitude, *signed])
+    return float("inf") if np.isnan(value) else value
+
+
+def deviations(reference: RunRecord, run: RunRecord) -> dict[str, np.ndarray]:
+    """Per-metric deviation arrays of ``run`` from ``reference``, in the comparison's measures."""
+    out: dict[str, np.ndarray] = {}
+    for metric in ("loss", "grad_norm"):
+        r, g = reference.series.get(metric), run.series.get(metric)
+        if r is not None and g is not None and len(r) == len(g):
+            out[metric] = rel(np.asarray(g), np.asarray(r))
+    r, g = reference.arrays.get("param_grad_norm"), run.arrays.get("param_grad_norm")
+    if r is not None and g is not None and r.shape == g.shape:
+        out["param_grad_norm"] = rel(g, r)
+    names = step0_names(reference)
+    if names and all(f"step0_grad/{n}" in run.arrays for n in names):
+        out["step0_grad"] = np.asarray([float(tensor_deviation(run.arrays[f"step0_grad/{n}"],
+                                                               reference.arrays[f"step0_grad/{n}"]).max())
+                                        for n in names])
+    if reference.digests and set(reference.digests) <= set(run.digests):
+        out["final_weights"] = np.asarray([digest_deviation(run.digests[n], reference.digests[n])
+                                           for n in sorted(reference.digests)])
+    return out
+
+
+def step0_names(record: RunRecord) -> list[str]:
+    return sorted(k.split("/", 1)[1] for k in record.arrays if k.startswith("step0_grad/"))
+
+
+def measure(base: RunRecord, replicas: list[RunRecord]) -> dict[str, np.ndarray]:
+    """The envelope arrays: per metric, the largest deviation any replica reached.
+
+    Along steps the spread is made non-decreasing (a running maximum): chaos only grows, and a
+    step where the replicas happened to agree is no reason to demand more there than before it."""
+    spread: dict[str, np.ndarray] = {}
+    for replica in replicas:
+        for metric, dev in deviations(base, replica).items():
+            spread[metric] = np.maximum(spread[metric], dev) if metric in spread else dev
+    for metric in ("loss", "grad_norm", "param_grad_norm"):
+        if metric in spread:
+            spread[metric] = np.maximum.accumulate(spread[metric], axis=0)
+    return {PREFIX + metric: values for metric, values in spread.items()}
+
+
+def limit(reference: RunRecord, metric: str, floor: float) -> np.ndarray | None:
+    """K x the stored spread + floor, shaped like the metric's deviations; None without an envelope."""
+    spread = reference.arrays.get(PREFIX + metric)
+    return None if spread is None else K * spread.astype(np.float64) + floor

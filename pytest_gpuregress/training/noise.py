@@ -1,0 +1,86 @@
+"""Noise replicas: the perturbations a healthy stack can legitimately produce, for the noise envelope.
+
+When a training reference is recorded, the scenario also runs replicas, each with one such
+perturbation. The spread they reach, per step and per metric, is stored with the reference and
+sets the tolerant lane's limits (reference/envelope.py). Session side: this module plans them;
+``apply_*`` below run on the ranks.
+
+  weights_ulp_up/down  every initial weight one ulp up (or down) in the compute dtype
+  reduction_order      each rank's batch in reverse order: the same sums, added in another order
+  kernel_path          another kernel path: the next lower ATEN_CPU_CAPABILITY on the CPU, the
+                       other BLAS library (cuBLAS <-> cuBLASLt, rocBLAS <-> hipBLASLt) on GPUs
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PERTURBATIONS = (
+    "weights_ulp_up",
+    "reduction_order",
+    "kernel_path",
+    "weights_ulp_down",
+    "weights_ulp_up+reduction_order",
+    "weights_ulp_down+kernel_path",
+)
+DEFAULT_REPLICAS = 3  # one of each kind: recording costs 4 plain runs
+# ATen's CPU kernel sets, each with the next lower one to fall back to.
+_LOWER_CPU_CAPABILITY = {"AVX512": "avx2", "AVX2": "default", "SVE256": "default", "SVE128": "default"}
+
+
+def lower_cpu_capability() -> str | None:
+    """The next lower ATEN_CPU_CAPABILITY of this machine, or None when it already runs the default."""
+    import torch
+
+    current = str(torch.backends.cpu.get_cpu_capability()).upper()
+    return _LOWER_CPU_CAPABILITY.get(current)
+
+
+def replica_plan(count: int, device_kind: str) -> list[tuple[str, dict[str, str]]]:
+    """(perturbation, extra environment) for each of ``count`` replicas."""
+    plan = []
+    for perturbation in PERTURBATIONS[:count]:
+        env: dict[str, str] = {}
+        if "kernel_path" in perturbation and device_kind == "cpu":
+            lower = lower_cpu_capability()
+            if lower is not None:
+                env["ATEN_CPU_CAPABILITY"] = lower
+        plan.append((perturbation, env))
+    return plan
+
+
+# --- on the ranks --------------------------------------------------------------------------------
+
+
+def apply_weight_perturbation(model: Any, perturbation: str, dtype: str) -> None:
+    """Nudge every weight one ulp of the compute dtype up or down (before sharding)."""
+    import torch
+
+    if "weights_ulp" not in perturbation:
+        return
+    up = "weights_ulp_up" in perturbation
+    with torch.no_grad():
+        for param in model.parameters():
+            if dtype == "bf16":  # one bf16 ulp: an fp32 ulp would vanish in the cast to the compute dtype
+                value = param.to(torch.bfloat16).float()
+                ulp = torch.ldexp(torch.ones_like(value), torch.frexp(value)[1] - 8)
+                param.copy_(value + ulp if up else value - ulp)
+            else:
+                param.copy_(torch.nextafter(param, torch.full_like(param, float("inf") if up else float("-inf"))))
+
+
+def apply_batch_order(tokens: Any, perturbation: str) -> Any:
+    """The rank's batch rows in reverse order for ``reduction_order``: the same mean, summed in another order."""
+    return tokens.flip(0) if "reduction_order" in perturbation else tokens
+
+
+def apply_kernel_path(perturbation: str, device_kind: str) -> str | None:
+    """On GPUs, switch to the other BLAS library; return what was chosen (the CPU switch is the environment)."""
+    if "kernel_path" not in perturbation or device_kind != "cuda":
+        return None
+    import torch
+
+    current = str(torch.backends.cuda.preferred_blas_library()).lower()
+    other = "cublas" if "lt" in current else "cublaslt"
+    torch.backends.cuda.preferred_blas_library(other)
+    return other

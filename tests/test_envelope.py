@@ -1,0 +1,96 @@
+"""The noise envelope: measured spreads, limits of K x spread + floor, and the signed weight checksum."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pytest_gpuregress.reference import envelope
+from pytest_gpuregress.reference.compare import compare_training
+from pytest_gpuregress.reference.record import float_digest
+from pytest_gpuregress.reference.report import format_stack_changes
+
+from .conftest import make_record
+
+
+def _perturbed(rel: float, seed: int = 1):  # type: ignore[no-untyped-def]
+    run = make_record()
+    rng = np.random.default_rng(seed)
+    run.series["loss"] = [x * (1 + rel * rng.uniform(-1, 1)) for x in run.series["loss"]]
+    run.series["grad_norm"] = [x * (1 + rel * rng.uniform(-1, 1)) for x in run.series["grad_norm"]]
+    run.arrays["param_grad_norm"] = run.arrays["param_grad_norm"] * (1 + rel)
+    for key in ("step0_grad/a.weight", "step0_grad/b.weight"):
+        run.arrays[key] = (run.arrays[key].astype(np.float64) * (1 + rel)).astype(np.float32)
+    return run
+
+
+def _with_envelope(rel: float):  # type: ignore[no-untyped-def]
+    base = make_record()
+    base.arrays.update(envelope.measure(base, [_perturbed(rel, 1), _perturbed(rel, 2)]))
+    return base
+
+
+def test_the_spread_never_shrinks_along_the_steps() -> None:
+    base = make_record()
+    spread = envelope.measure(base, [_perturbed(1e-6)])
+    for metric in ("loss", "grad_norm"):
+        values = spread[envelope.PREFIX + metric]
+        assert values.shape == (base.steps,) and (np.diff(values) >= 0).all() and values.max() > 0
+    assert spread[envelope.PREFIX + "param_grad_norm"].shape == base.arrays["param_grad_norm"].shape
+    assert spread[envelope.PREFIX + "step0_grad"].shape == (2,)
+
+
+def test_a_deviation_inside_k_times_the_spread_passes_and_one_beyond_fails() -> None:
+    reference = _with_envelope(1e-6)
+    inside = compare_training(reference, _perturbed(2e-6, seed=3), lane="tolerant")
+    assert inside.passed and inside.limits_from == "envelope"
+    assert 0 < max(inside.margins.values()) < 1
+    beyond = compare_training(reference, _perturbed(1e-4, seed=3), lane="tolerant")
+    assert not beyond.passed
+    assert {f.metric for f in beyond.findings} >= {"loss", "step0_grad"}
+    assert max(beyond.margins.values()) > 1
+
+
+def test_without_an_envelope_the_fixed_limits_apply() -> None:
+    comparison = compare_training(make_record(), _perturbed(1e-7), lane="tolerant")
+    assert comparison.passed and comparison.limits_from == "fixed"
+
+
+def test_a_weight_tensor_with_flipped_sign_fails_the_tolerant_lane() -> None:
+    weights = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+    reference, run = make_record(), make_record()
+    reference.digests = {"a.weight": float_digest(weights)}
+    run.digests = {"a.weight": float_digest(-weights)}
+    assert float_digest(weights)["abs_sum"] == float_digest(-weights)["abs_sum"]  # |w| alone cannot see it
+    comparison = compare_training(reference, run, lane="tolerant")
+    finding = next(f for f in comparison.findings if f.metric == "final_weights")
+    assert finding.tensor == "a.weight"
+
+
+def test_a_permutation_of_weights_fails_the_tolerant_lane() -> None:
+    weights = np.random.default_rng(0).normal(size=256).astype(np.float32)
+    reference, run = make_record(), make_record()
+    reference.digests = {"w": float_digest(weights)}
+    run.digests = {"w": float_digest(np.roll(weights, 128))}  # two chunks swapped: same sum and |sum|
+    assert not compare_training(reference, run, lane="tolerant").passed
+
+
+def test_every_library_version_change_only_chooses_the_lane_and_is_named() -> None:
+    reference, run = make_record(), make_record()
+    versions = {"torch": "2.14.1", "transformers": "5.23.0", "peft": "0.20.0", "accelerate": "1.14.0"}
+    run.fingerprint = {**run.fingerprint, "versions": {**run.fingerprint["versions"], **versions}}
+    reference.fingerprint["versions"].update({"transformers": "5.24.0", "peft": "0.21.2", "accelerate": "1.15.0"})
+    comparison = compare_training(reference, run)
+    assert comparison.lane == "tolerant" and comparison.passed
+    lines = "\n".join(format_stack_changes(comparison.stack_changes))
+    for line in ("torch 2.13.0 -> 2.14.1", "transformers 5.24.0 -> 5.23.0", "peft 0.21.2 -> 0.20.0",
+                 "accelerate 1.15.0 -> 1.14.0"):
+        assert line in lines
+    assert "transformers 5.24.0 -> 5.23.0" in comparison.lane_reason
+
+
+def test_the_cpu_core_count_is_not_in_the_numerics_key() -> None:
+    from pytest_gpuregress.stack.fingerprint import numerics_diff
+
+    a = {"device": {"kind": "cpu", "cpu_count": 2, "count": None}}
+    b = {"device": {"kind": "cpu", "cpu_count": 64, "count": None}}
+    assert numerics_diff(a, b) == []

@@ -1,0 +1,84 @@
+"""The shipped references under test: the main job passes against them, and a stack upgrade changes
+only the lane, never the verdict, while real faults still fail in that lane.
+
+These tests read reference_runs/ as it ships, so a change that makes a shipped reference stale or
+foreign fails here. The upgrade is faked by rewriting the versions in a copy of the shipped
+reference's fingerprint, as if it had been recorded on older libraries.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_gpuregress.reference.atomic import sha256_file, write_json
+from pytest_gpuregress.resources import shipped_dir
+
+pytestmark = pytest.mark.slow
+
+SHIPPED = shipped_dir("reference_runs")
+FSDP = Path("fsdp") / "cpu-gloo-w2-fp32"
+OLDER = {"torch": "2.12.0+cpu", "transformers": "5.23.0", "peft": "0.20.0", "accelerate": "1.14.0"}
+
+
+def gpuregress(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "-rf", *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def upgraded_refs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the shipped fsdp reference whose fingerprint says it was recorded on older libraries."""
+    refs = tmp_path_factory.mktemp("upgrade") / "refs"
+    shutil.copytree(SHIPPED / "fsdp", refs / "fsdp")
+    folder = refs / FSDP
+    record = json.loads((folder / "record.json").read_text())
+    record["fingerprint"]["versions"].update(OLDER)
+    write_json(folder / "record.json", record)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["record.json"] = sha256_file(folder / "record.json")
+    write_json(folder / "manifest.json", manifest)
+    return refs
+
+
+def test_the_main_job_passes_against_the_shipped_references(tmp_path: Path) -> None:
+    done = gpuregress(tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert f"reference {SHIPPED / FSDP}" in done.stdout
+    assert "fsdp cpu-gloo-w2-fp32: PASSED" in done.stdout and "ForeignReference" not in done.stdout
+
+
+def test_an_upgrade_of_every_library_compares_in_the_tolerant_lane_and_names_each_change(
+    upgraded_refs: Path, tmp_path: Path
+) -> None:
+    done = gpuregress(tmp_path, f"--gpuregress-reference-dir={upgraded_refs}", "-k", "fsdp")
+    assert done.returncode == 0, done.stdout[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("fsdp cpu-gloo-w2-fp32:"))
+    assert "PASSED [tolerant lane]" in line and "worst/limit (K x envelope + floor)" in line, line
+    for name, old in OLDER.items():
+        assert f"{name} {old} -> " in line, (name, line)
+
+
+def test_a_reduce_scatter_error_of_1e_4_still_fails_after_the_upgrade(upgraded_refs: Path, tmp_path: Path) -> None:
+    fault = "collective:op=reduce_scatter,max_bytes=200000,mode=nudge,rel=1e-4"
+    done = gpuregress(tmp_path, f"--gpuregress-reference-dir={upgraded_refs}", "-k", "fsdp",
+                      f"--gpuregress-inject={fault}")
+    assert done.returncode == 1, done.stdout[-4000:]
+    out = done.stdout
+    assert "lane: tolerant" in out and "[collective] step0_grad" in out
+    assert "transformers 5.23.0 -> " in out  # what changed in the stack, under the findings
+
+
+@pytest.mark.parametrize(("fault", "passes"), [("linear_noise:rel=1e-7", True), ("lr_scale:factor=1.001", False)])
+def test_legitimate_drift_passes_the_tolerant_lane_and_a_small_lr_change_does_not(
+    tmp_path: Path, fault: str, passes: bool
+) -> None:
+    done = gpuregress(tmp_path, "-k", "fsdp", "--gpuregress-lane=tolerant", f"--gpuregress-inject={fault}")
+    assert (done.returncode == 0) is passes, done.stdout[-4000:]
+    if not passes:
+        assert "[optimizer or collective] loss: first differing step 1" in done.stdout

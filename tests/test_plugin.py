@@ -40,7 +40,10 @@ def test_flag_runs_only_plugin_tests_from_user_paths_plus_the_builtin_suite(pyte
 
 def test_builtin_suite_runs_from_any_directory_and_selects_by_scenario(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "fsdp")
-    result.stdout.fnmatch_lines(["*test_scenario[[]fsdp[]]*", "1/* tests collected (* deselected)*"])
+    result.stdout.fnmatch_lines(["*test_scenario[[]fsdp[]]*", "*test_scenario[[]triage-equivalence-fsdp[]]*",
+                                 "*test_scenario[[]triage-oracle-fsdp[]]*", "3/* tests collected (* deselected)*"])
+    result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "equivalence")
+    result.stdout.fnmatch_lines(["*test_scenario[[]triage-equivalence-fsdp[]]*", "1/* tests collected (* deselected)*"])
     result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "all_reduce and bf16 and n1024")
     result.stdout.fnmatch_lines(["*test_scenario[[]collectives-all_reduce-sum-bf16-n1024-inplace[]]*",
                                  "*test_scenario[[]collectives-all_reduce-avg-bf16-n1024-inplace[]]*"])

@@ -18,6 +18,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 STEPS = "8"
+FSDP_ONLY = "fsdp and not triage"  # the fsdp scenario without its triage cases (tests/test_triage.py runs those)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("recorded")
     refs = root / "refs"
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-record",
-           f"--gpuregress-steps={STEPS}", f"--gpuregress-reference-dir={refs}", "-k", "fsdp"]
+           f"--gpuregress-steps={STEPS}", f"--gpuregress-reference-dir={refs}", "-k", FSDP_ONLY]
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (refs / "fsdp" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
@@ -43,7 +44,7 @@ def refs(recorded: Path, tmp_path: Path) -> Path:
 def run(pytester: pytest.Pytester, refs: Path, *extra: str) -> pytest.RunResult:
     return pytester.runpytest(
         "-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-steps={STEPS}",
-        f"--gpuregress-reference-dir={refs}", "-k", "fsdp", *extra,
+        f"--gpuregress-reference-dir={refs}", "-k", FSDP_ONLY, *extra,
     )
 
 
@@ -111,7 +112,7 @@ def test_corrupt_reference_names_the_file(pytester: pytest.Pytester, refs: Path)
 
 def test_foreign_reference_names_what_differs(pytester: pytest.Pytester, refs: Path) -> None:
     result = pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-steps=6",
-                                f"--gpuregress-reference-dir={refs}", "-k", "fsdp")
+                                f"--gpuregress-reference-dir={refs}", "-k", FSDP_ONLY)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*ForeignReference: *record.json: reference was recorded for a different setup*",
                                  "*config steps: reference 8, this run 6*"])
@@ -207,7 +208,7 @@ def test_under_torchrun_every_rank_runs_in_place_and_agrees(recorded: Path, tmp_
     """torchrun sets RANK and WORLD_SIZE: each pytest process is one rank on torchrun's rendezvous."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "pytest",
            "-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-steps={STEPS}",
-           f"--gpuregress-reference-dir={recorded}", "-k", "fsdp"]
+           f"--gpuregress-reference-dir={recorded}", "-k", FSDP_ONLY]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("fsdp cpu-gloo-w2-fp32: PASSED [exact lane] 8 steps") == 2, done.stdout[-3000:]

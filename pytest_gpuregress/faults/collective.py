@@ -51,9 +51,10 @@ def reduce_op_name(op: Any) -> str | None:
 
 
 class CollectiveFault:
-    def __init__(self, spec: FaultSpec, rank: int) -> None:
+    def __init__(self, spec: FaultSpec, rank: int, world_size: int) -> None:
         self.spec = spec
         self.rank = rank
+        self.world_size = world_size
         self.ops = spec.get("op") or frozenset(_family for _family, _ in _COLLECTIVES.values())
         self.min_bytes = spec.get("min_bytes", 0.0)
         self.max_bytes = spec.get("max_bytes", float("inf"))
@@ -66,6 +67,8 @@ class CollectiveFault:
         self.stale: dict[tuple[Any, ...], list[Any]] = {}
 
     def matches(self, family: str, size: int, out: Any, op: Any) -> bool:
+        if self.world_size == 1:  # a one-rank collective moves no data, so a transport bug cannot touch it
+            return False
         if family not in self.ops or not (self.min_bytes <= size <= self.max_bytes):
             return False
         if self.target_ranks is not None and self.rank not in self.target_ranks:
@@ -148,7 +151,7 @@ def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> None:
 def install(spec: FaultSpec, ctx: Any) -> None:
     import torch.distributed as dist
 
-    fault = CollectiveFault(spec, ctx.rank)
+    fault = CollectiveFault(spec, ctx.rank, ctx.world_size)
     for name in _COLLECTIVES:
         if hasattr(dist, name):
             _wrap_collective(dist, name, fault)

@@ -27,13 +27,26 @@ def install_lr_scale(spec: FaultSpec, ctx: Any) -> None:
 
 
 def install_linear_noise(spec: FaultSpec, ctx: Any) -> None:
+    """Every F.linear output x (1 + rel x s[j]), s a fixed +-1 pattern over the output features j.
+
+    Kernel drift differs per output (another summation order rounds each column differently); a
+    uniform scale would be the wrong emulation, since RMSNorm divides it right back out. The
+    pattern depends on the feature only, not on the batch, so every world size sees the same kernel."""
+    import torch
     import torch.nn.functional as F
 
     rel = spec.get("rel", 1e-7)
     original = F.linear
+    patterns: dict[tuple[int, str], Any] = {}
 
     def linear(*args: Any, **kwargs: Any) -> Any:
-        return original(*args, **kwargs) * (1 + rel)
+        out = original(*args, **kwargs)
+        key = (out.shape[-1], str(out.device))
+        if key not in patterns:
+            feature = torch.arange(out.shape[-1], device=out.device, dtype=torch.int64)
+            sign = 1 - 2 * ((feature * 2654435761) % 4294967296 >= 2147483648).to(torch.float64)
+            patterns[key] = 1.0 + rel * sign
+        return out * patterns[key].to(out.dtype)
 
     F.linear = linear
     ctx.cleanup_hooks.append(lambda: setattr(F, "linear", original))

@@ -88,6 +88,8 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
                                          "tolerant otherwise", choices=("auto", "exact", "tolerant")),
     OptionSpec("inject", "list", [], "inject a fault into every rank, to prove a detector fires "
                                      "(see docs/faults.md); repeatable"),
+    OptionSpec("triage", "flag", False, "on a failing training scenario, re-run it with one switch flipped at a "
+                                        "time (protocol, BLAS, SDPA, CPU kernels, world size) to name the component"),
     OptionSpec("keep-runs", "flag", False, "keep every run's rank logs and records (kept on failure anyway)"),
     OptionSpec("replicas", "int", DEFAULT_REPLICAS,
                "noise replicas run when recording a training reference; their spread sets the tolerant lane's "
@@ -136,6 +138,7 @@ class Options:
     inject: tuple[str, ...] = ()
     faults: tuple[FaultSpec, ...] = ()
     keep_runs: bool = False
+    triage: bool = False
     replicas: int = DEFAULT_REPLICAS
     # A scenario's own options, by dest (e.g. gpuregress_collectives_repeats); validated like the rest.
     scenario_values: dict[str, Any] = field(default_factory=dict)
@@ -163,6 +166,7 @@ class Options:
             inject=inject,
             faults=faults,
             keep_runs=bool(values["gpuregress_keep_runs"]),
+            triage=bool(values["gpuregress_triage"]),
             replicas=int(values["gpuregress_replicas"]),
             scenario_values={spec.dest: resolve(config, spec) for spec in scenario_specs},
         )

@@ -140,16 +140,16 @@ class GpuRegressSession:
 
     def _launch(self, sc: Scenario, launch: Launch, faults: list[str]) -> RunRecord:
         job = Job(
-            scenario=sc.rank_entry,
+            scenario=launch.entry or sc.rank_entry,
             config=launch.config,
-            world_size=self.platform.world_size,
+            world_size=launch.world_size or self.platform.world_size,
             device_kind=self.platform.device_kind,
             backend=self.platform.backend,
             run_dir=str(self.launcher.make_run_dir()),
             # The wall-clock limit fires first, so hung ranks are reported with their stacks
             # rather than a peer's collective timeout.
             timeout_s=self.options.timeout + 60,
-            faults=[*self.options.inject, *faults],
+            faults=[*(self.options.inject if launch.inject else ()), *faults],
             env=dict(launch.env),
             loopback_only=not self.platform.in_place,
         )
@@ -164,6 +164,19 @@ class GpuRegressSession:
             record.results["listening"] = listening
         record.notes.extend(result.notes)
         return record
+
+    def launch_cached(self, sc: Scenario, launch: Launch) -> RunRecord:
+        """Run ``launch`` of ``sc`` once per session, however many cases or experiments ask for it."""
+        done = self.launched.setdefault(sc.name, {})
+        if launch.key not in done:
+            try:
+                done[launch.key] = self._launch(sc, launch, [])
+            except RankFailure as exc:
+                done[launch.key] = RankFailure(f"scenario {sc.name!r}, launch {launch.key!r} did not finish:\n{exc}")
+        outcome = done[launch.key]
+        if isinstance(outcome, RankFailure):
+            raise outcome
+        return outcome
 
     def launch_for(self, sc: Scenario, case: Case) -> RunRecord:
         """The merged record of the launch that carries ``case``: run on first use, then served from the cache.
@@ -206,6 +219,21 @@ class GpuRegressSession:
             (target / name).write_text(text)
         self.saved[(sc.name, key)] = target
 
+    def triage(self, sc: Scenario, reference: RunRecord, comparison: Comparison) -> tuple[str, list[str]]:
+        """The component behind a failed comparison, from experiments: equivalence and the oracle always,
+        switches flipped with --gpuregress-triage."""
+        from .. import triage
+        from ..triage.flips import flip
+
+        try:
+            experiments = triage.cheap_evidence(sc, self.setup, self.launch_cached)
+            if self.options.triage:
+                experiments += flip(sc, self.setup, self.launch_cached, reference, comparison)
+        except RankFailure as exc:
+            return "unknown", ["", f"triage could not run: {str(exc).splitlines()[0]}"]
+        component, line = triage.verdict(comparison, experiments)
+        return component, triage.report(component, line, experiments)
+
     # --- verdicts -----------------------------------------------------------------------------------
 
     def run_case(self, scenario: str, case_id: str) -> None:
@@ -213,14 +241,15 @@ class GpuRegressSession:
         __tracebackhide__ = True
         sc = registry()[scenario]
         case = next(c for c in self.selected.get(scenario, []) or sc.cases(self.setup) if c.id == case_id)
-        record = self.launch_for(sc, case)
+        record = sc.experiment(case, self.launch_cached, self.setup) or self.launch_for(sc, case)
         problems = sc.verdict(case, record, self.setup)
         reference = sc.reference_name(case)
         if reference is not None and self.options.record and self.options.replicas and not problems:
             self._attach_envelope(sc, case, record)
         if reference is not None:
             lane = self.options.lane
-            self.check(record, name=reference, extra=problems, compare=lambda ref, run: sc.compare(ref, run, case, lane))
+            self.check(record, name=reference, extra=problems, compare=lambda ref, run: sc.compare(ref, run, case, lane),
+                       explain=(lambda ref, cmp: self.triage(sc, ref, cmp)) if sc.supports_triage else None)
         elif problems:
             raise RegressionFailure("\n".join(problems))
 
@@ -231,11 +260,13 @@ class GpuRegressSession:
         name: str | None = None,
         extra: list[str] | None = None,
         compare: Callable[[RunRecord, RunRecord], Comparison] | None = None,
+        explain: Callable[[RunRecord, Comparison], tuple[str, list[str]]] | None = None,
     ) -> Comparison | None:
         """Record ``record`` (with --gpuregress-record) or compare it with its reference.
 
         ``extra``: reference-free findings of the scenario, reported with the comparison's.
         ``compare``: the scenario's own comparison (default: losses, gradients and weights).
+        ``explain``: triage on a failure: (the component it convicts, report lines with the evidence).
         Raises RegressionFailure with the full report when it differs; MissingReference,
         CorruptReference or ForeignReference when the reference cannot be used.
         """
@@ -274,7 +305,12 @@ class GpuRegressSession:
         if comparison.passed and extra:
             raise RegressionFailure("\n".join([*extra, f"(the comparison with the reference {loc.path} passed)"]))
         if not passed:
+            evidence: list[str] = []
+            if explain is not None and comparison.findings:
+                component, evidence = explain(reference, comparison)
+                for finding in comparison.findings:  # experiments replace the heuristic's guess
+                    finding.component = component
             report = format_comparison(comparison, scenario=scenario, platform_key=record.platform_key,
-                                       reference_path=str(loc.path), record_hint=loc.record_hint)
+                                       reference_path=str(loc.path), record_hint=loc.record_hint) + "\n".join(evidence)
             raise RegressionFailure("\n".join([*extra, report]) if extra else report)
         return comparison

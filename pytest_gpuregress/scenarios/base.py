@@ -65,11 +65,17 @@ class Case:
 
 @dataclass(frozen=True)
 class Launch:
-    """One group of ranks: the config every rank receives, and extra environment for this group only."""
+    """One group of ranks: the config every rank receives, and extra environment for this group only.
+
+    ``world_size`` and ``entry`` override the platform's world size and the scenario's rank entry,
+    for launches that run another scenario's code at another size (N ranks against one)."""
 
     key: str
     config: dict[str, Any]
     env: dict[str, str] = field(default_factory=dict)
+    world_size: int | None = None
+    entry: str | None = None
+    inject: bool = True  # False: --gpuregress-inject does not apply (the float64 oracle is no stack under test)
 
 
 @dataclass
@@ -136,6 +142,23 @@ class Scenario:
         """Up to ``count`` launches of ``launch`` with legitimate perturbations, run when a reference is
         recorded; their spread is the noise envelope (training/noise.py). [] records no envelope."""
         return []
+
+    # --- triage (training scenarios that support it; see pytest_gpuregress/triage) ---------------
+
+    supports_triage: ClassVar[bool] = False
+
+    def step0_terms(self, config: dict[str, Any]) -> tuple[int, int]:
+        """(tokens summed into each step-0 gradient, layers deep): the terms of triage's derived bound."""
+        raise NotImplementedError
+
+    def message_of(self, param: str, shapes: dict[str, tuple[int, ...]], world_size: int) -> str:
+        """The collective message that carries ``param``'s gradient, e.g. "reduce-scatter of the root group, 128 KiB"."""
+        return "an unknown collective"
+
+    def experiment(self, case: Case, run: Callable[[Scenario, Launch], RunRecord], setup: Setup) -> RunRecord | None:
+        """Optional: run ``case``'s launches through ``run`` (cached per launch key) and return one record for
+        ``verdict``; for cases that need several launches, or another scenario's. None: the usual launch."""
+        return None
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
         """Combine the per-rank records (index = rank). By default rank 0's, which holds global values."""

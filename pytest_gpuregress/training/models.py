@@ -64,6 +64,17 @@ def architecture_digest(name: str, size: str) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def config_field(name: str, size: str, key: str) -> Any:
+    """One field of a shipped or user model config, read from the file (no transformers import)."""
+    import json
+
+    path = model_dir(name, size) / "config.json"
+    value = json.loads(path.read_text()).get(key)
+    if value is None:
+        raise ValueError(f"{path}: has no field {key!r}")
+    return value
+
+
 def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> np.ndarray:
     """N(0, std^2) samples keyed by (seed, name), identical on every platform."""
     count = int(np.prod(shape)) if shape else 1

@@ -43,12 +43,46 @@ def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, 
 class FsdpScenario(Scenario):
     name = "fsdp"
     rank_entry = "pytest_gpuregress.scenarios.fsdp.rank:run"
+    supports_triage = True
 
     def default_config(self, setup: Setup) -> dict[str, Any]:
         return training_config(setup, COMMON, DEVICE_DEFAULTS)
 
     def noise_replicas(self, launch: Launch, setup: Setup, count: int) -> list[Launch]:
         return perturbed_launches(launch, setup, count)
+
+    def step0_terms(self, config: dict[str, Any]) -> tuple[int, int]:
+        from ...training.models import config_field
+
+        return int(config["global_batch"]) * int(config["seq_len"]), int(
+            config_field(config["model"], config["model_size"], "num_hidden_layers"))
+
+    def message_of(self, param: str, shapes: dict[str, tuple[int, ...]], world_size: int) -> str:
+        return reduce_scatter_message(param, shapes, world_size)
+
+
+def _group(param: str) -> str:
+    """The fully_shard group a parameter belongs to: its decoder layer, or the root."""
+    parts = param.split(".")
+    if parts[:2] == ["model", "layers"] and len(parts) > 2:
+        return f"decoder layer {parts[2]}"
+    return "the root group"
+
+
+def reduce_scatter_message(param: str, shapes: dict[str, tuple[int, ...]], world_size: int) -> str:
+    """The reduce-scatter that carries ``param``'s gradient: one per fully_shard group, fp32 (the reduce dtype),
+    each parameter padded on dim 0 to a multiple of the world size, as FSDP2 shards it."""
+    from ...units import human_bytes
+
+    group = _group(param)
+    elements = 0
+    for name, shape in shapes.items():
+        if _group(name) == group and shape:
+            rest = 1
+            for d in shape[1:]:
+                rest *= d
+            elements += -(-shape[0] // world_size) * world_size * rest
+    return f"reduce-scatter of {group}, {human_bytes(elements * 4)}"
 
 
 def perturbed_launches(launch: Launch, setup: Setup, count: int) -> list[Launch]:

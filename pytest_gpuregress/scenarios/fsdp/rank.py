@@ -28,6 +28,7 @@ def run(ctx: RankContext) -> RunRecord:
     from ...training.data import MarkovTokens
     from ...training.models import build_causal_lm, load_config
     from ...training.noise import apply_batch_order, apply_kernel_path, apply_weight_perturbation
+    from ...training.switches import apply_switches
 
     cfg = ctx.config
     device = torch.device(ctx.device)
@@ -36,6 +37,7 @@ def run(ctx: RankContext) -> RunRecord:
     perturbation = str(cfg.get("perturbation", ""))  # set only in the noise replicas of a recording
     apply_weight_perturbation(model, perturbation, cfg["dtype"])
     apply_kernel_path(perturbation, ctx.device_kind)
+    apply_switches(cfg, ctx.device_kind)  # set by triage flips only
     model = model.to(device)
     ctx.progress("model built")
 

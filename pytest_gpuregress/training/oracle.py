@@ -1,0 +1,37 @@
+"""The float64 oracle: step 0 of a training scenario's model and global batch, in float64 on the CPU.
+
+One process, no sharding, no faults: the loss and each parameter's gradient norm as exactly as
+float64 gives them. A real run's step 0 must agree within a bound set by its compute dtype
+(scenarios/triage): on a GPU this convicts a kernel with no stored reference; on the CPU it
+separates a wrong fp32 kernel from a wrong collective.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..reference.record import RunRecord
+
+
+def run(ctx) -> RunRecord:  # type: ignore[no-untyped-def]
+    """Rank entry (one rank): build the model as the scenario does, in float64, and take step 0's gradients."""
+    import torch
+
+    from .data import MarkovTokens
+    from .models import build_causal_lm, load_config
+
+    cfg = ctx.config
+    model_config = load_config(cfg["model"], cfg["model_size"])
+    model = build_causal_lm(model_config, seed=int(cfg["seed"])).double()
+    data = MarkovTokens(vocab_size=model_config.vocab_size, seq_len=int(cfg["seq_len"]),
+                        global_batch=int(cfg["global_batch"]), seed=int(cfg["data_seed"]))
+    tokens = torch.from_numpy(data.global_batch_at(0))
+    logits = model(input_ids=tokens[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    names = [n for n, _ in model.named_parameters()]
+    norms = np.asarray([[float(p.grad.norm()) for _, p in model.named_parameters()]], dtype=np.float64)
+    grads = {f"step0_grad/{n}": p.grad.numpy() for n, p in model.named_parameters()}
+    return RunRecord(scenario="oracle", config=dict(cfg), platform_key="", world_size=1,
+                     series={"loss": [float(loss)]}, param_names=names,
+                     arrays={"param_grad_norm": norms, **grads})

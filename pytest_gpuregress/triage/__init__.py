@@ -1,0 +1,176 @@
+"""Triage: name the component behind a difference with experiments, each of which clears or convicts one.
+
+  equivalence  the scenario on N ranks and on one rank, same global batch, 3 steps: step-0 gradients
+               and the first losses must agree within a derived bound (bounds.py). A difference
+               convicts a collective, and names the parameters, the rank whose shard holds them and
+               the message that carried them. Needs no stored reference.
+  oracle       step 0 in float64 on the CPU in one process (training/oracle.py): the one-rank run's
+               step-0 loss, gradient norms and gradients must agree within the same bound. No
+               collective touches that run, so a difference convicts a kernel. Needs no reference.
+  flips        with --gpuregress-triage, the failing scenario again with one switch flipped at a time
+               (flips.py): a switch that makes the deviation vanish points at its component.
+
+The verdict line names one component (collective, kernel, optimizer, data or checkpoint) and the
+evidence. torch-free: experiments run through a launcher the session passes in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..reference.envelope import rel, tensor_deviation
+from ..reference.record import RunRecord
+from .bounds import step0_bound
+
+if TYPE_CHECKING:
+    from ..reference.compare import Comparison
+    from ..scenarios.base import Launch, Scenario, Setup
+
+TRIAGE_STEPS = 3  # equivalence compares step 0's gradients and the losses of the first steps
+ORACLE_ENTRY = "pytest_gpuregress.training.oracle:run"
+Runner = Callable[["Scenario", "Launch"], RunRecord]
+
+
+@dataclass
+class Experiment:
+    name: str
+    status: str  # clean | differs | vanished | shrank | stayed | not applicable | failed to run
+    detail: str
+    component: str | None = None  # what this result convicts, when it convicts one
+    lines: list[str] = field(default_factory=list)  # per-parameter detail
+
+    @property
+    def convicts(self) -> bool:
+        return self.status in ("differs", "vanished")
+
+
+def launches(sc: Scenario, setup: Setup) -> dict[str, Launch]:
+    """The three short launches of the cheap evidence: N ranks, one rank, and the float64 oracle."""
+    from ..scenarios.base import Launch
+
+    config = {**sc.default_config(setup), "steps": TRIAGE_STEPS}
+    return {
+        "n": Launch("triage-n", config),
+        "one": Launch("triage-1", config, world_size=1),
+        # The oracle is the reference implementation: injected faults emulate the stack under test.
+        "oracle": Launch("triage-oracle", config, world_size=1, entry=ORACLE_ENTRY, inject=False),
+    }
+
+
+def _bound(sc: Scenario, config: dict[str, Any]) -> float:
+    tokens, layers = sc.step0_terms(config)
+    return step0_bound(str(config.get("dtype", "fp32")), tokens, layers)
+
+
+def equivalence(sc: Scenario, n: RunRecord, one: RunRecord, setup: Setup) -> Experiment:
+    """N ranks against one rank on the same global batch: step-0 gradients and first losses."""
+    bound = _bound(sc, n.config)
+    lines: list[str] = []
+    ranks: set[int] = set()
+    shapes = {k.split("/", 1)[1]: tuple(v.shape) for k, v in one.arrays.items() if k.startswith("step0_grad/")}
+    for key in sorted(k for k in one.arrays if k.startswith("step0_grad/")):
+        name = key.split("/", 1)[1]
+        got, expected = n.arrays.get(key), one.arrays[key]
+        if got is None or got.shape != expected.shape:
+            lines.append(f"{name}: missing or reshaped in the {setup.world_size}-rank run")
+            continue
+        dev = tensor_deviation(got, expected).reshape(-1)
+        wrong = np.nonzero(dev > bound)[0]
+        if not len(wrong):
+            continue
+        owners = sorted({shard_owner(int(i), expected.shape, setup.world_size) for i in wrong})
+        ranks.update(owners)
+        first = tuple(int(i) for i in np.unravel_index(int(wrong[0]), expected.shape))
+        lines.append(
+            f"{name} {list(expected.shape)}: {len(wrong)} elements beyond {bound:.2g} (max {float(dev.max()):.3g}, "
+            f"first at {first}), in the shard of rank {', '.join(map(str, owners))}; carried by "
+            f"{sc.message_of(name, shapes, setup.world_size)}"
+        )
+    losses = rel(np.asarray(n.series.get("loss", [])), np.asarray(one.series.get("loss", [])))
+    late = [int(s) for s in np.nonzero(losses > bound)[0]]
+    if late:
+        lines.append(f"loss: {len(late)} of the first {len(losses)} steps beyond {bound:.2g}, first at step {late[0]} "
+                     f"(rel {float(losses[late[0]]):.3g})")
+    if not lines:
+        return Experiment("equivalence", "clean", f"{setup.world_size} ranks and 1 rank agree at step 0 within "
+                                                   f"{bound:.2g} (max {_max_step0_deviation(n, one):.2g})")
+    where = f"rank {', '.join(map(str, sorted(ranks)))}" if ranks else "the losses"
+    return Experiment("equivalence", "differs",
+                      f"{setup.world_size} ranks differ from 1 rank at step 0 beyond {bound:.2g}, in {where}",
+                      component="collective", lines=lines)
+
+
+def oracle(sc: Scenario, real: RunRecord, exact: RunRecord) -> Experiment:
+    """A real run's step 0 against float64: loss, gradient norms and gradients."""
+    bound = _bound(sc, real.config)
+    lines: list[str] = []
+    loss = float(rel(np.asarray(real.series["loss"][:1]), np.asarray(exact.series["loss"]))[0])
+    if loss > bound:
+        lines.append(f"step-0 loss: {real.series['loss'][0]!r} against float64 {exact.series['loss'][0]!r} "
+                     f"(rel {loss:.3g} > {bound:.2g})")
+    names = exact.param_names
+    norms = rel(real.arrays["param_grad_norm"][0], exact.arrays["param_grad_norm"][0])
+    for i in np.nonzero(norms > bound)[0]:
+        lines.append(f"step-0 gradient norm of {names[int(i)]}: rel {float(norms[int(i)]):.3g} > {bound:.2g}")
+    worst = 0.0
+    for key in sorted(k for k in exact.arrays if k.startswith("step0_grad/")):
+        dev = float(tensor_deviation(real.arrays[key].astype(np.float64), exact.arrays[key]).max())
+        worst = max(worst, dev)
+        if dev > bound:
+            lines.append(f"step-0 gradient {key.split('/', 1)[1]}: max |diff|/max|float64| {dev:.3g} > {bound:.2g}")
+    if not lines:
+        return Experiment("oracle", "clean", f"step 0 matches float64 within {bound:.2g} (loss rel {loss:.2g}, "
+                                              f"gradients {worst:.2g})")
+    return Experiment("oracle", "differs", f"step 0 differs from float64 beyond {bound:.2g} ({len(lines)} quantities)",
+                      component="kernel", lines=lines)
+
+
+def shard_owner(flat_index: int, shape: tuple[int, ...], world: int) -> int:
+    """The rank whose FSDP2 shard (dim 0, padded to a multiple of the world size) holds this element."""
+    rows = shape[0] if shape else 1
+    per_row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    return min(world - 1, (flat_index // per_row) // -(-rows // world))
+
+
+def _max_step0_deviation(a: RunRecord, b: RunRecord) -> float:
+    return max((float(tensor_deviation(a.arrays[k], b.arrays[k]).max()) for k in b.arrays
+                if k.startswith("step0_grad/") and k in a.arrays), default=0.0)
+
+
+def cheap_evidence(sc: Scenario, setup: Setup, run: Runner) -> list[Experiment]:
+    """Equivalence and oracle, from three short launches (cached by the runner)."""
+    planned = launches(sc, setup)
+    n, one, exact = (run(sc, planned[key]) for key in ("n", "one", "oracle"))
+    # The oracle judges the one-rank run: no collective touches it, so a difference there is the kernels'.
+    return [equivalence(sc, n, one, setup), oracle(sc, one, exact)]
+
+
+def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tuple[str, str]:
+    """(component, the one-line verdict with its evidence)."""
+    by_name = {e.name: e for e in experiments}
+    convicting = [e for e in experiments if e.convicts and e.component]
+    if convicting:
+        component = convicting[0].component or "unknown"
+    elif comparison is not None and comparison.findings:
+        first = min((f.step for f in comparison.findings if f.step is not None), default=None)
+        step0 = any(f.step == 0 for f in comparison.findings)
+        # Both experiments clean: step 0 right by construction, so a later divergence is the update.
+        component = "kernel" if step0 else "optimizer"
+        if not step0 and first is not None:
+            by_name["divergence"] = Experiment("divergence", "starts", f"step 0 matches the reference; the first "
+                                                                     f"difference is at step {first}")
+    else:
+        component = "none"
+    evidence = "; ".join(f"{e.name} {e.status}: {e.detail}" for e in by_name.values())
+    return component, f"triage verdict: {component}. Evidence: {evidence}"
+
+
+def report(component: str, line: str, experiments: list[Experiment]) -> list[str]:
+    lines = ["", line]
+    for e in experiments:
+        lines += [f"    {e.name}: {x}" for x in e.lines[:12]]
+    return lines

@@ -1,0 +1,80 @@
+"""Switches flipped: re-run a failing training scenario with one switch changed at a time.
+
+For each switch the deviation from the reference is measured again (the largest margin of the
+tolerant lane, as a multiple of its limit) and compared with the failing run's: it vanished (the
+run passes), shrank (to under a third) or stayed. A switch that does not apply on this platform
+is listed as not applicable, with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..reference.compare import Comparison, compare_training
+from ..reference.record import RunRecord
+from . import Experiment, Runner
+
+if TYPE_CHECKING:
+    from ..scenarios.base import Scenario, Setup
+
+SHRANK = 3.0  # a deviation at least this many times smaller counts as shrunk
+
+
+@dataclass(frozen=True)
+class Switch:
+    label: str
+    component: str  # what a vanished deviation points at
+    env: dict[str, str] = field(default_factory=dict)
+    config: dict[str, object] = field(default_factory=dict)
+    world_size: int | None = None
+    not_applicable: str = ""  # the reason, when the switch does not apply here
+
+
+def switches(setup: Setup) -> list[Switch]:
+    if setup.device_kind == "cuda":
+        return [
+            Switch("NCCL_PROTO=Simple", "collective", env={"NCCL_PROTO": "Simple"}),
+            Switch("NCCL_ALGO=Ring", "collective", env={"NCCL_ALGO": "Ring"}),
+            Switch("the other BLAS library", "kernel", config={"blas_library": "other"}),
+            Switch("SDPA math backend", "kernel", config={"sdpa_backend": "math"}),
+            Switch("TF32 off", "kernel", not_applicable="the determinism switches already turn TF32 off"),
+            Switch("reduced-precision reductions off", "kernel", config={"reduced_precision_reduction": False}),
+        ]
+    from ..training.noise import lower_cpu_capability
+
+    lower = lower_cpu_capability()
+    return [
+        Switch(f"ATEN_CPU_CAPABILITY={lower}", "kernel", env={"ATEN_CPU_CAPABILITY": lower}) if lower else
+        Switch("a lower ATEN_CPU_CAPABILITY", "kernel", not_applicable="this CPU already runs the default kernels"),
+        Switch("one thread per rank", "kernel", not_applicable="ranks already run one thread each"),
+        Switch("world size 1", "collective", world_size=1),
+    ]
+
+
+def _worst(comparison: Comparison) -> float:
+    return max(comparison.margins.values(), default=0.0)
+
+
+def flip(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, failing: Comparison) -> list[Experiment]:
+    from ..scenarios.base import Launch
+
+    base = sc.default_config(setup)
+    before = _worst(failing)
+    out: list[Experiment] = []
+    for switch in switches(setup):
+        if switch.not_applicable:
+            out.append(Experiment(f"flip {switch.label}", "not applicable", switch.not_applicable))
+            continue
+        launch = Launch(f"flip-{switch.label}", {**base, **switch.config}, dict(switch.env), world_size=switch.world_size)
+        try:
+            flipped = run(sc, launch)
+        except Exception as exc:  # noqa: BLE001 - a switch that breaks the run is evidence too, not a crash
+            out.append(Experiment(f"flip {switch.label}", "failed to run", str(exc).splitlines()[0]))
+            continue
+        after_cmp = compare_training(reference, flipped, lane="tolerant")
+        after = _worst(after_cmp)
+        status = "vanished" if after_cmp.passed else ("shrank" if after * SHRANK < before else "stayed")
+        out.append(Experiment(f"flip {switch.label}", status, f"worst deviation {before:.3g}x -> {after:.3g}x its limit",
+                              component=switch.component if status == "vanished" else None))
+    return out

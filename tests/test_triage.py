@@ -1,0 +1,83 @@
+"""Triage end to end: each fault is pinned on the right component by experiments, and a clean run passes.
+
+A short fsdp reference (8 steps, no replicas: triage does not need the envelope) is recorded once.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+RS_1E4 = "collective:op=reduce_scatter,max_bytes=200000,mode=nudge,rel=1e-4"
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("triage")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-record",
+                           "--gpuregress-steps=8", "--gpuregress-replicas=0", f"--gpuregress-reference-dir={root / 'refs'}",
+                           "-k", "fsdp and not triage"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return root / "refs"
+
+
+def run(pytester: pytest.Pytester, refs: Path, selection: str, *extra: str) -> pytest.RunResult:
+    return pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-steps=8",
+                              f"--gpuregress-reference-dir={refs}", "-k", selection, *extra)
+
+
+def test_clean_run_passes_equivalence_and_oracle(pytester: pytest.Pytester, refs: Path) -> None:
+    result = run(pytester, refs, "triage")
+    result.assert_outcomes(passed=2)
+
+
+def test_reduce_scatter_error_is_convicted_as_collective_by_equivalence_and_switches(
+    pytester: pytest.Pytester, refs: Path
+) -> None:
+    started = time.monotonic()
+    result = run(pytester, refs, "fsdp", f"--gpuregress-inject={RS_1E4}", "--gpuregress-triage", "-rf")
+    elapsed = time.monotonic() - started
+    result.assert_outcomes(failed=2, passed=1)  # fsdp and its equivalence case fail; the oracle is clean
+    out = result.stdout.str()
+    assert "triage verdict: collective. Evidence: equivalence differs: 2 ranks differ from 1 rank at step 0" in out
+    assert "oracle clean" in out
+    result.stdout.fnmatch_lines(["*equivalence: model.norm.weight [[]64[]]: 2 elements beyond * carried by "
+                                 "reduce-scatter of the root group, 128.2 KiB*"])
+    assert "[collective] step0_grad" in out and "[kernel]" not in out
+    # The switches: one rank has no collective to corrupt, so the deviation vanishes there.
+    assert "flip world size 1 vanished" in out
+    assert "flip one thread per rank not applicable: ranks already run one thread each" in out
+    assert "FAILED ::test_scenario[[]triage-oracle" not in out
+    print(f"--gpuregress-triage on one failing 8-step scenario: {elapsed:.0f}s")
+
+
+def test_linear_layer_noise_is_convicted_as_kernel_by_the_oracle(pytester: pytest.Pytester, refs: Path) -> None:
+    result = run(pytester, refs, "fsdp", "--gpuregress-inject=linear_noise:rel=1e-4")
+    out = result.stdout.str()
+    assert "triage verdict: kernel. Evidence: equivalence clean" in out, out[-3000:]
+    assert "oracle differs: step 0 differs from float64" in out
+    result.stdout.fnmatch_lines(["*[[]kernel[]] oracle of fsdp: step 0 differs from float64*"])
+    assert "FAILED ::test_scenario[[]triage-equivalence" not in out
+
+
+def test_changed_learning_rate_is_convicted_as_optimizer(pytester: pytest.Pytester, refs: Path) -> None:
+    result = run(pytester, refs, "fsdp", "--gpuregress-inject=lr_scale:factor=1.01")
+    result.assert_outcomes(failed=1, passed=2)  # equivalence and oracle stay clean: step 0 precedes the update
+    out = result.stdout.str()
+    assert "triage verdict: optimizer. Evidence: equivalence clean" in out
+    assert "divergence starts: step 0 matches the reference; the first difference is at step 1" in out
+    result.stdout.fnmatch_lines(["*[[]optimizer[]] loss: first differing step 1 of 8*"])
+
+
+def test_a_fault_on_rank_1_only_is_a_collective_and_names_rank_1(pytester: pytest.Pytester, refs: Path) -> None:
+    result = run(pytester, refs, "equivalence", "--gpuregress-inject=collective:op=reduce_scatter,mode=nudge,rel=1e-3,ranks=1")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "[collective] equivalence of fsdp: 2 ranks differ from 1 rank at step 0 beyond 5.7e-06, in rank 1\n" in out
+    assert "in the shard of rank 0" not in out

@@ -63,6 +63,11 @@ def test_fault_values_are_typed() -> None:
     assert spec.ranks == {0, 1}
 
 
+def test_a_required_key_is_asked_for_at_configure_time() -> None:
+    with pytest.raises(BadFaultSpec, match="fault kind 'format' needs mode= \\(mode takes one of fn_as_fnuz"):
+        parse("format:format=e4m3fn")
+
+
 def test_a_kind_without_keys_refuses_every_key() -> None:
     with pytest.raises(BadFaultSpec, match="has no key 'x'; its keys: none"):
         parse("emulate_premul_sum:x=1")

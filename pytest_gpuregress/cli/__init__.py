@@ -4,6 +4,7 @@
     gpuregress show DIR                 what a reference holds: scenario, platform, steps, loss, stack
     gpuregress compare REF RUN          compare two stored references or records, as the plugin would
     gpuregress scenarios                the installed scenarios: built-in and from other packages
+    gpuregress inspect-fp8 FILE         do a safetensors file's fp8/fp4 codes match their tags and scales?
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..reference.compare import compare_training
 from ..reference.record import RunRecord
 from ..reference.report import format_comparison
 from ..reference.store import MANIFEST, ReferenceLocation, read_reference
+from . import inspect_fp8
 
 
 def _load(path: Path) -> RunRecord:
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     cmp.set_defaults(func=_compare)
     scenarios = sub.add_parser("scenarios", help="list the installed scenarios")
     scenarios.set_defaults(func=_scenarios)
+    inspect_fp8.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

@@ -65,6 +65,7 @@ class FaultKind:
     installer: str  # "module:function", relative to this package, called as function(spec, ctx) on each rank
     help: str
     params: dict[str, Param] = field(default_factory=dict)
+    required: tuple[str, ...] = ()  # keys a spec of this kind must give
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("lr_scale", ".training:install_lr_scale", "every optimizer step uses lr x factor", {
         "factor": Param("number", "the learning-rate factor (default 1.01)"), "ranks": _RANKS, "rank": _RANKS}),
     FaultKind("linear_noise", ".training:install_linear_noise",
-              "every F.linear output x (1+rel): legitimate kernel drift at 1e-7", {
+              "every F.linear output x (1 +- rel), a fixed sign per output feature: legitimate kernel drift at 1e-7", {
                   "rel": Param("number", "relative change (default 1e-7)"), "ranks": _RANKS, "rank": _RANKS}),
     FaultKind("hang", ".process:install_hang", "the rank sleeps after completing a step", {
         "rank": _RANKS, "ranks": _RANKS, "step": _STEP, "seconds": Param("number", "how long (default 3600)")}),
@@ -120,6 +121,16 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("teardown_abort", ".process:install_teardown_abort",
               "SIGABRT after results are delivered (what gloo does at exit on torch 2.13); a correct launcher ignores it",
               {"rank": _RANKS, "ranks": _RANKS}),
+    FaultKind("format", ".formats:install_format", "a number-format bug of docs/faults.md section 2, for scenario formats", {
+        "mode": Param("choice", "fn_as_fnuz: e4m3fn bytes read as e4m3fnuz; keep_0x80: the conversion to fnuz keeps "
+                                "0x80; fnuz_max_448: 448 used as e4m3fnuz's maximum for scales; flip_overflow: a "
+                                "saturating cast gives NaN/inf on overflow, and the reverse; mx_scale_off_by_one: "
+                                "the MX shared exponent is off by `by`",
+                      ("fn_as_fnuz", "keep_0x80", "fnuz_max_448", "flip_overflow", "mx_scale_off_by_one")),
+        "format": Param("choice", "the format flip_overflow changes (default e4m3fn)",
+                        ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz", "e8m0fnu", "e2m1fn")),
+        "by": Param("int", "exponents the MX scale is off by (default 1)"),
+        "ranks": _RANKS, "rank": _RANKS}, required=("mode",)),
 )}
 
 
@@ -142,6 +153,10 @@ def parse(text: str) -> FaultSpec:
             params[key] = param.parse(value)
         except ValueError:
             raise BadFaultSpec(f"{text!r}: {key}={value!r} is not allowed; {key} takes {param.describe()}") from None
+    missing = [key for key in kind.required if key not in params]
+    if missing:
+        raise BadFaultSpec(f"{text!r}: fault kind {kind.name!r} needs {', '.join(f'{k}=' for k in missing)} "
+                           f"({'; '.join(f'{k} takes {kind.params[k].describe()}' for k in missing)})")
     return FaultSpec(kind.name, params, text)
 
 

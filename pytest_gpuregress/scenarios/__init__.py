@@ -23,6 +23,8 @@ ENTRY_POINT_GROUP = "gpuregress.scenarios"
 BUILTIN = (
     "pytest_gpuregress.scenarios.fsdp:SCENARIO",
     "pytest_gpuregress.scenarios.collectives:SCENARIO",
+    "pytest_gpuregress.scenarios.triage:SCENARIO",
+    "pytest_gpuregress.scenarios.formats:SCENARIO",
 )
 
 

@@ -1,0 +1,103 @@
+"""Number-format faults, installed on a rank: the bug classes of docs/faults.md section 2.
+
+Each mode replaces one function of ``scenarios/formats/device.py`` for the run and registers the
+undo in ``ctx.cleanup_hooks``:
+  fn_as_fnuz           e4m3fn bytes read as e4m3fnuz (an NVIDIA checkpoint loaded on MI300)
+  keep_0x80            the e4m3fn -> e4m3fnuz conversion skips the 0x80 -> 0x00 rewrite
+  fnuz_max_448         448, e4m3fn's maximum, used as e4m3fnuz's when computing scales
+  flip_overflow        a cast that saturated now gives NaN (or inf) on overflow, and the reverse
+  mx_scale_off_by_one  the MX shared exponent is off by ``by`` (default +1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import FaultSpec
+
+
+def install_format(spec: FaultSpec, ctx: Any) -> None:
+    from ..errors import BadFaultSpec
+    from ..scenarios.formats import device
+
+    mode = spec.get("mode")
+    if mode is None:  # the spec parser checks values, not that a key is present
+        raise BadFaultSpec(f"{spec.text!r}: fault kind 'format' needs mode=, one of {'|'.join(PATCHES)}")
+    name, wrap = PATCHES[mode]
+    original = getattr(device, name)
+    setattr(device, name, wrap(original, spec))
+    ctx.cleanup_hooks.append(lambda: setattr(device, name, original))
+
+
+def _read_fn_as_fnuz(decode: Callable[..., Any], spec: FaultSpec) -> Callable[..., Any]:
+    from ..scenarios.formats.catalog import FORMATS
+
+    def read(codes: Any, fmt: Any) -> Any:
+        return decode(codes, FORMATS["e4m3fnuz"] if fmt.id == "e4m3fn" else fmt)
+
+    return read
+
+
+def _keep_0x80(convert: Callable[..., Any], spec: FaultSpec) -> Callable[..., Any]:
+    def convert_without_rewrite(codes: Any, scale: Any) -> Any:
+        return codes.clone(), scale * 2
+
+    return convert_without_rewrite
+
+
+def _fnuz_max_448(format_max: Callable[..., Any], spec: FaultSpec) -> Callable[..., Any]:
+    def wrong_max(fmt: Any) -> float:
+        return 448.0 if fmt.id == "e4m3fnuz" else format_max(fmt)
+
+    return wrong_max
+
+
+def _flip_overflow(cast: Callable[..., Any], spec: FaultSpec) -> Callable[..., Any]:
+    """Overflowing values (as the oracle classifies them: past the rounding range, or ±inf) that the
+    real cast saturated now give NaN, or inf where the format has it; those it made NaN or inf now
+    saturate to ±max."""
+    import numpy as np
+    import torch
+
+    from ..scenarios.formats import grid, oracle
+    from ..scenarios.formats.catalog import FORMATS
+
+    target = FORMATS[spec.get("format", "e4m3fn")]
+
+    def flipped(values: Any, fmt: Any) -> Any:
+        codes = cast(values, fmt)
+        if fmt.id != target.id:
+            return codes
+        x = values.detach().cpu().numpy().reshape(-1)
+        over = grid.overflows(x, fmt)
+        if not over.any():
+            return codes
+        out = codes.cpu().numpy().reshape(-1).copy()
+        got = oracle.decode(out, fmt)
+        top = oracle.encode(np.where(x < 0, -1, 1) * np.float32(oracle.limits(fmt).max), fmt)
+        past = oracle.encode(np.where(x < 0, -np.inf, np.inf).astype(np.float32), fmt)  # NaN or inf
+        saturated = np.abs(got) == oracle.limits(fmt).max
+        out[over] = np.where(saturated, past, top)[over]
+        return torch.from_numpy(out.reshape(codes.shape)).to(codes.device)
+
+    return flipped
+
+
+def _mx_off(exponent: Callable[..., Any], spec: FaultSpec) -> Callable[..., Any]:
+    by = int(spec.get("by", 1))
+
+    def off(amax: Any, fmt: Any) -> Any:
+        return exponent(amax, fmt) + by
+
+    return off
+
+
+# mode -> (the function of scenarios/formats/device.py it replaces, the wrapper)
+PATCHES: dict[str, tuple[str, Callable[[Callable[..., Any], FaultSpec], Callable[..., Any]]]] = {
+    "fn_as_fnuz": ("decode", _read_fn_as_fnuz),
+    "keep_0x80": ("fn_to_fnuz", _keep_0x80),
+    "fnuz_max_448": ("format_max", _fnuz_max_448),
+    "flip_overflow": ("cast", _flip_overflow),
+    "mx_scale_off_by_one": ("mx_scale_exponent", _mx_off),
+}

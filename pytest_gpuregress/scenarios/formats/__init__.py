@@ -1,0 +1,152 @@
+"""Scenario ``formats``: FP8, FP4 and MX conformance, and quantized checkpoints across vendors.
+
+Session side, torch-free. One launch measures everything on every rank (``rank.py``); each case
+reads its part of the merged record:
+  decode-<format>       every code decoded on the device, bit for bit against ml_dtypes (oracle.py)
+  encode-<format>       the in-range values of a fixed float32 grid (grid.py), cast on the device,
+                        against the oracle's round-to-nearest-even
+  behaviour-<format>    what the device does with the rest (overflow, ±inf, NaN), against the
+                        stored reference; --gpuregress-format-changes=warn reports a change and passes
+  quantized-<scheme>    the tiny model quantized, saved, reloaded and dequantized (roundtrip.py): the
+                        device against the oracle's quantizer, then checksums and logits against the
+                        stored reference
+  inspect               the diagnosis of every written checkpoint (diagnose.py; gpuregress inspect-fp8)
+  scaled_mm             GPUs with fp8 matrix multiply: torch._scaled_mm against the oracle
+The cases with a reference share one, ``formats``, written once per record. Bug classes:
+docs/faults.md section 2; the faults that emulate them: faults/formats.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from ...plugin.options import OptionSpec
+from ...reference.compare import Comparison, Finding, choose_lane
+from ...reference.record import RunRecord
+from ...stack import fingerprint as fp
+from ..base import Case, CheckScenario, Launch, Setup
+from . import grid, judge, summary
+from .catalog import FORMATS, MX_BLOCK, SCHEMES
+
+REFERENCE = "formats"
+
+
+class FormatsScenario(CheckScenario):
+    """FP8, FP4 and MX conformance against ml_dtypes, and quantized checkpoints across vendors."""
+
+    name = "formats"
+    rank_entry = "pytest_gpuregress.scenarios.formats.rank:run"
+    options = (
+        OptionSpec("format-changes", "choice", "fail",
+                   "a format behaviour (saturation, NaN, inf on overflow) that differs from the reference: "
+                   "fail its case, or warn and pass", choices=("fail", "warn")),
+    )
+
+    def cases(self, setup: Setup) -> list[Case]:
+        out = [Case(f"{part}-{f}", data={"part": part, "format": f}) for part in ("decode", "encode", "behaviour")
+               for f in FORMATS]
+        out += [Case(f"quantized-{s}", data={"part": "quantized", "scheme": s}) for s in SCHEMES]
+        out.append(Case("inspect", data={"part": "inspect"}))
+        if setup.device_kind == "cuda":
+            out.append(Case("scaled_mm", data={"part": "scaled_mm"}))
+        return out
+
+    def default_config(self, setup: Setup) -> dict[str, Any]:
+        return self.launch_config(setup, self.cases(setup))
+
+    def launch_config(self, setup: Setup, cases: list[Case]) -> dict[str, Any]:
+        """What every rank runs. ``run`` and ``format_changes`` are kept out of the stored config
+        (catalog.SESSION_ONLY), so any selection compares with one reference."""
+        from ...training.models import architecture_digest
+
+        # The CPU size on every device: number formats do not need model scale, and the host-side
+        # oracle and exact checksums stay under a second for its 100k weights; the GPU size's 155M
+        # would take minutes per scheme. The device still quantizes, dequantizes and runs the model.
+        size = "cpu"
+        parts: dict[str, list[str]] = {}
+        for case in cases:
+            parts.setdefault(case.data["part"], []).append(case.data.get("format") or case.data.get("scheme", ""))
+        quantized = list(SCHEMES) if "inspect" in parts else parts.get("quantized", [])
+        return {
+            "model": "tiny-llama", "model_size": size, "seed": 0, "batch": [2, 16], "dtype": "fp32",
+            "model_architecture": architecture_digest("tiny-llama", size), "block_size": MX_BLOCK,
+            "grid": grid.grid_digest(), "formats": list(FORMATS), "schemes": list(SCHEMES),
+            "run": {"decode": parts.get("decode", []),
+                    "encode": sorted(set(parts.get("encode", [])) | set(parts.get("behaviour", []))),
+                    "quantized": quantized, "scaled_mm": "scaled_mm" in parts},
+            "format_changes": setup.option("format-changes") or "fail",
+        }
+
+    def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
+        return [Launch("default", self.launch_config(setup, cases))]
+
+    def merge(self, records: list[RunRecord]) -> RunRecord:
+        """Rank 0's record, plus which cases another rank measured otherwise, with that rank's own findings."""
+        merged = records[0]
+        disagree: dict[str, dict[str, list[str]]] = {}
+        for rank, other in enumerate(records[1:], start=1):
+            for case_id in judge.rank_differences(merged, other):
+                part, _, key = case_id.partition("-")
+                disagree.setdefault(case_id, {})[str(rank)] = closed_form(part, key, other)
+        merged.results["rank_disagreements"] = disagree
+        return merged
+
+    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
+        problems = closed_form(case.data["part"], case.data.get("format") or case.data.get("scheme", ""), record)
+        for rank, theirs in record.results.get("rank_disagreements", {}).get(case.id, {}).items():
+            text = f"[format] {case.id}: rank {rank} measured otherwise than rank 0: the devices of this machine disagree"
+            if theirs:
+                text += f"; its own findings: {theirs[0]}" + (f" (and {len(theirs) - 1} more)" if len(theirs) > 1 else "")
+            problems.append(text)
+        return problems
+
+    def reference_name(self, case: Case) -> str | None:
+        return REFERENCE if case.data["part"] in ("behaviour", "quantized") else None
+
+    def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
+        chosen, reason = choose_lane(reference, record, lane)
+        part = case.data["part"]
+        key = case.data.get("format") or case.data["scheme"]
+        if part == "behaviour":
+            findings = self._behaviour(judge.behaviour_changes(FORMATS[key], reference, record), record)
+        else:
+            findings = judge.quantized_findings(key, reference, record, chosen)
+        # A reference recorded from a run that failed its own checks must not vouch for anything.
+        findings += [Finding("reference", "reference", f"the reference itself fails: {p}")
+                     for p in judge.stale_reference(part, key, reference)]
+        return Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, record.fingerprint))
+
+    def _behaviour(self, changes: list[str], record: RunRecord) -> list[Finding]:
+        """Findings, or in warn mode a warning and a summary line each (the case passes)."""
+        if record.results.get("session", {}).get("format_changes") != "warn":
+            return [Finding("behaviour", "format", change) for change in changes]
+        record.results.setdefault("warned", []).extend(changes)
+        for change in changes:
+            warnings.warn(judge.FormatBehaviourChanged(change), stacklevel=2)
+        return []
+
+    def header(self, setup: Setup) -> list[str]:
+        return [] if setup.device_kind == "cuda" else [f"gpuregress formats: {summary.SCALED_MM_OFF_CPU}"]
+
+    def summary(self, records: dict[str, RunRecord | None], setup: Setup) -> list[str]:
+        record = records.get("default")
+        return [] if record is None else summary.lines(record, setup.device_kind != "cuda")
+
+
+SCENARIO = FormatsScenario()
+
+
+def closed_form(part: str, key: str, record: RunRecord) -> list[str]:
+    """The reference-free findings of one case's part of ``record`` (``key``: its format or scheme)."""
+    if part == "decode":
+        return judge.decode_problems(FORMATS[key], record)
+    if part == "encode":
+        return judge.encode_problems(FORMATS[key], record)
+    if part == "behaviour":  # judged against the reference, unless its cast raised
+        return judge.raised(f"encode-{key}", record)
+    if part == "quantized":
+        return judge.quantized_problems(key, record)
+    if part == "inspect":
+        return judge.inspect_problems(record)
+    return judge.scaled_mm_problems(record)

@@ -1,0 +1,204 @@
+"""Verdicts and reference comparisons of the formats scenario, from a launch's record. torch-free.
+
+Closed-form verdicts (decode, encode, the quantized round trip's own checks, inspect, scaled_mm)
+need no reference. Behaviours and quantized checksums and logits are compared with the stored
+reference: behaviours and checksums exactly in every lane (they are discrete, or exact arithmetic),
+logits exactly in the exact lane and within LOGITS_TOLERANCE in the tolerant one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ...reference.compare import Finding
+from ...reference.record import RunRecord
+from . import grid, oracle
+from .catalog import FORMATS, Format
+
+EXAMPLES = 4
+# Tolerant lane, logits on the fixed batch, |diff| / max|reference|. Measured on the CPU: every linear
+# layer's output x (1 + 1e-7), the size of legitimate kernel drift (docs/faults.md section 4), moves
+# them by at most 4.7e-7; the mildest number-format fault (an MX scale one exponent too large) by
+# 4.5e-2, the others by 0.37 or more, or to NaN. 1e-4 sits 200x above the one and 400x below the
+# other; tests/test_formats_scenario.py checks both sides.
+LOGITS_TOLERANCE = 1e-4
+
+
+class FormatBehaviourChanged(UserWarning):
+    """A format behaviour differs from the reference, and --gpuregress-format-changes=warn said not to fail."""
+
+
+def _where(record: RunRecord) -> str:
+    return str(record.results.get("device", {}).get("name", "the device"))
+
+
+def _num(v: float) -> str:
+    return grid.number(float(v))
+
+
+def raised(case_id: str, record: RunRecord) -> list[str]:
+    """A cast or decode that raised on the device is a finding of its case, as a wrong value is."""
+    error = record.results.get("errors", {}).get(case_id)
+    return [f"[format] {case_id.replace('-', ' ', 1)}: raised on {_where(record)}: {error}"] if error else []
+
+
+def decode_problems(fmt: Format, record: RunRecord) -> list[str]:
+    errors = raised(f"decode-{fmt.id}", record)
+    if errors:
+        return errors
+    codes, values = record.arrays.get(f"decode/{fmt.id}/codes"), record.arrays.get(f"decode/{fmt.id}")
+    if codes is None or values is None:
+        return [] if fmt.id in record.results.get("unavailable", {}) else [f"[format] decode {fmt.id}: not in the record"]
+    expected = oracle.decode(codes, fmt)
+    wrong = ~oracle.same_values(expected, values)
+    if not wrong.any():
+        return []
+    text = (f"[format] decode {fmt.id}: {int(wrong.sum())} of {codes.size} codes decode on {_where(record)} unlike "
+            f"the oracle (ml_dtypes.{fmt.oracle_name})")
+    read_as = oracle.identify(codes, values, fmt)
+    if read_as is not None:
+        text += f"; the device's values are exactly {read_as.id}'s: {fmt.id} bytes are read as {read_as.id}"
+        ratio = oracle.value_ratio(expected, values)
+        if ratio:
+            text += f", every value {ratio:g}x (factor {max(ratio, 1 / ratio):g})"
+    shown = [f"0x{int(c):02X}: oracle {_num(e)}, device {_num(v)}"
+             for c, e, v in zip(codes[wrong][:EXAMPLES], expected[wrong], values[wrong])]
+    return [text + "; " + "; ".join(shown)]
+
+
+def encode_problems(fmt: Format, record: RunRecord) -> list[str]:
+    errors = raised(f"encode-{fmt.id}", record)
+    if errors:
+        return errors
+    codes = record.arrays.get(f"encode/{fmt.id}")
+    if codes is None:
+        return [] if fmt.id in record.results.get("unavailable", {}) else [f"[format] encode {fmt.id}: not in the record"]
+    compared, wrong = grid.in_range_mismatches(record.arrays["encode/grid"], codes, fmt)
+    if not wrong:
+        return []
+    shown = [f"{_num(w['value'])} -> device 0x{w['device_code']:02X} ({_num(w['device'])}), oracle "
+             f"0x{w['oracle_code']:02X} ({_num(w['oracle'])})" for w in wrong[:EXAMPLES]]
+    return [f"[format] encode {fmt.id}: {len(wrong)} of {compared} in-range grid values cast on {_where(record)} unlike "
+            f"the oracle's round-to-nearest-even: " + "; ".join(shown)]
+
+
+def behaviours(fmt: Format, record: RunRecord) -> dict[str, list[dict[str, Any]]] | None:
+    codes = record.arrays.get(f"encode/{fmt.id}")
+    return None if codes is None else grid.behaviours(record.arrays["encode/grid"], codes, fmt)
+
+
+def behaviour_changes(fmt: Format, reference: RunRecord, record: RunRecord) -> list[str]:
+    before, now = behaviours(fmt, reference), behaviours(fmt, record)
+    if now is None:
+        return []  # the format is unavailable here; its decode and encode cases say so
+    if before is None:
+        return [f"the reference holds no {fmt.id} encode results: record it with every formats case (-k formats)"]
+    return grid.behaviour_changes(before, now, fmt)
+
+
+def quantized_problems(scheme: str, record: RunRecord) -> list[str]:
+    result = record.results.get("quantized", {}).get(scheme)
+    if result is None:
+        return [f"[quantization] {scheme}: not in the record"]
+    if "error" in result:
+        return [f"[quantization] {scheme}: the round trip raised {result['error']}"]
+    return [f"[quantization] {scheme}: {p}" for p in result["problems"]]
+
+
+def inspect_problems(record: RunRecord) -> list[str]:
+    out = []
+    for scheme, report in record.results.get("inspect", {}).items():
+        out += [f"[checkpoint] {scheme}.safetensors: {text}" for text in report["findings"]]
+    return out
+
+
+def scaled_mm_problems(record: RunRecord) -> list[str]:
+    result = record.results.get("scaled_mm") or {}
+    if not result.get("applicable"):
+        return []
+    if "error" in result:
+        return [f"[fp8 matmul] torch._scaled_mm {result['format']} on {result['arch']} raised {result['error']}"]
+    if result["non_finite"] or not result["worst_ratio"] <= 1.0:
+        return [f"[fp8 matmul] torch._scaled_mm {result['format']} {result['shape']} on {result['arch']}: at "
+                f"{tuple(result['worst_at'])} expected {result['expected']!r} (oracle, float64), got {result['got']!r}: "
+                f"{result['worst_ratio']:.3g}x the derived error bound {result['bound']:.3g}; "
+                f"{result['non_finite']} non-finite outputs"]
+    return []
+
+
+def stale_reference(part: str, key: str, reference: RunRecord) -> list[str]:
+    """The closed-form failures a reference carries for a behaviour (key: format id) or quantized case."""
+    if part == "behaviour":
+        fmt = FORMATS[key]
+        return encode_problems(fmt, reference) if f"encode/{key}" in reference.arrays else []
+    return quantized_problems(key, reference) if key in reference.results.get("quantized", {}) else []
+
+
+def quantized_findings(scheme: str, reference: RunRecord, record: RunRecord, lane: str) -> list[Finding]:
+    before = reference.results.get("quantized", {}).get(scheme)
+    now = record.results.get("quantized", {}).get(scheme)
+    if now is not None and "error" in now:
+        return []  # the verdict reports it
+    if before is None or now is None or "error" in before:
+        where = "the reference" if before is None or "error" in before else "this run"
+        return [Finding("quantized", "quantization", f"{scheme}: {where} holds no results for this scheme; "
+                        "record the reference with every formats case (-k formats)")]
+    findings = []
+    differ = [name for name, sums in before["tensors"].items() if now["tensors"].get(name) != sums]
+    if differ:
+        # Show a tensor whose sums stayed finite if there is one: its ratio says what happened.
+        name = next((n for n in differ if np.isfinite((now["tensors"].get(n) or {}).get("abs_sum", np.nan))), differ[0])
+        a, b = before["tensors"][name], now["tensors"].get(name) or {}
+        ratio = b.get("abs_sum", float("nan")) / a["abs_sum"] if a["abs_sum"] else float("nan")
+        findings.append(Finding(
+            "checksums", "quantization",
+            f"{scheme}: {len(differ)} of {len(before['tensors'])} tensors differ from the reference (codes, scales or "
+            f"dequantized float64 sums, compared exactly: quantizing is exact arithmetic); first {name}: sum "
+            f"{a['sum']!r} -> {b.get('sum')!r}, sum|w| ratio {ratio:.6g}", tensor=name, expected=a["sum"],
+            got=b.get("sum")))
+    findings += _logits(scheme, reference, record, lane)
+    return findings
+
+
+def _logits(scheme: str, reference: RunRecord, record: RunRecord, lane: str) -> list[Finding]:
+    key = f"logits/{scheme}"
+    ref, got = reference.arrays.get(key), record.arrays.get(key)
+    if ref is None or got is None or ref.shape != got.shape:
+        return [Finding("logits", "quantization", f"{scheme}: logits missing or reshaped ({key})")]
+    if lane == "exact":
+        bad = not oracle.same_values(ref, got).all()
+        measure = "bitwise"
+    else:
+        scale = max(float(np.abs(ref).max()), np.finfo(np.float32).tiny)
+        with np.errstate(invalid="ignore"):
+            diff = np.abs(oracle.as_float64(got) - oracle.as_float64(ref)) / scale
+        worst = float(np.nan_to_num(np.where(oracle.same_values(ref, got), 0.0, diff), nan=np.inf).max())
+        bad = worst > LOGITS_TOLERANCE
+        measure = f"max |diff|/max|ref| {worst:.3g} > {LOGITS_TOLERANCE:g}"
+    if not bad:
+        return []
+    moved = ~oracle.same_values(ref, got)  # not empty: a NaN where the reference has one moves nothing
+    first = tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(moved)[0]), ref.shape))
+    return [Finding("logits", "quantization",
+                    f"{scheme}: logits on the fixed batch differ ({measure}): {int(moved.sum())} of {ref.size} values, "
+                    f"first at {first}: expected {float(ref[first])!r}, got {float(got[first])!r}",
+                    expected=float(ref[first]), got=float(got[first]))]
+
+
+def rank_differences(first: RunRecord, other: RunRecord) -> list[str]:
+    """Case ids whose measurements differ between two ranks' records."""
+    out = []
+    for key in sorted(k for k in first.arrays if k.startswith(("decode/", "encode/")) and k != "encode/grid"):
+        mine, theirs = first.arrays[key], other.arrays.get(key)
+        if theirs is None or mine.tobytes() != theirs.tobytes():
+            kind, fmt = key.split("/")[:2]
+            out += [f"{kind}-{fmt}"] + ([f"behaviour-{fmt}"] if kind == "encode" else [])
+    for scheme, result in first.results.get("quantized", {}).items():
+        peer = other.results.get("quantized", {}).get(scheme) or {}
+        if (result.get("tensors"), result.get("logits")) != (peer.get("tensors"), peer.get("logits")):
+            out.append(f"quantized-{scheme}")
+    if first.results.get("inspect") != other.results.get("inspect"):
+        out.append("inspect")
+    return sorted(set(out))

@@ -1,0 +1,58 @@
+"""The formats scenario end to end: ``pytest --gpuregress -k formats`` on two spawned gloo ranks.
+
+The comparisons run against a copy of the CPU reference this repository ships
+(reference_runs/formats), so they also prove that it is current for this stack; after a change to
+the scenario, re-record it (docs/formats.md). Faults go in through ``--gpuregress-inject``, so their
+installers run on the ranks. tests/test_formats_scenario.py covers every fault in-process; here the
+point is the whole path, the messages and the warn mode.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pytest_gpuregress.resources import shipped_dir
+
+pytestmark = pytest.mark.slow
+FLIP = "--gpuregress-inject=format:mode=flip_overflow"
+
+
+@pytest.fixture
+def recorded(tmp_path: Path) -> Path:
+    refs = tmp_path / "refs"
+    shutil.copytree(shipped_dir("reference_runs") / "formats", refs / "formats")
+    return refs
+
+
+def run(pytester: pytest.Pytester, refs: Path, selection: str, *extra: str) -> pytest.RunResult:
+    return pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={refs}",
+                              "-k", selection, "-rf", *extra)
+
+
+def test_a_cast_switched_from_saturating_to_nan_fails_by_name_and_nothing_else_does(pytester: pytest.Pytester,
+                                                                                     recorded: Path) -> None:
+    result = run(pytester, recorded, "formats", FLIP)
+    result.assert_outcomes(passed=23, failed=1)
+    result.stdout.fnmatch_lines([
+        "*lane: *",
+        "[[]format[]] overflow to e4m3fn now gives NaN; the reference saturated to 448",
+        "[[]format[]] +inf to e4m3fn now gives NaN; the reference saturated to 448",
+        "*if the new numbers are right, record them as the reference: pytest --gpuregress --gpuregress-record -k formats*",
+        "FAILED *test_scenario[[]formats-behaviour-e4m3fn[]]*",
+    ])
+    out = result.stdout.str()
+    assert "INTERNALERROR" not in out and "Traceback" not in out
+    assert "gpuregress formats: torch._scaled_mm (fp8 matrix multiply): not applicable on the cpu" in out
+
+
+def test_warn_mode_passes_and_still_lists_the_change(pytester: pytest.Pytester, recorded: Path) -> None:
+    result = run(pytester, recorded, "formats and behaviour", FLIP, "--gpuregress-format-changes=warn")
+    result.assert_outcomes(passed=6, warnings=4)
+    result.stdout.fnmatch_lines([
+        "*FormatBehaviourChanged: overflow to e4m3fn now gives NaN; the reference saturated to 448",
+        "format behaviours that changed since the reference (--gpuregress-format-changes=warn, not failed):",
+        "  overflow to e4m3fn now gives NaN; the reference saturated to 448",
+    ])

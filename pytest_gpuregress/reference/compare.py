@@ -21,7 +21,7 @@ import numpy as np
 
 from ..stack import fingerprint as fp
 from .envelope import PREFIX as ENVELOPE_PREFIX
-from .envelope import digest_deviation, floors_for, limit, rel, step0_names, tensor_deviation
+from .envelope import MetricLimits, digest_deviation, floors_for, limit, rel, step0_names, tensor_deviation
 from .record import RunRecord
 
 WORST_ROWS = 8
@@ -29,15 +29,7 @@ WORST_ROWS = 8
 SPARSE_FRACTION = 0.05
 
 
-@dataclass(frozen=True)
-class Tolerances:
-    """Tolerant-lane limits without an envelope. Relative for scalars; for tensors, |a-b| / max|reference|."""
-
-    loss: float
-    grad_norm: float
-    param_grad_norm: float
-    step0_grad: float
-    final_weights: float
+Tolerances = MetricLimits  # explicit limits, one per metric, for compare_training(tolerances=...)
 
 
 # Limits for references that carry no noise envelope (a user's own loop, a reference recorded with

@@ -31,8 +31,8 @@ K = 10.0
 
 
 @dataclass(frozen=True)
-class Floors:
-    """The smallest allowed deviation per metric, for entries where no replica moved at all."""
+class MetricLimits:
+    """One limit per compared metric: relative for scalars; for tensors, |a-b| / max|reference|."""
 
     loss: float
     grad_norm: float
@@ -43,13 +43,14 @@ class Floors:
 
 # fp32: two float32 ulps (2.4e-7 relative): a floor that covers rounding, and stays 50x below the
 # weakest fault above. bf16: one bf16 ulp (2^-8), not yet measured on a GPU.
-FLOORS: dict[str, Floors] = {
-    "fp32": Floors(loss=2.5e-7, grad_norm=2.5e-7, param_grad_norm=2.5e-7, step0_grad=2.5e-7, final_weights=2.5e-7),
-    "bf16": Floors(loss=4e-3, grad_norm=4e-3, param_grad_norm=4e-3, step0_grad=4e-3, final_weights=4e-3),
+# The floors: the smallest allowed deviation per metric, for entries where no replica moved at all.
+FLOORS: dict[str, MetricLimits] = {
+    "fp32": MetricLimits(loss=2.5e-7, grad_norm=2.5e-7, param_grad_norm=2.5e-7, step0_grad=2.5e-7, final_weights=2.5e-7),
+    "bf16": MetricLimits(loss=4e-3, grad_norm=4e-3, param_grad_norm=4e-3, step0_grad=4e-3, final_weights=4e-3),
 }
 
 
-def floors_for(dtype: str) -> Floors:
+def floors_for(dtype: str) -> MetricLimits:
     return FLOORS.get(dtype, FLOORS["bf16"])
 
 

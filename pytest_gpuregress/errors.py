@@ -54,3 +54,7 @@ class ScenarioProblem(GpuRegressError):
 
 class RegressionFailure(AssertionError):
     """A run differs from its reference, or a check case from its closed-form result. The message is the report."""
+
+
+class NotApplicable(GpuRegressError):
+    """What was asked cannot apply on this platform or launch mode; a test that needs it is skipped."""

@@ -94,3 +94,29 @@ def test_the_cpu_core_count_is_not_in_the_numerics_key() -> None:
     a = {"device": {"kind": "cpu", "cpu_count": 2, "count": None}}
     b = {"device": {"kind": "cpu", "cpu_count": 64, "count": None}}
     assert numerics_diff(a, b) == []
+
+
+def test_a_replica_that_goes_non_finite_refuses_the_envelope() -> None:
+    import pytest
+
+    broken = make_record()
+    broken.series["loss"][2] = float("nan")
+    with pytest.raises(envelope.NoisyReplica, match="non-finite loss"):
+        envelope.measure(make_record(), [broken])
+
+
+def test_a_nan_fails_the_tolerant_lane_even_inside_an_envelope() -> None:
+    run = make_record()
+    run.series["loss"][3] = float("nan")
+    comparison = compare_training(_with_envelope(1e-3), run, lane="tolerant")
+    assert any(f.metric == "loss" and f.step == 3 for f in comparison.findings)
+
+
+def test_one_flipped_element_of_a_large_tensor_fails_the_tolerant_lane() -> None:
+    weights = np.random.default_rng(1).normal(size=200_000).astype(np.float32)
+    flipped = weights.copy()
+    flipped[12345] = -flipped[12345]
+    reference, run = make_record(), make_record()
+    reference.digests = {"w": float_digest(weights)}
+    run.digests = {"w": float_digest(flipped)}
+    assert not compare_training(reference, run, lane="tolerant").passed

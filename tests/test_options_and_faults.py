@@ -26,6 +26,13 @@ from pytest_gpuregress.faults import parse
         ("--gpuregress-inject=collective:dtype=bf17", "dtype='bf17' is not allowed; dtype takes one of bf16, "),
         ("--gpuregress-inject=collective:rel=big", "rel='big' is not allowed; rel takes a number"),
         ("--gpuregress-inject=lr_scale:1.01", "'1.01' is not key=value"),
+        ("--gpuregress-inject=collective:mode=zero_tail,count=0",
+         "count='0' is not allowed; count takes an integer of at least 1"),
+        ("--gpuregress-inject=collective:mode=stale_chunk,pieces=1",
+         "pieces='1' is not allowed; pieces takes an integer of at least 2"),
+        ("--gpuregress-inject=collective:every=0", "every='0' is not allowed"),
+        ("--gpuregress-inject=crash:rank=-1", "rank='-1' is not allowed"),
+        ("--gpuregress-inject=hang:rank=5", "names rank 5, but this run has ranks 0 to 1"),
     ],
 )
 def test_bad_values_are_one_line_usage_errors_before_any_rank_starts(

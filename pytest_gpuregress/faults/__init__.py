@@ -32,14 +32,19 @@ class Param:
     kind: str  # number | int | choice | choices | ranks | dtype
     help: str
     choices: tuple[str, ...] = ()
+    minimum: float | None = None
 
     def parse(self, value: str) -> Any:
-        if self.kind == "number":
-            return float(value)
-        if self.kind == "int":
-            return int(value)
+        if self.kind in ("number", "int"):
+            number = float(value) if self.kind == "number" else int(value)
+            if self.minimum is not None and number < self.minimum:
+                raise ValueError
+            return number
         if self.kind == "ranks":
-            return frozenset(int(r) for r in value.split("|"))
+            ranks = frozenset(int(r) for r in value.split("|"))
+            if min(ranks) < 0:
+                raise ValueError
+            return ranks
         if self.kind == "dtype":
             name = DTYPE_NAMES.get(value, value)
             if name not in DTYPE_NAMES.values():
@@ -51,7 +56,9 @@ class Param:
         return frozenset(picked) if self.kind == "choices" else value
 
     def describe(self) -> str:
-        allowed = {"number": "a number", "int": "an integer", "ranks": "rank numbers joined by '|'",
+        at_least = f" of at least {self.minimum:g}" if self.minimum is not None else ""
+        allowed = {"number": f"a number{at_least}", "int": f"an integer{at_least}",
+                   "ranks": "rank numbers (0 or more) joined by '|'",
                    "dtype": "one of " + ", ".join(sorted(set(DTYPE_NAMES) | set(DTYPE_NAMES.values())))}
         if self.kind in ("choice", "choices"):
             joined = "|".join(self.choices)
@@ -85,7 +92,7 @@ class FaultSpec:
 
 
 _RANKS = Param("ranks", "only these ranks ('|'-separated)")
-_STEP = Param("int", "the step after which it fires")
+_STEP = Param("int", "the step after which it fires", minimum=0)
 
 KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("collective", ".collective:install", "corrupt the output of matching collectives", {
@@ -94,16 +101,16 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                                 "stale_chunk: chunk `chunk` keeps the previous call's value",
                       ("nudge", "zero_tail", "zeros", "stale_chunk")),
         "rel": Param("number", "relative size of a nudge (default 1e-3)"),
-        "count": Param("int", "elements zeroed by zero_tail (default 8)"),
+        "count": Param("int", "elements zeroed by zero_tail (default 8)", minimum=1),
         "chunk": Param("int", "which chunk stale_chunk restores (default -1, the last)"),
-        "pieces": Param("int", "chunks a single-tensor output is cut into for stale_chunk (default 2)"),
-        "min_bytes": Param("number", "smallest matching message (the larger of input and output)"),
-        "max_bytes": Param("number", "largest matching message"),
+        "pieces": Param("int", "chunks a single-tensor output is cut into for stale_chunk (default 2)", minimum=2),
+        "min_bytes": Param("number", "smallest matching message (the larger of input and output)", minimum=0),
+        "max_bytes": Param("number", "largest matching message", minimum=0),
         "dtype": Param("dtype", "only this dtype"),
         "reduce_op": Param("choice", "only this reduction", REDUCE_OPS),
         "ranks": _RANKS,
         "rank": _RANKS,
-        "every": Param("int", "fire on 1 matching call in N"),
+        "every": Param("int", "fire on 1 matching call in N", minimum=1),
     }),
     FaultKind("emulate_premul_sum", ".collective:install_premul_sum_emulation",
               "give gloo a PREMUL_SUM all-reduce (input x factor, then SUM), so a premul_sum fault can be shown "
@@ -114,7 +121,7 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
               "every F.linear output x (1 +- rel), a fixed sign per output feature: legitimate kernel drift at 1e-7", {
                   "rel": Param("number", "relative change (default 1e-7)"), "ranks": _RANKS, "rank": _RANKS}),
     FaultKind("hang", ".process:install_hang", "the rank sleeps after completing a step", {
-        "rank": _RANKS, "ranks": _RANKS, "step": _STEP, "seconds": Param("number", "how long (default 3600)")}),
+        "rank": _RANKS, "ranks": _RANKS, "step": _STEP, "seconds": Param("number", "how long (default 3600)", minimum=0)}),
     FaultKind("crash", ".process:install_crash", "the rank fails after completing a step", {
         "rank": _RANKS, "ranks": _RANKS, "step": _STEP,
         "how": Param("choice", "raise an exception, exit, or abort", ("raise", "exit", "abort"))}),
@@ -129,7 +136,7 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                       ("fn_as_fnuz", "keep_0x80", "fnuz_max_448", "flip_overflow", "mx_scale_off_by_one")),
         "format": Param("choice", "the format flip_overflow changes (default e4m3fn)",
                         ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz", "e8m0fnu", "e2m1fn")),
-        "by": Param("int", "exponents the MX scale is off by (default 1)"),
+        "by": Param("int", "exponents the MX scale is off by (default 1)", minimum=1),
         "ranks": _RANKS, "rank": _RANKS}, required=("mode",)),
 )}
 
@@ -178,6 +185,14 @@ def install(texts: list[str], ctx: Any) -> list[str]:
         installer(spec, ctx)
         installed.append(spec.text)
     return installed
+
+
+def check_ranks(specs: tuple[FaultSpec, ...] | list[FaultSpec], world_size: int) -> None:
+    """Refuse a spec that names a rank this run does not have: it would silently never fire."""
+    for spec in specs:
+        if spec.ranks is not None and max(spec.ranks) >= world_size:
+            raise BadFaultSpec(f"{spec.text!r}: names rank {max(spec.ranks)}, but this run has ranks 0 to "
+                               f"{world_size - 1} (--gpuregress-world-size)")
 
 
 def emulated_ops(specs: tuple[FaultSpec, ...] | list[FaultSpec]) -> tuple[str, ...]:

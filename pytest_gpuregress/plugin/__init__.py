@@ -68,13 +68,19 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
     """Our own errors carry complete messages; show them without the plugin's internal traceback."""
-    from ..errors import GpuRegressError, RegressionFailure
+    from ..errors import GpuRegressError, NotApplicable, RegressionFailure
 
     try:
         return (yield)
+    except NotApplicable as exc:
+        message = str(exc)
+        skip = True
     except (GpuRegressError, RegressionFailure) as exc:
         kind = "regression" if isinstance(exc, RegressionFailure) else type(exc).__name__
         message = f"gpuregress {kind}: {exc}"
+        skip = False
+    if skip:
+        pytest.skip(f"not applicable: {message}")
     pytest.fail(message, pytrace=False)  # outside the except block: no chained traceback
 
 
@@ -89,7 +95,7 @@ class _LateConfigure:
     def pytest_configure(self, config: pytest.Config) -> None:
         if not config.stash[OPTIONS_KEY].enabled:
             return
-        from ..errors import UnsupportedPlatform
+        from ..errors import BadFaultSpec, UnsupportedPlatform
         from .session import GpuRegressSession
 
         cache = getattr(config, "cache", None)
@@ -98,6 +104,8 @@ class _LateConfigure:
             session = GpuRegressSession(config.stash[OPTIONS_KEY], config.rootpath, output)
         except UnsupportedPlatform as exc:
             raise pytest.UsageError(str(exc)) from None
+        except BadFaultSpec as exc:
+            raise pytest.UsageError(f"--gpuregress-inject: {exc}") from None
         config.stash[SESSION_KEY] = session
         for mark in sorted({m for _, case in session.all_cases() for m in case.marks}):
             config.addinivalue_line("markers", f"{mark}: a mark of a gpuregress scenario case")

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import MissingReference, RankFailure, RegressionFailure
+from ..errors import MissingReference, NotApplicable, RankFailure, RegressionFailure
+from ..faults import check_ranks
 from ..launch.job import Job
 from ..reference import envelope, store
 from ..reference.compare import Comparison, compare_training
@@ -48,6 +49,7 @@ class GpuRegressSession:
         self.rootpath = rootpath
         self.output_dir = output_dir
         self.platform: Platform = resolve_platform(options.device, options.world_size)
+        check_ranks(options.faults, self.platform.world_size)
         self.setup = Setup(
             device_kind=self.platform.device_kind,
             backend=self.platform.backend,
@@ -139,6 +141,11 @@ class GpuRegressSession:
         return self._launch(sc, Launch("default", cfg, dict(env or {})), faults or [])
 
     def _launch(self, sc: Scenario, launch: Launch, faults: list[str]) -> RunRecord:
+        if self.platform.in_place and (launch.env or launch.world_size not in (None, self.platform.world_size)):
+            # Under torchrun every process already is one rank of one group with one environment.
+            raise NotApplicable(f"launch {launch.key!r} of {sc.name!r} needs its own group of ranks "
+                                f"({launch.world_size or self.platform.world_size} ranks, environment {launch.env or 'as is'}), "
+                                "which cannot be started in place under torchrun; run it spawned locally")
         job = Job(
             scenario=launch.entry or sc.rank_entry,
             config=launch.config,
@@ -219,7 +226,7 @@ class GpuRegressSession:
             (target / name).write_text(text)
         self.saved[(sc.name, key)] = target
 
-    def triage(self, sc: Scenario, reference: RunRecord, comparison: Comparison) -> tuple[str, list[str]]:
+    def triage(self, sc: Scenario, reference: RunRecord, comparison: Comparison) -> tuple[str | None, list[str]]:
         """The component behind a failed comparison, from experiments: equivalence and the oracle always,
         switches flipped with --gpuregress-triage."""
         from .. import triage
@@ -229,10 +236,11 @@ class GpuRegressSession:
             experiments = triage.cheap_evidence(sc, self.setup, self.launch_cached)
             if self.options.triage:
                 experiments += flip(sc, self.setup, self.launch_cached, reference, comparison)
-        except RankFailure as exc:
-            return "unknown", ["", f"triage could not run: {str(exc).splitlines()[0]}"]
+        except Exception as exc:  # noqa: BLE001 - triage must never hide the regression it explains
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            return None, ["", f"triage could not run ({type(exc).__name__}: {first}); components are the heuristic's"]
         component, line = triage.verdict(comparison, experiments)
-        return component, triage.report(component, line, experiments)
+        return component, triage.report(line, experiments)
 
     # --- verdicts -----------------------------------------------------------------------------------
 
@@ -260,7 +268,7 @@ class GpuRegressSession:
         name: str | None = None,
         extra: list[str] | None = None,
         compare: Callable[[RunRecord, RunRecord], Comparison] | None = None,
-        explain: Callable[[RunRecord, Comparison], tuple[str, list[str]]] | None = None,
+        explain: Callable[[RunRecord, Comparison], tuple[str | None, list[str]]] | None = None,
     ) -> Comparison | None:
         """Record ``record`` (with --gpuregress-record) or compare it with its reference.
 
@@ -308,7 +316,7 @@ class GpuRegressSession:
             evidence: list[str] = []
             if explain is not None and comparison.findings:
                 component, evidence = explain(reference, comparison)
-                for finding in comparison.findings:  # experiments replace the heuristic's guess
+                for finding in comparison.findings if component else ():  # experiments replace the heuristic's guess
                     finding.component = component
             report = format_comparison(comparison, scenario=scenario, platform_key=record.platform_key,
                                        reference_path=str(loc.path), record_hint=loc.record_hint) + "\n".join(evidence)

@@ -135,7 +135,8 @@ class _Check:
 
 
 def _check(dev: np.ndarray, limit: np.ndarray, lane: str, ref: np.ndarray, got: np.ndarray) -> _Check:
-    bad = _bits_differ(ref, got) if lane == "exact" else dev > limit
+    # not (dev <= limit): a NaN deviation or limit fails, never passes
+    bad = _bits_differ(ref, got) if lane == "exact" else ~(dev <= limit)
     return _Check(dev, np.broadcast_to(limit, dev.shape), bad)
 
 
@@ -169,8 +170,11 @@ def _series(metric: str, ref: list[float], got: list[float], lane: str, limit: n
 
 def _param_grad_norms(ref: RunRecord, run: RunRecord, lane: str, limit: np.ndarray) -> tuple[Finding | None, float]:
     r, g = ref.arrays.get("param_grad_norm"), run.arrays.get("param_grad_norm")
-    if r is None or g is None:
+    if r is None:
         return None, 0.0
+    if g is None:
+        missing = "param_grad_norm: recorded in the reference, missing in this run"
+        return Finding("param_grad_norm", "unknown", missing), float("inf")
     if r.shape != g.shape:
         return Finding("param_grad_norm", "unknown", f"param_grad_norm: shape {r.shape} vs {g.shape}"), float("inf")
     check = _check(rel(g, r), limit, lane, r, g)
@@ -255,7 +259,7 @@ def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, 
             continue
         dev = digest_deviation(gd, rd)
         margin = max(margin, dev / limits[name] if dev > 0 else 0.0)
-        if (rd["sha256"] != gd["sha256"]) if lane == "exact" else dev > limits[name]:
+        if (rd["sha256"] != gd["sha256"]) if lane == "exact" else not dev <= limits[name]:
             bad.append((name, float(rd["abs_sum"]), float(gd["abs_sum"]), dev))
     if not bad:
         return None, margin

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import GpuRegressError
 from .record import RunRecord
+
+
+class NoisyReplica(GpuRegressError):
+    """A noise replica went non-finite: no envelope can be measured from it."""
 
 PREFIX = "envelope/"
 
@@ -70,9 +75,13 @@ def tensor_deviation(run: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 
 def digest_deviation(run: dict, ref: dict) -> float:
-    """How far final-weight digests moved: magnitude (abs_sum), sign (sum) and arrangement (signed_dot)."""
+    """How far final-weight digests moved: magnitude (abs_sum), sign (sum) and arrangement (signed_dot).
+
+    Signed sums are measured against the tensor's L2 norm, not its |sum|: a flipped sign moves them
+    by about 2 x ||w||, which stays visible however large the tensor (|sum| grows like n, ||w|| like
+    sqrt(n)). Digests recorded before the norm was stored fall back to |sum|."""
     magnitude = float(rel(np.asarray(run["abs_sum"]), np.asarray(ref["abs_sum"])))
-    scale = max(abs(float(ref["abs_sum"])), float(np.finfo(np.float64).tiny))
+    scale = max(abs(float(ref.get("l2", ref["abs_sum"]))), float(np.finfo(np.float64).tiny))
     signed = [abs(float(run[k]) - float(ref[k])) / scale for k in ("sum", "signed_dot") if k in run and k in ref]
     value = max([magnitude, *signed])
     return float("inf") if np.isnan(value) else value
@@ -111,6 +120,9 @@ def measure(base: RunRecord, replicas: list[RunRecord]) -> dict[str, np.ndarray]
     spread: dict[str, np.ndarray] = {}
     for replica in replicas:
         for metric, dev in deviations(base, replica).items():
+            if not np.isfinite(dev).all():  # an infinite spread would switch the check off for good
+                raise NoisyReplica(f"noise replica {replica.config.get('perturbation', '?')!r} gave a non-finite "
+                                   f"{metric} (NaN or inf): the stack is not healthy enough to record a reference")
             spread[metric] = np.maximum(spread[metric], dev) if metric in spread else dev
     for metric in ("loss", "grad_norm", "param_grad_norm"):
         if metric in spread:

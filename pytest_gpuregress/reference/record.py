@@ -158,6 +158,7 @@ def float_digest(values: np.ndarray) -> dict[str, Any]:
         "sha256": hashlib.sha256(flat.tobytes()).hexdigest(),
         "sum": float(as64.sum()),
         "abs_sum": float(np.abs(as64).sum()),
+        "l2": float(np.sqrt((as64 * as64).sum())),
         "signed_dot": float(as64.reshape(-1) @ pattern),
         "shape": list(flat.shape),
         "dtype": str(flat.dtype),

@@ -173,7 +173,9 @@ class Scenario:
 
         Training scenarios compare every case; a check scenario may compare some cases (say, checksums
         whose expected values are not known in closed form). Cases of one launch may share a reference."""
-        return case.id if self.kind == "training" else None
+        if self.kind != "training":
+            return None
+        return case.id if case.id == self.name else f"{self.name}-{case.id}"  # namespaced: never another scenario's
 
     def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
         """Compare ``record`` with its reference for ``case``. By default: losses, gradients and weights."""

@@ -74,13 +74,14 @@ def apply_batch_order(tokens: Any, perturbation: str) -> Any:
     return tokens.flip(0) if "reduction_order" in perturbation else tokens
 
 
-def apply_kernel_path(perturbation: str, device_kind: str) -> str | None:
-    """On GPUs, switch to the other BLAS library; return what was chosen (the CPU switch is the environment)."""
-    if "kernel_path" not in perturbation or device_kind != "cuda":
+def apply_kernel_path(perturbation: str, ctx: Any) -> str | None:
+    """On GPUs, switch to the other BLAS library (undone after the run); the CPU switch is the environment."""
+    if "kernel_path" not in perturbation or ctx.device_kind != "cuda":
         return None
     import torch
 
-    current = str(torch.backends.cuda.preferred_blas_library()).lower()
-    other = "cublas" if "lt" in current else "cublaslt"
+    current = torch.backends.cuda.preferred_blas_library()
+    other = "cublas" if "lt" in str(current).lower() else "cublaslt"
     torch.backends.cuda.preferred_blas_library(other)
+    ctx.cleanup_hooks.append(lambda: torch.backends.cuda.preferred_blas_library(current))
     return other

@@ -8,6 +8,8 @@ separates a wrong fp32 kernel from a wrong collective.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ..reference.record import RunRecord
@@ -20,6 +22,7 @@ def run(ctx) -> RunRecord:  # type: ignore[no-untyped-def]
     from .data import MarkovTokens
     from .models import build_causal_lm, load_config
 
+    torch.set_num_threads(os.cpu_count() or 1)  # float64 on the GPU model is slow; summation order barely matters here
     cfg = ctx.config
     model_config = load_config(cfg["model"], cfg["model_size"])
     model = build_causal_lm(model_config, seed=int(cfg["seed"])).double()

@@ -149,27 +149,35 @@ def cheap_evidence(sc: Scenario, setup: Setup, run: Runner) -> list[Experiment]:
     return [equivalence(sc, n, one, setup), oracle(sc, one, exact)]
 
 
-def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tuple[str, str]:
-    """(component, the one-line verdict with its evidence)."""
+def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tuple[str | None, str]:
+    """(component, the one-line verdict with its evidence). The component is None when the experiments
+    convict nothing and cannot clear step 0: then the findings keep the heuristic's components."""
     by_name = {e.name: e for e in experiments}
-    convicting = [e for e in experiments if e.convicts and e.component]
-    if convicting:
-        component = convicting[0].component or "unknown"
+    oracle_result = by_name.get("oracle")
+    component: str | None
+    if oracle_result is not None and oracle_result.convicts:
+        component = "kernel"  # the oracle judges a run no collective touched: it outranks equivalence
+    elif any(e.convicts and e.component for e in experiments):
+        component = next(e.component for e in experiments if e.convicts and e.component)
     elif comparison is not None and comparison.findings:
         first = min((f.step for f in comparison.findings if f.step is not None), default=None)
-        step0 = any(f.step == 0 for f in comparison.findings)
-        # Both experiments clean: step 0 right by construction, so a later divergence is the update.
-        component = "kernel" if step0 else "optimizer"
-        if not step0 and first is not None:
+        cleared = all(by_name[n].status == "clean" for n in ("equivalence", "oracle") if n in by_name)
+        if cleared and len(by_name) >= 2 and first is not None and first > 0:
+            # Step 0 matches the reference and both experiments are clean: the update goes wrong.
+            component = "optimizer"
             by_name["divergence"] = Experiment("divergence", "starts", f"step 0 matches the reference; the first "
                                                                      f"difference is at step {first}")
+        else:
+            component = None
     else:
-        component = "none"
+        component = None
     evidence = "; ".join(f"{e.name} {e.status}: {e.detail}" for e in by_name.values())
-    return component, f"triage verdict: {component}. Evidence: {evidence}"
+    named = component or "inconclusive (the experiments neither convict nor clear a component; the findings keep " \
+                         "the heuristic's guess)"
+    return component, f"triage verdict: {named}. Evidence: {evidence}"
 
 
-def report(component: str, line: str, experiments: list[Experiment]) -> list[str]:
+def report(line: str, experiments: list[Experiment]) -> list[str]:
     lines = ["", line]
     for e in experiments:
         lines += [f"    {e.name}: {x}" for x in e.lines[:12]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..errors import NotApplicable
 from ..reference.compare import Comparison, compare_training
 from ..reference.record import RunRecord
 from . import Experiment, Runner
@@ -61,6 +62,9 @@ def flip(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, failing:
 
     base = sc.default_config(setup)
     before = _worst(failing)
+    if before <= 1.0:  # an exact-lane failure inside the tolerant limits: every flip would "vanish"
+        return [Experiment("flips", "not applicable", f"the failure is {before:.3g}x its tolerant-lane limit, inside "
+                                                       "it, so a flipped switch cannot be measured against it")]
     out: list[Experiment] = []
     for switch in switches(setup):
         if switch.not_applicable:
@@ -69,6 +73,9 @@ def flip(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, failing:
         launch = Launch(f"flip-{switch.label}", {**base, **switch.config}, dict(switch.env), world_size=switch.world_size)
         try:
             flipped = run(sc, launch)
+        except NotApplicable as exc:
+            out.append(Experiment(f"flip {switch.label}", "not applicable", str(exc)))
+            continue
         except Exception as exc:  # noqa: BLE001 - a switch that breaks the run is evidence too, not a crash
             out.append(Experiment(f"flip {switch.label}", "failed to run", str(exc).splitlines()[0]))
             continue

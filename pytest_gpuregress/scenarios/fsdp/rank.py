@@ -36,8 +36,8 @@ def run(ctx: RankContext) -> RunRecord:
     model = build_causal_lm(model_config, seed=int(cfg["seed"]))
     perturbation = str(cfg.get("perturbation", ""))  # set only in the noise replicas of a recording
     apply_weight_perturbation(model, perturbation, cfg["dtype"])
-    apply_kernel_path(perturbation, ctx.device_kind)
-    apply_switches(cfg, ctx.device_kind)  # set by triage flips only
+    apply_kernel_path(perturbation, ctx)
+    apply_switches(cfg, ctx)  # set by triage flips only
     model = model.to(device)
     ctx.progress("model built")
 

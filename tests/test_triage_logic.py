@@ -1,0 +1,57 @@
+"""Triage's verdict and shard arithmetic, without launching ranks."""
+
+from __future__ import annotations
+
+from pytest_gpuregress.reference.compare import compare_training
+from pytest_gpuregress.triage import Experiment, shard_owner, verdict
+from pytest_gpuregress.triage.bounds import step0_bound
+
+from .conftest import make_record
+
+
+def _late_divergence():  # type: ignore[no-untyped-def]
+    run = make_record()
+    run.series["loss"] = run.series["loss"][:2] + [x * 1.01 for x in run.series["loss"][2:]]
+    return compare_training(make_record(), run, lane="tolerant")
+
+
+def test_the_oracle_outranks_equivalence() -> None:
+    experiments = [Experiment("equivalence", "differs", "x", component="collective"),
+                   Experiment("oracle", "differs", "y", component="kernel")]
+    assert verdict(None, experiments)[0] == "kernel"
+
+
+def test_equivalence_alone_convicts_a_collective() -> None:
+    experiments = [Experiment("equivalence", "differs", "x", component="collective"), Experiment("oracle", "clean", "y")]
+    component, line = verdict(None, experiments)
+    assert component == "collective" and line.startswith("triage verdict: collective. Evidence: equivalence differs")
+
+
+def test_both_clean_and_a_later_divergence_is_the_optimizer() -> None:
+    experiments = [Experiment("equivalence", "clean", "x"), Experiment("oracle", "clean", "y")]
+    component, line = verdict(_late_divergence(), experiments)
+    assert component == "optimizer" and "the first difference is at step 2" in line
+
+
+def test_both_clean_and_step_0_differing_is_inconclusive() -> None:
+    run = make_record()
+    run.arrays["step0_grad/a.weight"] = run.arrays["step0_grad/a.weight"] * 1.01
+    experiments = [Experiment("equivalence", "clean", "x"), Experiment("oracle", "clean", "y")]
+    component, line = verdict(compare_training(make_record(), run, lane="tolerant"), experiments)
+    assert component is None and "inconclusive" in line
+
+
+def test_experiments_that_could_not_run_clear_nothing() -> None:
+    experiments = [Experiment("equivalence", "not applicable", "x"), Experiment("oracle", "clean", "y")]
+    assert verdict(_late_divergence(), experiments)[0] is None
+
+
+def test_shard_owner_follows_fsdp2_dim0_sharding_with_padding() -> None:
+    # 10 rows on 4 ranks: ceil(10/4) = 3 rows per rank; rows 9 belongs to rank 3 (padded shard).
+    assert [shard_owner(row * 5, (10, 5), 4) for row in range(10)] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert shard_owner(16, (64,), 2) == 0 and shard_owner(48, (64,), 2) == 1
+
+
+def test_the_fp32_bound_on_the_cpu_model() -> None:
+    assert abs(step0_bound("fp32", 16 * 64, 2) - 5.72e-6) < 1e-8
+    assert step0_bound("bf16", 48 * 256, 8) > step0_bound("fp32", 48 * 256, 8)

@@ -138,6 +138,14 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                         ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz", "e8m0fnu", "e2m1fn")),
         "by": Param("int", "exponents the MX scale is off by (default 1)", minimum=1),
         "ranks": _RANKS, "rank": _RANKS}, required=("mode",)),
+    FaultKind("lora", ".lora:install", "a peft/accelerate LoRA bug, for scenario lora (docs/lora.md)", {
+        "mode": Param("choice", "grad_leak: one base weight stays trainable; rank0_slice: the adapter is saved from "
+                                "each rank's shard; zero_lora_b: one lora_B saved as zeros; merge_ulp: one layer's "
+                                "merged weight one ulp up", ("grad_leak", "rank0_slice", "zero_lora_b", "merge_ulp")),
+        "layer": Param("int", "decoder layer of the affected module (default 1)"),
+        "proj": Param("choice", "projection of the affected module (default q_proj)",
+                      ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+        "ranks": _RANKS, "rank": _RANKS}, required=("mode",)),
 )}
 
 

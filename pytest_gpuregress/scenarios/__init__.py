@@ -25,6 +25,7 @@ BUILTIN = (
     "pytest_gpuregress.scenarios.collectives:SCENARIO",
     "pytest_gpuregress.scenarios.triage:SCENARIO",
     "pytest_gpuregress.scenarios.formats:SCENARIO",
+    "pytest_gpuregress.scenarios.lora:SCENARIO",
 )
 
 

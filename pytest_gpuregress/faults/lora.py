@@ -1,0 +1,76 @@
+"""LoRA faults, installed on a rank: the peft/accelerate bugs the lora scenario's checks exist to catch.
+
+Each mode wraps one hook point of the scenario's rank-side modules (module-level functions the rank
+code calls through their module), and restores it through ``ctx.cleanup_hooks``:
+  grad_leak     adapter.wrap_with_lora leaves one base weight trainable (a peft change that unfreezes it)
+  rank0_slice   adapter_io.gather_for_save returns each rank's local shard (accelerate PR #4206)
+  zero_lora_b   adapter_io.write_adapter saves one lora_B as zeros
+  merge_ulp     merging.merge_and_unload leaves one layer's merged weight one ulp up
+The affected module is model.layers.<layer>.<its block>.<proj> (default model.layers.1.self_attn.q_proj).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import FaultSpec
+
+_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+PROJECTIONS = tuple(_BLOCK)
+
+
+def target_module(spec: FaultSpec) -> str:
+    proj = spec.get("proj", "q_proj")
+    return f"model.layers.{spec.get('layer', 1)}.{_BLOCK[proj]}.{proj}"
+
+
+def _patch(ctx: Any, owner: Any, attr: str, replacement: Any) -> None:
+    original = getattr(owner, attr)
+    setattr(owner, attr, replacement(original))
+    ctx.cleanup_hooks.append(lambda: setattr(owner, attr, original))
+
+
+def install(spec: FaultSpec, ctx: Any) -> None:
+    from ..scenarios.lora import adapter, adapter_io, merging
+
+    module = target_module(spec)
+    mode = spec.get("mode")
+    if mode == "grad_leak":
+        def leak(original: Any) -> Any:
+            def wrap_with_lora(base: Any, cfg: dict[str, Any]) -> Any:
+                model = original(base, cfg)
+                model.get_parameter(f"base_model.model.{module}.base_layer.weight").requires_grad_(True)
+                return model
+            return wrap_with_lora
+        _patch(ctx, adapter, "wrap_with_lora", leak)
+    elif mode == "rank0_slice":
+        def local_shards(original: Any) -> Any:
+            def gather_for_save(model: Any) -> dict[str, Any]:
+                # What the buggy save did: each rank's own shard as if it were the whole tensor.
+                return {name: (value.to_local() if hasattr(value, "to_local") else value).detach().cpu()
+                        for name, value in model.state_dict().items()}
+            return gather_for_save
+        _patch(ctx, adapter_io, "gather_for_save", local_shards)
+    elif mode == "zero_lora_b":
+        def zeroing(original: Any) -> Any:
+            def write_adapter(peft_model: Any, state_dict: dict[str, Any], folder: str) -> None:
+                key = f"base_model.model.{module}.lora_B.default.weight"
+                state_dict = {**state_dict, key: state_dict[key].detach().clone().zero_()}
+                original(peft_model, state_dict, folder)
+            return write_adapter
+        _patch(ctx, adapter_io, "write_adapter", zeroing)
+    elif mode == "merge_ulp":
+        def off_by_one_ulp(original: Any) -> Any:
+            def merge_and_unload(peft_model: Any) -> Any:
+                import torch
+
+                merged = original(peft_model)
+                weight = merged.get_parameter(f"{module}.weight")
+                with torch.no_grad():
+                    weight.copy_(torch.nextafter(weight, torch.full_like(weight, float("inf"))))
+                return merged
+            return merge_and_unload
+        _patch(ctx, merging, "merge_and_unload", off_by_one_ulp)
+    else:
+        raise ValueError(f"lora fault mode {mode!r}: expected grad_leak, rank0_slice, zero_lora_b or merge_ulp")

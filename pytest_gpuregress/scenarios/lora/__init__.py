@@ -1,0 +1,80 @@
+"""Scenario ``lora``: peft LoRA training through accelerate, with the adapter round-tripped.
+
+Two cases, each its own launch and reference (reference_runs/lora/<platform>-<wrapper>/):
+  lora-fully_shard the peft model under torch's FSDP2 (``fully_shard``), directly (wrapper "fsdp2")
+  lora-accelerate  through ``Accelerator.prepare``: accelerate's FSDP2 plugin on GPUs, DDP on the CPU
+Both record what ``fsdp`` records (adapter parameters only) and run the LoRA checks of checks.py,
+which ``verdict()`` reports as findings of their own. Session side, torch-free; training is rank.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...plugin.options import OptionSpec
+from ...reference.record import RunRecord
+from ..base import Case, Launch, Scenario, Setup
+from ..fsdp import COMMON as FSDP_COMMON
+from ..fsdp import perturbed_launches, training_config
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+WRAPPERS = ("fsdp2", "accelerate")
+CASE_IDS = {"fsdp2": "fully_shard", "accelerate": "accelerate"}
+# LoRA trains few parameters from a zero lora_B: a larger learning rate than full fine-tuning, no decay.
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {"model_size": "cpu", "dtype": "fp32", "global_batch": 16, "seq_len": 64, "lr": 1e-2},
+    "cuda": {"model_size": "gpu", "dtype": "bf16", "global_batch": 48, "seq_len": 256, "lr": 2e-3},
+}
+COMMON: dict[str, Any] = {**FSDP_COMMON, "weight_decay": 0.0, "lora_r": 8, "lora_alpha": 16}
+
+
+class LoraScenario(Scenario):
+    name = "lora"
+    rank_entry = "pytest_gpuregress.scenarios.lora.rank:run"
+    options = (
+        OptionSpec("lora-targets", "csv", [], "comma-separated module names the LoRA adapter targets "
+                   f"(default: {','.join(DEFAULT_TARGETS)})"),
+    )
+
+    def default_config(self, setup: Setup) -> dict[str, Any]:
+        config = training_config(setup, COMMON, DEVICE_DEFAULTS)
+        config["target_modules"] = list(setup.option("lora-targets") or DEFAULT_TARGETS)
+        return config
+
+    def platform_tag(self, config: dict[str, Any]) -> str:
+        # One reference folder per wrapper under reference_runs/lora/, e.g. cpu-gloo-w2-fp32-fsdp2.
+        return f"{config.get('dtype', 'fp32')}-{config['wrapper']}"
+
+    def cases(self, setup: Setup) -> list[Case]:
+        # Ids name the API, not "fsdp2": `-k fsdp` selects the fsdp scenario, not this one.
+        return [Case(CASE_IDS[wrapper], launch=wrapper) for wrapper in WRAPPERS]
+
+    def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
+        config = self.default_config(setup)
+        return [Launch(case.launch, {**config, "wrapper": case.launch}) for case in cases]
+
+    def reference_name(self, case: Case) -> str:
+        return self.name  # the wrapper is in the platform key, so `-k lora` records and finds both
+
+    def noise_replicas(self, launch: Launch, setup: Setup, count: int) -> list[Launch]:
+        return perturbed_launches(launch, setup, count)
+
+    def merge(self, records: list[RunRecord]) -> RunRecord:
+        """Rank 0's record with every rank's LoRA findings: a problem on one rank only is not lost."""
+        from .checks import merge_findings
+
+        merged = records[0]
+        merged.results["lora_checks"] = merge_findings(r.results.get("lora_checks", []) for r in records)
+        return merged
+
+    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
+        from .checks import CHECKS, format_findings
+
+        problems = format_findings(record.results.get("lora_checks", []))
+        missing = sorted(set(CHECKS) - set(record.results.get("lora_checks_run", [])))
+        if missing:  # each check runs in every run; one that did not run cannot have passed
+            problems.append(f"[checkpoint] lora checks did not run: {', '.join(missing)}")
+        return problems
+
+
+SCENARIO = LoraScenario()

@@ -1,0 +1,63 @@
+"""Rank side: put a peft LoRA adapter on the base model, with platform-independent initial values.
+
+``wrap_with_lora`` is called through this module (``adapter.wrap_with_lora``), so a fault can patch
+it (faults/lora.py: a base weight left trainable, as a broken peft release would).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ...training.models import seeded_normal
+from . import checks
+
+
+def lora_config(cfg: dict[str, Any]) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=int(cfg["lora_r"]), lora_alpha=int(cfg["lora_alpha"]), target_modules=list(cfg["target_modules"]),
+                      lora_dropout=0.0, bias="none")  # no dropout: the run must be a pure function of the seed
+
+
+def scale(cfg: dict[str, Any]) -> float:
+    """peft's LoRA scaling, alpha / r."""
+    return int(cfg["lora_alpha"]) / int(cfg["lora_r"])
+
+
+def targeted_modules(model: Any, targets: list[str]) -> list[str]:
+    """The linear layers of a plain (not yet wrapped) model that ``targets`` selects, by their names."""
+    import torch
+
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets]
+
+
+def wrap_with_lora(base: Any, cfg: dict[str, Any]) -> Any:
+    """The peft model: base weights frozen, lora_A from the counter-based seed (not torch's RNG), lora_B zero."""
+    import torch
+    from peft import get_peft_model
+
+    model = get_peft_model(base, lora_config(cfg))
+    seed = int(cfg["seed"])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            parts = checks.split_adapter_name(name)
+            if parts is None:
+                continue
+            if parts[1] == "lora_A":  # peft's kaiming-uniform(a=sqrt(5)) has std 1/sqrt(3 fan_in); same spread
+                std = 1 / math.sqrt(3 * param.shape[1])
+                param.copy_(torch.from_numpy(seeded_normal(seed, checks.canonical(name), tuple(param.shape), std)))
+            else:
+                param.zero_()
+    return model
+
+
+def load_adapter_tensors(model: Any, tensors: dict[str, Any]) -> None:
+    """Copy adapter tensors (by parameter name) into a freshly wrapped model."""
+    import torch
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, values in tensors.items():
+            params[name].copy_(torch.as_tensor(values))

@@ -1,0 +1,85 @@
+"""Rounding bounds for the merge check, from the dtype's unit roundoff u (docs/lora.md derives them).
+
+Merged weight. peft computes ``W' = fl(W + fl(fl(B @ A) * s))`` in the weight's dtype (on the CPU a
+bf16 product is formed in fp32 and cast back: one more rounding). Standard error analysis
+(Higham, Accuracy and Stability of Numerical Algorithms, §3.1) gives, per element:
+
+    |fl(B @ A) - B @ A|                 <= gamma_r |B| @ |A|       (inner dimension r, gamma_n = n u / (1 - n u))
+    |fl(fl(BA) * fl(s)) - s B A|          <= gamma_{r+3} s |B| @ |A| (the scale's conversion, the product, a cast)
+    |W' - fl-free sum|                  <= ulp(W') / 2 + that       (round to nearest of the final addition)
+
+so ``|W' - (W + s B A)|`` computed in float64 must stay within ``ulp(W')/2 + gamma_{r+3} s (|B| @ |A|)``.
+A merged weight one ulp off breaks this wherever the delta's share is below half an ulp and the
+rounding went the same way, which is why the check compares weights, not logits: one ulp in one
+weight moves a logit by ~1e-9, far below any sound bound on logits.
+
+Logits. Merged and unmerged models differ only inside the targeted linear layers: per layer with
+inner dimension n, the two outputs differ by at most ``(2 gamma_n + gamma_{n+r+3})`` relative to their
+magnitude. Summed along the model's chain of targeted layers, assuming the other layers (norms,
+softmax, SiLU, the residual stream) pass a relative error on without gain (first order), the
+logits may differ by ``u_chain * max|logits|`` with ``u_chain = sum over targets (3 n + r + 3) u``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+UNIT_ROUNDOFF: dict[str, float] = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
+PRECISION_BITS: dict[str, int] = {"fp32": 24, "bf16": 8, "fp16": 11}
+
+
+def gamma(n: int, u: float) -> float:
+    """gamma_n = n u / (1 - n u): the relative error of n rounded operations in a row."""
+    if n * u >= 1:
+        raise ValueError(f"gamma_{n} is unbounded at unit roundoff {u}")
+    return n * u / (1 - n * u)
+
+
+def ulp(values: np.ndarray, dtype: str) -> np.ndarray:
+    """The spacing of ``dtype`` numbers at each of ``values`` (normal range; subnormals get the smallest normal's)."""
+    bits = PRECISION_BITS[dtype]
+    magnitude = np.abs(values.astype(np.float64))
+    smallest_normal = {"fp32": 2.0**-126, "bf16": 2.0**-126, "fp16": 2.0**-14}[dtype]
+    _, exponent = np.frexp(np.maximum(magnitude, smallest_normal))  # magnitude = m * 2**e, m in [0.5, 1)
+    return np.ldexp(1.0, exponent - bits)
+
+
+def merged_weight_bound(merged: np.ndarray, lora_a: np.ndarray, lora_b: np.ndarray, scale: float,
+                        dtype: str) -> np.ndarray:
+    """Per element: how far the merged weight may lie from W + s B A in exact arithmetic."""
+    u = UNIT_ROUNDOFF[dtype]
+    rank = lora_a.shape[0]
+    product = np.abs(lora_b.astype(np.float64)) @ np.abs(lora_a.astype(np.float64))
+    return ulp(merged, dtype) / 2 + gamma(rank + 3, u) * abs(scale) * product
+
+
+@dataclass(frozen=True)
+class Excess:
+    count: int  # elements beyond the bound
+    worst_ratio: float  # the largest |error| / bound (<= 1 when clean)
+    worst_ulps: float  # that element's error in ulps of the merged weight
+    index: tuple[int, ...]
+
+
+def merge_excess(merged: np.ndarray, base: np.ndarray, lora_a: np.ndarray, lora_b: np.ndarray, scale: float,
+                 dtype: str) -> Excess:
+    """How far a merged weight lies from W + s B A (float64), measured against ``merged_weight_bound``."""
+    exact = base.astype(np.float64) + scale * (lora_b.astype(np.float64) @ lora_a.astype(np.float64))
+    error = np.abs(merged.astype(np.float64) - exact)
+    bound = merged_weight_bound(merged, lora_a, lora_b, scale, dtype)
+    ratio = error / bound
+    worst = np.unravel_index(int(np.argmax(ratio)), ratio.shape) if ratio.size else ()
+    return Excess(
+        count=int(np.count_nonzero(ratio > 1)),
+        worst_ratio=float(ratio[worst]) if ratio.size else 0.0,
+        worst_ulps=float(error[worst] / ulp(merged[worst], dtype)) if ratio.size else 0.0,
+        index=tuple(int(i) for i in worst),
+    )
+
+
+def logits_bound(max_abs_logit: float, inner_dims: list[int], rank: int, dtype: str) -> float:
+    """First-order bound on |merged - unmerged logits|: (sum over targeted layers of (3 n + r + 3)) u max|logits|."""
+    u = UNIT_ROUNDOFF[dtype]
+    return float(sum(3 * n + rank + 3 for n in inner_dims) * u * max_abs_logit)

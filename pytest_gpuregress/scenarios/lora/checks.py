@@ -1,0 +1,218 @@
+"""The LoRA checks: pure functions from tensors (numpy) to findings. No torch, so they unit-test in milliseconds.
+
+A finding is a small dict (check name, component, message). Rank code collects them into the record;
+the scenario's ``verdict()`` formats them. Every message names the adapter tensor and the module it
+targets, e.g. "lora_B of model.layers.1.self_attn.q_proj is all zeros after reload".
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from . import bounds
+
+# check name -> the component a failure points at (the plugin's vocabulary)
+CHECKS: dict[str, str] = {
+    "frozen-base": "optimizer",  # only adapters get gradients; base weights never move
+    "adapter-nonzero": "optimizer",  # every targeted module has a non-empty lora_A/lora_B, lora_B trained away from 0
+    "sharded-save": "checkpoint",  # the saved adapter holds every rank's slice, full shapes
+    "adapter-roundtrip": "checkpoint",  # save_pretrained -> from_pretrained gives the same tensors and logits
+    "merge": "kernel",  # merge_and_unload agrees with the unmerged model within the dtype's bound
+}
+
+Finding = dict[str, str]
+
+# "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight" (a parameter) or
+# "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" (a key of the saved file)
+_ADAPTER = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<which>lora_[AB])(?:\.[^.]+)?\.weight$")
+
+
+def finding(check: str, message: str) -> Finding:
+    if check not in CHECKS:
+        raise ValueError(f"unknown lora check {check!r}; known: {', '.join(CHECKS)}")
+    return {"check": check, "component": CHECKS[check], "message": message}
+
+
+def format_finding(item: Mapping[str, str]) -> str:
+    return f"[{item['component']}] lora check '{item['check']}': {item['message']}"
+
+
+def format_findings(items: Iterable[Mapping[str, str]], per_check: int = 4) -> list[str]:
+    """One line per finding, at most ``per_check`` per check: a sliced save fails every tensor alike."""
+    lines: list[str] = []
+    shown: dict[str, int] = {}
+    for item in items:
+        shown[item["check"]] = shown.get(item["check"], 0) + 1
+        if shown[item["check"]] <= per_check:
+            lines.append(format_finding(item))
+    for check, count in shown.items():
+        if count > per_check:
+            lines.append(f"[{CHECKS[check]}] lora check '{check}': ... and {count - per_check} more findings like these")
+    return lines
+
+
+def split_adapter_name(name: str) -> tuple[str, str] | None:
+    """(targeted module, "lora_A" | "lora_B") of an adapter parameter or saved key; None for anything else."""
+    match = _ADAPTER.match(name)
+    return (match["module"], match["which"]) if match else None
+
+
+def is_adapter(name: str) -> bool:
+    return split_adapter_name(name) is not None
+
+
+def describe(name: str) -> str:
+    """"lora_B of model.layers.1.self_attn.q_proj" for an adapter name; the name without peft's prefix otherwise."""
+    parts = split_adapter_name(name)
+    if parts is None:
+        return name.removeprefix("base_model.model.")
+    return f"{parts[1]} of {parts[0]}"
+
+
+def canonical(name: str) -> str:
+    """The key an adapter tensor has in peft's saved file: no adapter name ("default")."""
+    parts = split_adapter_name(name)
+    return f"base_model.model.{parts[0]}.{parts[1]}.weight" if parts else name
+
+
+def _shape(shape: Iterable[int]) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+def _difference(expected: np.ndarray, got: np.ndarray) -> str:
+    """What differs between two same-shaped tensors, in words: zeros, or how many elements and by how much."""
+    if got.size and not np.any(got) and np.any(expected):
+        return "is all zeros"
+    differ = expected.view(np.uint8).reshape(expected.size, -1) != got.view(np.uint8).reshape(got.size, -1)
+    count = int(differ.any(axis=1).sum())
+    worst = float(np.max(np.abs(expected.astype(np.float64) - got.astype(np.float64))))
+    return f"differs in {count} of {expected.size} elements (largest difference {worst:.3g})"
+
+
+# --- frozen-base -----------------------------------------------------------------------------------
+
+
+def check_frozen(leaked: Mapping[str, int], initial: Mapping[str, str], final: Mapping[str, str]) -> list[Finding]:
+    """``leaked``: base parameter -> first step its gradient was not None; ``initial``/``final``: sha256 per base weight."""
+    out = [finding("frozen-base", f"frozen base weight {describe(name)} received a gradient at step {step} "
+                                  "(only lora_A/lora_B may)") for name, step in leaked.items()]
+    for name, digest in initial.items():
+        if name not in final:
+            out.append(finding("frozen-base", f"base weight {describe(name)} is missing after training"))
+        elif final[name] != digest:
+            out.append(finding("frozen-base", f"base weight {describe(name)} changed during training: it is no longer "
+                                              "bit-identical to its initial digest"))
+    return out
+
+
+# --- adapter-nonzero -------------------------------------------------------------------------------
+
+
+def check_nonzero(adapters: Mapping[str, np.ndarray], targeted: Iterable[str]) -> list[Finding]:
+    """Every targeted module has a non-empty lora_A and lora_B, and every lora_B moved away from its zero init."""
+    out: list[Finding] = []
+    present = {split_adapter_name(n) for n in adapters}
+    for module in targeted:
+        for which in ("lora_A", "lora_B"):
+            if (module, which) not in present:
+                out.append(finding("adapter-nonzero", f"{which} of {module} is missing: the module is a target "
+                                                      "but has no adapter"))
+    for name, values in adapters.items():
+        if values.size == 0:
+            out.append(finding("adapter-nonzero", f"{describe(name)} is empty (shape {_shape(values.shape)})"))
+        elif name.find("lora_B") >= 0 and not np.any(values):
+            out.append(finding("adapter-nonzero", f"{describe(name)} is all zeros after training"))
+    return out
+
+
+# --- sharded-save and adapter-roundtrip ------------------------------------------------------------
+
+
+def check_saved(saved: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray], world_size: int) -> list[Finding]:
+    """The saved file (peft's keys) against the gathered full tensors (parameter names)."""
+    out: list[Finding] = []
+    expected = {canonical(name): name for name in trained}
+    for key in sorted(set(expected) - set(saved)):
+        out.append(finding("adapter-roundtrip", f"{describe(key)} is missing from the saved adapter"))
+    for key in sorted(set(saved) - set(expected)):
+        if is_adapter(key):
+            out.append(finding("adapter-roundtrip", f"the saved adapter holds {describe(key)}, which was not trained"))
+    for key, name in expected.items():
+        if key not in saved:
+            continue
+        full, got = trained[name], saved[key]
+        if got.shape != full.shape:
+            slice_ = (len(full.shape) and got.shape[1:] == full.shape[1:]
+                      and -(-full.shape[0] // world_size) == got.shape[0])
+            why = ": the save holds one rank's slice, not every rank's" if slice_ else ""
+            out.append(finding("sharded-save", f"{describe(key)} saved with shape {_shape(got.shape)}, the full tensor "
+                                               f"is {_shape(full.shape)}{why}"))
+        elif got.dtype != full.dtype:
+            out.append(finding("adapter-roundtrip", f"{describe(key)} saved as {got.dtype}, trained as {full.dtype}"))
+        elif not np.array_equal(full.view(np.uint8), got.view(np.uint8)):
+            out.append(finding("adapter-roundtrip", f"{describe(key)} {_difference(full, got)} in the saved file"))
+    return out
+
+
+def check_reloaded(reloaded: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray]) -> list[Finding]:
+    """The adapter tensors of the reloaded model, bit for bit against the trained ones."""
+    out: list[Finding] = []
+    by_key = {canonical(n): v for n, v in reloaded.items()}
+    for name, full in trained.items():
+        got = by_key.get(canonical(name))
+        if got is None:
+            out.append(finding("adapter-roundtrip", f"{describe(name)} is missing after reload"))
+        elif got.shape != full.shape:
+            out.append(finding("adapter-roundtrip", f"{describe(name)} has shape {_shape(got.shape)} after reload, "
+                                                    f"trained {_shape(full.shape)}"))
+        elif not np.array_equal(full.view(np.uint8), got.astype(full.dtype).view(np.uint8)):
+            out.append(finding("adapter-roundtrip", f"{describe(name)} {_difference(full, got.astype(full.dtype))} "
+                                                    "after reload"))
+    return out
+
+
+def check_logits(check: str, what: str, expected: np.ndarray, got: np.ndarray, bound: float) -> list[Finding]:
+    """Logits of two models on the fixed batch: equal within ``bound`` (0: bit for bit)."""
+    if expected.shape != got.shape:
+        return [finding(check, f"{what}: logits have shape {_shape(got.shape)}, expected {_shape(expected.shape)}")]
+    deviation = float(np.max(np.abs(expected.astype(np.float64) - got.astype(np.float64)))) if got.size else 0.0
+    if not np.isfinite(deviation) or deviation > bound:
+        limit = "bit for bit" if bound == 0 else f"the bound {bound:.3g}"
+        return [finding(check, f"{what}: logits on the fixed batch differ by up to {deviation:.3g}, beyond {limit}")]
+    return []
+
+
+# --- merge -------------------------------------------------------------------------------------------
+
+
+def check_merged_weight(module: str, merged: np.ndarray, base: np.ndarray, lora_a: np.ndarray, lora_b: np.ndarray,
+                        scale: float, dtype: str) -> list[Finding]:
+    """One merged weight against W + scale * B @ A in float64, within the rounding bound of that sum (bounds.py)."""
+    if merged.shape != base.shape:
+        return [finding("merge", f"merged weight of {module} has shape {_shape(merged.shape)}, the base weight "
+                                 f"{_shape(base.shape)}")]
+    excess = bounds.merge_excess(merged, base, lora_a, lora_b, scale, dtype)
+    if excess.count:
+        return [finding("merge", f"merged weight of {module} is off W + scale*lora_B@lora_A in {excess.count} of "
+                                 f"{merged.size} elements, up to {excess.worst_ulps:.2f} ulps "
+                                 f"({excess.worst_ratio:.2f}x the rounding bound) at {list(excess.index)}")]
+    return []
+
+
+def merge_findings(items: Iterable[Iterable[Mapping[str, Any]]]) -> list[Finding]:
+    """The findings of every rank, rank 0's first; a finding another rank alone made says which rank."""
+    seen: set[tuple[str, str]] = set()
+    out: list[Finding] = []
+    for rank, findings in enumerate(items):
+        for item in findings:
+            key = (item["check"], item["message"])
+            if key in seen:
+                continue
+            seen.add(key)
+            message = item["message"] if rank == 0 else f"{item['message']} (on rank {rank})"
+            out.append({"check": item["check"], "component": item["component"], "message": message})
+    return out

@@ -1,0 +1,68 @@
+"""Rank side: merge the adapter into the base weights (peft's merge_and_unload) and compare with the unmerged model.
+
+``merge_and_unload`` is called through this module so a fault can patch it (faults/lora.py: one
+layer's merged weight one ulp off).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import adapter, adapter_io, bounds, checks
+
+
+def merge_and_unload(peft_model: Any) -> Any:
+    return peft_model.merge_and_unload()
+
+
+def check_merge(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, Any], batch: Any,
+                compute_dtype: Any) -> tuple[list[checks.Finding], dict[str, float]]:
+    """Merged against unmerged on a fresh base model carrying the trained adapter: weights and logits.
+
+    Returns the findings and what was measured (largest logit deviation, its bound, the worst merged
+    weight's error as a fraction of its bound), kept in the record to show the bounds are not vacuous."""
+    import torch
+
+    model = adapter.wrap_with_lora(fresh_base, cfg)
+    adapter.load_adapter_tensors(model, trained)
+    model.to(batch.device)
+    for param in model.parameters():  # the compute dtype, as training's mixed-precision policy casts; buffers stay
+        param.data = param.data.to(compute_dtype)
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[compute_dtype]
+    # W, A and B as the merge sees them: already in the compute dtype
+    layers = _lora_layers(model)
+    base_weights = {module: adapter_io.to_numpy(layer.base_layer.weight) for module, layer in layers.items()}
+    factors = {module: (adapter_io.to_numpy(layer.lora_A["default"].weight), adapter_io.to_numpy(layer.lora_B["default"].weight))
+               for module, layer in layers.items()}
+    with torch.no_grad():
+        unmerged = adapter_io.to_numpy(model(input_ids=batch).logits.float())
+    merged_model = merge_and_unload(model)
+    merged_weights = {name.removesuffix(".weight"): adapter_io.to_numpy(p) for name, p in merged_model.named_parameters()}
+    with torch.no_grad():
+        merged = adapter_io.to_numpy(merged_model(input_ids=batch).logits.float())
+
+    findings: list[checks.Finding] = []
+    worst_ratio = 0.0
+    scale = adapter.scale(cfg)
+    for module, base in base_weights.items():
+        lora_a, lora_b = factors[module]
+        merged_w = merged_weights.get(module)
+        if merged_w is None:
+            findings.append(checks.finding("merge", f"merge_and_unload left no weight for {module}"))
+            continue
+        findings += checks.check_merged_weight(module, merged_w, base, lora_a, lora_b, scale, dtype)
+        if merged_w.shape == base.shape:
+            worst_ratio = max(worst_ratio, bounds.merge_excess(merged_w, base, lora_a, lora_b, scale, dtype).worst_ratio)
+    inner = [base.shape[1] for base in base_weights.values()]
+    bound = bounds.logits_bound(float(np.max(np.abs(unmerged))), inner, int(cfg["lora_r"]), dtype)
+    findings += checks.check_logits("merge", "merged (merge_and_unload) against unmerged", unmerged, merged, bound)
+    deviation = float(np.max(np.abs(unmerged.astype(np.float64) - merged)))
+    return findings, {"logit_deviation": deviation, "logit_bound": bound, "weight_error_over_bound": worst_ratio}
+
+
+def _lora_layers(model: Any) -> dict[str, Any]:
+    """Targeted module name (without peft's prefix) -> its LoRA layer."""
+    return {name.removeprefix("base_model.model."): module for name, module in model.named_modules()
+            if hasattr(module, "lora_A") and hasattr(module, "base_layer")}

@@ -1,0 +1,173 @@
+"""The lora scenario on one rank: peft LoRA training of the tiny Llama, then the LoRA checks.
+
+Training mirrors fsdp/rank.py (AdamW, warm-up and cosine decay, clipping, deterministic data) and
+records the same metrics, for the adapter parameters only: per-step loss, global gradient norm,
+per-parameter gradient norms, full step-0 gradients and final digests. After training every rank
+runs the LoRA checks (checks.py); their findings go into ``results["lora_checks"]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from ...reference.record import RunRecord, float_digest
+from ...training.schedule import lr_factor
+from ..base import RankContext
+from . import adapter, adapter_io, checks, lanes, merging
+
+FIXED_BATCH_ROWS = 2  # sequences in the batch whose logits the round trip and the merge compare
+
+
+def _build_base(cfg: dict[str, Any], model_config: Any, perturbation: str) -> Any:
+    from ...training.models import build_causal_lm
+    from ...training.noise import apply_weight_perturbation
+
+    base = build_causal_lm(model_config, seed=int(cfg["seed"]))
+    apply_weight_perturbation(base, perturbation, cfg["dtype"])  # a noise replica's base, rebuilt identically on reload
+    return base
+
+
+def _sha(tensor: Any) -> str:
+    return hashlib.sha256(adapter_io.to_numpy(tensor).tobytes()).hexdigest()
+
+
+def run(ctx: RankContext) -> RunRecord:
+    import torch
+    import torch.distributed as dist
+
+    from ...training.data import MarkovTokens
+    from ...training.models import load_config
+    from ...training.noise import apply_batch_order, apply_kernel_path
+    from ...training.switches import apply_switches
+
+    cfg = ctx.config
+    model_config = load_config(cfg["model"], cfg["model_size"])
+    perturbation = str(cfg.get("perturbation", ""))  # set only in the noise replicas of a recording
+    apply_kernel_path(perturbation, ctx)
+    apply_switches(cfg, ctx)
+    base = _build_base(cfg, model_config, perturbation)
+    targeted = adapter.targeted_modules(base, list(cfg["target_modules"]))
+    peft_model = adapter.wrap_with_lora(base, cfg)
+    base_names = [n for n, _ in peft_model.named_parameters() if not checks.is_adapter(n)]
+    initial_base = {n: _sha(p) for n, p in peft_model.named_parameters() if not checks.is_adapter(n)}
+    ctx.progress("model built")
+
+    lane = lanes.build(peft_model, cfg, ctx.device_kind, ctx.world_size)
+    device = torch.device(ctx.device)
+    named = dict(lane.peft_model.named_parameters())
+    names = [n for n in named if checks.is_adapter(n)]
+    params = [named[n] for n in names]
+    steps = int(cfg["steps"])
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        lane.optimizer, lambda s: lr_factor(s, steps, int(cfg["warmup_steps"]), float(cfg["min_lr_ratio"])))
+    data = MarkovTokens(vocab_size=model_config.vocab_size, seq_len=int(cfg["seq_len"]),
+                        global_batch=int(cfg["global_batch"]), seed=int(cfg["data_seed"]))
+
+    losses: list[float] = []
+    grad_norms: list[float] = []
+    param_norms = np.zeros((steps, len(params)), dtype=np.float64)
+    step0: dict[str, np.ndarray] = {}
+    leaked: dict[str, int] = {}
+    step_times: list[float] = []
+    ctx.progress("training")
+    for step in range(steps):
+        t0 = time.perf_counter()
+        tokens = apply_batch_order(torch.from_numpy(data.rank_batch(step, ctx.rank, ctx.world_size)), perturbation)
+        tokens = tokens.to(device)
+        logits = lane.model(input_ids=tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 tokens[:, 1:].reshape(-1))
+        lane.backward(loss)
+        for name in base_names:  # a gradient on a frozen weight is a finding, whatever the optimizer does with it
+            if name not in leaked and named[name].grad is not None:
+                leaked[name] = step
+        # Shards add up over ranks; replicas (DDP) are averaged, so a rank that disagrees still moves the value.
+        local = [(p.grad.to_local() if lane.sharded else p.grad).double().pow(2).sum() for p in params]
+        stats = torch.stack([loss.detach().double()] + [v if lane.sharded else v / ctx.world_size for v in local])
+        if step == 0:
+            for name, p in zip(names, params):
+                step0[f"step0_grad/{name}"] = adapter_io.to_numpy(p.grad)
+        grad_norms.append(lane.clip(float(cfg["grad_clip"])))
+        lane.optimizer.step()
+        sched.step()
+        lane.optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(stats)
+        stats = stats.cpu()
+        losses.append(float(stats[0]) / ctx.world_size)
+        param_norms[step] = stats[1:].sqrt().numpy()
+        step_times.append(time.perf_counter() - t0)
+        ctx.step_done(step)
+
+    ctx.progress("lora checks")
+    trained = {n: adapter_io.to_numpy(p) for n, p in zip(names, params)}  # every rank's slice, gathered
+    final_base = {n: _sha(named[n]) for n in base_names}
+    findings = checks.check_frozen(leaked, initial_base, final_base)
+    findings += checks.check_nonzero(trained, targeted)
+    batch = torch.from_numpy(MarkovTokens(vocab_size=model_config.vocab_size, seq_len=int(cfg["seq_len"]),
+                                          global_batch=FIXED_BATCH_ROWS, seed=int(cfg["data_seed"]) + 1)
+                             .global_batch_at(0)[:, :-1]).to(device)
+    with torch.no_grad():
+        trained_logits = adapter_io.to_numpy(lane.model(input_ids=batch).logits.float())
+    state = lane.state_dict_for_save()  # collective: every rank takes part
+    measured: dict[str, float] = {}
+    if ctx.rank == 0:
+        compute_dtype = torch.bfloat16 if cfg["dtype"] == "bf16" else torch.float32
+        findings += _roundtrip(lane, state, trained, trained_logits, cfg, model_config, perturbation, batch,
+                               compute_dtype, ctx.world_size)
+        merge_findings, measured = merging.check_merge(_build_base(cfg, model_config, perturbation), trained, cfg,
+                                                       batch, compute_dtype)
+        findings += merge_findings
+
+    digests = {name: float_digest(values) for name, values in trained.items()}
+    return RunRecord(
+        scenario="lora",
+        config=dict(cfg),
+        platform_key="",
+        world_size=ctx.world_size,
+        series={"loss": losses, "grad_norm": grad_norms},
+        param_names=names,
+        arrays={"param_grad_norm": param_norms, **step0},
+        digests=digests,
+        results={"lora_checks": findings, "lora_checks_run": sorted(checks.CHECKS), "lora_measured": measured},
+        timings={
+            "train_s": float(sum(step_times)),
+            "first_step_s": float(step_times[0]) if step_times else 0.0,
+            "median_step_s": float(np.median(step_times)) if step_times else 0.0,
+        },
+    )
+
+
+def _roundtrip(lane: lanes.Lane, state: dict[str, Any], trained: dict[str, np.ndarray], trained_logits: np.ndarray,
+               cfg: dict[str, Any], model_config: Any, perturbation: str, batch: Any, compute_dtype: Any,
+               world_size: int) -> list[checks.Finding]:
+    """Rank 0: save with save_pretrained, check the file, reload into a fresh base model, check tensors and logits."""
+    import torch
+
+    findings: list[checks.Finding] = []
+    with tempfile.TemporaryDirectory(prefix="gpuregress-lora-") as folder:
+        try:
+            adapter_io.write_adapter(lane.peft_model, state, folder)
+        except Exception as exc:  # noqa: BLE001 - a failing save is a finding, not a crash
+            return [checks.finding("adapter-roundtrip", f"save_pretrained failed: {type(exc).__name__}: {exc}")]
+        findings += checks.check_saved(adapter_io.read_saved(folder), trained, world_size)
+        try:
+            reloaded = adapter_io.reload(_build_base(cfg, model_config, perturbation), folder)
+        except Exception as exc:  # noqa: BLE001 - e.g. a size mismatch from a sliced save
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            findings.append(checks.finding("adapter-roundtrip", f"PeftModel.from_pretrained failed on the saved "
+                                                                f"adapter: {type(exc).__name__}: {first}"))
+            return findings
+    findings += checks.check_reloaded(
+        {n: adapter_io.to_numpy(p) for n, p in reloaded.named_parameters() if checks.is_adapter(n)}, trained)
+    reloaded.to(batch.device)
+    for param in reloaded.parameters():
+        param.data = param.data.to(compute_dtype)
+    with torch.no_grad():
+        logits = adapter_io.to_numpy(reloaded(input_ids=batch).logits.float())
+    findings += checks.check_logits("adapter-roundtrip", "reloaded against trained", trained_logits, logits, 0.0)
+    return findings

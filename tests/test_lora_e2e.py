@@ -1,0 +1,114 @@
+"""The lora scenario end to end through pytester: real gloo ranks, peft, FSDP2 and accelerate, injected faults.
+
+One short reference (8 steps, no noise replicas) is recorded once for both wrappers; every test
+compares against a copy. Each fault is caught with its check's name, tensor and module in the message.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+STEPS = "8"
+FSDP2 = "lora and fully_shard"
+ACCELERATE = "lora and accelerate"
+MODULE = "model.layers.1.self_attn.q_proj"
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("lora")
+    refs = root / "refs"
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-record",
+           f"--gpuregress-steps={STEPS}", "--gpuregress-replicas=0", f"--gpuregress-reference-dir={refs}", "-k", "lora"]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    for wrapper in ("fsdp2", "accelerate"):
+        assert (refs / "lora" / f"cpu-gloo-w2-fp32-{wrapper}" / "manifest.json").is_file()
+    return refs
+
+
+@pytest.fixture
+def refs(recorded: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "refs"
+    shutil.copytree(recorded, copy)
+    return copy
+
+
+def run(pytester: pytest.Pytester, refs: Path, selection: str, *extra: str) -> pytest.RunResult:
+    return pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-steps={STEPS}",
+                              f"--gpuregress-reference-dir={refs}", "-k", selection, *extra)
+
+
+def test_clean_runs_pass_in_the_exact_and_the_tolerant_lane(pytester: pytest.Pytester, refs: Path) -> None:
+    exact = run(pytester, refs, "lora")
+    exact.assert_outcomes(passed=2)
+    exact.stdout.fnmatch_lines(["*lora cpu-gloo-w2-fp32-fsdp2: PASSED [[]exact lane[]] 8 steps*",
+                                "*lora cpu-gloo-w2-fp32-accelerate: PASSED [[]exact lane[]] 8 steps*"])
+    tolerant = run(pytester, refs, "lora", "--gpuregress-lane=tolerant")
+    tolerant.assert_outcomes(passed=2)
+    assert "lora check" not in exact.stdout.str() + tolerant.stdout.str()
+
+
+def test_reduce_scatter_corrupted_for_small_messages_only_is_caught(pytester: pytest.Pytester, refs: Path) -> None:
+    # Only adapter gradients are reduce-scattered: 33 KiB per decoder layer. The band stops far below
+    # the full model's (128-181 KiB in fsdp), so only a small-message bug can reach it.
+    fault = "collective:op=reduce_scatter,max_bytes=40000,mode=nudge,rel=1e-3"
+    result = run(pytester, refs, FSDP2, f"--gpuregress-inject={fault}")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "lane: exact" in out
+    corrupted = [line for line in out.splitlines() if "] step0_grad " in line]
+    assert corrupted and all("lora_" in line for line in corrupted), corrupted
+
+
+def test_gradient_leaking_into_a_frozen_base_weight_is_caught(pytester: pytest.Pytester, refs: Path) -> None:
+    result = run(pytester, refs, FSDP2, "--gpuregress-inject=lora:mode=grad_leak")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        f"*[[]optimizer[]] lora check 'frozen-base': frozen base weight {MODULE}.base_layer.weight received a gradient "
+        "at step 0*",
+        f"*[[]optimizer[]] lora check 'frozen-base': base weight {MODULE}.base_layer.weight changed during training*"])
+
+
+def test_adapter_saved_from_rank_0s_slice_only_is_caught(pytester: pytest.Pytester, refs: Path) -> None:
+    result = run(pytester, refs, FSDP2, "--gpuregress-inject=lora:mode=rank0_slice")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*[[]checkpoint[]] lora check 'sharded-save': lora_A of model.layers.0.self_attn.q_proj saved with shape "
+        "[[]4, 64[]], the full tensor is [[]8, 64[]]: the save holds one rank's slice, not every rank's*",
+        "*lora check 'adapter-roundtrip': PeftModel.from_pretrained failed on the saved adapter*"])
+    assert "not recording" not in result.stdout.str()
+
+
+def test_lora_b_zeroed_on_save_is_caught_in_the_accelerate_lane(pytester: pytest.Pytester, refs: Path) -> None:
+    result = run(pytester, refs, ACCELERATE, "--gpuregress-inject=lora:mode=zero_lora_b")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        f"*[[]checkpoint[]] lora check 'adapter-roundtrip': lora_B of {MODULE} is all zeros in the saved file*",
+        f"*[[]checkpoint[]] lora check 'adapter-roundtrip': lora_B of {MODULE} is all zeros after reload*",
+        "*(the comparison with the reference * passed)*"])
+
+
+def test_merged_weight_one_ulp_off_in_one_layer_is_caught(pytester: pytest.Pytester, refs: Path) -> None:
+    result = run(pytester, refs, FSDP2, "--gpuregress-inject=lora:mode=merge_ulp,layer=0,proj=down_proj")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*[[]kernel[]] lora check 'merge': merged weight of model.layers.0.mlp.down_proj is off "
+        "W + scale*lora_B@lora_A in * elements, up to * ulps*"])
+    assert "logits on the fixed batch" not in result.stdout.str()  # one ulp is far below any sound logit bound
+
+
+def test_a_run_that_fails_its_lora_checks_is_never_recorded(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    target = tmp_path / "new-refs"
+    result = run(pytester, target, FSDP2, "--gpuregress-record", "--gpuregress-replicas=0",
+                 "--gpuregress-inject=lora:mode=zero_lora_b")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*not recording 'lora': the run fails its own checks*"])
+    assert not (target / "lora").exists()

@@ -73,6 +73,7 @@ def test_changed_learning_rate_is_convicted_as_optimizer(pytester: pytest.Pytest
     assert "triage verdict: optimizer. Evidence: equivalence clean" in out
     assert "divergence starts: step 0 matches the reference; the first difference is at step 1" in out
     result.stdout.fnmatch_lines(["*[[]optimizer[]] loss: first differing step 1 of 8*"])
+    assert "] step0_grad" not in out  # step 0 ran before the first optimizer step
 
 
 def test_a_fault_on_rank_1_only_is_a_collective_and_names_rank_1(pytester: pytest.Pytester, refs: Path) -> None:

@@ -1,0 +1,24 @@
+"""The main job, as the README runs it, against the shipped references: every scenario passes.
+
+A change that makes a shipped reference stale or foreign fails here. Kept in a file of its own,
+so that a parallel run (pytest -n 2 --dist loadfile) can place it beside the other slow files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .test_shipped_references import FSDP, SHIPPED, gpuregress
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_main_job_passes_against_the_shipped_references(tmp_path: Path) -> None:
+    done = gpuregress(tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert f"reference {SHIPPED / FSDP}" in done.stdout
+    assert "fsdp cpu-gloo-w2-fp32: PASSED" in done.stdout and "ForeignReference" not in done.stdout
+    for lane in ("fsdp2", "accelerate"):
+        assert f"lora cpu-gloo-w2-fp32-{lane}: PASSED" in done.stdout

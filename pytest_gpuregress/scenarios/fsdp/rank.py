@@ -27,7 +27,8 @@ def run(ctx: RankContext) -> RunRecord:
 
     from ...training.data import MarkovTokens
     from ...training.models import build_causal_lm, load_config
-    from ...training.noise import apply_batch_order, apply_kernel_path, apply_weight_perturbation
+    from ...training.noise import apply_kernel_path, apply_weight_perturbation
+    from ...training.step import next_token_loss, rank_tokens
     from ...training.switches import apply_switches
 
     cfg = ctx.config
@@ -77,12 +78,7 @@ def run(ctx: RankContext) -> RunRecord:
     ctx.progress("training")
     for step in range(steps):
         t0 = time.perf_counter()
-        tokens = apply_batch_order(torch.from_numpy(data.rank_batch(step, ctx.rank, ctx.world_size)), perturbation)
-        tokens = tokens.to(device)
-        logits = model(input_ids=tokens[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
-        )
+        loss = next_token_loss(model, rank_tokens(data, step, ctx, perturbation, device))
         loss.backward()
         # One float64 all-reduce per step carries the loss and every parameter's squared norm.
         stats = torch.stack(

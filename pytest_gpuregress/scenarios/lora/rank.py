@@ -42,7 +42,8 @@ def run(ctx: RankContext) -> RunRecord:
 
     from ...training.data import MarkovTokens
     from ...training.models import load_config
-    from ...training.noise import apply_batch_order, apply_kernel_path
+    from ...training.noise import apply_kernel_path
+    from ...training.step import next_token_loss, rank_tokens
     from ...training.switches import apply_switches
 
     cfg = ctx.config
@@ -77,11 +78,7 @@ def run(ctx: RankContext) -> RunRecord:
     ctx.progress("training")
     for step in range(steps):
         t0 = time.perf_counter()
-        tokens = apply_batch_order(torch.from_numpy(data.rank_batch(step, ctx.rank, ctx.world_size)), perturbation)
-        tokens = tokens.to(device)
-        logits = lane.model(input_ids=tokens[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                 tokens[:, 1:].reshape(-1))
+        loss = next_token_loss(lane.model, rank_tokens(data, step, ctx, perturbation, device))
         lane.backward(loss)
         for name in base_names:  # a gradient on a frozen weight is a finding, whatever the optimizer does with it
             if name not in leaked and named[name].grad is not None:

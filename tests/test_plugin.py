@@ -109,3 +109,16 @@ def test_bad_ini_value_is_a_usage_error(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("--gpuregress", "--collect-only")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*gpuregress_lane = 'fuzzy': must be one of*"])
+
+
+def test_the_record_hint_carries_a_scenarios_own_options(pytester: pytest.Pytester) -> None:
+    """A scenario option that shapes the stored config must reach the command that records it."""
+    from pytest_gpuregress.plugin.options import Options
+    from pytest_gpuregress.plugin.session import GpuRegressSession
+
+    options = Options(enabled=True, device="cpu", steps=8,
+                      scenario_values={"gpuregress_lora_targets": ["q_proj", "v_proj"],
+                                       "gpuregress_collectives_repeats": 3})
+    hint = GpuRegressSession(options, pytester.path).record_hint("lora")
+    assert "--gpuregress-steps=8" in hint and "--gpuregress-lora-targets=q_proj,v_proj" in hint
+    assert "collectives-repeats" not in hint  # at its default

@@ -97,6 +97,13 @@ class GpuRegressSession:
             parts.append(f"--gpuregress-world-size={self.options.world_size}")
         if self.options.device != "auto":
             parts.append(f"--gpuregress-device={self.options.device}")
+        # A scenario's own options can shape its config: the hinted command must record the same setup.
+        specs = {spec.dest: spec for sc in registry().values() for spec in sc.options}
+        for dest, value in sorted(self.options.scenario_values.items()):
+            spec = specs.get(dest)
+            if spec is not None and value != spec.default:
+                shown = ",".join(value) if isinstance(value, list) else value
+                parts.append(f"{spec.flag}={shown}")
         return shlex.join(parts)
 
     def location(self, name: str, platform_key: str, *, for_writing: bool = False) -> store.ReferenceLocation:

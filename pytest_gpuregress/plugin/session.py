@@ -217,6 +217,8 @@ class GpuRegressSession:
     def _attach_envelope(self, sc: Scenario, case: Case, record: RunRecord) -> None:
         """Run the scenario's noise replicas and store their spread with ``record`` (record mode only)."""
         replicas = sc.noise_replicas(self._launch_of(sc, case), self.setup, self.options.replicas)
+        if self.platform.in_place:  # under torchrun a replica cannot bring an environment of its own
+            replicas = [r for r in replicas if not r.env and r.world_size in (None, self.platform.world_size)]
         if not replicas or any(k.startswith(envelope.PREFIX) for k in record.arrays):
             return
         perturbed = [self._launch(sc, replica, []) for replica in replicas]

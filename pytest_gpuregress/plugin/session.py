@@ -180,32 +180,27 @@ class GpuRegressSession:
         return record
 
     def launch_cached(self, sc: Scenario, launch: Launch) -> RunRecord:
-        """Run ``launch`` of ``sc`` once per session, however many cases or experiments ask for it."""
+        """Run ``launch`` of ``sc`` once per session, however many cases or experiments ask for it.
+
+        A failed launch fails every later request with the same message, without running again."""
         done = self.launched.setdefault(sc.name, {})
         if launch.key not in done:
             try:
                 done[launch.key] = self._launch(sc, launch, [])
             except RankFailure as exc:
                 done[launch.key] = RankFailure(f"scenario {sc.name!r}, launch {launch.key!r} did not finish:\n{exc}")
-        outcome = done[launch.key]
-        if isinstance(outcome, RankFailure):
-            raise outcome
-        return outcome
+            else:
+                self._save_artifacts(sc, launch.key, self._served(sc.name, launch.key))
+        return self._served(sc.name, launch.key)
 
     def launch_for(self, sc: Scenario, case: Case) -> RunRecord:
-        """The merged record of the launch that carries ``case``: run on first use, then served from the cache.
+        """The merged record of the launch that carries ``case``: run on first use, then served from the cache."""
+        if case.launch in self.launched.get(sc.name, {}):  # planning the launch again would cost a sweep dearly
+            return self._served(sc.name, case.launch)
+        return self.launch_cached(sc, self._launch_of(sc, case))
 
-        A failed launch fails every case it carries with the same message, without running again."""
-        done = self.launched.setdefault(sc.name, {})
-        if case.launch not in done:
-            launch = self._launch_of(sc, case)
-            try:
-                done[case.launch] = record = self._launch(sc, launch, [])
-            except RankFailure as exc:
-                done[case.launch] = RankFailure(f"scenario {sc.name!r}, launch {launch.key!r} did not finish:\n{exc}")
-            else:
-                self._save_artifacts(sc, launch.key, record)
-        outcome = done[case.launch]
+    def _served(self, scenario: str, key: str) -> RunRecord:
+        outcome = self.launched[scenario][key]
         if isinstance(outcome, RankFailure):
             raise outcome
         return outcome

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -44,3 +49,21 @@ def make_record(steps: int = 5, seed: int = 0, **overrides: object) -> RunRecord
 @pytest.fixture
 def record() -> RunRecord:
     return make_record()
+
+
+def record_references(root: Path, *args: str) -> Path:
+    """Record references under ``root/refs`` through the real command line; ``args`` select and size the run."""
+    refs = root / "refs"
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-record",
+           f"--gpuregress-reference-dir={refs}", *args]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    return refs
+
+
+@pytest.fixture
+def refs(recorded: Path, tmp_path: Path) -> Path:
+    """A private copy of the module's ``recorded`` references, for tests that damage or extend them."""
+    copy = tmp_path / "refs"
+    shutil.copytree(recorded, copy)
+    return copy

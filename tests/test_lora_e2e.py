@@ -6,12 +6,11 @@ compares against a copy. Each fault is caught with its check's name, tensor and 
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from .conftest import record_references
 
 pytestmark = pytest.mark.slow
 
@@ -23,22 +22,11 @@ MODULE = "model.layers.1.self_attn.q_proj"
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("lora")
-    refs = root / "refs"
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-record",
-           f"--gpuregress-steps={STEPS}", "--gpuregress-replicas=0", f"--gpuregress-reference-dir={refs}", "-k", "lora"]
-    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    refs = record_references(tmp_path_factory.mktemp("lora"), f"--gpuregress-steps={STEPS}", "--gpuregress-replicas=0",
+                             "-k", "lora")
     for wrapper in ("fsdp2", "accelerate"):
         assert (refs / "lora" / f"cpu-gloo-w2-fp32-{wrapper}" / "manifest.json").is_file()
     return refs
-
-
-@pytest.fixture
-def refs(recorded: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "refs"
-    shutil.copytree(recorded, copy)
-    return copy
 
 
 def run(pytester: pytest.Pytester, refs: Path, selection: str, *extra: str) -> pytest.RunResult:

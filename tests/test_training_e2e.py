@@ -7,13 +7,14 @@ step, tensor, component, rank or file.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from .conftest import record_references
 
 pytestmark = pytest.mark.slow
 
@@ -24,21 +25,9 @@ FSDP_ONLY = "fsdp and not triage"  # the fsdp scenario without its triage cases 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A reference for the fsdp scenario at 8 steps, recorded through the real command line."""
-    root = tmp_path_factory.mktemp("recorded")
-    refs = root / "refs"
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-record",
-           f"--gpuregress-steps={STEPS}", f"--gpuregress-reference-dir={refs}", "-k", FSDP_ONLY]
-    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
+    refs = record_references(tmp_path_factory.mktemp("recorded"), f"--gpuregress-steps={STEPS}", "-k", FSDP_ONLY)
     assert (refs / "fsdp" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
     return refs
-
-
-@pytest.fixture
-def refs(recorded: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "refs"
-    shutil.copytree(recorded, copy)
-    return copy
 
 
 def run(pytester: pytest.Pytester, refs: Path, *extra: str) -> pytest.RunResult:

@@ -5,12 +5,12 @@ A short fsdp reference (8 steps, no replicas: triage does not need the envelope)
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from .conftest import record_references
 
 pytestmark = pytest.mark.slow
 
@@ -19,12 +19,8 @@ RS_1E4 = "collective:op=reduce_scatter,max_bytes=200000,mode=nudge,rel=1e-4"
 
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("triage")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-record",
-                           "--gpuregress-steps=8", "--gpuregress-replicas=0", f"--gpuregress-reference-dir={root / 'refs'}",
-                           "-k", "fsdp and not triage"], cwd=root, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:]
-    return root / "refs"
+    return record_references(tmp_path_factory.mktemp("triage"), "--gpuregress-steps=8", "--gpuregress-replicas=0",
+                             "-k", "fsdp and not triage")
 
 
 def run(pytester: pytest.Pytester, refs: Path, selection: str, *extra: str) -> pytest.RunResult:

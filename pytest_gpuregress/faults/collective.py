@@ -8,6 +8,7 @@ the spec's filters match: op family, message size, dtype, reduction, rank, and o
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from . import FaultSpec
@@ -125,7 +126,8 @@ class CollectiveFault:
                 flat[i] += 1
 
 
-def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> None:
+def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[], None]:
+    """Wrap ``dist.<name>``; return the undo (ranks outlive a launch, so no patch may outlive it)."""
     original = getattr(dist, name)
     family, out_key = _COLLECTIVES[name]
 
@@ -146,6 +148,7 @@ def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> None:
 
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(dist, name, wrapper)
+    return lambda: setattr(dist, name, original)
 
 
 def install(spec: FaultSpec, ctx: Any) -> None:
@@ -154,7 +157,7 @@ def install(spec: FaultSpec, ctx: Any) -> None:
     fault = CollectiveFault(spec, ctx.rank, ctx.world_size)
     for name in _COLLECTIVES:
         if hasattr(dist, name):
-            _wrap_collective(dist, name, fault)
+            ctx.cleanup_hooks.append(_wrap_collective(dist, name, fault))
 
 
 def install_premul_sum_emulation(spec: FaultSpec, ctx: Any) -> None:
@@ -174,3 +177,4 @@ def install_premul_sum_emulation(spec: FaultSpec, ctx: Any) -> None:
         return original(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=group, async_op=async_op)
 
     dist.all_reduce = all_reduce
+    ctx.cleanup_hooks.append(lambda: setattr(dist, "all_reduce", original))

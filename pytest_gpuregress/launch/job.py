@@ -6,6 +6,7 @@ run directory:
                       to "how far did it get" when a rank hangs)
   rank<r>/            its RunRecord (record.json + tensors.safetensors)
   rank<r>.done        written after the record: from here on the rank's work is delivered
+  rank<r>.released    written after teardown: the rank is ready for its next job (launch/pool.py)
   rank<r>.error.json  the exception and traceback, when the scenario raised
   rank<r>.stack       Python stacks of all threads, dumped on SIGUSR1 when the launcher times out
   rank<r>.log         the rank's stdout and stderr
@@ -62,6 +63,10 @@ class RankFiles:
     @property
     def done(self) -> Path:
         return self.run_dir / f"rank{self.rank}.done"
+
+    @property
+    def released(self) -> Path:
+        return self.run_dir / f"rank{self.rank}.released"
 
     @property
     def error(self) -> Path:

@@ -1,8 +1,10 @@
-"""Spawn a group of ranks on this machine, watch them, and classify how each one ended.
+"""Run a job on a group of ranks on this machine, watch them, and classify how each one ended.
 
-Every rank is a fresh interpreter in its own session (so its whole process tree can be killed),
-with stdout and stderr in a log file. The launcher polls until every rank has exited, or one has
-failed, or the wall-clock limit passes. A rank ends in one of four ways:
+Ranks come from the worker pool (pool.py): interpreters in their own sessions (so a whole process
+tree can be killed) that serve one job after another, each job's stdout and stderr in its own log.
+With ``reuse=False`` every job gets a fresh group, closed afterwards. The launcher polls until every
+rank has released the job or exited, or one has failed, or the wall-clock limit passes. A rank
+ends a job in one of four ways:
   delivered  wrote its record and done marker; whatever happens at teardown afterwards
              (SIGABRT from gloo's threads, a hang in destroy) is noted, never a failure
   raised     the scenario raised; its traceback comes back from rank<r>.error.json
@@ -16,8 +18,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -26,7 +26,7 @@ from pathlib import Path
 from ..errors import RankFailure
 from ..reference.record import RunRecord
 from .job import Job, RankFiles
-from .net import loopback_env
+from .pool import RankGroup, WorkerPool
 
 POLL_S = 0.05
 # After the first rank fails, how long peers get to report their own error before being killed.
@@ -91,60 +91,56 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text[-lines:])
 
 
-def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 class SpawnLauncher:
-    """Runs a Job as ``world_size`` local processes with a FileStore rendezvous."""
+    """Runs a Job on ``world_size`` local ranks with a FileStore rendezvous, reusing ranks across jobs."""
 
-    def __init__(self, keep_dirs: bool = False, base_dir: Path | None = None) -> None:
+    def __init__(self, keep_dirs: bool = False, base_dir: Path | None = None, reuse: bool = True) -> None:
         self.keep_dirs = keep_dirs
         self.base_dir = base_dir
+        self.pool = WorkerPool(base_dir) if reuse else None
+        self.groups_started = 0
 
     def make_run_dir(self) -> Path:
         if self.base_dir is not None:
             self.base_dir.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix="gpuregress-run-", dir=self.base_dir))
 
+    def close(self) -> None:
+        """Stop the pooled ranks (end of the session)."""
+        if self.pool is not None:
+            self.pool.close()
+
+    def _group_for(self, job: Job) -> RankGroup:
+        if self.pool is not None:
+            before = self.pool.started
+            group = self.pool.acquire(job)
+            self.groups_started += self.pool.started - before
+            return group
+        self.groups_started += 1
+        return RankGroup(job, self.base_dir)
+
     def run(self, job: Job, wall_timeout_s: float) -> LaunchResult:
         run_dir = Path(job.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         job_path = run_dir / "job.json"
         job.save(job_path)
-        env = dict(os.environ)
-        if job.loopback_only:
-            env.update(loopback_env())
-        env.update(job.env)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env["WORLD_SIZE"] = str(job.world_size)
-        procs: list[subprocess.Popen[bytes]] = []
+        group = self._group_for(job)
         started = time.monotonic()
-        for rank in range(job.world_size):
-            files = RankFiles(run_dir, rank)
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), GPUREGRESS_SPAWNED="1")
-            with open(files.log, "wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "pytest_gpuregress.launch.worker", str(job_path), str(rank)],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        env=rank_env,
-                        start_new_session=True,
-                    )
-                )
+        group.submit(job_path)
+        outcomes: list[RankOutcome] = []
         try:
-            outcomes, notes = self._watch(job, procs, started + wall_timeout_s)
+            outcomes, notes = self._watch(job, group, started + wall_timeout_s)
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    _kill_group(proc, signal.SIGKILL)
-                proc.wait()
+            clean = len(outcomes) == job.world_size and all(
+                o.status == "delivered" and RankFiles(run_dir, o.rank).released.exists() and o.returncode is None
+                for o in outcomes
+            )
+            if clean and self.pool is not None:
+                self.pool.release(group)
+            elif clean:
+                group.close()
+            else:  # a rank that failed, hung or did not release: the next job gets a fresh group
+                group.kill()
         wall = time.monotonic() - started
         failed = [o for o in outcomes if o.status != "delivered"]
         if failed:
@@ -154,9 +150,8 @@ class SpawnLauncher:
             shutil.rmtree(run_dir, ignore_errors=True)
         return LaunchResult(records=records, outcomes=outcomes, notes=notes, wall_s=wall)
 
-    def _watch(
-        self, job: Job, procs: list[subprocess.Popen[bytes]], deadline: float
-    ) -> tuple[list[RankOutcome], list[str]]:
+    def _watch(self, job: Job, group: RankGroup, deadline: float) -> tuple[list[RankOutcome], list[str]]:
+        procs = group.procs
         run_dir = Path(job.run_dir)
         files = [RankFiles(run_dir, r) for r in range(job.world_size)]
         first_failure: float | None = None
@@ -166,7 +161,7 @@ class SpawnLauncher:
             now = time.monotonic()
             codes = [p.poll() for p in procs]
             delivered = [f.done.exists() for f in files]
-            if all(c is not None for c in codes):
+            if all(c is not None or f.released.exists() for c, f in zip(codes, files)):
                 break
             if any(c not in (None, 0) and not d for c, d in zip(codes, delivered)):
                 first_failure = first_failure or now
@@ -196,9 +191,9 @@ class SpawnLauncher:
             outcome = RankOutcome(rank=rank, status="", returncode=code, last_progress=f.last_progress())
             if f.done.exists():
                 outcome.status = "delivered"
-                if code is None:
-                    notes.append(f"rank {rank} delivered its results but had not exited; killed at teardown")
-                elif code != 0:
+                if code is None and not f.released.exists():
+                    notes.append(f"rank {rank} delivered its results but had not finished teardown; killed")
+                elif code not in (None, 0):
                     notes.append(
                         f"rank {rank} delivered its results, then exited with "
                         f"{outcome.signal_name or code} during teardown (ignored)"
@@ -211,7 +206,7 @@ class SpawnLauncher:
                 outcome.stack = f.stack.read_text(errors="replace") if f.stack.exists() else None
             else:
                 outcome.status = "died"
-            outcome.log_tail = _tail(f.log)
+            outcome.log_tail = _tail(f.log) or _tail(group.startup_log(rank))
             outcomes.append(outcome)
         return outcomes, notes
 

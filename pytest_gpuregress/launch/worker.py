@@ -1,21 +1,26 @@
-"""One rank of a locally spawned group: ``python -m pytest_gpuregress.launch.worker JOB RANK``.
+"""One rank of a locally spawned group: ``python -m pytest_gpuregress.launch.worker --serve RANK``.
 
-Order matters here, and it is what makes teardown crashes harmless:
+The rank serves jobs: it reads one job path per line from stdin and runs each (launch/pool.py
+keeps it for the next launch). Per job, order matters, and it is what makes teardown crashes
+harmless:
   1. run the scenario and write the record, then the ``done`` marker (results are delivered);
   2. barrier, so no rank tears its transport down while a peer still talks to it;
-  3. destroy the process group, flush stdio, and leave with ``os._exit``.
-Step 3 skips interpreter finalisation. Gloo's worker threads can still hold work objects that
-reference Python tensors; destroying those during finalisation aborts the process
-("terminate called without an active exception"). ``os._exit`` never runs that code, and any
-abort that still happens after step 1 cannot lose results: the launcher only needs the marker.
+  3. destroy the process group, undo the job's faults and stdio redirection, write ``released``.
+A rank whose job failed, or whose teardown failed, leaves with ``os._exit``: that skips
+interpreter finalisation, where gloo's worker threads can still hold work objects that reference
+Python tensors and abort the process ("terminate called without an active exception"). Any abort
+that still happens after step 1 cannot lose results: the launcher only needs the marker. At EOF
+(the launcher is done with this group) the rank leaves the same way.
 """
-
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +34,7 @@ if TYPE_CHECKING:
     from ..scenarios.base import RankContext
 
 EXIT_SCENARIO_ERROR = 3
+EXIT_TEARDOWN_FAILED = 4
 
 
 def _init_process_group(job: Job, rank: int, local_rank: int) -> None:
@@ -124,26 +130,103 @@ def run_rank(job: Job, rank: int) -> None:
         hook()
 
 
-def main(argv: list[str]) -> None:
-    job = Job.load(Path(argv[0]))
-    rank = int(argv[1])
+def _die_with_parent() -> None:
+    """SIGKILL this rank when the launcher dies, even by SIGKILL; a watchdog thread where prctl is missing."""
+    parent = int(os.environ.get("GPUREGRESS_PARENT_PID", os.getppid()))
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) == 0 and os.getppid() == parent:
+            return
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="gpuregress-parent-watchdog", daemon=True).start()
+
+
+class _JobStdio:
+    """Send fds 1 and 2 to the job's rank log for the job's duration, and stacks on SIGUSR1 to its file."""
+
+    def __init__(self, files: RankFiles) -> None:
+        self.files = files
+
+    def __enter__(self) -> _JobStdio:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.saved = (os.dup(1), os.dup(2))
+        log = os.open(self.files.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        self.stack_file = open(self.files.stack, "w")  # noqa: SIM115 - must stay open for faulthandler
+        faulthandler.register(signal.SIGUSR1, file=self.stack_file, all_threads=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        faulthandler.unregister(signal.SIGUSR1)
+        self.stack_file.close()
+        for fd, saved in zip((1, 2), self.saved):
+            os.dup2(saved, fd)
+            os.close(saved)
+
+
+def serve_job(job_path: Path, rank: int) -> int:
+    """Run one job as ``rank``; return 0 when this rank may serve another."""
+    job = Job.load(job_path)
     files = RankFiles(Path(job.run_dir), rank)
-    stack_file = open(files.stack, "w")  # noqa: SIM115 - must stay open for faulthandler
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    with _JobStdio(files):
+        try:
+            run_rank(job, rank)
+            _teardown(job)
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
+            if not files.done.exists():
+                _write_error(files, exc)
+                return EXIT_SCENARIO_ERROR
+            print(f"rank {rank}: teardown failed after delivering results: {exc!r}", file=sys.stderr)
+            return EXIT_TEARDOWN_FAILED
+        finally:
+            gc.collect()  # drop the job's tensors before the next job builds its own
+        _release_device_memory(job)
+    files.released.write_text("released\n")
+    return 0
+
+
+def _release_device_memory(job: Job) -> None:
+    if job.device_kind == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def serve(rank: int) -> None:
+    _die_with_parent()
     faulthandler.enable(file=sys.stderr)
     code = 0
-    try:
-        run_rank(job, rank)
-        _teardown(job)
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
-        if not files.done.exists():
-            _write_error(files, exc)
-            code = EXIT_SCENARIO_ERROR
-        else:
-            print(f"rank {rank}: teardown failed after delivering results: {exc!r}", file=sys.stderr)
+    for line in sys.stdin:
+        code = serve_job(Path(line.strip()), rank)
+        if code:
+            break  # a rank that failed is never reused
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2 or argv[0] != "--serve":
+        sys.exit("usage: python -m pytest_gpuregress.launch.worker --serve RANK (started by launch/pool.py)")
+    serve(int(argv[1]))
 
 
 if __name__ == "__main__":

@@ -192,6 +192,11 @@ def gpuregress(request: pytest.FixtureRequest) -> GpuRegressSession:
     return _session(request.config)
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if SESSION_KEY in config.stash:
+        config.stash[SESSION_KEY].close()
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     if SESSION_KEY not in config.stash:
         return

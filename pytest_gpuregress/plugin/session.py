@@ -130,8 +130,14 @@ class GpuRegressSession:
             else:
                 from ..launch.spawn import SpawnLauncher
 
-                self._launcher = SpawnLauncher(keep_dirs=self.options.keep_runs, base_dir=self.output_dir)
+                self._launcher = SpawnLauncher(keep_dirs=self.options.keep_runs, base_dir=self.output_dir,
+                                               reuse=not self.options.fresh_ranks)
         return self._launcher
+
+    def close(self) -> None:
+        """Stop pooled rank processes; called once at the end of the pytest session."""
+        if self._launcher is not None and hasattr(self._launcher, "close"):
+            self._launcher.close()
 
     def run(
         self,

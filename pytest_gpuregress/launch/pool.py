@@ -1,0 +1,174 @@
+"""Rank processes that outlive one launch: started once, then fed one job after another.
+
+Importing torch and transformers costs a rank seconds; a session runs dozens of launches. A
+``RankGroup`` is ``world_size`` worker processes (``launch/worker.py --serve``) that read job paths
+from their stdin, one line per job, and answer through the job's run directory as before, plus a
+``released`` marker once the job's process group is torn down and the rank is ready for the next.
+
+The pool keeps groups per (world size, device, environment): a job whose environment differs
+(NCCL_PROTO, a triage switch) needs processes started with it. A group is used by one job at a
+time and reused only after a clean job: a rank that raised, died, hung or did not release is
+killed with its whole group, so the next test gets a fresh one. Between jobs each rank undoes its
+faults (``ctx.cleanup_hooks``) and reseeds everything (``set_determinism``), so a scenario gives the
+same bits alone or after others (tests/test_worker_pool.py proves it).
+
+Ranks die with the launcher: closing a group closes their stdin (they exit at EOF), and each rank
+also asks the kernel for SIGKILL when its parent dies (worker.py), for the SIGKILL that no
+``finally`` sees.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from .job import Job
+from .net import loopback_env
+
+# Environment variables that change per test without changing what a rank computes.
+_VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
+# Idle groups kept for reuse. Each rank holds torch and transformers (a few hundred MB on the CPU).
+MAX_IDLE_GROUPS = 2
+CLOSE_GRACE_S = 5.0
+
+EnvKey = tuple[int, str, bool, tuple[tuple[str, str], ...]]
+
+
+def rank_environment(job: Job) -> dict[str, str]:
+    """The environment every rank of ``job`` starts with (without RANK/LOCAL_RANK)."""
+    env = dict(os.environ)
+    for name in _VOLATILE_ENV:
+        env.pop(name, None)
+    if job.loopback_only:
+        env.update(loopback_env())
+    env.update(job.env)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["WORLD_SIZE"] = str(job.world_size)
+    env["GPUREGRESS_SPAWNED"] = "1"
+    env["GPUREGRESS_PARENT_PID"] = str(os.getpid())
+    return env
+
+
+def group_key(job: Job) -> EnvKey:
+    return job.world_size, job.device_kind, job.loopback_only, tuple(sorted(rank_environment(job).items()))
+
+
+def kill_process_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class RankGroup:
+    """``world_size`` serving rank processes, each in its own session so its tree can be killed."""
+
+    def __init__(self, job: Job, base_dir: Path | None = None) -> None:
+        self.key = group_key(job)
+        self.world_size = job.world_size
+        self.log_dir = Path(tempfile.mkdtemp(prefix="gpuregress-ranks-", dir=base_dir))
+        self.jobs_served = 0
+        env = rank_environment(job)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for rank in range(job.world_size):
+            with open(self.startup_log(rank), "wb") as log:
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "pytest_gpuregress.launch.worker", "--serve", str(rank)],
+                        stdin=subprocess.PIPE,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                        start_new_session=True,
+                    )
+                )
+
+    def startup_log(self, rank: int) -> Path:
+        """Where a rank writes before its first job and between jobs (import errors land here)."""
+        return self.log_dir / f"rank{rank}.log"
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def submit(self, job_path: Path) -> None:
+        """Hand every rank the job; a rank that already died is left for the watcher to report."""
+        self.jobs_served += 1
+        for proc in self.procs:
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(f"{job_path}\n".encode())
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass
+
+    def close(self) -> None:
+        """Let idle ranks leave on their own (EOF on stdin), then kill whatever is left."""
+        for proc in self.procs:
+            try:
+                if proc.stdin is not None:
+                    proc.stdin.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + CLOSE_GRACE_S
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                kill_process_group(proc)
+        for proc in self.procs:
+            proc.wait()
+            if proc.stdin is not None:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+class WorkerPool:
+    """Idle rank groups by environment key, least recently used first out."""
+
+    def __init__(self, base_dir: Path | None = None, max_idle: int = MAX_IDLE_GROUPS) -> None:
+        self.base_dir = base_dir
+        self.max_idle = max_idle
+        self.idle: OrderedDict[EnvKey, RankGroup] = OrderedDict()
+        self.started = 0  # groups started this session, for the benchmark and the tests
+
+    def acquire(self, job: Job) -> RankGroup:
+        group = self.idle.pop(group_key(job), None)
+        if group is not None and group.alive():
+            return group
+        if group is not None:
+            group.kill()
+        self.started += 1
+        return RankGroup(job, self.base_dir)
+
+    def release(self, group: RankGroup) -> None:
+        """Keep a group that finished a job cleanly for the next launch with its environment."""
+        self.idle[group.key] = group
+        while len(self.idle) > self.max_idle:
+            _, oldest = self.idle.popitem(last=False)
+            oldest.close()
+
+    def close(self) -> None:
+        while self.idle:
+            _, group = self.idle.popitem(last=False)
+            group.close()

@@ -20,13 +20,17 @@ from typing import Any
 import numpy as np
 
 from ..stack import fingerprint as fp
+from . import step0
 from .envelope import PREFIX as ENVELOPE_PREFIX
-from .envelope import MetricLimits, digest_deviation, floors_for, limit, rel, step0_names, tensor_deviation
+from .envelope import MetricLimits, digest_deviation, floors_for, limit, rel, tensor_deviation
 from .record import RunRecord
 
 WORST_ROWS = 8
 # A step-0 gradient wrong in fewer than this share of its elements points at a collective.
 SPARSE_FRACTION = 0.05
+# Of its blocks, for a large tensor kept as block sums: a kernel change moves nearly every element,
+# so nearly every block; a corrupted collective moves a few elements, so at most a few blocks.
+SPARSE_BLOCK_FRACTION = 0.5
 
 
 Tolerances = MetricLimits  # explicit limits, one per metric, for compare_training(tolerances=...)
@@ -56,7 +60,8 @@ class Finding:
     got: float | None = None
     distance: float = 0.0  # in the lane's measure (ulps or relative)
     tolerance: float = 0.0
-    fraction: float | None = None  # share of a tensor's elements that differ
+    fraction: float | None = None  # share of a tensor's elements (or blocks, see ``unit``) that differ
+    unit: str = "elements"
     worst: list[tuple[str, float, float, float]] = field(default_factory=list)  # (where, expected, got, diff)
 
 
@@ -206,33 +211,48 @@ def _param_grad_norms(ref: RunRecord, run: RunRecord, lane: str, limit: np.ndarr
 def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, float]) -> tuple[list[Finding], float]:
     out: list[Finding] = []
     margin = 0.0
-    for name in step0_names(ref):
-        key = f"step0_grad/{name}"
-        r, g = ref.arrays[key], run.arrays.get(key)
-        size = f"{list(r.shape)} = {r.size} elements"
-        if g is None or g.shape != r.shape:
+    for name in step0.names(ref):
+        prefix, r = step0.full_or_blocks(ref, name)  # type: ignore[misc]
+        g = run.arrays.get(prefix + name)
+        blocked = prefix == step0.BLOCK_PREFIX
+        shape = tuple(ref.digests.get(name, {}).get("shape", ())) if blocked else r.shape
+        unit = "blocks" if blocked else "elements"
+        size = (f"{list(shape)} in {len(r)} blocks of {step0.BLOCK}" if blocked else f"{list(r.shape)} = {r.size} elements")
+        if g is None or (not step0.same_layout(g, r) if blocked else g.shape != r.shape):
             out.append(Finding("step0_grad", "unknown", f"step0_grad {name}: missing or reshaped in this run",
                                step=0, tensor=name, size=size))
             continue
-        rf, gf = r.reshape(-1), g.reshape(-1)
-        check = _check(tensor_deviation(gf, rf), np.asarray(limits[name]), lane, rf, gf)
+        if blocked:
+            rf, gf = step0.block_sums(r), step0.block_sums(g)
+            dev = step0.block_deviation(g, r)
+            exact_bad = _bits_differ(r, g).any(axis=1)
+
+            def where(j: int, rows: np.ndarray = r, shape: tuple[int, ...] = shape) -> str:
+                return step0.block_label(rows, j, shape)
+        else:
+            rf, gf = r.reshape(-1), g.reshape(-1)
+            dev = tensor_deviation(gf, rf)
+            exact_bad = _bits_differ(rf, gf)
+
+            def where(j: int, shape: tuple[int, ...] = r.shape) -> str:
+                return str(tuple(int(i) for i in np.unravel_index(j, shape)))
+        check = _check(dev, np.asarray(limits[name]), lane, rf, gf)
+        if lane == "exact":
+            check = _Check(check.dev, check.limit, exact_bad)
         margin = max(margin, check.margin())
         if not check.bad.any():
             continue
         flat_bad = np.nonzero(check.bad)[0]
         first = int(flat_bad[0])
-
-        def where(j: int, shape: tuple[int, ...] = r.shape) -> str:
-            return str(tuple(int(i) for i in np.unravel_index(j, shape)))
-
         out.append(
             Finding(
                 metric="step0_grad",
                 component="",
                 message=(
-                    f"step0_grad {name} {size}: {len(flat_bad)} elements differ "
-                    f"({100 * len(flat_bad) / r.size:.3g}%), first at {where(first)}: expected {float(rf[first])!r}, "
-                    f"got {float(gf[first])!r} ({check.measure(first, lane, int(ulps32(gf[first], rf[first])))}); "
+                    f"step0_grad {name} {size}: {len(flat_bad)} {unit} differ "
+                    f"({100 * len(flat_bad) / len(dev):.3g}%), first at {where(first)}: expected "
+                    f"{'block sum ' if blocked else ''}{float(rf[first])!r}, got {float(gf[first])!r} "
+                    f"({check.measure(first, lane, int(ulps32(gf[first], rf[first])))}); "
                     f"max |diff|/max|ref| {float(check.dev.max()):.3g}"
                 ),
                 step=0,
@@ -242,7 +262,8 @@ def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, fl
                 got=float(gf[first]),
                 distance=float(check.dev[first]),
                 tolerance=0.0 if lane == "exact" else float(check.limit[first]),
-                fraction=len(flat_bad) / r.size,
+                fraction=len(flat_bad) / len(dev),
+                unit=unit,
                 worst=_worst(where, rf, gf, check.dev),
             )
         )
@@ -285,8 +306,8 @@ def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, 
 def _suspect(findings: list[Finding]) -> None:
     """Point each finding at a component, from the order in which signals appear.
 
-    - step-0 gradients wrong in a few elements: a collective (reduce-scatter) corrupted them;
-      wrong nearly everywhere: a kernel (forward or backward math) changed.
+    - step-0 gradients wrong in a few elements (or, for block sums, in under half the blocks): a
+      collective (reduce-scatter) corrupted them; wrong nearly everywhere: a kernel changed.
     - loss wrong at step 0 with no step-0 gradients recorded: a kernel or a collective; without
       the gradients there is no evidence to tell them apart, so both are named.
     - step-0 numbers right but training diverges later: the optimizer, the schedule, or a
@@ -295,7 +316,7 @@ def _suspect(findings: list[Finding]) -> None:
     step0 = [f for f in findings if f.metric == "step0_grad"]
     loss = next((f for f in findings if f.metric == "loss"), None)
     for f in step0:
-        sparse = f.fraction is not None and f.fraction < SPARSE_FRACTION
+        sparse = f.fraction is not None and f.fraction < (SPARSE_FRACTION if f.unit == "elements" else SPARSE_BLOCK_FRACTION)
         f.component = "collective" if sparse else "kernel"
     for f in findings:
         if f.component:
@@ -314,7 +335,7 @@ def _limits(reference: RunRecord, tolerances: Tolerances | None) -> tuple[dict[s
     fixed = tolerances or DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["bf16"])
     floors = floors_for(dtype)
     steps = len(reference.series.get("loss", []))
-    names = step0_names(reference)
+    names = step0.names(reference)
     digests = sorted(reference.digests)
     has_envelope = tolerances is None and any(k.startswith(ENVELOPE_PREFIX) for k in reference.arrays)
     out: dict[str, Any] = {}

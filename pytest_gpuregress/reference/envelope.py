@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GpuRegressError
+from . import step0
 from .record import RunRecord
 
 
@@ -97,19 +98,26 @@ def deviations(reference: RunRecord, run: RunRecord) -> dict[str, np.ndarray]:
     r, g = reference.arrays.get("param_grad_norm"), run.arrays.get("param_grad_norm")
     if r is not None and g is not None and r.shape == g.shape:
         out["param_grad_norm"] = rel(g, r)
-    names = step0_names(reference)
-    if names and all(f"step0_grad/{n}" in run.arrays for n in names):
-        out["step0_grad"] = np.asarray([float(tensor_deviation(run.arrays[f"step0_grad/{n}"],
-                                                               reference.arrays[f"step0_grad/{n}"]).max())
-                                        for n in names])
+    names = step0.names(reference)
+    per_tensor = [step0_deviation(run, reference, n) for n in names]
+    if names and all(d is not None for d in per_tensor):
+        out["step0_grad"] = np.asarray([float(d.max()) if d.size else 0.0 for d in per_tensor])  # type: ignore[union-attr]
     if reference.digests and set(reference.digests) <= set(run.digests):
         out["final_weights"] = np.asarray([digest_deviation(run.digests[n], reference.digests[n])
                                            for n in sorted(reference.digests)])
     return out
 
 
-def step0_names(record: RunRecord) -> list[str]:
-    return sorted(k.split("/", 1)[1] for k in record.arrays if k.startswith("step0_grad/"))
+def step0_deviation(run: RunRecord, reference: RunRecord, name: str) -> np.ndarray | None:
+    """Per element (whole tensors) or per block (large ones) deviation; None when missing or reshaped."""
+    found = step0.full_or_blocks(reference, name)
+    if found is None:
+        return None
+    prefix, ref = found
+    got = run.arrays.get(prefix + name)
+    if prefix == step0.BLOCK_PREFIX:
+        return step0.block_deviation(got, ref) if got is not None and step0.same_layout(got, ref) else None
+    return tensor_deviation(got, ref).reshape(-1) if got is not None and got.shape == ref.shape else None
 
 
 def measure(base: RunRecord, replicas: list[RunRecord]) -> dict[str, np.ndarray]:

@@ -161,8 +161,13 @@ class Scenario:
         return None
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
-        """Combine the per-rank records (index = rank). By default rank 0's, which holds global values."""
-        return records[0]
+        """Combine the per-rank records (index = rank). By default rank 0's, which holds global values,
+        with the step-0 gradients assembled from every rank's shard (reference/step0.py)."""
+        from ..reference import step0
+
+        merged = records[0]
+        merged.arrays.update(step0.merge_ranks(records))
+        return merged
 
     def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
         """Reference-free findings for ``case``, each a complete message naming its component; [] when clean."""

@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 
+from ..reference import step0
 from ..reference.record import RunRecord
 
 
@@ -34,7 +35,9 @@ def run(ctx) -> RunRecord:  # type: ignore[no-untyped-def]
     loss.backward()
     names = [n for n, _ in model.named_parameters()]
     norms = np.asarray([[float(p.grad.norm()) for _, p in model.named_parameters()]], dtype=np.float64)
-    grads = {f"step0_grad/{n}": p.grad.numpy() for n, p in model.named_parameters()}
+    grads: dict[str, np.ndarray] = {}
+    for n, p in model.named_parameters():
+        grads.update(step0.shard_arrays(n, p.grad.numpy(), tuple(p.shape), 0, 1, step0.full_max_of(cfg)))
     return RunRecord(scenario="oracle", config=dict(cfg), platform_key="", world_size=1,
                      series={"loss": [float(loss)]}, param_names=names,
                      arrays={"param_grad_norm": norms, **grads})

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..reference.envelope import rel, tensor_deviation
+from ..reference import step0
+from ..reference.envelope import rel, step0_deviation
 from ..reference.record import RunRecord
 from .bounds import step0_bound
 
@@ -71,22 +72,27 @@ def equivalence(sc: Scenario, n: RunRecord, one: RunRecord, setup: Setup) -> Exp
     bound = _bound(sc, n.config)
     lines: list[str] = []
     ranks: set[int] = set()
-    shapes = {k.split("/", 1)[1]: tuple(v.shape) for k, v in one.arrays.items() if k.startswith("step0_grad/")}
-    for key in sorted(k for k in one.arrays if k.startswith("step0_grad/")):
-        name = key.split("/", 1)[1]
-        got, expected = n.arrays.get(key), one.arrays[key]
-        if got is None or got.shape != expected.shape:
+    shapes = {name: _shape(one, name) for name in step0.names(one)}
+    for name in step0.names(one):
+        dev = step0_deviation(n, one, name)
+        if dev is None:
             lines.append(f"{name}: missing or reshaped in the {setup.world_size}-rank run")
             continue
-        dev = tensor_deviation(got, expected).reshape(-1)
         wrong = np.nonzero(dev > bound)[0]
         if not len(wrong):
             continue
-        owners = sorted({shard_owner(int(i), expected.shape, setup.world_size) for i in wrong})
+        shape = shapes[name]
+        prefix, rows = step0.full_or_blocks(one, name)  # type: ignore[misc]
+        if prefix == step0.BLOCK_PREFIX:  # a block's first element stands for the block
+            flat, unit = [int(rows[i, 0]) * step0.BLOCK for i in wrong], "blocks"
+            first = step0.block_label(rows, int(wrong[0]), shape)
+        else:
+            flat, unit = [int(i) for i in wrong], "elements"
+            first = str(tuple(int(i) for i in np.unravel_index(int(wrong[0]), shape)))
+        owners = sorted({shard_owner(i, shape, setup.world_size) for i in flat})
         ranks.update(owners)
-        first = tuple(int(i) for i in np.unravel_index(int(wrong[0]), expected.shape))
         lines.append(
-            f"{name} {list(expected.shape)}: {len(wrong)} elements beyond {bound:.2g} (max {float(dev.max()):.3g}, "
+            f"{name} {list(shape)}: {len(wrong)} {unit} beyond {bound:.2g} (max {float(dev.max()):.3g}, "
             f"first at {first}), in the shard of rank {', '.join(map(str, owners))}; carried by "
             f"{sc.message_of(name, shapes, setup.world_size)}"
         )
@@ -117,11 +123,12 @@ def oracle(sc: Scenario, real: RunRecord, exact: RunRecord) -> Experiment:
     for i in np.nonzero(norms > bound)[0]:
         lines.append(f"step-0 gradient norm of {names[int(i)]}: rel {float(norms[int(i)]):.3g} > {bound:.2g}")
     worst = 0.0
-    for key in sorted(k for k in exact.arrays if k.startswith("step0_grad/")):
-        dev = float(tensor_deviation(real.arrays[key].astype(np.float64), exact.arrays[key]).max())
+    for name in step0.names(exact):
+        deviations = step0_deviation(real, exact, name)
+        dev = float("inf") if deviations is None else float(deviations.max(initial=0.0))
         worst = max(worst, dev)
         if dev > bound:
-            lines.append(f"step-0 gradient {key.split('/', 1)[1]}: max |diff|/max|float64| {dev:.3g} > {bound:.2g}")
+            lines.append(f"step-0 gradient {name}: max |diff|/max|float64| {dev:.3g} > {bound:.2g}")
     if not lines:
         return Experiment("oracle", "clean", f"step 0 matches float64 within {bound:.2g} (loss rel {loss:.2g}, "
                                               f"gradients {worst:.2g})")
@@ -137,8 +144,14 @@ def shard_owner(flat_index: int, shape: tuple[int, ...], world: int) -> int:
 
 
 def _max_step0_deviation(a: RunRecord, b: RunRecord) -> float:
-    return max((float(tensor_deviation(a.arrays[k], b.arrays[k]).max()) for k in b.arrays
-                if k.startswith("step0_grad/") and k in a.arrays), default=0.0)
+    found = (step0_deviation(a, b, name) for name in step0.names(b))
+    return max((float(d.max(initial=0.0)) for d in found if d is not None), default=0.0)
+
+
+def _shape(record: RunRecord, name: str) -> tuple[int, ...]:
+    """A parameter's shape: from its whole step-0 gradient, else from its final-weight digest."""
+    whole = record.arrays.get(step0.FULL_PREFIX + name)
+    return tuple(whole.shape) if whole is not None else tuple(record.digests.get(name, {}).get("shape", ()))
 
 
 def cheap_evidence(sc: Scenario, setup: Setup, run: Runner) -> list[Experiment]:

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from ...reference import step0 as step0_arrays
 from ...reference.record import RunRecord, float_digest
 from ...training.schedule import lr_factor
 from ..base import RankContext
@@ -85,8 +86,9 @@ def run(ctx: RankContext) -> RunRecord:
             [loss.detach().double()] + [p.grad.to_local().double().pow(2).sum() for p in params]
         )
         if step == 0:
-            for name, p in zip(names, params):
-                step0[f"step0_grad/{name}"] = p.grad.full_tensor().float().cpu().numpy()
+            for name, p in zip(names, params):  # this rank's shard only: merge() assembles the tensors
+                step0.update(step0_arrays.shard_arrays(name, p.grad.to_local().float().cpu().numpy(), tuple(p.shape),
+                                                       ctx.rank, ctx.world_size, step0_arrays.full_max_of(cfg)))
         total = torch.nn.utils.clip_grad_norm_(params, float(cfg["grad_clip"]))
         total = total.full_tensor() if hasattr(total, "full_tensor") else total
         opt.step()

@@ -1,0 +1,139 @@
+"""Step-0 gradients in a form that scales: full tensors when small, block summaries when large.
+
+Step-0 gradients are the sharpest signal (one wrong element of a reduce-scatter shows there), but
+on the GPU model they are ~150 M floats per rank. Tensors up to ``FULL_MAX_ELEMENTS`` are kept
+whole (``step0_grad/<param>``); larger ones as one row per block of ``BLOCK`` consecutive elements
+of the flattened tensor (``step0_blocks/<param>``):
+
+    [block index, element count, sum, sum of |x|, max |x|]   (float64)
+
+One element off by ``e`` moves its block's sum by exactly ``e``, so measured against the tensor's
+max |x| (the scale full tensors use too) a block shows the same deviation that element would, and
+the block locates it to 4 KiB. A GPU-size reference shrinks ~200x (5 float64 per 1024 float32).
+
+Each rank summarizes only its own FSDP2 shard, with blocks numbered in the full tensor, so the
+per-rank record is no larger than the shard and the merged summary does not depend on how many
+ranks produced it (``merge_ranks`` adds the partial blocks at shard edges). numpy only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .record import RunRecord
+
+FULL_PREFIX = "step0_grad/"
+BLOCK_PREFIX = "step0_blocks/"
+FULL_MAX_ELEMENTS = 1 << 16  # 256 KiB of float32: every tensor of the CPU model stays whole
+BLOCK = 1024  # elements: 4 KiB of float32
+_INDEX, _COUNT, _SUM, _ABS_SUM, _MAX_ABS = range(5)
+
+
+def summarize(flat: np.ndarray, global_offset: int = 0, block: int = BLOCK) -> np.ndarray:
+    """Block rows of ``flat``, whose first element is element ``global_offset`` of the full tensor.
+
+    Sums accumulate in float64 without a float64 copy of the shard (it can be 300 MB)."""
+    values = np.asarray(flat).reshape(-1)
+    if values.size == 0:
+        return np.zeros((0, 5))
+    first_boundary = (-global_offset) % block  # elements before it finish a block begun on the previous rank
+    starts = np.arange(first_boundary, values.size, block)
+    if first_boundary:
+        starts = np.concatenate([[0], starts[starts < values.size]])
+    rows = np.empty((len(starts), 5))
+    rows[:, _INDEX] = (global_offset + starts) // block
+    rows[:, _COUNT] = np.diff(np.append(starts, values.size))
+    rows[:, _SUM] = np.add.reduceat(values, starts, dtype=np.float64)
+    magnitude = np.abs(values)
+    rows[:, _ABS_SUM] = np.add.reduceat(magnitude, starts, dtype=np.float64)
+    rows[:, _MAX_ABS] = np.maximum.reduceat(magnitude, starts)
+    return rows
+
+
+def combine(parts: list[np.ndarray]) -> np.ndarray:
+    """One row per block from several ranks' rows: a block cut by a shard edge is added back together."""
+    rows = np.concatenate([p for p in parts if p.size] or [np.zeros((0, 5))])
+    if not rows.size:
+        return rows
+    order = np.argsort(rows[:, _INDEX], kind="stable")
+    rows = rows[order]
+    starts = np.concatenate([[0], np.nonzero(np.diff(rows[:, _INDEX]))[0] + 1])
+    out = np.empty((len(starts), 5))
+    out[:, _INDEX] = rows[starts, _INDEX]
+    for col in (_COUNT, _SUM, _ABS_SUM):
+        out[:, col] = np.add.reduceat(rows[:, col], starts)
+    out[:, _MAX_ABS] = np.maximum.reduceat(rows[:, _MAX_ABS], starts)
+    return out
+
+
+def shard_arrays(name: str, local: np.ndarray, full_shape: tuple[int, ...], rank: int, world_size: int,
+                 full_max: int = FULL_MAX_ELEMENTS) -> dict[str, np.ndarray]:
+    """What one rank records of its dim-0 shard ``local`` of a gradient shaped ``full_shape``."""
+    numel = int(np.prod(full_shape)) if full_shape else 1
+    if numel <= full_max:
+        return {FULL_PREFIX + name: np.asarray(local)}
+    return {BLOCK_PREFIX + name: summarize(local, shard_offset(full_shape, rank, world_size), BLOCK)}
+
+
+def full_max_of(config: dict) -> int:
+    """The whole-tensor threshold of a run: the default, or ``step0_full_max_elements`` (tests set it low)."""
+    return int(config.get("step0_full_max_elements", FULL_MAX_ELEMENTS))
+
+
+def shard_offset(full_shape: tuple[int, ...], rank: int, world_size: int) -> int:
+    """Flat index of the first element of ``rank``'s FSDP2 shard (torch.chunk along dim 0)."""
+    rows = full_shape[0] if full_shape else 1
+    per_row = int(np.prod(full_shape[1:])) if len(full_shape) > 1 else 1
+    chunk = -(-rows // world_size)
+    return min(rank * chunk, rows) * per_row
+
+
+def merge_ranks(records: list[RunRecord]) -> dict[str, np.ndarray]:
+    """The full step-0 arrays from every rank's shard arrays, in rank order (dim-0 shards)."""
+    keys = sorted({k for r in records for k in r.arrays if k.startswith((FULL_PREFIX, BLOCK_PREFIX))})
+    merged: dict[str, np.ndarray] = {}
+    for key in keys:
+        parts = [r.arrays[key] for r in records if key in r.arrays]
+        if key.startswith(FULL_PREFIX):
+            merged[key] = np.concatenate(parts, axis=0)
+        else:
+            merged[key] = combine(parts)
+    return merged
+
+
+def names(record: RunRecord) -> list[str]:
+    """Every parameter with a step-0 gradient, whole or in blocks."""
+    return sorted(k.split("/", 1)[1] for k in record.arrays if k.startswith((FULL_PREFIX, BLOCK_PREFIX)))
+
+
+def full_or_blocks(record: RunRecord, name: str) -> tuple[str, np.ndarray] | None:
+    for prefix in (FULL_PREFIX, BLOCK_PREFIX):
+        if prefix + name in record.arrays:
+            return prefix, record.arrays[prefix + name]
+    return None
+
+
+def block_deviation(run: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """Per block: the largest change of its sum, |sum| or max |x|, over the tensor's max |x|."""
+    scale = max(float(ref[:, _MAX_ABS].max()) if ref.size else 0.0, float(np.finfo(np.float32).tiny))
+    diff = np.abs(run[:, _SUM:] - ref[:, _SUM:]).max(axis=1) / scale if ref.size else np.zeros(0)
+    broken = np.isnan(run[:, _SUM:]).any(axis=1) != np.isnan(ref[:, _SUM:]).any(axis=1)
+    return np.where(broken, np.inf, np.nan_to_num(diff, nan=0.0))
+
+
+def same_layout(run: np.ndarray, ref: np.ndarray) -> bool:
+    return run.shape == ref.shape and np.array_equal(run[:, :_SUM], ref[:, :_SUM])
+
+
+def block_label(rows: np.ndarray, i: int, shape: tuple[int, ...] | None = None) -> str:
+    """'block 17 (elements 17408..18431)', with the index of its first element when the shape is known."""
+    first = int(rows[i, _INDEX]) * BLOCK
+    last = first + int(rows[i, _COUNT]) - 1
+    where = f"block {int(rows[i, _INDEX])} (elements {first}..{last}"
+    if shape:
+        where += f", from {tuple(int(j) for j in np.unravel_index(first, shape))}"
+    return where + ")"
+
+
+def block_sums(rows: np.ndarray) -> np.ndarray:
+    return rows[:, _SUM]

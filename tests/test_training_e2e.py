@@ -44,6 +44,21 @@ def test_recorded_reference_passes_in_the_exact_lane_every_time(pytester: pytest
         result.stdout.fnmatch_lines(["fsdp cpu-gloo-w2-fp32: PASSED [[]exact lane[]] 8 steps*"])
 
 
+def test_fail_fast_stops_at_the_first_step_outside_tolerance(pytester: pytest.Pytester, refs: Path) -> None:
+    result = run(pytester, refs, "--gpuregress-fail-fast", "--gpuregress-inject=lr_scale:factor=2")
+    result.assert_outcomes(failed=1)
+    # lr x 2 first shows in the loss of step 1; the run stops there instead of running all 8 steps.
+    result.stdout.fnmatch_lines(["*fail-fast: stopped at step 1 of 8: loss expected *, got * (rel * > tol *)*",
+                                 "fsdp cpu-gloo-w2-fp32: FAILED * 2 steps, loss *"])
+    assert "reference has 8 steps" not in result.stdout.str()  # compared over the steps that ran
+
+
+def test_fail_fast_on_a_clean_run_runs_every_step_and_passes(pytester: pytest.Pytester, refs: Path) -> None:
+    result = run(pytester, refs, "--gpuregress-fail-fast")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["fsdp cpu-gloo-w2-fp32: PASSED [[]exact lane[]] 8 steps*"])
+
+
 def test_reduce_scatter_corrupted_in_one_size_band_is_caught(pytester: pytest.Pytester, refs: Path) -> None:
     # The root group (embedding, lm_head, final norm) reduce-scatters 131,328 bytes; each decoder
     # layer 184,832. The band hits the root group only.

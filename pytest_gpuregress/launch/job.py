@@ -36,6 +36,7 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)  # extra environment for this group only
     loopback_only: bool = True  # single-machine runs bind every socket to the loopback interface
     collect_fingerprint: bool = True
+    watch: dict[str, Any] = field(default_factory=dict)  # --gpuregress-fail-fast (reference/failfast.py)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1, sort_keys=True))

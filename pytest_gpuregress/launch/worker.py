@@ -97,6 +97,7 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
         config=job.config,
         run_dir=Path(job.run_dir),
         progress_path=files.progress,
+        watch=job.watch,
     )
     ctx.progress("start")
     installed = faults.install(job.faults, ctx)
@@ -113,6 +114,8 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
         for undo in reversed(ctx.cleanup_hooks):  # in place, the process runs later tests too
             undo()
     record.fingerprint = record.fingerprint or ctx.fingerprint
+    if ctx.stopped is not None:
+        record.results["fail_fast"] = ctx.stopped
     record.notes.extend(f"fault injected: {spec}" for spec in installed)
     if job.loopback_only:
         record.results.setdefault("listening", {})[str(rank)] = listening_addresses()

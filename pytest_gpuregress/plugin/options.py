@@ -91,6 +91,8 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("triage", "flag", False, "on a failing training scenario, re-run it with one switch flipped at a "
                                         "time (protocol, BLAS, SDPA, CPU kernels, world size) to name the component"),
     OptionSpec("keep-runs", "flag", False, "keep every run's rank logs and records (kept on failure anyway)"),
+    OptionSpec("fail-fast", "flag", False, "compare each training step with the reference as it runs, and stop "
+                                           "at the first step outside the tolerant lane's limits"),
     OptionSpec("fresh-ranks", "flag", False, "start new rank processes for every launch instead of reusing a pool "
                                              "of ranks across launches (slower; for debugging the pool)"),
     OptionSpec("replicas", "int", DEFAULT_REPLICAS,
@@ -141,6 +143,7 @@ class Options:
     faults: tuple[FaultSpec, ...] = ()
     keep_runs: bool = False
     fresh_ranks: bool = False
+    fail_fast: bool = False
     triage: bool = False
     replicas: int = DEFAULT_REPLICAS
     # A scenario's own options, by dest (e.g. gpuregress_collectives_repeats); validated like the rest.
@@ -170,6 +173,7 @@ class Options:
             faults=faults,
             keep_runs=bool(values["gpuregress_keep_runs"]),
             fresh_ranks=bool(values["gpuregress_fresh_ranks"]),
+            fail_fast=bool(values["gpuregress_fail_fast"]),
             triage=bool(values["gpuregress_triage"]),
             replicas=int(values["gpuregress_replicas"]),
             scenario_values={spec.dest: resolve(config, spec) for spec in scenario_specs},

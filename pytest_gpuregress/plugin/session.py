@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import MissingReference, NotApplicable, RankFailure, RegressionFailure
+from ..errors import GpuRegressError, MissingReference, NotApplicable, RankFailure, RegressionFailure
 from ..faults import check_ranks
 from ..launch.job import Job
-from ..reference import envelope, store
-from ..reference.compare import Comparison, compare_training
+from ..reference import envelope, failfast, store
+from ..reference.compare import Comparison, compare_training, tolerant_limits
 from ..reference.record import RunRecord
 from ..reference.report import format_comparison, format_margins
 from ..resources import shipped_dir
@@ -62,6 +62,7 @@ class GpuRegressSession:
         self.selected: dict[str, list[Case]] = {}  # scenario -> cases left after -k and -m
         # scenario -> launch key -> merged record, or the launch's failure message
         self.launched: dict[str, dict[str, RunRecord | RankFailure]] = {}
+        self.watches: dict[tuple[str, str], dict[str, Any]] = {}  # (scenario, launch) -> fail-fast reference
         self.saved: dict[tuple[str, str], Path] = {}
         self._recorded: dict[Path, RunRecord] = {}
         self._launcher: Any = None
@@ -172,6 +173,7 @@ class GpuRegressSession:
             faults=[*(self.options.inject if launch.inject else ()), *faults],
             env=dict(launch.env),
             loopback_only=not self.platform.in_place,
+            watch=self.watches.get((sc.name, launch.key), {}),
         )
         result = self.launcher.run(job, wall_timeout_s=self.options.timeout)
         record = sc.merge(result.records)
@@ -259,6 +261,8 @@ class GpuRegressSession:
         __tracebackhide__ = True
         sc = registry()[scenario]
         case = next(c for c in self.selected.get(scenario, []) or sc.cases(self.setup) if c.id == case_id)
+        if self.options.fail_fast and not self.options.record:
+            self._watch_reference(sc, case)
         record = sc.experiment(case, self.launch_cached, self.setup) or self.launch_for(sc, case)
         problems = sc.verdict(case, record, self.setup)
         reference = sc.reference_name(case)
@@ -270,6 +274,18 @@ class GpuRegressSession:
                        explain=(lambda ref, cmp: self.triage(sc, ref, cmp)) if sc.supports_triage else None)
         elif problems:
             raise RegressionFailure("\n".join(problems))
+
+    def _watch_reference(self, sc: Scenario, case: Case) -> None:
+        """For --gpuregress-fail-fast: hand the case's launch its reference, to stop at the first miss."""
+        name = sc.reference_name(case)
+        if sc.kind != "training" or name is None or case.launch in self.launched.get(sc.name, {}):
+            return
+        launch = self._launch_of(sc, case)
+        try:
+            reference = store.read_reference(self.location(name, self.platform.key(sc.platform_tag(launch.config))))
+        except GpuRegressError:  # missing or unreadable: the comparison after the run says so
+            return
+        self.watches[(sc.name, launch.key)] = failfast.watch_from(reference, tolerant_limits(reference)[0])
 
     def check(
         self,
@@ -311,6 +327,10 @@ class GpuRegressSession:
             self.outcomes.append(Outcome(scenario, record.platform_key, "error", detail="no reference"))
             raise
         store.check_compatible(loc, reference, record)
+        stop = record.results.get("fail_fast")
+        if stop:  # the run ended early: compare the steps it ran, and say where and why it stopped
+            reference = failfast.truncated_reference(reference, record.steps)
+            extra = [failfast.describe(stop), *extra]
         comparison = (compare or (lambda ref, run: compare_training(ref, run, lane=self.options.lane)))(reference, record)
         passed = comparison.passed and not extra
         loss = record.series.get("loss")

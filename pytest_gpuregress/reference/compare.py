@@ -329,7 +329,7 @@ def _suspect(findings: list[Finding]) -> None:
             f.component = "optimizer or collective"
 
 
-def _limits(reference: RunRecord, tolerances: Tolerances | None) -> tuple[dict[str, Any], str]:
+def tolerant_limits(reference: RunRecord, tolerances: Tolerances | None = None) -> tuple[dict[str, Any], str]:
     """Per-metric tolerant-lane limits: K x envelope + floor where the reference has an envelope, else fixed."""
     dtype = str(reference.config.get("dtype", "fp32"))
     fixed = tolerances or DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["bf16"])
@@ -360,7 +360,7 @@ def compare_training(
 
     ``tolerances`` replaces the envelope and the fixed limits with explicit ones."""
     chosen, reason = choose_lane(reference, run, lane)
-    limits, source = _limits(reference, tolerances)
+    limits, source = tolerant_limits(reference, tolerances)
     findings: list[Finding] = []
     margins: dict[str, float] = {}
     step0, margins["step0_grad"] = _step0_grads(reference, run, chosen, limits["step0_grad"])

@@ -94,6 +94,8 @@ class RankContext:
     teardown_hooks: list[Callable[[], None]] = field(default_factory=list)  # after results are delivered
     cleanup_hooks: list[Callable[[], None]] = field(default_factory=list)  # undo installed faults
     progress_path: Path | None = None
+    watch: dict[str, Any] = field(default_factory=dict)  # --gpuregress-fail-fast: the reference, per step
+    stopped: dict[str, Any] | None = None  # the step fail-fast stopped at, and why
 
     @property
     def device(self) -> str:
@@ -105,11 +107,19 @@ class RankContext:
             with open(self.progress_path, "a") as fh:
                 fh.write(label + "\n")
 
-    def step_done(self, step: int) -> None:
-        """Call after each completed step: records progress and lets injected faults fire."""
-        self.progress(f"step {step} done")
+    def step_done(self, step: int, **values: float) -> bool:
+        """Call after each completed step: records progress and lets injected faults fire.
+
+        ``values``: the step's global metrics (loss, grad_norm). Returns True when the run should
+        stop here, because --gpuregress-fail-fast found them outside the reference's tolerance."""
+        self.progress(f"step {step} done" + "".join(f", {k} {v:.6g}" for k, v in values.items()))
         for hook in self.step_hooks:
             hook(self.rank, step)
+        if self.watch and self.stopped is None:
+            from ..reference.failfast import first_miss
+
+            self.stopped = first_miss(self.watch, step, values)
+        return self.stopped is not None
 
 
 class Scenario:

@@ -100,7 +100,8 @@ def run(ctx: RankContext) -> RunRecord:
         grad_norms.append(float(total.double()))
         param_norms[step] = stats[1:].sqrt().numpy()
         step_times.append(time.perf_counter() - t0)
-        ctx.step_done(step)
+        if ctx.step_done(step, loss=losses[-1], grad_norm=grad_norms[-1]):
+            break
 
     digests = {}
     for name, p in zip(names, params):
@@ -112,7 +113,7 @@ def run(ctx: RankContext) -> RunRecord:
         world_size=ctx.world_size,
         series={"loss": losses, "grad_norm": grad_norms},
         param_names=names,
-        arrays={"param_grad_norm": param_norms, **step0},
+        arrays={"param_grad_norm": param_norms[: len(losses)], **step0},
         digests=digests,
         timings={
             "train_s": float(sum(step_times)),

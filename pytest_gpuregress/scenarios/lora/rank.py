@@ -98,7 +98,8 @@ def run(ctx: RankContext) -> RunRecord:
         losses.append(float(stats[0]) / ctx.world_size)
         param_norms[step] = stats[1:].sqrt().numpy()
         step_times.append(time.perf_counter() - t0)
-        ctx.step_done(step)
+        if ctx.step_done(step, loss=losses[-1], grad_norm=grad_norms[-1]):
+            break
 
     ctx.progress("lora checks")
     trained = {n: adapter_io.to_numpy(p) for n, p in zip(names, params)}  # every rank's slice, gathered
@@ -128,7 +129,7 @@ def run(ctx: RankContext) -> RunRecord:
         world_size=ctx.world_size,
         series={"loss": losses, "grad_norm": grad_norms},
         param_names=names,
-        arrays={"param_grad_norm": param_norms, **step0},
+        arrays={"param_grad_norm": param_norms[: len(losses)], **step0},
         digests=digests,
         results={"lora_checks": findings, "lora_checks_run": sorted(checks.CHECKS), "lora_measured": measured},
         timings={

@@ -1,0 +1,70 @@
+"""--gpuregress-fail-fast: compare each step with the reference while training, stop at the first miss.
+
+A 300-step run that went wrong at step 3 need not run 297 more. Before the launch, the session
+turns the stored reference into a ``watch`` (per step: the reference's loss and gradient norm,
+and the tolerant lane's limit for each); ranks check every step against it and stop together
+(the values are global, so every rank reaches the same decision without a collective). The
+record then carries only the steps that ran, and ``truncated_reference`` cuts the reference to
+the same steps, so the ordinary comparison reports the step, the metric and the deviation.
+
+Stopping uses the tolerant lane's limits even when the exact lane applies: a bitwise difference
+within tolerance is still reported by the comparison after the run, it just does not stop it.
+numpy only.
+"""
+
+from __future__ import annotations
+
+from copy import copy
+from typing import Any
+
+import numpy as np
+
+from .envelope import PREFIX as ENVELOPE_PREFIX
+from .envelope import rel
+from .record import RunRecord
+
+WATCHED = ("loss", "grad_norm")
+PER_STEP_ARRAYS = ("param_grad_norm",)
+
+
+def watch_from(reference: RunRecord, limits: dict[str, Any]) -> dict[str, Any]:
+    """What ranks need to judge each step: reference values and limits per watched metric (JSON-ready)."""
+    watch: dict[str, Any] = {}
+    for metric in WATCHED:
+        values = reference.series.get(metric)
+        if values:
+            watch[metric] = {"expected": [float(v) for v in values],
+                             "limit": [float(v) for v in np.broadcast_to(limits[metric], (len(values),))]}
+    return watch
+
+
+def first_miss(watch: dict[str, Any], step: int, values: dict[str, float]) -> dict[str, Any] | None:
+    """The first watched metric at ``step`` outside its limit, as a JSON-ready finding; None when all fit."""
+    for metric, got in values.items():
+        ref = watch.get(metric)
+        if ref is None or step >= len(ref["expected"]):
+            continue
+        expected, limit = ref["expected"][step], ref["limit"][step]
+        deviation = float(rel(np.asarray(got), np.asarray(expected)))
+        if not deviation <= limit:  # a NaN is a miss
+            return {"step": step, "metric": metric, "expected": expected, "got": float(got),
+                    "deviation": deviation, "limit": limit, "steps": len(ref["expected"])}
+    return None
+
+
+def describe(stop: dict[str, Any]) -> str:
+    return (f"fail-fast: stopped at step {stop['step']} of {stop['steps']}: {stop['metric']} expected "
+            f"{stop['expected']!r}, got {stop['got']!r} (rel {stop['deviation']:.3g} > tol {stop['limit']:.3g})")
+
+
+def truncated_reference(reference: RunRecord, steps: int) -> RunRecord:
+    """The reference cut to the first ``steps`` steps; final weights dropped (the run never reached them)."""
+    cut = copy(reference)
+    cut.series = {k: list(v[:steps]) for k, v in reference.series.items()}
+    cut.arrays = {}
+    for key, value in reference.arrays.items():
+        metric = key[len(ENVELOPE_PREFIX):] if key.startswith(ENVELOPE_PREFIX) else key
+        per_step = metric in WATCHED or metric in PER_STEP_ARRAYS
+        cut.arrays[key] = value[:steps] if per_step else value
+    cut.digests = {}
+    return cut

@@ -25,8 +25,29 @@ class Platform:
 
 
 def launched_by_torchrun() -> bool:
-    """RANK and WORLD_SIZE set by torchrun/srun, and not by our own spawner."""
+    """RANK and WORLD_SIZE set by torchrun (or taken from srun), and not by our own spawner."""
+    adopt_srun_environment()
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and not os.environ.get("GPUREGRESS_SPAWNED")
+
+
+def adopt_srun_environment(env: dict[str, str] | None = None) -> None:
+    """Under ``srun`` with several tasks, give each task torchrun's variables from Slurm's.
+
+    Only inside a job step (SLURM_STEP_NUM_TASKS is set by srun, not by the batch script), so a
+    plain ``pytest --gpuregress`` in an allocation still spawns its own ranks. The rendezvous
+    address is the user's: MASTER_ADDR and MASTER_PORT, as for torchrun's env:// init."""
+    env = os.environ if env is None else env
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1)
+    if tasks < 2 or "RANK" in env or "SLURM_PROCID" not in env or env.get("GPUREGRESS_SPAWNED"):
+        return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+    if missing:
+        raise UnsupportedPlatform(
+            f"under srun ({tasks} tasks) {' and '.join(missing)} must be set: export MASTER_ADDR to the first "
+            "node's address (e.g. $(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)) and MASTER_PORT "
+            "to a free port before srun, as for torchrun"
+        )
+    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=str(tasks), LOCAL_RANK=env.get("SLURM_LOCALID", "0"))
 
 
 def resolve_platform(device: str = "auto", world_size: int | None = None) -> Platform:

@@ -20,6 +20,7 @@ import pytest
 
 from pytest_gpuregress.errors import RankFailure
 from pytest_gpuregress.launch.job import Job
+from pytest_gpuregress.launch.pool import WorkerPool
 from pytest_gpuregress.launch.spawn import SpawnLauncher
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios import get_scenario
@@ -48,7 +49,7 @@ def same_bits(a: RunRecord, b: RunRecord) -> None:
 
 @pytest.fixture
 def pooled() -> Any:
-    launcher = SpawnLauncher(reuse=True)
+    launcher = SpawnLauncher(reuse=True, pool=WorkerPool())  # a pool of its own: nothing shared with other tests
     yield launcher
     launcher.close()
 

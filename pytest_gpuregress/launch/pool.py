@@ -6,7 +6,10 @@ from their stdin, one line per job, and answer through the job's run directory a
 ``released`` marker once the job's process group is torn down and the rank is ready for the next.
 
 The pool keeps groups per (world size, device, environment): a job whose environment differs
-(NCCL_PROTO, a triage switch) needs processes started with it. A group is used by one job at a
+(NCCL_PROTO, a triage switch) needs processes started with it. One pool serves the whole Python
+process (``shared_pool``), so pytest sessions run one after another in it (pytester's inline runs)
+reuse ranks too; each job carries its working directory, which the rank enters for the job, and
+modules imported from there are forgotten afterwards (worker.py). A group is used by one job at a
 time and reused only after a clean job: a rank that raised, died, hung or did not release is
 killed with its whole group, so the next test gets a fresh one. Between jobs each rank undoes its
 faults (``ctx.cleanup_hooks``) and reseeds everything (``set_determinism``), so a scenario gives the
@@ -19,6 +22,7 @@ also asks the kernel for SIGKILL when its parent dies (worker.py), for the SIGKI
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -172,3 +176,15 @@ class WorkerPool:
         while self.idle:
             _, group = self.idle.popitem(last=False)
             group.close()
+
+
+_shared: WorkerPool | None = None
+
+
+def shared_pool() -> WorkerPool:
+    """The process's pool: sessions come and go, ranks stay until the process exits."""
+    global _shared
+    if _shared is None:
+        _shared = WorkerPool()
+        atexit.register(_shared.close)
+    return _shared

@@ -26,7 +26,7 @@ from pathlib import Path
 from ..errors import RankFailure
 from ..reference.record import RunRecord
 from .job import Job, RankFiles
-from .pool import RankGroup, WorkerPool
+from .pool import RankGroup, WorkerPool, shared_pool
 
 POLL_S = 0.05
 # After the first rank fails, how long peers get to report their own error before being killed.
@@ -94,10 +94,13 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 class SpawnLauncher:
     """Runs a Job on ``world_size`` local ranks with a FileStore rendezvous, reusing ranks across jobs."""
 
-    def __init__(self, keep_dirs: bool = False, base_dir: Path | None = None, reuse: bool = True) -> None:
+    def __init__(self, keep_dirs: bool = False, base_dir: Path | None = None, reuse: bool = True,
+                 pool: WorkerPool | None = None) -> None:
+        """``reuse``: take ranks from ``pool``, by default the process's shared one (pool.py)."""
         self.keep_dirs = keep_dirs
         self.base_dir = base_dir
-        self.pool = WorkerPool(base_dir) if reuse else None
+        self.pool = (pool or shared_pool()) if reuse else None
+        self.owns_pool = pool is not None
         self.groups_started = 0
 
     def make_run_dir(self) -> Path:
@@ -106,8 +109,8 @@ class SpawnLauncher:
         return Path(tempfile.mkdtemp(prefix="gpuregress-run-", dir=self.base_dir))
 
     def close(self) -> None:
-        """Stop the pooled ranks (end of the session)."""
-        if self.pool is not None:
+        """Stop the pooled ranks of a pool of its own (the shared pool lives until the process exits)."""
+        if self.pool is not None and self.owns_pool:
             self.pool.close()
 
     def _group_for(self, job: Job) -> RankGroup:
@@ -123,6 +126,7 @@ class SpawnLauncher:
         run_dir = Path(job.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         job_path = run_dir / "job.json"
+        job.cwd = job.cwd or os.getcwd()
         job.save(job_path)
         group = self._group_for(job)
         started = time.monotonic()

@@ -184,11 +184,42 @@ class _JobStdio:
             os.close(saved)
 
 
+class _JobDirectory:
+    """Work in the launcher's directory for one job, and forget the modules imported from it.
+
+    A user's scenario module (``user_scenario:train``) is imported from the launcher's working
+    directory; the next job may come from another directory with a module of the same name."""
+
+    def __init__(self, cwd: str) -> None:
+        self.cwd = cwd
+
+    def __enter__(self) -> _JobDirectory:
+        self.previous = os.getcwd()
+        self.modules = set(sys.modules)
+        if self.cwd:
+            os.chdir(self.cwd)
+            sys.path.insert(0, self.cwd)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.cwd:
+            return
+        root = os.path.join(os.path.realpath(self.cwd), "")
+        installed = tuple(os.path.join(os.path.realpath(p), "") for p in {sys.prefix, sys.base_prefix})
+        for name in set(sys.modules) - self.modules:
+            where = os.path.realpath(getattr(sys.modules[name], "__file__", None) or "")
+            # Installed packages stay (torch cannot be imported twice), even with a venv inside the directory.
+            if where.startswith(root) and not where.startswith(installed) and not name.startswith("pytest_gpuregress"):
+                del sys.modules[name]
+        sys.path.remove(self.cwd)
+        os.chdir(self.previous)
+
+
 def serve_job(job_path: Path, rank: int) -> int:
     """Run one job as ``rank``; return 0 when this rank may serve another."""
     job = Job.load(job_path)
     files = RankFiles(Path(job.run_dir), rank)
-    with _JobStdio(files):
+    with _JobStdio(files), _JobDirectory(job.cwd):
         try:
             run_rank(job, rank)
             _teardown(job)
@@ -215,6 +246,8 @@ def _release_device_memory(job: Job) -> None:
 
 def serve(rank: int) -> None:
     _die_with_parent()
+    if sys.path and sys.path[0] == os.getcwd():  # `python -m` put the start-up directory first; jobs bring theirs
+        sys.path.pop(0)
     faulthandler.enable(file=sys.stderr)
     code = 0
     for line in sys.stdin:

@@ -14,7 +14,7 @@ from typing import Any
 from . import FaultSpec
 
 # dist function -> (op family, keyword of the output argument, which is always the first)
-_COLLECTIVES: dict[str, tuple[str, str]] = {
+COLLECTIVES: dict[str, tuple[str, str]] = {
     "all_reduce": ("all_reduce", "tensor"),
     "reduce_scatter_single": ("reduce_scatter", "output"),
     "reduce_scatter_tensor": ("reduce_scatter", "output"),
@@ -31,9 +31,9 @@ _COLLECTIVES: dict[str, tuple[str, str]] = {
 _local = threading.local()
 
 
-def _nbytes(value: Any) -> int:
+def nbytes(value: Any) -> int:
     if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
+        return sum(nbytes(v) for v in value)
     return int(value.numel() * value.element_size()) if hasattr(value, "numel") else 0
 
 
@@ -56,7 +56,7 @@ class CollectiveFault:
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
-        self.ops = spec.get("op") or frozenset(_family for _family, _ in _COLLECTIVES.values())
+        self.ops = spec.get("op") or frozenset(_family for _family, _ in COLLECTIVES.values())
         self.min_bytes = spec.get("min_bytes", 0.0)
         self.max_bytes = spec.get("max_bytes", float("inf"))
         self.dtype = spec.get("dtype")  # a torch dtype name: the spec parser mapped bf16 to bfloat16
@@ -129,7 +129,7 @@ class CollectiveFault:
 def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[], None]:
     """Wrap ``dist.<name>``; return the undo (ranks outlive a launch, so no patch may outlive it)."""
     original = getattr(dist, name)
-    family, out_key = _COLLECTIVES[name]
+    family, out_key = COLLECTIVES[name]
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if getattr(_local, "inside", False):  # one collective implemented through another
@@ -137,7 +137,7 @@ def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[
         _local.inside = True
         try:
             out = kwargs.get(out_key, args[0] if args else None)
-            size = max(_nbytes(out), _nbytes(args[1] if len(args) > 1 else kwargs.get("input", None)))
+            size = max(nbytes(out), nbytes(args[1] if len(args) > 1 else kwargs.get("input", None)))
             work = original(*args, **kwargs)
             if kwargs.get("async_op") and work is not None:
                 work.wait()
@@ -155,7 +155,7 @@ def install(spec: FaultSpec, ctx: Any) -> None:
     import torch.distributed as dist
 
     fault = CollectiveFault(spec, ctx.rank, ctx.world_size)
-    for name in _COLLECTIVES:
+    for name in COLLECTIVES:
         if hasattr(dist, name):
             ctx.cleanup_hooks.append(_wrap_collective(dist, name, fault))
 

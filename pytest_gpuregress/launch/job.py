@@ -9,6 +9,7 @@ run directory:
   rank<r>.released    written after teardown: the rank is ready for its next job (launch/pool.py)
   rank<r>.error.json  the exception and traceback, when the scenario raised
   rank<r>.stack       Python stacks of all threads, dumped on SIGUSR1 when the launcher times out
+  rank<r>.flight      the collective the rank is in or last left (flight.py), for hang diagnosis
   rank<r>.log         the rank's stdout and stderr
 All of it is plain text or JSON: nothing that crosses a process boundary is pickled.
 """
@@ -77,6 +78,10 @@ class RankFiles:
     @property
     def stack(self) -> Path:
         return self.run_dir / f"rank{self.rank}.stack"
+
+    @property
+    def flight(self) -> Path:
+        return self.run_dir / f"rank{self.rank}.flight"
 
     @property
     def log(self) -> Path:

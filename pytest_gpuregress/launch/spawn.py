@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..errors import RankFailure
 from ..reference.record import RunRecord
+from . import flight
 from .job import Job, RankFiles
 from .pool import RankGroup, WorkerPool, shared_pool
 
@@ -224,6 +225,11 @@ class SpawnLauncher:
         )
         if hung:
             head += f" (time limit {wall_timeout_s:.0f}s, --gpuregress-timeout)"
+            run_dir = Path(job.run_dir)
+            states = {o.rank: flight.read(RankFiles(run_dir, o.rank).flight, o.rank) for o in outcomes}
+            waits = flight.diagnose(states, {o.rank: o.last_progress for o in outcomes})
+            if waits:
+                head += f"\n{waits}"
         # The root cause first: a rank that raised or died, before peers that only noticed it.
         order = {"raised": 0, "died": 1, "hung": 2, "stopped": 3}
         body = "\n\n".join(o.describe() for o in sorted(failed, key=lambda o: (order[o.status], o.rank)))

@@ -85,6 +85,7 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
     from ..scenarios.base import RankContext
     from ..stack.determinism import set_determinism
     from ..stack.fingerprint import collect
+    from . import flight
     from .net import listening_addresses
 
     files = RankFiles(Path(job.run_dir), rank)
@@ -101,6 +102,7 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
     )
     ctx.progress("start")
     installed = faults.install(job.faults, ctx)
+    flight.install(files.flight, ctx.cleanup_hooks)  # after the faults: it sees the calls the scenario makes
     run_scenario = resolve_entry(job.scenario)
     switches = set_determinism(int(job.config.get("seed", 0)), device_kind=job.device_kind)
     if init_group:

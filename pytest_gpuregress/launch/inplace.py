@@ -6,21 +6,36 @@ safetensors bytes, in uint8 tensors: never pickled, so ``all_gather_object`` is 
 are per-rank (a rank's step-0 gradient shard), and small: step-0 gradients of large tensors are
 block summaries (reference/step0.py). Every rank then compares, so every rank reaches the same
 verdict; only rank 0 writes references.
+
+As safe as spawned ranks: faults are installed per launch and undone after it (cleanup hooks);
+a rank that raises tells its peers through torchrun's store, then tears its process group down,
+so peers blocked in a collective fail at once with that rank's error, not at the group timeout;
+and ``--gpuregress-timeout`` holds: past it, a rank prints where it is (its progress, its
+collective, every thread's stack) and exits, and torchrun stops the others.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import sys
 import tempfile
+import threading
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..errors import RankFailure
 from ..reference.record import RunRecord
-from .job import Job
+from . import flight
+from .job import Job, RankFiles
 from .spawn import LaunchResult, RankOutcome
+
+EXIT_TIMEOUT = 124
 
 
 def _gather_json(payload: dict[str, Any], device: str) -> list[dict[str, Any]]:
@@ -55,9 +70,12 @@ def _gather_bytes(payload: bytes, device: str) -> list[bytes]:
 class InPlaceLauncher:
     """Runs a Job in this process, which torchrun already made one rank of the job."""
 
-    def __init__(self) -> None:
+    def __init__(self, uncapture: Callable[[], None] = lambda: None) -> None:
+        """``uncapture``: stop pytest capturing stderr, so a rank's last words reach the console."""
+        self.uncapture = uncapture
         self.rank = int(os.environ["RANK"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.launches = 0  # every rank runs the same launches in the same order: a shared key for each
 
     @property
     def is_writer(self) -> bool:
@@ -77,9 +95,20 @@ class InPlaceLauncher:
         started = time.monotonic()
         if not dist.is_initialized():
             _init_process_group(job, self.rank, self.local_rank)
-        record, ctx = execute_rank(job, self.rank, self.local_rank, init_group=False)
-        everyone = _gather_json(record.to_json(), ctx.device)
-        arrays = _gather_arrays(record.arrays, ctx.device)
+        self.launches += 1
+        failure_key = f"gpuregress/launch-{self.launches}/failed"
+        store = dist.distributed_c10d._get_default_store()
+        watchdog = threading.Timer(wall_timeout_s, _time_out, (job, self.rank, wall_timeout_s, self.uncapture))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            record, ctx = execute_rank(job, self.rank, self.local_rank, init_group=False)
+            everyone = _gather_json(record.to_json(), ctx.device)
+            arrays = _gather_arrays(record.arrays, ctx.device)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn which rank failed first
+            raise _fail_together(store, failure_key, self.rank, exc) from None
+        finally:
+            watchdog.cancel()
         records = []
         for rank, data in enumerate(everyone):
             if rank == self.rank:
@@ -91,3 +120,43 @@ class InPlaceLauncher:
         outcomes = [RankOutcome(rank=r, status="delivered", returncode=None, last_progress=None)
                     for r in range(job.world_size)]
         return LaunchResult(records=records, outcomes=outcomes, wall_s=time.monotonic() - started)
+
+
+def _fail_together(store: object, key: str, rank: int, exc: BaseException) -> RankFailure:
+    """The first rank to fail posts its error and drops its connections; the others report that error."""
+    import torch.distributed as dist
+
+    first = None
+    try:
+        if store.check([key]):  # type: ignore[attr-defined]
+            first = json.loads(store.get(key).decode())  # type: ignore[attr-defined]
+        else:
+            store.set(key, json.dumps({"rank": rank, "type": type(exc).__name__, "message": str(exc),  # type: ignore[attr-defined]
+                                       "traceback": "".join(traceback.format_exception(exc))}))
+    except Exception:  # noqa: BLE001 - the store is gone too: report this rank's own error
+        first = None
+    if dist.is_initialized():
+        dist.destroy_process_group()  # peers blocked in a collective with this rank fail now; the next launch re-inits
+    if first is None or first["rank"] == rank:
+        return RankFailure(f"rank {rank} raised {type(exc).__name__} (in place under torchrun)\n"
+                           + "".join(traceback.format_exception(exc)))
+    return RankFailure(f"rank {first['rank']} raised {first['type']}: {first['message']} (in place under torchrun; "
+                       f"rank {rank} stopped with {type(exc).__name__} as a consequence)\n{first['traceback']}")
+
+
+def _time_out(job: Job, rank: int, limit_s: float, uncapture: Callable[[], None]) -> None:
+    """Past --gpuregress-timeout in place: say where this rank is, with its stacks, and leave."""
+    try:
+        uncapture()
+    except Exception:  # noqa: BLE001 - leaving matters more than the console
+        pass
+    files = RankFiles(Path(job.run_dir), rank)
+    state = flight.read(files.flight, rank)
+    where = (f"in {state.label}" if state.inside else f"outside any collective (last: {state.label})") if state \
+        else "before any collective"
+    print(f"gpuregress: rank {rank} still running {job.scenario!r} at the time limit ({limit_s:.0f}s, "
+          f"--gpuregress-timeout): last progress {files.last_progress() or 'none'}, {where}. Its stacks follow; "
+          "it exits so that torchrun stops every rank.", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(EXIT_TIMEOUT)

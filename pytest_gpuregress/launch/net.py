@@ -85,3 +85,9 @@ def is_loopback(address: str) -> bool:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return ip.is_loopback
+
+
+def exposed_addresses() -> list[str]:
+    """Non-loopback addresses this process and its parent (torchrun's agent, which hosts the store) listen on."""
+    found = {a for pid in (os.getpid(), os.getppid()) for a in listening_addresses(pid) if not is_loopback(a)}
+    return sorted(found)

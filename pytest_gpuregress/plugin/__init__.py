@@ -107,6 +107,9 @@ class _LateConfigure:
         except BadFaultSpec as exc:
             raise pytest.UsageError(f"--gpuregress-inject: {exc}") from None
         config.stash[SESSION_KEY] = session
+        capture = config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:
+            session.uncapture = lambda: capture.suspend_global_capture(in_=False)
         for mark in sorted({m for _, case in session.all_cases() for m in case.marks}):
             config.addinivalue_line("markers", f"{mark}: a mark of a gpuregress scenario case")
 
@@ -129,6 +132,16 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     )
     if options.inject:
         lines.append(f"gpuregress faults injected: {'; '.join(options.inject)}")
+    if plat.in_place:
+        from ..launch.net import exposed_addresses
+
+        exposed = exposed_addresses()
+        if exposed:
+            lines.append(
+                f"gpuregress WARNING: this rank and its torchrun agent listen beyond loopback on {', '.join(exposed)}: "
+                "on one machine bind the store with --rdzv-endpoint=127.0.0.1:PORT (static: --master-addr=127.0.0.1), "
+                "across machines choose the interface with --local-addr"
+            )
     for scenario in registry().values():
         lines += scenario.header(session.setup)
     return lines

@@ -63,6 +63,7 @@ class GpuRegressSession:
         # scenario -> launch key -> merged record, or the launch's failure message
         self.launched: dict[str, dict[str, RunRecord | RankFailure]] = {}
         self.watches: dict[tuple[str, str], dict[str, Any]] = {}  # (scenario, launch) -> fail-fast reference
+        self.uncapture: Callable[[], None] = lambda: None  # the plugin stops pytest's output capture with it
         self.saved: dict[tuple[str, str], Path] = {}
         self._recorded: dict[Path, RunRecord] = {}
         self._launcher: Any = None
@@ -127,7 +128,7 @@ class GpuRegressSession:
             if self.platform.in_place:
                 from ..launch.inplace import InPlaceLauncher
 
-                self._launcher = InPlaceLauncher()
+                self._launcher = InPlaceLauncher(self.uncapture)
             else:
                 from ..launch.spawn import SpawnLauncher
 
@@ -232,10 +233,12 @@ class GpuRegressSession:
     def _save_artifacts(self, sc: Scenario, key: str, record: RunRecord) -> None:
         if self.output_dir is None or sc.kind != "check":
             return
+        for part, what in ((sc.name, "scenario name"), (record.platform_key, "platform key"), (key, f"launch key of {sc.name!r}")):
+            safe_component(part, what)
         target = self.output_dir / sc.name / record.platform_key / key.replace("+", "_")
         record.save(target)
         for name, text in sc.artifacts(key, record, self.setup).items():
-            (target / name).write_text(text)
+            (target / safe_component(name, f"artifact name of {sc.name!r}")).write_text(text)
         self.saved[(sc.name, key)] = target
 
     def triage(self, sc: Scenario, reference: RunRecord, comparison: Comparison) -> tuple[str | None, list[str]]:

@@ -1,0 +1,56 @@
+"""Under torchrun the ranks are pytest processes: a raising or hung rank must not stall the others.
+
+Two torchrun agents (one rank each) rendezvous on 127.0.0.1 with gloo, as two nodes would.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def two_agents(tmp_path: Path, *pytest_args: str, timeout: float = 240) -> tuple[list[str], float]:
+    """Run pytest under two single-rank torchrun agents; return each agent's output and the wall time."""
+    port = free_port()
+    procs = []
+    started = time.monotonic()
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+               f"--node-rank={node}", "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
+               "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "-k", "fsdp and not triage",
+               "--gpuregress-steps=4", f"--gpuregress-reference-dir={tmp_path / 'refs'}", *pytest_args]
+        procs.append(subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return outputs, time.monotonic() - started
+
+
+def test_a_rank_that_raises_fails_its_peers_at_once_with_its_error(tmp_path: Path) -> None:
+    outputs, wall = two_agents(tmp_path, "--gpuregress-inject=crash:rank=1,step=1", "--gpuregress-timeout=300")
+    assert "listen beyond loopback" in outputs[0]  # torchrun's store binds every interface: the header says so
+    for out in outputs:  # both ranks report rank 1's error, not a transport error or a timeout
+        assert "rank 1 raised RuntimeError" in out, out[-3000:]
+        assert "injected crash" in out, out[-3000:]
+        assert "1 failed" in out, out[-3000:]
+    assert wall < 120, wall  # the group timeout would be 360 s
+
+
+def test_a_hung_rank_ends_the_run_at_the_timeout_with_where_it_was(tmp_path: Path) -> None:
+    outputs, wall = two_agents(tmp_path, "--gpuregress-inject=hang:rank=1,step=1", "--gpuregress-timeout=20")
+    joined = "\n".join(outputs)
+    assert "at the time limit (20s, --gpuregress-timeout)" in joined, joined[-4000:]
+    assert "rank 1 still running" in joined and "outside any collective" in joined, joined[-4000:]
+    assert 'faults/process.py", line' in joined  # the hung rank's own stack
+    assert wall < 20 + 90, wall

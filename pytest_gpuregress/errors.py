@@ -58,3 +58,7 @@ class RegressionFailure(AssertionError):
 
 class NotApplicable(GpuRegressError):
     """What was asked cannot apply on this platform or launch mode; a test that needs it is skipped."""
+
+
+class UnsafeName(GpuRegressError):
+    """A name that would become a folder or file name could leave its directory or hide in it."""

@@ -18,6 +18,7 @@ from ..faults import check_ranks
 from ..launch.job import Job
 from ..reference import envelope, failfast, store
 from ..reference.compare import Comparison, compare_training, tolerant_limits
+from ..reference.names import safe_component
 from ..reference.record import RunRecord
 from ..reference.report import format_comparison, format_margins
 from ..resources import shipped_dir
@@ -109,6 +110,7 @@ class GpuRegressSession:
         return shlex.join(parts)
 
     def location(self, name: str, platform_key: str, *, for_writing: bool = False) -> store.ReferenceLocation:
+        store.check_names(name, platform_key)  # a name or dtype such as '../x' must not leave the reference dir
         hint = self.record_hint(name)
         user = store.ReferenceLocation(self.user_reference_root, name, platform_key, hint)
         # An explicit --gpuregress-reference-dir means that directory only; the shipped

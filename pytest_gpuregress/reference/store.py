@@ -2,20 +2,27 @@
 
 Each reference is record.json + tensors.safetensors (see record.py) and a manifest.json holding
 the sha256 of both, the store format and when and with what it was recorded. Writes go to a
-staging directory that is swapped in whole, and an existing reference is only replaced when the
-caller says so (the ``--gpuregress-record`` flag).
+staging directory that is swapped in whole (atomic.replace_dir), and an existing reference is only
+replaced when the caller says so (the ``--gpuregress-record`` flag).
+
+Crash safety: a write holds a lock on the scenario folder, first puts back an old reference that a
+crash left moved aside (``.<key>.old-*`` with no ``<key>``), then deletes the leftovers of
+interrupted writes of that reference. A read ignores leftovers, and puts back a moved-aside
+reference too, with a warning. Scenario names and platform keys must pass names.safe_component.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptReference, ForeignReference, MissingReference, ReferenceExists
 from . import atomic
+from .names import safe_component
 from .record import RECORD_JSON, TENSORS_FILE, RunRecord, read_json
 
 MANIFEST = "manifest.json"
@@ -36,13 +43,30 @@ class ReferenceLocation:
         return self.root / self.scenario / self.platform_key
 
 
+def check_names(scenario: str, platform_key: str) -> None:
+    """Refuse a reference name or platform key that would leave the reference root or hide in it."""
+    safe_component(scenario, "reference name (the name= given to gpuregress.check(), else the scenario's name)")
+    safe_component(platform_key, "platform key (device, backend, world size and the scenario's platform tag, "
+                                 "e.g. its dtype)")
+
+
 def write_reference(loc: ReferenceLocation, record: RunRecord, *, overwrite: bool) -> Path:
     """Atomically store ``record``; refuse to replace an existing reference unless ``overwrite``."""
+    check_names(loc.scenario, loc.platform_key)
     target = loc.path
-    if (target / MANIFEST).exists() and not overwrite:
-        raise ReferenceExists(
-            target, "a reference is already stored here", "pass --gpuregress-record to replace it on purpose"
-        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with atomic.locked(target.parent):  # a live writer's staging folder is not a leftover
+        _restore_moved_aside(loc)  # before the overwrite check: a moved-aside reference still counts
+        if (target / MANIFEST).exists() and not overwrite:
+            raise ReferenceExists(
+                target, "a reference is already stored here", "pass --gpuregress-record to replace it on purpose"
+            )
+        atomic.remove_leftovers(target)
+        _write_staged(target, record)
+    return target
+
+
+def _write_staged(target: Path, record: RunRecord) -> None:
     staged = atomic.staging_dir_for(target)
     try:
         files = record.save(staged)
@@ -58,12 +82,33 @@ def write_reference(loc: ReferenceLocation, record: RunRecord, *, overwrite: boo
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    return target
+
+
+def _restore_moved_aside(loc: ReferenceLocation) -> None:
+    """Put back the reference a crash between two renames left at ``.<key>.old-*``; say so."""
+    target = loc.path
+    try:
+        restored_from = atomic.restore_orphan(target)
+    except OSError as exc:
+        raise MissingReference(
+            target,
+            f"an interrupted recording moved this reference aside and it could not be put back ({exc})",
+            f"rename the newest {target.parent / ('.' + target.name + atomic.OLD)}* folder to {target.name}",
+        ) from exc
+    if restored_from is not None:
+        warnings.warn(f"gpuregress: {target}: put back the reference an interrupted recording had moved aside "
+                      f"to {restored_from.name}", RuntimeWarning, stacklevel=3)
 
 
 def read_reference(loc: ReferenceLocation) -> RunRecord:
-    """Load and verify a reference. Raises MissingReference or CorruptReference naming the file."""
+    """Load and verify a reference. Raises MissingReference or CorruptReference naming the file.
+
+    Names are not checked here: ``gpuregress show DIR`` reads whatever folder it is pointed at.
+    The plugin checks them where it builds a location (check_names)."""
     target = loc.path
+    if not target.exists() and target.parent.is_dir():
+        with atomic.locked(target.parent):  # waits out a live writer between its two renames
+            _restore_moved_aside(loc)
     manifest_path = target / MANIFEST
     if not manifest_path.exists():
         what = "no reference recorded" if not target.exists() else "directory has no manifest.json"

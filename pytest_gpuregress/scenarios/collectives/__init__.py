@@ -12,6 +12,7 @@ from typing import Any
 
 from ...faults import emulated_ops
 from ...plugin.options import OptionSpec
+from ...reference.names import safe_component
 from ...reference.record import RunRecord
 from ..base import Case, CheckScenario, Launch, Setup
 from . import plan
@@ -66,7 +67,8 @@ class CollectivesScenario(CheckScenario):
         groups = self.groups(setup)
         repeats = setup.option("collectives-repeats")
         return [
-            Launch(protocol, {"cases": [c.data for c in cases if c.launch == protocol], "repeats": repeats}, env)
+            Launch(safe_component(protocol, "NCCL protocol group (from --gpuregress-nccl-protos and --gpuregress-nccl-algos)"),
+                   {"cases": [c.data for c in cases if c.launch == protocol], "repeats": repeats}, env)
             for protocol, env in groups.items()
             if any(c.launch == protocol for c in cases)
         ]

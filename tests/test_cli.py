@@ -58,3 +58,13 @@ def test_scenarios_lists_the_registry(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["scenarios"]) == 0
     rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()}
     assert rows["fsdp"] == "training" and rows["collectives"] == "check"
+
+
+def test_plot_draws_the_comparison_of_two_stored_records(two_refs: tuple[Path, Path], tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "cmp.png"
+    assert main(["plot", str(two_refs[0]), str(two_refs[1]), "-o", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG" and f"plot: {out}" in capsys.readouterr().out
+    assert main(["plot", str(two_refs[0]), "-o", str(tmp_path / "ref.png")]) == 0  # a reference alone
+    assert (tmp_path / "ref.png").is_file()

@@ -7,9 +7,11 @@ step, tensor, component, rank or file.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,47 @@ def test_recorded_reference_passes_in_the_exact_lane_every_time(pytester: pytest
         result = run(pytester, refs)
         result.assert_outcomes(passed=1)
         result.stdout.fnmatch_lines(["fsdp cpu-gloo-w2-fp32: PASSED [[]exact lane[]] 8 steps*"])
+
+
+def test_a_failed_run_is_kept_plotted_reported_and_reproducible(pytester: pytest.Pytester, refs: Path,
+                                                                 tmp_path: Path) -> None:
+    artifacts = tmp_path / "artifacts"
+    junit = tmp_path / "junit.xml"
+    result = run(pytester, refs, "--gpuregress-inject=lr_scale:factor=1.01", f"--gpuregress-artifacts={artifacts}",
+                 f"--junitxml={junit}")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    kept = artifacts / "fsdp" / "cpu-gloo-w2-fp32"
+    assert f"gpuregress artifacts: {artifacts}" in out  # named in the header, for CI to upload
+    assert f"this run's record: {kept}" in out
+    command = f"gpuregress compare {refs / 'fsdp' / 'cpu-gloo-w2-fp32'} {kept}"
+    assert f"reproduce the comparison: {command}" in out
+    assert f"reproduce fsdp: {command}" in out  # under the summary table too
+    result.stdout.fnmatch_lines(["scenario*platform*lane*verdict*worst/tol*seconds",
+                                 "fsdp*cpu-gloo-w2-fp32*exact*FAILED*x*"])
+    plot = artifacts / "fsdp" / "cpu-gloo-w2-fp32.png"
+    if importlib.util.find_spec("matplotlib"):
+        assert f"plot: {plot}" in out and plot.read_bytes()[:4] == b"\x89PNG"
+    else:
+        assert "pytest-gpuregress[plots]" in out
+    # The printed command reproduces the same first finding from the kept files.
+
+    first = next(line for line in out.splitlines() if "] loss: first differing step" in line).split("] ", 1)[1]
+    reproduced = subprocess.run([sys.executable, "-c", "import sys; from pytest_gpuregress.cli import main; "
+                                 "sys.exit(main(sys.argv[1:]))", *command.split()[1:]], capture_output=True, text=True)
+    assert reproduced.returncode == 1 and first in reproduced.stdout, reproduced.stdout[-2000:]
+    properties = {p.get("name"): p.get("value") for p in ET.parse(junit).iter("property")}
+    assert properties["lane"] == "exact" and properties["platform_key"] == "cpu-gloo-w2-fp32"
+    assert properties["first_differing_step"] == "1" and float(properties["worst_over_tolerance"]) > 1
+    assert float(properties["seconds"]) > 0
+
+
+def test_a_passed_run_leaves_no_record_unless_asked(pytester: pytest.Pytester, refs: Path, tmp_path: Path) -> None:
+    artifacts = tmp_path / "artifacts"
+    run(pytester, refs, f"--gpuregress-artifacts={artifacts}").assert_outcomes(passed=1)
+    assert not (artifacts / "fsdp").exists()
+    run(pytester, refs, f"--gpuregress-artifacts={artifacts}", "--gpuregress-keep-runs").assert_outcomes(passed=1)
+    assert (artifacts / "fsdp" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
 
 
 def test_fail_fast_stops_at_the_first_step_outside_tolerance(pytester: pytest.Pytester, refs: Path) -> None:

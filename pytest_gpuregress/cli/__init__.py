@@ -5,6 +5,7 @@
     gpuregress compare REF RUN          compare two stored references or records, as the plugin would
     gpuregress scenarios                the installed scenarios: built-in and from other packages
     gpuregress inspect-fp8 FILE         do a safetensors file's fp8/fp4 codes match their tags and scales?
+    gpuregress plot REF [RUN]           the comparison plot of a reference and a run (needs [plots])
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from ..reference.compare import compare_training
 from ..reference.record import RunRecord
 from ..reference.report import format_comparison
 from ..reference.store import MANIFEST, ReferenceLocation, read_reference
-from . import inspect_fp8
+from . import inspect_fp8, plot
 
 
-def _load(path: Path) -> RunRecord:
+def load_record(path: Path) -> RunRecord:
     """A reference directory (verified against its manifest) or a bare record directory."""
     if (path / MANIFEST).exists():
         return read_reference(ReferenceLocation(path.parent.parent, path.parent.name, path.name))
@@ -39,7 +40,7 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    record = _load(Path(args.path))
+    record = load_record(Path(args.path))
     loss = record.series.get("loss", [])
     versions = record.fingerprint.get("versions", {})
     print(f"scenario:  {record.scenario}")
@@ -52,7 +53,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    reference, run = _load(Path(args.reference)), _load(Path(args.run))
+    reference, run = load_record(Path(args.reference)), load_record(Path(args.run))
     comparison = compare_training(reference, run, lane=args.lane)
     if comparison.passed:
         print(f"same within the {comparison.lane} lane ({comparison.lane_reason})")
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = sub.add_parser("scenarios", help="list the installed scenarios")
     scenarios.set_defaults(func=_scenarios)
     inspect_fp8.add_parser(sub)
+    plot.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from .job import Job, RankFiles
 from .pool import RankGroup, WorkerPool, shared_pool
 
 POLL_S = 0.05
+PROGRESS_EVERY_S = 1.0  # the launcher's side of "at most once a second"; the plugin may show fewer
 # After the first rank fails, how long peers get to report their own error before being killed.
 FAILURE_GRACE_S = 3.0
 # After every rank has delivered, how long teardown may take before the stragglers are killed.
@@ -76,6 +79,21 @@ class LaunchResult:
     wall_s: float = 0.0
 
 
+def scenario_label(entry: str) -> str:
+    """'pytest_gpuregress.scenarios.fsdp.rank:run' as 'fsdp'; 'user_scenario:train' as 'user_scenario'."""
+    parts = entry.split(":")[0].split(".")
+    return parts[-2] if len(parts) > 1 and parts[-1] == "rank" else parts[-1]
+
+
+def describe_progress(line: str, job: Job) -> str:
+    """'step 56 done, loss 3.2' as 'step 57 of 300, loss 3.2'; other phases as they are."""
+    match = re.fullmatch(r"step (\d+) done(.*)", line)
+    steps = job.config.get("steps")
+    if match is None or not steps:
+        return line
+    return f"step {int(match.group(1)) + 1} of {steps}{match.group(2)}"
+
+
 def _main_thread_stack(dump: str | None) -> str | None:
     if not dump:
         return None
@@ -103,6 +121,7 @@ class SpawnLauncher:
         self.pool = (pool or shared_pool()) if reuse else None
         self.owns_pool = pool is not None
         self.groups_started = 0
+        self.on_progress: Callable[[str], None] | None = None  # rank 0's progress lines, while a job runs
 
     def make_run_dir(self) -> Path:
         if self.base_dir is not None:
@@ -162,8 +181,11 @@ class SpawnLauncher:
         first_failure: float | None = None
         all_delivered_at: float | None = None
         timed_out = False
+        shown, next_show = None, time.monotonic() + PROGRESS_EVERY_S
         while True:
             now = time.monotonic()
+            if self.on_progress is not None and now >= next_show:
+                shown, next_show = self._show_progress(job, files[0], shown), now + PROGRESS_EVERY_S
             codes = [p.poll() for p in procs]
             delivered = [f.done.exists() for f in files]
             if all(c is not None or f.released.exists() for c, f in zip(codes, files)):
@@ -214,6 +236,12 @@ class SpawnLauncher:
             outcome.log_tail = _tail(f.log) or _tail(group.startup_log(rank))
             outcomes.append(outcome)
         return outcomes, notes
+
+    def _show_progress(self, job: Job, files: RankFiles, shown: str | None) -> str | None:
+        line = files.last_progress()
+        if line and line != shown and self.on_progress is not None:
+            self.on_progress(f"{scenario_label(job.scenario)}: {describe_progress(line, job)}")
+        return line
 
     def _failure_message(
         self, job: Job, outcomes: list[RankOutcome], failed: list[RankOutcome], wall_timeout_s: float

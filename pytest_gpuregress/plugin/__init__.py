@@ -7,6 +7,9 @@ the registry (``pytest_gpuregress.scenarios``); nothing here names one.
 
 from __future__ import annotations
 
+import base64
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +87,80 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
     pytest.fail(message, pytrace=False)  # outside the except block: no chained traceback
 
 
+# The key figures of a test, attached as JUnit properties (record_property's mechanism).
+JUNIT_FIGURES = ("lane", "first_differing_step", "worst_over_tolerance", "platform_key", "seconds", "wrong_elements")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if SESSION_KEY in item.config.stash:
+        _session(item.config).figures = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.when != "call" or SESSION_KEY not in item.config.stash:
+        return report
+    figures = _session(item.config).figures
+    # As record_property does: the item's properties reach JUnit through the teardown report.
+    item.user_properties.extend((k, figures[k]) for k in JUNIT_FIGURES if figures.get(k) is not None)
+    _html_extras(report, figures)
+    return report
+
+
+def _html_extras(report: pytest.TestReport, figures: dict[str, Any]) -> None:
+    """The plot and the stack's changes in pytest-html's report, when pytest-html is installed."""
+    try:
+        from pytest_html import extras
+    except ImportError:
+        return
+    added = []
+    if figures.get("plot"):  # embedded, so the report is one file a CI can upload
+        added.append(extras.png(base64.b64encode(Path(figures["plot"]).read_bytes()).decode(), name="comparison plot"))
+    if figures.get("stack_changes"):
+        added.append(extras.text(figures["stack_changes"], name="stack changes since the reference"))
+    report.extras = [*getattr(report, "extras", []), *added]
+
+
+def progress_printer(config: pytest.Config) -> Callable[[str], None] | None:
+    """Ranks' progress on the terminal while they run: at most once a second on a terminal, every
+    10 s in a CI log (not a tty), never with -q."""
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if reporter is None or config.get_verbosity() < 0:
+        return None
+    every = 1.0 if reporter.isatty else 10.0
+    last = [0.0]
+
+    def show(line: str) -> None:
+        now = time.monotonic()
+        if now - last[0] < every:
+            return
+        last[0] = now
+        if capture is not None:
+            with capture.global_and_fixture_disabled():
+                reporter.write_line(f"  gpuregress {line}")
+        else:
+            reporter.write_line(f"  gpuregress {line}")
+
+    return show
+
+
+def summary_table(outcomes: list[Any]) -> list[str]:
+    """One row per scenario, then the command that reproduces each verdict that is not a pass."""
+    if not outcomes:
+        return []
+    rows = [("scenario", "platform", "lane", "verdict", "worst/tol", "seconds")]
+    rows += [(o.scenario, o.platform_key, o.lane or "-", o.verdict.upper(),
+              "-" if o.worst is None else f"{o.worst:.2g}x", "-" if o.seconds is None else f"{o.seconds:.1f}")
+             for o in outcomes]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["", *("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)]
+    lines += [f"reproduce {o.scenario}: {o.reproduce}" for o in outcomes if o.reproduce]
+    return lines
+
+
 def _session(config: pytest.Config) -> GpuRegressSession:
     return config.stash[SESSION_KEY]
 
@@ -110,6 +187,7 @@ class _LateConfigure:
         capture = config.pluginmanager.getplugin("capturemanager")
         if capture is not None:
             session.uncapture = lambda: capture.suspend_global_capture(in_=False)
+        session.progress = progress_printer(config)
         for mark in sorted({m for _, case in session.all_cases() for m in case.marks}):
             config.addinivalue_line("markers", f"{mark}: a mark of a gpuregress scenario case")
 
@@ -130,6 +208,7 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
         f"{'RECORDING' if options.record else 'comparing'} references in {session.user_reference_root}"
         + ("" if options.record else f" (else shipped: {session.shipped_reference_root})")
     )
+    lines.append(f"gpuregress artifacts: {session.output_dir} (failed runs, plots, logs; --gpuregress-artifacts)")
     if options.inject:
         lines.append(f"gpuregress faults injected: {'; '.join(options.inject)}")
     if plat.in_place:
@@ -225,6 +304,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         )
         for note in outcome.notes:
             terminalreporter.write_line(f"    note: {note}")
+    for line in summary_table(session.outcomes):
+        terminalreporter.write_line(line)
+    if session.outcomes:
+        terminalreporter.write_line(f"artifacts (failed runs, plots, logs): {session.output_dir}")
     for name, launched in session.launched.items():
         scenario = registry()[name]
         records = {key: (None if isinstance(r, Exception) else r) for key, r in launched.items()}

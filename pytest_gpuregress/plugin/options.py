@@ -91,6 +91,11 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("triage", "flag", False, "on a failing training scenario, re-run it with one switch flipped at a "
                                         "time (protocol, BLAS, SDPA, CPU kernels, world size) to name the component"),
     OptionSpec("keep-runs", "flag", False, "keep every run's rank logs and records (kept on failure anyway)"),
+    OptionSpec("artifacts", "str", None, "folder for what a run leaves to read later: failed runs' records "
+                                         "(the store's format), plots, rank logs (default: pytest's cache, "
+                                         ".pytest_cache/d/gpuregress-runs)"),
+    OptionSpec("plots", "flag", False, "draw the comparison plot for every training run, not only failed ones "
+                                       "(needs pytest-gpuregress[plots])"),
     OptionSpec("fail-fast", "flag", False, "compare each training step with the reference as it runs, and stop "
                                            "at the first step outside the tolerant lane's limits"),
     OptionSpec("fresh-ranks", "flag", False, "start new rank processes for every launch instead of reusing a pool "
@@ -143,6 +148,8 @@ class Options:
     faults: tuple[FaultSpec, ...] = ()
     keep_runs: bool = False
     fresh_ranks: bool = False
+    artifacts: Path | None = None
+    plots: bool = False
     fail_fast: bool = False
     triage: bool = False
     replicas: int = DEFAULT_REPLICAS
@@ -173,6 +180,9 @@ class Options:
             faults=faults,
             keep_runs=bool(values["gpuregress_keep_runs"]),
             fresh_ranks=bool(values["gpuregress_fresh_ranks"]),
+            artifacts=(config.invocation_params.dir / values["gpuregress_artifacts"]).resolve()
+            if values["gpuregress_artifacts"] else None,
+            plots=bool(values["gpuregress_plots"]),
             fail_fast=bool(values["gpuregress_fail_fast"]),
             triage=bool(values["gpuregress_triage"]),
             replicas=int(values["gpuregress_replicas"]),

@@ -8,6 +8,7 @@ scenario interface only: nothing here names a scenario.
 from __future__ import annotations
 
 import shlex
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +20,13 @@ from ..launch.job import Job
 from ..reference import envelope, failfast, store
 from ..reference.compare import Comparison, compare_training, tolerant_limits
 from ..reference.names import safe_component
+from ..reference.plot import first_divergence
 from ..reference.record import RunRecord
-from ..reference.report import format_comparison, format_margins
+from ..reference.report import format_comparison, format_margins, format_stack_changes
 from ..resources import shipped_dir
 from ..scenarios import Case, Launch, Scenario, Setup, get_scenario, registry
 from ..stack.platforms import Platform, resolve_platform
+from .artifacts import Artifacts, compare_command
 from .options import Options
 
 
@@ -37,6 +40,9 @@ class Outcome:
     lane: str = ""
     detail: str = ""
     notes: list[str] = field(default_factory=list)
+    worst: float | None = None  # the largest deviation as a multiple of its tolerant-lane limit
+    seconds: float | None = None
+    reproduce: str = ""  # the command that reproduces the verdict: record on a missing reference, compare on a failure
 
 
 def test_id(scenario: Scenario, case: Case) -> str:
@@ -48,7 +54,10 @@ class GpuRegressSession:
     def __init__(self, options: Options, rootpath: Path, output_dir: Path | None = None) -> None:
         self.options = options
         self.rootpath = rootpath
-        self.output_dir = output_dir
+        # Failed runs, plots, rank logs and check scenarios' records go here (named in the header).
+        self.output_dir = options.artifacts or output_dir or Path(tempfile.mkdtemp(prefix="gpuregress-artifacts-"))
+        self.artifacts = Artifacts(self.output_dir)
+        self.figures: dict[str, Any] = {}  # the current test's key figures, for JUnit properties and HTML extras
         self.platform: Platform = resolve_platform(options.device, options.world_size)
         check_ranks(options.faults, self.platform.world_size)
         self.setup = Setup(
@@ -65,6 +74,7 @@ class GpuRegressSession:
         self.launched: dict[str, dict[str, RunRecord | RankFailure]] = {}
         self.watches: dict[tuple[str, str], dict[str, Any]] = {}  # (scenario, launch) -> fail-fast reference
         self.uncapture: Callable[[], None] = lambda: None  # the plugin stops pytest's output capture with it
+        self.progress: Callable[[str], None] | None = None  # where ranks' progress goes while they run (plugin)
         self.saved: dict[tuple[str, str], Path] = {}
         self._recorded: dict[Path, RunRecord] = {}
         self._launcher: Any = None
@@ -136,6 +146,7 @@ class GpuRegressSession:
 
                 self._launcher = SpawnLauncher(keep_dirs=self.options.keep_runs, base_dir=self.output_dir,
                                                reuse=not self.options.fresh_ranks)
+                self._launcher.on_progress = self.progress
         return self._launcher
 
     def close(self) -> None:
@@ -270,6 +281,7 @@ class GpuRegressSession:
             self._watch_reference(sc, case)
         record = sc.experiment(case, self.launch_cached, self.setup) or self.launch_for(sc, case)
         problems = sc.verdict(case, record, self.setup)
+        self.figures.update(sc.properties(case, record, self.setup))
         reference = sc.reference_name(case)
         if reference is not None and self.options.record and self.options.replicas and not problems:
             self._attach_envelope(sc, case, record)
@@ -329,7 +341,8 @@ class GpuRegressSession:
         try:
             reference = store.read_reference(loc)
         except MissingReference:
-            self.outcomes.append(Outcome(scenario, record.platform_key, "error", detail="no reference"))
+            self.outcomes.append(Outcome(scenario, record.platform_key, "error", detail="no reference",
+                                         reproduce=loc.record_hint))
             raise
         store.check_compatible(loc, reference, record)
         stop = record.results.get("fail_fast")
@@ -345,12 +358,21 @@ class GpuRegressSession:
             detail += f"; {format_margins(comparison)}"
         if comparison.lane == "tolerant":
             detail += f"; {comparison.lane_reason}"
+        kept = self.artifacts.keep(scenario, record, reference, comparison, keep_run=not passed or self.options.keep_runs,
+                                   plot=not passed or self.options.plots)
+        worst = max(comparison.margins.values(), default=None)
         outcome = Outcome(scenario, record.platform_key, "passed" if passed else "failed", comparison.lane, detail,
-                          record.notes)
+                          record.notes, worst, record.timings.get("launch_wall_s"),
+                          compare_command(loc.path, kept.run) if kept.run and not passed else "")
         if outcome not in self.outcomes:  # cases of one launch sharing one reference: one summary line
             self.outcomes.append(outcome)
+        self.figures.update(lane=comparison.lane, platform_key=record.platform_key,
+                            first_differing_step=first_divergence(comparison), worst_over_tolerance=worst,
+                            seconds=outcome.seconds, plot=kept.plot,
+                            stack_changes="\n".join(format_stack_changes(comparison.stack_changes)))
         if comparison.passed and extra:
-            raise RegressionFailure("\n".join([*extra, f"(the comparison with the reference {loc.path} passed)"]))
+            raise RegressionFailure("\n".join([*extra, f"(the comparison with the reference {loc.path} passed)",
+                                               *kept.report_lines(loc.path)]))
         if not passed:
             evidence: list[str] = []
             if explain is not None and comparison.findings:
@@ -359,5 +381,6 @@ class GpuRegressSession:
                     finding.component = component
             report = format_comparison(comparison, scenario=scenario, platform_key=record.platform_key,
                                        reference_path=str(loc.path), record_hint=loc.record_hint) + "\n".join(evidence)
+            report += "\n" + "\n".join(kept.report_lines(loc.path))
             raise RegressionFailure("\n".join([*extra, report]) if extra else report)
         return comparison

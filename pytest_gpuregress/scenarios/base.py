@@ -183,6 +183,10 @@ class Scenario:
         """Reference-free findings for ``case``, each a complete message naming its component; [] when clean."""
         return []
 
+    def properties(self, case: Case, record: RunRecord, setup: Setup) -> dict[str, Any]:
+        """Key figures of ``case`` for JUnit properties (e.g. ``wrong_elements``); the comparison adds its own."""
+        return {}
+
     def reference_name(self, case: Case) -> str | None:
         """The stored reference ``case`` is compared with (a folder under the reference root), or None.
 

@@ -82,6 +82,10 @@ class CollectivesScenario(CheckScenario):
         problem = plan.verdict(plan.Case(**case.data), record.results["cases"][case.id], setup.world_size)
         return [f"[collective] {problem}"] if problem else []
 
+    def properties(self, case: Case, record: RunRecord, setup: Setup) -> dict[str, Any]:
+        return {"wrong_elements": int(record.results["cases"][case.id]["wrong"]),
+                "seconds": record.timings.get("launch_wall_s")}
+
     def header(self, setup: Setup) -> list[str]:
         if not self.pinning_ignored(setup):
             return []

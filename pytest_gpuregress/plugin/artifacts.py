@@ -1,0 +1,62 @@
+"""What a training comparison leaves behind to read later: the run's record, its plot, and their paths.
+
+Layout under the artifacts folder (``--gpuregress-artifacts``, named in the report header):
+  <name>/<platform-key>/        the run, in the store's format: ``gpuregress compare <reference> <this>``
+  <name>/<platform-key>.png     the comparison plot (reference/plot.py)
+A failed run is always kept and plotted; a passed one only with --gpuregress-keep-runs (its
+record) or --gpuregress-plots (its plot).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..reference import store
+from ..reference.compare import Comparison
+from ..reference.plot import PlotsUnavailable, plot_comparison
+from ..reference.record import RunRecord
+
+
+@dataclass
+class Kept:
+    """Where a comparison's run and plot went, or why there is no plot."""
+
+    run: Path | None = None
+    plot: Path | None = None
+    plot_note: str | None = None
+
+    def report_lines(self, reference: Path) -> list[str]:
+        lines = []
+        if self.run is not None:
+            lines.append(f"this run's record: {self.run}")
+            lines.append(f"reproduce the comparison: {compare_command(reference, self.run)}")
+        if self.plot is not None:
+            lines.append(f"plot: {self.plot}")
+        elif self.plot_note:
+            lines.append(f"plot: none ({self.plot_note})")
+        return lines
+
+
+def compare_command(reference: Path, run: Path) -> str:
+    return shlex.join(["gpuregress", "compare", str(reference), str(run)])
+
+
+class Artifacts:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def keep(self, name: str, record: RunRecord, reference: RunRecord, comparison: Comparison, *,
+             keep_run: bool, plot: bool) -> Kept:
+        kept = Kept()
+        if keep_run:
+            kept.run = store.write_reference(store.ReferenceLocation(self.root, name, record.platform_key), record,
+                                             overwrite=True)
+        if plot and record.series:
+            try:
+                kept.plot = plot_comparison(reference, record, self.root / name / f"{record.platform_key}.png",
+                                            comparison, title=name)
+            except PlotsUnavailable as exc:
+                kept.plot_note = str(exc)
+        return kept

@@ -1,0 +1,74 @@
+"""Reports people read later: the plot, the summary table, and the progress line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pytest_gpuregress.launch.job import Job
+from pytest_gpuregress.launch.spawn import describe_progress, scenario_label
+from pytest_gpuregress.plugin import summary_table
+from pytest_gpuregress.plugin.session import Outcome
+from pytest_gpuregress.reference.compare import compare_training
+from pytest_gpuregress.reference.plot import PlotsUnavailable, plot_comparison
+
+from .conftest import make_record
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def diverging_pair() -> tuple:
+    reference = make_record(steps=30)
+    run = make_record(steps=30)
+    run.series = {k: list(np.asarray(v) * np.where(np.arange(30) >= 12, 1.01, 1.0)) for k, v in run.series.items()}
+    return reference, run
+
+
+def test_the_plot_of_a_failed_comparison_is_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    reference, run = diverging_pair()
+    comparison = compare_training(reference, run, lane="tolerant")
+    assert not comparison.passed
+    path = plot_comparison(reference, run, tmp_path / "out" / "fsdp.png", comparison)
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    assert not list(path.parent.glob(".*tmp*"))  # written atomically
+
+
+def test_the_plot_of_a_reference_alone_draws_its_band(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = plot_comparison(make_record(steps=10), None, tmp_path / "ref.png")
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_without_matplotlib_the_plot_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    reference, run = diverging_pair()
+    with pytest.raises(PlotsUnavailable, match=r"pip install 'pytest-gpuregress\[plots\]'"):
+        plot_comparison(reference, run, tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_the_summary_table_has_one_row_per_scenario_and_the_command_for_each_failure() -> None:
+    outcomes = [Outcome("fsdp", "cpu-gloo-w2-fp32", "failed", "exact", worst=1.4e4, seconds=12.3,
+                        reproduce="gpuregress compare A B"),
+                Outcome("lora", "cpu-gloo-w2-fp32-fsdp2", "passed", "tolerant", worst=0.31, seconds=8.0),
+                Outcome("formats", "cpu-gloo-w2-fp32", "error", reproduce="pytest --gpuregress --gpuregress-record")]
+    lines = summary_table(outcomes)
+    assert lines[1].split() == ["scenario", "platform", "lane", "verdict", "worst/tol", "seconds"]
+    assert lines[2].split() == ["fsdp", "cpu-gloo-w2-fp32", "exact", "FAILED", "1.4e+04x", "12.3"]
+    assert lines[3].split() == ["lora", "cpu-gloo-w2-fp32-fsdp2", "tolerant", "PASSED", "0.31x", "8.0"]
+    assert lines[4].split() == ["formats", "cpu-gloo-w2-fp32", "-", "ERROR", "-", "-"]
+    assert lines[5:] == ["reproduce fsdp: gpuregress compare A B",
+                         "reproduce formats: pytest --gpuregress --gpuregress-record"]
+
+
+def test_progress_reads_as_step_n_of_total() -> None:
+    job = Job(scenario="pytest_gpuregress.scenarios.fsdp.rank:run", config={"steps": 300}, world_size=2,
+              device_kind="cpu", backend="gloo", run_dir="/tmp", timeout_s=1)
+    assert describe_progress("step 56 done, loss 3.2, grad_norm 0.5", job) == "step 57 of 300, loss 3.2, grad_norm 0.5"
+    assert describe_progress("model built", job) == "model built"
+    assert scenario_label(job.scenario) == "fsdp"
+    assert scenario_label("user_scenario:train") == "user_scenario"

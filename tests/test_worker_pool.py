@@ -148,3 +148,19 @@ def test_no_rank_outlives_a_cancelled_pytest_run(tmp_path: Path, sig: signal.Sig
     time.sleep(10)
     survivors = [pid for pid in ranks if _alive(pid)]
     assert not survivors, textwrap.shorten(f"ranks {survivors} outlived pytest after {sig.name}", 200)
+
+
+def test_inline_pytest_sessions_share_the_process_pool(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """pytester's inline runs drop the modules they imported; the ranks must not pile up across them."""
+    from pytest_gpuregress.launch.pool import MAX_IDLE_GROUPS
+
+    from .test_training_e2e import USER_SCENARIO, USER_TEST
+
+    pytester.makepyfile(user_scenario=USER_SCENARIO, test_user=USER_TEST)
+    args = ["-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={tmp_path}", "-k", "my_loop",
+            "test_user.py", "--gpuregress-record"]
+    counts = []
+    for _ in range(3):
+        pytester.runpytest(*args).assert_outcomes(passed=1)
+        counts.append(len(_children_serving(os.getpid())))
+    assert counts[0] == counts[1] == counts[2] <= 2 * MAX_IDLE_GROUPS, counts

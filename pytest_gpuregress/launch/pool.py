@@ -36,8 +36,9 @@ from pathlib import Path
 from .job import Job
 from .net import loopback_env
 
-# Environment variables that change per test without changing what a rank computes.
-_VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
+# Environment variables that change per test without changing what a rank computes (pytester
+# gives every test its own HOME and temp root); ranks keep the values they started with.
+_VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "HOME", "USERPROFILE", "PYTEST_DEBUG_TEMPROOT", "PY_COLORS")
 # Idle groups kept for reuse. Each rank holds torch and transformers (a few hundred MB on the CPU).
 MAX_IDLE_GROUPS = 2
 CLOSE_GRACE_S = 5.0
@@ -48,8 +49,6 @@ EnvKey = tuple[int, str, bool, tuple[tuple[str, str], ...]]
 def rank_environment(job: Job) -> dict[str, str]:
     """The environment every rank of ``job`` starts with (without RANK/LOCAL_RANK)."""
     env = dict(os.environ)
-    for name in _VOLATILE_ENV:
-        env.pop(name, None)
     if job.loopback_only:
         env.update(loopback_env())
     env.update(job.env)
@@ -62,7 +61,8 @@ def rank_environment(job: Job) -> dict[str, str]:
 
 
 def group_key(job: Job) -> EnvKey:
-    return job.world_size, job.device_kind, job.loopback_only, tuple(sorted(rank_environment(job).items()))
+    env = {k: v for k, v in rank_environment(job).items() if k not in _VOLATILE_ENV}
+    return job.world_size, job.device_kind, job.loopback_only, tuple(sorted(env.items()))
 
 
 def kill_process_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
@@ -178,13 +178,16 @@ class WorkerPool:
             group.close()
 
 
-_shared: WorkerPool | None = None
-
-
 def shared_pool() -> WorkerPool:
-    """The process's pool: sessions come and go, ranks stay until the process exits."""
-    global _shared
-    if _shared is None:
-        _shared = WorkerPool()
-        atexit.register(_shared.close)
-    return _shared
+    """The process's pool: sessions come and go, ranks stay until the process exits.
+
+    Kept on the top-level package, not in this module: pytester's inline runs drop the modules a
+    run imported, and a pool held by a dropped module would keep its ranks alive, unreachable."""
+    import pytest_gpuregress as anchor
+
+    pool = getattr(anchor, "_shared_worker_pool", None)
+    if pool is None:
+        pool = WorkerPool()
+        anchor._shared_worker_pool = pool  # type: ignore[attr-defined]
+        atexit.register(pool.close)
+    return pool

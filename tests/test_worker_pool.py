@@ -164,3 +164,13 @@ def test_inline_pytest_sessions_share_the_process_pool(pytester: pytest.Pytester
         pytester.runpytest(*args).assert_outcomes(passed=1)
         counts.append(len(_children_serving(os.getpid())))
     assert counts[0] == counts[1] == counts[2] <= 2 * MAX_IDLE_GROUPS, counts
+
+
+def test_a_job_that_asks_for_fresh_ranks_gets_new_processes_and_leaves_the_pool_alone(pooled: SpawnLauncher) -> None:
+    pooled.run(job(pooled), 120)
+    pooled_pids = list(pooled.pool.idle.values())[0].pids
+    fresh = job(pooled)
+    fresh.fresh_ranks = True
+    assert pooled.run(fresh, 120).records[0].series["loss"]
+    assert list(pooled.pool.idle.values())[0].pids == pooled_pids  # the pooled group stays, unused
+    assert pooled.groups_started == 2

@@ -38,6 +38,7 @@ class Job:
     loopback_only: bool = True  # single-machine runs bind every socket to the loopback interface
     collect_fingerprint: bool = True
     watch: dict[str, Any] = field(default_factory=dict)  # --gpuregress-fail-fast (reference/failfast.py)
+    fresh_ranks: bool = False  # new processes for this job, not pooled ones
     cwd: str = ""  # the launcher's working directory: ranks import a user's modules from it
 
     def save(self, path: Path) -> None:

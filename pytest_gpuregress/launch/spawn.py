@@ -134,7 +134,7 @@ class SpawnLauncher:
             self.pool.close()
 
     def _group_for(self, job: Job) -> RankGroup:
-        if self.pool is not None:
+        if self.pool is not None and not job.fresh_ranks:
             before = self.pool.started
             group = self.pool.acquire(job)
             self.groups_started += self.pool.started - before
@@ -159,7 +159,7 @@ class SpawnLauncher:
                 o.status == "delivered" and RankFiles(run_dir, o.rank).released.exists() and o.returncode is None
                 for o in outcomes
             )
-            if clean and self.pool is not None:
+            if clean and self.pool is not None and not job.fresh_ranks:
                 self.pool.release(group)
             elif clean:
                 group.close()

@@ -188,6 +188,7 @@ class GpuRegressSession:
             env=dict(launch.env),
             loopback_only=not self.platform.in_place,
             watch=self.watches.get((sc.name, launch.key), {}),
+            fresh_ranks=launch.fresh_ranks,
         )
         result = self.launcher.run(job, wall_timeout_s=self.options.timeout)
         record = sc.merge(result.records)

@@ -76,6 +76,7 @@ class Launch:
     world_size: int | None = None
     entry: str | None = None
     inject: bool = True  # False: --gpuregress-inject does not apply (the float64 oracle is no stack under test)
+    fresh_ranks: bool = False  # True: new processes, never pooled ones (a resume must prove nothing survives in memory)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Under torchrun the ranks are pytest processes: a raising or hung rank must not stall the others.
+"""Runs that share a machine: torchrun ranks, where a raising or hung rank must not stall the others,
+and two sessions started together.
 
 Two torchrun agents (one rank each) rendezvous on 127.0.0.1 with gloo, as two nodes would.
 """
@@ -54,3 +55,27 @@ def test_a_hung_rank_ends_the_run_at_the_timeout_with_where_it_was(tmp_path: Pat
     assert "rank 1 still running" in joined and "outside any collective" in joined, joined[-4000:]
     assert 'faults/process.py", line' in joined  # the hung rank's own stack
     assert wall < 20 + 90, wall
+
+
+def test_two_sessions_started_together_in_one_folder_do_not_collide(tmp_path: Path) -> None:
+    """Two CI jobs on one machine: no shared port, run folder or reference write between them."""
+    from .conftest import record_references
+
+    refs = record_references(tmp_path, "--gpuregress-steps=4", "--gpuregress-replicas=0", "-k", "fsdp and not triage")
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-steps=4",
+           f"--gpuregress-reference-dir={refs}", "-k", "fsdp and not triage"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for proc, out in zip(procs, outputs):
+        assert proc.returncode == 0, out[-3000:]
+        assert "fsdp cpu-gloo-w2-fp32: PASSED [exact lane] 4 steps" in out
+    # Both recording over the same reference at once: the store's lock serialises them, one wins whole.
+    procs = [subprocess.Popen([*cmd, "--gpuregress-record", "--gpuregress-replicas=0"], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs[0][-2000:] + outputs[1][-2000:]
+    from pytest_gpuregress.reference import store
+
+    assert store.read_reference(store.ReferenceLocation(refs, "fsdp", "cpu-gloo-w2-fp32")).steps == 4
+    assert not [p.name for p in (refs / "fsdp").iterdir() if p.name.startswith(".")]  # no leftovers

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 
 SHIPPED = shipped_dir("reference_runs")
 FSDP = Path("fsdp") / "cpu-gloo-w2-fp32"
+CHECKPOINT = Path("checkpoint") / "cpu-gloo-w2-fp32"
 OLDER = {"torch": "2.12.0+cpu", "transformers": "5.23.0", "peft": "0.20.0", "accelerate": "1.14.0"}
 
 
@@ -31,18 +32,22 @@ def gpuregress(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
 
 
-@pytest.fixture(scope="module")
-def upgraded_refs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of the shipped fsdp reference whose fingerprint says it was recorded on older libraries."""
-    refs = tmp_path_factory.mktemp("upgrade") / "refs"
-    shutil.copytree(SHIPPED / "fsdp", refs / "fsdp")
-    folder = refs / FSDP
+def recorded_on_older_libraries(folder: Path) -> None:
+    """Rewrite a reference's fingerprint (and its manifest) as if it had been recorded on OLDER."""
     record = json.loads((folder / "record.json").read_text())
     record["fingerprint"]["versions"].update(OLDER)
     write_json(folder / "record.json", record)
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["files"]["record.json"] = sha256_file(folder / "record.json")
     write_json(folder / "manifest.json", manifest)
+
+
+@pytest.fixture(scope="module")
+def upgraded_refs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the shipped fsdp reference whose fingerprint says it was recorded on older libraries."""
+    refs = tmp_path_factory.mktemp("upgrade") / "refs"
+    shutil.copytree(SHIPPED / "fsdp", refs / "fsdp")
+    recorded_on_older_libraries(refs / FSDP)
     return refs
 
 
@@ -75,3 +80,43 @@ def test_legitimate_drift_passes_the_tolerant_lane_and_a_small_lr_change_does_no
     assert (done.returncode == 0) is passes, done.stdout[-4000:]
     if not passes:
         assert "[optimizer] loss: first differing step 1" in done.stdout  # triage: step 0 clean, divergence at 1
+
+
+def test_the_checkpoint_scenario_passes_against_its_shipped_reference_and_loads_the_shipped_bundle(tmp_path: Path) -> None:
+    done = gpuregress(tmp_path, "-k", "checkpoint and (full-state-dict or portability)")
+    assert done.returncode == 0, done.stdout[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("checkpoint cpu-gloo-w2-fp32:"))
+    assert "PASSED [exact lane]" in line and str(SHIPPED / CHECKPOINT) in line, line
+    assert f"portability: {SHIPPED / CHECKPOINT} (recorded on " in done.stdout
+    assert "exact lane, logits 0 from the bundle's" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def upgraded_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the shipped checkpoint bundle whose fingerprint says it was recorded on older libraries."""
+    bundle = tmp_path_factory.mktemp("upgrade") / "refs" / CHECKPOINT
+    shutil.copytree(SHIPPED / CHECKPOINT, bundle)
+    recorded_on_older_libraries(bundle)
+    return bundle
+
+
+@pytest.mark.parametrize(("fault", "passes"), [
+    (None, True),
+    ("linear_noise:rel=1e-7", True),  # legitimate kernel drift (docs/faults.md section 4)
+    ("linear_noise:rel=1e-4", False),  # a kernel that is wrong
+    ("checkpoint:mode=ulp_nudge", False),
+])
+def test_the_shipped_bundle_on_another_stack_compares_within_the_cross_platform_bound_and_checksums_stay_exact(
+    upgraded_bundle: Path, tmp_path: Path, fault: str | None, passes: bool
+) -> None:
+    inject = [f"--gpuregress-inject={fault}"] if fault else []
+    done = gpuregress(tmp_path, "-k", "portability", f"--gpuregress-portable-checkpoint={upgraded_bundle}", *inject)
+    assert (done.returncode == 0) is passes, done.stdout[-4000:]
+    if passes:
+        assert "loaded on cpu: tolerant lane" in done.stdout
+    elif fault.startswith("linear_noise"):
+        assert "[checkpoint] portability: logits on the fixed batch differ by " in done.stdout
+        assert "beyond the cross-platform tolerance" in done.stdout and "checksum differs" not in done.stdout
+    else:  # one ulp moves no logit past the bound: only the checksum sees it
+        assert "[checkpoint] portability: model.layers.1.self_attn.q_proj.weight: checksum differs" in done.stdout
+        assert "logits on the fixed batch differ" not in done.stdout

@@ -6,6 +6,8 @@
     gpuregress scenarios                the installed scenarios: built-in and from other packages
     gpuregress inspect-fp8 FILE         do a safetensors file's fp8/fp4 codes match their tags and scales?
     gpuregress plot REF [RUN]           the comparison plot of a reference and a run (needs [plots])
+    gpuregress portability CKPT --config CONFIG
+                                        a checkpoint's logits and checksums on this machine, against another's
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ..reference.compare import compare_training
 from ..reference.record import RunRecord
 from ..reference.report import format_comparison
 from ..reference.store import MANIFEST, ReferenceLocation, read_reference
-from . import inspect_fp8, plot
+from . import inspect_fp8, plot, portability
 
 
 def load_record(path: Path) -> RunRecord:
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = sub.add_parser("scenarios", help="list the installed scenarios")
     scenarios.set_defaults(func=_scenarios)
     inspect_fp8.add_parser(sub)
+    portability.add_parser(sub)
     plot.add_parser(sub)
     args = parser.parse_args(argv)
     try:

@@ -146,6 +146,20 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
         "proj": Param("choice", "projection of the affected module (default q_proj)",
                       ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
         "ranks": _RANKS, "rank": _RANKS}, required=("mode",)),
+    FaultKind("checkpoint", ".checkpoint:install", "a checkpoint bug of docs/faults.md section 3, for scenario checkpoint "
+              "(docs/checkpoint.md)", {
+        "mode": Param("choice", "optimizer_dropped: the loaded optimizer state is dropped; rank0_shard: only rank 0's "
+                                "shard reaches the checkpoint; chunks_permuted: chunks come back in reverse order at "
+                                "another world size; tied_key_dropped: the name a tied tensor is stored under is "
+                                "dropped on save; untied: every tied name gets its own copy on load; rng_not_restored: "
+                                "the generators are not restored; weights_late: loaded weights take effect one step "
+                                "late; ulp_nudge: one element of one tensor one ulp up after every load",
+                      ("optimizer_dropped", "rank0_shard", "chunks_permuted", "tied_key_dropped", "untied",
+                       "rng_not_restored", "weights_late", "ulp_nudge")),
+        "layer": Param("int", "ulp_nudge: decoder layer of the nudged weight (default 1)"),
+        "proj": Param("choice", "ulp_nudge: projection of the nudged weight (default q_proj)",
+                      ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))},
+        required=("mode",)),
 )}
 
 

@@ -169,7 +169,8 @@ class GpuRegressSession:
         return self._launch(sc, Launch("default", cfg, dict(env or {})), faults or [])
 
     def _launch(self, sc: Scenario, launch: Launch, faults: list[str]) -> RunRecord:
-        if self.platform.in_place and (launch.env or launch.world_size not in (None, self.platform.world_size)):
+        if self.platform.in_place and (launch.env or launch.fresh_ranks
+                                       or launch.world_size not in (None, self.platform.world_size)):
             # Under torchrun every process already is one rank of one group with one environment.
             raise NotApplicable(f"launch {launch.key!r} of {sc.name!r} needs its own group of ranks "
                                 f"({launch.world_size or self.platform.world_size} ranks, environment {launch.env or 'as is'}), "

@@ -26,6 +26,7 @@ BUILTIN = (
     "pytest_gpuregress.scenarios.triage:SCENARIO",
     "pytest_gpuregress.scenarios.formats:SCENARIO",
     "pytest_gpuregress.scenarios.lora:SCENARIO",
+    "pytest_gpuregress.scenarios.checkpoint:SCENARIO",
 )
 
 

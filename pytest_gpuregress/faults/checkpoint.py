@@ -1,0 +1,172 @@
+"""Checkpoint faults, installed on a rank: the bug classes of docs/faults.md section 3, for scenario checkpoint.
+
+Each mode wraps one hook point of the scenario's rank-side modules (functions the rank code calls
+through their module) and registers the undo in ``ctx.cleanup_hooks``, so a reused rank process
+runs its next launch clean:
+  optimizer_dropped  trainer_io.apply_optimizer does nothing: the loaded optimizer state is dropped
+  rank0_shard        sharded.save: ranks other than 0 write their shards elsewhere (no shared storage);
+                     full_state.gather: rank 0's own shard saved as the whole tensor (accelerate PR #4206)
+  chunks_permuted    sharded.load: at another world size the chunks along dim 0 come back in reverse
+                     order (ROCm/Megatron-LM PR #63)
+  tied_key_dropped   full_state.tensors_to_save drops the name a tied tensor is stored under
+  untied             full_state.reload gives every tied name its own copy (transformers#38870)
+  rng_not_restored   rng.restore does nothing: the generators keep whatever state they had
+  weights_late       trainer_io.apply_model takes effect after the next optimizer step, not before it
+  ulp_nudge          hooks.after_load moves one element of one tensor up by one ulp after every load
+The ulp_nudge tensor is model.layers.<layer>.<block>.<proj>.weight (default model.layers.1.self_attn.q_proj.weight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import FaultSpec
+from .lora import target_module
+
+MODES = ("optimizer_dropped", "rank0_shard", "chunks_permuted", "tied_key_dropped", "untied", "rng_not_restored",
+         "weights_late", "ulp_nudge")
+
+
+def _patch(ctx: Any, owner: Any, attr: str, wrap: Callable[[Any], Any]) -> None:
+    original = getattr(owner, attr)
+    setattr(owner, attr, wrap(original))
+    ctx.cleanup_hooks.append(lambda: setattr(owner, attr, original))
+
+
+def install(spec: FaultSpec, ctx: Any) -> None:
+    from ..scenarios.checkpoint import full_state, hooks, rng, sharded, trainer_io
+
+    mode = spec.get("mode")
+    if mode == "optimizer_dropped":
+        _patch(ctx, trainer_io, "apply_optimizer", lambda original: lambda trainer, state: None)
+    elif mode == "rank0_shard":
+        _patch(ctx, sharded, "save", _save_from_rank0_only)
+        _patch(ctx, full_state, "gather", lambda original: _local_shards)
+    elif mode == "chunks_permuted":
+        _patch(ctx, sharded, "load", _permuting)
+    elif mode == "tied_key_dropped":
+        _patch(ctx, full_state, "tensors_to_save", _dropping_tied_key)
+    elif mode == "untied":
+        _patch(ctx, full_state, "reload", _untying)
+    elif mode == "rng_not_restored":
+        _patch(ctx, rng, "restore", lambda original: lambda states, device_kind: None)
+    elif mode == "weights_late":
+        _patch(ctx, trainer_io, "apply_model", lambda original: _one_step_late(original, ctx))
+    elif mode == "ulp_nudge":
+        _patch(ctx, hooks, "after_load", lambda original: _nudging(original, f"{target_module(spec)}.weight"))
+    else:
+        raise ValueError(f"checkpoint fault mode {mode!r}: expected one of {', '.join(MODES)}")
+
+
+def _save_from_rank0_only(original: Any) -> Any:
+    def save(state: dict[str, Any], folder: Any) -> None:
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            return original(state, folder)
+        scratch = Path(tempfile.mkdtemp(prefix="gpuregress-lost-shard-"))
+        try:  # the save stays collective; this rank's shard lands where no reader looks
+            original(state, scratch / folder.name)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return save
+
+
+def _local_shards(model: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return {}
+    return {name: (value.to_local() if hasattr(value, "to_local") else value).detach().cpu().clone()
+            for name, value in model.state_dict().items()}
+
+
+def _tensors(state: dict[str, Any]) -> list[Any]:
+    """Every tensor of a nested state dict, in a fixed order (the same on every rank)."""
+    out = []
+    for key in sorted(state):
+        value = state[key]
+        out += _tensors(value) if isinstance(value, dict) else [value]
+    return out
+
+
+def _permuting(original: Any) -> Any:
+    def load(state: dict[str, Any], folder: Any, saved_world: int) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        original(state, folder, saved_world)
+        pieces = max(dist.get_world_size(), saved_world)
+        if dist.get_world_size() == saved_world:
+            return
+        with torch.no_grad():
+            for tensor in _tensors(state):
+                whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                if whole.ndim == 0 or whole.shape[0] < pieces:
+                    continue
+                permuted = torch.cat(list(whole.chunk(pieces, dim=0))[::-1])
+                if isinstance(tensor, DTensor):
+                    tensor.to_local().copy_(distribute_tensor(permuted, tensor.device_mesh, tensor.placements).to_local())
+                else:
+                    tensor.copy_(permuted)
+    return load
+
+
+def _dropping_tied_key(original: Any) -> Any:
+    def tensors_to_save(state: dict[str, Any], groups: list[list[str]]) -> dict[str, Any]:
+        kept = original(state, groups)
+        stored = {group[0] for group in groups if len(group) > 1}
+        return {name: tensor for name, tensor in kept.items() if name not in stored}
+    return tensors_to_save
+
+
+def _untying(original: Any) -> Any:
+    def reload(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        from ..scenarios.checkpoint.portable import tie_groups
+
+        model = original(*args, **kwargs)
+        for group in tie_groups(model):
+            for alias in group[1:]:
+                owner, _, attr = alias.rpartition(".")
+                module = model.get_submodule(owner)
+                setattr(module, attr, torch.nn.Parameter(getattr(module, attr).detach().clone()))
+        return model
+    return reload
+
+
+def _one_step_late(original: Any, ctx: Any) -> Any:
+    def apply_model(trainer: Any, model_state: dict[str, Any]) -> None:
+        pending = [model_state]
+
+        def after_step(rank: int, step: int) -> None:
+            if pending:  # after the first step the resumed run took, with the weights it was built with
+                original(trainer, pending.pop())
+        ctx.step_hooks.append(after_step)
+    return apply_model
+
+
+def _nudging(original: Any, name: str) -> Any:
+    def after_load(tensors: dict[str, Any]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        original(tensors)
+        tensor = tensors.get(name)
+        if tensor is None:
+            return
+        if hasattr(tensor, "to_local"):
+            if dist.get_rank() != 0:  # sharded along dim 0: element 0 is rank 0's
+                return
+            tensor = tensor.to_local()
+        with torch.no_grad():
+            flat = tensor.view(-1)
+            flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype, device=flat.device))
+    return after_load

@@ -1,0 +1,171 @@
+"""Scenario ``checkpoint``: round trips, resharding, exact resume and cross-platform portability.
+
+Session side, torch-free; every rank runs rank.py. Cases (``-k checkpoint``, or one by name):
+  full-state-dict   the FSDP2 model gathered to safetensors and reloaded into a fresh model:
+                    tensors and logits bit-identical; compared with the stored reference, which
+                    keeps the trained checkpoint and its logits (the portable bundle)
+  tied              the same for tiny-llama-tied: the tie intact after the reload (one storage)
+  sharded-<N>to<M>  torch.distributed.checkpoint saved at N ranks, loaded at M: the full-tensor
+                    hashes of the weights and the optimizer state unchanged
+  resume            2k steps straight against k steps, a save, and k more in new processes: the
+                    state at the boundary piece by piece, and the two loss curves
+  portability       the shipped (or a named) bundle loaded on this stack: checksums exact, logits
+                    within the cross-platform bound (exact on the recording stack)
+Checkpoints live in temporary folders under ``--gpuregress-checkpoint-dir`` (default: the system's
+temporary folder), removed once the case is done. Details: docs/checkpoint.md. Faults that emulate
+the bug classes: faults/checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ...plugin.options import OptionSpec
+from ...reference.compare import Comparison, Finding, choose_lane
+from ...reference.record import RunRecord
+from ...stack import fingerprint as fp
+from ..base import Case, CheckScenario, Launch, Scenario, Setup
+from . import checks, plan
+
+Runner = Callable[[Scenario, Launch], RunRecord]
+
+
+class CheckpointScenario(CheckScenario):
+    """Checkpoint round trips, resharding, exact resume and cross-platform portability."""
+
+    name = plan.NAME
+    rank_entry = "pytest_gpuregress.scenarios.checkpoint.rank:run"
+    options = (
+        OptionSpec("portable-checkpoint", "str", None, "the reference folder of the checkpoint scenario whose "
+                   "checkpoint the portability case loads (default: the shipped one, recorded on the CPU)"),
+        OptionSpec("checkpoint-dir", "str", None, "where the checkpoint scenario's temporary checkpoint folders go; "
+                   "shared storage when ranks span machines (default: the system's temporary folder)"),
+    )
+
+    def default_config(self, setup: Setup) -> dict[str, Any]:
+        return plan.config(setup)
+
+    def cases(self, setup: Setup) -> list[Case]:
+        return plan.cases(setup)
+
+    def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
+        # The multi-launch cases (sharded, resume) are launched by experiment(), in order.
+        out = []
+        if any(c.launch == "main" for c in cases):
+            out.append(plan.main_launch(setup, _root(setup)))
+        if any(c.launch == "portability" for c in cases):
+            out.append(plan.portability_launch(setup, _root(setup), setup.option("portable-checkpoint")))
+        return out
+
+    def experiment(self, case: Case, run: Runner, setup: Setup) -> RunRecord | None:
+        if case.data["part"] == "resume":
+            return self._resume(run, setup)
+        if case.data["part"] == "sharded":
+            return self._reshard(case, run, setup)
+        return None
+
+    def _resume(self, run: Runner, setup: Setup) -> RunRecord:
+        straight = run(self, plan.main_launch(setup, _root(setup)))
+        first_launch, _ = plan.resume_launches(setup, _root(setup))
+        first = run(self, first_launch)
+        folder = first.results["folder"]
+        try:
+            second = run(self, plan.resume_launches(setup, _root(setup), folder)[1])
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        k = plan.resume_at(straight.config)
+        findings, table = checks.resume_findings(straight, first, second, k)
+        record = RunRecord(scenario=self.name, config=straight.config, platform_key=straight.platform_key,
+                           world_size=straight.world_size, fingerprint=straight.fingerprint,
+                           results={"resume": findings, "resume_table": table})
+        if checks.same_processes(first, second):
+            record.notes.append("the second half of the resume case ran in the processes of the first (in place, or "
+                                "a reused worker): its state still came only from the checkpoint folder, with every "
+                                "generator scrambled before the load")
+        return record
+
+    def _reshard(self, case: Case, run: Runner, setup: Setup) -> RunRecord:
+        n, m = int(case.data["save"]), int(case.data["load"])
+        saved = run(self, plan.reshard_launches(case, setup, _root(setup))[0])
+        folder = saved.results["folder"]
+        try:
+            loaded = run(self, plan.reshard_launches(case, setup, _root(setup), folder)[1])
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        error = loaded.results.get("load_error")
+        findings = ([f"loading at world size {m} failed: {error}"] if error
+                    else checks.reshard_findings(saved.results["hashes"], loaded.results["hashes"], n, m))
+        return RunRecord(scenario=self.name, config=saved.config, platform_key=saved.platform_key,
+                         world_size=saved.world_size, results={"sharded": findings})
+
+    def merge(self, records: list[RunRecord]) -> RunRecord:
+        """Rank 0's record, with every rank's generator digests and process ids."""
+        merged = records[0]
+        boundaries = [r.results["boundary"] for r in records if "boundary" in r.results]
+        if boundaries:
+            merged.results["boundary"] = checks.merge_boundaries(boundaries)
+        merged.results["pid"] = {k: v for r in records for k, v in r.results.get("pid", {}).items()}
+        return merged
+
+    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
+        part = case.data["part"]
+        if part in ("resume", "sharded"):
+            findings = checks.prefixed(case.id, record.results.get(part, ["did not run"]))
+            return findings + (record.results.get("resume_table", []) if findings else [])
+        return checks.part_findings(case.id, record.results.get(part))
+
+    def reference_name(self, case: Case) -> str | None:
+        return plan.REFERENCE if case.data["part"] == "full_state_dict" else None
+
+    def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
+        """The trained checkpoint against the reference's: bit for bit on the reference's stack; elsewhere the
+        loss curve within the tolerant limit (what a checkpoint means on another stack is portability's case)."""
+        chosen, reason = choose_lane(reference, record, lane)
+        findings = _curve(reference, record, chosen)
+        if chosen == "exact":
+            findings += _arrays(reference, record)
+        return Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, record.fingerprint))
+
+    def summary(self, records: dict[str, RunRecord | None], setup: Setup) -> list[str]:
+        port = (records.get("portability") or RunRecord("", {}, "", 0)).results.get("portability")
+        if not port or "deviation_from_bundle" not in port:
+            return []
+        return [f"portability: {port['bundle']} (recorded on {port['recorded_on']}) loaded on {port['device']}: "
+                f"{port['lane']} lane, logits {port['deviation_from_bundle']:.3g} from the bundle's, "
+                f"{port['deviation_from_float64']:.3g} from float64 (bound {port['bound']:.3g}), "
+                f"{len(port['checksums'])} tensor checksums"]
+
+
+def _root(setup: Setup) -> str:
+    return str(Path(setup.option("checkpoint-dir") or tempfile.gettempdir()).resolve())
+
+
+def _curve(reference: RunRecord, record: RunRecord, lane: str) -> list[Finding]:
+    expected, got = reference.series.get("loss", []), record.series.get("loss", [])
+    lines = checks.curve_findings(expected, got, lane == "exact", what="this run differs from the reference")
+    return [Finding("loss", "checkpoint", line) for line in lines]
+
+
+def _arrays(reference: RunRecord, record: RunRecord) -> list[Finding]:
+    """The bundle's tensors and logits, bit for bit (the exact lane)."""
+    from .portable import describe_difference
+
+    out = []
+    keys = sorted(k for k in reference.arrays if not k.startswith("envelope/"))
+    missing = [k for k in keys if k not in record.arrays]
+    if missing:
+        out.append(Finding("checkpoint", "checkpoint", f"{len(missing)} of the reference's {len(keys)} arrays are "
+                           f"missing from this run, first {missing[0]} (its round trip failed: see above)"))
+    for key in (k for k in keys if k in record.arrays):
+        expected, got = reference.arrays[key], record.arrays[key]
+        if got.dtype != expected.dtype or got.shape != expected.shape or got.tobytes() != expected.tobytes():
+            out.append(Finding("checkpoint", "checkpoint", f"{key}: {describe_difference(expected, got)} against the "
+                               "reference", tensor=key))
+    return out
+
+
+SCENARIO = CheckpointScenario()

@@ -1,0 +1,122 @@
+"""The checkpoint scenario's cases, configuration and launches. Session side, torch-free.
+
+One configuration serves every launch; each launch adds its ``role`` and the folders it works in.
+Those additions are session-only (``SESSION_ONLY``): they are kept out of the stored config, so a
+reference compares with any selection of cases and any temporary folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ...resources import shipped_dir
+from ..base import Case, Launch, Setup
+
+NAME = "checkpoint"
+REFERENCE = "checkpoint"  # the full-state-dict case's reference: the trained model's checkpoint and logits
+MODEL = "tiny-llama"
+TIED_MODEL = "tiny-llama-tied"
+# The portability case loads this bundle by default: the shipped reference recorded on the CPU, so
+# on a GPU it is a checkpoint made on another platform, which is the point of the case.
+SHIPPED_PLATFORM = "cpu-gloo-w2-fp32"
+DEFAULT_STEPS = 10  # 2k: the resume case saves after k = 5
+SESSION_ONLY = ("role", "root", "folder", "saved_world", "load_world", "bundle")
+
+# The CPU size on every device: checkpoint logic does not need model scale, the shipped checkpoint
+# stays small (0.5 MB), and fp32 keeps a round trip's equalities exact on GPUs too.
+COMMON: dict[str, Any] = {
+    "model": MODEL,
+    "tied_model": TIED_MODEL,
+    "model_size": "cpu",
+    "dtype": "fp32",
+    "steps": DEFAULT_STEPS,
+    "seed": 0,
+    "data_seed": 1234,
+    "global_batch": 16,
+    "seq_len": 64,
+    "lr": 3e-3,
+    "warmup_steps": 2,
+    "min_lr_ratio": 0.1,
+    "weight_decay": 0.1,
+    "betas": [0.9, 0.95],
+    "eps": 1e-8,
+    "grad_clip": 1.0,
+    # The data pipeline consumes every RNG, so a generator left unrestored moves the resumed curve:
+    # rows shuffled (Python), a random crop (numpy), input tokens replaced (torch CPU), labels
+    # dropped (torch on the device).
+    "token_dropout": 0.05,
+    "label_dropout": 0.1,
+    "max_crop": 3,
+}
+
+
+def config(setup: Setup) -> dict[str, Any]:
+    """What every rank runs with; stored with the reference (less the session-only keys)."""
+    from ...training.models import architecture_digest
+
+    cfg = dict(COMMON)
+    if setup.steps is not None:
+        cfg["steps"] = max(2, int(setup.steps))
+    cfg["model_architecture"] = architecture_digest(MODEL, cfg["model_size"])
+    cfg["tied_model_architecture"] = architecture_digest(TIED_MODEL, cfg["model_size"])
+    return cfg
+
+
+def stored(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config.items() if k not in SESSION_ONLY}
+
+
+def resume_at(config: dict[str, Any]) -> int:
+    """k: the step count after which the resume case saves; the run goes 2k steps in all."""
+    return int(config["steps"]) // 2
+
+
+def reshard_pairs(world_size: int) -> list[tuple[int, int]]:
+    """(save world, load world): N -> 1 and 1 -> N, and N -> N/2 where there are four ranks or more."""
+    if world_size < 2:
+        return []
+    pairs = [(world_size, 1), (1, world_size)]
+    if world_size >= 4:
+        pairs.append((world_size, world_size // 2))
+    return pairs
+
+
+def cases(setup: Setup) -> list[Case]:
+    out = [Case("full-state-dict", launch="main", data={"part": "full_state_dict"}),
+           Case("tied", launch="main", data={"part": "tied"})]
+    out += [Case(f"sharded-{n}to{m}", launch=f"sharded-{n}to{m}", data={"part": "sharded", "save": n, "load": m})
+            for n, m in reshard_pairs(setup.world_size)]
+    out.append(Case("resume", launch="resume", data={"part": "resume"}))
+    out.append(Case("portability", launch="portability", data={"part": "portability"}))
+    return out
+
+
+def main_launch(setup: Setup, root: str) -> Launch:
+    """The straight run: 2k steps, state digests at step k, then the full-state-dict and tied round trips."""
+    return Launch("main", {**config(setup), "role": "main", "root": root})
+
+
+def portability_launch(setup: Setup, root: str, bundle: str | None) -> Launch:
+    # Rank 0 evaluates, with no collective: the numbers cannot depend on the world size.
+    return Launch("portability", {**config(setup), "role": "portability", "root": root,
+                                  "bundle": bundle or str(shipped_bundle())})
+
+
+def resume_launches(setup: Setup, root: str, folder: str | None = None) -> tuple[Launch, Launch]:
+    """k steps and a save; then, in new processes (never pooled ones), a load from ``folder`` and k more steps."""
+    base = {**config(setup), "root": root}
+    return (Launch("resume-first", {**base, "role": "resume-first"}),
+            Launch("resume-second", {**base, "role": "resume-second", "folder": folder or ""}, fresh_ranks=True))
+
+
+def reshard_launches(case: Case, setup: Setup, root: str, folder: str | None = None) -> tuple[Launch, Launch]:
+    """Train and save with DCP at the save world size; load into a fresh model at the load world size."""
+    n, m = int(case.data["save"]), int(case.data["load"])
+    base = {**config(setup), "root": root, "saved_world": n, "load_world": m}
+    return (Launch(f"{case.id}-save", {**base, "role": "sharded-save"}, world_size=n),
+            Launch(f"{case.id}-load", {**base, "role": "sharded-load", "folder": folder or ""}, world_size=m))
+
+
+def shipped_bundle() -> Path:
+    return shipped_dir("reference_runs") / REFERENCE / SHIPPED_PLATFORM

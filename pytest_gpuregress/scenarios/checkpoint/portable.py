@@ -1,0 +1,278 @@
+"""Does a checkpoint mean the same on this machine? Load it strictly, then logits and checksums. Rank side and CLI.
+
+``evaluate`` builds the model from its transformers config, checks the checkpoint against it (every
+tensor present, tied tensors stored under one of their names, shapes and the config's dtype),
+loads it onto the device and reports:
+  checksums   per tensor: sha256 of its bytes as the model holds them after the load, and the
+              file's own sha256; they must be equal on every machine (loading is a copy)
+  logits      float32 logits on a fixed batch (``fixed_batch``), computed in float32 on the device
+  deviation   max |logits - float64 logits| / max |float64 logits|, the float64 ones computed on
+              this machine's CPU from the same tensors
+Two machines agree when every checksum is equal and their logits differ by at most
+``2 x logits_bound``: each is within ``logits_bound`` of float64 (see ``logits_bound``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...triage.bounds import step0_bound
+from ..formats.errors import CheckpointProblem
+from . import hooks
+from .files import FLOAT_TAGS, TORCH_NAMES, CheckpointFiles
+
+BATCH = (2, 16)  # rows x tokens of the fixed batch
+
+
+def fixed_batch(vocab_size: int, rows: int = BATCH[0], length: int = BATCH[1]) -> np.ndarray:
+    """Token ids that depend on nothing but the vocabulary size: the same batch on every machine."""
+    b, t = np.meshgrid(np.arange(rows), np.arange(length), indexing="ij")
+    return ((b * 31 + t * 7 + 3) % vocab_size).astype(np.int64)
+
+
+def logits_bound(model_config: Any, length: int = BATCH[1]) -> float:
+    """How far float32 logits may be from float64 ones, relative to the largest: u sqrt(n) (L + 1).
+
+    The bound of triage's experiments (triage/bounds.py): u = 2^-24, n the longest inner product
+    of the forward (the MLP's, the hidden size's or the sequence's), L + 1 the layers plus the head
+    at which a rounding difference can enter again. Two machines each within it of float64 differ
+    by at most twice it."""
+    n = max(int(getattr(model_config, "intermediate_size", 0) or 0), int(model_config.hidden_size), length)
+    return step0_bound("fp32", n, int(model_config.num_hidden_layers))
+
+
+def sha256(values: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(values).tobytes()).hexdigest()
+
+
+def checksum(values: np.ndarray) -> dict[str, Any]:
+    """sha256 of the bytes (the exact check) and float64 sums (for people; summation order may vary)."""
+    as64 = values.astype(np.float64)
+    return {"sha256": sha256(values), "sum": float(as64.sum()), "abs_sum": float(np.abs(as64).sum()),
+            "shape": list(values.shape), "dtype": str(values.dtype)}
+
+
+# --- the checkpoint against the model its config builds ---------------------------------------------
+
+
+def empty_model(model_config: Any) -> Any:
+    """The model ``model_config`` builds, fp32 on the CPU, to be overwritten by a load. Its throwaway
+    initial values do not touch the caller's random generators (a training run may go on after it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        return AutoModelForCausalLM.from_config(model_config).eval()
+
+
+def tie_groups(model: Any) -> list[list[str]]:
+    """Names of the state dict that share one tensor (tied weights), each group in state-dict order."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(tensor.data_ptr(), []).append(name)
+    return list(groups.values())
+
+
+def config_dtype(model_config: Any) -> str | None:
+    """The dtype the config declares for its weights ("bfloat16"), or None when it declares none."""
+    value = getattr(model_config, "dtype", None)
+    if value is None:  # transformers before 4.56 keeps it as torch_dtype (a deprecated alias since)
+        value = vars(model_config).get("torch_dtype")
+    return None if value is None else str(value).replace("torch.", "")
+
+
+def _examples(names: list[str], count: int = 3) -> str:
+    shown = ", ".join(repr(n) for n in names[:count])
+    return shown + (f" and {len(names) - count} more" if len(names) > count else "")
+
+
+def match(ckpt: CheckpointFiles, model: Any, model_config: Any, config_label: str) -> dict[str, np.ndarray]:
+    """Each tie group's tensor from the checkpoint, keyed by the group's first name; CheckpointProblem
+    naming the file and the fix for a missing key, another architecture, a shape or dtype mismatch."""
+    groups = tie_groups(model)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    unexpected = sorted(set(ckpt.tensors) - set(expected))
+    missing = [g for g in groups if not any(n in ckpt.tensors for n in g)]
+    architecture = getattr(model_config, "architectures", None) or [type(model).__name__]
+    if unexpected and len(missing) * 2 >= len(groups):
+        raise CheckpointProblem(ckpt.path, None, f"a checkpoint for another architecture: {len(missing)} of the "
+                                f"{len(groups)} tensors {config_label} builds ({architecture[0]}) are missing and "
+                                f"{len(unexpected)} of its tensors are unknown to it (it has {_examples(unexpected)}; "
+                                f"the config expects {_examples([g[0] for g in missing])})",
+                                "pass the config.json the checkpoint was saved with (--config)")
+    if missing:
+        first = missing[0]
+        tied = f" (tied: {' = '.join(first)}; the file holds none of these names)" if len(first) > 1 else ""
+        raise CheckpointProblem(ckpt.path, first[0], f"missing: {config_label} builds a model with this tensor"
+                                f"{tied}; {len(missing)} of {len(groups)} tensors are missing "
+                                f"({_examples([g[0] for g in missing])})",
+                                "save the checkpoint again with every tensor (a tied weight must be stored under one "
+                                "of its names), or pass the config it was saved with")
+    if unexpected:
+        raise CheckpointProblem(ckpt.file_of(unexpected[0]), unexpected[0], f"{len(unexpected)} tensors that the model "
+                                f"{config_label} builds does not have ({_examples(unexpected)})",
+                                "pass the config.json the checkpoint was saved with (--config)")
+    declared = config_dtype(model_config)
+    out: dict[str, np.ndarray] = {}
+    for group in groups:
+        present = [n for n in group if n in ckpt.tensors]
+        name = present[0]
+        values, tag = ckpt.tensors[name], ckpt.tags[name]
+        if tuple(values.shape) != expected[name]:
+            wrong = sum(1 for n in ckpt.tensors if tuple(ckpt.tensors[n].shape) != expected.get(n))
+            raise CheckpointProblem(ckpt.file_of(name), name, f"shape {list(values.shape)}, but {config_label} builds "
+                                    f"{list(expected[name])} ({wrong} of {len(ckpt.tensors)} tensors differ in shape)",
+                                    "pass the config.json the checkpoint was saved with (its sizes differ from this one's)")
+        if tag not in FLOAT_TAGS:
+            raise CheckpointProblem(ckpt.file_of(name), name, f"dtype {tag}: a weight must be a float tensor",
+                                    "export the checkpoint again with float weights")
+        if declared is not None and TORCH_NAMES[tag] != declared:
+            raise CheckpointProblem(ckpt.file_of(name), name, f"dtype {TORCH_NAMES[tag]} ({tag}), but {config_label} "
+                                    f"says dtype {declared}",
+                                    f"convert the checkpoint to {declared}, or set the config's dtype to {TORCH_NAMES[tag]}")
+        for other in present[1:]:
+            if ckpt.tensors[other].tobytes() != values.tobytes():
+                raise CheckpointProblem(ckpt.file_of(other), other, f"tied to {name!r} in {config_label}, but the file "
+                                        "stores two different tensors under the two names",
+                                        "save the checkpoint again from the tied model, or pass an untied config")
+        out[group[0]] = values
+    return out
+
+
+def load_into(model: Any, tensors: dict[str, np.ndarray]) -> None:
+    """Copy each matched tensor into the model (a tied group through its first name: one storage)."""
+    import torch
+
+    state = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, values in tensors.items():
+            target = state[name]
+            target.copy_(torch.from_numpy(values.astype(np.float32) if values.dtype != np.float32 else values)
+                         .to(target.dtype))
+    hooks.after_load(dict(model.state_dict(keep_vars=True)))
+
+
+def held(model: Any, name: str, like: np.ndarray) -> np.ndarray:
+    """The tensor as the model holds it, in the checkpoint's dtype (a float32 copy of bf16 converts back exactly)."""
+    value = model.state_dict()[name].detach().float().cpu().numpy()
+    return value.astype(like.dtype)
+
+
+# --- evaluation ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Evaluation:
+    """What one machine says about one checkpoint; ``summary()`` is what ``--out`` writes and ``--against`` reads."""
+
+    logits: np.ndarray
+    checksums: dict[str, dict[str, Any]]  # as loaded on this machine
+    file_checksums: dict[str, str]  # sha256 of each tensor as stored in the file
+    bound: float  # logits_bound: float32 against float64
+    deviation: float | None = None  # from float64 on this machine; None when not computed
+    device: str = "cpu"
+    problems: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {"checksums": self.checksums, "file_checksums": self.file_checksums, "bound": self.bound,
+                "deviation_from_float64": self.deviation, "device": self.device,
+                "logits": checksum(self.logits), "problems": self.problems}
+
+
+def _forward(model: Any, ids: np.ndarray, device: Any) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        out = model(input_ids=torch.from_numpy(ids).to(device)).logits
+    return out.detach().cpu().numpy()
+
+
+def evaluate(ckpt: CheckpointFiles, model_config: Any, config_label: str, device: str = "cpu",
+             with_float64: bool = True) -> Evaluation:
+    """Load ``ckpt`` into the model ``model_config`` builds, on ``device``; logits, checksums and deviation."""
+    import copy
+
+    model = empty_model(model_config)
+    tensors = match(ckpt, model, model_config, config_label)
+    load_into(model, tensors)
+    ids = fixed_batch(int(model_config.vocab_size))
+    deviation = None
+    logits64 = None
+    if with_float64:
+        logits64 = _forward(copy.deepcopy(model).double(), ids, "cpu")
+    model = model.to(device)
+    logits = _forward(model, ids, device).astype(np.float32)
+    problems: list[str] = []
+    if logits64 is not None:
+        deviation = deviation_between(logits, logits64)
+    checksums, file_checksums = {}, {}
+    for name in tensors:
+        stored = tensors[name]
+        checksums[name] = checksum(held(model, name, stored))
+        file_checksums[name] = sha256(stored)
+        if checksums[name]["sha256"] != file_checksums[name]:
+            problems.append(f"{name}: the tensor the model holds after the load is not the file's "
+                            f"({describe_difference(stored, held(model, name, stored))})")
+    bound = logits_bound(model_config)
+    if deviation is not None and not deviation <= bound:
+        problems.append(f"logits on the fixed batch are {deviation:.3g} from float64 on this machine, beyond the bound "
+                        f"{bound:.3g}: a kernel on {device} computes this model wrongly")
+    return Evaluation(logits, checksums, file_checksums, bound, deviation, str(device), problems)
+
+
+def describe_difference(expected: np.ndarray, got: np.ndarray) -> str:
+    """How two same-shaped tensors differ: elements, where first, and by how many ulps there."""
+    a, b = np.ascontiguousarray(expected), np.ascontiguousarray(got)
+    if a.shape != b.shape:
+        return f"shape {list(b.shape)}, expected {list(a.shape)}"
+    width = a.dtype.itemsize
+    bits = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+    differ = a.reshape(-1).view(bits) != b.reshape(-1).view(bits)
+    count = int(differ.sum())
+    if not count:
+        return "bit-identical"
+    first = int(np.flatnonzero(differ)[0])
+    where = tuple(int(i) for i in np.unravel_index(first, a.shape)) if a.ndim else ()
+    x, y = a.reshape(-1)[first], b.reshape(-1)[first]
+    ulps = abs(int(np.asarray(x).view(bits)) - int(np.asarray(y).view(bits))) if np.sign(x) == np.sign(y) else None
+    step = f", {ulps} ulp" + ("s" if ulps != 1 else "") if ulps is not None else ""
+    return f"{count} of {a.size} elements differ, first at {where}: {x.item()!r} -> {y.item()!r}{step}"
+
+
+# --- two machines ---------------------------------------------------------------------------------------
+
+
+def compare(here: dict[str, Any], logits_here: np.ndarray, there: dict[str, Any], logits_there: np.ndarray,
+            exact: bool = False) -> list[str]:
+    """What differs between two machines' summaries of one checkpoint; [] when they agree.
+
+    Checksums must be equal; logits within twice the larger bound (``exact``: bit for bit)."""
+    problems: list[str] = []
+    a, b = here["checksums"], there["checksums"]
+    for name in sorted(set(a) | set(b)):
+        if name not in a or name not in b:
+            problems.append(f"{name}: checksummed on one machine only")
+        elif a[name]["sha256"] != b[name]["sha256"]:
+            problems.append(f"{name}: checksum differs: sha256 {b[name]['sha256'][:12]}... there, "
+                            f"{a[name]['sha256'][:12]}... here (sum {b[name]['sum']!r} there, {a[name]['sum']!r} here)")
+    if logits_here.shape != logits_there.shape:
+        return problems + [f"logits: shape {list(logits_here.shape)} here, {list(logits_there.shape)} there"]
+    deviation = deviation_between(logits_here, logits_there)
+    tolerance = 2 * max(float(here["bound"]), float(there["bound"]))
+    if exact and not np.array_equal(logits_here.view(np.uint32), logits_there.view(np.uint32)):
+        problems.append(f"logits on the fixed batch are not bit-identical (deviation {deviation:.3g}), and the two "
+                        "stacks compute the same numerics, so they must be")
+    elif not deviation <= tolerance:
+        problems.append(f"logits on the fixed batch differ by {deviation:.3g} of their largest, beyond the cross-platform "
+                        f"tolerance {tolerance:.3g} (twice the float32 bound u sqrt(n) (L + 1))")
+    return problems
+
+
+def deviation_between(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| / max |b|, in float64."""
+    scale = float(np.max(np.abs(b.astype(np.float64)))) or 1.0
+    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) / scale

@@ -1,0 +1,229 @@
+"""The checkpoint scenario on one rank: what each launch does, by its ``role``.
+
+  main           the straight run: 2k steps with state digests at step k; then the full state dict
+                 gathered, saved and reloaded (full_state.py), the result kept as the portable
+                 bundle (the trained checkpoint, its logits and checksums); then the tied model
+                 trained k steps and round-tripped the same way
+  resume-first   k steps, a save (trainer_io.py), state digests; then the processes exit
+  resume-second  new processes: a freshly built trainer, every generator scrambled, the load, state
+                 digests, k more steps
+  sharded-save   k steps at the save world size, a DCP save, full-tensor hashes
+  sharded-load   a freshly built trainer at the load world size, the DCP load, full-tensor hashes
+  portability    rank 0: a shipped or recorded bundle loaded on this stack (portable.py)
+A problem with a checkpoint is a finding in the record, never an exception: the verdict names it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ...errors import GpuRegressError
+from ...reference.record import RunRecord, float_digest
+from ..base import RankContext
+from . import checks, files, full_state, plan, portable, rng, state, trainer, trainer_io
+
+SCRAMBLE_SEED = 987_654_321  # generators before a load: a value no run seeds with
+
+
+def _record(ctx: RankContext, **fields: Any) -> RunRecord:
+    results = fields.pop("results", {})
+    results["pid"] = {str(ctx.rank): os.getpid()}
+    return RunRecord(scenario=plan.NAME, config=plan.stored(ctx.config), platform_key="", world_size=ctx.world_size,
+                     results=results, **fields)
+
+
+def shared_folder(ctx: RankContext, prefix: str) -> Path:
+    """A new folder under the configured root, made by rank 0 and named to every rank (a broadcast)."""
+    import torch
+    import torch.distributed as dist
+
+    root = Path(ctx.config["root"])
+    device = torch.device(ctx.device)  # NCCL broadcasts device tensors only
+    data = b""
+    if ctx.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        data = tempfile.mkdtemp(prefix=prefix, dir=root).encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if ctx.rank == 0:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0)
+    return Path(bytes(buffer.cpu().numpy()).decode())
+
+
+def _is_deterministic() -> bool:
+    """Strict deterministic algorithms (the CPU): only then must a resumed curve be bitwise equal."""
+    import torch
+
+    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+# --- main ------------------------------------------------------------------------------------------------
+
+
+def _roundtrip(ctx: RankContext, tr: trainer.Trainer, model_name: str, with_bundle: bool) -> dict[str, Any]:
+    """Gather, save, reload and check (rank 0); with the bundle for the portability case when asked."""
+    import torch
+
+    from ...training.models import load_config, model_dir
+
+    trained = {name: state.to_numpy(p) for name, p in zip(tr.names, tr.params)}  # every rank's shard: collective
+    trained_logits = full_state.logits_of(tr.model, tr.device)  # collective
+    gathered = full_state.gather(tr.model)  # collective
+    if ctx.rank != 0:
+        return {}
+    model_config = load_config(model_name, ctx.config["model_size"])
+    label = f"the config {model_dir(model_name, ctx.config['model_size']) / 'config.json'}"
+    out: dict[str, Any] = {"ran": True}
+    Path(ctx.config["root"]).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gpuregress-full-state-", dir=ctx.config["root"]) as folder:
+        out["findings"], logits = full_state.roundtrip(gathered, trained, trained_logits, model_config, label,
+                                                       Path(folder), torch.device(ctx.device))
+        if with_bundle and logits is not None:  # the reload above read this file: it cannot fail now
+            evaluation = portable.evaluate(files.read(Path(folder) / "model.safetensors"), model_config, label,
+                                           ctx.device)
+            out["bundle"] = {**evaluation.summary(), "model": model_name}
+            out["bundle_arrays"] = {"logits": evaluation.logits,
+                                    **{files.BUNDLE_PREFIX + n: v for n, v in trained.items()}}
+            out["findings"] += [f"the saved checkpoint on {ctx.device}: {p}" for p in evaluation.problems]
+    return out
+
+
+def run_main(ctx: RankContext) -> RunRecord:
+    cfg = ctx.config
+    k, steps = plan.resume_at(cfg), int(cfg["steps"])
+    tr = trainer.build(cfg, ctx, cfg["model"])
+    ctx.progress("model built")
+    losses, norms = trainer.train(tr, range(k), ctx)
+    boundary = state.boundary(tr, ctx.device_kind, ctx.rank)
+    more_losses, more_norms = trainer.train(tr, range(k, steps), ctx)
+    ctx.progress("full state dict")
+    main = _roundtrip(ctx, tr, cfg["model"], with_bundle=True)
+    ctx.progress("tied model")
+    tied = trainer.build(cfg, ctx, cfg["tied_model"])
+    trainer.train(tied, range(k), ctx)
+    tied_out = _roundtrip(ctx, tied, cfg["tied_model"], with_bundle=False)
+    arrays = main.pop("bundle_arrays", {})
+    digests = {n[len(files.BUNDLE_PREFIX):]: float_digest(v) for n, v in arrays.items() if n.startswith(files.BUNDLE_PREFIX)}
+    return _record(ctx, series={"loss": losses + more_losses, "grad_norm": norms + more_norms}, arrays=arrays,
+                   param_names=list(tr.names), digests=digests,
+                   results={"boundary": boundary, "full_state_dict": main, "tied": tied_out,
+                            "deterministic": _is_deterministic()})
+
+
+# --- resume ----------------------------------------------------------------------------------------------
+
+
+def save(ctx: RankContext, tr: trainer.Trainer, prefix: str, step: int) -> Path:
+    """Save into a new shared folder; a save that raises leaves no folder behind (the session never learns its name)."""
+    folder = shared_folder(ctx, prefix)
+    ctx.progress("saving")
+    try:
+        trainer_io.save(tr, folder, step, ctx.device_kind)
+    except BaseException:
+        if ctx.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return folder
+
+
+def run_resume_first(ctx: RankContext) -> RunRecord:
+    cfg = ctx.config
+    k = plan.resume_at(cfg)
+    tr = trainer.build(cfg, ctx, cfg["model"])
+    losses, _ = trainer.train(tr, range(k), ctx)
+    folder = save(ctx, tr, "gpuregress-resume-", k)
+    boundary = state.boundary(tr, ctx.device_kind, ctx.rank)  # after the save: a save that changes state shows
+    return _record(ctx, series={"loss": losses}, results={"folder": str(folder), "boundary": boundary})
+
+
+def run_resume_second(ctx: RankContext) -> RunRecord:
+    cfg = ctx.config
+    k, steps = plan.resume_at(cfg), int(cfg["steps"])
+    tr = trainer.build(cfg, ctx, cfg["model"])
+    rng.scramble(SCRAMBLE_SEED + ctx.rank, ctx.device_kind)
+    ctx.progress("loading")
+    try:
+        trainer_io.load(tr, Path(cfg["folder"]), with_rng=True, device_kind=ctx.device_kind)
+    except GpuRegressError as exc:
+        return _record(ctx, results={"load_error": str(exc)})
+    boundary = state.boundary(tr, ctx.device_kind, ctx.rank)  # what step k is about to see
+    losses, _ = trainer.train(tr, range(k, steps), ctx)
+    return _record(ctx, series={"loss": losses}, results={"boundary": boundary})
+
+
+# --- sharded ---------------------------------------------------------------------------------------------
+
+
+def _chunks(cfg: dict[str, Any]) -> int:
+    return max(int(cfg["saved_world"]), int(cfg["load_world"]))
+
+
+def run_sharded_save(ctx: RankContext) -> RunRecord:
+    cfg = ctx.config
+    tr = trainer.build(cfg, ctx, cfg["model"])
+    trainer.train(tr, range(plan.resume_at(cfg)), ctx)
+    folder = save(ctx, tr, "gpuregress-sharded-", plan.resume_at(cfg))
+    return _record(ctx, results={"folder": str(folder), "hashes": state.tensor_hashes(tr, _chunks(cfg))})
+
+
+def run_sharded_load(ctx: RankContext) -> RunRecord:
+    cfg = ctx.config
+    tr = trainer.build(cfg, ctx, cfg["model"])
+    rng.scramble(SCRAMBLE_SEED + ctx.rank, ctx.device_kind)
+    try:
+        # Generators are per rank: at another world size there is no rank to give them to.
+        trainer_io.load(tr, Path(cfg["folder"]), with_rng=False, device_kind=ctx.device_kind)
+    except GpuRegressError as exc:
+        return _record(ctx, results={"load_error": str(exc)})
+    return _record(ctx, results={"hashes": state.tensor_hashes(tr, _chunks(cfg))})
+
+
+# --- portability -----------------------------------------------------------------------------------------
+
+
+def run_portability(ctx: RankContext) -> RunRecord:
+    from ...training.models import architecture_digest, load_config, model_dir
+
+    if ctx.rank != 0:  # rank 0 evaluates; the group is the session's usual one (warm, and possible under torchrun)
+        return _record(ctx)
+    bundle = Path(ctx.config["bundle"])
+    out: dict[str, Any] = {"bundle": str(bundle), "ran": True}
+    arrays = {}
+    try:
+        reference = checks.read_bundle(bundle)
+        name, size = reference.config["model"], reference.config["model_size"]
+        if architecture_digest(name, size) != reference.config.get("model_architecture"):
+            raise GpuRegressError(f"{bundle}: a checkpoint for another architecture: recorded for {name} ({size}) with "
+                                  f"architecture {reference.config.get('model_architecture')}, and "
+                                  f"{model_dir(name, size) / 'config.json'} now gives {architecture_digest(name, size)}\n"
+                                  "  fix: record the bundle again (pytest --gpuregress --gpuregress-record -k checkpoint)")
+        label = f"the config {model_dir(name, size) / 'config.json'}"
+        evaluation = portable.evaluate(files.read(bundle), load_config(name, size), label, ctx.device)
+        exact = checks.same_numerics(reference.fingerprint, ctx.fingerprint)
+        expected = reference.results["full_state_dict"]["bundle"]
+        out.update(evaluation.summary(), lane="exact" if exact else "tolerant",
+                   deviation_from_bundle=portable.deviation_between(evaluation.logits, reference.arrays["logits"]),
+                   recorded_on=checks.describe_stack(reference.fingerprint))
+        out["findings"] = evaluation.problems + portable.compare(evaluation.summary(), evaluation.logits, expected,
+                                                                 reference.arrays["logits"], exact)
+        arrays["logits"] = evaluation.logits
+    except GpuRegressError as exc:
+        out["findings"] = [str(exc)]
+    return _record(ctx, arrays=arrays, results={"portability": out})
+
+
+ROLES: dict[str, Callable[[RankContext], RunRecord]] = {
+    "main": run_main, "resume-first": run_resume_first, "resume-second": run_resume_second,
+    "sharded-save": run_sharded_save, "sharded-load": run_sharded_load, "portability": run_portability,
+}
+
+
+def run(ctx: RankContext) -> RunRecord:
+    return ROLES[ctx.config["role"]](ctx)

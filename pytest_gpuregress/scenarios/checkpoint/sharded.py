@@ -1,0 +1,94 @@
+"""Rank side: sharded checkpoints with torch.distributed.checkpoint (DCP), its default filesystem format.
+
+Every rank writes its own shards (``__<rank>_0.distcp``) and rank 0 the ``.metadata`` file. The save
+goes to a staging folder that rank 0 swaps in whole once every rank has written, so a reader sees a
+complete checkpoint or none. Only tensors are handed to DCP: it stores anything else with
+torch.save and reads it back with ``torch.load(weights_only=False)``, an unpickle; the rest of a
+trainer's state goes to JSON beside it (trainer_io.py).
+
+Unpickling: DCP's ``.metadata`` file is a pickle, written and read by torch itself. This scenario
+reads DCP checkpoints only from folders its own ranks wrote moments before, in a temporary folder
+it created; never a checkpoint a user points to (the portability path reads safetensors only).
+
+``save`` and ``load`` are called through this module, so faults can replace them
+(faults/checkpoint.py: a shard written from rank 0 only, chunks permuted when resharding).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ...reference import atomic
+from ..formats.errors import CheckpointProblem
+
+METADATA = ".metadata"
+
+
+def tensors_only(state: dict[str, Any], where: str = "") -> None:
+    """Refuse anything but tensors: DCP would pickle it."""
+    import torch
+
+    for key, value in state.items():
+        if isinstance(value, dict):
+            tensors_only(value, f"{where}{key}.")
+        elif not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where}{key} is a {type(value).__name__}: only tensors go to DCP (anything else is pickled)")
+
+
+def save(state: dict[str, Any], folder: Path) -> None:
+    """Save ``state`` (nested dicts of tensors and DTensors) into ``folder``. Collective."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    tensors_only(state)
+    staged = staging(folder)
+    dcp.save(state, checkpoint_id=str(staged))
+    dist.barrier()  # every shard is written before the folder becomes visible
+    if dist.get_rank() == 0:
+        atomic.replace_dir(staged, folder)
+    dist.barrier()
+
+
+def staging(folder: Path) -> Path:
+    """The staging folder every rank writes into: named after ``folder``, the same on every rank."""
+    return folder.with_name(f".{folder.name}.staging")
+
+
+def load(state: dict[str, Any], folder: Path, saved_world: int) -> None:
+    """Fill ``state``'s tensors in place from ``folder``, at this run's world size. Collective.
+
+    ``saved_world``: the world size that wrote the folder (a fault uses it to permute chunks)."""
+    import torch.distributed.checkpoint as dcp
+
+    tensors_only(state)
+    verify(folder)
+    dcp.load(state, checkpoint_id=str(folder))
+
+
+def verify(folder: Path) -> None:
+    """Every file the metadata lists is there and long enough; a clear error naming the file otherwise."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (folder / METADATA).is_file():
+        raise CheckpointProblem(folder, None, f"no {METADATA}: not a complete DCP checkpoint",
+                                "the save did not finish; save it again")
+    metadata = FileSystemReader(str(folder)).read_metadata()  # a pickle: only from this run's own folders
+    needs: dict[str, int] = {}
+    holds: dict[str, list[str]] = {}
+    for index, info in metadata.storage_data.items():
+        needs[info.relative_path] = max(needs.get(info.relative_path, 0), int(info.offset) + int(info.length))
+        holds.setdefault(info.relative_path, []).append(index.fqn)
+    for name, size in sorted(needs.items()):
+        path = folder / name
+        keys = sorted(set(holds[name]))
+        shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        if not path.is_file():
+            raise CheckpointProblem(path, None, f"missing: the metadata lists chunks of {len(keys)} tensors in this "
+                                    f"shard ({shown}), and no rank wrote it here",
+                                    "every rank must write its shard into the same folder (shared storage); save again")
+        actual = os.path.getsize(path)
+        if actual < size:
+            raise CheckpointProblem(path, None, f"truncated: {actual} bytes, its chunks ({shown}) need {size}",
+                                    "the save did not finish or the copy was cut short; save or copy it again")

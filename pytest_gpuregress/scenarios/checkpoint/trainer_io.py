@@ -1,0 +1,110 @@
+"""Rank side: a trainer's whole state in a checkpoint folder, and back into a freshly built trainer.
+
+Layout (every file written atomically; ``trainer.json`` last, so its presence means complete):
+  tensors/            DCP: the model's parameters and the optimizer's exp_avg, exp_avg_sq and step
+  rng-rank<r>.json    rank r's generators (rng.py)
+  trainer.json        the optimizer's param groups, the LR scheduler, the data position, the step
+                      and the world size that saved it
+Hook points a fault replaces, called through this module: ``apply_model`` (loaded weights into the
+model) and ``apply_optimizer`` (loaded state into the optimizer).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ...reference import atomic
+from ..formats.errors import CheckpointProblem
+from . import hooks, rng, sharded, state
+from .trainer import Trainer
+
+FORMAT = "gpuregress-trainer-checkpoint/1"
+TENSORS = "tensors"
+TRAINER_JSON = "trainer.json"
+
+
+def rng_file(folder: Path, rank: int) -> Path:
+    return folder / f"rng-rank{rank}.json"
+
+
+def _state_dicts(trainer: Trainer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model, optimizer) state dicts keyed by parameter name; initialises a fresh optimizer's state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(trainer.model, trainer.optimizer)
+
+
+def save(trainer: Trainer, folder: Path, step: int, device_kind: str) -> None:
+    """Write the trainer's state after ``step`` steps into ``folder``. Collective."""
+    import torch.distributed as dist
+
+    model_state, optim_state = _state_dicts(trainer)
+    sharded.save({"model": model_state, "optim": optim_state["state"]}, folder / TENSORS)
+    atomic.write_json(rng_file(folder, trainer.rank), rng.capture(device_kind))
+    dist.barrier()
+    if trainer.rank == 0:
+        atomic.write_json(folder / TRAINER_JSON, {
+            "format": FORMAT, "step": step, "world_size": trainer.world_size,
+            "param_groups": optim_state["param_groups"],
+            "scheduler": state.scheduler_state(trainer),
+            "data_position": trainer.data.position,
+        })
+    dist.barrier()
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointProblem(path, None, f"missing: the checkpoint has no {what}, so its save did not finish",
+                                "save it again")
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointProblem(path, None, f"not JSON ({exc})", "save it again") from None
+    if not isinstance(data, dict):
+        raise CheckpointProblem(path, None, "not a JSON object", "save it again")
+    return data
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    meta = read_json(folder / TRAINER_JSON, "trainer state")
+    if meta.get("format") != FORMAT:
+        raise CheckpointProblem(folder / TRAINER_JSON, None, f"format {meta.get('format')!r}, expected {FORMAT!r}",
+                                "save it again with this version")
+    return meta
+
+
+def _copies(state: dict[str, Any]) -> dict[str, Any]:
+    """Detached copies to load into, so the load and the apply are separate steps a fault can tell apart."""
+    return {k: _copies(v) if isinstance(v, dict) else v.detach().clone() for k, v in state.items()}
+
+
+def load(trainer: Trainer, folder: Path, *, with_rng: bool, device_kind: str) -> dict[str, Any]:
+    """Restore a freshly built trainer from ``folder`` at this run's world size; return trainer.json. Collective.
+
+    ``with_rng``: restore this rank's generators too (only meaningful at the world size that saved)."""
+    meta = read_meta(folder)
+    model_state, optim_state = _state_dicts(trainer)
+    loaded = {"model": _copies(model_state), "optim": _copies(optim_state["state"])}
+    sharded.load(loaded, folder / TENSORS, int(meta["world_size"]))
+    apply_model(trainer, loaded["model"])
+    apply_optimizer(trainer, {"state": loaded["optim"], "param_groups": meta["param_groups"]})
+    trainer.scheduler.load_state_dict({**trainer.scheduler.state_dict(), **meta["scheduler"]})
+    trainer.data.position = int(meta["data_position"])
+    if with_rng:
+        rng.restore(read_json(rng_file(folder, trainer.rank), "generator state of this rank"), device_kind)
+    hooks.after_load(dict(zip(trainer.names, trainer.params)))
+    return meta
+
+
+def apply_model(trainer: Trainer, model_state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(trainer.model, model_state)
+
+
+def apply_optimizer(trainer: Trainer, optim_state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state)

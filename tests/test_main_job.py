@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_shipped_references import FSDP, SHIPPED, gpuregress
+from .test_shipped_references import CHECKPOINT, FSDP, SHIPPED, gpuregress
 
 pytestmark = pytest.mark.slow
 
@@ -22,3 +22,8 @@ def test_the_main_job_passes_against_the_shipped_references(tmp_path: Path) -> N
     assert "fsdp cpu-gloo-w2-fp32: PASSED" in done.stdout and "ForeignReference" not in done.stdout
     for lane in ("fsdp2", "accelerate"):
         assert f"lora cpu-gloo-w2-fp32-{lane}: PASSED" in done.stdout
+    # The checkpoint scenario against its shipped reference, and the shipped bundle loaded on this stack.
+    line = next(x for x in done.stdout.splitlines() if x.startswith("checkpoint cpu-gloo-w2-fp32:"))
+    assert "PASSED [exact lane]" in line and str(SHIPPED / CHECKPOINT) in line, line
+    assert f"portability: {SHIPPED / CHECKPOINT} (recorded on " in done.stdout
+    assert "exact lane, logits 0 from the bundle's" in done.stdout

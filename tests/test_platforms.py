@@ -33,3 +33,9 @@ def test_outside_a_multi_task_srun_step_nothing_changes(env: dict[str, str]) -> 
     before = dict(env)
     adopt_srun_environment(env)
     assert env == before
+
+
+def test_an_srun_task_bound_to_one_gpu_uses_device_zero_and_knows_its_node_size() -> None:
+    env = {**SRUN_TASK, "CUDA_VISIBLE_DEVICES": "3", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+    adopt_srun_environment(env)
+    assert (env["RANK"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("5", "0", "4")

@@ -23,7 +23,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def two_agents(tmp_path: Path, *pytest_args: str, timeout: float = 240) -> tuple[list[str], float]:
+def two_agents(tmp_path: Path, *pytest_args: str, select: str = "fsdp and not triage",
+               timeout: float = 240) -> tuple[list[str], float]:
     """Run pytest under two single-rank torchrun agents; return each agent's output and the wall time."""
     port = free_port()
     procs = []
@@ -31,7 +32,7 @@ def two_agents(tmp_path: Path, *pytest_args: str, timeout: float = 240) -> tuple
     for node in range(2):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                f"--node-rank={node}", "--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}",
-               "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "-k", "fsdp and not triage",
+               "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "-k", select,
                "--gpuregress-steps=4", f"--gpuregress-reference-dir={tmp_path / 'refs'}", *pytest_args]
         procs.append(subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -39,43 +40,44 @@ def two_agents(tmp_path: Path, *pytest_args: str, timeout: float = 240) -> tuple
 
 
 def test_a_rank_that_raises_fails_its_peers_at_once_with_its_error(tmp_path: Path) -> None:
-    outputs, wall = two_agents(tmp_path, "--gpuregress-inject=crash:rank=1,step=1", "--gpuregress-timeout=300")
+    # Two scenarios: after the first failure tore the process group down, the second fails at once, saying why.
+    outputs, wall = two_agents(tmp_path, "--gpuregress-inject=crash:rank=1,step=1", "--gpuregress-timeout=300",
+                               select="fsdp and not triage or fully_shard")
     assert "listen beyond loopback" in outputs[0]  # torchrun's store binds every interface: the header says so
     for out in outputs:  # both ranks report rank 1's error, not a transport error or a timeout
-        assert "rank 1 raised RuntimeError" in out, out[-3000:]
-        assert "injected crash" in out, out[-3000:]
-        assert "1 failed" in out, out[-3000:]
+        assert "rank 1 raised RuntimeError" in out and "injected crash" in out, out[-3000:]
+        assert "not run: launch 1 (pytest_gpuregress.scenarios.fsdp.rank:run) failed and tore" in out, out[-3000:]
+        assert "2 failed" in out, out[-3000:]
     assert wall < 120, wall  # the group timeout would be 360 s
 
 
 def test_a_hung_rank_ends_the_run_at_the_timeout_with_where_it_was(tmp_path: Path) -> None:
-    outputs, wall = two_agents(tmp_path, "--gpuregress-inject=hang:rank=1,step=1", "--gpuregress-timeout=20")
+    outputs, wall = two_agents(tmp_path, "--gpuregress-inject=hang:rank=1,step=1", "--gpuregress-timeout=10")
     joined = "\n".join(outputs)
-    assert "at the time limit (20s, --gpuregress-timeout)" in joined, joined[-4000:]
+    assert "at the time limit (10s, --gpuregress-timeout)" in joined, joined[-4000:]
     assert "rank 1 still running" in joined and "outside any collective" in joined, joined[-4000:]
     assert 'faults/process.py", line' in joined  # the hung rank's own stack
-    assert wall < 20 + 90, wall
+    assert wall < 10 + 90, wall
 
 
 def test_two_sessions_started_together_in_one_folder_do_not_collide(tmp_path: Path) -> None:
     """Two CI jobs on one machine: no shared port, run folder or reference write between them."""
-    from .conftest import record_references
-
-    refs = record_references(tmp_path, "--gpuregress-steps=4", "--gpuregress-replicas=0", "-k", "fsdp and not triage")
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-steps=4",
-           f"--gpuregress-reference-dir={refs}", "-k", "fsdp and not triage"]
-    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(2)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    for proc, out in zip(procs, outputs):
-        assert proc.returncode == 0, out[-3000:]
-        assert "fsdp cpu-gloo-w2-fp32: PASSED [exact lane] 4 steps" in out
-    # Both recording over the same reference at once: the store's lock serialises them, one wins whole.
-    procs = [subprocess.Popen([*cmd, "--gpuregress-record", "--gpuregress-replicas=0"], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outputs[0][-2000:] + outputs[1][-2000:]
     from pytest_gpuregress.reference import store
 
+    refs = tmp_path / "refs"
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-steps=4",
+           f"--gpuregress-reference-dir={refs}", "-k", "fsdp and not triage"]
+
+    def both(*extra: str) -> list[str]:
+        procs = [subprocess.Popen([*cmd, *extra], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True) for _ in range(2)]
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), outputs[0][-2000:] + outputs[1][-2000:]
+        return outputs
+
+    # Both recording the same reference at once: the store's lock serialises them, one wins whole.
+    both("--gpuregress-record", "--gpuregress-replicas=0")
     assert store.read_reference(store.ReferenceLocation(refs, "fsdp", "cpu-gloo-w2-fp32")).steps == 4
     assert not [p.name for p in (refs / "fsdp").iterdir() if p.name.startswith(".")]  # no leftovers
+    for out in both():  # then both comparing with it
+        assert "fsdp cpu-gloo-w2-fp32: PASSED [exact lane] 4 steps" in out

@@ -54,7 +54,7 @@ def test_a_failed_run_is_kept_plotted_reported_and_reproducible(pytester: pytest
                  f"--junitxml={junit}")
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
-    kept = artifacts / "fsdp" / "cpu-gloo-w2-fp32"
+    kept = artifacts / "runs" / "fsdp" / "cpu-gloo-w2-fp32"
     assert f"gpuregress artifacts: {artifacts}" in out  # named in the header, for CI to upload
     assert f"this run's record: {kept}" in out
     command = f"gpuregress compare {refs / 'fsdp' / 'cpu-gloo-w2-fp32'} {kept}"
@@ -62,7 +62,7 @@ def test_a_failed_run_is_kept_plotted_reported_and_reproducible(pytester: pytest
     assert f"reproduce fsdp: {command}" in out  # under the summary table too
     result.stdout.fnmatch_lines(["scenario*platform*lane*verdict*worst/tol*seconds",
                                  "fsdp*cpu-gloo-w2-fp32*exact*FAILED*x*"])
-    plot = artifacts / "fsdp" / "cpu-gloo-w2-fp32.png"
+    plot = artifacts / "runs" / "fsdp" / "cpu-gloo-w2-fp32.png"
     if importlib.util.find_spec("matplotlib"):
         assert f"plot: {plot}" in out and plot.read_bytes()[:4] == b"\x89PNG"
     else:
@@ -82,9 +82,9 @@ def test_a_failed_run_is_kept_plotted_reported_and_reproducible(pytester: pytest
 def test_a_passed_run_leaves_no_record_unless_asked(pytester: pytest.Pytester, refs: Path, tmp_path: Path) -> None:
     artifacts = tmp_path / "artifacts"
     run(pytester, refs, f"--gpuregress-artifacts={artifacts}").assert_outcomes(passed=1)
-    assert not (artifacts / "fsdp").exists()
+    assert not (artifacts / "runs").exists()
     run(pytester, refs, f"--gpuregress-artifacts={artifacts}", "--gpuregress-keep-runs").assert_outcomes(passed=1)
-    assert (artifacts / "fsdp" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
+    assert (artifacts / "runs" / "fsdp" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
 
 
 def test_fail_fast_stops_at_the_first_step_outside_tolerance(pytester: pytest.Pytester, refs: Path) -> None:
@@ -94,6 +94,18 @@ def test_fail_fast_stops_at_the_first_step_outside_tolerance(pytester: pytest.Py
     result.stdout.fnmatch_lines(["*fail-fast: stopped at step 1 of 8: loss expected *, got * (rel * > tol *)*",
                                  "fsdp cpu-gloo-w2-fp32: FAILED * 2 steps, loss *"])
     assert "reference has 8 steps" not in result.stdout.str()  # compared over the steps that ran
+
+
+def test_fail_fast_stops_every_rank_together_when_only_one_rank_sees_a_miss(pytester: pytest.Pytester,
+                                                                          refs: Path) -> None:
+    # Rank 1's all-reduces come back zero: its loss leaves the reference, rank 0's does not. A rank that
+    # stopped alone would leave its peer waiting in a collective until the timeout.
+    started = time.monotonic()
+    result = run(pytester, refs, "--gpuregress-fail-fast", "--gpuregress-timeout=60",
+                 "--gpuregress-inject=collective:op=all_reduce,ranks=1,mode=zeros")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*fail-fast: stopped at step 0 of 8: another rank*left the tolerance*"])
+    assert "hung" not in result.stdout.str() and time.monotonic() - started < 60
 
 
 def test_fail_fast_on_a_clean_run_runs_every_step_and_passes(pytester: pytest.Pytester, refs: Path) -> None:

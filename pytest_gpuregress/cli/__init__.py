@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..errors import GpuRegressError
 from ..reference.compare import compare_training
+from ..reference.failfast import truncated_reference
 from ..reference.record import RunRecord
 from ..reference.report import format_comparison
 from ..reference.store import MANIFEST, ReferenceLocation, read_reference
@@ -56,6 +57,8 @@ def _show(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     reference, run = load_record(Path(args.reference)), load_record(Path(args.run))
+    if run.results.get("fail_fast"):  # stopped early: compare the steps it ran, as the plugin did
+        reference = truncated_reference(reference, run.steps)
     comparison = compare_training(reference, run, lane=args.lane)
     if comparison.passed:
         print(f"same within the {comparison.lane} lane ({comparison.lane_reason})")

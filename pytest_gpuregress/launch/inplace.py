@@ -9,7 +9,8 @@ verdict; only rank 0 writes references.
 
 As safe as spawned ranks: faults are installed per launch and undone after it (cleanup hooks);
 a rank that raises tells its peers through torchrun's store, then tears its process group down,
-so peers blocked in a collective fail at once with that rank's error, not at the group timeout;
+so peers blocked in a collective fail at once with that rank's error, not at the group timeout
+(later launches of the session then fail at once too: the group cannot be rebuilt in place);
 and ``--gpuregress-timeout`` holds: past it, a rank prints where it is (its progress, its
 collective, every thread's stack) and exits, and torchrun stops the others.
 """
@@ -76,6 +77,7 @@ class InPlaceLauncher:
         self.rank = int(os.environ["RANK"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.launches = 0  # every rank runs the same launches in the same order: a shared key for each
+        self.torn_down: str | None = None  # why the process group is gone (a launch failed)
 
     @property
     def is_writer(self) -> bool:
@@ -93,6 +95,11 @@ class InPlaceLauncher:
         job = replace(job, loopback_only=False)
         Path(job.run_dir).mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
+        if self.torn_down is not None:
+            # Building a second default group on torchrun's store in one process is not reliable
+            # (its rendezvous keys are taken): later launches fail at once instead of hanging.
+            raise RankFailure(f"not run: {self.torn_down}; under torchrun a session cannot rebuild its process "
+                              "group, so rerun the remaining tests")
         if not dist.is_initialized():
             _init_process_group(job, self.rank, self.local_rank)
         self.launches += 1
@@ -106,7 +113,9 @@ class InPlaceLauncher:
             everyone = _gather_json(record.to_json(), ctx.device)
             arrays = _gather_arrays(record.arrays, ctx.device)
         except Exception as exc:  # noqa: BLE001 - every rank must learn which rank failed first
-            raise _fail_together(store, failure_key, self.rank, exc) from None
+            failure = _fail_together(store, failure_key, self.rank, exc)
+            self.torn_down = f"launch {self.launches} ({job.scenario}) failed and tore the process group down"
+            raise failure from None
         finally:
             watchdog.cancel()
         records = []
@@ -136,7 +145,7 @@ def _fail_together(store: object, key: str, rank: int, exc: BaseException) -> Ra
     except Exception:  # noqa: BLE001 - the store is gone too: report this rank's own error
         first = None
     if dist.is_initialized():
-        dist.destroy_process_group()  # peers blocked in a collective with this rank fail now; the next launch re-inits
+        dist.destroy_process_group()  # peers blocked in a collective with this rank fail now
     if first is None or first["rank"] == rank:
         return RankFailure(f"rank {rank} raised {type(exc).__name__} (in place under torchrun)\n"
                            + "".join(traceback.format_exception(exc)))

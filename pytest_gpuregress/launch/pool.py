@@ -134,9 +134,8 @@ class RankGroup:
         self.kill()
 
     def kill(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                kill_process_group(proc)
+        for proc in self.procs:  # also for ranks that exited: children they started may live on
+            kill_process_group(proc)
         for proc in self.procs:
             proc.wait()
             if proc.stdin is not None:

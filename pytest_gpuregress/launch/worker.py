@@ -101,19 +101,19 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
         watch=job.watch,
     )
     ctx.progress("start")
-    installed = faults.install(job.faults, ctx)
-    flight.install(files.flight, ctx.cleanup_hooks)  # after the faults: it sees the calls the scenario makes
-    run_scenario = resolve_entry(job.scenario)
-    switches = set_determinism(int(job.config.get("seed", 0)), device_kind=job.device_kind)
-    if init_group:
-        _init_process_group(job, rank, local_rank)
-    ctx.progress("process group ready")
-    if job.collect_fingerprint and rank == 0:
-        ctx.fingerprint = collect(job.device_kind, job.backend, job.world_size, switches)
-    try:
+    try:  # from the first installed patch on: whatever raises, every patch is undone (ranks outlive a job)
+        installed = faults.install(job.faults, ctx)
+        flight.install(files.flight, ctx.cleanup_hooks)  # after the faults: it sees the calls the scenario makes
+        run_scenario = resolve_entry(job.scenario)
+        switches = set_determinism(int(job.config.get("seed", 0)), device_kind=job.device_kind)
+        if init_group:
+            _init_process_group(job, rank, local_rank)
+        ctx.progress("process group ready")
+        if job.collect_fingerprint and rank == 0:
+            ctx.fingerprint = collect(job.device_kind, job.backend, job.world_size, switches)
         record = run_scenario(ctx)
     finally:
-        for undo in reversed(ctx.cleanup_hooks):  # in place, the process runs later tests too
+        for undo in reversed(ctx.cleanup_hooks):
             undo()
     record.fingerprint = record.fingerprint or ctx.fingerprint
     if ctx.stopped is not None:
@@ -186,6 +186,24 @@ class _JobStdio:
             os.close(saved)
 
 
+class _JobEnvironment:
+    """Give the next job the environment this rank started with, and no leftover library singletons.
+
+    A scenario may set variables (lora sets LOCAL_WORLD_SIZE) or build process-wide state
+    (accelerate's AcceleratorState keeps the first job's FSDP plugin)."""
+
+    def __enter__(self) -> _JobEnvironment:
+        self.saved = dict(os.environ)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.environ.clear()
+        os.environ.update(self.saved)
+        state = sys.modules.get("accelerate.state")
+        if state is not None:
+            state.AcceleratorState._reset_state(True)
+
+
 class _JobDirectory:
     """Work in the launcher's directory for one job, and forget the modules imported from it.
 
@@ -221,7 +239,7 @@ def serve_job(job_path: Path, rank: int) -> int:
     """Run one job as ``rank``; return 0 when this rank may serve another."""
     job = Job.load(job_path)
     files = RankFiles(Path(job.run_dir), rank)
-    with _JobStdio(files), _JobDirectory(job.cwd):
+    with _JobStdio(files), _JobDirectory(job.cwd), _JobEnvironment():
         try:
             run_rank(job, rank)
             _teardown(job)

@@ -1,8 +1,9 @@
 """What a training comparison leaves behind to read later: the run's record, its plot, and their paths.
 
 Layout under the artifacts folder (``--gpuregress-artifacts``, named in the report header):
-  <name>/<platform-key>/        the run, in the store's format: ``gpuregress compare <reference> <this>``
-  <name>/<platform-key>.png     the comparison plot (reference/plot.py)
+  runs/<name>/<platform-key>/       the run, in the store's format: ``gpuregress compare <reference> <this>``
+  runs/<name>/<platform-key>.png    the comparison plot (reference/plot.py)
+  <scenario>/<platform-key>/<launch>/  check scenarios' launch records and files (session._save_artifacts)
 A failed run is always kept and plotted; a passed one only with --gpuregress-keep-runs (its
 record) or --gpuregress-plots (its plot).
 """
@@ -45,7 +46,7 @@ def compare_command(reference: Path, run: Path) -> str:
 
 class Artifacts:
     def __init__(self, root: Path) -> None:
-        self.root = root
+        self.root = root / "runs"
 
     def keep(self, name: str, record: RunRecord, reference: RunRecord, comparison: Comparison, *,
              keep_run: bool, plot: bool) -> Kept:
@@ -59,4 +60,6 @@ class Artifacts:
                                             comparison, title=name)
             except PlotsUnavailable as exc:
                 kept.plot_note = str(exc)
+            except Exception as exc:  # noqa: BLE001 - the findings matter more than their picture
+                kept.plot_note = f"the plot failed: {type(exc).__name__}: {exc}"
         return kept

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import GpuRegressError, MissingReference, NotApplicable, RankFailure, RegressionFailure
+from ..errors import (
+    GpuRegressError,
+    MissingReference,
+    NotApplicable,
+    RankFailure,
+    ReferenceProblem,
+    RegressionFailure,
+)
 from ..faults import check_ranks
 from ..launch.job import Job
 from ..reference import envelope, failfast, store
@@ -281,7 +288,12 @@ class GpuRegressSession:
         case = next(c for c in self.selected.get(scenario, []) or sc.cases(self.setup) if c.id == case_id)
         if self.options.fail_fast and not self.options.record:
             self._watch_reference(sc, case)
-        record = sc.experiment(case, self.launch_cached, self.setup) or self.launch_for(sc, case)
+        try:
+            record = sc.experiment(case, self.launch_cached, self.setup) or self.launch_for(sc, case)
+        except RankFailure as exc:  # a row in the closing table too, not only a failed test
+            key = self.platform.key(sc.platform_tag(self._launch_of(sc, case).config))
+            self._add_outcome(Outcome(sc.name, key, "error", detail=str(exc).splitlines()[0]))
+            raise
         problems = sc.verdict(case, record, self.setup)
         self.figures.update(sc.properties(case, record, self.setup))
         reference = sc.reference_name(case)
@@ -294,6 +306,10 @@ class GpuRegressSession:
         elif problems:
             raise RegressionFailure("\n".join(problems))
 
+    def _add_outcome(self, outcome: Outcome) -> None:
+        if outcome not in self.outcomes:  # cases of one launch (or one reference): one summary line
+            self.outcomes.append(outcome)
+
     def _watch_reference(self, sc: Scenario, case: Case) -> None:
         """For --gpuregress-fail-fast: hand the case's launch its reference, to stop at the first miss."""
         name = sc.reference_name(case)
@@ -303,6 +319,7 @@ class GpuRegressSession:
         try:
             reference = store.read_reference(self.location(name, self.platform.key(sc.platform_tag(launch.config))))
         except GpuRegressError:  # missing or unreadable: the comparison after the run says so
+            self.watches[(sc.name, launch.key)] = failfast.watch_from(None, {})
             return
         self.watches[(sc.name, launch.key)] = failfast.watch_from(reference, tolerant_limits(reference)[0])
 
@@ -343,10 +360,19 @@ class GpuRegressSession:
         try:
             reference = store.read_reference(loc)
         except MissingReference:
-            self.outcomes.append(Outcome(scenario, record.platform_key, "error", detail="no reference",
-                                         reproduce=loc.record_hint))
+            self._add_outcome(Outcome(scenario, record.platform_key, "error", detail="no reference",
+                                      reproduce=loc.record_hint))
             raise
-        store.check_compatible(loc, reference, record)
+        except ReferenceProblem as exc:
+            self._add_outcome(Outcome(scenario, record.platform_key, "error", detail=type(exc).__name__,
+                                      reproduce=loc.record_hint))
+            raise
+        try:
+            store.check_compatible(loc, reference, record)
+        except ReferenceProblem as exc:
+            self._add_outcome(Outcome(scenario, record.platform_key, "error", detail=type(exc).__name__,
+                                      reproduce=loc.record_hint))
+            raise
         stop = record.results.get("fail_fast")
         if stop:  # the run ended early: compare the steps it ran, and say where and why it stopped
             reference = failfast.truncated_reference(reference, record.steps)
@@ -366,8 +392,7 @@ class GpuRegressSession:
         outcome = Outcome(scenario, record.platform_key, "passed" if passed else "failed", comparison.lane, detail,
                           record.notes, worst, record.timings.get("launch_wall_s"),
                           compare_command(loc.path, kept.run) if kept.run and not passed else "")
-        if outcome not in self.outcomes:  # cases of one launch sharing one reference: one summary line
-            self.outcomes.append(outcome)
+        self._add_outcome(outcome)
         self.figures.update(lane=comparison.lane, platform_key=record.platform_key,
                             first_differing_step=first_divergence(comparison), worst_over_tolerance=worst,
                             seconds=outcome.seconds, plot=kept.plot,

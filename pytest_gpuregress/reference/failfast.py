@@ -27,9 +27,14 @@ WATCHED = ("loss", "grad_norm")
 PER_STEP_ARRAYS = ("param_grad_norm",)
 
 
-def watch_from(reference: RunRecord, limits: dict[str, Any]) -> dict[str, Any]:
-    """What ranks need to judge each step: reference values and limits per watched metric (JSON-ready)."""
-    watch: dict[str, Any] = {}
+def watch_from(reference: RunRecord | None, limits: dict[str, Any]) -> dict[str, Any]:
+    """What ranks need to judge each step: reference values and limits per watched metric (JSON-ready).
+
+    ``agree``: the ranks vote every step, so they stop together; set even without a reference
+    (a rank that cannot read it must still vote, or its peers would wait for it)."""
+    watch: dict[str, Any] = {"agree": True}
+    if reference is None:
+        return watch
     for metric in WATCHED:
         values = reference.series.get(metric)
         if values:
@@ -41,7 +46,7 @@ def watch_from(reference: RunRecord, limits: dict[str, Any]) -> dict[str, Any]:
 def first_miss(watch: dict[str, Any], step: int, values: dict[str, float]) -> dict[str, Any] | None:
     """The first watched metric at ``step`` outside its limit, as a JSON-ready finding; None when all fit."""
     for metric, got in values.items():
-        ref = watch.get(metric)
+        ref = watch.get(metric) if metric in WATCHED else None
         if ref is None or step >= len(ref["expected"]):
             continue
         expected, limit = ref["expected"][step], ref["limit"][step]
@@ -52,9 +57,18 @@ def first_miss(watch: dict[str, Any], step: int, values: dict[str, float]) -> di
     return None
 
 
+def peer_miss(watch: dict[str, Any], step: int) -> dict[str, Any]:
+    """This rank's values fit, another rank's did not: stop here too, and say so."""
+    steps = max((len(v["expected"]) for v in watch.values() if isinstance(v, dict)), default=0)
+    return {"step": step, "metric": None, "steps": steps}
+
+
 def describe(stop: dict[str, Any]) -> str:
-    return (f"fail-fast: stopped at step {stop['step']} of {stop['steps']}: {stop['metric']} expected "
-            f"{stop['expected']!r}, got {stop['got']!r} (rel {stop['deviation']:.3g} > tol {stop['limit']:.3g})")
+    where = f"fail-fast: stopped at step {stop['step']} of {stop['steps']}: "
+    if stop.get("metric") is None:
+        return where + "another rank's loss or gradient norm left the tolerance (the ranks disagree)"
+    return (where + f"{stop['metric']} expected {stop['expected']!r}, got {stop['got']!r} "
+            f"(rel {stop['deviation']:.3g} > tol {stop['limit']:.3g})")
 
 
 def truncated_reference(reference: RunRecord, steps: int) -> RunRecord:

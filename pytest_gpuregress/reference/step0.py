@@ -71,7 +71,8 @@ def shard_arrays(name: str, local: np.ndarray, full_shape: tuple[int, ...], rank
     """What one rank records of its dim-0 shard ``local`` of a gradient shaped ``full_shape``."""
     numel = int(np.prod(full_shape)) if full_shape else 1
     if numel <= full_max:
-        return {FULL_PREFIX + name: np.asarray(local)}
+        # A copy: on the CPU ``local`` may share memory with the live gradient, which clipping scales next.
+        return {FULL_PREFIX + name: np.array(local, copy=True)}
     return {BLOCK_PREFIX + name: summarize(local, shard_offset(full_shape, rank, world_size), BLOCK)}
 
 

@@ -117,10 +117,23 @@ class RankContext:
         for hook in self.step_hooks:
             hook(self.rank, step)
         if self.watch and self.stopped is None:
-            from ..reference.failfast import first_miss
+            from ..reference.failfast import first_miss, peer_miss
 
-            self.stopped = first_miss(self.watch, step, values)
+            miss = first_miss(self.watch, step, values)
+            # Ranks stop together or not at all: a faulty collective can give them different values,
+            # and a rank that stopped alone would leave its peers waiting in the next step's collective.
+            if self.watch.get("agree") and self.world_size > 1 and self._any_rank(miss is not None):
+                miss = miss or peer_miss(self.watch, step)
+            self.stopped = miss
         return self.stopped is not None
+
+    def _any_rank(self, flag: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return float(value) > 0.5
 
 
 class Scenario:
@@ -130,6 +143,9 @@ class Scenario:
     kind: ClassVar[str] = "training"
     rank_entry: ClassVar[str] = ""
     options: ClassVar[tuple[OptionSpec, ...]] = ()
+    # True when each rank records only its dim-0 shard of the step-0 gradients (fsdp does), so that
+    # merge() concatenates them; False keeps rank 0's arrays as they are (replicated values).
+    step0_sharded: ClassVar[bool] = False
 
     def default_config(self, setup: Setup) -> dict[str, Any]:
         """The configuration this scenario runs with; stored with its references."""
@@ -172,12 +188,13 @@ class Scenario:
         return None
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
-        """Combine the per-rank records (index = rank). By default rank 0's, which holds global values,
-        with the step-0 gradients assembled from every rank's shard (reference/step0.py)."""
-        from ..reference import step0
-
+        """Combine the per-rank records (index = rank). By default rank 0's, which holds global values;
+        with ``step0_sharded``, the step-0 gradients assembled from every rank's shard (reference/step0.py)."""
         merged = records[0]
-        merged.arrays.update(step0.merge_ranks(records))
+        if self.step0_sharded:
+            from ..reference import step0
+
+            merged.arrays.update(step0.merge_ranks(records))
         return merged
 
     def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:

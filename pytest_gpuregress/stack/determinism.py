@@ -29,6 +29,11 @@ def set_determinism(seed: int, *, device_kind: str, cpu_threads: int | None = 1)
         torch.cuda.manual_seed_all(seed)
     if cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
+    # Process-wide numerics a previous job in a reused rank may have changed: back to torch's defaults.
+    torch.set_default_dtype(torch.float32)
+    torch.set_flush_denormal(False)
+    for backend in ("flash", "mem_efficient", "math"):
+        getattr(torch.backends.cuda, f"enable_{backend}_sdp")(True)
     # Strict on the CPU. On GPUs some kernels (flash/mem-efficient SDPA backward) have no
     # deterministic variant and would raise; warn_only keeps deterministic choices where they exist.
     torch.use_deterministic_algorithms(True, warn_only=device_kind == "cuda")

@@ -47,7 +47,14 @@ def adopt_srun_environment(env: dict[str, str] | None = None) -> None:
             "node's address (e.g. $(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)) and MASTER_PORT "
             "to a free port before srun, as for torchrun"
         )
-    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=str(tasks), LOCAL_RANK=env.get("SLURM_LOCALID", "0"))
+    # With --gpus-per-task 1 Slurm shows each task its one GPU as device 0: the local rank is then 0.
+    visible = env.get("CUDA_VISIBLE_DEVICES") or env.get("ROCR_VISIBLE_DEVICES") or env.get("HIP_VISIBLE_DEVICES")
+    one_gpu = visible is not None and len([d for d in visible.split(",") if d.strip()]) == 1
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_NTASKS_PER_NODE", "")).split("(")[0]
+    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=str(tasks),
+               LOCAL_RANK="0" if one_gpu else env.get("SLURM_LOCALID", "0"))
+    if per_node.isdigit():
+        env["LOCAL_WORLD_SIZE"] = per_node
 
 
 def resolve_platform(device: str = "auto", world_size: int | None = None) -> Platform:

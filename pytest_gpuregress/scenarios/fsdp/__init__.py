@@ -42,6 +42,7 @@ def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, 
 
 class FsdpScenario(Scenario):
     name = "fsdp"
+    step0_sharded = True  # each rank records its shard (rank.py): merge() assembles the tensors
     rank_entry = "pytest_gpuregress.scenarios.fsdp.rank:run"
     supports_triage = True
 

@@ -51,6 +51,18 @@ def test_without_matplotlib_the_plot_says_how_to_get_it(monkeypatch: pytest.Monk
     assert not (tmp_path / "x.png").exists()
 
 
+def test_without_matplotlib_a_failure_report_says_how_to_get_plots(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    from pytest_gpuregress.plugin.artifacts import Artifacts
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    reference, run = diverging_pair()
+    kept = Artifacts(tmp_path).keep("fsdp", run, reference, compare_training(reference, run), keep_run=True, plot=True)
+    lines = kept.report_lines(tmp_path / "ref")
+    assert "plot: none (plots need matplotlib: pip install 'pytest-gpuregress[plots]')" in lines
+    assert any(line.startswith("reproduce the comparison: gpuregress compare ") for line in lines)
+
+
 def test_the_summary_table_has_one_row_per_scenario_and_the_command_for_each_failure() -> None:
     outcomes = [Outcome("fsdp", "cpu-gloo-w2-fp32", "failed", "exact", worst=1.4e4, seconds=12.3,
                         reproduce="gpuregress compare A B"),

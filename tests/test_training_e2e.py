@@ -49,9 +49,10 @@ def test_recorded_reference_passes_in_the_exact_lane_every_time(pytester: pytest
 def test_a_failed_run_is_kept_plotted_reported_and_reproducible(pytester: pytest.Pytester, refs: Path,
                                                                  tmp_path: Path) -> None:
     artifacts = tmp_path / "artifacts"
-    junit = tmp_path / "junit.xml"
-    result = run(pytester, refs, "--gpuregress-inject=lr_scale:factor=1.01", f"--gpuregress-artifacts={artifacts}",
-                 f"--junitxml={junit}")
+    junit, html = tmp_path / "junit.xml", tmp_path / "report.html"
+    fault = "collective:op=reduce_scatter,min_bytes=100000,max_bytes=160000,mode=nudge,rel=1e-3"
+    result = run(pytester, refs, f"--gpuregress-inject={fault}", f"--gpuregress-artifacts={artifacts}",
+                 f"--junitxml={junit}", *([f"--html={html}"] if importlib.util.find_spec("pytest_html") else []))
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
     kept = artifacts / "runs" / "fsdp" / "cpu-gloo-w2-fp32"
@@ -67,16 +68,18 @@ def test_a_failed_run_is_kept_plotted_reported_and_reproducible(pytester: pytest
         assert f"plot: {plot}" in out and plot.read_bytes()[:4] == b"\x89PNG"
     else:
         assert "pytest-gpuregress[plots]" in out
-    # The printed command reproduces the same first finding from the kept files.
-
-    first = next(line for line in out.splitlines() if "] loss: first differing step" in line).split("] ", 1)[1]
+    # The printed command reproduces the same first finding, at the same step, from the kept files.
+    first = next(line for line in out.splitlines() if "] step0_grad " in line).split("] ", 1)[1]
     reproduced = subprocess.run([sys.executable, "-c", "import sys; from pytest_gpuregress.cli import main; "
                                  "sys.exit(main(sys.argv[1:]))", *command.split()[1:]], capture_output=True, text=True)
     assert reproduced.returncode == 1 and first in reproduced.stdout, reproduced.stdout[-2000:]
     properties = {p.get("name"): p.get("value") for p in ET.parse(junit).iter("property")}
     assert properties["lane"] == "exact" and properties["platform_key"] == "cpu-gloo-w2-fp32"
-    assert properties["first_differing_step"] == "1" and float(properties["worst_over_tolerance"]) > 1
+    assert properties["first_differing_step"] == "0" and float(properties["worst_over_tolerance"]) > 1
     assert float(properties["seconds"]) > 0
+    if importlib.util.find_spec("pytest_html"):  # the plot and the stack's changes, embedded
+        report = html.read_text()
+        assert "comparison plot" in report and "stack changes since the reference" in report
 
 
 def test_a_passed_run_leaves_no_record_unless_asked(pytester: pytest.Pytester, refs: Path, tmp_path: Path) -> None:
@@ -169,13 +172,13 @@ def test_foreign_reference_names_what_differs(pytester: pytest.Pytester, refs: P
 
 def test_hung_rank_fails_within_the_timeout_with_rank_step_and_stack(pytester: pytest.Pytester, refs: Path) -> None:
     started = time.monotonic()
-    result = run(pytester, refs, "--gpuregress-inject=hang:rank=1,step=2", "--gpuregress-timeout=25")
+    result = run(pytester, refs, "--gpuregress-inject=hang:rank=1,step=2", "--gpuregress-timeout=15")
     elapsed = time.monotonic() - started
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*rank 0 waits in all_gather #* for rank 1; rank 1 stopped outside any collective*",
                                  "*rank 1 hung: still running at the time limit (last progress: step 2 done, loss *)*"])
     assert 'faults/process.py", line' in result.stdout.str()  # the hung rank's own Python stack, where it sleeps
-    assert elapsed < 25 + 30, elapsed
+    assert elapsed < 15 + 30, elapsed
 
 
 def test_rank_that_raises_reports_its_traceback(pytester: pytest.Pytester, refs: Path) -> None:

@@ -8,6 +8,7 @@ the registry (``pytest_gpuregress.scenarios``); nothing here names one.
 from __future__ import annotations
 
 import base64
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -138,10 +139,7 @@ def progress_printer(config: pytest.Config) -> Callable[[str], None] | None:
         if now - last[0] < every:
             return
         last[0] = now
-        if capture is not None:
-            with capture.global_and_fixture_disabled():
-                reporter.write_line(f"  gpuregress {line}")
-        else:
+        with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
             reporter.write_line(f"  gpuregress {line}")
 
     return show

@@ -359,18 +359,10 @@ class GpuRegressSession:
         loc = self.location(scenario, record.platform_key)
         try:
             reference = store.read_reference(loc)
-        except MissingReference:
-            self._add_outcome(Outcome(scenario, record.platform_key, "error", detail="no reference",
-                                      reproduce=loc.record_hint))
-            raise
-        except ReferenceProblem as exc:
-            self._add_outcome(Outcome(scenario, record.platform_key, "error", detail=type(exc).__name__,
-                                      reproduce=loc.record_hint))
-            raise
-        try:
             store.check_compatible(loc, reference, record)
-        except ReferenceProblem as exc:
-            self._add_outcome(Outcome(scenario, record.platform_key, "error", detail=type(exc).__name__,
+        except ReferenceProblem as exc:  # missing, corrupt or foreign: a row in the closing table too
+            detail = "no reference" if isinstance(exc, MissingReference) else type(exc).__name__
+            self._add_outcome(Outcome(scenario, record.platform_key, "error", detail=detail,
                                       reproduce=loc.record_hint))
             raise
         stop = record.results.get("fail_fast")

@@ -13,20 +13,31 @@ import re
 from importlib import metadata
 from typing import Any
 
+from .devices import DEVICE_FIELDS, probe_device
+
 Fingerprint = dict[str, dict[str, Any]]
 
 # Sections and fields that decide whether bitwise equality can be expected (the exact lane).
 # The rule: a field belongs when it can change a computed number on the same inputs: library
 # versions that compute (torch, transformers, peft, accelerate, numpy), the device and its kernel
-# set (GPU name, count and architecture, driver, CPU model and ATen capability), the BLAS, the
-# kernel switches, the threads per rank, the backend, world size and collective settings.
+# set (GPU name, count and architecture, driver, the DNN library (cuDNN or MIOpen) and the BLAS
+# library GPU matmuls go to, CPU model and ATen capability), the CPU BLAS, the kernel switches, the
+# threads per rank, the backend, world size and collective settings.
 # Left out on purpose: timestamps, host names, the Python patch level, safetensors and our own
 # version (they store numbers, they do not compute them), and the machine's CPU core count (each
 # rank runs one thread, so the core count changes no number; it is recorded as device.cpu_count).
-# None of these fields can make a reference foreign: they only choose the lane.
+# Recorded but left out too: device.mig, because a MIG slice's size already shows in device.name
+# (CUDA names it "<GPU> MIG 1g.10gb") while the instance id changes with every allocation; and
+# device.firmware, because firmware computes none of a step's numbers (its bugs are hangs and
+# crashes, docs/faults.md section 5) and nodes of one cluster often differ in it.
+# On a CPU run every GPU field is None, so references recorded before a field existed (where it
+# reads as None) keep their lane. None of these fields can make a reference foreign: they only
+# choose the lane.
 NUMERICS_FIELDS: dict[str, tuple[str, ...]] = {
     "versions": ("torch", "transformers", "peft", "accelerate", "numpy"),
-    "device": ("kind", "name", "count", "arch", "cuda", "hip", "driver", "cpu_model", "cpu_capability"),
+    "device": (
+        "kind", "name", "count", "arch", "cuda", "hip", "driver", "dnn", "blas_library", "cpu_model", "cpu_capability",
+    ),
     "numerics": (
         "blas",
         "sdpa_backends",
@@ -103,16 +114,19 @@ def _device_section(torch: Any, device_kind: str) -> dict[str, Any]:
     if device_kind == "cuda" and torch.cuda.is_available():
         from .platforms import gpu_arch
 
+        probed = probe_device(torch)
         section.update(
             name=torch.cuda.get_device_name(0),
             count=torch.cuda.device_count(),
             arch=gpu_arch(torch),
             cuda=torch.version.cuda,
             hip=getattr(torch.version, "hip", None),
-            driver=_driver_version(torch),
+            driver=probed.pop("driver") or _driver_version(torch),  # the SMI tool's value where it answers
+            **probed,
         )
     else:
-        section.update(name="cpu", count=None, arch=platform.machine())  # count: accelerators only
+        # count: accelerators only; the GPU fields are None, as in references recorded before they existed
+        section.update(name="cpu", count=None, arch=platform.machine(), **dict.fromkeys(DEVICE_FIELDS))
     return section
 
 
@@ -259,6 +273,14 @@ def header_lines(fp: Fingerprint) -> list[str]:
     accel = ", ".join(
         f"{k} {d[k]}" for k in ("cuda", "hip", "driver") if d.get(k)
     ) or "no accelerator runtime"
+    # Fields a GPU run adds, shown only where recorded: a CPU run's header stays as it was.
+    extra = [
+        f"{label}{_short(d[k])}"
+        for k, label in (("dnn", ""), ("blas_library", "blas "), ("mig", "MIG "), ("firmware", "firmware "))
+        if d.get(k) is not None
+    ]
+    if extra:
+        accel += ", " + ", ".join(extra)
     env = " ".join(f"{k}={val}" for k, val in c.get("env", {}).items()) or "none"
     return [
         f"gpuregress stack: torch {v['torch']}, transformers {v['transformers']}, peft {v['peft']}, "

@@ -1,0 +1,241 @@
+"""Device facts beyond torch's own: DNN and BLAS library, MIG, driver and firmware versions.
+
+The parse functions are pure: they take what a tool printed or torch returned, so tests feed them
+recorded outputs. The probes run ``nvidia-smi`` / ``amd-smi`` with a short timeout and give None
+for anything they cannot read: a missing, slow or failing tool never fails a test session.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+SMI_TIMEOUT_S = 2.0
+# One nvidia-smi call for all three; a driver that predates MIG rejects the whole query (see _smi).
+NVIDIA_QUERY = ("driver_version", "vbios_version", "mig.mode.current")
+# Fields probe_device() adds to the fingerprint's device section (driver exists already).
+DEVICE_FIELDS = ("dnn", "blas_library", "mig", "firmware")
+
+_NOT_A_VALUE = {"", "n/a", "[n/a]", "not supported", "[not supported]", "unknown", "[unknown error]"}
+_TRUE = {"1", "true", "on", "yes", "y"}
+_FALSE = {"0", "false", "off", "no", "n"}
+# torch's BLAS backend names (torch._C._BlasBackend and the strings preferred_blas_library takes)
+# -> the library doing the work, on CUDA and on ROCm (where "Cublas" goes through hipBLAS to rocBLAS).
+_BLAS_NAMES = {
+    "cublas": ("cuBLAS", "rocBLAS"),
+    "hipblas": ("cuBLAS", "rocBLAS"),
+    "cublaslt": ("cuBLASLt", "hipBLASLt"),
+    "hipblaslt": ("cuBLASLt", "hipBLASLt"),
+    "ck": ("CK", "CK"),
+    "default": ("default", "default"),
+}
+
+
+def _value(text: object) -> str | None:
+    """A reported value, or None for the placeholders the tools print instead of one."""
+    if text is None:
+        return None
+    cleaned = str(text).strip()
+    return None if cleaned.lower() in _NOT_A_VALUE else cleaned
+
+
+# ---- pure parsers -----------------------------------------------------------------------------
+
+
+def parse_nvidia_smi(text: str, fields: Sequence[str] = NVIDIA_QUERY) -> list[dict[str, str | None]]:
+    """Rows of ``nvidia-smi --query-gpu=<fields> --format=csv,noheader``, one dict per GPU.
+
+    ``[N/A]`` and ``[Not Supported]`` become None; lines without one cell per field (warnings) are skipped.
+    """
+    rows: list[dict[str, str | None]] = []
+    for line in text.splitlines():
+        cells = line.split(",")
+        if line.strip() and len(cells) == len(fields):
+            rows.append({field: _value(cell) for field, cell in zip(fields, cells)})
+    return rows
+
+
+def parse_amd_smi_version(text: str) -> dict[str, str]:
+    """``amd-smi version`` (text or ``--json``) as {"amdsmi", "amdsmi_library", "rocm", "amdgpu", ...}.
+
+    Text form: ``AMDSMI Tool: 26.1.0+cd50d9e0 | AMDSMI Library version: 26.1.0 | ROCm version: 7.10.0 |
+    amdgpu version: 6.16.6 | amd_hsmp version: N/A``. Values reading N/A are left out.
+    """
+    out: dict[str, str] = {}
+    data = _json_payload(text)
+    if isinstance(data, list):
+        data = data[0] if data and isinstance(data[0], dict) else None
+    pairs: list[tuple[str, object]] = []
+    if isinstance(data, dict):
+        pairs = [(str(k), v) for k, v in data.items() if k != "tool"]
+    else:
+        for line in text.splitlines():
+            if "|" in line:  # the one version line; amd-smi may print others around it
+                pairs += [(label, raw) for label, sep, raw in (p.partition(":") for p in line.split("|")) if sep]
+    for label, raw in pairs:
+        key = "_".join(label.strip().lower().replace("-", " ").split())
+        key = {"version": "amdsmi", "amdsmi_tool": "amdsmi"}.get(key, key.removesuffix("_version"))
+        value = _value(raw)
+        if key and value:
+            out[key] = value
+    return out
+
+
+def parse_amd_smi_firmware(json_text: str) -> dict[str, str]:
+    """The first GPU's firmware from ``amd-smi firmware --json``, as {fw_id: version} in listed order.
+
+    Accepts the shapes amd-smi releases print: a list of {"gpu", "fw_list"}, a {"gpu_data": [...]}
+    wrapper or one GPU's dict; entries as {"fw_id"|"fw_name", "fw_version"} or wrapped as {"FW 0": {...}}.
+    """
+    data = _json_payload(json_text)
+    if isinstance(data, dict) and isinstance(data.get("gpu_data"), list):
+        data = data["gpu_data"]
+    for gpu in data if isinstance(data, list) else [data]:
+        if not isinstance(gpu, dict) or not isinstance(gpu.get("fw_list"), list):
+            continue
+        out: dict[str, str] = {}
+        for entry in gpu["fw_list"]:
+            if isinstance(entry, dict) and len(entry) == 1 and isinstance(next(iter(entry.values())), dict):
+                entry = next(iter(entry.values()))  # the {"FW 0": {...}} wrapping
+            if not isinstance(entry, dict):
+                continue
+            name = _value(entry.get("fw_id", entry.get("fw_name", entry.get("name"))))
+            version = _value(entry.get("fw_version", entry.get("version")))
+            if name and version:
+                out[name] = version
+        if out:
+            return out
+    return {}
+
+
+def firmware_summary(firmware: Mapping[str, str]) -> str | None:
+    """``CP_MEC1 32945, RLC 65, ...``: one string, so a change shows as one field in a fingerprint diff."""
+    return ", ".join(f"{name} {version}" for name, version in firmware.items()) or None
+
+
+def dnn_version(value: object, is_rocm: bool) -> str | None:
+    """``torch.backends.cudnn.version()`` as ``cuDNN 9.1.0`` or, on ROCm builds, ``MIOpen 3.2.0``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        return None
+    if is_rocm:
+        # torch encodes MIOpen as MAJOR*1000000 + MINOR*1000 + PATCH (torch/csrc/cuda/shared/cudnn.cpp).
+        # MIOpen's major is >= 2, so a smaller number is read as MAJOR*10000 + MINOR*100 + PATCH.
+        if value >= 1_000_000:
+            return f"MIOpen {value // 1_000_000}.{value // 1000 % 1000}.{value % 1000}"
+        return f"MIOpen {value // 10000}.{value // 100 % 100}.{value % 100}"
+    # CUDNN_VERSION is MAJOR*10000 + MINOR*100 + PATCH from cuDNN 9 on, MAJOR*1000 + MINOR*100 + PATCH before.
+    if value >= 90000:
+        return f"cuDNN {value // 10000}.{value // 100 % 100}.{value % 100}"
+    return f"cuDNN {value // 1000}.{value // 100 % 10}.{value % 100}"
+
+
+def blas_library(preferred: object, is_rocm: bool, env: Mapping[str, str] | None = None) -> str | None:
+    """The library GPU matmuls go to: cuBLAS / cuBLASLt on CUDA, rocBLAS / hipBLASLt / CK on ROCm.
+
+    ``preferred`` is ``torch.backends.cuda.preferred_blas_library()`` (an enum, or its name). Without
+    it, TORCH_BLAS_PREFER_HIPBLASLT / TORCH_BLAS_PREFER_CUBLASLT (which set torch's initial choice)
+    decide; None when neither says.
+    """
+    name = getattr(preferred, "name", preferred)
+    if isinstance(name, str) and name.lower() in _BLAS_NAMES:
+        return _BLAS_NAMES[name.lower()][is_rocm]
+    env = os.environ if env is None else env
+    for var in ("TORCH_BLAS_PREFER_HIPBLASLT", "TORCH_BLAS_PREFER_CUBLASLT"):
+        setting = env.get(var, "").strip().lower()
+        if setting in _TRUE:
+            return _BLAS_NAMES["cublaslt"][is_rocm]
+        if setting in _FALSE:
+            return _BLAS_NAMES["cublas"][is_rocm]
+    return None
+
+
+def mig_state(modes: Sequence[str | None], visible_devices: str | None) -> str | None:
+    """``enabled, instance MIG-...`` / ``enabled`` / ``disabled``, or None where MIG does not apply.
+
+    ``modes`` are the per-GPU ``mig.mode.current`` values; the instance is whatever ``MIG-`` entries
+    CUDA_VISIBLE_DEVICES names (the UUID forms ``MIG-<uuid>`` and ``MIG-GPU-<uuid>/<gi>/<ci>``).
+    """
+    instances = [d.strip() for d in (visible_devices or "").split(",") if d.strip().startswith("MIG-")]
+    states = sorted({m.strip().lower() for m in modes if _value(m)})
+    if not states and not instances:
+        return None
+    state = "/".join(states) or "enabled"  # a MIG instance visible means MIG is on, whatever the query said
+    return f"{state}, instance {','.join(instances)}" if instances else state
+
+
+def _json_payload(text: str) -> Any:
+    """The JSON document in a tool's output, skipping banner lines printed before it; None if there is none."""
+    lines = text.splitlines(keepends=True)
+    for n, line in enumerate(lines):
+        if line.lstrip().startswith(("[", "{")):
+            try:
+                return json.JSONDecoder().raw_decode("".join(lines[n:]).lstrip())[0]
+            except ValueError:
+                continue
+    return None
+
+
+# ---- probes -----------------------------------------------------------------------------------
+
+
+def run_tool(argv: Sequence[str], timeout: float = SMI_TIMEOUT_S) -> str | None:
+    """A tool's stdout, or None when it is not installed, fails, or takes longer than ``timeout``."""
+    exe = shutil.which(argv[0])
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, errors="replace",
+                              timeout=timeout, check=False)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+@functools.lru_cache(maxsize=2)
+def smi_facts(is_rocm: bool) -> tuple[str | None, str | None, tuple[str | None, ...]]:
+    """(driver, firmware, per-GPU MIG modes) from the vendor's SMI tool.
+
+    Cached per process: the worker collects a fingerprint for every job, and none of these can change
+    while the process holds the GPU. ``smi_facts.cache_clear()`` forgets them.
+    """
+    if is_rocm:
+        version = parse_amd_smi_version(run_tool(("amd-smi", "version")) or "")
+        firmware = parse_amd_smi_firmware(run_tool(("amd-smi", "firmware", "-g", "0", "--json")) or "")
+        return version.get("amdgpu"), firmware_summary(firmware), ()
+    text = run_tool(("nvidia-smi", f"--query-gpu={','.join(NVIDIA_QUERY)}", "--format=csv,noheader"))
+    rows = parse_nvidia_smi(text or "")
+    if text is None:  # a driver without MIG support rejects the field; ask again without it
+        fields = NVIDIA_QUERY[:2]
+        rows = parse_nvidia_smi(run_tool(("nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader")) or "",
+                                fields)
+    first = rows[0] if rows else {}
+    vbios = first.get("vbios_version")
+    return first.get("driver_version"), f"vbios {vbios}" if vbios else None, tuple(r.get("mig.mode.current") for r in rows)
+
+
+def probe_device(torch: Any) -> dict[str, Any]:
+    """DEVICE_FIELDS plus ``driver`` (None when the SMI tool gave none) for a CUDA or ROCm device.
+
+    Never raises: each fact that cannot be read is None.
+    """
+    is_rocm = bool(getattr(torch.version, "hip", None))
+    driver, firmware, modes = _quietly(smi_facts, is_rocm) or (None, None, ())
+    return {
+        "dnn": dnn_version(_quietly(lambda: torch.backends.cudnn.version()), is_rocm),
+        "blas_library": blas_library(_quietly(lambda: torch.backends.cuda.preferred_blas_library()), is_rocm),
+        "mig": None if is_rocm else mig_state(modes, os.environ.get("CUDA_VISIBLE_DEVICES")),
+        "driver": driver,
+        "firmware": firmware,
+    }
+
+
+def _quietly(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001 - a fact we cannot read is recorded as None, never a failed session
+        return None

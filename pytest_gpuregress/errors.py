@@ -62,3 +62,15 @@ class NotApplicable(GpuRegressError):
 
 class UnsafeName(GpuRegressError):
     """A name that would become a folder or file name could leave its directory or hide in it."""
+
+
+class BadKnownIssues(GpuRegressError):
+    """A known-issues file (the shipped one or gpuregress_known_issues) is missing, not TOML, or breaks the schema."""
+
+    def __init__(self, path: object, line: int | None, problem: str, fix: str) -> None:
+        self.path = str(path)
+        self.line = line
+        self.problem = problem
+        self.fix = fix
+        where = f"{self.path}:{line}" if line else self.path
+        super().__init__(f"{where}: {problem}\n  fix: {fix}")

@@ -1,0 +1,339 @@
+"""Known bugs of ML training stacks, matched against a run's fingerprint.
+
+The shipped list is ``known_issues.toml`` beside this module; a user's file (ini key
+``gpuregress_known_issues``) has the same schema and adds entries, or replaces a shipped entry
+with the same id. docs/known_issues.md describes the schema and the condition grammar:
+
+- ``"section.field" = "<spec>"``: a value starting with one of ``< > = ! ~`` is a PEP 440 version
+  specifier set (``">=2.7"``, ``"==2.19.*"``, ``">=2.27,<2.28"``);
+- ``"set"`` / ``"unset"``: the field is recorded / missing (the only condition a missing field meets);
+- any other string is a case-insensitive glob (``"gfx950*"``, ``"*H100*"``);
+- ``true`` / ``false`` / an integer: equality; a list: any of its items.
+
+Conditions of one entry must all hold. ``comm.env.NAME`` tests one recorded collective-library
+variable, so ``"comm.env.NCCL_PROTO" = "unset"`` stops matching once the workaround is applied.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from ..errors import BadKnownIssues
+from .fingerprint import _ENV_IGNORED, _ENV_PREFIXES, NUMERICS_FIELDS, Fingerprint
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - pytest itself depends on tomli below 3.11
+    import tomli as tomllib
+
+SHIPPED_FILE = "known_issues.toml"
+HEADER_PREFIX = "gpuregress KNOWN ISSUE"
+
+COMPONENTS = ("collective", "kernel", "optimizer", "checkpoint", "format", "driver", "firmware", "compiler", "runtime")
+REQUIRED_KEYS = ("id", "component", "affects", "symptom", "workaround", "source")
+OPTIONAL_KEYS = ("hardware",)
+_TEXT_KEYS = ("id", "component", "symptom", "workaround", "source", "hardware")
+
+# Every field collect() records, so that a misspelt condition is an error and not a silent no-match.
+# comm.env.NAME and numerics.determinism.NAME are checked separately.
+FIELDS: dict[str, frozenset[str]] = {
+    "versions": frozenset(NUMERICS_FIELDS["versions"]) | {"python", "safetensors", "pytest_gpuregress"},
+    "device": frozenset(NUMERICS_FIELDS["device"]) | {"cpu_count", "machine", "mig", "firmware"},
+    "numerics": frozenset(NUMERICS_FIELDS["numerics"]),
+    "comm": (frozenset(NUMERICS_FIELDS["comm"]) - {"env"}) | {"rccl"},
+}
+
+_SPECIFIER_START = ("<", ">", "=", "!", "~")
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_ENTRY_HEADER = re.compile(r"^\s*\[\[\s*issue\s*\]\]")
+
+Condition = str | bool | int | tuple[str | bool | int, ...]
+
+
+@dataclass(frozen=True)
+class KnownIssue:
+    """One known bug. ``affects`` holds (section.field, condition) pairs; lists are tuples."""
+
+    id: str
+    component: str
+    affects: tuple[tuple[str, Condition], ...]
+    symptom: str
+    workaround: str
+    source: str
+    hardware: str = ""
+    origin: str = ""  # file:line of the entry's [[issue]] header
+
+    def matches(self, fingerprint: Fingerprint) -> bool:
+        return all(_holds(cond, lookup(fingerprint, field)) for field, cond in self.affects)
+
+
+# ---- matching -------------------------------------------------------------------------------
+
+
+def parse_version(value: object) -> Version | None:
+    """A comparable version from what tools report, or None.
+
+    Local and build suffixes are not PEP 440 (or mean something else there: ``7.1.1-12345`` would be
+    a post-release), so everything from the first ``+``, ``-`` or blank is dropped: ``2.13.0+cpu`` ->
+    2.13.0, ``7.1.1-12345`` -> 7.1.1, ``6.4.43482-0f2d60242`` -> 6.4.43482. A value with a name in
+    front (``cuDNN 9.1.0``) gives its first dotted number.
+    """
+    if value is None or isinstance(value, bool):
+        return None
+    text = str(value).strip()
+    head = re.split(r"[+\-\s]", text, maxsplit=1)[0]
+    try:
+        return Version(head)  # keeps pre- and dev-releases: 2.8.0a0, 2.8.0.dev20250301
+    except InvalidVersion:
+        found = re.search(r"\d+(?:\.\d+)*", text)
+        return Version(found.group()) if found else None
+
+
+def lookup(fingerprint: Fingerprint, field: str) -> Any:
+    """The fingerprint's value for ``section.field`` or ``comm.env.NAME``; None when not recorded."""
+    section, _, name = field.partition(".")
+    values = fingerprint.get(section)
+    if not isinstance(values, dict):
+        return None
+    if section == "comm" and name.startswith("env."):
+        env = values.get("env")
+        return env.get(name[4:]) if isinstance(env, dict) else None
+    return values.get(name)
+
+
+def _holds(cond: Condition, actual: Any) -> bool:
+    if isinstance(cond, tuple):
+        return any(_holds(c, actual) for c in cond)
+    if isinstance(cond, bool):
+        return isinstance(actual, bool) and actual is cond
+    if isinstance(cond, int):
+        return not isinstance(actual, bool) and actual == cond
+    if cond == "unset":
+        return actual is None
+    if actual is None:
+        return False
+    if cond == "set":
+        return True
+    if cond.startswith(_SPECIFIER_START):
+        version = parse_version(actual)
+        return version is not None and SpecifierSet(cond).contains(version, prereleases=True)
+    return fnmatch.fnmatchcase(str(actual).lower(), cond.lower())
+
+
+def matching(issues: Iterable[KnownIssue], fingerprint: Fingerprint) -> list[KnownIssue]:
+    """The issues whose conditions all hold for this fingerprint, in file order."""
+    return [issue for issue in issues if issue.matches(fingerprint)]
+
+
+def header_lines(matches: Iterable[KnownIssue]) -> list[str]:
+    """Two lines per matching issue for the pytest report header; [] when none match."""
+    out: list[str] = []
+    for issue in matches:
+        where = f", {issue.hardware}" if issue.hardware else ""
+        out.append(f"{HEADER_PREFIX} {issue.id} ({issue.component}{where}): {issue.symptom}")
+        out.append(f"{HEADER_PREFIX} {issue.id} workaround: {issue.workaround} [source: {issue.source}]")
+    return out
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+
+def load_known_issues(user_file: Path | str | None = None) -> list[KnownIssue]:
+    """The shipped entries plus the user's; a user entry replaces a shipped one with the same id."""
+    shipped = resources.files("pytest_gpuregress.stack") / SHIPPED_FILE
+    issues = parse_known_issues(shipped.read_text(encoding="utf-8"), str(shipped))
+    if user_file is None:
+        return issues
+    path = Path(user_file)
+    fix = "point the gpuregress_known_issues ini setting at an existing TOML file (schema: docs/known_issues.md)"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadKnownIssues(path, None, "known-issues file not found", fix) from None
+    except UnicodeDecodeError as exc:
+        raise BadKnownIssues(path, None, f"not UTF-8 text ({exc.reason})", "save the file as UTF-8") from None
+    except OSError as exc:
+        raise BadKnownIssues(path, None, f"cannot read the known-issues file: {exc.strerror}", fix) from None
+    user = parse_known_issues(text, str(path))
+    replaced = {issue.id for issue in user}
+    return [issue for issue in issues if issue.id not in replaced] + user
+
+
+def parse_known_issues(text: str, path: str) -> list[KnownIssue]:
+    """Parse and validate one known-issues file; ``path`` names it in errors."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        found = re.search(r"at line (\d+)", str(exc))
+        raise BadKnownIssues(
+            path, int(found.group(1)) if found else None, f"not valid TOML: {exc}",
+            "correct the TOML syntax there: strings in double quotes, dotted condition names quoted "
+            "(\"device.arch\" = \"gfx950*\"), one [[issue]] header per entry",
+        ) from None
+    lines = text.splitlines()
+    for key in data:
+        if key != "issue":
+            raise BadKnownIssues(path, _key_line(lines, 1, len(lines) + 1, key) or None, f"unknown top-level key {key!r}",
+                                 "put every entry under its own [[issue]] header; nothing else belongs at the top level")
+    entries = data.get("issue", [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise BadKnownIssues(path, _key_line(lines, 1, len(lines) + 1, "issue") or None, "'issue' is not an array of tables",
+                             "start each entry with a [[issue]] line (two brackets)")
+    starts = [n for n, line in enumerate(lines, 1) if _ENTRY_HEADER.match(line)]
+    if len(starts) != len(entries):  # the inline form, issue = [{...}], has no headers
+        starts = [_key_line(lines, 1, len(lines) + 1, "issue") or 1] * len(entries)
+    issues: list[KnownIssue] = []
+    seen: dict[str, int] = {}
+    for n, entry in enumerate(entries):
+        end = starts[n + 1] if n + 1 < len(starts) and starts[n + 1] > starts[n] else len(lines) + 1
+        issue = _Entry(path, lines, starts[n], end, n).parse(entry)
+        if issue.id in seen:
+            raise BadKnownIssues(path, starts[n], f"known issue id {issue.id!r} is used twice (first at line {seen[issue.id]})",
+                                 "give each entry its own id")
+        seen[issue.id] = starts[n]
+        issues.append(issue)
+    return issues
+
+
+def _key_line(lines: list[str], start: int, end: int, key: str) -> int:
+    """The line (1-based) of ``key =`` within [start, end), trying the full key then its last part; 0 if absent."""
+    names = [key] if "." not in key else [key, key.rsplit(".", 1)[1]]
+    for name in names:
+        pattern = re.compile(rf"""^\s*(?:"{re.escape(name)}"|'{re.escape(name)}'|{re.escape(name)})\s*=""")
+        for number in range(start, min(end, len(lines) + 1)):
+            if pattern.match(lines[number - 1]):
+                return number
+    return 0
+
+
+class _Entry:
+    """Validates one [[issue]] table; every error names the file and the line of the offending key."""
+
+    def __init__(self, path: str, lines: list[str], start: int, end: int, index: int) -> None:
+        self.path, self.lines, self.start, self.end, self.index = path, lines, start, end, index
+        self.label = f"known issue #{index + 1}"
+
+    def fail(self, key: str | None, problem: str, fix: str) -> BadKnownIssues:
+        line = (self._line(key) if key else 0) or self.start
+        return BadKnownIssues(self.path, line, f"{self.label} (entry at line {self.start}): {problem}", fix)
+
+    def _line(self, key: str) -> int:
+        return _key_line(self.lines, self.start, self.end, key)
+
+    def parse(self, entry: dict[str, Any]) -> KnownIssue:
+        if isinstance(entry.get("id"), str) and entry["id"]:
+            self.label = f"known issue {entry['id']!r}"
+        allowed = REQUIRED_KEYS + OPTIONAL_KEYS
+        for key in entry:
+            if key not in allowed:
+                close = difflib.get_close_matches(key, allowed, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise self.fail(key, f"unknown key {key!r}", f"{hint}an entry has only the keys {', '.join(allowed)}")
+        for key in REQUIRED_KEYS:
+            if key not in entry:
+                raise self.fail(None, f"missing required key {key!r}",
+                                f"add {key} = ... to this entry (every entry needs {', '.join(REQUIRED_KEYS)})")
+        text: dict[str, str] = {}
+        for key in _TEXT_KEYS:
+            value = entry.get(key, "")
+            if not isinstance(value, str) or (key in REQUIRED_KEYS and not value.strip()):
+                raise self.fail(key, f"{key!r} must be a non-empty string, not {_describe(value)}",
+                                f'write it as {key} = "..."')
+            text[key] = " ".join(value.split())  # multi-line TOML strings become one header line
+        if not _ID.match(text["id"]):
+            raise self.fail("id", f"id {text['id']!r} has characters other than letters, digits, '.', '_' and '-'",
+                            'use a short slug such as "rccl-ll-allreduce-mi350"')
+        if text["component"] not in COMPONENTS:
+            raise self.fail("component", f"unknown component {text['component']!r}",
+                            f"use one of {', '.join(COMPONENTS)}")
+        return KnownIssue(
+            id=text["id"], component=text["component"], affects=self._affects(entry["affects"]),
+            symptom=text["symptom"], workaround=text["workaround"], source=text["source"],
+            hardware=text["hardware"], origin=f"{self.path}:{self.start}",
+        )
+
+    def _affects(self, table: Any) -> tuple[tuple[str, Condition], ...]:
+        if not isinstance(table, dict) or not table:
+            raise self.fail("affects", f"'affects' must be a non-empty table of conditions, not {_describe(table)}",
+                            'add [issue.affects] with lines such as "device.arch" = "gfx950*" (an empty one would match every run)')
+        out: list[tuple[str, Condition]] = []
+        for field, cond in _flatten(table).items():
+            problem = _field_problem(field)
+            if problem:
+                fix = ("test a variable the fingerprint records, e.g. \"comm.env.NCCL_PROTO\" = \"unset\""
+                       if field.startswith("comm.env.") else
+                       "name a recorded field as \"section.field\" (docs/known_issues.md lists them)")
+                raise self.fail(field, problem, fix)
+            out.append((field, self._condition(field, cond)))
+        return tuple(out)
+
+    def _condition(self, field: str, cond: Any) -> Condition:
+        if isinstance(cond, list):
+            if not cond:
+                raise self.fail(field, f"condition on {field} is an empty list", "list at least one alternative")
+            if any(isinstance(c, list) for c in cond):
+                raise self.fail(field, f"condition on {field} nests a list in a list", "use one flat list of alternatives")
+            return tuple(self._condition(field, c) for c in cond)  # type: ignore[return-value]
+        if isinstance(cond, bool | int):
+            return cond
+        if not isinstance(cond, str) or not cond.strip():
+            raise self.fail(field, f"condition on {field} must be a string, boolean, integer or list, not {_describe(cond)}",
+                            'write a version specifier (">=2.7"), a glob ("gfx950*"), "set"/"unset", true/false or a list')
+        cond = cond.strip()
+        if cond.startswith(_SPECIFIER_START):
+            try:
+                SpecifierSet(cond)
+            except InvalidSpecifier:
+                raise self.fail(
+                    field, f"condition on {field}: {cond!r} is not a PEP 440 version specifier",
+                    'write e.g. ">=2.7", "==2.27.5", "==2.19.*" or ">=7.0,<7.2" (a leading <>=!~ means a version)',
+                ) from None
+        return cond
+
+
+def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``device.arch = ...`` unquoted is a nested table in TOML: accept it as the field "device.arch"."""
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _field_problem(field: str) -> str | None:
+    section, _, name = field.partition(".")
+    if section not in FIELDS:
+        return f"unknown field {field!r}: the sections are {', '.join(FIELDS)}"
+    if section == "comm" and name.startswith("env."):
+        var = name[4:]
+        if not var.startswith(_ENV_PREFIXES) or var in _ENV_IGNORED:
+            return (f"{field}: {var or '(empty)'} is never recorded in the fingerprint (recorded: variables starting "
+                    f"with {', '.join(_ENV_PREFIXES)}, except logging and socket settings)")
+        return None
+    if section == "numerics" and name.startswith("determinism.") and len(name) > len("determinism."):
+        return None
+    if name not in FIELDS[section]:
+        close = difflib.get_close_matches(name, sorted(FIELDS[section]), n=1)
+        hint = f" (did you mean {section}.{close[0]}?)" if close else ""
+        return f"unknown field {field!r}{hint}; {section} has {', '.join(sorted(FIELDS[section]))}"
+    return None
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list | dict) and not value:
+        return f"an empty {'list' if isinstance(value, list) else 'table'}"
+    kind = {bool: "a boolean", int: "an integer", float: "a number", list: "a list", dict: "a table", str: "an empty string"}
+    return kind.get(type(value), type(value).__name__)

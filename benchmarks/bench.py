@@ -1,13 +1,15 @@
 """Speed and size figures of the suite, against a bare training loop measured in the same run.
 
     python benchmarks/bench.py                  # everything below, in order
-    python benchmarks/bench.py --only sizes     # one part: suite, bare, start, recording, sizes, gpu
+    python benchmarks/bench.py --only sizes     # one part: suite, bare, start, recording, profiling, sizes, gpu
 
 Prints, and checks against the targets of issue #14 (printed, never asserted):
   suite      wall time of the default `pytest --gpuregress` and of each scenario in it
   bare       the yardstick: fsdp model, data and 300 steps on 2 gloo ranks, no plugin (bare_fsdp.py)
   start      time to start the ranks: a cold group, a warm (pooled) group, and fresh ranks per launch
   recording  the fsdp training loop with the plugin's recording against the bare loop: the ratio
+  profiling  what the kernel inventory (one profiled step, one watched for host ops) costs each training
+             scenario, as a share of its launch (target <= 5%, issue #15)
   sizes      the shipped references on disk; a GPU-size (110 M parameter) reference estimated from the
              model's shapes, and the time and memory one comparison at that size takes
   gpu        on a GPU: steps per second of the fsdp scenario and the collective bandwidth table
@@ -102,6 +104,20 @@ def recording() -> None:
           f"ratio {ratio:.3f} (target <= 1.05)")
 
 
+def profiling() -> None:
+    """What the kernel inventory costs each training scenario: the profiled and watched steps beyond two
+    steady steps (measured inside the loop), against the scenario's whole launch."""
+    session = GpuRegressSession(Options(enabled=True, device="cpu"), ROOT)
+    try:
+        session.run("fsdp", config={"steps": 3})  # start the ranks: a cold start is not profiling's
+        for name in ("fsdp", "lora"):  # the training scenarios (checkpoint is a check scenario)
+            record = session.run(name, config={"wrapper": "fsdp2"} if name == "lora" else None)
+            cost, wall = record.results["perf"]["profiling_overhead_s"], record.timings["launch_wall_s"]
+            print(f"profiling {name}: {cost:.3f}s of a {wall:.1f}s launch: {100 * cost / wall:.1f}% (target <= 5%)")
+    finally:
+        session.close()
+
+
 def _gpu_shapes() -> dict[str, tuple[int, ...]]:
     import torch
     from transformers import AutoModelForCausalLM
@@ -172,7 +188,8 @@ def gpu() -> None:
                     "--max-bytes", "256MiB", "--repeats", "1"], cwd=ROOT, check=False)
 
 
-PARTS = {"suite": suite, "bare": bare, "start": start, "recording": recording, "sizes": sizes, "gpu": gpu}
+PARTS = {"suite": suite, "bare": bare, "start": start, "recording": recording, "profiling": profiling, "sizes": sizes,
+         "gpu": gpu}
 
 
 def main() -> None:

@@ -61,6 +61,19 @@ def record_references(root: Path, *args: str) -> Path:
     return refs
 
 
+FSDP_STEPS = "8"
+FSDP_ONLY = "fsdp and not triage"  # the fsdp scenario without its triage cases (tests/test_triage.py runs those)
+
+
+@pytest.fixture(scope="session")
+def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A reference for the fsdp scenario at 8 steps, recorded once per session through the real command line."""
+    refs = record_references(tmp_path_factory.mktemp("fsdp-reference"), f"--gpuregress-steps={FSDP_STEPS}",
+                             "-k", FSDP_ONLY)
+    assert (refs / "fsdp" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
+    return refs
+
+
 @pytest.fixture
 def refs(recorded: Path, tmp_path: Path) -> Path:
     """A private copy of the module's ``recorded`` references, for tests that damage or extend them."""

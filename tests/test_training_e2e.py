@@ -1,6 +1,6 @@
 """End to end through pytester: real gloo ranks, real FSDP2 training, injected faults.
 
-One short reference (8 steps) is recorded once per module; every test compares against a copy.
+One short reference (8 steps) is recorded once per session (conftest.py); every test compares against a copy.
 Each test that injects a fault also checks the message names what a user needs: the metric,
 step, tensor, component, rank or file.
 """
@@ -16,20 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import record_references
+from .conftest import FSDP_ONLY, FSDP_STEPS
 
 pytestmark = pytest.mark.slow
 
-STEPS = "8"
-FSDP_ONLY = "fsdp and not triage"  # the fsdp scenario without its triage cases (tests/test_triage.py runs those)
+STEPS = FSDP_STEPS
 
 
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A reference for the fsdp scenario at 8 steps, recorded through the real command line."""
-    refs = record_references(tmp_path_factory.mktemp("recorded"), f"--gpuregress-steps={STEPS}", "-k", FSDP_ONLY)
-    assert (refs / "fsdp" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
-    return refs
+@pytest.fixture
+def recorded(fsdp_reference: Path) -> Path:
+    """The session's fsdp reference at 8 steps (conftest.py); tests that change it work on ``refs``, a copy."""
+    return fsdp_reference
 
 
 def run(pytester: pytest.Pytester, refs: Path, *extra: str) -> pytest.RunResult:
@@ -41,9 +38,13 @@ def run(pytester: pytest.Pytester, refs: Path, *extra: str) -> pytest.RunResult:
 
 def test_recorded_reference_passes_in_the_exact_lane_every_time(pytester: pytest.Pytester, refs: Path) -> None:
     for _ in range(2):
-        result = run(pytester, refs)
+        result = run(pytester, refs, "-W", "default")
         result.assert_outcomes(passed=1)
         result.stdout.fnmatch_lines(["fsdp cpu-gloo-w2-fp32: PASSED [[]exact lane[]] 8 steps*"])
+        # The kernel inventory matches its own reference, and the perf figures are compared as ratios.
+        out = result.stdout.str()
+        assert "kernels changed: 0" in out and "GpuRegressKernelWarning" not in out
+        assert "perf vs reference: step time " in out and ", tokens/s " in out and ", peak memory " in out
 
 
 def test_a_failed_run_is_kept_plotted_reported_and_reproducible(pytester: pytest.Pytester, refs: Path,

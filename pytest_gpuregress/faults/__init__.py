@@ -120,6 +120,16 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("linear_noise", ".training:install_linear_noise",
               "every F.linear output x (1 +- rel), a fixed sign per output feature: legitimate kernel drift at 1e-7", {
                   "rel": Param("number", "relative change (default 1e-7)"), "ranks": _RANKS, "rank": _RANKS}),
+    FaultKind("sdpa_backend", ".kernels:install_sdpa_backend", "attention runs on another SDPA backend (a missing "
+              "fused kernel); the kernel inventory must name the change", {
+                  "backend": Param("choice", "the backend forced (default math)", ("math", "flash", "efficient", "cudnn")),
+                  "ranks": _RANKS, "rank": _RANKS}),
+    FaultKind("host_op", ".kernels:install_host_op", "an op falls back to the CPU (on a CPU-only build the GPU is "
+              "emulated by a device tag); the run must fail naming the op", {
+                  "op": Param("choice", "the op that falls back (default silu)", ("silu",)),
+                  "ranks": _RANKS, "rank": _RANKS}),
+    FaultKind("slow_step", ".kernels:install_slow_step", "every optimizer step sleeps; the throughput ratio must show it", {
+        "seconds": Param("number", "how long (default 0.2)", minimum=0), "ranks": _RANKS, "rank": _RANKS}),
     FaultKind("hang", ".process:install_hang", "the rank sleeps after completing a step", {
         "rank": _RANKS, "ranks": _RANKS, "step": _STEP, "seconds": Param("number", "how long (default 3600)", minimum=0)}),
     FaultKind("crash", ".process:install_crash", "the rank fails after completing a step", {

@@ -39,6 +39,7 @@ class Job:
     collect_fingerprint: bool = True
     watch: dict[str, Any] = field(default_factory=dict)  # --gpuregress-fail-fast (reference/failfast.py)
     fresh_ranks: bool = False  # new processes for this job, not pooled ones
+    profile: bool = True  # training loops take a kernel inventory of a few steps (training/observe.py)
     cwd: str = ""  # the launcher's working directory: ranks import a user's modules from it
 
     def save(self, path: Path) -> None:

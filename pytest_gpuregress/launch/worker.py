@@ -99,6 +99,7 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
         run_dir=Path(job.run_dir),
         progress_path=files.progress,
         watch=job.watch,
+        profile=job.profile,
     )
     ctx.progress("start")
     try:  # from the first installed patch on: whatever raises, every patch is undone (ranks outlive a job)

@@ -89,7 +89,8 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 
 
 # The key figures of a test, attached as JUnit properties (record_property's mechanism).
-JUNIT_FIGURES = ("lane", "first_differing_step", "worst_over_tolerance", "platform_key", "seconds", "wrong_elements")
+JUNIT_FIGURES = ("lane", "first_differing_step", "worst_over_tolerance", "platform_key", "seconds", "wrong_elements",
+                 "perf", "kernel_changes")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -170,7 +171,8 @@ class _LateConfigure:
     def pytest_configure(self, config: pytest.Config) -> None:
         if not config.stash[OPTIONS_KEY].enabled:
             return
-        from ..errors import BadFaultSpec, UnsupportedPlatform
+        from ..errors import BadFaultSpec, BadKnownIssues, UnsupportedPlatform
+        from ..stack.known_issues import load_known_issues
         from .session import GpuRegressSession
 
         cache = getattr(config, "cache", None)
@@ -181,6 +183,10 @@ class _LateConfigure:
             raise pytest.UsageError(str(exc)) from None
         except BadFaultSpec as exc:
             raise pytest.UsageError(f"--gpuregress-inject: {exc}") from None
+        try:  # the shipped known issues and the user's (gpuregress_known_issues), read once and judged now
+            session.known_issues = load_known_issues(session.options.known_issues)
+        except BadKnownIssues as exc:
+            raise pytest.UsageError(f"gpuregress_known_issues: {exc}") from None
         config.stash[SESSION_KEY] = session
         capture = config.pluginmanager.getplugin("capturemanager")
         if capture is not None:
@@ -196,10 +202,14 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
         return None
     from ..scenarios import registry
     from ..stack.fingerprint import collect, header_lines
+    from ..stack.known_issues import header_lines as known_issue_lines
+    from ..stack.known_issues import matching
 
     session = _session(config)
     plat = session.platform
-    lines = header_lines(collect(plat.device_kind, plat.backend, plat.world_size))
+    fingerprint = collect(plat.device_kind, plat.backend, plat.world_size)
+    lines = header_lines(fingerprint)
+    lines += known_issue_lines(matching(session.known_issues, fingerprint))
     mode = "in place under torchrun" if plat.in_place else "spawned locally"
     lines.append(
         f"gpuregress run: {plat.world_size} {plat.backend} ranks on {plat.device_kind} ({mode}); "

@@ -103,6 +103,18 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("replicas", "int", DEFAULT_REPLICAS,
                "noise replicas run when recording a training reference; their spread sets the tolerant lane's "
                f"limits (0 to {len(PERTURBATIONS)}; 0 records no envelope)", minimum=0, maximum=len(PERTURBATIONS)),
+    OptionSpec("kernel-changes", "choice", "report",
+               "kernels that changed since the reference (profiled over a few steps of each training scenario): "
+               "report them, fail on them, or take no inventory (off)", choices=("report", "fail", "off")),
+    OptionSpec("perf", "choice", "warn", "step time, tokens/s, peak memory and bus bandwidth past their limits "
+                                         "against the reference: warn, fail, or do not compare (off)",
+               choices=("warn", "fail", "off")),
+    OptionSpec("perf-slowdown", "float", 1.5, "how many times slower than the reference counts as a slowdown",
+               minimum=1),
+    OptionSpec("perf-memory", "float", 1.3, "how many times the reference's peak memory counts as a regression",
+               minimum=1),
+    OptionSpec("known-issues", "str", None, "a TOML file of your own known stack issues, matched against this "
+                                            "stack like the shipped ones (docs/known_issues.md)"),
 )
 
 
@@ -153,6 +165,11 @@ class Options:
     fail_fast: bool = False
     triage: bool = False
     replicas: int = DEFAULT_REPLICAS
+    kernel_changes: str = "report"
+    perf: str = "warn"
+    perf_slowdown: float = 1.5
+    perf_memory: float = 1.3
+    known_issues: Path | None = None
     # A scenario's own options, by dest (e.g. gpuregress_collectives_repeats); validated like the rest.
     scenario_values: dict[str, Any] = field(default_factory=dict)
 
@@ -186,8 +203,22 @@ class Options:
             fail_fast=bool(values["gpuregress_fail_fast"]),
             triage=bool(values["gpuregress_triage"]),
             replicas=int(values["gpuregress_replicas"]),
+            kernel_changes=values["gpuregress_kernel_changes"],
+            perf=values["gpuregress_perf"],
+            perf_slowdown=float(values["gpuregress_perf_slowdown"]),
+            perf_memory=float(values["gpuregress_perf_memory"]),
+            known_issues=_known_issues_path(config, values["gpuregress_known_issues"]),
             scenario_values={spec.dest: resolve(config, spec) for spec in scenario_specs},
         )
+
+
+def _known_issues_path(config: pytest.Config, value: str | None) -> Path | None:
+    """The user's known-issues file: relative to the ini file's folder when set there, else to the invocation."""
+    if not value:
+        return None
+    from_cli = config.getoption("gpuregress_known_issues") is not None
+    base = config.invocation_params.dir if from_cli or config.inipath is None else config.inipath.parent
+    return (base / value).resolve()
 
 
 def check_reference_dir_argument(config: pytest.Config) -> None:

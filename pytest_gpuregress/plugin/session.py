@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shlex
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from ..errors import (
 )
 from ..faults import check_ranks
 from ..launch.job import Job
-from ..reference import envelope, failfast, store
+from ..reference import envelope, failfast, kernels, perf, store
 from ..reference.compare import Comparison, compare_training, tolerant_limits
 from ..reference.names import safe_component
 from ..reference.plot import first_divergence
@@ -34,6 +35,7 @@ from ..resources import shipped_dir
 from ..scenarios import Case, Launch, Scenario, Setup, get_scenario, registry
 from ..stack.platforms import Platform, resolve_platform
 from .artifacts import Artifacts, compare_command
+from .observations import Observations
 from .options import Options
 
 
@@ -79,6 +81,7 @@ class GpuRegressSession:
         self.selected: dict[str, list[Case]] = {}  # scenario -> cases left after -k and -m
         # scenario -> launch key -> merged record, or the launch's failure message
         self.launched: dict[str, dict[str, RunRecord | RankFailure]] = {}
+        self.known_issues: list[Any] = []  # stack/known_issues.py: set at configure time, matched in the header
         self.watches: dict[tuple[str, str], dict[str, Any]] = {}  # (scenario, launch) -> fail-fast reference
         self.uncapture: Callable[[], None] = lambda: None  # the plugin stops pytest's output capture with it
         self.progress: Callable[[str], None] | None = None  # where ranks' progress goes while they run (plugin)
@@ -197,6 +200,7 @@ class GpuRegressSession:
             loopback_only=not self.platform.in_place,
             watch=self.watches.get((sc.name, launch.key), {}),
             fresh_ranks=launch.fresh_ranks,
+            profile=self.options.kernel_changes != "off",
         )
         result = self.launcher.run(job, wall_timeout_s=self.options.timeout)
         record = sc.merge(result.records)
@@ -295,6 +299,8 @@ class GpuRegressSession:
             self._add_outcome(Outcome(sc.name, key, "error", detail=str(exc).splitlines()[0]))
             raise
         problems = sc.verdict(case, record, self.setup)
+        if sc.kind == "training":  # floating-point work on the host during a GPU run: a missing kernel
+            problems += kernels.host_op_problems(record)
         self.figures.update(sc.properties(case, record, self.setup))
         reference = sc.reference_name(case)
         if reference is not None and self.options.record and self.options.replicas and not problems:
@@ -370,12 +376,19 @@ class GpuRegressSession:
             reference = failfast.truncated_reference(reference, record.steps)
             extra = [failfast.describe(stop), *extra]
         comparison = (compare or (lambda ref, run: compare_training(ref, run, lane=self.options.lane)))(reference, record)
+        observed = Observations.of(reference, record, self.options)
+        comparison.kernel_changes = observed.kernel_changes
+        extra = [*extra, *observed.failures()]
+        for category, message in observed.warnings():
+            warnings.warn(category(f"{scenario} {record.platform_key}: {message}"), stacklevel=2)
         passed = comparison.passed and not extra
         loss = record.series.get("loss")
         detail = f"{record.steps} steps, loss {loss[0]:.4f} -> {loss[-1]:.4f}, " if loss else ""
         detail += f"reference {loc.path}"
         if comparison.margins:
             detail += f"; {format_margins(comparison)}"
+        if observed.detail():
+            detail += f"; {observed.detail()}"
         if comparison.lane == "tolerant":
             detail += f"; {comparison.lane_reason}"
         kept = self.artifacts.keep(scenario, record, reference, comparison, keep_run=not passed or self.options.keep_runs,
@@ -388,7 +401,9 @@ class GpuRegressSession:
         self.figures.update(lane=comparison.lane, platform_key=record.platform_key,
                             first_differing_step=first_divergence(comparison), worst_over_tolerance=worst,
                             seconds=outcome.seconds, plot=kept.plot,
-                            stack_changes="\n".join(format_stack_changes(comparison.stack_changes)))
+                            stack_changes="\n".join(format_stack_changes(comparison.stack_changes)),
+                            perf=perf.summary(observed.ratios) or None,
+                            kernel_changes=None if observed.kernel_changes is None else len(observed.kernel_changes))
         if comparison.passed and extra:
             raise RegressionFailure("\n".join([*extra, f"(the comparison with the reference {loc.path} passed)",
                                                *kept.report_lines(loc.path)]))
@@ -400,6 +415,8 @@ class GpuRegressSession:
                     finding.component = component
             report = format_comparison(comparison, scenario=scenario, platform_key=record.platform_key,
                                        reference_path=str(loc.path), record_hint=loc.record_hint) + "\n".join(evidence)
+            if comparison.findings:  # a deviation: what the kernels did sits next to it
+                report += "\n" + "\n".join(observed.evidence())
             report += "\n" + "\n".join(kept.report_lines(loc.path))
             raise RegressionFailure("\n".join([*extra, report]) if extra else report)
         return comparison

@@ -75,6 +75,8 @@ class Comparison:
     # this run came to failing on another stack (0 when bitwise equal).
     margins: dict[str, float] = field(default_factory=dict)
     limits_from: str = "fixed"  # "envelope" when the reference carries one
+    # Ops whose kernels changed since the reference (reference/kernels.py), set by the session; triage's evidence.
+    kernel_changes: list[str] | None = None
 
     @property
     def passed(self) -> bool:

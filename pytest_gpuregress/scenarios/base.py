@@ -97,6 +97,7 @@ class RankContext:
     progress_path: Path | None = None
     watch: dict[str, Any] = field(default_factory=dict)  # --gpuregress-fail-fast: the reference, per step
     stopped: dict[str, Any] | None = None  # the step fail-fast stopped at, and why
+    profile: bool = True  # take a kernel inventory of a few steady steps (training/observe.py)
 
     @property
     def device(self) -> str:
@@ -189,8 +190,12 @@ class Scenario:
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
         """Combine the per-rank records (index = rank). By default rank 0's, which holds global values;
-        with ``step0_sharded``, the step-0 gradients assembled from every rank's shard (reference/step0.py)."""
+        with ``step0_sharded``, the step-0 gradients assembled from every rank's shard (reference/step0.py).
+        Either way the largest peak memory and every rank's host ops (training/observe.py)."""
+        from ..training.observe import merge_ranks
+
         merged = records[0]
+        merged.results.update(merge_ranks(records))
         if self.step0_sharded:
             from ..reference import step0
 

@@ -166,6 +166,10 @@ def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tup
     """(component, the one-line verdict with its evidence). The component is None when the experiments
     convict nothing and cannot clear step 0: then the findings keep the heuristic's components."""
     by_name = {e.name: e for e in experiments}
+    changed = comparison.kernel_changes if comparison is not None else None
+    if changed:
+        by_name["kernels"] = Experiment("kernels", "changed", f"{len(changed)} ops run other kernels than in the "
+                                        f"reference, first {changed[0]}", component="kernel")
     oracle_result = by_name.get("oracle")
     component: str | None
     if oracle_result is not None and oracle_result.convicts:
@@ -175,11 +179,13 @@ def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tup
     elif comparison is not None and comparison.findings:
         first = min((f.step for f in comparison.findings if f.step is not None), default=None)
         cleared = all(by_name[n].status == "clean" for n in ("equivalence", "oracle") if n in by_name)
-        if cleared and len(by_name) >= 2 and first is not None and first > 0:
+        if cleared and len(experiments) >= 2 and first is not None and first > 0:
             # Step 0 matches the reference and both experiments are clean: the update goes wrong.
             component = "optimizer"
             by_name["divergence"] = Experiment("divergence", "starts", f"step 0 matches the reference; the first "
                                                                      f"difference is at step {first}")
+        elif changed:  # nothing convicted or cleared, but the kernels did change: the likeliest cause
+            component = "kernel"
         else:
             component = None
     else:

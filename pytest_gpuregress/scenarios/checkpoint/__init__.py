@@ -104,7 +104,7 @@ class CheckpointScenario(CheckScenario):
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
         """Rank 0's record, with every rank's generator digests and process ids."""
-        merged = records[0]
+        merged = super().merge(records)
         boundaries = [r.results["boundary"] for r in records if "boundary" in r.results]
         if boundaries:
             merged.results["boundary"] = checks.merge_boundaries(boundaries)

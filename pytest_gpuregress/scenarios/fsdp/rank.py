@@ -10,12 +10,11 @@ element long before the loss curve moves (see docs/faults.md, section 1).
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from ...reference import step0 as step0_arrays
 from ...reference.record import RunRecord, float_digest
+from ...training.observe import StepObserver
 from ...training.schedule import lr_factor
 from ..base import RankContext
 
@@ -75,34 +74,34 @@ def run(ctx: RankContext) -> RunRecord:
     grad_norms: list[float] = []
     param_norms = np.zeros((steps, len(params)), dtype=np.float64)
     step0: dict[str, np.ndarray] = {}
-    step_times: list[float] = []
+    observer = StepObserver(ctx, steps, tokens_per_step=int(cfg["global_batch"]) * int(cfg["seq_len"]))
     ctx.progress("training")
     for step in range(steps):
-        t0 = time.perf_counter()
-        loss = next_token_loss(model, rank_tokens(data, step, ctx, perturbation, device))
-        loss.backward()
-        # One float64 all-reduce per step carries the loss and every parameter's squared norm.
-        stats = torch.stack(
-            [loss.detach().double()] + [p.grad.to_local().double().pow(2).sum() for p in params]
-        )
-        if step == 0:
-            for name, p in zip(names, params):  # this rank's shard only: merge() assembles the tensors
-                step0.update(step0_arrays.shard_arrays(name, p.grad.to_local().float().cpu().numpy(), tuple(p.shape),
-                                                       ctx.rank, ctx.world_size, step0_arrays.full_max_of(cfg)))
-        total = torch.nn.utils.clip_grad_norm_(params, float(cfg["grad_clip"]))
-        total = total.full_tensor() if hasattr(total, "full_tensor") else total
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        dist.all_reduce(stats)
-        stats = stats.cpu()
-        losses.append(float(stats[0]) / ctx.world_size)
-        grad_norms.append(float(total.double()))
-        param_norms[step] = stats[1:].sqrt().numpy()
-        step_times.append(time.perf_counter() - t0)
+        with observer.step(step):
+            loss = next_token_loss(model, rank_tokens(data, step, ctx, perturbation, device))
+            loss.backward()
+            # One float64 all-reduce per step carries the loss and every parameter's squared norm.
+            stats = torch.stack(
+                [loss.detach().double()] + [p.grad.to_local().double().pow(2).sum() for p in params]
+            )
+            if step == 0:
+                for name, p in zip(names, params):  # this rank's shard only: merge() assembles the tensors
+                    step0.update(step0_arrays.shard_arrays(name, p.grad.to_local().float().cpu().numpy(), tuple(p.shape),
+                                                           ctx.rank, ctx.world_size, step0_arrays.full_max_of(cfg)))
+            total = torch.nn.utils.clip_grad_norm_(params, float(cfg["grad_clip"]))
+            total = total.full_tensor() if hasattr(total, "full_tensor") else total
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            dist.all_reduce(stats)
+            stats = stats.cpu()
+            losses.append(float(stats[0]) / ctx.world_size)
+            grad_norms.append(float(total.double()))
+            param_norms[step] = stats[1:].sqrt().numpy()
         if ctx.step_done(step, loss=losses[-1], grad_norm=grad_norms[-1]):
             break
 
+    observer.finish(ctx.world_size)
     digests = {}
     for name, p in zip(names, params):
         digests[name] = float_digest(p.detach().full_tensor().float().cpu().numpy())
@@ -115,9 +114,6 @@ def run(ctx: RankContext) -> RunRecord:
         param_names=names,
         arrays={"param_grad_norm": param_norms[: len(losses)], **step0},
         digests=digests,
-        timings={
-            "train_s": float(sum(step_times)),
-            "first_step_s": float(step_times[0]) if step_times else 0.0,
-            "median_step_s": float(np.median(step_times)) if step_times else 0.0,
-        },
+        results=observer.results(),
+        timings=observer.timings(),
     )

@@ -63,7 +63,7 @@ class LoraScenario(Scenario):
         """Rank 0's record with every rank's LoRA findings: a problem on one rank only is not lost."""
         from .checks import merge_findings
 
-        merged = records[0]
+        merged = super().merge(records)
         merged.results["lora_checks"] = merge_findings(r.results.get("lora_checks", []) for r in records)
         return merged
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
-import time
 from typing import Any
 
 import numpy as np
 
 from ...reference.record import RunRecord, float_digest
+from ...training.observe import StepObserver
 from ...training.schedule import lr_factor
 from ..base import RankContext
 from . import adapter, adapter_io, checks, lanes, merging
@@ -74,33 +74,33 @@ def run(ctx: RankContext) -> RunRecord:
     param_norms = np.zeros((steps, len(params)), dtype=np.float64)
     step0: dict[str, np.ndarray] = {}
     leaked: dict[str, int] = {}
-    step_times: list[float] = []
+    observer = StepObserver(ctx, steps, tokens_per_step=int(cfg["global_batch"]) * int(cfg["seq_len"]))
     ctx.progress("training")
     for step in range(steps):
-        t0 = time.perf_counter()
-        loss = next_token_loss(lane.model, rank_tokens(data, step, ctx, perturbation, device))
-        lane.backward(loss)
-        for name in base_names:  # a gradient on a frozen weight is a finding, whatever the optimizer does with it
-            if name not in leaked and named[name].grad is not None:
-                leaked[name] = step
-        # Shards add up over ranks; replicas (DDP) are averaged, so a rank that disagrees still moves the value.
-        local = [(p.grad.to_local() if lane.sharded else p.grad).double().pow(2).sum() for p in params]
-        stats = torch.stack([loss.detach().double()] + [v if lane.sharded else v / ctx.world_size for v in local])
-        if step == 0:
-            for name, p in zip(names, params):
-                step0[f"step0_grad/{name}"] = adapter_io.to_numpy(p.grad)
-        grad_norms.append(lane.clip(float(cfg["grad_clip"])))
-        lane.optimizer.step()
-        sched.step()
-        lane.optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(stats)
-        stats = stats.cpu()
-        losses.append(float(stats[0]) / ctx.world_size)
-        param_norms[step] = stats[1:].sqrt().numpy()
-        step_times.append(time.perf_counter() - t0)
+        with observer.step(step):
+            loss = next_token_loss(lane.model, rank_tokens(data, step, ctx, perturbation, device))
+            lane.backward(loss)
+            for name in base_names:  # a gradient on a frozen weight is a finding, whatever the optimizer does with it
+                if name not in leaked and named[name].grad is not None:
+                    leaked[name] = step
+            # Shards add up over ranks; replicas (DDP) are averaged, so a rank that disagrees still moves the value.
+            local = [(p.grad.to_local() if lane.sharded else p.grad).double().pow(2).sum() for p in params]
+            stats = torch.stack([loss.detach().double()] + [v if lane.sharded else v / ctx.world_size for v in local])
+            if step == 0:
+                for name, p in zip(names, params):
+                    step0[f"step0_grad/{name}"] = adapter_io.to_numpy(p.grad)
+            grad_norms.append(lane.clip(float(cfg["grad_clip"])))
+            lane.optimizer.step()
+            sched.step()
+            lane.optimizer.zero_grad(set_to_none=True)
+            dist.all_reduce(stats)
+            stats = stats.cpu()
+            losses.append(float(stats[0]) / ctx.world_size)
+            param_norms[step] = stats[1:].sqrt().numpy()
         if ctx.step_done(step, loss=losses[-1], grad_norm=grad_norms[-1]):
             break
 
+    observer.finish(ctx.world_size)
     ctx.progress("lora checks")
     trained = {n: adapter_io.to_numpy(p) for n, p in zip(names, params)}  # every rank's slice, gathered
     final_base = {n: _sha(named[n]) for n in base_names}
@@ -131,12 +131,9 @@ def run(ctx: RankContext) -> RunRecord:
         param_names=names,
         arrays={"param_grad_norm": param_norms[: len(losses)], **step0},
         digests=digests,
-        results={"lora_checks": findings, "lora_checks_run": sorted(checks.CHECKS), "lora_measured": measured},
-        timings={
-            "train_s": float(sum(step_times)),
-            "first_step_s": float(step_times[0]) if step_times else 0.0,
-            "median_step_s": float(np.median(step_times)) if step_times else 0.0,
-        },
+        results={"lora_checks": findings, "lora_checks_run": sorted(checks.CHECKS), "lora_measured": measured,
+                 **observer.results()},
+        timings=observer.timings(),
     )
 
 

@@ -1,0 +1,66 @@
+"""Kernel and throughput faults, installed on a rank: what an upgrade does when a fused kernel goes missing.
+
+  sdpa_backend  attention runs on another SDPA backend (a flash kernel missing from the new build)
+  host_op       an op falls back to the CPU. On a GPU its work really moves to the host; on a CPU-only
+                build the GPU is emulated by a device tag (training/kernels.py): the op is marked as a
+                host op, every other op as the emulated accelerator's
+  slow_step     the optimizer step sleeps: a slowdown the throughput ratio must show
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from . import FaultSpec
+
+SDPA_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+HOST_OPS = ("silu",)
+
+
+def install_sdpa_backend(spec: FaultSpec, ctx: Any) -> None:
+    """Every F.scaled_dot_product_attention call runs under ``sdpa_kernel(backend)``: per call, because the
+    rank resets the global backend switches after faults are installed."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, SDPA_BACKENDS[spec.get("backend", "math")])
+    original = F.scaled_dot_product_attention
+
+    def forced(*args: Any, **kwargs: Any) -> Any:
+        with sdpa_kernel(backend):
+            return original(*args, **kwargs)
+
+    F.scaled_dot_product_attention = forced
+    ctx.cleanup_hooks.append(lambda: setattr(F, "scaled_dot_product_attention", original))
+
+
+def install_host_op(spec: FaultSpec, ctx: Any) -> None:
+    """F.silu (the MLP's activation) computed on the host and copied back."""
+    import torch.nn.functional as F
+
+    from ..training.kernels import emulated_accelerator, host_fallback, set_emulated_accelerator
+
+    original = F.silu
+
+    def silu_on_host(input: Any, inplace: bool = False) -> Any:
+        with host_fallback():
+            return original(input.to("cpu"), inplace=False).to(input.device)
+
+    previous = emulated_accelerator()
+    if ctx.device_kind == "cpu":
+        set_emulated_accelerator("cuda (emulated by a device tag)")
+    F.silu = silu_on_host
+    ctx.cleanup_hooks.append(lambda: setattr(F, "silu", original))
+    ctx.cleanup_hooks.append(lambda: set_emulated_accelerator(previous))
+
+
+def install_slow_step(spec: FaultSpec, ctx: Any) -> None:
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    seconds = float(spec.get("seconds", 0.2))
+
+    def sleep(optimizer: Any, args: Any, kwargs: Any) -> None:
+        time.sleep(seconds)
+
+    ctx.cleanup_hooks.append(register_optimizer_step_pre_hook(sleep).remove)

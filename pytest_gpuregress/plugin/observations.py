@@ -1,0 +1,74 @@
+"""What a training run shows of the stack besides its numbers, judged by the session's options:
+kernels that changed since the reference, and throughput and memory as ratios to it.
+
+By default a kernel change is reported and a slowdown warns: upgrades change kernels legitimately,
+and timings on a shared machine are noisy. ``--gpuregress-kernel-changes=fail`` and
+``--gpuregress-perf=fail`` make them failures. Ops that fell back to the host during a GPU run
+fail always; they are the scenario's own findings (``kernels.host_op_problems``), not judged here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..reference import kernels, perf
+from ..reference.record import RunRecord
+from .options import Options
+
+
+class GpuRegressPerfWarning(UserWarning):
+    """A training scenario ran slower, or used more memory, than its reference (past the limits)."""
+
+
+class GpuRegressKernelWarning(UserWarning):
+    """Kernels changed since the reference; the numbers may still be fine."""
+
+
+@dataclass
+class Observations:
+    kernel_changes: list[str] | None  # None: no inventory on one side (an older reference, or profiling off)
+    ratios: list[perf.Ratio] | None
+    perf_problems: list[str]
+    options: Options
+
+    @classmethod
+    def of(cls, reference: RunRecord, record: RunRecord, options: Options) -> Observations:
+        changes = kernels.changes(reference, record) if options.kernel_changes != "off" else None
+        ratios = None if options.perf == "off" else perf.ratios(
+            reference, record, slowdown=options.perf_slowdown, memory=options.perf_memory)
+        return cls(changes, ratios, perf.problems(ratios, record), options)
+
+    def failures(self) -> list[str]:
+        """Lines that fail the test under the options."""
+        out: list[str] = []
+        if self.kernel_changes and self.options.kernel_changes == "fail":
+            lines = kernels.report_lines(self.kernel_changes, "--gpuregress-kernel-changes=fail")
+            out += ["[kernel] " + lines[0], *lines[1:]]
+        if self.perf_problems and self.options.perf == "fail":
+            out += [f"{p} (--gpuregress-perf=fail)" for p in self.perf_problems]
+        return out
+
+    def warnings(self) -> list[tuple[type[Warning], str]]:
+        """Warnings for what is reported but does not fail."""
+        out: list[tuple[type[Warning], str]] = []
+        if self.kernel_changes and self.options.kernel_changes == "report":
+            out.append((GpuRegressKernelWarning, "\n".join(kernels.report_lines(self.kernel_changes))))
+        if self.perf_problems and self.options.perf == "warn":
+            out += [(GpuRegressPerfWarning, p + " (--gpuregress-perf=fail to fail on it)") for p in self.perf_problems]
+        return out
+
+    def evidence(self) -> list[str]:
+        """The kernel changes, to sit next to a numeric deviation in its failure report."""
+        if self.kernel_changes is None:
+            return ["kernels: no inventory to compare (the reference predates kernel inventories, or "
+                    "--gpuregress-kernel-changes=off)"]
+        return kernels.report_lines(self.kernel_changes) or ["kernels: the same as in the reference"]
+
+    def detail(self) -> str:
+        """For the terminal summary: the ratios and the count of changed kernels."""
+        parts = []
+        if self.ratios:
+            parts.append("perf vs reference: " + perf.summary(self.ratios))
+        if self.kernel_changes is not None:
+            parts.append(f"kernels changed: {len(self.kernel_changes)}")
+        return "; ".join(parts)

@@ -1,0 +1,97 @@
+"""Throughput and memory against the reference, as ratios.
+
+A training record's ``results["perf"]`` (training/observe.py) holds the median step time over the
+steady steps, tokens per second, the peak memory (device memory on GPUs, peak RSS on the CPU) and,
+with more than one rank, the bus bandwidth of a gradient-sized all-reduce. Each is compared with
+the reference's as a ratio "worse by": a step 1.6x as long, 0.6x the bandwidth (1.67x worse) and
+1.4x the memory are all past their limits by default. Timings are noisy, so only medians are compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..units import human_bytes
+from .record import RunRecord
+
+PERF = "perf"
+SLOWDOWN_LIMIT = 1.5
+MEMORY_LIMIT = 1.3
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """One figure of this run against the reference's."""
+
+    name: str
+    reference: float
+    current: float
+    worse_by: float  # > 1: worse than the reference (slower, larger, less bandwidth)
+    limit: float
+    unit: str
+
+    @property
+    def over(self) -> bool:
+        return self.worse_by > self.limit
+
+    def describe(self) -> str:
+        return (f"{self.name} {_value(self.current, self.unit)} vs {_value(self.reference, self.unit)} in the "
+                f"reference: {self.worse_by:.2f}x {'worse' if self.worse_by >= 1 else 'better'}"
+                + (f" (limit {self.limit:g}x)" if self.over else ""))
+
+    def short(self) -> str:
+        return f"{self.name} {self.worse_by:.2f}x"
+
+
+def _value(value: float, unit: str) -> str:
+    if unit == "bytes":
+        return human_bytes(int(value))
+    if unit == "s":
+        return f"{value * 1e3:.3g} ms"
+    return f"{value:.4g} {unit}"
+
+
+# (field, name, unit, higher is better, which limit)
+_FIGURES = (
+    ("median_step_s", "step time", "s", False, "slowdown"),
+    ("tokens_per_s", "tokens/s", "tokens/s", True, "slowdown"),
+    ("peak_memory_bytes", "peak memory", "bytes", False, "memory"),
+    ("bus_bandwidth_gbps", "all-reduce bus bandwidth", "GB/s", True, "slowdown"),
+)
+
+
+def ratios(reference: RunRecord, record: RunRecord, *, slowdown: float = SLOWDOWN_LIMIT,
+           memory: float = MEMORY_LIMIT) -> list[Ratio] | None:
+    """Every figure both records carry, as a ratio; None when either has no perf figures (an old reference)."""
+    old, new = reference.results.get(PERF), record.results.get(PERF)
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return None
+    if old.get("memory") != new.get("memory"):  # peak RSS against device memory means nothing
+        old = {k: v for k, v in old.items() if k != "peak_memory_bytes"}
+    limits = {"slowdown": slowdown, "memory": memory}
+    out: list[Ratio] = []
+    for key, name, unit, higher_is_better, limit in _FIGURES:
+        a, b = _number(old.get(key)), _number(new.get(key))
+        if a is None or b is None or a <= 0 or b <= 0:
+            continue
+        out.append(Ratio(name, a, b, a / b if higher_is_better else b / a, limits[limit], unit))
+    return out
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def problems(found: list[Ratio] | None, record: RunRecord) -> list[str]:
+    """A finding per figure past its limit, naming the component it points to."""
+    steady = record.results.get(PERF, {}).get("steady_steps")
+    over = [r for r in found or [] if r.over]
+    if any(r.name == "tokens/s" for r in over):  # one slowdown, one line: tokens/s says it with the batch size
+        over = [r for r in over if r.name != "step time"]
+    return [f"[performance] {r.describe()}; medians over {steady} steady steps" for r in over]
+
+
+def summary(found: list[Ratio] | None) -> str:
+    """For the closing table: "step time 1.02x, peak memory 0.99x, ..." ("" without figures)."""
+    return ", ".join(r.short() for r in found or [])

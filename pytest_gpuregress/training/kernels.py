@@ -1,0 +1,170 @@
+"""The kernel inventory of a few steady training steps, taken on a rank with ``torch.profiler``.
+
+For each aten op called from Python (an op with no aten op above it) the inventory keeps:
+  dispatch  the aten ops it dispatched to, one level down: how SDPA picks its backend
+            (``_scaled_dot_product_flash_attention_for_cpu`` or ``_scaled_dot_product_attention_math``),
+            how ``linear`` picks ``addmm`` or ``matmul``
+  kernels   the device kernels launched under it (GPU only; template arguments cut off)
+  calls     how often it ran in the window
+A second watcher, a dispatch mode, sees every kernel-level op with its tensors: floating-point work
+on the host while the scenario runs on a GPU is a missing kernel that fell back to the CPU.
+
+On a CPU-only build a GPU run is emulated by a device tag (the ``host_op`` fault): ops inside a
+``host_fallback()`` region count as host ops, every other op as the emulated accelerator's.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+# A host op smaller than this is bookkeeping (an optimizer's step counter, a scalar loss), not a kernel.
+HOST_OP_MIN_ELEMENTS = 64
+# Copies between devices are how data reaches the accelerator, not compute that fell back.
+_TRANSFER_OPS = {"aten::_to_copy", "aten::copy_", "aten::to", "aten::_copy_from", "aten::_local_scalar_dense",
+                 "aten::lift_fresh", "aten::detach", "aten::alias"}
+
+_emulation = threading.local()
+
+
+def emulated_accelerator() -> str | None:
+    """The accelerator a CPU run pretends to be (set by the ``host_op`` fault on CPU builds), else None."""
+    return getattr(_emulation, "device", None)
+
+
+def set_emulated_accelerator(device: str | None) -> None:
+    _emulation.device = device
+
+
+@contextmanager
+def host_fallback() -> Iterator[None]:
+    """Mark the ops run inside as host ops: the device tag of the emulation (a no-op on a real GPU run)."""
+    depth = getattr(_emulation, "host_depth", 0)
+    _emulation.host_depth = depth + 1
+    try:
+        yield
+    finally:
+        _emulation.host_depth = depth
+
+
+def _in_host_region() -> bool:
+    return getattr(_emulation, "host_depth", 0) > 0
+
+
+def short_kernel(name: str) -> str:
+    """A device kernel's name without template arguments or parameter lists: stable and readable."""
+    name = re.sub(r"^void ", "", name)
+    for stop in ("<", "("):
+        name = name.split(stop, 1)[0]
+    return name.strip()
+
+
+def _under_aten(event: Any) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _device_kernels(event: Any) -> set[str]:
+    found = {short_kernel(k.name) for k in getattr(event, "kernels", ()) or ()}
+    for child in event.cpu_children:
+        found |= _device_kernels(child)
+    return found
+
+
+def inventory_from_events(events: Any) -> dict[str, dict[str, Any]]:
+    """op -> {"dispatch": [...], "kernels": [...], "calls": n} from a profiler's function events."""
+    inventory: dict[str, dict[str, Any]] = {}
+    for event in events:
+        if not event.name.startswith("aten::") or _under_aten(event):
+            continue
+        entry = inventory.setdefault(event.name, {"dispatch": set(), "kernels": set(), "calls": 0})
+        entry["dispatch"] |= {c.name for c in event.cpu_children if c.name.startswith("aten::")}
+        entry["kernels"] |= _device_kernels(event)
+        entry["calls"] += 1
+    return {op: {"dispatch": sorted(e["dispatch"]), "kernels": sorted(e["kernels"]), "calls": e["calls"]}
+            for op, e in sorted(inventory.items())}
+
+
+def _host_watcher() -> Any:
+    """A dispatch mode that records floating-point work on the host, per kernel-level op."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    emulated = emulated_accelerator() is not None
+
+    class HostOpWatcher(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.host_ops: dict[str, dict[str, Any]] = {}
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            name = "aten::" + func.overloadpacket.__name__ if func.namespace == "aten" else str(func)
+            if name not in _TRANSFER_OPS:
+                self._note(name, [*args, *(kwargs or {}).values(), out])
+            return out
+
+        def _note(self, name: str, values: list[Any]) -> None:
+            tensors = [t for t in torch.utils._pytree.tree_leaves(values)
+                       if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() >= HOST_OP_MIN_ELEMENTS]
+            if not tensors:
+                return
+            on_host = _in_host_region() if emulated else all(t.device.type == "cpu" for t in tensors)
+            if not on_host:
+                return
+            largest = max(tensors, key=lambda t: t.numel())
+            entry = self.host_ops.setdefault(name, {"calls": 0, "shape": list(largest.shape),
+                                                    "dtype": str(largest.dtype).replace("torch.", "")})
+            entry["calls"] += 1
+
+    return HostOpWatcher()
+
+
+class KernelWindow:
+    """Profiles the steps run inside ``capture()`` and watches those inside ``watch_host()``; ``inventory``
+    and ``host_ops`` hold what they saw. Never both in one step: under a dispatch mode the profiler sees
+    composite ops already decomposed, and the inventory would change with the watching."""
+
+    def __init__(self, device_kind: str) -> None:
+        self.accelerator = "cuda" if device_kind == "cuda" else emulated_accelerator()
+        self.inventory: dict[str, dict[str, Any]] = {}
+        self.host_ops: dict[str, dict[str, Any]] = {}
+        self._device_kind = device_kind
+
+    @contextmanager
+    def capture(self) -> Iterator[None]:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._device_kind == "cuda" else [])
+        with profile(activities=activities) as prof:
+            yield
+        for op, entry in inventory_from_events(prof.events()).items():
+            merged = self.inventory.setdefault(op, {"dispatch": [], "kernels": [], "calls": 0})
+            merged["dispatch"] = sorted(set(merged["dispatch"]) | set(entry["dispatch"]))
+            merged["kernels"] = sorted(set(merged["kernels"]) | set(entry["kernels"]))
+            merged["calls"] += entry["calls"]
+
+    @contextmanager
+    def watch_host(self) -> Iterator[None]:
+        if not self.accelerator:  # a CPU run: the host is where everything belongs
+            yield
+            return
+        watcher = _host_watcher()
+        with watcher:
+            yield
+        for op, entry in watcher.host_ops.items():
+            self.host_ops.setdefault(op, {**entry, "calls": 0})["calls"] += entry["calls"]
+
+    def results(self) -> dict[str, Any]:
+        """What a record keeps: the inventory, and the host ops of a GPU (or emulated GPU) run."""
+        out: dict[str, Any] = {"kernels": self.inventory}
+        if self.accelerator:
+            out["host_ops"] = {"accelerator": self.accelerator, "ops": self.host_ops}
+        return out

@@ -1,0 +1,216 @@
+"""Kernel inventories, host fallbacks and perf ratios, unit by unit: the comparison side on synthetic
+records, the rank side on a real profile in this process."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pytest_gpuregress.plugin.observations import GpuRegressKernelWarning, GpuRegressPerfWarning, Observations
+from pytest_gpuregress.plugin.options import Options
+from pytest_gpuregress.reference import kernels, perf
+from pytest_gpuregress.training import observe
+from pytest_gpuregress.triage import Experiment, verdict
+
+from .conftest import make_record
+
+FLASH = {"dispatch": ["aten::_scaled_dot_product_flash_attention_for_cpu"], "kernels": [], "calls": 4}
+MATH = {"dispatch": ["aten::_scaled_dot_product_attention_math"], "kernels": [], "calls": 4}
+LINEAR = {"dispatch": ["aten::matmul", "aten::t"], "kernels": [], "calls": 30}
+PERF = {"median_step_s": 0.1, "steady_steps": 290, "tokens_per_s": 10240.0, "peak_memory_bytes": 400 << 20,
+        "memory": "peak RSS of this run", "bus_bandwidth_gbps": 1.0}
+
+
+def with_results(**results: object):  # noqa: ANN201 - a RunRecord
+    record = make_record()
+    record.results = dict(results)
+    return record
+
+
+def test_a_changed_sdpa_backend_is_one_line_naming_op_and_kernels() -> None:
+    ref = with_results(kernels={"aten::scaled_dot_product_attention": FLASH, "aten::linear": LINEAR})
+    run = with_results(kernels={"aten::scaled_dot_product_attention": MATH, "aten::linear": LINEAR,
+                                "aten::bmm": {"dispatch": [], "kernels": [], "calls": 8}})
+    assert kernels.changes(ref, run) == [
+        "aten::bmm: newly called, runs as its own kernel",
+        "aten::scaled_dot_product_attention: _scaled_dot_product_flash_attention_for_cpu -> "
+        "_scaled_dot_product_attention_math",
+    ]
+    assert kernels.changes(run, ref)[0] == "aten::bmm: no longer called (was its own kernel)"
+    assert kernels.changes(ref, ref) == []
+    assert kernels.changes(make_record(), run) is None  # a reference from before inventories: nothing to compare
+
+
+def test_gpu_kernel_names_count_and_call_counts_do_not() -> None:
+    gemm = {"dispatch": ["aten::addmm"], "kernels": ["sm90_xmma_gemm_bf16bf16"], "calls": 10}
+    other = {**gemm, "kernels": ["Cijk_Ailk_Bljk_BBS_BH"], "calls": 99}
+    assert kernels.changes(with_results(kernels={"aten::linear": gemm}),
+                           with_results(kernels={"aten::linear": {**gemm, "calls": 99}})) == []
+    assert kernels.changes(with_results(kernels={"aten::linear": gemm}), with_results(kernels={"aten::linear": other})) \
+        == ["aten::linear: sm90_xmma_gemm_bf16bf16 -> Cijk_Ailk_Bljk_BBS_BH"]
+
+
+def test_report_lines_show_twelve_ops_and_count_the_rest() -> None:
+    lines = kernels.report_lines([f"aten::op{i}: a -> b" for i in range(20)])
+    assert lines[0] == "kernels changed since the reference (20 ops):"
+    assert len(lines) == 1 + kernels.SHOWN + 1 and "... and 8 more" in lines[-1]
+    assert kernels.report_lines([]) == [] and kernels.report_lines(None) == []
+
+
+def test_host_ops_of_a_gpu_run_are_one_kernel_finding_naming_each_op() -> None:
+    run = with_results(host_ops={"accelerator": "cuda", "ops": {
+        "aten::silu": {"calls": 4, "shape": [8, 64, 176], "dtype": "float32"}}})
+    [finding] = kernels.host_op_problems(run)
+    assert finding.startswith("[kernel] 1 op(s) ran on the CPU while 'fsdp' runs on cuda: "
+                              "aten::silu (4 calls, float32 [8, 64, 176])")
+    assert kernels.host_op_problems(with_results(host_ops={"accelerator": "cuda", "ops": {}})) == []
+    assert kernels.host_op_problems(make_record()) == []
+
+
+def test_perf_ratios_say_worse_by_and_pass_limits_only_when_past_them() -> None:
+    slower = {**PERF, "median_step_s": 0.3, "tokens_per_s": 10240.0 / 3, "peak_memory_bytes": 560 << 20,
+              "bus_bandwidth_gbps": 0.9}
+    found = perf.ratios(with_results(perf=PERF), with_results(perf=slower))
+    by_name = {r.name: r for r in found}
+    assert by_name["step time"].worse_by == pytest.approx(3.0)
+    assert by_name["tokens/s"].worse_by == pytest.approx(3.0) and by_name["tokens/s"].over
+    assert by_name["peak memory"].worse_by == pytest.approx(1.4) and by_name["peak memory"].over
+    assert not by_name["all-reduce bus bandwidth"].over  # 1.11x worse, limit 1.5x
+    problems = perf.problems(found, with_results(perf=slower))
+    assert len(problems) == 2  # tokens/s and memory: the step time says the same as tokens/s
+    assert problems[0].startswith("[performance] tokens/s 3413 tokens/s vs 1.024e+04 tokens/s in the reference: "
+                                  "3.00x worse (limit 1.5x); medians over 290 steady steps")
+    assert "[performance] peak memory 560 MiB vs 400 MiB in the reference: 1.40x worse (limit 1.3x)" in problems[1]
+    assert perf.problems(perf.ratios(with_results(perf=PERF), with_results(perf=PERF)), make_record()) == []
+    assert perf.summary(found).startswith("step time 3.00x, tokens/s 3.00x, peak memory 1.40x")
+
+
+def test_perf_limits_are_options_and_peak_rss_is_not_compared_with_device_memory() -> None:
+    slower = {**PERF, "median_step_s": 0.13, "tokens_per_s": 10240.0 / 1.3}
+    assert not any(r.over for r in perf.ratios(with_results(perf=PERF), with_results(perf=slower)))
+    assert any(r.over for r in perf.ratios(with_results(perf=PERF), with_results(perf=slower), slowdown=1.2))
+    on_gpu = {**PERF, "memory": "device (max allocated)", "peak_memory_bytes": 1}
+    assert "peak memory" not in {r.name for r in perf.ratios(with_results(perf=PERF), with_results(perf=on_gpu))}
+    assert perf.ratios(make_record(), with_results(perf=PERF)) is None
+
+
+@pytest.mark.parametrize("mode", ["report", "fail"])
+def test_observations_report_or_fail_kernel_changes_as_asked(mode: str) -> None:
+    ref = with_results(kernels={"aten::scaled_dot_product_attention": FLASH}, perf=PERF)
+    run = with_results(kernels={"aten::scaled_dot_product_attention": MATH}, perf=PERF)
+    seen = Observations.of(ref, run, Options(kernel_changes=mode))
+    if mode == "fail":
+        assert seen.failures()[0] == "[kernel] kernels changed since the reference (1 ops; --gpuregress-kernel-changes=fail):"
+        assert not seen.warnings()
+    else:
+        assert seen.failures() == []
+        [(category, message)] = seen.warnings()
+        assert category is GpuRegressKernelWarning and "flash_attention_for_cpu -> " in message
+    assert seen.detail() == "perf vs reference: step time 1.00x, tokens/s 1.00x, peak memory 1.00x, " \
+                            "all-reduce bus bandwidth 1.00x; kernels changed: 1"
+
+
+def test_observations_warn_or_fail_on_a_slowdown_and_can_be_turned_off() -> None:
+    ref, run = with_results(perf=PERF), with_results(perf={**PERF, "median_step_s": 0.4, "tokens_per_s": 2560.0})
+    warned = Observations.of(ref, run, Options())
+    assert warned.failures() == [] and warned.warnings()[0][0] is GpuRegressPerfWarning
+    assert "(--gpuregress-perf=fail to fail on it)" in warned.warnings()[0][1]
+    failed = Observations.of(ref, run, Options(perf="fail"))
+    assert failed.failures()[0].endswith("(--gpuregress-perf=fail)")
+    off = Observations.of(ref, run, Options(perf="off", kernel_changes="off"))
+    assert off.failures() == [] and off.warnings() == [] and off.detail() == ""
+    assert off.evidence()[0].startswith("kernels: no inventory to compare")
+
+
+def test_kernel_changes_are_triage_evidence_and_decide_an_inconclusive_verdict() -> None:
+    from pytest_gpuregress.reference.compare import Comparison, Finding
+
+    finding = Finding("step0_grad", "kernel", "step0_grad differs", step=0)
+    comparison = Comparison("exact", "", [finding], [], kernel_changes=["aten::sdpa: flash -> math"])
+    clean = [Experiment("equivalence", "clean", "agree"), Experiment("oracle", "clean", "matches float64")]
+    component, line = verdict(comparison, clean)
+    assert component == "kernel"
+    assert "kernels changed: 1 ops run other kernels than in the reference, first aten::sdpa: flash -> math" in line
+    unchanged = dataclasses.replace(comparison, kernel_changes=[])
+    assert verdict(unchanged, clean)[0] is None  # step 0 differs, nothing convicted, nothing changed: inconclusive
+
+
+def test_the_profile_window_is_steady_or_the_end_of_a_short_run() -> None:
+    assert observe.profile_window(300) == range(5, 7)
+    assert observe.profile_window(3) == range(1, 3)
+    assert observe.profile_window(1) == range(0, 1)
+
+
+def test_merge_keeps_the_largest_peak_memory_and_every_ranks_host_ops() -> None:
+    host = {"accelerator": "cuda", "ops": {"aten::silu": {"calls": 2, "shape": [4], "dtype": "float32"}}}
+    zero = with_results(perf={**PERF, "peak_memory_bytes": 1}, host_ops=host)
+    one = with_results(perf={**PERF, "peak_memory_bytes": 5}, host_ops=host)
+    merged = observe.merge_ranks([zero, one])
+    assert merged["perf"]["peak_memory_bytes"] == 5
+    assert merged["host_ops"]["ops"]["aten::silu"]["calls"] == 4
+
+
+# --- the rank side, in this process ---------------------------------------------------------------
+
+
+def attention_step() -> None:
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    layer = torch.nn.Linear(8, 8)
+    (F.scaled_dot_product_attention(q, q, q, is_causal=True).sum() + F.silu(layer(q)).sum()).backward()
+
+
+def test_the_inventory_names_the_sdpa_backend_that_ran() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from pytest_gpuregress.training.kernels import KernelWindow
+
+    default, forced = KernelWindow("cpu"), KernelWindow("cpu")
+    with default.capture():
+        attention_step()
+    with sdpa_kernel(SDPBackend.MATH), forced.capture():
+        attention_step()
+    sdpa = "aten::scaled_dot_product_attention"
+    assert default.inventory[sdpa]["dispatch"] == ["aten::_scaled_dot_product_flash_attention_for_cpu"]
+    assert forced.inventory[sdpa]["dispatch"] == ["aten::_scaled_dot_product_attention_math"]
+    assert default.inventory["aten::linear"]["calls"] == 1
+    assert default.results() == {"kernels": default.inventory}  # a CPU run: no host ops to watch
+
+
+def test_the_host_watcher_sees_the_tagged_op_only_and_only_under_emulation() -> None:
+    import torch.nn.functional as F
+
+    from pytest_gpuregress.training.kernels import KernelWindow, host_fallback, set_emulated_accelerator
+
+    set_emulated_accelerator("cuda (emulated)")
+    try:
+        window = KernelWindow("cpu")
+        original = F.silu
+
+        def silu(x, inplace=False):  # noqa: ANN001, ANN202 - F.silu's signature
+            with host_fallback():
+                return original(x)
+
+        F.silu = silu
+        try:
+            with window.watch_host():
+                attention_step()
+        finally:
+            F.silu = original
+        assert list(window.host_ops) == ["aten::silu"] and window.host_ops["aten::silu"]["shape"] == [2, 4, 16, 8]
+        assert window.results()["host_ops"]["accelerator"] == "cuda (emulated)"
+    finally:
+        set_emulated_accelerator(None)
+    assert KernelWindow("cpu").accelerator is None
+
+
+def test_short_kernel_names_drop_templates_and_arguments() -> None:
+    from pytest_gpuregress.training.kernels import short_kernel
+
+    assert short_kernel("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>(int)") \
+        == "at::native::vectorized_elementwise_kernel"
+    assert short_kernel("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") \
+        == "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64"

@@ -74,3 +74,11 @@ class BadKnownIssues(GpuRegressError):
         self.fix = fix
         where = f"{self.path}:{line}" if line else self.path
         super().__init__(f"{where}: {problem}\n  fix: {fix}")
+
+
+class BadTokens(GpuRegressError):
+    """A token file (--gpuregress-tokens) that is missing, unreadable, not integer ids, or outside the vocabulary."""
+
+    def __init__(self, path: object, problem: str, fix: str) -> None:
+        self.path = str(path)
+        super().__init__(f"--gpuregress-tokens {self.path}: {problem}; {fix}")

@@ -171,7 +171,7 @@ class _LateConfigure:
     def pytest_configure(self, config: pytest.Config) -> None:
         if not config.stash[OPTIONS_KEY].enabled:
             return
-        from ..errors import BadFaultSpec, BadKnownIssues, UnsupportedPlatform
+        from ..errors import BadFaultSpec, BadKnownIssues, BadTokens, UnsupportedPlatform
         from ..stack.known_issues import load_known_issues
         from .session import GpuRegressSession
 
@@ -187,6 +187,14 @@ class _LateConfigure:
             session.known_issues = load_known_issues(session.options.known_issues)
         except BadKnownIssues as exc:
             raise pytest.UsageError(f"gpuregress_known_issues: {exc}") from None
+        if session.options.tokens is not None:  # read, check and hash the token file now, before any rank starts
+            from ..scenarios import registry
+
+            try:
+                for scenario in registry().values():
+                    scenario.default_config(session.setup)
+            except BadTokens as exc:
+                raise pytest.UsageError(str(exc)) from None
         config.stash[SESSION_KEY] = session
         capture = config.pluginmanager.getplugin("capturemanager")
         if capture is not None:

@@ -113,6 +113,8 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
                minimum=1),
     OptionSpec("perf-memory", "float", 1.3, "how many times the reference's peak memory counts as a regression",
                minimum=1),
+    OptionSpec("tokens", "str", None, "a .npy or .safetensors file of token ids the training scenarios train on "
+                                      "instead of the synthetic data (a sample of your own traffic)"),
     OptionSpec("known-issues", "str", None, "a TOML file of your own known stack issues, matched against this "
                                             "stack like the shipped ones (docs/known_issues.md)"),
 )
@@ -170,6 +172,7 @@ class Options:
     perf_slowdown: float = 1.5
     perf_memory: float = 1.3
     known_issues: Path | None = None
+    tokens: Path | None = None
     # A scenario's own options, by dest (e.g. gpuregress_collectives_repeats); validated like the rest.
     scenario_values: dict[str, Any] = field(default_factory=dict)
 
@@ -207,16 +210,17 @@ class Options:
             perf=values["gpuregress_perf"],
             perf_slowdown=float(values["gpuregress_perf_slowdown"]),
             perf_memory=float(values["gpuregress_perf_memory"]),
-            known_issues=_known_issues_path(config, values["gpuregress_known_issues"]),
+            known_issues=_ini_relative_path(config, "gpuregress_known_issues", values["gpuregress_known_issues"]),
+            tokens=_ini_relative_path(config, "gpuregress_tokens", values["gpuregress_tokens"]),
             scenario_values={spec.dest: resolve(config, spec) for spec in scenario_specs},
         )
 
 
-def _known_issues_path(config: pytest.Config, value: str | None) -> Path | None:
-    """The user's known-issues file: relative to the ini file's folder when set there, else to the invocation."""
+def _ini_relative_path(config: pytest.Config, dest: str, value: str | None) -> Path | None:
+    """A file option's path: relative to the ini file's folder when set there, else to the invocation."""
     if not value:
         return None
-    from_cli = config.getoption("gpuregress_known_issues") is not None
+    from_cli = config.getoption(dest) is not None
     base = config.invocation_params.dir if from_cli or config.inipath is None else config.inipath.parent
     return (base / value).resolve()
 

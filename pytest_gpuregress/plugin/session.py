@@ -76,6 +76,7 @@ class GpuRegressSession:
             steps=options.steps,
             faults=options.faults,
             options=dict(options.scenario_values),
+            tokens=options.tokens,
         )
         self.outcomes: list[Outcome] = []
         self.selected: dict[str, list[Case]] = {}  # scenario -> cases left after -k and -m

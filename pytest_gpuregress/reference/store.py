@@ -158,9 +158,15 @@ def check_compatible(loc: ReferenceLocation, reference: RunRecord, run: RunRecor
         )
 
 
+# Where an input lives on this machine, not what it is (its sha256 beside it says that): never foreign.
+LOCATION_KEYS = frozenset({"tokens.file"})
+
+
 def _config_diff(ref: dict[str, Any], run: dict[str, Any], prefix: str = "") -> list[str]:
     out: list[str] = []
     for key in sorted(set(ref) | set(run)):
+        if f"{prefix}{key}" in LOCATION_KEYS:
+            continue
         a, b = ref.get(key, "<absent>"), run.get(key, "<absent>")
         if isinstance(a, dict) and isinstance(b, dict):
             out.extend(_config_diff(a, b, f"{prefix}{key}."))

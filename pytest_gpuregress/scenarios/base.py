@@ -47,6 +47,7 @@ class Setup:
     steps: int | None = None
     faults: tuple[FaultSpec, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
+    tokens: Path | None = None  # --gpuregress-tokens: a user's token sample for the training scenarios
 
     def option(self, name: str) -> Any:
         """The value of this scenario's ``--gpuregress-<name>`` option (None when unset and no default)."""

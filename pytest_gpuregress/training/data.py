@@ -10,6 +10,7 @@ changes who computes what, not what is computed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -49,17 +50,32 @@ class MarkovTokens:
         return out
 
     def rank_batch(self, step: int, rank: int, world_size: int) -> np.ndarray:
-        """This rank's contiguous slice of the global batch."""
-        if self.global_batch % world_size:
-            raise ValueError(
-                f"global batch {self.global_batch} is not divisible by world size {world_size}; "
-                "choose a world size that divides it or change the model's global_batch"
-            )
-        per_rank = self.global_batch // world_size
-        return self.global_batch_at(step)[rank * per_rank : (rank + 1) * per_rank]
+        return rank_slice(self.global_batch_at(step), rank, world_size)
 
     def entropy_floor(self) -> float:
         """The lowest achievable mean cross-entropy (nats): a learnable target well below ln(V)."""
         w = np.asarray(self.weights[: self.branching], dtype=np.float64)
         w /= w.sum()
         return float(-(w * np.log(w)).sum())
+
+
+def rank_slice(batch: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """This rank's contiguous slice of a step's global batch."""
+    if len(batch) % world_size:
+        raise ValueError(
+            f"global batch {len(batch)} is not divisible by world size {world_size}; "
+            "choose a world size that divides it or change the model's global_batch"
+        )
+    per_rank = len(batch) // world_size
+    return batch[rank * per_rank : (rank + 1) * per_rank]
+
+
+def token_source(cfg: dict[str, Any], vocab_size: int) -> Any:
+    """A training scenario's data: the user's token file where the config names one (training/token_file.py),
+    else the synthetic Markov chain. Either has ``global_batch_at(step)`` and ``rank_batch(step, rank, world)``."""
+    if cfg.get("tokens"):
+        from .token_file import open_tokens
+
+        return open_tokens(cfg["tokens"], vocab_size, int(cfg["seq_len"]), int(cfg["global_batch"]))
+    return MarkovTokens(vocab_size=vocab_size, seq_len=int(cfg["seq_len"]), global_batch=int(cfg["global_batch"]),
+                        seed=int(cfg["data_seed"]))

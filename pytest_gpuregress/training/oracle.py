@@ -20,15 +20,14 @@ def run(ctx) -> RunRecord:  # type: ignore[no-untyped-def]
     """Rank entry (one rank): build the model as the scenario does, in float64, and take step 0's gradients."""
     import torch
 
-    from .data import MarkovTokens
+    from .data import token_source
     from .models import build_causal_lm, load_config
 
     torch.set_num_threads(os.cpu_count() or 1)  # float64 on the GPU model is slow; summation order barely matters here
     cfg = ctx.config
     model_config = load_config(cfg["model"], cfg["model_size"])
     model = build_causal_lm(model_config, seed=int(cfg["seed"])).double()
-    data = MarkovTokens(vocab_size=model_config.vocab_size, seq_len=int(cfg["seq_len"]),
-                        global_batch=int(cfg["global_batch"]), seed=int(cfg["data_seed"]))
+    data = token_source(cfg, model_config.vocab_size)
     tokens = torch.from_numpy(data.global_batch_at(0))
     logits = model(input_ids=tokens[:, :-1]).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))

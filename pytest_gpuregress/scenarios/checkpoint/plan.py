@@ -60,6 +60,12 @@ def config(setup: Setup) -> dict[str, Any]:
         cfg["steps"] = max(2, int(setup.steps))
     cfg["model_architecture"] = architecture_digest(MODEL, cfg["model_size"])
     cfg["tied_model_architecture"] = architecture_digest(TIED_MODEL, cfg["model_size"])
+    if setup.tokens is not None:  # a user's token sample replaces the synthetic data (training/token_file.py)
+        from ...training.models import config_field
+        from ...training.token_file import describe
+
+        vocab = min(int(config_field(m, cfg["model_size"], "vocab_size")) for m in (MODEL, TIED_MODEL))
+        cfg["tokens"] = describe(setup.tokens, vocab, int(cfg["seq_len"]))
     return cfg
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ...training.data import MarkovTokens
+from ...training.data import token_source
 from ...training.schedule import lr_factor
 
 IGNORE = -100  # cross_entropy's ignore_index: a dropped label
@@ -25,7 +25,7 @@ IGNORE = -100  # cross_entropy's ignore_index: a dropped label
 class StochasticBatches:
     """Global batches from a fixed token stream, read at ``position``; every rank draws the same random numbers."""
 
-    source: MarkovTokens
+    source: Any  # training/data.py token_source: the synthetic chain or the user's token file
     config: dict[str, Any]
     position: int = 0
 
@@ -108,8 +108,7 @@ def build(cfg: dict[str, Any], ctx: Any, model_name: str) -> Trainer:
     steps = int(cfg["steps"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, steps, int(cfg["warmup_steps"]), float(cfg["min_lr_ratio"])))
-    data = StochasticBatches(MarkovTokens(vocab_size=model_config.vocab_size, seq_len=int(cfg["seq_len"]),
-                                          global_batch=int(cfg["global_batch"]), seed=int(cfg["data_seed"])), cfg)
+    data = StochasticBatches(token_source(cfg, model_config.vocab_size), cfg)
     return Trainer(model, optimizer, scheduler, data, torch.device(ctx.device), ctx.rank, ctx.world_size,
                    [n for n, _ in named])
 

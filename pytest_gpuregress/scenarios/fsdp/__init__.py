@@ -37,6 +37,12 @@ def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, 
     if setup.steps is not None:
         config["steps"] = int(setup.steps)
     config["model_architecture"] = architecture_digest(config["model"], config["model_size"])
+    if setup.tokens is not None:  # a user's token sample replaces the synthetic data: another reference
+        from ...training.models import config_field
+        from ...training.token_file import describe
+
+        vocab = int(config_field(config["model"], config["model_size"], "vocab_size"))
+        config["tokens"] = describe(setup.tokens, vocab, int(config["seq_len"]))
     return config
 
 

@@ -25,7 +25,7 @@ def run(ctx: RankContext) -> RunRecord:
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ...training.data import MarkovTokens
+    from ...training.data import token_source
     from ...training.models import build_causal_lm, load_config
     from ...training.noise import apply_kernel_path, apply_weight_perturbation
     from ...training.step import next_token_loss, rank_tokens
@@ -63,12 +63,7 @@ def run(ctx: RankContext) -> RunRecord:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, steps, int(cfg["warmup_steps"]), float(cfg["min_lr_ratio"]))
     )
-    data = MarkovTokens(
-        vocab_size=model_config.vocab_size,
-        seq_len=int(cfg["seq_len"]),
-        global_batch=int(cfg["global_batch"]),
-        seed=int(cfg["data_seed"]),
-    )
+    data = token_source(cfg, model_config.vocab_size)
 
     losses: list[float] = []
     grad_norms: list[float] = []

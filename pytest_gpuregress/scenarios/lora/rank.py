@@ -40,7 +40,7 @@ def run(ctx: RankContext) -> RunRecord:
     import torch
     import torch.distributed as dist
 
-    from ...training.data import MarkovTokens
+    from ...training.data import MarkovTokens, token_source
     from ...training.models import load_config
     from ...training.noise import apply_kernel_path
     from ...training.step import next_token_loss, rank_tokens
@@ -66,8 +66,7 @@ def run(ctx: RankContext) -> RunRecord:
     steps = int(cfg["steps"])
     sched = torch.optim.lr_scheduler.LambdaLR(
         lane.optimizer, lambda s: lr_factor(s, steps, int(cfg["warmup_steps"]), float(cfg["min_lr_ratio"])))
-    data = MarkovTokens(vocab_size=model_config.vocab_size, seq_len=int(cfg["seq_len"]),
-                        global_batch=int(cfg["global_batch"]), seed=int(cfg["data_seed"]))
+    data = token_source(cfg, model_config.vocab_size)
 
     losses: list[float] = []
     grad_norms: list[float] = []

@@ -1,0 +1,121 @@
+"""A user's own token sample (``--gpuregress-tokens FILE``) in place of the synthetic data.
+
+The file is a ``.npy`` array or a ``.safetensors`` file (one tensor, or one named ``input_ids`` or
+``tokens``) of integer token ids, any shape: it is read as one stream. Step s, sample i of the
+global batch reads the window of ``seq_len + 1`` tokens numbered ``s * global_batch + i``, wrapping
+around at the end. So, as with the synthetic data, the global batch of a step is fixed and a rank
+takes a contiguous slice of it: the world size changes who computes what, not what is computed.
+
+Nothing is unpickled: ``np.load(allow_pickle=False)`` and safetensors only. The session reads the
+file once to check it and hash it; each rank reads it again (it is a sample, not a corpus).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import BadTokens
+
+TENSOR_NAMES = ("input_ids", "tokens")
+
+
+def load_tokens(path: Path) -> np.ndarray:
+    """The file's token ids as one int64 stream; BadTokens names the file and the fix."""
+    if not path.is_file():
+        raise BadTokens(path, "no such file", "pass the path of a .npy or .safetensors file of token ids")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npy":
+            values = np.load(path, allow_pickle=False)
+        elif suffix == ".safetensors":
+            values = _safetensors_tokens(path)
+        else:
+            raise BadTokens(path, f"unknown file type {suffix or '(none)'!r}",
+                            "save the ids with numpy.save (.npy) or safetensors (.safetensors)")
+    except (ValueError, OSError) as exc:
+        raise BadTokens(path, f"not a readable {suffix} file ({str(exc).splitlines()[0]})",
+                        "write it again with numpy.save or safetensors.numpy.save_file") from None
+    if values.dtype.kind not in "iu":
+        raise BadTokens(path, f"holds {values.dtype}, not integer token ids",
+                        "save the token ids as an integer array (int32 or int64)")
+    stream = values.reshape(-1).astype(np.int64)
+    if stream.size and int(stream.min()) < 0:
+        raise BadTokens(path, f"holds a negative id ({int(stream.min())})", "token ids start at 0")
+    return stream
+
+
+def _safetensors_tokens(path: Path) -> np.ndarray:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except SafetensorError as exc:
+        raise ValueError(str(exc)) from None
+    if len(tensors) == 1:
+        return next(iter(tensors.values()))
+    for name in TENSOR_NAMES:
+        if name in tensors:
+            return tensors[name]
+    raise BadTokens(path, f"holds {len(tensors)} tensors ({', '.join(sorted(tensors))}) and none is named "
+                          f"{' or '.join(TENSOR_NAMES)}", "name the token ids input_ids, or save only them")
+
+
+@functools.lru_cache(maxsize=8)  # every case and launch asks for its config: read and hash the file once
+def describe(path: Path, vocab_size: int, seq_len: int) -> dict[str, Any]:
+    """What a scenario's config keeps of the file: where it is, and what it is (its hash and size).
+
+    Only ``sha256`` and ``count`` are the data's identity; ``file`` is where this machine finds it
+    (a reference recorded elsewhere, from a copy at another path, is not foreign)."""
+    stream = load_tokens(path)
+    if stream.size < seq_len + 1:
+        raise BadTokens(path, f"holds {stream.size} tokens, fewer than one sequence of {seq_len + 1}",
+                        "use a longer sample, or a shorter --gpuregress-steps/seq_len")
+    largest = int(stream.max())
+    if largest >= vocab_size:
+        raise BadTokens(path, f"holds id {largest}, outside the model's vocabulary of {vocab_size}",
+                        f"use ids below {vocab_size}, the vocab_size of the model config the scenario trains")
+    return {"file": str(path.resolve()), "sha256": hashlib.sha256(stream.tobytes()).hexdigest(),
+            "count": int(stream.size)}
+
+
+@dataclass
+class TokenFileBatches:
+    """Global batches of windows from a token stream, with the synthetic data's interface."""
+
+    stream: np.ndarray
+    vocab_size: int
+    seq_len: int
+    global_batch: int
+
+    @property
+    def windows(self) -> int:
+        return max(1, (self.stream.size - 1) // self.seq_len)
+
+    def global_batch_at(self, step: int) -> np.ndarray:
+        """[global_batch, seq_len + 1] ids; consecutive windows overlap by one token (the next-token label)."""
+        index = (step * self.global_batch + np.arange(self.global_batch)) % self.windows
+        offsets = index[:, None] * self.seq_len + np.arange(self.seq_len + 1)[None, :]
+        return self.stream[offsets % self.stream.size]
+
+    def rank_batch(self, step: int, rank: int, world_size: int) -> np.ndarray:
+        from .data import rank_slice
+
+        return rank_slice(self.global_batch_at(step), rank, world_size)
+
+
+def open_tokens(described: dict[str, Any], vocab_size: int, seq_len: int, global_batch: int) -> TokenFileBatches:
+    """On a rank: the batches of the file a config describes; refuses a file that changed since the session
+    read it (or another file at that path on another node): its reference would not be this data's."""
+    path = Path(described["file"])
+    stream = load_tokens(path)
+    if hashlib.sha256(stream.tobytes()).hexdigest() != described["sha256"]:
+        raise BadTokens(path, "changed since the session read it (its sha256 differs)",
+                        "keep the file unchanged during a run; on several nodes, give each the same file")
+    return TokenFileBatches(stream, vocab_size, seq_len, global_batch)

@@ -323,6 +323,7 @@ def test_dnn_and_blas_library_choose_the_lane_but_mig_and_firmware_do_not() -> N
     assert {"dnn", "blas_library"} <= set(fp.NUMERICS_FIELDS["device"])
     assert not {"mig", "firmware"} & set(fp.NUMERICS_FIELDS["device"])
     old = json.loads(CPU_REFERENCE.read_text())["fingerprint"]
+    old["device"].update(dict.fromkeys(DEVICE_FIELDS))  # recorded by this version: the fields are there
     gpu = copy.deepcopy(old)
     gpu["device"].update(dnn="cuDNN 9.1.0", mig="enabled", firmware="vbios 1")
     assert [name for name, _, _ in fp.numerics_diff(old, gpu)] == ["device.dnn"]
@@ -341,3 +342,14 @@ def test_the_header_shows_the_new_fields_only_when_recorded() -> None:
     line = fp.header_lines(gpu)[1]
     assert line.startswith("gpuregress device: NVIDIA A100-SXM4-40GB MIG 1g.5gb x1 (sm_80); cuda 12.8, driver 535.104.05, ")
     assert "cuDNN 9.1.0, blas cuBLASLt, MIG enabled, instance MIG-" in line and "firmware vbios 92.00.45.00.06" in line
+
+
+def test_a_field_added_after_a_reference_was_recorded_does_not_change_its_lane() -> None:
+    from pytest_gpuregress.stack.fingerprint import numerics_diff
+
+    old_gpu = {"versions": {"torch": "2.13.0"}, "device": {"kind": "cuda", "name": "NVIDIA H200", "driver": "570.1"},
+               "numerics": {}, "comm": {}}
+    new_gpu = {**old_gpu, "device": {**old_gpu["device"], "dnn": "cuDNN 9.10.0", "blas_library": "cuBLASLt"}}
+    assert numerics_diff(old_gpu, new_gpu) == []  # recorded before dnn and blas_library existed: exact lane kept
+    moved = {**new_gpu, "device": {**new_gpu["device"], "dnn": "cuDNN 9.11.0"}}
+    assert numerics_diff(new_gpu, moved) == [("device.dnn", "cuDNN 9.10.0", "cuDNN 9.11.0")]

@@ -120,7 +120,7 @@ def test_observations_warn_or_fail_on_a_slowdown_and_can_be_turned_off() -> None
     assert failed.failures()[0].endswith("(--gpuregress-perf=fail)")
     off = Observations.of(ref, run, Options(perf="off", kernel_changes="off"))
     assert off.failures() == [] and off.warnings() == [] and off.detail() == ""
-    assert off.evidence()[0].startswith("kernels: no inventory to compare")
+    assert off.evidence()[0].startswith("kernels: not compared (no inventory on one side")
 
 
 def test_kernel_changes_are_triage_evidence_and_decide_an_inconclusive_verdict() -> None:
@@ -207,10 +207,67 @@ def test_the_host_watcher_sees_the_tagged_op_only_and_only_under_emulation() -> 
     assert KernelWindow("cpu").accelerator is None
 
 
-def test_short_kernel_names_drop_templates_and_arguments() -> None:
+def test_short_kernel_names_keep_the_first_template_argument_only() -> None:
     from pytest_gpuregress.training.kernels import short_kernel
 
     assert short_kernel("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>(int)") \
-        == "at::native::vectorized_elementwise_kernel"
+        == "at::native::vectorized_elementwise_kernel<4>"
+    # a generic wrapper: the configuration is the first argument, and a change of it must show
+    assert short_kernel("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_bf16_64x64_32x6_tn_align8>"
+                        "(cutlass_80_tensorop_bf16_s16816gemm_bf16_64x64_32x6_tn_align8::Params)") \
+        == "cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_bf16_64x64_32x6_tn_align8>"
     assert short_kernel("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") \
         == "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64"
+
+
+def test_on_a_gpu_run_the_loops_float64_bookkeeping_on_the_host_is_not_a_fallback() -> None:
+    import torch
+
+    from pytest_gpuregress.training.kernels import KernelWindow
+
+    window = KernelWindow("cpu")
+    window.accelerator = "cuda"  # as on a GPU run: every CPU tensor is the host's
+    with window.watch_host():
+        stats = torch.ones(113, dtype=torch.float64)  # the loss and 112 squared norms, after .cpu()
+        (stats[0] / 2, stats[1:].sqrt())
+        torch.ones(8, 16).mul(2.0)  # float32 work on the host: a kernel that fell back
+    assert list(window.host_ops) == ["aten::mul"]
+
+
+def test_a_run_stopped_before_its_window_keeps_no_inventory_and_no_perf() -> None:
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(device_kind="cpu", device="cpu", profile=True, progress=lambda label: None)
+    observer = observe.StepObserver(ctx, steps=300, tokens_per_step=1024)
+    for step in range(3):  # fail-fast stopped after step 2: warm-up steps only
+        with observer.step(step):
+            pass
+    observer.finish(world_size=1)
+    assert observer.results() == {}
+    assert observer.timings()["median_step_s"] == 0.0
+
+
+def test_perf_problems_need_enough_steady_steps_on_both_sides() -> None:
+    slower = {**PERF, "median_step_s": 0.3, "tokens_per_s": 1000.0}
+    found = perf.ratios(with_results(perf=PERF), with_results(perf=slower))
+    assert perf.problems(found, with_results(perf=slower), with_results(perf=PERF))
+    short = {**slower, "steady_steps": perf.MIN_STEADY_STEPS - 1}
+    assert perf.problems(found, with_results(perf=short), with_results(perf=PERF)) == []
+
+
+def test_merge_unites_every_ranks_kernels() -> None:
+    zero = with_results(kernels={"aten::scaled_dot_product_attention": FLASH})
+    one = with_results(kernels={"aten::scaled_dot_product_attention": MATH, "aten::linear": LINEAR})
+    merged = observe.merge_ranks([zero, one])["kernels"]
+    assert merged["aten::scaled_dot_product_attention"]["dispatch"] == sorted(FLASH["dispatch"] + MATH["dispatch"])
+    assert "aten::linear" in merged
+
+
+def test_cpu_peak_memory_is_the_growth_of_this_run() -> None:
+    import numpy as np
+
+    memory = observe.PeakMemory("cpu", "cpu")
+    block = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB touched
+    grown = memory.peak()
+    del block
+    assert grown >= 60 << 20 and memory.kind == "peak RSS growth of this run"

@@ -27,7 +27,8 @@ def test_the_reference_carries_an_inventory_and_perf_figures(fsdp_reference: Pat
     assert inventory["aten::scaled_dot_product_attention"]["dispatch"] == [
         "aten::_scaled_dot_product_flash_attention_for_cpu"]
     assert inventory["aten::linear"]["calls"] > 0
-    assert perf["median_step_s"] > 0 and perf["tokens_per_s"] > 0 and perf["peak_memory_bytes"] > 100 << 20
+    assert perf["median_step_s"] > 0 and perf["tokens_per_s"] > 0 and perf["peak_memory_bytes"] > 0
+    assert perf["memory"] == "peak RSS growth of this run"
     assert perf["bus_bandwidth_gbps"] > 0 and perf["steady_steps"] >= 2
     assert "host_ops" not in stored["results"]  # a CPU run has no host to fall back to
 

@@ -36,7 +36,7 @@ class Observations:
         changes = kernels.changes(reference, record) if options.kernel_changes != "off" else None
         ratios = None if options.perf == "off" else perf.ratios(
             reference, record, slowdown=options.perf_slowdown, memory=options.perf_memory)
-        return cls(changes, ratios, perf.problems(ratios, record), options)
+        return cls(changes, ratios, perf.problems(ratios, record, reference), options)
 
     def failures(self) -> list[str]:
         """Lines that fail the test under the options."""
@@ -60,8 +60,8 @@ class Observations:
     def evidence(self) -> list[str]:
         """The kernel changes, to sit next to a numeric deviation in its failure report."""
         if self.kernel_changes is None:
-            return ["kernels: no inventory to compare (the reference predates kernel inventories, or "
-                    "--gpuregress-kernel-changes=off)"]
+            return ["kernels: not compared (no inventory on one side: a reference from before inventories, a run "
+                    "that stopped before its profiled step, a loop that takes none, or --gpuregress-kernel-changes=off)"]
         return kernels.report_lines(self.kernel_changes) or ["kernels: the same as in the reference"]
 
     def detail(self) -> str:
@@ -71,4 +71,6 @@ class Observations:
             parts.append("perf vs reference: " + perf.summary(self.ratios))
         if self.kernel_changes is not None:
             parts.append(f"kernels changed: {len(self.kernel_changes)}")
+        elif self.options.kernel_changes != "off":  # say so: =fail cannot fail on what was never compared
+            parts.append("kernels not compared (no inventory on one side)")
         return "; ".join(parts)

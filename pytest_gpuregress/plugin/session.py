@@ -380,8 +380,6 @@ class GpuRegressSession:
         observed = Observations.of(reference, record, self.options)
         comparison.kernel_changes = observed.kernel_changes
         extra = [*extra, *observed.failures()]
-        for category, message in observed.warnings():
-            warnings.warn(category(f"{scenario} {record.platform_key}: {message}"), stacklevel=2)
         passed = comparison.passed and not extra
         loss = record.series.get("loss")
         detail = f"{record.steps} steps, loss {loss[0]:.4f} -> {loss[-1]:.4f}, " if loss else ""
@@ -405,6 +403,9 @@ class GpuRegressSession:
                             stack_changes="\n".join(format_stack_changes(comparison.stack_changes)),
                             perf=perf.summary(observed.ratios) or None,
                             kernel_changes=None if observed.kernel_changes is None else len(observed.kernel_changes))
+        # Warned once the outcome is kept: under -W error a warning raises, and must not lose the summary row.
+        for category, message in observed.warnings():
+            warnings.warn(category(f"{scenario} {record.platform_key}: {message}"), stacklevel=2)
         if comparison.passed and extra:
             raise RegressionFailure("\n".join([*extra, f"(the comparison with the reference {loc.path} passed)",
                                                *kept.report_lines(loc.path)]))

@@ -18,6 +18,7 @@ from .record import RunRecord
 PERF = "perf"
 SLOWDOWN_LIMIT = 1.5
 MEMORY_LIMIT = 1.3
+MIN_STEADY_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,13 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def problems(found: list[Ratio] | None, record: RunRecord) -> list[str]:
-    """A finding per figure past its limit, naming the component it points to."""
-    steady = record.results.get(PERF, {}).get("steady_steps")
+def problems(found: list[Ratio] | None, record: RunRecord, reference: RunRecord | None = None) -> list[str]:
+    """A finding per figure past its limit, naming the component it points to; none from a median of fewer
+    than ``MIN_STEADY_STEPS`` steps on either side (a short run on a busy machine says nothing)."""
+    steady = record.results.get(PERF, {}).get("steady_steps") or 0
+    before = reference.results.get(PERF, {}).get("steady_steps", steady) if reference is not None else steady
+    if min(steady, before or 0) < MIN_STEADY_STEPS:
+        return []
     over = [r for r in found or [] if r.over]
     if any(r.name == "tokens/s" for r in over):  # one slowdown, one line: tokens/s says it with the batch size
         over = [r for r in over if r.name != "step time"]

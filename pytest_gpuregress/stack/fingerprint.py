@@ -260,8 +260,15 @@ def numerics_key(fp: Fingerprint) -> dict[str, Any]:
 
 
 def numerics_diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
+    """Numerics fields that differ. A field the reference does not have at all was added to the fingerprint
+    after it was recorded (device.dnn, device.blas_library): unknown then, so it cannot have changed."""
     ref, cur = numerics_key(reference), numerics_key(current)
-    return [(k, ref[k], cur[k]) for k in sorted(ref) if ref[k] != cur[k]]
+    return [(k, ref[k], cur[k]) for k in sorted(ref) if ref[k] != cur[k] and _recorded(reference, k)]
+
+
+def _recorded(fp: Fingerprint, key: str) -> bool:
+    section, _, name = key.partition(".")
+    return isinstance(fp.get(section), dict) and name in fp[section]
 
 
 def header_lines(fp: Fingerprint) -> list[str]:

@@ -86,18 +86,22 @@ def parse_version(value: object) -> Version | None:
 
     Local and build suffixes are not PEP 440 (or mean something else there: ``7.1.1-12345`` would be
     a post-release), so everything from the first ``+``, ``-`` or blank is dropped: ``2.13.0+cpu`` ->
-    2.13.0, ``7.1.1-12345`` -> 7.1.1, ``6.4.43482-0f2d60242`` -> 6.4.43482. A value with a name in
-    front (``cuDNN 9.1.0``) gives its first dotted number.
+    2.13.0, ``7.1.1-12345`` -> 7.1.1, ``6.4.43482-0f2d60242`` -> 6.4.43482; and so are pre- and
+    dev-release markers (``2.8.0a0`` -> 2.8.0). A value with a name in front (``cuDNN 9.1.0``) gives
+    its first dotted number.
     """
     if value is None or isinstance(value, bool):
         return None
     text = str(value).strip()
     head = re.split(r"[+\-\s]", text, maxsplit=1)[0]
     try:
-        return Version(head)  # keeps pre- and dev-releases: 2.8.0a0, 2.8.0.dev20250301
+        parsed = Version(head)
     except InvalidVersion:
         found = re.search(r"\d+(?:\.\d+)*", text)
         return Version(found.group()) if found else None
+    # The release only: a source build or nightly of 2.7 (2.7.0a0+git..., 2.7.0.dev2025...) has 2.7's code,
+    # and must meet ">=2.7" as 2.7.0 does (PEP 440 would order it before 2.7).
+    return Version(".".join(str(part) for part in parsed.release))
 
 
 def lookup(fingerprint: Fingerprint, field: str) -> Any:

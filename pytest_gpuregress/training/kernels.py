@@ -23,9 +23,11 @@ from typing import Any
 
 # A host op smaller than this is bookkeeping (an optimizer's step counter, a scalar loss), not a kernel.
 HOST_OP_MIN_ELEMENTS = 64
-# Copies between devices are how data reaches the accelerator, not compute that fell back.
-_TRANSFER_OPS = {"aten::_to_copy", "aten::copy_", "aten::to", "aten::_copy_from", "aten::_local_scalar_dense",
-                 "aten::lift_fresh", "aten::detach", "aten::alias"}
+# Copies between devices are how data reaches the accelerator, and fills and random draws are how a loop
+# makes its inputs (a dropout mask from the CPU generator): neither is compute that fell back.
+_NOT_COMPUTE = {"aten::_to_copy", "aten::copy_", "aten::to", "aten::_copy_from", "aten::_local_scalar_dense",
+                "aten::lift_fresh", "aten::detach", "aten::alias", "aten::fill_", "aten::zero_", "aten::uniform_",
+                "aten::normal_", "aten::bernoulli_", "aten::random_", "aten::exponential_"}
 
 _emulation = threading.local()
 
@@ -55,11 +57,20 @@ def _in_host_region() -> bool:
 
 
 def short_kernel(name: str) -> str:
-    """A device kernel's name without template arguments or parameter lists: stable and readable."""
-    name = re.sub(r"^void ", "", name)
-    for stop in ("<", "("):
-        name = name.split(stop, 1)[0]
-    return name.strip()
+    """A device kernel's name, readable: no return type or parameter list, and of its template arguments only
+    the first, which names the configuration of a generic wrapper (``cutlass::Kernel2<cutlass_80_tensorop_...>``,
+    ``vectorized_elementwise_kernel<4>``)."""
+    name = re.sub(r"^void ", "", name.strip())
+    outer, bracket, rest = name.partition("<")
+    if not bracket:
+        return outer.split("(", 1)[0].strip()
+    depth, first = 0, ""
+    for char in rest:
+        if char in ",>" and depth == 0:
+            break
+        depth += {"<": 1, ">": -1}.get(char, 0)
+        first += char
+    return f"{outer.strip()}<{first.strip()}>"
 
 
 def _under_aten(event: Any) -> bool:
@@ -107,13 +118,16 @@ def _host_watcher() -> Any:
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
             name = "aten::" + func.overloadpacket.__name__ if func.namespace == "aten" else str(func)
-            if name not in _TRANSFER_OPS:
-                self._note(name, [*args, *(kwargs or {}).values(), out])
+            if name not in _NOT_COMPUTE:  # judged by its inputs: an op that only creates a tensor computes nothing
+                self._note(name, [*args, *(kwargs or {}).values()])
             return out
 
         def _note(self, name: str, values: list[Any]) -> None:
+            # float64 on the host is the training loop's own bookkeeping (loss and norm statistics), never a
+            # kernel that fell back: models compute in fp32, bf16 or lower.
             tensors = [t for t in torch.utils._pytree.tree_leaves(values)
-                       if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() >= HOST_OP_MIN_ELEMENTS]
+                       if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                       and t.numel() >= HOST_OP_MIN_ELEMENTS]
             if not tensors:
                 return
             on_host = _in_host_region() if emulated else all(t.device.type == "cpu" for t in tensors)
@@ -136,6 +150,7 @@ class KernelWindow:
         self.accelerator = "cuda" if device_kind == "cuda" else emulated_accelerator()
         self.inventory: dict[str, dict[str, Any]] = {}
         self.host_ops: dict[str, dict[str, Any]] = {}
+        self.captured = self.watched = False  # a run stopped early (fail-fast) may never reach the window
         self._device_kind = device_kind
 
     @contextmanager
@@ -145,6 +160,7 @@ class KernelWindow:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._device_kind == "cuda" else [])
         with profile(activities=activities) as prof:
             yield
+        self.captured = True
         for op, entry in inventory_from_events(prof.events()).items():
             merged = self.inventory.setdefault(op, {"dispatch": [], "kernels": [], "calls": 0})
             merged["dispatch"] = sorted(set(merged["dispatch"]) | set(entry["dispatch"]))
@@ -159,12 +175,15 @@ class KernelWindow:
         watcher = _host_watcher()
         with watcher:
             yield
+        self.watched = True
         for op, entry in watcher.host_ops.items():
             self.host_ops.setdefault(op, {**entry, "calls": 0})["calls"] += entry["calls"]
 
     def results(self) -> dict[str, Any]:
-        """What a record keeps: the inventory, and the host ops of a GPU (or emulated GPU) run."""
-        out: dict[str, Any] = {"kernels": self.inventory}
-        if self.accelerator:
+        """What a record keeps: the inventory, and the host ops of a GPU (or emulated GPU) run; only what ran."""
+        out: dict[str, Any] = {}
+        if self.captured:
+            out["kernels"] = self.inventory
+        if self.accelerator and self.watched:
             out["host_ops"] = {"accelerator": self.accelerator, "ops": self.host_ops}
         return out

@@ -37,7 +37,7 @@ def profile_window(steps: int) -> range:
 
 
 class StepObserver:
-    """Times each step, profiles the window's steps, and tracks this rank's peak memory."""
+    """Times each step, profiles the window's steps, and tracks how much memory this rank's training takes."""
 
     def __init__(self, ctx: Any, steps: int, tokens_per_step: int) -> None:
         self.window = profile_window(steps) if getattr(ctx, "profile", True) else range(0)
@@ -45,9 +45,9 @@ class StepObserver:
         self.tokens_per_step = tokens_per_step
         self.times: dict[int, float] = {}
         self.window_times: dict[int, float] = {}  # the profiled and watched steps, profiler included
-        self._device_kind = ctx.device_kind
-        self._device = ctx.device
-        self._memory_since = reset_peak_memory(ctx.device_kind, ctx.device)
+        self._ctx = ctx
+        self._memory = PeakMemory(ctx.device_kind, ctx.device)
+        self.peak_bytes: int | None = None
         self.bus_bandwidth: float | None = None
 
     @contextmanager
@@ -63,70 +63,84 @@ class StepObserver:
         self.times[step] = time.perf_counter() - started
 
     def steady_times(self) -> list[float]:
-        steady = [t for s, t in self.times.items() if s >= WARMUP_STEPS]
-        return steady or list(self.times.values())
+        """Step times after the warm-up, outside the window: [] when a run stopped before any (fail-fast)."""
+        return [t for s, t in self.times.items() if s >= WARMUP_STEPS]
 
     def finish(self, world_size: int) -> None:
-        """After the last step, on every rank: time an all-reduce the size of a gradient bucket (a collective)."""
+        """After the last step, on every rank: read the peak memory, then time an all-reduce the size of a few
+        gradient buckets (a collective, so every rank calls it; its buffer is not counted as training memory)."""
+        self.peak_bytes = self._memory.peak()
         if world_size > 1:
-            self.bus_bandwidth = measure_bus_bandwidth(self._device, world_size, self._device_kind)
+            self._ctx.progress("measuring the all-reduce bus bandwidth")
+            self.bus_bandwidth = measure_bus_bandwidth(self._ctx.device, world_size, self._ctx.device_kind)
 
     def timings(self) -> dict[str, float]:
-        """The record's timings: training time outside the profiled window, the first and the median step."""
+        """The record's timings: all training time (the window's steps too), the first and the median step."""
         steady = self.steady_times()
-        return {"train_s": float(sum(self.times.values())), "first_step_s": float(self.times.get(0, 0.0)),
+        return {"train_s": float(sum(self.times.values()) + sum(self.window_times.values())),
+                "first_step_s": float(self.times.get(0, self.window_times.get(0, 0.0))),
                 "median_step_s": float(np.median(steady)) if steady else 0.0}
 
     def results(self) -> dict[str, Any]:
+        """"perf" when steady steps ran, "kernels" when the profiled step ran, "host_ops" when the watched one did."""
+        out: dict[str, Any] = {}
         steady = self.steady_times()
-        median = float(np.median(steady)) if steady else 0.0
-        perf: dict[str, Any] = {
-            "median_step_s": median,
-            "steady_steps": len(steady),
-            "tokens_per_s": self.tokens_per_step / median if median > 0 else 0.0,
-            "peak_memory_bytes": peak_memory(self._device_kind, self._device),
-            "memory": "device (max allocated)" if self._device_kind == "cuda" else f"peak RSS {self._memory_since}",
-        }
-        if self.window_times:  # what profiling cost: the window's steps beyond as many steady steps
-            perf["profiling_overhead_s"] = max(0.0, sum(self.window_times.values()) - median * len(self.window_times))
-        if self.bus_bandwidth is not None:
-            perf["bus_bandwidth_gbps"] = self.bus_bandwidth
-        out: dict[str, Any] = {"perf": perf}
-        if self.window:
-            out.update(self.kernels.results())
+        if steady:
+            median = float(np.median(steady))
+            perf: dict[str, Any] = {
+                "median_step_s": median,
+                "steady_steps": len(steady),
+                "tokens_per_s": self.tokens_per_step / median if median > 0 else 0.0,
+                "peak_memory_bytes": self.peak_bytes if self.peak_bytes is not None else self._memory.peak(),
+                "memory": self._memory.kind,
+            }
+            if self.window_times:  # what profiling cost: the window's steps beyond as many steady steps
+                perf["profiling_overhead_s"] = max(0.0, sum(self.window_times.values()) - median * len(self.window_times))
+            if self.bus_bandwidth is not None:
+                perf["bus_bandwidth_gbps"] = self.bus_bandwidth
+            out["perf"] = perf
+        out.update(self.kernels.results())
         return out
 
 
-def reset_peak_memory(device_kind: str, device: str) -> str:
-    """Start this run's peak-memory count; returns what the CPU figure spans (ranks outlive a job)."""
-    if device_kind == "cuda":
-        import torch
+class PeakMemory:
+    """What this run's training adds at its peak: the device's peak allocation, or on the CPU the peak RSS
+    above the RSS at the start (the torch import and what earlier jobs of a pooled rank left are not the run's)."""
 
-        torch.cuda.reset_peak_memory_stats(device)
-        return "of this run"
-    try:
-        with open(_CLEAR_REFS, "w") as fh:
-            fh.write("5")
-        return "of this run"
-    except OSError:  # not Linux, or not permitted: the peak since the rank started
-        return "since the rank started"
+    def __init__(self, device_kind: str, device: str) -> None:
+        self.device_kind, self.device = device_kind, device
+        if device_kind == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(device)
+            self.kind, self.baseline = "device memory, peak allocated", 0
+            return
+        self.baseline = _status_bytes("VmRSS") or 0
+        try:
+            with open(_CLEAR_REFS, "w") as fh:
+                fh.write("5")
+            self.kind = "peak RSS growth of this run"
+        except OSError:  # not Linux, or not permitted: the peak since the rank started
+            self.kind = "peak RSS growth since the rank started"
+
+    def peak(self) -> int:
+        if self.device_kind == "cuda":
+            import torch
+
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return max(0, (_status_bytes("VmHWM") or 0) - self.baseline)
 
 
-def peak_memory(device_kind: str, device: str) -> int:
-    if device_kind == "cuda":
-        import torch
-
-        return int(torch.cuda.max_memory_allocated(device))
+def _status_bytes(field: str) -> int | None:
+    """A size from /proc/self/status (VmRSS, VmHWM), in bytes; None where there is none."""
     try:
         with open("/proc/self/status") as fh:
             for line in fh:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return None
 
 
 def measure_bus_bandwidth(device: str, world_size: int, device_kind: str) -> float:
@@ -151,8 +165,19 @@ def measure_bus_bandwidth(device: str, world_size: int, device_kind: str) -> flo
 
 
 def merge_ranks(records: list[Any]) -> dict[str, Any]:
-    """Results of every rank folded into rank 0's: the largest peak memory, every rank's host ops."""
+    """Results of every rank folded into rank 0's: the largest peak memory, every rank's host ops, and every
+    rank's kernels (a rank on another build, or with a fault of its own, must show in the inventory)."""
     merged: dict[str, Any] = {}
+    inventories = [r.results["kernels"] for r in records if "kernels" in r.results]
+    if inventories:
+        union: dict[str, dict[str, Any]] = {}
+        for inventory in inventories:
+            for op, entry in inventory.items():
+                into = union.setdefault(op, {"dispatch": [], "kernels": [], "calls": 0})
+                into["dispatch"] = sorted(set(into["dispatch"]) | set(entry["dispatch"]))
+                into["kernels"] = sorted(set(into["kernels"]) | set(entry["kernels"]))
+                into["calls"] = max(into["calls"], entry["calls"])
+        merged["kernels"] = dict(sorted(union.items()))
     perfs = [r.results["perf"] for r in records if "perf" in r.results]
     if perfs:
         merged["perf"] = {**perfs[0], "peak_memory_bytes": max(p["peak_memory_bytes"] for p in perfs)}

@@ -82,3 +82,11 @@ class BadTokens(GpuRegressError):
     def __init__(self, path: object, problem: str, fix: str) -> None:
         self.path = str(path)
         super().__init__(f"--gpuregress-tokens {self.path}: {problem}; {fix}")
+
+
+class BadModel(GpuRegressError):
+    """A model given with --gpuregress-model that cannot be found, built, named or trained on this device."""
+
+    def __init__(self, source: object, problem: str, fix: str) -> None:
+        self.source = str(source)
+        super().__init__(f"--gpuregress-model {self.source}: {problem}; {fix}")

@@ -171,8 +171,9 @@ class _LateConfigure:
     def pytest_configure(self, config: pytest.Config) -> None:
         if not config.stash[OPTIONS_KEY].enabled:
             return
-        from ..errors import BadFaultSpec, BadKnownIssues, BadTokens, UnsupportedPlatform
+        from ..errors import BadFaultSpec, BadKnownIssues, BadModel, BadTokens, UnsupportedPlatform
         from ..stack.known_issues import load_known_issues
+        from ..training.model_specs import check_model
         from .session import GpuRegressSession
 
         cache = getattr(config, "cache", None)
@@ -187,14 +188,18 @@ class _LateConfigure:
             session.known_issues = load_known_issues(session.options.known_issues)
         except BadKnownIssues as exc:
             raise pytest.UsageError(f"gpuregress_known_issues: {exc}") from None
-        if session.options.tokens is not None:  # read, check and hash the token file now, before any rank starts
-            from ..scenarios import registry
+        try:  # the user's models build (on the meta device) and fit; the token file reads and fits their vocabularies
+            for model in session.options.models:
+                check_model(model, session.platform.device_kind)
+            if session.options.tokens is not None:  # every config that trains on it describes it: read it now
+                from ..scenarios import registry
 
-            try:
                 for scenario in registry().values():
                     scenario.default_config(session.setup)
-            except BadTokens as exc:
-                raise pytest.UsageError(str(exc)) from None
+                    for model in session.options.models if scenario.trains_user_models else ():
+                        scenario.model_config(session.setup, model.name)
+        except (BadModel, BadTokens) as exc:
+            raise pytest.UsageError(str(exc)) from None
         config.stash[SESSION_KEY] = session
         capture = config.pluginmanager.getplugin("capturemanager")
         if capture is not None:

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from ..errors import BadFaultSpec
+from ..errors import BadFaultSpec, BadModel
 from ..faults import FaultSpec, parse_all
+from ..training.model_specs import ModelSpec, parse_models
 from ..training.noise import DEFAULT_REPLICAS, PERTURBATIONS
 from ..units import parse_bytes
 
@@ -36,6 +37,11 @@ class OptionSpec:
     choices: tuple[str, ...] = ()
     minimum: float | None = None
     maximum: float | None = None
+    ini: str | None = None  # the ini key when it is not the option's name (a repeatable option's plural)
+
+    @property
+    def ini_key(self) -> str:
+        return self.ini or self.dest
 
     @property
     def flag(self) -> str:
@@ -113,6 +119,9 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
                minimum=1),
     OptionSpec("perf-memory", "float", 1.3, "how many times the reference's peak memory counts as a regression",
                minimum=1),
+    OptionSpec("model", "list", [], "a transformers config file (or its folder) of a model every training scenario "
+                                    "runs too, named by the file's stem in test ids and references; repeatable",
+               ini="gpuregress_models"),
     OptionSpec("tokens", "str", None, "a .npy or .safetensors file of token ids the training scenarios train on "
                                       "instead of the synthetic data (a sample of your own traffic)"),
     OptionSpec("known-issues", "str", None, "a TOML file of your own known stack issues, matched against this "
@@ -125,16 +134,16 @@ def add_options(parser: pytest.Parser, specs: Iterable[OptionSpec]) -> None:
     for spec in specs:
         if spec.kind == "flag":
             group.addoption(spec.flag, action="store_true", default=None, dest=spec.dest, help=spec.help)
-            parser.addini(spec.dest, help=spec.help, type="bool", default=spec.default)
+            parser.addini(spec.ini_key, help=spec.help, type="bool", default=spec.default)
         elif spec.kind == "list":
             group.addoption(spec.flag, action="append", default=None, dest=spec.dest, metavar="SPEC", help=spec.help)
-            parser.addini(spec.dest, help=spec.help, type="linelist", default=spec.default)
+            parser.addini(spec.ini_key, help=spec.help, type="linelist", default=spec.default)
         else:
             # No argparse type or choices: our own conversion gives the one-line message for both sources.
             metavar = "|".join(spec.choices) if spec.choices else spec.kind.upper()
             group.addoption(spec.flag, action="store", default=None, dest=spec.dest, metavar=metavar,
                             help=f"{spec.help} (default: {spec.default})")
-            parser.addini(spec.dest, help=spec.help, default=None)
+            parser.addini(spec.ini_key, help=spec.help, default=None)
 
 
 def resolve(config: pytest.Config, spec: OptionSpec) -> Any:
@@ -142,10 +151,10 @@ def resolve(config: pytest.Config, spec: OptionSpec) -> Any:
     cli = config.getoption(spec.dest)
     if cli is not None:
         return spec.convert(cli, spec.flag)
-    ini = config.getini(spec.dest)
+    ini = config.getini(spec.ini_key)
     if spec.kind in ("flag", "list"):
         return ini if ini not in (None, "") else spec.default
-    return spec.convert(None if ini in (None, "") else ini, f"ini key {spec.dest} =")
+    return spec.convert(None if ini in (None, "") else ini, f"ini key {spec.ini_key} =")
 
 
 @dataclass(frozen=True)
@@ -173,6 +182,7 @@ class Options:
     perf_memory: float = 1.3
     known_issues: Path | None = None
     tokens: Path | None = None
+    models: tuple[ModelSpec, ...] = ()
     # A scenario's own options, by dest (e.g. gpuregress_collectives_repeats); validated like the rest.
     scenario_values: dict[str, Any] = field(default_factory=dict)
 
@@ -212,8 +222,19 @@ class Options:
             perf_memory=float(values["gpuregress_perf_memory"]),
             known_issues=_ini_relative_path(config, "gpuregress_known_issues", values["gpuregress_known_issues"]),
             tokens=_ini_relative_path(config, "gpuregress_tokens", values["gpuregress_tokens"]),
+            models=_models(config, values["gpuregress_model"]),
             scenario_values={spec.dest: resolve(config, spec) for spec in scenario_specs},
         )
+
+
+def _models(config: pytest.Config, values: list[str]) -> tuple[ModelSpec, ...]:
+    """--gpuregress-model values (relative to the invocation), else gpuregress_models (relative to the ini file)."""
+    from_cli = config.getoption("gpuregress_model") is not None
+    base = config.invocation_params.dir if from_cli or config.inipath is None else config.inipath.parent
+    try:
+        return parse_models(list(values or ()), base)
+    except BadModel as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def _ini_relative_path(config: pytest.Config, dest: str, value: str | None) -> Path | None:

@@ -77,6 +77,7 @@ class GpuRegressSession:
             faults=options.faults,
             options=dict(options.scenario_values),
             tokens=options.tokens,
+            models=options.models,
         )
         self.outcomes: list[Outcome] = []
         self.selected: dict[str, list[Case]] = {}  # scenario -> cases left after -k and -m
@@ -268,16 +269,17 @@ class GpuRegressSession:
             (target / safe_component(name, f"artifact name of {sc.name!r}")).write_text(text)
         self.saved[(sc.name, key)] = target
 
-    def triage(self, sc: Scenario, reference: RunRecord, comparison: Comparison) -> tuple[str | None, list[str]]:
+    def triage(self, sc: Scenario, reference: RunRecord, comparison: Comparison,
+               model: str | None = None) -> tuple[str | None, list[str]]:
         """The component behind a failed comparison, from experiments: equivalence and the oracle always,
         switches flipped with --gpuregress-triage."""
         from .. import triage
         from ..triage.flips import flip
 
         try:
-            experiments = triage.cheap_evidence(sc, self.setup, self.launch_cached)
+            experiments = triage.cheap_evidence(sc, self.setup, self.launch_cached, model)
             if self.options.triage:
-                experiments += flip(sc, self.setup, self.launch_cached, reference, comparison)
+                experiments += flip(sc, self.setup, self.launch_cached, reference, comparison, model)
         except Exception as exc:  # noqa: BLE001 - triage must never hide the regression it explains
             first = (str(exc).splitlines() or [type(exc).__name__])[0]
             return None, ["", f"triage could not run ({type(exc).__name__}: {first}); components are the heuristic's"]
@@ -297,7 +299,7 @@ class GpuRegressSession:
             record = sc.experiment(case, self.launch_cached, self.setup) or self.launch_for(sc, case)
         except RankFailure as exc:  # a row in the closing table too, not only a failed test
             key = self.platform.key(sc.platform_tag(self._launch_of(sc, case).config))
-            self._add_outcome(Outcome(sc.name, key, "error", detail=str(exc).splitlines()[0]))
+            self._add_outcome(Outcome(sc.reference_name(case) or sc.name, key, "error", detail=str(exc).splitlines()[0]))
             raise
         problems = sc.verdict(case, record, self.setup)
         if sc.kind == "training":  # floating-point work on the host during a GPU run: a missing kernel
@@ -309,7 +311,8 @@ class GpuRegressSession:
         if reference is not None:
             lane = self.options.lane
             self.check(record, name=reference, extra=problems, compare=lambda ref, run: sc.compare(ref, run, case, lane),
-                       explain=(lambda ref, cmp: self.triage(sc, ref, cmp)) if sc.supports_triage else None)
+                       explain=(lambda ref, cmp: self.triage(sc, ref, cmp, case.data.get("model")))
+                       if sc.supports_triage else None)
         elif problems:
             raise RegressionFailure("\n".join(problems))
 

@@ -159,7 +159,7 @@ def check_compatible(loc: ReferenceLocation, reference: RunRecord, run: RunRecor
 
 
 # Where an input lives on this machine, not what it is (its sha256 beside it says that): never foreign.
-LOCATION_KEYS = frozenset({"tokens.file"})
+LOCATION_KEYS = frozenset({"tokens.file", "model_file"})
 
 
 def _config_diff(ref: dict[str, Any], run: dict[str, Any], prefix: str = "") -> list[str]:

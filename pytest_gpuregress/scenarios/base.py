@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ..faults import FaultSpec
     from ..plugin.options import OptionSpec
     from ..reference.compare import Comparison
+    from ..training.model_specs import ModelSpec
 
 StepHook = Callable[[int, int], None]  # (rank, step) -> None; faults use it to hang or crash
 
@@ -48,6 +49,7 @@ class Setup:
     faults: tuple[FaultSpec, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
     tokens: Path | None = None  # --gpuregress-tokens: a user's token sample for the training scenarios
+    models: tuple[ModelSpec, ...] = ()  # --gpuregress-model: models every training scenario runs besides its own
 
     def option(self, name: str) -> Any:
         """The value of this scenario's ``--gpuregress-<name>`` option (None when unset and no default)."""
@@ -155,6 +157,17 @@ class Scenario:
         if setup.steps is not None:
             config["steps"] = setup.steps
         return config
+
+    # True when the scenario also trains each model of --gpuregress-model (cases, launches and references
+    # of their own, through model_config); False: it runs its own model only.
+    trains_user_models: ClassVar[bool] = False
+
+    def model_config(self, setup: Setup, model: str | None) -> dict[str, Any]:
+        """The config with a user's model (``--gpuregress-model``, by name) in place of the scenario's own;
+        ``None``: ``default_config``. Scenarios with ``trains_user_models`` override it."""
+        if model is not None:
+            raise NotImplementedError(f"scenario {self.name!r} does not train user models")
+        return self.default_config(setup)
 
     def platform_tag(self, config: dict[str, Any]) -> str:
         """Short tag for the reference folder, e.g. the compute dtype."""

@@ -19,26 +19,40 @@ from .counter_rng import hash_words, unit_float
 MODEL_SIZES = ("cpu", "gpu")
 
 
-def model_dir(name: str, size: str) -> Path:
-    """The directory holding ``config.json`` for model ``name`` at ``size`` (cpu or gpu)."""
+def config_path(name: str, size: str) -> Path:
+    """The config file of model ``name`` at ``size`` (cpu or gpu): a shipped model's, or ``name`` itself when
+    it is a user's config file (``--gpuregress-model``) or a folder holding a ``config.json``."""
     candidate = Path(name)
-    if candidate.is_dir() and (candidate / "config.json").is_file():
+    if candidate.suffix == ".json" and candidate.is_file():
         return candidate
+    if candidate.is_dir() and (candidate / "config.json").is_file():
+        return candidate / "config.json"
     root = shipped_dir("models")
-    path = root / name / size
-    if not (path / "config.json").is_file():
+    path = root / name / size / "config.json"
+    if not path.is_file():
         known = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
         raise FileNotFoundError(
-            f"{path / 'config.json'}: no such model config; known models: {known}. "
-            "Pass a directory containing a transformers config.json instead."
+            f"{path}: no such model config; known models: {known}. "
+            "Pass a transformers config file (or a folder containing config.json) instead."
         )
     return path
+
+
+def model_source(cfg: dict[str, Any]) -> str:
+    """What a scenario config's model is read from: a user's config file (``model_file``, --gpuregress-model),
+    else the shipped model ``model``."""
+    return str(cfg.get("model_file") or cfg["model"])
+
+
+def model_dir(name: str, size: str) -> Path:
+    """The folder of model ``name``'s config file."""
+    return config_path(name, size).parent
 
 
 def load_config(name: str, size: str) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(model_dir(name, size)), local_files_only=True)
+    return AutoConfig.from_pretrained(str(config_path(name, size)), local_files_only=True)
 
 
 # Keys of a config.json that say who wrote the file or how to run it, not what the model is: a
@@ -55,7 +69,7 @@ def architecture_digest(name: str, size: str) -> str:
     import hashlib
     import json
 
-    path = model_dir(name, size) / "config.json"
+    path = config_path(name, size)
     try:
         fields = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -68,11 +82,22 @@ def config_field(name: str, size: str, key: str) -> Any:
     """One field of a shipped or user model config, read from the file (no transformers import)."""
     import json
 
-    path = model_dir(name, size) / "config.json"
+    path = config_path(name, size)
     value = json.loads(path.read_text()).get(key)
     if value is None:
         raise ValueError(f"{path}: has no field {key!r}")
     return value
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The repeated blocks ``fully_shard`` wraps one by one: the modules transformers never splits across
+    devices (``_no_split_modules``: LlamaDecoderLayer, GPT2Block, ...), in model order."""
+    kinds = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in kinds]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules); "
+                         "the training scenarios shard each decoder layer")
+    return layers
 
 
 def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> np.ndarray:

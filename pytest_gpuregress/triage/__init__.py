@@ -49,16 +49,18 @@ class Experiment:
         return self.status in ("differs", "vanished")
 
 
-def launches(sc: Scenario, setup: Setup) -> dict[str, Launch]:
-    """The three short launches of the cheap evidence: N ranks, one rank, and the float64 oracle."""
+def launches(sc: Scenario, setup: Setup, model: str | None = None) -> dict[str, Launch]:
+    """The three short launches of the cheap evidence: N ranks, one rank, and the float64 oracle;
+    of the scenario's own model, or of a user's (``model``, --gpuregress-model)."""
     from ..scenarios.base import Launch
 
-    config = {**sc.default_config(setup), "steps": TRIAGE_STEPS}
+    config = {**sc.model_config(setup, model), "steps": TRIAGE_STEPS}
+    suffix = f"-{model}" if model else ""
     return {
-        "n": Launch("triage-n", config),
-        "one": Launch("triage-1", config, world_size=1),
+        "n": Launch(f"triage-n{suffix}", config),
+        "one": Launch(f"triage-1{suffix}", config, world_size=1),
         # The oracle is the reference implementation: injected faults emulate the stack under test.
-        "oracle": Launch("triage-oracle", config, world_size=1, entry=ORACLE_ENTRY, inject=False),
+        "oracle": Launch(f"triage-oracle{suffix}", config, world_size=1, entry=ORACLE_ENTRY, inject=False),
     }
 
 
@@ -154,9 +156,9 @@ def _shape(record: RunRecord, name: str) -> tuple[int, ...]:
     return tuple(whole.shape) if whole is not None else tuple(record.digests.get(name, {}).get("shape", ()))
 
 
-def cheap_evidence(sc: Scenario, setup: Setup, run: Runner) -> list[Experiment]:
+def cheap_evidence(sc: Scenario, setup: Setup, run: Runner, model: str | None = None) -> list[Experiment]:
     """Equivalence and oracle, from three short launches (cached by the runner)."""
-    planned = launches(sc, setup)
+    planned = launches(sc, setup, model)
     n, one, exact = (run(sc, planned[key]) for key in ("n", "one", "oracle"))
     # The oracle judges the one-rank run: no collective touches it, so a difference there is the kernels'.
     return [equivalence(sc, n, one, setup), oracle(sc, one, exact)]

@@ -57,10 +57,12 @@ def _worst(comparison: Comparison) -> float:
     return max(comparison.margins.values(), default=0.0)
 
 
-def flip(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, failing: Comparison) -> list[Experiment]:
+def flip(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, failing: Comparison,
+         model: str | None = None) -> list[Experiment]:
     from ..scenarios.base import Launch
 
-    base = sc.default_config(setup)
+    base = sc.model_config(setup, model)
+    suffix = f"-{model}" if model else ""
     before = _worst(failing)
     if before <= 1.0:  # an exact-lane failure inside the tolerant limits: every flip would "vanish"
         return [Experiment("flips", "not applicable", f"the failure is {before:.3g}x its tolerant-lane limit, inside "
@@ -70,7 +72,7 @@ def flip(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, failing:
         if switch.not_applicable:
             out.append(Experiment(f"flip {switch.label}", "not applicable", switch.not_applicable))
             continue
-        launch = Launch(f"flip-{switch.label}", {**base, **switch.config}, dict(switch.env), world_size=switch.world_size)
+        launch = Launch(f"flip-{switch.label}{suffix}", {**base, **switch.config}, dict(switch.env), world_size=switch.world_size)
         try:
             flipped = run(sc, launch)
         except NotApplicable as exc:

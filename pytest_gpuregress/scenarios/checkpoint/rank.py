@@ -71,7 +71,7 @@ def _roundtrip(ctx: RankContext, tr: trainer.Trainer, model_name: str, with_bund
     """Gather, save, reload and check (rank 0); with the bundle for the portability case when asked."""
     import torch
 
-    from ...training.models import load_config, model_dir
+    from ...training.models import config_path, load_config
 
     trained = {name: state.to_numpy(p) for name, p in zip(tr.names, tr.params)}  # every rank's shard: collective
     trained_logits = full_state.logits_of(tr.model, tr.device)  # collective
@@ -79,7 +79,7 @@ def _roundtrip(ctx: RankContext, tr: trainer.Trainer, model_name: str, with_bund
     if ctx.rank != 0:
         return {}
     model_config = load_config(model_name, ctx.config["model_size"])
-    label = f"the config {model_dir(model_name, ctx.config['model_size']) / 'config.json'}"
+    label = f"the config {config_path(model_name, ctx.config['model_size'])}"
     out: dict[str, Any] = {"ran": True}
     Path(ctx.config["root"]).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpuregress-full-state-", dir=ctx.config["root"]) as folder:
@@ -189,7 +189,7 @@ def run_sharded_load(ctx: RankContext) -> RunRecord:
 
 
 def run_portability(ctx: RankContext) -> RunRecord:
-    from ...training.models import architecture_digest, load_config, model_dir
+    from ...training.models import architecture_digest, config_path, load_config
 
     if ctx.rank != 0:  # rank 0 evaluates; the group is the session's usual one (warm, and possible under torchrun)
         return _record(ctx)
@@ -202,9 +202,9 @@ def run_portability(ctx: RankContext) -> RunRecord:
         if architecture_digest(name, size) != reference.config.get("model_architecture"):
             raise GpuRegressError(f"{bundle}: a checkpoint for another architecture: recorded for {name} ({size}) with "
                                   f"architecture {reference.config.get('model_architecture')}, and "
-                                  f"{model_dir(name, size) / 'config.json'} now gives {architecture_digest(name, size)}\n"
+                                  f"{config_path(name, size)} now gives {architecture_digest(name, size)}\n"
                                   "  fix: record the bundle again (pytest --gpuregress --gpuregress-record -k checkpoint)")
-        label = f"the config {model_dir(name, size) / 'config.json'}"
+        label = f"the config {config_path(name, size)}"
         evaluation = portable.evaluate(files.read(bundle), load_config(name, size), label, ctx.device)
         exact = checks.same_numerics(reference.fingerprint, ctx.fingerprint)
         expected = reference.results["full_state_dict"]["bundle"]

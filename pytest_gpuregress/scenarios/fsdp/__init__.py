@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..base import Launch, Scenario, Setup
+from ..base import Case, Launch, Scenario, Setup
 
 # Per-size defaults. The CPU size runs 300 steps in well under a minute on two cores.
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -28,20 +28,25 @@ COMMON: dict[str, Any] = {
 }
 
 
-def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """A training scenario's config: common values, the device's, the steps asked for, the model's identity."""
-    from ...training.models import architecture_digest
+def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, dict[str, Any]],
+                    model: str | None = None) -> dict[str, Any]:
+    """A training scenario's config: common values, the device's, the steps asked for, the model's identity.
+
+    ``model``: the name of a user's model (--gpuregress-model) to train instead of the scenario's own."""
+    from ...training.models import architecture_digest, config_field, model_source
 
     config = dict(common)
     config.update(per_device["cuda" if setup.device_kind == "cuda" else "cpu"])
     if setup.steps is not None:
         config["steps"] = int(setup.steps)
-    config["model_architecture"] = architecture_digest(config["model"], config["model_size"])
+    if model is not None:  # the name is its identity with the digest below; the file is where it lives here
+        spec = next(m for m in setup.models if m.name == model)
+        config.update(model=spec.name, model_file=spec.source)
+    config["model_architecture"] = architecture_digest(model_source(config), config["model_size"])
     if setup.tokens is not None:  # a user's token sample replaces the synthetic data: another reference
-        from ...training.models import config_field
         from ...training.token_file import describe
 
-        vocab = int(config_field(config["model"], config["model_size"], "vocab_size"))
+        vocab = int(config_field(model_source(config), config["model_size"], "vocab_size"))
         config["tokens"] = describe(setup.tokens, vocab, int(config["seq_len"]))
     return config
 
@@ -51,18 +56,31 @@ class FsdpScenario(Scenario):
     step0_sharded = True  # each rank records its shard (rank.py): merge() assembles the tensors
     rank_entry = "pytest_gpuregress.scenarios.fsdp.rank:run"
     supports_triage = True
+    trains_user_models = True
 
     def default_config(self, setup: Setup) -> dict[str, Any]:
         return training_config(setup, COMMON, DEVICE_DEFAULTS)
+
+    def model_config(self, setup: Setup, model: str | None) -> dict[str, Any]:
+        """The config with ``model`` (a user's, by name) in place of the tiny Llama; None: the default."""
+        return training_config(setup, COMMON, DEVICE_DEFAULTS, model)
+
+    def cases(self, setup: Setup) -> list[Case]:
+        # The tiny Llama keeps the id and reference "fsdp"; each model of --gpuregress-model adds "fsdp-<model>".
+        return [Case(self.name), *(Case(m.name, launch=m.name, data={"model": m.name}) for m in setup.models)]
+
+    def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
+        keys = dict.fromkeys(c.launch for c in cases)
+        return [Launch(key, self.model_config(setup, None if key == "default" else key)) for key in keys]
 
     def noise_replicas(self, launch: Launch, setup: Setup, count: int) -> list[Launch]:
         return perturbed_launches(launch, setup, count)
 
     def step0_terms(self, config: dict[str, Any]) -> tuple[int, int]:
-        from ...training.models import config_field
+        from ...training.models import config_field, model_source
 
         return int(config["global_batch"]) * int(config["seq_len"]), int(
-            config_field(config["model"], config["model_size"], "num_hidden_layers"))
+            config_field(model_source(config), config["model_size"], "num_hidden_layers"))
 
     def message_of(self, param: str, shapes: dict[str, tuple[int, ...]], world_size: int) -> str:
         return reduce_scatter_message(param, shapes, world_size)

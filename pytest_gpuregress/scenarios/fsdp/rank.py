@@ -26,14 +26,14 @@ def run(ctx: RankContext) -> RunRecord:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ...training.data import token_source
-    from ...training.models import build_causal_lm, load_config
+    from ...training.models import build_causal_lm, decoder_layers, load_config, model_source
     from ...training.noise import apply_kernel_path, apply_weight_perturbation
     from ...training.step import next_token_loss, rank_tokens
     from ...training.switches import apply_switches
 
     cfg = ctx.config
     device = torch.device(ctx.device)
-    model_config = load_config(cfg["model"], cfg["model_size"])
+    model_config = load_config(model_source(cfg), cfg["model_size"])
     model = build_causal_lm(model_config, seed=int(cfg["seed"]))
     perturbation = str(cfg.get("perturbation", ""))  # set only in the noise replicas of a recording
     apply_weight_perturbation(model, perturbation, cfg["dtype"])
@@ -45,7 +45,7 @@ def run(ctx: RankContext) -> RunRecord:
     mp_policy = MixedPrecisionPolicy()
     if cfg["dtype"] == "bf16":
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=mp_policy)
     fully_shard(model, mp_policy=mp_policy)
 

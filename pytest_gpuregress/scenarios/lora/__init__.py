@@ -36,8 +36,13 @@ class LoraScenario(Scenario):
                    f"(default: {','.join(DEFAULT_TARGETS)})"),
     )
 
+    trains_user_models = True
+
     def default_config(self, setup: Setup) -> dict[str, Any]:
-        config = training_config(setup, COMMON, DEVICE_DEFAULTS)
+        return self.model_config(setup, None)
+
+    def model_config(self, setup: Setup, model: str | None) -> dict[str, Any]:
+        config = training_config(setup, COMMON, DEVICE_DEFAULTS, model)
         config["target_modules"] = list(setup.option("lora-targets") or DEFAULT_TARGETS)
         return config
 
@@ -46,15 +51,33 @@ class LoraScenario(Scenario):
         return f"{config.get('dtype', 'fp32')}-{config['wrapper']}"
 
     def cases(self, setup: Setup) -> list[Case]:
-        # Ids name the API, not "fsdp2": `-k fsdp` selects the fsdp scenario, not this one.
-        return [Case(CASE_IDS[wrapper], launch=wrapper) for wrapper in WRAPPERS]
+        # Ids name the API, not "fsdp2": `-k fsdp` selects the fsdp scenario, not this one. A user's model
+        # adds its name: lora-fully_shard-mymoe.
+        return [Case(CASE_IDS[wrapper] + (f"-{model}" if model else ""), launch=wrapper + (f"-{model}" if model else ""),
+                     data={"wrapper": wrapper, "model": model})
+                for model in [None, *(m.name for m in setup.models)] for wrapper in WRAPPERS]
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
-        config = self.default_config(setup)
-        return [Launch(case.launch, {**config, "wrapper": case.launch}) for case in cases]
+        return [Launch(case.launch, {**self.model_config(setup, case.data["model"]), "wrapper": case.data["wrapper"]})
+                for case in cases]
+
+    def experiment(self, case: Case, run: Any, setup: Setup) -> RunRecord | None:
+        """None (the usual launch), after checking a user's model has modules the adapter can target."""
+        model = case.data.get("model")
+        if model:
+            from ...errors import NotApplicable
+            from ...training.model_specs import module_names
+
+            spec = next(m for m in setup.models if m.name == model)
+            targets = self.model_config(setup, model)["target_modules"]
+            if not set(targets) & module_names(spec.source):
+                raise NotApplicable(f"model {model!r} ({spec.source}) has no module named {', '.join(targets)}; "
+                                    "name its projections with --gpuregress-lora-targets (GPT-2: c_attn,c_proj)")
+        return None
 
     def reference_name(self, case: Case) -> str:
-        return self.name  # the wrapper is in the platform key, so `-k lora` records and finds both
+        # The wrapper is in the platform key, so `-k lora` records and finds both; a user's model has its own.
+        return self.name if not case.data.get("model") else f"{self.name}-{case.data['model']}"
 
     def noise_replicas(self, launch: Launch, setup: Setup, count: int) -> list[Launch]:
         return perturbed_launches(launch, setup, count)

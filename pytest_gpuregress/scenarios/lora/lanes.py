@@ -67,11 +67,13 @@ def fsdp2(peft_model: Any, cfg: dict[str, Any], device: Any) -> Lane:
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from ...training.models import decoder_layers
+
     peft_model = peft_model.to(device)
     policy = MixedPrecisionPolicy()
     if cfg["dtype"] == "bf16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in peft_model.base_model.model.model.layers:
+    for layer in decoder_layers(peft_model.base_model.model):
         fully_shard(layer, mp_policy=policy)
     fully_shard(peft_model, mp_policy=policy)
     return Lane(peft_model, peft_model, _optimizer(_trainable(peft_model), cfg), sharded=True)

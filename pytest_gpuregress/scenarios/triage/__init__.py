@@ -1,7 +1,8 @@
 """Scenario ``triage``: the reference-free experiments of triage, as test cases of their own.
 
 For every training scenario that supports triage, two cases: ``equivalence-<scenario>`` (N ranks
-against one rank on the same global batch) and ``oracle-<scenario>`` (step 0 against float64).
+against one rank on the same global batch) and ``oracle-<scenario>`` (step 0 against float64), and
+two more per model of --gpuregress-model (``equivalence-<scenario>-<model>``).
 They need no stored reference, so they also catch bugs on a brand-new platform. Select with
 ``-k equivalence`` or ``-k oracle``. The experiments themselves are in pytest_gpuregress/triage.
 """
@@ -22,8 +23,13 @@ class TriageScenario(CheckScenario):
     def cases(self, setup: Setup) -> list[Case]:
         from .. import registry
 
-        return [Case(f"{kind}-{sc.name}", data={"scenario": sc.name, "experiment": kind})
-                for sc in registry().values() if sc.supports_triage for kind in ("equivalence", "oracle")]
+        cases = []
+        for sc in registry().values():
+            models = [None, *(m.name for m in setup.models)] if sc.trains_user_models else [None]
+            cases += [Case(f"{kind}-{sc.name}" + (f"-{model}" if model else ""),
+                           data={"scenario": sc.name, "experiment": kind, "model": model})
+                      for model in models for kind in ("equivalence", "oracle") if sc.supports_triage]
+        return cases
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
         return []
@@ -32,7 +38,8 @@ class TriageScenario(CheckScenario):
         from .. import registry
 
         target = registry()[case.data["scenario"]]
-        found = {e.name: e for e in triage.cheap_evidence(target, setup, run)}[case.data["experiment"]]
+        evidence = triage.cheap_evidence(target, setup, run, case.data.get("model"))
+        found = {e.name: e for e in evidence}[case.data["experiment"]]
         return RunRecord(scenario=self.name, config={}, platform_key="", world_size=setup.world_size,
                          results={"status": found.status, "detail": found.detail, "lines": found.lines,
                                   "component": found.component})

@@ -1,0 +1,120 @@
+"""The models a session trains besides the built-in one: ``--gpuregress-model`` (ini ``gpuregress_models``).
+
+A model is a transformers config file (``.json``, or a folder holding ``config.json``), built offline
+with the seeded initialisation of the shipped models (training/models.py) and named by the file's
+stem (the folder's name for ``config.json``). The name goes into test ids (``fsdp-mymoe``,
+``-k "mymoe and fsdp"``) and reference folders (``fsdp-mymoe/``).
+
+Torch-free except ``check_model``, which the session runs once at configure time: a config
+transformers cannot build, or a model too large for the device, stops the session with an error
+that names the file.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import BadModel, UnsafeName
+from ..reference.names import safe_component
+
+# fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter, before activations.
+TRAINING_BYTES_PER_PARAM = 16
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model the training scenarios run: its name (test ids, references) and where it comes from."""
+
+    name: str
+    source: str  # the config file's absolute path
+
+
+def parse_model(value: str, base: Path) -> ModelSpec:
+    """``value`` as given on the command line or in the ini file; relative paths are relative to ``base``."""
+    text = value.strip()
+    path = (base / text).resolve()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise BadModel(text, "no such config file", "pass a transformers config.json, or the folder holding it")
+    name = path.parent.name if path.name == "config.json" else path.stem
+    return ModelSpec(_named(name, str(path)), str(path))
+
+
+# Names a model may not take: launch keys and case ids the training scenarios already use.
+RESERVED = frozenset({"default", "fsdp", "lora", "fully_shard", "accelerate", "tiny-llama"})
+
+
+def _named(name: str, source: str) -> str:
+    try:
+        safe_component(name, "model name")
+    except UnsafeName as exc:
+        raise BadModel(source, str(exc), "rename the file") from None
+    if name in RESERVED:
+        raise BadModel(source, f"would be named {name!r}, a name the scenarios use themselves",
+                       "rename the file (its stem is the model's name)")
+    return name
+
+
+def parse_models(values: list[str], base: Path) -> tuple[ModelSpec, ...]:
+    specs = tuple(parse_model(v, base) for v in values if v.strip())
+    names = [s.name for s in specs]
+    for name in {n for n in names if names.count(n) > 1}:
+        sources = [s.source for s in specs if s.name == name]
+        raise BadModel(sources[1], f"has the name {name!r} of another model ({sources[0]})",
+                       "give the config files distinct names")
+    return specs
+
+
+def check_model(spec: ModelSpec, device_kind: str) -> None:
+    """Build what can be built without training: the config, and the model on the meta device, whose
+    parameter count is checked against the memory this device has."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(spec.source, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; all mean "cannot build this"
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise BadModel(spec.source, f"transformers cannot build a causal LM from it ({type(exc).__name__}: {first})",
+                       "use a config of a causal LM architecture this transformers version has") from None
+    if not getattr(config, "vocab_size", None):
+        raise BadModel(spec.source, "has no vocab_size", "add vocab_size to the config")
+    params = sum(p.numel() for p in model.parameters())
+    need, have = params * TRAINING_BYTES_PER_PARAM, available_memory(device_kind)
+    if have is not None and need > have:
+        raise BadModel(spec.source, f"has {params / 1e6:.1f} M parameters: training them takes about "
+                                    f"{need / 2**30:.1f} GiB (weights, gradients, AdamW state), this {device_kind} has "
+                                    f"{have / 2**30:.1f} GiB", "use a smaller config (fewer layers or a smaller hidden size)")
+
+
+def available_memory(device_kind: str) -> int | None:
+    """Bytes free for one rank's model: the first GPU's free memory, or the machine's available RAM."""
+    if device_kind == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(0)[0]) if torch.cuda.is_available() else None
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def module_names(source: str) -> frozenset[str]:
+    """The last component of every module name of the model a config file describes (``q_proj``,
+    ``c_attn``...), from a build on the meta device: what LoRA can target."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source, local_files_only=True))
+    return frozenset(name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name)

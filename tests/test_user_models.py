@@ -1,0 +1,81 @@
+"""A model the project has never seen (--gpuregress-model=tiny-qwen2.json): it gets test ids and references
+of its own in fsdp, lora and triage, records, passes, and fails on a corrupted reduce-scatter; a config that
+cannot be built, is missing or is too large stops the session naming the file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "hidden_act": "silu", "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "initializer_range": 0.02, "use_cache": False,
+}
+
+
+def write_config(folder: Path, name: str, config: dict) -> Path:
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def collect(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", "--collect-only", "-q", *args)
+
+
+def test_a_model_gets_its_own_cases_in_every_training_scenario(pytester: pytest.Pytester) -> None:
+    write_config(pytester.path, "tiny-qwen2", QWEN2)
+    pytester.makeini("[pytest]\ngpuregress_models = tiny-qwen2.json\n")
+    out = collect(pytester).stdout.str()
+    for test_id in ("fsdp-tiny-qwen2", "lora-fully_shard-tiny-qwen2", "lora-accelerate-tiny-qwen2",
+                    "triage-equivalence-fsdp-tiny-qwen2", "triage-oracle-fsdp-tiny-qwen2"):
+        assert f"test_scenario[{test_id}]" in out
+    assert "test_scenario[fsdp]" in out  # the built-in model keeps its ids and references
+    selected = collect(pytester, "-k", "tiny-qwen2 and fsdp and not triage").stdout.str()
+    assert "test_scenario[fsdp-tiny-qwen2]" in selected and "1/1958 tests collected" in selected
+
+
+@pytest.mark.parametrize(("config", "says"), [
+    (None, "no such config file; pass a transformers config.json, or the folder holding it"),
+    ({**QWEN2, "model_type": "no-such-architecture"}, "transformers cannot build a causal LM from it"),
+    ({**QWEN2, "hidden_size": 65536, "intermediate_size": 262144, "num_hidden_layers": 96,
+      "num_attention_heads": 512, "num_key_value_heads": 512}, "M parameters: training them takes about"),
+])
+def test_a_model_that_cannot_be_used_stops_the_session_naming_the_file(pytester: pytest.Pytester,
+                                                                       config: dict | None, says: str) -> None:
+    path = pytester.path / "mine.json" if config is None else write_config(pytester.path, "mine", config)
+    result = collect(pytester, f"--gpuregress-model={path.name}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*--gpuregress-model *mine.json: *{says}*"])
+
+
+def test_two_models_of_one_name_or_a_reserved_name_are_refused(pytester: pytest.Pytester) -> None:
+    (pytester.path / "a").mkdir()
+    write_config(pytester.path, "tiny-qwen2", QWEN2)
+    write_config(pytester.path / "a", "tiny-qwen2", QWEN2)
+    clash = collect(pytester, "--gpuregress-model=tiny-qwen2.json", "--gpuregress-model=a/tiny-qwen2.json")
+    clash.stderr.fnmatch_lines(["*has the name 'tiny-qwen2' of another model*"])
+    write_config(pytester.path, "fsdp", QWEN2)
+    collect(pytester, "--gpuregress-model=fsdp.json").stderr.fnmatch_lines(["*would be named 'fsdp'*"])
+
+
+@pytest.mark.slow
+def test_an_unseen_config_records_passes_and_fails_on_a_corrupted_reduce_scatter(pytester: pytest.Pytester) -> None:
+    write_config(pytester.path, "tiny-qwen2", QWEN2)
+    common = ("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-model=tiny-qwen2.json",
+              f"--gpuregress-reference-dir={pytester.path / 'refs'}", "--gpuregress-steps=6",
+              "-k", "tiny-qwen2 and fsdp and not triage")
+    pytester.runpytest(*common, "--gpuregress-record", "--gpuregress-replicas=1").assert_outcomes(passed=1)
+    stored = json.loads((pytester.path / "refs" / "fsdp-tiny-qwen2" / "cpu-gloo-w2-fp32" / "record.json").read_text())
+    assert stored["config"]["model"] == "tiny-qwen2" and stored["config"]["model_file"].endswith("tiny-qwen2.json")
+    passed = pytester.runpytest(*common)
+    passed.assert_outcomes(passed=1)
+    passed.stdout.fnmatch_lines(["fsdp-tiny-qwen2 cpu-gloo-w2-fp32: PASSED [[]exact lane[]] 6 steps*"])
+    fault = "collective:op=reduce_scatter,mode=nudge,rel=1e-3"
+    failed = pytester.runpytest(*common, f"--gpuregress-inject={fault}")
+    failed.assert_outcomes(failed=1)
+    failed.stdout.fnmatch_lines(["*[[]collective[]]*", "*triage verdict: collective*"])

@@ -1,0 +1,320 @@
+"""Recorder: what a user's own training loop hands the plugin, without building a RunRecord by hand.
+
+    from pytest_gpuregress import Recorder
+
+    def train(ctx):                                  # runs on every rank (gpuregress.run("mymod:train"))
+        ...                                          # model (plain, DDP or FSDP2), optimizer, data
+        rec = Recorder(ctx, "my-model")              # the reference's name
+        for step in range(ctx.config["steps"]):
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            rec.gradients(model)                     # per-parameter norms; full gradients at step 0
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            if rec.step(loss, grad_norm=grad_norm):  # True: --gpuregress-fail-fast says stop
+                break
+        rec.weights(model)                           # digests of the final weights
+        return rec.record()
+
+It records what the built-in scenarios record, in the same form, so the same comparison, lanes,
+reports and plots apply: the mean loss over ranks and the gradient norm per step (``series``), every
+parameter's gradient norm per step (``param_grad_norm``), the step-0 gradients (``step0_grad/<name>``,
+or block sums for large tensors: reference/step0.py), and digests of the final weights and of any
+named tensor. Gradients may be replicas (DDP, or gradients averaged by hand) or FSDP2 shards
+(DTensors); each is reduced the way its layout needs, so the numbers do not depend on how the
+model is split over ranks.
+
+Methods marked *collective* must be called on every rank, in the same order, like any collective.
+Values are float64. Only ``step`` is required; what is not recorded is not compared.
+This module imports torch only inside its methods, on the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .reference import step0 as step0_arrays
+from .reference.names import safe_component
+from .reference.record import RunRecord, float_digest
+
+if TYPE_CHECKING:
+    from .scenarios.base import RankContext
+
+Named = Any  # an nn.Module, a mapping name -> tensor, or an iterable of (name, tensor) pairs
+
+
+class RecorderMisuse(RuntimeError):
+    """The recorder was called in a way that would produce a record that cannot be compared."""
+
+
+class Recorder:
+    """Collects one rank's view of a training run; ``record()`` returns the RunRecord for ``gpuregress.check``.
+
+    ``name`` is the record's scenario name, the default reference name of ``gpuregress.check``.
+    Create the recorder right before the training loop: step times are measured from its creation.
+    """
+
+    def __init__(self, ctx: RankContext, name: str) -> None:
+        self.ctx = ctx
+        self.name = safe_component(name, "Recorder name (it names the reference folder)")
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self.param_names: list[str] = []
+        self.param_norms: list[np.ndarray] = []
+        self.step0: dict[str, np.ndarray] = {}
+        self.digests: dict[str, dict[str, Any]] = {}
+        self._pending: Any = None  # this step's squared norms (a float64 tensor), reduced in step()
+        self._with_gradients: bool | None = None  # fixed by the first step: every step, or never
+        self._with_grad_norm: bool | None = None
+        self._step_times: list[float] = []
+        from .training.observe import PeakMemory
+
+        self._memory = PeakMemory(ctx.device_kind, ctx.device)  # the built-in scenarios' measure, from here on
+        self._last = time.perf_counter()
+
+    @property
+    def steps(self) -> int:
+        """Steps recorded so far (calls of ``step``)."""
+        return len(self.losses)
+
+    # --- per step ----------------------------------------------------------------------------------
+
+    def gradients(self, params: Named) -> None:
+        """Record every trainable parameter's gradient norm at this step, and at step 0 its gradient. *Collective.*
+
+        Call once per step, after ``backward()`` and before gradients are clipped, stepped or zeroed,
+        on every step or on none. ``params``: the model, or its ``named_parameters()``; parameters that
+        do not require a gradient are left out, and one without a gradient counts as zero.
+        Replicated gradients (DDP) are averaged over ranks, FSDP2 shards add up, so a rank whose
+        replica disagrees still moves the value. The norms are all-reduced in ``step``'s collective;
+        at step 0 the shards of the gradients are gathered to rank 0, which holds the record."""
+        if self._pending is not None:
+            raise RecorderMisuse(f"gradients() called twice in step {self.steps}: call it once per step, after backward()")
+        import torch
+
+        named = [(n, p) for n, p in _named(params) if p.requires_grad]
+        names = [n for n, _ in named]
+        if self.steps == 0:
+            if not named:
+                raise RecorderMisuse("gradients(): no parameter requires a gradient")
+            self.param_names = names
+        elif not self._with_gradients:
+            raise RecorderMisuse(f"gradients() first called at step {self.steps}: call it on every step from step 0, or on none")
+        elif names != self.param_names:
+            raise RecorderMisuse(f"gradients() at step {self.steps}: other parameters than at step 0 "
+                                 f"({len(names)} vs {len(self.param_names)}); pass the same model every step")
+        squares = []
+        for _, p in named:
+            grad = p.grad
+            if grad is None:
+                squares.append(torch.zeros((), dtype=torch.float64, device=self.ctx.device))
+                continue
+            local, sharded = self._local(grad)
+            square = local.detach().double().pow(2).sum().to(self.ctx.device)  # offloaded gradients live on the host
+            squares.append(square if sharded else square / self.ctx.world_size)
+        self._pending = torch.stack(squares)
+        if self.steps == 0:
+            self._record_step0(named)
+
+    def step(self, loss: Any, *, grad_norm: Any = None) -> bool:
+        """Close one training step; return True when the run should stop here. *Collective* (one all-reduce).
+
+        ``loss``: this rank's loss, a float or a one-element tensor; the record keeps the mean over
+        ranks (for a loss already averaged over ranks, the same value). ``grad_norm``: the global
+        gradient norm, e.g. what ``clip_grad_norm_`` returns (an FSDP2 DTensor is fine); without it,
+        the norm of the gradients passed to ``gradients()`` this step. Give it on every step or on none.
+        Reports progress (named in hang and crash reports), lets injected step faults fire, and
+        returns True when ``--gpuregress-fail-fast`` found the step outside the reference's tolerance."""
+        import torch
+
+        with_gradients = self._pending is not None
+        if self._with_gradients is None:
+            self._with_gradients = with_gradients
+        elif with_gradients != self._with_gradients:
+            said = "was called" if self._with_gradients else "was not called"
+            raise RecorderMisuse(f"step {self.steps}: gradients() {said} at step 0 but "
+                                 f"{'is' if with_gradients else 'not'} now: call it on every step or on none")
+        with_norm = grad_norm is not None or with_gradients
+        if self._with_grad_norm is None:
+            self._with_grad_norm = with_norm
+        elif with_norm != self._with_grad_norm:
+            raise RecorderMisuse(f"step {self.steps}: grad_norm given on some steps and not on others")
+
+        device = self.ctx.device
+        parts = [_scalar(loss, "loss", device)]
+        parts.append(_scalar(grad_norm, "grad_norm", device) if grad_norm is not None else parts[0].new_zeros(()))
+        # One float64 all-reduce per step carries the loss, the norm and every parameter's squared norm.
+        stats = torch.cat([torch.stack(parts), self._pending if with_gradients else parts[0].new_zeros(0)])
+        if self.ctx.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(stats)
+            stats[:2] /= self.ctx.world_size
+        values = stats.cpu().numpy().astype(np.float64)
+        self._pending = None
+
+        self.losses.append(float(values[0]))
+        reported = {"loss": self.losses[-1]}
+        if with_norm:
+            norms = np.sqrt(values[2:])
+            self.grad_norms.append(float(values[1]) if grad_norm is not None else math.sqrt(float(values[2:].sum())))
+            reported["grad_norm"] = self.grad_norms[-1]
+            if with_gradients:
+                self.param_norms.append(norms)
+        now = time.perf_counter()
+        self._step_times.append(now - self._last)
+        self._last = now
+        return self.ctx.step_done(self.steps - 1, **reported)
+
+    # --- at the end --------------------------------------------------------------------------------
+
+    def weights(self, params: Named) -> None:
+        """Record digests of every parameter (trainable or not), by name. *Collective* for FSDP2 parameters.
+
+        Call once, after the last step. Sharded parameters are gathered whole, one at a time."""
+        for name, p in _named(params):
+            self._digest(name, p, "weights()")
+
+    def tensor(self, name: str, value: Any) -> None:
+        """Record a digest of any named tensor (logits on a fixed batch, a buffer, an activation). *Collective*
+        for a DTensor, which is gathered whole. Each name once: the digests are compared like final weights."""
+        self._digest(name, value, "tensor()")
+
+    def record(self) -> RunRecord:
+        """The RunRecord of the steps so far, ready for ``gpuregress.check``. Not a collective."""
+        from .training.observe import WARMUP_STEPS
+
+        if not self.steps:
+            raise RecorderMisuse("record(): no step recorded; call rec.step(loss) once per training step")
+        series = {"loss": list(self.losses)}
+        if self.grad_norms:
+            series["grad_norm"] = list(self.grad_norms)
+        arrays: dict[str, np.ndarray] = dict(self.step0)
+        if self.param_norms:
+            arrays["param_grad_norm"] = np.stack(self.param_norms).astype(np.float64)
+        # As the built-in scenarios: step times after the warm-up steps, none when a run stopped before them.
+        steady = self._step_times[WARMUP_STEPS:]
+        median = float(np.median(steady)) if steady else 0.0
+        results: dict[str, Any] = {}
+        if steady:
+            results["perf"] = {"median_step_s": median, "steady_steps": len(steady),
+                               "peak_memory_bytes": self._memory.peak(), "memory": self._memory.kind}
+        return RunRecord(
+            scenario=self.name,
+            config=dict(self.ctx.config),
+            platform_key="",  # set by the plugin, which knows the platform
+            world_size=self.ctx.world_size,
+            series=series,
+            param_names=list(self.param_names) if self.param_norms else [],
+            arrays=arrays,
+            digests={k: dict(v) for k, v in self.digests.items()},
+            timings={"train_s": float(sum(self._step_times)), "first_step_s": self._step_times[0],
+                     "median_step_s": median},
+            results=results,
+        )
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    def _local(self, tensor: Any) -> tuple[Any, bool]:
+        """(this rank's part, whether parts add up over ranks). A DTensor sharded over all ranks on a
+        1-D mesh (FSDP2) gives its shard; any other DTensor is gathered whole (a collective); a plain
+        tensor is a replica."""
+        if not hasattr(tensor, "to_local"):
+            return tensor, False
+        if _one_shard_over_world(tensor, self.ctx.world_size) is not None:
+            return tensor.to_local(), True
+        return tensor.full_tensor(), False
+
+    def _record_step0(self, named: list[tuple[str, Any]]) -> None:
+        """Rank 0 keeps every step-0 gradient whole (or as block sums when large); shards are gathered to it."""
+        full_max = step0_arrays.full_max_of(self.ctx.config)
+        mine: dict[str, np.ndarray] = {}
+        gathered = False
+        for name, p in named:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            if hasattr(grad, "to_local") and _one_shard_over_world(grad, self.ctx.world_size) == 0:
+                mine.update(step0_arrays.shard_arrays(name, _numpy(grad.to_local()), tuple(grad.shape),
+                                                      self.ctx.rank, self.ctx.world_size, full_max))
+                gathered = True
+                continue
+            whole = grad.full_tensor() if hasattr(grad, "full_tensor") else grad  # a replica, or gathered whole
+            if self.ctx.rank == 0:
+                self.step0.update(step0_arrays.shard_arrays(name, _numpy(whole), tuple(whole.shape), 0, 1, full_max))
+        if not gathered:
+            return
+        parts: list[Any] = [mine]
+        if self.ctx.world_size > 1:
+            import torch.distributed as dist
+
+            # Our own ranks' numpy arrays: pickling them is safe here, and the shards are small
+            # (large gradients travel as block sums, 5 float64 per 1024 elements).
+            parts = [None] * self.ctx.world_size if self.ctx.rank == 0 else []
+            dist.gather_object(mine, parts if self.ctx.rank == 0 else None, dst=0)
+        if self.ctx.rank == 0:
+            self.step0.update(step0_arrays.merge_ranks([_Arrays(p) for p in parts]))
+
+    def _digest(self, name: str, value: Any, what: str) -> None:
+        if name in self.digests:
+            raise RecorderMisuse(f"{what}: {name!r} is already recorded; give each tensor a name of its own")
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        self.digests[name] = float_digest(_numpy(value))
+
+
+class _Arrays:
+    """The one field of a RunRecord that step0.merge_ranks reads."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        self.arrays = arrays
+
+
+def _one_shard_over_world(tensor: Any, world_size: int) -> int | None:
+    """The dim a DTensor is sharded along when its mesh is 1-D over every rank (FSDP2), else None."""
+    mesh, placements = tensor.device_mesh, tensor.placements
+    if mesh.ndim != 1 or mesh.size() != world_size or not placements[0].is_shard():
+        return None
+    return int(placements[0].dim)
+
+
+def _named(params: Named) -> list[tuple[str, Any]]:
+    if hasattr(params, "named_parameters"):
+        return list(params.named_parameters())
+    if isinstance(params, Mapping):
+        return list(params.items())
+    if isinstance(params, Iterable):
+        pairs = list(params)
+        if all(isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) for pair in pairs):
+            return pairs
+    raise TypeError("expected a model, a mapping name -> tensor, or (name, tensor) pairs such as model.named_parameters()")
+
+
+def _scalar(value: Any, what: str, device: str) -> Any:
+    """A float64 0-dim tensor on ``device`` from a float or a one-element tensor (a DTensor is gathered)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        if value.numel() != 1:
+            raise RecorderMisuse(f"{what} must be a float or a one-element tensor, got shape {tuple(value.shape)}")
+        return value.detach().reshape(()).to(device=device, dtype=torch.float64)
+    try:
+        return torch.tensor(float(value), dtype=torch.float64, device=device)
+    except (TypeError, ValueError):
+        raise RecorderMisuse(f"{what} must be a float or a one-element tensor, got {type(value).__name__}") from None
+
+
+def _numpy(tensor: Any) -> np.ndarray:
+    """A host copy; bf16, fp16 and fp8 widened to float32 (numpy has no such types), fp32 and fp64 kept."""
+    value = tensor.detach()
+    if value.is_floating_point() and value.element_size() < 4:
+        value = value.float()
+    return value.cpu().numpy().copy()  # a copy: on the CPU the array would share memory with a live tensor

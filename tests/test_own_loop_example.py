@@ -1,0 +1,66 @@
+"""The README's own-loop example (examples/own_loop/), run as a user would: record, compare, break it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "own_loop"
+
+
+@pytest.fixture
+def example(pytester: pytest.Pytester) -> pytest.Pytester:
+    """The example folder as the pytester directory: the ranks import ``own_loop`` from the working directory."""
+    shutil.copytree(EXAMPLE, pytester.path, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "reference_runs", ".pytest_cache"))
+    return pytester
+
+
+@pytest.mark.slow
+def test_the_example_records_passes_and_fails_when_its_loss_moves(example: pytest.Pytester, tmp_path: Path) -> None:
+    refs = tmp_path / "refs"
+    args = ["-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={refs}", "--gpuregress-perf=off",
+            "-k", "own_loop", "test_own_loop.py"]
+
+    example.runpytest(*args, "--gpuregress-record").assert_outcomes(passed=1)
+    assert (refs / "own-loop" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
+
+    clean = example.runpytest(*args)
+    clean.assert_outcomes(passed=1)
+    clean.stdout.fnmatch_lines(["own-loop cpu-gloo-w2-fp32: PASSED [[]exact lane[]] 20 steps*"])
+
+    # Every optimizer step with lr x 1.01: step 0's loss is the same, step 1's moves.
+    broken = example.runpytest(*args, "--gpuregress-inject=lr_scale:factor=1.01")
+    broken.assert_outcomes(failed=1)
+    broken.stdout.fnmatch_lines(["*scenario 'own-loop' on cpu-gloo-w2-fp32 differs from its reference*",
+                                 "*loss: first differing step 1 of 20: expected *, got *",
+                                 "*param_grad_norm: first differing step 1: *"])
+
+
+PARALLEL = '''
+import numpy as np
+
+
+def test_own_loop_ddp_and_fsdp_agree(gpuregress):
+    ddp = gpuregress.run("own_loop:train", config={"steps": 4, "parallel": "ddp"})
+    fsdp = gpuregress.run("own_loop:train", config={"steps": 4, "parallel": "fsdp"})
+    assert ddp.param_names == ["module." + name for name in fsdp.param_names]
+    np.testing.assert_allclose(ddp.series["loss"], fsdp.series["loss"], rtol=1e-6)
+    np.testing.assert_allclose(ddp.series["grad_norm"], fsdp.series["grad_norm"], rtol=1e-6)
+    np.testing.assert_allclose(ddp.arrays["param_grad_norm"], fsdp.arrays["param_grad_norm"], rtol=1e-5)
+    for name in fsdp.param_names:  # whole gradients on rank 0: DDP's replica, FSDP2's gathered shards
+        grad = fsdp.arrays["step0_grad/" + name]
+        assert grad.shape == tuple(fsdp.digests[name]["shape"])
+        np.testing.assert_allclose(ddp.arrays["step0_grad/module." + name], grad, rtol=1e-5, atol=1e-8)
+'''
+
+
+@pytest.mark.slow
+def test_replicated_and_sharded_gradients_are_reduced_alike(example: pytest.Pytester) -> None:
+    """Two ranks: DDP replicas are averaged, FSDP2 shards add up, and both give the model's own numbers."""
+    example.makepyfile(test_parallel=PARALLEL)
+    result = example.runpytest("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-perf=off",
+                               "-k", "ddp_and_fsdp", "test_parallel.py")
+    result.assert_outcomes(passed=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -80,3 +81,17 @@ def refs(recorded: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "refs"
     shutil.copytree(recorded, copy)
     return copy
+
+
+def records_passes_and_breaks(run: Callable[..., pytest.RunResult], args: list[str], refs: Path, name: str,
+                              fault: str, caught: list[str], steps: int = 20) -> None:
+    """The life of a user's reference through ``run`` (a pytester runner): record it, compare a clean run in
+    the exact lane, then see ``fault`` fail it with the ``caught`` lines."""
+    run(*args, "--gpuregress-record").assert_outcomes(passed=1)
+    assert (refs / name / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
+    clean = run(*args)
+    clean.assert_outcomes(passed=1)
+    clean.stdout.fnmatch_lines([f"{name} cpu-gloo-w2-fp32: PASSED [[]exact lane[]] {steps} steps*"])
+    broken = run(*args, f"--gpuregress-inject={fault}")
+    broken.assert_outcomes(failed=1)
+    broken.stdout.fnmatch_lines([f"*scenario '{name}' on cpu-gloo-w2-fp32 differs from its reference*", *caught])

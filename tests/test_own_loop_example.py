@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import records_passes_and_breaks
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "own_loop"
 
 
@@ -24,19 +26,10 @@ def test_the_example_records_passes_and_fails_when_its_loss_moves(example: pytes
     args = ["-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={refs}", "--gpuregress-perf=off",
             "-k", "own_loop", "test_own_loop.py"]
 
-    example.runpytest(*args, "--gpuregress-record").assert_outcomes(passed=1)
-    assert (refs / "own-loop" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
-
-    clean = example.runpytest(*args)
-    clean.assert_outcomes(passed=1)
-    clean.stdout.fnmatch_lines(["own-loop cpu-gloo-w2-fp32: PASSED [[]exact lane[]] 20 steps*"])
-
     # Every optimizer step with lr x 1.01: step 0's loss is the same, step 1's moves.
-    broken = example.runpytest(*args, "--gpuregress-inject=lr_scale:factor=1.01")
-    broken.assert_outcomes(failed=1)
-    broken.stdout.fnmatch_lines(["*scenario 'own-loop' on cpu-gloo-w2-fp32 differs from its reference*",
-                                 "*loss: first differing step 1 of 20: expected *, got *",
-                                 "*param_grad_norm: first differing step 1: *"])
+    records_passes_and_breaks(example.runpytest, args, refs, "own-loop", "lr_scale:factor=1.01",
+                              ["*loss: first differing step 1 of 20: expected *, got *",
+                               "*param_grad_norm: first differing step 1: *"])
 
 
 PARALLEL = '''

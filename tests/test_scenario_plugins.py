@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import records_passes_and_breaks
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "toy_scenario" / "gpuregress_toy.py"
 
 
@@ -30,17 +32,8 @@ def test_toy_scenario_records_compares_and_fails_under_a_fault(pytester: pytest.
     missing.stdout.fnmatch_lines(["*MissingReference*toy/cpu-gloo-w2-fp32: no reference recorded*",
                                   "*fix: record one on a known-good stack: pytest --gpuregress --gpuregress-record -k toy*"])
 
-    pytester.runpytest_subprocess(*args, "--gpuregress-record").assert_outcomes(passed=1)
-    assert (refs / "toy" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
-
-    clean = pytester.runpytest_subprocess(*args)
-    clean.assert_outcomes(passed=1)
-    clean.stdout.fnmatch_lines(["toy cpu-gloo-w2-fp32: PASSED [[]exact lane[]] 20 steps*"])
-
-    broken = pytester.runpytest_subprocess(*args, "--gpuregress-inject=collective:op=all_reduce,mode=nudge,rel=1e-3")
-    broken.assert_outcomes(failed=1)
-    broken.stdout.fnmatch_lines(["*scenario 'toy' on cpu-gloo-w2-fp32 differs from its reference*",
-                                 "*loss: first differing step 0 of 20*"])
+    records_passes_and_breaks(pytester.runpytest_subprocess, args, refs, "toy",
+                              "collective:op=all_reduce,mode=nudge,rel=1e-3", ["*loss: first differing step 0 of 20*"])
 
     listed = pytester.run("gpuregress", "scenarios")
     assert any(line.startswith("toy ") and "training" in line for line in listed.stdout.lines), listed.stdout.str()

@@ -79,3 +79,15 @@ def test_an_unseen_config_records_passes_and_fails_on_a_corrupted_reduce_scatter
     failed = pytester.runpytest(*common, f"--gpuregress-inject={fault}")
     failed.assert_outcomes(failed=1)
     failed.stdout.fnmatch_lines(["*[[]collective[]]*", "*triage verdict: collective*"])
+
+
+def test_a_zoo_layout_folder_is_named_by_the_model_not_its_size(tmp_path: Path) -> None:
+    from pytest_gpuregress.training.model_specs import parse_model
+
+    (tmp_path / "my-moe" / "cpu").mkdir(parents=True)
+    write_config(tmp_path / "my-moe" / "cpu", "config", QWEN2)
+    assert parse_model("my-moe/cpu", tmp_path).name == "my-moe"
+    assert parse_model("my-moe/cpu/config.json", tmp_path).name == "my-moe"
+    (tmp_path / "plain").mkdir()
+    write_config(tmp_path / "plain", "config", QWEN2)
+    assert parse_model("plain", tmp_path).name == "plain"

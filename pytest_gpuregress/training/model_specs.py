@@ -39,7 +39,9 @@ def parse_model(value: str, base: Path) -> ModelSpec:
         path = path / "config.json"
     if not path.is_file():
         raise BadModel(text, "no such config file", "pass a transformers config.json, or the folder holding it")
-    name = path.parent.name if path.name == "config.json" else path.stem
+    # models/<name>/<size>/config.json (the layout of models/) is named <name>; <folder>/config.json <folder>
+    folder = path.parent.parent if path.parent.name in ("cpu", "gpu") else path.parent
+    name = folder.name if path.name == "config.json" else path.stem
     return ModelSpec(_named(name, str(path)), str(path))
 
 

@@ -16,7 +16,10 @@ import pytest
 import safetensors.numpy  # noqa: F401,E402
 import torch  # noqa: F401,E402
 import torch.distributed  # noqa: F401,E402
+import torch.distributed._functional_collectives  # noqa: F401,E402 - registers a torch library: once per process
 import transformers  # noqa: F401,E402
+import transformers.models.qwen2.modeling_qwen2  # noqa: F401,E402 - the models tests build in-process
+import transformers.models.qwen2_moe.modeling_qwen2_moe  # noqa: F401,E402
 
 from pytest_gpuregress.reference.record import RunRecord
 

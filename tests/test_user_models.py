@@ -69,6 +69,10 @@ def test_an_unseen_config_records_passes_and_fails_on_a_corrupted_reduce_scatter
     common = ("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-model=tiny-qwen2.json",
               f"--gpuregress-reference-dir={pytester.path / 'refs'}", "--gpuregress-steps=6",
               "-k", "tiny-qwen2 and fsdp and not triage")
+    missing = pytester.runpytest(*common)
+    missing.assert_outcomes(failed=1)  # the hint records this model: its option is part of the command
+    missing.stdout.fnmatch_lines(["*fix: record one on a known-good stack: pytest --gpuregress --gpuregress-record "
+                                  "-k fsdp-tiny-qwen2 * --gpuregress-model=*tiny-qwen2.json*"])
     pytester.runpytest(*common, "--gpuregress-record", "--gpuregress-replicas=1").assert_outcomes(passed=1)
     stored = json.loads((pytester.path / "refs" / "fsdp-tiny-qwen2" / "cpu-gloo-w2-fp32" / "record.json").read_text())
     assert stored["config"]["model"] == "tiny-qwen2" and stored["config"]["model_file"].endswith("tiny-qwen2.json")
@@ -91,3 +95,19 @@ def test_a_zoo_layout_folder_is_named_by_the_model_not_its_size(tmp_path: Path) 
     (tmp_path / "plain").mkdir()
     write_config(tmp_path / "plain", "config", QWEN2)
     assert parse_model("plain", tmp_path).name == "plain"
+
+
+@pytest.mark.slow
+def test_the_zoo_moe_and_tied_models_pass_fsdp_lora_and_triage(pytester: pytest.Pytester) -> None:
+    common = ("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-model=tiny-moe",
+              "--gpuregress-model=tiny-llama-tied", f"--gpuregress-reference-dir={pytester.path / 'refs'}",
+              "--gpuregress-steps=4", "-k", "tiny-moe or tiny-llama-tied")
+    recorded = pytester.runpytest(*common, "--gpuregress-record", "--gpuregress-replicas=0")
+    recorded.assert_outcomes(passed=10)  # per model: fsdp, lora x 2, triage equivalence and oracle
+    stored = json.loads((pytester.path / "refs" / "fsdp-tiny-moe" / "cpu-gloo-w2-fp32" / "record.json").read_text())
+    load = stored["results"]["expert_load"]
+    assert len(load) == 2 and all(abs(sum(row) - 1) < 1e-9 and min(row) > 0.05 for row in load)  # every expert used
+    compared = pytester.runpytest(*common)
+    compared.assert_outcomes(passed=10)
+    for name in ("fsdp-tiny-moe", "fsdp-tiny-llama-tied", "lora-tiny-moe", "lora-tiny-llama-tied"):
+        compared.stdout.fnmatch_lines([f"{name} cpu-gloo-w2-fp32*: PASSED [[]exact lane[]] 4 steps*"])

@@ -122,6 +122,10 @@ class GpuRegressSession:
             parts.append(f"--gpuregress-world-size={self.options.world_size}")
         if self.options.device != "auto":
             parts.append(f"--gpuregress-device={self.options.device}")
+        # The models and data shape the config too (a model's cases exist only with its option).
+        parts += [f"--gpuregress-model={m.name if m.shipped else m.source}" for m in self.options.models]
+        if self.options.tokens is not None:
+            parts.append(f"--gpuregress-tokens={self.options.tokens}")
         # A scenario's own options can shape its config: the hinted command must record the same setup.
         specs = {spec.dest: spec for sc in registry().values() for spec in sc.options}
         for dest, value in sorted(self.options.scenario_values.items()):
@@ -298,7 +302,8 @@ class GpuRegressSession:
         try:
             record = sc.experiment(case, self.launch_cached, self.setup) or self.launch_for(sc, case)
         except RankFailure as exc:  # a row in the closing table too, not only a failed test
-            key = self.platform.key(sc.platform_tag(self._launch_of(sc, case).config))
+            launch = next((la for la in sc.launches([case], self.setup) if la.key == case.launch), None)
+            key = self.platform.key(sc.platform_tag(launch.config if launch else sc.default_config(self.setup)))
             self._add_outcome(Outcome(sc.reference_name(case) or sc.name, key, "error", detail=str(exc).splitlines()[0]))
             raise
         problems = sc.verdict(case, record, self.setup)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from ..errors import BadModel, UnsafeName
 from ..reference.names import safe_component
+from ..resources import shipped_dir
+from .models import config_path
 
 # fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter, before activations.
 TRAINING_BYTES_PER_PARAM = 16
@@ -28,12 +30,21 @@ class ModelSpec:
     """One model the training scenarios run: its name (test ids, references) and where it comes from."""
 
     name: str
-    source: str  # the config file's absolute path
+    source: str  # the config file's absolute path; a shipped model's folder under models/
+    shipped: bool = False  # one of models/ (tiny-moe, tiny-llama-tied): its size follows the device
+
+    def config_file(self, device_kind: str) -> str:
+        """The config file this device trains: a shipped model's cpu or gpu size, or the user's file."""
+        return str(config_path(self.name, "gpu" if device_kind == "cuda" else "cpu")) if self.shipped else self.source
 
 
 def parse_model(value: str, base: Path) -> ModelSpec:
-    """``value`` as given on the command line or in the ini file; relative paths are relative to ``base``."""
+    """``value`` as given on the command line or in the ini file: a config file or its folder (relative to
+    ``base``), or the name of a model of the zoo in ``models/`` (``tiny-moe``)."""
     text = value.strip()
+    shipped = shipped_dir("models") / text
+    if not (base / text).exists() and (shipped / "cpu" / "config.json").is_file():  # a model of the zoo, by name
+        return ModelSpec(_named(text, str(shipped)), str(shipped), shipped=True)
     path = (base / text).resolve()
     if path.is_dir():
         path = path / "config.json"
@@ -76,20 +87,21 @@ def check_model(spec: ModelSpec, device_kind: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    source = spec.config_file(device_kind)
     try:
-        config = AutoConfig.from_pretrained(spec.source, local_files_only=True)
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; all mean "cannot build this"
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise BadModel(spec.source, f"transformers cannot build a causal LM from it ({type(exc).__name__}: {first})",
+        raise BadModel(source, f"transformers cannot build a causal LM from it ({type(exc).__name__}: {first})",
                        "use a config of a causal LM architecture this transformers version has") from None
     if not getattr(config, "vocab_size", None):
-        raise BadModel(spec.source, "has no vocab_size", "add vocab_size to the config")
+        raise BadModel(source, "has no vocab_size", "add vocab_size to the config")
     params = sum(p.numel() for p in model.parameters())
     need, have = params * TRAINING_BYTES_PER_PARAM, available_memory(device_kind)
     if have is not None and need > have:
-        raise BadModel(spec.source, f"has {params / 1e6:.1f} M parameters: training them takes about "
+        raise BadModel(source, f"has {params / 1e6:.1f} M parameters: training them takes about "
                                     f"{need / 2**30:.1f} GiB (weights, gradients, AdamW state), this {device_kind} has "
                                     f"{have / 2**30:.1f} GiB", "use a smaller config (fewer layers or a smaller hidden size)")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...reference.record import RunRecord
 from ..base import Case, Launch, Scenario, Setup
 
 # Per-size defaults. The CPU size runs 300 steps in well under a minute on two cores.
@@ -41,7 +42,7 @@ def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, 
         config["steps"] = int(setup.steps)
     if model is not None:  # the name is its identity with the digest below; the file is where it lives here
         spec = next(m for m in setup.models if m.name == model)
-        config.update(model=spec.name, model_file=spec.source)
+        config.update(model=spec.name, **({} if spec.shipped else {"model_file": spec.source}))
     config["model_architecture"] = architecture_digest(model_source(config), config["model_size"])
     if setup.tokens is not None:  # a user's token sample replaces the synthetic data: another reference
         from ...training.token_file import describe
@@ -81,6 +82,11 @@ class FsdpScenario(Scenario):
 
         return int(config["global_batch"]) * int(config["seq_len"]), int(
             config_field(model_source(config), config["model_size"], "num_hidden_layers"))
+
+    def properties(self, case: Case, record: RunRecord, setup: Setup) -> dict[str, Any]:
+        """An MoE model's expert load: the busiest expert's share of the routed token slots (1/experts when even)."""
+        load = record.results.get("expert_load")
+        return {"busiest_expert_share": round(max(max(row) for row in load), 4)} if load else {}
 
     def message_of(self, param: str, shapes: dict[str, tuple[int, ...]], world_size: int) -> str:
         return reduce_scatter_message(param, shapes, world_size)

@@ -27,6 +27,7 @@ def run(ctx: RankContext) -> RunRecord:
 
     from ...training.data import token_source
     from ...training.models import build_causal_lm, decoder_layers, load_config, model_source
+    from ...training.moe import expert_load, is_moe
     from ...training.noise import apply_kernel_path, apply_weight_perturbation
     from ...training.step import next_token_loss, rank_tokens
     from ...training.switches import apply_switches
@@ -97,6 +98,11 @@ def run(ctx: RankContext) -> RunRecord:
             break
 
     observer.finish(ctx.world_size)
+    results = observer.results()
+    if is_moe(model_config):  # how evenly the trained routers spread step 0's tokens, averaged over ranks
+        load = torch.from_numpy(expert_load(model, rank_tokens(data, 0, ctx, "", device)[:, :-1]))
+        dist.all_reduce(load)
+        results["expert_load"] = (load / ctx.world_size).tolist()
     digests = {}
     for name, p in zip(names, params):
         digests[name] = float_digest(p.detach().full_tensor().float().cpu().numpy())
@@ -109,6 +115,6 @@ def run(ctx: RankContext) -> RunRecord:
         param_names=names,
         arrays={"param_grad_norm": param_norms[: len(losses)], **step0},
         digests=digests,
-        results=observer.results(),
+        results=results,
         timings=observer.timings(),
     )

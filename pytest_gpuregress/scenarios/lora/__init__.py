@@ -70,7 +70,7 @@ class LoraScenario(Scenario):
 
             spec = next(m for m in setup.models if m.name == model)
             targets = self.model_config(setup, model)["target_modules"]
-            if not set(targets) & module_names(spec.source):
+            if not set(targets) & module_names(spec.config_file(setup.device_kind)):
                 raise NotApplicable(f"model {model!r} ({spec.source}) has no module named {', '.join(targets)}; "
                                     "name its projections with --gpuregress-lora-targets (GPT-2: c_attn,c_proj)")
         return None

@@ -1,0 +1,139 @@
+"""Mixture-of-Experts helpers: is a config an MoE, and how evenly does its router spread the tokens.
+
+``expert_load`` records what each router actually chose with forward hooks on the router modules,
+so it works on a plain transformers model, on one wrapped with ``fully_shard`` (FSDP2 keeps the
+submodules and their hooks; the forward all-gathers as in training, so every rank must call it,
+each with its own tokens) and on a peft model (the routers sit unchanged inside it). torch is
+imported inside the functions only: the session side imports this module without torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+# Config fields that name the number of routed experts, by family: Mixtral, Qwen2/3-MoE and OLMoE, DeepSeek.
+_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _field(config: Any, key: str) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(key)
+    return getattr(config, key, None)
+
+
+def num_experts(config: Any) -> int:
+    """The number of routed experts per MoE layer (0 for a dense model)."""
+    for key in _EXPERT_FIELDS:
+        value = _field(config, key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def is_moe(config: Any) -> bool:
+    """Whether ``config`` (a transformers config or a config.json dict) describes routed experts with top-k routing."""
+    top_k = _field(config, "num_experts_per_tok")
+    return num_experts(config) > 1 and isinstance(top_k, int) and top_k >= 1
+
+
+def _router_class(model: Any) -> Any:
+    """The router module class transformers records ``router_logits`` from (``_can_record_outputs``), or None."""
+    for module in model.modules():
+        recorders = getattr(module, "_can_record_outputs", None) or {}
+        target = recorders.get("router_logits") if isinstance(recorders, Mapping) else None
+        target = getattr(target, "target_class", target)
+        if isinstance(target, type):
+            return target
+    return None
+
+
+def router_modules(model: Any) -> list[tuple[int, Any]]:
+    """(decoder layer index, router module) of every MoE layer, in layer order.
+
+    A router is an instance of the class transformers records router logits from; failing that
+    (a model without ``_can_record_outputs``), a module named ``gate`` or ``router`` inside an
+    ``mlp``/``block_sparse_moe`` block."""
+    cls = _router_class(model)
+    found: dict[int, Any] = {}
+    for name, module in model.named_modules():
+        if cls is not None:
+            hit = isinstance(module, cls)
+        else:
+            hit = bool(re.search(r"\.(mlp|block_sparse_moe)\.(gate|router)$", name))
+        match = _LAYER.search(name)
+        if hit and match and int(match[1]) not in found:
+            found[int(match[1])] = module
+    return sorted(found.items(), key=lambda item: item[0])
+
+
+def _selected(output: Any, top_k: int) -> Any:
+    """The [tokens, top_k] expert indices a router chose, from its output."""
+    import torch
+
+    if isinstance(output, (tuple, list)):
+        if len(output) >= 3 and torch.is_tensor(output[2]) and not output[2].is_floating_point():
+            return output[2]  # transformers v5 routers return (logits, top-k weights, top-k indices)
+        output = output[0]
+    logits = output.reshape(-1, output.shape[-1])
+    return torch.topk(logits.float(), top_k, dim=-1).indices  # softmax keeps the order: same choice as on probs
+
+
+def expert_load(model: Any, input_ids: Any) -> np.ndarray:
+    """[MoE layers, experts] float64: the share of routed token-slots each expert receives on ``input_ids``.
+
+    Every token contributes top_k slots (one per expert it is sent to), so each row sums to 1 and a
+    perfectly even router gives 1/experts everywhere. Counted from the indices the routers return
+    in one forward pass under ``torch.no_grad()`` with every module in eval mode (no router
+    jitter); the modes are restored afterwards. ``model`` may be wrapped with FSDP2 (call on every
+    rank) or peft. Raises ValueError when the model has no routers."""
+    import torch
+
+    routers = router_modules(model)
+    if not routers:
+        raise ValueError(f"{type(model).__name__} has no MoE router modules: expert_load needs a Mixture-of-Experts model")
+    config = getattr(model, "config", None)
+    default_k = _field(config, "num_experts_per_tok") if config is not None else None
+    counts: dict[int, Any] = {}
+    handles = []
+    for layer, router in routers:
+        top_k = int(getattr(router, "top_k", None) or default_k or 1)
+        experts = int(getattr(router, "num_experts", None) or router.weight.shape[0])
+
+        def hook(_module: Any, _args: Any, output: Any, layer: int = layer, top_k: int = top_k,
+                 experts: int = experts) -> None:
+            chosen = _selected(output, top_k).reshape(-1).long()
+            tally = torch.bincount(chosen.cpu(), minlength=experts).double()
+            counts[layer] = tally if layer not in counts else counts[layer] + tally
+
+        handles.append(router.register_forward_hook(hook))
+
+    tokens = input_ids if torch.is_tensor(input_ids) else torch.as_tensor(np.asarray(input_ids))
+    if tokens.dim() == 1:
+        tokens = tokens.unsqueeze(0)
+    param = next(model.parameters(), None)
+    if param is not None:
+        tokens = tokens.to(param.device)
+    modes = [(module, module.training) for module in model.modules()]
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, training in modes:
+            module.training = training
+    missing = [layer for layer, _ in routers if layer not in counts]
+    if missing:
+        raise RuntimeError(f"the routers of layers {missing} did not run in the forward pass")
+    rows = [counts[layer].numpy() for layer, _ in routers]
+    width = max(len(r) for r in rows)
+    load = np.zeros((len(rows), width), dtype=np.float64)
+    for i, row in enumerate(rows):
+        load[i, : len(row)] = row / row.sum()
+    return load

@@ -90,10 +90,13 @@ def accelerate(peft_model: Any, cfg: dict[str, Any], device_kind: str, world_siz
         from accelerate.utils import FullyShardedDataParallelPlugin
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
+        from ...training.models import decoder_layers
+
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2,
             auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+            # the classes transformers never splits: the decoder layers of whatever model this is
+            transformer_cls_names_to_wrap=sorted({type(m).__name__ for m in decoder_layers(peft_model.base_model.model)}),
             reshard_after_forward=True,
             state_dict_type="FULL_STATE_DICT",
             mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

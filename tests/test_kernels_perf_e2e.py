@@ -29,7 +29,10 @@ def test_the_reference_carries_an_inventory_and_perf_figures(fsdp_reference: Pat
     assert inventory["aten::linear"]["calls"] > 0
     assert perf["median_step_s"] > 0 and perf["tokens_per_s"] > 0 and perf["peak_memory_bytes"] > 0
     assert perf["memory"] == "peak RSS growth of this run"
-    assert perf["bus_bandwidth_gbps"] > 0 and perf["steady_steps"] >= 2
+    assert perf["steady_steps"] == 3 and "bus_bandwidth_gbps" not in perf  # too short to be judged: not measured
+    shipped = json.loads((Path(__file__).resolve().parents[1] / "reference_runs" / "fsdp" / "cpu-gloo-w2-fp32" /
+                          "record.json").read_text())["results"]["perf"]
+    assert shipped["steady_steps"] == 295 and shipped["bus_bandwidth_gbps"] > 0
     assert "host_ops" not in stored["results"]  # a CPU run has no host to fall back to
 
 
@@ -55,17 +58,14 @@ def test_kernel_changes_and_slowdowns_alone_warn_and_fail_only_when_asked(pytest
     warned.stdout.fnmatch_lines(["*GpuRegressKernelWarning*kernels changed since the reference*",
                                  "*GpuRegressPerfWarning*[[]performance[]] tokens/s * worse (limit 1.5x)*"])
     assert SDPA_CHANGE in warned.stdout.str()
-    failed = run(pytester, fsdp_reference, *changes, "--gpuregress-kernel-changes=fail", "--gpuregress-perf=fail")
+    # With both options, and an op made to run on the CPU (a GPU emulated by a device tag): three failures.
+    failed = run(pytester, fsdp_reference, *changes, "--gpuregress-kernel-changes=fail", "--gpuregress-perf=fail",
+                 "--gpuregress-inject=host_op:op=silu")
     failed.assert_outcomes(failed=1)
+    failed.stdout.fnmatch_lines(["*[[]kernel[]] 1 op(s) ran on the CPU while 'fsdp' runs on cuda (emulated by a "
+                                 "device tag): aten::silu (* calls, float32 [[]8, 64, 176[]])*"])
     failed.stdout.fnmatch_lines([
         "*[[]kernel[]] kernels changed since the reference (6 ops; --gpuregress-kernel-changes=fail):",
         f"*{SDPA_CHANGE}*",
         "*[[]performance[]] tokens/s * vs * in the reference: *x worse (limit 1.5x); medians over * steady steps "
         "(--gpuregress-perf=fail)*"], consecutive=False)
-
-
-def test_an_op_on_the_cpu_during_a_gpu_run_fails_naming_it(pytester: pytest.Pytester, fsdp_reference: Path) -> None:
-    result = run(pytester, fsdp_reference, "--gpuregress-inject=host_op:op=silu")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*[[]kernel[]] 1 op(s) ran on the CPU while 'fsdp' runs on cuda (emulated by a "
-                                 "device tag): aten::silu (* calls, float32 [[]8, 64, 176[]])*"])

@@ -135,9 +135,15 @@ class GpuRegressSession:
                 parts.append(f"{spec.flag}={shown}")
         return shlex.join(parts)
 
+    def _selection_of(self, name: str) -> str:
+        """A -k expression that selects the cases stored under reference ``name``: the name itself when it is a
+        substring of each of their ids (fsdp, lora), else their ids joined (lora-mymoe: lora-fully_shard-mymoe ...)."""
+        ids = [test_id(sc, case) for sc, case in self.all_cases() if sc.reference_name(case) == name]
+        return name if not ids or all(name in i for i in ids) else " or ".join(ids)
+
     def location(self, name: str, platform_key: str, *, for_writing: bool = False) -> store.ReferenceLocation:
         store.check_names(name, platform_key)  # a name or dtype such as '../x' must not leave the reference dir
-        hint = self.record_hint(name)
+        hint = self.record_hint(self._selection_of(name))
         user = store.ReferenceLocation(self.user_reference_root, name, platform_key, hint)
         # An explicit --gpuregress-reference-dir means that directory only; the shipped
         # references are the fallback of the default location.

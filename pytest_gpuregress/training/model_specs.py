@@ -58,6 +58,7 @@ def parse_model(value: str, base: Path) -> ModelSpec:
 
 # Names a model may not take: launch keys and case ids the training scenarios already use.
 RESERVED = frozenset({"default", "fsdp", "lora", "fully_shard", "accelerate", "tiny-llama"})
+RESERVED_PREFIXES = ("triage-", "flip-", "replica-")  # the launch keys of triage, flips and noise replicas
 
 
 def _named(name: str, source: str) -> str:
@@ -65,7 +66,7 @@ def _named(name: str, source: str) -> str:
         safe_component(name, "model name")
     except UnsafeName as exc:
         raise BadModel(source, str(exc), "rename the file") from None
-    if name in RESERVED:
+    if name in RESERVED or name.startswith(RESERVED_PREFIXES):
         raise BadModel(source, f"would be named {name!r}, a name the scenarios use themselves",
                        "rename the file (its stem is the model's name)")
     return name

@@ -120,9 +120,13 @@ def build_causal_lm(config: Any, seed: int) -> Any:
     with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(config)  # float32, torch's default dtype
     std = float(getattr(config, "initializer_range", 0.02))
+    # Normalisation gains start at 1: by name (norm.weight, layernorm.weight) or by module class (GPT-2's
+    # ln_1, ln_f are LayerNorms); for the shipped models both rules pick the same parameters.
+    gains = {f"{module_name}.weight" if module_name else "weight" for module_name, module in model.named_modules()
+             if "Norm" in type(module).__name__}
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight") or name in gains:
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()

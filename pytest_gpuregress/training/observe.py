@@ -27,6 +27,7 @@ PROFILE_AT = 5  # the first profiled step, or as late as a short run allows
 PROFILE_STEPS = 2  # one profiled, one watched for host ops (training/kernels.py)
 BANDWIDTH_BYTES = (4 << 20, 64 << 20)  # (CPU, GPU): a few gradient buckets of the model each runs
 BANDWIDTH_REPEATS = 10  # a median of ten: gloo on a shared CPU stalls now and then
+BANDWIDTH_MIN_STEADY_STEPS = 20
 _CLEAR_REFS = "/proc/self/clear_refs"  # writing "5" resets the peak RSS (VmHWM) on Linux
 
 
@@ -70,7 +71,9 @@ class StepObserver:
         """After the last step, on every rank: read the peak memory, then time an all-reduce the size of a few
         gradient buckets (a collective, so every rank calls it; its buffer is not counted as training memory)."""
         self.peak_bytes = self._memory.peak()
-        if world_size > 1:
+        # Only where the figures will be judged: a short run's ratios never are (reference/perf.py), and the
+        # all-reduces would cost every short launch of a suite. Every rank ran the same steps, so all agree.
+        if world_size > 1 and len(self.steady_times()) >= BANDWIDTH_MIN_STEADY_STEPS:
             self._ctx.progress("measuring the all-reduce bus bandwidth")
             self.bus_bandwidth = measure_bus_bandwidth(self._ctx.device, world_size, self._ctx.device_kind)
 

@@ -41,6 +41,9 @@ def load_tokens(path: Path) -> np.ndarray:
     except (ValueError, OSError) as exc:
         raise BadTokens(path, f"not a readable {suffix} file ({str(exc).splitlines()[0]})",
                         "write it again with numpy.save or safetensors.numpy.save_file") from None
+    if not isinstance(values, np.ndarray):  # an .npz archive under an .npy name
+        raise BadTokens(path, "is an archive of several arrays, not one array",
+                        "save the token ids alone with numpy.save, or as safetensors")
     if values.dtype.kind not in "iu":
         raise BadTokens(path, f"holds {values.dtype}, not integer token ids",
                         "save the token ids as an integer array (int32 or int64)")

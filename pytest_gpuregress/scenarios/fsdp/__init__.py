@@ -34,7 +34,7 @@ def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, 
     """A training scenario's config: common values, the device's, the steps asked for, the model's identity.
 
     ``model``: the name of a user's model (--gpuregress-model) to train instead of the scenario's own."""
-    from ...training.models import architecture_digest, config_field, model_source
+    from ...training.models import architecture_digest, load_config, model_source
 
     config = dict(common)
     config.update(per_device["cuda" if setup.device_kind == "cuda" else "cpu"])
@@ -47,7 +47,7 @@ def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, 
     if setup.tokens is not None:  # a user's token sample replaces the synthetic data: another reference
         from ...training.token_file import describe
 
-        vocab = int(config_field(model_source(config), config["model_size"], "vocab_size"))
+        vocab = int(load_config(model_source(config), config["model_size"]).vocab_size)  # the class default too
         config["tokens"] = describe(setup.tokens, vocab, int(config["seq_len"]))
     return config
 
@@ -78,10 +78,11 @@ class FsdpScenario(Scenario):
         return perturbed_launches(launch, setup, count)
 
     def step0_terms(self, config: dict[str, Any]) -> tuple[int, int]:
-        from ...training.models import config_field, model_source
+        from ...training.models import load_config, model_source
 
-        return int(config["global_batch"]) * int(config["seq_len"]), int(
-            config_field(model_source(config), config["model_size"], "num_hidden_layers"))
+        # Through transformers: a GPT-2 config says n_layer, and its config class maps num_hidden_layers to it.
+        layers = load_config(model_source(config), config["model_size"]).num_hidden_layers
+        return int(config["global_batch"]) * int(config["seq_len"]), int(layers)
 
     def properties(self, case: Case, record: RunRecord, setup: Setup) -> dict[str, Any]:
         """An MoE model's expert load: the busiest expert's share of the routed token slots (1/experts when even)."""

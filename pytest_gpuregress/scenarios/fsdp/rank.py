@@ -100,9 +100,12 @@ def run(ctx: RankContext) -> RunRecord:
     observer.finish(ctx.world_size)
     results = observer.results()
     if is_moe(model_config):  # how evenly the trained routers spread step 0's tokens, averaged over ranks
-        load = torch.from_numpy(expert_load(model, rank_tokens(data, 0, ctx, "", device)[:, :-1]))
-        dist.all_reduce(load)
-        results["expert_load"] = (load / ctx.world_size).tolist()
+        try:  # a diagnostic: a transformers release whose routers it cannot find must not lose the verdict
+            load = torch.from_numpy(expert_load(model, rank_tokens(data, 0, ctx, "", device)[:, :-1]))
+            dist.all_reduce(load)  # every rank gets here, or every rank raised above: the same model on each
+            results["expert_load"] = (load / ctx.world_size).tolist()
+        except (RuntimeError, ValueError, LookupError) as exc:
+            results["expert_load_error"] = f"{type(exc).__name__}: {exc}"
     digests = {}
     for name, p in zip(names, params):
         digests[name] = float_digest(p.detach().full_tensor().float().cpu().numpy())

@@ -98,3 +98,15 @@ def records_passes_and_breaks(run: Callable[..., pytest.RunResult], args: list[s
     broken = run(*args, f"--gpuregress-inject={fault}")
     broken.assert_outcomes(failed=1)
     broken.stdout.fnmatch_lines([f"*scenario '{name}' on cpu-gloo-w2-fp32 differs from its reference*", *caught])
+
+
+# The longest files first: the README runs the suite on two xdist workers, one file at a time
+# (--dist loadfile), in collection order. A long file collected last would run alone at the end.
+LONGEST_FIRST = ("test_shipped_references.py", "test_main_job.py", "test_worker_pool.py", "test_training_e2e.py",
+                 "test_torchrun.py", "test_triage.py", "test_checkpoint_e2e.py", "test_user_models.py",
+                 "test_scenario_plugins.py", "test_kernels_perf_e2e.py", "test_lora_e2e.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order

@@ -93,7 +93,7 @@ def upgraded_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(("fault", "passes"), [
-    (None, True),
+    # (No fault at all is the main job's portability case, tests/test_main_job.py.)
     ("linear_noise:rel=1e-7", True),  # legitimate kernel drift (docs/faults.md section 4)
     ("linear_noise:rel=1e-4", False),  # a kernel that is wrong
     ("checkpoint:mode=ulp_nudge", False),

@@ -75,9 +75,8 @@ def test_two_sessions_started_together_in_one_folder_do_not_collide(tmp_path: Pa
         assert all(p.returncode == 0 for p in procs), outputs[0][-2000:] + outputs[1][-2000:]
         return outputs
 
-    # Both recording the same reference at once: the store's lock serialises them, one wins whole.
+    # Both recording the same reference at once (each launching its own ranks, on its own ports and run
+    # folders): the store's lock serialises the writes, one wins whole, and it loads.
     both("--gpuregress-record", "--gpuregress-replicas=0")
     assert store.read_reference(store.ReferenceLocation(refs, "fsdp", "cpu-gloo-w2-fp32")).steps == 4
     assert not [p.name for p in (refs / "fsdp").iterdir() if p.name.startswith(".")]  # no leftovers
-    for out in both():  # then both comparing with it
-        assert "fsdp cpu-gloo-w2-fp32: PASSED [exact lane] 4 steps" in out

@@ -229,10 +229,8 @@ class Options:
 
 def _models(config: pytest.Config, values: list[str]) -> tuple[ModelSpec, ...]:
     """--gpuregress-model values (relative to the invocation), else gpuregress_models (relative to the ini file)."""
-    from_cli = config.getoption("gpuregress_model") is not None
-    base = config.invocation_params.dir if from_cli or config.inipath is None else config.inipath.parent
     try:
-        return parse_models(list(values or ()), base)
+        return parse_models(list(values or ()), _base_of(config, "gpuregress_model"))
     except BadModel as exc:
         raise pytest.UsageError(str(exc)) from None
 
@@ -241,9 +239,14 @@ def _ini_relative_path(config: pytest.Config, dest: str, value: str | None) -> P
     """A file option's path: relative to the ini file's folder when set there, else to the invocation."""
     if not value:
         return None
+    return (_base_of(config, dest) / value).resolve()
+
+
+def _base_of(config: pytest.Config, dest: str) -> Path:
+    """What an option's relative paths are relative to: the invocation folder when it came from the command
+    line (or there is no ini file), else the ini file's folder."""
     from_cli = config.getoption(dest) is not None
-    base = config.invocation_params.dir if from_cli or config.inipath is None else config.inipath.parent
-    return (base / value).resolve()
+    return config.invocation_params.dir if from_cli or config.inipath is None else config.inipath.parent
 
 
 def check_reference_dir_argument(config: pytest.Config) -> None:

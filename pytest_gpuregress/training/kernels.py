@@ -15,9 +15,10 @@ On a CPU-only build a GPU run is emulated by a device tag (the ``host_op`` fault
 
 from __future__ import annotations
 
+import operator
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -103,6 +104,23 @@ def inventory_from_events(events: Any) -> dict[str, dict[str, Any]]:
             for op, e in sorted(inventory.items())}
 
 
+def add_inventory(into: dict[str, dict[str, Any]], found: dict[str, dict[str, Any]],
+                  calls: Callable[[int, int], int] = operator.add) -> None:
+    """Fold the inventory ``found`` into ``into``: each op's kernels united, its calls combined by ``calls``
+    (added over the steps of one rank; the largest over ranks, which ran the same steps)."""
+    for op, entry in found.items():
+        merged = into.setdefault(op, {"dispatch": [], "kernels": [], "calls": 0})
+        merged["dispatch"] = sorted(set(merged["dispatch"]) | set(entry["dispatch"]))
+        merged["kernels"] = sorted(set(merged["kernels"]) | set(entry["kernels"]))
+        merged["calls"] = calls(merged["calls"], entry["calls"])
+
+
+def add_host_ops(into: dict[str, dict[str, Any]], found: dict[str, dict[str, Any]]) -> None:
+    """Fold the host ops ``found`` into ``into``: calls added, the first shape and dtype kept."""
+    for op, entry in found.items():
+        into.setdefault(op, {**entry, "calls": 0})["calls"] += entry["calls"]
+
+
 def _host_watcher() -> Any:
     """A dispatch mode that records floating-point work on the host, per kernel-level op."""
     import torch
@@ -161,11 +179,7 @@ class KernelWindow:
         with profile(activities=activities) as prof:
             yield
         self.captured = True
-        for op, entry in inventory_from_events(prof.events()).items():
-            merged = self.inventory.setdefault(op, {"dispatch": [], "kernels": [], "calls": 0})
-            merged["dispatch"] = sorted(set(merged["dispatch"]) | set(entry["dispatch"]))
-            merged["kernels"] = sorted(set(merged["kernels"]) | set(entry["kernels"]))
-            merged["calls"] += entry["calls"]
+        add_inventory(self.inventory, inventory_from_events(prof.events()))
 
     @contextmanager
     def watch_host(self) -> Iterator[None]:
@@ -176,8 +190,7 @@ class KernelWindow:
         with watcher:
             yield
         self.watched = True
-        for op, entry in watcher.host_ops.items():
-            self.host_ops.setdefault(op, {**entry, "calls": 0})["calls"] += entry["calls"]
+        add_host_ops(self.host_ops, watcher.host_ops)
 
     def results(self) -> dict[str, Any]:
         """What a record keeps: the inventory, and the host ops of a GPU (or emulated GPU) run; only what ran."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .kernels import KernelWindow
+from .kernels import KernelWindow, add_host_ops, add_inventory
 
 WARMUP_STEPS = 3
 PROFILE_AT = 5  # the first profiled step, or as late as a short run allows
@@ -175,11 +175,7 @@ def merge_ranks(records: list[Any]) -> dict[str, Any]:
     if inventories:
         union: dict[str, dict[str, Any]] = {}
         for inventory in inventories:
-            for op, entry in inventory.items():
-                into = union.setdefault(op, {"dispatch": [], "kernels": [], "calls": 0})
-                into["dispatch"] = sorted(set(into["dispatch"]) | set(entry["dispatch"]))
-                into["kernels"] = sorted(set(into["kernels"]) | set(entry["kernels"]))
-                into["calls"] = max(into["calls"], entry["calls"])
+            add_inventory(union, inventory, calls=max)
         merged["kernels"] = dict(sorted(union.items()))
     perfs = [r.results["perf"] for r in records if "perf" in r.results]
     if perfs:
@@ -188,7 +184,6 @@ def merge_ranks(records: list[Any]) -> dict[str, Any]:
     if hosts:
         ops: dict[str, Any] = {}
         for host in hosts:
-            for op, entry in host["ops"].items():
-                ops.setdefault(op, {**entry, "calls": 0})["calls"] += entry["calls"]
+            add_host_ops(ops, host["ops"])
         merged["host_ops"] = {"accelerator": hosts[0]["accelerator"], "ops": ops}
     return merged

@@ -122,3 +122,14 @@ def test_foreign_reference_is_refused(loc: store.ReferenceLocation, record: RunR
     with pytest.raises(ForeignReference, match=message) as info:
         store.check_compatible(loc, reference, make_record(**change))
     assert "record.json" in str(info.value)
+
+
+def test_config_differences_name_each_key_and_ignore_where_inputs_live() -> None:
+    from pytest_gpuregress.reference.store import config_differences
+
+    a = {"lr": 0.1, "tokens": {"file": "/a/t.npy", "sha256": "x"}, "model_file": "/a/m.json"}
+    b = {"lr": 0.2, "tokens": {"file": "/b/t.npy", "sha256": "y"}, "model_file": "/b/m.json", "extra": 1}
+    assert config_differences(a, b, ("rank 0", "rank 1")) == [
+        "config extra: rank 0 '<absent>', rank 1 1", "config lr: rank 0 0.1, rank 1 0.2",
+        "config tokens.sha256: rank 0 'x', rank 1 'y'"]
+    assert config_differences(a, {**a, "model_file": "/elsewhere.json"}) == []

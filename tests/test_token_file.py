@@ -99,11 +99,11 @@ def test_a_token_file_records_its_own_reference_and_a_bad_one_stops_the_session(
     common = ("-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={refs}", *selection)
     pytester.runpytest(*common, f"--gpuregress-tokens={tokens}").assert_outcomes(passed=1)
     # The synthetic data is another setup (the store's identity test: tests/test_store.py): its reference is another.
-    from pytest_gpuregress.reference.store import _config_diff
+    from pytest_gpuregress.reference.store import config_differences
 
-    assert _config_diff(stored["config"], {k: v for k, v in stored["config"].items() if k != "tokens"}) == [
+    assert config_differences(stored["config"], {k: v for k, v in stored["config"].items() if k != "tokens"}) == [
         f"config tokens: reference {stored['config']['tokens']!r}, this run '<absent>'"]
-    assert _config_diff(stored["config"], {**stored["config"], "tokens": {**stored["config"]["tokens"],
+    assert config_differences(stored["config"], {**stored["config"], "tokens": {**stored["config"]["tokens"],
                                                                         "file": "/elsewhere/traffic.npy"}}) == []
     bad = save_npy(tmp_path / "wide.npy", np.arange(300))
     refused = pytester.runpytest(*common, f"--gpuregress-tokens={bad}")

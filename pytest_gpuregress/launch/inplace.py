@@ -68,6 +68,22 @@ def _gather_bytes(payload: bytes, device: str) -> list[bytes]:
     return [c[: int(s.item())].cpu().numpy().tobytes() for c, s in zip(chunks, sizes)]
 
 
+def _agree_on_config(job: Job, rank: int, local_rank: int) -> None:
+    """Every rank's session built its config from its own node's files (a token file, a model config): ranks
+    that disagree would train on different data or models and blame the stack. Refuse, naming the keys."""
+    from ..errors import ScenarioProblem
+    from ..reference.store import config_differences
+
+    device = f"cuda:{local_rank}" if job.device_kind == "cuda" else "cpu"
+    configs = _gather_json(job.config, device)
+    for other, config in enumerate(configs[1:], start=1):
+        differences = config_differences(configs[0], config, ("rank 0", f"rank {other}"))
+        if differences:
+            raise ScenarioProblem(f"rank {other}'s node gives another config than rank 0's ({'; '.join(differences)}): "
+                                  "give every node the same files (--gpuregress-tokens, --gpuregress-model) "
+                                  "and the same options")
+
+
 class InPlaceLauncher:
     """Runs a Job in this process, which torchrun already made one rank of the job."""
 
@@ -109,6 +125,7 @@ class InPlaceLauncher:
         watchdog.daemon = True
         watchdog.start()
         try:
+            _agree_on_config(job, self.rank, self.local_rank)
             record, ctx = execute_rank(job, self.rank, self.local_rank, init_group=False)
             everyone = _gather_json(record.to_json(), ctx.device)
             arrays = _gather_arrays(record.arrays, ctx.device)

@@ -149,7 +149,7 @@ def check_compatible(loc: ReferenceLocation, reference: RunRecord, run: RunRecor
         problems.append(f"scenario: reference {reference.scenario!r}, this run {run.scenario!r}")
     if reference.world_size != run.world_size:
         problems.append(f"world size: reference {reference.world_size}, this run {run.world_size}")
-    problems.extend(_config_diff(reference.config, run.config))
+    problems.extend(config_differences(reference.config, run.config))
     if problems:
         raise ForeignReference(
             loc.path / RECORD_JSON,
@@ -159,17 +159,20 @@ def check_compatible(loc: ReferenceLocation, reference: RunRecord, run: RunRecor
 
 
 # Where an input lives on this machine, not what it is (its sha256 beside it says that): never foreign.
-LOCATION_KEYS = frozenset({"tokens.file", "model_file"})
+LOCATION_KEYS = frozenset({"tokens.file", "tokens.factory", "model_file", "model_factory"})
 
 
-def _config_diff(ref: dict[str, Any], run: dict[str, Any], prefix: str = "") -> list[str]:
+def config_differences(ref: dict[str, Any], run: dict[str, Any], labels: tuple[str, str] = ("reference", "this run"),
+                       prefix: str = "") -> list[str]:
+    """What two configs disagree on, as "config <key>: reference <a>, this run <b>" lines; where an input
+    lives (LOCATION_KEYS) is not a difference."""
     out: list[str] = []
     for key in sorted(set(ref) | set(run)):
         if f"{prefix}{key}" in LOCATION_KEYS:
             continue
         a, b = ref.get(key, "<absent>"), run.get(key, "<absent>")
         if isinstance(a, dict) and isinstance(b, dict):
-            out.extend(_config_diff(a, b, f"{prefix}{key}."))
+            out.extend(config_differences(a, b, labels, f"{prefix}{key}."))
         elif a != b:
-            out.append(f"config {prefix}{key}: reference {a!r}, this run {b!r}")
+            out.append(f"config {prefix}{key}: {labels[0]} {a!r}, {labels[1]} {b!r}")
     return out

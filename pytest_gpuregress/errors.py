@@ -79,9 +79,9 @@ class BadKnownIssues(GpuRegressError):
 class BadTokens(GpuRegressError):
     """A token file (--gpuregress-tokens) that is missing, unreadable, not integer ids, or outside the vocabulary."""
 
-    def __init__(self, path: object, problem: str, fix: str) -> None:
+    def __init__(self, path: object, problem: str, fix: str, option: str = "--gpuregress-tokens") -> None:
         self.path = str(path)
-        super().__init__(f"--gpuregress-tokens {self.path}: {problem}; {fix}")
+        super().__init__(f"{option} {self.path}: {problem}; {fix}")
 
 
 class BadModel(GpuRegressError):

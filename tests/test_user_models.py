@@ -32,11 +32,13 @@ def test_a_model_gets_its_own_cases_in_every_training_scenario(pytester: pytest.
     pytester.makeini("[pytest]\ngpuregress_models = tiny-qwen2.json\n")
     out = collect(pytester).stdout.str()
     for test_id in ("fsdp-tiny-qwen2", "lora-fully_shard-tiny-qwen2", "lora-accelerate-tiny-qwen2",
-                    "triage-equivalence-fsdp-tiny-qwen2", "triage-oracle-fsdp-tiny-qwen2"):
+                    "triage-equivalence-fsdp-tiny-qwen2", "triage-oracle-fsdp-tiny-qwen2",
+                    "checkpoint-full-state-dict-tiny-qwen2", "checkpoint-sharded-2to1-tiny-qwen2",
+                    "checkpoint-resume-tiny-qwen2", "formats-quantized-mx_fp8_e4m3fn-tiny-qwen2"):
         assert f"test_scenario[{test_id}]" in out
     assert "test_scenario[fsdp]" in out  # the built-in model keeps its ids and references
     selected = collect(pytester, "-k", "tiny-qwen2 and fsdp and not triage").stdout.str()
-    assert "test_scenario[fsdp-tiny-qwen2]" in selected and "1/1958 tests collected" in selected
+    assert "test_scenario[fsdp-tiny-qwen2]" in selected and "1/1967 tests collected" in selected
 
 
 @pytest.mark.parametrize(("config", "says"), [
@@ -97,20 +99,35 @@ def test_a_zoo_layout_folder_is_named_by_the_model_not_its_size(tmp_path: Path) 
     assert parse_model("plain", tmp_path).name == "plain"
 
 
+def test_a_path_named_like_a_zoo_model_is_refused_until_written_as_a_path(tmp_path: Path) -> None:
+    from pytest_gpuregress.errors import BadModel
+    from pytest_gpuregress.training.model_specs import parse_model
+
+    assert parse_model("tiny-moe", tmp_path).shipped
+    (tmp_path / "tiny-moe").mkdir()
+    write_config(tmp_path / "tiny-moe", "config", QWEN2)
+    with pytest.raises(BadModel, match="is both a model of the zoo and a path in .*write ./tiny-moe for the path"):
+        parse_model("tiny-moe", tmp_path)
+    mine = parse_model("./tiny-moe", tmp_path)
+    assert not mine.shipped and mine.source == str(tmp_path / "tiny-moe" / "config.json")
+
+
 @pytest.mark.slow
-def test_the_zoo_moe_model_passes_fsdp_lora_and_triage(pytester: pytest.Pytester) -> None:
-    # (The tied model runs the same way; the checkpoint scenario's tied case covers what it adds.)
+def test_the_zoo_moe_model_passes_every_training_scenario(pytester: pytest.Pytester) -> None:
+    # (The tied model runs the same way; the checkpoint scenario's tied case covers what it adds, and the shipped
+    # references of both zoo models are checked against this code in test_shipped_references.py.)
     common = ("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-model=tiny-moe",
               f"--gpuregress-reference-dir={pytester.path / 'refs'}", "--gpuregress-steps=4", "-k",
               "tiny-moe and not accelerate")  # (the accelerate lane is the same model under DDP on the CPU)
     recorded = pytester.runpytest(*common, "--gpuregress-record", "--gpuregress-replicas=0")
-    recorded.assert_outcomes(passed=4)  # fsdp, lora, triage equivalence and oracle
+    # fsdp, lora, triage equivalence and oracle, 4 checkpoint cases, 5 quantized checkpoints of formats
+    recorded.assert_outcomes(passed=13)
     stored = json.loads((pytester.path / "refs" / "fsdp-tiny-moe" / "cpu-gloo-w2-fp32" / "record.json").read_text())
     load = stored["results"]["expert_load"]
     assert len(load) == 2 and all(abs(sum(row) - 1) < 1e-9 and min(row) > 0.05 for row in load)  # every expert used
     compared = pytester.runpytest(*common)
-    compared.assert_outcomes(passed=4)
-    for name in ("fsdp-tiny-moe", "lora-tiny-moe"):
+    compared.assert_outcomes(passed=13)
+    for name in ("fsdp-tiny-moe", "lora-tiny-moe", "checkpoint-tiny-moe"):
         compared.stdout.fnmatch_lines([f"{name} cpu-gloo-w2-fp32*: PASSED [[]exact lane[]] 4 steps*"])
 
 
@@ -129,3 +146,24 @@ def test_a_missing_references_hint_selects_the_cases_that_record_it(tmp_path: Pa
         assert "--gpuregress-model=" + spec.source in session.location("lora-tiny-qwen2", "cpu-gloo-w2-fp32").record_hint
     finally:
         session.close()
+
+
+GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2,
+        "n_head": 4, "n_positions": 128, "initializer_range": 0.02, "use_cache": False}
+
+
+def test_one_lora_targets_option_serves_models_with_different_module_names(tmp_path: Path) -> None:
+    from pytest_gpuregress.scenarios.base import Setup
+    from pytest_gpuregress.scenarios.lora import SCENARIO as LORA
+    from pytest_gpuregress.training.model_specs import parse_model
+
+    gpt2 = parse_model(str(write_config(tmp_path, "tiny-gpt2", GPT2)), tmp_path)
+    setup = Setup("cpu", "gloo", 2, models=(gpt2,), options={"gpuregress_lora_targets": ["q_proj", "v_proj", "c_attn"]})
+    assert LORA.model_config(setup, None)["target_modules"] == ["q_proj", "v_proj"]  # the Llama's reference stays its own
+    assert LORA.model_config(setup, "tiny-gpt2")["target_modules"] == ["c_attn"]
+    default = Setup("cpu", "gloo", 2, models=(gpt2,))
+    from pytest_gpuregress.errors import NotApplicable
+
+    case = next(c for c in LORA.cases(default) if c.data["model"] == "tiny-gpt2")
+    with pytest.raises(NotApplicable, match="has no module named q_proj.*add its projections to --gpuregress-lora-targets"):
+        LORA.experiment(case, lambda *a: None, default)

@@ -191,7 +191,8 @@ class _LateConfigure:
         try:  # the user's models build (on the meta device) and fit; the token file reads and fits their vocabularies
             for model in session.options.models:
                 check_model(model, session.platform.device_kind)
-            if session.options.tokens is not None:  # every config that trains on it describes it: read it now
+            # Every config that trains on a token sample (the user's file, a factory's ids) describes it: read it now.
+            if session.options.tokens is not None or any(m.factory for m in session.options.models):
                 from ..scenarios import registry
 
                 for scenario in registry().values():

@@ -1,9 +1,14 @@
 """The models a session trains besides the built-in one: ``--gpuregress-model`` (ini ``gpuregress_models``).
 
-A model is a transformers config file (``.json``, or a folder holding ``config.json``), built offline
-with the seeded initialisation of the shipped models (training/models.py) and named by the file's
-stem (the folder's name for ``config.json``). The name goes into test ids (``fsdp-mymoe``,
-``-k "mymoe and fsdp"``) and reference folders (``fsdp-mymoe/``).
+A model is one of:
+  - a transformers config file (``.json``, or a folder holding ``config.json``), built offline with
+    the seeded initialisation of the shipped models (training/models.py), named by the file's stem
+    (the folder's name for ``config.json``);
+  - a model of the zoo in ``models/``, by name (``tiny-moe``);
+  - ``package.module:function``, a factory that returns the model (training/factory.py), named by
+    the function.
+The name goes into test ids (``fsdp-mymoe``, ``-k "mymoe and fsdp"``) and reference folders
+(``fsdp-mymoe/``).
 
 Torch-free except ``check_model``, which the session runs once at configure time: a config
 transformers cannot build, or a model too large for the device, stops the session with an error
@@ -19,6 +24,7 @@ from pathlib import Path
 from ..errors import BadModel, UnsafeName
 from ..reference.names import safe_component
 from ..resources import shipped_dir
+from .factory import is_factory
 from .models import config_path
 
 # fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter, before activations.
@@ -30,20 +36,40 @@ class ModelSpec:
     """One model the training scenarios run: its name (test ids, references) and where it comes from."""
 
     name: str
-    source: str  # the config file's absolute path; a shipped model's folder under models/
+    source: str  # the config file's absolute path; a shipped model's folder under models/; a factory's entry
     shipped: bool = False  # one of models/ (tiny-moe, tiny-llama-tied): its size follows the device
+    factory: bool = False  # package.module:function (training/factory.py)
 
     def config_file(self, device_kind: str) -> str:
         """The config file this device trains: a shipped model's cpu or gpu size, or the user's file."""
         return str(config_path(self.name, "gpu" if device_kind == "cuda" else "cpu")) if self.shipped else self.source
+
+    def config_fields(self) -> dict[str, str]:
+        """What a scenario config says of this model: its name, and where a rank finds it (a config file
+        or a factory; a zoo model is found by its name)."""
+        where = {"model_factory": self.source} if self.factory else {} if self.shipped else {"model_file": self.source}
+        return {"model": self.name, **where}
+
+    def module_names(self, device_kind: str) -> frozenset[str]:
+        """The last component of every module name (what LoRA can target)."""
+        if self.factory:
+            from .factory import factory_model
+
+            return factory_model(self.source).module_names
+        return module_names(self.config_file(device_kind))
 
 
 def parse_model(value: str, base: Path) -> ModelSpec:
     """``value`` as given on the command line or in the ini file: a config file or its folder (relative to
     ``base``), or the name of a model of the zoo in ``models/`` (``tiny-moe``)."""
     text = value.strip()
+    if is_factory(text) and not (base / text).exists():
+        return ModelSpec(_named(text.rsplit(":", 1)[1], text), text, factory=True)
     shipped = shipped_dir("models") / text
-    if not (base / text).exists() and (shipped / "cpu" / "config.json").is_file():  # a model of the zoo, by name
+    if "/" not in text and text not in (".", "..") and (shipped / "cpu" / "config.json").is_file():  # the zoo, by name
+        if (base / text).exists():
+            raise BadModel(text, f"is both a model of the zoo and a path in {base}",
+                           f"write ./{text} for the path, or rename it")
         return ModelSpec(_named(text, str(shipped)), str(shipped), shipped=True)
     path = (base / text).resolve()
     if path.is_dir():
@@ -85,6 +111,11 @@ def parse_models(values: list[str], base: Path) -> tuple[ModelSpec, ...]:
 def check_model(spec: ModelSpec, device_kind: str) -> None:
     """Build what can be built without training: the config, and the model on the meta device, whose
     parameter count is checked against the memory this device has."""
+    if spec.factory:
+        from .factory import factory_model
+
+        _check_size(spec.source, factory_model(spec.source).parameters, device_kind)  # builds it on the meta device
+        return
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -99,12 +130,15 @@ def check_model(spec: ModelSpec, device_kind: str) -> None:
                        "use a config of a causal LM architecture this transformers version has") from None
     if not getattr(config, "vocab_size", None):
         raise BadModel(source, "has no vocab_size", "add vocab_size to the config")
-    params = sum(p.numel() for p in model.parameters())
+    _check_size(source, sum(p.numel() for p in model.parameters()), device_kind)
+
+
+def _check_size(source: str, params: int, device_kind: str) -> None:
     need, have = params * TRAINING_BYTES_PER_PARAM, available_memory(device_kind)
     if have is not None and need > have:
         raise BadModel(source, f"has {params / 1e6:.1f} M parameters: training them takes about "
-                                    f"{need / 2**30:.1f} GiB (weights, gradients, AdamW state), this {device_kind} has "
-                                    f"{have / 2**30:.1f} GiB", "use a smaller config (fewer layers or a smaller hidden size)")
+                               f"{need / 2**30:.1f} GiB (weights, gradients, AdamW state), this {device_kind} has "
+                               f"{have / 2**30:.1f} GiB", "use a smaller model (fewer layers or a smaller hidden size)")
 
 
 def available_memory(device_kind: str) -> int | None:

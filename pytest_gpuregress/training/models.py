@@ -113,13 +113,25 @@ def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> n
 
 
 def build_causal_lm(config: Any, seed: int) -> Any:
-    """A transformers causal LM from ``config`` on the CPU in fp32, initialised from ``seed``."""
+    """A causal LM on the CPU in fp32, initialised from ``seed``: from a transformers ``config``, or from the
+    user's factory (a FactoryModel, training/factory.py) in its place."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from .factory import FactoryModel
+
+    if isinstance(config, FactoryModel):
+        return config.build(seed)
     with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(config)  # float32, torch's default dtype
-    std = float(getattr(config, "initializer_range", 0.02))
+    seed_parameters(model, seed, float(getattr(config, "initializer_range", 0.02)))
+    return model
+
+
+def seed_parameters(model: Any, seed: int, std: float) -> None:
+    """Every parameter from (seed, its name): N(0, std^2) weights, zero biases, unit normalisation gains."""
+    import torch
+
     # Normalisation gains start at 1: by name (norm.weight, layernorm.weight) or by module class (GPT-2's
     # ln_1, ln_f are LayerNorms); for the shipped models both rules pick the same parameters.
     gains = {f"{module_name}.weight" if module_name else "weight" for module_name, module in model.named_modules()
@@ -133,4 +145,30 @@ def build_causal_lm(config: Any, seed: int) -> Any:
             else:
                 values = seeded_normal(seed, name, tuple(param.shape), std)
                 param.copy_(torch.from_numpy(values).to(param.dtype))
-    return model
+
+
+def blueprint(cfg: dict[str, Any]) -> Any:
+    """What a scenario config's model is built from: the transformers config of a shipped model or a user's
+    config file, or the user's factory (``model_factory``, a FactoryModel with the same fields the scenarios
+    read: vocab_size, num_hidden_layers)."""
+    if cfg.get("model_factory"):
+        from .factory import factory_model
+
+        return factory_model(str(cfg["model_factory"]))
+    return load_config(model_source(cfg), cfg["model_size"])
+
+
+def describe_model(cfg: dict[str, Any]) -> str:
+    """Where a scenario config's model comes from, for messages: "the config <file>" or "the factory <entry>"."""
+    if cfg.get("model_factory"):
+        return f"the factory {cfg['model_factory']}"
+    return f"the config {config_path(model_source(cfg), cfg['model_size'])}"
+
+
+def architecture_of(cfg: dict[str, Any]) -> str:
+    """The identity of a scenario config's model: its config file's digest, or a factory model's structure."""
+    if cfg.get("model_factory"):
+        from .factory import factory_model
+
+        return factory_model(str(cfg["model_factory"])).digest
+    return architecture_digest(model_source(cfg), cfg["model_size"])

@@ -35,6 +35,15 @@ def num_experts(config: Any) -> int:
     return 0
 
 
+def in_float64(model: Any) -> Any:
+    """``model`` in float64, its experts computed by the eager loop: grouped_mm has no float64 kernel, and the
+    loop over experts computes the same sums."""
+    config = getattr(model, "config", None)
+    if config is not None and is_moe(config):
+        config._experts_implementation = "eager"  # read at every forward, so it applies to a built model
+    return model.double()
+
+
 def is_moe(config: Any) -> bool:
     """Whether ``config`` (a transformers config or a config.json dict) describes routed experts with top-k routing."""
     top_k = _field(config, "num_experts_per_tok")

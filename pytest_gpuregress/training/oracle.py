@@ -21,15 +21,13 @@ def run(ctx) -> RunRecord:  # type: ignore[no-untyped-def]
     import torch
 
     from .data import token_source
-    from .models import build_causal_lm, load_config, model_source
-    from .moe import is_moe
+    from .models import blueprint, build_causal_lm
+    from .moe import in_float64
 
     torch.set_num_threads(os.cpu_count() or 1)  # float64 on the GPU model is slow; summation order barely matters here
     cfg = ctx.config
-    model_config = load_config(model_source(cfg), cfg["model_size"])
-    if is_moe(model_config):  # grouped_mm has no float64 kernel; the eager loop over experts computes the same sums
-        model_config._experts_implementation = "eager"
-    model = build_causal_lm(model_config, seed=int(cfg["seed"])).double()
+    model_config = blueprint(cfg)
+    model = in_float64(build_causal_lm(model_config, seed=int(cfg["seed"])))
     data = token_source(cfg, model_config.vocab_size)
     tokens = torch.from_numpy(data.global_batch_at(0))
     logits = model(input_ids=tokens[:, :-1]).logits

@@ -76,16 +76,41 @@ def describe(path: Path, vocab_size: int, seq_len: int) -> dict[str, Any]:
 
     Only ``sha256`` and ``count`` are the data's identity; ``file`` is where this machine finds it
     (a reference recorded elsewhere, from a copy at another path, is not foreign)."""
-    stream = load_tokens(path)
+    return {"file": str(path.resolve()), **identity(load_tokens(path), vocab_size, seq_len, path)}
+
+
+def describe_for(cfg: dict[str, Any], tokens: Path | None) -> dict[str, Any] | None:
+    """The ``tokens`` entry of a training scenario's config: the user's file (--gpuregress-tokens), else the
+    ids a factory model returns with itself, else None (the synthetic data). Checked against the
+    vocabulary of the model ``cfg`` trains."""
+    from .models import blueprint
+
+    if tokens is None and not cfg.get("model_factory"):
+        return None
+    model = blueprint(cfg)
+    vocab, seq_len = int(model.vocab_size), int(cfg["seq_len"])  # a config's vocab_size is its class default too
+    if tokens is not None:
+        return describe(tokens, vocab, seq_len)
+    own = model.tokens
+    return None if own is None else describe_factory_tokens(str(cfg["model_factory"]), own, vocab, seq_len)
+
+
+def describe_factory_tokens(entry: str, stream: np.ndarray, vocab_size: int, seq_len: int) -> dict[str, Any]:
+    """The same for the token ids a model factory returns with its model (training/factory.py)."""
+    return {"factory": entry, **identity(stream, vocab_size, seq_len, entry, option="--gpuregress-model")}
+
+
+def identity(stream: np.ndarray, vocab_size: int, seq_len: int, where: object,
+             option: str = "--gpuregress-tokens") -> dict[str, Any]:
+    """The stream's hash and size, once it is checked to hold a sequence and only ids of the vocabulary."""
     if stream.size < seq_len + 1:
-        raise BadTokens(path, f"holds {stream.size} tokens, fewer than one sequence of {seq_len + 1}",
-                        "use a longer sample, or a shorter --gpuregress-steps/seq_len")
+        raise BadTokens(where, f"holds {stream.size} tokens, fewer than one sequence of {seq_len + 1}",
+                        "use a longer sample, or a shorter --gpuregress-steps/seq_len", option)
     largest = int(stream.max())
     if largest >= vocab_size:
-        raise BadTokens(path, f"holds id {largest}, outside the model's vocabulary of {vocab_size}",
-                        f"use ids below {vocab_size}, the vocab_size of the model config the scenario trains")
-    return {"file": str(path.resolve()), "sha256": hashlib.sha256(stream.tobytes()).hexdigest(),
-            "count": int(stream.size)}
+        raise BadTokens(where, f"holds id {largest}, outside the model's vocabulary of {vocab_size}",
+                        f"use ids below {vocab_size}, the vocab_size of the model the scenario trains", option)
+    return {"sha256": hashlib.sha256(stream.tobytes()).hexdigest(), "count": int(stream.size)}
 
 
 @dataclass
@@ -114,11 +139,19 @@ class TokenFileBatches:
 
 
 def open_tokens(described: dict[str, Any], vocab_size: int, seq_len: int, global_batch: int) -> TokenFileBatches:
-    """On a rank: the batches of the file a config describes; refuses a file that changed since the session
-    read it (or another file at that path on another node): its reference would not be this data's."""
-    path = Path(described["file"])
-    stream = load_tokens(path)
-    if hashlib.sha256(stream.tobytes()).hexdigest() != described["sha256"]:
-        raise BadTokens(path, "changed since the session read it (its sha256 differs)",
-                        "keep the file unchanged during a run; on several nodes, give each the same file")
+    """On a rank: the batches of the file (or factory) a config describes; refuses data that changed since the
+    session read it (or another file at that path on another node): its reference would not be this data's."""
+    if described.get("factory"):
+        from .factory import factory_model
+
+        where: object = described["factory"]
+        stream = factory_model(str(where)).tokens
+        fix = "return the same token ids from every call of the factory"
+    else:
+        where = Path(described["file"])
+        stream = load_tokens(where)
+        fix = "keep the file unchanged during a run; on several nodes, give each the same file"
+    if stream is None or hashlib.sha256(stream.tobytes()).hexdigest() != described["sha256"]:
+        raise BadTokens(where, "changed since the session read it (its sha256 differs)", fix,
+                        "--gpuregress-model" if described.get("factory") else "--gpuregress-tokens")
     return TokenFileBatches(stream, vocab_size, seq_len, global_batch)

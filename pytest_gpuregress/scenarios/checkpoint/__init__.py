@@ -54,27 +54,26 @@ class CheckpointScenario(CheckScenario):
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
         # The multi-launch cases (sharded, resume) are launched by experiment(), in order.
-        out = []
-        if any(c.launch == "main" for c in cases):
-            out.append(plan.main_launch(setup, _root(setup)))
+        out = [plan.main_launch(setup, _root(setup), model)
+               for model in dict.fromkeys(c.data.get("model") for c in cases if c.data["part"] in plan.MAIN_PARTS)]
         if any(c.launch == "portability" for c in cases):
             out.append(plan.portability_launch(setup, _root(setup), setup.option("portable-checkpoint")))
         return out
 
     def experiment(self, case: Case, run: Runner, setup: Setup) -> RunRecord | None:
         if case.data["part"] == "resume":
-            return self._resume(run, setup)
+            return self._resume(run, setup, case.data.get("model"))
         if case.data["part"] == "sharded":
             return self._reshard(case, run, setup)
         return None
 
-    def _resume(self, run: Runner, setup: Setup) -> RunRecord:
-        straight = run(self, plan.main_launch(setup, _root(setup)))
-        first_launch, _ = plan.resume_launches(setup, _root(setup))
+    def _resume(self, run: Runner, setup: Setup, model: str | None) -> RunRecord:
+        straight = run(self, plan.main_launch(setup, _root(setup), model))
+        first_launch, _ = plan.resume_launches(setup, _root(setup), model=model)
         first = run(self, first_launch)
         folder = first.results["folder"]
         try:
-            second = run(self, plan.resume_launches(setup, _root(setup), folder)[1])
+            second = run(self, plan.resume_launches(setup, _root(setup), folder, model)[1])
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         k = plan.resume_at(straight.config)
@@ -119,7 +118,9 @@ class CheckpointScenario(CheckScenario):
         return checks.part_findings(case.id, record.results.get(part))
 
     def reference_name(self, case: Case) -> str | None:
-        return plan.REFERENCE if case.data["part"] == "full_state_dict" else None
+        if case.data["part"] != "full_state_dict":
+            return None
+        return plan.REFERENCE if "model" not in case.data else f"{plan.REFERENCE}-{case.data['model']}"
 
     def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
         """The trained checkpoint against the reference's: bit for bit on the reference's stack; elsewhere the

@@ -54,11 +54,11 @@ def reload(path: Path, model_config: Any, label: str) -> Any:
     return model
 
 
-def logits_of(model: Any, device: Any) -> np.ndarray:
+def logits_of(model: Any, device: Any, vocab_size: int) -> np.ndarray:
     """Logits on the fixed batch; on an FSDP2 model every rank must call it (the forward all-gathers)."""
     import torch
 
-    ids = torch.from_numpy(portable.fixed_batch(int(model.config.vocab_size))).to(device)
+    ids = torch.from_numpy(portable.fixed_batch(vocab_size)).to(device)
     with torch.no_grad():
         out = model(input_ids=ids).logits.detach().float().cpu().numpy()
     if hasattr(model, "reshard"):
@@ -87,7 +87,7 @@ def roundtrip(state: dict[str, Any], trained: dict[str, np.ndarray], trained_log
         if got.tobytes() != expected.tobytes():
             findings.append(f"{name} after reload: {portable.describe_difference(expected, got)}")
     findings += check_ties(model, groups)
-    logits = logits_of(model.to(device), device)
+    logits = logits_of(model.to(device), device, int(model_config.vocab_size))
     if logits.tobytes() != trained_logits.tobytes():
         findings.append(f"logits on the fixed batch: the reloaded model's are not bit-identical to the trained "
                         f"model's (largest difference {portable.deviation_between(logits, trained_logits):.3g} of the "

@@ -21,6 +21,7 @@ TIED_MODEL = "tiny-llama-tied"
 # on a GPU it is a checkpoint made on another platform, which is the point of the case.
 SHIPPED_PLATFORM = "cpu-gloo-w2-fp32"
 DEFAULT_STEPS = 10  # 2k: the resume case saves after k = 5
+MAIN_PARTS = ("full_state_dict", "tied")  # the cases the main launch carries
 SESSION_ONLY = ("role", "root", "folder", "saved_world", "load_world", "bundle")
 
 # The CPU size on every device: checkpoint logic does not need model scale, the shipped checkpoint
@@ -51,22 +52,33 @@ COMMON: dict[str, Any] = {
 }
 
 
-def config(setup: Setup) -> dict[str, Any]:
-    """What every rank runs with; stored with the reference (less the session-only keys)."""
-    from ...training.models import architecture_digest
+def config(setup: Setup, model: str | None = None) -> dict[str, Any]:
+    """What every rank runs with; stored with the reference (less the session-only keys).
+
+    ``model``: a user's model (--gpuregress-model, by name) in place of the tiny Llama, with no tied model."""
+    from ...training.models import architecture_of
+    from ...training.token_file import describe_for
 
     cfg = dict(COMMON)
     if setup.steps is not None:
         cfg["steps"] = max(2, int(setup.steps))
-    cfg["model_architecture"] = architecture_digest(MODEL, cfg["model_size"])
-    cfg["tied_model_architecture"] = architecture_digest(TIED_MODEL, cfg["model_size"])
-    if setup.tokens is not None:  # a user's token sample replaces the synthetic data (training/token_file.py)
-        from ...training.models import config_field
-        from ...training.token_file import describe
-
-        vocab = min(int(config_field(m, cfg["model_size"], "vocab_size")) for m in (MODEL, TIED_MODEL))
-        cfg["tokens"] = describe(setup.tokens, vocab, int(cfg["seq_len"]))
+    if model is not None:
+        del cfg["tied_model"]
+        cfg.update(next(m for m in setup.models if m.name == model).config_fields())
+    cfg["model_architecture"] = architecture_of(cfg)
+    if model is None:
+        tied = tied_fields(cfg)
+        cfg["tied_model_architecture"] = architecture_of(tied)
+        describe_for(tied, setup.tokens)  # the tied model reads the same data: its vocabulary must hold it too
+    tokens = describe_for(cfg, setup.tokens)  # a user's token sample replaces the synthetic data
+    if tokens is not None:
+        cfg["tokens"] = tokens
     return cfg
+
+
+def tied_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with the tied model in place of the main one (its identity fields), for trainer.build."""
+    return {**{k: v for k, v in cfg.items() if k not in ("model_file", "model_factory")}, "model": cfg["tied_model"]}
 
 
 def stored(config: dict[str, Any]) -> dict[str, Any]:
@@ -95,12 +107,17 @@ def cases(setup: Setup) -> list[Case]:
             for n, m in reshard_pairs(setup.world_size)]
     out.append(Case("resume", launch="resume", data={"part": "resume"}))
     out.append(Case("portability", launch="portability", data={"part": "portability"}))
+    # Each model of --gpuregress-model: the round trip (with a reference of its own), resharding and resume.
+    for spec in setup.models:
+        out += [Case(f"{c.id}-{spec.name}", launch=f"{c.launch}-{spec.name}", data={**c.data, "model": spec.name})
+                for c in out if c.data["part"] in ("full_state_dict", "sharded", "resume") and "model" not in c.data]
     return out
 
 
-def main_launch(setup: Setup, root: str) -> Launch:
-    """The straight run: 2k steps, state digests at step k, then the full-state-dict and tied round trips."""
-    return Launch("main", {**config(setup), "role": "main", "root": root})
+def main_launch(setup: Setup, root: str, model: str | None = None) -> Launch:
+    """The straight run: 2k steps, state digests at step k, then the full-state-dict round trip, and for the tiny
+    Llama the tied model's."""
+    return Launch("main" if model is None else f"main-{model}", {**config(setup, model), "role": "main", "root": root})
 
 
 def portability_launch(setup: Setup, root: str, bundle: str | None) -> Launch:
@@ -109,17 +126,19 @@ def portability_launch(setup: Setup, root: str, bundle: str | None) -> Launch:
                                   "bundle": bundle or str(shipped_bundle())})
 
 
-def resume_launches(setup: Setup, root: str, folder: str | None = None) -> tuple[Launch, Launch]:
+def resume_launches(setup: Setup, root: str, folder: str | None = None,
+                    model: str | None = None) -> tuple[Launch, Launch]:
     """k steps and a save; then, in new processes (never pooled ones), a load from ``folder`` and k more steps."""
-    base = {**config(setup), "root": root}
-    return (Launch("resume-first", {**base, "role": "resume-first"}),
-            Launch("resume-second", {**base, "role": "resume-second", "folder": folder or ""}, fresh_ranks=True))
+    base = {**config(setup, model), "root": root}
+    suffix = "" if model is None else f"-{model}"
+    return (Launch(f"resume-first{suffix}", {**base, "role": "resume-first"}),
+            Launch(f"resume-second{suffix}", {**base, "role": "resume-second", "folder": folder or ""}, fresh_ranks=True))
 
 
 def reshard_launches(case: Case, setup: Setup, root: str, folder: str | None = None) -> tuple[Launch, Launch]:
     """Train and save with DCP at the save world size; load into a fresh model at the load world size."""
     n, m = int(case.data["save"]), int(case.data["load"])
-    base = {**config(setup), "root": root, "saved_world": n, "load_world": m}
+    base = {**config(setup, case.data.get("model")), "root": root, "saved_world": n, "load_world": m}
     return (Launch(f"{case.id}-save", {**base, "role": "sharded-save"}, world_size=n),
             Launch(f"{case.id}-load", {**base, "role": "sharded-load", "folder": folder or ""}, world_size=m))
 

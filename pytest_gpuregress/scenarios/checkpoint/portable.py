@@ -65,6 +65,10 @@ def empty_model(model_config: Any) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from ...training.factory import FactoryModel
+
+    if isinstance(model_config, FactoryModel):  # a user's factory model (--gpuregress-model pkg.mod:function)
+        return model_config.empty().eval()
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         return AutoModelForCausalLM.from_config(model_config).eval()
 
@@ -196,6 +200,8 @@ def evaluate(ckpt: CheckpointFiles, model_config: Any, config_label: str, device
     """Load ``ckpt`` into the model ``model_config`` builds, on ``device``; logits, checksums and deviation."""
     import copy
 
+    from ...training.moe import in_float64
+
     model = empty_model(model_config)
     tensors = match(ckpt, model, model_config, config_label)
     load_into(model, tensors)
@@ -203,7 +209,7 @@ def evaluate(ckpt: CheckpointFiles, model_config: Any, config_label: str, device
     deviation = None
     logits64 = None
     if with_float64:
-        logits64 = _forward(copy.deepcopy(model).double(), ids, "cpu")
+        logits64 = _forward(in_float64(copy.deepcopy(model)), ids, "cpu")
     model = model.to(device)
     logits = _forward(model, ids, device).astype(np.float32)
     problems: list[str] = []

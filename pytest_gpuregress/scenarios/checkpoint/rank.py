@@ -67,19 +67,19 @@ def _is_deterministic() -> bool:
 # --- main ------------------------------------------------------------------------------------------------
 
 
-def _roundtrip(ctx: RankContext, tr: trainer.Trainer, model_name: str, with_bundle: bool) -> dict[str, Any]:
-    """Gather, save, reload and check (rank 0); with the bundle for the portability case when asked."""
+def _roundtrip(ctx: RankContext, tr: trainer.Trainer, model: dict[str, Any], with_bundle: bool) -> dict[str, Any]:
+    """Gather, save, reload and check (rank 0); with the bundle for the portability case when asked.
+    ``model``: the config fields of the model ``tr`` trains."""
     import torch
 
-    from ...training.models import config_path, load_config
+    from ...training.models import blueprint, describe_model
 
     trained = {name: state.to_numpy(p) for name, p in zip(tr.names, tr.params)}  # every rank's shard: collective
-    trained_logits = full_state.logits_of(tr.model, tr.device)  # collective
+    trained_logits = full_state.logits_of(tr.model, tr.device, tr.data.source.vocab_size)  # collective
     gathered = full_state.gather(tr.model)  # collective
     if ctx.rank != 0:
         return {}
-    model_config = load_config(model_name, ctx.config["model_size"])
-    label = f"the config {config_path(model_name, ctx.config['model_size'])}"
+    model_config, label = blueprint(model), describe_model(model)
     out: dict[str, Any] = {"ran": True}
     Path(ctx.config["root"]).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpuregress-full-state-", dir=ctx.config["root"]) as folder:
@@ -88,7 +88,7 @@ def _roundtrip(ctx: RankContext, tr: trainer.Trainer, model_name: str, with_bund
         if with_bundle and logits is not None:  # the reload above read this file: it cannot fail now
             evaluation = portable.evaluate(files.read(Path(folder) / "model.safetensors"), model_config, label,
                                            ctx.device)
-            out["bundle"] = {**evaluation.summary(), "model": model_name}
+            out["bundle"] = {**evaluation.summary(), "model": model["model"]}
             out["bundle_arrays"] = {"logits": evaluation.logits,
                                     **{files.BUNDLE_PREFIX + n: v for n, v in trained.items()}}
             out["findings"] += [f"the saved checkpoint on {ctx.device}: {p}" for p in evaluation.problems]
@@ -98,17 +98,20 @@ def _roundtrip(ctx: RankContext, tr: trainer.Trainer, model_name: str, with_bund
 def run_main(ctx: RankContext) -> RunRecord:
     cfg = ctx.config
     k, steps = plan.resume_at(cfg), int(cfg["steps"])
-    tr = trainer.build(cfg, ctx, cfg["model"])
+    tr = trainer.build(cfg, ctx)
     ctx.progress("model built")
     losses, norms = trainer.train(tr, range(k), ctx)
     boundary = state.boundary(tr, ctx.device_kind, ctx.rank)
     more_losses, more_norms = trainer.train(tr, range(k, steps), ctx)
     ctx.progress("full state dict")
-    main = _roundtrip(ctx, tr, cfg["model"], with_bundle=True)
-    ctx.progress("tied model")
-    tied = trainer.build(cfg, ctx, cfg["tied_model"])
-    trainer.train(tied, range(k), ctx)
-    tied_out = _roundtrip(ctx, tied, cfg["tied_model"], with_bundle=False)
+    main = _roundtrip(ctx, tr, cfg, with_bundle=True)
+    tied_out: dict[str, Any] = {}
+    if cfg.get("tied_model"):  # the tiny Llama's launch only; a user's model has no tied twin
+        ctx.progress("tied model")
+        tied_cfg = plan.tied_fields(cfg)
+        tied = trainer.build(tied_cfg, ctx)
+        trainer.train(tied, range(k), ctx)
+        tied_out = _roundtrip(ctx, tied, tied_cfg, with_bundle=False)
     arrays = main.pop("bundle_arrays", {})
     digests = {n[len(files.BUNDLE_PREFIX):]: float_digest(v) for n, v in arrays.items() if n.startswith(files.BUNDLE_PREFIX)}
     return _record(ctx, series={"loss": losses + more_losses, "grad_norm": norms + more_norms}, arrays=arrays,
@@ -136,7 +139,7 @@ def save(ctx: RankContext, tr: trainer.Trainer, prefix: str, step: int) -> Path:
 def run_resume_first(ctx: RankContext) -> RunRecord:
     cfg = ctx.config
     k = plan.resume_at(cfg)
-    tr = trainer.build(cfg, ctx, cfg["model"])
+    tr = trainer.build(cfg, ctx)
     losses, _ = trainer.train(tr, range(k), ctx)
     folder = save(ctx, tr, "gpuregress-resume-", k)
     boundary = state.boundary(tr, ctx.device_kind, ctx.rank)  # after the save: a save that changes state shows
@@ -146,7 +149,7 @@ def run_resume_first(ctx: RankContext) -> RunRecord:
 def run_resume_second(ctx: RankContext) -> RunRecord:
     cfg = ctx.config
     k, steps = plan.resume_at(cfg), int(cfg["steps"])
-    tr = trainer.build(cfg, ctx, cfg["model"])
+    tr = trainer.build(cfg, ctx)
     rng.scramble(SCRAMBLE_SEED + ctx.rank, ctx.device_kind)
     ctx.progress("loading")
     try:
@@ -167,7 +170,7 @@ def _chunks(cfg: dict[str, Any]) -> int:
 
 def run_sharded_save(ctx: RankContext) -> RunRecord:
     cfg = ctx.config
-    tr = trainer.build(cfg, ctx, cfg["model"])
+    tr = trainer.build(cfg, ctx)
     trainer.train(tr, range(plan.resume_at(cfg)), ctx)
     folder = save(ctx, tr, "gpuregress-sharded-", plan.resume_at(cfg))
     return _record(ctx, results={"folder": str(folder), "hashes": state.tensor_hashes(tr, _chunks(cfg))})
@@ -175,7 +178,7 @@ def run_sharded_save(ctx: RankContext) -> RunRecord:
 
 def run_sharded_load(ctx: RankContext) -> RunRecord:
     cfg = ctx.config
-    tr = trainer.build(cfg, ctx, cfg["model"])
+    tr = trainer.build(cfg, ctx)
     rng.scramble(SCRAMBLE_SEED + ctx.rank, ctx.device_kind)
     try:
         # Generators are per rank: at another world size there is no rank to give them to.
@@ -189,7 +192,7 @@ def run_sharded_load(ctx: RankContext) -> RunRecord:
 
 
 def run_portability(ctx: RankContext) -> RunRecord:
-    from ...training.models import architecture_digest, config_path, load_config
+    from ...training.models import architecture_of, blueprint, describe_model
 
     if ctx.rank != 0:  # rank 0 evaluates; the group is the session's usual one (warm, and possible under torchrun)
         return _record(ctx)
@@ -198,14 +201,17 @@ def run_portability(ctx: RankContext) -> RunRecord:
     arrays = {}
     try:
         reference = checks.read_bundle(bundle)
-        name, size = reference.config["model"], reference.config["model_size"]
-        if architecture_digest(name, size) != reference.config.get("model_architecture"):
-            raise GpuRegressError(f"{bundle}: a checkpoint for another architecture: recorded for {name} ({size}) with "
-                                  f"architecture {reference.config.get('model_architecture')}, and "
-                                  f"{config_path(name, size)} now gives {architecture_digest(name, size)}\n"
+        recorded = reference.config
+        try:
+            now, label = architecture_of(recorded), describe_model(recorded)
+        except (OSError, ValueError) as exc:  # a user's model whose config file is not on this machine
+            raise GpuRegressError(f"{bundle}: the model it was recorded for cannot be built here: {exc}") from None
+        if now != recorded.get("model_architecture"):
+            raise GpuRegressError(f"{bundle}: a checkpoint for another architecture: recorded for {recorded['model']} "
+                                  f"({recorded['model_size']}) with architecture {recorded.get('model_architecture')}, "
+                                  f"and {label} now gives {now}\n"
                                   "  fix: record the bundle again (pytest --gpuregress --gpuregress-record -k checkpoint)")
-        label = f"the config {config_path(name, size)}"
-        evaluation = portable.evaluate(files.read(bundle), load_config(name, size), label, ctx.device)
+        evaluation = portable.evaluate(files.read(bundle), blueprint(recorded), label, ctx.device)
         exact = checks.same_numerics(reference.fingerprint, ctx.fingerprint)
         expected = reference.results["full_state_dict"]["bundle"]
         out.update(evaluation.summary(), lane="exact" if exact else "tolerant",

@@ -88,19 +88,21 @@ def shard(model: Any) -> Any:
     """``fully_shard`` on every decoder layer and the root, fp32 throughout."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.model.layers:
+    from ...training.models import decoder_layers
+
+    for layer in decoder_layers(model):
         fully_shard(layer)
     fully_shard(model)
     return model
 
 
-def build(cfg: dict[str, Any], ctx: Any, model_name: str) -> Trainer:
-    """A freshly initialised trainer at step 0, for ``cfg["steps"]`` steps in all."""
+def build(cfg: dict[str, Any], ctx: Any) -> Trainer:
+    """A freshly initialised trainer of ``cfg``'s model at step 0, for ``cfg["steps"]`` steps in all."""
     import torch
 
-    from ...training.models import build_causal_lm, load_config
+    from ...training.models import blueprint, build_causal_lm
 
-    model_config = load_config(model_name, cfg["model_size"])
+    model_config = blueprint(cfg)
     model = shard(build_causal_lm(model_config, seed=int(cfg["seed"])).to(torch.device(ctx.device)))
     named = list(model.named_parameters())
     optimizer = torch.optim.AdamW([p for _, p in named], lr=float(cfg["lr"]), betas=tuple(cfg["betas"]),

@@ -9,7 +9,8 @@ reads its part of the merged record:
                         stored reference; --gpuregress-format-changes=warn reports a change and passes
   quantized-<scheme>    the tiny model quantized, saved, reloaded and dequantized (roundtrip.py): the
                         device against the oracle's quantizer, then checksums and logits against the
-                        stored reference
+                        stored reference; ``quantized-<scheme>-<model>`` the same for each model of
+                        --gpuregress-model, in a launch and with a reference (``formats-<model>``) of its own
   inspect               the diagnosis of every written checkpoint (diagnose.py; gpuregress inspect-fp8)
   scaled_mm             GPUs with fp8 matrix multiply: torch._scaled_mm against the oracle
 The cases with a reference share one, ``formats``, written once per record. Bug classes:
@@ -50,15 +51,18 @@ class FormatsScenario(CheckScenario):
         out.append(Case("inspect", data={"part": "inspect"}))
         if setup.device_kind == "cuda":
             out.append(Case("scaled_mm", data={"part": "scaled_mm"}))
+        out += [Case(f"quantized-{s}-{m.name}", launch=f"quantized-{m.name}",
+                     data={"part": "quantized", "scheme": s, "model": m.name}) for m in setup.models for s in SCHEMES]
         return out
 
     def default_config(self, setup: Setup) -> dict[str, Any]:
-        return self.launch_config(setup, self.cases(setup))
+        return self.launch_config(setup, [c for c in self.cases(setup) if c.launch == "default"])
 
-    def launch_config(self, setup: Setup, cases: list[Case]) -> dict[str, Any]:
+    def launch_config(self, setup: Setup, cases: list[Case], model: str | None = None) -> dict[str, Any]:
         """What every rank runs. ``run`` and ``format_changes`` are kept out of the stored config
-        (catalog.SESSION_ONLY), so any selection compares with one reference."""
-        from ...training.models import architecture_digest
+        (catalog.SESSION_ONLY), so any selection compares with one reference. ``model``: a user's model
+        (--gpuregress-model, by name) in place of the tiny Llama."""
+        from ...training.models import architecture_of
 
         # The CPU size on every device: number formats do not need model scale, and the host-side
         # oracle and exact checksums stay under a second for its 100k weights; the GPU size's 155M
@@ -68,9 +72,12 @@ class FormatsScenario(CheckScenario):
         for case in cases:
             parts.setdefault(case.data["part"], []).append(case.data.get("format") or case.data.get("scheme", ""))
         quantized = list(SCHEMES) if "inspect" in parts else parts.get("quantized", [])
+        identity = {"model": "tiny-llama", "model_size": size}
+        if model is not None:
+            identity.update(next(m for m in setup.models if m.name == model).config_fields())
         return {
-            "model": "tiny-llama", "model_size": size, "seed": 0, "batch": [2, 16], "dtype": "fp32",
-            "model_architecture": architecture_digest("tiny-llama", size), "block_size": MX_BLOCK,
+            **identity, "seed": 0, "batch": [2, 16], "dtype": "fp32",
+            "model_architecture": architecture_of(identity), "block_size": MX_BLOCK,
             "grid": grid.grid_digest(), "formats": list(FORMATS), "schemes": list(SCHEMES),
             "run": {"decode": parts.get("decode", []),
                     "encode": sorted(set(parts.get("encode", [])) | set(parts.get("behaviour", []))),
@@ -79,7 +86,10 @@ class FormatsScenario(CheckScenario):
         }
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
-        return [Launch("default", self.launch_config(setup, cases))]
+        keys = dict.fromkeys(c.launch for c in cases)
+        return [Launch(key, self.launch_config(setup, [c for c in cases if c.launch == key],
+                                               None if key == "default" else key.removeprefix("quantized-")))
+                for key in keys]
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
         """Rank 0's record, plus which cases another rank measured otherwise, with that rank's own findings."""
@@ -93,8 +103,10 @@ class FormatsScenario(CheckScenario):
         return merged
 
     def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
-        problems = closed_form(case.data["part"], case.data.get("format") or case.data.get("scheme", ""), record)
-        for rank, theirs in record.results.get("rank_disagreements", {}).get(case.id, {}).items():
+        key = case.data.get("format") or case.data.get("scheme", "")
+        problems = closed_form(case.data["part"], key, record)
+        # Keyed by the case of the tiny Llama's launch: a user model's launch has the same parts, one per scheme.
+        for rank, theirs in record.results.get("rank_disagreements", {}).get(f"{case.data['part']}-{key}", {}).items():
             text = f"[format] {case.id}: rank {rank} measured otherwise than rank 0: the devices of this machine disagree"
             if theirs:
                 text += f"; its own findings: {theirs[0]}" + (f" (and {len(theirs) - 1} more)" if len(theirs) > 1 else "")
@@ -102,7 +114,9 @@ class FormatsScenario(CheckScenario):
         return problems
 
     def reference_name(self, case: Case) -> str | None:
-        return REFERENCE if case.data["part"] in ("behaviour", "quantized") else None
+        if case.data["part"] not in ("behaviour", "quantized"):
+            return None
+        return REFERENCE if "model" not in case.data else f"{REFERENCE}-{case.data['model']}"
 
     def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
         chosen, reason = choose_lane(reference, record, lane)

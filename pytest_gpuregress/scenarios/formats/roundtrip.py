@@ -173,9 +173,9 @@ class RoundTrip:
     """The model, its weights and the fixed batch on one device; ``scheme()`` runs one scheme."""
 
     def __init__(self, config: dict[str, Any], dev: str, folder: Path) -> None:
-        from ...training.models import build_causal_lm, load_config
+        from ...training.models import blueprint, build_causal_lm
 
-        model_config = load_config(config["model"], config["model_size"])
+        model_config = blueprint(config)
         self.dev, self.folder = dev, folder
         self.model = build_causal_lm(model_config, seed=int(config["seed"])).to(dev).eval()
         self.weights = {n: p.detach() for n, p in self.model.named_parameters() if p.ndim == 2}

@@ -34,21 +34,19 @@ def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, 
     """A training scenario's config: common values, the device's, the steps asked for, the model's identity.
 
     ``model``: the name of a user's model (--gpuregress-model) to train instead of the scenario's own."""
-    from ...training.models import architecture_digest, load_config, model_source
+    from ...training.models import architecture_of
+    from ...training.token_file import describe_for
 
     config = dict(common)
     config.update(per_device["cuda" if setup.device_kind == "cuda" else "cpu"])
     if setup.steps is not None:
         config["steps"] = int(setup.steps)
     if model is not None:  # the name is its identity with the digest below; the file is where it lives here
-        spec = next(m for m in setup.models if m.name == model)
-        config.update(model=spec.name, **({} if spec.shipped else {"model_file": spec.source}))
-    config["model_architecture"] = architecture_digest(model_source(config), config["model_size"])
-    if setup.tokens is not None:  # a user's token sample replaces the synthetic data: another reference
-        from ...training.token_file import describe
-
-        vocab = int(load_config(model_source(config), config["model_size"]).vocab_size)  # the class default too
-        config["tokens"] = describe(setup.tokens, vocab, int(config["seq_len"]))
+        config.update(next(m for m in setup.models if m.name == model).config_fields())
+    config["model_architecture"] = architecture_of(config)
+    tokens = describe_for(config, setup.tokens)  # a user's token sample replaces the synthetic data
+    if tokens is not None:
+        config["tokens"] = tokens
     return config
 
 
@@ -78,10 +76,10 @@ class FsdpScenario(Scenario):
         return perturbed_launches(launch, setup, count)
 
     def step0_terms(self, config: dict[str, Any]) -> tuple[int, int]:
-        from ...training.models import load_config, model_source
+        from ...training.models import blueprint
 
         # Through transformers: a GPT-2 config says n_layer, and its config class maps num_hidden_layers to it.
-        layers = load_config(model_source(config), config["model_size"]).num_hidden_layers
+        layers = blueprint(config).num_hidden_layers
         return int(config["global_batch"]) * int(config["seq_len"]), int(layers)
 
     def properties(self, case: Case, record: RunRecord, setup: Setup) -> dict[str, Any]:

@@ -26,7 +26,7 @@ def run(ctx: RankContext) -> RunRecord:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ...training.data import token_source
-    from ...training.models import build_causal_lm, decoder_layers, load_config, model_source
+    from ...training.models import blueprint, build_causal_lm, decoder_layers
     from ...training.moe import expert_load, is_moe
     from ...training.noise import apply_kernel_path, apply_weight_perturbation
     from ...training.step import next_token_loss, rank_tokens
@@ -34,7 +34,7 @@ def run(ctx: RankContext) -> RunRecord:
 
     cfg = ctx.config
     device = torch.device(ctx.device)
-    model_config = load_config(model_source(cfg), cfg["model_size"])
+    model_config = blueprint(cfg)
     model = build_causal_lm(model_config, seed=int(cfg["seed"]))
     perturbation = str(cfg.get("perturbation", ""))  # set only in the noise replicas of a recording
     apply_weight_perturbation(model, perturbation, cfg["dtype"])

@@ -43,7 +43,11 @@ class LoraScenario(Scenario):
 
     def model_config(self, setup: Setup, model: str | None) -> dict[str, Any]:
         config = training_config(setup, COMMON, DEVICE_DEFAULTS, model)
-        config["target_modules"] = list(setup.option("lora-targets") or DEFAULT_TARGETS)
+        targets = list(setup.option("lora-targets") or DEFAULT_TARGETS)
+        # One option serves every model: each targets the names it has (q_proj for a Llama, c_attn for a
+        # GPT-2), so adding a model's names never changes another's config. None at all: NotApplicable.
+        present = [t for t in targets if t in _module_names(setup, model)]
+        config["target_modules"] = present or targets
         return config
 
     def platform_tag(self, config: dict[str, Any]) -> str:
@@ -66,13 +70,13 @@ class LoraScenario(Scenario):
         model = case.data.get("model")
         if model:
             from ...errors import NotApplicable
-            from ...training.model_specs import module_names
 
             spec = next(m for m in setup.models if m.name == model)
             targets = self.model_config(setup, model)["target_modules"]
-            if not set(targets) & module_names(spec.config_file(setup.device_kind)):
+            if not set(targets) & _module_names(setup, model):
                 raise NotApplicable(f"model {model!r} ({spec.source}) has no module named {', '.join(targets)}; "
-                                    "name its projections with --gpuregress-lora-targets (GPT-2: c_attn,c_proj)")
+                                    "add its projections to --gpuregress-lora-targets (GPT-2: c_attn,c_proj); "
+                                    "each model targets the names it has")
         return None
 
     def reference_name(self, case: Case) -> str:
@@ -98,6 +102,17 @@ class LoraScenario(Scenario):
         if missing:  # each check runs in every run; one that did not run cannot have passed
             problems.append(f"[checkpoint] lora checks did not run: {', '.join(missing)}")
         return problems
+
+
+def _module_names(setup: Setup, model: str | None) -> frozenset[str]:
+    """What LoRA can target in ``model`` (a user's, by name; None: the tiny Llama)."""
+    from ...training.model_specs import module_names
+    from ...training.models import config_path
+
+    if model is None:
+        size = DEVICE_DEFAULTS["cuda" if setup.device_kind == "cuda" else "cpu"]["model_size"]
+        return module_names(str(config_path(COMMON["model"], size)))
+    return next(m for m in setup.models if m.name == model).module_names(setup.device_kind)
 
 
 SCENARIO = LoraScenario()

@@ -41,13 +41,13 @@ def run(ctx: RankContext) -> RunRecord:
     import torch.distributed as dist
 
     from ...training.data import MarkovTokens, token_source
-    from ...training.models import load_config, model_source
+    from ...training.models import blueprint
     from ...training.noise import apply_kernel_path
     from ...training.step import next_token_loss, rank_tokens
     from ...training.switches import apply_switches
 
     cfg = ctx.config
-    model_config = load_config(model_source(cfg), cfg["model_size"])
+    model_config = blueprint(cfg)
     perturbation = str(cfg.get("perturbation", ""))  # set only in the noise replicas of a recording
     apply_kernel_path(perturbation, ctx)
     apply_switches(cfg, ctx)

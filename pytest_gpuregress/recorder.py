@@ -58,9 +58,14 @@ class Recorder:
 
     ``name`` is the record's scenario name, the default reference name of ``gpuregress.check``.
     Create the recorder right before the training loop: step times are measured from its creation.
+
+    Noise replicas (run with ``--gpuregress-record`` when ``gpuregress.run`` is given ``reference=``)
+    perturb a run the ways a healthy stack may: another kernel path, which needs nothing of the loop;
+    every weight one ulp up or down, applied here when ``model`` is given; and each rank's batch in
+    reverse row order, applied by ``batch()``. Their spread is the tolerant lane's envelope.
     """
 
-    def __init__(self, ctx: RankContext, name: str) -> None:
+    def __init__(self, ctx: RankContext, name: str, model: Named | None = None) -> None:
         self.ctx = ctx
         self.name = safe_component(name, "Recorder name (it names the reference folder)")
         self.losses: list[float] = []
@@ -76,6 +81,8 @@ class Recorder:
         from .training.observe import PeakMemory
 
         self._memory = PeakMemory(ctx.device_kind, ctx.device)  # the built-in scenarios' measure, from here on
+        self._perturbation = str(ctx.config.get("perturbation", ""))  # set only in a noise replica
+        self._applied = self._perturb(model)
         self._last = time.perf_counter()
 
     @property
@@ -84,6 +91,15 @@ class Recorder:
         return len(self.losses)
 
     # --- per step ----------------------------------------------------------------------------------
+
+    def batch(self, rows: Any) -> Any:
+        """This rank's batch (rows first) as the run should use it: reversed in a ``reduction_order`` noise
+        replica (the same mean, summed in another order), unchanged otherwise."""
+        from .training.noise import apply_batch_order
+
+        if "reduction_order" in self._perturbation:
+            self._applied.add("reduction_order")
+        return apply_batch_order(rows, self._perturbation)
 
     def gradients(self, params: Named) -> None:
         """Record every trainable parameter's gradient norm at this step, and at step 0 its gradient. *Collective.*
@@ -202,6 +218,9 @@ class Recorder:
         steady = self._step_times[WARMUP_STEPS:]
         median = float(np.median(steady)) if steady else 0.0
         results: dict[str, Any] = {}
+        missed = sorted(set(filter(None, self._perturbation.split("+"))) - self._applied)
+        if missed:  # a replica this loop did not perturb equals the plain run: say so beside the envelope
+            results["perturbation_not_applied"] = missed
         if steady:
             results["perf"] = {"median_step_s": median, "steady_steps": len(steady),
                                "peak_memory_bytes": self._memory.peak(), "memory": self._memory.kind}
@@ -220,6 +239,20 @@ class Recorder:
         )
 
     # --- internals ---------------------------------------------------------------------------------
+
+    def _perturb(self, model: Named | None) -> set[str]:
+        """Apply what a noise replica asks of this loop at its start; the perturbations it applied."""
+        from .training.noise import apply_kernel_path, perturb_weights
+
+        applied = set()
+        if "kernel_path" in self._perturbation:  # the environment on the CPU, the BLAS library on GPUs
+            apply_kernel_path(self._perturbation, self.ctx)
+            applied.add("kernel_path")
+        if model is not None:
+            dtype = str(self.ctx.config.get("dtype", "fp32"))
+            if perturb_weights((p for _, p in _named(model)), self._perturbation, dtype):
+                applied.add("weights_ulp_up" if "weights_ulp_up" in self._perturbation else "weights_ulp_down")
+        return applied
 
     def _local(self, tensor: Any) -> tuple[Any, bool]:
         """(this rank's part, whether parts add up over ranks). A DTensor sharded over all ranks on a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -30,6 +31,16 @@ def test_the_example_records_passes_and_fails_when_its_loss_moves(example: pytes
     records_passes_and_breaks(example.runpytest, args, refs, "own-loop", "lr_scale:factor=1.01",
                               ["*loss: first differing step 1 of 20: expected *, got *",
                                "*param_grad_norm: first differing step 1: *"])
+    # Recording ran the noise replicas, each perturbed by the loop's Recorder: their spread is the envelope.
+    stored = json.loads((refs / "own-loop" / "cpu-gloo-w2-fp32" / "record.json").read_text())
+    assert stored["results"]["envelope"]["replicas"] == ["replica-weights_ulp_up", "replica-reduction_order",
+                                                        "replica-kernel_path"]
+    assert not any("adds no spread" in note for note in stored["notes"])
+    # Fail-fast knows the reference (gpuregress.run(..., reference=)): a bigger lr change stops the run early.
+    stopped = example.runpytest(*args, "--gpuregress-fail-fast", "--gpuregress-lane=tolerant",
+                                "--gpuregress-inject=lr_scale:factor=1.5")
+    stopped.assert_outcomes(failed=1)
+    stopped.stdout.fnmatch_lines(["*fail-fast: stopped at step *"])
 
 
 PARALLEL = '''

@@ -48,9 +48,9 @@ def train(ctx: RankContext) -> RunRecord:
         model = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=float(ctx.config.get("lr", 1e-2)))
 
-    rec = Recorder(ctx, "own-loop")
+    rec = Recorder(ctx, "own-loop", model=model)  # model=: noise replicas may nudge its weights
     for step in range(int(ctx.config["steps"])):
-        x, y = batch(step, ctx.rank, ctx.world_size, ctx.device)
+        x, y = (rec.batch(t) for t in batch(step, ctx.rank, ctx.world_size, ctx.device))  # a replica may reorder rows
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         rec.gradients(model)  # per-parameter norms every step, whole gradients at step 0

@@ -183,12 +183,24 @@ class GpuRegressSession:
         config: dict[str, Any] | None = None,
         faults: list[str] | None = None,
         env: dict[str, str] | None = None,
+        reference: str | None = None,
     ) -> RunRecord:
-        """Run ``scenario`` (a name, "module:function", or a Scenario) on every rank; return the merged record."""
+        """Run ``scenario`` (a name, "module:function", or a Scenario) on every rank; return the merged record.
+
+        ``reference``: the name ``check`` will compare the record with. Given it, the run works as the built-in
+        scenarios do: --gpuregress-fail-fast hands the ranks the reference to stop at the first miss, and
+        --gpuregress-record also runs the noise replicas whose spread is stored as the envelope."""
         sc = get_scenario(scenario) if isinstance(scenario, str) else scenario
         cfg = sc.default_config(self.setup)
         cfg.update(config or {})
-        return self._launch(sc, Launch("default", cfg, dict(env or {})), faults or [])
+        launch = Launch("default", cfg, dict(env or {}))
+        self.watches.pop((sc.name, launch.key), None)  # an earlier run's reference is not this one's
+        if reference is not None and self.options.fail_fast and not self.options.record:
+            self._watch(sc, launch, reference)
+        record = self._launch(sc, launch, faults or [])
+        if reference is not None and self.options.record and self.options.replicas:
+            self._add_envelope(sc, launch, record, faults or [])
+        return record
 
     def _launch(self, sc: Scenario, launch: Launch, faults: list[str]) -> RunRecord:
         if self.platform.in_place and (launch.env or launch.fresh_ranks
@@ -256,14 +268,20 @@ class GpuRegressSession:
         cases = self.selected.get(sc.name) or [case]
         return next(la for la in sc.launches(cases, self.setup) if la.key == case.launch)
 
-    def _attach_envelope(self, sc: Scenario, case: Case, record: RunRecord) -> None:
-        """Run the scenario's noise replicas and store their spread with ``record`` (record mode only)."""
-        replicas = sc.noise_replicas(self._launch_of(sc, case), self.setup, self.options.replicas)
+    def _add_envelope(self, sc: Scenario, launch: Launch, record: RunRecord, faults: list[str]) -> None:
+        """Run the noise replicas of ``launch`` and store their spread with ``record`` (record mode only)."""
+        replicas = sc.noise_replicas(launch, self.setup, self.options.replicas)
         if self.platform.in_place:  # under torchrun a replica cannot bring an environment of its own
             replicas = [r for r in replicas if not r.env and r.world_size in (None, self.platform.world_size)]
         if not replicas or any(k.startswith(envelope.PREFIX) for k in record.arrays):
             return
-        perturbed = [self._launch(sc, replica, []) for replica in replicas]
+        perturbed = [self._launch(sc, replica, faults) for replica in replicas]
+        for replica, run in zip(replicas, perturbed):  # a user's loop that applied none of its perturbation
+            missed = run.results.get("perturbation_not_applied")
+            if missed:
+                record.notes.append(f"noise replica {replica.key}: the loop did not apply {', '.join(missed)}, so it "
+                                    "adds no spread; give Recorder the model (model=) and pass batches through "
+                                    "rec.batch()")
         record.arrays.update(envelope.measure(record, perturbed))
         record.results["envelope"] = {"replicas": [r.key for r in replicas], "k": envelope.K,
                                       "floors": vars(envelope.floors_for(str(record.config.get("dtype", "fp32"))))}
@@ -318,7 +336,7 @@ class GpuRegressSession:
         self.figures.update(sc.properties(case, record, self.setup))
         reference = sc.reference_name(case)
         if reference is not None and self.options.record and self.options.replicas and not problems:
-            self._attach_envelope(sc, case, record)
+            self._add_envelope(sc, self._launch_of(sc, case), record, [])
         if reference is not None:
             lane = self.options.lane
             self.check(record, name=reference, extra=problems, compare=lambda ref, run: sc.compare(ref, run, case, lane),
@@ -336,7 +354,9 @@ class GpuRegressSession:
         name = sc.reference_name(case)
         if sc.kind != "training" or name is None or case.launch in self.launched.get(sc.name, {}):
             return
-        launch = self._launch_of(sc, case)
+        self._watch(sc, self._launch_of(sc, case), name)
+
+    def _watch(self, sc: Scenario, launch: Launch, name: str) -> None:
         try:
             reference = store.read_reference(self.location(name, self.platform.key(sc.platform_tag(launch.config))))
         except GpuRegressError:  # missing or unreadable: the comparison after the run says so

@@ -277,3 +277,10 @@ class FunctionScenario(Scenario):
         config = super().default_config(setup)
         config.update(self.config)
         return config
+
+    def noise_replicas(self, launch: Launch, setup: Setup, count: int) -> list[Launch]:
+        """The built-in scenarios' replicas: the kernel path needs nothing of the user's code; the weights and
+        the batch order are perturbed where its Recorder is given the model and the batches (recorder.py)."""
+        from .fsdp import perturbed_launches
+
+        return perturbed_launches(launch, setup, count)

@@ -54,19 +54,26 @@ def replica_plan(count: int, device_kind: str) -> list[tuple[str, dict[str, str]
 
 def apply_weight_perturbation(model: Any, perturbation: str, dtype: str) -> None:
     """Nudge every weight one ulp of the compute dtype up or down (before sharding)."""
+    perturb_weights(model.parameters(), perturbation, dtype)
+
+
+def perturb_weights(params: Any, perturbation: str, dtype: str) -> bool:
+    """The same for any parameters, FSDP2 shards too (each rank nudges its own); True when it applied."""
     import torch
 
     if "weights_ulp" not in perturbation:
-        return
+        return False
     up = "weights_ulp_up" in perturbation
     with torch.no_grad():
-        for param in model.parameters():
+        for param in params:
+            param = param.to_local() if hasattr(param, "to_local") else param  # a view of the shard: nudged in place
             if dtype == "bf16":  # one bf16 ulp: an fp32 ulp would vanish in the cast to the compute dtype
                 value = param.to(torch.bfloat16).float()
                 ulp = torch.ldexp(torch.ones_like(value), torch.frexp(value)[1] - 8)
                 param.copy_(value + ulp if up else value - ulp)
             else:
                 param.copy_(torch.nextafter(param, torch.full_like(param, float("inf") if up else float("-inf"))))
+    return True
 
 
 def apply_batch_order(tokens: Any, perturbation: str) -> Any:

@@ -94,12 +94,12 @@ class Recorder:
 
     def batch(self, rows: Any) -> Any:
         """This rank's batch (rows first) as the run should use it: reversed in a ``reduction_order`` noise
-        replica (the same mean, summed in another order), unchanged otherwise."""
-        from .training.noise import apply_batch_order
-
-        if "reduction_order" in self._perturbation:
-            self._applied.add("reduction_order")
-        return apply_batch_order(rows, self._perturbation)
+        replica (the same mean, summed in another order), unchanged otherwise. A tensor, a numpy array, or a
+        mapping, tuple or list of them (a transformers batch dict): each is reversed alike."""
+        if "reduction_order" not in self._perturbation:
+            return rows
+        self._applied.add("reduction_order")
+        return _reversed_rows(rows)
 
     def gradients(self, params: Named) -> None:
         """Record every trainable parameter's gradient norm at this step, and at step 0 its gradient. *Collective.*
@@ -315,6 +315,19 @@ def _one_shard_over_world(tensor: Any, world_size: int) -> int | None:
     if mesh.ndim != 1 or mesh.size() != world_size or not placements[0].is_shard():
         return None
     return int(placements[0].dim)
+
+
+def _reversed_rows(rows: Any) -> Any:
+    if isinstance(rows, Mapping):  # a plain dict back, for model(**batch)
+        return {k: _reversed_rows(v) for k, v in rows.items()}
+    if isinstance(rows, (tuple, list)):
+        return type(rows)(_reversed_rows(v) for v in rows)
+    if isinstance(rows, np.ndarray):
+        return rows[::-1].copy()
+    if hasattr(rows, "flip"):
+        return rows.flip(0)
+    raise RecorderMisuse(f"batch(): cannot reverse the rows of a {type(rows).__name__}; pass a tensor, a numpy array, "
+                         "or a dict, tuple or list of them")
 
 
 def _named(params: Named) -> list[tuple[str, Any]]:

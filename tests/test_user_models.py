@@ -165,5 +165,13 @@ def test_one_lora_targets_option_serves_models_with_different_module_names(tmp_p
     from pytest_gpuregress.errors import NotApplicable
 
     case = next(c for c in LORA.cases(default) if c.data["model"] == "tiny-gpt2")
-    with pytest.raises(NotApplicable, match="has no module named q_proj.*add its projections to --gpuregress-lora-targets"):
+    with pytest.raises(NotApplicable, match="has no module named q_proj.*list every model's projections in "
+                                            "--gpuregress-lora-targets"):
         LORA.experiment(case, lambda *a: None, default)
+    # Targets match as peft matches them: a dotted suffix too. Only GPT-2 names: the Llama's lora is not applicable.
+    dotted = Setup("cpu", "gloo", 2, models=(gpt2,), options={"gpuregress_lora_targets": ["mlp.down_proj", "attn.c_attn"]})
+    assert LORA.model_config(dotted, None)["target_modules"] == ["mlp.down_proj"]
+    assert LORA.model_config(dotted, "tiny-gpt2")["target_modules"] == ["attn.c_attn"]
+    only_gpt2 = Setup("cpu", "gloo", 2, options={"gpuregress_lora_targets": ["c_attn"]})
+    with pytest.raises(NotApplicable, match="the tiny Llama has no module named c_attn"):
+        LORA.experiment(LORA.cases(only_gpt2)[0], lambda *a: None, only_gpt2)

@@ -68,20 +68,26 @@ def _gather_bytes(payload: bytes, device: str) -> list[bytes]:
     return [c[: int(s.item())].cpu().numpy().tobytes() for c, s in zip(chunks, sizes)]
 
 
-def _agree_on_config(job: Job, rank: int, local_rank: int) -> None:
+def node_inputs(config: dict[str, Any]) -> dict[str, Any]:
+    """What a launch config says of the files each node reads for itself: the model architectures (config files,
+    factories) and the token data. Temporary folders and install paths may differ between nodes; these may not."""
+    return {k: v for k, v in config.items() if k.endswith("architecture") or k == "tokens"}
+
+
+def _agree_on_inputs(job: Job, local_rank: int) -> None:
     """Every rank's session built its config from its own node's files (a token file, a model config): ranks
-    that disagree would train on different data or models and blame the stack. Refuse, naming the keys."""
-    from ..errors import ScenarioProblem
+    that disagree would train on different data or models and blame the stack. Refuse, naming the keys.
+    Every rank reaches the same verdict from the same gathered data, so the group stays usable."""
     from ..reference.store import config_differences
 
     device = f"cuda:{local_rank}" if job.device_kind == "cuda" else "cpu"
-    configs = _gather_json(job.config, device)
-    for other, config in enumerate(configs[1:], start=1):
-        differences = config_differences(configs[0], config, ("rank 0", f"rank {other}"))
+    inputs = _gather_json(node_inputs(job.config), device)
+    for other, theirs in enumerate(inputs[1:], start=1):
+        differences = config_differences(inputs[0], theirs, ("rank 0", f"rank {other}"))
         if differences:
-            raise ScenarioProblem(f"rank {other}'s node gives another config than rank 0's ({'; '.join(differences)}): "
-                                  "give every node the same files (--gpuregress-tokens, --gpuregress-model) "
-                                  "and the same options")
+            raise RankFailure(f"rank {other}'s node reads other files than rank 0's ({'; '.join(differences)}): "
+                                  "give every node the same model configs (--gpuregress-model) and token file "
+                                  "(--gpuregress-tokens)")
 
 
 class InPlaceLauncher:
@@ -118,6 +124,7 @@ class InPlaceLauncher:
                               "group, so rerun the remaining tests")
         if not dist.is_initialized():
             _init_process_group(job, self.rank, self.local_rank)
+        _agree_on_inputs(job, self.local_rank)  # before the watchdog and the failure protocol: nothing ran yet
         self.launches += 1
         failure_key = f"gpuregress/launch-{self.launches}/failed"
         store = dist.distributed_c10d._get_default_store()
@@ -125,7 +132,6 @@ class InPlaceLauncher:
         watchdog.daemon = True
         watchdog.start()
         try:
-            _agree_on_config(job, self.rank, self.local_rank)
             record, ctx = execute_rank(job, self.rank, self.local_rank, init_group=False)
             everyone = _gather_json(record.to_json(), ctx.device)
             arrays = _gather_arrays(record.arrays, ctx.device)

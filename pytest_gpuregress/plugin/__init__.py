@@ -190,7 +190,7 @@ class _LateConfigure:
             raise pytest.UsageError(f"gpuregress_known_issues: {exc}") from None
         try:  # the user's models build (on the meta device) and fit; the token file reads and fits their vocabularies
             for model in session.options.models:
-                check_model(model, session.platform.device_kind)
+                check_model(model, session.platform.device_kind, session.platform.world_size)
             # Every config that trains on a token sample (the user's file, a factory's ids) describes it: read it now.
             if session.options.tokens is not None or any(m.factory for m in session.options.models):
                 from ..scenarios import registry

@@ -7,7 +7,9 @@ The factory takes no arguments and returns a ``torch.nn.Module``, or ``(module, 
     ([batch, seq, vocab]), or an object with ``.logits`` (a transformers model does);
   - say its vocabulary size: ``module.config.vocab_size`` or ``module.vocab_size``;
   - name its repeated blocks in ``_no_split_modules`` (the transformers convention): ``fully_shard``
-    wraps each of them.
+    wraps each of them;
+  - train every parameter, each taking part in the loss, and keep buffers non-persistent (the
+    checkpoint round trip saves and compares parameters).
 Its weights are re-initialised from the seed as the shipped models' are (training/models.py), so its
 own init code, and torch's random streams, cannot move the starting point. Its identity, stored with
 references, is its structure: every parameter's name, shape and dtype, and its module classes.
@@ -43,13 +45,17 @@ def is_factory(value: str) -> bool:
 def resolve(entry: str) -> Any:
     """The factory function ``entry`` names; BadModel naming it and the fix when it cannot be imported."""
     module_name, _, function_name = entry.partition(":")
-    if os.getcwd() not in sys.path:  # where `python -m pytest` looks first; plain `pytest` does not
+    added = os.getcwd() not in sys.path  # where `python -m pytest` looks first; plain `pytest` does not
+    if added:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any error while importing the user's module means "cannot import"
         raise BadModel(entry, f"cannot import {module_name} ({type(exc).__name__}: {exc})",
                        "make the module importable from the directory pytest runs in, or install its package") from None
+    finally:
+        if added:  # only for this import: the working directory must not shadow installed packages later
+            sys.path.remove(os.getcwd())
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise BadModel(entry, f"{module_name} has no function {function_name}",
@@ -67,55 +73,52 @@ class FactoryModel:
     def name(self) -> str:
         return self.entry.rsplit(":", 1)[1]
 
-    def _call(self, with_tokens: bool = False) -> tuple[Any, np.ndarray | None]:
+    def _call(self, device: str) -> tuple[Any, Any]:
+        """(module, what came with it or None) from one call of the factory on ``device``, with torch's generators
+        seeded and restored after: the factory's own random draws repeat, and touch no caller's stream."""
         import torch
 
-        try:
-            made = resolve(self.entry)()
-        except BadModel:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the user's code: report it, naming the factory
-            raise BadModel(self.entry, f"the factory raised {type(exc).__name__}: {exc}", "fix the factory") from None
-        model, tokens = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
+        with torch.random.fork_rng(devices=[]), torch.device(device):
+            torch.manual_seed(0)
+            try:
+                made = resolve(self.entry)()
+            except BadModel:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the user's code: report it, naming the factory
+                on = " (called on the meta device, to size the model)" if device == "meta" else ""
+                raise BadModel(self.entry, f"the factory raised {type(exc).__name__}{on}: {exc}", "fix the factory") from None
+        model, extra = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
         if not isinstance(model, torch.nn.Module):
             raise BadModel(self.entry, f"returned {type(model).__name__}, not a torch.nn.Module",
                            "return the model, or (model, token ids)")
-        if not with_tokens:
-            return model, None
-        if tokens is not None:
-            tokens = np.asarray(tokens.cpu() if isinstance(tokens, torch.Tensor) else tokens)
-            if tokens.dtype.kind not in "iu" or tokens.size == 0 or int(tokens.min()) < 0:
-                raise BadModel(self.entry, f"returned token ids of dtype {tokens.dtype} and {tokens.size} elements",
-                               "return non-negative integer token ids with the model")
-            tokens = tokens.reshape(-1).astype(np.int64)
-        return model, tokens
+        return model, extra
 
     def empty(self) -> Any:
-        """The model as the factory makes it, fp32 on the CPU, its values to be overwritten (a checkpoint load).
-        The factory's own random draws do not touch the caller's generators."""
-        import torch
-
-        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-            model = self._call()[0].float()
-        return _with_logits_output(model)
+        """The model as the factory makes it, fp32 on the CPU, its values to be overwritten (a checkpoint load)."""
+        return _with_logits_output(self._call("cpu")[0].float())
 
     def build(self, seed: int) -> Any:
-        """A fresh model, initialised from ``seed`` as the shipped models are, fp32 on the CPU."""
+        """A fresh model, initialised from ``seed`` as the shipped models are, fp32 on the CPU: N(0, std^2) with the
+        model's ``config.initializer_range`` where it has one, else 0.02."""
         from .models import seed_parameters
 
         model = self.empty()
-        seed_parameters(model, seed, DEFAULT_STD)
+        std = getattr(getattr(model, "config", None), "initializer_range", None)
+        seed_parameters(model, seed, float(std) if isinstance(std, (int, float)) else DEFAULT_STD)
         return model
 
     @functools.cached_property
     def _facts(self) -> dict[str, Any]:
-        """What the model is, from one call of the factory on the meta device (no memory for its weights)."""
-        import torch
-
+        """What the model is, from one call of the factory on the meta device (no memory for its weights), or on
+        the CPU where the factory cannot run on meta."""
         from .models import decoder_layers
 
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            model, _ = self._call()
+        try:
+            model, extra = self._call("meta")
+        except BadModel as exc:
+            if "meta device" not in str(exc):
+                raise
+            model, extra = self._call("cpu")
         vocab = getattr(getattr(model, "config", None), "vocab_size", None) or getattr(model, "vocab_size", None)
         if not isinstance(vocab, int) or vocab <= 0:
             raise BadModel(self.entry, "the model says no vocabulary size",
@@ -124,21 +127,41 @@ class FactoryModel:
             layers = len(decoder_layers(model))
         except ValueError as exc:
             raise BadModel(self.entry, str(exc), "set _no_split_modules = ['YourBlock'] on the module's class") from None
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        if frozen:
+            raise BadModel(self.entry, f"has parameters that do not train ({', '.join(frozen[:3])})",
+                           "return the model with every parameter trainable: the scenarios train the whole model")
+        buffers = sorted(set(model.state_dict()) - {n for n, _ in model.named_parameters()})
+        if buffers:  # the checkpoint round trip saves and compares parameters
+            raise BadModel(self.entry, f"has persistent buffers ({', '.join(buffers[:3])})",
+                           "register them with persistent=False: they are rebuilt by the model's code, "
+                           "as transformers models do")
         structure = [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()]
         classes = sorted({type(m).__name__ for m in model.modules()})
-        return {"vocab_size": int(vocab), "layers": layers,
+        return {"vocab_size": int(vocab), "layers": layers, "returns_tokens": extra is not None,
                 "digest": hashlib.sha256(json.dumps([structure, classes]).encode()).hexdigest()[:12],
                 "parameters": sum(p.numel() for p in model.parameters()),
                 "inner": max((int(p.shape[-1]) for p in model.parameters() if p.ndim >= 2), default=1),
-                "module_names": frozenset(n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n)}
+                "module_names": frozenset(n for n, _ in model.named_modules() if n)}
 
     @functools.cached_property
     def tokens(self) -> np.ndarray | None:
-        """The token ids the factory returns with its model (one stream), or None: from a call on the CPU."""
+        """The token ids the factory returns with its model (one int64 stream), or None: from a call on the CPU,
+        made only for a factory that returns them."""
         import torch
 
-        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-            return self._call(with_tokens=True)[1]
+        if not self._facts["returns_tokens"]:
+            return None
+        ids = self._call("cpu")[1]
+        try:
+            values = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids)
+        except (TypeError, ValueError) as exc:  # a bf16 tensor, ragged lists
+            raise BadModel(self.entry, f"returned token ids numpy cannot read ({exc})",
+                           "return an integer numpy array or tensor of token ids with the model") from None
+        if values.dtype.kind not in "iu" or values.size == 0 or int(values.min()) < 0:
+            raise BadModel(self.entry, f"returned token ids of dtype {values.dtype} and {values.size} elements",
+                           "return non-negative integer token ids with the model")
+        return values.reshape(-1).astype(np.int64)
 
     # What the scenarios read of a transformers config; the same names, so one code path serves both.
     @property

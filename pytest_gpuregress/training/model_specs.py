@@ -27,8 +27,10 @@ from ..resources import shipped_dir
 from .factory import is_factory
 from .models import config_path
 
-# fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter, before activations.
+# fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter, before activations. FSDP2 spreads
+# them over the ranks; the accelerate LoRA lane keeps a whole fp32 copy of the frozen base on every rank.
 TRAINING_BYTES_PER_PARAM = 16
+REPLICA_BYTES_PER_PARAM = 4
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class ModelSpec:
         return {"model": self.name, **where}
 
     def module_names(self, device_kind: str) -> frozenset[str]:
-        """The last component of every module name (what LoRA can target)."""
+        """Every module's full name (what LoRA targets match, as peft does: the name or a dotted suffix of it)."""
         if self.factory:
             from .factory import factory_model
 
@@ -88,13 +90,14 @@ RESERVED_PREFIXES = ("triage-", "flip-", "replica-")  # the launch keys of triag
 
 
 def _named(name: str, source: str) -> str:
+    rename = "rename the function (its name is the model's name)" if is_factory(source) else \
+        "rename the file (its stem is the model's name)"
     try:
         safe_component(name, "model name")
     except UnsafeName as exc:
-        raise BadModel(source, str(exc), "rename the file") from None
+        raise BadModel(source, str(exc), rename) from None
     if name in RESERVED or name.startswith(RESERVED_PREFIXES):
-        raise BadModel(source, f"would be named {name!r}, a name the scenarios use themselves",
-                       "rename the file (its stem is the model's name)")
+        raise BadModel(source, f"would be named {name!r}, a name the scenarios use themselves", rename)
     return name
 
 
@@ -104,17 +107,17 @@ def parse_models(values: list[str], base: Path) -> tuple[ModelSpec, ...]:
     for name in {n for n in names if names.count(n) > 1}:
         sources = [s.source for s in specs if s.name == name]
         raise BadModel(sources[1], f"has the name {name!r} of another model ({sources[0]})",
-                       "give the config files distinct names")
+                       "give the models distinct names (config file stems, factory function names)")
     return specs
 
 
-def check_model(spec: ModelSpec, device_kind: str) -> None:
+def check_model(spec: ModelSpec, device_kind: str, world_size: int = 1) -> None:
     """Build what can be built without training: the config, and the model on the meta device, whose
     parameter count is checked against the memory this device has."""
     if spec.factory:
         from .factory import factory_model
 
-        _check_size(spec.source, factory_model(spec.source).parameters, device_kind)  # builds it on the meta device
+        _check_size(spec.source, factory_model(spec.source).parameters, device_kind, world_size)  # on the meta device
         return
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -130,23 +133,33 @@ def check_model(spec: ModelSpec, device_kind: str) -> None:
                        "use a config of a causal LM architecture this transformers version has") from None
     if not getattr(config, "vocab_size", None):
         raise BadModel(source, "has no vocab_size", "add vocab_size to the config")
-    _check_size(source, sum(p.numel() for p in model.parameters()), device_kind)
+    _check_size(source, sum(p.numel() for p in model.parameters()), device_kind, world_size)
 
 
-def _check_size(source: str, params: int, device_kind: str) -> None:
-    need, have = params * TRAINING_BYTES_PER_PARAM, available_memory(device_kind)
+def _check_size(source: str, params: int, device_kind: str, world_size: int) -> None:
+    """One rank's share (the larger of FSDP2's shard of the training state and a whole replica of the weights)
+    against one GPU's free memory; on the CPU every rank's share against the machine's."""
+    share = max(params * TRAINING_BYTES_PER_PARAM // max(world_size, 1), params * REPLICA_BYTES_PER_PARAM)
+    need = share if device_kind == "cuda" else share * max(world_size, 1)
+    have = available_memory(device_kind)
+    where = "each GPU" if device_kind == "cuda" else f"the {world_size} CPU ranks"
     if have is not None and need > have:
         raise BadModel(source, f"has {params / 1e6:.1f} M parameters: training them takes about "
-                               f"{need / 2**30:.1f} GiB (weights, gradients, AdamW state), this {device_kind} has "
-                               f"{have / 2**30:.1f} GiB", "use a smaller model (fewer layers or a smaller hidden size)")
+                               f"{need / 2**30:.1f} GiB for {where} (weights, gradients, AdamW state), this "
+                               f"{device_kind} has {have / 2**30:.1f} GiB",
+                       "use a smaller model (fewer layers or a smaller hidden size)")
 
 
 def available_memory(device_kind: str) -> int | None:
-    """Bytes free for one rank's model: the first GPU's free memory, or the machine's available RAM."""
+    """Bytes for one rank's model: the smallest memory of the local GPUs (their total: asking each for its free
+    memory would open a context on every GPU in this process, taking memory the ranks need), or the
+    machine's available RAM."""
     if device_kind == "cuda":
         import torch
 
-        return int(torch.cuda.mem_get_info(0)[0]) if torch.cuda.is_available() else None
+        if not torch.cuda.is_available():
+            return None
+        return min(int(torch.cuda.get_device_properties(i).total_memory) for i in range(torch.cuda.device_count()))
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
@@ -159,11 +172,17 @@ def available_memory(device_kind: str) -> int | None:
 
 @functools.lru_cache(maxsize=16)
 def module_names(source: str) -> frozenset[str]:
-    """The last component of every module name of the model a config file describes (``q_proj``,
-    ``c_attn``...), from a build on the meta device: what LoRA can target."""
+    """Every module's full name in the model a config file describes (``model.layers.0.self_attn.q_proj``),
+    from a build on the meta device: what LoRA targets are matched against."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source, local_files_only=True))
-    return frozenset(name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name)
+    return frozenset(name for name, _ in model.named_modules() if name)
+
+
+def targets_present(targets: list[str], names: frozenset[str]) -> list[str]:
+    """The LoRA targets that name a module, matched as peft matches them: the whole name or a dotted suffix
+    (``q_proj``, ``mlp.down_proj``)."""
+    return [t for t in targets if any(n == t or n.endswith("." + t) for n in names)]

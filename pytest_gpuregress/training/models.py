@@ -23,10 +23,11 @@ def config_path(name: str, size: str) -> Path:
     """The config file of model ``name`` at ``size`` (cpu or gpu): a shipped model's, or ``name`` itself when
     it is a user's config file (``--gpuregress-model``) or a folder holding a ``config.json``."""
     candidate = Path(name)
-    if candidate.suffix == ".json" and candidate.is_file():
-        return candidate
-    if candidate.is_dir() and (candidate / "config.json").is_file():
-        return candidate / "config.json"
+    if candidate.is_absolute() or "/" in name or candidate.suffix == ".json":  # a path; a bare name is the zoo's
+        if candidate.suffix == ".json" and candidate.is_file():
+            return candidate
+        if candidate.is_dir() and (candidate / "config.json").is_file():
+            return candidate / "config.json"
     root = shipped_dir("models")
     path = root / name / size / "config.json"
     if not path.is_file():

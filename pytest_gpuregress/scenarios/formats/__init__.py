@@ -106,7 +106,8 @@ class FormatsScenario(CheckScenario):
         key = case.data.get("format") or case.data.get("scheme", "")
         problems = closed_form(case.data["part"], key, record)
         # Keyed by the case of the tiny Llama's launch: a user model's launch has the same parts, one per scheme.
-        for rank, theirs in record.results.get("rank_disagreements", {}).get(f"{case.data['part']}-{key}", {}).items():
+        measured = case.id if "model" not in case.data else f"quantized-{key}"
+        for rank, theirs in record.results.get("rank_disagreements", {}).get(measured, {}).items():
             text = f"[format] {case.id}: rank {rank} measured otherwise than rank 0: the devices of this machine disagree"
             if theirs:
                 text += f"; its own findings: {theirs[0]}" + (f" (and {len(theirs) - 1} more)" if len(theirs) > 1 else "")

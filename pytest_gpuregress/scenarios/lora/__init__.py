@@ -42,12 +42,17 @@ class LoraScenario(Scenario):
         return self.model_config(setup, None)
 
     def model_config(self, setup: Setup, model: str | None) -> dict[str, Any]:
+        from ...training.model_specs import targets_present
+
         config = training_config(setup, COMMON, DEVICE_DEFAULTS, model)
-        targets = list(setup.option("lora-targets") or DEFAULT_TARGETS)
+        asked = setup.option("lora-targets")
+        if model is None and not asked:  # the defaults are the tiny Llama's names: no model to build here
+            config["target_modules"] = list(DEFAULT_TARGETS)
+            return config
         # One option serves every model: each targets the names it has (q_proj for a Llama, c_attn for a
         # GPT-2), so adding a model's names never changes another's config. None at all: NotApplicable.
-        present = [t for t in targets if t in _module_names(setup, model)]
-        config["target_modules"] = present or targets
+        targets = list(asked or DEFAULT_TARGETS)
+        config["target_modules"] = targets_present(targets, _module_names(setup, model)) or targets
         return config
 
     def platform_tag(self, config: dict[str, Any]) -> str:
@@ -66,17 +71,20 @@ class LoraScenario(Scenario):
                 for case in cases]
 
     def experiment(self, case: Case, run: Any, setup: Setup) -> RunRecord | None:
-        """None (the usual launch), after checking a user's model has modules the adapter can target."""
-        model = case.data.get("model")
-        if model:
-            from ...errors import NotApplicable
+        """None (the usual launch), after checking the model has modules the adapter can target."""
+        from ...errors import NotApplicable
+        from ...training.model_specs import targets_present
 
-            spec = next(m for m in setup.models if m.name == model)
-            targets = self.model_config(setup, model)["target_modules"]
-            if not set(targets) & _module_names(setup, model):
-                raise NotApplicable(f"model {model!r} ({spec.source}) has no module named {', '.join(targets)}; "
-                                    "add its projections to --gpuregress-lora-targets (GPT-2: c_attn,c_proj); "
-                                    "each model targets the names it has")
+        model = case.data.get("model")
+        if model is None and not setup.option("lora-targets"):
+            return None  # the defaults are the tiny Llama's own names
+        targets = self.model_config(setup, model)["target_modules"]
+        if not targets_present(targets, _module_names(setup, model)):
+            where = "the tiny Llama" if model is None else \
+                f"model {model!r} ({next(m for m in setup.models if m.name == model).source})"
+            raise NotApplicable(f"{where} has no module named {', '.join(targets)}; list every model's projections "
+                                f"in --gpuregress-lora-targets (e.g. {','.join(DEFAULT_TARGETS[:2])},c_attn for a "
+                                "Llama and a GPT-2): each model targets the names it has")
         return None
 
     def reference_name(self, case: Case) -> str:

@@ -112,3 +112,30 @@ def test_the_shipped_bundle_on_another_stack_compares_within_the_cross_platform_
     else:  # one ulp moves no logit past the bound: only the checksum sees it
         assert "[checkpoint] portability: model.layers.1.self_attn.q_proj.weight: checksum differs" in done.stdout
         assert "logits on the fixed batch differ" not in done.stdout
+
+
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-llama-tied"])
+def test_the_zoo_models_ship_a_reference_for_every_case_that_compares_one(model: str) -> None:
+    """Every case of a zoo model with a reference finds it shipped, intact (sha256 manifest), and built for the
+    config this code runs: the same model architecture and settings, so it is never foreign (the way a
+    transformers upgrade once made the shipped reference foreign). Reads only; training is the README's job."""
+    from pytest_gpuregress.reference import store
+    from pytest_gpuregress.scenarios import registry
+    from pytest_gpuregress.scenarios.base import Setup
+    from pytest_gpuregress.training.model_specs import parse_model
+
+    setup = Setup("cpu", "gloo", 2, models=(parse_model(model, Path.cwd()),))
+    compared = set()
+    for sc in registry().values():
+        for case in (c for c in sc.cases(setup) if c.data.get("model") == model and sc.reference_name(c)):
+            launch = next(la for la in sc.launches([case], setup) if la.key == case.launch)
+            loc = store.ReferenceLocation(SHIPPED, str(sc.reference_name(case)),
+                                          f"cpu-gloo-w2-{sc.platform_tag(launch.config)}")
+            reference = store.read_reference(loc)  # checks the manifest
+            folder = loc.path
+            # Every key the reference holds, as this code sets it (the launch config may add session-only keys).
+            assert "model_architecture" in reference.config, folder
+            now = {k: launch.config.get(k, "<absent>") for k in reference.config}
+            assert store.config_differences(reference.config, now) == [], folder
+            compared.add(folder.parent.name)
+    assert compared == {f"fsdp-{model}", f"lora-{model}", f"checkpoint-{model}", f"formats-{model}"}

@@ -271,3 +271,13 @@ def test_cpu_peak_memory_is_the_growth_of_this_run() -> None:
     grown = memory.peak()
     del block
     assert grown >= 60 << 20 and memory.kind == "peak RSS growth of this run"
+
+
+def test_peak_memory_growth_below_the_floor_is_never_a_regression() -> None:
+    # The CPU's peak-RSS growth of a tiny model: 464 KiB -> 1.7 MiB is 3.7x, and noise.
+    small = perf.ratios(with_results(perf={**PERF, "peak_memory_bytes": 464 << 10}),
+                        with_results(perf={**PERF, "peak_memory_bytes": 1741 << 10}))
+    memory = next(r for r in small if r.name == "peak memory")
+    assert memory.worse_by > 3 and not memory.over
+    large = perf.ratios(with_results(perf=PERF), with_results(perf={**PERF, "peak_memory_bytes": 600 << 20}))
+    assert next(r for r in large if r.name == "peak memory").over  # 400 -> 600 MiB: 1.5x and 200 MiB more

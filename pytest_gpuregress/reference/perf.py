@@ -19,6 +19,9 @@ PERF = "perf"
 SLOWDOWN_LIMIT = 1.5
 MEMORY_LIMIT = 1.3
 MIN_STEADY_STEPS = 3
+# Growth in peak memory below this is never a regression, whatever its ratio: the CPU's peak-RSS growth
+# of a tiny model is a few MiB, and the allocator's noise alone moves it by several times.
+MEMORY_FLOOR_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -31,10 +34,11 @@ class Ratio:
     worse_by: float  # > 1: worse than the reference (slower, larger, less bandwidth)
     limit: float
     unit: str
+    floor: float = 0.0  # how much worse, in the figure's unit, it must also be to count
 
     @property
     def over(self) -> bool:
-        return self.worse_by > self.limit
+        return self.worse_by > self.limit and abs(self.current - self.reference) > self.floor
 
     def describe(self) -> str:
         return (f"{self.name} {_value(self.current, self.unit)} vs {_value(self.reference, self.unit)} in the "
@@ -76,7 +80,8 @@ def ratios(reference: RunRecord, record: RunRecord, *, slowdown: float = SLOWDOW
         a, b = _number(old.get(key)), _number(new.get(key))
         if a is None or b is None or a <= 0 or b <= 0:
             continue
-        out.append(Ratio(name, a, b, a / b if higher_is_better else b / a, limits[limit], unit))
+        floor = MEMORY_FLOOR_BYTES if limit == "memory" else 0.0
+        out.append(Ratio(name, a, b, a / b if higher_is_better else b / a, limits[limit], unit, floor))
     return out
 
 

@@ -100,11 +100,15 @@ def records_passes_and_breaks(run: Callable[..., pytest.RunResult], args: list[s
     broken.stdout.fnmatch_lines([f"*scenario '{name}' on cpu-gloo-w2-fp32 differs from its reference*", *caught])
 
 
-# The longest files first: the README runs the suite on two xdist workers, one file at a time
-# (--dist loadfile), in collection order. A long file collected last would run alone at the end.
-LONGEST_FIRST = ("test_shipped_references.py", "test_main_job.py", "test_worker_pool.py", "test_training_e2e.py",
-                 "test_torchrun.py", "test_triage.py", "test_checkpoint_e2e.py", "test_user_models.py",
-                 "test_scenario_plugins.py", "test_kernels_perf_e2e.py", "test_lora_e2e.py")
+# The longest files first (seconds measured on 2 cores), so that two workers finish together: the README
+# runs the suite on two xdist workers, one file at a time, in collection order (--dist loadfile
+# --no-loadscope-reorder; by default xdist would start with the files of most tests, the quick ones,
+# and leave the long end-to-end files to run last, one worker idle).
+LONGEST_FIRST = ("test_shipped_references.py", "test_training_e2e.py", "test_main_job.py", "test_worker_pool.py",
+                 "test_checkpoint_e2e.py", "test_lora_e2e.py", "test_triage.py", "test_torchrun.py",
+                 "test_user_models.py", "test_scenario_plugins.py", "test_factory_models.py", "test_token_file.py",
+                 "test_store_crash.py", "test_kernels_perf_e2e.py", "test_own_loop_example.py",
+                 "test_collectives_e2e.py", "test_step0_blocks.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

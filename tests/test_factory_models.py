@@ -130,3 +130,16 @@ def test_a_factory_that_needs_real_tensors_is_sized_on_the_cpu_and_its_tokens_ar
     assert counted.tokens is None and len(real.CALLS) == 1  # one call (on meta) told there are no token ids
     first, second = counted.empty(), counted.empty()  # seeded: the factory's own random init repeats
     assert all((a == b).all() for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+
+
+@pytest.mark.slow
+def test_a_parameter_the_loss_does_not_use_counts_as_a_zero_gradient(pytester: pytest.Pytester) -> None:
+    # A user's model may carry a parameter its forward never reads: no gradient, and no crash on the ranks.
+    (pytester.path / "spare.py").write_text(MIXER + "def build():\n    m = Mixer()\n"
+                                            "    m.spare = torch.nn.Parameter(torch.zeros(3))\n    return m\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-model=spare:build",
+                                f"--gpuregress-reference-dir={pytester.path / 'refs'}", "--gpuregress-steps=2",
+                                "--gpuregress-replicas=0", "--gpuregress-record", "-k", "build and fsdp")
+    result.assert_outcomes(passed=3)  # fsdp, and triage's equivalence and float64 oracle
+    stored = json.loads((pytester.path / "refs" / "fsdp-build" / "cpu-gloo-w2-fp32" / "record.json").read_text())
+    assert "spare" in stored["param_names"]

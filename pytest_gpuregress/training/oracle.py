@@ -34,10 +34,12 @@ def run(ctx) -> RunRecord:  # type: ignore[no-untyped-def]
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
     loss.backward()
     names = [n for n, _ in model.named_parameters()]
-    norms = np.asarray([[float(p.grad.norm()) for _, p in model.named_parameters()]], dtype=np.float64)
+    # A parameter the loss does not use has no gradient: zero, as the scenario records it.
+    whole = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+    norms = np.asarray([[float(g.norm()) for g in whole.values()]], dtype=np.float64)
     grads: dict[str, np.ndarray] = {}
-    for n, p in model.named_parameters():
-        grads.update(step0.shard_arrays(n, p.grad.numpy(), tuple(p.shape), 0, 1, step0.full_max_of(cfg)))
+    for n, g in whole.items():
+        grads.update(step0.shard_arrays(n, g.detach().numpy(), tuple(g.shape), 0, 1, step0.full_max_of(cfg)))
     return RunRecord(scenario="oracle", config=dict(cfg), platform_key="", world_size=1,
                      series={"loss": [float(loss)]}, param_names=names,
                      arrays={"param_grad_norm": norms, **grads})

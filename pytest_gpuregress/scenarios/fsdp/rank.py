@@ -76,13 +76,13 @@ def run(ctx: RankContext) -> RunRecord:
         with observer.step(step):
             loss = next_token_loss(model, rank_tokens(data, step, ctx, perturbation, device))
             loss.backward()
+            # A parameter the loss does not use (a user's model may have one) has no gradient: zero, as AdamW sees it.
+            grads = [p.grad.to_local() if p.grad is not None else torch.zeros_like(p.to_local()) for p in params]
             # One float64 all-reduce per step carries the loss and every parameter's squared norm.
-            stats = torch.stack(
-                [loss.detach().double()] + [p.grad.to_local().double().pow(2).sum() for p in params]
-            )
+            stats = torch.stack([loss.detach().double()] + [g.double().pow(2).sum() for g in grads])
             if step == 0:
-                for name, p in zip(names, params):  # this rank's shard only: merge() assembles the tensors
-                    step0.update(step0_arrays.shard_arrays(name, p.grad.to_local().float().cpu().numpy(), tuple(p.shape),
+                for name, p, g in zip(names, params, grads):  # this rank's shard only: merge() assembles the tensors
+                    step0.update(step0_arrays.shard_arrays(name, g.float().cpu().numpy(), tuple(p.shape),
                                                            ctx.rank, ctx.world_size, step0_arrays.full_max_of(cfg)))
             total = torch.nn.utils.clip_grad_norm_(params, float(cfg["grad_clip"]))
             total = total.full_tensor() if hasattr(total, "full_tensor") else total

@@ -8,8 +8,8 @@ The factory takes no arguments and returns a ``torch.nn.Module``, or ``(module, 
   - say its vocabulary size: ``module.config.vocab_size`` or ``module.vocab_size``;
   - name its repeated blocks in ``_no_split_modules`` (the transformers convention): ``fully_shard``
     wraps each of them;
-  - train every parameter, each taking part in the loss, and keep buffers non-persistent (the
-    checkpoint round trip saves and compares parameters).
+  - train every parameter (one the loss never reads counts as a zero gradient), and keep buffers
+    non-persistent (the checkpoint round trip saves and compares parameters).
 Its weights are re-initialised from the seed as the shipped models' are (training/models.py), so its
 own init code, and torch's random streams, cannot move the starting point. Its identity, stored with
 references, is its structure: every parameter's name, shape and dtype, and its module classes.

@@ -55,6 +55,10 @@ class Setup:
         """The value of this scenario's ``--gpuregress-<name>`` option (None when unset and no default)."""
         return self.options.get("gpuregress_" + name.replace("-", "_"))
 
+    def model(self, name: str) -> ModelSpec:
+        """The model of --gpuregress-model named ``name`` (case data and launch keys carry the name)."""
+        return next(m for m in self.models if m.name == name)
+
 
 @dataclass(frozen=True)
 class Case:

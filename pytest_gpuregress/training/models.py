@@ -79,17 +79,6 @@ def architecture_digest(name: str, size: str) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def config_field(name: str, size: str, key: str) -> Any:
-    """One field of a shipped or user model config, read from the file (no transformers import)."""
-    import json
-
-    path = config_path(name, size)
-    value = json.loads(path.read_text()).get(key)
-    if value is None:
-        raise ValueError(f"{path}: has no field {key!r}")
-    return value
-
-
 def decoder_layers(model: Any) -> list[Any]:
     """The repeated blocks ``fully_shard`` wraps one by one: the modules transformers never splits across
     devices (``_no_split_modules``: LlamaDecoderLayer, GPT2Block, ...), in model order."""

@@ -64,7 +64,7 @@ def config(setup: Setup, model: str | None = None) -> dict[str, Any]:
         cfg["steps"] = max(2, int(setup.steps))
     if model is not None:
         del cfg["tied_model"]
-        cfg.update(next(m for m in setup.models if m.name == model).config_fields())
+        cfg.update(setup.model(model).config_fields())
     cfg["model_architecture"] = architecture_of(cfg)
     if model is None:
         tied = tied_fields(cfg)

@@ -74,7 +74,7 @@ class FormatsScenario(CheckScenario):
         quantized = list(SCHEMES) if "inspect" in parts else parts.get("quantized", [])
         identity = {"model": "tiny-llama", "model_size": size}
         if model is not None:
-            identity.update(next(m for m in setup.models if m.name == model).config_fields())
+            identity.update(setup.model(model).config_fields())
         return {
             **identity, "seed": 0, "batch": [2, 16], "dtype": "fp32",
             "model_architecture": architecture_of(identity), "block_size": MX_BLOCK,
@@ -86,10 +86,11 @@ class FormatsScenario(CheckScenario):
         }
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
-        keys = dict.fromkeys(c.launch for c in cases)
-        return [Launch(key, self.launch_config(setup, [c for c in cases if c.launch == key],
-                                               None if key == "default" else key.removeprefix("quantized-")))
-                for key in keys]
+        by_launch: dict[str, list[Case]] = {}
+        for case in cases:
+            by_launch.setdefault(case.launch, []).append(case)
+        return [Launch(key, self.launch_config(setup, group, group[0].data.get("model")))
+                for key, group in by_launch.items()]
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
         """Rank 0's record, plus which cases another rank measured otherwise, with that rank's own findings."""

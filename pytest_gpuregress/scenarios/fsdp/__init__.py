@@ -42,7 +42,7 @@ def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, 
     if setup.steps is not None:
         config["steps"] = int(setup.steps)
     if model is not None:  # the name is its identity with the digest below; the file is where it lives here
-        config.update(next(m for m in setup.models if m.name == model).config_fields())
+        config.update(setup.model(model).config_fields())
     config["model_architecture"] = architecture_of(config)
     tokens = describe_for(config, setup.tokens)  # a user's token sample replaces the synthetic data
     if tokens is not None:

@@ -81,7 +81,7 @@ class LoraScenario(Scenario):
         targets = self.model_config(setup, model)["target_modules"]
         if not targets_present(targets, _module_names(setup, model)):
             where = "the tiny Llama" if model is None else \
-                f"model {model!r} ({next(m for m in setup.models if m.name == model).source})"
+                f"model {model!r} ({setup.model(model).source})"
             raise NotApplicable(f"{where} has no module named {', '.join(targets)}; list every model's projections "
                                 f"in --gpuregress-lora-targets (e.g. {','.join(DEFAULT_TARGETS[:2])},c_attn for a "
                                 "Llama and a GPT-2): each model targets the names it has")
@@ -120,7 +120,7 @@ def _module_names(setup: Setup, model: str | None) -> frozenset[str]:
     if model is None:
         size = DEVICE_DEFAULTS["cuda" if setup.device_kind == "cuda" else "cpu"]["model_size"]
         return module_names(str(config_path(COMMON["model"], size)))
-    return next(m for m in setup.models if m.name == model).module_names(setup.device_kind)
+    return setup.model(model).module_names(setup.device_kind)
 
 
 SCENARIO = LoraScenario()

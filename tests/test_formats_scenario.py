@@ -22,6 +22,8 @@ from pytest_gpuregress.scenarios.base import RankContext, Setup
 from pytest_gpuregress.scenarios.formats import SCENARIO, device, judge, oracle, rank, scaled_mm
 from pytest_gpuregress.scenarios.formats.catalog import FORMATS
 
+pytestmark = pytest.mark.cpu_sensitive  # .ci/run runs these again on a lower CPU kernel path
+
 CPU = Setup("cpu", "gloo", 2, options={"gpuregress_format_changes": "fail"})
 WARN = Setup("cpu", "gloo", 2, options={"gpuregress_format_changes": "warn"})
 
@@ -182,20 +184,49 @@ def test_summary_and_header_on_the_cpu(clean: RunRecord) -> None:
                                     "the cpu; it runs on GPUs with fp8 matrix multiply (sm_89+, gfx942+)"]
 
 
+def scaled_mm_findings(result: dict[str, object]) -> list[str]:
+    return judge.scaled_mm_problems(RunRecord("formats", {}, "", 1, results={"scaled_mm": result}))
+
+
 def test_the_gpu_scaled_mm_check_itself_runs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The scenario reports it not applicable on the CPU, but torch 2.13 has a CPU _scaled_mm, so its
-    arithmetic and its bound are tested here."""
+    arithmetic and its bound are tested here. Which formats the CPU kernel takes depends on the CPU:
+    with AVX512, oneDNN refuses e4m3fnuz. Either way the check answers, and never raises."""
     assert scaled_mm.run("cpu") == {"applicable": False, "reason": scaled_mm.fp8_matmul_format("cpu")[1]}
-    for fmt in ("e4m3fn", "e4m3fnuz"):
-        result = {**scaled_mm.check("cpu", FORMATS[fmt]), "arch": "cpu"}
-        assert 0 < result["worst_ratio"] <= 1e-3
-        assert judge.scaled_mm_problems(RunRecord("formats", {}, "", 1, results={"scaled_mm": result})) == []
+    result = {**scaled_mm.check("cpu", FORMATS["e4m3fn"]), "arch": "cpu"}  # every CPU path takes e4m3fn
+    assert 0 < result["worst_ratio"] <= 1e-3
+    assert scaled_mm_findings(result) == []
+    fnuz = {**scaled_mm.check("cpu", FORMATS["e4m3fnuz"]), "arch": "cpu"}
+    if "refused" in fnuz:
+        (finding,) = scaled_mm_findings(fnuz)
+        assert finding.startswith("[fp8 matmul] this stack's torch._scaled_mm does not accept e4m3fnuz on cpu: ")
+    else:
+        assert 0 < fnuz["worst_ratio"] <= 1e-3 and scaled_mm_findings(fnuz) == []
     real = torch._scaled_mm
     # The bug class: one operand's fp8 flavour misread, so the product is off by a factor 2.
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: real(*a, **k) * 2)
     broken = {**scaled_mm.check("cpu", FORMATS["e4m3fn"]), "arch": "cpu"}
-    (problem,) = judge.scaled_mm_problems(RunRecord("formats", {}, "", 1, results={"scaled_mm": broken}))
+    (problem,) = scaled_mm_findings(broken)
     assert "x the derived error bound" in problem and broken["worst_ratio"] > 10
+
+
+def test_a_scaled_mm_that_refuses_the_devices_fp8_format_is_a_finding_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an MI300 (gfx942: e4m3fnuz), a stack whose _scaled_mm refuses fnuz, as oneDNN does on AVX512 CPUs
+    and cuBLASLt does on NVIDIA, gets a finding that names the format and the device, and the summary says it."""
+    from pytest_gpuregress.scenarios.formats import summary
+
+    def refuses_fnuz(a: torch.Tensor, b: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("itensor_view_from_dense expects float/bfloat16/half/int8/fp8 tensor inputFloat8_e4m3fnuz")
+
+    monkeypatch.setattr(scaled_mm, "fp8_matmul_format", lambda dev: (FORMATS["e4m3fnuz"], "gfx942"))
+    monkeypatch.setattr(torch, "_scaled_mm", refuses_fnuz)
+    result = scaled_mm.run("cpu")  # the rank's own entry, as on the GPU
+    assert result["refused"].startswith("RuntimeError: itensor_view_from_dense expects")
+    (finding,) = scaled_mm_findings(result)
+    assert finding.startswith("[fp8 matmul] this stack's torch._scaled_mm does not accept e4m3fnuz on gfx942: "
+                              "RuntimeError: itensor_view_from_dense"), finding
+    record = RunRecord("formats", {}, "", 1, results={"scaled_mm": result})
+    assert summary.scaled_mm_lines(record, on_cpu=False) == ["  " + finding.removeprefix("[fp8 matmul] ")]
 
 
 def test_fp4_is_reported_as_going_through_the_scenario_codec() -> None:

@@ -120,12 +120,21 @@ def scaled_mm_problems(record: RunRecord) -> list[str]:
         return []
     if "error" in result:
         return [f"[fp8 matmul] torch._scaled_mm {result['format']} on {result['arch']} raised {result['error']}"]
+    if "refused" in result:
+        return [f"[fp8 matmul] {refusal(result)}"]
     if result["non_finite"] or not result["worst_ratio"] <= 1.0:
         return [f"[fp8 matmul] torch._scaled_mm {result['format']} {result['shape']} on {result['arch']}: at "
                 f"{tuple(result['worst_at'])} expected {result['expected']!r} (oracle, float64), got {result['got']!r}: "
                 f"{result['worst_ratio']:.3g}x the derived error bound {result['bound']:.3g}; "
                 f"{result['non_finite']} non-finite outputs"]
     return []
+
+
+def refusal(result: dict[str, Any]) -> str:
+    """A _scaled_mm that refused its format, said as a fact about the stack."""
+    return (f"this stack's torch._scaled_mm does not accept {result['format']} on {result['arch']}: {result['refused']}; "
+            f"a device that multiplies {result['format']} natively should, so its kernel library (cuBLASLt, hipBLASLt, "
+            "oneDNN) changed or lost the format")
 
 
 def stale_reference(part: str, key: str, reference: RunRecord) -> list[str]:

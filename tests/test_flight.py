@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from pytest_gpuregress.launch import flight
@@ -51,3 +54,125 @@ def test_every_rank_in_the_same_collective_points_at_the_transport() -> None:
 
 def test_no_rank_in_a_collective_gives_no_line() -> None:
     assert flight.diagnose({0: None, 1: FlightState(1, False, "all_reduce", 3, 0)}, {}) is None
+
+
+class FakeWork:
+    """What NCCL hands back: queued on the GPU stream, finished only when the device says so."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = 0
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> bool:
+        self.waited += 1  # on NCCL the stream waits, the host does not: a hung GPU never blocks here
+        return True
+
+
+def queued_all_reduce(works: list[FakeWork]) -> Callable[..., FakeWork | None]:
+    """A stand-in for dist.all_reduce on NCCL: every call queues a FakeWork."""
+
+    def all_reduce(tensor: torch.Tensor, op: object = None, group: object = None, async_op: bool = False) -> FakeWork | None:
+        works.append(FakeWork())
+        return works[-1] if async_op else None  # the plain call waits inside and returns None
+
+    return all_reduce
+
+
+def test_gloo_keeps_its_path_and_nccl_or_rccl_read_completion_from_the_work() -> None:
+    assert not flight.queues_work("gloo") and not flight.queues_work(None)
+    assert flight.queues_work("nccl") and flight.queues_work("rccl") and flight.queues_work("cpu:gloo,cuda:nccl")
+
+
+def test_a_queued_but_unfinished_nccl_collective_keeps_the_rank_inside_it(tmp_path: Path) -> None:
+    path = tmp_path / "rank0.flight"
+    recorder = flight.FlightRecorder(path, queued=flight.queues_work("nccl"), poll_s=None)
+    works: list[FakeWork] = []
+    all_reduce = recorder.wrap("all_reduce", queued_all_reduce(works))
+    assert all_reduce(torch.zeros(4)) is None  # returned at once, as NCCL does
+    assert works[0].waited == 1
+    assert flight.read(path, 0) == FlightState(0, True, "all_reduce", 1, 16)  # gloo's path would say "out" here
+    all_reduce(torch.zeros(8))
+    recorder.refresh()
+    assert flight.read(path, 0) == FlightState(0, True, "all_reduce", 1, 16)  # the oldest one the GPU has not finished
+    works[0].done = True
+    recorder.refresh()
+    assert flight.read(path, 0) == FlightState(0, True, "all_reduce", 2, 32)
+    works[1].done = True
+    recorder.refresh()
+    assert flight.read(path, 0) == FlightState(0, False, "all_reduce", 2, 0)
+    recorder.close()
+
+
+def test_a_hung_gpu_collective_names_the_rank_that_never_queued_it(tmp_path: Path) -> None:
+    works: list[FakeWork] = []
+    recorders = [flight.FlightRecorder(tmp_path / f"rank{r}.flight", queued=True, poll_s=None) for r in range(2)]
+    calls = [recorder.wrap("all_reduce", queued_all_reduce(works)) for recorder in recorders]
+    calls[0](torch.zeros(4))
+    calls[1](torch.zeros(4))
+    works[0].done = works[1].done = True  # step 1's all-reduce finished on both GPUs
+    calls[0](torch.zeros(4))  # rank 0 queues #2; rank 1 stopped before it, so #2 never finishes on rank 0's GPU
+    for recorder in recorders:
+        recorder.refresh()
+    states = {r: flight.read(tmp_path / f"rank{r}.flight", r) for r in range(2)}
+    for recorder in recorders:
+        recorder.close()
+    assert flight.diagnose(states, {0: "step 1 done", 1: "step 1 done"}) == (
+        "rank 0 waits in all_reduce #2 (16 B) for rank 1; "
+        "rank 1 stopped outside any collective (last: all_reduce #1), after step 1 done")
+
+
+def test_a_caller_asking_for_async_op_gets_the_work_and_waits_itself(tmp_path: Path) -> None:
+    recorder = flight.FlightRecorder(tmp_path / "rank0.flight", queued=True, poll_s=None)
+    works: list[FakeWork] = []
+    all_reduce = recorder.wrap("all_reduce", queued_all_reduce(works))
+    assert all_reduce(torch.zeros(4), None, None, True) is works[0]  # async_op given positionally
+    assert works[0].waited == 0
+    assert all_reduce(torch.zeros(4), async_op=True) is works[1]
+    recorder.close()
+
+
+def test_a_collective_that_raises_leaves_the_rank_outside_it(tmp_path: Path) -> None:
+    path = tmp_path / "rank0.flight"
+    recorder = flight.FlightRecorder(path, queued=True, poll_s=None)
+
+    def broadcast(tensor: torch.Tensor, src: int = 0, group: object = None, async_op: bool = False) -> None:
+        raise RuntimeError("NCCL error")
+
+    try:
+        recorder.wrap("broadcast", broadcast)(torch.zeros(2))
+    except RuntimeError:
+        pass
+    assert flight.read(path, 0) == FlightState(0, False, "broadcast", 1, 0)
+    recorder.close()
+
+
+def test_install_on_nccl_polls_completion_in_a_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    works: list[FakeWork] = []
+    monkeypatch.setattr(dist, "all_reduce", queued_all_reduce(works))
+    hooks: list[Callable[[], None]] = []
+    path = tmp_path / "rank0.flight"
+    recorder = flight.install(path, hooks, "nccl")
+    try:
+        assert recorder.queued
+        dist.all_reduce(torch.zeros(4))
+        assert flight.read(path, 0) == FlightState(0, True, "all_reduce", 1, 16)
+        works[0].done = True
+        deadline = time.monotonic() + 5
+        while (state := flight.read(path, 0)) is not None and state.inside and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert state == FlightState(0, False, "all_reduce", 1, 0)
+    finally:
+        for undo in reversed(hooks):
+            undo()
+
+
+def test_every_rank_in_the_same_collective_names_no_culprit() -> None:
+    states = {r: FlightState(r, True, "all_reduce", 3, 4) for r in range(2)}
+    line = flight.diagnose(states, {})
+    assert line == ("rank 0 waits in all_reduce #3 (4 B); rank 1 waits in all_reduce #3 (4 B); every rank waits in the "
+                    "same collective: the transport itself is stuck (network, NCCL/RCCL, driver)")

@@ -8,11 +8,22 @@ never run there). ``diagnose`` turns every rank's state into one line:
 
     rank 0 waits in all_gather #57 (64 KiB) for rank 1; rank 1 stopped outside any collective
     (last: all_gather #56), after step 2 done
+
+On gloo a collective is done when its call returns. NCCL and RCCL (which torch names "nccl") return
+as soon as the collective is queued on the GPU stream, so "returned" says nothing about a GPU that
+hangs in it. On those backends each collective runs with ``async_op=True`` behind the caller's back
+(then waited as the plain call would: the stream waits, the host does not), its ``Work`` is kept,
+and a polling thread marks it done only when ``work.is_completed()`` says the GPU finished it. The
+state file then names the oldest collective the GPU has not finished. torch's own NCCL flight
+recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, dumped by torch on a watchdog timeout) is complementary:
+its dump runs inside the hung rank, while this file is read from outside by the launcher.
 """
 
 from __future__ import annotations
 
+import inspect
 import mmap
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +34,14 @@ from ..units import human_bytes
 
 SLOT = 128  # bytes of the state line; padded with spaces
 _WRAPPED = (*COLLECTIVES, "barrier", "monitored_barrier")
+# Backends whose collectives return once queued on the device stream (torch names RCCL "nccl" too).
+_QUEUED_BACKENDS = ("nccl", "rccl")
+POLL_S = 0.05  # how often queued collectives are checked for completion
+
+
+def queues_work(backend: str | None) -> bool:
+    """True when ``backend``'s collectives return before the device has run them ("cpu:gloo,cuda:nccl" too)."""
+    return any(name in (backend or "").lower() for name in _QUEUED_BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -40,42 +59,187 @@ class FlightState:
         return f"{self.op} #{self.seq}" + (f" ({human_bytes(self.size)})" if self.size else "")
 
 
-class FlightRecorder:
-    """This rank's state file, and wrappers around ``torch.distributed``'s collectives that keep it."""
+@dataclass
+class _Queued:
+    """A collective handed to a queueing backend; ``work`` is None while its call is still enqueuing it."""
 
-    def __init__(self, path: Path) -> None:
+    seq: int
+    op: str
+    size: int
+    work: Any = None
+
+    def finished(self) -> bool:
+        if self.work is None:
+            return False
+        try:
+            return bool(self.work.is_completed())
+        except Exception:  # noqa: BLE001 - a failed work no longer runs on the device; the rank raises on it
+            return True
+
+
+class FlightRecorder:
+    """This rank's state file, and wrappers around ``torch.distributed``'s collectives that keep it.
+
+    ``queued``: the backend returns before the device has run a collective (NCCL, RCCL), so completion
+    is read from each collective's ``Work``; ``poll_s`` is how often a thread does that (None: only
+    when ``refresh`` is called)."""
+
+    def __init__(self, path: Path, *, queued: bool = False, poll_s: float | None = POLL_S) -> None:
         path.write_bytes(b" " * SLOT)
         self._file = open(path, "r+b")  # noqa: SIM115 - mapped for the rank's lifetime in this job
         self._map = mmap.mmap(self._file.fileno(), SLOT)
         self.seq = 0
+        self.queued = queued
+        self._last_op = ""
+        self._pending: list[_Queued] = []
+        self._lock = threading.Lock()  # the caller's thread and the poller both write the state
+        self._closed = False
+        self._device: int | None = None
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        if queued and poll_s:
+            self._poller = threading.Thread(target=self._poll, args=(poll_s,), name="gpuregress-flight", daemon=True)
+            self._poller.start()
 
-    def _write(self, state: str, op: str, size: int) -> None:
-        line = f"{state} {op} {self.seq} {size}".encode()[:SLOT]
+    def _write(self, state: str, op: str, seq: int, size: int) -> None:
+        line = f"{state} {op} {seq} {size}".encode()[:SLOT]
         self._map[:SLOT] = line.ljust(SLOT)
 
     def wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         family = COLLECTIVES.get(name, (name, ""))[0]
+        slot = _async_op_slot(original) if self.queued else None
 
         def recorded(*args: Any, **kwargs: Any) -> Any:
-            self.seq += 1
-            self._write("in", family, max(nbytes(args[0]) if args else 0, nbytes(args[1]) if len(args) > 1 else 0))
+            size = max(nbytes(args[0]) if args else 0, nbytes(args[1]) if len(args) > 1 else 0)
+            if slot is not None:
+                return self._call_queued(family, size, original, slot, args, kwargs)
+            with self._lock:
+                self.seq += 1
+                self._last_op = family
+                self._write("in", family, self.seq, size)
             result = original(*args, **kwargs)
-            self._write("out", family, 0)
+            with self._lock:
+                self._write("out", family, self.seq, 0)
             return result
 
         recorded.__wrapped__ = original  # type: ignore[attr-defined]
         return recorded
 
+    def _call_queued(self, family: str, size: int, original: Callable[..., Any], slot: int,
+                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the collective asynchronously and keep its Work; behave towards the caller as the call would."""
+        args, kwargs, caller_async = _as_async(slot, args, kwargs)
+        self._note_device()
+        entry = self._enter(family, size)
+        work = None
+        try:
+            work = original(*args, **kwargs)
+        finally:
+            self._queued(entry, work)
+        if caller_async:
+            return work
+        if work is not None:
+            work.wait()  # what the synchronous call does: on NCCL the current stream waits, the host does not
+        return None
+
+    def _enter(self, family: str, size: int) -> _Queued:
+        with self._lock:
+            self.seq += 1
+            self._last_op = family
+            entry = _Queued(self.seq, family, size)
+            self._pending.append(entry)
+            self._show()
+        return entry
+
+    def _queued(self, entry: _Queued, work: Any) -> None:
+        with self._lock:
+            entry.work = work
+            if work is None:  # nothing was queued (a rank outside the group), or the call raised
+                self._pending.remove(entry)
+            self._show()
+
+    def refresh(self) -> None:
+        """Drop the collectives the device has finished and show the oldest one it has not."""
+        with self._lock:
+            self._pending = [q for q in self._pending if not q.finished()]
+            self._show()
+
+    def _show(self) -> None:
+        if self._closed:
+            return
+        if self._pending:
+            oldest = self._pending[0]
+            self._write("in", oldest.op, oldest.seq, oldest.size)
+        else:
+            self._write("out", self._last_op, self.seq, 0)
+
+    def _note_device(self) -> None:
+        # The poller queries CUDA events; bound to the rank's device it creates no context on GPU 0.
+        if self._device is None:
+            self._device = _current_cuda_device()
+
+    def _poll(self, interval: float) -> None:
+        bound = False
+        while not self._stop.wait(interval):
+            if not bound and self._device is not None:
+                bound = _bind_cuda_device(self._device)
+            self.refresh()
+
     def close(self) -> None:
-        self._map.close()
-        self._file.close()
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(timeout=5 * POLL_S + 1)
+        with self._lock:
+            self._closed = True
+            self._pending.clear()
+            self._map.close()
+            self._file.close()
 
 
-def install(path: Path, cleanup_hooks: list[Callable[[], None]]) -> FlightRecorder:
+def _async_op_slot(fn: Callable[..., Any]) -> int | None:
+    """Where ``fn`` takes ``async_op`` among positional arguments; None when it has none (monitored_barrier)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())  # follows __wrapped__ through fault wrappers
+    except (TypeError, ValueError):
+        return None
+    for index, param in enumerate(params):
+        if param.name == "async_op":
+            # keyword-only: no positional argument can reach it, so it always goes in as a keyword
+            return index if param.kind is param.POSITIONAL_OR_KEYWORD else len(params)
+    return None
+
+
+def _as_async(slot: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], bool]:
+    """The call's arguments with ``async_op=True``, and whether the caller asked for it."""
+    if len(args) > slot:
+        return (*args[:slot], True, *args[slot + 1 :]), kwargs, bool(args[slot])
+    return args, {**kwargs, "async_op": True}, bool(kwargs.get("async_op", False))
+
+
+def _current_cuda_device() -> int | None:
+    try:
+        import torch
+
+        return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    except Exception:  # noqa: BLE001 - without a usable CUDA there is nothing to bind
+        return None
+
+
+def _bind_cuda_device(device: int) -> bool:
+    try:
+        import torch
+
+        torch.cuda.set_device(device)
+        return True
+    except Exception:  # noqa: BLE001 - polling still works, at worst with a context on the default device
+        return False
+
+
+def install(path: Path, cleanup_hooks: list[Callable[[], None]], backend: str | None = None) -> FlightRecorder:
     """Record every collective of this rank into ``path`` until the cleanup hooks run."""
     import torch.distributed as dist
 
-    recorder = FlightRecorder(path)
+    recorder = FlightRecorder(path, queued=queues_work(backend))
     for name in _WRAPPED:
         original = getattr(dist, name, None)
         if original is None:
@@ -107,8 +271,9 @@ def diagnose(states: dict[int, FlightState | None], progress: dict[int, str | No
     parts = []
     for rank in sorted(waiting):
         if rank not in behind:
-            culprits = ", ".join(map(str, behind)) if behind else "no rank outside it"
-            parts.append(f"rank {rank} waits in {waiting[rank].label} for rank {culprits}")
+            # With no rank behind there is no one to name: the closing clause says what all of them wait in.
+            culprits = f" for rank {', '.join(map(str, behind))}" if behind else ""
+            parts.append(f"rank {rank} waits in {waiting[rank].label}{culprits}")
     for rank in behind:
         state = states[rank]
         where = progress.get(rank) or "no progress"

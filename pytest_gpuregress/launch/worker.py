@@ -104,7 +104,8 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
     ctx.progress("start")
     try:  # from the first installed patch on: whatever raises, every patch is undone (ranks outlive a job)
         installed = faults.install(job.faults, ctx)
-        flight.install(files.flight, ctx.cleanup_hooks)  # after the faults: it sees the calls the scenario makes
+        # after the faults: it sees the calls the scenario makes; on NCCL/RCCL it reads completion from each Work
+        flight.install(files.flight, ctx.cleanup_hooks, job.backend)
         run_scenario = resolve_entry(job.scenario)
         switches = set_determinism(int(job.config.get("seed", 0)), device_kind=job.device_kind)
         if init_group:

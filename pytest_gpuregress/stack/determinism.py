@@ -1,14 +1,101 @@
 """Every determinism switch in one place (after torchtitan's ``set_determinism``).
 
 Called on every rank before a scenario builds anything. What it set is returned and stored in
-the fingerprint, so a reference says under which switches it was recorded.
+the fingerprint (``numerics.determinism.*``), so a reference says under which switches it was
+recorded, and the exact lane applies only where they match.
+
+Per platform (docs/gpu.md, "Determinism on GPUs"):
+  cpu   strict ``torch.use_deterministic_algorithms``; every SDPA backend stays allowed: the CPU
+        flash kernel (``_scaled_dot_product_flash_attention_for_cpu``) and math are deterministic.
+  cuda  strict mode too: in warn-only mode torch runs nondeterministic kernels (the flash and
+        memory-efficient SDPA backward) and only warns, while the exact lane demands equal bits.
+        SDPA goes to the math backend only: its backward is plain matmuls and softmax, deterministic
+        on every torch release. cuDNN attention's backward is not deterministic (recent torch skips
+        it in strict mode, older releases run it silently); flash and memory-efficient attention have
+        a deterministic backward in strict mode in recent torch only, so they are left out too.
+        cuBLAS gets ``CUBLAS_WORKSPACE_CONFIG=:4096:8``.
+  rocm  as cuda, plus ``ROCBLAS_DEFAULT_ATOMICS_MODE=0`` (no atomics in rocBLAS GEMMs). Math only
+        here as well: the CK memory-efficient backward ignores the deterministic flag, and AOTriton
+        flash attention has a deterministic backward only in recent releases.
+The cost: the math backend is slower than a fused kernel and holds the whole attention matrix
+(memory grows with the square of the sequence length), and the fused SDPA kernels are not what a GPU
+run exercises. An op without a deterministic kernel raises in strict mode (torch's message names it).
+
+Where a device cannot be made deterministic (a ``CUBLAS_WORKSPACE_CONFIG`` or
+``ROCBLAS_DEFAULT_ATOMICS_MODE`` set to a nondeterministic value before the run, a torch without the
+SDPA switches, or ``GPUREGRESS_DETERMINISM=warn`` for a model whose op raises in strict mode), the
+run is set up in warn-only mode and says so: ``deterministic`` False and
+``nondeterministic_reason``. The comparison then uses the tolerant lane and names the reason
+(reference/compare.py), and the report header prints it (``header_lines``).
 """
 
 from __future__ import annotations
 
 import os
 import random
+from dataclasses import dataclass
 from typing import Any
+
+CUBLAS_DEFAULT = ":4096:8"
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")  # the only values with which torch calls cuBLAS deterministic
+ROCBLAS_ATOMICS_OFF = "0"
+# "warn": warn-only mode where strict mode raises (an op without a deterministic kernel); the exact lane is off then.
+MODE_VARIABLE = "GPUREGRESS_DETERMINISM"
+SDPA_BACKENDS = ("cudnn", "flash", "math", "mem_efficient")
+# SDPA backends allowed per platform: those whose backward is deterministic on every supported torch.
+SDPA_ALLOWED: dict[str, tuple[str, ...]] = {"cpu": SDPA_BACKENDS, "cuda": ("math",), "rocm": ("math",)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``set_determinism`` sets on a platform; ``reason`` says why it cannot be deterministic (None: it can)."""
+
+    platform: str  # "cpu", "cuda" (NVIDIA) or "rocm"
+    sdpa_backends: tuple[str, ...]
+    reason: str | None
+
+    @property
+    def deterministic(self) -> bool:
+        return self.reason is None
+
+
+def platform_of(device_kind: str, torch: Any) -> str:
+    """``device_kind`` is "cuda" on ROCm too (torch's HIP build keeps the name); torch.version.hip tells them apart."""
+    if device_kind != "cuda":
+        return "cpu"
+    return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+
+
+def plan(device_kind: str) -> Plan:
+    """The determinism settings for this platform, read without changing anything (the header uses it too)."""
+    import torch
+
+    platform = platform_of(device_kind, torch)
+    return Plan(platform, SDPA_ALLOWED[platform], _obstacle(platform, torch))
+
+
+def _obstacle(platform: str, torch: Any) -> str | None:
+    if os.environ.get(MODE_VARIABLE, "strict").lower() == "warn":
+        return f"{MODE_VARIABLE}=warn asks for warn-only mode (for a model with an op that has no deterministic kernel)"
+    if platform == "cpu":
+        return None
+    if getattr(torch.backends.cuda, "enable_math_sdp", None) is None:
+        return f"torch {torch.__version__} has no switch to route attention (SDPA) to its deterministic math backend"
+    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DEFAULT)
+    if platform == "cuda" and cublas not in CUBLAS_DETERMINISTIC:
+        return (f"CUBLAS_WORKSPACE_CONFIG={cublas} was set before the run; cuBLAS is deterministic only with "
+                f"{' or '.join(CUBLAS_DETERMINISTIC)}")
+    atomics = os.environ.get("ROCBLAS_DEFAULT_ATOMICS_MODE", ROCBLAS_ATOMICS_OFF)
+    if platform == "rocm" and atomics != ROCBLAS_ATOMICS_OFF:
+        return f"ROCBLAS_DEFAULT_ATOMICS_MODE={atomics} was set before the run: rocBLAS GEMMs may use atomics"
+    return None
+
+
+def _route_sdpa(torch: Any, allowed: tuple[str, ...]) -> None:
+    for backend in SDPA_BACKENDS:
+        switch = getattr(torch.backends.cuda, f"enable_{backend}_sdp", None)
+        if switch is not None:  # a torch without the switch has no such backend
+            switch(backend in allowed)
 
 
 def set_determinism(seed: int, *, device_kind: str, cpu_threads: int | None = 1) -> dict[str, Any]:
@@ -20,8 +107,11 @@ def set_determinism(seed: int, *, device_kind: str, cpu_threads: int | None = 1)
     import numpy as np
     import torch
 
-    # cuBLAS needs this before the first cuBLAS handle is created to be deterministic.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    chosen = plan(device_kind)
+    # cuBLAS and rocBLAS read these when their first handle is created: before any GPU work.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DEFAULT)
+    if chosen.platform == "rocm":
+        os.environ.setdefault("ROCBLAS_DEFAULT_ATOMICS_MODE", ROCBLAS_ATOMICS_OFF)
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
@@ -32,11 +122,9 @@ def set_determinism(seed: int, *, device_kind: str, cpu_threads: int | None = 1)
     # Process-wide numerics a previous job in a reused rank may have changed: back to torch's defaults.
     torch.set_default_dtype(torch.float32)
     torch.set_flush_denormal(False)
-    for backend in ("flash", "mem_efficient", "math"):
-        getattr(torch.backends.cuda, f"enable_{backend}_sdp")(True)
-    # Strict on the CPU. On GPUs some kernels (flash/mem-efficient SDPA backward) have no
-    # deterministic variant and would raise; warn_only keeps deterministic choices where they exist.
-    torch.use_deterministic_algorithms(True, warn_only=device_kind == "cuda")
+    _route_sdpa(torch, chosen.sdpa_backends)
+    # Strict wherever determinism can be had: warn-only would run nondeterministic kernels and only warn.
+    torch.use_deterministic_algorithms(True, warn_only=not chosen.deterministic)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     # TF32 silently lowers fp32 matmul precision on Ampere+ and its default moved between releases.
@@ -51,4 +139,32 @@ def set_determinism(seed: int, *, device_kind: str, cpu_threads: int | None = 1)
         "cudnn_benchmark": False,
         "tf32": False,
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        # Added with GPU determinism. References recorded before lack them, and a key a reference lacks
+        # never decides its lane (fingerprint.numerics_diff), so the keys above keep their CPU values.
+        "platform": chosen.platform,
+        "warn_only": not chosen.deterministic,
+        "sdpa_backends": ",".join(chosen.sdpa_backends),
+        "rocblas_atomics_mode": os.environ.get("ROCBLAS_DEFAULT_ATOMICS_MODE"),
+        "deterministic": chosen.deterministic,
+        "nondeterministic_reason": chosen.reason,
     }
+
+
+def nondeterminism(fingerprint: dict[str, Any]) -> str | None:
+    """Why the run with this fingerprint could not be made deterministic; None when it could, or says nothing."""
+    numerics = fingerprint.get("numerics") or {}
+    if numerics.get("determinism.deterministic", True) is not False:
+        return None
+    return numerics.get("determinism.nondeterministic_reason") or "no reason recorded"
+
+
+def header_lines(device_kind: str) -> list[str]:
+    """The report header's word on determinism on a GPU, or wherever it cannot be had; none on a deterministic CPU."""
+    chosen = plan(device_kind)
+    if chosen.platform == "cpu" and chosen.deterministic:
+        return []
+    if chosen.deterministic:
+        return [f"gpuregress determinism ({chosen.platform}): strict deterministic algorithms, SDPA on "
+                f"{'/'.join(chosen.sdpa_backends)} only, TF32 off: a rerun on this stack must be bitwise equal"]
+    return [f"gpuregress determinism ({chosen.platform}): NOT deterministic, {chosen.reason}; warn-only mode, "
+            "so every comparison uses the tolerant lane"]

@@ -73,6 +73,9 @@ class FaultKind:
     help: str
     params: dict[str, Param] = field(default_factory=dict)
     required: tuple[str, ...] = ()  # keys a spec of this kind must give
+    # It acts only between ranks (through a collective, or a shard that is not the whole): True for
+    # every spec of the kind, or the modes that do. With one rank such a fault could never fire.
+    needs_peers: bool | tuple[str, ...] = False
 
 
 @dataclass(frozen=True)
@@ -111,10 +114,10 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
         "ranks": _RANKS,
         "rank": _RANKS,
         "every": Param("int", "fire on 1 matching call in N", minimum=1),
-    }),
+    }, needs_peers=True),
     FaultKind("emulate_premul_sum", ".collective:install_premul_sum_emulation",
               "give gloo a PREMUL_SUM all-reduce (input x factor, then SUM), so a premul_sum fault can be shown "
-              "caught on a CPU"),
+              "caught on a CPU", needs_peers=True),
     FaultKind("lr_scale", ".training:install_lr_scale", "every optimizer step uses lr x factor", {
         "factor": Param("number", "the learning-rate factor (default 1.01)"), "ranks": _RANKS, "rank": _RANKS}),
     FaultKind("linear_noise", ".training:install_linear_noise",
@@ -155,7 +158,7 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
         "layer": Param("int", "decoder layer of the affected module (default 1)"),
         "proj": Param("choice", "projection of the affected module (default q_proj)",
                       ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
-        "ranks": _RANKS, "rank": _RANKS}, required=("mode",)),
+        "ranks": _RANKS, "rank": _RANKS}, required=("mode",), needs_peers=("rank0_slice",)),
     FaultKind("checkpoint", ".checkpoint:install", "a checkpoint bug of docs/faults.md section 3, for scenario checkpoint "
               "(docs/checkpoint.md)", {
         "mode": Param("choice", "optimizer_dropped: the loaded optimizer state is dropped; rank0_shard: only rank 0's "
@@ -169,7 +172,7 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
         "layer": Param("int", "ulp_nudge: decoder layer of the nudged weight (default 1)"),
         "proj": Param("choice", "ulp_nudge: projection of the nudged weight (default q_proj)",
                       ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))},
-        required=("mode",)),
+        required=("mode",), needs_peers=("rank0_shard", "chunks_permuted")),
 )}
 
 
@@ -219,9 +222,21 @@ def install(texts: list[str], ctx: Any) -> list[str]:
     return installed
 
 
-def check_ranks(specs: tuple[FaultSpec, ...] | list[FaultSpec], world_size: int) -> None:
-    """Refuse a spec that names a rank this run does not have: it would silently never fire."""
+def needs_peers(spec: FaultSpec) -> bool:
+    """True when ``spec`` acts only between ranks: at world size 1 it would never fire."""
+    peers = KINDS[spec.kind].needs_peers
+    return peers if isinstance(peers, bool) else spec.get("mode") in peers
+
+
+def check_ranks(specs: tuple[FaultSpec, ...] | list[FaultSpec], world_size: int,
+                origin: str = "--gpuregress-world-size") -> None:
+    """Refuse a spec that cannot fire with this run's ranks: a green run would claim it was not caught.
+
+    ``origin``: why the run has ``world_size`` ranks, for the message (e.g. "one visible GPU")."""
     for spec in specs:
+        if world_size < 2 and needs_peers(spec):
+            raise BadFaultSpec(f"{spec.text!r}: needs 2 or more ranks to fire, and this run has {world_size} "
+                               f"({origin}); run it on a machine with 2+ GPUs or on the CPU (2 gloo ranks)")
         if spec.ranks is not None and max(spec.ranks) >= world_size:
             raise BadFaultSpec(f"{spec.text!r}: names rank {max(spec.ranks)}, but this run has ranks 0 to "
                                f"{world_size - 1} (--gpuregress-world-size)")

@@ -68,6 +68,9 @@ class Case:
     marks: tuple[str, ...] = ()
     launch: str = "default"
     data: dict[str, Any] = field(default_factory=dict)
+    # Ranks the case needs to test anything: 2 for collectives, sharding and resharding. Below it the
+    # case is still collected, and skipped with the reason, rather than passing or vanishing.
+    min_ranks: int = 1
 
 
 @dataclass(frozen=True)

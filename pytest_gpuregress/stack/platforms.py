@@ -24,6 +24,30 @@ class Platform:
         return f"{device}-{self.backend}-w{self.world_size}-{tag}"
 
 
+SINGLE_RANK_GAPS = "collectives, sharding and resharding cannot be exercised"
+
+
+def rank_origin(platform: Platform, asked: int | None = None) -> str:
+    """Why the run has its ranks, for messages: "one visible GPU", "--gpuregress-world-size=1"."""
+    n = platform.world_size
+    if platform.in_place:
+        return f"WORLD_SIZE={n} under torchrun"
+    if asked:
+        return f"--gpuregress-world-size={asked}"
+    if platform.device_kind == "cuda":
+        return "one visible GPU" if n == 1 else f"{n} visible GPUs"
+    return f"{n} gloo ranks on the CPU"
+
+
+def too_few_ranks(needed: int, platform: Platform, asked: int | None = None) -> str | None:
+    """The reason a case that needs ``needed`` ranks cannot run here, or None when it can."""
+    n = platform.world_size
+    if n >= needed:
+        return None
+    gaps = f"; {SINGLE_RANK_GAPS}" if n == 1 else ""
+    return f"needs {needed} or more ranks: this run has {n} ({rank_origin(platform, asked)}){gaps}"
+
+
 def launched_by_torchrun() -> bool:
     """RANK and WORLD_SIZE set by torchrun (or taken from srun), and not by our own spawner."""
     adopt_srun_environment()

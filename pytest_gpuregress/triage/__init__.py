@@ -159,6 +159,10 @@ def _shape(record: RunRecord, name: str) -> tuple[int, ...]:
 def cheap_evidence(sc: Scenario, setup: Setup, run: Runner, model: str | None = None) -> list[Experiment]:
     """Equivalence and oracle, from three short launches (cached by the runner)."""
     planned = launches(sc, setup, model)
+    if setup.world_size < 2:  # one rank against one rank would clear the collectives without testing them
+        one, exact = (run(sc, planned[key]) for key in ("one", "oracle"))
+        return [Experiment("equivalence", "not applicable", "needs 2 or more ranks: this run has 1"),
+                oracle(sc, one, exact)]
     n, one, exact = (run(sc, planned[key]) for key in ("n", "one", "oracle"))
     # The oracle judges the one-rank run: no collective touches it, so a difference there is the kernels'.
     return [equivalence(sc, n, one, setup), oracle(sc, one, exact)]

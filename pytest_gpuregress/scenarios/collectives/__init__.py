@@ -61,7 +61,8 @@ class CollectivesScenario(CheckScenario):
                          emulated=emulated_ops(setup.faults))
 
     def cases(self, setup: Setup) -> list[Case]:
-        return [Case(c.id, launch=c.protocol, data=c.to_json()) for c in self.planned(setup)]
+        # One rank moves no data: every case needs a peer to test anything.
+        return [Case(c.id, launch=c.protocol, data=c.to_json(), min_ranks=2) for c in self.planned(setup)]
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
         groups = self.groups(setup)

@@ -26,8 +26,10 @@ class TriageScenario(CheckScenario):
         cases = []
         for sc in registry().values():
             models = [None, *(m.name for m in setup.models)] if sc.trains_user_models else [None]
+            # Equivalence at one rank would compare one rank with one rank: it needs two.
             cases += [Case(f"{kind}-{sc.name}" + (f"-{model}" if model else ""),
-                           data={"scenario": sc.name, "experiment": kind, "model": model})
+                           data={"scenario": sc.name, "experiment": kind, "model": model},
+                           min_ranks=2 if kind == "equivalence" else 1)
                       for model in models for kind in ("equivalence", "oracle") if sc.supports_triage]
         return cases
 

@@ -39,6 +39,28 @@ def test_changed_stack_selects_the_tolerant_lane_and_reports_the_change() -> Non
     assert ("versions.torch", "2.13.0", "2.14.1") in cmp.stack_changes
 
 
+def test_the_lane_reason_names_every_library_change_first_however_many_device_fields_changed() -> None:
+    """On another CPU the device fields change too; the summary line must still name each library change."""
+    old_versions = {"torch": "2.13.0", "transformers": "5.24.0", "peft": "0.21.2", "accelerate": "1.15.0", "numpy": "2.4.6"}
+    new_versions = {"torch": "2.14.1", "transformers": "5.0.0", "peft": "0.20.0", "accelerate": "1.14.0", "numpy": "2.3.0"}
+    old_device = {"kind": "cpu", "name": "cpu", "arch": "x86_64", "cpu_model": "AMD EPYC", "cpu_capability": "AVX2",
+                  "count": None, "blas_library": None}
+    new_device = {"kind": "cpu", "name": "cpu", "arch": "x86_64-v4", "cpu_model": "Intel(R) Xeon(R) Platinum 8488C",
+                  "cpu_capability": "AVX512", "count": 2, "blas_library": "openblas"}
+    reference, run = make_record(), make_record()
+    reference.fingerprint = {"versions": old_versions, "device": old_device}
+    run.fingerprint = {"versions": new_versions, "device": new_device}
+    cmp = compare_training(reference, run)
+    reason = cmp.lane_reason
+    assert cmp.lane == "tolerant"
+    named = [f"{name} {old_versions[name]} -> {new}" for name, new in new_versions.items()]
+    assert all(text in reason for text in named), reason
+    assert max(reason.index(text) for text in named) < reason.index("device.")  # libraries first
+    assert "and 2 more (all in the failure report and JUnit's stack_changes)" in reason, reason  # 5 device fields, 3 shown
+    report = _report(cmp)  # the failure report lists every change
+    assert all(f"  {text}" in report for text in named) and "device.cpu_capability: AVX2 -> AVX512" in report
+
+
 def test_python_patch_level_does_not_leave_the_exact_lane() -> None:
     run = make_record()
     run.fingerprint = {**run.fingerprint, "versions": {"torch": "2.13.0", "python": "3.11.9"}}

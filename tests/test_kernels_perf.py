@@ -123,6 +123,23 @@ def test_observations_warn_or_fail_on_a_slowdown_and_can_be_turned_off() -> None
     assert off.evidence()[0].startswith("kernels: not compared (no inventory on one side")
 
 
+@pytest.mark.parametrize("other", [{"cpu_model": "Intel(R) Xeon(R) Platinum 8488C"}, {"cpu_capability": "AVX512"},
+                                   {"kind": "cuda", "name": "NVIDIA H100 80GB HBM3", "count": 8}])
+def test_perf_is_not_judged_against_a_reference_timed_on_other_hardware(other: dict[str, object]) -> None:
+    """A 3x slowdown on another CPU or GPU model is printed as information with the reason, never warned or failed."""
+    device = {"kind": "cpu", "name": "cpu", "count": None, "cpu_model": "AMD EPYC", "cpu_capability": "AVX2"}
+    ref = with_results(perf=PERF)
+    run = with_results(perf={**PERF, "median_step_s": 0.4, "tokens_per_s": 2560.0})
+    ref.fingerprint = {**ref.fingerprint, "device": device}
+    run.fingerprint = {**run.fingerprint, "device": {**device, **other}}
+    for options in (Options(), Options(perf="fail")):
+        seen = Observations.of(ref, run, options)
+        assert seen.failures() == [] and seen.warnings() == [] and seen.perf_problems == []
+        assert "bus bandwidth 1.00x (not judged: the reference was timed on other hardware (device." in seen.detail()
+    run.fingerprint = {**run.fingerprint, "device": device}  # the same hardware: judged
+    assert Observations.of(ref, run, Options(perf="fail")).failures()[0].startswith("[performance] tokens/s")
+
+
 def test_kernel_changes_are_triage_evidence_and_decide_an_inconclusive_verdict() -> None:
     from pytest_gpuregress.reference.compare import Comparison, Finding
 

@@ -90,7 +90,7 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 
 # The key figures of a test, attached as JUnit properties (record_property's mechanism).
 JUNIT_FIGURES = ("lane", "first_differing_step", "worst_over_tolerance", "platform_key", "seconds", "wrong_elements",
-                 "perf", "kernel_changes", "busiest_expert_share")
+                 "perf", "kernel_changes", "busiest_expert_share", "stack_changes")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -106,9 +106,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         return report
     figures = _session(item.config).figures
     # As record_property does: the item's properties reach JUnit through the teardown report.
-    item.user_properties.extend((k, figures[k]) for k in JUNIT_FIGURES if figures.get(k) is not None)
+    item.user_properties.extend((k, _junit_value(figures[k])) for k in JUNIT_FIGURES if figures.get(k) is not None)
     _html_extras(report, figures)
     return report
+
+
+def _junit_value(value: Any) -> Any:
+    """A list (the stack's changes) as one attribute value: "torch 2.12.0 -> 2.13.0; device.cpu_model: ..."."""
+    return "; ".join(map(str, value)) if isinstance(value, list) else value
 
 
 def _html_extras(report: pytest.TestReport, figures: dict[str, Any]) -> None:
@@ -121,7 +126,7 @@ def _html_extras(report: pytest.TestReport, figures: dict[str, Any]) -> None:
     if figures.get("plot"):  # embedded, so the report is one file a CI can upload
         added.append(extras.png(base64.b64encode(Path(figures["plot"]).read_bytes()).decode(), name="comparison plot"))
     if figures.get("stack_changes"):
-        added.append(extras.text(figures["stack_changes"], name="stack changes since the reference"))
+        added.append(extras.text("\n".join(figures["stack_changes"]), name="stack changes since the reference"))
     report.extras = [*getattr(report, "extras", []), *added]
 
 
@@ -215,6 +220,7 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     if options is None or not options.enabled:
         return None
     from ..scenarios import registry
+    from ..stack.determinism import header_lines as determinism_lines
     from ..stack.fingerprint import collect, header_lines
     from ..stack.known_issues import header_lines as known_issue_lines
     from ..stack.known_issues import matching
@@ -223,6 +229,7 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     plat = session.platform
     fingerprint = collect(plat.device_kind, plat.backend, plat.world_size)
     lines = header_lines(fingerprint)
+    lines += determinism_lines(plat.device_kind)  # on a GPU, or where determinism cannot be had: why
     lines += known_issue_lines(matching(session.known_issues, fingerprint))
     mode = "in place under torchrun" if plat.in_place else "spawned locally"
     lines.append(
@@ -230,6 +237,7 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
         f"{'RECORDING' if options.record else 'comparing'} references in {session.user_reference_root}"
         + ("" if options.record else f" (else shipped: {session.shipped_reference_root})")
     )
+    lines += session.rank_header()
     lines.append(f"gpuregress artifacts: {session.output_dir} (failed runs, plots, logs; --gpuregress-artifacts)")
     if options.inject:
         lines.append(f"gpuregress faults injected: {'; '.join(options.inject)}")
@@ -261,6 +269,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     for scenario, case in session.all_cases():
         kind_mark = pytest.mark.gpuregress_training if scenario.kind == "training" else pytest.mark.gpuregress_check
         marks = [kind_mark, *(getattr(pytest.mark, m) for m in case.marks)]
+        shortfall = session.rank_shortfall(case)
+        if shortfall:  # collected and skipped with the reason: never a silent pass or a missing test
+            marks.append(pytest.mark.skip(reason=shortfall))
         params.append(pytest.param((scenario.name, case.id), id=test_id(scenario, case), marks=marks))
     metafunc.parametrize("gpuregress_case", params)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ..reference import kernels, perf
 from ..reference.record import RunRecord
+from ..stack import fingerprint as fp
 from .options import Options
 
 
@@ -31,11 +32,19 @@ class Observations:
     perf_problems: list[str]
     options: Options
 
+    # Why the ratios are information only: the reference was timed on other hardware ("" when judged).
+    perf_not_judged: str = ""
+
     @classmethod
     def of(cls, reference: RunRecord, record: RunRecord, options: Options) -> Observations:
         changes = kernels.changes(reference, record) if options.kernel_changes != "off" else None
         ratios = None if options.perf == "off" else perf.ratios(
             reference, record, slowdown=options.perf_slowdown, memory=options.perf_memory)
+        other_hardware = fp.hardware_diff(reference.fingerprint, record.fingerprint)
+        if other_hardware:  # a step time from another CPU or GPU model says nothing about this stack
+            why = "not judged: the reference was timed on other hardware (" + ", ".join(
+                fp.describe_change(*c) for c in other_hardware) + ")"
+            return cls(changes, ratios, [], options, why)
         return cls(changes, ratios, perf.problems(ratios, record, reference), options)
 
     def failures(self) -> list[str]:
@@ -68,7 +77,8 @@ class Observations:
         """For the terminal summary: the ratios and the count of changed kernels."""
         parts = []
         if self.ratios:
-            parts.append("perf vs reference: " + perf.summary(self.ratios))
+            judged = f" ({self.perf_not_judged})" if self.perf_not_judged else ""
+            parts.append("perf vs reference: " + perf.summary(self.ratios) + judged)
         if self.kernel_changes is not None:
             parts.append(f"kernels changed: {len(self.kernel_changes)}")
         elif self.options.kernel_changes != "off":  # say so: =fail cannot fail on what was never compared

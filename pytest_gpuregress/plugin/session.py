@@ -30,10 +30,11 @@ from ..reference.compare import Comparison, compare_training, tolerant_limits
 from ..reference.names import safe_component
 from ..reference.plot import first_divergence
 from ..reference.record import RunRecord
-from ..reference.report import format_comparison, format_margins, format_stack_changes
+from ..reference.report import format_comparison, format_margins
 from ..resources import shipped_dir
 from ..scenarios import Case, Launch, Scenario, Setup, get_scenario, registry
-from ..stack.platforms import Platform, resolve_platform
+from ..stack.fingerprint import describe_change
+from ..stack.platforms import SINGLE_RANK_GAPS, Platform, rank_origin, resolve_platform, too_few_ranks
 from .artifacts import Artifacts, compare_command
 from .observations import Observations
 from .options import Options
@@ -68,7 +69,7 @@ class GpuRegressSession:
         self.artifacts = Artifacts(self.output_dir)
         self.figures: dict[str, Any] = {}  # the current test's key figures, for JUnit properties and HTML extras
         self.platform: Platform = resolve_platform(options.device, options.world_size)
-        check_ranks(options.faults, self.platform.world_size)
+        check_ranks(options.faults, self.platform.world_size, rank_origin(self.platform, options.world_size))
         self.setup = Setup(
             device_kind=self.platform.device_kind,
             backend=self.platform.backend,
@@ -100,8 +101,20 @@ class GpuRegressSession:
         """Keep the (scenario, case id) pairs that survived -k and -m, so launches carry only those."""
         self.selected = {}
         for sc, case in self.all_cases():
-            if (sc.name, case.id) in chosen:
+            if (sc.name, case.id) in chosen and self.rank_shortfall(case) is None:  # skipped ones launch nothing
                 self.selected.setdefault(sc.name, []).append(case)
+
+    def rank_shortfall(self, case: Case) -> str | None:
+        """Why ``case`` cannot run with this run's ranks (the skip reason), or None when it can."""
+        return too_few_ranks(case.min_ranks, self.platform, self.options.world_size)
+
+    def rank_header(self) -> list[str]:
+        """At one rank, the header says what it cannot exercise, and how many cases are skipped for it."""
+        if self.platform.world_size > 1:
+            return []
+        skipped = sum(self.rank_shortfall(case) is not None for _, case in self.all_cases())
+        return [f"gpuregress single rank ({rank_origin(self.platform, self.options.world_size)}): {SINGLE_RANK_GAPS}; "
+                f"{skipped} cases that need 2 or more ranks are skipped, and faults that need peers are refused"]
 
     # --- where references live ------------------------------------------------------------------
 
@@ -320,7 +333,12 @@ class GpuRegressSession:
         """Run one case of a registered scenario and give its verdict: the built-in suite's one test."""
         __tracebackhide__ = True
         sc = registry()[scenario]
-        case = next(c for c in self.selected.get(scenario, []) or sc.cases(self.setup) if c.id == case_id)
+        # Cases skipped for want of ranks are not in ``selected``: look them up among all the scenario's cases.
+        case = next((c for c in self.selected.get(scenario, []) if c.id == case_id), None) \
+            or next(c for c in sc.cases(self.setup) if c.id == case_id)
+        shortfall = self.rank_shortfall(case)
+        if shortfall:  # a direct call; the built-in suite already skips such cases
+            raise NotApplicable(shortfall)
         if self.options.fail_fast and not self.options.record:
             self._watch_reference(sc, case)
         try:
@@ -434,7 +452,7 @@ class GpuRegressSession:
         self.figures.update(lane=comparison.lane, platform_key=record.platform_key,
                             first_differing_step=first_divergence(comparison), worst_over_tolerance=worst,
                             seconds=outcome.seconds, plot=kept.plot,
-                            stack_changes="\n".join(format_stack_changes(comparison.stack_changes)),
+                            stack_changes=[describe_change(*c) for c in comparison.stack_changes] or ["none"],
                             perf=perf.summary(observed.ratios) or None,
                             kernel_changes=None if observed.kernel_changes is None else len(observed.kernel_changes))
         # Warned once the outcome is kept: under -W error a warning raises, and must not lose the summary row.

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..stack import fingerprint as fp
+from ..stack.determinism import nondeterminism
 from . import step0
 from .envelope import PREFIX as ENVELOPE_PREFIX
 from .envelope import MetricLimits, digest_deviation, floors_for, limit, rel, tensor_deviation
@@ -87,10 +88,13 @@ def choose_lane(reference: RunRecord, run: RunRecord, requested: str = "auto") -
     changed = fp.numerics_diff(reference.fingerprint, run.fingerprint)
     if requested in ("exact", "tolerant"):
         return requested, f"{requested} lane requested"
+    for whose, record in (("this run", run), ("the reference", reference)):
+        reason = nondeterminism(record.fingerprint)
+        if reason:  # bitwise equality cannot be expected even on an unchanged stack
+            return "tolerant", f"{whose} could not be made deterministic ({reason}), so results may move within tolerances"
     if not changed:
         return "exact", "the numerics fingerprint matches the reference, so results must be bitwise equal"
-    names = ", ".join(fp.describe_change(*c) for c in changed[:4]) + (" ..." if len(changed) > 4 else "")
-    return "tolerant", f"the stack changed ({names}), so results may move within tolerances"
+    return "tolerant", f"the stack changed ({fp.summarize_changes(changed)}), so results may move within tolerances"
 
 
 def ulps32(a: np.ndarray, b: np.ndarray) -> np.ndarray:

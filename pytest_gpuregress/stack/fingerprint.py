@@ -242,9 +242,32 @@ def describe_change(name: str, old: Any, new: Any) -> str:
     return f"{name}: {_short(old)} -> {_short(new)}"
 
 
+def summarize_changes(changes: list[tuple[str, Any, Any]], others_shown: int = 3) -> str:
+    """One line for the closing table: every library version change first, never dropped, then at most
+    ``others_shown`` of the rest (device, numerics, comm) and a count of what is left out. The whole list
+    is in the failure report and in the JUnit property ``stack_changes``."""
+    libraries = [c for c in changes if c[0].startswith("versions.")]
+    others = [c for c in changes if not c[0].startswith("versions.")]
+    text = ", ".join(describe_change(*c) for c in libraries + others[:others_shown])
+    hidden = len(others) - others_shown
+    return text + (f", and {hidden} more (all in the failure report and JUnit's stack_changes)" if hidden > 0 else "")
+
+
 def _short(value: Any) -> str:
     text = value if isinstance(value, str) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# The device fields that say which hardware ran: timings, memory and bandwidth are comparable only between
+# runs on the same. The CPU capability is here because one "AMD EPYC" model string covers AVX2 and AVX512
+# generations, and a kernel path forced lower (ATEN_CPU_CAPABILITY) changes speed by itself.
+HARDWARE_FIELDS = ("kind", "name", "count", "arch", "machine", "mig", "cpu_model", "cpu_capability")
+
+
+def hardware_diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
+    """The hardware fields that differ (only those the reference recorded)."""
+    ref, cur = reference.get("device") or {}, current.get("device") or {}
+    return [(f"device.{k}", ref.get(k), cur.get(k)) for k in HARDWARE_FIELDS if k in ref and ref.get(k) != cur.get(k)]
 
 
 def numerics_key(fp: Fingerprint) -> dict[str, Any]:
@@ -263,7 +286,8 @@ def numerics_diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[st
     """Numerics fields that differ. A field the reference does not have at all was added to the fingerprint
     after it was recorded (device.dnn, device.blas_library): unknown then, so it cannot have changed."""
     ref, cur = numerics_key(reference), numerics_key(current)
-    return [(k, ref[k], cur[k]) for k in sorted(ref) if ref[k] != cur[k] and _recorded(reference, k)]
+    # cur.get: a determinism.* key the run lacks (a run set up without set_determinism) reads as None
+    return [(k, ref[k], cur.get(k)) for k in sorted(ref) if ref[k] != cur.get(k) and _recorded(reference, k)]
 
 
 def _recorded(fp: Fingerprint, key: str) -> bool:

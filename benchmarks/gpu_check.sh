@@ -1,32 +1,139 @@
 #!/usr/bin/env bash
-# The prepared device check for a lent GPU machine: one run, results under $OUT.
+# The prepared device check for a lent GPU machine: one run, results under $OUT, and an exit status that
+# says whether every step met its expectation (0) or not (1).
 #
-# It uses the machine's own torch (nothing is installed: the plugin runs from this source tree
-# through PYTHONPATH and -p), records a bf16 FSDP2 reference and compares against it twice
-# (run-to-run determinism on the GPU), runs the collective sweep once per NCCL protocol, and
-# shows an injected bf16 AVG tail fault caught on the NCCL path, and checks the kernel inventory and
-# the host-op watch on real kernels. About 6 minutes on one H200.
+# It uses the machine's own torch (nothing is installed: the plugin runs from this source tree through
+# PYTHONPATH and -p), records a bf16 FSDP2 reference and compares a second run with it bit for bit (run-to-run
+# determinism), runs triage's equivalence and float64 oracle, forces another SDPA backend and a host fallback
+# (the kernel inventory must name both), runs the collective sweep once per NCCL protocol, injects a bf16 AVG
+# tail fault and runs the sweep benchmark. Budget: 8 minutes on one H200 (100 training steps).
+#
+# Dry run (GPU_CHECK_DRY_RUN=1 or --dry-run): the same steps on 2 gloo CPU ranks with 4 steps and narrow
+# collective selections, so a wrong path or option fails in CI rather than on the one GPU run a task may get.
+# Expectations differ from the GPU's only where the CPU really behaves otherwise; each says why.
 set -uo pipefail
+DRY=${GPU_CHECK_DRY_RUN:-0}
+[[ ${1:-} == --dry-run ]] && DRY=1
+cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$(mktemp -d)}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-run() { echo "+ $*" | tee -a "$OUT/log"; "$@" 2>&1 | tail -n 40 | tee -a "$OUT/log"; }
-P=(python3 -m pytest -p pytest_gpuregress.plugin -p no:cacheprovider --gpuregress --gpuregress-timeout=300 -q)
+mkdir -p "$OUT"
+# References, artifacts and step logs live outside $OUT: the device returns at most 8 files from it, 2 folders deep.
+WORK=$(mktemp -d)
+REFS=$WORK/refs
+PY=${PYTHON:-python3}
+# Only this plugin, from this tree: neither an installed copy nor the machine's other pytest plugins.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 
-python3 -m pytest_gpuregress.cli env > "$OUT/fingerprint.json" 2>&1
-run "${P[@]}" -k fsdp --gpuregress-steps=100 --gpuregress-record "--gpuregress-reference-dir=$OUT/refs"
-run "${P[@]}" -k fsdp --gpuregress-steps=100 "--gpuregress-reference-dir=$OUT/refs"
-run "${P[@]}" -k fsdp --gpuregress-steps=100 "--gpuregress-reference-dir=$OUT/refs"
-# The kernel inventory on a real GPU: no host ops in a clean run (the failure would name them), the
-# flash/efficient SDPA backend named, and a forced math backend and a real host fallback reported.
-run "${P[@]}" -k "fsdp and not triage" --gpuregress-steps=100 "--gpuregress-reference-dir=$OUT/refs" \
-    --gpuregress-inject=sdpa_backend:backend=math --gpuregress-lane=tolerant -W default
-run "${P[@]}" -k "fsdp and not triage" --gpuregress-steps=100 "--gpuregress-reference-dir=$OUT/refs" \
-    --gpuregress-inject=host_op:op=silu
-python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(json.dumps({k: r['results'].get(k) for k in ('perf','host_ops')}, indent=1)); print(r['results']['kernels'].get('aten::scaled_dot_product_attention'))" \
-    "$OUT/refs/fsdp/cuda-nccl-w1-bf16/record.json" 2>&1 | tee -a "$OUT/log"
-run "${P[@]}" -k collectives --gpuregress-nccl-protos=LL,LL128,Simple
-run "${P[@]}" -k "all_reduce and avg and bf16" \
+if (( DRY )); then
+    # One noise replica, not 3: the replica machinery still runs; the other two only cost CPU time.
+    DEVICE=cpu STEPS=4 REPLICAS=1 BUDGET=${GPU_CHECK_BUDGET:-600}
+    SWEEP=(-k "collectives and all_reduce and sum and fp32" --gpuregress-collectives-max-bytes=4KiB)
+    FAULT_MAX=(--gpuregress-collectives-max-bytes=4KiB)
+    BENCH=(--device cpu --max-bytes 4KiB --repeats 1)
+else
+    # 8 minutes: a device command may run 10, and the table must be printed before that.
+    DEVICE=cuda STEPS=100 REPLICAS=3 BUDGET=${GPU_CHECK_BUDGET:-480}
+    # Three protocols x the whole sweep: 64 MiB keeps it in budget; the benchmark step below goes to 256 MiB.
+    SWEEP=(-k collectives --gpuregress-collectives-max-bytes=64MiB)
+    FAULT_MAX=()
+    BENCH=(--device cuda)
+fi
+P=("$PY" -m pytest -p pytest_gpuregress.plugin -p no:cacheprovider -q -W default --gpuregress
+   "--gpuregress-device=$DEVICE" --gpuregress-timeout=240 "--gpuregress-steps=$STEPS"
+   "--gpuregress-reference-dir=$REFS" "--gpuregress-artifacts=$WORK/artifacts")
+CLI='import sys; from pytest_gpuregress.cli import main; sys.exit(main(sys.argv[1:]))'
+
+NAMES=() EXPECTED=() OUTCOMES=() SECS=() VERDICTS=()
+# step NAME EXPECT REGEX -- COMMAND...: EXPECT is pass (exit 0), fail (1) or usage (4); REGEX, if any, must
+# appear in the output, so a pass or failure for another reason does not count. A step gets what is left of
+# BUDGET; once it is spent the remaining steps are listed as not run, which differs from any expectation.
+step() {
+    local name=$1 expect=$2 regex=$3 log=$WORK/logs/$1.log start=$SECONDS left=$((BUDGET - SECONDS)) rc got
+    shift 4
+    mkdir -p "$WORK/logs"
+    echo "+ [$name] $*" | tee -a "$OUT/log"
+    if (( left < 10 )); then
+        echo "not run: the ${BUDGET}s budget is spent" >"$log"
+        rc=-1
+    else
+        timeout "$left" "$@" >"$log" 2>&1
+        rc=$?
+    fi
+    tail -n 40 "$log" | tee -a "$OUT/log"
+    case $rc in 0) got=pass ;; 1) got=fail ;; 4) got=usage ;; 124) got=timeout ;; -1) got="not run" ;; *) got="exit $rc" ;; esac
+    [[ -n $regex && $rc != -1 ]] && ! grep -Eq -- "$regex" "$log" && got="$got, text missing"
+    NAMES+=("$name") EXPECTED+=("$expect${regex:+ /$regex/}") OUTCOMES+=("$got") SECS+=($((SECONDS - start)))
+    if [[ $got == "$expect" ]]; then VERDICTS+=(ok); else VERDICTS+=(DIFFERS); fi
+}
+
+# The stack fingerprint; the device kind proves torch sees what this mode expects.
+step env pass "\"kind\": \"$DEVICE\"" -- "$PY" -c "$CLI" env --device "$DEVICE"
+cp "$WORK/logs/env.log" "$OUT/fingerprint.json"
+# The key the code files fsdp references under (stack/platforms.py), not a spelling of our own.
+step platform-key pass '^(cpu|cuda|rocm)-' -- "$PY" -c '
+import sys
+from pytest_gpuregress.scenarios import registry
+from pytest_gpuregress.scenarios.base import Setup
+from pytest_gpuregress.stack.platforms import resolve_platform
+p = resolve_platform(sys.argv[1])
+sc = registry()["fsdp"]
+print(p.key(sc.platform_tag(sc.default_config(Setup(p.device_kind, p.backend, p.world_size, steps=int(sys.argv[2]))))))
+' "$DEVICE" "$STEPS"
+KEY=$(tail -n 1 "$WORK/logs/platform-key.log")
+RECORD=$REFS/fsdp/$KEY/record.json
+
+step record pass '1 passed' -- "${P[@]}" -k "fsdp and not triage" --gpuregress-record "--gpuregress-replicas=$REPLICAS"
+step reference-at-key pass '' -- test -f "$RECORD"
+# Run-to-run determinism: a second run on the same stack compares in the exact lane, bit for bit.
+step compare pass 'PASSED \[exact lane\]' -- "${P[@]}" -k "fsdp and not triage"
+# N ranks against one, and one rank against float64 (bf16's bound on GPUs); needs no reference.
+step triage pass 'passed' -- "${P[@]}" -k "triage and fsdp"
+# The kernel inventory on the device: a forced SDPA backend must be named, whatever the numbers do. It must be
+# one the clean run does not use: GPUs run math (stack/determinism.py routes them there), so flash is forced;
+# the CPU runs its own flash kernel, so math is forced.
+if (( DRY )); then SDPA_FORCED=(math '_scaled_dot_product_attention_math')
+else SDPA_FORCED=(flash '_scaled_dot_product_flash_attention([^_]|$)'); fi
+step sdpa-backend fail "attention: .*-> ${SDPA_FORCED[1]}" -- "${P[@]}" -k "fsdp and not triage" \
+    "--gpuregress-inject=sdpa_backend:backend=${SDPA_FORCED[0]}" --gpuregress-lane=tolerant --gpuregress-kernel-changes=fail
+# A real host fallback on a GPU; on the CPU the GPU is emulated by a device tag, with the same report. 4 steps
+# recorded into a folder of their own: on the GPU model silu on the host costs seconds a step, and a recording
+# that fails its own checks names them without needing a reference.
+step host-op fail 'ran on the CPU.*aten::silu' -- "${P[@]}" -k "fsdp and not triage" --gpuregress-inject=host_op:op=silu \
+    --gpuregress-record --gpuregress-replicas=0 --gpuregress-steps=4 "--gpuregress-reference-dir=$WORK/refs-host-op"
+# What the clean reference's inventory holds: the math SDPA and no host op on GPUs. The CPU differs: its SDPA
+# runs the CPU flash kernel, and a CPU run keeps no host-op watch (there is no host to fall back to).
+if (( DRY )); then SDPA='_scaled_dot_product_flash_attention_for_cpu$' HOST=null
+else SDPA='_scaled_dot_product_attention_math$' HOST='{}'; fi
+step inventory pass '' -- "$PY" -c '
+import json, re, sys
+r = json.load(open(sys.argv[1]))["results"]
+sdpa, host = r["kernels"]["aten::scaled_dot_product_attention"]["dispatch"], r.get("host_ops")
+print(json.dumps({"sdpa": sdpa, "host_ops": host, "perf": r.get("perf")}, indent=1))
+sys.exit(0 if any(re.search(sys.argv[2], d) for d in sdpa) and json.dumps(host and host.get("ops")) == sys.argv[3] else 1)
+' "$RECORD" "$SDPA" "$HOST"
+# NCCL protocol pinning; gloo has no protocols, so on the CPU the sweep runs once and says so.
+if (( DRY )); then PROTO_TEXT='does not apply to gloo'; else PROTO_TEXT='protocol LL128: '; fi
+step protocols pass "$PROTO_TEXT" -- "${P[@]}" "${SWEEP[@]}" --gpuregress-nccl-protos=LL,LL128,Simple
+# An injected bf16 AVG tail fault. A one-rank collective moves no data, so on one GPU the fault cannot fire and
+# the run refuses it as a usage error; with 2+ ranks (the CPU's 2 gloo ranks too) it must be caught.
+if [[ $KEY == *-w1-* ]]; then FAULT=(usage 'gpuregress-inject: .collective:.*needs 2 or more ranks to fire'); else FAULT=(fail 'wrong elements'); fi
+step collective-fault "${FAULT[@]}" -- "${P[@]}" -k "all_reduce and avg and bf16" "${FAULT_MAX[@]}" \
     "--gpuregress-inject=collective:op=all_reduce,dtype=bfloat16,reduce_op=avg,mode=zero_tail,count=8"
-run python3 benchmarks/collective_sweep.py --dtype bf16
-tar -C "$OUT" -czf "$OUT/refs.tgz" refs 2>/dev/null
+step sweep-bench pass ' 0 failing' -- "$PY" benchmarks/collective_sweep.py --dtype bf16 "${BENCH[@]}"
+
+tar -C "$WORK" -czf "$OUT/refs.tgz" refs 2>/dev/null
+tar -C "$WORK" -czf "$OUT/logs.tgz" logs 2>/dev/null
+status=0
+for verdict in "${VERDICTS[@]}"; do [[ $verdict == ok ]] || status=1; done
+{
+    printf '%-17s %-58s %-22s %7s  %s\n' step expected outcome seconds verdict
+    for i in "${!NAMES[@]}"; do
+        printf '%-17s %-58s %-22s %7s  %s\n' "${NAMES[$i]}" "${EXPECTED[$i]}" "${OUTCOMES[$i]}" "${SECS[$i]}" "${VERDICTS[$i]}"
+    done
+    echo "mode: $( ((DRY)) && echo 'dry run (CPU)' || echo GPU), platform key $KEY, ${SECONDS}s in all," \
+         "$( ((status)) && echo 'SOME STEPS DIFFER FROM THEIR EXPECTATION' || echo 'every step as expected')"
+} >"$OUT/table.txt"
+cat "$OUT/table.txt"
 echo "results in $OUT"
+rm -rf "$WORK"
+exit $status

@@ -17,6 +17,8 @@ from pytest_gpuregress.scenarios.formats import checkpoint, diagnose, oracle, qu
 from pytest_gpuregress.scenarios.formats.catalog import FORMATS, SCHEMES
 from pytest_gpuregress.scenarios.formats.errors import CheckpointProblem
 
+pytestmark = pytest.mark.cpu_sensitive  # .ci/run runs these again on a lower CPU kernel path
+
 WEIGHT = np.random.default_rng(0).normal(0, 0.02, (16, 80)).astype(np.float32)
 PROBE = np.concatenate([np.linspace(-1, 1, 61), [-0.0, -1e-12, 1e-12]]).astype(np.float32).reshape(2, 32)
 

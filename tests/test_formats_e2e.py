@@ -16,7 +16,7 @@ import pytest
 
 from pytest_gpuregress.resources import shipped_dir
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_sensitive]
 FLIP = "--gpuregress-inject=format:mode=flip_overflow"
 
 

@@ -14,6 +14,8 @@ import pytest
 from pytest_gpuregress.scenarios.formats import grid, oracle, quantize
 from pytest_gpuregress.scenarios.formats.catalog import FORMATS, SCHEMES
 
+pytestmark = pytest.mark.cpu_sensitive  # .ci/run runs these again on a lower CPU kernel path
+
 E4M3FN, E4M3FNUZ, E5M2, E5M2FNUZ, E8M0, E2M1 = (FORMATS[f] for f in FORMATS)
 
 

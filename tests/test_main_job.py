@@ -12,7 +12,7 @@ import pytest
 
 from .test_shipped_references import CHECKPOINT, FSDP, SHIPPED, gpuregress
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full_tier, pytest.mark.cpu_sensitive]
 
 
 def test_the_main_job_passes_against_the_shipped_references(tmp_path: Path) -> None:
@@ -22,8 +22,17 @@ def test_the_main_job_passes_against_the_shipped_references(tmp_path: Path) -> N
     assert "fsdp cpu-gloo-w2-fp32: PASSED" in done.stdout and "ForeignReference" not in done.stdout
     for lane in ("fsdp2", "accelerate"):
         assert f"lora cpu-gloo-w2-fp32-{lane}: PASSED" in done.stdout
-    # The checkpoint scenario against its shipped reference, and the shipped bundle loaded on this stack.
+    # The checkpoint scenario against its shipped reference, and the shipped bundle loaded on this stack. On the
+    # CPU that recorded them the lane is exact; on any other CPU (or kernel path) it is tolerant, and says why.
     line = next(x for x in done.stdout.splitlines() if x.startswith("checkpoint cpu-gloo-w2-fp32:"))
-    assert "PASSED [exact lane]" in line and str(SHIPPED / CHECKPOINT) in line, line
+    assert str(SHIPPED / CHECKPOINT) in line, line
+    exact = "PASSED [exact lane]" in line
+    assert exact or ("PASSED [tolerant lane]" in line and "the stack changed (" in line), line
     assert f"portability: {SHIPPED / CHECKPOINT} (recorded on " in done.stdout
-    assert "exact lane, logits 0 from the bundle's" in done.stdout
+    portability = next(x for x in done.stdout.splitlines() if "portability: " in x and " loaded on " in x)
+    if exact:
+        assert "exact lane, logits 0 from the bundle's" in portability, portability
+    else:
+        assert "tolerant lane, logits " in portability, portability
+    # Timings from another CPU are never judged, so a clean run warns of no slowdown on any machine.
+    assert "GpuRegressPerfWarning" not in done.stdout, done.stdout[-4000:]

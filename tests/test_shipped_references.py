@@ -9,9 +9,11 @@ reference's fingerprint, as if it had been recorded on older libraries.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ import pytest
 from pytest_gpuregress.reference.atomic import sha256_file, write_json
 from pytest_gpuregress.resources import shipped_dir
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full_tier, pytest.mark.cpu_sensitive]
 
 SHIPPED = shipped_dir("reference_runs")
 FSDP = Path("fsdp") / "cpu-gloo-w2-fp32"
@@ -55,13 +57,19 @@ def test_an_upgrade_with_kernel_drift_compares_in_the_tolerant_lane_passes_and_n
     upgraded_refs: Path, tmp_path: Path
 ) -> None:
     # An upgrade usually brings legitimate kernel drift too: every linear layer x (1 +- 1e-7).
+    junit = tmp_path / "junit.xml"
     done = gpuregress(tmp_path, f"--gpuregress-reference-dir={upgraded_refs}", "-k", "fsdp and not triage",
-                      "--gpuregress-inject=linear_noise:rel=1e-7")
+                      "--gpuregress-inject=linear_noise:rel=1e-7", f"--junitxml={junit}")
     assert done.returncode == 0, done.stdout[-4000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("fsdp cpu-gloo-w2-fp32:"))
     assert "PASSED [tolerant lane]" in line and "worst/limit (K x envelope + floor)" in line, line
+    # Every library change is on the summary line, whatever else changed on this machine (another CPU adds
+    # device fields); the whole list, device fields included, is in JUnit.
+    properties = {p.get("name"): p.get("value") for p in ET.parse(junit).iter("property")}
     for name, old in OLDER.items():
         assert f"{name} {old} -> " in line, (name, line)
+        assert f"{name} {old} -> " in properties["stack_changes"], properties
+    assert all(field in properties["stack_changes"] for field in re.findall(r"device\.\w+", line)), properties
 
 
 def test_a_reduce_scatter_error_of_1e_4_still_fails_after_the_upgrade(upgraded_refs: Path, tmp_path: Path) -> None:

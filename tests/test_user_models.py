@@ -113,6 +113,7 @@ def test_a_path_named_like_a_zoo_model_is_refused_until_written_as_a_path(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.full_tier  # the zoo's record-and-compare at 4 steps; its shipped references too
 def test_the_zoo_moe_model_passes_every_training_scenario(pytester: pytest.Pytester) -> None:
     # (The tied model runs the same way; the checkpoint scenario's tied case covers what it adds, and the shipped
     # references of both zoo models are checked against this code in test_shipped_references.py.)

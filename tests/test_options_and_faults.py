@@ -78,3 +78,36 @@ def test_a_required_key_is_asked_for_at_configure_time() -> None:
 def test_a_kind_without_keys_refuses_every_key() -> None:
     with pytest.raises(BadFaultSpec, match="has no key 'x'; its keys: none"):
         parse("emulate_premul_sum:x=1")
+
+
+def test_two_stacked_collective_faults_both_fire_and_are_counted() -> None:
+    """Each fault keeps its own 'inside a wrapped call' state: the outer one no longer makes the inner one pass
+    through, and a collective implemented through another is still corrupted once per fault."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pytest_gpuregress.faults.collective import CollectiveFault, _wrap_collective
+
+    def all_reduce(tensor: torch.Tensor, op: object = None, group: object = None, async_op: bool = False) -> None:
+        return None  # a stand-in for the transport: the output is left as the input
+
+    def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, **kwargs: object) -> None:
+        dist.all_reduce(output_tensor)  # a collective implemented through another
+
+    dist = SimpleNamespace(all_reduce=all_reduce, all_gather_into_tensor=all_gather_into_tensor)
+    tail = CollectiveFault(parse("collective:op=all_reduce,mode=zero_tail,count=1"), rank=0, world_size=2)
+    nudge = CollectiveFault(parse("collective:op=all_reduce,mode=nudge,rel=0.5"), rank=0, world_size=2)
+    undo = [_wrap_collective(dist, "all_reduce", tail), _wrap_collective(dist, "all_reduce", nudge)]
+    tensor = torch.ones(8)
+    dist.all_reduce(tensor)
+    assert tensor.tolist() == [1, 1, 1, 1, 1.5, 1, 1, 0]  # both fired on the one call
+    assert (tail.fired, nudge.fired) == (1, 1)
+    gather = CollectiveFault(parse("collective:op=all_gather,mode=zeros"), rank=0, world_size=2)
+    undo.append(_wrap_collective(dist, "all_gather_into_tensor", gather))
+    out = torch.ones(4)
+    dist.all_gather_into_tensor(out, torch.ones(2))
+    assert (gather.fired, tail.fired, nudge.fired) == (1, 2, 2) and out.tolist() == [0, 0, 0, 0]
+    for restore in reversed(undo):
+        restore()
+    assert dist.all_reduce is all_reduce

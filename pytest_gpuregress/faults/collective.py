@@ -28,7 +28,6 @@ COLLECTIVES: dict[str, tuple[str, str]] = {
     "all_to_all_single": ("all_to_all", "output"),
     "all_to_all": ("all_to_all", "output_tensor_list"),
 }
-_local = threading.local()
 
 
 def nbytes(value: Any) -> int:
@@ -65,7 +64,11 @@ class CollectiveFault:
         self.every = max(1, spec.get("every", 1))
         self.target_ranks = spec.ranks
         self.calls = 0
+        self.fired = 0  # outputs actually corrupted: a fault that never fired proves nothing
         self.stale: dict[tuple[Any, ...], list[Any]] = {}
+        # "Inside one of my wrapped calls", per fault and thread: one collective implemented through another is
+        # corrupted once, and a second fault stacked on this one still sees (and corrupts) the same call.
+        self.local = threading.local()
 
     def matches(self, family: str, size: int, out: Any, op: Any) -> bool:
         if self.world_size == 1:  # a one-rank collective moves no data, so a transport bug cannot touch it
@@ -91,8 +94,10 @@ class CollectiveFault:
             self.stale[key] = [t.detach().clone() for t in outputs]
             if fire and previous is not None:
                 self._restore_chunk(outputs, previous)
+                self.fired += 1
         elif fire:
             self._corrupt(outputs)
+            self.fired += 1
 
     def _restore_chunk(self, outputs: list[Any], previous: list[Any]) -> None:
         chunk = self.spec.get("chunk", -1)
@@ -132,9 +137,9 @@ def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[
     family, out_key = COLLECTIVES[name]
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_local, "inside", False):  # one collective implemented through another
+        if getattr(fault.local, "inside", False):  # one collective implemented through another
             return original(*args, **kwargs)
-        _local.inside = True
+        fault.local.inside = True
         try:
             out = kwargs.get(out_key, args[0] if args else None)
             size = max(nbytes(out), nbytes(args[1] if len(args) > 1 else kwargs.get("input", None)))
@@ -144,7 +149,7 @@ def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[
             fault.after(family, size, out, kwargs.get("op"))
             return work
         finally:
-            _local.inside = False
+            fault.local.inside = False
 
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(dist, name, wrapper)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,9 +77,18 @@ def queued_all_reduce(works: list[FakeWork]) -> Callable[..., FakeWork | None]:
 
     def all_reduce(tensor: torch.Tensor, op: object = None, group: object = None, async_op: bool = False) -> FakeWork | None:
         works.append(FakeWork())
-        return works[-1] if async_op else None  # the plain call waits inside and returns None
+        return works[-1] if async_op else None  # the plain call leaves the stream waiting and returns None
 
     return all_reduce
+
+
+def stream_events(works: list[FakeWork]) -> Callable[[], Callable[[], bool]]:
+    """A stand-in for the CUDA event recorded after a plain call: done when that call's queued work is."""
+    return lambda: works[-1].is_completed
+
+
+def queued_recorder(path: Path, works: list[FakeWork]) -> flight.FlightRecorder:
+    return flight.FlightRecorder(path, queued=True, poll_s=None, stream_marker=stream_events(works))
 
 
 def test_gloo_keeps_its_path_and_nccl_or_rccl_read_completion_from_the_work() -> None:
@@ -88,11 +98,12 @@ def test_gloo_keeps_its_path_and_nccl_or_rccl_read_completion_from_the_work() ->
 
 def test_a_queued_but_unfinished_nccl_collective_keeps_the_rank_inside_it(tmp_path: Path) -> None:
     path = tmp_path / "rank0.flight"
-    recorder = flight.FlightRecorder(path, queued=flight.queues_work("nccl"), poll_s=None)
     works: list[FakeWork] = []
+    recorder = queued_recorder(path, works)
+    assert recorder.queued is flight.queues_work("nccl")
     all_reduce = recorder.wrap("all_reduce", queued_all_reduce(works))
     assert all_reduce(torch.zeros(4)) is None  # returned at once, as NCCL does
-    assert works[0].waited == 1
+    assert works[0].waited == 0  # the call was made as the caller made it: nothing waited behind its back
     assert flight.read(path, 0) == FlightState(0, True, "all_reduce", 1, 16)  # gloo's path would say "out" here
     all_reduce(torch.zeros(8))
     recorder.refresh()
@@ -108,7 +119,7 @@ def test_a_queued_but_unfinished_nccl_collective_keeps_the_rank_inside_it(tmp_pa
 
 def test_a_hung_gpu_collective_names_the_rank_that_never_queued_it(tmp_path: Path) -> None:
     works: list[FakeWork] = []
-    recorders = [flight.FlightRecorder(tmp_path / f"rank{r}.flight", queued=True, poll_s=None) for r in range(2)]
+    recorders = [queued_recorder(tmp_path / f"rank{r}.flight", works) for r in range(2)]
     calls = [recorder.wrap("all_reduce", queued_all_reduce(works)) for recorder in recorders]
     calls[0](torch.zeros(4))
     calls[1](torch.zeros(4))
@@ -124,13 +135,30 @@ def test_a_hung_gpu_collective_names_the_rank_that_never_queued_it(tmp_path: Pat
         "rank 1 stopped outside any collective (last: all_reduce #1), after step 1 done")
 
 
-def test_a_caller_asking_for_async_op_gets_the_work_and_waits_itself(tmp_path: Path) -> None:
-    recorder = flight.FlightRecorder(tmp_path / "rank0.flight", queued=True, poll_s=None)
+def test_a_caller_asking_for_async_op_gets_its_work_and_completion_is_read_from_it(tmp_path: Path) -> None:
+    path = tmp_path / "rank0.flight"
     works: list[FakeWork] = []
+    recorder = flight.FlightRecorder(path, queued=True, poll_s=None, stream_marker=lambda: None)
     all_reduce = recorder.wrap("all_reduce", queued_all_reduce(works))
     assert all_reduce(torch.zeros(4), None, None, True) is works[0]  # async_op given positionally
-    assert works[0].waited == 0
     assert all_reduce(torch.zeros(4), async_op=True) is works[1]
+    assert works[0].waited == works[1].waited == 0  # the caller waits itself
+    recorder.refresh()
+    assert flight.read(path, 0) == FlightState(0, True, "all_reduce", 1, 16)
+    works[0].done = works[1].done = True
+    recorder.refresh()
+    assert flight.read(path, 0) == FlightState(0, False, "all_reduce", 2, 0)
+    assert all_reduce(torch.zeros(4)) is None  # a plain call with no CUDA to mark the stream: done on return
+    assert flight.read(path, 0) == FlightState(0, False, "all_reduce", 3, 0)
+    recorder.close()
+
+
+def test_inside_torch_compile_the_recorder_steps_aside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    works: list[FakeWork] = []
+    recorder = queued_recorder(tmp_path / "rank0.flight", works)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    recorder.wrap("all_reduce", queued_all_reduce(works))(torch.zeros(4))
+    assert recorder.seq == 0 and len(works) == 1
     recorder.close()
 
 
@@ -154,9 +182,13 @@ def test_install_on_nccl_polls_completion_in_a_thread(tmp_path: Path, monkeypatc
 
     works: list[FakeWork] = []
     monkeypatch.setattr(dist, "all_reduce", queued_all_reduce(works))
+    monkeypatch.setattr(flight, "_cuda_stream_marker", stream_events(works))
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "")  # so that monkeypatch restores what was there
+    monkeypatch.delenv("TORCH_NCCL_TRACE_BUFFER_SIZE")
     hooks: list[Callable[[], None]] = []
     path = tmp_path / "rank0.flight"
     recorder = flight.install(path, hooks, "nccl")
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == str(flight.TORCH_TRACE_ENTRIES)  # torch's recorder too
     try:
         assert recorder.queued
         dist.all_reduce(torch.zeros(4))

@@ -10,19 +10,24 @@ never run there). ``diagnose`` turns every rank's state into one line:
     (last: all_gather #56), after step 2 done
 
 On gloo a collective is done when its call returns. NCCL and RCCL (which torch names "nccl") return
-as soon as the collective is queued on the GPU stream, so "returned" says nothing about a GPU that
-hangs in it. On those backends each collective runs with ``async_op=True`` behind the caller's back
-(then waited as the plain call would: the stream waits, the host does not), its ``Work`` is kept,
-and a polling thread marks it done only when ``work.is_completed()`` says the GPU finished it. The
-state file then names the oldest collective the GPU has not finished. torch's own NCCL flight
-recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, dumped by torch on a watchdog timeout) is complementary:
-its dump runs inside the hung rank, while this file is read from outside by the launcher.
+as soon as the collective is queued on the GPU, so "returned" says nothing about a GPU that hangs in
+it. On those backends the call itself is left as the caller made it (the same stream, the same
+semantics, no Work held longer than the caller holds it); completion is read afterwards: from the
+caller's own ``Work`` when it asked for ``async_op``, else from a CUDA event recorded on the current
+stream right after the call, which the GPU reaches only once the collective has finished. A polling
+thread drops what has finished, and the state file names the oldest collective the GPU has not.
+Inside ``torch.compile`` the wrapper steps aside (its lock would break the graph).
+
+Not seen here: collectives that bypass ``torch.distributed``'s Python functions, such as the functional
+collectives of DTensor (``full_tensor()``, ``clip_grad_norm_`` over DTensors). For those, torch's own NCCL
+flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, dumped by torch on a watchdog timeout, inside the
+hung rank) is the source; the launcher sets it on NCCL/RCCL ranks unless the user did.
 """
 
 from __future__ import annotations
 
-import inspect
 import mmap
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +42,7 @@ _WRAPPED = (*COLLECTIVES, "barrier", "monitored_barrier")
 # Backends whose collectives return once queued on the device stream (torch names RCCL "nccl" too).
 _QUEUED_BACKENDS = ("nccl", "rccl")
 POLL_S = 0.05  # how often queued collectives are checked for completion
+TORCH_TRACE_ENTRIES = 2000  # torch's NCCL flight recorder ring: enough for a few steps of a sharded model
 
 
 def queues_work(backend: str | None) -> bool:
@@ -61,18 +67,19 @@ class FlightState:
 
 @dataclass
 class _Queued:
-    """A collective handed to a queueing backend; ``work`` is None while its call is still enqueuing it."""
+    """A collective handed to a queueing backend; ``done`` answers whether the GPU finished it (None while the
+    call is still enqueuing it)."""
 
     seq: int
     op: str
     size: int
-    work: Any = None
+    done: Callable[[], bool] | None = None
 
     def finished(self) -> bool:
-        if self.work is None:
+        if self.done is None:
             return False
         try:
-            return bool(self.work.is_completed())
+            return bool(self.done())
         except Exception:  # noqa: BLE001 - a failed work no longer runs on the device; the rank raises on it
             return True
 
@@ -84,12 +91,15 @@ class FlightRecorder:
     is read from each collective's ``Work``; ``poll_s`` is how often a thread does that (None: only
     when ``refresh`` is called)."""
 
-    def __init__(self, path: Path, *, queued: bool = False, poll_s: float | None = POLL_S) -> None:
+    def __init__(self, path: Path, *, queued: bool = False, poll_s: float | None = POLL_S,
+                 stream_marker: Callable[[], Callable[[], bool] | None] | None = None) -> None:
         path.write_bytes(b" " * SLOT)
         self._file = open(path, "r+b")  # noqa: SIM115 - mapped for the rank's lifetime in this job
         self._map = mmap.mmap(self._file.fileno(), SLOT)
         self.seq = 0
         self.queued = queued
+        # After a plain call: what says the current stream has passed it (a CUDA event's query), or None.
+        self._mark_stream = stream_marker or _cuda_stream_marker
         self._last_op = ""
         self._pending: list[_Queued] = []
         self._lock = threading.Lock()  # the caller's thread and the poller both write the state
@@ -107,12 +117,13 @@ class FlightRecorder:
 
     def wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         family = COLLECTIVES.get(name, (name, ""))[0]
-        slot = _async_op_slot(original) if self.queued else None
 
         def recorded(*args: Any, **kwargs: Any) -> Any:
+            if _compiling():
+                return original(*args, **kwargs)
             size = max(nbytes(args[0]) if args else 0, nbytes(args[1]) if len(args) > 1 else 0)
-            if slot is not None:
-                return self._call_queued(family, size, original, slot, args, kwargs)
+            if self.queued:
+                return self._call_queued(family, size, original, args, kwargs)
             with self._lock:
                 self.seq += 1
                 self._last_op = family
@@ -125,22 +136,19 @@ class FlightRecorder:
         recorded.__wrapped__ = original  # type: ignore[attr-defined]
         return recorded
 
-    def _call_queued(self, family: str, size: int, original: Callable[..., Any], slot: int,
+    def _call_queued(self, family: str, size: int, original: Callable[..., Any],
                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run the collective asynchronously and keep its Work; behave towards the caller as the call would."""
-        args, kwargs, caller_async = _as_async(slot, args, kwargs)
+        """Make the call as the caller made it, then keep what says when the GPU has finished it."""
         self._note_device()
         entry = self._enter(family, size)
-        work = None
         try:
-            work = original(*args, **kwargs)
-        finally:
-            self._queued(entry, work)
-        if caller_async:
-            return work
-        if work is not None:
-            work.wait()  # what the synchronous call does: on NCCL the current stream waits, the host does not
-        return None
+            result = original(*args, **kwargs)
+        except BaseException:
+            self._queued(entry, None)
+            raise
+        # The caller's own Work when it asked for async_op; else an event on the stream the plain call left waiting.
+        self._queued(entry, result.is_completed if hasattr(result, "is_completed") else self._mark_stream())
+        return result
 
     def _enter(self, family: str, size: int) -> _Queued:
         with self._lock:
@@ -151,10 +159,10 @@ class FlightRecorder:
             self._show()
         return entry
 
-    def _queued(self, entry: _Queued, work: Any) -> None:
+    def _queued(self, entry: _Queued, done: Callable[[], bool] | None) -> None:
         with self._lock:
-            entry.work = work
-            if work is None:  # nothing was queued (a rank outside the group), or the call raised
+            entry.done = done
+            if done is None:  # the call raised, or nothing tells completion (no CUDA): done when it returned
                 self._pending.remove(entry)
             self._show()
 
@@ -196,24 +204,27 @@ class FlightRecorder:
             self._file.close()
 
 
-def _async_op_slot(fn: Callable[..., Any]) -> int | None:
-    """Where ``fn`` takes ``async_op`` among positional arguments; None when it has none (monitored_barrier)."""
+def _compiling() -> bool:
     try:
-        params = list(inspect.signature(fn).parameters.values())  # follows __wrapped__ through fault wrappers
-    except (TypeError, ValueError):
+        import torch
+
+        return bool(torch.compiler.is_compiling())
+    except (ImportError, AttributeError):
+        return False
+
+
+def _cuda_stream_marker() -> Callable[[], bool] | None:
+    """A CUDA event recorded on the current stream, as its query; None without an initialised CUDA."""
+    try:
+        import torch
+
+        if not torch.cuda.is_initialized():
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event.query
+    except Exception:  # noqa: BLE001 - without a usable CUDA the call's return is all there is to go by
         return None
-    for index, param in enumerate(params):
-        if param.name == "async_op":
-            # keyword-only: no positional argument can reach it, so it always goes in as a keyword
-            return index if param.kind is param.POSITIONAL_OR_KEYWORD else len(params)
-    return None
-
-
-def _as_async(slot: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], bool]:
-    """The call's arguments with ``async_op=True``, and whether the caller asked for it."""
-    if len(args) > slot:
-        return (*args[:slot], True, *args[slot + 1 :]), kwargs, bool(args[slot])
-    return args, {**kwargs, "async_op": True}, bool(kwargs.get("async_op", False))
 
 
 def _current_cuda_device() -> int | None:
@@ -240,6 +251,10 @@ def install(path: Path, cleanup_hooks: list[Callable[[], None]], backend: str | 
     import torch.distributed as dist
 
     recorder = FlightRecorder(path, queued=queues_work(backend))
+    if recorder.queued:
+        # torch's own NCCL flight recorder sees what these wrappers cannot (DTensor's functional collectives). It is
+        # read when the process group is created, which comes after this; a value the user set stays.
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(TORCH_TRACE_ENTRIES))
     for name in _WRAPPED:
         original = getattr(dist, name, None)
         if original is None:

@@ -55,10 +55,28 @@ def test_the_lane_reason_names_every_library_change_first_however_many_device_fi
     assert cmp.lane == "tolerant"
     named = [f"{name} {old_versions[name]} -> {new}" for name, new in new_versions.items()]
     assert all(text in reason for text in named), reason
-    assert max(reason.index(text) for text in named) < reason.index("device.")  # libraries first
-    assert "and 2 more (all in the failure report and JUnit's stack_changes)" in reason, reason  # 5 device fields, 3 shown
+    assert max(reason.index(text) for text in named) < reason.index("device.arch")  # software first
+    assert "device.blas_library: None -> openblas" in reason  # the BLAS is software: never cut
+    assert "and 1 more (all in the failure report and JUnit's stack_changes)" in reason, reason  # 4 hardware fields, 3 shown
     report = _report(cmp)  # the failure report lists every change
     assert all(f"  {text}" in report for text in named) and "device.cpu_capability: AVX2 -> AVX512" in report
+
+
+def test_a_cuda_upgrade_keeps_its_runtime_driver_dnn_and_nccl_on_the_lane_line() -> None:
+    """torch + CUDA 12.4 -> 12.8 + cuDNN + driver + NCCL: the changes a GPU upgrade is about are never cut."""
+    old_device = {"kind": "cuda", "name": "NVIDIA H100", "count": 8, "arch": "sm_90", "cuda": "12.4", "driver": "550.54",
+                  "dnn": "cudnn 9.1.0", "blas_library": "cublaslt", "cpu_model": "Intel Xeon", "cpu_capability": "AVX512"}
+    new_device = {**old_device, "cuda": "12.8", "driver": "570.86", "dnn": "cudnn 9.7.0", "blas_library": "cublas",
+                  "name": "NVIDIA H100 80GB HBM3", "count": 4, "cpu_model": "AMD EPYC", "cpu_capability": "AVX2"}
+    reference, run = make_record(), make_record()
+    reference.fingerprint = {"versions": {"torch": "2.6.0"}, "device": old_device, "comm": {"nccl_version": "2.21.5"}}
+    run.fingerprint = {"versions": {"torch": "2.8.0"}, "device": new_device, "comm": {"nccl_version": "2.26.2"}}
+    reason = compare_training(reference, run).lane_reason
+    for text in ("torch 2.6.0 -> 2.8.0", "device.cuda: 12.4 -> 12.8", "device.driver: 550.54 -> 570.86",
+                 "device.dnn: cudnn 9.1.0 -> cudnn 9.7.0", "device.blas_library: cublaslt -> cublas",
+                 "comm.nccl_version: 2.21.5 -> 2.26.2"):
+        assert text in reason, (text, reason)
+    assert "and 1 more (all in the failure report" in reason, reason  # 4 hardware fields, 3 shown
 
 
 def test_python_patch_level_does_not_leave_the_exact_lane() -> None:

@@ -140,6 +140,17 @@ def test_perf_is_not_judged_against_a_reference_timed_on_other_hardware(other: d
     assert Observations.of(ref, run, Options(perf="fail")).failures()[0].startswith("[performance] tokens/s")
 
 
+def test_perf_on_the_same_gpus_is_judged_whatever_the_host_cpu() -> None:
+    gpus = {"kind": "cuda", "name": "NVIDIA H200", "count": 8, "arch": "sm_90", "cpu_model": "Intel Xeon"}
+    ref = with_results(perf=PERF)
+    run = with_results(perf={**PERF, "median_step_s": 0.4, "tokens_per_s": 2560.0})
+    ref.fingerprint = {**ref.fingerprint, "device": gpus}
+    run.fingerprint = {**run.fingerprint, "device": {**gpus, "cpu_model": "AMD EPYC"}}
+    assert Observations.of(ref, run, Options(perf="fail")).failures()[0].startswith("[performance] tokens/s")
+    run.fingerprint = {**run.fingerprint, "device": {**gpus, "count": 4}}  # half the GPUs: not comparable
+    assert Observations.of(ref, run, Options(perf="fail")).failures() == []
+
+
 def test_kernel_changes_are_triage_evidence_and_decide_an_inconclusive_verdict() -> None:
     from pytest_gpuregress.reference.compare import Comparison, Finding
 

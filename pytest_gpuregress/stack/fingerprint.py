@@ -242,13 +242,18 @@ def describe_change(name: str, old: Any, new: Any) -> str:
     return f"{name}: {_short(old)} -> {_short(new)}"
 
 
+# The software a platform team upgrades: libraries, the CUDA/HIP runtime, the driver, cuDNN/MIOpen, the BLAS and
+# NCCL/RCCL. A one-line summary never drops one of these.
+_SOFTWARE_FIELDS = ("device.cuda", "device.hip", "device.driver", "device.dnn", "device.blas_library", "comm.nccl_version")
+
+
 def summarize_changes(changes: list[tuple[str, Any, Any]], others_shown: int = 3) -> str:
-    """One line for the closing table: every library version change first, never dropped, then at most
-    ``others_shown`` of the rest (device, numerics, comm) and a count of what is left out. The whole list
-    is in the failure report and in the JUnit property ``stack_changes``."""
-    libraries = [c for c in changes if c[0].startswith("versions.")]
-    others = [c for c in changes if not c[0].startswith("versions.")]
-    text = ", ".join(describe_change(*c) for c in libraries + others[:others_shown])
+    """One line for the closing table: every software change first (library versions, runtime, driver, cuDNN, BLAS,
+    NCCL), never dropped, then at most ``others_shown`` of the rest (hardware, switches) and a count of what is left
+    out. The whole list is in the failure report and in the JUnit property ``stack_changes``."""
+    software = [c for c in changes if c[0].startswith("versions.")] + [c for c in changes if c[0] in _SOFTWARE_FIELDS]
+    others = [c for c in changes if c not in software]
+    text = ", ".join(describe_change(*c) for c in software + others[:others_shown])
     hidden = len(others) - others_shown
     return text + (f", and {hidden} more (all in the failure report and JUnit's stack_changes)" if hidden > 0 else "")
 
@@ -265,9 +270,12 @@ HARDWARE_FIELDS = ("kind", "name", "count", "arch", "machine", "mig", "cpu_model
 
 
 def hardware_diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
-    """The hardware fields that differ (only those the reference recorded)."""
+    """The hardware fields that differ (only those the reference recorded). On GPUs the host CPU's fields do not
+    count: two hosts of the same GPUs with other CPUs time the same GPU work."""
     ref, cur = reference.get("device") or {}, current.get("device") or {}
-    return [(f"device.{k}", ref.get(k), cur.get(k)) for k in HARDWARE_FIELDS if k in ref and ref.get(k) != cur.get(k)]
+    on_gpu = ref.get("kind") not in (None, "cpu") and ref.get("kind") == cur.get("kind")
+    fields = [k for k in HARDWARE_FIELDS if not (on_gpu and k.startswith("cpu_"))]
+    return [(f"device.{k}", ref.get(k), cur.get(k)) for k in fields if k in ref and ref.get(k) != cur.get(k)]
 
 
 def numerics_key(fp: Fingerprint) -> dict[str, Any]:

@@ -228,6 +228,14 @@ def test_a_scaled_mm_that_refuses_the_devices_fp8_format_is_a_finding_not_a_cras
     record = RunRecord("formats", {}, "", 1, results={"scaled_mm": result})
     assert summary.scaled_mm_lines(record, on_cpu=False) == ["  " + finding.removeprefix("[fp8 matmul] ")]
 
+    def crashes(a: torch.Tensor, b: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch, "_scaled_mm", crashes)  # a kernel that fails is an error, not the format refused
+    failed = scaled_mm.run("cpu")
+    assert "refused" not in failed and failed["error"].startswith("RuntimeError: CUDA error: an illegal memory access")
+    assert scaled_mm_findings(failed)[0].startswith("[fp8 matmul] torch._scaled_mm e4m3fnuz on gfx942 raised RuntimeError")
+
 
 def test_fp4_is_reported_as_going_through_the_scenario_codec() -> None:
     assert device.native_fp4_cast() is False  # torch 2.13: "copy_kernel" not implemented for Float4_e2m1fn_x2

@@ -6,7 +6,8 @@ key or value is a usage error that lists what is allowed, before any rank starts
 install the validated specs (``install``). This module is torch-free; each kind's installer lives
 in a module of its own and is imported only on the ranks. See docs/faults.md for the bug classes.
 
-To add a fault kind: write ``install(spec, ctx)`` in a module here and add a ``FaultKind`` to ``KINDS``.
+To add a fault kind: write ``install(spec, ctx) -> Firing`` in a module here (it calls ``firing.fire()`` where
+it changes something: faults/firing.py) and add a ``FaultKind`` to ``KINDS``.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import BadFaultSpec
+
+if TYPE_CHECKING:
+    from .firing import Firing
 
 COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 REDUCE_OPS = ("sum", "avg", "max", "min", "premul_sum")
@@ -69,13 +73,15 @@ class Param:
 @dataclass(frozen=True)
 class FaultKind:
     name: str
-    installer: str  # "module:function", relative to this package, called as function(spec, ctx) on each rank
+    installer: str  # "module:function", relative to this package, called as function(spec, ctx) -> Firing on each rank
     help: str
     params: dict[str, Param] = field(default_factory=dict)
     required: tuple[str, ...] = ()  # keys a spec of this kind must give
     # It acts only between ranks (through a collective, or a shard that is not the whole): True for
     # every spec of the kind, or the modes that do. With one rank such a fault could never fire.
     needs_peers: bool | tuple[str, ...] = False
+    # Why a spec of this kind need not fire ("" : it must, or the case it ran with fails; faults/firing.py).
+    need_not_fire: str = ""
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,8 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
     }, needs_peers=True),
     FaultKind("emulate_premul_sum", ".collective:install_premul_sum_emulation",
               "give gloo a PREMUL_SUM all-reduce (input x factor, then SUM), so a premul_sum fault can be shown "
-              "caught on a CPU", needs_peers=True),
+              "caught on a CPU", needs_peers=True,
+              need_not_fire="a shim that gives gloo PREMUL_SUM, not a fault: it corrupts nothing"),
     FaultKind("lr_scale", ".training:install_lr_scale", "every optimizer step uses lr x factor", {
         "factor": Param("number", "the learning-rate factor (default 1.01)"), "ranks": _RANKS, "rank": _RANKS}),
     FaultKind("linear_noise", ".training:install_linear_noise",
@@ -140,7 +147,8 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
         "how": Param("choice", "raise an exception, exit, or abort", ("raise", "exit", "abort"))}),
     FaultKind("teardown_abort", ".process:install_teardown_abort",
               "SIGABRT after results are delivered (what gloo does at exit on torch 2.13); a correct launcher ignores it",
-              {"rank": _RANKS, "ranks": _RANKS}),
+              {"rank": _RANKS, "ranks": _RANKS},
+              need_not_fire="it acts at teardown, after the results are delivered, so no record can count it"),
     FaultKind("format", ".formats:install_format", "a number-format bug of docs/faults.md section 2, for scenario formats", {
         "mode": Param("choice", "fn_as_fnuz: e4m3fn bytes read as e4m3fnuz; keep_0x80: the conversion to fnuz keeps "
                                 "0x80; fnuz_max_448: 448 used as e4m3fnuz's maximum for scales; flip_overflow: a "
@@ -207,18 +215,25 @@ def parse_all(texts: tuple[str, ...] | list[str]) -> list[FaultSpec]:
 
 
 def install(texts: list[str], ctx: Any) -> list[str]:
-    """On a rank: install every fault in this process; return the specs that apply to this rank.
+    """On a rank: install every fault in this process; return the specs that apply to this rank."""
+    return [firing.spec for firing in install_counted(texts, ctx)]
+
+
+def install_counted(texts: list[str], ctx: Any) -> list[Firing]:
+    """On a rank: install every fault in this process; return the counter of each spec that applies to this rank.
 
     A collective fault is installed on every rank (its own ``ranks`` filter decides where it fires,
-    so the call sequence stays the same everywhere); other kinds only on the ranks they name."""
+    so the call sequence stays the same everywhere); other kinds only on the ranks they name. An
+    installer that returns None acts where nothing can count it (``counted`` False)."""
+    from .firing import Firing
+
     installed = []
     for spec in parse_all(texts):
         if spec.kind != "collective" and spec.ranks is not None and ctx.rank not in spec.ranks:
             continue
         module, _, function = KINDS[spec.kind].installer.partition(":")
-        installer: Callable[[FaultSpec, Any], None] = getattr(importlib.import_module(module, __name__), function)
-        installer(spec, ctx)
-        installed.append(spec.text)
+        installer: Callable[[FaultSpec, Any], Firing | None] = getattr(importlib.import_module(module, __name__), function)
+        installed.append(installer(spec, ctx) or Firing(spec.text, counted=False))
     return installed
 
 

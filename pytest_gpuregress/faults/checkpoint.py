@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import FaultSpec
+from .firing import Firing
 from .lora import target_module
 
 MODES = ("optimizer_dropped", "rank0_shard", "chunks_permuted", "tied_key_dropped", "untied", "rng_not_restored",
@@ -34,32 +35,34 @@ def _patch(ctx: Any, owner: Any, attr: str, wrap: Callable[[Any], Any]) -> None:
     ctx.cleanup_hooks.append(lambda: setattr(owner, attr, original))
 
 
-def install(spec: FaultSpec, ctx: Any) -> None:
+def install(spec: FaultSpec, ctx: Any) -> Firing:
     from ..scenarios.checkpoint import full_state, hooks, rng, sharded, trainer_io
 
     mode = spec.get("mode")
+    firing = Firing(spec.text)  # calls of the hook point the bug changed
     if mode == "optimizer_dropped":
-        _patch(ctx, trainer_io, "apply_optimizer", lambda original: lambda trainer, state: None)
+        _patch(ctx, trainer_io, "apply_optimizer", lambda original: lambda trainer, state: firing.fire())
     elif mode == "rank0_shard":
-        _patch(ctx, sharded, "save", _save_from_rank0_only)
-        _patch(ctx, full_state, "gather", lambda original: _local_shards)
+        _patch(ctx, sharded, "save", lambda original: _save_from_rank0_only(original, firing))
+        _patch(ctx, full_state, "gather", lambda original: lambda model: _local_shards(model, firing))
     elif mode == "chunks_permuted":
-        _patch(ctx, sharded, "load", _permuting)
+        _patch(ctx, sharded, "load", lambda original: _permuting(original, firing))
     elif mode == "tied_key_dropped":
-        _patch(ctx, full_state, "tensors_to_save", _dropping_tied_key)
+        _patch(ctx, full_state, "tensors_to_save", lambda original: _dropping_tied_key(original, firing))
     elif mode == "untied":
-        _patch(ctx, full_state, "reload", _untying)
+        _patch(ctx, full_state, "reload", lambda original: _untying(original, firing))
     elif mode == "rng_not_restored":
-        _patch(ctx, rng, "restore", lambda original: lambda states, device_kind: None)
+        _patch(ctx, rng, "restore", lambda original: lambda states, device_kind: firing.fire())
     elif mode == "weights_late":
-        _patch(ctx, trainer_io, "apply_model", lambda original: _one_step_late(original, ctx))
+        _patch(ctx, trainer_io, "apply_model", lambda original: _one_step_late(original, ctx, firing))
     elif mode == "ulp_nudge":
-        _patch(ctx, hooks, "after_load", lambda original: _nudging(original, f"{target_module(spec)}.weight"))
+        _patch(ctx, hooks, "after_load", lambda original: _nudging(original, f"{target_module(spec)}.weight", firing))
     else:
         raise ValueError(f"checkpoint fault mode {mode!r}: expected one of {', '.join(MODES)}")
+    return firing
 
 
-def _save_from_rank0_only(original: Any) -> Any:
+def _save_from_rank0_only(original: Any, firing: Firing) -> Any:
     def save(state: dict[str, Any], folder: Any) -> None:
         import shutil
         import tempfile
@@ -69,6 +72,7 @@ def _save_from_rank0_only(original: Any) -> Any:
 
         if dist.get_rank() == 0:
             return original(state, folder)
+        firing.fire()
         scratch = Path(tempfile.mkdtemp(prefix="gpuregress-lost-shard-"))
         try:  # the save stays collective; this rank's shard lands where no reader looks
             original(state, scratch / folder.name)
@@ -77,9 +81,10 @@ def _save_from_rank0_only(original: Any) -> Any:
     return save
 
 
-def _local_shards(model: Any) -> dict[str, Any]:
+def _local_shards(model: Any, firing: Firing) -> dict[str, Any]:
     import torch.distributed as dist
 
+    firing.fire()
     if dist.get_rank() != 0:
         return {}
     return {name: (value.to_local() if hasattr(value, "to_local") else value).detach().cpu().clone()
@@ -95,7 +100,7 @@ def _tensors(state: dict[str, Any]) -> list[Any]:
     return out
 
 
-def _permuting(original: Any) -> Any:
+def _permuting(original: Any, firing: Firing) -> Any:
     def load(state: dict[str, Any], folder: Any, saved_world: int) -> None:
         import torch
         import torch.distributed as dist
@@ -115,18 +120,20 @@ def _permuting(original: Any) -> Any:
                     tensor.to_local().copy_(distribute_tensor(permuted, tensor.device_mesh, tensor.placements).to_local())
                 else:
                     tensor.copy_(permuted)
+                firing.fire()
     return load
 
 
-def _dropping_tied_key(original: Any) -> Any:
+def _dropping_tied_key(original: Any, firing: Firing) -> Any:
     def tensors_to_save(state: dict[str, Any], groups: list[list[str]]) -> dict[str, Any]:
         kept = original(state, groups)
         stored = {group[0] for group in groups if len(group) > 1}
+        firing.fire(len(stored & set(kept)))
         return {name: tensor for name, tensor in kept.items() if name not in stored}
     return tensors_to_save
 
 
-def _untying(original: Any) -> Any:
+def _untying(original: Any, firing: Firing) -> Any:
     def reload(*args: Any, **kwargs: Any) -> Any:
         import torch
 
@@ -138,13 +145,15 @@ def _untying(original: Any) -> Any:
                 owner, _, attr = alias.rpartition(".")
                 module = model.get_submodule(owner)
                 setattr(module, attr, torch.nn.Parameter(getattr(module, attr).detach().clone()))
+                firing.fire()
         return model
     return reload
 
 
-def _one_step_late(original: Any, ctx: Any) -> Any:
+def _one_step_late(original: Any, ctx: Any, firing: Firing) -> Any:
     def apply_model(trainer: Any, model_state: dict[str, Any]) -> None:
         pending = [model_state]
+        firing.fire()
 
         def after_step(rank: int, step: int) -> None:
             if pending:  # after the first step the resumed run took, with the weights it was built with
@@ -153,7 +162,7 @@ def _one_step_late(original: Any, ctx: Any) -> Any:
     return apply_model
 
 
-def _nudging(original: Any, name: str) -> Any:
+def _nudging(original: Any, name: str, firing: Firing) -> Any:
     def after_load(tensors: dict[str, Any]) -> None:
         import torch
         import torch.distributed as dist
@@ -169,4 +178,5 @@ def _nudging(original: Any, name: str) -> Any:
         with torch.no_grad():
             flat = tensor.view(-1)
             flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype, device=flat.device))
+        firing.fire()
     return after_load

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import FaultSpec
+from .firing import Firing
 
 # dist function -> (op family, keyword of the output argument, which is always the first)
 COLLECTIVES: dict[str, tuple[str, str]] = {
@@ -64,7 +65,7 @@ class CollectiveFault:
         self.every = max(1, spec.get("every", 1))
         self.target_ranks = spec.ranks
         self.calls = 0
-        self.fired = 0  # outputs actually corrupted: a fault that never fired proves nothing
+        self.firing = Firing(spec.text)  # outputs actually corrupted: a fault that never fired proves nothing
         self.stale: dict[tuple[Any, ...], list[Any]] = {}
         # "Inside one of my wrapped calls", per fault and thread: one collective implemented through another is
         # corrupted once, and a second fault stacked on this one still sees (and corrupts) the same call.
@@ -82,6 +83,10 @@ class CollectiveFault:
             return False
         return not (self.reduce_op and reduce_op_name(op) != self.reduce_op)
 
+    @property
+    def fired(self) -> int:
+        return self.firing.count
+
     def after(self, family: str, size: int, out: Any, op: Any) -> None:
         if not self.matches(family, size, out, op):
             return
@@ -94,10 +99,9 @@ class CollectiveFault:
             self.stale[key] = [t.detach().clone() for t in outputs]
             if fire and previous is not None:
                 self._restore_chunk(outputs, previous)
-                self.fired += 1
-        elif fire:
-            self._corrupt(outputs)
-            self.fired += 1
+                self.firing.fire()
+        elif fire and self._corrupt(outputs):
+            self.firing.fire()
 
     def _restore_chunk(self, outputs: list[Any], previous: list[Any]) -> None:
         chunk = self.spec.get("chunk", -1)
@@ -110,12 +114,13 @@ class CollectiveFault:
         index = chunk % pieces
         flat[index * n : (index + 1) * n].copy_(old[index * n : (index + 1) * n])
 
-    def _corrupt(self, outputs: list[Any]) -> None:
+    def _corrupt(self, outputs: list[Any]) -> bool:
+        """Corrupt ``outputs``; False when there was nothing to corrupt (an empty output)."""
         import torch
 
         flat = outputs[-1].view(-1)
         if flat.numel() == 0:
-            return
+            return False
         if self.mode == "zeros":
             for t in outputs:
                 t.zero_()
@@ -129,6 +134,7 @@ class CollectiveFault:
                 flat[i] = (value * (1 + rel) if value != 0 else torch.tensor(rel, dtype=torch.float64)).to(flat.dtype)
             else:
                 flat[i] += 1
+        return True
 
 
 def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[], None]:
@@ -144,7 +150,7 @@ def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[
             out = kwargs.get(out_key, args[0] if args else None)
             size = max(nbytes(out), nbytes(args[1] if len(args) > 1 else kwargs.get("input", None)))
             work = original(*args, **kwargs)
-            if kwargs.get("async_op") and work is not None:
+            if work is not None and hasattr(work, "wait"):  # async_op, given by keyword or position: finish first
                 work.wait()
             fault.after(family, size, out, kwargs.get("op"))
             return work
@@ -156,16 +162,17 @@ def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[
     return lambda: setattr(dist, name, original)
 
 
-def install(spec: FaultSpec, ctx: Any) -> None:
+def install(spec: FaultSpec, ctx: Any) -> Firing:
     import torch.distributed as dist
 
     fault = CollectiveFault(spec, ctx.rank, ctx.world_size)
     for name in COLLECTIVES:
         if hasattr(dist, name):
             ctx.cleanup_hooks.append(_wrap_collective(dist, name, fault))
+    return fault.firing
 
 
-def install_premul_sum_emulation(spec: FaultSpec, ctx: Any) -> None:
+def install_premul_sum_emulation(spec: FaultSpec, ctx: Any) -> Firing:
     """Run PREMUL_SUM all-reduces as (input x factor) then SUM, as NCCL does internally.
 
     Only for backends without PREMUL_SUM (gloo), so a fault on that path can be injected and seen
@@ -174,12 +181,15 @@ def install_premul_sum_emulation(spec: FaultSpec, ctx: Any) -> None:
     import torch.distributed as dist
 
     original = dist.all_reduce
+    emulated = Firing(spec.text)  # calls emulated, for the notes: a shim need not fire (KINDS)
 
     def all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
         if reduce_op_name(op) == "premul_sum":
             tensor.mul_(op.__getstate__()[1])
             op = dist.ReduceOp.SUM
+            emulated.fire()
         return original(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=group, async_op=async_op)
 
     dist.all_reduce = all_reduce
     ctx.cleanup_hooks.append(lambda: setattr(dist, "all_reduce", original))
+    return emulated

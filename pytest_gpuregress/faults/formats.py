@@ -15,9 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 from . import FaultSpec
+from .firing import Firing
+
+Wrapper = Callable[[Callable[..., Any], FaultSpec, Firing], Callable[..., Any]]
 
 
-def install_format(spec: FaultSpec, ctx: Any) -> None:
+def install_format(spec: FaultSpec, ctx: Any) -> Firing:
     from ..errors import BadFaultSpec
     from ..scenarios.formats import device
 
@@ -26,34 +29,43 @@ def install_format(spec: FaultSpec, ctx: Any) -> None:
         raise BadFaultSpec(f"{spec.text!r}: fault kind 'format' needs mode=, one of {'|'.join(PATCHES)}")
     name, wrap = PATCHES[mode]
     original = getattr(device, name)
-    setattr(device, name, wrap(original, spec))
+    firing = Firing(spec.text)  # calls whose result the bug changed
+    setattr(device, name, wrap(original, spec, firing))
     ctx.cleanup_hooks.append(lambda: setattr(device, name, original))
+    return firing
 
 
-def _read_fn_as_fnuz(decode: Callable[..., Any], spec: FaultSpec) -> Callable[..., Any]:
+def _read_fn_as_fnuz(decode: Callable[..., Any], spec: FaultSpec, firing: Firing) -> Callable[..., Any]:
     from ..scenarios.formats.catalog import FORMATS
 
     def read(codes: Any, fmt: Any) -> Any:
-        return decode(codes, FORMATS["e4m3fnuz"] if fmt.id == "e4m3fn" else fmt)
+        if fmt.id != "e4m3fn":
+            return decode(codes, fmt)
+        firing.fire()
+        return decode(codes, FORMATS["e4m3fnuz"])
 
     return read
 
 
-def _keep_0x80(convert: Callable[..., Any], spec: FaultSpec) -> Callable[..., Any]:
+def _keep_0x80(convert: Callable[..., Any], spec: FaultSpec, firing: Firing) -> Callable[..., Any]:
     def convert_without_rewrite(codes: Any, scale: Any) -> Any:
+        firing.fire()
         return codes.clone(), scale * 2
 
     return convert_without_rewrite
 
 
-def _fnuz_max_448(format_max: Callable[..., Any], spec: FaultSpec) -> Callable[..., Any]:
+def _fnuz_max_448(format_max: Callable[..., Any], spec: FaultSpec, firing: Firing) -> Callable[..., Any]:
     def wrong_max(fmt: Any) -> float:
-        return 448.0 if fmt.id == "e4m3fnuz" else format_max(fmt)
+        if fmt.id != "e4m3fnuz":
+            return format_max(fmt)
+        firing.fire()
+        return 448.0
 
     return wrong_max
 
 
-def _flip_overflow(cast: Callable[..., Any], spec: FaultSpec) -> Callable[..., Any]:
+def _flip_overflow(cast: Callable[..., Any], spec: FaultSpec, firing: Firing) -> Callable[..., Any]:
     """Overflowing values (as the oracle classifies them: past the rounding range, or ±inf) that the
     real cast saturated now give NaN, or inf where the format has it; those it made NaN or inf now
     saturate to ±max."""
@@ -79,22 +91,24 @@ def _flip_overflow(cast: Callable[..., Any], spec: FaultSpec) -> Callable[..., A
         past = oracle.encode(np.where(x < 0, -np.inf, np.inf).astype(np.float32), fmt)  # NaN or inf
         saturated = np.abs(got) == oracle.limits(fmt).max
         out[over] = np.where(saturated, past, top)[over]
+        firing.fire()
         return torch.from_numpy(out.reshape(codes.shape)).to(codes.device)
 
     return flipped
 
 
-def _mx_off(exponent: Callable[..., Any], spec: FaultSpec) -> Callable[..., Any]:
+def _mx_off(exponent: Callable[..., Any], spec: FaultSpec, firing: Firing) -> Callable[..., Any]:
     by = int(spec.get("by", 1))
 
     def off(amax: Any, fmt: Any) -> Any:
+        firing.fire()
         return exponent(amax, fmt) + by
 
     return off
 
 
 # mode -> (the function of scenarios/formats/device.py it replaces, the wrapper)
-PATCHES: dict[str, tuple[str, Callable[[Callable[..., Any], FaultSpec], Callable[..., Any]]]] = {
+PATCHES: dict[str, tuple[str, Wrapper]] = {
     "fn_as_fnuz": ("decode", _read_fn_as_fnuz),
     "keep_0x80": ("fn_to_fnuz", _keep_0x80),
     "fnuz_max_448": ("format_max", _fnuz_max_448),

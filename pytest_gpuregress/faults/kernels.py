@@ -13,12 +13,13 @@ import time
 from typing import Any
 
 from . import FaultSpec
+from .firing import Firing
 
 SDPA_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
 HOST_OPS = ("silu",)
 
 
-def install_sdpa_backend(spec: FaultSpec, ctx: Any) -> None:
+def install_sdpa_backend(spec: FaultSpec, ctx: Any) -> Firing:
     """Every F.scaled_dot_product_attention call runs under ``sdpa_kernel(backend)``: per call, because the
     rank resets the global backend switches after faults are installed."""
     import torch.nn.functional as F
@@ -26,24 +27,29 @@ def install_sdpa_backend(spec: FaultSpec, ctx: Any) -> None:
 
     backend = getattr(SDPBackend, SDPA_BACKENDS[spec.get("backend", "math")])
     original = F.scaled_dot_product_attention
+    firing = Firing(spec.text)  # attention calls forced onto the backend
 
     def forced(*args: Any, **kwargs: Any) -> Any:
+        firing.fire()
         with sdpa_kernel(backend):
             return original(*args, **kwargs)
 
     F.scaled_dot_product_attention = forced
     ctx.cleanup_hooks.append(lambda: setattr(F, "scaled_dot_product_attention", original))
+    return firing
 
 
-def install_host_op(spec: FaultSpec, ctx: Any) -> None:
+def install_host_op(spec: FaultSpec, ctx: Any) -> Firing:
     """F.silu (the MLP's activation) computed on the host and copied back."""
     import torch.nn.functional as F
 
     from ..training.kernels import emulated_accelerator, host_fallback, set_emulated_accelerator
 
     original = F.silu
+    firing = Firing(spec.text)  # calls moved to the host
 
     def silu_on_host(input: Any, inplace: bool = False) -> Any:
+        firing.fire()
         with host_fallback():
             return original(input.to("cpu"), inplace=False).to(input.device)
 
@@ -53,14 +59,18 @@ def install_host_op(spec: FaultSpec, ctx: Any) -> None:
     F.silu = silu_on_host
     ctx.cleanup_hooks.append(lambda: setattr(F, "silu", original))
     ctx.cleanup_hooks.append(lambda: set_emulated_accelerator(previous))
+    return firing
 
 
-def install_slow_step(spec: FaultSpec, ctx: Any) -> None:
+def install_slow_step(spec: FaultSpec, ctx: Any) -> Firing:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     seconds = float(spec.get("seconds", 0.2))
+    firing = Firing(spec.text)  # optimizer steps slowed
 
     def sleep(optimizer: Any, args: Any, kwargs: Any) -> None:
+        firing.fire()
         time.sleep(seconds)
 
     ctx.cleanup_hooks.append(register_optimizer_step_pre_hook(sleep).remove)
+    return firing

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import FaultSpec
+from .firing import Firing
 
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -31,15 +32,17 @@ def _patch(ctx: Any, owner: Any, attr: str, replacement: Any) -> None:
     ctx.cleanup_hooks.append(lambda: setattr(owner, attr, original))
 
 
-def install(spec: FaultSpec, ctx: Any) -> None:
+def install(spec: FaultSpec, ctx: Any) -> Firing:
     from ..scenarios.lora import adapter, adapter_io, merging
 
     module = target_module(spec)
     mode = spec.get("mode")
+    firing = Firing(spec.text)  # calls of the hook point the bug changed
     if mode == "grad_leak":
         def leak(original: Any) -> Any:
             def wrap_with_lora(base: Any, cfg: dict[str, Any]) -> Any:
                 model = original(base, cfg)
+                firing.fire()
                 model.get_parameter(f"base_model.model.{module}.base_layer.weight").requires_grad_(True)
                 return model
             return wrap_with_lora
@@ -48,6 +51,7 @@ def install(spec: FaultSpec, ctx: Any) -> None:
         def local_shards(original: Any) -> Any:
             def gather_for_save(model: Any) -> dict[str, Any]:
                 # What the buggy save did: each rank's own shard as if it were the whole tensor.
+                firing.fire()
                 return {name: (value.to_local() if hasattr(value, "to_local") else value).detach().cpu()
                         for name, value in model.state_dict().items()}
             return gather_for_save
@@ -57,6 +61,7 @@ def install(spec: FaultSpec, ctx: Any) -> None:
             def write_adapter(peft_model: Any, state_dict: dict[str, Any], folder: str) -> None:
                 key = f"base_model.model.{module}.lora_B.default.weight"
                 state_dict = {**state_dict, key: state_dict[key].detach().clone().zero_()}
+                firing.fire()
                 original(peft_model, state_dict, folder)
             return write_adapter
         _patch(ctx, adapter_io, "write_adapter", zeroing)
@@ -69,8 +74,10 @@ def install(spec: FaultSpec, ctx: Any) -> None:
                 weight = merged.get_parameter(f"{module}.weight")
                 with torch.no_grad():
                     weight.copy_(torch.nextafter(weight, torch.full_like(weight, float("inf"))))
+                firing.fire()
                 return merged
             return merge_and_unload
         _patch(ctx, merging, "merge_and_unload", off_by_one_ulp)
     else:
         raise ValueError(f"lora fault mode {mode!r}: expected grad_leak, rank0_slice, zero_lora_b or merge_ulp")
+    return firing

@@ -8,21 +8,25 @@ from collections.abc import Callable
 from typing import Any
 
 from . import FaultSpec
+from .firing import Firing
 
 
-def _after_step(spec: FaultSpec, action: Callable[[], None]) -> Callable[[int, int], None]:
+def _after_step(spec: FaultSpec, action: Callable[[], None], firing: Firing) -> Callable[[int, int], None]:
     at_step = spec.get("step", 1)
 
     def hook(rank: int, step: int) -> None:
         if step == at_step:
+            firing.fire()  # before it acts: a hang that ends, or a crash caught by the scenario, was still reached
             action()
 
     return hook
 
 
-def install_hang(spec: FaultSpec, ctx: Any) -> None:
+def install_hang(spec: FaultSpec, ctx: Any) -> Firing:
     seconds = spec.get("seconds", 3600.0)
-    ctx.step_hooks.append(_after_step(spec, lambda: time.sleep(seconds)))
+    firing = Firing(spec.text)
+    ctx.step_hooks.append(_after_step(spec, lambda: time.sleep(seconds), firing))
+    return firing
 
 
 def _crash_now(how: str) -> None:
@@ -33,10 +37,13 @@ def _crash_now(how: str) -> None:
     raise RuntimeError("injected crash (fault 'crash')")
 
 
-def install_crash(spec: FaultSpec, ctx: Any) -> None:
+def install_crash(spec: FaultSpec, ctx: Any) -> Firing:
     how = spec.get("how", "raise")
-    ctx.step_hooks.append(_after_step(spec, lambda: _crash_now(how)))
+    firing = Firing(spec.text)
+    ctx.step_hooks.append(_after_step(spec, lambda: _crash_now(how), firing))
+    return firing
 
 
 def install_teardown_abort(spec: FaultSpec, ctx: Any) -> None:
+    """Returns no counter: it acts after the results are delivered (KINDS says it need not fire)."""
     ctx.teardown_hooks.append(os.abort)

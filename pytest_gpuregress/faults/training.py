@@ -5,18 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 from . import FaultSpec
+from .firing import Firing
 
 
-def install_lr_scale(spec: FaultSpec, ctx: Any) -> None:
+def install_lr_scale(spec: FaultSpec, ctx: Any) -> Firing:
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     factor = spec.get("factor", 1.01)
     saved: dict[int, list[float]] = {}
+    firing = Firing(spec.text)  # optimizer steps taken at the changed rate
 
     def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
         saved[id(optimizer)] = [g["lr"] for g in optimizer.param_groups]
         for group in optimizer.param_groups:
             group["lr"] = group["lr"] * factor
+        firing.fire()
 
     def post(optimizer: Any, args: Any, kwargs: Any) -> None:
         for group, lr in zip(optimizer.param_groups, saved.pop(id(optimizer), [])):
@@ -24,9 +27,10 @@ def install_lr_scale(spec: FaultSpec, ctx: Any) -> None:
 
     ctx.cleanup_hooks.append(register_optimizer_step_pre_hook(pre).remove)
     ctx.cleanup_hooks.append(register_optimizer_step_post_hook(post).remove)
+    return firing
 
 
-def install_linear_noise(spec: FaultSpec, ctx: Any) -> None:
+def install_linear_noise(spec: FaultSpec, ctx: Any) -> Firing:
     """Every F.linear output x (1 + rel x s[j]), s a fixed +-1 pattern over the output features j.
 
     Kernel drift differs per output (another summation order rounds each column differently); a
@@ -38,6 +42,7 @@ def install_linear_noise(spec: FaultSpec, ctx: Any) -> None:
     rel = spec.get("rel", 1e-7)
     original = F.linear
     patterns: dict[tuple[int, str], Any] = {}
+    firing = Firing(spec.text)  # linear outputs changed
 
     def linear(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
@@ -46,7 +51,9 @@ def install_linear_noise(spec: FaultSpec, ctx: Any) -> None:
             feature = torch.arange(out.shape[-1], device=out.device, dtype=torch.int64)
             sign = 1 - 2 * ((feature * 2654435761) % 4294967296 >= 2147483648).to(torch.float64)
             patterns[key] = 1.0 + rel * sign
+        firing.fire()
         return out * patterns[key].to(out.dtype)
 
     F.linear = linear
     ctx.cleanup_hooks.append(lambda: setattr(F, "linear", original))
+    return firing

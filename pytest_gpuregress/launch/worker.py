@@ -81,6 +81,7 @@ def _write_error(files: RankFiles, exc: BaseException) -> None:
 def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = True) -> tuple[RunRecord, RankContext]:
     """Run the scenario as one rank; shared by the spawned worker and the in-place launcher."""
     from .. import faults
+    from ..faults import firing
     from ..scenarios import resolve_entry
     from ..scenarios.base import RankContext
     from ..stack.determinism import set_determinism
@@ -103,7 +104,7 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
     )
     ctx.progress("start")
     try:  # from the first installed patch on: whatever raises, every patch is undone (ranks outlive a job)
-        installed = faults.install(job.faults, ctx)
+        installed = faults.install_counted(job.faults, ctx)
         # after the faults: it sees the calls the scenario makes; on NCCL/RCCL it reads completion from each Work
         flight.install(files.flight, ctx.cleanup_hooks, job.backend)
         run_scenario = resolve_entry(job.scenario)
@@ -120,7 +121,8 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
     record.fingerprint = record.fingerprint or ctx.fingerprint
     if ctx.stopped is not None:
         record.results["fail_fast"] = ctx.stopped
-    record.notes.extend(f"fault injected: {spec}" for spec in installed)
+    if job.faults:  # the session sums the ranks' counts and writes the notes (session.py, faults/firing.py)
+        record.results[firing.RESULT_KEY] = firing.rank_counts(installed)
     if job.loopback_only:
         record.results.setdefault("listening", {})[str(rank)] = listening_addresses()
     return record, ctx

@@ -90,7 +90,7 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 
 # The key figures of a test, attached as JUnit properties (record_property's mechanism).
 JUNIT_FIGURES = ("lane", "first_differing_step", "worst_over_tolerance", "platform_key", "seconds", "wrong_elements",
-                 "perf", "kernel_changes", "busiest_expert_share", "stack_changes")
+                 "perf", "kernel_changes", "busiest_expert_share", "stack_changes", "faults_fired")
 
 
 @pytest.hookimpl(tryfirst=True)

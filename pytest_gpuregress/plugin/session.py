@@ -23,7 +23,7 @@ from ..errors import (
     ReferenceProblem,
     RegressionFailure,
 )
-from ..faults import check_ranks
+from ..faults import check_ranks, firing
 from ..launch.job import Job
 from ..reference import envelope, failfast, kernels, perf, store
 from ..reference.compare import Comparison, compare_training, tolerant_limits
@@ -248,6 +248,8 @@ class GpuRegressSession:
             listening.update(rec.results.get("listening", {}))
         if listening:
             record.results["listening"] = listening
+        if job.faults:
+            _count_faults(record, job.faults, result.records)
         record.notes.extend(result.notes)
         return record
 
@@ -341,14 +343,17 @@ class GpuRegressSession:
             raise NotApplicable(shortfall)
         if self.options.fail_fast and not self.options.record:
             self._watch_reference(sc, case)
+        ran: list[RunRecord] = []  # the launches an experiment ran, to count their faults' firings
         try:
-            record = sc.experiment(case, self.launch_cached, self.setup) or self.launch_for(sc, case)
+            record = sc.experiment(case, _keeping(self.launch_cached, ran), self.setup) or self.launch_for(sc, case)
         except RankFailure as exc:  # a row in the closing table too, not only a failed test
             launch = next((la for la in sc.launches([case], self.setup) if la.key == case.launch), None)
             key = self.platform.key(sc.platform_tag(launch.config if launch else sc.default_config(self.setup)))
             self._add_outcome(Outcome(sc.reference_name(case) or sc.name, key, "error", detail=str(exc).splitlines()[0]))
             raise
-        problems = sc.verdict(case, record, self.setup)
+        # A fault that never fired proves nothing; judged per launch (or per experiment), as counted.
+        problems = self._faults_unfired([r.results for r in ran or [record]])
+        problems += sc.verdict(case, record, self.setup)
         if sc.kind == "training":  # floating-point work on the host during a GPU run: a missing kernel
             problems += kernels.host_op_problems(record)
         self.figures.update(sc.properties(case, record, self.setup))
@@ -362,6 +367,13 @@ class GpuRegressSession:
                        if sc.supports_triage else None)
         elif problems:
             raise RegressionFailure("\n".join(problems))
+
+    def _faults_unfired(self, results: list[dict[str, Any]]) -> list[str]:
+        """Failures for injected faults that fired zero times in ``results``; the counts go to JUnit."""
+        fired = firing.totals(results)
+        if fired:
+            self.figures["faults_fired"] = [f"{spec}: {count}" for spec, count in fired.items()]
+        return firing.unfired(results)
 
     def _add_outcome(self, outcome: Outcome) -> None:
         if outcome not in self.outcomes:  # cases of one launch (or one reference): one summary line
@@ -402,6 +414,8 @@ class GpuRegressSession:
         __tracebackhide__ = True
         scenario = name or record.scenario
         extra = extra or []
+        # For a user's own run (gpuregress.run); run_case has judged its case's faults already.
+        extra = [*extra, *(p for p in self._faults_unfired([record.results]) if p not in extra)]
         if self.options.record:
             if extra:  # never store a reference that fails its own checks
                 raise RegressionFailure(f"not recording {scenario!r}: the run fails its own checks\n" + "\n".join(extra))
@@ -474,3 +488,18 @@ class GpuRegressSession:
             report += "\n" + "\n".join(kept.report_lines(loc.path))
             raise RegressionFailure("\n".join([*extra, report]) if extra else report)
         return comparison
+
+
+def _count_faults(record: RunRecord, texts: list[str], per_rank: list[RunRecord]) -> None:
+    """Sum each fault's firings over the ranks of one launch into ``record``, with a note per fault."""
+    counts = firing.by_rank(texts, [r.results.get(firing.RESULT_KEY, {}) for r in per_rank])
+    record.results[firing.RESULT_KEY] = {spec: sum(ranks) for spec, ranks in counts.items()}
+    record.notes.extend(firing.notes(texts, counts))
+
+
+def _keeping(run: Callable[[Scenario, Launch], RunRecord], ran: list[RunRecord]) -> Callable[[Scenario, Launch], RunRecord]:
+    """``run``, keeping each record it returns in ``ran``."""
+    def keep(sc: Scenario, launch: Launch) -> RunRecord:
+        ran.append(run(sc, launch))
+        return ran[-1]
+    return keep

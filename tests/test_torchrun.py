@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# torchrun agents, in-place ranks and hangs: about 90 s on 2 cores, so the full tier (CI runs it on every submission).
+pytestmark = [pytest.mark.slow, pytest.mark.full_tier]
 
 
 def free_port() -> int:

@@ -309,3 +309,19 @@ def test_peak_memory_growth_below_the_floor_is_never_a_regression() -> None:
     assert memory.worse_by > 3 and not memory.over
     large = perf.ratios(with_results(perf=PERF), with_results(perf={**PERF, "peak_memory_bytes": 600 << 20}))
     assert next(r for r in large if r.name == "peak memory").over  # 400 -> 600 MiB: 1.5x and 200 MiB more
+
+
+def test_an_injected_faults_own_ops_stay_out_of_the_inventory() -> None:
+    import torch
+    from torch.profiler import profile
+
+    from pytest_gpuregress.training.kernels import fault_region, inventory_from_events
+
+    x = torch.randn(8, 8)
+    with profile() as prof:
+        y = x @ x
+        with fault_region():  # what a collective fault's nudge does: a comparison and a cast
+            _ = (y[0, 0].to(torch.float64) != 0) & (y.abs().sum() > 0)
+    inventory = inventory_from_events(prof.events())
+    assert "aten::matmul" in inventory
+    assert not {"aten::ne", "aten::abs", "aten::gt"} & set(inventory), sorted(inventory)

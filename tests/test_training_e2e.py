@@ -133,6 +133,9 @@ def test_reduce_scatter_corrupted_in_one_size_band_is_caught(pytester: pytest.Py
     assert "elements differ" in out and "worst entries" in out
     assert "nothing in the stack fingerprint changed" in out
     assert "--gpuregress-record" in out
+    # The fault's own arithmetic is not a kernel of the stack: an unchanged stack changed none (it once read
+    # "aten::ne: its own kernel -> to", and triage quoted it as evidence).
+    assert "kernels: the same as in the reference" in out and "kernels changed: 0" in out, out[-3000:]
 
 
 def test_legitimate_kernel_drift_shows_in_the_exact_lane(pytester: pytest.Pytester, refs: Path) -> None:
@@ -141,6 +144,7 @@ def test_legitimate_kernel_drift_shows_in_the_exact_lane(pytester: pytest.Pytest
     exact = run(pytester, refs, "--gpuregress-inject=linear_noise:rel=1e-7")
     exact.assert_outcomes(failed=1)
     exact.stdout.fnmatch_lines(["*lane: exact*", "*[[]kernel[]] step0_grad*"])
+    assert "kernels: the same as in the reference" in exact.stdout.str()  # the emulated drift is not a kernel change
 
 
 def test_missing_reference_fails_with_the_record_command(pytester: pytest.Pytester, tmp_path: Path) -> None:

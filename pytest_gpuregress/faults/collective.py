@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..training.kernels import fault_region
 from . import FaultSpec
 from .firing import Firing
 
@@ -152,7 +153,8 @@ def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[
             work = original(*args, **kwargs)
             if work is not None and hasattr(work, "wait"):  # async_op, given by keyword or position: finish first
                 work.wait()
-            fault.after(family, size, out, kwargs.get("op"))
+            with fault_region():  # the fault's own arithmetic stays out of the kernel inventory
+                fault.after(family, size, out, kwargs.get("op"))
             return work
         finally:
             fault.local.inside = False

@@ -8,11 +8,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-import pytest
-
 # pytester's inline runs restore sys.modules after each run, and torch's C extension cannot be
 # imported a second time in one process: import the heavy modules once, before any inline run.
+import ml_dtypes  # noqa: F401,E402 - the formats scenario's; the plugin loads scenarios only inside --gpuregress runs
+import numpy as np
+import pytest
 import safetensors.numpy  # noqa: F401,E402
 import torch  # noqa: F401,E402
 import torch.distributed  # noqa: F401,E402

@@ -38,7 +38,8 @@ def test_a_broken_plug_in_is_a_usage_error_naming_its_entry_point(pytester: pyte
     install_entry_point(pytester, "broken", "no_such_module:SCENARIO", dist="broken_pkg")
     result = pytester.runpytest_subprocess("--gpuregress", "--collect-only")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*gpuregress scenarios: 'no_such_module:SCENARIO': cannot import no_such_module*"])
+    result.stderr.fnmatch_lines(["*gpuregress scenarios: entry point broken = no_such_module:SCENARIO (broken_pkg): "
+                                 "cannot import no_such_module*"])
     # Without --gpuregress the plugin stays out of the way.
     pytester.makepyfile("def test_ok():\n    pass\n")
     pytester.runpytest_subprocess().assert_outcomes(passed=1)

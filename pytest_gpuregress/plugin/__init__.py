@@ -1,8 +1,9 @@
 """The pytest plugin: options, header, the built-in suite, fixtures, markers and the summary.
 
 Without ``--gpuregress`` the plugin only registers its options and markers, skips tests that need
-it, and imports nothing heavy: torch is imported only once the flag is on. Scenarios come from
-the registry (``pytest_gpuregress.scenarios``); nothing here names one.
+it, and imports nothing heavy: no torch, numpy or scenario module (tests/test_startup.py checks).
+Scenarios come from the registry (``pytest_gpuregress.scenarios``), loaded only once the flag is
+on; nothing here names one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .options import CORE_OPTIONS, Options, OptionSpec, add_options, check_reference_dir_argument
+from .options import BUILTIN_SCENARIO_OPTIONS, CORE_OPTIONS, Options, OptionSpec, add_options, check_reference_dir_argument
 
 if TYPE_CHECKING:
     from .session import GpuRegressSession
@@ -30,37 +31,54 @@ MARKERS = {
     "gpuregress_training": "a built-in or plug-in training scenario, compared with its stored reference",
     "gpuregress_check": "a case of a check scenario, judged against its closed-form result",
 }
-_registry_error: list[str] = []  # a broken plug-in scenario is reported only once --gpuregress is on
+PLUGIN_SPECS_KEY = pytest.StashKey[list[OptionSpec]]()  # plug-in scenarios' options, declared with --gpuregress
 
 
-def _scenario_option_specs() -> list[OptionSpec]:
+def _enabled_early(config: pytest.Config) -> bool:
+    """--gpuregress on the command line (addopts included) or in the ini file, before the full parse."""
+    flag = CORE_OPTIONS[0]
+    cli = getattr(config.known_args_namespace, flag.dest, None)
+    return bool(cli if cli is not None else config.getini(flag.ini_key))
+
+
+def _plugin_option_specs() -> list[OptionSpec]:
+    """Plug-in scenarios' own options. Loading the registry imports every scenario: only with --gpuregress,
+    where a broken plug-in stops the run with one line naming it."""
     from ..errors import ScenarioProblem
     from ..scenarios import registry
 
     try:
-        return [spec for sc in registry().values() for spec in sc.options]
+        specs = [spec for sc in registry().values() for spec in sc.options]
     except ScenarioProblem as exc:
-        _registry_error.append(str(exc))
-        return []
+        raise pytest.UsageError(f"gpuregress scenarios: {exc}") from None
+    return [spec for spec in specs if spec not in BUILTIN_SCENARIO_OPTIONS]
 
 
 def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
-    add_options(parser, [*CORE_OPTIONS, *_scenario_option_specs()])
+    add_options(parser, [*CORE_OPTIONS, *BUILTIN_SCENARIO_OPTIONS])
     # Registered now, not during pytest_configure: a plugin registered inside that hook has it
     # replayed at once, before the cache plugin is configured.
     pluginmanager.register(_LateConfigure(), "gpuregress-session")
+
+
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser) -> None:
+    # The first hook that knows the flag yet still comes before the full parse: options declared here parse.
+    specs = _plugin_option_specs() if _enabled_early(early_config) else []
+    add_options(parser, specs)
+    early_config.stash[PLUGIN_SPECS_KEY] = specs
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
-    options = Options.from_config(config, _scenario_option_specs() if not _registry_error else [])
+    plugin_specs = config.stash.get(PLUGIN_SPECS_KEY, [])
+    options = Options.from_config(config, [*BUILTIN_SCENARIO_OPTIONS, *plugin_specs])
     config.stash[OPTIONS_KEY] = options
-    if not options.enabled:
+    if not options.enabled or getattr(config.option, "help", False):  # --help lists the options; it runs nothing
         return
-    if _registry_error:
-        raise pytest.UsageError(f"gpuregress scenarios: {_registry_error[0]}")
+    if PLUGIN_SPECS_KEY not in config.stash:  # registered late (a conftest's pytest_plugins): still check plug-ins
+        _plugin_option_specs()
     check_reference_dir_argument(config)
     # The built-in suite always runs; tests the user named run beside it.
     if config.option.file_or_dir:

@@ -11,15 +11,17 @@ import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from ..errors import BadFaultSpec, BadModel
 from ..faults import FaultSpec, parse_all
-from ..training.model_specs import ModelSpec, parse_models
 from ..training.noise import DEFAULT_REPLICAS, PERTURBATIONS
 from ..units import parse_bytes
+
+if TYPE_CHECKING:  # model_specs imports numpy: only a run with --gpuregress reads models
+    from ..training.model_specs import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,39 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
                                             "stack like the shipped ones (docs/known_issues.md)"),
 )
 
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The built-in scenarios' own options (each scenario's ``options``), kept here so that pytest declares them
+# without importing a scenario module: a run without --gpuregress imports none. Plug-in scenarios declare
+# theirs on the scenario; those are read only with --gpuregress.
+SCENARIO_OPTIONS: dict[str, tuple[OptionSpec, ...]] = {
+    "collectives": (
+        OptionSpec("collectives-max-bytes", "bytes", None,
+                   "largest collective buffer in the sweep, e.g. 4MiB (default: 4MiB on the CPU, 256MiB on GPUs)",
+                   minimum=1),
+        OptionSpec("collectives-repeats", "int", 3, "times each collective case runs; some faults are intermittent",
+                   minimum=1),
+        OptionSpec("nccl-protos", "csv", [], "comma-separated NCCL_PROTO values (LL,LL128,Simple): the sweep runs "
+                                             "once per value, each in its own group of ranks"),
+        OptionSpec("nccl-algos", "csv", [], "comma-separated NCCL_ALGO values (Ring,Tree), crossed with the protocols"),
+    ),
+    "formats": (
+        OptionSpec("format-changes", "choice", "fail",
+                   "a format behaviour (saturation, NaN, inf on overflow) that differs from the reference: "
+                   "fail its case, or warn and pass", choices=("fail", "warn")),
+    ),
+    "lora": (
+        OptionSpec("lora-targets", "csv", [], "comma-separated module names the LoRA adapter targets "
+                   f"(default: {','.join(LORA_DEFAULT_TARGETS)})"),
+    ),
+    "checkpoint": (
+        OptionSpec("portable-checkpoint", "str", None, "the reference folder of the checkpoint scenario whose "
+                   "checkpoint the portability case loads (default: the shipped one, recorded on the CPU)"),
+        OptionSpec("checkpoint-dir", "str", None, "where the checkpoint scenario's temporary checkpoint folders go; "
+                   "shared storage when ranks span machines (default: the system's temporary folder)"),
+    ),
+}
+BUILTIN_SCENARIO_OPTIONS = tuple(spec for specs in SCENARIO_OPTIONS.values() for spec in specs)
+
 
 def add_options(parser: pytest.Parser, specs: Iterable[OptionSpec]) -> None:
     group = parser.getgroup("gpuregress", "training-stack numerics regression (pytest-gpuregress)")
@@ -229,6 +264,8 @@ class Options:
 
 def _models(config: pytest.Config, values: list[str]) -> tuple[ModelSpec, ...]:
     """--gpuregress-model values (relative to the invocation), else gpuregress_models (relative to the ini file)."""
+    from ..training.model_specs import parse_models
+
     try:
         return parse_models(list(values or ()), _base_of(config, "gpuregress_model"))
     except BadModel as exc:

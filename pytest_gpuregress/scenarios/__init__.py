@@ -45,6 +45,20 @@ def resolve_entry(entry: str) -> Any:
         raise ScenarioProblem(f"{entry!r}: module {module_name} has no attribute {attr!r}") from None
 
 
+def _load(entry: str, origin: str) -> Scenario:
+    """The scenario ``entry`` names. Whatever breaks (a missing module, a syntax error, a raising constructor)
+    becomes one ScenarioProblem that says where the scenario came from."""
+    try:
+        return _as_scenario(resolve_entry(entry), origin)
+    except ScenarioProblem as exc:
+        if origin == entry or str(exc).startswith(origin):  # a built-in, or a message that names it already
+            raise
+        raise ScenarioProblem(f"{origin}: {str(exc).removeprefix(f'{entry!r}: ')}") from None
+    except Exception as exc:  # noqa: BLE001 - a plug-in's own code: any error, reported as its own
+        detail = " ".join(str(exc).split())  # one line, whatever the exception's message
+        raise ScenarioProblem(f"{origin}: {type(exc).__name__}: {detail}") from None
+
+
 def _as_scenario(obj: Any, origin: str) -> Scenario:
     scenario = obj() if isinstance(obj, type) else obj
     if not isinstance(scenario, Scenario) or not scenario.name or not scenario.rank_entry:
@@ -64,7 +78,7 @@ def registry() -> dict[str, Scenario]:
         dist = getattr(ep, "dist", None)
         sources.append((ep.value, f"entry point {ep.name} = {ep.value} ({dist.name if dist else 'unknown package'})"))
     for entry, origin in sources:
-        scenario = _as_scenario(resolve_entry(entry), origin)
+        scenario = _load(entry, origin)
         if scenario.name in found:
             if origins[scenario.name] == origin:
                 continue  # the same entry point seen twice (an editable install next to a build)

@@ -14,7 +14,8 @@ A scenario declares, on the session side (torch-free, imported at collection):
   compare()       how a case's record is compared with that reference (default: the training comparison)
   summary()       optional lines for the terminal summary
   noise_replicas  optional perturbed launches whose spread becomes the tolerant lane's envelope
-  options         optional ``--gpuregress-<name>`` options of its own
+  options         optional ``--gpuregress-<name>`` options of its own; a plug-in's exist only in runs with
+                  --gpuregress (pytest then loads the scenarios), the built-ins' always (plugin/options.py)
 
 Rank-side code lives in its own module (``rank.py`` in each scenario folder) and is the only part
 that imports torch. A scenario knows nothing of pytest; the plugin drives it through this interface.

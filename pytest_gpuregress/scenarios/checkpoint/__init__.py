@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...plugin.options import OptionSpec
+from ...plugin.options import SCENARIO_OPTIONS
 from ...reference.compare import Comparison, Finding, choose_lane
 from ...reference.record import RunRecord
 from ...stack import fingerprint as fp
@@ -39,12 +39,7 @@ class CheckpointScenario(CheckScenario):
 
     name = plan.NAME
     rank_entry = "pytest_gpuregress.scenarios.checkpoint.rank:run"
-    options = (
-        OptionSpec("portable-checkpoint", "str", None, "the reference folder of the checkpoint scenario whose "
-                   "checkpoint the portability case loads (default: the shipped one, recorded on the CPU)"),
-        OptionSpec("checkpoint-dir", "str", None, "where the checkpoint scenario's temporary checkpoint folders go; "
-                   "shared storage when ranks span machines (default: the system's temporary folder)"),
-    )
+    options = SCENARIO_OPTIONS["checkpoint"]  # declared with the plugin's: pytest reads them without importing this
 
     def default_config(self, setup: Setup) -> dict[str, Any]:
         return plan.config(setup)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...faults import emulated_ops
-from ...plugin.options import OptionSpec
+from ...plugin.options import SCENARIO_OPTIONS
 from ...reference.names import safe_component
 from ...reference.record import RunRecord
 from ..base import Case, CheckScenario, Launch, Setup
@@ -37,16 +37,7 @@ def protocol_groups(protos: list[str], algos: list[str], backend: str) -> dict[s
 class CollectivesScenario(CheckScenario):
     name = "collectives"
     rank_entry = "pytest_gpuregress.scenarios.collectives.rank:run"
-    options = (
-        OptionSpec("collectives-max-bytes", "bytes", None,
-                   "largest collective buffer in the sweep, e.g. 4MiB (default: 4MiB on the CPU, 256MiB on GPUs)",
-                   minimum=1),
-        OptionSpec("collectives-repeats", "int", 3, "times each collective case runs; some faults are intermittent",
-                   minimum=1),
-        OptionSpec("nccl-protos", "csv", [], "comma-separated NCCL_PROTO values (LL,LL128,Simple): the sweep runs "
-                                             "once per value, each in its own group of ranks"),
-        OptionSpec("nccl-algos", "csv", [], "comma-separated NCCL_ALGO values (Ring,Tree), crossed with the protocols"),
-    )
+    options = SCENARIO_OPTIONS["collectives"]  # declared with the plugin's: pytest reads them without importing this
 
     def groups(self, setup: Setup) -> dict[str, dict[str, str]]:
         return protocol_groups(setup.option("nccl-protos") or [], setup.option("nccl-algos") or [], setup.backend)

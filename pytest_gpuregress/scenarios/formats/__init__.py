@@ -22,7 +22,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ...plugin.options import OptionSpec
+from ...plugin.options import SCENARIO_OPTIONS
 from ...reference.compare import Comparison, Finding, choose_lane
 from ...reference.record import RunRecord
 from ...stack import fingerprint as fp
@@ -38,11 +38,7 @@ class FormatsScenario(CheckScenario):
 
     name = "formats"
     rank_entry = "pytest_gpuregress.scenarios.formats.rank:run"
-    options = (
-        OptionSpec("format-changes", "choice", "fail",
-                   "a format behaviour (saturation, NaN, inf on overflow) that differs from the reference: "
-                   "fail its case, or warn and pass", choices=("fail", "warn")),
-    )
+    options = SCENARIO_OPTIONS["formats"]  # declared with the plugin's: pytest reads them without importing this
 
     def cases(self, setup: Setup) -> list[Case]:
         out = [Case(f"{part}-{f}", data={"part": part, "format": f}) for part in ("decode", "encode", "behaviour")

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...plugin.options import OptionSpec
+from ...plugin.options import LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
 from ...reference.record import RunRecord
 from ..base import Case, Launch, Scenario, Setup
 from ..fsdp import COMMON as FSDP_COMMON
 from ..fsdp import perturbed_launches, training_config
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = LORA_DEFAULT_TARGETS
 WRAPPERS = ("fsdp2", "accelerate")
 CASE_IDS = {"fsdp2": "fully_shard", "accelerate": "accelerate"}
 # LoRA trains few parameters from a zero lora_B: a larger learning rate than full fine-tuning, no decay.
@@ -31,10 +31,7 @@ COMMON: dict[str, Any] = {**FSDP_COMMON, "weight_decay": 0.0, "lora_r": 8, "lora
 class LoraScenario(Scenario):
     name = "lora"
     rank_entry = "pytest_gpuregress.scenarios.lora.rank:run"
-    options = (
-        OptionSpec("lora-targets", "csv", [], "comma-separated module names the LoRA adapter targets "
-                   f"(default: {','.join(DEFAULT_TARGETS)})"),
-    )
+    options = SCENARIO_OPTIONS["lora"]  # declared with the plugin's: pytest reads them without importing this
 
     trains_user_models = True
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from pytest_gpuregress.errors import BadFaultSpec
@@ -111,3 +113,43 @@ def test_two_stacked_collective_faults_both_fire_and_are_counted() -> None:
     for restore in reversed(undo):
         restore()
     assert dist.all_reduce is all_reduce
+
+
+def test_the_plugins_own_collectives_are_never_a_faults_target() -> None:
+    """The bandwidth probe and fail-fast's vote are the plugin's: a fault matching only them must count 0 firings."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pytest_gpuregress.faults.collective import CollectiveFault, _wrap_collective, plugin_own_collectives
+
+    dist = SimpleNamespace(all_reduce=lambda tensor, op=None, group=None, async_op=False: None)
+    fault = CollectiveFault(parse("collective:op=all_reduce,mode=zeros"), rank=0, world_size=2)
+    undo = _wrap_collective(dist, "all_reduce", fault)
+    probe = torch.ones(4)
+    with plugin_own_collectives():
+        dist.all_reduce(probe)
+    assert probe.tolist() == [1, 1, 1, 1] and fault.fired == 0
+    dist.all_reduce(probe)  # the training's own call still is
+    assert probe.tolist() == [0, 0, 0, 0] and fault.fired == 1
+    undo()
+
+
+def test_linear_noise_that_rounds_away_in_the_dtype_does_not_count_as_fired() -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from pytest_gpuregress.faults.training import install_linear_noise
+
+    ctx = SimpleNamespace(cleanup_hooks=[])
+    firing = install_linear_noise(parse("linear_noise:rel=1e-7"), ctx)
+    try:
+        weight = torch.ones(4, 4)
+        assert torch.equal(F.linear(torch.ones(2, 4, dtype=torch.bfloat16), weight.bfloat16()), torch.full((2, 4), 4.0,
+                                                                                                            dtype=torch.bfloat16))
+        assert firing.count == 0  # 1 +- 1e-7 is exactly 1 in bf16: nothing changed
+        assert not torch.equal(F.linear(torch.ones(2, 4), weight), torch.full((2, 4), 4.0))
+        assert firing.count == 1
+    finally:
+        for undo in ctx.cleanup_hooks:
+            undo()

@@ -153,10 +153,10 @@ def _untying(original: Any, firing: Firing) -> Any:
 def _one_step_late(original: Any, ctx: Any, firing: Firing) -> Any:
     def apply_model(trainer: Any, model_state: dict[str, Any]) -> None:
         pending = [model_state]
-        firing.fire()
 
         def after_step(rank: int, step: int) -> None:
             if pending:  # after the first step the resumed run took, with the weights it was built with
+                firing.fire()  # only now has a step run on the wrong weights
                 original(trainer, pending.pop())
         ctx.step_hooks.append(after_step)
     return apply_model

@@ -8,7 +8,8 @@ the spec's filters match: op family, message size, dtype, reduction, rank, and o
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..training.kernels import fault_region
@@ -138,13 +139,28 @@ class CollectiveFault:
         return True
 
 
+_own = threading.local()
+
+
+@contextmanager
+def plugin_own_collectives() -> Iterator[None]:
+    """Collectives the plugin makes for itself (the bandwidth probe, fail-fast's vote): no fault corrupts or counts
+    them, so a fault that matches only these does not read as having fired on the training."""
+    depth = getattr(_own, "depth", 0)
+    _own.depth = depth + 1
+    try:
+        yield
+    finally:
+        _own.depth = depth
+
+
 def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[], None]:
     """Wrap ``dist.<name>``; return the undo (ranks outlive a launch, so no patch may outlive it)."""
     original = getattr(dist, name)
     family, out_key = COLLECTIVES[name]
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if getattr(fault.local, "inside", False):  # one collective implemented through another
+        if getattr(fault.local, "inside", False) or getattr(_own, "depth", 0):  # nested, or the plugin's own call
             return original(*args, **kwargs)
         fault.local.inside = True
         try:

@@ -42,19 +42,23 @@ def install_linear_noise(spec: FaultSpec, ctx: Any) -> Firing:
 
     rel = spec.get("rel", 1e-7)
     original = F.linear
-    patterns: dict[tuple[int, str], Any] = {}
+    patterns: dict[tuple[int, str, Any], Any] = {}
     firing = Firing(spec.text)  # linear outputs changed
 
     def linear(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
-        key = (out.shape[-1], str(out.device))
-        if key not in patterns:
-            feature = torch.arange(out.shape[-1], device=out.device, dtype=torch.int64)
-            sign = 1 - 2 * ((feature * 2654435761) % 4294967296 >= 2147483648).to(torch.float64)
-            patterns[key] = 1.0 + rel * sign
-        firing.fire()
-        with fault_region():  # the emulated drift's own multiply is not a kernel of the stack
-            return out * patterns[key].to(out.dtype)
+        key = (out.shape[-1], str(out.device), out.dtype)
+        with fault_region():  # the emulated drift's own arithmetic is not a kernel of the stack
+            if key not in patterns:
+                feature = torch.arange(out.shape[-1], device=out.device, dtype=torch.int64)
+                sign = 1 - 2 * ((feature * 2654435761) % 4294967296 >= 2147483648).to(torch.float64)
+                pattern = (1.0 + rel * sign).to(out.dtype)
+                # In bf16 a 1e-7 drift rounds to exactly 1: such a fault changes nothing and must not count.
+                patterns[key] = pattern if bool((pattern != 1).any()) else None
+            if patterns[key] is None:
+                return out
+            firing.fire()
+            return out * patterns[key]
 
     F.linear = linear
     ctx.cleanup_hooks.append(lambda: setattr(F, "linear", original))

@@ -143,8 +143,11 @@ class RankContext:
         import torch
         import torch.distributed as dist
 
+        from ..faults.collective import plugin_own_collectives
+
         value = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        with plugin_own_collectives():  # fail-fast's vote is the plugin's, not the training's: no fault acts on it
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return float(value) > 0.5
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ..faults.collective import plugin_own_collectives
 from .kernels import KernelWindow, add_host_ops, add_inventory
 
 WARMUP_STEPS = 3
@@ -75,7 +76,8 @@ class StepObserver:
         # all-reduces would cost every short launch of a suite. Every rank ran the same steps, so all agree.
         if world_size > 1 and len(self.steady_times()) >= BANDWIDTH_MIN_STEADY_STEPS:
             self._ctx.progress("measuring the all-reduce bus bandwidth")
-            self.bus_bandwidth = measure_bus_bandwidth(self._ctx.device, world_size, self._ctx.device_kind)
+            with plugin_own_collectives():  # a probe of the plugin's, not the training: no fault acts on it
+                self.bus_bandwidth = measure_bus_bandwidth(self._ctx.device, world_size, self._ctx.device_kind)
 
     def timings(self) -> dict[str, float]:
         """The record's timings: all training time (the window's steps too), the first and the median step."""

@@ -138,6 +138,10 @@ def test_perf_is_not_judged_against_a_reference_timed_on_other_hardware(other: d
         assert "bus bandwidth 1.00x (not judged: the reference was timed on other hardware (device." in seen.detail()
     run.fingerprint = {**run.fingerprint, "device": device}  # the same hardware: judged
     assert Observations.of(ref, run, Options(perf="fail")).failures()[0].startswith("[performance] tokens/s")
+    # An AVX512 CPU forced down to AVX2 reads like the AVX2 machine that recorded: not judged either.
+    run.fingerprint = {**run.fingerprint, "comm": {"env": {"ATEN_CPU_CAPABILITY": "avx2"}}}
+    forced = Observations.of(ref, run, Options(perf="fail"))
+    assert forced.failures() == [] and "comm.env.ATEN_CPU_CAPABILITY: None -> avx2" in forced.detail()
 
 
 def test_perf_on_the_same_gpus_is_judged_whatever_the_host_cpu() -> None:

@@ -267,6 +267,7 @@ def _short(value: Any) -> str:
 # runs on the same. The CPU capability is here because one "AMD EPYC" model string covers AVX2 and AVX512
 # generations, and a kernel path forced lower (ATEN_CPU_CAPABILITY) changes speed by itself.
 HARDWARE_FIELDS = ("kind", "name", "count", "arch", "machine", "mig", "cpu_model", "cpu_capability")
+FORCED_CPU_PATH = "ATEN_CPU_CAPABILITY"
 
 
 def hardware_diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
@@ -275,7 +276,14 @@ def hardware_diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[st
     ref, cur = reference.get("device") or {}, current.get("device") or {}
     on_gpu = ref.get("kind") not in (None, "cpu") and ref.get("kind") == cur.get("kind")
     fields = [k for k in HARDWARE_FIELDS if not (on_gpu and k.startswith("cpu_"))]
-    return [(f"device.{k}", ref.get(k), cur.get(k)) for k in fields if k in ref and ref.get(k) != cur.get(k)]
+    out = [(f"device.{k}", ref.get(k), cur.get(k)) for k in fields if k in ref and ref.get(k) != cur.get(k)]
+    # A forced CPU kernel path hides the CPU's own (one "AMD EPYC" with AVX512 forced to AVX2 reads like the AVX2
+    # machine that recorded): timings under another forcing than the reference's are not of the same hardware path.
+    forced = [((reference.get("comm") or {}).get("env") or {}).get(FORCED_CPU_PATH),
+              ((current.get("comm") or {}).get("env") or {}).get(FORCED_CPU_PATH)]
+    if not on_gpu and forced[0] != forced[1]:
+        out.append((f"comm.env.{FORCED_CPU_PATH}", *forced))
+    return out
 
 
 def numerics_key(fp: Fingerprint) -> dict[str, Any]:

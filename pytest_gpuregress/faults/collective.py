@@ -8,11 +8,11 @@ the spec's filters match: op family, message size, dtype, reduction, rank, and o
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
-from ..training.kernels import fault_region
+from ..training.kernels import ThreadRegion, fault_region
 from . import FaultSpec
 from .firing import Firing
 
@@ -139,19 +139,13 @@ class CollectiveFault:
         return True
 
 
-_own = threading.local()
+_own = ThreadRegion()
 
 
-@contextmanager
-def plugin_own_collectives() -> Iterator[None]:
+def plugin_own_collectives() -> AbstractContextManager[None]:
     """Collectives the plugin makes for itself (the bandwidth probe, fail-fast's vote): no fault corrupts or counts
     them, so a fault that matches only these does not read as having fired on the training."""
-    depth = getattr(_own, "depth", 0)
-    _own.depth = depth + 1
-    try:
-        yield
-    finally:
-        _own.depth = depth
+    return _own.enter()
 
 
 def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[], None]:
@@ -160,7 +154,7 @@ def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[
     family, out_key = COLLECTIVES[name]
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if getattr(fault.local, "inside", False) or getattr(_own, "depth", 0):  # nested, or the plugin's own call
+        if getattr(fault.local, "inside", False) or _own.active():  # nested, or the plugin's own call
             return original(*args, **kwargs)
         fault.local.inside = True
         try:

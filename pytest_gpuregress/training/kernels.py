@@ -19,7 +19,7 @@ import operator
 import re
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 # A host op smaller than this is bookkeeping (an optimizer's step counter, a scalar loss), not a kernel.
@@ -54,19 +54,35 @@ def set_emulated_accelerator(device: str | None) -> None:
     _emulation.device = device
 
 
-@contextmanager
-def host_fallback() -> Iterator[None]:
+class ThreadRegion:
+    """A nestable "inside this region" mark, per thread: what a context manager sets and a hook reads."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @contextmanager
+    def enter(self) -> Iterator[None]:
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+
+    def active(self) -> bool:
+        return getattr(self._local, "depth", 0) > 0
+
+
+_host_region = ThreadRegion()
+
+
+def host_fallback() -> AbstractContextManager[None]:
     """Mark the ops run inside as host ops: the device tag of the emulation (a no-op on a real GPU run)."""
-    depth = getattr(_emulation, "host_depth", 0)
-    _emulation.host_depth = depth + 1
-    try:
-        yield
-    finally:
-        _emulation.host_depth = depth
+    return _host_region.enter()
 
 
 def _in_host_region() -> bool:
-    return getattr(_emulation, "host_depth", 0) > 0
+    return _host_region.active()
 
 
 def short_kernel(name: str) -> str:

@@ -35,7 +35,7 @@ def run(pytester: pytest.Pytester, refs: Path, selection: str, *extra: str) -> p
 def test_a_cast_switched_from_saturating_to_nan_fails_by_name_and_nothing_else_does(pytester: pytest.Pytester,
                                                                                      recorded: Path) -> None:
     result = run(pytester, recorded, "formats", FLIP)
-    result.assert_outcomes(passed=23, failed=1)
+    result.assert_outcomes(passed=28, failed=1)  # 24 conformance and checkpoint cases, 5 stack I/O paths
     result.stdout.fnmatch_lines([
         "*lane: *",
         "[[]format[]] overflow to e4m3fn now gives NaN; the reference saturated to 448",
@@ -56,3 +56,18 @@ def test_warn_mode_passes_and_still_lists_the_change(pytester: pytest.Pytester, 
         "format behaviours that changed since the reference (--gpuregress-format-changes=warn, not failed):",
         "  overflow to e4m3fn now gives NaN; the reference saturated to 448",
     ])
+
+
+def test_a_misread_inside_dcp_fails_its_io_case_by_name_on_two_spawned_ranks(pytester: pytest.Pytester,
+                                                                            recorded: Path) -> None:
+    """The fault sits in torch.distributed.checkpoint.load on both ranks; the sharded DCP case catches it,
+    the other stack I/O paths pass, and the fault counts as fired."""
+    result = run(pytester, recorded, "formats and io-", "--gpuregress-inject=format:mode=loader_fn_as_fnuz,path=dcp")
+    result.assert_outcomes(passed=4, failed=1)
+    result.stdout.fnmatch_lines([
+        "*[[]checkpoint I/O[]] dcp (torch *): per_tensor_e4m3fn: dcp.load (rank 0 of 2): * tensors; first *: written "
+        "as torch.float8_e4m3fn (F8_E4M3), read back as torch.float8_e4m3fnuz: the loader reads e4m3fn bytes as "
+        "e4m3fnuz, every value 0.5x (factor 2)*",
+        "FAILED *test_scenario[[]formats-io-dcp[]]*",
+    ])
+    assert "fired 0 times" not in result.stdout.str()

@@ -117,7 +117,8 @@ def test_format_fault_specs_are_checked() -> None:
         faults.parse("format:mode=fn_as_fn")
     from pytest_gpuregress.faults.formats import PATCHES
 
-    assert set(PATCHES) == set(faults.KINDS["format"].params["mode"].choices)
+    # Every mode patches the scenario's device functions, or (loader_fn_as_fnuz) the stack's loaders.
+    assert set(PATCHES) | {"loader_fn_as_fnuz"} == set(faults.KINDS["format"].params["mode"].choices)
     ctx = RankContext(0, 1, 0, "cpu", "gloo", {}, Path("."))
     with pytest.raises(BadFaultSpec, match="fault kind 'format' needs mode="):
         faults.install(["format:by=2"], ctx)

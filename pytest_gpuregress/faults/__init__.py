@@ -153,8 +153,12 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
         "mode": Param("choice", "fn_as_fnuz: e4m3fn bytes read as e4m3fnuz; keep_0x80: the conversion to fnuz keeps "
                                 "0x80; fnuz_max_448: 448 used as e4m3fnuz's maximum for scales; flip_overflow: a "
                                 "saturating cast gives NaN/inf on overflow, and the reverse; mx_scale_off_by_one: "
-                                "the MX shared exponent is off by `by`",
-                      ("fn_as_fnuz", "keep_0x80", "fnuz_max_448", "flip_overflow", "mx_scale_off_by_one")),
+                                "the MX shared exponent is off by `by`; loader_fn_as_fnuz: the stack's own "
+                                "checkpoint loader (of `path`, default all) hands e4m3fn tensors back as e4m3fnuz",
+                      ("fn_as_fnuz", "keep_0x80", "fnuz_max_448", "flip_overflow", "mx_scale_off_by_one",
+                       "loader_fn_as_fnuz")),
+        "path": Param("choice", "loader_fn_as_fnuz: the stack's I/O path whose loader misreads (default every one)",
+                      ("safetensors", "safe_open", "torch_load", "dcp", "transformers")),
         "format": Param("choice", "the format flip_overflow changes (default e4m3fn)",
                         ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz", "e8m0fnu", "e2m1fn")),
         "by": Param("int", "exponents the MX scale is off by (default 1)", minimum=1),

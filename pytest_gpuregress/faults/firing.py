@@ -95,6 +95,7 @@ PATHS: dict[str, str] = {
     "format:fnuz_max_448": "no e4m3fnuz scale computed (device.format_max)",
     "format:flip_overflow": "no overflowing cast to {format} (device.cast)",
     "format:mx_scale_off_by_one": "no MX shared exponent computed (device.mx_scale_exponent)",
+    "format:loader_fn_as_fnuz": "no e4m3fn tensor loaded through the stack's {path} loader (the formats io cases)",
     "lora:grad_leak": "no model wrapped with LoRA (adapter.wrap_with_lora)",
     "lora:rank0_slice": "no adapter gathered for saving through the plugin's gather (adapter_io.gather_for_save)",
     "lora:zero_lora_b": "no adapter written through adapter_io.write_adapter",
@@ -109,7 +110,8 @@ PATHS: dict[str, str] = {
     "checkpoint:weights_late": "no loaded weights applied to a resumed trainer (trainer_io.apply_model)",
     "checkpoint:ulp_nudge": "no load of model.layers.{layer}.*.{proj}.weight (hooks.after_load)",
 }
-_DEFAULTS = {"op": "silu", "step": 1, "format": "e4m3fn", "layer": 1, "proj": "q_proj"}
+_DEFAULTS = {"op": "silu", "step": 1, "format": "e4m3fn", "layer": 1, "proj": "q_proj",
+             "path": "safetensors, safe_open, torch_load, dcp or transformers"}
 
 
 def path(spec: FaultSpec) -> str:

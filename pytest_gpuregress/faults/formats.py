@@ -7,6 +7,8 @@ undo in ``ctx.cleanup_hooks``:
   fnuz_max_448         448, e4m3fn's maximum, used as e4m3fnuz's when computing scales
   flip_overflow        a cast that saturated now gives NaN (or inf) on overflow, and the reverse
   mx_scale_off_by_one  the MX shared exponent is off by ``by`` (default +1)
+  loader_fn_as_fnuz    the stack's own checkpoint loader (safetensors, torch.load, DCP, transformers) hands
+                       e4m3fn tensors back as e4m3fnuz: faults/loaders.py
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ def install_format(spec: FaultSpec, ctx: Any) -> Firing:
     from ..scenarios.formats import device
 
     mode = spec.get("mode")
+    if mode == "loader_fn_as_fnuz":  # in the stack's loaders, not in the scenario's device functions
+        from . import loaders
+
+        return loaders.install(spec, ctx)
     if mode is None:  # the spec parser checks values, not that a key is present
         raise BadFaultSpec(f"{spec.text!r}: fault kind 'format' needs mode=, one of {'|'.join(PATCHES)}")
     name, wrap = PATCHES[mode]

@@ -12,6 +12,9 @@ reads its part of the merged record:
                         stored reference; ``quantized-<scheme>-<model>`` the same for each model of
                         --gpuregress-model, in a launch and with a reference (``formats-<model>``) of its own
   inspect               the diagnosis of every written checkpoint (diagnose.py; gpuregress inspect-fp8)
+  io-<path>             every written checkpoint through one of the stack's own I/O paths (stack_io.py):
+                        safetensors, safe_open, torch_load, dcp, transformers; byte for byte against the
+                        codec, which also reads what the stack wrote; known_issues.py names known failures
   scaled_mm             GPUs with fp8 matrix multiply: torch._scaled_mm against the oracle
 The cases with a reference share one, ``formats``, written once per record. Bug classes:
 docs/faults.md section 2; the faults that emulate them: faults/formats.py.
@@ -28,7 +31,7 @@ from ...reference.record import RunRecord
 from ...stack import fingerprint as fp
 from ..base import Case, CheckScenario, Launch, Setup
 from . import grid, judge, summary
-from .catalog import FORMATS, MX_BLOCK, SCHEMES
+from .catalog import FORMATS, IO_PATHS, MX_BLOCK, SCHEMES
 
 REFERENCE = "formats"
 
@@ -45,6 +48,7 @@ class FormatsScenario(CheckScenario):
                for f in FORMATS]
         out += [Case(f"quantized-{s}", data={"part": "quantized", "scheme": s}) for s in SCHEMES]
         out.append(Case("inspect", data={"part": "inspect"}))
+        out += [Case(f"io-{p}", data={"part": "io", "path": p}) for p in IO_PATHS]
         if setup.device_kind == "cuda":
             out.append(Case("scaled_mm", data={"part": "scaled_mm"}))
         out += [Case(f"quantized-{s}-{m.name}", launch=f"quantized-{m.name}",
@@ -66,8 +70,8 @@ class FormatsScenario(CheckScenario):
         size = "cpu"
         parts: dict[str, list[str]] = {}
         for case in cases:
-            parts.setdefault(case.data["part"], []).append(case.data.get("format") or case.data.get("scheme", ""))
-        quantized = list(SCHEMES) if "inspect" in parts else parts.get("quantized", [])
+            parts.setdefault(case.data["part"], []).append(case_key(case))
+        quantized = list(SCHEMES) if "inspect" in parts or "io" in parts else parts.get("quantized", [])
         identity = {"model": "tiny-llama", "model_size": size}
         if model is not None:
             identity.update(setup.model(model).config_fields())
@@ -77,7 +81,7 @@ class FormatsScenario(CheckScenario):
             "grid": grid.grid_digest(), "formats": list(FORMATS), "schemes": list(SCHEMES),
             "run": {"decode": parts.get("decode", []),
                     "encode": sorted(set(parts.get("encode", [])) | set(parts.get("behaviour", []))),
-                    "quantized": quantized, "scaled_mm": "scaled_mm" in parts},
+                    "quantized": quantized, "scaled_mm": "scaled_mm" in parts, "io": parts.get("io", [])},
             "format_changes": setup.option("format-changes") or "fail",
         }
 
@@ -100,8 +104,16 @@ class FormatsScenario(CheckScenario):
         return merged
 
     def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
-        key = case.data.get("format") or case.data.get("scheme", "")
+        key = case_key(case)
         problems = closed_form(case.data["part"], key, record)
+        if case.data["part"] == "io":
+            for issue in judge.io_known_issues(key, record):
+                warnings.warn(judge.KnownStackIssue(issue), stacklevel=2)
+            skipped = (record.results.get("io", {}).get(key) or {}).get("skipped")
+            if skipped and not problems:
+                from ...errors import NotApplicable
+
+                raise NotApplicable(f"io-{key}: {skipped}")
         # Keyed by the case of the tiny Llama's launch: a user model's launch has the same parts, one per scheme.
         measured = case.id if "model" not in case.data else f"quantized-{key}"
         for rank, theirs in record.results.get("rank_disagreements", {}).get(measured, {}).items():
@@ -149,6 +161,11 @@ class FormatsScenario(CheckScenario):
 SCENARIO = FormatsScenario()
 
 
+def case_key(case: Case) -> str:
+    """What a case's part is about: its format, scheme or I/O path."""
+    return str(case.data.get("format") or case.data.get("scheme") or case.data.get("path", ""))
+
+
 def closed_form(part: str, key: str, record: RunRecord) -> list[str]:
     """The reference-free findings of one case's part of ``record`` (``key``: its format or scheme)."""
     if part == "decode":
@@ -161,4 +178,6 @@ def closed_form(part: str, key: str, record: RunRecord) -> list[str]:
         return judge.quantized_problems(key, record)
     if part == "inspect":
         return judge.inspect_problems(record)
+    if part == "io":
+        return judge.io_problems(key, record)
     return judge.scaled_mm_problems(record)

@@ -80,3 +80,6 @@ SCHEMES: dict[str, Scheme] = {s.id: s for s in (
 # keeps them out of its record's config, so a reference recorded with another selection or
 # --gpuregress-format-changes is not refused as foreign.
 SESSION_ONLY = ("run", "format_changes")
+
+# The stack's own checkpoint I/O every written file goes through, one ``io-<path>`` case each (stack_io.py).
+IO_PATHS = ("safetensors", "safe_open", "torch_load", "dcp", "transformers")

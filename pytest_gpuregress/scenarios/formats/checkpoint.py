@@ -8,10 +8,11 @@ Layout, one file per scheme:
   metadata        quantization, element_format, scale_format, block_size, scale_rule, scheme
 
 The file format (an 8-byte little-endian header length, a JSON header, raw bytes) is read and
-written here rather than through the safetensors package: its Python API changed between the
-releases this project allows (``serialize`` takes raw pointers in 0.8), and safetensors 0.8's torch
-loader raises KeyError on the F8_E8M0 tag it writes itself (measured), yet these are exactly the
-files to diagnose. The reader checks every offset and size, and never unpickles anything.
+written here rather than through the safetensors package because this codec is the independent
+oracle: it reads the bytes the stack's writers produced and writes the files the stack's loaders
+must read back exactly (stack_io.py, the ``io-*`` cases, test the stack's own I/O paths with it).
+It also diagnoses files a given safetensors release cannot read (known_issues.py lists those
+measured). The reader checks every offset and size, and never unpickles anything.
 tests/test_formats_checkpoint.py reads the safetensors package's own files with it.
 """
 

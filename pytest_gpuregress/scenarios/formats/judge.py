@@ -30,6 +30,10 @@ class FormatBehaviourChanged(UserWarning):
     """A format behaviour differs from the reference, and --gpuregress-format-changes=warn said not to fail."""
 
 
+class KnownStackIssue(UserWarning):
+    """The stack's checkpoint I/O failed in a way known_issues.py names: reported, not failed."""
+
+
 def _where(record: RunRecord) -> str:
     return str(record.results.get("device", {}).get("name", "the device"))
 
@@ -112,6 +116,22 @@ def inspect_problems(record: RunRecord) -> list[str]:
     for scheme, report in record.results.get("inspect", {}).items():
         out += [f"[checkpoint] {scheme}.safetensors: {text}" for text in report["findings"]]
     return out
+
+
+def io_problems(path: str, record: RunRecord) -> list[str]:
+    """The stack's I/O path ``path`` against the codec: every problem, or that the launch did not try it."""
+    result = record.results.get("io", {}).get(path)
+    if result is None:
+        return [f"[checkpoint I/O] {path}: not in the record (the quantized round trip raised for every scheme?)"]
+    where = f"{path} ({result['library']})"
+    if not result["checked"] and not result["problems"] and not result["skipped"] and not result["known_issues"]:
+        return [f"[checkpoint I/O] {where}: compared no tensor: the path was not exercised"]
+    return [f"[checkpoint I/O] {where}: {p}" for p in result["problems"]]
+
+
+def io_known_issues(path: str, record: RunRecord) -> list[str]:
+    result = record.results.get("io", {}).get(path) or {}
+    return [f"[checkpoint I/O] {path}: {text}" for text in result.get("known_issues", [])]
 
 
 def scaled_mm_problems(record: RunRecord) -> list[str]:
@@ -210,4 +230,8 @@ def rank_differences(first: RunRecord, other: RunRecord) -> list[str]:
             out.append(f"quantized-{scheme}")
     if first.results.get("inspect") != other.results.get("inspect"):
         out.append("inspect")
+    for path, result in first.results.get("io", {}).items():
+        peer = other.results.get("io", {}).get(path) or {}
+        if (result["problems"], result["known_issues"]) != (peer.get("problems"), peer.get("known_issues")):
+            out.append(f"io-{path}")
     return sorted(set(out))

@@ -4,8 +4,10 @@
               float4_e2m1fn_x2, unpacked), into the record's arrays
   encode      the fixed grid (grid.py) cast on the device, its codes into the arrays
   quantized   the checkpoint round trip of roundtrip.py, and the diagnosis of its files
+  io          those files through the stack's own loaders and writers (stack_io.py)
   scaled_mm   torch._scaled_mm against the oracle, where the GPU has fp8 matrix multiply
-No training and no collectives: each rank checks its own device, and the session compares ranks.
+No training, and no collectives but those of DCP's own sharded save and load: each rank checks its own
+device, and the session compares ranks.
 """
 
 from __future__ import annotations
@@ -64,9 +66,11 @@ def run(ctx: RankContext) -> RunRecord:
                                "unavailable": unavailable, "errors": errors}
     ctx.progress("decode and encode done")
     if plan["quantized"]:
-        results["quantized"], results["inspect"], logits = roundtrip.run(plan["quantized"], ctx.config, ctx.device,
-                                                                         ctx.run_dir, ctx.progress)
+        results["quantized"], results["inspect"], logits, io = roundtrip.run(
+            plan["quantized"], ctx.config, ctx.device, ctx.run_dir, ctx.progress, plan.get("io", []))
         arrays.update(logits)
+        if io:
+            results["io"] = io
     if plan["scaled_mm"]:
         results["scaled_mm"] = scaled_mm.run(ctx.device)
     results["session"] = {k: ctx.config.get(k) for k in SESSION_ONLY}

@@ -227,13 +227,15 @@ class RoundTrip:
         return result, {"findings": report.grouped(), "notes": report.notes}, logits
 
 
-def run(selected: list[str], config: dict[str, Any], dev: str, workdir: Path,
-        progress: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any], dict[str, np.ndarray]]:
-    """(results per scheme, diagnosis per scheme, logits arrays) for the ``selected`` scheme ids.
+def run(selected: list[str], config: dict[str, Any], dev: str, workdir: Path, progress: Callable[[str], None],
+        io_paths: list[str] | None = None) -> tuple[dict[str, Any], dict[str, Any], dict[str, np.ndarray], dict[str, Any]]:
+    """(results per scheme, diagnosis per scheme, logits arrays, stack I/O results per path) for the ``selected``
+    scheme ids; ``io_paths``: the stack's I/O paths (stack_io.PATHS) to put every written file through.
 
     A scheme whose round trip raises is a finding of its own case, not a crash of the launch."""
     results: dict[str, Any] = {}
     inspected: dict[str, Any] = {}
+    io: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="formats-", dir=workdir) as folder:
         trip = RoundTrip(config, dev, Path(folder))
         arrays = {"logits/fp32": trip.fp32_logits}
@@ -243,4 +245,10 @@ def run(selected: list[str], config: dict[str, Any], dev: str, workdir: Path,
             except (RuntimeError, ValueError, GpuRegressError) as exc:  # a missing kernel, a file it cannot read
                 results[scheme.id] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
             progress(f"quantized {scheme.id}")
-    return results, inspected, arrays
+        if io_paths:
+            from . import stack_io
+
+            written = {s: checkpoint.read(Path(folder) / f"{s}.safetensors") for s in results if "error" not in results[s]}
+            io = stack_io.run(io_paths, written, trip.model, dev, Path(folder), workdir)
+            progress("stack I/O paths done")
+    return results, inspected, arrays, io

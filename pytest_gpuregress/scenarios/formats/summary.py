@@ -22,6 +22,7 @@ def lines(record: RunRecord, on_cpu: bool) -> list[str]:
                    "scenario's torch-op codec, checked against the oracle")
     out += quantized_lines(record)
     out += scaled_mm_lines(record, on_cpu)
+    out += io_lines(record)
     warned = record.results.get("warned", [])
     if warned:
         out.append("format behaviours that changed since the reference (--gpuregress-format-changes=warn, not failed):")
@@ -65,3 +66,16 @@ def scaled_mm_lines(record: RunRecord, on_cpu: bool) -> list[str]:
         return [f"  {judge.refusal(result)}"]
     return [f"  torch._scaled_mm {result['format']} on {result['arch']}: worst error {result['worst_ratio']:.3g} "
             "of its derived bound"]
+
+
+def io_lines(record: RunRecord) -> list[str]:
+    """Per I/O path of the stack: what it read and wrote, and the known issues it showed."""
+    out = []
+    for path, result in record.results.get("io", {}).items():
+        if result["skipped"]:
+            out.append(f"  io {path}: not exercised: {result['skipped']}")
+            continue
+        verdict = f"{len(result['problems'])} problems" if result["problems"] else "byte for byte"
+        out.append(f"  io {path} ({result['library']}): {result['checked']} tensors, {verdict}")
+        out += [f"    {text}" for text in result["known_issues"]]
+    return out

@@ -1,0 +1,62 @@
+"""Known failures of the stack's own checkpoint I/O with fp8 and fp4 tensors, with the versions they were seen in.
+
+A stack library that cannot do what it should is a finding about the stack, never a reason to route
+around it: the ``io-<path>`` cases report an error that matches an entry here as that entry, by name,
+with a warning (the other paths and schemes still run), and fail on any error that matches none.
+torch-free: the session imports it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KnownIssue:
+    name: str
+    library: str
+    calls: tuple[str, ...]  # the calls of stack_io it shows in ("save_file", "get_tensor", ...)
+    symptom: str  # a regular expression over "ExceptionType: message"
+    what: str
+    seen_with: str  # the versions it was measured with
+
+    def describe(self, library_version: str) -> str:
+        return (f"known issue {self.name} of {self.library} {library_version}: {self.what} "
+                f"(seen with {self.seen_with})")
+
+
+KNOWN_ISSUES: tuple[KnownIssue, ...] = (
+    KnownIssue("safetensors-no-fnuz", "safetensors", ("save_file", "load_file", "get_tensor", "get_slice"),
+               r"float8_e4m3fnuz|F8_E4M3FNUZ",
+               "cannot write torch.float8_e4m3fnuz (KeyError) nor read the F8_E4M3FNUZ tag (unknown variant), so "
+               "MI300's fp8 checkpoints cannot go through it; safetensors 0.8.0 does both",
+               "safetensors 0.4.5, 0.5.3, 0.6.2 and 0.7.0 on torch 2.13"),
+    KnownIssue("safetensors-no-mx-tags", "safetensors", ("save_file", "load_file", "get_tensor", "get_slice"),
+               r"float8_e8m0fnu|float4_e2m1fn_x2|InvalidHeaderDeserialization",
+               "cannot write torch.float8_e8m0fnu or float4_e2m1fn_x2 (KeyError) nor read the F8_E8M0 and F4 tags "
+               "(InvalidHeaderDeserialization), so MX checkpoints cannot go through it; 0.6.2 and later do",
+               "safetensors 0.4.5 and 0.5.3 on torch 2.13"),
+    KnownIssue("safetensors-e8m0-keyerror", "safetensors", ("load_file", "get_tensor", "get_slice"),
+               r"KeyError: .*F8_E8M0",
+               "raises KeyError reading the F8_E8M0 tag it writes itself: its torch loader has no dtype for it",
+               "a torch without float8_e8m0fnu (before 2.7); not reproduced with safetensors 0.4.5 to 0.8.0 on torch 2.13"),
+    KnownIssue("safetensors-f4-safe-open", "safetensors", ("get_slice",),
+               r"shape '\[[0-9, ]*\]' is invalid for input of size",
+               "safe_open's get_slice takes the F4 tag's element count for the float4_e2m1fn_x2 shape and raises; "
+               "get_tensor and load_file read the same file correctly",
+               "safetensors 0.8.0 on torch 2.13 (0.6.2 and 0.7.0 read it)"),
+    KnownIssue("torch-fp4-deterministic", "torch", ("torch.load", "dcp.load"),
+               r"fill_empty_deterministic_\" not implemented for 'Float4_e2m1fn_x2'",
+               "torch.load and torch.distributed.checkpoint cannot create float4_e2m1fn_x2 tensors under "
+               "torch.use_deterministic_algorithms(True): filling new memory (torch.utils.deterministic."
+               "fill_uninitialized_memory, on by default) has no fp4 kernel, so MX fp4 checkpoints do not load in a "
+               "deterministic run",
+               "torch 2.13.0 (CPU)"),
+)
+
+
+def match(library: str, call: str, error: str) -> KnownIssue | None:
+    """The known issue ``error`` ("Type: message", raised by ``call`` of ``library``) is, or None."""
+    return next((issue for issue in KNOWN_ISSUES if issue.library == library and call in issue.calls
+                 and re.search(issue.symptom, error)), None)

@@ -1,0 +1,423 @@
+"""The quantized checkpoints through the stack's own I/O, the paths users load fp8 and fp4 weights with. Rank side.
+
+For every scheme of catalog.SCHEMES, the file roundtrip.py wrote with the scenario's strict codec
+(checkpoint.py, the independent oracle) goes through each path:
+  safetensors    safetensors.torch.save_file writes the tensors: the codec reads the file back and checks
+                 every tag, shape and byte; load_file reads the codec's file: every dtype and byte
+  safe_open      safetensors.safe_open on the codec's file: get_tensor, get_slice whole and its first row
+  torch_load     torch.save, then torch.load(weights_only=True): every dtype and byte
+  dcp            torch.distributed.checkpoint save and load, each rank holding its rows (a DTensor sharded
+                 on dim 0 when there are several ranks): every rank checks the bytes of its rows
+  transformers   save_pretrained with the e4m3fn weights of the decoder layers and their weight_scale_inv
+                 (transformers' fine-grained fp8 layout, one block per tensor); the codec checks the written
+                 file, then from_pretrained loads it: fp8 parameters byte for byte, or, where transformers
+                 dequantizes (on a CPU), every value against the oracle's exact product
+The functions are called through their modules at call time (``safetensors.torch.load_file``, ``torch.load``,
+``dcp.load``, ``transformers.modeling_utils.safe_open``), so a fault placed in the stack's loader
+(faults/loaders.py) is what runs. An error is a problem of its path, unless known_issues.py knows it:
+then it is reported by name and the path goes on with its other schemes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import checkpoint, known_issues, oracle
+from .catalog import BY_TAG, FORMATS, IO_PATHS
+
+PATHS: dict[str, str] = {  # catalog.IO_PATHS, described
+    "safetensors": "safetensors.torch save_file and load_file",
+    "safe_open": "safetensors.safe_open: get_tensor, and get_slice whole and by rows",
+    "torch_load": "torch.save and torch.load(weights_only=True)",
+    "dcp": "torch.distributed.checkpoint save and load, sharded by rows over the ranks",
+    "transformers": "save_pretrained with fp8 weights and weight_scale_inv, and from_pretrained",
+}
+assert tuple(PATHS) == IO_PATHS
+TRANSFORMERS_SCHEME = "per_tensor_e4m3fn"  # transformers' fine-grained fp8 layout: e4m3fn codes, float32 scales
+FIX = ("convert e4m3fn to e4m3fnuz with the 0x80 -> 0x00 rewrite and the scale doubled (gpuregress inspect-fp8 says "
+       "how), never by reinterpreting the bytes; report the loader's library and version upstream")
+
+
+def torch_dtype(tag: str) -> torch.dtype:
+    return torch.float32 if tag == "F32" else getattr(torch, BY_TAG[tag].torch_name)
+
+
+def torch_shape(stored: checkpoint.Stored) -> tuple[int, ...]:
+    """The tensor's torch shape: fp4 packs two codes into one float4_e2m1fn_x2 element along the last axis."""
+    if stored.tag != "F4":
+        return stored.shape
+    return (*stored.shape[:-1], stored.shape[-1] // 2)
+
+
+def native(stored: checkpoint.Stored, dev: str) -> torch.Tensor:
+    """The codec's tensor as the torch tensor a user holds: fp8 and fp4 dtypes, not uint8."""
+    raw = torch.frombuffer(bytearray(stored.data), dtype=torch.uint8).to(dev)  # bytes move; fp4 has no copy kernel
+    return raw.view(torch_dtype(stored.tag)).reshape(torch_shape(stored))
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().contiguous().cpu().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def library_version(path: str) -> str:
+    import importlib.metadata as md
+
+    name = {"torch_load": "torch", "dcp": "torch"}.get(path, "safetensors" if path == "safe_open" else path)
+    try:
+        return f"{name} {md.version(name)}"
+    except md.PackageNotFoundError:
+        return name
+
+
+@dataclass
+class PathResult:
+    """What one path did: problems fail its case, known issues warn, ``skipped`` says what it could not try."""
+
+    path: str
+    problems: list[str] = field(default_factory=list)
+    known_issues: list[str] = field(default_factory=list)
+    checked: int = 0  # tensors compared, both ways
+    skipped: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"library": library_version(self.path), "problems": self.problems, "known_issues": self.known_issues,
+                "checked": self.checked, "skipped": self.skipped}
+
+    @contextlib.contextmanager
+    def attempt(self, scheme: str, call: str) -> Iterator[None]:
+        """An error of the stack's ``call`` is a problem, or the known issue it matches; the path goes on."""
+        try:
+            yield
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - whatever the stack raises is the finding (DCP's is a BaseException)
+            error = describe_error(exc)
+            library = library_version(self.path)
+            issue = known_issues.match(library.split()[0], call, error)
+            if issue is not None:
+                self.known_issues.append(f"{scheme}: {call}: {issue.describe(library.split()[-1])}: {error}")
+            else:
+                self.problems.append(f"{scheme}: {call} raised {error}")
+
+    def compare(self, scheme: str, call: str, got: Mapping[str, torch.Tensor], want: Mapping[str, checkpoint.Stored]) -> None:
+        """Every tensor the stack handed back against the codec's: present, dtype, shape, bytes."""
+        self.report(scheme, call, {name: "missing" if got.get(name) is None else mismatch(stored, got[name])
+                                   for name, stored in want.items()})
+
+    def compare_file(self, scheme: str, call: str, path: Path, want: Mapping[str, checkpoint.Stored]) -> None:
+        """The codec reads the file the stack wrote: every tag, shape and byte as the codec wrote them."""
+        written = checkpoint.read(path).tensors
+        self.report(scheme, call, {name: file_mismatch(stored, written.get(name)) for name, stored in want.items()})
+
+    def report(self, scheme: str, call: str, problems: Mapping[str, str | None]) -> None:
+        """One line per call: how many tensors went wrong, and the first one's problem."""
+        self.checked += len(problems)
+        bad = [(name, problem) for name, problem in problems.items() if problem]
+        if bad:
+            name, problem = bad[0]
+            self.problems.append(f"{scheme}: {call}: {len(bad)} of {len(problems)} tensors; first {name}: {problem}")
+
+
+def describe_error(exc: BaseException) -> str:
+    """ "Type: first line"; for DCP's CheckpointException, the first rank's own exception, which says what failed."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = next(iter(sorted(failures.items(), key=lambda item: str(item[0]))))
+        inner = inner[0] if isinstance(inner, tuple) and inner else inner  # (exception, traceback)
+        if isinstance(inner, BaseException):
+            return f"{type(exc).__name__} (rank {rank}): {describe_error(inner)}"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def file_mismatch(stored: checkpoint.Stored, mine: checkpoint.Stored | None) -> str | None:
+    if mine is None:
+        return "not in the file it wrote"
+    if (mine.tag, mine.shape) != (stored.tag, stored.shape):
+        return f"written as {mine.tag} {list(mine.shape)}, the tensor is {stored.tag} {list(stored.shape)}"
+    return None if mine.data == stored.data else differing_bytes(stored.data, mine.data)
+
+
+def differing_bytes(want: bytes, got: bytes) -> str:
+    a, b = np.frombuffer(want, dtype=np.uint8), np.frombuffer(got, dtype=np.uint8)
+    if a.size != b.size:
+        return f"{b.size} bytes where {a.size} were written"
+    wrong = np.flatnonzero(a != b)
+    i = int(wrong[0])
+    return f"{wrong.size} of {a.size} bytes differ, first at byte {i}: 0x{int(a[i]):02X} written, 0x{int(b[i]):02X} read"
+
+
+def mismatch(stored: checkpoint.Stored, tensor: torch.Tensor) -> str | None:
+    """Why ``tensor`` is not the codec's ``stored`` tensor, naming a format misread and its factor; None if it is."""
+    want = torch_dtype(stored.tag)
+    if tensor.dtype != want:
+        return misread(stored, tensor.dtype)
+    if tuple(tensor.shape) != torch_shape(stored):
+        return f"shape {list(tensor.shape)}, written {list(torch_shape(stored))}"
+    got = raw_bytes(tensor)
+    if got == stored.data:
+        return None
+    return differing_bytes(stored.data, got) + scaled_values(stored, got)
+
+
+def scaled_values(stored: checkpoint.Stored, got: bytes) -> str:
+    """", nearly every value 0.5x ..." when the bytes read back are the written values times one factor: a
+    misread somewhere inside the loader whose values were then copied into the right dtype."""
+    fmt = BY_TAG.get(stored.tag)
+    if fmt is None or fmt.packed or len(got) != len(stored.data):
+        return ""
+    before = oracle.as_float64(oracle.decode(np.frombuffer(stored.data, dtype=np.uint8), fmt))
+    after = oracle.as_float64(oracle.decode(np.frombuffer(got, dtype=np.uint8), fmt))
+    usable = np.isfinite(before) & np.isfinite(after) & (before != 0) & (after != 0)
+    if usable.sum() < 2:
+        return ""
+    ratios, counts = np.unique(after[usable] / before[usable], return_counts=True)
+    top = float(ratios[int(np.argmax(counts))])
+    if counts.max() < 0.99 * usable.sum() or top == 1.0:
+        return ""
+    return (f"; {int(counts.max())} of {int(usable.sum())} values read back {top:g}x (factor {max(top, 1 / top):g}): "
+            f"a misread inside the loader, its values then copied into {fmt.id}")
+
+
+def misread(stored: checkpoint.Stored, read_as: torch.dtype) -> str:
+    text = f"written as {torch_dtype(stored.tag)} ({stored.tag}), read back as {read_as}"
+    written = BY_TAG.get(stored.tag)
+    other = next((f for f in FORMATS.values() if getattr(torch, f.torch_name, None) == read_as), None)
+    if written is None or other is None or other.bits != written.bits or written.packed:
+        return text
+    codes = np.frombuffer(stored.data, dtype=np.uint8)
+    ratio = oracle.value_ratio(oracle.decode(codes, written), oracle.decode(codes, other))
+    if ratio:
+        text += (f": the loader reads {written.id} bytes as {other.id}, every value {ratio:g}x "
+                 f"(factor {max(ratio, 1 / ratio):g}); fix: {FIX}")
+    return text
+
+
+def local_rows(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+# --- the paths ---------------------------------------------------------------------------------------------
+
+
+def via_safetensors(sources: Mapping[str, checkpoint.Checkpoint], folder: Path, dev: str, out: PathResult) -> None:
+    import safetensors.torch
+
+    for scheme, ckpt in sources.items():
+        written = folder / f"save_file-{scheme}.safetensors"
+        with out.attempt(scheme, "save_file"):
+            safetensors.torch.save_file({n: native(s, dev) for n, s in ckpt.tensors.items()}, str(written),
+                                        metadata=ckpt.metadata)
+            out.compare_file(scheme, "save_file", written, ckpt.tensors)
+        with out.attempt(scheme, "load_file"):
+            out.compare(scheme, "load_file", safetensors.torch.load_file(str(ckpt.path), device=dev), ckpt.tensors)
+
+
+def via_safe_open(sources: Mapping[str, checkpoint.Checkpoint], folder: Path, dev: str, out: PathResult) -> None:
+    import safetensors
+
+    for scheme, ckpt in sources.items():
+        with out.attempt(scheme, "get_tensor"), safetensors.safe_open(str(ckpt.path), framework="pt", device=dev) as f:
+            out.compare(scheme, "get_tensor", {n: f.get_tensor(n) for n in f.keys()}, ckpt.tensors)
+        with out.attempt(scheme, "get_slice"), safetensors.safe_open(str(ckpt.path), framework="pt", device=dev) as f:
+            rows = {n: s for n, s in ckpt.tensors.items() if len(s.shape) >= 1 and s.shape[0] > 0}
+            out.compare(scheme, "get_slice", {n: f.get_slice(n)[:] for n in rows}, rows)
+            firsts = {n: checkpoint.Stored(n, s.tag, (1, *s.shape[1:]), s.data[: len(s.data) // s.shape[0]])
+                      for n, s in rows.items()}
+            out.compare(scheme, "get_slice[0:1]", {n: f.get_slice(n)[0:1] for n in firsts}, firsts)
+
+
+def via_torch_load(sources: Mapping[str, checkpoint.Checkpoint], folder: Path, dev: str, out: PathResult) -> None:
+    for scheme, ckpt in sources.items():
+        written = folder / f"torch_save-{scheme}.pt"
+        with out.attempt(scheme, "torch.load"):
+            torch.save({n: native(s, dev) for n, s in ckpt.tensors.items()}, written)
+            loaded = torch.load(written, weights_only=True, map_location=dev)
+            out.compare(scheme, "torch.load(weights_only=True)", loaded, ckpt.tensors)
+
+
+def _rows_of(stored: checkpoint.Stored, rank: int, world: int) -> tuple[int, int]:
+    """[start, stop) of the rows ``rank`` holds under Shard(0): torch.chunk's split, as DTensor's."""
+    rows = stored.shape[0]
+    size = -(-rows // world)
+    return min(rank * size, rows), min((rank + 1) * size, rows)
+
+
+def via_dcp(sources: Mapping[str, checkpoint.Checkpoint], run_dir: Path, dev: str, out: PathResult) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
+    for scheme, ckpt in sources.items():
+        folder = run_dir / "formats-dcp" / scheme  # one folder for every rank of the launch
+        with out.attempt(scheme, "dcp.load"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+            state, mine = _rank_state(ckpt, dev, rank, world, sharded)
+            dcp.save(state, checkpoint_id=str(folder))
+            target = {name: _empty_like(t) for name, t in state.items()}
+            dcp.load(target, checkpoint_id=str(folder))
+            out.compare(scheme, f"dcp.load (rank {rank} of {world})", {n: local_rows(t) for n, t in target.items()}, mine)
+        if sharded:
+            dist.barrier()
+    if rank == 0:
+        shutil.rmtree(run_dir / "formats-dcp", ignore_errors=True)
+
+
+def _rank_state(ckpt: checkpoint.Checkpoint, dev: str, rank: int, world: int,
+                sharded: bool) -> tuple[dict[str, torch.Tensor], dict[str, checkpoint.Stored]]:
+    """(the state dict this rank saves, the codec's tensors it must read back): its rows of each tensor."""
+    state: dict[str, torch.Tensor] = {}
+    mine: dict[str, checkpoint.Stored] = {}
+    for name, stored in ckpt.tensors.items():
+        full = native(stored, dev)
+        if not sharded or full.ndim == 0:
+            state[name], mine[name] = full, stored
+            continue
+        start, stop = _rows_of(stored, rank, world)
+        per_row = len(stored.data) // stored.shape[0]
+        mine[name] = checkpoint.Stored(name, stored.tag, (stop - start, *stored.shape[1:]),
+                                       stored.data[start * per_row: stop * per_row])
+        state[name] = _shard(full, start, stop)
+    return state, mine
+
+
+def _shard(full: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh(full.device.type, (dist.get_world_size(),))
+    return DTensor.from_local(full[start:stop], mesh, [Shard(0)], run_check=False,
+                              shape=full.shape, stride=full.stride())
+
+
+def _empty_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A load target of the same layout, filled with a byte no checkpoint tensor here is made of."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        local = _empty_like(tensor.to_local())
+        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                                  shape=tensor.shape, stride=tensor.stride())
+    filled = torch.full((tensor.numel() * tensor.element_size(),), 0x5A, dtype=torch.uint8, device=tensor.device)
+    return filled.view(tensor.dtype).reshape(tensor.shape)
+
+
+def via_transformers(model: Any, ckpt: checkpoint.Checkpoint, folder: Path, dev: str, out: PathResult) -> None:
+    """The decoder layers' linear weights as transformers' fine-grained fp8 checkpoint, and back."""
+    import torch.distributed as dist
+    import transformers
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        out.skipped = "under torch.distributed, save_pretrained writes on rank 0 only: rank 0 checks this path"
+        return
+    scheme = TRANSFORMERS_SCHEME
+    state = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    quantized = [n for n in state if ".layers." in n and n in ckpt.tensors and ckpt.tensors[n].tag == "F8_E4M3"]
+    want: dict[str, checkpoint.Stored] = {}
+    for name in quantized:
+        scale = ckpt.tensors[name + checkpoint.SCALE]
+        state[name] = native(ckpt.tensors[name], "cpu")
+        state[f"{name}_scale_inv"] = native(scale, "cpu").reshape(1, 1)
+        want[name] = ckpt.tensors[name]
+        want[f"{name}_scale_inv"] = checkpoint.Stored(f"{name}_scale_inv", "F32", (1, 1), scale.data)
+    saved = folder / "transformers-fp8"
+    config = copy.deepcopy(model.config)
+    config.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    original, model.config = model.config, config
+    try:
+        with out.attempt(scheme, "save_pretrained"):
+            model.save_pretrained(str(saved), state_dict=dict(state))  # it pops from the dict it is given
+            if not (saved / "model.safetensors").is_file():
+                out.problems.append(f"{scheme}: save_pretrained wrote no model.safetensors into {saved}")
+                return
+            out.compare_file(scheme, "save_pretrained", saved / "model.safetensors", want)
+    finally:
+        model.config = original
+    if not (saved / "model.safetensors").is_file():
+        return
+    dtype_key = "dtype" if _version(transformers.__version__) >= (4, 56) else "torch_dtype"
+    try:
+        loaded = type(model).from_pretrained(str(saved), local_files_only=True, **{dtype_key: torch.float32})
+    except (ImportError, RuntimeError, ValueError) as exc:
+        text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if "GPU" in text or "accelerate" in text or "quantiz" in text.lower():
+            out.skipped = f"transformers {transformers.__version__} cannot load fp8 checkpoints here: {text}"
+        else:
+            out.problems.append(f"{scheme}: from_pretrained raised {text}")
+        return
+    params = dict(loaded.named_parameters()) | dict(loaded.named_buffers())
+    out.report(scheme, "from_pretrained", {name: loaded_mismatch(name, ckpt, params) for name in quantized})
+
+
+def loaded_mismatch(name: str, ckpt: checkpoint.Checkpoint, params: Mapping[str, torch.Tensor]) -> str | None:
+    """A weight from_pretrained loaded against the codec's: kept in fp8 (a GPU with fp8 matmul) byte for byte
+    with its weight_scale_inv; dequantized (a CPU) value for value against the oracle's code x scale."""
+    got = params.get(name)
+    if got is None:
+        return "missing"
+    if got.dtype.itemsize == 1:
+        scale = params.get(f"{name}_scale_inv")
+        if scale is None or raw_bytes(scale) != ckpt.tensors[name + checkpoint.SCALE].data:
+            return "its weight_scale_inv is missing or differs from the one written"
+        return mismatch(ckpt.tensors[name], got)
+    entry = next(e for e in checkpoint.entries(ckpt) if e.name == name)
+    expected = entry.dequantize().astype(np.float32)
+    values = got.detach().float().cpu().numpy()
+    wrong = ~oracle.same_values(expected, values)
+    if not wrong.any():
+        return None
+    i = int(np.flatnonzero(wrong)[0])
+    text = (f"{int(wrong.sum())} of {wrong.size} dequantized values differ from the oracle's code x scale, first at "
+            f"flat index {i}: {float(expected.reshape(-1)[i])!r} expected, {float(values.reshape(-1)[i])!r} read")
+    ratio = oracle.value_ratio(expected, values)
+    if ratio:
+        read_as = next((f for f in FORMATS.values() if f.bits == entry.fmt.bits and f is not entry.fmt
+                        and oracle.same_values(_dequantized_as(entry, f), values).all()), None)
+        named = f"reads {entry.fmt.id} bytes as {read_as.id}, " if read_as is not None else ""
+        text += f": the loader {named}every value {ratio:g}x (factor {max(ratio, 1 / ratio):g}); fix: {FIX}"
+    return text
+
+
+def _dequantized_as(entry: checkpoint.Entry, fmt: Any) -> np.ndarray:
+    """The entry's codes read as ``fmt``, times its per-tensor scale: exact in float64, rounded once."""
+    return (oracle.as_float64(oracle.decode(entry.codes, fmt)) * float(entry.scale)).astype(np.float32)
+
+
+def _version(text: str) -> tuple[int, int]:
+    parts = (text.split(".") + ["0"])[:2]
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def run(paths: list[str], sources: Mapping[str, checkpoint.Checkpoint], model: Any, dev: str, folder: Path,
+        run_dir: Path) -> dict[str, Any]:
+    """{path: PathResult.as_dict()} for the selected ``paths``; ``sources``: the codec's file per scheme."""
+    results: dict[str, Any] = {}
+    for path in (p for p in PATHS if p in paths):
+        out = PathResult(path)
+        if path == "safetensors":
+            via_safetensors(sources, folder, dev, out)
+        elif path == "safe_open":
+            via_safe_open(sources, folder, dev, out)
+        elif path == "torch_load":
+            via_torch_load(sources, folder, dev, out)
+        elif path == "dcp":
+            via_dcp(sources, run_dir, dev, out)
+        elif TRANSFORMERS_SCHEME in sources:
+            via_transformers(model, sources[TRANSFORMERS_SCHEME], folder, dev, out)
+        results[path] = out.as_dict()
+    return results

@@ -97,7 +97,9 @@ PATHS: dict[str, str] = {
     "format:mx_scale_off_by_one": "no MX shared exponent computed (device.mx_scale_exponent)",
     "format:loader_fn_as_fnuz": "no e4m3fn tensor loaded through the stack's {path} loader (the formats io cases)",
     "lora:grad_leak": "no model wrapped with LoRA (adapter.wrap_with_lora)",
-    "lora:rank0_slice": "no adapter gathered for saving through the plugin's gather (adapter_io.gather_for_save)",
+    "lora:rank0_slice": "no sharded adapter gathered for saving: adapter_io.gather_for_save in the fully_shard lane, "
+                        "Accelerator.get_state_dict of a sharded model in the accelerate lane (on a CPU accelerate "
+                        "runs DDP, whose whole tensors have no slice to lose: use the fully_shard lane there)",
     "lora:zero_lora_b": "no adapter written through adapter_io.write_adapter",
     "lora:merge_ulp": "no adapter merged (merging.merge_and_unload)",
     "checkpoint:optimizer_dropped": "no optimizer state loaded (trainer_io.apply_optimizer)",

@@ -3,7 +3,11 @@
 Each mode wraps one hook point of the scenario's rank-side modules (module-level functions the rank
 code calls through their module), and restores it through ``ctx.cleanup_hooks``:
   grad_leak     adapter.wrap_with_lora leaves one base weight trainable (a peft change that unfreezes it)
-  rank0_slice   adapter_io.gather_for_save returns each rank's local shard (accelerate PR #4206)
+  rank0_slice   each rank's local shard saved as the whole adapter (accelerate PR #4206): in the fully_shard
+                lane through adapter_io.gather_for_save, in the accelerate lane inside accelerate's own
+                Accelerator.get_state_dict, where it fires only on a sharded model (FSDP2 on GPUs; on a CPU
+                accelerate runs DDP, which holds whole tensors, so the fault cannot fire there and the case
+                fails saying so)
   zero_lora_b   adapter_io.write_adapter saves one lora_B as zeros
   merge_ulp     merging.merge_and_unload leaves one layer's merged weight one ulp up
 The affected module is model.layers.<layer>.<its block>.<proj> (default model.layers.1.self_attn.q_proj).
@@ -32,6 +36,26 @@ def _patch(ctx: Any, owner: Any, attr: str, replacement: Any) -> None:
     ctx.cleanup_hooks.append(lambda: setattr(owner, attr, original))
 
 
+def _accelerator_class() -> Any:
+    from accelerate import Accelerator
+
+    return Accelerator
+
+
+def _sharded_only(firing: Firing) -> Any:
+    """Accelerator.get_state_dict, returning each rank's local shard where the model is sharded."""
+    def wrap(original: Any) -> Any:
+        def get_state_dict(self: Any, model: Any, unwrap: bool = True) -> dict[str, Any]:
+            state = model.state_dict()
+            if not any(hasattr(value, "to_local") for value in state.values()):
+                return original(self, model, unwrap=unwrap)  # whole tensors: nothing to slice
+            firing.fire()
+            return {name: (value.to_local() if hasattr(value, "to_local") else value).detach().cpu()
+                    for name, value in state.items()}
+        return get_state_dict
+    return wrap
+
+
 def install(spec: FaultSpec, ctx: Any) -> Firing:
     from ..scenarios.lora import adapter, adapter_io, merging
 
@@ -56,6 +80,7 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
                         for name, value in model.state_dict().items()}
             return gather_for_save
         _patch(ctx, adapter_io, "gather_for_save", local_shards)
+        _patch(ctx, _accelerator_class(), "get_state_dict", _sharded_only(firing))
     elif mode == "zero_lora_b":
         def zeroing(original: Any) -> Any:
             def write_adapter(peft_model: Any, state_dict: dict[str, Any], folder: str) -> None:

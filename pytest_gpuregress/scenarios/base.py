@@ -204,8 +204,11 @@ class Scenario:
         """(tokens summed into each step-0 gradient, layers deep): the terms of triage's derived bound."""
         raise NotImplementedError
 
-    def message_of(self, param: str, shapes: dict[str, tuple[int, ...]], world_size: int) -> str:
-        """The collective message that carries ``param``'s gradient, e.g. "reduce-scatter of the root group, 128 KiB"."""
+    def message_of(self, param: str, shapes: dict[str, tuple[int, ...]], world_size: int,
+                   record: RunRecord | None = None) -> str:
+        """The collective message that carries ``param``'s gradient, e.g. "reduce-scatter of the root group, 128 KiB".
+
+        ``record``: a run of this scenario, whose results may say how it grouped its parameters (None: unknown)."""
         return "an unknown collective"
 
     def experiment(self, case: Case, run: Callable[[Scenario, Launch], RunRecord], setup: Setup) -> RunRecord | None:

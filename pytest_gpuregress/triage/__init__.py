@@ -96,7 +96,7 @@ def equivalence(sc: Scenario, n: RunRecord, one: RunRecord, setup: Setup) -> Exp
         lines.append(
             f"{name} {list(shape)}: {len(wrong)} {unit} beyond {bound:.2g} (max {float(dev.max()):.3g}, "
             f"first at {first}), in the shard of rank {', '.join(map(str, owners))}; carried by "
-            f"{sc.message_of(name, shapes, setup.world_size)}"
+            f"{sc.message_of(name, shapes, setup.world_size, n)}"  # n: the run that sent these messages
         )
     losses = rel(np.asarray(n.series.get("loss", [])), np.asarray(one.series.get("loss", [])))
     late = [int(s) for s in np.nonzero(losses > bound)[0]]

@@ -87,32 +87,49 @@ class FsdpScenario(Scenario):
         load = record.results.get("expert_load")
         return {"busiest_expert_share": round(max(max(row) for row in load), 4)} if load else {}
 
-    def message_of(self, param: str, shapes: dict[str, tuple[int, ...]], world_size: int) -> str:
-        return reduce_scatter_message(param, shapes, world_size)
+    def message_of(self, param: str, shapes: dict[str, tuple[int, ...]], world_size: int,
+                   record: RunRecord | None = None) -> str:
+        return reduce_scatter_message(param, shapes, world_size, record)
 
 
 def _group(param: str) -> str:
-    """The fully_shard group a parameter belongs to: its decoder layer, or the root."""
+    """The name-pattern guess at a parameter's fully_shard group (Llama's ``model.layers.N``, else the root):
+    only for records that predate their units (``recorded_units``)."""
     parts = param.split(".")
     if parts[:2] == ["model", "layers"] and len(parts) > 2:
         return f"decoder layer {parts[2]}"
     return "the root group"
 
 
-def reduce_scatter_message(param: str, shapes: dict[str, tuple[int, ...]], world_size: int) -> str:
-    """The reduce-scatter that carries ``param``'s gradient: one per fully_shard group, fp32 (the reduce dtype),
-    each parameter padded on dim 0 to a multiple of the world size, as FSDP2 shards it."""
+def recorded_units(record: RunRecord | None) -> dict[str, dict[str, Any]] | None:
+    """The fully_shard units ``record`` kept (rank.py); None for an older record, which lacks them."""
+    from ...training.shard_units import RESULT_KEY
+
+    units = record.results.get(RESULT_KEY) if record is not None else None
+    return units if isinstance(units, dict) else None
+
+
+def reduce_scatter_message(param: str, shapes: dict[str, tuple[int, ...]], world_size: int,
+                           record: RunRecord | None = None) -> str:
+    """The reduce-scatter that carries ``param``'s gradient: one per fully_shard unit, fp32 (the reduce dtype),
+    each parameter padded on dim 0 to a multiple of the world size, as FSDP2 shards it.
+
+    The unit is the one ``record``'s run really wrapped ``param`` in; a record without units (older than
+    them) falls back to the name pattern of ``_group``, which knows Llama's layers only."""
+    from ...training.shard_units import group_label, reduce_scatter_bytes, unit_of
     from ...units import human_bytes
 
+    units = recorded_units(record)
+    path = unit_of(param, units) if units else None
+    if units and record is not None and path is not None:  # a parameter the units do not list falls back too
+        unit = units[path]
+        # The recorded size holds at the record's world size; at another (triage's one rank), recount it.
+        size = unit["bytes"] if record.world_size == world_size else \
+            reduce_scatter_bytes(unit["params"], shapes, world_size)
+        return f"reduce-scatter of {group_label(path)}, {human_bytes(int(size))}"
     group = _group(param)
-    elements = 0
-    for name, shape in shapes.items():
-        if _group(name) == group and shape:
-            rest = 1
-            for d in shape[1:]:
-                rest *= d
-            elements += -(-shape[0] // world_size) * world_size * rest
-    return f"reduce-scatter of {group}, {human_bytes(elements * 4)}"
+    members = [name for name in shapes if _group(name) == group]
+    return f"reduce-scatter of {group}, {human_bytes(reduce_scatter_bytes(members, shapes, world_size))}"
 
 
 def perturbed_launches(launch: Launch, setup: Setup, count: int) -> list[Launch]:

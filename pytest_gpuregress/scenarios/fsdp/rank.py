@@ -26,9 +26,10 @@ def run(ctx: RankContext) -> RunRecord:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ...training.data import token_source
-    from ...training.models import blueprint, build_causal_lm, decoder_layers
+    from ...training.models import blueprint, build_causal_lm
     from ...training.moe import expert_load, is_moe
     from ...training.noise import apply_kernel_path, apply_weight_perturbation
+    from ...training.shard_units import RESULT_KEY, describe_units, shard_units
     from ...training.step import next_token_loss, rank_tokens
     from ...training.switches import apply_switches
 
@@ -46,9 +47,11 @@ def run(ctx: RankContext) -> RunRecord:
     mp_policy = MixedPrecisionPolicy()
     if cfg["dtype"] == "bf16":
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+    units = shard_units(model)  # each decoder layer, then the root
+    # Kept before wrapping, which replaces the parameters: a failure names the unit that carried a gradient.
+    unit_table = describe_units(model, units, ctx.world_size)
+    for _path, unit in units:
+        fully_shard(unit, mp_policy=mp_policy)
 
     names = [n for n, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
@@ -99,6 +102,7 @@ def run(ctx: RankContext) -> RunRecord:
 
     observer.finish(ctx.world_size)
     results = observer.results()
+    results[RESULT_KEY] = unit_table
     if is_moe(model_config):  # how evenly the trained routers spread step 0's tokens, averaged over ranks
         try:  # a diagnostic: a transformers release whose routers it cannot find must not lose the verdict
             load = torch.from_numpy(expert_load(model, rank_tokens(data, 0, ctx, "", device)[:, :-1]))

@@ -162,13 +162,17 @@ def test_one_lora_targets_option_serves_models_with_different_module_names(tmp_p
     setup = Setup("cpu", "gloo", 2, models=(gpt2,), options={"gpuregress_lora_targets": ["q_proj", "v_proj", "c_attn"]})
     assert LORA.model_config(setup, None)["target_modules"] == ["q_proj", "v_proj"]  # the Llama's reference stays its own
     assert LORA.model_config(setup, "tiny-gpt2")["target_modules"] == ["c_attn"]
-    default = Setup("cpu", "gloo", 2, models=(gpt2,))
     from pytest_gpuregress.errors import NotApplicable
 
-    case = next(c for c in LORA.cases(default) if c.data["model"] == "tiny-gpt2")
+    # Without the option each model targets its own projections (tests/test_lora_targets.py); with it, a model
+    # that has none of the names is not applicable, and the message says how to serve both.
+    default = Setup("cpu", "gloo", 2, models=(gpt2,))
+    assert LORA.model_config(default, "tiny-gpt2")["target_modules"] == ["c_attn", "c_proj", "c_fc"]
+    llama_only = Setup("cpu", "gloo", 2, models=(gpt2,), options={"gpuregress_lora_targets": ["q_proj"]})
+    case = next(c for c in LORA.cases(llama_only) if c.data["model"] == "tiny-gpt2")
     with pytest.raises(NotApplicable, match="has no module named q_proj.*list every model's projections in "
                                             "--gpuregress-lora-targets"):
-        LORA.experiment(case, lambda *a: None, default)
+        LORA.experiment(case, lambda *a: None, llama_only)
     # Targets match as peft matches them: a dotted suffix too. Only GPT-2 names: the Llama's lora is not applicable.
     dotted = Setup("cpu", "gloo", 2, models=(gpt2,), options={"gpuregress_lora_targets": ["mlp.down_proj", "attn.c_attn"]})
     assert LORA.model_config(dotted, None)["target_modules"] == ["mlp.down_proj"]

@@ -112,6 +112,7 @@ class FactoryModel:
         """What the model is, from one call of the factory on the meta device (no memory for its weights), or on
         the CPU where the factory cannot run on meta."""
         from .models import decoder_layers
+        from .projections import survey
 
         try:
             model, extra = self._call("meta")
@@ -142,7 +143,8 @@ class FactoryModel:
                 "digest": hashlib.sha256(json.dumps([structure, classes]).encode()).hexdigest()[:12],
                 "parameters": sum(p.numel() for p in model.parameters()),
                 "inner": max((int(p.shape[-1]) for p in model.parameters() if p.ndim >= 2), default=1),
-                "module_names": frozenset(n for n, _ in model.named_modules() if n)}
+                "module_names": frozenset(n for n, _ in model.named_modules() if n),
+                "projections": survey(model)}
 
     @functools.cached_property
     def tokens(self) -> np.ndarray | None:
@@ -195,6 +197,11 @@ class FactoryModel:
     @property
     def module_names(self) -> frozenset[str]:
         return frozenset(self._facts["module_names"])
+
+    @property
+    def projections(self) -> Any:
+        """The linear projections of its blocks (a BlockProjections, training/projections.py): the LoRA targets."""
+        return self._facts["projections"]
 
 
 def factory_model(entry: str) -> FactoryModel:

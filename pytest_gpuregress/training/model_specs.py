@@ -20,12 +20,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import BadModel, UnsafeName
 from ..reference.names import safe_component
 from ..resources import shipped_dir
 from .factory import is_factory
 from .models import config_path
+from .projections import BlockProjections, matches, survey
 
 # fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter, before activations. FSDP2 spreads
 # them over the ranks; the accelerate LoRA lane keeps a whole fp32 copy of the frozen base on every rank.
@@ -59,6 +61,14 @@ class ModelSpec:
 
             return factory_model(self.source).module_names
         return module_names(self.config_file(device_kind))
+
+    def projections(self, device_kind: str) -> BlockProjections:
+        """The linear projections of its decoder layers: what the lora scenario targets by default."""
+        if self.factory:
+            from .factory import factory_model
+
+            return factory_model(self.source).projections
+        return block_projections(self.config_file(device_kind))
 
 
 def parse_model(value: str, base: Path) -> ModelSpec:
@@ -171,18 +181,29 @@ def available_memory(device_kind: str) -> int | None:
 
 
 @functools.lru_cache(maxsize=16)
-def module_names(source: str) -> frozenset[str]:
-    """Every module's full name in the model a config file describes (``model.layers.0.self_attn.q_proj``),
-    from a build on the meta device: what LoRA targets are matched against."""
+def _meta_model(source: str) -> Any:
+    """The model a config file describes, built on the meta device (no memory for its weights), once per file."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source, local_files_only=True))
-    return frozenset(name for name, _ in model.named_modules() if name)
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source, local_files_only=True))
+
+
+@functools.lru_cache(maxsize=16)
+def module_names(source: str) -> frozenset[str]:
+    """Every module's full name in the model a config file describes (``model.layers.0.self_attn.q_proj``):
+    what LoRA targets are matched against."""
+    return frozenset(name for name, _ in _meta_model(source).named_modules() if name)
+
+
+@functools.lru_cache(maxsize=16)
+def block_projections(source: str) -> BlockProjections:
+    """The linear projections of the decoder layers of the model a config file describes (training/projections.py)."""
+    return survey(_meta_model(source))
 
 
 def targets_present(targets: list[str], names: frozenset[str]) -> list[str]:
     """The LoRA targets that name a module, matched as peft matches them: the whole name or a dotted suffix
     (``q_proj``, ``mlp.down_proj``)."""
-    return [t for t in targets if any(n == t or n.endswith("." + t) for n in names)]
+    return [t for t in targets if any(matches(t, n) for n in names)]

@@ -9,13 +9,17 @@ which ``verdict()`` reports as findings of their own. Session side, torch-free; 
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ...plugin.options import LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
 from ...reference.record import RunRecord
 from ..base import Case, Launch, Scenario, Setup
 from ..fsdp import COMMON as FSDP_COMMON
 from ..fsdp import perturbed_launches, training_config
+
+if TYPE_CHECKING:  # for annotations only: the session side imports model code when it needs it
+    from ...training.projections import BlockProjections
 
 DEFAULT_TARGETS = LORA_DEFAULT_TARGETS
 WRAPPERS = ("fsdp2", "accelerate")
@@ -39,18 +43,22 @@ class LoraScenario(Scenario):
         return self.model_config(setup, None)
 
     def model_config(self, setup: Setup, model: str | None) -> dict[str, Any]:
+        config = training_config(setup, COMMON, DEVICE_DEFAULTS, model)
+        config["target_modules"] = self.targets(setup, model)
+        return config
+
+    def targets(self, setup: Setup, model: str | None) -> list[str]:
+        """The target_modules of ``model`` (a user's, by name; None: the tiny Llama)."""
         from ...training.model_specs import targets_present
 
-        config = training_config(setup, COMMON, DEVICE_DEFAULTS, model)
         asked = setup.option("lora-targets")
-        if model is None and not asked:  # the defaults are the tiny Llama's names: no model to build here
-            config["target_modules"] = list(DEFAULT_TARGETS)
-            return config
+        if not asked:
+            # DEFAULT_TARGETS are every projection of the tiny Llama (tests check it): its references keep them,
+            # with no model to build here. Any other model: every linear projection of its blocks, fused ones too.
+            return list(DEFAULT_TARGETS) if model is None else list(_projections(setup, model).targets)
         # One option serves every model: each targets the names it has (q_proj for a Llama, c_attn for a
         # GPT-2), so adding a model's names never changes another's config. None at all: NotApplicable.
-        targets = list(asked or DEFAULT_TARGETS)
-        config["target_modules"] = targets_present(targets, _module_names(setup, model)) or targets
-        return config
+        return targets_present(list(asked), _module_names(setup, model)) or list(asked)
 
     def platform_tag(self, config: dict[str, Any]) -> str:
         # One reference folder per wrapper under reference_runs/lora/, e.g. cpu-gloo-w2-fp32-fsdp2.
@@ -75,14 +83,39 @@ class LoraScenario(Scenario):
         model = case.data.get("model")
         if model is None and not setup.option("lora-targets"):
             return None  # the defaults are the tiny Llama's own names
-        targets = self.model_config(setup, model)["target_modules"]
+        where = "the tiny Llama" if model is None else f"model {model!r} ({setup.model(model).source})"
+        targets = self.targets(setup, model)
+        if not targets:  # only the defaults can be empty: the user's targets are kept even when none is present
+            raise NotApplicable(f"{where} has no Linear or Conv1D in its decoder layers for LoRA to target; name "
+                                "modules to adapt with --gpuregress-lora-targets")
         if not targets_present(targets, _module_names(setup, model)):
-            where = "the tiny Llama" if model is None else \
-                f"model {model!r} ({setup.model(model).source})"
             raise NotApplicable(f"{where} has no module named {', '.join(targets)}; list every model's projections "
                                 f"in --gpuregress-lora-targets (e.g. {','.join(DEFAULT_TARGETS[:2])},c_attn for a "
                                 "Llama and a GPT-2): each model targets the names it has")
         return None
+
+    def header(self, setup: Setup) -> list[str]:
+        """Per model, what the adapter targets, and what of its blocks' projections it leaves out and why."""
+        return [line for model in [None, *(m.name for m in setup.models)] for line in self.target_lines(setup, model)]
+
+    def target_lines(self, setup: Setup, model: str | None) -> list[str]:
+        """The header lines of one model (None: the tiny Llama)."""
+        from ...training.model_specs import targets_present
+        from ...training.projections import left_out
+
+        label = "tiny-llama" if model is None else model
+        asked = bool(setup.option("lora-targets"))
+        targets = self.targets(setup, model)
+        if model is None and not asked:  # DEFAULT_TARGETS are all of the tiny Llama's projections: none left out
+            return [f"gpuregress lora targets ({label}): {', '.join(targets)}"]
+        # The user's targets are kept when the model has none of them: lora is then not applicable (experiment).
+        present = targets_present(targets, _module_names(setup, model)) if targets else []
+        lines = [f"gpuregress lora targets ({label}): {_describe_targets(targets, present)}"]
+        missed = left_out(_projections(setup, model), present, asked)
+        if missed:
+            lines.append(f"gpuregress lora left out ({label}): "
+                         + "; ".join(f"{why}: {', '.join(paths)}" for why, paths in missed.items()))
+        return lines
 
     def reference_name(self, case: Case) -> str:
         # The wrapper is in the platform key, so `-k lora` records and finds both; a user's model has its own.
@@ -112,12 +145,36 @@ class LoraScenario(Scenario):
 def _module_names(setup: Setup, model: str | None) -> frozenset[str]:
     """What LoRA can target in ``model`` (a user's, by name; None: the tiny Llama)."""
     from ...training.model_specs import module_names
-    from ...training.models import config_path
 
     if model is None:
-        size = DEVICE_DEFAULTS["cuda" if setup.device_kind == "cuda" else "cpu"]["model_size"]
-        return module_names(str(config_path(COMMON["model"], size)))
+        return module_names(str(_tiny_llama_config(setup)))
     return setup.model(model).module_names(setup.device_kind)
+
+
+def _describe_targets(targets: list[str], present: list[str]) -> str:
+    """A model's targets for the header: the names, or why there are none to adapt."""
+    if present:
+        return ", ".join(targets)
+    if not targets:
+        return "none (no Linear or Conv1D in its decoder layers): lora is not applicable"
+    return f"none ({', '.join(targets)}: no module of that name): lora is not applicable"
+
+
+def _projections(setup: Setup, model: str | None) -> BlockProjections:
+    """The linear projections of ``model``'s decoder layers (None: the tiny Llama's), from a build on the meta device."""
+    from ...training.model_specs import block_projections
+
+    if model is None:
+        return block_projections(str(_tiny_llama_config(setup)))
+    return setup.model(model).projections(setup.device_kind)
+
+
+def _tiny_llama_config(setup: Setup) -> Path:
+    """The built-in model's config file at this device's size."""
+    from ...training.models import config_path
+
+    size = DEVICE_DEFAULTS["cuda" if setup.device_kind == "cuda" else "cpu"]["model_size"]
+    return config_path(COMMON["model"], size)
 
 
 SCENARIO = LoraScenario()

@@ -26,11 +26,12 @@ def scale(cfg: dict[str, Any]) -> float:
 
 
 def targeted_modules(model: Any, targets: list[str]) -> list[str]:
-    """The linear layers of a plain (not yet wrapped) model that ``targets`` selects, by their names."""
-    import torch
+    """The linear layers of a plain (not yet wrapped) model that ``targets`` selects, by their names: Linear and
+    GPT-2's Conv1D, matched as peft matches them (a dotted suffix too), so the checks see every adapted module."""
+    from ...training.projections import is_projection, matches
 
     return [name for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets]
+            if is_projection(module) and any(matches(t, name) for t in targets)]
 
 
 def wrap_with_lora(base: Any, cfg: dict[str, Any]) -> Any:

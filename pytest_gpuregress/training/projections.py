@@ -1,0 +1,146 @@
+"""The linear projections of a model's repeated blocks, and the LoRA targets that name them.
+
+Like peft's ``all-linear``: every ``torch.nn.Linear`` and transformers ``Conv1D`` (GPT-2's) in the
+decoder layers, fused ones included (Phi-3's ``qkv_proj``, ``gate_up_proj``), named by leaf name as
+``target_modules`` names them. Unlike it: only inside the blocks, so never the lm_head or the
+embeddings, and never a router. What the blocks hold that no target can adapt (an MoE's fused expert
+weights, 3-D parameters rather than modules) is listed, so the report can say what was left out.
+
+Torch is imported inside the functions: the session side imports this module without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Config fields that hold an MoE's number of routed experts, across transformers architectures.
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+# Why a projection has no adapter, as the report says it before the block paths.
+NOT_ASKED = "not in --gpuregress-lora-targets"
+NOT_LINEAR = "not a Linear or Conv1D (target_modules cannot adapt one)"
+ROUTER = "routers and expert gates (an adapter on one changes which experts run, or how much of one)"
+CLASHING = "named like a module that must not be adapted (a router, or one outside the decoder layers)"
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One weight of the blocks: its path inside a block (``self_attn.qkv_proj``) and every layer's full name."""
+
+    path: str
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class BlockProjections:
+    """What a model's decoder layers hold for LoRA, each group in model order."""
+
+    targets: tuple[str, ...]  # target_modules adapting exactly ``linear``: leaf names (qkv_proj), a path on a clash
+    linear: tuple[Projection, ...]  # every Linear / Conv1D of the blocks that a target names
+    routers: tuple[Projection, ...]  # never targeted by default
+    not_linear: tuple[Projection, ...]  # weights of other modules (fused experts): no target_modules entry adapts them
+    clashing: tuple[Projection, ...]  # Linear / Conv1D whose leaf name and path both name a module to leave alone
+
+
+def matches(target: str, name: str) -> bool:
+    """Whether a ``target_modules`` entry selects the module ``name``, as peft matches a list: the whole name or
+    a dotted suffix of it (``q_proj``, ``mlp.down_proj``)."""
+    return name == target or name.endswith("." + target)
+
+
+def is_projection(module: Any) -> bool:
+    """A torch.nn.Linear or a transformers Conv1D (GPT-2's transposed Linear): what peft's all-linear adapts."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, (torch.nn.Linear, Conv1D))
+
+
+def expert_count(model: Any) -> int | None:
+    """The number of routed experts the model's config declares, or None for a dense model."""
+    config = getattr(model, "config", None)
+    for field in EXPERT_COUNT_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def is_router(module: Any, experts: int | None) -> bool:
+    """In an MoE model (``experts`` set), a module that scores experts rather than projecting activations: a Linear
+    with one output per expert (Mixtral's ``mlp.gate`` before transformers 5), a router module's expert-by-hidden
+    weight (its ``TopKRouter`` since), or a one-output Linear, the gate of a single expert (Qwen2-MoE's
+    ``shared_expert_gate``, whose sigmoid scales the shared expert). An adapter on any of them changes which
+    experts run, or how much of one, not what a projection computes."""
+    if experts is None:
+        return False
+    if is_projection(module):
+        outputs = module.out_features if hasattr(module, "out_features") else module.weight.shape[1]  # Conv1D: in x out
+        return outputs in (1, experts)
+    weight = getattr(module, "weight", None)
+    return getattr(weight, "ndim", 0) == 2 and weight.shape[0] == experts
+
+
+def survey(model: Any) -> BlockProjections:
+    """What LoRA can adapt in ``model``'s decoder layers (training/models.py ``decoder_layers``); works on the
+    meta device."""
+    import torch
+
+    from .models import decoder_layers
+
+    experts = expert_count(model)
+    full_names = {id(module): name for name, module in model.named_modules()}
+    linear: dict[str, list[str]] = {}
+    routers: dict[str, list[str]] = {}
+    not_linear: dict[str, list[str]] = {}
+    for layer in decoder_layers(model):
+        prefix = full_names[id(layer)]
+        for path, module in layer.named_modules():
+            name = f"{prefix}.{path}" if path else prefix
+            if is_router(module, experts):
+                routers.setdefault(path, []).append(name)
+            elif is_projection(module):
+                linear.setdefault(path, []).append(name)
+            elif not isinstance(module, torch.nn.Embedding):  # embeddings are never a target, and no projection
+                for param, value in module.named_parameters(recurse=False):
+                    # A weight matrix, or stacked experts'; not norm gains, nor biases (stacked experts' are 2-D).
+                    if value.ndim >= 2 and not param.endswith("bias"):
+                        not_linear.setdefault(_join(path, param), []).append(f"{name}.{param}")
+    named = _grouped(linear)
+    allowed = frozenset(n for p in named for n in p.names)
+    every = [name for name, _ in model.named_modules() if name]
+    chosen = [(p, _target_for(p, allowed, every)) for p in named]
+    return BlockProjections(targets=tuple(dict.fromkeys(t for _, t in chosen if t)),
+                            linear=tuple(p for p, t in chosen if t), routers=_grouped(routers),
+                            not_linear=_grouped(not_linear), clashing=tuple(p for p, t in chosen if not t))
+
+
+def left_out(found: BlockProjections, targets: Sequence[str], asked: bool) -> dict[str, list[str]]:
+    """What of the blocks ``targets`` leaves without an adapter, by why (the reasons above): block paths.
+    ``asked``: the targets are the user's, so a projection they miss is theirs to add."""
+    def covered(projection: Projection) -> bool:
+        return all(any(matches(t, n) for t in targets) for n in projection.names)
+
+    why = {NOT_ASKED if asked else CLASHING: [p.path for p in (*found.linear, *found.clashing) if not covered(p)],
+           NOT_LINEAR: [p.path for p in found.not_linear],
+           ROUTER: [p.path for p in found.routers if not covered(p)]}
+    return {reason: paths for reason, paths in why.items() if paths}
+
+
+def _target_for(projection: Projection, allowed: frozenset[str], every: Sequence[str]) -> str:
+    """The name that selects this projection in every layer and nothing to leave alone (a router, a module outside
+    the blocks such as the lm_head): its leaf name, else its path in the block, else "" (none does)."""
+    for target in (projection.path.rsplit(".", 1)[-1], projection.path):
+        if all(n in allowed for n in every if matches(target, n)):
+            return target
+    return ""
+
+
+def _grouped(found: dict[str, list[str]]) -> tuple[Projection, ...]:
+    return tuple(Projection(path, tuple(names)) for path, names in found.items())
+
+
+def _join(path: str, leaf: str) -> str:
+    return f"{path}.{leaf}" if path else leaf

@@ -146,7 +146,7 @@ def test_session_only_keys_stay_out_of_the_stored_config() -> None:
 def test_every_fault_mode_is_declared_and_undoes_itself() -> None:
     """Rank processes are reused across launches: each installed patch must be undone by its cleanup hook."""
     assert set(checkpoint_faults.MODES) == set(faults.KINDS["checkpoint"].params["mode"].choices)
-    points = [(full_state, "gather"), (full_state, "tensors_to_save"), (full_state, "reload"), (hooks, "after_load"),
+    points = [(full_state, "gather"), (full_state, "tensors_to_save"), (full_state, "stack_load"), (hooks, "after_load"),
               (rng, "restore"), (sharded, "save"), (sharded, "load"), (trainer_io, "apply_model"),
               (trainer_io, "apply_optimizer")]
     originals = [getattr(owner, name) for owner, name in points]

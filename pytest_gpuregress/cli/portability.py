@@ -1,12 +1,14 @@
 """``gpuregress portability CHECKPOINT --config CONFIG``: does a checkpoint mean the same on this machine?
 
-It loads a safetensors checkpoint (a file, or a folder of shards) into the model its transformers
-config builds, strictly (every tensor present, tied tensors stored once, shapes and the config's
-dtype), and prints the logits on a fixed batch, their deviation from float64 on this machine, and
-a checksum per tensor. ``--out FILE`` writes that result (safetensors: the logits, with the rest as
-JSON metadata); ``--against FILE`` compares with the file another machine wrote: checksums equal,
-logits within twice the float32 bound. The same check as the checkpoint scenario's ``portability``
-case (scenarios/checkpoint/portable.py). Never unpickles anything.
+It checks a safetensors checkpoint (a file, or a folder of shards) against the model its
+transformers config builds with the plugin's strict reader (every tensor present, tied tensors
+stored once, shapes and the config's dtype), loads it the stack's way
+(``safetensors.torch.load_file``, ``load_state_dict(strict=True)``), and prints the logits on a
+fixed batch, their deviation from float64 on this machine, and a checksum per tensor as loaded
+(against the strict reader's own). ``--out FILE`` writes that result (safetensors: the logits, with
+the rest as JSON metadata); ``--against FILE`` compares with the file another machine wrote:
+checksums equal, logits within twice the float32 bound. The same check as the checkpoint
+scenario's ``portability`` case (scenarios/checkpoint/portable.py). Never unpickles anything.
 
 Exit 0 when it agrees, 1 on a difference, 2 when the checkpoint, config or file cannot be used
 (one message naming the file and the fix).
@@ -85,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     device = _device(args.device)
     set_determinism(0, device_kind="cuda" if device.startswith("cuda") else "cpu", cpu_threads=None)  # TF32 off
     model_config, config_file = load_config(Path(args.config))
-    checkpoint = files.read(Path(args.checkpoint))
+    checkpoint = files.read(Path(args.checkpoint))  # the strict parse; evaluate loads the weights through the stack
     evaluation = portable.evaluate(checkpoint, model_config, f"the config {config_file}", device,
                                    with_float64=not args.no_float64)
     summary = {**evaluation.summary(), "format": FORMAT, "checkpoint": str(args.checkpoint),

@@ -9,7 +9,8 @@ runs its next launch clean:
   chunks_permuted    sharded.load: at another world size the chunks along dim 0 come back in reverse
                      order (ROCm/Megatron-LM PR #63)
   tied_key_dropped   full_state.tensors_to_save drops the name a tied tensor is stored under
-  untied             full_state.reload gives every tied name its own copy (transformers#38870)
+  untied             full_state.stack_load: after the stack's load every tied name has its own copy, as a
+                     loader that unties does (transformers#38870)
   rng_not_restored   rng.restore does nothing: the generators keep whatever state they had
   weights_late       trainer_io.apply_model takes effect after the next optimizer step, not before it
   ulp_nudge          hooks.after_load moves one element of one tensor up by one ulp after every load
@@ -50,7 +51,7 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
     elif mode == "tied_key_dropped":
         _patch(ctx, full_state, "tensors_to_save", lambda original: _dropping_tied_key(original, firing))
     elif mode == "untied":
-        _patch(ctx, full_state, "reload", lambda original: _untying(original, firing))
+        _patch(ctx, full_state, "stack_load", lambda original: _untying(original, firing))
     elif mode == "rng_not_restored":
         _patch(ctx, rng, "restore", lambda original: lambda states, device_kind: firing.fire())
     elif mode == "weights_late":
@@ -134,20 +135,19 @@ def _dropping_tied_key(original: Any, firing: Firing) -> Any:
 
 
 def _untying(original: Any, firing: Firing) -> Any:
-    def reload(*args: Any, **kwargs: Any) -> Any:
+    def stack_load(model: Any, path: Any) -> None:
         import torch
 
         from ..scenarios.checkpoint.portable import tie_groups
 
-        model = original(*args, **kwargs)
-        for group in tie_groups(model):
+        original(model, path)
+        for group in tie_groups(model):  # the stack loaded into the tie; now each alias gets its own copy
             for alias in group[1:]:
                 owner, _, attr = alias.rpartition(".")
                 module = model.get_submodule(owner)
                 setattr(module, attr, torch.nn.Parameter(getattr(module, attr).detach().clone()))
                 firing.fire()
-        return model
-    return reload
+    return stack_load
 
 
 def _one_step_late(original: Any, ctx: Any, firing: Firing) -> Any:

@@ -107,7 +107,7 @@ PATHS: dict[str, str] = {
                               "(sharded.save, full_state.gather)",
     "checkpoint:chunks_permuted": "no sharded load at another world size (sharded.load)",
     "checkpoint:tied_key_dropped": "no save of a tied tensor (full_state.tensors_to_save)",
-    "checkpoint:untied": "no reload of a model with tied weights (full_state.reload)",
+    "checkpoint:untied": "no reload of a model with tied weights through the stack (full_state.stack_load)",
     "checkpoint:rng_not_restored": "no generator state restored (rng.restore)",
     "checkpoint:weights_late": "no loaded weights applied to a resumed trainer (trainer_io.apply_model)",
     "checkpoint:ulp_nudge": "no load of model.layers.{layer}.*.{proj}.weight (hooks.after_load)",

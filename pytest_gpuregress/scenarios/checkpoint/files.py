@@ -43,6 +43,7 @@ class CheckpointFiles:
     tags: dict[str, str] = field(default_factory=dict)
     origin: dict[str, Path] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+    prefix: str = ""  # before every name in the files (a bundle's ``checkpoint/``): a loader strips it
 
     def file_of(self, name: str) -> Path:
         return self.origin.get(name, self.path)
@@ -97,6 +98,7 @@ def read(path: Path) -> CheckpointFiles:
                                     "convert it to safetensors on a machine you trust, then pass the .safetensors file")
         _add(out, path)
     elif (path / BUNDLE_TENSORS).is_file() and (path / "record.json").is_file():
+        out.prefix = BUNDLE_PREFIX
         _add(out, path / BUNDLE_TENSORS, BUNDLE_PREFIX)
     elif (path / INDEX).is_file():
         for shard in _shards_of(path / INDEX):

@@ -4,10 +4,12 @@ The save goes the way FSDP2 users save: ``get_model_state_dict(full_state_dict=T
 cpu_offload=True)`` gathers every rank's shard onto rank 0, which writes one safetensors file
 (atomically), each tied tensor once under the first of its names (safetensors refuses shared
 storage; transformers stores ties the same way). The reload builds a fresh model from the config,
-reads the file with the strict reader (files.py) and loads it with ``portable.match``'s checks.
+checks the file with the strict reader (files.py, ``portable.match``: clear errors), then loads it
+with the stack's loader, ``safetensors.torch.load_model``: what is compared afterwards (tensors, the
+tie, logits) is what the stack made of the file, not a copy of our own.
 
 Hook points a fault replaces, called through this module: ``gather`` (what the save collects),
-``tensors_to_save`` (which names go into the file) and ``reload`` (file -> model).
+``tensors_to_save`` (which names go into the file) and ``stack_load`` (the stack's file -> model).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import numpy as np
 
 from ...errors import GpuRegressError
 from ...reference import atomic
-from . import files, portable
+from ..formats.errors import CheckpointProblem
+from . import files, hooks, portable
 
 TIED_METADATA = "gpuregress.tied"  # JSON: alias -> the name the tensor is stored under
 
@@ -48,10 +51,33 @@ def write(path: Path, tensors: dict[str, Any], groups: list[list[str]]) -> None:
 
 
 def reload(path: Path, model_config: Any, label: str) -> Any:
-    """A freshly built model with the file's tensors; CheckpointProblem when the file does not fit the config."""
+    """A freshly built model loaded from the file by the stack; CheckpointProblem when the file does not fit the config."""
     model = portable.empty_model(model_config)
-    portable.load_into(model, portable.match(files.read(path), model, model_config, label))
+    portable.match(files.read(path), model, model_config, label)  # the strict reader first: errors naming the fix
+    stack_load(model, path)
+    hooks.after_load(dict(model.state_dict(keep_vars=True)))
     return model
+
+
+def stack_load(model: Any, path: Path) -> None:
+    """``safetensors.torch.load_model(strict=True)``: the stack's loader, tied names stored once included (it
+    matches them to the model's shared tensors itself, so what ``check_ties`` sees afterwards is its doing)."""
+    import safetensors.torch  # looked up at call time: the stack's function, whatever wraps it
+
+    try:
+        safetensors.torch.load_model(model, str(path), strict=True)
+    except RuntimeError as exc:
+        raise CheckpointProblem(path, None, f"safetensors.torch.load_model(strict=True) refused it: "
+                                f"{' '.join(str(exc).split())}", "save the checkpoint again") from None
+
+
+def saved_arrays(path: Path) -> dict[str, np.ndarray]:
+    """The written file as the stack reads it (``safetensors.torch.load_file``), as the bundle keeps it: each
+    tensor under ``checkpoint/<name>``. The reference holds the stack's artifact, not our in-memory copy."""
+    import safetensors.torch
+
+    return {files.BUNDLE_PREFIX + name: np.array(tensor.numpy(), order="C")  # a copy: the folder goes away
+            for name, tensor in safetensors.torch.load_file(str(path), device="cpu").items()}
 
 
 def logits_of(model: Any, device: Any, vocab_size: int) -> np.ndarray:

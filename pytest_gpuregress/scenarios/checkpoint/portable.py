@@ -1,10 +1,13 @@
 """Does a checkpoint mean the same on this machine? Load it strictly, then logits and checksums. Rank side and CLI.
 
-``evaluate`` builds the model from its transformers config, checks the checkpoint against it (every
-tensor present, tied tensors stored under one of their names, shapes and the config's dtype),
-loads it onto the device and reports:
-  checksums   per tensor: sha256 of its bytes as the model holds them after the load, and the
-              file's own sha256; they must be equal on every machine (loading is a copy)
+``evaluate`` builds the model from its transformers config, checks the checkpoint against it with
+the plugin's strict reader (every tensor present, tied tensors stored under one of their names,
+shapes and the config's dtype: errors that name the file and the fix), then loads it the way the
+stack does (``safetensors.torch.load_file`` and ``load_state_dict(strict=True)``), moves it to the
+device and reports:
+  checksums   per tensor: sha256 of its bytes as the model holds them after the stack's load, and
+              the file's own sha256 from the strict reader's independent parse; they must be equal
+              on every machine (loading is a copy)
   logits      float32 logits on a fixed batch (``fixed_batch``), computed in float32 on the device
   deviation   max |logits - float64 logits| / max |float64 logits|, the float64 ones computed on
               this machine's CPU from the same tensors
@@ -147,16 +150,40 @@ def match(ckpt: CheckpointFiles, model: Any, model_config: Any, config_label: st
     return out
 
 
-def load_into(model: Any, tensors: dict[str, np.ndarray]) -> None:
-    """Copy each matched tensor into the model (a tied group through its first name: one storage)."""
-    import torch
+def stack_state(ckpt: CheckpointFiles) -> dict[str, Any]:
+    """The checkpoint's tensors as the stack reads them: ``safetensors.torch.load_file`` of each file, on the CPU,
+    under their model names (a bundle's ``checkpoint/`` prefix stripped, its other arrays left out)."""
+    import safetensors.torch  # looked up at call time: the stack's function, whatever wraps it
 
-    state = model.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for name, values in tensors.items():
-            target = state[name]
-            target.copy_(torch.from_numpy(values.astype(np.float32) if values.dtype != np.float32 else values)
-                         .to(target.dtype))
+    out: dict[str, Any] = {}
+    for path in dict.fromkeys(ckpt.origin.values()):  # each file once, in the order the strict reader read them
+        for key, tensor in safetensors.torch.load_file(str(path), device="cpu").items():
+            if key.startswith(ckpt.prefix):
+                out[key[len(ckpt.prefix):]] = tensor
+    return out
+
+
+def with_tied_names(state: dict[str, Any], groups: list[list[str]]) -> dict[str, Any]:
+    """``state`` with each tied tensor under every name of its group: the file stores it once, and
+    ``load_state_dict(strict=True)`` wants every name (it copies into the one storage, so the model's tie stays)."""
+    out = dict(state)
+    for group in groups:
+        stored = next((n for n in group if n in state), None)
+        if stored is not None:
+            out.update({n: state[stored] for n in group if n not in state})
+    return out
+
+
+def load(model: Any, ckpt: CheckpointFiles) -> None:
+    """Load ``ckpt`` into ``model`` the stack's way: ``load_file``, then ``load_state_dict(strict=True)``.
+
+    ``match`` has checked the file already; a refusal here is the stack's own, passed on with its words."""
+    state = with_tied_names(stack_state(ckpt), tie_groups(model))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise CheckpointProblem(ckpt.path, None, f"the stack's load_state_dict(strict=True) refused it: "
+                                f"{' '.join(str(exc).split())}", "export the checkpoint again") from None
     hooks.after_load(dict(model.state_dict(keep_vars=True)))
 
 
@@ -203,8 +230,8 @@ def evaluate(ckpt: CheckpointFiles, model_config: Any, config_label: str, device
     from ...training.moe import in_float64
 
     model = empty_model(model_config)
-    tensors = match(ckpt, model, model_config, config_label)
-    load_into(model, tensors)
+    stored = match(ckpt, model, model_config, config_label)  # the strict reader's view: clear errors, file checksums
+    load(model, ckpt)  # the model's weights: what the stack's loader made of the same files
     ids = fixed_batch(int(model_config.vocab_size))
     deviation = None
     logits64 = None
@@ -216,13 +243,13 @@ def evaluate(ckpt: CheckpointFiles, model_config: Any, config_label: str, device
     if logits64 is not None:
         deviation = deviation_between(logits, logits64)
     checksums, file_checksums = {}, {}
-    for name in tensors:
-        stored = tensors[name]
-        checksums[name] = checksum(held(model, name, stored))
-        file_checksums[name] = sha256(stored)
+    for name, values in stored.items():
+        loaded = held(model, name, values)
+        checksums[name] = checksum(loaded)
+        file_checksums[name] = sha256(values)
         if checksums[name]["sha256"] != file_checksums[name]:
             problems.append(f"{name}: the tensor the model holds after the load is not the file's "
-                            f"({describe_difference(stored, held(model, name, stored))})")
+                            f"({describe_difference(values, loaded)})")
     bound = logits_bound(model_config)
     if deviation is not None and not deviation <= bound:
         problems.append(f"logits on the fixed batch are {deviation:.3g} from float64 on this machine, beyond the bound "

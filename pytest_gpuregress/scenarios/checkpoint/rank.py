@@ -86,11 +86,11 @@ def _roundtrip(ctx: RankContext, tr: trainer.Trainer, model: dict[str, Any], wit
         out["findings"], logits = full_state.roundtrip(gathered, trained, trained_logits, model_config, label,
                                                        Path(folder), torch.device(ctx.device))
         if with_bundle and logits is not None:  # the reload above read this file: it cannot fail now
-            evaluation = portable.evaluate(files.read(Path(folder) / "model.safetensors"), model_config, label,
-                                           ctx.device)
+            saved = Path(folder) / "model.safetensors"
+            evaluation = portable.evaluate(files.read(saved), model_config, label, ctx.device)
             out["bundle"] = {**evaluation.summary(), "model": model["model"]}
-            out["bundle_arrays"] = {"logits": evaluation.logits,
-                                    **{files.BUNDLE_PREFIX + n: v for n, v in trained.items()}}
+            # the file the stack wrote, as the stack reads it; the round trip has checked it equals ``trained``
+            out["bundle_arrays"] = {"logits": evaluation.logits, **full_state.saved_arrays(saved)}
             out["findings"] += [f"the saved checkpoint on {ctx.device}: {p}" for p in evaluation.problems]
     return out
 

@@ -23,7 +23,7 @@ from ..errors import (
     ReferenceProblem,
     RegressionFailure,
 )
-from ..faults import check_ranks, firing
+from ..faults import check_ranks, firing, reach
 from ..launch.job import Job
 from ..reference import envelope, failfast, kernels, perf, store
 from ..reference.compare import Comparison, compare_training, tolerant_limits
@@ -57,7 +57,7 @@ class Outcome:
 
 def test_id(scenario: Scenario, case: Case) -> str:
     """The case's pytest id: the scenario's name, then the case's own id where it has one."""
-    return case.id if case.id == scenario.name else f"{scenario.name}-{case.id}"
+    return reach.test_id(scenario.name, case.id)
 
 
 class GpuRegressSession:
@@ -232,7 +232,7 @@ class GpuRegressSession:
             # The wall-clock limit fires first, so hung ranks are reported with their stacks
             # rather than a peer's collective timeout.
             timeout_s=self.options.timeout + 60,
-            faults=[*(self.options.inject if launch.inject else ()), *faults],
+            faults=[*(self._injected(sc, launch) if launch.inject else ()), *faults],
             env=dict(launch.env),
             loopback_only=not self.platform.in_place,
             watch=self.watches.get((sc.name, launch.key), {}),
@@ -252,6 +252,11 @@ class GpuRegressSession:
             _count_faults(record, job.faults, result.records)
         record.notes.extend(result.notes)
         return record
+
+    def _injected(self, sc: Scenario, launch: Launch) -> list[str]:
+        """The --gpuregress-inject specs that act in a case this launch serves (faults/reach.py)."""
+        served = [c.id for c in self.selected.get(sc.name, []) if c.launch == launch.key]
+        return reach.reaching(self.options.inject, sc.name, served, self.platform.device_kind)
 
     def launch_cached(self, sc: Scenario, launch: Launch) -> RunRecord:
         """Run ``launch`` of ``sc`` once per session, however many cases or experiments ask for it.
@@ -341,6 +346,9 @@ class GpuRegressSession:
         shortfall = self.rank_shortfall(case)
         if shortfall:  # a direct call; the built-in suite already skips such cases
             raise NotApplicable(shortfall)
+        unreached = reach.unreached_reason(self.options.inject, sc.name, case.id, self.platform.device_kind)
+        if unreached:  # it would run clean, proving nothing about the faults asked for
+            raise NotApplicable(unreached)
         if self.options.fail_fast and not self.options.record:
             self._watch_reference(sc, case)
         ran: list[RunRecord] = []  # the launches an experiment ran, to count their faults' firings

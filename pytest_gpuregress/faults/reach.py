@@ -1,0 +1,144 @@
+"""Which built-in cases each fault can act in, as measured (benchmarks/fault_reach.py): the fault x case table.
+
+A fault is installed only in the launches of the cases it reaches; a case that none of the injected
+faults reaches is skipped as not applicable, with the reason, instead of running clean (which proves
+nothing) or failing because the fault never fired. A case a fault reaches must see it fire, or it
+fails (firing.py). Cases of a user's own scenario are reached by every fault: only the firing count
+can say there. docs/faults.md shows the table (``table_lines``); tests/test_fault_reach.py checks both.
+Torch-free: the session imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from . import FaultSpec, parse
+
+BUILT_IN = ("collectives", "fsdp", "lora", "checkpoint", "triage", "formats")
+
+# The columns of the table: each built-in case family, as the prefix of its test id (<scenario>-<case>).
+COLUMNS = ("collectives", "fsdp", "lora-fully_shard", "lora-accelerate", "checkpoint-full-state-dict", "checkpoint-tied",
+           "checkpoint-sharded-2to1", "checkpoint-sharded-1to2", "checkpoint-resume", "checkpoint-portability",
+           "triage-equivalence", "triage-oracle", "formats")
+
+# Measured on the CPU with benchmarks/fault_reach.py (2 gloo ranks); "acts" means the fault changed something in
+# a launch the case reads (the main checkpoint launch carries both full-state-dict and tied).
+_STEPPING = ("fsdp", "lora-fully_shard", "lora-accelerate", "checkpoint-full-state-dict", "checkpoint-tied",
+             "checkpoint-sharded-2to1", "checkpoint-sharded-1to2", "checkpoint-resume", "triage-equivalence",
+             "triage-oracle")  # an optimizer step (triage-oracle: its one-rank stack run; the float64 run is never faulted)
+_FORWARD = (*_STEPPING, "checkpoint-portability", "formats")  # a model's forward pass (linear, attention, silu)
+_COLLECTIVE = ("collectives", *(c for c in _STEPPING if c != "checkpoint-sharded-1to2"))  # collectives between ranks
+
+# kind, or "kind:mode" -> the columns it reaches. Why a column is missing is in WHY_NOT.
+REACH: dict[str, tuple[str, ...]] = {
+    "collective": _COLLECTIVE,
+    "emulate_premul_sum": _COLLECTIVE,
+    "lr_scale": _STEPPING,
+    "linear_noise": _FORWARD,
+    "sdpa_backend": _FORWARD,
+    "host_op": _FORWARD,
+    "slow_step": _STEPPING,
+    "hang": _STEPPING,  # hang, crash and teardown_abort act after a completed step: declared, not measured
+    "crash": _STEPPING,
+    "teardown_abort": _STEPPING,
+    "format": ("formats",),
+    "lora": ("lora-fully_shard", "lora-accelerate"),
+    "lora:rank0_slice": ("lora-fully_shard", "lora-accelerate"),
+    "checkpoint:optimizer_dropped": ("checkpoint-sharded-2to1", "checkpoint-sharded-1to2", "checkpoint-resume"),
+    "checkpoint:rank0_shard": ("checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-sharded-2to1",
+                               "checkpoint-resume"),
+    "checkpoint:chunks_permuted": ("checkpoint-sharded-2to1", "checkpoint-sharded-1to2"),
+    "checkpoint:tied_key_dropped": ("checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-resume"),
+    "checkpoint:untied": ("checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-resume"),
+    "checkpoint:rng_not_restored": ("checkpoint-resume",),
+    "checkpoint:weights_late": ("checkpoint-resume",),
+    "checkpoint:ulp_nudge": ("checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-sharded-2to1",
+                             "checkpoint-sharded-1to2", "checkpoint-resume", "checkpoint-portability"),
+}
+
+# On a CPU, accelerate wraps the model in DDP: its collectives are all_reduce and broadcast, and its state dict
+# holds whole tensors, so there is no shard to lose. On GPUs it runs FSDP2 and every op and rank0_slice act.
+CPU_DDP_OPS = ("all_reduce", "broadcast")
+CPU_ONLY_MISSING = {("lora:rank0_slice", "lora-accelerate"): "on a CPU accelerate runs DDP, whose state dict holds "
+                                                             "whole tensors: no slice to lose (FSDP2 on GPUs)"}
+
+WHY_NOT: dict[str, str] = {
+    "collectives": "the sweep runs collectives only: no model, no step",
+    "formats": "no optimizer step and no collective: casts and checkpoint files on each device",
+    "checkpoint-sharded-1to2": "it trains and saves on 1 rank, then only loads on 2",
+    "checkpoint-portability": "inference from the shipped bundle on 1 rank: no optimizer step, no collective",
+}
+
+
+def key_of(spec: FaultSpec) -> str:
+    mode = spec.get("mode")
+    return f"{spec.kind}:{mode}" if mode is not None and f"{spec.kind}:{mode}" in REACH else spec.kind
+
+
+def column_of(test_id: str) -> str | None:
+    """The table column of a built-in test id (``checkpoint-sharded-2to1``, ``formats-io-dcp``), or None."""
+    return next((c for c in sorted(COLUMNS, key=len, reverse=True) if test_id == c or test_id.startswith(c + "-")),
+                None)
+
+
+def reaches(spec: FaultSpec, test_id: str, device_kind: str = "cpu") -> bool:
+    """Whether ``spec`` can act in the built-in case ``test_id`` on this device; a user's scenario: always."""
+    scenario = test_id.split("-", 1)[0]
+    if scenario not in BUILT_IN:
+        return True
+    column = column_of(test_id)
+    key = key_of(spec)
+    if column is None or column not in REACH[key]:
+        return False
+    if device_kind == "cpu" and (key, column) in CPU_ONLY_MISSING:
+        return False
+    ops = spec.get("op") if spec.kind == "collective" else None
+    if ops and column == "collectives" and test_id != column:
+        return test_id.split("-")[1] in ops  # a sweep case runs one op: collectives-<op>-...
+    if ops and column == "lora-accelerate" and device_kind == "cpu":
+        return bool(set(ops) & set(CPU_DDP_OPS))
+    return True
+
+
+def test_id(scenario: str, case_id: str) -> str:
+    """The built-in suite's id of a case: ``fsdp``, ``formats-io-dcp``, ``lora-fully_shard-tiny-qwen2``."""
+    return case_id if case_id == scenario else f"{scenario}-{case_id}" if case_id else scenario
+
+
+def reaching(texts: Iterable[str], scenario: str, case_ids: Iterable[str], device_kind: str = "cpu") -> list[str]:
+    """The specs of ``texts`` that reach at least one of the cases (all of the scenario's when none are named)."""
+    ids = [test_id(scenario, c) for c in case_ids] or [c for c in COLUMNS if c.split("-")[0] == scenario] or [scenario]
+    return [t for t in texts if any(reaches(parse(t), i, device_kind) for i in ids)]
+
+
+def unreached_reason(texts: Iterable[str], scenario: str, case_id: str, device_kind: str = "cpu") -> str | None:
+    """Why the case is skipped when faults are injected and none reaches it; None when one does (or none given)."""
+    texts = list(texts)
+    tid = test_id(scenario, case_id)
+    if not texts or any(reaches(parse(t), tid, device_kind) for t in texts):
+        return None
+    column = column_of(tid) or tid
+    whys = [CPU_ONLY_MISSING.get((key_of(parse(t)), column), "") if device_kind == "cpu" else "" for t in texts]
+    why = "; ".join(filter(None, whys)) or WHY_NOT.get(column, "")
+    acts = sorted({c for t in texts for c in REACH.get(key_of(parse(t)), ())
+                   if scenario in BUILT_IN and reaches(parse(t), c, device_kind)})
+    return (f"--gpuregress-inject {'; '.join(texts)}: no injected fault acts in {tid}" + (f" ({why})" if why else "")
+            + (f"; it acts in {', '.join(acts)}" if acts else "") + "; docs/faults.md lists where each fault acts")
+
+
+def table_lines() -> list[str]:
+    """The fault x case table of docs/faults.md, in markdown."""
+    rows = ["| fault | " + " | ".join(f"`{c}`" for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for key, columns in REACH.items():
+        cells = []
+        for column in COLUMNS:
+            if column not in columns:
+                cells.append("n/a")
+            elif (key, column) in CPU_ONLY_MISSING:
+                cells.append("GPU only")
+            elif key == "collective" and column == "lora-accelerate":
+                cells.append("acts (CPU: all_reduce, broadcast)")
+            else:
+                cells.append("acts")
+        rows.append(f"| `{key}` | " + " | ".join(cells) + " |")
+    return rows

@@ -7,7 +7,9 @@ reorders module construction or changes its init code cannot move the starting p
 
 from __future__ import annotations
 
+import contextlib
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,12 +112,34 @@ def build_causal_lm(config: Any, seed: int) -> Any:
 
     from .factory import FactoryModel
 
+    from .dropout import silence_modules, switch_off
+
     if isinstance(config, FactoryModel):
-        return config.build(seed)
-    with torch.device("cpu"):
+        model = config.build(seed)
+        silence_modules(model)
+        return model
+    switch_off(config)  # training/dropout.py: masks cannot be compared across ranks or stacks
+    # Whatever the library draws while building (its own init, overwritten below) stays out of the
+    # training's generators: a transformers release that initialises in another order changes nothing.
+    with isolated_generators(), torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(config)  # float32, torch's default dtype
+    silence_modules(model)
     seed_parameters(model, seed, float(getattr(config, "initializer_range", 0.02)))
     return model
+
+
+@contextlib.contextmanager
+def isolated_generators() -> Iterator[None]:
+    """Python's, numpy's and torch's CPU generators as they were before the block, whatever it drew."""
+    import random
+
+    import torch
+
+    python, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(python)
+    np.random.set_state(numpy_state)
 
 
 def seed_parameters(model: Any, seed: int, std: float) -> None:

@@ -43,11 +43,23 @@ def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, 
         config["steps"] = int(setup.steps)
     if model is not None:  # the name is its identity with the digest below; the file is where it lives here
         config.update(setup.model(model).config_fields())
+        switched = dropout_off(setup, model)
+        if switched:  # training/dropout.py; a model without dropout keeps its config and its references
+            config["dropout_off"] = switched
     config["model_architecture"] = architecture_of(config)
     tokens = describe_for(config, setup.tokens)  # a user's token sample replaces the synthetic data
     if tokens is not None:
         config["tokens"] = tokens
     return config
+
+
+def dropout_off(setup: Setup, model: str) -> dict[str, float]:
+    """The stochastic config fields training switches off for a user's model (none for a factory's: its dropout
+    modules are silenced on the ranks, and its code is not a config file to read here)."""
+    from ...training.dropout import config_file_dropout
+
+    spec = setup.model(model)
+    return {} if spec.factory else dict(config_file_dropout(spec.config_file(setup.device_kind)))
 
 
 class FsdpScenario(Scenario):
@@ -63,6 +75,14 @@ class FsdpScenario(Scenario):
     def model_config(self, setup: Setup, model: str | None) -> dict[str, Any]:
         """The config with ``model`` (a user's, by name) in place of the tiny Llama; None: the default."""
         return training_config(setup, COMMON, DEVICE_DEFAULTS, model)
+
+    def header(self, setup: Setup) -> list[str]:
+        """Per model with dropout or router jitter: that training runs with it switched off, and why."""
+        from ...training.dropout import describe
+
+        return [f"gpuregress dropout ({m.name}): switched off for training ({describe(switched)}): masks differ "
+                "between one rank and two and with what a library drew while building the model (README, Your own models)"
+                for m in setup.models if (switched := dropout_off(setup, m.name))]
 
     def cases(self, setup: Setup) -> list[Case]:
         # The tiny Llama keeps the id and reference "fsdp"; each model of --gpuregress-model adds "fsdp-<model>".

@@ -33,7 +33,11 @@ def check_merge(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, 
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[compute_dtype]
     # W, A and B as the merge sees them: already in the compute dtype
     layers = _lora_layers(model)
-    base_weights = {module: adapter_io.to_numpy(layer.base_layer.weight) for module, layer in layers.items()}
+    # GPT-2's Conv1D stores its weight as [in, out] (peft's fan_in_fan_out): the checks read every weight as
+    # [out, in], where the merge is W + s * B @ A.
+    flipped = {module for module, layer in layers.items() if getattr(layer, "fan_in_fan_out", False)}
+    base_weights = {module: _out_in(adapter_io.to_numpy(layer.base_layer.weight), module in flipped)
+                    for module, layer in layers.items()}
     factors = {module: (adapter_io.to_numpy(layer.lora_A["default"].weight), adapter_io.to_numpy(layer.lora_B["default"].weight))
                for module, layer in layers.items()}
     with torch.no_grad():
@@ -49,6 +53,8 @@ def check_merge(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, 
     for module, base in base_weights.items():
         lora_a, lora_b = factors[module]
         merged_w = merged_weights.get(module)
+        if merged_w is not None:
+            merged_w = _out_in(merged_w, module in flipped)
         if merged_w is None:
             findings.append(checks.finding("merge", f"merge_and_unload left no weight for {module}"))
             continue
@@ -66,3 +72,8 @@ def _lora_layers(model: Any) -> dict[str, Any]:
     """Targeted module name (without peft's prefix) -> its LoRA layer."""
     return {name.removeprefix("base_model.model."): module for name, module in model.named_modules()
             if hasattr(module, "lora_A") and hasattr(module, "base_layer")}
+
+
+def _out_in(weight: Any, flipped: bool) -> Any:
+    """``weight`` as [out_features, in_features]; a Conv1D's ([in, out]) transposed."""
+    return weight.T if flipped else weight

@@ -1,0 +1,67 @@
+"""Stochastic layers are switched off for training, and recorded: dropout masks cannot be compared across stacks.
+
+A dropout mask comes from torch's generator. Its draws differ between one rank and two (each rank
+draws for its own shard of the batch), and with whatever a library consumed while building the
+model (transformers 4.x and 5.x initialise in another order), so a clean model with dropout would
+fail triage's equivalence as a "collective" and a transformers upgrade as anything at all. The
+training scenarios therefore train every model with its dropout probabilities (and MoE router
+jitter) at zero: config fields by name before the build, then any ``torch.nn.Dropout`` module left
+with p > 0. The session stores what was switched off in the scenario config (``dropout_off``) and
+says so in the header; a model without any keeps its config, and its references, unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+# Config fields whose positive value makes training draw random numbers: dropout of every kind, GPT-2's
+# *_pdrop, layer drop, MoE router jitter.
+STOCHASTIC_FIELD = re.compile(r"(dropout|pdrop|layerdrop|jitter)", re.IGNORECASE)
+
+
+def stochastic_fields(config: Any) -> dict[str, float]:
+    """The config's stochastic fields with a positive value, by name (a nested text_config's as text_config.x)."""
+    found: dict[str, float] = {}
+    for name, value in sorted(vars(config).items()):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and STOCHASTIC_FIELD.search(name):
+            found[name] = float(value)
+        elif name == "text_config" and value is not None and hasattr(value, "__dict__"):
+            found.update({f"{name}.{k}": v for k, v in stochastic_fields(value).items()})
+    return found
+
+
+def switch_off(config: Any) -> dict[str, float]:
+    """Set every stochastic field of ``config`` to 0 (in place); return what was on."""
+    found = stochastic_fields(config)
+    for dotted in found:
+        owner, _, field = dotted.rpartition(".")
+        target = getattr(config, owner) if owner else config
+        setattr(target, field, 0.0 if isinstance(getattr(target, field), float) else 0)
+    return found
+
+
+def silence_modules(model: Any) -> dict[str, float]:
+    """Set p = 0 on every dropout module still on (one a config field did not reach); return their old p."""
+    import torch
+
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            found[name] = float(module.p)
+            module.p = 0.0
+    return found
+
+
+@functools.lru_cache(maxsize=16)
+def config_file_dropout(path: str) -> tuple[tuple[str, float], ...]:
+    """What training switches off for the model of a config file (session side: no model is built)."""
+    from transformers import AutoConfig
+
+    return tuple(stochastic_fields(AutoConfig.from_pretrained(path, local_files_only=True)).items())
+
+
+def describe(switched: dict[str, float] | tuple[tuple[str, float], ...]) -> str:
+    items = dict(switched)
+    return ", ".join(f"{name} {value:g}" for name, value in items.items())

@@ -87,3 +87,15 @@ def test_measured_rows_match_the_table(fault: str, tmp_path: Path, monkeypatch: 
         expected_fires = column in declared
         assert cell.startswith("fires") == expected_fires, (test_id, cell, declared)
         assert re.fullmatch(r"fires \d+|0", cell), cell
+
+
+def test_a_loader_fault_reaches_only_the_io_cases_of_its_loader() -> None:
+    dcp = parse("format:mode=loader_fn_as_fnuz,path=dcp")
+    assert reach.reaches(dcp, "formats-io-dcp") and not reach.reaches(dcp, "formats-io-safe_open")
+    assert not reach.reaches(dcp, "formats-decode-e4m3fn")
+    torch_load = parse("format:mode=loader_fn_as_fnuz,path=torch_load")
+    assert reach.reaches(torch_load, "formats-io-dcp")  # DCP reads its files with torch.load
+    every = parse("format:mode=loader_fn_as_fnuz")
+    assert all(reach.reaches(every, f"formats-io-{p}") for p in ("safetensors", "safe_open", "torch_load", "dcp",
+                                                                  "transformers"))
+    assert reach.reaches(parse("format:mode=fn_as_fnuz"), "formats-decode-e4m3fn")

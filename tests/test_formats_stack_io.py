@@ -88,6 +88,8 @@ def test_a_known_failure_of_the_installed_loader_is_named_and_the_other_paths_st
         return real(filename, device=device)
 
     monkeypatch.setattr(safetensors.torch, "load_file", no_e8m0)
+    real_installed = known_issues.installed  # the stack it was reported on: a torch without float8_e8m0fnu
+    monkeypatch.setattr(known_issues, "installed", lambda d: "2.6.0" if d == "torch" else real_installed(d))
     io, _ = io_results(["safetensors", "torch_load"], ["per_tensor_e4m3fn", "mx_fp8_e4m3fn"])
     assert io["safetensors"]["problems"] == []
     [issue] = io["safetensors"]["known_issues"]
@@ -117,12 +119,74 @@ def test_a_path_that_compared_nothing_fails_and_one_that_could_not_run_is_skippe
         verdict("transformers", {"transformers": {**empty, "skipped": "transformers 4.45.0 cannot load fp8 here"}})
 
 
-def test_known_issues_match_by_library_call_and_symptom() -> None:
+def test_known_issues_match_only_their_call_symptom_tags_and_versions(monkeypatch: pytest.MonkeyPatch) -> None:
     fp4 = "RuntimeError: shape '[256, 64]' is invalid for input of size 8192"
-    assert known_issues.match("safetensors", "get_slice", fp4).name == "safetensors-f4-safe-open"
-    assert known_issues.match("safetensors", "load_file", fp4) is None  # load_file reads it: a new failure
-    assert known_issues.match("torch", "get_slice", fp4) is None
-    assert known_issues.match("safetensors", "save_file", "KeyError: torch.float8_e4m3fnuz").name == "safetensors-no-fnuz"
+    f4, fnuz = frozenset({"F4", "F8_E8M0"}), frozenset({"F8_E4M3FNUZ", "F32"})
+    versions = {"safetensors": "0.8.0", "torch": "2.13.0"}
+    monkeypatch.setattr(known_issues, "installed", lambda d: versions.get(d))
+    assert known_issues.match("safetensors", "get_slice", fp4, f4).name == "safetensors-f4-safe-open"
+    assert known_issues.match("safetensors", "get_slice", fp4, frozenset({"F8_E4M3"})) is None  # not an fp4 file
+    assert known_issues.match("safetensors", "load_file", fp4, f4) is None  # load_file reads it: a new failure
+    assert known_issues.match("torch", "get_slice", fp4, f4) is None
+    # 0.8.0 writes fnuz: the same words from it are a regression, not the old issue
+    assert known_issues.match("safetensors", "save_file", "KeyError: torch.float8_e4m3fnuz", fnuz) is None
+    versions["safetensors"] = "0.7.0"
+    assert known_issues.match("safetensors", "save_file", "KeyError: torch.float8_e4m3fnuz", fnuz).name \
+        == "safetensors-no-fnuz"
+    assert known_issues.match("safetensors", "load_file", "SafetensorError: InvalidHeaderDeserialization",
+                              frozenset({"F8_E4M3", "F32"})) is None  # a plain fp8 file it cannot read: a failure
+
+
+def test_a_path_whose_every_scheme_ended_in_a_known_issue_fails_as_not_exercised() -> None:
+    result = {"library": "safetensors 0.5.3", "problems": [], "checked": 0, "skipped": None,
+              "known_issues": ["per_tensor_e4m3fn: load_file: known issue ..."]}
+    with pytest.warns(judge.KnownStackIssue):
+        [problem] = verdict("safetensors", {"safetensors": result})
+    assert "compared no tensor" in problem
+
+
+def test_a_torch_save_whose_file_is_wrong_fails_even_when_its_load_undoes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save that flips a bit in every e4m3fn byte and a load that flips it back pass a round trip; the archive's
+    raw storages, read without unpickling, show it."""
+    import torch
+
+    real_save, real_load = torch.save, torch.load
+
+    def flip(state: dict[str, Any]) -> dict[str, Any]:
+        return {k: (v.view(torch.uint8) ^ 1).view(v.dtype) if v.dtype == torch.float8_e4m3fn else v
+                for k, v in state.items()}
+
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: real_save(flip(obj), f, *a, **k))
+    monkeypatch.setattr(torch, "load", lambda *a, **k: flip(real_load(*a, **k)))
+    io, _ = io_results(["torch_load"])
+    [problem] = io["torch_load"]["problems"]
+    assert "torch.save: 17 of 51 tensors; first model.embed_tokens.weight: its bytes are in no storage" in problem
+
+
+def test_slices_from_the_middle_the_end_and_by_column_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A get_slice that ignores a start offset passes a [:] and a [0:1] cut; the middle and last rows show it."""
+    import safetensors
+
+    from pytest_gpuregress.faults.loaders import _Handle, _Slice
+
+    class FromTheStart(_Slice):
+        def __getitem__(self, index: Any) -> Any:
+            rows = index[0] if isinstance(index, tuple) else index
+            if isinstance(rows, slice) and rows.start:
+                index = (slice(0, rows.stop - rows.start), *index[1:]) if isinstance(index, tuple) else \
+                    slice(0, rows.stop - rows.start)
+            return self._inner[index]
+
+    class Handle(_Handle):
+        def get_slice(self, name: str) -> Any:
+            return FromTheStart(self._inner.get_slice(name), self._firing)
+
+    real = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: Handle(real(*a, **k), None))
+    io, _ = io_results(["safe_open"])
+    problems = io["safe_open"]["problems"]
+    assert any("get_slice[mid:mid+2]" in p for p in problems) and any("get_slice[-1:]" in p for p in problems)
+    assert not any("get_slice[0:1]" in p or "get_slice[:]" in p for p in problems)
 
 
 def test_the_fault_and_the_scenario_name_the_same_paths() -> None:
@@ -131,3 +195,34 @@ def test_the_fault_and_the_scenario_name_the_same_paths() -> None:
 
     assert tuple(TARGETS) == IO_PATHS == tuple(stack_io.PATHS)
     assert KINDS["format"].params["path"].choices == IO_PATHS
+
+
+def test_transformers_reading_the_wrong_blocks_scale_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each weight has many 16 x 16 blocks with scales of their own: a dequantization that takes its scale grid
+    transposed (a wrong block for most values) must fail, as a real fine-grained checkpoint would show."""
+    from transformers.integrations import finegrained_fp8
+
+    real = finegrained_fp8.Fp8Dequantize._dequantize_one
+
+    def transposed(self: Any, quantized: Any, scales: Any, output_dtype: Any = None) -> Any:
+        flipped = scales.transpose(-1, -2).contiguous() if scales.shape[-1] == scales.shape[-2] else scales.flip(-1)
+        return real(self, quantized, flipped, output_dtype=output_dtype)
+
+    monkeypatch.setattr(finegrained_fp8.Fp8Dequantize, "_dequantize_one", transposed)
+    io, _ = io_results(["transformers"])
+    [problem] = io["transformers"]["problems"]
+    assert "from_pretrained" in problem and "dequantized values differ from the oracle's code x block scale" in problem
+
+
+def test_a_transformers_refusal_is_a_finding_not_a_skip(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import LlamaForCausalLM
+
+    def refuses(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("weight_scale_inv does not match weight_block_size of the quantization_config")
+
+    monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", refuses)
+    io, _ = io_results(["transformers"])
+    assert io["transformers"]["skipped"] is None
+    assert io["transformers"]["problems"] == ["fine_grained_e4m3fn: from_pretrained raised ValueError: "
+                                              "weight_scale_inv does not match weight_block_size of the "
+                                              "quantization_config"]

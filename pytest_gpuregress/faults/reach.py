@@ -42,6 +42,7 @@ REACH: dict[str, tuple[str, ...]] = {
     "crash": _STEPPING,
     "teardown_abort": _STEPPING,
     "format": ("formats",),
+    "format:loader_fn_as_fnuz": ("formats",),  # only the io cases its loader serves: LOADER_CASES
     "lora": ("lora-fully_shard", "lora-accelerate"),
     "lora:rank0_slice": ("lora-fully_shard", "lora-accelerate"),
     "checkpoint:optimizer_dropped": ("checkpoint-sharded-2to1", "checkpoint-sharded-1to2", "checkpoint-resume"),
@@ -55,6 +56,11 @@ REACH: dict[str, tuple[str, ...]] = {
     "checkpoint:ulp_nudge": ("checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-sharded-2to1",
                              "checkpoint-sharded-1to2", "checkpoint-resume", "checkpoint-portability"),
 }
+
+# format:loader_fn_as_fnuz,path=P misreads inside the stack's loader P, so it acts in the formats-io cases whose
+# path calls that loader: DCP reads its files with torch.load, transformers (5.x) with safetensors.safe_open.
+LOADER_CASES = {"safetensors": ("safetensors",), "safe_open": ("safe_open", "transformers"),
+                "torch_load": ("torch_load", "dcp"), "dcp": ("dcp",), "transformers": ("transformers",)}
 
 # On a CPU, accelerate wraps the model in DDP: its collectives are all_reduce and broadcast, and its state dict
 # holds whole tensors, so there is no shard to lose. On GPUs it runs FSDP2 and every op and rank0_slice act.
@@ -92,6 +98,9 @@ def reaches(spec: FaultSpec, test_id: str, device_kind: str = "cpu") -> bool:
         return False
     if device_kind == "cpu" and (key, column) in CPU_ONLY_MISSING:
         return False
+    if key == "format:loader_fn_as_fnuz" and test_id != column:
+        paths = LOADER_CASES[spec.get("path")] if spec.get("path") else tuple(p for ps in LOADER_CASES.values() for p in ps)
+        return any(test_id == f"formats-io-{p}" for p in paths)
     ops = spec.get("op") if spec.kind == "collective" else None
     if ops and column == "collectives" and test_id != column:
         return test_id.split("-")[1] in ops  # a sweep case runs one op: collectives-<op>-...
@@ -136,6 +145,8 @@ def table_lines() -> list[str]:
                 cells.append("n/a")
             elif (key, column) in CPU_ONLY_MISSING:
                 cells.append("GPU only")
+            elif key == "format:loader_fn_as_fnuz":
+                cells.append("acts (io cases)")
             elif key == "collective" and column == "lora-accelerate":
                 cells.append("acts (CPU: all_reduce, broadcast)")
             else:

@@ -54,6 +54,7 @@ def reload(path: Path, model_config: Any, label: str) -> Any:
     """A freshly built model loaded from the file by the stack; CheckpointProblem when the file does not fit the config."""
     model = portable.empty_model(model_config)
     portable.match(files.read(path), model, model_config, label)  # the strict reader first: errors naming the fix
+    portable.poison(model)  # a tensor the stack's load skips then shows as NaN, not as its initial value
     stack_load(model, path)
     hooks.after_load(dict(model.state_dict(keep_vars=True)))
     return model

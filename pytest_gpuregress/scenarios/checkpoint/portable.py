@@ -174,11 +174,23 @@ def with_tied_names(state: dict[str, Any], groups: list[list[str]]) -> dict[str,
     return out
 
 
+def poison(model: Any) -> None:
+    """Every parameter NaN before a load: whatever the load leaves untouched cannot pass for loaded, even where the
+    trained value happens to equal the freshly built one (a norm weight of 1)."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.fill_(float("nan"))
+
+
 def load(model: Any, ckpt: CheckpointFiles) -> None:
     """Load ``ckpt`` into ``model`` the stack's way: ``load_file``, then ``load_state_dict(strict=True)``.
 
     ``match`` has checked the file already; a refusal here is the stack's own, passed on with its words."""
     state = with_tied_names(stack_state(ckpt), tie_groups(model))
+    poison(model)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:

@@ -8,10 +8,10 @@ For every scheme of catalog.SCHEMES, the file roundtrip.py wrote with the scenar
   torch_load     torch.save, then torch.load(weights_only=True): every dtype and byte
   dcp            torch.distributed.checkpoint save and load, each rank holding its rows (a DTensor sharded
                  on dim 0 when there are several ranks): every rank checks the bytes of its rows
-  transformers   save_pretrained with the e4m3fn weights of the decoder layers and their weight_scale_inv
-                 (transformers' fine-grained fp8 layout, one block per tensor); the codec checks the written
-                 file, then from_pretrained loads it: fp8 parameters byte for byte, or, where transformers
-                 dequantizes (on a CPU), every value against the oracle's exact product
+  transformers   save_pretrained with the decoder layers' projections in transformers' fine-grained fp8 layout
+                 (e4m3fn codes, weight_scale_inv with one scale per 16 x 16 block, quantized by the oracle);
+                 the codec checks the written file, then from_pretrained loads it: fp8 parameters byte for
+                 byte, or, where transformers dequantizes (on a CPU), every value against code x its block's scale
 The functions are called through their modules at call time (``safetensors.torch.load_file``, ``torch.load``,
 ``dcp.load``, ``transformers.modeling_utils.safe_open``), so a fault placed in the stack's loader
 (faults/loaders.py) is what runs. An error is a problem of its path, unless known_issues.py knows it:
@@ -43,7 +43,7 @@ PATHS: dict[str, str] = {  # catalog.IO_PATHS, described
     "transformers": "save_pretrained with fp8 weights and weight_scale_inv, and from_pretrained",
 }
 assert tuple(PATHS) == IO_PATHS
-TRANSFORMERS_SCHEME = "per_tensor_e4m3fn"  # transformers' fine-grained fp8 layout: e4m3fn codes, float32 scales
+TRANSFORMERS_SCHEME = "fine_grained_e4m3fn"  # transformers' own fp8 layout: e4m3fn codes, a float32 scale per block
 FIX = ("convert e4m3fn to e4m3fnuz with the 0x80 -> 0x00 rewrite and the scale doubled (gpuregress inspect-fp8 says "
        "how), never by reinterpreting the bytes; report the loader's library and version upstream")
 
@@ -95,8 +95,9 @@ class PathResult:
                 "checked": self.checked, "skipped": self.skipped}
 
     @contextlib.contextmanager
-    def attempt(self, scheme: str, call: str) -> Iterator[None]:
-        """An error of the stack's ``call`` is a problem, or the known issue it matches; the path goes on."""
+    def attempt(self, scheme: str, call: str, tags: frozenset[str] = frozenset()) -> Iterator[None]:
+        """An error of the stack's ``call`` on a file holding ``tags`` is a problem, or the known issue it matches
+        (known_issues.py: call, symptom, tag and installed versions); the path goes on."""
         try:
             yield
         except (KeyboardInterrupt, SystemExit):
@@ -104,7 +105,7 @@ class PathResult:
         except BaseException as exc:  # noqa: BLE001 - whatever the stack raises is the finding (DCP's is a BaseException)
             error = describe_error(exc)
             library = library_version(self.path)
-            issue = known_issues.match(library.split()[0], call, error)
+            issue = known_issues.match(library.split()[0], call, error, tags)
             if issue is not None:
                 self.known_issues.append(f"{scheme}: {call}: {issue.describe(library.split()[-1])}: {error}")
             else:
@@ -218,11 +219,11 @@ def via_safetensors(sources: Mapping[str, checkpoint.Checkpoint], folder: Path, 
 
     for scheme, ckpt in sources.items():
         written = folder / f"save_file-{scheme}.safetensors"
-        with out.attempt(scheme, "save_file"):
+        with out.attempt(scheme, "save_file", tags_of(ckpt)):
             safetensors.torch.save_file({n: native(s, dev) for n, s in ckpt.tensors.items()}, str(written),
                                         metadata=ckpt.metadata)
             out.compare_file(scheme, "save_file", written, ckpt.tensors)
-        with out.attempt(scheme, "load_file"):
+        with out.attempt(scheme, "load_file", tags_of(ckpt)):
             out.compare(scheme, "load_file", safetensors.torch.load_file(str(ckpt.path), device=dev), ckpt.tensors)
 
 
@@ -230,23 +231,67 @@ def via_safe_open(sources: Mapping[str, checkpoint.Checkpoint], folder: Path, de
     import safetensors
 
     for scheme, ckpt in sources.items():
-        with out.attempt(scheme, "get_tensor"), safetensors.safe_open(str(ckpt.path), framework="pt", device=dev) as f:
+        with out.attempt(scheme, "get_tensor", tags_of(ckpt)), \
+                safetensors.safe_open(str(ckpt.path), framework="pt", device=dev) as f:
             out.compare(scheme, "get_tensor", {n: f.get_tensor(n) for n in f.keys()}, ckpt.tensors)
-        with out.attempt(scheme, "get_slice"), safetensors.safe_open(str(ckpt.path), framework="pt", device=dev) as f:
+        with out.attempt(scheme, "get_slice", tags_of(ckpt)), \
+                safetensors.safe_open(str(ckpt.path), framework="pt", device=dev) as f:
             rows = {n: s for n, s in ckpt.tensors.items() if len(s.shape) >= 1 and s.shape[0] > 0}
-            out.compare(scheme, "get_slice", {n: f.get_slice(n)[:] for n in rows}, rows)
-            firsts = {n: checkpoint.Stored(n, s.tag, (1, *s.shape[1:]), s.data[: len(s.data) // s.shape[0]])
-                      for n, s in rows.items()}
-            out.compare(scheme, "get_slice[0:1]", {n: f.get_slice(n)[0:1] for n in firsts}, firsts)
+            out.compare(scheme, "get_slice[:]", {n: f.get_slice(n)[:] for n in rows}, rows)
+            # Where tensor-parallel loaders cut: the first row, rows in the middle, the last row, and columns.
+            for label, cut in slice_cuts(rows):
+                out.compare(scheme, f"get_slice{label}", {n: f.get_slice(n)[index] for n, (index, _) in cut.items()},
+                            {n: expected for n, (_, expected) in cut.items()})
+
+
+def slice_cuts(tensors: Mapping[str, checkpoint.Stored]) -> list[tuple[str, dict[str, tuple[Any, checkpoint.Stored]]]]:
+    """(label, {name: (index for get_slice, the codec's bytes of that part)}) for each kind of cut."""
+    cuts: list[tuple[str, dict[str, tuple[Any, checkpoint.Stored]]]] = []
+    for label, pick in (("[0:1]", lambda n: slice(0, 1)), ("[mid:mid+2]", lambda n: slice(n // 2, min(n // 2 + 2, n))),
+                        ("[-1:]", lambda n: slice(n - 1, n))):
+        cuts.append((label, {name: ((pick(s.shape[0]),), part(s, pick(s.shape[0]), None)) for name, s in tensors.items()}))
+    wide = {name: s for name, s in tensors.items() if len(s.shape) == 2 and torch_shape(s)[1] >= 4}
+    cuts.append(("[:, 1:3]", {name: ((slice(None), slice(1, 3)), part(s, slice(None), slice(1, 3)))
+                              for name, s in wide.items()}))
+    return cuts
+
+
+def part(stored: checkpoint.Stored, rows: slice, cols: slice | None) -> checkpoint.Stored:
+    """The codec's bytes of ``stored[rows, cols]``, cut in the torch shape (fp4: packed byte columns)."""
+    shape = torch_shape(stored)
+    itemsize = len(stored.data) // max(1, int(np.prod(shape, dtype=np.int64)))
+    grid = np.frombuffer(stored.data, dtype=np.uint8).reshape(*shape, itemsize)
+    cut = grid[rows] if cols is None else grid[rows, cols]
+    logical = list(cut.shape[:-1])
+    if stored.tag == "F4":
+        logical[-1] *= 2
+    return checkpoint.Stored(stored.name, stored.tag, tuple(logical), np.ascontiguousarray(cut).tobytes())
+
+
+def tags_of(ckpt: checkpoint.Checkpoint) -> frozenset[str]:
+    return frozenset(s.tag for s in ckpt.tensors.values())
 
 
 def via_torch_load(sources: Mapping[str, checkpoint.Checkpoint], folder: Path, dev: str, out: PathResult) -> None:
     for scheme, ckpt in sources.items():
         written = folder / f"torch_save-{scheme}.pt"
-        with out.attempt(scheme, "torch.load"):
+        with out.attempt(scheme, "torch.load", tags_of(ckpt)):
             torch.save({n: native(s, dev) for n, s in ckpt.tensors.items()}, written)
+            out.report(scheme, "torch.save", archive_mismatch(written, ckpt.tensors))
             loaded = torch.load(written, weights_only=True, map_location=dev)
             out.compare(scheme, "torch.load(weights_only=True)", loaded, ckpt.tensors)
+
+
+def archive_mismatch(path: Path, want: Mapping[str, checkpoint.Stored]) -> dict[str, str | None]:
+    """Each tensor's bytes among the raw storages of the archive torch.save wrote, read without unpickling: a
+    save and load that err in step would pass a round trip, yet the file would be wrong for every other reader."""
+    import re
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        storages = {archive.read(n) for n in archive.namelist() if re.search(r"/data/\d+$", n)}
+    return {name: None if stored.data in storages else "its bytes are in no storage of the archive torch.save wrote"
+            for name, stored in want.items()}
 
 
 def _rows_of(stored: checkpoint.Stored, rank: int, world: int) -> tuple[int, int]:
@@ -264,7 +309,7 @@ def via_dcp(sources: Mapping[str, checkpoint.Checkpoint], run_dir: Path, dev: st
     rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
     for scheme, ckpt in sources.items():
         folder = run_dir / "formats-dcp" / scheme  # one folder for every rank of the launch
-        with out.attempt(scheme, "dcp.load"), warnings.catch_warnings():
+        with out.attempt(scheme, "dcp.load", tags_of(ckpt)), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
             state, mine = _rank_state(ckpt, dev, rank, world, sharded)
             dcp.save(state, checkpoint_id=str(folder))
@@ -317,27 +362,67 @@ def _empty_like(tensor: torch.Tensor) -> torch.Tensor:
     return filled.view(tensor.dtype).reshape(tensor.shape)
 
 
-def via_transformers(model: Any, ckpt: checkpoint.Checkpoint, folder: Path, dev: str, out: PathResult) -> None:
-    """The decoder layers' linear weights as transformers' fine-grained fp8 checkpoint, and back."""
+BLOCK = 16  # transformers' fine-grained fp8 layout with small blocks: every weight has many scales, each its own
+
+
+@dataclass(frozen=True)
+class BlockQuantized:
+    """One weight in transformers' fine-grained fp8 layout, quantized by the oracle: e4m3fn codes, one float32
+    scale per BLOCK x BLOCK block (value = code x scale), and the exact dequantized values."""
+
+    codes: checkpoint.Stored
+    scales: checkpoint.Stored
+    values: np.ndarray  # float32: the float64 product of each code and its block's scale, rounded once
+
+
+def block_quantize(name: str, weight: np.ndarray) -> BlockQuantized:
+    fmt = FORMATS["e4m3fn"]
+    top = float(oracle.limits(fmt).max)
+    rows, cols = weight.shape
+    blocks = weight.astype(np.float32).reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+    amax = np.abs(blocks).max(axis=(1, 3))
+    scales = np.where(amax > 0, amax / np.float32(top), np.float32(1)).astype(np.float32)
+    spread = scales[:, None, :, None]
+    codes = oracle.encode(np.clip(blocks / spread, -top, top).astype(np.float32), fmt).reshape(rows, cols)
+    values = (oracle.as_float64(oracle.decode(codes, fmt)).reshape(blocks.shape) * spread).astype(np.float32)
+    return BlockQuantized(checkpoint.Stored(name, "F8_E4M3", (rows, cols), codes.astype(np.uint8).tobytes()),
+                          checkpoint.Stored(f"{name}_scale_inv", "F32", scales.shape, scales.astype("<f4").tobytes()),
+                          values.reshape(rows, cols))
+
+
+def has_fp8_loader() -> bool:
+    try:
+        from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+    except ImportError:
+        return False
+    return "fp8" in AUTO_QUANTIZER_MAPPING
+
+
+def via_transformers(model: Any, folder: Path, dev: str, out: PathResult) -> None:
+    """The decoder layers' linear weights as transformers' fine-grained fp8 checkpoint (many blocks per weight,
+    each with its own scale), written by save_pretrained and read back by from_pretrained."""
     import torch.distributed as dist
     import transformers
 
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         out.skipped = "under torch.distributed, save_pretrained writes on rank 0 only: rank 0 checks this path"
         return
+    if not has_fp8_loader():
+        out.skipped = f"transformers {transformers.__version__} has no fine-grained fp8 loader (quant_method fp8)"
+        return
     scheme = TRANSFORMERS_SCHEME
     state = {n: p.detach().clone() for n, p in model.state_dict().items()}
-    quantized = [n for n in state if ".layers." in n and n in ckpt.tensors and ckpt.tensors[n].tag == "F8_E4M3"]
+    quantized = {n: block_quantize(n, state[n].numpy()) for n in state
+                 if ".layers." in n and n.endswith("proj.weight") and state[n].ndim == 2
+                 and all(d % BLOCK == 0 for d in state[n].shape)}
     want: dict[str, checkpoint.Stored] = {}
-    for name in quantized:
-        scale = ckpt.tensors[name + checkpoint.SCALE]
-        state[name] = native(ckpt.tensors[name], "cpu")
-        state[f"{name}_scale_inv"] = native(scale, "cpu").reshape(1, 1)
-        want[name] = ckpt.tensors[name]
-        want[f"{name}_scale_inv"] = checkpoint.Stored(f"{name}_scale_inv", "F32", (1, 1), scale.data)
+    for name, q in quantized.items():
+        state[name], state[q.scales.name] = native(q.codes, "cpu"), native(q.scales, "cpu")
+        want[name], want[q.scales.name] = q.codes, q.scales
     saved = folder / "transformers-fp8"
     config = copy.deepcopy(model.config)
-    config.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    config.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "weight_block_size": [BLOCK, BLOCK]}
     original, model.config = model.config, config
     try:
         with out.attempt(scheme, "save_pretrained"):
@@ -353,49 +438,52 @@ def via_transformers(model: Any, ckpt: checkpoint.Checkpoint, folder: Path, dev:
     dtype_key = "dtype" if _version(transformers.__version__) >= (4, 56) else "torch_dtype"
     try:
         loaded = type(model).from_pretrained(str(saved), local_files_only=True, **{dtype_key: torch.float32})
-    except (ImportError, RuntimeError, ValueError) as exc:
-        text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        if "GPU" in text or "accelerate" in text or "quantiz" in text.lower():
-            out.skipped = f"transformers {transformers.__version__} cannot load fp8 checkpoints here: {text}"
+    except Exception as exc:  # noqa: BLE001 - the stack's refusal is the finding, but for one it states plainly
+        text = describe_error(exc)
+        if "No GPU or XPU found" in text:  # releases that only dequantize on an accelerator
+            out.skipped = f"transformers {transformers.__version__} loads fp8 checkpoints only on a GPU: {text}"
         else:
             out.problems.append(f"{scheme}: from_pretrained raised {text}")
         return
     params = dict(loaded.named_parameters()) | dict(loaded.named_buffers())
-    out.report(scheme, "from_pretrained", {name: loaded_mismatch(name, ckpt, params) for name in quantized})
+    out.report(scheme, "from_pretrained", {name: loaded_mismatch(name, q, params) for name, q in quantized.items()})
 
 
-def loaded_mismatch(name: str, ckpt: checkpoint.Checkpoint, params: Mapping[str, torch.Tensor]) -> str | None:
-    """A weight from_pretrained loaded against the codec's: kept in fp8 (a GPU with fp8 matmul) byte for byte
-    with its weight_scale_inv; dequantized (a CPU) value for value against the oracle's code x scale."""
+def loaded_mismatch(name: str, q: BlockQuantized, params: Mapping[str, torch.Tensor]) -> str | None:
+    """A weight from_pretrained loaded against the oracle's: kept in fp8 (a GPU with fp8 matmul) byte for byte
+    with its block scales; dequantized (a CPU) value for value against the oracle's code x block scale."""
     got = params.get(name)
     if got is None:
         return "missing"
     if got.dtype.itemsize == 1:
-        scale = params.get(f"{name}_scale_inv")
-        if scale is None or raw_bytes(scale) != ckpt.tensors[name + checkpoint.SCALE].data:
+        scale = params.get(q.scales.name)
+        if scale is None or raw_bytes(scale) != q.scales.data:
             return "its weight_scale_inv is missing or differs from the one written"
-        return mismatch(ckpt.tensors[name], got)
-    entry = next(e for e in checkpoint.entries(ckpt) if e.name == name)
-    expected = entry.dequantize().astype(np.float32)
+        return mismatch(q.codes, got)
     values = got.detach().float().cpu().numpy()
-    wrong = ~oracle.same_values(expected, values)
+    wrong = ~oracle.same_values(q.values, values)
     if not wrong.any():
         return None
     i = int(np.flatnonzero(wrong)[0])
-    text = (f"{int(wrong.sum())} of {wrong.size} dequantized values differ from the oracle's code x scale, first at "
-            f"flat index {i}: {float(expected.reshape(-1)[i])!r} expected, {float(values.reshape(-1)[i])!r} read")
-    ratio = oracle.value_ratio(expected, values)
+    text = (f"{int(wrong.sum())} of {wrong.size} dequantized values differ from the oracle's code x block scale, "
+            f"first at {tuple(int(k) for k in np.unravel_index(i, wrong.shape))}: {float(q.values.reshape(-1)[i])!r} "
+            f"expected, {float(values.reshape(-1)[i])!r} read")
+    ratio = oracle.value_ratio(q.values, values)
     if ratio:
-        read_as = next((f for f in FORMATS.values() if f.bits == entry.fmt.bits and f is not entry.fmt
-                        and oracle.same_values(_dequantized_as(entry, f), values).all()), None)
-        named = f"reads {entry.fmt.id} bytes as {read_as.id}, " if read_as is not None else ""
+        codes = np.frombuffer(q.codes.data, dtype=np.uint8).reshape(q.codes.shape)
+        read_as = next((f for f in FORMATS.values() if f.bits == 8 and f.id != "e4m3fn"
+                        and oracle.same_values(_dequantized_as(codes, q, f), values).all()), None)
+        named = f"reads e4m3fn bytes as {read_as.id}, " if read_as is not None else ""
         text += f": the loader {named}every value {ratio:g}x (factor {max(ratio, 1 / ratio):g}); fix: {FIX}"
     return text
 
 
-def _dequantized_as(entry: checkpoint.Entry, fmt: Any) -> np.ndarray:
-    """The entry's codes read as ``fmt``, times its per-tensor scale: exact in float64, rounded once."""
-    return (oracle.as_float64(oracle.decode(entry.codes, fmt)) * float(entry.scale)).astype(np.float32)
+def _dequantized_as(codes: np.ndarray, q: BlockQuantized, fmt: Any) -> np.ndarray:
+    """The codes read as ``fmt``, times their block's scale: exact in float64, rounded once."""
+    rows, cols = codes.shape
+    scales = np.frombuffer(q.scales.data, dtype="<f4").reshape(rows // BLOCK, cols // BLOCK)
+    spread = np.repeat(np.repeat(scales, BLOCK, axis=0), BLOCK, axis=1).astype(np.float64)
+    return (oracle.as_float64(oracle.decode(codes, fmt)) * spread).astype(np.float32)
 
 
 def _version(text: str) -> tuple[int, int]:
@@ -417,7 +505,7 @@ def run(paths: list[str], sources: Mapping[str, checkpoint.Checkpoint], model: A
             via_torch_load(sources, folder, dev, out)
         elif path == "dcp":
             via_dcp(sources, run_dir, dev, out)
-        elif TRANSFORMERS_SCHEME in sources:
-            via_transformers(model, sources[TRANSFORMERS_SCHEME], folder, dev, out)
+        else:
+            via_transformers(model, folder, dev, out)
         results[path] = out.as_dict()
     return results

@@ -1,10 +1,13 @@
 """A real upgrade matrix: build a venv per stack, run the main comparison against the shipped references.
 
 For each stack below it installs this checkout with one library moved to another version, then
-runs ``pytest --gpuregress -k fsdp`` against the shipped CPU reference twice: clean, and with an
-injected one-element reduce-scatter error of 1e-4. It prints one row per stack: the lane, the
+runs ``pytest --gpuregress -k fsdp`` for the built-in model and the zoo models (tiny-moe,
+tiny-llama-tied) against the shipped CPU references twice: clean, and with an injected
+one-element reduce-scatter error of 1e-4. It prints one row per stack and model: the lane, the
 worst deviation per metric as a multiple of its tolerance, and the verdict of both runs. Every
-clean row must pass and every injected row must fail.
+clean row must pass, or get the ``model`` verdict (the model's own code changed with the library,
+so the reference cannot judge it, and the message says how to record one); every injected row
+must fail, naming the collective (or, where the model changed, the model).
 
     python benchmarks/upgrade_matrix.py                     # all stacks, venvs under /tmp/gpuregress-matrix
     python benchmarks/upgrade_matrix.py --only transformers # one stack
@@ -24,13 +27,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BASE_TORCH = "torch==2.13.0"  # the CPU build the shipped reference was recorded with
 STACKS: dict[str, list[str]] = {
+    "transformers 4.57.6": ["transformers==4.57.6"],  # the last 4.x: experts as modules of their own
+    "transformers 5.0.0": ["transformers==5.0.0"],
     "transformers 5.23.0": ["transformers==5.23.0"],
+    "torch 2.9.1": ["torch==2.9.1"],  # the registry's build is CUDA's; it runs on the CPU
     "torch 2.14.1": ["torch==2.14.1"],  # the newest the registry allows here; its CUDA build runs on the CPU
     "peft 0.20.0": ["peft==0.20.0"],  # one minor version back from 0.21
     "accelerate 1.14.0": ["accelerate==1.14.0"],  # one minor version back from 1.15
 }
 FAULT = "collective:op=reduce_scatter,mode=nudge,rel=1e-4"
 FSDP_ONLY = "fsdp and not triage and not lora"  # the fsdp comparison alone (triage and lora have their own tests)
+ZOO = ("tiny-moe", "tiny-llama-tied")
+MODELS = ("fsdp", *(f"fsdp-{m}" for m in ZOO))  # the summary line each model's comparison starts with
 METRICS = ("loss", "grad_norm", "param_grad_norm", "step0_grad", "final_weights")
 
 
@@ -54,12 +62,27 @@ def build(venv: Path, pins: list[str]) -> str:
     return versions.stdout.strip()
 
 
-def compare(venv: Path, workdir: Path, *extra: str) -> tuple[bool, str]:
-    """(passed, the fsdp summary line) of one comparison against the shipped reference."""
-    done = sh([str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "-k", FSDP_ONLY,
-               *extra], cwd=workdir)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("fsdp ")), done.stdout[-500:] + done.stderr[-500:])
-    return done.returncode == 0, line
+def compare(venv: Path, workdir: Path, *extra: str) -> dict[str, tuple[str, str]]:
+    """Per model (its summary line's first word): (verdict, summary line) of one comparison against the shipped
+    references. Verdicts: pass, model (the model's code changed: no judgement), or the components it blamed."""
+    zoo = [f"--gpuregress-model={m}" for m in ZOO]
+    done = sh([str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", *zoo,
+               "-k", FSDP_ONLY, *extra], cwd=workdir)
+    out: dict[str, tuple[str, str]] = {}
+    for model in MODELS:
+        line = next((x for x in done.stdout.splitlines() if x.startswith(model + " ")), "")
+        section = done.stdout.split(f"test_scenario[{model}]")[1] if f"test_scenario[{model}]" in done.stdout else ""
+        section = section.split("test_scenario[")[0]
+        if ": PASSED" in line:
+            verdict = "pass"
+        elif "[model]" in section:
+            verdict = "model"
+        elif line:
+            verdict = "/".join(sorted(set(re.findall(r"^\[([a-z ]+)\]", section, re.M)))) or "failed"
+        else:
+            verdict, line = "error", done.stdout[-300:] + done.stderr[-300:]
+        out[model] = (verdict, line)
+    return out
 
 
 def margins(line: str) -> dict[str, str]:
@@ -81,19 +104,23 @@ def main() -> None:
         started = time.monotonic()
         venv = args.venv_root / name.replace(" ", "-")
         versions = build(venv, pins)
-        clean_ok, clean = compare(venv, args.venv_root)
-        fault_ok, _ = compare(venv, args.venv_root, f"--gpuregress-inject={FAULT}")
-        lane = re.search(r"\[(\w+) lane\]", clean)
-        rows.append((name, lane.group(1) if lane else "?", margins(clean), clean_ok, fault_ok))
-        print(f"{name}: {versions}; {time.monotonic() - started:.0f}s\n  clean: {clean}", flush=True)
-    print("\n| stack | lane | " + " | ".join(METRICS) + " | clean | injected 1e-4 reduce-scatter |")
-    print("|" + "---|" * (len(METRICS) + 4))
-    for name, lane, cells, clean_ok, fault_ok in rows:
-        print(f"| {name} | {lane} | " + " | ".join(cells[m] for m in METRICS)
-              + f" | {'pass' if clean_ok else 'FAIL'} | {'fails (caught)' if not fault_ok else 'PASSES (missed)'} |")
-    bad = [r[0] for r in rows if not r[3] or r[4]]
-    print(f"\n{len(rows)} stacks; " + ("every clean row passes and every injected row fails" if not bad
-                                      else f"WRONG verdicts on: {', '.join(bad)}"))
+        clean = compare(venv, args.venv_root)
+        faulted = compare(venv, args.venv_root, f"--gpuregress-inject={FAULT}")
+        print(f"{name}: {versions}; {time.monotonic() - started:.0f}s", flush=True)
+        for model in MODELS:
+            verdict, line = clean[model]
+            lane = re.search(r"\[(\w+) lane\]", line)
+            rows.append((name, model, lane.group(1) if lane else "?", margins(line), verdict, faulted[model][0]))
+            print(f"  {model} clean: {line}", flush=True)
+    print("\n| stack | model | lane | " + " | ".join(METRICS) + " | clean | injected 1e-4 reduce-scatter |")
+    print("|" + "---|" * (len(METRICS) + 5))
+    for name, model, lane, cells, clean_verdict, fault_verdict in rows:
+        print(f"| {name} | {model} | {lane} | " + " | ".join(cells[m] for m in METRICS)
+              + f" | {clean_verdict} | {'caught: ' + fault_verdict if fault_verdict != 'pass' else 'PASSES (missed)'} |")
+    bad = [f"{r[0]} {r[1]}" for r in rows
+           if r[4] not in ("pass", "model") or r[5] not in (("collective",) if r[4] == "pass" else ("model",))]
+    print(f"\n{len(rows)} rows; " + ("every clean row passes or gets the model verdict, and every injected row is "
+                                     "caught with the right component" if not bad else f"WRONG verdicts on: {', '.join(bad)}"))
     sys.exit(1 if bad else 0)
 
 

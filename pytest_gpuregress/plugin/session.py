@@ -322,8 +322,13 @@ class GpuRegressSession:
         """The component behind a failed comparison, from experiments: equivalence and the oracle always,
         switches flipped with --gpuregress-triage."""
         from .. import triage
+        from ..reference import model_layout
         from ..triage.flips import flip
 
+        if any(f.component == model_layout.COMPONENT for f in comparison.findings):
+            return model_layout.COMPONENT, ["", "triage verdict: model. Evidence: the model's parameter layout differs "
+                                            "from the reference's, so the runs start from other weights and no "
+                                            "experiment on this stack can point at a kernel or a collective"]
         try:
             experiments = triage.cheap_evidence(sc, self.setup, self.launch_cached, model)
             if self.options.triage:

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..stack import fingerprint as fp
 from ..stack.determinism import nondeterminism
-from . import step0
+from . import model_layout, step0
 from .envelope import PREFIX as ENVELOPE_PREFIX
 from .envelope import MetricLimits, digest_deviation, floors_for, limit, rel, tensor_deviation
 from .record import RunRecord
@@ -385,4 +385,9 @@ def compare_training(
         if found:
             findings.append(found)
     _suspect(findings)
+    changed = model_layout.verdict(reference, run)
+    if changed:  # the model's own code moved: every difference follows from it, none convicts a kernel
+        for finding in findings:
+            finding.component = model_layout.COMPONENT
+        findings.insert(0, Finding("model", model_layout.COMPONENT, changed))
     return Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source)

@@ -1,0 +1,93 @@
+"""The model's own definition, compared: a parameter layout that differs from the reference's is the model's
+code changing (a transformers release fusing or splitting modules), never a kernel or a collective.
+
+Weights are seeded per parameter name (training/models.py), so a layout change also changes the starting
+point: the reference then cannot judge this stack's numbers at all. The comparison says so, names what
+changed and with which library versions, and says how to record a reference for this stack. The layout
+is read from the step-0 gradients both records keep (names and shapes), so it needs no new field.
+Torch-free: the session imports it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import numpy as np
+
+from . import step0
+from .record import RunRecord
+
+COMPONENT = "model"
+MODEL_LIBRARIES = ("transformers", "peft", "accelerate", "torch")  # whose releases change a model's code
+
+
+def layout(record: RunRecord) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape, from the record's step-0 gradients (whole, or in blocks with the shape in digests)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in step0.names(record):
+        found = step0.full_or_blocks(record, name)
+        if found is None:
+            continue
+        prefix, array = found
+        shapes[name] = (tuple(record.digests.get(name, {}).get("shape", ())) if prefix == step0.BLOCK_PREFIX
+                        else tuple(array.shape))
+    return shapes
+
+
+def _count(shapes: Mapping[str, tuple[int, ...]], names: list[str]) -> int:
+    return int(sum(int(np.prod(shapes[n], dtype=np.int64)) for n in names))
+
+
+def _per_module(names: list[str]) -> bool:
+    """Names with a numbered module inside a layer (``mlp.experts.3.w1.weight``): per-expert or split modules."""
+    return any(re.search(r"\.layers?\.\d+\..*\.\d+\.", n) or re.search(r"\.h\.\d+\..*\.\d+\.", n) for n in names)
+
+
+def what_changed(before: Mapping[str, tuple[int, ...]], after: Mapping[str, tuple[int, ...]]) -> str | None:
+    """One sentence on how the parameter layout moved from ``before`` (the reference) to ``after``; None if equal."""
+    if not before or not after or dict(before) == dict(after):
+        return None
+    gone = sorted(set(before) - set(after))
+    new = sorted(set(after) - set(before))
+    reshaped = sorted(n for n in set(before) & set(after) if before[n] != after[n])
+    parts = []
+    if gone or new:
+        if gone and new and _count(before, gone) == _count(after, new):
+            direction = ("fused -> per-module" if _per_module(new) and not _per_module(gone) else
+                         "per-module -> fused" if _per_module(gone) and not _per_module(new) else "renamed or regrouped")
+            parts.append(f"{len(gone)} parameters {direction} as {len(new)} (the same {_count(after, new):,} values, "
+                         f"e.g. {gone[0]} {list(before[gone[0]])} -> {new[0]} {list(after[new[0]])})")
+        else:
+            if gone:
+                parts.append(f"{len(gone)} parameters only in the reference (e.g. {gone[0]} {list(before[gone[0]])})")
+            if new:
+                parts.append(f"{len(new)} only in this run (e.g. {new[0]} {list(after[new[0]])})")
+    if reshaped:
+        parts.append(f"{len(reshaped)} reshaped (e.g. {reshaped[0]} {list(before[reshaped[0]])} -> "
+                     f"{list(after[reshaped[0]])})")
+    return "; ".join(parts)
+
+
+def library_changes(reference: RunRecord, run: RunRecord) -> list[str]:
+    """'transformers 5.24.0 -> 4.57.6' for each library whose release can change a model's code."""
+    out = []
+    for library in MODEL_LIBRARIES:
+        a = reference.fingerprint.get("versions", {}).get(library)
+        b = run.fingerprint.get("versions", {}).get(library)
+        if a != b:
+            out.append(f"{library} {a} -> {b}")
+    return out
+
+
+def verdict(reference: RunRecord, run: RunRecord) -> str | None:
+    """The model finding's message when the parameter layouts differ, else None."""
+    change = what_changed(layout(reference), layout(run))
+    if change is None:
+        return None
+    libraries = library_changes(reference, run)
+    cause = f"the model's code changed with {', '.join(libraries)}" if libraries else "the model's definition changed"
+    return (f"{cause}: {change}. Weights are seeded per parameter name, so this run starts elsewhere and the "
+            "reference cannot judge its numbers (not a kernel or collective fault); record a reference for this "
+            "stack with --gpuregress-record into a folder of its own (--gpuregress-reference-dir), and keep this "
+            "one for the stack it was recorded on")

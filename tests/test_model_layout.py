@@ -1,0 +1,65 @@
+"""The model component (reference/model_layout.py): a parameter layout that differs from the reference's is
+named as the model's own code changing, with the library versions, and never blamed on a kernel or collective."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from pytest_gpuregress.reference import model_layout, store
+from pytest_gpuregress.reference.compare import compare_training
+from pytest_gpuregress.reference.record import RunRecord
+from pytest_gpuregress.resources import shipped_dir
+
+FUSED = "model.layers.0.mlp.experts.gate_up_proj"
+
+
+def moe_record(per_expert: bool, transformers: str) -> RunRecord:
+    """A record of a 4-expert MoE layer: transformers 5.x keeps experts fused in one tensor, 4.57 per expert."""
+    arrays = {"step0_grad/model.layers.0.self_attn.q_proj.weight": np.full((8, 8), 0.5, dtype=np.float32)}
+    if per_expert:
+        for e in range(4):
+            arrays[f"step0_grad/model.layers.0.mlp.experts.{e}.w1.weight"] = np.full((6, 8), 0.1, dtype=np.float32)
+            arrays[f"step0_grad/model.layers.0.mlp.experts.{e}.w3.weight"] = np.full((6, 8), 0.1, dtype=np.float32)
+    else:
+        arrays[f"step0_grad/{FUSED}"] = np.full((4, 12, 8), 0.1, dtype=np.float32)
+    return RunRecord(scenario="fsdp", config={}, platform_key="cpu-gloo-w2-fp32", world_size=2,
+                     fingerprint={"versions": {"transformers": transformers, "torch": "2.13.0"}},
+                     series={"loss": [5.5, 5.4] if per_expert else [5.6, 5.3]}, arrays=arrays)
+
+
+def test_a_fused_to_per_expert_layout_is_the_models_code_not_a_kernel() -> None:
+    reference, run = moe_record(False, "5.24.0"), moe_record(True, "4.57.6")
+    comparison = compare_training(reference, run, lane="exact")
+    first = comparison.findings[0]
+    assert first.component == "model" and first.metric == "model"
+    assert first.message.startswith("the model's code changed with transformers 5.24.0 -> 4.57.6: 1 parameters "
+                                    "fused -> per-module as 8 (the same 384 values, e.g. "
+                                    f"{FUSED} [4, 12, 8] -> model.layers.0.mlp.experts.0.w1.weight [6, 8])")
+    assert "record a reference for this stack with --gpuregress-record" in first.message
+    assert {f.component for f in comparison.findings} == {"model"}  # the loss that moved too: never a kernel
+
+
+def test_an_unchanged_layout_gives_no_model_finding() -> None:
+    reference, run = moe_record(False, "5.24.0"), moe_record(False, "5.24.0")
+    run.arrays["step0_grad/model.layers.0.self_attn.q_proj.weight"] = run.arrays[
+        "step0_grad/model.layers.0.self_attn.q_proj.weight"] * 1.001
+    comparison = compare_training(reference, run, lane="exact")
+    assert comparison.findings and all(f.component != "model" for f in comparison.findings)
+    assert model_layout.verdict(reference, run) is None
+
+
+def test_the_shipped_moe_reference_with_a_reshaped_parameter_gets_the_model_verdict() -> None:
+    """The real shipped tiny-moe reference against itself with one parameter's layout changed."""
+    reference = store.read_reference(store.ReferenceLocation(shipped_dir("reference_runs"), "fsdp-tiny-moe",
+                                                             "cpu-gloo-w2-fp32"))
+    run = copy.deepcopy(reference)
+    name = next(k for k in run.arrays if k.startswith(("step0_grad/", "step0_blocks/")) and "experts" in k)
+    array = run.arrays.pop(name)
+    run.arrays[name.replace("experts", "experts.0")] = array
+    run.fingerprint.setdefault("versions", {})["transformers"] = "4.57.6"
+    comparison = compare_training(reference, run, lane="exact")
+    assert comparison.findings[0].component == "model"
+    assert "transformers 5.24.0 -> 4.57.6" in comparison.findings[0].message
+    assert all(f.component == "model" for f in comparison.findings)

@@ -63,3 +63,17 @@ def test_the_shipped_moe_reference_with_a_reshaped_parameter_gets_the_model_verd
     assert comparison.findings[0].component == "model"
     assert "transformers 5.24.0 -> 4.57.6" in comparison.findings[0].message
     assert all(f.component == "model" for f in comparison.findings)
+
+
+def test_kernels_that_moved_with_a_model_library_alone_are_named_the_models_code() -> None:
+    from pytest_gpuregress.plugin.observations import model_code_cause
+    from pytest_gpuregress.reference import kernels
+
+    reference, run = moe_record(False, "5.24.0"), moe_record(False, "4.57.6")
+    cause = model_code_cause(reference, run)
+    assert cause == ("the model's code changed with transformers 5.24.0 -> 4.57.6: the op sequence of a step moved "
+                     "with it, not a kernel library (the model component)")
+    assert kernels.report_lines(["aten::bmm: its own kernel -> mkl"], cause)[0].startswith(
+        "kernels changed since the reference (1 ops; the model's code changed with transformers")
+    run.fingerprint["versions"]["torch"] = "2.14.1"  # torch moved too: the kernels may be its
+    assert model_code_cause(reference, run) == ""

@@ -34,24 +34,28 @@ class Observations:
 
     # Why the ratios are information only: the reference was timed on other hardware ("" when judged).
     perf_not_judged: str = ""
+    # Who moved the op sequence, where a model library changed and torch did not ("" otherwise).
+    kernel_cause: str = ""
 
     @classmethod
     def of(cls, reference: RunRecord, record: RunRecord, options: Options) -> Observations:
         changes = kernels.changes(reference, record) if options.kernel_changes != "off" else None
         ratios = None if options.perf == "off" else perf.ratios(
             reference, record, slowdown=options.perf_slowdown, memory=options.perf_memory)
+        cause = model_code_cause(reference, record)
         other_hardware = fp.hardware_diff(reference.fingerprint, record.fingerprint)
         if other_hardware:  # a step time from another CPU or GPU model says nothing about this stack
             why = "not judged: the reference was timed on other hardware (" + ", ".join(
                 fp.describe_change(*c) for c in other_hardware) + ")"
-            return cls(changes, ratios, [], options, why)
-        return cls(changes, ratios, perf.problems(ratios, record, reference), options)
+            return cls(changes, ratios, [], options, why, cause)
+        return cls(changes, ratios, perf.problems(ratios, record, reference), options, "", cause)
 
     def failures(self) -> list[str]:
         """Lines that fail the test under the options."""
         out: list[str] = []
         if self.kernel_changes and self.options.kernel_changes == "fail":
-            lines = kernels.report_lines(self.kernel_changes, "--gpuregress-kernel-changes=fail")
+            lines = kernels.report_lines(self.kernel_changes, "; ".join(
+                filter(None, [self.kernel_cause, "--gpuregress-kernel-changes=fail"])))
             out += ["[kernel] " + lines[0], *lines[1:]]
         if self.perf_problems and self.options.perf == "fail":
             out += [f"{p} (--gpuregress-perf=fail)" for p in self.perf_problems]
@@ -61,7 +65,7 @@ class Observations:
         """Warnings for what is reported but does not fail."""
         out: list[tuple[type[Warning], str]] = []
         if self.kernel_changes and self.options.kernel_changes == "report":
-            out.append((GpuRegressKernelWarning, "\n".join(kernels.report_lines(self.kernel_changes))))
+            out.append((GpuRegressKernelWarning, "\n".join(kernels.report_lines(self.kernel_changes, self.kernel_cause))))
         if self.perf_problems and self.options.perf == "warn":
             out += [(GpuRegressPerfWarning, p + " (--gpuregress-perf=fail to fail on it)") for p in self.perf_problems]
         return out
@@ -71,7 +75,7 @@ class Observations:
         if self.kernel_changes is None:
             return ["kernels: not compared (no inventory on one side: a reference from before inventories, a run "
                     "that stopped before its profiled step, a loop that takes none, or --gpuregress-kernel-changes=off)"]
-        return kernels.report_lines(self.kernel_changes) or ["kernels: the same as in the reference"]
+        return kernels.report_lines(self.kernel_changes, self.kernel_cause) or ["kernels: the same as in the reference"]
 
     def detail(self) -> str:
         """For the terminal summary: the ratios and the count of changed kernels."""
@@ -84,3 +88,15 @@ class Observations:
         elif self.options.kernel_changes != "off":  # say so: =fail cannot fail on what was never compared
             parts.append("kernels not compared (no inventory on one side)")
         return "; ".join(parts)
+
+
+def model_code_cause(reference: RunRecord, record: RunRecord) -> str:
+    """"the model's code changed with transformers 5.24.0 -> 4.57.6 ...": where a model library changed and torch
+    did not, a changed op sequence is the model's own code (the model component), not a kernel library."""
+    from ..reference.model_layout import library_changes
+
+    changed = library_changes(reference, record)
+    if not changed or any(c.startswith("torch ") for c in changed):
+        return ""
+    return (f"the model's code changed with {', '.join(changed)}: the op sequence of a step moved with it, "
+            "not a kernel library (the model component)")

@@ -329,3 +329,22 @@ def test_an_injected_faults_own_ops_stay_out_of_the_inventory() -> None:
     inventory = inventory_from_events(prof.events())
     assert "aten::matmul" in inventory
     assert not {"aten::ne", "aten::abs", "aten::gt"} & set(inventory), sorted(inventory)
+
+
+def test_the_host_op_fault_keeps_an_in_place_silu_in_place() -> None:
+    import types
+
+    import torch
+    import torch.nn.functional as F
+
+    from pytest_gpuregress import faults
+
+    ctx = types.SimpleNamespace(cleanup_hooks=[], rank=0, device_kind="cpu")
+    faults.install(["host_op"], ctx)
+    try:
+        x = torch.tensor([-1.0, 0.0, 2.0])
+        out = F.silu(x, inplace=True)
+        assert out is x and torch.allclose(x, torch.nn.functional.silu(torch.tensor([-1.0, 0.0, 2.0])))
+    finally:
+        for undo in reversed(ctx.cleanup_hooks):
+            undo()

@@ -65,7 +65,6 @@ def test_command_line_beats_ini(pytester: pytest.Pytester) -> None:
 
 
 def test_header_shows_the_stack_fingerprint(pytester: pytest.Pytester) -> None:
-    result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "--gpuregress-device=cpu")
     result = pytester.runpytest("--gpuregress", "--collect-only", "--gpuregress-device=cpu")
     result.stdout.fnmatch_lines([
         "gpuregress stack: torch *, transformers *, peft *, accelerate *, safetensors *",

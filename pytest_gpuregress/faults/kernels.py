@@ -51,7 +51,8 @@ def install_host_op(spec: FaultSpec, ctx: Any) -> Firing:
     def silu_on_host(input: Any, inplace: bool = False) -> Any:
         firing.fire()
         with host_fallback():
-            return original(input.to("cpu"), inplace=False).to(input.device)
+            result = original(input.to("cpu"), inplace=False).to(input.device)
+        return input.copy_(result) if inplace else result  # an in-place call must still change its input
 
     previous = emulated_accelerator()
     if ctx.device_kind == "cpu":

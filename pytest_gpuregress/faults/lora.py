@@ -22,7 +22,6 @@ from .firing import Firing
 
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-PROJECTIONS = tuple(_BLOCK)
 
 
 def target_module(spec: FaultSpec) -> str:

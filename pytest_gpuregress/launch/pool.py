@@ -79,7 +79,6 @@ class RankGroup:
         self.key = group_key(job)
         self.world_size = job.world_size
         self.log_dir = Path(tempfile.mkdtemp(prefix="gpuregress-ranks-", dir=base_dir))
-        self.jobs_served = 0
         env = rank_environment(job)
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank in range(job.world_size):
@@ -108,7 +107,6 @@ class RankGroup:
 
     def submit(self, job_path: Path) -> None:
         """Hand every rank the job; a rank that already died is left for the watcher to report."""
-        self.jobs_served += 1
         for proc in self.procs:
             try:
                 assert proc.stdin is not None

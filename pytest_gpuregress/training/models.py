@@ -18,8 +18,6 @@ import numpy as np
 from ..resources import shipped_dir
 from .counter_rng import hash_words, unit_float
 
-MODEL_SIZES = ("cpu", "gpu")
-
 
 def config_path(name: str, size: str) -> Path:
     """The config file of model ``name`` at ``size`` (cpu or gpu): a shipped model's, or ``name`` itself when

@@ -44,12 +44,6 @@ class Lane:
             return self.accelerator.get_state_dict(self.model)
         return adapter_io.gather_for_save(self.peft_model)
 
-    @property
-    def is_main(self) -> bool:
-        import torch.distributed as dist
-
-        return dist.get_rank() == 0
-
 
 def _optimizer(params: list[Any], cfg: dict[str, Any]) -> Any:
     import torch

@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BASE_TORCH = "torch==2.13.0"  # the CPU build the shipped reference was recorded with
 STACKS: dict[str, list[str]] = {
+    "transformers 4.45.2": ["transformers==4.45.2"],  # the oldest pyproject.toml allows
     "transformers 4.57.6": ["transformers==4.57.6"],  # the last 4.x: experts as modules of their own
     "transformers 5.0.0": ["transformers==5.0.0"],
     "transformers 5.23.0": ["transformers==5.23.0"],

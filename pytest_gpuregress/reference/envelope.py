@@ -27,7 +27,7 @@ class NoisyReplica(GpuRegressError):
 PREFIX = "envelope/"
 
 # K and the floors were chosen from data: benchmarks/noise_margin.py, 300 steps, 2 gloo ranks, fp32,
-# three replicas (table in the README, "The noise envelope"). As multiples of the replicas' spread,
+# three replicas (table in docs/envelope.md). As multiples of the replicas' spread,
 # legitimate changes reached at most 1.7x (linear layers x (1 +- 1e-7) per output feature:
 # param_grad_norm; 3.5x with a uniform 1 + 1e-7) and 1.0x (AVX2 -> no SIMD kernels). The faults
 # the tolerant lane must catch reached 100x (param_grad_norm) and 63x (step-0 gradients) for one

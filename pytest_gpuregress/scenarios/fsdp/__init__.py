@@ -81,7 +81,7 @@ class FsdpScenario(Scenario):
         from ...training.dropout import describe
 
         return [f"gpuregress dropout ({m.name}): switched off for training ({describe(switched)}): masks differ "
-                "between one rank and two and with what a library drew while building the model (README, Your own models)"
+                "between one rank and two and with what a library drew while building the model (docs/own-models.md)"
                 for m in setup.models if (switched := dropout_off(setup, m.name))]
 
     def cases(self, setup: Setup) -> list[Case]:

@@ -77,3 +77,12 @@ def test_kernels_that_moved_with_a_model_library_alone_are_named_the_models_code
         "kernels changed since the reference (1 ops; the model's code changed with transformers")
     run.fingerprint["versions"]["torch"] = "2.14.1"  # torch moved too: the kernels may be its
     assert model_code_cause(reference, run) == ""
+
+
+def test_a_blocked_gradient_without_its_shape_on_one_side_is_no_layout_change() -> None:
+    reference, run = moe_record(False, "5.24.0"), moe_record(False, "5.24.0")
+    for record, shape in ((reference, [301, 77]), (run, None)):
+        record.arrays["step0_blocks/a.weight"] = np.ones((23, 5))
+        if shape:
+            record.digests["a.weight"] = {"shape": shape}
+    assert model_layout.verdict(reference, run) is None

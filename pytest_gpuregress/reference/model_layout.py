@@ -22,20 +22,27 @@ COMPONENT = "model"
 MODEL_LIBRARIES = ("transformers", "peft", "accelerate", "torch")  # whose releases change a model's code
 
 
-def layout(record: RunRecord) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape, from the record's step-0 gradients (whole, or in blocks with the shape in digests)."""
-    shapes: dict[str, tuple[int, ...]] = {}
+def layout(record: RunRecord) -> dict[str, tuple[int, ...] | None]:
+    """Parameter name -> shape, from the record's step-0 gradients: whole, or in blocks with the shape in the
+    digests (None where a record does not say it: such a parameter counts by name only)."""
+    shapes: dict[str, tuple[int, ...] | None] = {}
     for name in step0.names(record):
         found = step0.full_or_blocks(record, name)
         if found is None:
             continue
         prefix, array = found
-        shapes[name] = (tuple(record.digests.get(name, {}).get("shape", ())) if prefix == step0.BLOCK_PREFIX
-                        else tuple(array.shape))
+        if prefix == step0.BLOCK_PREFIX:
+            shape = record.digests.get(name, {}).get("shape")
+            shapes[name] = tuple(shape) if shape else None
+        else:
+            shapes[name] = tuple(array.shape)
     return shapes
 
 
-def _count(shapes: Mapping[str, tuple[int, ...]], names: list[str]) -> int:
+def _count(shapes: Mapping[str, tuple[int, ...] | None], names: list[str]) -> int | None:
+    """How many values ``names`` hold; None when a shape is unknown."""
+    if any(shapes[n] is None for n in names):
+        return None
     return int(sum(int(np.prod(shapes[n], dtype=np.int64)) for n in names))
 
 
@@ -44,25 +51,28 @@ def _per_module(names: list[str]) -> bool:
     return any(re.search(r"\.layers?\.\d+\..*\.\d+\.", n) or re.search(r"\.h\.\d+\..*\.\d+\.", n) for n in names)
 
 
-def what_changed(before: Mapping[str, tuple[int, ...]], after: Mapping[str, tuple[int, ...]]) -> str | None:
+def what_changed(before: Mapping[str, tuple[int, ...] | None], after: Mapping[str, tuple[int, ...] | None]) -> str | None:
     """One sentence on how the parameter layout moved from ``before`` (the reference) to ``after``; None if equal."""
     if not before or not after or dict(before) == dict(after):
         return None
     gone = sorted(set(before) - set(after))
     new = sorted(set(after) - set(before))
-    reshaped = sorted(n for n in set(before) & set(after) if before[n] != after[n])
+    reshaped = sorted(n for n in set(before) & set(after)
+                      if before[n] is not None and after[n] is not None and before[n] != after[n])
+    if not (gone or new or reshaped):
+        return None
     parts = []
     if gone or new:
-        if gone and new and _count(before, gone) == _count(after, new):
+        if gone and new and _count(before, gone) is not None and _count(before, gone) == _count(after, new):
             direction = ("fused -> per-module" if _per_module(new) and not _per_module(gone) else
                          "per-module -> fused" if _per_module(gone) and not _per_module(new) else "renamed or regrouped")
             parts.append(f"{len(gone)} parameters {direction} as {len(new)} (the same {_count(after, new):,} values, "
-                         f"e.g. {gone[0]} {list(before[gone[0]])} -> {new[0]} {list(after[new[0]])})")
+                         f"e.g. {gone[0]} {list(before[gone[0]] or [])} -> {new[0]} {list(after[new[0]] or [])})")
         else:
             if gone:
-                parts.append(f"{len(gone)} parameters only in the reference (e.g. {gone[0]} {list(before[gone[0]])})")
+                parts.append(f"{len(gone)} parameters only in the reference (e.g. {gone[0]} {list(before[gone[0]] or [])})")
             if new:
-                parts.append(f"{len(new)} only in this run (e.g. {new[0]} {list(after[new[0]])})")
+                parts.append(f"{len(new)} only in this run (e.g. {new[0]} {list(after[new[0]] or [])})")
     if reshaped:
         parts.append(f"{len(reshaped)} reshaped (e.g. {reshaped[0]} {list(before[reshaped[0]])} -> "
                      f"{list(after[reshaped[0]])})")

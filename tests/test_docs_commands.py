@@ -155,3 +155,15 @@ def test_docs_ci_shows_each_recipe() -> None:
     text = (REPO / "docs" / "ci.md").read_text()
     for recipe in sorted(RECIPES.iterdir()):
         assert f"examples/ci/{recipe.name}" in text
+
+
+def test_the_options_table_lists_every_declared_option_and_no_other() -> None:
+    """docs/options.md against the declarations (plugin/options.py): a new option must be documented, a removed
+    one must leave the table."""
+    from pytest_gpuregress.plugin.options import CORE_OPTIONS, SCENARIO_OPTIONS
+
+    declared = {spec.flag for spec in CORE_OPTIONS} | {spec.flag for specs in SCENARIO_OPTIONS.values()
+                                                      for spec in specs}
+    rows = [line for line in (REPO / "docs" / "options.md").read_text().splitlines() if line.startswith("| `--")]
+    documented = {flag for row in rows for flag in re.findall(r"`(--gpuregress[a-z0-9-]*)", row.split("|")[1])}
+    assert documented == declared, (sorted(declared - documented), sorted(documented - declared))

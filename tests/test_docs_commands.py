@@ -167,3 +167,15 @@ def test_the_options_table_lists_every_declared_option_and_no_other() -> None:
     rows = [line for line in (REPO / "docs" / "options.md").read_text().splitlines() if line.startswith("| `--")]
     documented = {flag for row in rows for flag in re.findall(r"`(--gpuregress[a-z0-9-]*)", row.split("|")[1])}
     assert documented == declared, (sorted(declared - documented), sorted(documented - declared))
+
+
+def test_the_readme_is_short_and_every_link_in_the_docs_resolves() -> None:
+    assert len((REPO / "README.md").read_text().splitlines()) <= 200
+    broken = []
+    for path in DOCS:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            if not (path.parent / target).exists():
+                broken.append(f"{path.relative_to(REPO)} -> {target}")
+    assert not broken, broken

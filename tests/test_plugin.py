@@ -121,3 +121,16 @@ def test_the_record_hint_carries_a_scenarios_own_options(pytester: pytest.Pytest
     hint = GpuRegressSession(options, pytester.path).record_hint("lora")
     assert "--gpuregress-steps=8" in hint and "--gpuregress-lora-targets=q_proj,v_proj" in hint
     assert "collectives-repeats" not in hint  # at its default
+
+
+def test_gpuregress_under_xdist_stops_with_the_fix_and_runs_with_n_0(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\naddopts = -n 2\n")  # what many users keep
+    refused = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpuregress", "--collect-only", "-q")
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    refused.stderr.fnmatch_lines(["*--gpuregress cannot run under pytest-xdist (-n 2): *Add -n 0 to the command line*"])
+    allowed = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpuregress", "--collect-only", "-q",
+                                            "-n", "0", "-k", "fsdp and not triage")
+    assert allowed.ret == pytest.ExitCode.OK
+    allowed.stdout.fnmatch_lines(["*test_scenario[[]fsdp[]]*"])
+    plain = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", "-q")  # no flag: untouched
+    assert plain.ret in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)

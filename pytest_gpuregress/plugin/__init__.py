@@ -80,11 +80,25 @@ def pytest_configure(config: pytest.Config) -> None:
     if PLUGIN_SPECS_KEY not in config.stash:  # registered late (a conftest's pytest_plugins): still check plug-ins
         _plugin_option_specs()
     check_reference_dir_argument(config)
+    refuse_xdist(config)
     # The built-in suite always runs; tests the user named run beside it.
     if config.option.file_or_dir:
         config.args = [*config.args, str(SUITE_FILE)]
     else:
         config.args = [str(SUITE_FILE)]
+
+
+def refuse_xdist(config: pytest.Config) -> None:
+    """Stop a --gpuregress run that pytest-xdist would spread over workers, naming the fix.
+
+    The cases share the machine's devices, the launches several cases read, and one closing table: spread
+    over workers, each would start its own ranks on the same GPUs and print a part of the summary."""
+    workers = getattr(config.option, "numprocesses", None)
+    if hasattr(config, "workerinput") or workers not in (None, 0, "0"):
+        raise pytest.UsageError(
+            f"--gpuregress cannot run under pytest-xdist (-n {workers}): its cases share this machine's devices, "
+            "their launches and one closing summary, so they run in one process. Add -n 0 to the command line "
+            "(it overrides an -n in addopts), or run with -p no:xdist")
 
 
 @pytest.hookimpl(wrapper=True)

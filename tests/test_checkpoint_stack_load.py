@@ -9,7 +9,6 @@ runs of the same paths pass. One process, no ranks, a few seconds.
 from __future__ import annotations
 
 import re
-
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace

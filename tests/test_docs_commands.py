@@ -27,7 +27,7 @@ def _help(*command: str) -> str:
     return done.stdout
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pytest_options() -> frozenset[str]:
     """Every long option of ``pytest --gpuregress --help``, hyphens dropped: pytest takes --junitxml and shows
     --junit-xml."""
@@ -39,7 +39,7 @@ def _plain(option: str) -> str:
     return "--" + option[2:].replace("-", "")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cli_options(subcommand: str) -> frozenset[str] | None:
     """The options of ``gpuregress <subcommand>``; None when there is no such subcommand."""
     runner = "import sys; from pytest_gpuregress.cli import main; sys.exit(main(sys.argv[1:]))"

@@ -32,8 +32,8 @@ def test_every_fault_kind_and_mode_has_a_row() -> None:
 
 def test_a_case_no_injected_fault_reaches_is_skipped_with_the_reason() -> None:
     why = reach.unreached_reason(["format:mode=keep_0x80"], "fsdp", "")
-    assert why == ("--gpuregress-inject format:mode=keep_0x80: no injected fault acts in fsdp; it acts in formats; docs/faults.md lists "
-                   "where each fault acts")
+    assert why == ("--gpuregress-inject format:mode=keep_0x80: no injected fault acts in fsdp; it acts in formats; "
+                   "docs/faults.md lists where each fault acts")
     assert reach.unreached_reason(["format:mode=keep_0x80"], "formats", "io-dcp") is None
     assert reach.unreached_reason([], "fsdp", "") is None  # nothing injected: every case runs
     portability = reach.unreached_reason(["collective:op=all_reduce"], "checkpoint", "portability")

@@ -84,3 +84,27 @@ def test_progress_reads_as_step_n_of_total() -> None:
     assert describe_progress("model built", job) == "model built"
     assert scenario_label(job.scenario) == "fsdp"
     assert scenario_label("user_scenario:train") == "user_scenario"
+
+
+def test_a_plugin_warning_points_at_the_test_that_led_to_it() -> None:
+    """pytest shows a warning's file and line: a perf, kernel or format warning names the test, not a line
+    inside the plugin (it used to show plugin/session.py)."""
+    from pytest_gpuregress.reference.record import RunRecord
+    from pytest_gpuregress.scenarios.formats import SCENARIO, judge
+
+    record = RunRecord(scenario="formats", config={}, platform_key="cpu", world_size=2,
+                       results={"session": {"format_changes": "warn"}})
+    with pytest.warns(judge.FormatBehaviourChanged) as caught:
+        SCENARIO._behaviour(["overflow to e4m3fn now gives NaN"], record)
+    assert caught[0].filename == __file__
+
+
+def test_the_built_in_suite_counts_as_the_test() -> None:
+    from pytest_gpuregress.warn import SUITE, warn_at_test
+
+    code = compile("def run(warn, message):\n    warn(message)\n", str(SUITE / "test_gpuregress_suite.py"), "exec")
+    namespace: dict[str, object] = {"__name__": "test_gpuregress_suite"}
+    exec(code, namespace)
+    with pytest.warns(UserWarning) as caught:
+        namespace["run"](warn_at_test, UserWarning("perf"))  # type: ignore[operator]
+    assert caught[0].filename == str(SUITE / "test_gpuregress_suite.py")

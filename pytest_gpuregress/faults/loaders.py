@@ -21,6 +21,7 @@ from typing import Any
 from . import FaultSpec
 from .firing import Firing
 
+
 def install(spec: FaultSpec, ctx: Any) -> Firing:
     from ..scenarios.formats.catalog import IO_PATHS
 

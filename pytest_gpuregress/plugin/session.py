@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shlex
 import tempfile
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from ..resources import shipped_dir
 from ..scenarios import Case, Launch, Scenario, Setup, get_scenario, registry
 from ..stack.fingerprint import describe_change
 from ..stack.platforms import SINGLE_RANK_GAPS, Platform, rank_origin, resolve_platform, too_few_ranks
+from ..warn import warn_at_test
 from .artifacts import Artifacts, compare_command
 from .observations import Observations
 from .options import Options
@@ -484,7 +484,7 @@ class GpuRegressSession:
                             kernel_changes=None if observed.kernel_changes is None else len(observed.kernel_changes))
         # Warned once the outcome is kept: under -W error a warning raises, and must not lose the summary row.
         for category, message in observed.warnings():
-            warnings.warn(category(f"{scenario} {record.platform_key}: {message}"), stacklevel=2)
+            warn_at_test(category(f"{scenario} {record.platform_key}: {message}"))
         if comparison.passed and extra:
             raise RegressionFailure("\n".join([*extra, f"(the comparison with the reference {loc.path} passed)",
                                                *kept.report_lines(loc.path)]))

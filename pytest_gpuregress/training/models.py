@@ -108,9 +108,8 @@ def build_causal_lm(config: Any, seed: int) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .factory import FactoryModel
-
     from .dropout import silence_modules, switch_off
+    from .factory import FactoryModel
 
     if isinstance(config, FactoryModel):
         model = config.build(seed)

@@ -22,13 +22,13 @@ docs/faults.md section 2; the faults that emulate them: faults/formats.py.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from ...plugin.options import SCENARIO_OPTIONS
 from ...reference.compare import Comparison, Finding, choose_lane
 from ...reference.record import RunRecord
 from ...stack import fingerprint as fp
+from ...warn import warn_at_test
 from ..base import Case, CheckScenario, Launch, Setup
 from . import grid, judge, summary
 from .catalog import FORMATS, IO_PATHS, MX_BLOCK, SCHEMES
@@ -108,7 +108,7 @@ class FormatsScenario(CheckScenario):
         problems = closed_form(case.data["part"], key, record)
         if case.data["part"] == "io":
             for issue in judge.io_known_issues(key, record):
-                warnings.warn(judge.KnownStackIssue(issue), stacklevel=2)
+                warn_at_test(judge.KnownStackIssue(issue))
             skipped = (record.results.get("io", {}).get(key) or {}).get("skipped")
             if skipped and not problems:
                 from ...errors import NotApplicable
@@ -147,7 +147,7 @@ class FormatsScenario(CheckScenario):
             return [Finding("behaviour", "format", change) for change in changes]
         record.results.setdefault("warned", []).extend(changes)
         for change in changes:
-            warnings.warn(judge.FormatBehaviourChanged(change), stacklevel=2)
+            warn_at_test(judge.FormatBehaviourChanged(change))
         return []
 
     def header(self, setup: Setup) -> list[str]:

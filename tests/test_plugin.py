@@ -134,3 +134,22 @@ def test_gpuregress_under_xdist_stops_with_the_fix_and_runs_with_n_0(pytester: p
     allowed.stdout.fnmatch_lines(["*test_scenario[[]fsdp[]]*"])
     plain = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", "-q")  # no flag: untouched
     assert plain.ret in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
+
+
+def test_record_missing_records_only_what_is_missing_and_compares_the_rest(pytester: pytest.Pytester) -> None:
+    """A first run on a new platform: the missing reference is recorded (never an existing one overwritten), and
+    a second run compares with it."""
+    refs = pytester.path / "refs"
+    args = ["-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={refs}", "--gpuregress-steps=4",
+            "--gpuregress-replicas=0", "-k", "formats-quantized-per_tensor_e4m3fn"]
+    first = pytester.runpytest_subprocess(*args, "--gpuregress-record-missing")
+    first.assert_outcomes(passed=3)  # the three per-tensor schemes share one reference
+    first.stdout.fnmatch_lines(["*RECORDING missing and comparing references in *",
+                                "*formats*cpu-gloo-w2-fp32*RECORDED*"])
+    manifest = refs / "formats" / "cpu-gloo-w2-fp32" / "manifest.json"
+    written = manifest.read_text()
+    again = pytester.runpytest_subprocess(*args, "--gpuregress-record-missing")
+    again.assert_outcomes(passed=3)
+    assert "RECORDED" not in again.stdout.str() and manifest.read_text() == written  # compared, not overwritten
+    plain = pytester.runpytest_subprocess(*args)
+    plain.assert_outcomes(passed=3)

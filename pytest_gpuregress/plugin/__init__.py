@@ -266,7 +266,8 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     mode = "in place under torchrun" if plat.in_place else "spawned locally"
     lines.append(
         f"gpuregress run: {plat.world_size} {plat.backend} ranks on {plat.device_kind} ({mode}); "
-        f"{'RECORDING' if options.record else 'comparing'} references in {session.user_reference_root}"
+        f"{'RECORDING' if options.record else 'RECORDING missing and comparing' if options.record_missing else 'comparing'}"
+        f" references in {session.user_reference_root}"
         + ("" if options.record else f" (else shipped: {session.shipped_reference_root})")
     )
     lines += session.rank_header()

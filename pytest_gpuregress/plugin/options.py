@@ -84,6 +84,8 @@ class OptionSpec:
 CORE_OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("", "flag", False, "run the built-in regression suite and enable the gpuregress fixtures"),
     OptionSpec("record", "flag", False, "write (or overwrite) references from this run instead of comparing"),
+    OptionSpec("record-missing", "flag", False, "record the references that do not exist yet (a first run on a new "
+               "platform) and compare with the rest; never overwrites one"),
     OptionSpec("reference-dir", "str", None,
                "directory of references to compare against and record into (default: <rootdir>/reference_runs, "
                "falling back to the references shipped with the plugin)"),
@@ -196,6 +198,7 @@ def resolve(config: pytest.Config, spec: OptionSpec) -> Any:
 class Options:
     enabled: bool = False
     record: bool = False
+    record_missing: bool = False
     reference_dir: Path | None = None
     device: str = "auto"
     world_size: int | None = None
@@ -235,6 +238,7 @@ class Options:
         return cls(
             enabled=True,
             record=bool(values["gpuregress_record"]),
+            record_missing=bool(values["gpuregress_record_missing"]),
             reference_dir=(config.invocation_params.dir / ref).resolve() if ref else None,
             device=values["gpuregress_device"],
             world_size=values["gpuregress_world_size"],

@@ -211,7 +211,7 @@ class GpuRegressSession:
         if reference is not None and self.options.fail_fast and not self.options.record:
             self._watch(sc, launch, reference)
         record = self._launch(sc, launch, faults or [])
-        if reference is not None and self.options.record and self.options.replicas:
+        if reference is not None and self.recording(reference, record.platform_key) and self.options.replicas:
             self._add_envelope(sc, launch, record, faults or [])
         return record
 
@@ -371,7 +371,8 @@ class GpuRegressSession:
             problems += kernels.host_op_problems(record)
         self.figures.update(sc.properties(case, record, self.setup))
         reference = sc.reference_name(case)
-        if reference is not None and self.options.record and self.options.replicas and not problems:
+        if reference is not None and self.recording(reference, record.platform_key) and self.options.replicas \
+                and not problems:
             self._add_envelope(sc, self._launch_of(sc, case), record, [])
         if reference is not None:
             lane = self.options.lane
@@ -407,6 +408,15 @@ class GpuRegressSession:
             return
         self.watches[(sc.name, launch.key)] = failfast.watch_from(reference, tolerant_limits(reference)[0])
 
+    def recording(self, name: str, platform_key: str) -> bool:
+        """Whether this run writes the reference ``name``: --gpuregress-record, or --gpuregress-record-missing and
+        no reference exists where this run would read it."""
+        if self.options.record:
+            return True
+        if not self.options.record_missing:
+            return False
+        return not (self.location(name, platform_key).path / store.MANIFEST).exists()
+
     def check(
         self,
         record: RunRecord,
@@ -429,7 +439,7 @@ class GpuRegressSession:
         extra = extra or []
         # For a user's own run (gpuregress.run); run_case has judged its case's faults already.
         extra = [*extra, *(p for p in self._faults_unfired([record.results]) if p not in extra)]
-        if self.options.record:
+        if self.recording(scenario, record.platform_key):
             if extra:  # never store a reference that fails its own checks
                 raise RegressionFailure(f"not recording {scenario!r}: the run fails its own checks\n" + "\n".join(extra))
             loc = self.location(scenario, record.platform_key, for_writing=True)

@@ -136,6 +136,7 @@ def test_gpuregress_under_xdist_stops_with_the_fix_and_runs_with_n_0(pytester: p
     assert plain.ret in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
 
 
+@pytest.mark.full_tier  # three pytest sessions: the fast tier stays within its time
 def test_record_missing_records_only_what_is_missing_and_compares_the_rest(pytester: pytest.Pytester) -> None:
     """A first run on a new platform: the missing reference is recorded (never an existing one overwritten), and
     a second run compares with it."""

@@ -69,12 +69,14 @@ def installed(distribution: str) -> str | None:
 
 
 def _versions_hold(required: dict[str, str]) -> bool:
+    """Every installed distribution in its range; a local build suffix (2.13.0+cpu) does not count."""
     from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
+
+    from ...stack.known_issues import parse_version
 
     for distribution, spec in required.items():
-        version = installed(distribution)
-        if version is None or Version(version).release and Version(Version(version).base_version) not in SpecifierSet(spec):
+        version = parse_version(installed(distribution))
+        if version is None or version not in SpecifierSet(spec):
             return False
     return True
 

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import checkpoint, known_issues, oracle
+from ...stack.known_issues import parse_version
+from . import checkpoint, device, known_issues, oracle
 from .catalog import BY_TAG, FORMATS, IO_PATHS
 
 PATHS: dict[str, str] = {  # catalog.IO_PATHS, described
@@ -49,7 +50,7 @@ FIX = ("convert e4m3fn to e4m3fnuz with the 0x80 -> 0x00 rewrite and the scale d
 
 
 def torch_dtype(tag: str) -> torch.dtype:
-    return torch.float32 if tag == "F32" else getattr(torch, BY_TAG[tag].torch_name)
+    return torch.float32 if tag == "F32" else device.torch_dtype(BY_TAG[tag])
 
 
 def torch_shape(stored: checkpoint.Stored) -> tuple[int, ...]:
@@ -71,13 +72,10 @@ def raw_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def library_version(path: str) -> str:
-    import importlib.metadata as md
-
+    """'safetensors 0.8.0': the distribution whose code the path runs, and its installed version."""
     name = {"torch_load": "torch", "dcp": "torch"}.get(path, "safetensors" if path == "safe_open" else path)
-    try:
-        return f"{name} {md.version(name)}"
-    except md.PackageNotFoundError:
-        return name
+    version = known_issues.installed(name)
+    return f"{name} {version}" if version else name
 
 
 @dataclass
@@ -435,7 +433,7 @@ def via_transformers(model: Any, folder: Path, dev: str, out: PathResult) -> Non
         model.config = original
     if not (saved / "model.safetensors").is_file():
         return
-    dtype_key = "dtype" if _version(transformers.__version__) >= (4, 56) else "torch_dtype"
+    dtype_key = "dtype" if parse_version(transformers.__version__) >= parse_version("4.56") else "torch_dtype"
     try:
         loaded = type(model).from_pretrained(str(saved), local_files_only=True, **{dtype_key: torch.float32})
     except Exception as exc:  # noqa: BLE001 - the stack's refusal is the finding, but for one it states plainly
@@ -484,11 +482,6 @@ def _dequantized_as(codes: np.ndarray, q: BlockQuantized, fmt: Any) -> np.ndarra
     scales = np.frombuffer(q.scales.data, dtype="<f4").reshape(rows // BLOCK, cols // BLOCK)
     spread = np.repeat(np.repeat(scales, BLOCK, axis=0), BLOCK, axis=1).astype(np.float64)
     return (oracle.as_float64(oracle.decode(codes, fmt)) * spread).astype(np.float32)
-
-
-def _version(text: str) -> tuple[int, int]:
-    parts = (text.split(".") + ["0"])[:2]
-    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
 
 
 def run(paths: list[str], sources: Mapping[str, checkpoint.Checkpoint], model: Any, dev: str, folder: Path,

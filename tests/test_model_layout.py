@@ -86,3 +86,23 @@ def test_a_blocked_gradient_without_its_shape_on_one_side_is_no_layout_change() 
         if shape:
             record.digests["a.weight"] = {"shape": shape}
     assert model_layout.verdict(reference, run) is None
+
+
+def test_gradients_only_missing_on_an_unchanged_library_stack_keep_the_usual_verdict() -> None:
+    """A stack fault that leaves a parameter without a step-0 gradient is no model change: the usual findings
+    name it. With a model library changed, the same is the model's code."""
+    reference, run = moe_record(False, "5.24.0"), moe_record(False, "5.24.0")
+    del run.arrays[f"step0_grad/{FUSED}"]
+    assert model_layout.verdict(reference, run) is None
+    comparison = compare_training(reference, run, lane="exact")
+    assert comparison.findings and all(f.component != "model" for f in comparison.findings)
+    run.fingerprint["versions"]["transformers"] = "5.25.0"
+    assert model_layout.verdict(reference, run).startswith("the model's code changed with transformers 5.24.0 -> 5.25.0")
+
+
+def test_kernels_that_moved_with_other_stack_changes_are_not_blamed_on_the_model() -> None:
+    from pytest_gpuregress.plugin.observations import model_code_cause
+
+    reference, run = moe_record(False, "5.24.0"), moe_record(False, "4.57.6")
+    run.fingerprint["device"] = {"blas_library": "cublasLt 12.9"}  # a kernel library moved too
+    assert model_code_cause(reference, run) == ""

@@ -93,10 +93,12 @@ class Observations:
 def model_code_cause(reference: RunRecord, record: RunRecord) -> str:
     """"the model's code changed with transformers 5.24.0 -> 4.57.6 ...": where a model library changed and torch
     did not, a changed op sequence is the model's own code (the model component), not a kernel library."""
-    from ..reference.model_layout import library_changes
+    from ..reference.model_layout import MODEL_LIBRARIES, library_changes
 
     changed = library_changes(reference, record)
-    if not changed or any(c.startswith("torch ") for c in changed):
+    model_fields = {f"versions.{library}" for library in MODEL_LIBRARIES if library != "torch"}
+    others = [key for key, _, _ in fp.diff(reference.fingerprint, record.fingerprint) if key not in model_fields]
+    if not changed or others:  # torch, a kernel library, the driver or the hardware moved too: the kernels may be theirs
         return ""
     return (f"the model's code changed with {', '.join(changed)}: the op sequence of a step moved with it, "
             "not a kernel library (the model component)")

@@ -325,13 +325,17 @@ class GpuRegressSession:
         from ..reference import model_layout
         from ..triage.flips import flip
 
-        if any(f.component == model_layout.COMPONENT for f in comparison.findings):
-            return model_layout.COMPONENT, ["", "triage verdict: model. Evidence: the model's parameter layout differs "
-                                            "from the reference's, so the runs start from other weights and no "
-                                            "experiment on this stack can point at a kernel or a collective"]
+        model_changed = any(f.component == model_layout.COMPONENT for f in comparison.findings)
         try:
+            # Equivalence and the oracle need no reference: even where the model's code changed, they can
+            # still convict a collective or a kernel of this stack, which re-recording must not bury.
             experiments = triage.cheap_evidence(sc, self.setup, self.launch_cached, model)
-            if self.options.triage:
+            if model_changed and not any(e.convicts for e in experiments):
+                return model_layout.COMPONENT, ["", "triage verdict: model. Evidence: the model's parameter layout "
+                                                "differs from the reference's, so the runs start from other weights; "
+                                                "equivalence and the oracle on this stack convict nothing",
+                                                *triage.report("", experiments)[2:]]
+            if self.options.triage and not model_changed:  # flips compare with a reference that cannot judge
                 experiments += flip(sc, self.setup, self.launch_cached, reference, comparison, model)
         except Exception as exc:  # noqa: BLE001 - triage must never hide the regression it explains
             first = (str(exc).splitlines() or [type(exc).__name__])[0]

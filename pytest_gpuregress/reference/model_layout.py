@@ -91,11 +91,17 @@ def library_changes(reference: RunRecord, run: RunRecord) -> list[str]:
 
 
 def verdict(reference: RunRecord, run: RunRecord) -> str | None:
-    """The model finding's message when the parameter layouts differ, else None."""
-    change = what_changed(layout(reference), layout(run))
+    """The model finding's message when the parameter layouts differ, else None. Gradients that are only
+    missing, with no model library changed, are no model change: a stack fault can leave a parameter without
+    a step-0 gradient, and the usual findings must name it."""
+    before, after = layout(reference), layout(run)
+    change = what_changed(before, after)
     if change is None:
         return None
     libraries = library_changes(reference, run)
+    only_missing = not (set(after) - set(before)) and all(after[n] in (None, before[n]) for n in after)
+    if only_missing and not libraries:
+        return None
     cause = f"the model's code changed with {', '.join(libraries)}" if libraries else "the model's definition changed"
     return (f"{cause}: {change}. Weights are seeded per parameter name, so this run starts elsewhere and the "
             "reference cannot judge its numbers (not a kernel or collective fault); record a reference for this "

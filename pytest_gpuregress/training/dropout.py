@@ -56,10 +56,17 @@ def silence_modules(model: Any) -> dict[str, float]:
 
 @functools.lru_cache(maxsize=16)
 def config_file_dropout(path: str) -> tuple[tuple[str, float], ...]:
-    """What training switches off for the model of a config file (session side: no model is built)."""
-    from transformers import AutoConfig
+    """The stochastic fields the config file itself sets (session side: no model is built). Read from the file,
+    not through transformers: a release that adds a field with a positive default must not change the stored
+    config, which would make the reference foreign; training switches such defaults off all the same."""
+    import json
+    from types import SimpleNamespace
 
-    return tuple(stochastic_fields(AutoConfig.from_pretrained(path, local_files_only=True)).items())
+    def namespace(values: dict[str, Any]) -> SimpleNamespace:
+        return SimpleNamespace(**{k: namespace(v) if isinstance(v, dict) else v for k, v in values.items()})
+
+    with open(path) as fh:
+        return tuple(stochastic_fields(namespace(json.load(fh))).items())
 
 
 def describe(switched: dict[str, float] | tuple[tuple[str, float], ...]) -> str:

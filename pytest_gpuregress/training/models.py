@@ -112,7 +112,8 @@ def build_causal_lm(config: Any, seed: int) -> Any:
     from .factory import FactoryModel
 
     if isinstance(config, FactoryModel):
-        model = config.build(seed)
+        with isolated_generators():
+            model = config.build(seed)
         silence_modules(model)
         return model
     switch_off(config)  # training/dropout.py: masks cannot be compared across ranks or stacks
@@ -133,10 +134,12 @@ def isolated_generators() -> Iterator[None]:
     import torch
 
     python, numpy_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        yield
-    random.setstate(python)
-    np.random.set_state(numpy_state)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy_state)
 
 
 def seed_parameters(model: Any, seed: int, std: float) -> None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...faults import emulated_ops
-from ...plugin.options import SCENARIO_OPTIONS
+from ...fault_spec import emulated_ops
 from ...reference.names import safe_component
 from ...reference.record import RunRecord
+from ...scenario_options import SCENARIO_OPTIONS
 from ..base import Case, CheckScenario, Launch, Setup
+from ..shared import links
 from . import plan
 
 SIZE_BANDS = [(1 << 10, "<=1KiB"), (64 << 10, "<=64KiB"), (512 << 10, "<=512KiB"), (4 << 20, "<=4MiB"),
@@ -68,6 +69,7 @@ class CollectivesScenario(CheckScenario):
     def merge(self, records: list[RunRecord]) -> RunRecord:
         merged = records[0]
         merged.results["cases"] = plan.merge_rank_results([r.results["cases"] for r in records])
+        merged.results["identities"] = [r.results.pop("identity", None) for r in records]  # to name a wrong link
         return merged
 
     def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
@@ -97,6 +99,8 @@ class CollectivesScenario(CheckScenario):
             cases, _ = _cases_and_results(record)
             lines.append(f"protocol {protocol}: {len(cases)} cases on {setup.world_size} {setup.backend} ranks in "
                          f"{record.timings.get('launch_wall_s', 0.0):.1f}s")
+            lines.append("  " + links.summary(record.results["cases"], record.results.get("identities", []),
+                                              setup.world_size, setup.backend))
         if self.pinning_ignored(setup):
             lines.append(f"NCCL protocol/algorithm pinning does not apply to {setup.backend}: ran the default sweep once")
         lines += self.protocol_table(records, setup)

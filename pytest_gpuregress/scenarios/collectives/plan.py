@@ -131,6 +131,15 @@ def plan(backend: str, world: int, max_bytes: int, dtypes: list[str] | None = No
     return cases
 
 
+LINK_SIZES = (1, 7, 1031, 4096)  # elements per rank per peer: one element, a short tail, odd, a page
+
+
+def link_cases() -> list[Case]:
+    """The per-link sweep: the ops whose every output element comes from one known rank, fp32, a few sizes."""
+    return [Case(op, variant, reduce_op, "fp32", n, in_place)
+            for op, variant, reduce_op, in_place in KINDS if op in MOVE_ONLY for n in LINK_SIZES]
+
+
 # --- exactly known inputs and results -----------------------------------------------------------
 
 
@@ -203,6 +212,8 @@ def merge_rank_results(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, d
             into["bad_repeats"] = max(into["bad_repeats"], res["bad_repeats"])
             into["repeats"] = max(into["repeats"], res["repeats"])
             into["time_s"] = max(into["time_s"], res["time_s"])  # the slowest rank sets the pace
+            for pair, count in res.get("links", {}).items():  # sender -> receiver: wrong elements (rank.py)
+                into.setdefault("links", {})[pair] = into.get("links", {}).get(pair, 0) + count
             if res.get("first") and into["first"] is None:
                 into["first"] = {**res["first"], "rank": rank}
             if res.get("error") and into["error"] is None:
@@ -220,11 +231,14 @@ def verdict(case: Case, result: dict[str, Any], world: int) -> str | None:
     first = result["first"] or {}
     intermittent = (f"on {result['bad_repeats']} of {result['repeats']} repeats (intermittent)"
                     if result["bad_repeats"] < result["repeats"] else f"on all {result['repeats']} repeats")
+    links = "; wrong elements by link (sender -> receiver): " + ", ".join(
+        f"{pair.replace('->', ' -> ')}: {count}" for pair, count in sorted(result["links"].items())
+    ) if result.get("links") else ""
     return (
         f"{what}: {result['wrong']} wrong elements summed over ranks and repeats "
         f"({result['tail_wrong']} of them in the last {TAIL}), {intermittent}; "
         f"first wrong index {first.get('index')} on rank {first.get('rank')}: "
-        f"expected {first.get('expected')!r}, got {first.get('got')!r}"
+        f"expected {first.get('expected')!r}, got {first.get('got')!r}{links}"
     )
 
 

@@ -94,10 +94,21 @@ def _prepare(case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> tuple[
     raise ValueError(f"unknown collective {case.op!r}")
 
 
+def _wrong_by_sender(case: plan.Case, wrong: Any, world: int) -> dict[int, int]:
+    """Wrong elements by the rank that sent them, where each output element has one sender (shared/links.py):
+    chunk q of an all-gather or all-to-all output came from rank q, a broadcast from its root. {} for reductions."""
+    if case.op not in plan.MOVE_ONLY:
+        return {}
+    if case.op == "broadcast":
+        return {world - 1: int(wrong.sum())}
+    per_sender = wrong.reshape(world, case.n).sum(dim=1).tolist()
+    return {sender: int(count) for sender, count in enumerate(per_sender) if count}
+
+
 def _run_case(case: plan.Case, ctx: RankContext, repeats: int, torch: Any) -> dict[str, Any]:
     result: dict[str, Any] = {"case": case.to_json(), "nbytes": case.nbytes(ctx.world_size), "wrong": 0,
                               "tail_wrong": 0, "bad_repeats": 0, "repeats": repeats, "first": None,
-                              "error": None, "time_s": 0.0}
+                              "error": None, "time_s": 0.0, "links": {}}
     times: list[float] = []
     for salt in range(repeats):
         try:
@@ -120,6 +131,9 @@ def _run_case(case: plan.Case, ctx: RankContext, repeats: int, torch: Any) -> di
         count = int(wrong.sum())
         if count:
             result["wrong"] += count
+            for sender, wrong_from in _wrong_by_sender(case, wrong, ctx.world_size).items():
+                pair = f"{sender}->{ctx.rank}"
+                result["links"][pair] = result["links"].get(pair, 0) + wrong_from
             result["tail_wrong"] += int(wrong[-plan.TAIL :].sum())
             result["bad_repeats"] += 1
             if result["first"] is None:
@@ -136,10 +150,16 @@ def run(ctx: RankContext) -> RunRecord:
 
     repeats = int(ctx.config.get("repeats", 3))
     results: dict[str, Any] = {}
-    cases = [plan.Case(**c) for c in ctx.config["cases"]]
+    # "link_sweep": the consensus scenario's small per-link sweep (plan.link_cases), planned here as in the session
+    cases = plan.link_cases() if ctx.config.get("link_sweep") else [plan.Case(**c) for c in ctx.config["cases"]]
     for number, case in enumerate(cases):
         results[case.id] = _run_case(case, ctx, repeats, torch)
         if number % 50 == 0:
             ctx.progress(f"case {number} of {len(cases)}: {case.id}")
+    # Who this rank is (host, node, device, its GPU links), so a wrong link can be named (scenarios/shared/links.py).
+    from ...stack import device_identity as identity
+
+    who = identity.probe(ctx.rank, ctx.local_rank, ctx.device_kind, torch)
+    who["links"] = identity.peer_links(who)
     return RunRecord(scenario="collectives", config={k: v for k, v in ctx.config.items() if k != "cases"},
-                     platform_key="", world_size=ctx.world_size, results={"cases": results})
+                     platform_key="", world_size=ctx.world_size, results={"cases": results, "identity": who})

@@ -1,0 +1,63 @@
+"""A matmul that is one ulp off: one device with a failing part or a bad flag, as small as a fault can be.
+
+Wraps ``torch.matmul``, ``torch.mm``, ``torch.bmm`` and ``F.linear``: after ``after`` untouched calls, the first
+element of every floating-point output moves one unit in the last place away from zero (its bits, read as an
+integer, plus one). No tolerance can see it; only a bitwise comparison can, such as the consensus vote across
+devices (scenarios/consensus), where the rank it is installed on must be named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..training.kernels import fault_region
+from . import FaultSpec
+from .firing import Firing
+
+WRAPPED = (("torch", "matmul"), ("torch", "mm"), ("torch", "bmm"), ("torch.nn.functional", "linear"))
+_SAME_WIDTH_INT = {2: "int16", 4: "int32", 8: "int64"}
+
+
+def one_ulp_away_from_zero(out: Any) -> bool:
+    """Move ``out``'s first element one ulp away from zero, in place; False where there is nothing to move."""
+    import torch
+
+    if not out.is_floating_point() or out.numel() == 0 or out.element_size() not in _SAME_WIDTH_INT:
+        return False
+    first = (0,) * out.dim()
+    with torch.no_grad():
+        held = out.detach()  # same storage: the change reaches the caller, and autograd records no op of ours
+        value = held[first].clone().reshape(1)
+        if not bool(torch.isfinite(value).all()):
+            return False
+        as_int = value.view(getattr(torch, _SAME_WIDTH_INT[out.element_size()]))
+        held[first] = (as_int + 1).view(out.dtype)[0]
+    return True
+
+
+def install_matmul_ulp(spec: FaultSpec, ctx: Any) -> Firing:
+    import importlib
+
+    firing = Firing(spec.text)  # outputs moved
+    skip = int(spec.get("after", 0))
+    calls = [0]
+
+    def wrap(original: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            calls[0] += 1
+            if calls[0] > skip:
+                with fault_region():  # the fault's own arithmetic is not a kernel of the stack
+                    if one_ulp_away_from_zero(out):
+                        firing.fire()
+            return out
+
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        return wrapper
+
+    for module_name, name in WRAPPED:
+        module = importlib.import_module(module_name)
+        original = getattr(module, name)
+        setattr(module, name, wrap(original))
+        ctx.cleanup_hooks.append(lambda m=module, n=name, o=original: setattr(m, n, o))  # ranks outlive a launch
+    return firing

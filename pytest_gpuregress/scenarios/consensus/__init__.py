@@ -1,0 +1,135 @@
+"""Scenario ``consensus``: find the one bad device or node, by a vote across devices (``--gpuregress-consensus``).
+
+Session side, torch-free. Its cases exist only with ``--gpuregress-consensus``:
+  devices   every rank stands for one device and runs the same single-device workload at once (workload.py:
+            a seeded training run, a GEMM and reduction battery, the format casts), with no collective in its
+            numbers; it hands back digests, 24 bytes a tensor, and who it is (identity.py). Devices vote bit
+            for bit within each group of one device model and stack (group_key.py, vote.py): every device that
+            differs from its group's majority is named with its node, local index, PCI bus id and UUID or
+            serial, and the first step and tensor where it differs, and by how much (report.py). Devices of
+            another model or stack are listed apart, never outvoted.
+  links     the collective sweep's ops whose every element has one sender, on every pair of ranks, wrong elements
+            counted per sender and receiver: a single corrupted peer names its link (scenarios/shared/links.py)
+Under torchrun or srun every process is one device of one node; spawned locally, one per GPU (on the CPU,
+``--gpuregress-world-size`` processes emulate as many devices). How it scales: docs/consensus.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...reference.record import RunRecord
+from ...scenario_options import SCENARIO_OPTIONS
+from ...warn import warn_at_test
+from ..base import Case, CheckScenario, Launch, Setup
+from ..shared import links
+from . import report
+from .digest import HASH_ARRAY, STATS_ARRAY, hex_hashes
+from .vote import Vote, from_results
+
+COLLECTIVES_ENTRY = "pytest_gpuregress.scenarios.collectives.rank:run"
+WORKLOAD = {"seed": 0, "steps": 6, "width": 32, "hidden": 64, "classes": 10, "batch": 16, "lr": 1e-2,
+            "parts": ["train", "gemm", "cast"]}
+LINK_REPEATS = 3  # a stale-buffer fault (collective:mode=stale_chunk) shows from the second call of a shape on
+
+
+class ConsensusScenario(CheckScenario):
+    """Every device runs the same single-device workload; the odd one out is named."""
+
+    name = "consensus"
+    rank_entry = "pytest_gpuregress.scenarios.consensus.rank:run"
+    options = SCENARIO_OPTIONS["consensus"]  # declared beside the plugin's: pytest reads them without importing this
+
+    def cases(self, setup: Setup) -> list[Case]:
+        if not setup.option("consensus"):
+            return []
+        # One device has nobody to vote with, one rank no link: below 2 ranks both are skipped, saying so.
+        return [Case("devices", launch="devices", min_ranks=2), Case("links", launch="links", min_ranks=2)]
+
+    def default_config(self, setup: Setup) -> dict[str, Any]:
+        return dict(WORKLOAD)  # its own few steps: --gpuregress-steps sizes the training scenarios
+
+    def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
+        wanted = {case.launch for case in cases}
+        out = []
+        if "devices" in wanted:
+            out.append(Launch("devices", self.default_config(setup)))
+        if "links" in wanted:  # the sweep's own rank code plans its small per-link sweep (collectives/plan.py)
+            out.append(Launch("links", {"link_sweep": True, "repeats": LINK_REPEATS}, entry=COLLECTIVES_ENTRY))
+        return out
+
+    def merge(self, records: list[RunRecord]) -> RunRecord:
+        if records[0].scenario == "collectives":  # the links launch runs the sweep's rank code
+            return merge_links(records)
+        return merge_devices(records)
+
+    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
+        if case.id == "links":
+            return links.findings(*link_inputs(record), setup.backend)
+        vote = vote_of(record)
+        for split in report.stack_splits(vote):
+            warn_at_test(report.ConsensusStackSplit(split))
+        return report.failures(vote)
+
+    def properties(self, case: Case, record: RunRecord, setup: Setup) -> dict[str, Any]:
+        seconds = {"seconds": record.timings.get("launch_wall_s")}
+        if case.id == "links":
+            wrong = sum(links.pair_counts(record.results["cases"]).values())
+            return {**seconds, "wrong_elements": wrong, "consensus_links": links.summary(*link_inputs(record),
+                                                                                          setup.backend)}
+        return {**seconds, **report.properties(vote_of(record))}
+
+    def summary(self, records: dict[str, RunRecord | None], setup: Setup) -> list[str]:
+        lines: list[str] = []
+        devices = records.get("devices")
+        if devices is not None:
+            vote = vote_of(devices)
+            lines.append(report.figures(vote, devices.results["consensus"], devices.timings.get("launch_wall_s")))
+            lines += report.table(vote)
+            dissent = report.by_node(vote)
+            lines += ["by node:", *dissent] if dissent else []
+            lines += [f"stack split: {split}" for split in report.stack_splits(vote)]
+        if records.get("links") is not None:
+            lines.append(links.summary(*link_inputs(records["links"]), setup.backend))
+        return lines
+
+    def artifacts(self, key: str, record: RunRecord, setup: Setup) -> dict[str, str]:
+        if key != "devices":
+            return {}
+        return {"consensus.txt": "\n".join(report.table(vote_of(record))) + "\n"}
+
+
+def merge_devices(records: list[RunRecord]) -> RunRecord:
+    """Rank 0's record, carrying every device's identity, key and digests (as JSON: hashes in hex)."""
+    merged = records[0]
+    first = merged.results["consensus"]
+    devices = []
+    for rank, record in enumerate(records):
+        own = {k: v for k, v in record.results["consensus"].items() if k not in ("names", "kinds")}
+        stats = record.arrays[STATS_ARRAY]
+        own.update(rank=rank, hashes=hex_hashes(record.arrays[HASH_ARRAY]), sums=stats[:, 0].tolist(),
+                   magnitudes=stats[:, 1].tolist())
+        devices.append(own)
+    merged.results["consensus"] = {"names": first.get("names", []), "kinds": first.get("kinds", []),
+                                   "devices": devices}
+    merged.arrays = {}  # every device's digests are in the JSON now
+    return merged
+
+
+def merge_links(records: list[RunRecord]) -> RunRecord:
+    """Rank 0's record with the per-link counts of every rank, and every rank's identity to name a link by."""
+    merged = records[0]
+    merged.results["cases"] = links.merge_link_results([r.results["cases"] for r in records])
+    merged.results["identities"] = [r.results.pop("identity", None) for r in records]
+    return merged
+
+
+def link_inputs(record: RunRecord) -> tuple[dict[str, Any], list[Any], int]:
+    return record.results["cases"], record.results.get("identities", []), record.world_size
+
+
+def vote_of(record: RunRecord) -> Vote:
+    return from_results(record.results["consensus"])
+
+
+SCENARIO = ConsensusScenario()

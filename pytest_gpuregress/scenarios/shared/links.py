@@ -1,0 +1,131 @@
+"""The collective sweep, per link: which sender -> receiver pair delivered wrong data, and over what.
+
+In an all-gather, an all-to-all or a broadcast every output element comes from one known peer (chunk q of an
+all-gather from rank q, the root's data in a broadcast), so the sweep's wrong elements on each receiving rank
+are counted per sender (scenarios/collectives/rank.py: each case result's ``links``, "sender->receiver" ->
+count). A reduction mixes every peer into each element and names no link. From those counts:
+  one pair                    that link corrupts data
+  one sender, every receiver  the sender's data is wrong wherever it arrives: its device or send path
+  one receiver, every sender  the receiver gets every peer's data wrong: its receive path or memory
+  every pair                  the collective itself (its library, protocol or algorithm), not a link
+  anything else               the pairs, as counted
+The link is described from the ranks' identities (stack/device_identity.py): gloo over loopback on one CPU
+host, the GPUs' NVLink or PCIe connection from ``nvidia-smi topo -m`` where it was read, the network between
+two nodes. Used by the sweep's own report (scenarios/collectives) and the consensus report. Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...stack.device_identity import describe_link_code, node_label
+
+ONE_SENDER_OPS = ("all_gather", "all_to_all", "broadcast")  # every output element comes from one known rank
+
+
+def merge_link_results(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Case id -> the wrong elements and per-link counts summed over the ranks' results."""
+    merged: dict[str, dict[str, Any]] = {}
+    for results in per_rank:
+        for case_id, result in results.items():
+            into = merged.setdefault(case_id, {"wrong": 0, "links": {}, "case": result.get("case", {})})
+            into["wrong"] += int(result.get("wrong", 0))
+            for pair, count in (result.get("links") or {}).items():
+                into["links"][pair] = into["links"].get(pair, 0) + int(count)
+    return merged
+
+
+def pair_counts(results: dict[str, dict[str, Any]]) -> dict[tuple[int, int], int]:
+    """(sender, receiver) -> wrong elements, summed over the sweep's cases; a rank's own chunk is left out."""
+    counts: dict[tuple[int, int], int] = {}
+    for result in results.values():
+        for pair, count in (result.get("links") or {}).items():
+            sender, receiver = (int(r) for r in pair.split("->"))
+            if sender != receiver and count:
+                counts[(sender, receiver)] = counts.get((sender, receiver), 0) + int(count)
+    return counts
+
+
+def attribute(counts: dict[tuple[int, int], int], world: int) -> tuple[str, list[tuple[int, int]]]:
+    """("clean" | "link" | "sender" | "receiver" | "every" | "several", the wrong pairs)."""
+    pairs = sorted(counts)
+    if not pairs:
+        return "clean", []
+    if len(pairs) == 1:
+        return "link", pairs
+    senders, receivers = {s for s, _ in pairs}, {r for _, r in pairs}
+    if len(pairs) == world * (world - 1):
+        return "every", pairs
+    if len(senders) == 1 and len(pairs) == world - 1:
+        return "sender", pairs
+    if len(receivers) == 1 and len(pairs) == world - 1:
+        return "receiver", pairs
+    return "several", pairs
+
+
+def link_kind(identities: list[dict[str, Any] | None], sender: int, receiver: int, backend: str) -> str:
+    """What carries ``sender``'s data to ``receiver``, as far as the ranks' identities tell."""
+    a = identities[sender] if sender < len(identities) else None
+    b = identities[receiver] if receiver < len(identities) else None
+    if not a or not b:
+        return f"{backend}, path unknown"
+    same_node = a.get("host") == b.get("host") and a.get("node_rank") == b.get("node_rank")
+    if a.get("device", "cpu") == "cpu":
+        span = "" if same_node else f" between {node_label(a)} and {node_label(b)}"
+        return f"{backend} over loopback{span}" if a.get("host") == b.get("host") else f"{backend} over the network{span}"
+    if not same_node:
+        return f"{backend} over the network between {node_label(a)} and {node_label(b)}"
+    code = (a.get("links") or {}).get(str(b.get("smi_index")))
+    return f"{backend} within {node_label(a)}: " + (describe_link_code(code) if code else "NVLink, xGMI or PCIe "
+                                                     "(the topology was not read)")
+
+
+def _rank(identities: list[dict[str, Any] | None], rank: int) -> str:
+    identity = identities[rank] if rank < len(identities) else None
+    return f"rank {rank}" + (f" ({node_label(identity)}, local {identity.get('local_rank')})" if identity else "")
+
+
+def findings(results: dict[str, dict[str, Any]], identities: list[dict[str, Any] | None], world: int,
+             backend: str) -> list[str]:
+    """The failure message for a sweep's merged case results; [] when every pair exchanged data bit for bit."""
+    counts = pair_counts(results)
+    verdict, pairs = attribute(counts, world)
+    if verdict == "clean":
+        return []
+    cases = sorted({c for c, r in results.items() if any(r.get("links", {}).get(f"{s}->{d}") for s, d in pairs)})
+    wrong = sum(counts.values())
+    evidence = f"{wrong} wrong elements in {len(cases)} of {len(results)} cases (e.g. {cases[0]})"
+    drain = ("What to do: rerun the sweep (-k collectives) to see whether it repeats; drain the node(s) named and "
+             "run their link diagnostics (NVIDIA: dcgmi diag and nvidia-smi nvlink -e; AMD: the RVS xGMI/PEQT tests; "
+             "between nodes: the NICs' counters and cables).")
+    if verdict == "link":
+        sender, receiver = pairs[0]
+        return [f"[collective] link {_rank(identities, sender)} -> {_rank(identities, receiver)} "
+                f"({link_kind(identities, sender, receiver, backend)}) delivers wrong data: {evidence}; every other "
+                f"pair of the {world} ranks is clean. {drain}"]
+    if verdict == "sender":
+        sender = pairs[0][0]
+        return [f"[collective] {_rank(identities, sender)}'s data arrives wrong at every peer: {evidence}; the sender's "
+                f"device or send path, not one link. {drain}"]
+    if verdict == "receiver":
+        receiver = pairs[0][1]
+        return [f"[collective] {_rank(identities, receiver)} receives every peer's data wrong: {evidence}; its receive "
+                f"path or memory, not one link. {drain}"]
+    if verdict == "every":
+        return [f"[collective] every pair of the {world} ranks delivers wrong data: {evidence}; the collective itself "
+                "(its library, protocol or algorithm), not one link: see the sweep's per-case failures (-k collectives)"]
+    listed = ", ".join(f"{s} -> {d}: {counts[(s, d)]}" for s, d in pairs)
+    return [f"[collective] wrong data on {len(pairs)} links (sender -> receiver: wrong elements): {listed}; "
+            f"{evidence}. {drain}"]
+
+
+def summary(results: dict[str, dict[str, Any]], identities: list[dict[str, Any] | None], world: int,
+            backend: str) -> str:
+    """One line for a report: the wrong link named, or every pair clean."""
+    found = findings(results, identities, world, backend)
+    if found:
+        return "links: " + found[0].split(" What to do")[0].removeprefix("[collective] ")
+    moving = sum(1 for r in results.values() if (r.get("case") or {}).get("op") in ONE_SENDER_OPS)
+    kind = link_kind(identities, 1, 0, backend) if world > 1 else backend
+    return (f"links: all {world * (world - 1)} sender -> receiver pairs of {world} ranks delivered every element "
+            f"bit for bit in the {moving} cases that name their sender ({kind}, for ranks 1 -> 0)")

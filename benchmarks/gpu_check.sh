@@ -82,10 +82,10 @@ print(p.key(sc.platform_tag(sc.default_config(Setup(p.device_kind, p.backend, p.
 KEY=$(tail -n 1 "$WORK/logs/platform-key.log")
 RECORD=$REFS/fsdp/$KEY/record.json
 
-step record pass '(^|[^0-9])1 passed' -- "${P[@]}" -k "fsdp and not triage" --gpuregress-record "--gpuregress-replicas=$REPLICAS"
+step record pass '(^|[^0-9])1 passed' -- "${P[@]}" -k "fsdp and not triage and not resume" --gpuregress-record "--gpuregress-replicas=$REPLICAS"
 step reference-at-key pass '' -- test -f "$RECORD"
 # Run-to-run determinism: a second run on the same stack compares in the exact lane, bit for bit.
-step compare pass 'PASSED \[exact lane\]' -- "${P[@]}" -k "fsdp and not triage"
+step compare pass 'PASSED \[exact lane\]' -- "${P[@]}" -k "fsdp and not triage and not resume"
 # N ranks against one (skipped at one rank: it needs 2+), and one rank against float64 (bf16's bound on GPUs).
 step triage pass 'passed' -- "${P[@]}" -k "triage and fsdp"
 # The kernel inventory on the device: a forced SDPA backend must be named, whatever the numbers do. It must be
@@ -93,12 +93,12 @@ step triage pass 'passed' -- "${P[@]}" -k "triage and fsdp"
 # the CPU runs its own flash kernel, so math is forced.
 if (( DRY )); then SDPA_FORCED=(math '_scaled_dot_product_attention_math')
 else SDPA_FORCED=(flash '_scaled_dot_product_flash_attention([^_]|$)'); fi
-step sdpa-backend fail "attention: .*-> ${SDPA_FORCED[1]}" -- "${P[@]}" -k "fsdp and not triage" \
+step sdpa-backend fail "attention: .*-> ${SDPA_FORCED[1]}" -- "${P[@]}" -k "fsdp and not triage and not resume" \
     "--gpuregress-inject=sdpa_backend:backend=${SDPA_FORCED[0]}" --gpuregress-lane=tolerant --gpuregress-kernel-changes=fail
 # A real host fallback on a GPU; on the CPU the GPU is emulated by a device tag, with the same report. 4 steps
 # recorded into a folder of their own: on the GPU model silu on the host costs seconds a step, and a recording
 # that fails its own checks names them without needing a reference.
-step host-op fail 'ran on the CPU.*aten::silu' -- "${P[@]}" -k "fsdp and not triage" --gpuregress-inject=host_op:op=silu \
+step host-op fail 'ran on the CPU.*aten::silu' -- "${P[@]}" -k "fsdp and not triage and not resume" --gpuregress-inject=host_op:op=silu \
     --gpuregress-record --gpuregress-replicas=0 --gpuregress-steps=4 "--gpuregress-reference-dir=$WORK/refs-host-op"
 # What the clean reference's inventory holds: the math SDPA and no host op on GPUs. The CPU differs: its SDPA
 # runs the CPU flash kernel, and a CPU run keeps no host-op watch (there is no host to fall back to).

@@ -37,7 +37,7 @@ STACKS: dict[str, list[str]] = {
     "accelerate 1.14.0": ["accelerate==1.14.0"],  # one minor version back from 1.15
 }
 FAULT = "collective:op=reduce_scatter,mode=nudge,rel=1e-4"
-FSDP_ONLY = "fsdp and not triage and not lora"  # the fsdp comparison alone (triage and lora have their own tests)
+FSDP_ONLY = "fsdp and not triage and not lora and not resume"  # the fsdp comparison alone (the others have their own tests)
 ZOO = ("tiny-moe", "tiny-llama-tied")
 MODELS = ("fsdp", *(f"fsdp-{m}" for m in ZOO))  # the summary line each model's comparison starts with
 METRICS = ("loss", "grad_norm", "param_grad_norm", "step0_grad", "final_weights")

@@ -90,3 +90,15 @@ class BadModel(GpuRegressError):
     def __init__(self, source: object, problem: str, fix: str) -> None:
         self.source = str(source)
         super().__init__(f"--gpuregress-model {self.source}: {problem}; {fix}")
+
+
+class CheckpointProblem(GpuRegressError):
+    """A checkpoint (quantized or not) cannot be read or understood; names the file and, where known, the tensor."""
+
+    def __init__(self, path: object, tensor: str | None, problem: str, fix: str) -> None:
+        self.path = str(path)
+        self.tensor = tensor
+        self.problem = problem
+        self.fix = fix
+        where = f"{self.path}, tensor {tensor!r}" if tensor else self.path
+        super().__init__(f"{where}: {problem}\n  fix: {fix}")

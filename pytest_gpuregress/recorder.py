@@ -42,6 +42,7 @@ import numpy as np
 from .reference import step0 as step0_arrays
 from .reference.names import safe_component
 from .reference.record import RunRecord, float_digest
+from .training.grad_norms import shard_dim_over_world, squared_norms
 
 if TYPE_CHECKING:
     from .scenarios.base import RankContext
@@ -125,15 +126,7 @@ class Recorder:
         elif names != self.param_names:
             raise RecorderMisuse(f"gradients() at step {self.steps}: other parameters than at step 0 "
                                  f"({len(names)} vs {len(self.param_names)}); pass the same model every step")
-        squares = []
-        for _, p in named:
-            grad = p.grad
-            if grad is None:
-                squares.append(torch.zeros((), dtype=torch.float64, device=self.ctx.device))
-                continue
-            local, sharded = self._local(grad)
-            square = local.detach().double().pow(2).sum().to(self.ctx.device)  # offloaded gradients live on the host
-            squares.append(square if sharded else square / self.ctx.world_size)
+        squares = squared_norms([p for _, p in named], self.ctx.world_size, self.ctx.device)  # as the scenarios
         self._pending = torch.stack(squares)
         if self.steps == 0:
             self._record_step0(named)
@@ -254,16 +247,6 @@ class Recorder:
                 applied.add("weights_ulp_up" if "weights_ulp_up" in self._perturbation else "weights_ulp_down")
         return applied
 
-    def _local(self, tensor: Any) -> tuple[Any, bool]:
-        """(this rank's part, whether parts add up over ranks). A DTensor sharded over all ranks on a
-        1-D mesh (FSDP2) gives its shard; any other DTensor is gathered whole (a collective); a plain
-        tensor is a replica."""
-        if not hasattr(tensor, "to_local"):
-            return tensor, False
-        if _one_shard_over_world(tensor, self.ctx.world_size) is not None:
-            return tensor.to_local(), True
-        return tensor.full_tensor(), False
-
     def _record_step0(self, named: list[tuple[str, Any]]) -> None:
         """Rank 0 keeps every step-0 gradient whole (or as block sums when large); shards are gathered to it."""
         full_max = step0_arrays.full_max_of(self.ctx.config)
@@ -273,7 +256,7 @@ class Recorder:
             if p.grad is None:
                 continue
             grad = p.grad
-            if hasattr(grad, "to_local") and _one_shard_over_world(grad, self.ctx.world_size) == 0:
+            if hasattr(grad, "to_local") and shard_dim_over_world(grad, self.ctx.world_size) == 0:
                 mine.update(step0_arrays.shard_arrays(name, _numpy(grad.to_local()), tuple(grad.shape),
                                                       self.ctx.rank, self.ctx.world_size, full_max))
                 gathered = True
@@ -307,14 +290,6 @@ class _Arrays:
 
     def __init__(self, arrays: dict[str, np.ndarray]) -> None:
         self.arrays = arrays
-
-
-def _one_shard_over_world(tensor: Any, world_size: int) -> int | None:
-    """The dim a DTensor is sharded along when its mesh is 1-D over every rank (FSDP2), else None."""
-    mesh, placements = tensor.device_mesh, tensor.placements
-    if mesh.ndim != 1 or mesh.size() != world_size or not placements[0].is_shard():
-        return None
-    return int(placements[0].dim)
 
 
 def _reversed_rows(rows: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
 import sys
@@ -66,7 +67,8 @@ def record_references(root: Path, *args: str) -> Path:
 
 
 FSDP_STEPS = "8"
-FSDP_ONLY = "fsdp and not triage"  # the fsdp scenario without its triage cases (tests/test_triage.py runs those)
+FSDP_ONLY = "fsdp and not triage and not resume"  # the fsdp case alone: tests/test_triage.py runs the triage cases,
+# tests/test_fsdp_resume_e2e.py the resume case
 
 
 @pytest.fixture(scope="session")
@@ -98,6 +100,26 @@ def records_passes_and_breaks(run: Callable[..., pytest.RunResult], args: list[s
     broken = run(*args, f"--gpuregress-inject={fault}")
     broken.assert_outcomes(failed=1)
     broken.stdout.fnmatch_lines([f"*scenario '{name}' on cpu-gloo-w2-fp32 differs from its reference*", *caught])
+
+
+def reproduced(output: str) -> list[int]:
+    """Run every ``gpuregress compare`` command a pytester run printed to reproduce its verdicts (in this process);
+    their exit codes, one per failure."""
+    from pytest_gpuregress.cli import main
+
+    commands = {line.split(": ", 1)[1] for line in output.splitlines()
+                if line.startswith(("reproduce the verdict: gpuregress compare", "reproduce the comparison: gpuregress compare"))}
+    assert commands, "no reproduce command printed"
+    return [main(shlex.split(command)[1:]) for command in sorted(commands)]
+
+
+def kept_run_passes(artifacts: Path, name: str, platform: str, reference: Path | None = None) -> int:
+    """``gpuregress compare [REF] RUN`` on a run kept with --gpuregress-keep-runs (artifacts/runs/name/platform)."""
+    from pytest_gpuregress.cli import main
+
+    run = artifacts / "runs" / name / platform
+    assert (run / "manifest.json").is_file(), f"no kept run at {run}"
+    return main(["compare", *([str(reference)] if reference is not None else []), str(run)])
 
 
 # The longest files first. Under the README's command (pytest -n 2 --dist loadfile) pytest-xdist 3.5+

@@ -9,11 +9,12 @@ from __future__ import annotations
 import copy
 from types import SimpleNamespace
 
-from pytest_gpuregress import faults
+from pytest_gpuregress import fault_points, faults
 from pytest_gpuregress.faults import checkpoint as checkpoint_faults
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios.base import Setup
-from pytest_gpuregress.scenarios.checkpoint import checks, full_state, hooks, plan, rng, sharded, trainer_io
+from pytest_gpuregress.scenarios.checkpoint import checks, plan
+from pytest_gpuregress.scenarios.shared.state_pieces import merge_boundaries
 
 
 def hashes(**overrides: list[str]) -> dict[str, dict[str, dict[str, object]]]:
@@ -115,7 +116,7 @@ def test_a_failed_load_is_one_finding() -> None:
 
 def test_every_rank_contributes_its_generators_to_the_boundary() -> None:
     ranks = [{"model": {"a": "1"}, "rng.python": {"rank0": "p0"}}, {"model": {"a": "other"}, "rng.python": {"rank1": "p1"}}]
-    assert checks.merge_boundaries(ranks) == {"model": {"a": "1"}, "rng.python": {"rank0": "p0", "rank1": "p1"}}
+    assert merge_boundaries(ranks) == {"model": {"a": "1"}, "rng.python": {"rank0": "p0", "rank1": "p1"}}
 
 
 def test_numerics_equal_but_for_collectives_is_the_same_stack_for_a_checkpoint() -> None:
@@ -144,16 +145,12 @@ def test_session_only_keys_stay_out_of_the_stored_config() -> None:
 
 
 def test_every_fault_mode_is_declared_and_undoes_itself() -> None:
-    """Rank processes are reused across launches: each installed patch must be undone by its cleanup hook."""
+    """Rank processes are reused across launches: each fault point a mode intercepts is released by its cleanup hook."""
     assert set(checkpoint_faults.MODES) == set(faults.KINDS["checkpoint"].params["mode"].choices)
-    points = [(full_state, "gather"), (full_state, "tensors_to_save"), (full_state, "stack_load"), (hooks, "after_load"),
-              (rng, "restore"), (sharded, "save"), (sharded, "load"), (trainer_io, "apply_model"),
-              (trainer_io, "apply_optimizer")]
-    originals = [getattr(owner, name) for owner, name in points]
     for mode in checkpoint_faults.MODES:
         ctx = SimpleNamespace(rank=0, cleanup_hooks=[], step_hooks=[])
         faults.install([f"checkpoint:mode={mode},layer=0,proj=down_proj"], ctx)
-        assert [getattr(owner, name) for owner, name in points] != originals, mode  # it patched something
+        assert all(p.startswith("checkpoint.") for p in fault_points.intercepted()) and fault_points.intercepted(), mode
         for undo in reversed(ctx.cleanup_hooks):
             undo()
-        assert [getattr(owner, name) for owner, name in points] == originals, mode
+        assert fault_points.intercepted() == [], mode

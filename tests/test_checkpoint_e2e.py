@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import record_references
+from .conftest import kept_run_passes, record_references, reproduced
 
 pytestmark = pytest.mark.slow
 
@@ -41,11 +41,16 @@ def inject(pytester: pytest.Pytester, refs: Path, selection: str, mode: str, fai
 
 
 def test_every_case_passes_and_leaves_no_checkpoint_behind(pytester: pytest.Pytester, refs: Path) -> None:
-    result = run(pytester, refs, "checkpoint")
+    artifacts = pytester.path / "artifacts"
+    result = run(pytester, refs, "checkpoint", "--gpuregress-keep-runs", f"--gpuregress-artifacts={artifacts}")
     result.assert_outcomes(passed=6)
     result.stdout.fnmatch_lines([f"*checkpoint {PLATFORM}: PASSED [[]exact lane[]] 10 steps*",
                                  "*portability: * loaded on cpu: exact lane, logits 0 from the bundle's, * from float64*"])
     assert not list((pytester.path / "checkpoints").iterdir())
+    # The kept runs pass again through the command a failure would print: a check case alone, the round trip
+    # against its reference.
+    assert kept_run_passes(artifacts, "checkpoint-tied", PLATFORM) == 0
+    assert kept_run_passes(artifacts, "checkpoint-full-state-dict", PLATFORM, refs / "checkpoint" / PLATFORM) == 0
 
 
 def test_resume_names_each_piece_a_fault_left_unrestored(pytester: pytest.Pytester, refs: Path) -> None:
@@ -93,6 +98,7 @@ def test_chunks_permuted_when_resharding_are_named_both_ways(pytester: pytest.Py
 
 def test_a_tied_key_dropped_on_save_is_named(pytester: pytest.Pytester, refs: Path) -> None:
     out = inject(pytester, refs, "tied", "tied_key_dropped", failed=1)
+    assert reproduced(out) == [1]  # the printed command judges the kept run as the test did
     assert ("[checkpoint] tied: model.embed_tokens.weight is missing from the saved file (tied: "
             "model.embed_tokens.weight = lm_head.weight; none of these names is in the file)") in out
     assert "tensor 'model.embed_tokens.weight': missing: the config" in out

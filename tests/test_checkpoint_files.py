@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 
 from pytest_gpuregress.cli import main
 from pytest_gpuregress.cli import portability as cli
+from pytest_gpuregress.errors import CheckpointProblem
 from pytest_gpuregress.scenarios.checkpoint import files, full_state, hooks, portable
-from pytest_gpuregress.scenarios.formats.errors import CheckpointProblem
 from pytest_gpuregress.training.models import build_causal_lm, load_config, model_dir
 
 CONFIG = model_dir("tiny-llama", "cpu")

@@ -120,7 +120,7 @@ def test_every_command_shown_uses_options_that_exist() -> None:
 
 
 def test_the_checker_catches_an_option_that_does_not_exist() -> None:
-    assert unknown_options("pytest --gpuregress --gpuregress-record-anyway -k fsdp") == ["--gpuregress-record-anyway"]
+    assert unknown_options("pytest --gpuregress --gpuregress-record-always -k fsdp") == ["--gpuregress-record-always"]
     assert unknown_options("gpuregress compare --no-such-flag a b") == ["--no-such-flag"]
     assert unknown_options("gpuregress frobnicate x") == ["subcommand 'frobnicate'"]
     assert sorted(commands_in("run `pytest --gpuregress -k fsdp` then\n$ gpuregress show refs")) == [
@@ -157,16 +157,26 @@ def test_docs_ci_shows_each_recipe() -> None:
         assert f"examples/ci/{recipe.name}" in text
 
 
-def test_the_options_table_lists_every_declared_option_and_no_other() -> None:
-    """docs/options.md against the declarations (plugin/options.py): a new option must be documented, a removed
-    one must leave the table."""
-    from pytest_gpuregress.plugin.options import CORE_OPTIONS, SCENARIO_OPTIONS
+def test_the_options_tables_are_the_declarations() -> None:
+    """docs/options.md's tables are generated from the declarations (plugin/options.py, scenario_options.py): a
+    new, changed or removed option changes them, word for word."""
+    from pytest_gpuregress.plugin.options_doc import BEGIN, END, options_markdown
 
-    declared = {spec.flag for spec in CORE_OPTIONS} | {spec.flag for specs in SCENARIO_OPTIONS.values()
-                                                      for spec in specs}
-    rows = [line for line in (REPO / "docs" / "options.md").read_text().splitlines() if line.startswith("| `--")]
-    documented = {flag for row in rows for flag in re.findall(r"`(--gpuregress[a-z0-9-]*)", row.split("|")[1])}
-    assert documented == declared, (sorted(declared - documented), sorted(documented - declared))
+    text = (REPO / "docs" / "options.md").read_text()
+    assert BEGIN in text and END in text, "docs/options.md lost the markers of its generated block"
+    block = text[text.index(BEGIN):text.index(END) + len(END)] + "\n"
+    assert block == options_markdown(), \
+        "docs/options.md is out of date: run python -m pytest_gpuregress.plugin.options_doc docs/options.md"
+
+
+def test_every_declared_option_is_on_the_command_line_and_an_ini_key() -> None:
+    from pytest_gpuregress.plugin.options import BUILTIN_SCENARIO_OPTIONS, CORE_OPTIONS
+
+    declared = [*CORE_OPTIONS, *BUILTIN_SCENARIO_OPTIONS]
+    assert len({spec.flag for spec in declared}) == len(declared)  # no option declared twice
+    assert {_plain(spec.flag) for spec in declared} <= pytest_options()
+    shown = _help("pytest", "-p", "no:cacheprovider")  # ini keys are declared with or without the flag
+    assert [spec.ini_key for spec in declared if f"  {spec.ini_key} " not in shown] == []
 
 
 def test_the_readme_is_short_and_every_link_in_the_docs_resolves() -> None:

@@ -12,7 +12,7 @@ import pytest
 from pytest_gpuregress import faults
 from pytest_gpuregress.faults import firing, parse
 from pytest_gpuregress.faults.firing import Firing
-from pytest_gpuregress.plugin.session import _count_faults
+from pytest_gpuregress.plugin.launches import count_faults as _count_faults
 
 from .conftest import FSDP_ONLY, make_record
 

@@ -56,7 +56,7 @@ def test_a_users_own_scenario_is_reached_by_every_fault() -> None:
 def test_an_unreached_case_is_skipped_end_to_end_and_a_reached_one_catches_the_fault(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", "-k", "fsdp or formats-inspect", "-rfs",
                                 "--gpuregress-inject=format:mode=keep_0x80")
-    result.assert_outcomes(failed=1, skipped=3)  # fsdp and its two triage cases: no format fault acts there
+    result.assert_outcomes(failed=1, skipped=4)  # fsdp, fsdp-resume and the two triage cases: no format fault acts there
     result.stdout.fnmatch_lines(["*not applicable: --gpuregress-inject format:mode=keep_0x80: no injected fault acts "
                                  "in fsdp; it acts in formats; docs/faults.md lists where each fault acts*"])
     result.stdout.fnmatch_lines(["FAILED *formats-inspect*"])

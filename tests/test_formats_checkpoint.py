@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from pytest_gpuregress.cli import main
+from pytest_gpuregress.errors import CheckpointProblem
 from pytest_gpuregress.scenarios.formats import checkpoint, diagnose, oracle, quantize
 from pytest_gpuregress.scenarios.formats.catalog import FORMATS, SCHEMES
-from pytest_gpuregress.scenarios.formats.errors import CheckpointProblem
 
 pytestmark = pytest.mark.cpu_sensitive  # .ci/run runs these again on a lower CPU kernel path
 

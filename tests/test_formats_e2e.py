@@ -16,6 +16,8 @@ import pytest
 
 from pytest_gpuregress.resources import shipped_dir
 
+from .conftest import kept_run_passes, reproduced
+
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_sensitive]
 FLIP = "--gpuregress-inject=format:mode=flip_overflow"
 
@@ -34,7 +36,8 @@ def run(pytester: pytest.Pytester, refs: Path, selection: str, *extra: str) -> p
 
 def test_a_cast_switched_from_saturating_to_nan_fails_by_name_and_nothing_else_does(pytester: pytest.Pytester,
                                                                                      recorded: Path) -> None:
-    result = run(pytester, recorded, "formats", FLIP)
+    artifacts = pytester.path / "artifacts"
+    result = run(pytester, recorded, "formats", FLIP, "--gpuregress-keep-runs", f"--gpuregress-artifacts={artifacts}")
     result.assert_outcomes(passed=28, failed=1)  # 24 conformance and checkpoint cases, 5 stack I/O paths
     result.stdout.fnmatch_lines([
         "*lane: *",
@@ -46,6 +49,9 @@ def test_a_cast_switched_from_saturating_to_nan_fails_by_name_and_nothing_else_d
     out = result.stdout.str()
     assert "INTERNALERROR" not in out and "Traceback" not in out
     assert "gpuregress formats: torch._scaled_mm (fp8 matrix multiply): not applicable on the cpu" in out
+    # The printed command fails the kept run again; a passing case's kept run passes through the same command.
+    assert reproduced(out) == [1]
+    assert kept_run_passes(artifacts, "formats-decode-e4m3fn", "cpu-gloo-w2-fp32") == 0
 
 
 def test_warn_mode_passes_and_still_lists_the_change(pytester: pytest.Pytester, recorded: Path) -> None:
@@ -71,3 +77,4 @@ def test_a_misread_inside_dcp_fails_its_io_case_by_name_on_two_spawned_ranks(pyt
         "FAILED *test_scenario[[]formats-io-dcp[]]*",
     ])
     assert "fired 0 times" not in result.stdout.str()
+    assert reproduced(result.stdout.str()) == [1]  # the kept run fails again through the printed command

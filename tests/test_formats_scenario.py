@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from pytest_gpuregress import faults
+from pytest_gpuregress import fault_points, faults
 from pytest_gpuregress.errors import BadFaultSpec
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios.base import RankContext, Setup
@@ -110,6 +110,7 @@ def test_faults_are_undone_after_the_run() -> None:
                                                           "mx_scale_exponent")}
     faulted("format:mode=fn_as_fnuz")
     assert {name: getattr(device, name) for name in originals} == originals
+    assert fault_points.intercepted() == []  # the fault acted through its point, and let go of it
 
 
 def test_format_fault_specs_are_checked() -> None:
@@ -117,7 +118,7 @@ def test_format_fault_specs_are_checked() -> None:
         faults.parse("format:mode=fn_as_fn")
     from pytest_gpuregress.faults.formats import PATCHES
 
-    # Every mode patches the scenario's device functions, or (loader_fn_as_fnuz) the stack's loaders.
+    # Every mode intercepts a fault point of the scenario's device functions, or (loader_fn_as_fnuz) wraps the stack's loaders.
     assert set(PATCHES) | {"loader_fn_as_fnuz"} == set(faults.KINDS["format"].params["mode"].choices)
     ctx = RankContext(0, 1, 0, "cpu", "gloo", {}, Path("."))
     with pytest.raises(BadFaultSpec, match="fault kind 'format' needs mode="):

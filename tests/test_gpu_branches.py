@@ -182,7 +182,7 @@ def test_a_model_too_large_for_one_gpu_is_refused_per_gpu(monkeypatch: pytest.Mo
 
 
 def test_the_checkpoint_keeps_the_gpu_generator_state_through_a_resume(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_gpuregress.scenarios.checkpoint import rng
+    from pytest_gpuregress.training import rng_state as rng
 
     device_state = torch.Generator().manual_seed(7).get_state()  # a uint8 state, as torch.cuda's is
     restored: list[torch.Tensor] = []

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from pytest_gpuregress.plugin.observations import GpuRegressKernelWarning, GpuRegressPerfWarning, Observations
-from pytest_gpuregress.plugin.options import Options
 from pytest_gpuregress.reference import kernels, perf
+from pytest_gpuregress.reference.judgement import JudgingPolicy
+from pytest_gpuregress.reference.observations import GpuRegressKernelWarning, GpuRegressPerfWarning, Observations
 from pytest_gpuregress.training import observe
 from pytest_gpuregress.triage import Experiment, verdict
 
@@ -99,7 +99,7 @@ def test_perf_limits_are_options_and_peak_rss_is_not_compared_with_device_memory
 def test_observations_report_or_fail_kernel_changes_as_asked(mode: str) -> None:
     ref = with_results(kernels={"aten::scaled_dot_product_attention": FLASH}, perf=PERF)
     run = with_results(kernels={"aten::scaled_dot_product_attention": MATH}, perf=PERF)
-    seen = Observations.of(ref, run, Options(kernel_changes=mode))
+    seen = Observations.of(ref, run, JudgingPolicy(kernel_changes=mode))
     if mode == "fail":
         assert seen.failures()[0] == "[kernel] kernels changed since the reference (1 ops; --gpuregress-kernel-changes=fail):"
         assert not seen.warnings()
@@ -113,12 +113,12 @@ def test_observations_report_or_fail_kernel_changes_as_asked(mode: str) -> None:
 
 def test_observations_warn_or_fail_on_a_slowdown_and_can_be_turned_off() -> None:
     ref, run = with_results(perf=PERF), with_results(perf={**PERF, "median_step_s": 0.4, "tokens_per_s": 2560.0})
-    warned = Observations.of(ref, run, Options())
+    warned = Observations.of(ref, run, JudgingPolicy())
     assert warned.failures() == [] and warned.warnings()[0][0] is GpuRegressPerfWarning
     assert "(--gpuregress-perf=fail to fail on it)" in warned.warnings()[0][1]
-    failed = Observations.of(ref, run, Options(perf="fail"))
+    failed = Observations.of(ref, run, JudgingPolicy(perf="fail"))
     assert failed.failures()[0].endswith("(--gpuregress-perf=fail)")
-    off = Observations.of(ref, run, Options(perf="off", kernel_changes="off"))
+    off = Observations.of(ref, run, JudgingPolicy(perf="off", kernel_changes="off"))
     assert off.failures() == [] and off.warnings() == [] and off.detail() == ""
     assert off.evidence()[0].startswith("kernels: not compared (no inventory on one side")
 
@@ -132,15 +132,15 @@ def test_perf_is_not_judged_against_a_reference_timed_on_other_hardware(other: d
     run = with_results(perf={**PERF, "median_step_s": 0.4, "tokens_per_s": 2560.0})
     ref.fingerprint = {**ref.fingerprint, "device": device}
     run.fingerprint = {**run.fingerprint, "device": {**device, **other}}
-    for options in (Options(), Options(perf="fail")):
+    for options in (JudgingPolicy(), JudgingPolicy(perf="fail")):
         seen = Observations.of(ref, run, options)
         assert seen.failures() == [] and seen.warnings() == [] and seen.perf_problems == []
         assert "bus bandwidth 1.00x (not judged: the reference was timed on other hardware (device." in seen.detail()
     run.fingerprint = {**run.fingerprint, "device": device}  # the same hardware: judged
-    assert Observations.of(ref, run, Options(perf="fail")).failures()[0].startswith("[performance] tokens/s")
+    assert Observations.of(ref, run, JudgingPolicy(perf="fail")).failures()[0].startswith("[performance] tokens/s")
     # An AVX512 CPU forced down to AVX2 reads like the AVX2 machine that recorded: not judged either.
     run.fingerprint = {**run.fingerprint, "comm": {"env": {"ATEN_CPU_CAPABILITY": "avx2"}}}
-    forced = Observations.of(ref, run, Options(perf="fail"))
+    forced = Observations.of(ref, run, JudgingPolicy(perf="fail"))
     assert forced.failures() == [] and "comm.env.ATEN_CPU_CAPABILITY: None -> avx2" in forced.detail()
 
 
@@ -150,9 +150,9 @@ def test_perf_on_the_same_gpus_is_judged_whatever_the_host_cpu() -> None:
     run = with_results(perf={**PERF, "median_step_s": 0.4, "tokens_per_s": 2560.0})
     ref.fingerprint = {**ref.fingerprint, "device": gpus}
     run.fingerprint = {**run.fingerprint, "device": {**gpus, "cpu_model": "AMD EPYC"}}
-    assert Observations.of(ref, run, Options(perf="fail")).failures()[0].startswith("[performance] tokens/s")
+    assert Observations.of(ref, run, JudgingPolicy(perf="fail")).failures()[0].startswith("[performance] tokens/s")
     run.fingerprint = {**run.fingerprint, "device": {**gpus, "count": 4}}  # half the GPUs: not comparable
-    assert Observations.of(ref, run, Options(perf="fail")).failures() == []
+    assert Observations.of(ref, run, JudgingPolicy(perf="fail")).failures() == []
 
 
 def test_kernel_changes_are_triage_evidence_and_decide_an_inconclusive_verdict() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import record_references
+from .conftest import kept_run_passes, record_references, reproduced
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,11 @@ def run(pytester: pytest.Pytester, refs: Path, selection: str, *extra: str) -> p
 
 
 def test_clean_runs_pass_in_the_exact_and_the_tolerant_lane(pytester: pytest.Pytester, refs: Path) -> None:
-    exact = run(pytester, refs, "lora")
+    artifacts = pytester.path / "artifacts"
+    exact = run(pytester, refs, "lora", "--gpuregress-keep-runs", f"--gpuregress-artifacts={artifacts}")
     exact.assert_outcomes(passed=2)
+    platform = "cpu-gloo-w2-fp32-fsdp2"  # the kept run passes again, its LoRA checks included
+    assert kept_run_passes(artifacts, "lora-fully_shard", platform, refs / "lora" / platform) == 0
     exact.stdout.fnmatch_lines(["*lora cpu-gloo-w2-fp32-fsdp2: PASSED [[]exact lane[]] 8 steps*",
                                 "*lora cpu-gloo-w2-fp32-accelerate: PASSED [[]exact lane[]] 8 steps*"])
     tolerant = run(pytester, refs, "lora", "--gpuregress-lane=tolerant")
@@ -60,6 +63,7 @@ def test_reduce_scatter_corrupted_for_small_messages_only_is_caught(pytester: py
 def test_gradient_leaking_into_a_frozen_base_weight_is_caught(pytester: pytest.Pytester, refs: Path) -> None:
     result = run(pytester, refs, FSDP2, "--gpuregress-inject=lora:mode=grad_leak")
     result.assert_outcomes(failed=1)
+    assert reproduced(result.stdout.str()) == [1]  # the lora checks fail again on the kept run
     result.stdout.fnmatch_lines([
         f"*[[]optimizer[]] lora check 'frozen-base': frozen base weight {MODULE}.base_layer.weight received a gradient "
         "at step 0*",

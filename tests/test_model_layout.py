@@ -66,8 +66,8 @@ def test_the_shipped_moe_reference_with_a_reshaped_parameter_gets_the_model_verd
 
 
 def test_kernels_that_moved_with_a_model_library_alone_are_named_the_models_code() -> None:
-    from pytest_gpuregress.plugin.observations import model_code_cause
     from pytest_gpuregress.reference import kernels
+    from pytest_gpuregress.reference.observations import model_code_cause
 
     reference, run = moe_record(False, "5.24.0"), moe_record(False, "4.57.6")
     cause = model_code_cause(reference, run)
@@ -101,7 +101,7 @@ def test_gradients_only_missing_on_an_unchanged_library_stack_keep_the_usual_ver
 
 
 def test_kernels_that_moved_with_other_stack_changes_are_not_blamed_on_the_model() -> None:
-    from pytest_gpuregress.plugin.observations import model_code_cause
+    from pytest_gpuregress.reference.observations import model_code_cause
 
     reference, run = moe_record(False, "5.24.0"), moe_record(False, "4.57.6")
     run.fingerprint["device"] = {"blas_library": "cublasLt 12.9"}  # a kernel library moved too

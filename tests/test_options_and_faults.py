@@ -60,6 +60,53 @@ def test_without_the_flag_bad_values_are_not_read(pytester: pytest.Pytester) -> 
     pytester.runpytest("--gpuregress-steps=abc").assert_outcomes(passed=1)
 
 
+# A plug-in scenario with an option of its own, declared with the neutral OptionSpec (no import of the plugin);
+# its case id shows the value the scenario was given.
+SIZED_PLUG_IN = """
+from pytest_gpuregress.option_spec import OptionSpec
+from pytest_gpuregress.scenarios import Scenario
+from pytest_gpuregress.scenarios.base import Case
+
+
+class Sized(Scenario):
+    name = "sized"
+    rank_entry = "sized:train"
+    options = (OptionSpec("sized-count", "int", 4, "how many of it", minimum=1),)
+
+    def cases(self, setup):
+        return [Case(f"count{setup.option('sized-count')}")]
+
+
+SCENARIO = Sized()
+"""
+
+
+def test_a_plug_ins_option_exists_with_the_flag_is_checked_and_reaches_the_scenario(pytester: pytest.Pytester) -> None:
+    from .test_scenario_plugins import install_entry_point
+
+    pytester.makepyfile(sized=SIZED_PLUG_IN)
+    install_entry_point(pytester, "sized", "sized:SCENARIO", dist="sized_pkg")
+    run = pytester.runpytest_subprocess
+    assert "--gpuregress-sized-count" not in run("-p", "no:cacheprovider", "--help").stdout.str()  # not imported
+    run("-p", "no:cacheprovider", "--gpuregress", "--help").stdout.fnmatch_lines(
+        ["*--gpuregress-sized-count=INT*", "*how many of it (default: 4)*"])
+    result = run("-p", "no:cacheprovider", "--gpuregress", "--collect-only", "-q", "-k", "sized",
+                 "--gpuregress-sized-count=7")
+    result.stdout.fnmatch_lines(["*test_scenario[[]sized-count7[]]*"])
+    refused = run("-p", "no:cacheprovider", "--gpuregress", "--collect-only", "--gpuregress-sized-count=0")
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    refused.stderr.fnmatch_lines(["ERROR: --gpuregress-sized-count '0': must be at least 1"])
+
+
+def test_a_mistyped_declaration_fails_where_it_is_written() -> None:
+    from pytest_gpuregress.option_spec import OptionSpec
+
+    with pytest.raises(ValueError, match="--gpuregress-x: kind 'integer' is not one of flag, str, path"):
+        OptionSpec("x", "integer", 1, "an x")
+    with pytest.raises(ValueError, match="--gpuregress-y: a choice option, and only one, lists its choices"):
+        OptionSpec("y", "choice", "a", "a y")
+
+
 @pytest.mark.parametrize("spelling", ["bf16", "bfloat16"])
 def test_dtype_filters_take_short_and_torch_names(spelling: str) -> None:
     assert parse(f"collective:dtype={spelling}").get("dtype") == "bfloat16"
@@ -121,7 +168,8 @@ def test_the_plugins_own_collectives_are_never_a_faults_target() -> None:
 
     import torch
 
-    from pytest_gpuregress.faults.collective import CollectiveFault, _wrap_collective, plugin_own_collectives
+    from pytest_gpuregress.fault_points import plugin_own_collectives
+    from pytest_gpuregress.faults.collective import CollectiveFault, _wrap_collective
 
     dist = SimpleNamespace(all_reduce=lambda tensor, op=None, group=None, async_op=False: None)
     fault = CollectiveFault(parse("collective:op=all_reduce,mode=zeros"), rank=0, world_size=2)

@@ -40,8 +40,9 @@ def test_flag_runs_only_plugin_tests_from_user_paths_plus_the_builtin_suite(pyte
 
 def test_builtin_suite_runs_from_any_directory_and_selects_by_scenario(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "fsdp")
-    result.stdout.fnmatch_lines(["*test_scenario[[]fsdp[]]*", "*test_scenario[[]triage-equivalence-fsdp[]]*",
-                                 "*test_scenario[[]triage-oracle-fsdp[]]*", "3/* tests collected (* deselected)*"])
+    result.stdout.fnmatch_lines(["*test_scenario[[]fsdp[]]*", "*test_scenario[[]fsdp-resume[]]*",
+                                 "*test_scenario[[]triage-equivalence-fsdp[]]*", "*test_scenario[[]triage-oracle-fsdp[]]*",
+                                 "4/* tests collected (* deselected)*"])
     result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "equivalence")
     result.stdout.fnmatch_lines(["*test_scenario[[]triage-equivalence-fsdp[]]*", "1/* tests collected (* deselected)*"])
     result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "all_reduce and bf16 and n1024")
@@ -118,7 +119,7 @@ def test_the_record_hint_carries_a_scenarios_own_options(pytester: pytest.Pytest
     options = Options(enabled=True, device="cpu", steps=8,
                       scenario_values={"gpuregress_lora_targets": ["q_proj", "v_proj"],
                                        "gpuregress_collectives_repeats": 3})
-    hint = GpuRegressSession(options, pytester.path).record_hint("lora")
+    hint = GpuRegressSession(options, pytester.path).places.record_hint("lora")
     assert "--gpuregress-steps=8" in hint and "--gpuregress-lora-targets=q_proj,v_proj" in hint
     assert "collectives-repeats" not in hint  # at its default
 

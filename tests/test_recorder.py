@@ -2,7 +2,8 @@
 
 One process, world size 1: without a process group for plain models, with a one-rank gloo group
 for FSDP2 (DTensor gradients). Reductions over two ranks are checked end to end through the
-example (tests/test_own_loop_example.py).
+example (tests/test_own_loop_example.py). The loops here are written out by hand, as a user's are;
+the wrapping and the optimizer are the built-in scenarios' own (training/fsdp2.py, optimizer.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from pytest_gpuregress.reference import failfast
 from pytest_gpuregress.reference.compare import compare_training, tolerant_limits
 from pytest_gpuregress.reference.record import RunRecord, float_digest
 from pytest_gpuregress.scenarios import RankContext
+from pytest_gpuregress.training.fsdp2 import shard
+from pytest_gpuregress.training.loop import TrainStep, clip_gradients
+from pytest_gpuregress.training.loop import train as shared_loop
+from pytest_gpuregress.training.optimizer import AdamWSettings, Optimization, Schedule, adamw
+
+TINY_ADAMW = AdamWSettings(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)  # torch's defaults but lr
 
 
 def make_ctx(tmp_path: Path, **config: Any) -> RankContext:
@@ -35,10 +42,17 @@ def tiny_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
 
 
+def sharded_tiny_model() -> torch.nn.Module:
+    """The tiny model under FSDP2 as the scenarios wrap theirs: its first layer, then the root."""
+    model = tiny_model()
+    shard([("0", model[0]), ("", model)])
+    return model
+
+
 def train(ctx: RankContext, model: torch.nn.Module, *, nudge_step: int | None = None,
           seen: list[dict[str, torch.Tensor]] | None = None, pass_norm: bool = False) -> RunRecord:
     """A few AdamW steps on fixed data; ``nudge_step``: the loss handed to the recorder there is off by 1e-5."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = adamw(list(model.parameters()), TINY_ADAMW)
     rec = Recorder(ctx, "tiny")
     generator = torch.Generator().manual_seed(1)
     for step in range(ctx.config["steps"]):
@@ -119,12 +133,8 @@ def test_large_step0_gradients_are_kept_as_block_sums(tmp_path: Path) -> None:
 
 
 def test_fsdp2_shards_record_what_the_plain_model_records(tmp_path: Path, one_rank_group: None) -> None:
-    from torch.distributed.fsdp import fully_shard
-
     plain = train(make_ctx(tmp_path), tiny_model())
-    sharded_model = tiny_model()
-    fully_shard(sharded_model[0])
-    fully_shard(sharded_model)
+    sharded_model = sharded_tiny_model()
     assert hasattr(next(sharded_model.parameters()), "to_local")  # parameters are DTensors now
     sharded = train(make_ctx(tmp_path), sharded_model, pass_norm=True)  # clip_grad_norm_ returns a DTensor here
     assert sharded.param_names == plain.param_names and sorted(sharded.arrays) == sorted(plain.arrays)
@@ -134,6 +144,35 @@ def test_fsdp2_shards_record_what_the_plain_model_records(tmp_path: Path, one_ra
     np.testing.assert_allclose(sharded.series["grad_norm"], plain.series["grad_norm"], rtol=1e-5)
     assert sorted(sharded.digests) == sorted(plain.digests)
     assert sharded.digests["2.weight"]["shape"] == [2, 8]
+
+
+def test_the_recorder_records_what_the_scenarios_loop_records(tmp_path: Path, one_rank_group: None) -> None:
+    """The built-in scenarios' loop (training/loop.py) and a user's loop with the Recorder, on the same sharded
+    model, optimizer, schedule and data, record the same numbers: bit for bit, but for the per-parameter norms'
+    square roots (taken by torch in the loop, by numpy in the Recorder: an ulp apart at most)."""
+    steps, schedule = 5, Schedule(steps=5, warmup=2, min_ratio=0.1)
+    model = sharded_tiny_model()
+    params = list(model.parameters())
+    generator = torch.Generator().manual_seed(1)
+    parts = TrainStep(loss=lambda _step: model(torch.randn(6, 4, generator=generator)).pow(2).mean(),
+                      optimization=Optimization.of(adamw(params, TINY_ADAMW), schedule),
+                      clip=lambda: clip_gradients(params, 10.0), tracked=params)
+    curves = shared_loop(make_ctx(tmp_path), parts, range(steps))
+
+    model = sharded_tiny_model()
+    optimization = Optimization.of(adamw(list(model.parameters()), TINY_ADAMW), schedule)
+    rec = Recorder(make_ctx(tmp_path), "tiny")
+    generator = torch.Generator().manual_seed(1)
+    for _step in range(steps):
+        loss = model(torch.randn(6, 4, generator=generator)).pow(2).mean()
+        loss.backward()
+        rec.gradients(model)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        optimization.step()
+        rec.step(loss, grad_norm=norm)
+    record = rec.record()
+    assert record.series == {"loss": curves.losses, "grad_norm": curves.grad_norms}
+    np.testing.assert_allclose(record.arrays["param_grad_norm"], curves.param_norms(len(params)), rtol=4e-16, atol=0)
 
 
 def test_a_record_compares_clean_with_itself_and_names_a_changed_loss(tmp_path: Path) -> None:

@@ -10,8 +10,7 @@ import pytest
 
 from pytest_gpuregress.launch.job import Job
 from pytest_gpuregress.launch.spawn import describe_progress, scenario_label
-from pytest_gpuregress.plugin import summary_table
-from pytest_gpuregress.plugin.session import Outcome
+from pytest_gpuregress.plugin.outcomes import Outcome, summary_table
 from pytest_gpuregress.reference.compare import compare_training
 from pytest_gpuregress.reference.plot import PlotsUnavailable, plot_comparison
 

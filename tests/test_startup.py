@@ -10,6 +10,13 @@ import pytest
 from .test_scenario_plugins import install_entry_point
 
 HEAVY = ("torch", "numpy", "ml_dtypes")
+# All of the plugin a run without --gpuregress may import: what declaring the options and markers takes. Each
+# module more is read (and assertion-rewritten: pytest rewrites its plugins' packages) in every pytest run.
+STARTUP_MODULES = {
+    "pytest_gpuregress", "pytest_gpuregress.plugin", "pytest_gpuregress.plugin.options",
+    "pytest_gpuregress.option_spec", "pytest_gpuregress.scenario_options",
+    "pytest_gpuregress.training", "pytest_gpuregress.training.noise",  # the replicas option's default and range
+}
 # Writes the modules a run imported, at its very end: what loading the plugin cost it.
 MODULES_CONFTEST = """
 import sys
@@ -32,6 +39,7 @@ def test_a_run_without_the_flag_imports_no_torch_numpy_or_scenario(pytester: pyt
     modules = (pytester.path / "modules.txt").read_text().split()
     assert "pytest_gpuregress.plugin" in modules  # the plugin was loaded: the check below means something
     assert _heavy(modules) == []
+    assert {m for m in modules if m.startswith("pytest_gpuregress")} <= STARTUP_MODULES
 
 
 # A plug-in broken in each way its own code can break: the module, its import, its constructor.

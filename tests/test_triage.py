@@ -20,7 +20,7 @@ RS_1E4 = "collective:op=reduce_scatter,max_bytes=200000,mode=nudge,rel=1e-4"
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return record_references(tmp_path_factory.mktemp("triage"), "--gpuregress-steps=8", "--gpuregress-replicas=0",
-                             "-k", "fsdp and not triage")
+                             "-k", "fsdp and not triage and not resume")
 
 
 def run(pytester: pytest.Pytester, refs: Path, selection: str, *extra: str) -> pytest.RunResult:
@@ -37,7 +37,7 @@ def test_reduce_scatter_error_is_convicted_as_collective_by_equivalence_and_swit
     pytester: pytest.Pytester, refs: Path
 ) -> None:
     started = time.monotonic()
-    result = run(pytester, refs, "fsdp", f"--gpuregress-inject={RS_1E4}", "--gpuregress-triage", "-rf")
+    result = run(pytester, refs, "fsdp and not resume", f"--gpuregress-inject={RS_1E4}", "--gpuregress-triage", "-rf")
     elapsed = time.monotonic() - started
     result.assert_outcomes(failed=2, passed=1)  # fsdp and its equivalence case fail; the oracle is clean
     out = result.stdout.str()
@@ -54,7 +54,7 @@ def test_reduce_scatter_error_is_convicted_as_collective_by_equivalence_and_swit
 
 
 def test_linear_layer_noise_is_convicted_as_kernel_by_the_oracle(pytester: pytest.Pytester, refs: Path) -> None:
-    result = run(pytester, refs, "fsdp", "--gpuregress-inject=linear_noise:rel=1e-4")
+    result = run(pytester, refs, "fsdp and not resume", "--gpuregress-inject=linear_noise:rel=1e-4")
     out = result.stdout.str()
     assert "triage verdict: kernel. Evidence: equivalence clean" in out, out[-3000:]
     assert "oracle differs: step 0 differs from float64" in out
@@ -63,7 +63,7 @@ def test_linear_layer_noise_is_convicted_as_kernel_by_the_oracle(pytester: pytes
 
 
 def test_changed_learning_rate_is_convicted_as_optimizer(pytester: pytest.Pytester, refs: Path) -> None:
-    result = run(pytester, refs, "fsdp", "--gpuregress-inject=lr_scale:factor=1.01")
+    result = run(pytester, refs, "fsdp and not resume", "--gpuregress-inject=lr_scale:factor=1.01")
     result.assert_outcomes(failed=1, passed=2)  # equivalence and oracle stay clean: step 0 precedes the update
     out = result.stdout.str()
     assert "triage verdict: optimizer. Evidence: equivalence clean" in out

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from pytest_gpuregress.reference.bounds import step0_bound
 from pytest_gpuregress.reference.compare import compare_training
 from pytest_gpuregress.triage import Experiment, shard_owner, verdict
-from pytest_gpuregress.triage.bounds import step0_bound
 
 from .conftest import make_record
 

@@ -38,7 +38,7 @@ def test_a_model_gets_its_own_cases_in_every_training_scenario(pytester: pytest.
         assert f"test_scenario[{test_id}]" in out
     assert "test_scenario[fsdp]" in out  # the built-in model keeps its ids and references
     selected = collect(pytester, "-k", "tiny-qwen2 and fsdp and not triage").stdout.str()
-    assert "test_scenario[fsdp-tiny-qwen2]" in selected and "1/1972 tests collected" in selected  # 1958 built-in + 14 of the model
+    assert "test_scenario[fsdp-tiny-qwen2]" in selected and "1/1973 tests collected" in selected  # 1959 built-in + 14 of the model
 
 
 @pytest.mark.parametrize(("config", "says"), [
@@ -140,11 +140,11 @@ def test_a_missing_references_hint_selects_the_cases_that_record_it(tmp_path: Pa
     spec = parse_model(str(write_config(tmp_path, "tiny-qwen2", QWEN2)), tmp_path)
     session = GpuRegressSession(Options(enabled=True, device="cpu", models=(spec,)), tmp_path)
     try:
-        assert session._selection_of("fsdp-tiny-qwen2") == "fsdp-tiny-qwen2"
-        assert session._selection_of("lora") == "lora"
+        assert session.selection.expression_for("fsdp-tiny-qwen2") == "fsdp-tiny-qwen2"
+        assert session.selection.expression_for("lora") == "lora"
         # lora-tiny-qwen2 is a substring of no test id: the hint names the ids themselves
-        assert session._selection_of("lora-tiny-qwen2") == "lora-fully_shard-tiny-qwen2 or lora-accelerate-tiny-qwen2"
-        assert "--gpuregress-model=" + spec.source in session.location("lora-tiny-qwen2", "cpu-gloo-w2-fp32").record_hint
+        assert session.selection.expression_for("lora-tiny-qwen2") == "lora-fully_shard-tiny-qwen2 or lora-accelerate-tiny-qwen2"
+        assert "--gpuregress-model=" + spec.source in session.places.location("lora-tiny-qwen2", "cpu-gloo-w2-fp32").record_hint
     finally:
         session.close()
 

@@ -2,7 +2,7 @@
 
     gpuregress env                      the stack fingerprint of this machine, as JSON
     gpuregress show DIR                 what a reference holds: scenario, platform, steps, loss, stack
-    gpuregress compare REF RUN          compare two stored references or records, as the plugin would
+    gpuregress compare [REF] RUN        judge a kept run as the plugin did: its scenario's checks, against REF
     gpuregress scenarios                the installed scenarios: built-in and from other packages
     gpuregress inspect-fp8 FILE         do a safetensors file's fp8/fp4 codes match their tags and scales?
     gpuregress plot REF [RUN]           the comparison plot of a reference and a run (needs [plots])
@@ -18,19 +18,9 @@ import sys
 from pathlib import Path
 
 from ..errors import GpuRegressError
-from ..reference.compare import compare_training
-from ..reference.failfast import truncated_reference
-from ..reference.record import RunRecord
 from ..reference.report import format_comparison
-from ..reference.store import MANIFEST, ReferenceLocation, read_reference
+from ..reference.store import load_record
 from . import inspect_fp8, plot, portability
-
-
-def load_record(path: Path) -> RunRecord:
-    """A reference directory (verified against its manifest) or a bare record directory."""
-    if (path / MANIFEST).exists():
-        return read_reference(ReferenceLocation(path.parent.parent, path.parent.name, path.name))
-    return RunRecord.load(path)
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -56,15 +46,33 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    reference, run = load_record(Path(args.reference)), load_record(Path(args.run))
-    if run.results.get("fail_fast"):  # stopped early: compare the steps it ran, as the plugin did
-        reference = truncated_reference(reference, run.steps)
-    comparison = compare_training(reference, run, lane=args.lane)
-    if comparison.passed:
-        print(f"same within the {comparison.lane} lane ({comparison.lane_reason})")
+    """Judge a kept run as the plugin did: its scenario's own checks, and against REF where given."""
+    from ..scenarios.comparator import for_kept
+
+    if len(args.paths) > 2:
+        raise GpuRegressError(f"compare takes [REF] RUN, not {len(args.paths)} paths")
+    *given, run_path = args.paths
+    run = load_record(Path(run_path))
+    reference = load_record(Path(given[0])) if given else None
+    comparator = for_kept(run, lane=args.lane)
+    has_reference = comparator.scenario is None or comparator.case is None \
+        or comparator.scenario.reference_name(comparator.case) is not None
+    if reference is None and has_reference:
+        raise GpuRegressError(f"{run_path} is judged against a reference: gpuregress compare REFERENCE {run_path}")
+    judgement = comparator.judge(reference, run)
+    what = f"{comparator.scenario.name} case {comparator.case.id}" if comparator.case and comparator.scenario else run.scenario
+    comparison = judgement.comparison
+    if judgement.passed:
+        lane = f" within the {comparison.lane} lane ({comparison.lane_reason})" if comparison is not None else ""
+        print(f"{what}: passed{lane}")
         return 0
-    print(format_comparison(comparison, scenario=reference.scenario, platform_key=run.platform_key,
-                            reference_path=args.reference, record_hint="pytest --gpuregress --gpuregress-record"))
+    print(f"{what}: FAILED")
+    for line in judgement.problems:
+        print(line)
+    if comparison is not None and not comparison.passed:
+        print(format_comparison(comparison, scenario=reference.scenario if reference else run.scenario,
+                                platform_key=run.platform_key, reference_path=given[0],
+                                record_hint="pytest --gpuregress --gpuregress-record"))
     return 1
 
 
@@ -87,10 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     show = sub.add_parser("show", help="summarise a stored reference or record")
     show.add_argument("path")
     show.set_defaults(func=_show)
-    cmp = sub.add_parser("compare", help="compare a run with a reference; exit 1 when they differ")
-    cmp.add_argument("reference")
-    cmp.add_argument("run")
-    cmp.add_argument("--lane", choices=["auto", "exact", "tolerant"], default="auto")
+    cmp = sub.add_parser("compare", help="judge a kept run as the plugin did (against REF where it has one); "
+                                          "exit 1 when it fails")
+    cmp.add_argument("paths", nargs="+", metavar="[REF] RUN", help="a reference and a run, or a check case's run alone")
+    cmp.add_argument("--lane", choices=["auto", "exact", "tolerant"], default=None,
+                     help="the comparison lane (default: the one the run was judged in)")
     cmp.set_defaults(func=_compare)
     scenarios = sub.add_parser("scenarios", help="list the installed scenarios")
     scenarios.set_defaults(func=_scenarios)

@@ -18,7 +18,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..reference.plot import plot_comparison
-    from . import load_record
+    from ..reference.store import load_record
 
     reference = load_record(Path(args.reference))
     other = load_record(Path(args.run)) if args.run else None

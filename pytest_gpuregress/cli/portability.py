@@ -139,7 +139,7 @@ def _print(checkpoint: Any, config_file: Path, summary: dict[str, Any], evaluati
 
 def write(path: Path, summary: dict[str, Any], logits: np.ndarray) -> None:
     from ..reference import atomic
-    from ..scenarios.formats import checkpoint as safetensors_file
+    from ..scenarios.shared import safetensors_file
 
     tensors = [safetensors_file.stored_float32("logits", logits)]
     atomic.write_bytes(path, safetensors_file.to_bytes(tensors, {METADATA_KEY: json.dumps(summary, sort_keys=True)}))
@@ -147,7 +147,7 @@ def write(path: Path, summary: dict[str, Any], logits: np.ndarray) -> None:
 
 def read(path: Path) -> tuple[dict[str, Any], np.ndarray]:
     """(summary, logits) of a file --out wrote; GpuRegressError naming the file otherwise."""
-    from ..scenarios.formats import checkpoint as safetensors_file
+    from ..scenarios.shared import safetensors_file
 
     ckpt = safetensors_file.read(path)
     try:

@@ -7,7 +7,10 @@ install the validated specs (``install``). This module is torch-free; each kind'
 in a module of its own and is imported only on the ranks. See docs/faults.md for the bug classes.
 
 To add a fault kind: write ``install(spec, ctx) -> Firing`` in a module here (it calls ``firing.fire()`` where
-it changes something: faults/firing.py) and add a ``FaultKind`` to ``KINDS``.
+it changes something: faults/firing.py) and add a ``FaultKind`` to ``KINDS``. A fault reaches this project's
+own code only through the fault points that code marks (fault_points.py), never by patching its modules;
+it wraps the stack's own functions (torch.distributed, torch.nn.functional, safetensors, torch.load, accelerate)
+where the bug it emulates sits.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BadFaultSpec
+from ..fault_spec import FaultSpec
 
 if TYPE_CHECKING:
     from .firing import Firing
@@ -84,22 +88,6 @@ class FaultKind:
     need_not_fire: str = ""
 
 
-@dataclass(frozen=True)
-class FaultSpec:
-    """A validated fault: its kind and typed parameters. ``text`` is what the user wrote."""
-
-    kind: str
-    params: dict[str, Any]
-    text: str
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.params.get(key, default)
-
-    @property
-    def ranks(self) -> frozenset[int] | None:
-        return self.params.get("ranks", self.params.get("rank"))
-
-
 _RANKS = Param("ranks", "only these ranks ('|'-separated)")
 _STEP = Param("int", "the step after which it fires", minimum=0)
 
@@ -130,6 +118,11 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("linear_noise", ".training:install_linear_noise",
               "every F.linear output x (1 +- rel), a fixed sign per output feature: legitimate kernel drift at 1e-7", {
                   "rel": Param("number", "relative change (default 1e-7)"), "ranks": _RANKS, "rank": _RANKS}),
+    FaultKind("matmul_ulp", ".matmul:install_matmul_ulp",
+              "the first element of every matmul, mm, bmm and F.linear output one ulp away from zero: one device "
+              "with a failing part, for scenario consensus", {
+                  "after": Param("int", "calls left alone before it starts (default 0)", minimum=0),
+                  "ranks": _RANKS, "rank": _RANKS}),
     FaultKind("sdpa_backend", ".kernels:install_sdpa_backend", "attention runs on another SDPA backend (a missing "
               "fused kernel); the kernel inventory must name the change", {
                   "backend": Param("choice", "the backend forced (default math)", ("math", "flash", "efficient", "cudnn")),
@@ -171,7 +164,8 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
         "proj": Param("choice", "projection of the affected module (default q_proj)",
                       ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
         "ranks": _RANKS, "rank": _RANKS}, required=("mode",), needs_peers=("rank0_slice",)),
-    FaultKind("checkpoint", ".checkpoint:install", "a checkpoint bug of docs/faults.md section 3, for scenario checkpoint "
+    FaultKind("checkpoint", ".checkpoint:install", "a checkpoint bug of docs/faults.md section 3, for scenario checkpoint and "
+              "the fsdp-resume case "
               "(docs/checkpoint.md)", {
         "mode": Param("choice", "optimizer_dropped: the loaded optimizer state is dropped; rank0_shard: only rank 0's "
                                 "shard reaches the checkpoint; chunks_permuted: chunks come back in reverse order at "
@@ -227,17 +221,15 @@ def install_counted(texts: list[str], ctx: Any) -> list[Firing]:
     """On a rank: install every fault in this process; return the counter of each spec that applies to this rank.
 
     A collective fault is installed on every rank (its own ``ranks`` filter decides where it fires,
-    so the call sequence stays the same everywhere); other kinds only on the ranks they name. An
-    installer that returns None acts where nothing can count it (``counted`` False)."""
-    from .firing import Firing
-
+    so the call sequence stays the same everywhere); other kinds only on the ranks they name. A fault
+    that acts where nothing can count it returns a Firing with ``counted`` False."""
     installed = []
     for spec in parse_all(texts):
         if spec.kind != "collective" and spec.ranks is not None and ctx.rank not in spec.ranks:
             continue
         module, _, function = KINDS[spec.kind].installer.partition(":")
-        installer: Callable[[FaultSpec, Any], Firing | None] = getattr(importlib.import_module(module, __name__), function)
-        installed.append(installer(spec, ctx) or Firing(spec.text, counted=False))
+        installer: Callable[[FaultSpec, Any], Firing] = getattr(importlib.import_module(module, __name__), function)
+        installed.append(installer(spec, ctx))
     return installed
 
 
@@ -259,8 +251,3 @@ def check_ranks(specs: tuple[FaultSpec, ...] | list[FaultSpec], world_size: int,
         if spec.ranks is not None and max(spec.ranks) >= world_size:
             raise BadFaultSpec(f"{spec.text!r}: names rank {max(spec.ranks)}, but this run has ranks 0 to "
                                f"{world_size - 1} (--gpuregress-world-size)")
-
-
-def emulated_ops(specs: tuple[FaultSpec, ...] | list[FaultSpec]) -> tuple[str, ...]:
-    """Collective ops a fault shim provides on this backend (only ``premul_sum`` today)."""
-    return ("premul_sum",) if any(s.kind == "emulate_premul_sum" for s in specs) else ()

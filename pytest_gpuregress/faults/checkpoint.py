@@ -1,19 +1,19 @@
 """Checkpoint faults, installed on a rank: the bug classes of docs/faults.md section 3, for scenario checkpoint.
 
-Each mode wraps one hook point of the scenario's rank-side modules (functions the rank code calls
-through their module) and registers the undo in ``ctx.cleanup_hooks``, so a reused rank process
-runs its next launch clean:
-  optimizer_dropped  trainer_io.apply_optimizer does nothing: the loaded optimizer state is dropped
-  rank0_shard        sharded.save: ranks other than 0 write their shards elsewhere (no shared storage);
-                     full_state.gather: rank 0's own shard saved as the whole tensor (accelerate PR #4206)
-  chunks_permuted    sharded.load: at another world size the chunks along dim 0 come back in reverse
-                     order (ROCm/Megatron-LM PR #63)
-  tied_key_dropped   full_state.tensors_to_save drops the name a tied tensor is stored under
-  untied             full_state.stack_load: after the stack's load every tied name has its own copy, as a
+Each mode intercepts one fault point the scenario's rank-side code marks (fault_points.py) and
+registers the undo in ``ctx.cleanup_hooks``, so a reused rank process runs its next launch clean:
+  optimizer_dropped  checkpoint.apply_optimizer does nothing: the loaded optimizer state is dropped
+  rank0_shard        checkpoint.sharded_save: ranks other than 0 write their shards elsewhere (no shared
+                     storage); checkpoint.gather: rank 0's own shard saved as the whole tensor (accelerate
+                     PR #4206)
+  chunks_permuted    checkpoint.sharded_load: at another world size the chunks along dim 0 come back in
+                     reverse order (ROCm/Megatron-LM PR #63)
+  tied_key_dropped   checkpoint.tensors_to_save drops the name a tied tensor is stored under
+  untied             checkpoint.stack_load: after the stack's load every tied name has its own copy, as a
                      loader that unties does (transformers#38870)
-  rng_not_restored   rng.restore does nothing: the generators keep whatever state they had
-  weights_late       trainer_io.apply_model takes effect after the next optimizer step, not before it
-  ulp_nudge          hooks.after_load moves one element of one tensor up by one ulp after every load
+  rng_not_restored   checkpoint.rng_restore does nothing: the generators keep whatever state they had
+  weights_late       checkpoint.apply_model takes effect after the next optimizer step, not before it
+  ulp_nudge          checkpoint.after_load moves one element of one tensor up by one ulp after every load
 The ulp_nudge tensor is model.layers.<layer>.<block>.<proj>.weight (default model.layers.1.self_attn.q_proj.weight).
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..fault_points import intercept
 from . import FaultSpec
 from .firing import Firing
 from .lora import target_module
@@ -30,34 +31,31 @@ MODES = ("optimizer_dropped", "rank0_shard", "chunks_permuted", "tied_key_droppe
          "weights_late", "ulp_nudge")
 
 
-def _patch(ctx: Any, owner: Any, attr: str, wrap: Callable[[Any], Any]) -> None:
-    original = getattr(owner, attr)
-    setattr(owner, attr, wrap(original))
-    ctx.cleanup_hooks.append(lambda: setattr(owner, attr, original))
+def _intercept(ctx: Any, point: str, wrap: Callable[[Any], Any]) -> None:
+    ctx.cleanup_hooks.append(intercept(point, wrap))
 
 
 def install(spec: FaultSpec, ctx: Any) -> Firing:
-    from ..scenarios.checkpoint import full_state, hooks, rng, sharded, trainer_io
-
     mode = spec.get("mode")
-    firing = Firing(spec.text)  # calls of the hook point the bug changed
+    firing = Firing(spec.text)  # calls of the fault point the bug changed
     if mode == "optimizer_dropped":
-        _patch(ctx, trainer_io, "apply_optimizer", lambda original: lambda trainer, state: firing.fire())
+        _intercept(ctx, "checkpoint.apply_optimizer", lambda original: lambda trainer, state: firing.fire())
     elif mode == "rank0_shard":
-        _patch(ctx, sharded, "save", lambda original: _save_from_rank0_only(original, firing))
-        _patch(ctx, full_state, "gather", lambda original: lambda model: _local_shards(model, firing))
+        _intercept(ctx, "checkpoint.sharded_save", lambda original: _save_from_rank0_only(original, firing))
+        _intercept(ctx, "checkpoint.gather", lambda original: lambda model: _local_shards(model, firing))
     elif mode == "chunks_permuted":
-        _patch(ctx, sharded, "load", lambda original: _permuting(original, firing))
+        _intercept(ctx, "checkpoint.sharded_load", lambda original: _permuting(original, firing))
     elif mode == "tied_key_dropped":
-        _patch(ctx, full_state, "tensors_to_save", lambda original: _dropping_tied_key(original, firing))
+        _intercept(ctx, "checkpoint.tensors_to_save", lambda original: _dropping_tied_key(original, firing))
     elif mode == "untied":
-        _patch(ctx, full_state, "stack_load", lambda original: _untying(original, firing))
+        _intercept(ctx, "checkpoint.stack_load", lambda original: _untying(original, firing))
     elif mode == "rng_not_restored":
-        _patch(ctx, rng, "restore", lambda original: lambda states, device_kind: firing.fire())
+        _intercept(ctx, "checkpoint.rng_restore", lambda original: lambda states, device_kind: firing.fire())
     elif mode == "weights_late":
-        _patch(ctx, trainer_io, "apply_model", lambda original: _one_step_late(original, ctx, firing))
+        _intercept(ctx, "checkpoint.apply_model", lambda original: _one_step_late(original, ctx, firing))
     elif mode == "ulp_nudge":
-        _patch(ctx, hooks, "after_load", lambda original: _nudging(original, f"{target_module(spec)}.weight", firing))
+        _intercept(ctx, "checkpoint.after_load",
+                   lambda original: _nudging(original, f"{target_module(spec)}.weight", firing))
     else:
         raise ValueError(f"checkpoint fault mode {mode!r}: expected one of {', '.join(MODES)}")
     return firing

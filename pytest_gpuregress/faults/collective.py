@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
-from ..training.kernels import ThreadRegion, fault_region
+from ..fault_points import in_plugin_own_collective
+from ..training.kernels import fault_region
 from . import FaultSpec
 from .firing import Firing
 
@@ -139,22 +139,13 @@ class CollectiveFault:
         return True
 
 
-_own = ThreadRegion()
-
-
-def plugin_own_collectives() -> AbstractContextManager[None]:
-    """Collectives the plugin makes for itself (the bandwidth probe, fail-fast's vote): no fault corrupts or counts
-    them, so a fault that matches only these does not read as having fired on the training."""
-    return _own.enter()
-
-
 def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[], None]:
     """Wrap ``dist.<name>``; return the undo (ranks outlive a launch, so no patch may outlive it)."""
     original = getattr(dist, name)
     family, out_key = COLLECTIVES[name]
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if getattr(fault.local, "inside", False) or _own.active():  # nested, or the plugin's own call
+        if getattr(fault.local, "inside", False) or in_plugin_own_collective():  # nested, or the plugin's own call
             return original(*args, **kwargs)
         fault.local.inside = True
         try:

@@ -1,7 +1,8 @@
 """Number-format faults, installed on a rank: the bug classes of docs/faults.md section 2.
 
-Each mode replaces one function of ``scenarios/formats/device.py`` for the run and registers the
-undo in ``ctx.cleanup_hooks``:
+Each mode intercepts one fault point of the formats scenario's device functions (fault_points.py:
+``formats.<function>``, marked in scenarios/formats/device.py) and registers the undo in
+``ctx.cleanup_hooks``:
   fn_as_fnuz           e4m3fn bytes read as e4m3fnuz (an NVIDIA checkpoint loaded on MI300)
   keep_0x80            the e4m3fn -> e4m3fnuz conversion skips the 0x80 -> 0x00 rewrite
   fnuz_max_448         448, e4m3fn's maximum, used as e4m3fnuz's when computing scales
@@ -16,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import BadFaultSpec
+from ..fault_points import intercept
 from . import FaultSpec
 from .firing import Firing
 
@@ -23,9 +26,6 @@ Wrapper = Callable[[Callable[..., Any], FaultSpec, Firing], Callable[..., Any]]
 
 
 def install_format(spec: FaultSpec, ctx: Any) -> Firing:
-    from ..errors import BadFaultSpec
-    from ..scenarios.formats import device
-
     mode = spec.get("mode")
     if mode == "loader_fn_as_fnuz":  # in the stack's loaders, not in the scenario's device functions
         from . import loaders
@@ -34,10 +34,8 @@ def install_format(spec: FaultSpec, ctx: Any) -> Firing:
     if mode is None:  # the spec parser checks values, not that a key is present
         raise BadFaultSpec(f"{spec.text!r}: fault kind 'format' needs mode=, one of {'|'.join(PATCHES)}")
     name, wrap = PATCHES[mode]
-    original = getattr(device, name)
     firing = Firing(spec.text)  # calls whose result the bug changed
-    setattr(device, name, wrap(original, spec, firing))
-    ctx.cleanup_hooks.append(lambda: setattr(device, name, original))
+    ctx.cleanup_hooks.append(intercept(f"formats.{name}", lambda original: wrap(original, spec, firing)))
     return firing
 
 
@@ -113,7 +111,7 @@ def _mx_off(exponent: Callable[..., Any], spec: FaultSpec, firing: Firing) -> Ca
     return off
 
 
-# mode -> (the function of scenarios/formats/device.py it replaces, the wrapper)
+# mode -> (the device function it intercepts: fault point formats.<function>, the wrapper)
 PATCHES: dict[str, tuple[str, Wrapper]] = {
     "fn_as_fnuz": ("decode", _read_fn_as_fnuz),
     "keep_0x80": ("fn_to_fnuz", _keep_0x80),

@@ -1,15 +1,15 @@
 """LoRA faults, installed on a rank: the peft/accelerate bugs the lora scenario's checks exist to catch.
 
-Each mode wraps one hook point of the scenario's rank-side modules (module-level functions the rank
-code calls through their module), and restores it through ``ctx.cleanup_hooks``:
-  grad_leak     adapter.wrap_with_lora leaves one base weight trainable (a peft change that unfreezes it)
+Each mode intercepts one fault point the scenario's rank-side code marks (fault_points.py), and undoes
+it through ``ctx.cleanup_hooks``:
+  grad_leak     lora.wrap leaves one base weight trainable (a peft change that unfreezes it)
   rank0_slice   each rank's local shard saved as the whole adapter (accelerate PR #4206): in the fully_shard
-                lane through adapter_io.gather_for_save, in the accelerate lane inside accelerate's own
-                Accelerator.get_state_dict, where it fires only on a sharded model (FSDP2 on GPUs; on a CPU
-                accelerate runs DDP, which holds whole tensors, so the fault cannot fire there and the case
-                fails saying so)
-  zero_lora_b   adapter_io.write_adapter saves one lora_B as zeros
-  merge_ulp     merging.merge_and_unload leaves one layer's merged weight one ulp up
+                lane through lora.gather_for_save, in the accelerate lane inside accelerate's own
+                Accelerator.get_state_dict (the stack's function, wrapped), where it fires only on a sharded
+                model (FSDP2 on GPUs; on a CPU accelerate runs DDP, which holds whole tensors, so the fault
+                cannot fire there and the case fails saying so)
+  zero_lora_b   lora.write_adapter saves one lora_B as zeros
+  merge_ulp     lora.merge_and_unload leaves one layer's merged weight one ulp up
 The affected module is model.layers.<layer>.<its block>.<proj> (default model.layers.1.self_attn.q_proj).
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..fault_points import intercept
 from . import FaultSpec
 from .firing import Firing
 
@@ -29,7 +30,12 @@ def target_module(spec: FaultSpec) -> str:
     return f"model.layers.{spec.get('layer', 1)}.{_BLOCK[proj]}.{proj}"
 
 
-def _patch(ctx: Any, owner: Any, attr: str, replacement: Any) -> None:
+def _intercept(ctx: Any, point: str, replacement: Any) -> None:
+    ctx.cleanup_hooks.append(intercept(point, replacement))
+
+
+def _patch_stack(ctx: Any, owner: Any, attr: str, replacement: Any) -> None:
+    """Wrap a function of the stack's own (accelerate), where the bug it emulates sits."""
     original = getattr(owner, attr)
     setattr(owner, attr, replacement(original))
     ctx.cleanup_hooks.append(lambda: setattr(owner, attr, original))
@@ -56,11 +62,9 @@ def _sharded_only(firing: Firing) -> Any:
 
 
 def install(spec: FaultSpec, ctx: Any) -> Firing:
-    from ..scenarios.lora import adapter, adapter_io, merging
-
     module = target_module(spec)
     mode = spec.get("mode")
-    firing = Firing(spec.text)  # calls of the hook point the bug changed
+    firing = Firing(spec.text)  # calls of the fault point the bug changed
     if mode == "grad_leak":
         def leak(original: Any) -> Any:
             def wrap_with_lora(base: Any, cfg: dict[str, Any]) -> Any:
@@ -69,7 +73,7 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
                 model.get_parameter(f"base_model.model.{module}.base_layer.weight").requires_grad_(True)
                 return model
             return wrap_with_lora
-        _patch(ctx, adapter, "wrap_with_lora", leak)
+        _intercept(ctx, "lora.wrap", leak)
     elif mode == "rank0_slice":
         def local_shards(original: Any) -> Any:
             def gather_for_save(model: Any) -> dict[str, Any]:
@@ -78,8 +82,8 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
                 return {name: (value.to_local() if hasattr(value, "to_local") else value).detach().cpu()
                         for name, value in model.state_dict().items()}
             return gather_for_save
-        _patch(ctx, adapter_io, "gather_for_save", local_shards)
-        _patch(ctx, _accelerator_class(), "get_state_dict", _sharded_only(firing))
+        _intercept(ctx, "lora.gather_for_save", local_shards)
+        _patch_stack(ctx, _accelerator_class(), "get_state_dict", _sharded_only(firing))
     elif mode == "zero_lora_b":
         def zeroing(original: Any) -> Any:
             def write_adapter(peft_model: Any, state_dict: dict[str, Any], folder: str) -> None:
@@ -88,7 +92,7 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
                 firing.fire()
                 original(peft_model, state_dict, folder)
             return write_adapter
-        _patch(ctx, adapter_io, "write_adapter", zeroing)
+        _intercept(ctx, "lora.write_adapter", zeroing)
     elif mode == "merge_ulp":
         def off_by_one_ulp(original: Any) -> Any:
             def merge_and_unload(peft_model: Any) -> Any:
@@ -101,7 +105,7 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
                 firing.fire()
                 return merged
             return merge_and_unload
-        _patch(ctx, merging, "merge_and_unload", off_by_one_ulp)
+        _intercept(ctx, "lora.merge_and_unload", off_by_one_ulp)
     else:
         raise ValueError(f"lora fault mode {mode!r}: expected grad_leak, rank0_slice, zero_lora_b or merge_ulp")
     return firing

@@ -17,17 +17,19 @@ from . import FaultSpec, parse
 BUILT_IN = ("collectives", "fsdp", "lora", "checkpoint", "triage", "formats")
 
 # The columns of the table: each built-in case family, as the prefix of its test id (<scenario>-<case>).
-COLUMNS = ("collectives", "fsdp", "lora-fully_shard", "lora-accelerate", "checkpoint-full-state-dict", "checkpoint-tied",
-           "checkpoint-sharded-2to1", "checkpoint-sharded-1to2", "checkpoint-resume", "checkpoint-portability",
+COLUMNS = ("collectives", "fsdp", "fsdp-resume", "lora-fully_shard", "lora-accelerate", "checkpoint-full-state-dict",
+           "checkpoint-tied", "checkpoint-sharded-2to1", "checkpoint-sharded-1to2", "checkpoint-resume", "checkpoint-portability",
            "triage-equivalence", "triage-oracle", "formats")
 
 # Measured on the CPU with benchmarks/fault_reach.py (2 gloo ranks); "acts" means the fault changed something in
 # a launch the case reads (the main checkpoint launch carries both full-state-dict and tied).
-_STEPPING = ("fsdp", "lora-fully_shard", "lora-accelerate", "checkpoint-full-state-dict", "checkpoint-tied",
+_STEPPING = ("fsdp", "fsdp-resume", "lora-fully_shard", "lora-accelerate", "checkpoint-full-state-dict", "checkpoint-tied",
              "checkpoint-sharded-2to1", "checkpoint-sharded-1to2", "checkpoint-resume", "triage-equivalence",
              "triage-oracle")  # an optimizer step (triage-oracle: its one-rank stack run; the float64 run is never faulted)
 _FORWARD = (*_STEPPING, "checkpoint-portability", "formats")  # a model's forward pass (linear, attention, silu)
 _COLLECTIVE = ("collectives", *(c for c in _STEPPING if c != "checkpoint-sharded-1to2"))  # collectives between ranks
+# fsdp-resume trains only steps S = steps // 2 to the end: a hang or crash after step N < S never happens there.
+_FROM_STEP_0 = tuple(c for c in _STEPPING if c != "fsdp-resume")
 
 # kind, or "kind:mode" -> the columns it reaches. Why a column is missing is in WHY_NOT.
 REACH: dict[str, tuple[str, ...]] = {
@@ -35,24 +37,27 @@ REACH: dict[str, tuple[str, ...]] = {
     "emulate_premul_sum": _COLLECTIVE,
     "lr_scale": _STEPPING,
     "linear_noise": _FORWARD,
+    "matmul_ulp": _FORWARD,  # through F.linear, as linear_noise; the consensus vote is where it is meant to be caught
     "sdpa_backend": _FORWARD,
     "host_op": _FORWARD,
     "slow_step": _STEPPING,
-    "hang": _STEPPING,  # hang, crash and teardown_abort act after a completed step: declared, not measured
-    "crash": _STEPPING,
+    "hang": _FROM_STEP_0,  # hang, crash and teardown_abort act after a completed step: declared, not measured
+    "crash": _FROM_STEP_0,
     "teardown_abort": _STEPPING,
     "format": ("formats",),
     "format:loader_fn_as_fnuz": ("formats",),  # only the io cases its loader serves: LOADER_CASES
     "lora": ("lora-fully_shard", "lora-accelerate"),
     "lora:rank0_slice": ("lora-fully_shard", "lora-accelerate"),
-    "checkpoint:optimizer_dropped": ("checkpoint-sharded-2to1", "checkpoint-sharded-1to2", "checkpoint-resume"),
+    # fsdp-resume loads the fsdp reference's checkpoint through the same points (training/state_apply.py, rng_state.py).
+    "checkpoint:optimizer_dropped": ("fsdp-resume", "checkpoint-sharded-2to1", "checkpoint-sharded-1to2",
+                                     "checkpoint-resume"),
     "checkpoint:rank0_shard": ("checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-sharded-2to1",
                                "checkpoint-resume"),
     "checkpoint:chunks_permuted": ("checkpoint-sharded-2to1", "checkpoint-sharded-1to2"),
     "checkpoint:tied_key_dropped": ("checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-resume"),
     "checkpoint:untied": ("checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-resume"),
-    "checkpoint:rng_not_restored": ("checkpoint-resume",),
-    "checkpoint:weights_late": ("checkpoint-resume",),
+    "checkpoint:rng_not_restored": ("fsdp-resume", "checkpoint-resume"),
+    "checkpoint:weights_late": ("fsdp-resume", "checkpoint-resume"),
     "checkpoint:ulp_nudge": ("checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-sharded-2to1",
                              "checkpoint-sharded-1to2", "checkpoint-resume", "checkpoint-portability"),
 }

@@ -2,10 +2,11 @@
 
 Layout under the artifacts folder (``--gpuregress-artifacts``, named in the report header):
   runs/<name>/<platform-key>/       the run, in the store's format: ``gpuregress compare <reference> <this>``
+                                    (a check case, which has no reference: ``gpuregress compare <this>``)
   runs/<name>/<platform-key>.png    the comparison plot (reference/plot.py)
-  <scenario>/<platform-key>/<launch>/  check scenarios' launch records and files (session._save_artifacts)
+  <scenario>/<platform-key>/<launch>/  check scenarios' launch records and files (plugin/launches.py)
 A failed run is always kept and plotted; a passed one only with --gpuregress-keep-runs (its
-record) or --gpuregress-plots (its plot).
+record) or --gpuregress-plots (its plot). A kept run names what judged it (scenarios/comparator.py).
 """
 
 from __future__ import annotations
@@ -40,20 +41,23 @@ class Kept:
         return lines
 
 
-def compare_command(reference: Path, run: Path) -> str:
-    return shlex.join(["gpuregress", "compare", str(reference), str(run)])
+def compare_command(reference: Path | None, run: Path) -> str:
+    """The command that judges ``run`` again as the plugin did: against ``reference``, or alone for a check case."""
+    return shlex.join(["gpuregress", "compare", *([str(reference)] if reference is not None else []), str(run)])
 
 
 class Artifacts:
     def __init__(self, root: Path) -> None:
         self.root = root / "runs"
 
+    def keep_run(self, name: str, record: RunRecord) -> Path:
+        return store.write_reference(store.ReferenceLocation(self.root, name, record.platform_key), record, overwrite=True)
+
     def keep(self, name: str, record: RunRecord, reference: RunRecord, comparison: Comparison, *,
              keep_run: bool, plot: bool) -> Kept:
         kept = Kept()
         if keep_run:
-            kept.run = store.write_reference(store.ReferenceLocation(self.root, name, record.platform_key), record,
-                                             overwrite=True)
+            kept.run = self.keep_run(name, record)
         if plot and record.series:
             try:
                 kept.plot = plot_comparison(reference, record, self.root / name / f"{record.platform_key}.png",

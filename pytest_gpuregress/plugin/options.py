@@ -1,293 +1,288 @@
-"""Command-line options and their ini keys: declared once, typed, validated, resolved into one dataclass.
+"""The plugin's options, each declared once: as a field of ``Options``.
 
-Each ``--gpuregress-foo-bar`` option has the ini key ``gpuregress_foo_bar``; the command line wins.
-A scenario may declare options of its own (``Scenario.options``); they are added to the same
-group and reach the scenario, validated, through ``Setup.option``.
+A declaration is one field, e.g. ``steps: int | None = option(OptionSpec("steps", "int", None, "training
+steps", minimum=1))``. Its name is what the code reads (``options.steps``), its annotation the type of
+the value, and its ``OptionSpec`` (pytest_gpuregress/option_spec.py) all the rest: the flag
+(``--gpuregress-steps``) and ini key (``gpuregress_steps``; the command line wins), how a value is
+parsed and checked, the ``pytest --help`` text and the row of docs/options.md, which is generated from
+these fields and the built-in scenarios' options (plugin/options_doc.py; a test keeps it equal).
+``CORE_OPTIONS`` is read off the fields: a new option is one new field.
+
+Why typed class fields rather than a table behind ``__getattr__``: readers and type checkers see what
+``options.steps`` is, and tests build ``Options(steps=8)`` directly. The few fields whose value is
+computed from the option's (the models, the absolute paths) say how in the same declaration (``then``,
+the ``path`` kind); the fault specs are parsed from ``inject`` (``faults``). Why not a dataclass: one
+compiles its generated methods at import, which was a third of what the plugin cost every pytest start-up
+(benchmarks/startup.py); ``Options``' three methods read the declarations instead.
+
+A scenario may declare options of its own (``Scenario.options``); they join the same group and reach the
+scenario, validated, through ``Setup.option``. This module imports nothing heavy: pytest loads it in every
+run, with or without --gpuregress.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pytest
 
-from ..errors import BadFaultSpec, BadModel
-from ..faults import FaultSpec, parse_all
+from ..option_spec import BadOptionValue, OptionSpec
+from ..scenario_options import BUILTIN_SCENARIO_OPTIONS, LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
 from ..training.noise import DEFAULT_REPLICAS, PERTURBATIONS
-from ..units import parse_bytes
 
-if TYPE_CHECKING:  # model_specs imports numpy: only a run with --gpuregress reads models
+if TYPE_CHECKING:  # read only with --gpuregress: model_specs imports numpy
+    from ..faults import FaultSpec
     from ..training.model_specs import ModelSpec
 
+__all__ = ["BUILTIN_SCENARIO_OPTIONS", "CORE_OPTIONS", "ENABLED", "LORA_DEFAULT_TARGETS", "SCENARIO_OPTIONS",
+           "OptionSpec", "Options", "add_options", "check_reference_dir_argument", "resolve"]
 
-@dataclass(frozen=True)
-class OptionSpec:
-    """One ``--gpuregress-<name>`` option.
-
-    kind: flag | str | int | float | bytes | list (repeatable) | csv (comma-separated) | choice
-    minimum: the smallest accepted number (int, float and bytes kinds)
-    """
-
-    name: str
-    kind: str
-    default: Any
-    help: str
-    choices: tuple[str, ...] = ()
-    minimum: float | None = None
-    maximum: float | None = None
-    ini: str | None = None  # the ini key when it is not the option's name (a repeatable option's plural)
-
-    @property
-    def ini_key(self) -> str:
-        return self.ini or self.dest
-
-    @property
-    def flag(self) -> str:
-        return f"--gpuregress-{self.name}" if self.name else "--gpuregress"
-
-    @property
-    def dest(self) -> str:
-        return self.flag.lstrip("-").replace("-", "_")
-
-    def convert(self, raw: Any, where: str) -> Any:
-        """``raw`` (a string from the command line or ini file) as this option's type, or a UsageError."""
-        if raw is None:
-            return self.default
-        if self.kind in ("flag", "list"):
-            return raw
-        if self.kind == "csv":
-            return [p.strip() for p in str(raw).split(",") if p.strip()]
-        if self.kind == "choice":
-            if raw not in self.choices:
-                raise pytest.UsageError(f"{where} {raw!r}: must be one of {', '.join(self.choices)}")
-            return raw
-        if self.kind == "str":
-            return str(raw)
-        parse: Callable[[str], float] = {"int": int, "float": float, "bytes": parse_bytes}[self.kind]
-        try:
-            value = parse(str(raw).strip())
-        except ValueError:
-            example = {"int": "an integer such as 300", "float": "a number such as 600",
-                       "bytes": "a size such as 4MiB, 512KiB or 65536"}[self.kind]
-            raise pytest.UsageError(f"{where} {raw!r}: expected {example}") from None
-        if self.minimum is not None and value < self.minimum:
-            raise pytest.UsageError(f"{where} {raw!r}: must be at least {self.minimum:g}")
-        if self.maximum is not None and value > self.maximum:
-            raise pytest.UsageError(f"{where} {raw!r}: must be at most {self.maximum:g}")
-        return value
+Then = Callable[[Any, Path], Any]  # (the option's value, the folder its relative paths start from) -> the field's
 
 
-CORE_OPTIONS: tuple[OptionSpec, ...] = (
-    OptionSpec("", "flag", False, "run the built-in regression suite and enable the gpuregress fixtures"),
-    OptionSpec("record", "flag", False, "write (or overwrite) references from this run instead of comparing"),
-    OptionSpec("record-missing", "flag", False, "record the references that do not exist yet (a first run on a new "
-               "platform) and compare with the rest; never overwrites one"),
-    OptionSpec("reference-dir", "str", None,
-               "directory of references to compare against and record into (default: <rootdir>/reference_runs, "
-               "falling back to the references shipped with the plugin)"),
-    OptionSpec("device", "choice", "auto", "cuda also covers ROCm builds of torch", choices=("auto", "cpu", "cuda")),
-    OptionSpec("world-size", "int", None, "ranks to spawn (default: one per local GPU, or 2 on the CPU)", minimum=1),
-    OptionSpec("steps", "int", None, "training steps (default: the scenario's, 300 for fsdp)", minimum=1),
-    OptionSpec("timeout", "float", 600.0, "wall-clock seconds one group of ranks may take before it is reported "
-                                          "as hung and killed", minimum=1),
-    OptionSpec("lane", "choice", "auto", "comparison lane: exact (bitwise) when the numerics fingerprint matches, "
-                                         "tolerant otherwise", choices=("auto", "exact", "tolerant")),
-    OptionSpec("inject", "list", [], "inject a fault into every rank, to prove a detector fires "
-                                     "(see docs/faults.md); repeatable"),
-    OptionSpec("triage", "flag", False, "on a failing training scenario, re-run it with one switch flipped at a "
-                                        "time (protocol, BLAS, SDPA, CPU kernels, world size) to name the component"),
-    OptionSpec("keep-runs", "flag", False, "keep every run's rank logs and records (kept on failure anyway)"),
-    OptionSpec("artifacts", "str", None, "folder for what a run leaves to read later: failed runs' records "
-                                         "(the store's format), plots, rank logs (default: pytest's cache, "
-                                         ".pytest_cache/d/gpuregress-runs)"),
-    OptionSpec("plots", "flag", False, "draw the comparison plot for every training run, not only failed ones "
-                                       "(needs pytest-gpuregress[plots])"),
-    OptionSpec("fail-fast", "flag", False, "compare each training step with the reference as it runs, and stop "
-                                           "at the first step outside the tolerant lane's limits"),
-    OptionSpec("fresh-ranks", "flag", False, "start new rank processes for every launch instead of reusing a pool "
-                                             "of ranks across launches (slower; for debugging the pool)"),
-    OptionSpec("replicas", "int", DEFAULT_REPLICAS,
-               "noise replicas run when recording a training reference; their spread sets the tolerant lane's "
-               f"limits (0 to {len(PERTURBATIONS)}; 0 records no envelope)", minimum=0, maximum=len(PERTURBATIONS)),
-    OptionSpec("kernel-changes", "choice", "report",
-               "kernels that changed since the reference (profiled over a few steps of each training scenario): "
-               "report them, fail on them, or take no inventory (off)", choices=("report", "fail", "off")),
-    OptionSpec("perf", "choice", "warn", "step time, tokens/s, peak memory and bus bandwidth past their limits "
-                                         "against the reference: warn, fail, or do not compare (off)",
-               choices=("warn", "fail", "off")),
-    OptionSpec("perf-slowdown", "float", 1.5, "how many times slower than the reference counts as a slowdown",
-               minimum=1),
-    OptionSpec("perf-memory", "float", 1.3, "how many times the reference's peak memory counts as a regression",
-               minimum=1),
-    OptionSpec("model", "list", [], "a transformers config file (or its folder) of a model every training scenario "
-                                    "runs too, named by the file's stem in test ids and references; repeatable",
-               ini="gpuregress_models"),
-    OptionSpec("tokens", "str", None, "a .npy or .safetensors file of token ids the training scenarios train on "
-                                      "instead of the synthetic data (a sample of your own traffic)"),
-    OptionSpec("known-issues", "str", None, "a TOML file of your own known stack issues, matched against this "
-                                            "stack like the shipped ones (docs/known_issues.md)"),
-)
+class Declared(NamedTuple):
+    """What an ``Options`` field is declared with: its option, and how its value follows from the option's."""
 
-LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The built-in scenarios' own options (each scenario's ``options``), kept here so that pytest declares them
-# without importing a scenario module: a run without --gpuregress imports none. Plug-in scenarios declare
-# theirs on the scenario; those are read only with --gpuregress.
-SCENARIO_OPTIONS: dict[str, tuple[OptionSpec, ...]] = {
-    "collectives": (
-        OptionSpec("collectives-max-bytes", "bytes", None,
-                   "largest collective buffer in the sweep, e.g. 4MiB (default: 4MiB on the CPU, 256MiB on GPUs)",
-                   minimum=1),
-        OptionSpec("collectives-repeats", "int", 3, "times each collective case runs; some faults are intermittent",
-                   minimum=1),
-        OptionSpec("nccl-protos", "csv", [], "comma-separated NCCL_PROTO values (LL,LL128,Simple): the sweep runs "
-                                             "once per value, each in its own group of ranks"),
-        OptionSpec("nccl-algos", "csv", [], "comma-separated NCCL_ALGO values (Ring,Tree), crossed with the protocols"),
-    ),
-    "formats": (
-        OptionSpec("format-changes", "choice", "fail",
-                   "a format behaviour (saturation, NaN, inf on overflow) that differs from the reference: "
-                   "fail its case, or warn and pass", choices=("fail", "warn")),
-    ),
-    "lora": (
-        OptionSpec("lora-targets", "csv", [], "comma-separated module names the LoRA adapter targets "
-                   f"(default: {','.join(LORA_DEFAULT_TARGETS)})"),
-    ),
-    "checkpoint": (
-        OptionSpec("portable-checkpoint", "str", None, "the reference folder of the checkpoint scenario whose "
-                   "checkpoint the portability case loads (default: the shipped one, recorded on the CPU)"),
-        OptionSpec("checkpoint-dir", "str", None, "where the checkpoint scenario's temporary checkpoint folders go; "
-                   "shared storage when ranks span machines (default: the system's temporary folder)"),
-    ),
-}
-BUILTIN_SCENARIO_OPTIONS = tuple(spec for specs in SCENARIO_OPTIONS.values() for spec in specs)
+    spec: OptionSpec
+    then: Then | None
 
 
-def add_options(parser: pytest.Parser, specs: Iterable[OptionSpec]) -> None:
-    group = parser.getgroup("gpuregress", "training-stack numerics regression (pytest-gpuregress)")
-    for spec in specs:
-        if spec.kind == "flag":
-            group.addoption(spec.flag, action="store_true", default=None, dest=spec.dest, help=spec.help)
-            parser.addini(spec.ini_key, help=spec.help, type="bool", default=spec.default)
-        elif spec.kind == "list":
-            group.addoption(spec.flag, action="append", default=None, dest=spec.dest, metavar="SPEC", help=spec.help)
-            parser.addini(spec.ini_key, help=spec.help, type="linelist", default=spec.default)
-        else:
-            # No argparse type or choices: our own conversion gives the one-line message for both sources.
-            metavar = "|".join(spec.choices) if spec.choices else spec.kind.upper()
-            group.addoption(spec.flag, action="store", default=None, dest=spec.dest, metavar=metavar,
-                            help=f"{spec.help} (default: {spec.default})")
-            parser.addini(spec.ini_key, help=spec.help, default=None)
+def option(spec: OptionSpec, then: Then | None = None) -> Any:
+    """An ``Options`` field declared by its option; its default is the option's. ``then`` computes the field's
+    value from the option's, when they differ (typed ``Any``, like ``dataclasses.field``, so the annotation rules)."""
+    return Declared(spec, then)
 
 
-def resolve(config: pytest.Config, spec: OptionSpec) -> Any:
-    """The option's value: command line, else ini key, else default; converted and validated."""
-    cli = config.getoption(spec.dest)
-    if cli is not None:
-        return spec.convert(cli, spec.flag)
-    ini = config.getini(spec.ini_key)
-    if spec.kind in ("flag", "list"):
-        return ini if ini not in (None, "") else spec.default
-    return spec.convert(None if ini in (None, "") else ini, f"ini key {spec.ini_key} =")
-
-
-@dataclass(frozen=True)
-class Options:
-    enabled: bool = False
-    record: bool = False
-    record_missing: bool = False
-    reference_dir: Path | None = None
-    device: str = "auto"
-    world_size: int | None = None
-    steps: int | None = None
-    timeout: float = 600.0
-    lane: str = "auto"
-    inject: tuple[str, ...] = ()
-    faults: tuple[FaultSpec, ...] = ()
-    keep_runs: bool = False
-    fresh_ranks: bool = False
-    artifacts: Path | None = None
-    plots: bool = False
-    fail_fast: bool = False
-    triage: bool = False
-    replicas: int = DEFAULT_REPLICAS
-    kernel_changes: str = "report"
-    perf: str = "warn"
-    perf_slowdown: float = 1.5
-    perf_memory: float = 1.3
-    known_issues: Path | None = None
-    tokens: Path | None = None
-    models: tuple[ModelSpec, ...] = ()
-    # A scenario's own options, by dest (e.g. gpuregress_collectives_repeats); validated like the rest.
-    scenario_values: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, config: pytest.Config, scenario_specs: Iterable[OptionSpec] = ()) -> Options:
-        if not resolve(config, CORE_OPTIONS[0]):  # off: the other values are not read, so not judged
-            return cls()
-        values = {spec.dest: resolve(config, spec) for spec in CORE_OPTIONS}
-        inject = tuple(values["gpuregress_inject"] or ())
-        try:
-            faults = tuple(parse_all(inject))
-        except BadFaultSpec as exc:
-            raise pytest.UsageError(f"--gpuregress-inject: {exc}") from None
-        ref = values["gpuregress_reference_dir"]
-        return cls(
-            enabled=True,
-            record=bool(values["gpuregress_record"]),
-            record_missing=bool(values["gpuregress_record_missing"]),
-            reference_dir=(config.invocation_params.dir / ref).resolve() if ref else None,
-            device=values["gpuregress_device"],
-            world_size=values["gpuregress_world_size"],
-            steps=values["gpuregress_steps"],
-            timeout=float(values["gpuregress_timeout"]),
-            lane=values["gpuregress_lane"],
-            inject=inject,
-            faults=faults,
-            keep_runs=bool(values["gpuregress_keep_runs"]),
-            fresh_ranks=bool(values["gpuregress_fresh_ranks"]),
-            artifacts=(config.invocation_params.dir / values["gpuregress_artifacts"]).resolve()
-            if values["gpuregress_artifacts"] else None,
-            plots=bool(values["gpuregress_plots"]),
-            fail_fast=bool(values["gpuregress_fail_fast"]),
-            triage=bool(values["gpuregress_triage"]),
-            replicas=int(values["gpuregress_replicas"]),
-            kernel_changes=values["gpuregress_kernel_changes"],
-            perf=values["gpuregress_perf"],
-            perf_slowdown=float(values["gpuregress_perf_slowdown"]),
-            perf_memory=float(values["gpuregress_perf_memory"]),
-            known_issues=_ini_relative_path(config, "gpuregress_known_issues", values["gpuregress_known_issues"]),
-            tokens=_ini_relative_path(config, "gpuregress_tokens", values["gpuregress_tokens"]),
-            models=_models(config, values["gpuregress_model"]),
-            scenario_values={spec.dest: resolve(config, spec) for spec in scenario_specs},
-        )
-
-
-def _models(config: pytest.Config, values: list[str]) -> tuple[ModelSpec, ...]:
+def _models(values: list[str], base: Path) -> tuple[ModelSpec, ...]:
     """--gpuregress-model values (relative to the invocation), else gpuregress_models (relative to the ini file)."""
+    from ..errors import BadModel
     from ..training.model_specs import parse_models
 
     try:
-        return parse_models(list(values or ()), _base_of(config, "gpuregress_model"))
+        return parse_models(list(values), base)
     except BadModel as exc:
         raise pytest.UsageError(str(exc)) from None
 
 
-def _ini_relative_path(config: pytest.Config, dest: str, value: str | None) -> Path | None:
-    """A file option's path: relative to the ini file's folder when set there, else to the invocation."""
-    if not value:
-        return None
-    return (_base_of(config, dest) / value).resolve()
+def _as_tuple(values: list[str], base: Path) -> tuple[str, ...]:
+    return tuple(values)
 
 
-def _base_of(config: pytest.Config, dest: str) -> Path:
-    """What an option's relative paths are relative to: the invocation folder when it came from the command
-    line (or there is no ini file), else the ini file's folder."""
-    from_cli = config.getoption(dest) is not None
-    return config.invocation_params.dir if from_cli or config.inipath is None else config.inipath.parent
+class Options:
+    """This session's option values, read-only (all defaults when --gpuregress is off). The fields' order is the
+    docs'. ``Options(steps=8)`` sets some and leaves the rest at their defaults."""
+
+    enabled: bool = option(OptionSpec(
+        "", "flag", False, "run the built-in suite and enable the `gpuregress` fixture",
+        details="Without it the plugin adds nothing, skips its tests and imports no torch."))
+    record: bool = option(OptionSpec(
+        "record", "flag", False, "write (or overwrite) references from this run instead of comparing"))
+    record_anyway: bool = option(OptionSpec(
+        "record-anyway", "flag", False, "with --gpuregress-record: replace a reference even where this run's step 0 is "
+        "further from float64 than the reference's, which is refused otherwise (a stack that got worse)"))
+    record_missing: bool = option(OptionSpec(
+        "record-missing", "flag", False, "record the references that do not exist yet where this run reads them "
+        "(a first run on a new platform, say a new GPU model) and compare with the rest; it never overwrites one"))
+    reference_dir: Path | None = option(OptionSpec(
+        "reference-dir", "path", None, "where references are read and recorded", metavar="DIR",
+        shown_default="`<rootdir>/reference_runs`, then the shipped references",
+        details="Write it with `=`: pytest picks its rootdir before plugins load, and the plugin stops with a clear "
+        "message if a two-word form moved it."))
+    device: str = option(OptionSpec(
+        "device", "choice", "auto", "`cpu`, or `cuda` (which covers ROCm builds of torch too); `auto` takes `cuda` "
+        "when torch sees a GPU", choices=("auto", "cpu", "cuda")))
+    world_size: int | None = option(OptionSpec(
+        "world-size", "int", None, "number of ranks to spawn", minimum=1,
+        shown_default="one rank per GPU, or 2 on the CPU"))
+    steps: int | None = option(OptionSpec(
+        "steps", "int", None, "training steps", minimum=1, shown_default="the scenario's (300)",
+        details="A reference recorded with other steps is refused as foreign."))
+    timeout: float = option(OptionSpec(
+        "timeout", "float", 600.0, "wall-clock seconds one group of ranks may take", minimum=1,
+        details="A hang fails that test with the rank, its last completed step and its Python stack, and the "
+        "session goes on."))
+    lane: str = option(OptionSpec(
+        "lane", "choice", "auto", "the comparison lane: `exact` (bit for bit) or `tolerant` (within the recorded "
+        "noise); `auto` takes `exact` when the stack's numerics fingerprint matches the reference's",
+        choices=("auto", "exact", "tolerant"), details="See [envelope.md](envelope.md)."))
+    inject: tuple[str, ...] = option(OptionSpec(
+        "inject", "list", (), "inject a fault into every rank, to prove the detectors fire on your stack; "
+        "repeatable", metavar="SPEC",
+        details="Specs are checked before any rank starts; the kinds and their keys are in "
+        "`pytest_gpuregress/faults/__init__.py`, the bug classes they emulate in [faults.md](faults.md)."), _as_tuple)
+    replicas: int = option(OptionSpec(
+        "replicas", "int", DEFAULT_REPLICAS, f"noise replicas run when recording a training reference (0 to "
+        f"{len(PERTURBATIONS)}; 0 records no envelope); their spread sets the tolerant lane's limits",
+        minimum=0, maximum=len(PERTURBATIONS), details="See [the noise envelope](envelope.md#the-noise-envelope)."))
+    models: tuple[ModelSpec, ...] = option(OptionSpec(
+        "model", "list", (), "a model every training scenario also runs: a transformers config file (or the folder "
+        "holding `config.json`), a zoo model by name (`tiny-moe`), or `package.module:function`, a factory "
+        "returning the model; repeatable", ini="gpuregress_models", metavar="PATH", ini_relative=True,
+        details="The training scenarios are `fsdp`, both `lora` cases, triage's equivalence and oracle, "
+        "`checkpoint` (full-state-dict, resharding, resume) and the quantized checkpoints of `formats`; a factory "
+        "is described in [own-models.md](own-models.md#a-model-from-a-factory). The file's stem (or the function's "
+        "name) names its cases (`fsdp-tiny-qwen2`, `-k \"tiny-qwen2 and fsdp\"`) and its references "
+        "(`reference_runs/fsdp-tiny-qwen2/`). A config transformers cannot build, a factory that cannot be "
+        "imported, a missing file or a model whose weights, gradients and AdamW state exceed the device's memory "
+        "stops the session naming it; a model without any of the names given in `--gpuregress-lora-targets` (or, "
+        "without it, without a `Linear` or `Conv1D` in its decoder layers) skips `lora` and says which option "
+        "fixes it."), _models)
+    tokens: Path | None = option(OptionSpec(
+        "tokens", "path", None, "a `.npy` or `.safetensors` file of token ids (a sample of your own traffic) that "
+        "`fsdp`, `lora`, `checkpoint` and triage train on instead of the synthetic Markov data", metavar="FILE",
+        shown_default="the synthetic data", ini_relative=True,
+        details="Read as one stream: step s, sample i takes window s x batch + i (wrapping), so batches stay fixed "
+        "per step and shard by rank as before. Its sha256 goes into the stored config, so it gets references of its "
+        "own; a missing file, non-integer ids or an id outside the model's vocabulary stop the session before any "
+        "rank starts. Never unpickled."))
+    known_issues: Path | None = option(OptionSpec(
+        "known-issues", "path", None, "a TOML file of your own known stack issues, matched against this stack like "
+        "the shipped ones", metavar="FILE", ini_relative=True, details="See [known_issues.md](known_issues.md)."))
+    kernel_changes: str = option(OptionSpec(
+        "kernel-changes", "choice", "report", "kernels that changed since the reference (profiled over a few steps "
+        "of each training scenario): `report` them (a warning), `fail` on them, or take no inventory (`off`)",
+        choices=("report", "fail", "off"),
+        details="See [scenarios.md](scenarios.md#kernels-throughput-and-memory)."))
+    perf: str = option(OptionSpec(
+        "perf", "choice", "warn", "step time, tokens/s, peak memory and bus bandwidth past their limits against "
+        "the reference: `warn`, `fail`, or do not compare (`off`)", choices=("warn", "fail", "off")))
+    perf_slowdown: float = option(OptionSpec(
+        "perf-slowdown", "float", 1.5, "how many times the reference's step time counts as a slowdown", minimum=1))
+    perf_memory: float = option(OptionSpec(
+        "perf-memory", "float", 1.3, "how many times the reference's peak memory counts as a regression",
+        minimum=1))
+    triage: bool = option(OptionSpec(
+        "triage", "flag", False, "on a failing training scenario, re-run it with one switch flipped at a time "
+        "(NCCL protocol and algorithm, BLAS, SDPA backend, reduced precision; on the CPU its kernel set and the world "
+        "size) to name the component",
+        details="See [triage.md](triage.md#triage-which-component-with-evidence)."))
+    keep_runs: bool = option(OptionSpec(
+        "keep-runs", "flag", False, "keep the rank logs and records of runs that passed too (those of failed runs "
+        "are always kept)"))
+    artifacts: Path | None = option(OptionSpec(
+        "artifacts", "path", None, "where a run leaves what is read later: failed runs' records in the store's "
+        "format, plots, rank logs", metavar="DIR",
+        shown_default="`.pytest_cache/d/gpuregress-runs` (a temporary folder without the cache)",
+        details="Named in the report header, so CI can upload it."))
+    plots: bool = option(OptionSpec(
+        "plots", "flag", False, "draw the comparison plot for every training run, not only for failed ones",
+        details="Needs `pip install 'pytest-gpuregress[plots]'`."))
+    fail_fast: bool = option(OptionSpec(
+        "fail-fast", "flag", False, "compare each training step with the reference while it runs (loss and "
+        "gradient norm, against the tolerant lane's limits) and stop at the first step outside them",
+        details="The failure names that step; the comparison covers the steps that ran."))
+    fresh_ranks: bool = option(OptionSpec(
+        "fresh-ranks", "flag", False, "start new rank processes for every launch instead of reusing the session's "
+        "pool of ranks (slower; for debugging)"))
+    # Not an option: a scenario's own options' values, by dest (gpuregress_collectives_repeats), validated alike.
+    scenario_values: dict[str, Any]
+
+    def __init__(self, **values: Any) -> None:
+        unknown = sorted(set(values) - set(FIELDS) - {"scenario_values"})
+        if unknown:
+            raise TypeError(f"Options has no field {', '.join(unknown)}; its fields: {', '.join(FIELDS)}")
+        for name, declared in FIELDS.items():
+            object.__setattr__(self, name, values.get(name, declared.spec.default))
+        object.__setattr__(self, "scenario_values", dict(values.get("scenario_values") or {}))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Options are read-only: cannot set {name}")
+
+    def __eq__(self, other: object) -> bool:
+        names = [*FIELDS, "scenario_values"]
+        return type(other) is type(self) and all(getattr(self, n) == getattr(other, n) for n in names)
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value, and scenario_values is a dict
+
+    def __repr__(self) -> str:
+        changed = [f"{name}={getattr(self, name)!r}" for name, declared in FIELDS.items()
+                   if getattr(self, name) != declared.spec.default]
+        if self.scenario_values:
+            changed.append(f"scenario_values={self.scenario_values!r}")
+        return f"Options({', '.join(changed)})"
+
+    @cached_property
+    def faults(self) -> tuple[FaultSpec, ...]:
+        """The --gpuregress-inject specs, parsed (from_config has checked them)."""
+        from ..faults import parse_all
+
+        return tuple(parse_all(self.inject))
+
+    @classmethod
+    def from_config(cls, config: pytest.Config, scenario_specs: Iterable[OptionSpec] = ()) -> Options:
+        if not resolve(config, ENABLED):  # off: the other values are not read, so not judged
+            return cls()
+        values = {name: _value(config, *declared) for name, declared in FIELDS.items()}
+        options = cls(**values, scenario_values={spec.dest: resolve(config, spec) for spec in scenario_specs})
+        _check_faults(options)
+        return options
+
+
+# Each field of Options by name, in declaration order; the class attribute stays the declaration.
+FIELDS: dict[str, Declared] = {name: value for name, value in vars(Options).items() if isinstance(value, Declared)}
+CORE_OPTIONS: tuple[OptionSpec, ...] = tuple(declared.spec for declared in FIELDS.values())
+ENABLED = CORE_OPTIONS[0]  # --gpuregress itself
+
+
+def _check_faults(options: Options) -> None:
+    from ..errors import BadFaultSpec
+
+    try:
+        options.faults  # noqa: B018 - parsed now, so a bad spec stops the session before any rank starts
+    except BadFaultSpec as exc:
+        raise pytest.UsageError(f"--gpuregress-inject: {exc}") from None
+
+
+def add_options(parser: pytest.Parser, specs: Iterable[OptionSpec]) -> None:
+    """Each option on the command line and as an ini key, in the "gpuregress" group of ``pytest --help``."""
+    group = parser.getgroup("gpuregress", "training-stack numerics regression (pytest-gpuregress)")
+    for spec in specs:
+        text = spec.terminal_help()
+        if spec.kind == "flag":
+            group.addoption(spec.flag, action="store_true", default=None, dest=spec.dest, help=text)
+            parser.addini(spec.ini_key, help=text, type="bool", default=spec.default)
+        elif spec.kind == "list":
+            group.addoption(spec.flag, action="append", default=None, dest=spec.dest,
+                            metavar=spec.metavar or "VALUE", help=text)
+            parser.addini(spec.ini_key, help=text, type="linelist", default=list(spec.default))
+        else:
+            # No argparse type or choices: our own conversion gives the one-line message for both sources.
+            metavar = spec.metavar or ("|".join(spec.choices) if spec.choices else spec.kind.upper())
+            group.addoption(spec.flag, action="store", default=None, dest=spec.dest, metavar=metavar, help=text)
+            parser.addini(spec.ini_key, help=text, default=None)
+
+
+def resolve(config: pytest.Config, spec: OptionSpec) -> Any:
+    """The option's value: command line, else ini key, else default; converted, checked, a path made absolute."""
+    cli = config.getoption(spec.dest)
+    if cli is not None:
+        raw, where = cli, spec.flag
+    else:
+        ini = config.getini(spec.ini_key)
+        raw, where = (None if ini is None or ini == "" or ini == [] else ini), f"ini key {spec.ini_key} ="
+    try:
+        value = spec.convert(raw, where)
+    except BadOptionValue as exc:
+        raise pytest.UsageError(str(exc)) from None
+    if spec.kind == "path" and value is not None:
+        value = (_base_of(config, spec) / value).resolve()
+    return value
+
+
+def _value(config: pytest.Config, spec: OptionSpec, then: Then | None) -> Any:
+    value = resolve(config, spec)
+    return value if then is None else then(value, _base_of(config, spec))
+
+
+def _base_of(config: pytest.Config, spec: OptionSpec) -> Path:
+    """What an option's relative paths start from: the invocation folder, unless the option says the ini file's
+    folder and came from there."""
+    from_ini = spec.ini_relative and config.getoption(spec.dest) is None and config.inipath is not None
+    return config.inipath.parent if from_ini and config.inipath is not None else config.invocation_params.dir
 
 
 def check_reference_dir_argument(config: pytest.Config) -> None:

@@ -24,6 +24,7 @@ from ..stack.determinism import nondeterminism
 from . import model_layout, step0
 from .envelope import PREFIX as ENVELOPE_PREFIX
 from .envelope import MetricLimits, digest_deviation, floors_for, limit, rel, tensor_deviation
+from .first_moved import FirstMoved, first_moved
 from .record import RunRecord
 
 WORST_ROWS = 8
@@ -78,6 +79,9 @@ class Comparison:
     limits_from: str = "fixed"  # "envelope" when the reference carries one
     # Ops whose kernels changed since the reference (reference/kernels.py), set by the session; triage's evidence.
     kernel_changes: list[str] | None = None
+    # The first op of step 0 whose output moved (first_moved.py): None where every op is bitwise equal or a
+    # record has no op trace. Also set when the comparison passes: where bitwise drift starts, as information.
+    first_moved: FirstMoved | None = None
 
     @property
     def passed(self) -> bool:
@@ -390,4 +394,5 @@ def compare_training(
         for finding in findings:
             finding.component = model_layout.COMPONENT
         findings.insert(0, Finding("model", model_layout.COMPONENT, changed))
-    return Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source)
+    return Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source,
+                      first_moved=first_moved(reference, run))

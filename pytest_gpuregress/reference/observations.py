@@ -1,4 +1,4 @@
-"""What a training run shows of the stack besides its numbers, judged by the session's options:
+"""What a training run shows of the stack besides its numbers, judged by the policy the options set:
 kernels that changed since the reference, and throughput and memory as ratios to it.
 
 By default a kernel change is reported and a slowdown warns: upgrades change kernels legitimately,
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..reference import kernels, perf
-from ..reference.record import RunRecord
 from ..stack import fingerprint as fp
-from .options import Options
+from . import kernels, perf
+from .judgement import JudgingPolicy
+from .record import RunRecord
 
 
 class GpuRegressPerfWarning(UserWarning):
@@ -30,7 +30,7 @@ class Observations:
     kernel_changes: list[str] | None  # None: no inventory on one side (an older reference, or profiling off)
     ratios: list[perf.Ratio] | None
     perf_problems: list[str]
-    options: Options
+    policy: JudgingPolicy
 
     # Why the ratios are information only: the reference was timed on other hardware ("" when judged).
     perf_not_judged: str = ""
@@ -38,35 +38,35 @@ class Observations:
     kernel_cause: str = ""
 
     @classmethod
-    def of(cls, reference: RunRecord, record: RunRecord, options: Options) -> Observations:
-        changes = kernels.changes(reference, record) if options.kernel_changes != "off" else None
-        ratios = None if options.perf == "off" else perf.ratios(
-            reference, record, slowdown=options.perf_slowdown, memory=options.perf_memory)
+    def of(cls, reference: RunRecord, record: RunRecord, policy: JudgingPolicy) -> Observations:
+        changes = kernels.changes(reference, record) if policy.kernel_changes != "off" else None
+        ratios = None if policy.perf == "off" else perf.ratios(
+            reference, record, slowdown=policy.perf_slowdown, memory=policy.perf_memory)
         cause = model_code_cause(reference, record)
         other_hardware = fp.hardware_diff(reference.fingerprint, record.fingerprint)
         if other_hardware:  # a step time from another CPU or GPU model says nothing about this stack
             why = "not judged: the reference was timed on other hardware (" + ", ".join(
                 fp.describe_change(*c) for c in other_hardware) + ")"
-            return cls(changes, ratios, [], options, why, cause)
-        return cls(changes, ratios, perf.problems(ratios, record, reference), options, "", cause)
+            return cls(changes, ratios, [], policy, why, cause)
+        return cls(changes, ratios, perf.problems(ratios, record, reference), policy, "", cause)
 
     def failures(self) -> list[str]:
-        """Lines that fail the test under the options."""
+        """Lines that fail the test under the policy."""
         out: list[str] = []
-        if self.kernel_changes and self.options.kernel_changes == "fail":
+        if self.kernel_changes and self.policy.kernel_changes == "fail":
             lines = kernels.report_lines(self.kernel_changes, "; ".join(
                 filter(None, [self.kernel_cause, "--gpuregress-kernel-changes=fail"])))
             out += ["[kernel] " + lines[0], *lines[1:]]
-        if self.perf_problems and self.options.perf == "fail":
+        if self.perf_problems and self.policy.perf == "fail":
             out += [f"{p} (--gpuregress-perf=fail)" for p in self.perf_problems]
         return out
 
     def warnings(self) -> list[tuple[type[Warning], str]]:
         """Warnings for what is reported but does not fail."""
         out: list[tuple[type[Warning], str]] = []
-        if self.kernel_changes and self.options.kernel_changes == "report":
+        if self.kernel_changes and self.policy.kernel_changes == "report":
             out.append((GpuRegressKernelWarning, "\n".join(kernels.report_lines(self.kernel_changes, self.kernel_cause))))
-        if self.perf_problems and self.options.perf == "warn":
+        if self.perf_problems and self.policy.perf == "warn":
             out += [(GpuRegressPerfWarning, p + " (--gpuregress-perf=fail to fail on it)") for p in self.perf_problems]
         return out
 
@@ -85,7 +85,7 @@ class Observations:
             parts.append("perf vs reference: " + perf.summary(self.ratios) + judged)
         if self.kernel_changes is not None:
             parts.append(f"kernels changed: {len(self.kernel_changes)}")
-        elif self.options.kernel_changes != "off":  # say so: =fail cannot fail on what was never compared
+        elif self.policy.kernel_changes != "off":  # say so: =fail cannot fail on what was never compared
             parts.append("kernels not compared (no inventory on one side)")
         return "; ".join(parts)
 
@@ -93,7 +93,7 @@ class Observations:
 def model_code_cause(reference: RunRecord, record: RunRecord) -> str:
     """"the model's code changed with transformers 5.24.0 -> 4.57.6 ...": where a model library changed and torch
     did not, a changed op sequence is the model's own code (the model component), not a kernel library."""
-    from ..reference.model_layout import MODEL_LIBRARIES, library_changes
+    from .model_layout import MODEL_LIBRARIES, library_changes
 
     changed = library_changes(reference, record)
     model_fields = {f"versions.{library}" for library in MODEL_LIBRARIES if library != "torch"}

@@ -31,6 +31,9 @@ class RunRecord:
     arrays:   named numpy arrays, e.g. ``param_grad_norm`` [steps, params] and ``step0_grad/<param>``
     digests:  per-parameter digests of the final weights (sha256 of the bytes, float64 sums)
     results:  scenario-specific structured results (e.g. collective cases), JSON-serialisable
+    attachments: folders a reference keeps beside its two files, by name (``resume``: the fsdp scenario's
+              resume checkpoint); not part of record.json. Recording, the store copies each into the
+              reference and lists its files in the manifest; reading, it points each at the verified copy.
     """
 
     scenario: str
@@ -45,6 +48,7 @@ class RunRecord:
     timings: dict[str, float] = field(default_factory=dict)
     results: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    attachments: dict[str, Path] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:

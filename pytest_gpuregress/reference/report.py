@@ -33,6 +33,15 @@ def format_margins(comparison: Comparison) -> str:
     return f"worst/limit ({source}): {cells}"
 
 
+def format_drift(comparison: Comparison) -> str | None:
+    """For a comparison that passed: where bitwise drift starts in step 0's op trace, as information (None when
+    every op is bitwise equal, or a record has no trace)."""
+    moved = comparison.first_moved
+    if moved is None:
+        return None
+    return f"bitwise drift (information): {moved.describe()}"
+
+
 def format_finding(finding: Finding) -> list[str]:
     lines = [f"[{finding.component}] {finding.message}"]
     if finding.worst:
@@ -61,6 +70,8 @@ def format_comparison(
     hidden = len(comparison.findings) - MAX_FINDINGS
     if hidden > 0:
         body.append(f"... and {hidden} more findings")
+    if comparison.first_moved is not None:  # which op first gave another answer: what a bug report names
+        body += ["", *comparison.first_moved.lines()]
     tail = [
         "",
         "what changed in the stack since the reference was recorded:",

@@ -1,7 +1,10 @@
 """The reference store: ``<root>/<scenario>/<platform-key>/``.
 
 Each reference is record.json + tensors.safetensors (see record.py) and a manifest.json holding
-the sha256 of both, the store format and when and with what it was recorded. Writes go to a
+the sha256 of both, the store format and when and with what it was recorded. A reference may keep
+folders beside them (``RunRecord.attachments``, e.g. ``resume/``: the fsdp scenario's resume
+checkpoint, safetensors and JSON); the manifest lists each of their files with its sha256 too, and a
+folder holding a file the manifest does not list is refused like a damaged one. Writes go to a
 staging directory that is swapped in whole (atomic.replace_dir), and an existing reference is only
 replaced when the caller says so (the ``--gpuregress-record`` flag).
 
@@ -69,19 +72,40 @@ def write_reference(loc: ReferenceLocation, record: RunRecord, *, overwrite: boo
 def _write_staged(target: Path, record: RunRecord) -> None:
     staged = atomic.staging_dir_for(target)
     try:
-        files = record.save(staged)
+        files = record.save(staged) + _copy_attachments(record, staged)
         manifest = {
             "format": STORE_FORMAT,
             "scenario": record.scenario,
             "platform_key": record.platform_key,
             "recorded_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "files": {f.name: atomic.sha256_file(f) for f in files},
+            "files": {f.relative_to(staged).as_posix(): atomic.sha256_file(f) for f in files},
         }
         atomic.write_json(staged / MANIFEST, manifest)
         atomic.replace_dir(staged, target)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
+
+
+def _copy_attachments(record: RunRecord, staged: Path) -> list[Path]:
+    """Copy each of ``record``'s attachment folders into the staged reference; return the files copied."""
+    copied: list[Path] = []
+    for name, folder in sorted(record.attachments.items()):
+        safe_component(name, "attachment name (a folder inside the reference)")
+        if name in (RECORD_JSON, TENSORS_FILE, MANIFEST):
+            raise ValueError(f"attachment {name!r} would replace the reference's own {name}")
+        shutil.copytree(folder, staged / name)
+        copied += sorted(p for p in (staged / name).rglob("*") if p.is_file())
+    return copied
+
+
+def _attachment_of(listed: str) -> str | None:
+    """The attachment folder a manifest entry lies in (``resume`` for ``resume/trainer.json``); None when it is
+    not inside one, or would leave the reference."""
+    parts = listed.split("/")
+    if len(parts) < 2 or any(part in ("", ".", "..") for part in parts) or "\\" in listed:
+        return None
+    return parts[0] if parts[0] not in (RECORD_JSON, TENSORS_FILE, MANIFEST) else None
 
 
 def _restore_moved_aside(loc: ReferenceLocation) -> None:
@@ -125,7 +149,9 @@ def read_reference(loc: ReferenceLocation) -> RunRecord:
             f"remove the directory or re-record it: {loc.record_hint}",
         )
     files = manifest.get("files")
-    if not isinstance(files, dict) or set(files) != {RECORD_JSON, TENSORS_FILE}:
+    attached = {name: _attachment_of(name) for name in files} if isinstance(files, dict) else {}
+    own = {RECORD_JSON, TENSORS_FILE}
+    if not isinstance(files, dict) or not own <= set(files) or any(attached[n] is None for n in set(files) - own):
         raise CorruptReference(manifest_path, "manifest lists the wrong files", f"re-record it: {loc.record_hint}")
     for name, expected in files.items():
         path = target / name
@@ -139,7 +165,23 @@ def read_reference(loc: ReferenceLocation) -> RunRecord:
                 "the file was truncated, edited or partly copied",
                 f"restore it from version control, or re-record it: {loc.record_hint}",
             )
-    return RunRecord.load(target)
+    folders = sorted({folder for folder in attached.values() if folder is not None})
+    for folder in folders:  # a file slipped into a kept folder would be read with it: DCP reads every shard there
+        unlisted = sorted(p for p in (target / folder).rglob("*") if p.relative_to(target).as_posix() not in files)
+        if any(p.is_file() or p.is_symlink() for p in unlisted):
+            path = next(p for p in unlisted if p.is_file() or p.is_symlink())
+            raise CorruptReference(path, "file not listed in manifest.json: the folder holds more than was recorded",
+                                   f"remove it, restore the folder from version control, or re-record it: {loc.record_hint}")
+    record = RunRecord.load(target)
+    record.attachments = {folder: target / folder for folder in folders}
+    return record
+
+
+def load_record(path: Path) -> RunRecord:
+    """A reference folder (verified against its manifest) or a bare record folder: what the CLI reads."""
+    if (path / MANIFEST).exists():
+        return read_reference(ReferenceLocation(path.parent.parent, path.parent.name, path.name))
+    return RunRecord.load(path)
 
 
 def check_compatible(loc: ReferenceLocation, reference: RunRecord, run: RunRecord) -> None:

@@ -17,17 +17,11 @@ from importlib import metadata
 from typing import Any
 
 from ..errors import ScenarioProblem
-from .base import Case, CheckScenario, FunctionScenario, Launch, RankContext, Scenario, Setup
+from .base import Case, CheckScenario, Launch, RankContext, Scenario, Setup
+from .function import FunctionScenario
 
 ENTRY_POINT_GROUP = "gpuregress.scenarios"
-BUILTIN = (
-    "pytest_gpuregress.scenarios.fsdp:SCENARIO",
-    "pytest_gpuregress.scenarios.collectives:SCENARIO",
-    "pytest_gpuregress.scenarios.triage:SCENARIO",
-    "pytest_gpuregress.scenarios.formats:SCENARIO",
-    "pytest_gpuregress.scenarios.lora:SCENARIO",
-    "pytest_gpuregress.scenarios.checkpoint:SCENARIO",
-)
+DISTRIBUTION = "pytest-gpuregress"  # whose entry points are the built-in scenarios (pyproject.toml)
 
 
 def resolve_entry(entry: str) -> Any:
@@ -68,17 +62,28 @@ def _as_scenario(obj: Any, origin: str) -> Scenario:
     return scenario
 
 
+def _distribution(ep: metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return dist.name if dist is not None else "unknown package"
+
+
+def _builtin(ep: metadata.EntryPoint) -> bool:
+    return _distribution(ep).replace("_", "-").lower() == DISTRIBUTION
+
+
 @lru_cache(maxsize=1)
 def registry() -> dict[str, Scenario]:
-    """Every scenario by name: built-ins first, then entry points in name order."""
+    """Every scenario by name: this package's own (the built-ins) first, then other packages', each in name
+    order. Both register the same way, by an entry point in the group ``gpuregress.scenarios``."""
+    points = metadata.entry_points(group=ENTRY_POINT_GROUP)
+    if not any(_builtin(ep) for ep in points):
+        raise ScenarioProblem(f"the built-in scenarios of {DISTRIBUTION} are not registered: its entry points are "
+                              "missing (a copy not installed with pip); install it with pip install -e . or a wheel")
     found: dict[str, Scenario] = {}
     origins: dict[str, str] = {}
-    sources = [(entry, entry) for entry in BUILTIN]
-    for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-        dist = getattr(ep, "dist", None)
-        sources.append((ep.value, f"entry point {ep.name} = {ep.value} ({dist.name if dist else 'unknown package'})"))
-    for entry, origin in sources:
-        scenario = _load(entry, origin)
+    for ep in sorted(points, key=lambda e: (not _builtin(e), e.name)):
+        origin = f"entry point {ep.name} = {ep.value} ({_distribution(ep)})"
+        scenario = _load(ep.value, origin)
         if scenario.name in found:
             if origins[scenario.name] == origin:
                 continue  # the same entry point seen twice (an editable install next to a build)

@@ -12,10 +12,13 @@ A scenario declares, on the session side (torch-free, imported at collection):
   verdict()       reference-free findings for one case (all a check scenario needs)
   reference_name  the stored reference a case is compared with (every training case; None for checks)
   compare()       how a case's record is compared with that reference (default: the training comparison)
+  comparator_type optional: its own Comparator class; by default one judges a case with verdict() and compare()
   summary()       optional lines for the terminal summary
   noise_replicas  optional perturbed launches whose spread becomes the tolerant lane's envelope
+  attachments     optional, recording: folders stored inside a case's reference (the fsdp resume checkpoint)
+  from_reference  optional, comparing: a case's run that starts from its reference's stored state
   options         optional ``--gpuregress-<name>`` options of its own; a plug-in's exist only in runs with
-                  --gpuregress (pytest then loads the scenarios), the built-ins' always (plugin/options.py)
+                  --gpuregress (pytest then loads the scenarios), the built-ins' always (scenario_options.py)
 
 Rank-side code lives in its own module (``rank.py`` in each scenario folder) and is the only part
 that imports torch. A scenario knows nothing of pytest; the plugin drives it through this interface.
@@ -31,8 +34,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..reference.record import RunRecord
 
 if TYPE_CHECKING:
-    from ..faults import FaultSpec
-    from ..plugin.options import OptionSpec
+    from ..fault_spec import FaultSpec
+    from ..option_spec import OptionSpec
     from ..reference.compare import Comparison
     from ..training.model_specs import ModelSpec
 
@@ -143,7 +146,7 @@ class RankContext:
         import torch
         import torch.distributed as dist
 
-        from ..faults.collective import plugin_own_collectives
+        from ..fault_points import plugin_own_collectives
 
         value = torch.tensor([1.0 if flag else 0.0], device=self.device)
         with plugin_own_collectives():  # fail-fast's vote is the plugin's, not the training's: no fault acts on it
@@ -216,14 +219,36 @@ class Scenario:
         ``verdict``; for cases that need several launches, or another scenario's. None: the usual launch."""
         return None
 
+    def attachments(self, case: Case, record: RunRecord, run: Callable[[Scenario, Launch], RunRecord],
+                    setup: Setup) -> dict[str, Path]:
+        """Recording only: folders to store inside ``case``'s reference beside ``record`` (the run being recorded),
+        by name, e.g. a checkpoint a later comparison resumes from (RunRecord.attachments). ``run`` runs any
+        launches that takes. {} by default: nothing beside the record."""
+        return {}
+
+    def from_reference(self, case: Case, reference: Callable[[], RunRecord],
+                       run: Callable[[Scenario, Launch], RunRecord], setup: Setup) -> RunRecord | None:
+        """Comparing only: the run of a case that starts from its reference's stored state (``reference()`` reads
+        it, verified, with its attachments), e.g. a resume from the checkpoint ``attachments`` stored; raises
+        NotApplicable where the reference cannot serve. None (the default): the usual launch or ``experiment``."""
+        return None
+
+    def triage_explains(self, case: Case) -> bool:
+        """Whether triage's experiments may explain a failure of ``case`` (they rerun its training from step 0)."""
+        return self.supports_triage
+
     def merge(self, records: list[RunRecord]) -> RunRecord:
         """Combine the per-rank records (index = rank). By default rank 0's, which holds global values;
         with ``step0_sharded``, the step-0 gradients assembled from every rank's shard (reference/step0.py).
-        Either way the largest peak memory and every rank's host ops (training/observe.py)."""
+        Either way the largest peak memory, every rank's host ops (training/observe.py) and op trace."""
+        from ..reference import op_trace
         from ..training.observe import merge_ranks
 
         merged = records[0]
         merged.results.update(merge_ranks(records))
+        traced, traced_arrays = op_trace.merge_ranks(records)  # every rank's step-0 op trace, where it keeps one
+        merged.results.update(traced)
+        merged.arrays.update(traced_arrays)
         if self.step0_sharded:
             from ..reference import step0
 
@@ -246,6 +271,10 @@ class Scenario:
         if self.kind != "training":
             return None
         return case.id if case.id == self.name else f"{self.name}-{case.id}"  # namespaced: never another scenario's
+
+    # A Comparator subclass of the scenario's own (scenarios/comparator.py), for a judgement that ``verdict`` and
+    # ``compare`` cannot express; None: the default, which judges with those two.
+    comparator_type: ClassVar[type | None] = None
 
     def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
         """Compare ``record`` with its reference for ``case``. By default: losses, gradients and weights."""
@@ -270,31 +299,3 @@ class CheckScenario(Scenario):
     """A scenario whose cases are judged by closed-form verdicts, with no stored reference."""
 
     kind: ClassVar[str] = "check"
-
-
-@dataclass
-class FunctionScenario(Scenario):
-    """A user's own ``def train(ctx: RankContext) -> RunRecord``, found by "module:function"."""
-
-    entry: str = ""
-    config: dict[str, Any] = field(default_factory=dict)
-
-    @property  # type: ignore[override]
-    def name(self) -> str:  # noqa: D401 - the function's name
-        return self.entry.rsplit(":", 1)[-1]
-
-    @property  # type: ignore[override]
-    def rank_entry(self) -> str:
-        return self.entry
-
-    def default_config(self, setup: Setup) -> dict[str, Any]:
-        config = super().default_config(setup)
-        config.update(self.config)
-        return config
-
-    def noise_replicas(self, launch: Launch, setup: Setup, count: int) -> list[Launch]:
-        """The built-in scenarios' replicas: the kernel path needs nothing of the user's code; the weights and
-        the batch order are perturbed where its Recorder is given the model and the batches (recorder.py)."""
-        from .fsdp import perturbed_launches
-
-        return perturbed_launches(launch, setup, count)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .counter_rng import hash_words, unit_float
+from .slicing import rank_slice
 
 
 @dataclass(frozen=True)
@@ -57,17 +58,6 @@ class MarkovTokens:
         w = np.asarray(self.weights[: self.branching], dtype=np.float64)
         w /= w.sum()
         return float(-(w * np.log(w)).sum())
-
-
-def rank_slice(batch: np.ndarray, rank: int, world_size: int) -> np.ndarray:
-    """This rank's contiguous slice of a step's global batch."""
-    if len(batch) % world_size:
-        raise ValueError(
-            f"global batch {len(batch)} is not divisible by world size {world_size}; "
-            "choose a world size that divides it or change the model's global_batch"
-        )
-    per_rank = len(batch) // world_size
-    return batch[rank * per_rank : (rank + 1) * per_rank]
 
 
 def token_source(cfg: dict[str, Any], vocab_size: int) -> Any:

@@ -100,7 +100,7 @@ class FactoryModel:
     def build(self, seed: int) -> Any:
         """A fresh model, initialised from ``seed`` as the shipped models are, fp32 on the CPU: N(0, std^2) with the
         model's ``config.initializer_range`` where it has one, else 0.02."""
-        from .models import seed_parameters
+        from .seeding import seed_parameters
 
         model = self.empty()
         std = getattr(getattr(model, "config", None), "initializer_range", None)
@@ -111,7 +111,7 @@ class FactoryModel:
     def _facts(self) -> dict[str, Any]:
         """What the model is, from one call of the factory on the meta device (no memory for its weights), or on
         the CPU where the factory cannot run on meta."""
-        from .models import decoder_layers
+        from .layers import decoder_layers
         from .projections import survey
 
         try:

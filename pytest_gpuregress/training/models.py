@@ -1,4 +1,4 @@
-"""Build tiny models from the config files in ``models/``, with platform-independent init.
+"""Build tiny models from the config files in ``models/``, with platform-independent init (seeding.py).
 
 Initial weights come from a counter-based hash of (seed, parameter name) through Box-Muller in
 float64, never from torch's or transformers' random streams, so a new library version that
@@ -8,7 +8,6 @@ reorders module construction or changes its init code cannot move the starting p
 from __future__ import annotations
 
 import contextlib
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,11 @@ from typing import Any
 import numpy as np
 
 from ..resources import shipped_dir
-from .counter_rng import hash_words, unit_float
+
+# Below this module, so that factory.py uses them without importing it back; still found here by their callers.
+from .layers import decoder_layers as decoder_layers
+from .seeding import seed_parameters
+from .seeding import seeded_normal as seeded_normal
 
 
 def config_path(name: str, size: str) -> Path:
@@ -79,29 +82,6 @@ def architecture_digest(name: str, size: str) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def decoder_layers(model: Any) -> list[Any]:
-    """The repeated blocks ``fully_shard`` wraps one by one: the modules transformers never splits across
-    devices (``_no_split_modules``: LlamaDecoderLayer, GPT2Block, ...), in model order."""
-    kinds = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in kinds]
-    if not layers:
-        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules); "
-                         "the training scenarios shard each decoder layer")
-    return layers
-
-
-def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> np.ndarray:
-    """N(0, std^2) samples keyed by (seed, name), identical on every platform."""
-    count = int(np.prod(shape)) if shape else 1
-    key = zlib.crc32(name.encode())
-    idx = np.arange((count + 1) // 2, dtype=np.uint64)
-    u1 = unit_float(hash_words(seed, 10, key, idx))
-    u2 = unit_float(hash_words(seed, 11, key, idx))
-    radius = np.sqrt(-2.0 * np.log1p(-u1))  # 1 - u1 is in (0, 1], so log is finite
-    z = np.concatenate([radius * np.cos(2 * np.pi * u2), radius * np.sin(2 * np.pi * u2)])[:count]
-    return (z * std).reshape(shape)
-
-
 def build_causal_lm(config: Any, seed: int) -> Any:
     """A causal LM on the CPU in fp32, initialised from ``seed``: from a transformers ``config``, or from the
     user's factory (a FactoryModel, training/factory.py) in its place."""
@@ -140,25 +120,6 @@ def isolated_generators() -> Iterator[None]:
     finally:
         random.setstate(python)
         np.random.set_state(numpy_state)
-
-
-def seed_parameters(model: Any, seed: int, std: float) -> None:
-    """Every parameter from (seed, its name): N(0, std^2) weights, zero biases, unit normalisation gains."""
-    import torch
-
-    # Normalisation gains start at 1: by name (norm.weight, layernorm.weight) or by module class (GPT-2's
-    # ln_1, ln_f are LayerNorms); for the shipped models both rules pick the same parameters.
-    gains = {f"{module_name}.weight" if module_name else "weight" for module_name, module in model.named_modules()
-             if "Norm" in type(module).__name__}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight") or name in gains:
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                values = seeded_normal(seed, name, tuple(param.shape), std)
-                param.copy_(torch.from_numpy(values).to(param.dtype))
 
 
 def blueprint(cfg: dict[str, Any]) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..faults.collective import plugin_own_collectives
+from ..fault_points import plugin_own_collectives
 from .kernels import KernelWindow, add_host_ops, add_inventory
 
 WARMUP_STEPS = 3

@@ -2,7 +2,7 @@
 
 One process, no sharding, no faults: the loss and each parameter's gradient norm as exactly as
 float64 gives them. A real run's step 0 must agree within a bound set by its compute dtype
-(scenarios/triage): on a GPU this convicts a kernel with no stored reference; on the CPU it
+(triage/scenario.py): on a GPU this convicts a kernel with no stored reference; on the CPU it
 separates a wrong fp32 kernel from a wrong collective.
 """
 

@@ -14,13 +14,13 @@ from typing import Any
 
 ROOT = ""  # the root unit's module path: the model itself
 RESULT_KEY = "fsdp_units"  # where a training record keeps its units (RunRecord.results)
-REDUCE_BYTES = 4  # the reduce dtype is fp32 on every platform (fsdp/rank.py's MixedPrecisionPolicy)
+REDUCE_BYTES = 4  # the reduce dtype is fp32 on every platform (fsdp2.py: mixed_precision)
 
 
 def shard_units(model: Any) -> list[tuple[str, Any]]:
     """(module path, module) of every ``fully_shard`` unit, in the order the scenario wraps them: each
     decoder layer, then the root. The paths come from the module objects, whatever the model names them."""
-    from .models import decoder_layers
+    from .layers import decoder_layers
 
     paths = {id(module): path for path, module in model.named_modules()}
     return [(paths[id(layer)], layer) for layer in decoder_layers(model)] + [(ROOT, model)]

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadTokens
+from .slicing import rank_slice
 
 TENSOR_NAMES = ("input_ids", "tokens")
 
@@ -133,8 +134,6 @@ class TokenFileBatches:
         return self.stream[offsets % self.stream.size]
 
     def rank_batch(self, step: int, rank: int, world_size: int) -> np.ndarray:
-        from .data import rank_slice
-
         return rank_slice(self.global_batch_at(step), rank, world_size)
 
 

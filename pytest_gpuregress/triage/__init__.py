@@ -1,7 +1,7 @@
 """Triage: name the component behind a difference with experiments, each of which clears or convicts one.
 
   equivalence  the scenario on N ranks and on one rank, same global batch, 3 steps: step-0 gradients
-               and the first losses must agree within a derived bound (bounds.py). A difference
+               and the first losses must agree within a derived bound (reference/bounds.py). A difference
                convicts a collective, and names the parameters, the rank whose shard holds them and
                the message that carried them. Needs no stored reference.
   oracle       step 0 in float64 on the CPU in one process (training/oracle.py): the one-rank run's
@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..reference import step0
+from ..reference.bounds import step0_bound
 from ..reference.envelope import rel, step0_deviation
+from ..reference.op_trace import TRACE_CONFIG
 from ..reference.record import RunRecord
-from .bounds import step0_bound
 
 if TYPE_CHECKING:
     from ..reference.compare import Comparison
@@ -54,7 +55,8 @@ def launches(sc: Scenario, setup: Setup, model: str | None = None) -> dict[str, 
     of the scenario's own model, or of a user's (``model``, --gpuregress-model)."""
     from ..scenarios.base import Launch
 
-    config = {**sc.model_config(setup, model), "steps": TRIAGE_STEPS}
+    # No step-0 op trace: these runs are compared with each other, never op by op with a reference.
+    config = {**sc.model_config(setup, model), "steps": TRIAGE_STEPS, TRACE_CONFIG: False}
     suffix = f"-{model}" if model else ""
     return {
         "n": Launch(f"triage-n{suffix}", config),
@@ -168,6 +170,19 @@ def cheap_evidence(sc: Scenario, setup: Setup, run: Runner, model: str | None = 
     return [equivalence(sc, n, one, setup), oracle(sc, one, exact)]
 
 
+def first_moved_evidence(comparison: Comparison | None) -> Experiment | None:
+    """The first op of step 0 that moved against the reference (reference/first_moved.py), every op before it
+    (its inputs among them) bitwise equal: a collective op (or FSDP2's copies around one) convicts the
+    collective, an optimizer op the optimizer, a compute op its kernel, an input no op made (tokens, weights)
+    the data. A changed op sequence convicts nothing."""
+    moved = comparison.first_moved if comparison is not None else None
+    if moved is None:
+        return None
+    status = "differs" if moved.component else "sequence changed"
+    return Experiment("first moved op", status, moved.describe().removeprefix("first difference: "),
+                      component=moved.component)
+
+
 def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tuple[str | None, str]:
     """(component, the one-line verdict with its evidence). The component is None when the experiments
     convict nothing and cannot clear step 0: then the findings keep the heuristic's components."""
@@ -176,6 +191,9 @@ def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tup
     if changed:
         by_name["kernels"] = Experiment("kernels", "changed", f"{len(changed)} ops run other kernels than in the "
                                         f"reference, first {changed[0]}", component="kernel")
+    moved = first_moved_evidence(comparison)
+    if moved is not None:
+        by_name[moved.name] = moved
     oracle_result = by_name.get("oracle")
     component: str | None
     if oracle_result is not None and oracle_result.convicts:
@@ -185,11 +203,14 @@ def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tup
     elif comparison is not None and comparison.findings:
         first = min((f.step for f in comparison.findings if f.step is not None), default=None)
         cleared = all(by_name[n].status == "clean" for n in ("equivalence", "oracle") if n in by_name)
-        if cleared and len(experiments) >= 2 and first is not None and first > 0:
-            # Step 0 matches the reference and both experiments are clean: the update goes wrong.
-            component = "optimizer"
+        late = cleared and len(experiments) >= 2 and first is not None and first > 0
+        if late:
             by_name["divergence"] = Experiment("divergence", "starts", f"step 0 matches the reference; the first "
                                                                      f"difference is at step {first}")
+        if moved is not None and moved.convicts:  # the op that first gave another answer, its inputs equal
+            component = moved.component
+        elif late:  # step 0 matches the reference and both experiments are clean: the update goes wrong
+            component = "optimizer"
         elif changed:  # nothing convicted or cleared, but the kernels did change: the likeliest cause
             component = "kernel"
         else:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import NotApplicable
 from ..reference.compare import Comparison, compare_training
+from ..reference.op_trace import TRACE_CONFIG
 from ..reference.record import RunRecord
 from . import Experiment, Runner
 
@@ -72,7 +73,8 @@ def flip(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, failing:
         if switch.not_applicable:
             out.append(Experiment(f"flip {switch.label}", "not applicable", switch.not_applicable))
             continue
-        launch = Launch(f"flip-{switch.label}{suffix}", {**base, **switch.config}, dict(switch.env), world_size=switch.world_size)
+        config = {**base, **switch.config, TRACE_CONFIG: False}  # judged by its deviation, not op by op
+        launch = Launch(f"flip-{switch.label}{suffix}", config, dict(switch.env), world_size=switch.world_size)
         try:
             flipped = run(sc, launch)
         except NotApplicable as exc:

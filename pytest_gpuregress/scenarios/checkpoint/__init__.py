@@ -24,11 +24,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...plugin.options import SCENARIO_OPTIONS
 from ...reference.compare import Comparison, Finding, choose_lane
 from ...reference.record import RunRecord
+from ...scenario_options import SCENARIO_OPTIONS
 from ...stack import fingerprint as fp
 from ..base import Case, CheckScenario, Launch, Scenario, Setup
+from ..shared.state_pieces import merge_boundaries
 from . import checks, plan
 
 Runner = Callable[[Scenario, Launch], RunRecord]
@@ -101,7 +102,7 @@ class CheckpointScenario(CheckScenario):
         merged = super().merge(records)
         boundaries = [r.results["boundary"] for r in records if "boundary" in r.results]
         if boundaries:
-            merged.results["boundary"] = checks.merge_boundaries(boundaries)
+            merged.results["boundary"] = merge_boundaries(boundaries)
         merged.results["pid"] = {k: v for r in records for k, v in r.results.get("pid", {}).items()}
         return merged
 

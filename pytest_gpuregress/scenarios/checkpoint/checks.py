@@ -15,6 +15,8 @@ from ...errors import GpuRegressError
 from ...reference.record import RunRecord
 from ...reference.store import MANIFEST, ReferenceLocation, read_reference
 from ...stack import fingerprint as fp
+from ..shared.state_pieces import differs, piece_digest
+from ..shared.state_pieces import order as piece_order
 
 SHOWN = 4  # findings shown per piece; the rest are counted
 
@@ -129,35 +131,6 @@ def curve_findings(expected: list[float], got: list[float], exact: bool, k: int 
             f"(relative {dev[step]:.3g}); {int(bad.sum())} of {len(a)} steps differ, where they must agree {lane}"]
 
 
-def merge_boundaries(boundaries: list[dict[str, dict[str, str]]]) -> dict[str, dict[str, str]]:
-    """Every rank's boundary digests in one table: tensors from rank 0, generators from each rank."""
-    merged: dict[str, dict[str, str]] = {}
-    for rank, boundary in enumerate(boundaries):
-        for piece, items in boundary.items():
-            if rank == 0 or piece.startswith("rng."):
-                merged.setdefault(piece, {}).update(items)
-    return merged
-
-
-def _piece_digest(items: dict[str, str]) -> str:
-    import hashlib
-
-    return hashlib.sha256("".join(f"{k}={v};" for k, v in sorted(items.items())).encode()).hexdigest()
-
-
-def _differs(piece: str, expected: dict[str, str], got: dict[str, str]) -> str:
-    """'' when equal; else how many items differ and the first."""
-    names = sorted(set(expected) | set(got))
-    wrong = [n for n in names if expected.get(n) != got.get(n)]
-    if not wrong:
-        return ""
-    first = wrong[0]
-    unit = "ranks" if piece.startswith("rng.") else "tensors" if piece.startswith(("model", "optimizer.e", "optimizer.s")) \
-        else "entries"
-    detail = f"{first}: {expected.get(first, '-')} -> {got.get(first, '-')}" if len(expected.get(first, "")) < 20 else first
-    return f"{len(wrong)} of {len(names)} {unit} differ, first {detail}"
-
-
 def boundary_table(straight: dict[str, dict[str, str]], saved: dict[str, dict[str, str]],
                    loaded: dict[str, dict[str, str]], k: int) -> tuple[list[str], list[str]]:
     """(the table's lines, the pieces whose loaded state is not the saved state).
@@ -165,28 +138,19 @@ def boundary_table(straight: dict[str, dict[str, str]], saved: dict[str, dict[st
     Columns: the straight run's state after k steps, the first run's at its save, the second run's
     after its load, right before step k. Loaded against saved is the checkpoint's job and must be
     exact on any stack; saved against straight differs only where the stack is not deterministic."""
-    pieces = sorted(set(straight) | set(saved) | set(loaded), key=_order)
+    pieces = sorted(set(straight) | set(saved) | set(loaded), key=piece_order)
     width = max(len(p) for p in pieces) if pieces else 10
     lines = [f"state at the resume boundary (before step {k}), sha256 per piece of state:",
              f"  {'piece':<{width}}  {'straight':<12}  {'saved':<12}  {'loaded':<12}  loaded vs saved"]
     differing = []
     for piece in pieces:
         a, b, c = straight.get(piece, {}), saved.get(piece, {}), loaded.get(piece, {})
-        verdict = _differs(piece, b, c)
+        verdict = differs(piece, b, c)
         if verdict:
             differing.append(piece)
-        lines.append(f"  {piece:<{width}}  {_piece_digest(a)[:12]:<12}  {_piece_digest(b)[:12]:<12}  "
-                     f"{_piece_digest(c)[:12]:<12}  {'DIFFERS: ' + verdict if verdict else 'same'}")
+        lines.append(f"  {piece:<{width}}  {piece_digest(a)[:12]:<12}  {piece_digest(b)[:12]:<12}  "
+                     f"{piece_digest(c)[:12]:<12}  {'DIFFERS: ' + verdict if verdict else 'same'}")
     return lines, differing
-
-
-ORDER = ("model", "optimizer.exp_avg", "optimizer.exp_avg_sq", "optimizer.step", "optimizer.param_groups",
-         "lr_scheduler", "rng.python",
-         "rng.numpy", "rng.torch_cpu", "rng.torch_device", "data.position")
-
-
-def _order(piece: str) -> tuple[int, str]:
-    return (ORDER.index(piece) if piece in ORDER else len(ORDER), piece)
 
 
 def resume_findings(straight: RunRecord, first: RunRecord, second: RunRecord, k: int) -> tuple[list[str], list[str]]:
@@ -198,14 +162,14 @@ def resume_findings(straight: RunRecord, first: RunRecord, second: RunRecord, k:
     at_k, saved, loaded = straight.results["boundary"], first.results["boundary"], second.results["boundary"]
     table, differing = boundary_table(at_k, saved, loaded, k)
     exact = bool(straight.results.get("deterministic"))
-    out = [f"{piece} after the load is not the saved state ({_differs(piece, saved.get(piece, {}), loaded.get(piece, {}))})"
+    out = [f"{piece} after the load is not the saved state ({differs(piece, saved.get(piece, {}), loaded.get(piece, {}))})"
            for piece in differing]
     resumed = list(first.series.get("loss", [])) + list(second.series.get("loss", []))
     out += curve_findings(straight.series.get("loss", []), resumed, exact, k)
     if exact:  # on a deterministic stack the first half must repeat the straight run exactly
         out += [f"{piece} at the save differs from the straight run's after {k} steps, on a deterministic stack "
-                f"({_differs(piece, at_k[piece], saved.get(piece, {}))})"
-                for piece in sorted(at_k, key=_order) if _differs(piece, at_k[piece], saved.get(piece, {}))]
+                f"({differs(piece, at_k[piece], saved.get(piece, {}))})"
+                for piece in sorted(at_k, key=piece_order) if differs(piece, at_k[piece], saved.get(piece, {}))]
     return out, (table if out else [])
 
 

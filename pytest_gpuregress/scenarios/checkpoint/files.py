@@ -3,7 +3,7 @@
 Accepted: one ``.safetensors`` file; a folder with ``model.safetensors``, or with shards listed in
 ``model.safetensors.index.json`` (transformers' layout), or with ``*.safetensors`` files; or a
 gpuregress reference folder of the checkpoint scenario (its tensors under ``checkpoint/``).
-Each file goes through the formats scenario's strict reader (formats/checkpoint.py), which checks
+Each file goes through the plugin's strict reader (scenarios/shared/safetensors_file.py), which checks
 every header entry and offset, so a truncated shard is one error naming the file, not a deep
 traceback. Nothing is ever unpickled: ``.bin``, ``.pt`` and ``.pth`` files are refused by name.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ..formats import checkpoint as safetensors_file
-from ..formats.errors import CheckpointProblem
+from ...errors import CheckpointProblem
+from ..shared import safetensors_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

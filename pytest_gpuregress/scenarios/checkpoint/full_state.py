@@ -8,8 +8,8 @@ checks the file with the strict reader (files.py, ``portable.match``: clear erro
 with the stack's loader, ``safetensors.torch.load_model``: what is compared afterwards (tensors, the
 tie, logits) is what the stack made of the file, not a copy of our own.
 
-Hook points a fault replaces, called through this module: ``gather`` (what the save collects),
-``tensors_to_save`` (which names go into the file) and ``stack_load`` (the stack's file -> model).
+Fault points (fault_points.py): ``gather`` (what the save collects), ``tensors_to_save`` (which
+names go into the file) and ``stack_load`` (the stack's file -> model).
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import GpuRegressError
+from ...errors import CheckpointProblem, GpuRegressError
+from ...fault_points import fault_point
 from ...reference import atomic
-from ..formats.errors import CheckpointProblem
 from . import files, hooks, portable
 
 TIED_METADATA = "gpuregress.tied"  # JSON: alias -> the name the tensor is stored under
 
 
+@fault_point("checkpoint.gather")
 def gather(model: Any) -> dict[str, Any]:
     """The whole state dict on rank 0 (CPU tensors), empty on the other ranks. Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -35,6 +36,7 @@ def gather(model: Any) -> dict[str, Any]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+@fault_point("checkpoint.tensors_to_save")
 def tensors_to_save(state: dict[str, Any], groups: list[list[str]]) -> dict[str, Any]:
     """One entry per tied group, under its first name; every untied tensor as it is."""
     aliases = {name for group in groups for name in group[1:]}
@@ -60,6 +62,7 @@ def reload(path: Path, model_config: Any, label: str) -> Any:
     return model
 
 
+@fault_point("checkpoint.stack_load")
 def stack_load(model: Any, path: Path) -> None:
     """``safetensors.torch.load_model(strict=True)``: the stack's loader, tied names stored once included (it
     matches them to the model's shared tensors itself, so what ``check_ties`` sees afterwards is its doing)."""

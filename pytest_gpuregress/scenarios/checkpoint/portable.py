@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ...triage.bounds import step0_bound
-from ..formats.errors import CheckpointProblem
+from ...errors import CheckpointProblem
+from ...reference.bounds import step0_bound
 from . import hooks
 from .files import FLOAT_TAGS, TORCH_NAMES, CheckpointFiles
 
@@ -40,7 +40,7 @@ def fixed_batch(vocab_size: int, rows: int = BATCH[0], length: int = BATCH[1]) -
 def logits_bound(model_config: Any, length: int = BATCH[1]) -> float:
     """How far float32 logits may be from float64 ones, relative to the largest: u sqrt(n) (L + 1).
 
-    The bound of triage's experiments (triage/bounds.py): u = 2^-24, n the longest inner product
+    The bound of triage's experiments (reference/bounds.py): u = 2^-24, n the longest inner product
     of the forward (the MLP's, the hidden size's or the sequence's), L + 1 the layers plus the head
     at which a rounding difference can enter again. Two machines each within it of float64 differ
     by at most twice it."""

@@ -24,8 +24,9 @@ from typing import Any
 
 from ...errors import GpuRegressError
 from ...reference.record import RunRecord, float_digest
+from ...training import rng_state as rng
 from ..base import RankContext
-from . import checks, files, full_state, plan, portable, rng, state, trainer, trainer_io
+from . import checks, files, full_state, plan, portable, state, trainer, trainer_io
 
 SCRAMBLE_SEED = 987_654_321  # generators before a load: a value no run seeds with
 

@@ -10,8 +10,8 @@ Unpickling: DCP's ``.metadata`` file is a pickle, written and read by torch itse
 reads DCP checkpoints only from folders its own ranks wrote moments before, in a temporary folder
 it created; never a checkpoint a user points to (the portability path reads safetensors only).
 
-``save`` and ``load`` are called through this module, so faults can replace them
-(faults/checkpoint.py: a shard written from rank 0 only, chunks permuted when resharding).
+``save`` and ``load`` are fault points (fault_points.py: faults/checkpoint.py writes a shard from
+rank 0 only, or permutes chunks when resharding).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ...errors import CheckpointProblem
+from ...fault_points import fault_point
 from ...reference import atomic
-from ..formats.errors import CheckpointProblem
 
 METADATA = ".metadata"
 
@@ -37,6 +38,7 @@ def tensors_only(state: dict[str, Any], where: str = "") -> None:
             raise TypeError(f"{where}{key} is a {type(value).__name__}: only tensors go to DCP (anything else is pickled)")
 
 
+@fault_point("checkpoint.sharded_save")
 def save(state: dict[str, Any], folder: Path) -> None:
     """Save ``state`` (nested dicts of tensors and DTensors) into ``folder``. Collective."""
     import torch.distributed as dist
@@ -56,6 +58,7 @@ def staging(folder: Path) -> Path:
     return folder.with_name(f".{folder.name}.staging")
 
 
+@fault_point("checkpoint.sharded_load")
 def load(state: dict[str, Any], folder: Path, saved_world: int) -> None:
     """Fill ``state``'s tensors in place from ``folder``, at this run's world size. Collective.
 

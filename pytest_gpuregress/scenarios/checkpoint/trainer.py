@@ -15,8 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from ...training import loop
 from ...training.data import token_source
-from ...training.schedule import lr_factor
+from ...training.fsdp2 import shard
+from ...training.loop import TrainStep, clip_gradients
+from ...training.optimizer import AdamWSettings, Optimization, Schedule, adamw
+from ...training.shard_units import shard_units
 
 IGNORE = -100  # cross_entropy's ignore_index: a dropped label
 
@@ -52,8 +56,7 @@ class StochasticBatches:
 @dataclass
 class Trainer:
     model: Any
-    optimizer: Any
-    scheduler: Any
+    optimization: Optimization  # AdamW and its schedule (training/optimizer.py)
     data: StochasticBatches
     device: Any
     rank: int
@@ -61,39 +64,31 @@ class Trainer:
     names: list[str] = field(default_factory=list)
 
     @property
+    def optimizer(self) -> Any:
+        return self.optimization.optimizer
+
+    @property
+    def scheduler(self) -> Any:
+        return self.optimization.scheduler
+
+    @property
     def params(self) -> list[Any]:
         return list(self.optimizer.param_groups[0]["params"])
 
-    def step(self) -> tuple[float, float]:
-        """One optimizer step; returns (the loss averaged over ranks, the global gradient norm)."""
+    def loss(self) -> Any:
+        """This rank's loss on the next global batch; advances the data position."""
         import torch
-        import torch.distributed as dist
 
         inputs, labels = self.data.next(self.rank, self.world_size, self.device)
         logits = self.model(input_ids=inputs).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                  ignore_index=IGNORE)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(self.params, float(self.data.config["grad_clip"]))
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        total = loss.detach().double()
-        dist.all_reduce(total)
-        return float(total) / self.world_size, float(norm.double())
 
-
-def shard(model: Any) -> Any:
-    """``fully_shard`` on every decoder layer and the root, fp32 throughout."""
-    from torch.distributed.fsdp import fully_shard
-
-    from ...training.models import decoder_layers
-
-    for layer in decoder_layers(model):
-        fully_shard(layer)
-    fully_shard(model)
-    return model
+    def train_step(self) -> TrainStep:
+        """The shared training step (training/loop.py) over this trainer: every parameter clipped, none tracked."""
+        max_norm = float(self.data.config["grad_clip"])
+        return TrainStep(loss=lambda _step: self.loss(), optimization=self.optimization,
+                         clip=lambda: clip_gradients(self.params, max_norm))
 
 
 def build(cfg: dict[str, Any], ctx: Any) -> Trainer:
@@ -103,25 +98,20 @@ def build(cfg: dict[str, Any], ctx: Any) -> Trainer:
     from ...training.models import blueprint, build_causal_lm
 
     model_config = blueprint(cfg)
-    model = shard(build_causal_lm(model_config, seed=int(cfg["seed"])).to(torch.device(ctx.device)))
+    model = build_causal_lm(model_config, seed=int(cfg["seed"])).to(torch.device(ctx.device))
+    shard(shard_units(model), mp_policy=None)  # no mixed precision: fp32 throughout, on every platform
     named = list(model.named_parameters())
-    optimizer = torch.optim.AdamW([p for _, p in named], lr=float(cfg["lr"]), betas=tuple(cfg["betas"]),
-                                  eps=float(cfg["eps"]), weight_decay=float(cfg["weight_decay"]), foreach=False)
-    steps = int(cfg["steps"])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, steps, int(cfg["warmup_steps"]), float(cfg["min_lr_ratio"])))
+    optimization = Optimization.of(adamw([p for _, p in named], AdamWSettings.from_config(cfg)),
+                                   Schedule.from_config(cfg))
     data = StochasticBatches(token_source(cfg, model_config.vocab_size), cfg)
-    return Trainer(model, optimizer, scheduler, data, torch.device(ctx.device), ctx.rank, ctx.world_size,
+    return Trainer(model, optimization, data, torch.device(ctx.device), ctx.rank, ctx.world_size,
                    [n for n, _ in named])
 
 
 def train(trainer: Trainer, steps: range, ctx: Any) -> tuple[list[float], list[float]]:
-    """Run ``steps`` (their numbers are only for progress reports); return (losses, gradient norms)."""
-    losses: list[float] = []
-    norms: list[float] = []
-    for step in steps:
-        loss, norm = trainer.step()
-        losses.append(loss)
-        norms.append(norm)
-        ctx.step_done(step)
-    return losses, norms
+    """Run ``steps`` (their numbers are only for progress reports); return (losses, gradient norms).
+
+    ``ctx.step_done`` gets the step numbers only (progress lines, injected step faults): fail-fast does
+    not stop a checkpoint run."""
+    curves = loop.train(ctx, trainer.train_step(), steps, report_metrics=False, stop_when_told=False)
+    return curves.losses, curves.grad_norms

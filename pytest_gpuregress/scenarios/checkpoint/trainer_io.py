@@ -2,11 +2,11 @@
 
 Layout (every file written atomically; ``trainer.json`` last, so its presence means complete):
   tensors/            DCP: the model's parameters and the optimizer's exp_avg, exp_avg_sq and step
-  rng-rank<r>.json    rank r's generators (rng.py)
+  rng-rank<r>.json    rank r's generators (training/rng_state.py)
   trainer.json        the optimizer's param groups, the LR scheduler, the data position, the step
                       and the world size that saved it
-Hook points a fault replaces, called through this module: ``apply_model`` (loaded weights into the
-model) and ``apply_optimizer`` (loaded state into the optimizer).
+Fault points (fault_points.py), shared with every resume (training/state_apply.py): ``apply_model``
+(loaded weights into the model) and ``apply_optimizer`` (loaded state into the optimizer).
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ...errors import CheckpointProblem
 from ...reference import atomic
-from ..formats.errors import CheckpointProblem
-from . import hooks, rng, sharded, state
+from ...training import rng_state as rng
+from ...training.state_apply import apply_model, apply_optimizer
+from . import hooks, sharded, state
 from .trainer import Trainer
 
 FORMAT = "gpuregress-trainer-checkpoint/1"
@@ -96,15 +98,3 @@ def load(trainer: Trainer, folder: Path, *, with_rng: bool, device_kind: str) ->
         rng.restore(read_json(rng_file(folder, trainer.rank), "generator state of this rank"), device_kind)
     hooks.after_load(dict(zip(trainer.names, trainer.params)))
     return meta
-
-
-def apply_model(trainer: Trainer, model_state: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-    set_model_state_dict(trainer.model, model_state)
-
-
-def apply_optimizer(trainer: Trainer, optim_state: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-    set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state)

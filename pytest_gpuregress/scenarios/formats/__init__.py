@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...plugin.options import SCENARIO_OPTIONS
 from ...reference.compare import Comparison, Finding, choose_lane
 from ...reference.record import RunRecord
+from ...scenario_options import SCENARIO_OPTIONS
 from ...stack import fingerprint as fp
 from ...warn import warn_at_test
 from ..base import Case, CheckScenario, Launch, Setup

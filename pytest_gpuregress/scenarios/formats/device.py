@@ -1,8 +1,7 @@
 """On the device: the casts, decodes and quantization steps that the checks exercise. Rank side.
 
-Faults (``pytest_gpuregress/faults/formats.py``) replace functions of this module on a rank, to
-emulate the bug classes of docs/faults.md section 2. So every caller uses them as attributes of
-this module (``device.decode(...)``), never through from-imports.
+The functions marked ``@fault_point`` are where faults (``pytest_gpuregress/faults/formats.py``)
+act on a rank, to emulate the bug classes of docs/faults.md section 2 (fault_points.py).
 
 torch has no fp4 cast: torch 2.13 raises '"copy_kernel" not implemented for Float4_e2m1fn_x2'
 (measured); float4_e2m1fn_x2 only holds packed pairs. fp4 therefore goes through the torch-op codec
@@ -15,6 +14,7 @@ import math
 
 import torch
 
+from ...fault_points import fault_point
 from .catalog import FORMATS, Format
 
 E8M0_BIAS = 127
@@ -46,6 +46,7 @@ def native_fp4_cast() -> bool:
 # --- reading and casting ---------------------------------------------------------------------------
 
 
+@fault_point("formats.decode")
 def decode(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
     """float32 values of uint8 ``codes`` (one per element) read as ``fmt``: how the device reads bytes."""
     if fmt.packed:
@@ -53,6 +54,7 @@ def decode(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
     return codes.view(torch_dtype(fmt)).to(torch.float32)
 
 
+@fault_point("formats.cast")
 def cast(values: torch.Tensor, fmt: Format) -> torch.Tensor:
     """uint8 codes of float32 ``values`` cast to ``fmt`` on the device (torch's conversion)."""
     if fmt.packed:
@@ -60,6 +62,7 @@ def cast(values: torch.Tensor, fmt: Format) -> torch.Tensor:
     return values.to(torch_dtype(fmt)).view(torch.uint8)
 
 
+@fault_point("formats.format_max")
 def format_max(fmt: Format) -> float:
     """The largest finite value, as a quantizer asks torch for it."""
     if fmt.packed:
@@ -70,6 +73,7 @@ def format_max(fmt: Format) -> float:
 # --- quantization steps ------------------------------------------------------------------------------
 
 
+@fault_point("formats.fn_to_fnuz")
 def fn_to_fnuz(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3fn codes and scale to e4m3fnuz, as ROCm loaders convert checkpoints (vLLM's
     normalize_e4m3fn_to_e4m3fnuz): the same bytes read as fnuz are worth half, so the scale doubles;
@@ -77,6 +81,7 @@ def fn_to_fnuz(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, 
     return torch.where(codes == 0x80, torch.zeros_like(codes), codes), scale * 2
 
 
+@fault_point("formats.mx_scale_exponent")
 def mx_scale_exponent(amax: torch.Tensor, fmt: Format) -> torch.Tensor:
     """OCP MX v1.0 section 6.3: floor(log2(amax)) - emax of the element format; 2**-127 for zero blocks.
     frexp is exact where log2 need not be correctly rounded on a GPU."""

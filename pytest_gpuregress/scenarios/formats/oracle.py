@@ -1,7 +1,8 @@
 """The independent oracle: ml_dtypes, the numpy dtype library maintained with JAX. torch-free.
 
-Every decode and round-to-nearest-even encode here is ml_dtypes'; nothing is hand-written except
-the fp4 nibble layout (two codes per byte, low nibble first), which is packing, not decoding.
+Every decode and round-to-nearest-even encode here is ml_dtypes'; nothing is hand-written. The fp4
+nibble layout (two codes per byte, low nibble first) is packing, not decoding: the file codec's
+(scenarios/shared/safetensors_file.py), re-exported here.
 tests/test_formats_oracle.py pins codes from the OCP 8-bit floating point and MX specifications,
 so the oracle itself is checked.
 """
@@ -14,6 +15,8 @@ from functools import cache
 import ml_dtypes
 import numpy as np
 
+from ..shared.safetensors_file import pack_nibbles as pack_nibbles
+from ..shared.safetensors_file import unpack_nibbles as unpack_nibbles
 from .catalog import FORMATS, Format
 
 
@@ -53,22 +56,6 @@ def encode(values: np.ndarray, fmt: Format) -> np.ndarray:
     """Round-to-nearest-even codes of float32 ``values``, as uint8 (OCP's non-saturating conversion:
     overflow gives NaN or inf where the format has them; fp4 has neither and saturates)."""
     return np.ascontiguousarray(values, dtype=np.float32).astype(dtype(fmt)).view(np.uint8)
-
-
-def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
-    """Packed fp4 bytes to one code per element: element 2i in the low nibble of byte i."""
-    packed = np.ascontiguousarray(packed, dtype=np.uint8)
-    out = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), dtype=np.uint8)
-    out[..., 0::2] = packed & 0x0F
-    out[..., 1::2] = packed >> 4
-    return out
-
-
-def pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    codes = np.ascontiguousarray(codes, dtype=np.uint8)
-    if codes.shape[-1] % 2:
-        raise ValueError(f"fp4 codes pack in pairs along the last dimension; it has {codes.shape[-1]}")
-    return (codes[..., 0::2] & 0x0F) | (codes[..., 1::2] << 4)
 
 
 def same_values(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -1,65 +1,34 @@
 """Scenario ``fsdp``: fixed-seed FSDP2 training of a tiny Llama, compared with its stored reference.
 
-Session side: the configuration per device. The training loop itself is in ``rank.py``.
+Session side: the configuration per device. The training loop itself is in ``rank.py``. The case
+``resume`` (``fsdp-resume``) resumes the reference's own checkpoint on this stack and trains on
+(resume_plan.py, resume.py, resume_verdict.py; docs/checkpoint.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from ...errors import NotApplicable
+from ...reference.compare import Comparison
 from ...reference.record import RunRecord
+from ...scenario_options import SCENARIO_OPTIONS
 from ..base import Case, Launch, Scenario, Setup
+from ..shared.replicas import perturbed_launches
+from ..shared.state_pieces import merge_boundaries
+from ..shared.training_config import COMMON, dropout_off, training_config
+from . import resume_plan, resume_verdict
+from .resume import RESULT_KEY as RESUME_RESULTS
+
+Runner = Callable[[Scenario, Launch], RunRecord]
 
 # Per-size defaults. The CPU size runs 300 steps in well under a minute on two cores.
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": {"model_size": "cpu", "dtype": "fp32", "global_batch": 16, "seq_len": 64, "lr": 3e-3},
     "cuda": {"model_size": "gpu", "dtype": "bf16", "global_batch": 48, "seq_len": 256, "lr": 6e-4},
 }
-COMMON: dict[str, Any] = {
-    "model": "tiny-llama",
-    "steps": 300,
-    "seed": 0,
-    "data_seed": 1234,
-    "warmup_steps": 20,
-    "min_lr_ratio": 0.1,
-    "weight_decay": 0.1,
-    "betas": [0.9, 0.95],
-    "eps": 1e-8,
-    "grad_clip": 1.0,
-}
-
-
-def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, dict[str, Any]],
-                    model: str | None = None) -> dict[str, Any]:
-    """A training scenario's config: common values, the device's, the steps asked for, the model's identity.
-
-    ``model``: the name of a user's model (--gpuregress-model) to train instead of the scenario's own."""
-    from ...training.models import architecture_of
-    from ...training.token_file import describe_for
-
-    config = dict(common)
-    config.update(per_device["cuda" if setup.device_kind == "cuda" else "cpu"])
-    if setup.steps is not None:
-        config["steps"] = int(setup.steps)
-    if model is not None:  # the name is its identity with the digest below; the file is where it lives here
-        config.update(setup.model(model).config_fields())
-        switched = dropout_off(setup, model)
-        if switched:  # training/dropout.py; a model without dropout keeps its config and its references
-            config["dropout_off"] = switched
-    config["model_architecture"] = architecture_of(config)
-    tokens = describe_for(config, setup.tokens)  # a user's token sample replaces the synthetic data
-    if tokens is not None:
-        config["tokens"] = tokens
-    return config
-
-
-def dropout_off(setup: Setup, model: str) -> dict[str, float]:
-    """The stochastic config fields training switches off for a user's model (none for a factory's: its dropout
-    modules are silenced on the ranks, and its code is not a config file to read here)."""
-    from ...training.dropout import config_file_dropout
-
-    spec = setup.model(model)
-    return {} if spec.factory else dict(config_file_dropout(spec.config_file(setup.device_kind)))
 
 
 class FsdpScenario(Scenario):
@@ -68,6 +37,8 @@ class FsdpScenario(Scenario):
     rank_entry = "pytest_gpuregress.scenarios.fsdp.rank:run"
     supports_triage = True
     trains_user_models = True
+    options = SCENARIO_OPTIONS["fsdp"]  # declared with the plugin's: pytest reads them without importing this
+    comparator_type = resume_plan.FsdpComparator
 
     def default_config(self, setup: Setup) -> dict[str, Any]:
         return training_config(setup, COMMON, DEVICE_DEFAULTS)
@@ -86,7 +57,42 @@ class FsdpScenario(Scenario):
 
     def cases(self, setup: Setup) -> list[Case]:
         # The tiny Llama keeps the id and reference "fsdp"; each model of --gpuregress-model adds "fsdp-<model>".
-        return [Case(self.name), *(Case(m.name, launch=m.name, data={"model": m.name}) for m in setup.models)]
+        return [Case(self.name), resume_plan.CASE,
+                *(Case(m.name, launch=m.name, data={"model": m.name}) for m in setup.models)]
+
+    def reference_name(self, case: Case) -> str | None:
+        # The resume case judges the fsdp reference's continuation: it shares the reference, and records it.
+        return self.name if resume_plan.is_resume(case) else super().reference_name(case)
+
+    def attachments(self, case: Case, record: RunRecord, run: Runner, setup: Setup) -> dict[str, Path]:
+        return resume_plan.attachments(self, case, record, run, setup)
+
+    def experiment(self, case: Case, run: Runner, setup: Setup) -> RunRecord | None:
+        """None (the usual launch); the resume case is skipped, recording or comparing, where it is off (GPUs)."""
+        off = resume_plan.off_here(setup) if resume_plan.is_resume(case) else None
+        if off:
+            raise NotApplicable(off)
+        return None
+
+    def from_reference(self, case: Case, reference: Callable[[], RunRecord], run: Runner,
+                       setup: Setup) -> RunRecord | None:
+        return resume_plan.continue_from(self, reference, run, setup) if resume_plan.is_resume(case) else None
+
+    def triage_explains(self, case: Case) -> bool:
+        return not resume_plan.is_resume(case)  # triage reruns step 0, which a continuation never ran
+
+    def merge(self, records: list[RunRecord]) -> RunRecord:
+        """The default merge, and every rank's generator digests of a resume launch."""
+        merged = super().merge(records)
+        resume = merged.results.get(RESUME_RESULTS)
+        if resume and "boundary" in resume:
+            resume["boundary"] = merge_boundaries([r.results[RESUME_RESULTS]["boundary"] for r in records])
+        return merged
+
+    def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
+        if resume_plan.is_resume(case):
+            return resume_verdict.compare(reference, record, lane)
+        return super().compare(reference, record, case, lane)
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
         keys = dict.fromkeys(c.launch for c in cases)
@@ -150,14 +156,6 @@ def reduce_scatter_message(param: str, shapes: dict[str, tuple[int, ...]], world
     group = _group(param)
     members = [name for name in shapes if _group(name) == group]
     return f"reduce-scatter of {group}, {human_bytes(reduce_scatter_bytes(members, shapes, world_size))}"
-
-
-def perturbed_launches(launch: Launch, setup: Setup, count: int) -> list[Launch]:
-    """The noise replicas of a training launch: its config with a ``perturbation`` the rank code applies."""
-    from ...training.noise import replica_plan
-
-    return [Launch(f"replica-{perturbation}", {**launch.config, "perturbation": perturbation}, {**launch.env, **env})
-            for perturbation, env in replica_plan(count, setup.device_kind)]
 
 
 SCENARIO = FsdpScenario()

@@ -15,7 +15,7 @@ import numpy as np
 from ...reference import step0 as step0_arrays
 from ...reference.record import RunRecord, float_digest
 from ...training.observe import StepObserver
-from ...training.schedule import lr_factor
+from ...training.optimizer import AdamWSettings, Optimization, Schedule, adamw
 from ..base import RankContext
 
 
@@ -23,12 +23,14 @@ def run(ctx: RankContext) -> RunRecord:
     """Train on this rank and return what a regression moves."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ...training.data import token_source
+    from ...training.fsdp2 import mixed_precision, shard
+    from ...training.loop import TrainStep, clip_gradients, train
     from ...training.models import blueprint, build_causal_lm
     from ...training.moe import expert_load, is_moe
     from ...training.noise import apply_kernel_path, apply_weight_perturbation
+    from ...training.op_trace import for_rank as op_tracer
     from ...training.shard_units import RESULT_KEY, describe_units, shard_units
     from ...training.step import next_token_loss, rank_tokens
     from ...training.switches import apply_switches
@@ -44,61 +46,37 @@ def run(ctx: RankContext) -> RunRecord:
     model = model.to(device)
     ctx.progress("model built")
 
-    mp_policy = MixedPrecisionPolicy()
-    if cfg["dtype"] == "bf16":
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     units = shard_units(model)  # each decoder layer, then the root
     # Kept before wrapping, which replaces the parameters: a failure names the unit that carried a gradient.
     unit_table = describe_units(model, units, ctx.world_size)
-    for _path, unit in units:
-        fully_shard(unit, mp_policy=mp_policy)
+    shard(units, mp_policy=mixed_precision(cfg["dtype"]))
 
     names = [n for n, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
-    opt = torch.optim.AdamW(
-        params,
-        lr=float(cfg["lr"]),
-        betas=tuple(cfg["betas"]),
-        eps=float(cfg["eps"]),
-        weight_decay=float(cfg["weight_decay"]),
-        foreach=False,
+    data = token_source(cfg, model_config.vocab_size)
+    step0: dict[str, np.ndarray] = {}
+
+    def keep_step0(step: int) -> None:
+        """This rank's shard of every step-0 gradient: merge() assembles the tensors."""
+        if step != 0:
+            return
+        for name, p in zip(names, params):
+            # A parameter the loss does not use (a user's model may have one) has no gradient: zero, as AdamW sees it.
+            grad = p.grad.to_local() if p.grad is not None else torch.zeros_like(p.to_local())
+            step0.update(step0_arrays.shard_arrays(name, grad.float().cpu().numpy(), tuple(p.shape),
+                                                   ctx.rank, ctx.world_size, step0_arrays.full_max_of(cfg)))
+
+    step = TrainStep(
+        loss=lambda s: next_token_loss(model, rank_tokens(data, s, ctx, perturbation, device)),
+        optimization=Optimization.of(adamw(params, AdamWSettings.from_config(cfg)), Schedule.from_config(cfg)),
+        clip=lambda: clip_gradients(params, float(cfg["grad_clip"])),
+        tracked=params,
+        inspect=keep_step0,
+        op_trace=op_tracer(ctx, model),
     )
     steps = int(cfg["steps"])
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, steps, int(cfg["warmup_steps"]), float(cfg["min_lr_ratio"]))
-    )
-    data = token_source(cfg, model_config.vocab_size)
-
-    losses: list[float] = []
-    grad_norms: list[float] = []
-    param_norms = np.zeros((steps, len(params)), dtype=np.float64)
-    step0: dict[str, np.ndarray] = {}
     observer = StepObserver(ctx, steps, tokens_per_step=int(cfg["global_batch"]) * int(cfg["seq_len"]))
-    ctx.progress("training")
-    for step in range(steps):
-        with observer.step(step):
-            loss = next_token_loss(model, rank_tokens(data, step, ctx, perturbation, device))
-            loss.backward()
-            # A parameter the loss does not use (a user's model may have one) has no gradient: zero, as AdamW sees it.
-            grads = [p.grad.to_local() if p.grad is not None else torch.zeros_like(p.to_local()) for p in params]
-            # One float64 all-reduce per step carries the loss and every parameter's squared norm.
-            stats = torch.stack([loss.detach().double()] + [g.double().pow(2).sum() for g in grads])
-            if step == 0:
-                for name, p, g in zip(names, params, grads):  # this rank's shard only: merge() assembles the tensors
-                    step0.update(step0_arrays.shard_arrays(name, g.float().cpu().numpy(), tuple(p.shape),
-                                                           ctx.rank, ctx.world_size, step0_arrays.full_max_of(cfg)))
-            total = torch.nn.utils.clip_grad_norm_(params, float(cfg["grad_clip"]))
-            total = total.full_tensor() if hasattr(total, "full_tensor") else total
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            dist.all_reduce(stats)
-            stats = stats.cpu()
-            losses.append(float(stats[0]) / ctx.world_size)
-            grad_norms.append(float(total.double()))
-            param_norms[step] = stats[1:].sqrt().numpy()
-        if ctx.step_done(step, loss=losses[-1], grad_norm=grad_norms[-1]):
-            break
+    curves = train(ctx, step, range(steps), observer=observer, progress="training")
 
     observer.finish(ctx.world_size)
     results = observer.results()
@@ -110,6 +88,9 @@ def run(ctx: RankContext) -> RunRecord:
             results["expert_load"] = (load / ctx.world_size).tolist()
         except (RuntimeError, ValueError, LookupError) as exc:
             results["expert_load_error"] = f"{type(exc).__name__}: {exc}"
+    traced: dict[str, np.ndarray] = {}
+    if step.op_trace is not None:
+        step.op_trace.store(results, traced)  # step 0's op trace (training/op_trace.py)
     digests = {}
     for name, p in zip(names, params):
         digests[name] = float_digest(p.detach().full_tensor().float().cpu().numpy())
@@ -118,9 +99,9 @@ def run(ctx: RankContext) -> RunRecord:
         config=dict(cfg),
         platform_key="",  # set by the plugin, which knows the platform
         world_size=ctx.world_size,
-        series={"loss": losses, "grad_norm": grad_norms},
+        series={"loss": curves.losses, "grad_norm": curves.grad_norms},
         param_names=names,
-        arrays={"param_grad_norm": param_norms[: len(losses)], **step0},
+        arrays={"param_grad_norm": curves.param_norms(len(params)), **step0, **traced},
         digests=digests,
         results=results,
         timings=observer.timings(),

@@ -12,11 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...plugin.options import LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
 from ...reference.record import RunRecord
+from ...scenario_options import LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
 from ..base import Case, Launch, Scenario, Setup
-from ..fsdp import COMMON as FSDP_COMMON
-from ..fsdp import perturbed_launches, training_config
+from ..shared.replicas import perturbed_launches
+from ..shared.training_config import COMMON as TRAINING_COMMON
+from ..shared.training_config import training_config
 
 if TYPE_CHECKING:  # for annotations only: the session side imports model code when it needs it
     from ...training.projections import BlockProjections
@@ -29,7 +30,7 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": {"model_size": "cpu", "dtype": "fp32", "global_batch": 16, "seq_len": 64, "lr": 1e-2},
     "cuda": {"model_size": "gpu", "dtype": "bf16", "global_batch": 48, "seq_len": 256, "lr": 2e-3},
 }
-COMMON: dict[str, Any] = {**FSDP_COMMON, "weight_decay": 0.0, "lora_r": 8, "lora_alpha": 16}
+COMMON: dict[str, Any] = {**TRAINING_COMMON, "weight_decay": 0.0, "lora_r": 8, "lora_alpha": 16}
 
 
 class LoraScenario(Scenario):

@@ -1,7 +1,7 @@
 """Rank side: put a peft LoRA adapter on the base model, with platform-independent initial values.
 
-``wrap_with_lora`` is called through this module (``adapter.wrap_with_lora``), so a fault can patch
-it (faults/lora.py: a base weight left trainable, as a broken peft release would).
+``wrap_with_lora`` is a fault point (fault_points.py: faults/lora.py leaves a base weight trainable,
+as a broken peft release would).
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ...training.models import seeded_normal
+from ...fault_points import fault_point
+from ...training.seeding import seeded_normal
 from . import checks
 
 
@@ -34,6 +35,7 @@ def targeted_modules(model: Any, targets: list[str]) -> list[str]:
             if is_projection(module) and any(matches(t, name) for t in targets)]
 
 
+@fault_point("lora.wrap")
 def wrap_with_lora(base: Any, cfg: dict[str, Any]) -> Any:
     """The peft model: base weights frozen, lora_A from the counter-based seed (not torch's RNG), lora_B zero."""
     import torch

@@ -1,7 +1,7 @@
 """Rank side: save the adapter as users do (save_pretrained, safetensors) and reload it into a fresh base model.
 
-Hook points a fault patches are module-level functions called through this module:
-``gather_for_save`` (how the full state dict is collected) and ``write_adapter`` (the save itself).
+Fault points (fault_points.py): ``gather_for_save`` (how the full state dict is collected) and
+``write_adapter`` (the save itself).
 The gathered full tensors the checks compare against come from ``full_tensor``, a separate path.
 """
 
@@ -11,6 +11,8 @@ import os
 from typing import Any
 
 import numpy as np
+
+from ...fault_points import fault_point
 
 ADAPTER_FILE = "adapter_model.safetensors"
 
@@ -28,6 +30,7 @@ def to_numpy(tensor: Any) -> np.ndarray:
     return (value.float() if value.dtype == torch.bfloat16 else value).numpy().copy()
 
 
+@fault_point("lora.gather_for_save")
 def gather_for_save(model: Any) -> dict[str, Any]:
     """The full state dict, every rank's slice, on rank 0 (empty elsewhere): torch's FSDP2 path. Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -35,6 +38,7 @@ def gather_for_save(model: Any) -> dict[str, Any]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+@fault_point("lora.write_adapter")
 def write_adapter(peft_model: Any, state_dict: dict[str, Any], folder: str) -> None:
     """peft's save_pretrained, safetensors only. peft picks the adapter tensors out of ``state_dict``."""
     peft_model.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)

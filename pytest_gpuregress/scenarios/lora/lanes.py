@@ -11,6 +11,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ...training.fsdp2 import mixed_precision, shard
+from ...training.loop import clip_gradients
+from ...training.optimizer import AdamWSettings, adamw
+from ...training.shard_units import shard_units
 from . import adapter_io
 
 
@@ -19,7 +23,6 @@ class Lane:
     model: Any  # what training calls: the sharded peft model, or accelerate's wrapper
     peft_model: Any  # the PeftModel itself (for save_pretrained and per-parameter access)
     optimizer: Any
-    sharded: bool  # gradients are DTensor shards (sum over ranks) rather than replicas (identical on every rank)
     accelerator: Any = None
 
     def backward(self, loss: Any) -> None:
@@ -29,14 +32,10 @@ class Lane:
             loss.backward()
 
     def clip(self, max_norm: float) -> float:
-        params = [p for p in self.peft_model.parameters() if p.requires_grad]
-        if self.accelerator is not None:
-            total = self.accelerator.clip_grad_norm_(params, max_norm)
-        else:
-            import torch
-
-            total = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return float(adapter_io.full_tensor(total).double())
+        params = _trainable(self.peft_model)
+        if self.accelerator is None:
+            return clip_gradients(params, max_norm)
+        return float(adapter_io.full_tensor(self.accelerator.clip_grad_norm_(params, max_norm)).double())
 
     def state_dict_for_save(self) -> dict[str, Any]:
         """The full state dict the way this lane's users get it (collective; may be empty off rank 0)."""
@@ -45,32 +44,16 @@ class Lane:
         return adapter_io.gather_for_save(self.peft_model)
 
 
-def _optimizer(params: list[Any], cfg: dict[str, Any]) -> Any:
-    import torch
-
-    return torch.optim.AdamW(params, lr=float(cfg["lr"]), betas=tuple(cfg["betas"]), eps=float(cfg["eps"]),
-                             weight_decay=float(cfg["weight_decay"]), foreach=False)
-
-
 def _trainable(model: Any) -> list[Any]:
     # What the HF Trainer hands the optimizer: whatever requires grad (so a leaked base weight is trained too).
     return [p for p in model.parameters() if p.requires_grad]
 
 
 def fsdp2(peft_model: Any, cfg: dict[str, Any], device: Any) -> Lane:
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from ...training.models import decoder_layers
-
     peft_model = peft_model.to(device)
-    policy = MixedPrecisionPolicy()
-    if cfg["dtype"] == "bf16":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in decoder_layers(peft_model.base_model.model):
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(peft_model, mp_policy=policy)
-    return Lane(peft_model, peft_model, _optimizer(_trainable(peft_model), cfg), sharded=True)
+    # Each decoder layer of the wrapped model, then the peft model as the root.
+    shard(shard_units(peft_model), mp_policy=mixed_precision(cfg["dtype"]))
+    return Lane(peft_model, peft_model, adamw(_trainable(peft_model), AdamWSettings.from_config(cfg)))
 
 
 def accelerate(peft_model: Any, cfg: dict[str, Any], device_kind: str, world_size: int) -> Lane:
@@ -80,9 +63,7 @@ def accelerate(peft_model: Any, cfg: dict[str, Any], device_kind: str, world_siz
     # and refuses a "multi-node" CPU run unless it knows all ranks are local.
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
     if device_kind == "cuda":
-        import torch
         from accelerate.utils import FullyShardedDataParallelPlugin
-        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         from ...training.models import decoder_layers
 
@@ -93,16 +74,15 @@ def accelerate(peft_model: Any, cfg: dict[str, Any], device_kind: str, world_siz
             transformer_cls_names_to_wrap=sorted({type(m).__name__ for m in decoder_layers(peft_model.base_model.model)}),
             reshard_after_forward=True,
             state_dict_type="FULL_STATE_DICT",
-            mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if cfg["dtype"] == "bf16" else None,
+            mixed_precision_policy=mixed_precision(cfg["dtype"]),  # None: accelerate's default, fp32
         )
         accelerator = Accelerator(fsdp_plugin=plugin)
     else:
         accelerator = Accelerator(cpu=True)  # DDP over gloo: all accelerate offers on the CPU
-    optimizer = _optimizer(_trainable(peft_model), cfg)
+    optimizer = adamw(_trainable(peft_model), AdamWSettings.from_config(cfg))
     # The scheduler stays ours: accelerate's wrapper would step it once per process per optimizer step.
     model, optimizer = accelerator.prepare(peft_model, optimizer)
-    return Lane(model, accelerator.unwrap_model(model), optimizer, sharded=device_kind == "cuda", accelerator=accelerator)
+    return Lane(model, accelerator.unwrap_model(model), optimizer, accelerator=accelerator)
 
 
 def build(peft_model: Any, cfg: dict[str, Any], device_kind: str, world_size: int) -> Lane:

@@ -1,7 +1,7 @@
 """Rank side: merge the adapter into the base weights (peft's merge_and_unload) and compare with the unmerged model.
 
-``merge_and_unload`` is called through this module so a fault can patch it (faults/lora.py: one
-layer's merged weight one ulp off).
+``merge_and_unload`` is a fault point (fault_points.py: faults/lora.py leaves one layer's merged
+weight one ulp off).
 """
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ from typing import Any
 
 import numpy as np
 
+from ...fault_points import fault_point
 from . import adapter, adapter_io, bounds, checks
 
 
+@fault_point("lora.merge_and_unload")
 def merge_and_unload(peft_model: Any) -> Any:
     return peft_model.merge_and_unload()
 

@@ -1,9 +1,9 @@
 """The lora scenario on one rank: peft LoRA training of the tiny Llama, then the LoRA checks.
 
-Training mirrors fsdp/rank.py (AdamW, warm-up and cosine decay, clipping, deterministic data) and
-records the same metrics, for the adapter parameters only: per-step loss, global gradient norm,
-per-parameter gradient norms, full step-0 gradients and final digests. After training every rank
-runs the LoRA checks (checks.py); their findings go into ``results["lora_checks"]``.
+Training is the fsdp scenario's loop (training/loop.py: AdamW, warm-up and cosine decay, clipping,
+deterministic data) and records the same metrics, for the adapter parameters only: per-step loss,
+global gradient norm, per-parameter gradient norms, full step-0 gradients and final digests. After
+training every rank runs the LoRA checks (checks.py); their findings go into ``results["lora_checks"]``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from ...reference.record import RunRecord, float_digest
 from ...training.observe import StepObserver
-from ...training.schedule import lr_factor
+from ...training.optimizer import Optimization, Schedule
 from ..base import RankContext
 from . import adapter, adapter_io, checks, lanes, merging
 
@@ -38,9 +38,9 @@ def _sha(tensor: Any) -> str:
 
 def run(ctx: RankContext) -> RunRecord:
     import torch
-    import torch.distributed as dist
 
     from ...training.data import MarkovTokens, token_source
+    from ...training.loop import TrainStep, train
     from ...training.models import blueprint
     from ...training.noise import apply_kernel_path
     from ...training.step import next_token_loss, rank_tokens
@@ -63,41 +63,30 @@ def run(ctx: RankContext) -> RunRecord:
     named = dict(lane.peft_model.named_parameters())
     names = [n for n in named if checks.is_adapter(n)]
     params = [named[n] for n in names]
-    steps = int(cfg["steps"])
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        lane.optimizer, lambda s: lr_factor(s, steps, int(cfg["warmup_steps"]), float(cfg["min_lr_ratio"])))
     data = token_source(cfg, model_config.vocab_size)
-
-    losses: list[float] = []
-    grad_norms: list[float] = []
-    param_norms = np.zeros((steps, len(params)), dtype=np.float64)
     step0: dict[str, np.ndarray] = {}
     leaked: dict[str, int] = {}
+
+    def inspect_gradients(step: int) -> None:
+        for name in base_names:  # a gradient on a frozen weight is a finding, whatever the optimizer does with it
+            if name not in leaked and named[name].grad is not None:
+                leaked[name] = step
+        if step == 0:  # whole gradients, gathered on every rank (a collective)
+            for name, p in zip(names, params):
+                step0[f"step0_grad/{name}"] = adapter_io.to_numpy(p.grad)
+
+    step = TrainStep(
+        loss=lambda s: next_token_loss(lane.model, rank_tokens(data, s, ctx, perturbation, device)),
+        # The scheduler is ours in both lanes, over the optimizer the lane hands out (accelerate's wrapper there).
+        optimization=Optimization.of(lane.optimizer, Schedule.from_config(cfg)),
+        clip=lambda: lane.clip(float(cfg["grad_clip"])),
+        backward=lane.backward,
+        tracked=params,  # the adapters only; the optimizer and the clipping take whatever requires a gradient
+        inspect=inspect_gradients,
+    )
+    steps = int(cfg["steps"])
     observer = StepObserver(ctx, steps, tokens_per_step=int(cfg["global_batch"]) * int(cfg["seq_len"]))
-    ctx.progress("training")
-    for step in range(steps):
-        with observer.step(step):
-            loss = next_token_loss(lane.model, rank_tokens(data, step, ctx, perturbation, device))
-            lane.backward(loss)
-            for name in base_names:  # a gradient on a frozen weight is a finding, whatever the optimizer does with it
-                if name not in leaked and named[name].grad is not None:
-                    leaked[name] = step
-            # Shards add up over ranks; replicas (DDP) are averaged, so a rank that disagrees still moves the value.
-            local = [(p.grad.to_local() if lane.sharded else p.grad).double().pow(2).sum() for p in params]
-            stats = torch.stack([loss.detach().double()] + [v if lane.sharded else v / ctx.world_size for v in local])
-            if step == 0:
-                for name, p in zip(names, params):
-                    step0[f"step0_grad/{name}"] = adapter_io.to_numpy(p.grad)
-            grad_norms.append(lane.clip(float(cfg["grad_clip"])))
-            lane.optimizer.step()
-            sched.step()
-            lane.optimizer.zero_grad(set_to_none=True)
-            dist.all_reduce(stats)
-            stats = stats.cpu()
-            losses.append(float(stats[0]) / ctx.world_size)
-            param_norms[step] = stats[1:].sqrt().numpy()
-        if ctx.step_done(step, loss=losses[-1], grad_norm=grad_norms[-1]):
-            break
+    curves = train(ctx, step, range(steps), observer=observer, progress="training")
 
     observer.finish(ctx.world_size)
     ctx.progress("lora checks")
@@ -126,9 +115,9 @@ def run(ctx: RankContext) -> RunRecord:
         config=dict(cfg),
         platform_key="",
         world_size=ctx.world_size,
-        series={"loss": losses, "grad_norm": grad_norms},
+        series={"loss": curves.losses, "grad_norm": curves.grad_norms},
         param_names=names,
-        arrays={"param_grad_norm": param_norms[: len(losses)], **step0},
+        arrays={"param_grad_norm": curves.param_norms(len(params)), **step0},
         digests=digests,
         results={"lora_checks": findings, "lora_checks_run": sorted(checks.CHECKS), "lora_measured": measured,
                  **observer.results()},

@@ -4,16 +4,20 @@ For every training scenario that supports triage, two cases: ``equivalence-<scen
 against one rank on the same global batch) and ``oracle-<scenario>`` (step 0 against float64), and
 two more per model of --gpuregress-model (``equivalence-<scenario>-<model>``).
 They need no stored reference, so they also catch bugs on a brand-new platform. Select with
-``-k equivalence`` or ``-k oracle``. The experiments themselves are in pytest_gpuregress/triage.
+``-k equivalence`` or ``-k oracle``. The experiments themselves are in this package (__init__.py).
+
+It lives here, above the scenarios, because it runs the other scenarios: the registry names it by
+its entry string, as it does a plug-in's (scenarios/__init__.py, docs/architecture.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ... import triage
-from ...reference.record import RunRecord
-from ..base import Case, CheckScenario, Launch, Scenario, Setup
+from ..reference.record import RunRecord
+from ..scenarios import registry
+from ..scenarios.base import Case, CheckScenario, Launch, Scenario, Setup
+from . import cheap_evidence
 
 
 class TriageScenario(CheckScenario):
@@ -21,8 +25,6 @@ class TriageScenario(CheckScenario):
     rank_entry = "pytest_gpuregress.training.oracle:run"  # never launched on its own: see experiment()
 
     def cases(self, setup: Setup) -> list[Case]:
-        from .. import registry
-
         cases = []
         for sc in registry().values():
             models = [None, *(m.name for m in setup.models)] if sc.trains_user_models else [None]
@@ -37,10 +39,8 @@ class TriageScenario(CheckScenario):
         return []
 
     def experiment(self, case: Case, run: Callable[[Scenario, Launch], RunRecord], setup: Setup) -> RunRecord:
-        from .. import registry
-
         target = registry()[case.data["scenario"]]
-        evidence = triage.cheap_evidence(target, setup, run, case.data.get("model"))
+        evidence = cheap_evidence(target, setup, run, case.data.get("model"))
         found = {e.name: e for e in evidence}[case.data["experiment"]]
         return RunRecord(scenario=self.name, config={}, platform_key="", world_size=setup.world_size,
                          results={"status": found.status, "detail": found.detail, "lines": found.lines,

@@ -1,6 +1,7 @@
-"""Derived bounds for the reference-free experiments of triage: N ranks against one, and the float64 oracle.
+"""The derived bound between two computations of the same step-0 numbers that differ only in rounding.
 
-Both compare two computations of the same step-0 numbers that differ only in rounding:
+Triage's reference-free experiments compare two such computations (the checkpoint scenario's
+portability check reuses the bound):
   - N ranks against one: each gradient element is a sum over the n tokens of the global batch. One
     rank adds all n in one kernel; N ranks add n/N each and the reduce-scatter adds the N partial
     sums. Same terms, another order.

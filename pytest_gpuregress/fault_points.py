@@ -1,0 +1,127 @@
+"""Fault points: the named places in this project's rank-side code where an injected fault may act.
+
+The code that does the thing marks its function (the scenarios' stand-ins for a stack operation: a
+cast, a checkpoint load, an adapter save)::
+
+    @fault_point("checkpoint.apply_optimizer")
+    def apply_optimizer(trainer, optim_state): ...
+
+and a fault (pytest_gpuregress/faults/) intercepts it by name, without importing the module that
+defines it::
+
+    undo = intercept("checkpoint.apply_optimizer", lambda original: replacement)
+    ctx.cleanup_hooks.append(undo)  # ranks outlive a launch: no fault may outlive it
+
+With nothing intercepted a marked function runs as written. Faults that emulate a bug inside the
+stack's own code (torch.distributed, safetensors, torch.load, accelerate) wrap the stack's functions
+instead: faults/collective.py, faults/loaders.py, faults/lora.py.
+
+``plugin_own_collectives`` marks the other side: collectives the plugin makes for itself, where no
+fault acts. Neutral: imports nothing of the project, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+Function = TypeVar("Function", bound=Callable[..., Any])
+Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]  # original -> the function called in its place
+
+# Every point, and what happens there; a fault names one of these (docs/faults.md has the bug classes).
+POINTS: dict[str, str] = {
+    "formats.decode": "uint8 codes read as a format (scenarios/formats/device.py)",
+    "formats.cast": "float32 values cast to a format's codes",
+    "formats.format_max": "a format's largest finite value, as a quantizer asks for it",
+    "formats.fn_to_fnuz": "e4m3fn codes and scale converted to e4m3fnuz",
+    "formats.mx_scale_exponent": "the MX shared exponent of a block",
+    "checkpoint.gather": "the full state dict gathered for a save (scenarios/checkpoint/full_state.py)",
+    "checkpoint.tensors_to_save": "the names that go into a full-state-dict file",
+    "checkpoint.stack_load": "the stack's loader filling a model from a saved file",
+    "checkpoint.sharded_save": "a DCP save of every rank's shards (scenarios/checkpoint/sharded.py)",
+    "checkpoint.sharded_load": "a DCP load, at this run's world size",
+    "checkpoint.apply_model": "loaded weights applied to a resumed trainer (training/state_apply.py)",
+    "checkpoint.apply_optimizer": "loaded state applied to a resumed trainer's optimizer",
+    "checkpoint.rng_restore": "every generator set from a saved state (training/rng_state.py)",
+    "checkpoint.after_load": "every load's tensors, once they are in place (scenarios/checkpoint/hooks.py)",
+    "lora.wrap": "a base model wrapped with LoRA (scenarios/lora/adapter.py)",
+    "lora.gather_for_save": "the adapter's full state dict collected for a save (scenarios/lora/adapter_io.py)",
+    "lora.write_adapter": "the adapter saved with save_pretrained",
+    "lora.merge_and_unload": "the adapter merged into the base weights (scenarios/lora/merging.py)",
+}
+
+_wrappers: dict[str, list[Wrapper]] = {}
+_chains: dict[tuple[str, Callable[..., Any]], Callable[..., Any]] = {}  # (point, function) -> wrapped, while intercepted
+
+
+def _known(name: str) -> str:
+    if name not in POINTS:
+        raise KeyError(f"no fault point {name!r}; the points: {', '.join(POINTS)}")
+    return name
+
+
+def fault_point(name: str) -> Callable[[Function], Function]:
+    """Mark ``function`` as point ``name``: each call goes through the wrappers intercepting it, if any."""
+    _known(name)
+
+    def mark(function: Function) -> Function:
+        @functools.wraps(function)
+        def through_faults(*args: Any, **kwargs: Any) -> Any:
+            if not _wrappers.get(name):
+                return function(*args, **kwargs)
+            return _chain(name, function)(*args, **kwargs)
+
+        return through_faults  # type: ignore[return-value]
+
+    return mark
+
+
+def _chain(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` wrapped by every wrapper of ``name``, the last intercepted outermost; built once per change."""
+    key = (name, function)
+    if key not in _chains:
+        chained = function
+        for wrap in _wrappers[name]:
+            chained = wrap(chained)
+        _chains[key] = chained
+    return _chains[key]
+
+
+def intercept(name: str, wrapper: Wrapper) -> Callable[[], None]:
+    """Route every call of point ``name`` through ``wrapper(original)``; return the undo."""
+    _wrappers.setdefault(_known(name), []).append(wrapper)
+    _chains.clear()
+
+    def undo() -> None:
+        if wrapper in _wrappers.get(name, []):
+            _wrappers[name].remove(wrapper)
+            _chains.clear()
+
+    return undo
+
+
+def intercepted() -> list[str]:
+    """The points a fault intercepts now (tests check that every undo ran)."""
+    return [name for name, wrappers in _wrappers.items() if wrappers]
+
+
+_own = threading.local()  # per thread: how deep inside plugin_own_collectives
+
+
+@contextmanager
+def plugin_own_collectives() -> Iterator[None]:
+    """Collectives the plugin makes for itself (the bandwidth probe, fail-fast's vote): no fault corrupts or counts
+    them, so a fault that matches only these does not read as having fired on the training."""
+    depth = getattr(_own, "depth", 0)
+    _own.depth = depth + 1
+    try:
+        yield
+    finally:
+        _own.depth = depth
+
+
+def in_plugin_own_collective() -> bool:
+    return getattr(_own, "depth", 0) > 0

@@ -1,0 +1,154 @@
+"""One case's data flow, top to bottom: record it, or read its reference, judge it (the scenario's comparator),
+keep what a later look needs, write its summary row and figures, warn, explain a failure, and report.
+
+The judgement itself is the comparator's (scenarios/comparator.py): this module only acts on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import MissingReference, ReferenceProblem, RegressionFailure
+from ..reference import oracle_distance, perf, store
+from ..reference.compare import Comparison, tolerant_limits
+from ..reference.judgement import Judgement
+from ..reference.plot import first_divergence
+from ..reference.record import RunRecord
+from ..reference.report import format_comparison, format_drift, format_margins
+from ..scenarios.comparator import Comparator, with_identity
+from ..stack.fingerprint import describe_change
+from ..warn import warn_at_test
+from .artifacts import Artifacts, Kept, compare_command
+from .outcomes import Outcome, add_outcome
+from .places import ReferencePlaces
+
+Explain = Callable[[RunRecord, Comparison], tuple[str | None, list[str]]]
+
+
+class CheckPipeline:
+    def __init__(self, places: ReferencePlaces, artifacts: Artifacts, outcomes: list[Outcome], figures: dict[str, Any],
+                 writes_references: Callable[[], bool], keep_runs: bool, plots: bool, record_anyway: bool) -> None:
+        self.places = places
+        self.artifacts = artifacts
+        self.outcomes = outcomes
+        self.figures = figures  # the current test's key figures (cleared per test by the plugin)
+        self.writes_references = writes_references  # False on torchrun ranks other than 0
+        self.keep_runs = keep_runs
+        self.plots = plots
+        self.record_anyway = record_anyway  # --gpuregress-record-anyway: over a reference closer to float64 too
+        self._recorded: dict[Any, RunRecord] = {}
+
+    def check(self, record: RunRecord, name: str, comparator: Comparator, extra: list[str],
+              explain: Explain | None = None, kept_as: str | None = None) -> Comparison | None:
+        """Record ``record`` as reference ``name``, or judge it against that reference; raise on a failure.
+
+        ``extra``: failures found before judging (faults that never fired, a user's own findings).
+        ``kept_as``: the name the run is kept under (default ``name``): the case's id, where cases share a reference."""
+        __tracebackhide__ = True
+        if self.places.recording(name, record.platform_key):
+            self._record(record, name, [*extra, *comparator.own_checks(record)])
+            return None
+        loc = self.places.location(name, record.platform_key)
+        try:
+            reference = store.read_reference(loc)
+            store.check_compatible(loc, reference, record)
+        except ReferenceProblem as exc:  # missing, corrupt or foreign: a row in the closing table too
+            detail = "no reference" if isinstance(exc, MissingReference) else type(exc).__name__
+            add_outcome(self.outcomes, Outcome(name, record.platform_key, "error", detail=detail, reproduce=loc.record_hint))
+            raise
+        judgement = comparator.judge(reference, record)
+        comparison = judgement.comparison
+        assert comparison is not None  # judged with a reference
+        problems = [*extra, *judgement.problems]
+        passed = comparison.passed and not problems
+        kept = self.artifacts.keep(kept_as or name, with_identity(record, comparator), judgement.reference or reference, comparison,
+                                   keep_run=not passed or self.keep_runs, plot=not passed or self.plots)
+        self._summarise(name, record, loc.path, judgement, kept, passed)
+        if passed:
+            return comparison
+        if comparison.passed:
+            raise RegressionFailure("\n".join([*problems, f"(the comparison with the reference {loc.path} passed)",
+                                               *kept.report_lines(loc.path)]))
+        evidence: list[str] = []
+        if explain is not None and comparison.findings:
+            component, evidence = explain(judgement.reference or reference, comparison)
+            for finding in comparison.findings if component else ():  # experiments replace the heuristic's guess
+                finding.component = component
+        report = format_comparison(comparison, scenario=name, platform_key=record.platform_key,
+                                   reference_path=str(loc.path), record_hint=loc.record_hint) + "\n".join(evidence)
+        if comparison.findings and judgement.observed is not None:  # a deviation: what the kernels did sits next to it
+            report += "\n" + "\n".join(judgement.observed.evidence())
+        report += "\n" + "\n".join(kept.report_lines(loc.path))
+        raise RegressionFailure("\n".join([*problems, report]) if problems else report)
+
+    def check_without_reference(self, record: RunRecord, name: str, comparator: Comparator, extra: list[str]) -> None:
+        """Judge a case that has no reference (a check case). A failed run is kept, with the command that judges
+        it again; a passed one with --gpuregress-keep-runs."""
+        __tracebackhide__ = True
+        problems = [*extra, *comparator.judge(None, record).problems]
+        if not problems and not self.keep_runs:
+            return
+        kept = self.artifacts.keep_run(name, with_identity(record, comparator))
+        if not problems:
+            return
+        raise RegressionFailure("\n".join([*problems, f"this run's record: {kept}",
+                                           f"reproduce the verdict: {compare_command(None, kept)}"]))
+
+    def _record(self, record: RunRecord, name: str, problems: list[str]) -> None:
+        if problems:  # never store a reference that fails its own checks
+            raise RegressionFailure(f"not recording {name!r}: the run fails its own checks\n" + "\n".join(problems))
+        loc = self.places.location(name, record.platform_key, for_writing=True)
+        if not self.writes_references() or self._recorded.get(loc.path) is record:  # cases sharing one reference
+            return
+        notes = [*record.notes, *self._toward_the_truth(loc, name, record)]
+        path = store.write_reference(loc, record, overwrite=True)
+        self._recorded[loc.path] = record
+        self.outcomes.append(Outcome(name, record.platform_key, "recorded", detail=str(path), notes=notes))
+
+    def _toward_the_truth(self, loc: store.ReferenceLocation, name: str, record: RunRecord) -> list[str]:
+        """Refuse to replace a reference with a run further from float64 (reference/oracle_distance.py);
+        notes for the recorded line otherwise."""
+        if not (loc.path / store.MANIFEST).exists():
+            return []  # a first recording stores its distance without judging it
+        try:
+            old = store.read_reference(loc)
+        except ReferenceProblem:  # a damaged reference vouches for nothing: replace it
+            return ["the reference replaced could not be read, so the distance from float64 was not judged"]
+        judged = oracle_distance.judge_rerecording(old, record, tolerant_limits(old)[0]["step0_grad"])
+        if not judged.allowed and not self.record_anyway:
+            raise RegressionFailure(judged.refusal(name, record.platform_key))
+        overridden = f" ({oracle_distance.OVERRIDE_FLAG}: recorded anyway)" if not judged.allowed else ""
+        return [f"re-recorded: {judged.reason}{overridden}"]
+
+    def _summarise(self, name: str, record: RunRecord, reference_path: Any, judgement: Judgement, kept: Kept,
+                   passed: bool) -> None:
+        """The closing table's row, the test's figures, and the observations' warnings."""
+        comparison, observed = judgement.comparison, judgement.observed
+        assert comparison is not None and observed is not None
+        loss = record.series.get("loss")
+        detail = f"{record.steps} steps, loss {loss[0]:.4f} -> {loss[-1]:.4f}, " if loss else ""
+        detail += f"reference {reference_path}"
+        if comparison.margins:
+            detail += f"; {format_margins(comparison)}"
+        if observed.detail():
+            detail += f"; {observed.detail()}"
+        if comparison.lane == "tolerant":
+            detail += f"; {comparison.lane_reason}"
+        drift = format_drift(comparison) if passed else None
+        if drift:  # a pass whose ops moved: where bitwise drift starts, as information
+            detail += f"; {drift}"
+        worst = max(comparison.margins.values(), default=None)
+        outcome = Outcome(name, record.platform_key, "passed" if passed else "failed", comparison.lane, detail,
+                          record.notes, worst, record.timings.get("launch_wall_s"),
+                          compare_command(reference_path, kept.run) if kept.run and not passed else "")
+        add_outcome(self.outcomes, outcome)
+        self.figures.update(lane=comparison.lane, platform_key=record.platform_key,
+                            first_differing_step=first_divergence(comparison), worst_over_tolerance=worst,
+                            seconds=outcome.seconds, plot=kept.plot,
+                            stack_changes=[describe_change(*c) for c in comparison.stack_changes] or ["none"],
+                            perf=perf.summary(observed.ratios) or None,
+                            kernel_changes=None if observed.kernel_changes is None else len(observed.kernel_changes))
+        # Warned once the outcome is kept: under -W error a warning raises, and must not lose the summary row.
+        for category, message in observed.warnings():
+            warn_at_test(category(f"{name} {record.platform_key}: {message}"))

@@ -1,0 +1,85 @@
+"""Where references live: the user's folder first, the shipped ones as the default's fallback; whether this run
+writes a reference; and which references on disk no case of this configuration reads."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from ..reference import store
+from ..resources import shipped_dir
+from ..scenarios import registry
+from .options import Options
+from .selection import Selection
+
+
+class ReferencePlaces:
+    def __init__(self, options: Options, rootpath: Path, selection: Selection) -> None:
+        self.options = options
+        self.rootpath = rootpath
+        self.selection = selection
+
+    @property
+    def user_root(self) -> Path:
+        return self.options.reference_dir or (self.rootpath / "reference_runs")
+
+    @property
+    def shipped_root(self) -> Path:
+        return shipped_dir("reference_runs")
+
+    def record_hint(self, selection: str) -> str:
+        """The command that records the references ``selection`` (a -k expression) reads, with this run's setup."""
+        options = self.options
+        parts = ["pytest", "--gpuregress", "--gpuregress-record", "-k", selection,
+                 f"--gpuregress-reference-dir={self.user_root}"]
+        if options.steps:
+            parts.append(f"--gpuregress-steps={options.steps}")
+        if options.world_size:
+            parts.append(f"--gpuregress-world-size={options.world_size}")
+        if options.device != "auto":
+            parts.append(f"--gpuregress-device={options.device}")
+        # The models and data shape the config too (a model's cases exist only with its option).
+        parts += [f"--gpuregress-model={m.name if m.shipped else m.source}" for m in options.models]
+        if options.tokens is not None:
+            parts.append(f"--gpuregress-tokens={options.tokens}")
+        # A scenario's own options can shape its config: the hinted command must record the same setup.
+        specs = {spec.dest: spec for sc in registry().values() for spec in sc.options}
+        for dest, value in sorted(options.scenario_values.items()):
+            spec = specs.get(dest)
+            if spec is not None and value != spec.default:
+                shown = ",".join(value) if isinstance(value, list) else value
+                parts.append(f"{spec.flag}={shown}")
+        return shlex.join(parts)
+
+    def location(self, name: str, platform_key: str, *, for_writing: bool = False) -> store.ReferenceLocation:
+        store.check_names(name, platform_key)  # a name or dtype such as '../x' must not leave the reference dir
+        hint = self.record_hint(self.selection.expression_for(name))
+        user = store.ReferenceLocation(self.user_root, name, platform_key, hint)
+        # An explicit --gpuregress-reference-dir means that directory only; the shipped
+        # references are the fallback of the default location.
+        if for_writing or self.options.reference_dir is not None or (user.path / store.MANIFEST).exists():
+            return user
+        shipped = store.ReferenceLocation(self.shipped_root, name, platform_key, hint)
+        if (shipped.path / store.MANIFEST).exists():
+            return shipped
+        return user
+
+    def recording(self, name: str, platform_key: str) -> bool:
+        """Whether this run writes the reference ``name``: --gpuregress-record, or --gpuregress-record-missing and
+        no reference exists where this run would read it."""
+        if self.options.record:
+            return True
+        if not self.options.record_missing:
+            return False
+        return not (self.location(name, platform_key).path / store.MANIFEST).exists()
+
+    def unused(self, platform_keys: set[str]) -> list[str]:
+        """References in the user's folder, for this run's platforms, that no case of this configuration reads
+        (as syrupy lists unused snapshots): left over from a removed model or case, or read only with an option
+        this run did not give."""
+        if not self.user_root.is_dir():
+            return []
+        wanted = self.selection.reference_names()
+        return sorted(f"{manifest.parent.parent.name}/{manifest.parent.name}"
+                      for manifest in self.user_root.glob(f"*/*/{store.MANIFEST}")
+                      if manifest.parent.name in platform_keys and manifest.parent.parent.name not in wanted)

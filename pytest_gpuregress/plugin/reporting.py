@@ -1,0 +1,98 @@
+"""What the plugin writes: the report header, JUnit properties and HTML extras per test, and the closing summary."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from .outcomes import outcome_lines, summary_table
+
+if TYPE_CHECKING:
+    from .session import GpuRegressSession
+
+# The key figures of a test, attached as JUnit properties (record_property's mechanism).
+JUNIT_FIGURES = ("lane", "first_differing_step", "worst_over_tolerance", "platform_key", "seconds", "wrong_elements",
+                 "perf", "kernel_changes", "busiest_expert_share", "stack_changes", "faults_fired",
+                 "consensus_verdict", "consensus_devices", "consensus_dissenters", "consensus_table", "consensus_links")
+
+
+def header_lines(session: GpuRegressSession) -> list[str]:
+    from ..launch.net import exposed_addresses
+    from ..scenarios import registry
+    from ..stack.determinism import header_lines as determinism_lines
+    from ..stack.fingerprint import collect
+    from ..stack.fingerprint import header_lines as fingerprint_lines
+    from ..stack.known_issues import header_lines as known_issue_lines
+    from ..stack.known_issues import matching
+
+    options, plat = session.options, session.platform
+    fingerprint = collect(plat.device_kind, plat.backend, plat.world_size)
+    lines = fingerprint_lines(fingerprint)
+    lines += determinism_lines(plat.device_kind)  # on a GPU, or where determinism cannot be had: why
+    lines += known_issue_lines(matching(session.known_issues, fingerprint))
+    mode = "in place under torchrun" if plat.in_place else "spawned locally"
+    doing = "RECORDING" if options.record else "RECORDING missing and comparing" if options.record_missing else "comparing"
+    lines.append(f"gpuregress run: {plat.world_size} {plat.backend} ranks on {plat.device_kind} ({mode}); {doing} "
+                 f"references in {session.places.user_root}"
+                 + ("" if options.record else f" (else shipped: {session.places.shipped_root})"))
+    lines += session.selection.rank_header()
+    lines.append(f"gpuregress artifacts: {session.output_dir} (failed runs, plots, logs; --gpuregress-artifacts)")
+    if options.inject:
+        lines.append(f"gpuregress faults injected: {'; '.join(options.inject)}")
+    exposed = exposed_addresses() if plat.in_place else []
+    if exposed:
+        lines.append(
+            f"gpuregress WARNING: this rank and its torchrun agent listen beyond loopback on {', '.join(exposed)}: "
+            "on one machine bind the store with --rdzv-endpoint=127.0.0.1:PORT (static: --master-addr=127.0.0.1), "
+            "across machines choose the interface with --local-addr")
+    for scenario in registry().values():
+        lines += scenario.header(session.setup)
+    return lines
+
+
+def attach_figures(item: pytest.Item, report: pytest.TestReport, figures: dict[str, Any]) -> None:
+    """The test's key figures as JUnit properties (they reach JUnit through the teardown report, as
+    record_property's do) and, with pytest-html installed, the plot and the stack's changes as extras."""
+    item.user_properties.extend((k, _junit_value(figures[k])) for k in JUNIT_FIGURES if figures.get(k) is not None)
+    try:
+        from pytest_html import extras
+    except ImportError:
+        return
+    added = []
+    if figures.get("plot"):  # embedded, so the report is one file a CI can upload
+        added.append(extras.png(base64.b64encode(Path(figures["plot"]).read_bytes()).decode(), name="comparison plot"))
+    if figures.get("stack_changes"):
+        added.append(extras.text("\n".join(figures["stack_changes"]), name="stack changes since the reference"))
+    report.extras = [*getattr(report, "extras", []), *added]
+
+
+def _junit_value(value: Any) -> Any:
+    """A list (the stack's changes) as one attribute value: "torch 2.12.0 -> 2.13.0; device.cpu_model: ..."."""
+    return "; ".join(map(str, value)) if isinstance(value, list) else value
+
+
+def closing_sections(session: GpuRegressSession) -> list[tuple[str, list[str]]]:
+    """(section title, lines) of the closing summary: the outcomes and their table, then each scenario's own."""
+    from ..scenarios import registry
+
+    sections: list[tuple[str, list[str]]] = []
+    if session.outcomes:
+        lines = [*outcome_lines(session.outcomes), *summary_table(session.outcomes),
+                 f"artifacts (failed runs, plots, logs): {session.output_dir}"]
+        unused = session.places.unused({o.platform_key for o in session.outcomes})
+        if unused:
+            lines.append(f"references no case of this configuration reads ({len(unused)}, in {session.places.user_root}): "
+                         f"{', '.join(unused)}; left over from a removed model or case, or read only with an option "
+                         "not given this run (--gpuregress-model ...): delete those no longer wanted")
+        sections.append(("gpuregress", lines))
+    launches = session.launches
+    for name, launched in launches.launched.items():
+        records = {key: (None if isinstance(r, Exception) else r) for key, r in launched.items()}
+        lines = registry()[name].summary(records, session.setup)
+        lines += [f"{key}: record in {path}" for (sc, key), path in launches.saved.items() if sc == name]
+        if lines:
+            sections.append((f"gpuregress {name}", lines))
+    return sections

@@ -1,0 +1,76 @@
+"""Which cases exist, which survived -k and -m, and which this run's ranks can run."""
+
+from __future__ import annotations
+
+from ..errors import NotApplicable
+from ..faults import reach
+from ..scenarios import Case, Launch, Scenario, Setup, registry
+from ..stack.platforms import SINGLE_RANK_GAPS, Platform, rank_origin, too_few_ranks
+
+
+def test_id(scenario: Scenario, case: Case) -> str:
+    """The case's pytest id: the scenario's name, then the case's own id where it has one."""
+    return reach.test_id(scenario.name, case.id)
+
+
+class Selection:
+    def __init__(self, setup: Setup, platform: Platform, world_size_asked: int | None, inject: list[str]) -> None:
+        self.setup = setup
+        self.platform = platform
+        self.world_size_asked = world_size_asked  # --gpuregress-world-size (None: the platform's)
+        self.inject = inject  # --gpuregress-inject
+        self.selected: dict[str, list[Case]] = {}  # scenario -> cases left after -k and -m
+
+    def all_cases(self) -> list[tuple[Scenario, Case]]:
+        return [(sc, case) for sc in registry().values() for case in sc.cases(self.setup)]
+
+    def select(self, chosen: set[tuple[str, str]]) -> None:
+        """Keep the (scenario, case id) pairs that survived -k and -m, so launches carry only those."""
+        self.selected = {}
+        for sc, case in self.all_cases():
+            if (sc.name, case.id) in chosen and self.rank_shortfall(case) is None:  # skipped ones launch nothing
+                self.selected.setdefault(sc.name, []).append(case)
+
+    def rank_shortfall(self, case: Case) -> str | None:
+        """Why ``case`` cannot run with this run's ranks (the skip reason), or None when it can."""
+        return too_few_ranks(case.min_ranks, self.platform, self.world_size_asked)
+
+    def rank_header(self) -> list[str]:
+        """At one rank, the header says what it cannot exercise, and how many cases are skipped for it."""
+        if self.platform.world_size > 1:
+            return []
+        skipped = sum(self.rank_shortfall(case) is not None for _, case in self.all_cases())
+        return [f"gpuregress single rank ({rank_origin(self.platform, self.world_size_asked)}): {SINGLE_RANK_GAPS}; "
+                f"{skipped} cases that need 2 or more ranks are skipped, and faults that need peers are refused"]
+
+    def runnable_case(self, scenario: str, case_id: str) -> tuple[Scenario, Case]:
+        """The case to run, or NotApplicable (a skip) when this run's ranks or faults cannot test it."""
+        sc = registry()[scenario]
+        # Cases skipped for want of ranks are not in ``selected``: look them up among all the scenario's cases.
+        case = next((c for c in self.selected.get(scenario, []) if c.id == case_id), None) \
+            or next(c for c in sc.cases(self.setup) if c.id == case_id)
+        shortfall = self.rank_shortfall(case)
+        if shortfall:  # a direct call; the built-in suite already skips such cases
+            raise NotApplicable(shortfall)
+        unreached = reach.unreached_reason(self.inject, sc.name, case.id, self.platform.device_kind)
+        if unreached:  # it would run clean, proving nothing about the faults asked for
+            raise NotApplicable(unreached)
+        return sc, case
+
+    def launch_of(self, sc: Scenario, case: Case) -> Launch:
+        """The launch that carries ``case``, planned with the cases selected beside it."""
+        cases = self.selected.get(sc.name) or [case]
+        return next(la for la in sc.launches(cases, self.setup) if la.key == case.launch)
+
+    def served_cases(self, sc: Scenario, launch_key: str) -> list[str]:
+        return [c.id for c in self.selected.get(sc.name, []) if c.launch == launch_key]
+
+    def expression_for(self, reference: str) -> str:
+        """A -k expression that selects the cases stored under ``reference``: the name itself when it is a
+        substring of each of their ids (fsdp, lora), else their ids joined (lora-mymoe: lora-fully_shard-mymoe ...)."""
+        ids = [test_id(sc, case) for sc, case in self.all_cases() if sc.reference_name(case) == reference]
+        return reference if not ids or all(reference in i for i in ids) else " or ".join(ids)
+
+    def reference_names(self) -> set[str]:
+        """Every reference some case of this configuration reads, selected or not."""
+        return {name for sc, case in self.all_cases() if (name := sc.reference_name(case)) is not None}

@@ -1,0 +1,129 @@
+"""One object that judges a case's runs, in the shape of syrupy's extensions.
+
+A scenario hands out a ``Comparator`` per case (``Scenario.comparator``); given a reference (or None, for
+a case that has none) and a run, ``judge`` returns the findings and the verdict. The session, fail-fast,
+triage, plots and ``gpuregress compare`` all use this one object, so the command printed for a failure
+judges a kept run exactly as the test did: the scenario's own checks (LoRA, formats, checkpoint), the
+comparison with the reference, and the kernel and perf observations under the same policy.
+
+A kept run carries ``judged_as`` (``describe``): the scenario, the case and the setup the verdict needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import GpuRegressError
+from ..reference import failfast, kernels
+from ..reference.judgement import Judgement, JudgingPolicy
+from ..reference.observations import Observations
+from ..reference.record import RunRecord
+from .base import Case, Scenario, Setup
+
+if TYPE_CHECKING:
+    from ..reference.compare import Comparison
+
+JUDGED_AS = "judged_as"  # the key of a kept run's results that names what judged it
+
+
+@dataclass
+class Comparator:
+    """Judges the runs of ``case`` of ``scenario`` under ``policy``; scenario None: a user's own run, compared
+    on losses, gradients and weights (``gpuregress.check``)."""
+
+    policy: JudgingPolicy
+    scenario: Scenario | None = None
+    case: Case | None = None
+    setup: Setup | None = None
+
+    def own_checks(self, run: RunRecord) -> list[str]:
+        """Findings that need no reference: the scenario's verdict, and host ops of a GPU training run."""
+        out: list[str] = []
+        if self.scenario is not None and self.case is not None and self.setup is not None:
+            out += self.scenario.verdict(self.case, run, self.setup)
+        if self.scenario is None or self.scenario.kind == "training":
+            out += kernels.host_op_problems(run)
+        return out
+
+    def compare(self, reference: RunRecord, run: RunRecord) -> Comparison:
+        """The numeric comparison only: what triage's experiments and plots are judged by."""
+        if self.scenario is not None and self.case is not None:
+            return self.scenario.compare(reference, run, self.case, self.policy.lane)
+        from ..reference.compare import compare_training
+
+        return compare_training(reference, run, lane=self.policy.lane)
+
+    def judge(self, reference: RunRecord | None, run: RunRecord) -> Judgement:
+        """The verdict on ``run``: its own checks, then (given a reference) the comparison and observations."""
+        problems = self.own_checks(run)
+        if reference is None:
+            return Judgement(None, problems)
+        stop = run.results.get("fail_fast")
+        if stop:  # the run ended early: compare the steps it ran, and say where and why it stopped
+            reference = failfast.truncated_reference(reference, run.steps)
+            problems = [failfast.describe(stop), *problems]
+        comparison = self.compare(reference, run)
+        observed = Observations.of(reference, run, self.policy)
+        comparison.kernel_changes = observed.kernel_changes
+        return Judgement(comparison, [*problems, *observed.failures()], observed, reference)
+
+    def watch(self, reference: RunRecord | None) -> dict[str, Any]:
+        """What --gpuregress-fail-fast hands the ranks: the reference's values per step and their limits."""
+        if reference is None:
+            return failfast.watch_from(None, {})
+        from ..reference.compare import tolerant_limits
+
+        return failfast.watch_from(reference, tolerant_limits(reference)[0])
+
+    def describe(self) -> dict[str, Any]:
+        """What a kept run stores to be judged again by ``gpuregress compare`` (see ``for_kept``)."""
+        out: dict[str, Any] = {"policy": self.policy.to_json()}
+        if self.scenario is not None and self.case is not None and self.setup is not None:
+            setup = self.setup
+            out.update(scenario=self.scenario.name, case=asdict(self.case),
+                       setup={"device_kind": setup.device_kind, "backend": setup.backend, "world_size": setup.world_size,
+                              "steps": setup.steps, "options": setup.options,
+                              "tokens": None if setup.tokens is None else str(setup.tokens),
+                              "models": [asdict(m) for m in setup.models]})
+        return out
+
+
+def comparator_of(scenario: Scenario, case: Case, setup: Setup, policy: JudgingPolicy) -> Comparator:
+    """The scenario's comparator for ``case``: its own ``comparator_type`` where it declares one."""
+    return (scenario.comparator_type or Comparator)(policy, scenario, case, setup)
+
+
+def with_identity(run: RunRecord, comparator: Comparator) -> RunRecord:
+    """``run`` with what judged it, for the copy kept in the artifacts folder (the run itself is not changed)."""
+    return dataclasses.replace(run, results={**run.results, JUDGED_AS: comparator.describe()})
+
+
+def for_kept(run: RunRecord, lane: str | None = None) -> Comparator:
+    """The comparator that judged a kept run (``judged_as``), from the installed scenarios.
+
+    A run without ``judged_as`` (a reference, or a record of an older version) is judged as a user's own
+    training run: losses, gradients and weights. ``lane`` overrides the stored lane."""
+    described = run.results.get(JUDGED_AS) or {}
+    policy = JudgingPolicy.from_json(described.get("policy", {}))
+    if lane is not None:
+        policy = JudgingPolicy(**{**policy.to_json(), "lane": lane})
+    name = described.get("scenario")
+    if name is None:
+        return Comparator(policy)
+    from pathlib import Path
+
+    from ..training.model_specs import ModelSpec
+    from . import registry
+
+    scenario = registry().get(name)
+    if scenario is None:
+        raise GpuRegressError(f"the run was judged by scenario {name!r}, which is not installed here "
+                              f"(installed: {', '.join(registry())}); install the package that provides it")
+    case_data = dict(described["case"])
+    case_data["marks"] = tuple(case_data.get("marks", ()))
+    setup_data = dict(described["setup"])
+    setup = Setup(**{**setup_data, "tokens": Path(setup_data["tokens"]) if setup_data.get("tokens") else None,
+                     "models": tuple(ModelSpec(**m) for m in setup_data.get("models", ()))})
+    return comparator_of(scenario, Case(**case_data), setup, policy)

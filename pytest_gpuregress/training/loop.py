@@ -1,0 +1,128 @@
+"""The training step every built-in scenario runs, and the loop around it.
+
+    step = TrainStep(loss=..., optimization=Optimization.of(...), clip=lambda: clip_gradients(params, 1.0),
+                     tracked=params)
+    curves = train(ctx, step, range(steps), observer=observer, progress="training")
+
+One step: this rank's loss (forward), backward, each tracked parameter's gradient norm, the
+gradient clipping, the optimizer and schedule step; then one float64 all-reduce carries the loss
+and every tracked parameter's squared norm. The loop hands each step's loss and gradient norm to
+``ctx.step_done`` (progress lines, injected step faults, --gpuregress-fail-fast) and stops when it
+says so. What differs between scenarios is a field or an argument, with no default that hides it.
+Torch is imported inside the functions: only the ranks call them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .grad_norms import squared_norms
+from .observe import StepObserver
+from .op_trace import OpTracer, at_step
+from .optimizer import Optimization
+
+
+def plain_backward(loss: Any) -> None:
+    loss.backward()
+
+
+def clip_gradients(params: list[Any], max_norm: float) -> float:
+    """``clip_grad_norm_`` over ``params``; the global norm before clipping (an FSDP2 DTensor norm gathered)."""
+    import torch
+
+    total = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    total = total.full_tensor() if hasattr(total, "full_tensor") else total
+    return float(total.double())
+
+
+@dataclass
+class TrainStep:
+    """What one training step is made of on a rank."""
+
+    loss: Callable[[int], Any]  # the step's loss on this rank (the forward pass), given the step's number
+    optimization: Optimization
+    clip: Callable[[], float]  # clips the gradients, returns the global norm before clipping
+    backward: Callable[[Any], None] = plain_backward  # accelerate's own in its lane
+    tracked: list[Any] = field(default_factory=list)  # parameters whose gradient norm is recorded every step
+    # After backward, before clipping, given the step's number: a scenario's own look at the gradients
+    # (its step-0 gradients, gradients on frozen weights). May run collectives: every rank calls it.
+    inspect: Callable[[int], None] | None = None
+    # Traces step 0's ops, phase by phase (op_trace.py): the session names the first op that moved. None: no trace.
+    op_trace: OpTracer | None = None
+
+
+@dataclass
+class StepResult:
+    loss: float  # the mean over ranks
+    grad_norm: float  # the global norm, before clipping
+    param_norms: np.ndarray  # each tracked parameter's global gradient norm, float64
+
+
+def take_step(parts: TrainStep, step: int, world_size: int, device: Any) -> StepResult:
+    """One optimizer step. *Collective*: clipping and the all-reduce of the step's figures."""
+    import torch
+    import torch.distributed as dist
+
+    trace = at_step(parts.op_trace, step)  # step 0's tracer; later steps: one that traces nothing
+    with trace.phase("forward"):
+        loss = parts.loss(step)
+    with trace.phase("backward"):
+        parts.backward(loss)
+    squares = squared_norms(parts.tracked, world_size, device)
+    if parts.inspect is not None:
+        parts.inspect(step)
+    # One float64 all-reduce per step carries the loss and every tracked parameter's squared norm.
+    stats = torch.stack([loss.detach().double(), *squares])
+    with trace.phase("clip"):
+        grad_norm = parts.clip()
+    with trace.phase("optimizer"):
+        parts.optimization.step()
+    trace.finish()
+    dist.all_reduce(stats)
+    stats = stats.cpu()
+    return StepResult(loss=float(stats[0]) / world_size, grad_norm=grad_norm, param_norms=stats[1:].sqrt().numpy())
+
+
+@dataclass
+class Curves:
+    """What the loop gives back: per step, the loss, the gradient norm and each tracked parameter's norm."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    param_norm_rows: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, result: StepResult) -> None:
+        self.losses.append(result.loss)
+        self.grad_norms.append(result.grad_norm)
+        self.param_norm_rows.append(result.param_norms)
+
+    def param_norms(self, tracked: int) -> np.ndarray:
+        """Steps x tracked parameters, float64 (the record's ``param_grad_norm``)."""
+        return np.array(self.param_norm_rows, dtype=np.float64).reshape(len(self.param_norm_rows), tracked)
+
+
+def train(ctx: Any, parts: TrainStep, steps: Iterable[int], *, observer: StepObserver | None = None,
+          progress: str | None = None, report_metrics: bool = True, stop_when_told: bool = True) -> Curves:
+    """Run ``steps`` (their numbers go to ``ctx.step_done`` and to ``parts``); return their curves.
+
+    ``observer``: times and profiles each step (observe.py); the caller finishes it.
+    ``progress``: a progress line before the first step (named in hang reports).
+    ``report_metrics``: hand each step's loss and gradient norm to ``ctx.step_done``, where progress lines
+    and --gpuregress-fail-fast read them; False: the step number only.
+    ``stop_when_told``: stop after the step ``ctx.step_done`` says fail-fast stopped the run at."""
+    if progress is not None:
+        ctx.progress(progress)
+    curves = Curves()
+    for step in steps:
+        with observer.step(step) if observer is not None else nullcontext():
+            result = take_step(parts, step, ctx.world_size, ctx.device)
+        curves.add(result)
+        metrics = {"loss": result.loss, "grad_norm": result.grad_norm} if report_metrics else {}
+        if ctx.step_done(step, **metrics) and stop_when_told:
+            break
+    return curves

@@ -1,8 +1,9 @@
-"""Rank side: every random generator's state as JSON, and back.
+"""Rank side: every random generator's state as JSON, and back (a checkpoint's generators; the checkpoint
+scenario's resume and the fsdp scenario's resume from its reference both use it).
 
 Python's ``random``, numpy's global generator, torch's CPU generator and, on GPUs, the generator of
-this rank's device. Each rank has its own states, saved to a file of its own. ``restore`` is called
-through this module, so a fault can replace it (faults/checkpoint.py: RNG state not restored).
+this rank's device. Each rank has its own states, saved to a file of its own. ``restore`` is a fault
+point (fault_points.py: faults/checkpoint.py leaves the generators unrestored).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import random
 from typing import Any
 
 import numpy as np
+
+from ..fault_points import fault_point
 
 PIECES = ("python", "numpy", "torch_cpu", "torch_device")
 
@@ -34,6 +37,7 @@ def capture(device_kind: str) -> dict[str, Any]:
     return states
 
 
+@fault_point("checkpoint.rng_restore")
 def restore(states: dict[str, Any], device_kind: str) -> None:
     """Set every generator of this process from ``capture``'s output."""
     import torch

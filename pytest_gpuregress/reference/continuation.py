@@ -1,0 +1,33 @@
+"""A reference seen from a step on: what a run resumed there from the reference's own checkpoint must repeat.
+
+``from_step(reference, start)`` keeps the steps ``start`` to the end of the per-step series, the
+per-parameter gradient norms and their noise envelope, and the final weights with theirs; it drops
+what only a run from step 0 has (step-0 gradients, step 0's op trace). The ordinary comparison
+(compare.py) then judges the continuation, in the lane the stacks choose, with the reference's own
+limits for those steps. numpy only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .envelope import PREFIX as ENVELOPE_PREFIX
+from .record import RunRecord
+
+PER_STEP = ("loss", "grad_norm", "param_grad_norm")  # metrics stored one row per step
+WHOLE_RUN = ("final_weights",)  # metrics of the run's end, the same for a continuation
+
+
+def from_step(reference: RunRecord, start: int) -> RunRecord:
+    """``reference`` from step ``start`` to its end, as a record a continuation is compared with."""
+    if not 0 <= start < reference.steps:
+        raise ValueError(f"step {start} is outside the reference's {reference.steps} steps")
+    arrays = {}
+    for key, value in reference.arrays.items():
+        metric = key.removeprefix(ENVELOPE_PREFIX)
+        if metric in PER_STEP:
+            arrays[key] = value[start:]
+        elif key.startswith(ENVELOPE_PREFIX) and metric in WHOLE_RUN:
+            arrays[key] = value
+    return replace(reference, series={k: list(v[start:]) for k, v in reference.series.items()}, arrays=arrays,
+                   results={}, notes=[])

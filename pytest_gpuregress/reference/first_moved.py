@@ -1,0 +1,148 @@
+"""The first op that moved: where a run's step-0 op trace first departs from its reference's. numpy only.
+
+Per rank, the two traces are walked in order (op_trace.py). The first entry that differs is either
+
+  moved      the same op, in the same place, with the same shapes, whose outputs' bits differ: named with its
+             module path, phase, shapes and relative difference, and the count of ops before it that are
+             bitwise equal (its inputs among them: every tensor an op reads is in the trace);
+  sequence   another op, module, phase or shape at that place: the op sequence changed (the model's code, or
+             how torch dispatches it), so later values cannot be paired.
+
+Over ranks, the earliest entry is named (the lowest rank on a tie), with the other ranks where the same entry
+moved. The relative difference is the largest relative change of the output's digests: |d sum| and
+|d sum of |x|| over the reference's sum of |x|, and |d max |x|| over its max |x|. A uniform relative error e
+shows as e; one element off by d in n shows as about d / (n mean |x|): small, and still bits that differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .op_trace import INPUT_OP, ROOT, RankTrace, TraceOp, ranks
+from .record import RunRecord
+
+COLLECTIVE_NAMESPACES = ("c10d::", "_c10d_functional::", "c10d_functional::", "fsdp::")
+
+
+@dataclass(frozen=True)
+class FirstMoved:
+    rank: int
+    kind: str  # moved | sequence
+    entry: TraceOp | None  # this run's entry; None where this run's trace ended first (a changed sequence)
+    reference: TraceOp | None  # the reference's entry at that place
+    equal_before: int  # ops before it, all bitwise equal (inputs not counted)
+    relative: float  # for "moved": the digests' relative difference (0: only bits differ)
+    world: int  # ranks compared
+    also_on: tuple[int, ...] = ()  # other ranks where the same entry moved first
+    stack: list[str] = field(default_factory=list)  # its Python stack, from the re-run that keeps it
+
+    @property
+    def component(self) -> str | None:
+        """What it points at: a collective, the optimizer, data (an input moved), a kernel; None for a changed
+        op sequence, which convicts nothing by itself."""
+        if self.kind != "moved" or self.entry is None:
+            return None
+        if self.entry.op == INPUT_OP:
+            return "data"
+        if self.entry.op.startswith(COLLECTIVE_NAMESPACES):
+            return "collective"
+        if self.entry.phase == "optimizer":
+            return "optimizer"
+        return "kernel"
+
+    def describe(self) -> str:
+        """One line: "first difference: aten::mm in model.layers.0.mlp.up_proj (forward), ... bitwise equal"."""
+        on = sorted((self.rank, *self.also_on))
+        where = f"on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} of {self.world}"
+        before = f"the {self.equal_before} ops before it are bitwise equal" if self.equal_before != 1 else \
+            "the op before it is bitwise equal"
+        if self.kind == "moved" and self.entry is not None:
+            size = f"{self.relative:.1e} relative" if self.relative > 0 else "bits differ, digests' sums equal"
+            return f"first difference: {_name(self.entry)}, {_shapes(self.entry)}, {size}; {before} " \
+                   f"({where}, step-0 op trace)"
+        ref = _name(self.reference) if self.reference is not None else "the end of the reference's trace"
+        got = _name(self.entry) if self.entry is not None else "the end of this run's trace"
+        return f"the op sequence changed at op {self.entry_index}: the reference ran {ref}, this run {got} " \
+               f"(the model's code or how torch dispatches it changed); {before} ({where}, step-0 op trace)"
+
+    @property
+    def entry_index(self) -> int:
+        return (self.entry or self.reference).index  # type: ignore[union-attr]
+
+    def lines(self) -> list[str]:
+        """The report's lines: the description, and the stack where the re-run kept one."""
+        return [self.describe(), *(f"    {line}" for line in self.stack)]
+
+
+def _module(entry: TraceOp) -> str:
+    if entry.module == ROOT:
+        return "the root module"
+    return entry.module or "no module"
+
+
+def _name(entry: TraceOp) -> str:
+    region = f"; {entry.region}" if entry.region.startswith("FSDP::") else ""
+    what = "an input" if entry.op == INPUT_OP else entry.op
+    return f"{what} in {_module(entry)} ({entry.phase}{region})"
+
+
+def _shapes(entry: TraceOp) -> str:
+    outputs = ", ".join(entry.outputs)
+    return f"{entry.inputs} -> {outputs}" if entry.inputs and entry.op != INPUT_OP else outputs
+
+
+def _bits_equal(a: TraceOp, b: TraceOp, compare_hashes: bool) -> bool:
+    """Equal bits: equal hashes (an integer sum, the same in any order on any stack). Without hashes of one
+    kind, equal float64 digests; those may also differ where only the summation order of the digest changed."""
+    if compare_hashes:
+        return np.array_equal(a.hashes, b.hashes)
+    return np.array_equal(a.digests.view(np.int64), b.digests.view(np.int64))
+
+
+def relative_difference(run: TraceOp, ref: TraceOp) -> float:
+    """The largest relative change of the digests (see the module docstring); inf where NaN appears in one."""
+    g, r = run.digests, ref.digests
+    if np.isnan(g).any() != np.isnan(r).any():
+        return float("inf")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        change = np.abs(g - r)
+        scale = np.stack([r[:, 1], r[:, 1], r[:, 2]], axis=1)
+        rel = np.where(change == 0, 0.0, change / scale)
+    rel = np.nan_to_num(rel, nan=0.0, posinf=np.inf)
+    return float(rel.max(initial=0.0))
+
+
+def first_in_rank(reference: RankTrace, run: RankTrace) -> tuple[str, int, float] | None:
+    """(kind, entry index, relative difference) of the first entry that differs, or None when all agree."""
+    compare_hashes = reference.hash_kind == run.hash_kind
+    for i in range(min(len(reference), len(run))):
+        ref, got = reference.entry(i), run.entry(i)
+        if ref.identity != got.identity:
+            return "sequence", i, 0.0
+        if not _bits_equal(ref, got, compare_hashes):
+            return "moved", i, relative_difference(got, ref)
+    if len(reference) != len(run):
+        return "sequence", min(len(reference), len(run)), 0.0
+    return None
+
+
+def first_moved(reference: RunRecord, run: RunRecord) -> FirstMoved | None:
+    """The first op of step 0 whose output moved, over every rank both records traced; None when every op is
+    bitwise equal, or when either record has no trace (older references have none)."""
+    ref_ranks, run_ranks = ranks(reference), ranks(run)
+    common = sorted(set(ref_ranks) & set(run_ranks))
+    found = {r: first_in_rank(ref_ranks[r], run_ranks[r]) for r in common}
+    moved = {r: f for r, f in found.items() if f is not None}
+    if not moved:
+        return None
+    rank = min(moved, key=lambda r: (moved[r][1], r))
+    kind, index, relative = moved[rank]
+    ref_trace, run_trace = ref_ranks[rank], run_ranks[rank]
+    entry = run_trace.entry(index) if index < len(run_trace) else None
+    ref_entry = ref_trace.entry(index) if index < len(ref_trace) else None
+    same = tuple(r for r, f in moved.items() if r != rank and f[:2] == (kind, index) and entry is not None
+                 and index < len(run_ranks[r]) and run_ranks[r].entry(index).identity == entry.identity)
+    before = sum(1 for i in range(index) if run_trace.entry(i).op != INPUT_OP)
+    return FirstMoved(rank, kind, entry, ref_entry, before, relative, len(common), same)

@@ -1,0 +1,160 @@
+"""The op trace of step 0 as a RunRecord keeps it, per rank: torch-free, numpy only.
+
+The rank side (training/op_trace.py) records it; first_moved.py compares two. Per rank, in ``results``:
+
+    results["op_trace"]["ranks"]["<rank>"] = {
+        "format": 1, "backend": "DebugMode" | "TorchDispatchMode", "hash": "wsum64/1", "seconds": traced time,
+        "strings": [...],     # every op, module path, region, phase and shape text, once
+    }
+
+and in ``arrays``, under ``op_trace/rank<r>/``: ``ops`` (int32, one row per op: the string indices of its op,
+module, region, phase and inputs, and its count of outputs), ``outputs`` (int32, the string index of each
+output's shape, in op order), ``digest`` (float64, one row per output: sum, sum of |x|, max |x|) and ``hash``
+(int64, per output). Every rank's trace is kept: ``merge_ranks`` folds them into the merged record. An
+``<input>`` entry is a tensor an op read that no traced op made (tokens, weights, buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .record import RunRecord
+
+RESULT_KEY = "op_trace"
+STACK_KEY = "op_trace_stack"  # the Python stack of one entry, kept by the re-run that explains a failure
+STACK_CONFIG = "op_trace_stack_at"  # that re-run's config key: [rank, entry index]
+TRACE_CONFIG = "op_trace"  # a launch config key: false where no trace is compared (triage's experiments)
+ARRAY_PREFIX = "op_trace/"
+PHASES = ("forward", "backward", "clip", "optimizer")
+INPUT_OP = "<input>"
+ROOT = "(root)"  # the module path of the model itself, and of FSDP2's root unit; "" is no module at all
+FORMAT = 1
+_OP, _MODULE, _REGION, _PHASE, _INPUTS, _OUTPUTS = range(6)
+
+
+@dataclass(frozen=True)
+class TraceOp:
+    """One entry of a rank's trace, read back."""
+
+    index: int
+    op: str
+    module: str
+    region: str
+    phase: str
+    inputs: str
+    outputs: tuple[str, ...]
+    digests: np.ndarray  # [outputs, 3]: sum, sum of |x|, max |x|
+    hashes: np.ndarray  # [outputs]
+
+    @property
+    def identity(self) -> tuple[str, ...]:
+        """What must match for two entries to be the same op: a difference here is a changed op sequence."""
+        return (self.op, self.module, self.phase, self.inputs, *self.outputs)
+
+
+@dataclass
+class RankTrace:
+    strings: list[str]
+    ops: np.ndarray  # int32 [ops, 6]
+    outputs: np.ndarray  # int32 [outputs]
+    digests: np.ndarray  # float64 [outputs, 3]
+    hashes: np.ndarray  # int64 [outputs]
+    backend: str = ""
+    hash_kind: str = ""
+    seconds: float = 0.0
+    error: str | None = None  # why the rank side stopped tracing (a bug of the tracer): not compared
+
+    def __post_init__(self) -> None:
+        self.ops = np.asarray(self.ops, dtype=np.int32).reshape(-1, 6)
+        self.outputs = np.asarray(self.outputs, dtype=np.int32).reshape(-1)
+        self._first = np.concatenate([[0], np.cumsum(self.ops[:, _OUTPUTS], dtype=np.int64)])
+
+    @classmethod
+    def of_entries(cls, entries: Sequence[tuple[str, str, str, str, str, list[str]]],
+                   digests: Sequence[Sequence[tuple[float, float, float, int]]], *, backend: str, hash_kind: str,
+                   seconds: float, error: str | None = None) -> RankTrace:
+        """From the rank side's entries (op, module, region, phase, inputs, output shapes) and their digests."""
+        table: dict[str, int] = {}
+
+        def at(text: str) -> int:
+            return table.setdefault(text, len(table))
+
+        ops, outputs, rows, hashes = [], [], [], []
+        for (op, module, region, phase, inputs, shapes), found in zip(entries, digests):
+            ops.append([at(op), at(module), at(region), at(phase), at(inputs), len(shapes)])
+            outputs += [at(s) for s in shapes]
+            for i in range(len(shapes)):  # an output never digested (its op raised) reads as NaN
+                total, abs_total, max_abs, hashed = found[i] if i < len(found) else (np.nan, np.nan, np.nan, 0)
+                rows.append((total, abs_total, max_abs))
+                hashes.append(hashed)
+        return cls(list(table), np.array(ops), np.array(outputs), np.array(rows, dtype=np.float64).reshape(-1, 3),
+                   np.array(hashes, dtype=np.int64), backend, hash_kind, seconds, error)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def entry(self, index: int) -> TraceOp:
+        row = [int(i) for i in self.ops[index]]
+        first, last = int(self._first[index]), int(self._first[index + 1])
+        text = self.strings
+        return TraceOp(index, text[row[_OP]], text[row[_MODULE]], text[row[_REGION]], text[row[_PHASE]],
+                       text[row[_INPUTS]], tuple(text[int(i)] for i in self.outputs[first:last]),
+                       self.digests[first:last], self.hashes[first:last])
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"format": FORMAT, "backend": self.backend, "hash": self.hash_kind, "seconds": round(self.seconds, 4),
+               "strings": self.strings}
+        return {**out, "error": self.error} if self.error else out
+
+    def arrays(self, rank: int) -> dict[str, np.ndarray]:
+        prefix = f"{ARRAY_PREFIX}rank{rank}/"
+        return {prefix + "ops": self.ops, prefix + "outputs": self.outputs, prefix + "digest": self.digests,
+                prefix + "hash": self.hashes}
+
+    def store(self, rank: int, results: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        results.setdefault(RESULT_KEY, {"ranks": {}})["ranks"][str(rank)] = self.to_json()
+        arrays.update(self.arrays(rank))
+
+    def nbytes(self) -> int:
+        """What this trace adds to a record: its JSON as the store writes it (indented) and its arrays."""
+        from .atomic import dump_json
+
+        return len(dump_json(self.to_json())) + sum(a.nbytes for a in self.arrays(0).values())
+
+
+def ranks(record: RunRecord) -> dict[int, RankTrace]:
+    """Every rank's trace in ``record``; {} for a record without one (older, or of a scenario that keeps none)."""
+    stored = record.results.get(RESULT_KEY)
+    if not isinstance(stored, dict):
+        return {}
+    out: dict[int, RankTrace] = {}
+    for key, data in stored.get("ranks", {}).items():
+        found = [record.arrays.get(f"{ARRAY_PREFIX}rank{key}/{name}") for name in ("ops", "outputs", "digest", "hash")]
+        if any(a is None for a in found) or data.get("format") != FORMAT or data.get("error"):
+            continue  # a trace of another format, or one the rank could not finish: nothing to compare
+        ops, outputs, digest, hashes = found
+        out[int(key)] = RankTrace(list(data["strings"]), ops, outputs, np.asarray(digest, dtype=np.float64).reshape(-1, 3),
+                                  np.asarray(hashes, dtype=np.int64), str(data.get("backend", "")),
+                                  str(data.get("hash", "")), float(data.get("seconds", 0.0)))
+    return out
+
+
+def merge_ranks(records: list[RunRecord]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Every rank's trace and kept stack, for the merged record: (its ``results`` part, its ``arrays`` part)."""
+    traces: dict[str, Any] = {}
+    arrays: dict[str, np.ndarray] = {}
+    results: dict[str, Any] = {}
+    for record in records:
+        stored = record.results.get(RESULT_KEY)
+        if isinstance(stored, dict):
+            traces.update(stored.get("ranks", {}))
+        arrays.update({k: v for k, v in record.arrays.items() if k.startswith(ARRAY_PREFIX)})
+        if STACK_KEY in record.results:
+            results[STACK_KEY] = record.results[STACK_KEY]
+    if traces:
+        results[RESULT_KEY] = {"ranks": dict(sorted(traces.items(), key=lambda kv: int(kv[0])))}
+    return results, arrays

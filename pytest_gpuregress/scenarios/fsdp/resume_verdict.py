@@ -1,0 +1,75 @@
+"""Session side: the verdict on a resume from the fsdp reference's own checkpoint. torch-free (numpy).
+
+Two questions, in this order:
+  the load     the state right after loading the reference's checkpoint on this stack, piece by piece,
+               against the digests the reference took when it saved: a checkpoint is a copy, so every
+               piece must be equal on every stack. A piece that differs is named (``optimizer.exp_avg``,
+               ``rng.numpy``, ...), as the checkpoint scenario's resume case names it.
+  the curve    the continuation, steps S to the end, against the reference's own steps S to the end
+               (reference/continuation.py): bitwise in the exact lane (the recording stack), within the
+               reference's envelope in the tolerant lane (another stack).
+Where the load broke, every deviation of the curve follows from it and points at the checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...reference.compare import Comparison, Finding, choose_lane, compare_training
+from ...reference.continuation import from_step
+from ...reference.record import RunRecord
+from ...stack import fingerprint as fp
+from ..shared.state_pieces import differing
+
+SAVED_KEY = "resume_checkpoint"  # the reference's results: the step, the digests of the state saved, its size
+LOADED_KEY = "resume"  # the continuation's results (rank side: resume.RESULT_KEY)
+CONTINUES_FROM = "continues_from"  # a continuation_reference's results: the step it starts at
+COMPONENT = "checkpoint"
+
+
+def load_findings(saved: dict[str, Any], loaded: dict[str, Any]) -> list[Finding]:
+    """Each piece of state that the load on this stack did not give back as the reference saved it."""
+    if loaded.get("load_error"):
+        return [Finding("resume_load", COMPONENT, f"resume: loading the reference's checkpoint (step {saved['step']}) "
+                        f"on this stack failed: {loaded['load_error']}")]
+    if int(loaded.get("step", -1)) != int(saved["step"]):
+        return [Finding("resume_load", COMPONENT, f"resume: the loaded checkpoint says step {loaded.get('step')}, the "
+                        f"reference saved it at step {saved['step']}")]
+    return [Finding("resume_state", COMPONENT, f"resume: {piece} after loading the reference's checkpoint is not the "
+                    f"state it saved at step {saved['step']} ({why})", step=int(saved["step"]), tensor=piece)
+            for piece, why in differing(saved["boundary"], loaded.get("boundary", {}))]
+
+
+def continuation_reference(reference: RunRecord) -> RunRecord:
+    """The reference from its checkpoint's step on, with the digests of what it saved: what a continuation is
+    judged, plotted and kept against. Idempotent; a reference without a checkpoint is returned as it is."""
+    saved = reference.results.get(SAVED_KEY)
+    if not saved or reference.results.get(CONTINUES_FROM) is not None:
+        return reference
+    view = from_step(reference, int(saved["step"]))
+    view.results = {SAVED_KEY: saved, CONTINUES_FROM: int(saved["step"])}
+    return view
+
+
+def compare(reference: RunRecord, run: RunRecord, lane: str) -> Comparison:
+    """The load piece by piece, then the continuation against the reference's last steps (``reference``: the whole
+    reference or its ``continuation_reference``)."""
+    reference = continuation_reference(reference)
+    saved, loaded = reference.results.get(SAVED_KEY), run.results.get(LOADED_KEY, {})
+    chosen, reason = choose_lane(reference, run, lane)
+    if not saved:  # the session skips such a case; a kept run judged again by hand lands here
+        return Comparison(chosen, reason, [Finding("resume_load", COMPONENT, "resume: the reference has no resume "
+                                                   "checkpoint to judge a continuation by: re-record it")],
+                          fp.diff(reference.fingerprint, run.fingerprint))
+    broken = load_findings(saved, loaded)
+    if loaded.get("load_error"):
+        return Comparison(chosen, reason, broken, fp.diff(reference.fingerprint, run.fingerprint))
+    comparison = compare_training(reference, run, lane=lane)
+    comparison.margins.pop("step0_grad", None)  # a continuation has no step 0
+    start = int(saved["step"])
+    for finding in comparison.findings:
+        finding.message = f"resumed at step {start} (steps counted from there): {finding.message}"
+        if broken:  # the state the continuation started from was wrong: what follows is the load's doing
+            finding.component = COMPONENT
+    comparison.findings[:0] = broken
+    return comparison

@@ -1,0 +1,66 @@
+"""Rank side: torch.distributed.checkpoint (DCP) with torch's own safetensors storage, so nothing is pickled.
+
+DCP's default filesystem format keeps its metadata (``.metadata``) as a pickle: fine for a folder a run
+wrote moments before, never for one a user was sent. A checkpoint shipped inside a reference goes
+through ``HuggingFaceStorageWriter(save_distributed=True)`` instead: each rank writes its own shards to
+``shard-<rank+1>-model-00001-of-00001.safetensors``, their offsets in the file's JSON metadata
+(``DCP_SHARDING_INFO``), and no metadata file at all. ``HuggingFaceStorageReader`` rebuilds the
+metadata from those headers (``safe_open`` and ``json.loads``) and reads the tensors with
+``safe_open(...).get_slice``: no ``torch.load`` and no unpickling. The ranks' plans travel between
+them through torch.distributed's object collectives (in memory, this job's own ranks), not through a file.
+
+Only tensors are handed to DCP (``tensors_only``): it would pickle anything else. Torch 2.9 and 2.13
+were checked; a torch without these classes cannot write or read such a checkpoint (``unavailable``).
+Torch is imported inside the functions: only the ranks call them, but ``unavailable`` may run anywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SUFFIX = ".safetensors"
+
+
+def unavailable() -> str | None:
+    """Why this torch cannot write or read a DCP checkpoint in safetensors; None when it can."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    if not hasattr(dcp, "HuggingFaceStorageWriter") or not hasattr(dcp, "HuggingFaceStorageReader"):
+        return (f"torch {torch.__version__} has no torch.distributed.checkpoint.HuggingFaceStorageWriter/Reader "
+                "(DCP in safetensors), and a checkpoint shipped in a reference is never read as a pickle")
+    return None
+
+
+def tensors_only(state: dict[str, Any], where: str = "") -> None:
+    """Refuse anything but tensors: DCP would pickle it."""
+    import torch
+
+    for key, value in state.items():
+        if isinstance(value, dict):
+            tensors_only(value, f"{where}{key}.")
+        elif not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where}{key} is a {type(value).__name__}: only tensors go to DCP (anything else is pickled)")
+
+
+def save(state: dict[str, Any], folder: Path) -> None:
+    """Every rank writes its shards of ``state`` (nested dicts of tensors and DTensors) into ``folder``. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    tensors_only(state)
+    folder.mkdir(parents=True, exist_ok=True)
+    dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True))
+
+
+def load(state: dict[str, Any], folder: Path) -> None:
+    """Fill ``state``'s tensors in place from the shards in ``folder``, at this run's world size. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    tensors_only(state)
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
+
+
+def shard_files(folder: Path) -> list[Path]:
+    """The safetensors files DCP's reader would read in ``folder``."""
+    return sorted(p for p in folder.iterdir() if p.name.endswith(SUFFIX)) if folder.is_dir() else []

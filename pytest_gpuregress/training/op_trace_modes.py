@@ -1,0 +1,104 @@
+"""How the op trace sees each dispatched op: torch's own DebugMode where the installed torch has it
+(``torch.utils._debug_mode``, torch 2.10 on), a TorchDispatchMode of ours otherwise.
+
+Both hand the tracer the same ops: those on plain tensors. A DTensor op is let through to DTensor, whose
+local ops come back as plain ones; ops on other subclasses (FakeTensor in DTensor's sharding propagation,
+AsyncCollectiveTensor) and under a FakeTensorMode are not traced: they compute nothing of the step, or
+their plain ops are traced where they run. Each mode calls ``before`` ahead of the op and ``after`` with
+its result, and only reads. Torch is imported inside the functions: only the ranks call them.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+
+class OpWatcher(Protocol):
+    def before(self, func: Any, args: Any, kwargs: Any) -> None: ...
+
+    def after(self, func: Any, args: Any, kwargs: Any, result: Any) -> None: ...
+
+
+def _faked() -> bool:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return isinstance(_get_current_dispatch_mode(), FakeTensorMode)
+
+
+def has_debug_mode() -> bool:
+    try:
+        from torch.utils._debug_mode import DebugMode  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _DebugModeWatch:
+    """DebugMode with a pre- and a post-dispatch hook: entered once per phase."""
+
+    name = "DebugMode"
+
+    def __init__(self, watcher: OpWatcher) -> None:
+        from torch.utils._debug_mode import DebugMode
+
+        self._watcher = watcher
+        # No strings of outputs, no stacks, no module tracking of its own: the tracer keeps what it needs.
+        self._mode = DebugMode(record_output=False, record_profiler_context=False, record_localtensor=False)
+        self._hooks: AbstractContextManager[Any] | None = None
+
+    def _before(self, func: Any, types: Any, args: Any, kwargs: Any, call: Any) -> None:
+        if not types and not _faked():
+            self._watcher.before(func, args, kwargs)
+
+    def _after(self, func: Any, types: Any, args: Any, kwargs: Any, result: Any) -> None:
+        if not types and not _faked():
+            self._watcher.after(func, args, kwargs, result)
+        self._mode.operators.clear()  # its own log of every call: not needed, and it grows with the step
+
+    def __enter__(self) -> _DebugModeWatch:
+        from torch.utils._debug_mode import DebugMode
+
+        self._hooks = DebugMode.dispatch_hooks(log_hook=self._after, pre_log_hook=self._before)
+        self._hooks.__enter__()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        assert self._hooks is not None
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+
+
+def _dispatch_mode_watch(watcher: OpWatcher) -> Any:
+    """A TorchDispatchMode handing the same ops as DebugMode does to ``watcher``."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class DispatchWatch(TorchDispatchMode):
+        name = "TorchDispatchMode"
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if DTensor in types:
+                return NotImplemented  # DTensor runs it, and its local ops come back here
+            plain = not types and not _faked()
+            if plain:
+                watcher.before(func, args, kwargs)
+            result = func(*args, **kwargs)
+            if plain:
+                watcher.after(func, args, kwargs, result)
+            return result
+
+    return DispatchWatch()
+
+
+def op_watch(watcher: OpWatcher, backend: str = "auto") -> Any:
+    """A context manager, entered once per phase, that shows ``watcher`` every traced op.
+
+    ``backend``: "DebugMode", "TorchDispatchMode", or "auto" (DebugMode where torch has it)."""
+    if backend == "DebugMode" or (backend == "auto" and has_debug_mode()):
+        return _DebugModeWatch(watcher)
+    return _dispatch_mode_watch(watcher)

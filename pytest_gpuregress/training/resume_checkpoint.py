@@ -1,0 +1,116 @@
+"""Rank side: a training run's whole state at a step, in a folder safe to ship, and back into a fresh trainer.
+
+Layout (what a reference keeps under ``resume/``, every file listed in its manifest):
+  tensors/            DCP in safetensors (dcp_safetensors.py): the model's parameters and the optimizer's
+                      exp_avg, exp_avg_sq and step, one shard file per rank
+  rng-rank<r>.json    rank r's generators (rng_state.py)
+  trainer.json        the step, the data position, the world size, the optimizer's param groups, the LR
+                      scheduler's state, and the torch that wrote it; written last, so its presence means
+                      the save finished
+Safetensors and JSON only: nothing here is unpickled. The load goes through the fault points every resume
+shares (state_apply.py, rng_state.restore), so the checkpoint faults act on it as on the checkpoint scenario's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..errors import CheckpointProblem
+from ..reference import atomic
+from . import dcp_safetensors, rng_state, state_digests
+from .state_apply import apply_model, apply_optimizer
+
+FORMAT = "gpuregress-resume-checkpoint/1"
+TENSORS = "tensors"
+TRAINER_JSON = "trainer.json"
+
+
+class Resumable(Protocol):
+    """A model under FSDP2, its optimizer and its LR schedule, with the parameters' names."""
+
+    model: Any
+    names: list[str]
+
+    @property
+    def params(self) -> list[Any]: ...
+
+    @property
+    def optimizer(self) -> Any: ...
+
+    @property
+    def scheduler(self) -> Any: ...
+
+
+def rng_file(folder: Path, rank: int) -> Path:
+    return folder / f"rng-rank{rank}.json"
+
+
+def _state_dicts(trainer: Resumable) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model, optimizer) state dicts keyed by parameter name; initialises a fresh optimizer's state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(trainer.model, trainer.optimizer)
+
+
+def save(trainer: Resumable, folder: Path, *, step: int, data_position: int, rank: int, world_size: int,
+         device_kind: str) -> None:
+    """Write the state after ``step`` optimizer steps into ``folder`` (every rank sees it). Collective."""
+    import torch
+    import torch.distributed as dist
+
+    model_state, optim_state = _state_dicts(trainer)
+    dcp_safetensors.save({"model": model_state, "optim": optim_state["state"]}, folder / TENSORS)
+    atomic.write_json(rng_file(folder, rank), rng_state.capture(device_kind))
+    dist.barrier()
+    if rank == 0:
+        atomic.write_json(folder / TRAINER_JSON, {
+            "format": FORMAT, "step": step, "data_position": data_position, "world_size": world_size,
+            "param_groups": optim_state["param_groups"], "scheduler": state_digests.scheduler_state(trainer),
+            "torch": torch.__version__,
+        })
+    dist.barrier()
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointProblem(path, None, f"missing: the checkpoint has no {what}", "record the reference again")
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointProblem(path, None, f"not JSON ({exc})", "record the reference again") from None
+    if not isinstance(data, dict):
+        raise CheckpointProblem(path, None, "not a JSON object", "record the reference again")
+    return data
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    """trainer.json, checked for its format."""
+    meta = read_json(folder / TRAINER_JSON, "trainer state (trainer.json), so its save did not finish")
+    if meta.get("format") != FORMAT:
+        raise CheckpointProblem(folder / TRAINER_JSON, None, f"format {meta.get('format')!r}, expected {FORMAT!r}",
+                                "record the reference again with this version")
+    return meta
+
+
+def _copies(state: dict[str, Any]) -> dict[str, Any]:
+    """Detached copies to load into, so the load and the apply are separate steps a fault can tell apart."""
+    return {k: _copies(v) if isinstance(v, dict) else v.detach().clone() for k, v in state.items()}
+
+
+def load(trainer: Resumable, folder: Path, *, rank: int, device_kind: str) -> dict[str, Any]:
+    """Restore a freshly built trainer from ``folder`` (read only); return trainer.json. Collective.
+
+    The generators are this rank's as saved, so the world size must be the one that saved."""
+    meta = read_meta(folder)
+    if not dcp_safetensors.shard_files(folder / TENSORS):
+        raise CheckpointProblem(folder / TENSORS, None, "no safetensors shard here", "record the reference again")
+    model_state, optim_state = _state_dicts(trainer)
+    loaded = {"model": _copies(model_state), "optim": _copies(optim_state["state"])}
+    dcp_safetensors.load(loaded, folder / TENSORS)
+    apply_model(trainer, loaded["model"])
+    apply_optimizer(trainer, {"state": loaded["optim"], "param_groups": meta["param_groups"]})
+    trainer.scheduler.load_state_dict({**trainer.scheduler.state_dict(), **meta["scheduler"]})
+    rng_state.restore(read_json(rng_file(folder, rank), f"generator state of rank {rank}"), device_kind)
+    return meta

@@ -1,0 +1,124 @@
+"""A tensor's digest, computed where the tensor lives: float64 sum, sum of |x|, max |x|, and a hash of its bits.
+
+The op trace (op_trace.py) keeps one digest per op output. On a GPU the reductions and the hash run on the
+device and only four numbers cross to the host (one synchronisation per output): no output is copied.
+
+The hash is a position-weighted sum of the element bits modulo 2**64,
+
+    hash = sum_i bits(x_i) * (2 i + 1) * K   (mod 2**64),   K odd,
+
+in int64, whose arithmetic wraps on every torch backend. Integer addition is associative, so the result does
+not depend on how a device orders the reduction, and equal bits give an equal hash on any stack. Every weight
+is odd, hence invertible modulo 2**64: one element whose bits change always changes the hash. It also changes
+when elements trade places (a collective that returns chunks in the wrong order), which the sums miss.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+HASH_KIND = "wsum64/1"  # stored with each trace: hashes of another kind are not compared bit for bit
+CHUNK = 1 << 24  # elements digested at a time on a device: 512 MiB of float64 and int64 temporaries
+_K = 0x9E3779B97F4A7C15 - (1 << 64)  # the 64-bit golden ratio, odd, as a signed int64
+_INT_OF_WIDTH = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def bits_as_int64(flat: Any) -> Any:
+    """The bit pattern of each element of the contiguous 1-D ``flat``, widened to int64 (sign-extended)."""
+    import torch
+
+    if flat.dtype == torch.bool:
+        return flat.to(torch.int64)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    return flat.view(getattr(torch, _INT_OF_WIDTH[flat.element_size()])).to(torch.int64)
+
+
+def digest(tensor: Any) -> tuple[float, float, float, int]:
+    """(sum, sum of |x|, max |x|) in float64, and the bits hash, of ``tensor`` (read only, on its device).
+
+    A CPU tensor of a dtype numpy has is read in place through numpy: a few calls instead of a dozen torch
+    ops (the trace digests hundreds of small outputs). The hash is the same either way; the float64 sums may
+    differ in their last bits, which is why equality is judged by the hash (reference/first_moved.py)."""
+    if tensor.device.type == "cpu" and tensor.dtype in _numpy_dtypes():
+        # A copy: numpy's view of a tensor's own storage would make that storage non-resizable, and FSDP2
+        # frees its unsharded parameters by resizing their storage to 0.
+        return numpy_digest(tensor.detach().clone(memory_format=_contiguous()).numpy())
+    return torch_digest(tensor)
+
+
+def numpy_digest(values: Any) -> tuple[float, float, float, int]:
+    flat = values.reshape(-1)
+    if flat.size == 0:
+        return 0.0, 0.0, 0.0, 0
+    wide = flat.astype("float64")
+    magnitude = abs(wide)
+    return float(wide.sum()), float(magnitude.sum()), float(magnitude.max()), numpy_hash(flat)
+
+
+def torch_digest(tensor: Any) -> tuple[float, float, float, int]:
+    """The digest by torch ops on the tensor's device; one synchronisation, four numbers to the host."""
+    import torch
+
+    with torch.no_grad():
+        flat = tensor.detach().contiguous().reshape(-1)
+        if flat.numel() == 0:
+            return 0.0, 0.0, 0.0, 0
+        sums = torch.zeros(3, dtype=torch.float64, device=flat.device)  # sum, sum of |x|, max |x|
+        hashed = torch.zeros((), dtype=torch.int64, device=flat.device)
+        # In chunks: the float64 and int64 temporaries of a logits-sized output would take GiBs at once.
+        for start in range(0, flat.numel(), CHUNK):
+            part = flat[start:start + CHUNK]
+            wide = (torch.view_as_real(part).reshape(-1) if part.is_complex() else part).to(torch.float64)
+            magnitude = wide.abs()
+            sums += torch.stack([wide.sum(), magnitude.sum(), torch.zeros_like(sums[2])])
+            sums[2] = torch.maximum(sums[2], magnitude.max())
+            index = torch.arange(start, start + part.numel(), device=flat.device, dtype=torch.int64)
+            hashed += (bits_as_int64(part) * ((index * 2 + 1) * _K)).sum()
+        # One transfer: the hash travels as the bits of a float64, viewed back on the host.
+        row = torch.cat([sums, hashed.view(torch.float64).reshape(1)]).cpu()
+    total, abs_total, max_abs = (float(v) for v in row[:3])
+    return total, abs_total, max_abs, int(row[3:].view(torch.int64)[0])
+
+
+def _contiguous() -> Any:
+    import torch
+
+    return torch.contiguous_format
+
+
+def _numpy_dtypes() -> frozenset[Any]:
+    import torch
+
+    return frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                      torch.uint8, torch.bool})
+
+
+def numpy_hash(values: Any) -> int:
+    """The hash of a numpy array, in numpy's uint64 arithmetic (wrapping by definition): the CPU path of
+    ``digest``, and the check that torch's int64 arithmetic, used on other devices, wraps the same way."""
+    import numpy as np
+
+    flat = np.ascontiguousarray(values).reshape(-1)
+    ints = flat.view(f"int{8 * flat.itemsize}" if flat.itemsize > 1 else "uint8").astype(np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        total = int(np.sum(ints * _weights(flat.size), dtype=np.uint64))
+    return total - (1 << 64) if total >= 1 << 63 else total
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_weights(size: int) -> Any:
+    return _weights_of(size)
+
+
+def _weights(size: int) -> Any:
+    """(2 i + 1) K mod 2**64 for i < size; kept for the small sizes a trace meets again and again."""
+    return _cached_weights(size) if size <= 1 << 20 else _weights_of(size)
+
+
+def _weights_of(size: int) -> Any:
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        return (np.arange(size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * np.uint64(_K + (1 << 64))

@@ -77,8 +77,8 @@ class ReferencePlaces:
         """References in the user's folder, for this run's platforms, that no case of this configuration reads
         (as syrupy lists unused snapshots): left over from a removed model or case, or read only with an option
         this run did not give."""
-        if not self.user_root.is_dir():
-            return []
+        if not self.user_root.is_dir() or self.user_root.resolve() == self.shipped_root.resolve():
+            return []  # the plugin's own shipped references (this repository's main job) are not the user's to prune
         wanted = self.selection.reference_names()
         return sorted(f"{manifest.parent.parent.name}/{manifest.parent.name}"
                       for manifest in self.user_root.glob(f"*/*/{store.MANIFEST}")

@@ -207,8 +207,15 @@ def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tup
         if late:
             by_name["divergence"] = Experiment("divergence", "starts", f"step 0 matches the reference; the first "
                                                                      f"difference is at step {first}")
-        if moved is not None and moved.convicts:  # the op that first gave another answer, its inputs equal
+        # The op that first gave another answer, its inputs equal, convicts where its effect is what failed: a
+        # forward or backward op when step 0 already differs, an optimizer op (its update shows from step 1).
+        if moved is not None and moved.convicts and (first == 0 or moved.component == "optimizer"):
             component = moved.component
+        elif moved is not None and moved.convicts:
+            # Step 0 is within the tolerance: that op's drift is the legitimate kind the envelope allows (another
+            # kernel path), not what failed later; it is shown, and convicts nothing.
+            by_name[moved.name] = Experiment(moved.name, "drifts within the tolerance at step 0", moved.detail)
+            component = "optimizer" if late else "kernel" if changed else None
         elif late:  # step 0 matches the reference and both experiments are clean: the update goes wrong
             component = "optimizer"
         elif changed:  # nothing convicted or cleared, but the kernels did change: the likeliest cause

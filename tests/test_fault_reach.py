@@ -99,3 +99,10 @@ def test_a_loader_fault_reaches_only_the_io_cases_of_its_loader() -> None:
     assert all(reach.reaches(every, f"formats-io-{p}") for p in ("safetensors", "safe_open", "torch_load", "dcp",
                                                                   "transformers"))
     assert reach.reaches(parse("format:mode=fn_as_fnuz"), "formats-decode-e4m3fn")
+
+
+def test_consensus_is_reached_by_the_faults_its_workloads_run_into() -> None:
+    assert reach.reaches(parse("matmul_ulp:rank=1"), "consensus-devices")
+    assert not reach.reaches(parse("matmul_ulp:rank=1"), "consensus-links")  # the link sweep runs no matmul
+    assert reach.reaches(parse("collective:op=all_gather,mode=nudge,rel=1e-3"), "consensus-links")
+    assert not reach.reaches(parse("collective:op=reduce_scatter,mode=nudge,rel=1e-3"), "consensus-links")

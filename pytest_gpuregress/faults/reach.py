@@ -14,18 +14,19 @@ from collections.abc import Iterable
 
 from . import FaultSpec, parse
 
-BUILT_IN = ("collectives", "fsdp", "lora", "checkpoint", "triage", "formats")
+BUILT_IN = ("collectives", "fsdp", "lora", "checkpoint", "triage", "formats", "consensus")
 
 # The columns of the table: each built-in case family, as the prefix of its test id (<scenario>-<case>).
 COLUMNS = ("collectives", "fsdp", "fsdp-resume", "lora-fully_shard", "lora-accelerate", "checkpoint-full-state-dict",
            "checkpoint-tied", "checkpoint-sharded-2to1", "checkpoint-sharded-1to2", "checkpoint-resume", "checkpoint-portability",
-           "triage-equivalence", "triage-oracle", "formats")
+           "triage-equivalence", "triage-oracle", "formats", "consensus-devices", "consensus-links")
 
 # Measured on the CPU with benchmarks/fault_reach.py (2 gloo ranks); "acts" means the fault changed something in
 # a launch the case reads (the main checkpoint launch carries both full-state-dict and tied).
 _STEPPING = ("fsdp", "fsdp-resume", "lora-fully_shard", "lora-accelerate", "checkpoint-full-state-dict", "checkpoint-tied",
              "checkpoint-sharded-2to1", "checkpoint-sharded-1to2", "checkpoint-resume", "triage-equivalence",
              "triage-oracle")  # an optimizer step (triage-oracle: its one-rank stack run; the float64 run is never faulted)
+_DEVICE_WORKLOAD = ("consensus-devices",)  # its MLP runs nn.Linear; its battery torch.matmul (matmul_ulp only)
 _FORWARD = (*_STEPPING, "checkpoint-portability", "formats")  # a model's forward pass (linear, attention, silu)
 _COLLECTIVE = ("collectives", *(c for c in _STEPPING if c != "checkpoint-sharded-1to2"))  # collectives between ranks
 # fsdp-resume trains only steps S = steps // 2 to the end: a hang or crash after step N < S never happens there.
@@ -33,11 +34,11 @@ _FROM_STEP_0 = tuple(c for c in _STEPPING if c != "fsdp-resume")
 
 # kind, or "kind:mode" -> the columns it reaches. Why a column is missing is in WHY_NOT.
 REACH: dict[str, tuple[str, ...]] = {
-    "collective": _COLLECTIVE,
+    "collective": (*_COLLECTIVE, "consensus-links"),  # the link sweep moves data only: LINK_OPS
     "emulate_premul_sum": _COLLECTIVE,
     "lr_scale": _STEPPING,
-    "linear_noise": _FORWARD,
-    "matmul_ulp": _FORWARD,  # through F.linear, as linear_noise; the consensus vote is where it is meant to be caught
+    "linear_noise": (*_FORWARD, *_DEVICE_WORKLOAD),
+    "matmul_ulp": (*_FORWARD, *_DEVICE_WORKLOAD),  # through F.linear, as linear_noise; consensus is where it is caught
     "sdpa_backend": _FORWARD,
     "host_op": _FORWARD,
     "slow_step": _STEPPING,
@@ -70,6 +71,8 @@ LOADER_CASES = {"safetensors": ("safetensors",), "safe_open": ("safe_open", "tra
 # On a CPU, accelerate wraps the model in DDP: its collectives are all_reduce and broadcast, and its state dict
 # holds whole tensors, so there is no shard to lose. On GPUs it runs FSDP2 and every op and rank0_slice act.
 CPU_DDP_OPS = ("all_reduce", "broadcast")
+# consensus-links sweeps the ops whose every output element comes from one known rank (collectives/plan.py).
+LINK_OPS = ("all_gather", "broadcast", "all_to_all")
 CPU_ONLY_MISSING = {("lora:rank0_slice", "lora-accelerate"): "on a CPU accelerate runs DDP, whose state dict holds "
                                                              "whole tensors: no slice to lose (FSDP2 on GPUs)"}
 
@@ -78,6 +81,9 @@ WHY_NOT: dict[str, str] = {
     "formats": "no optimizer step and no collective: casts and checkpoint files on each device",
     "checkpoint-sharded-1to2": "it trains and saves on 1 rank, then only loads on 2",
     "checkpoint-portability": "inference from the shipped bundle on 1 rank: no optimizer step, no collective",
+    "consensus-devices": "one process per device, each alone: an MLP and a matmul battery, no collective, no "
+                         "scenario step hooks",
+    "consensus-links": "a sweep of data-moving collectives (all-gather, broadcast, all-to-all): no model",
 }
 
 
@@ -109,6 +115,8 @@ def reaches(spec: FaultSpec, test_id: str, device_kind: str = "cpu") -> bool:
     ops = spec.get("op") if spec.kind == "collective" else None
     if ops and column == "collectives" and test_id != column:
         return test_id.split("-")[1] in ops  # a sweep case runs one op: collectives-<op>-...
+    if ops and column == "consensus-links":
+        return bool(set(ops) & set(LINK_OPS))
     if ops and column == "lora-accelerate" and device_kind == "cpu":
         return bool(set(ops) & set(CPU_DDP_OPS))
     return True
@@ -154,6 +162,8 @@ def table_lines() -> list[str]:
                 cells.append("acts (io cases)")
             elif key == "collective" and column == "lora-accelerate":
                 cells.append("acts (CPU: all_reduce, broadcast)")
+            elif key == "collective" and column == "consensus-links":
+                cells.append(f"acts ({', '.join(LINK_OPS)})")
             else:
                 cells.append("acts")
         rows.append(f"| `{key}` | " + " | ".join(cells) + " |")

@@ -81,3 +81,22 @@ class Optimization:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+
+class Optimized:
+    """A trainer's view of the ``Optimization`` it holds: its optimizer, its schedule and the parameters it steps
+    (what checkpoints save and state digests read)."""
+
+    optimization: Optimization
+
+    @property
+    def optimizer(self) -> Any:
+        return self.optimization.optimizer
+
+    @property
+    def scheduler(self) -> Any:
+        return self.optimization.scheduler
+
+    @property
+    def params(self) -> list[Any]:
+        return list(self.optimizer.param_groups[0]["params"])

@@ -27,20 +27,10 @@ TENSORS = "tensors"
 TRAINER_JSON = "trainer.json"
 
 
-class Resumable(Protocol):
+class Resumable(state_digests.TrainingState, Protocol):
     """A model under FSDP2, its optimizer and its LR schedule, with the parameters' names."""
 
     model: Any
-    names: list[str]
-
-    @property
-    def params(self) -> list[Any]: ...
-
-    @property
-    def optimizer(self) -> Any: ...
-
-    @property
-    def scheduler(self) -> Any: ...
 
 
 def rng_file(folder: Path, rank: int) -> Path:
@@ -73,30 +63,31 @@ def save(trainer: Resumable, folder: Path, *, step: int, data_position: int, ran
     dist.barrier()
 
 
-def read_json(path: Path, what: str) -> dict[str, Any]:
+def read_json(path: Path, what: str, fix: str = "record the reference again") -> dict[str, Any]:
+    """A checkpoint's JSON object; a clear CheckpointProblem naming the file and ``fix`` otherwise."""
     if not path.is_file():
-        raise CheckpointProblem(path, None, f"missing: the checkpoint has no {what}", "record the reference again")
+        raise CheckpointProblem(path, None, f"missing: the checkpoint has no {what}", fix)
     try:
         data = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointProblem(path, None, f"not JSON ({exc})", "record the reference again") from None
+        raise CheckpointProblem(path, None, f"not JSON ({exc})", fix) from None
     if not isinstance(data, dict):
-        raise CheckpointProblem(path, None, "not a JSON object", "record the reference again")
+        raise CheckpointProblem(path, None, "not a JSON object", fix)
     return data
 
 
-def read_meta(folder: Path) -> dict[str, Any]:
-    """trainer.json, checked for its format."""
-    meta = read_json(folder / TRAINER_JSON, "trainer state (trainer.json), so its save did not finish")
-    if meta.get("format") != FORMAT:
-        raise CheckpointProblem(folder / TRAINER_JSON, None, f"format {meta.get('format')!r}, expected {FORMAT!r}",
-                                "record the reference again with this version")
+def read_meta(folder: Path, fmt: str = FORMAT, fix: str = "record the reference again") -> dict[str, Any]:
+    """trainer.json, checked for its format ``fmt``."""
+    meta = read_json(folder / TRAINER_JSON, "trainer state (trainer.json), so its save did not finish", fix)
+    if meta.get("format") != fmt:
+        raise CheckpointProblem(folder / TRAINER_JSON, None, f"format {meta.get('format')!r}, expected {fmt!r}",
+                                f"{fix} with this version")
     return meta
 
 
-def _copies(state: dict[str, Any]) -> dict[str, Any]:
+def detached_copies(state: dict[str, Any]) -> dict[str, Any]:
     """Detached copies to load into, so the load and the apply are separate steps a fault can tell apart."""
-    return {k: _copies(v) if isinstance(v, dict) else v.detach().clone() for k, v in state.items()}
+    return {k: detached_copies(v) if isinstance(v, dict) else v.detach().clone() for k, v in state.items()}
 
 
 def load(trainer: Resumable, folder: Path, *, rank: int, device_kind: str) -> dict[str, Any]:
@@ -107,7 +98,7 @@ def load(trainer: Resumable, folder: Path, *, rank: int, device_kind: str) -> di
     if not dcp_safetensors.shard_files(folder / TENSORS):
         raise CheckpointProblem(folder / TENSORS, None, "no safetensors shard here", "record the reference again")
     model_state, optim_state = _state_dicts(trainer)
-    loaded = {"model": _copies(model_state), "optim": _copies(optim_state["state"])}
+    loaded = {"model": detached_copies(model_state), "optim": detached_copies(optim_state["state"])}
     dcp_safetensors.load(loaded, folder / TENSORS)
     apply_model(trainer, loaded["model"])
     apply_optimizer(trainer, {"state": loaded["optim"], "param_groups": meta["param_groups"]})

@@ -23,19 +23,9 @@ from typing import Any
 from ...errors import CheckpointProblem
 from ...fault_points import fault_point
 from ...reference import atomic
+from ...training.dcp_safetensors import tensors_only
 
 METADATA = ".metadata"
-
-
-def tensors_only(state: dict[str, Any], where: str = "") -> None:
-    """Refuse anything but tensors: DCP would pickle it."""
-    import torch
-
-    for key, value in state.items():
-        if isinstance(value, dict):
-            tensors_only(value, f"{where}{key}.")
-        elif not isinstance(value, torch.Tensor):
-            raise TypeError(f"{where}{key} is a {type(value).__name__}: only tensors go to DCP (anything else is pickled)")
 
 
 @fault_point("checkpoint.sharded_save")

@@ -19,7 +19,7 @@ from ...training import loop
 from ...training.data import token_source
 from ...training.fsdp2 import shard
 from ...training.loop import TrainStep, clip_gradients
-from ...training.optimizer import AdamWSettings, Optimization, Schedule, adamw
+from ...training.optimizer import AdamWSettings, Optimization, Optimized, Schedule, adamw
 from ...training.shard_units import shard_units
 
 IGNORE = -100  # cross_entropy's ignore_index: a dropped label
@@ -54,7 +54,7 @@ class StochasticBatches:
 
 
 @dataclass
-class Trainer:
+class Trainer(Optimized):
     model: Any
     optimization: Optimization  # AdamW and its schedule (training/optimizer.py)
     data: StochasticBatches
@@ -62,18 +62,6 @@ class Trainer:
     rank: int
     world_size: int
     names: list[str] = field(default_factory=list)
-
-    @property
-    def optimizer(self) -> Any:
-        return self.optimization.optimizer
-
-    @property
-    def scheduler(self) -> Any:
-        return self.optimization.scheduler
-
-    @property
-    def params(self) -> list[Any]:
-        return list(self.optimizer.param_groups[0]["params"])
 
     def loss(self) -> Any:
         """This rank's loss on the next global batch; advances the data position."""

@@ -11,13 +11,13 @@ Fault points (fault_points.py), shared with every resume (training/state_apply.p
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from ...errors import CheckpointProblem
 from ...reference import atomic
+from ...training import resume_checkpoint
 from ...training import rng_state as rng
+from ...training.resume_checkpoint import detached_copies, read_json
 from ...training.state_apply import apply_model, apply_optimizer
 from . import hooks, sharded, state
 from .trainer import Trainer
@@ -25,6 +25,7 @@ from .trainer import Trainer
 FORMAT = "gpuregress-trainer-checkpoint/1"
 TENSORS = "tensors"
 TRAINER_JSON = "trainer.json"
+SAVE_AGAIN = "save it again"  # the fix: this scenario wrote the checkpoint moments before
 
 
 def rng_file(folder: Path, rank: int) -> Path:
@@ -56,30 +57,8 @@ def save(trainer: Trainer, folder: Path, step: int, device_kind: str) -> None:
     dist.barrier()
 
 
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise CheckpointProblem(path, None, f"missing: the checkpoint has no {what}, so its save did not finish",
-                                "save it again")
-    try:
-        data = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointProblem(path, None, f"not JSON ({exc})", "save it again") from None
-    if not isinstance(data, dict):
-        raise CheckpointProblem(path, None, "not a JSON object", "save it again")
-    return data
-
-
 def read_meta(folder: Path) -> dict[str, Any]:
-    meta = read_json(folder / TRAINER_JSON, "trainer state")
-    if meta.get("format") != FORMAT:
-        raise CheckpointProblem(folder / TRAINER_JSON, None, f"format {meta.get('format')!r}, expected {FORMAT!r}",
-                                "save it again with this version")
-    return meta
-
-
-def _copies(state: dict[str, Any]) -> dict[str, Any]:
-    """Detached copies to load into, so the load and the apply are separate steps a fault can tell apart."""
-    return {k: _copies(v) if isinstance(v, dict) else v.detach().clone() for k, v in state.items()}
+    return resume_checkpoint.read_meta(folder, FORMAT, SAVE_AGAIN)
 
 
 def load(trainer: Trainer, folder: Path, *, with_rng: bool, device_kind: str) -> dict[str, Any]:
@@ -88,13 +67,13 @@ def load(trainer: Trainer, folder: Path, *, with_rng: bool, device_kind: str) ->
     ``with_rng``: restore this rank's generators too (only meaningful at the world size that saved)."""
     meta = read_meta(folder)
     model_state, optim_state = _state_dicts(trainer)
-    loaded = {"model": _copies(model_state), "optim": _copies(optim_state["state"])}
+    loaded = {"model": detached_copies(model_state), "optim": detached_copies(optim_state["state"])}
     sharded.load(loaded, folder / TENSORS, int(meta["world_size"]))
     apply_model(trainer, loaded["model"])
     apply_optimizer(trainer, {"state": loaded["optim"], "param_groups": meta["param_groups"]})
     trainer.scheduler.load_state_dict({**trainer.scheduler.state_dict(), **meta["scheduler"]})
     trainer.data.position = int(meta["data_position"])
     if with_rng:
-        rng.restore(read_json(rng_file(folder, trainer.rank), "generator state of this rank"), device_kind)
+        rng.restore(read_json(rng_file(folder, trainer.rank), "generator state of this rank", SAVE_AGAIN), device_kind)
     hooks.after_load(dict(zip(trainer.names, trainer.params)))
     return meta

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ...reference.record import RunRecord, float_digest
-from ...training.optimizer import AdamWSettings, Optimization, Schedule, adamw
+from ...training.optimizer import AdamWSettings, Optimization, Optimized, Schedule, adamw
 from ..base import RankContext
 
 ENTRY = "pytest_gpuregress.scenarios.fsdp.resume:run"
@@ -41,25 +41,13 @@ def stored(config: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
-class FsdpTrainer:
+class FsdpTrainer(Optimized):
     """rank.py's model under FSDP2, its AdamW and schedule, and its data (the batch of step s is batch s)."""
 
     model: Any
     names: list[str]
     optimization: Optimization
     data: Any
-
-    @property
-    def params(self) -> list[Any]:
-        return list(self.optimizer.param_groups[0]["params"])
-
-    @property
-    def optimizer(self) -> Any:
-        return self.optimization.optimizer
-
-    @property
-    def scheduler(self) -> Any:
-        return self.optimization.scheduler
 
 
 def build(ctx: RankContext) -> FsdpTrainer:

@@ -24,7 +24,7 @@ from ..stack.determinism import nondeterminism
 from . import model_layout, step0
 from .envelope import PREFIX as ENVELOPE_PREFIX
 from .envelope import MetricLimits, digest_deviation, floors_for, limit, rel, tensor_deviation
-from .first_moved import FirstMoved, first_moved
+from .first_moved import FirstMoved, equal_traces, first_moved
 from .record import RunRecord
 
 WORST_ROWS = 8
@@ -82,6 +82,8 @@ class Comparison:
     # The first op of step 0 whose output moved (first_moved.py): None where every op is bitwise equal or a
     # record has no op trace. Also set when the comparison passes: where bitwise drift starts, as information.
     first_moved: FirstMoved | None = None
+    # (ranks, ops per rank) where both records traced step 0 and no op moved: "no drift", said as information.
+    equal_trace: tuple[int, int] | None = None
 
     @property
     def passed(self) -> bool:
@@ -395,4 +397,4 @@ def compare_training(
             finding.component = model_layout.COMPONENT
         findings.insert(0, Finding("model", model_layout.COMPONENT, changed))
     return Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source,
-                      first_moved=first_moved(reference, run))
+                      first_moved=first_moved(reference, run), equal_trace=equal_traces(reference, run))

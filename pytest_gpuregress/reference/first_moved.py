@@ -128,6 +128,15 @@ def first_in_rank(reference: RankTrace, run: RankTrace) -> tuple[str, int, float
     return None
 
 
+def equal_traces(reference: RunRecord, run: RunRecord) -> tuple[int, int] | None:
+    """(ranks, ops per rank) where both records traced step 0 and every op is bitwise equal; None otherwise."""
+    ref_ranks, run_ranks = ranks(reference), ranks(run)
+    common = sorted(set(ref_ranks) & set(run_ranks))
+    if not common or any(first_in_rank(ref_ranks[r], run_ranks[r]) is not None for r in common):
+        return None
+    return len(common), min(len(run_ranks[r]) for r in common)
+
+
 def first_moved(reference: RunRecord, run: RunRecord) -> FirstMoved | None:
     """The first op of step 0 whose output moved, over every rank both records traced; None when every op is
     bitwise equal, or when either record has no trace (older references have none)."""

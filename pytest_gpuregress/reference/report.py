@@ -34,9 +34,13 @@ def format_margins(comparison: Comparison) -> str:
 
 
 def format_drift(comparison: Comparison) -> str | None:
-    """For a comparison that passed: where bitwise drift starts in step 0's op trace, as information (None when
-    every op is bitwise equal, or a record has no trace)."""
+    """For a comparison that passed: where bitwise drift starts in step 0's op trace, or that none did, as
+    information (None when a record has no trace)."""
     moved = comparison.first_moved
+    if moved is None and comparison.equal_trace is not None and comparison.lane == "tolerant":  # exact: bitwise anyway
+        ranks, ops = comparison.equal_trace
+        return (f"no bitwise drift (information): all {ops} ops of step 0 equal the reference's on {ranks} "
+                f"rank{'s' if ranks != 1 else ''}")
     if moved is None:
         return None
     return f"bitwise drift (information): {moved.describe()}"

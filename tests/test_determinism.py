@@ -73,10 +73,10 @@ def test_cpu_keeps_the_values_of_every_recorded_key_and_adds_new_ones() -> None:
     switches = set_determinism(0, device_kind="cpu")
     recorded = {k.removeprefix("determinism."): v for k, v in _shipped_fingerprint()["numerics"].items()
                 if k.startswith("determinism.")}
-    assert {k: switches[k] for k in recorded} == recorded
-    assert {k: switches[k] for k in switches.keys() - recorded.keys()} == {
-        "platform": "cpu", "warn_only": False, "sdpa_backends": "cudnn,flash,math,mem_efficient",
-        "rocblas_atomics_mode": None, "deterministic": True, "nondeterministic_reason": None}
+    added = {"platform": "cpu", "warn_only": False, "sdpa_backends": "cudnn,flash,math,mem_efficient",
+             "rocblas_atomics_mode": None, "deterministic": True, "nondeterministic_reason": None}
+    assert {k: switches[k] for k in recorded} == recorded  # a reference from before these keys stays exact
+    assert {k: switches[k] for k in added} == added and set(switches) == set(recorded) | set(added)
     assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
     assert all(_sdpa_switches().values())  # the CPU flash kernel is deterministic: it stays allowed
 

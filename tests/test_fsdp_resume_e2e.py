@@ -56,6 +56,7 @@ def test_one_optimizer_state_dropped_on_load_is_caught_and_named(pytester: pytes
     assert reproduced(out) == [1]  # the printed command judges the kept run the same way
 
 
+@pytest.mark.full_tier  # the fast tier keeps the clean resume and the optimizer fault
 def test_generators_left_unrestored_and_weights_applied_late_are_named(pytester: pytest.Pytester,
                                                                         fsdp_reference: Path) -> None:
     result = run(pytester, fsdp_reference, "--gpuregress-inject=checkpoint:mode=rng_not_restored",
@@ -70,6 +71,7 @@ def test_generators_left_unrestored_and_weights_applied_late_are_named(pytester:
     assert "resume: optimizer." not in result.stdout.str()
 
 
+@pytest.mark.full_tier  # the fast tier keeps the clean resume and the optimizer fault
 def test_a_reference_without_a_checkpoint_skips_the_case_with_the_reason(pytester: pytest.Pytester,
                                                                          fsdp_reference: Path) -> None:
     refs = pytester.path / "refs"
@@ -85,6 +87,7 @@ def test_a_reference_without_a_checkpoint_skips_the_case_with_the_reason(pyteste
                                  "--gpuregress --gpuregress-record -k fsdp*"])
 
 
+@pytest.mark.full_tier  # the fast tier keeps the clean resume and the optimizer fault
 def test_a_damaged_checkpoint_is_refused_naming_the_file(pytester: pytest.Pytester, fsdp_reference: Path) -> None:
     refs = pytester.path / "refs"
     shutil.copytree(fsdp_reference, refs)

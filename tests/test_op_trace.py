@@ -267,7 +267,7 @@ def _collective_rank(rank: int, world: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.slow  # two gloo ranks: about 10 s
+@pytest.mark.full_tier  # two gloo ranks, about 10 s; the fast tier names a GEMM and an optimizer op in-process
 def test_a_corrupted_reduce_scatter_is_named_at_the_collective_in_the_backward_of_its_layer(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 

@@ -166,7 +166,8 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find the ranks")
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, marks=pytest.mark.full_tier), signal.SIGKILL],
+                         ids=["SIGTERM", "SIGKILL"])  # SIGTERM in the full tier: the fast tier's 8 minutes
 def test_no_rank_outlives_a_cancelled_pytest_run(tmp_path: Path, sig: signal.Signals) -> None:
     """What a CI cancel does: signal pytest while a rank hangs; nothing of the run may survive."""
     (tmp_path / "conftest.py").write_text("")

@@ -32,5 +32,9 @@ def test_the_main_job_passes_against_the_shipped_references(tmp_path: Path) -> N
     portability = next(x for x in done.stdout.splitlines() if "portability: " in x and " loaded on " in x)
     # Portability picks its own lane from the bundle's fingerprint: exact means the logits are bit for bit.
     assert "exact lane, logits 0 from the bundle's" in portability or "tolerant lane, logits " in portability, portability
-    # Timings from another CPU are never judged, so a clean run warns of no slowdown on any machine.
-    assert "GpuRegressPerfWarning" not in done.stdout, done.stdout[-4000:]
+    # Timings from another CPU are never judged, so there a clean run warns of no slowdown. On the recording CPU
+    # and kernel path (CI's ATEN_CPU_CAPABILITY=avx2 rerun) they are judged, and a loaded machine may warn: a
+    # warning, never a failure (the return code above), and no timed test.
+    fsdp = next(x for x in done.stdout.splitlines() if x.startswith("fsdp cpu-gloo-w2-fp32: PASSED"))
+    if "the reference was timed on other hardware" in fsdp:
+        assert "GpuRegressPerfWarning" not in done.stdout, done.stdout[-4000:]

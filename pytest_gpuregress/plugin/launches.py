@@ -52,7 +52,7 @@ class Launches:
 
     @property
     def writes_references(self) -> bool:
-        return bool(getattr(self._launcher or self.launcher, "is_writer", True))  # under torchrun only rank 0 writes
+        return bool(getattr(self.launcher, "is_writer", True))  # under torchrun only rank 0 writes
 
     def close(self) -> None:
         """Stop pooled rank processes; called once at the end of the pytest session."""

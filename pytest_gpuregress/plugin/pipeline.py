@@ -54,8 +54,7 @@ class CheckPipeline:
             reference = store.read_reference(loc)
             store.check_compatible(loc, reference, record)
         except ReferenceProblem as exc:  # missing, corrupt or foreign: a row in the closing table too
-            detail = "no reference" if isinstance(exc, MissingReference) else type(exc).__name__
-            add_outcome(self.outcomes, Outcome(name, record.platform_key, "error", detail=detail, reproduce=loc.record_hint))
+            self.unusable(exc, name, record.platform_key, loc)
             raise
         judgement = comparator.judge(reference, record)
         comparison = judgement.comparison
@@ -81,6 +80,11 @@ class CheckPipeline:
             report += "\n" + "\n".join(judgement.observed.evidence())
         report += "\n" + "\n".join(kept.report_lines(loc.path))
         raise RegressionFailure("\n".join([*problems, report]) if problems else report)
+
+    def unusable(self, exc: ReferenceProblem, name: str, platform_key: str, loc: store.ReferenceLocation) -> None:
+        """The closing table's row for a reference that cannot be used, with the command that records it."""
+        detail = "no reference" if isinstance(exc, MissingReference) else type(exc).__name__
+        add_outcome(self.outcomes, Outcome(name, platform_key, "error", detail=detail, reproduce=loc.record_hint))
 
     def check_without_reference(self, record: RunRecord, name: str, comparator: Comparator, extra: list[str]) -> None:
         """Judge a case that has no reference (a check case). A failed run is kept, with the command that judges

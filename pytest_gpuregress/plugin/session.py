@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import MissingReference, RankFailure, ReferenceProblem
+from ..errors import RankFailure, ReferenceProblem
 from ..faults import check_ranks, firing
 from ..reference import store
 from ..reference.compare import Comparison
@@ -159,9 +159,8 @@ class GpuRegressSession:
         loc = self.places.location(name, key)
         try:
             return sc.from_reference(case, lambda: store.read_reference(loc), run, self.setup)
-        except ReferenceProblem as exc:  # missing or corrupt: a row in the closing table too, as the pipeline adds
-            detail = "no reference" if isinstance(exc, MissingReference) else type(exc).__name__
-            add_outcome(self.outcomes, Outcome(name, key, "error", detail=detail, reproduce=loc.record_hint))
+        except ReferenceProblem as exc:  # missing or corrupt: a row in the closing table too
+            self.pipeline.unusable(exc, name, key, loc)
             raise
 
     def _faults_unfired(self, results: list[dict[str, Any]]) -> list[str]:
@@ -174,7 +173,6 @@ class GpuRegressSession:
     def _watch(self, sc: Scenario, launch: Launch, name: str, comparator: Comparator) -> None:
         """For --gpuregress-fail-fast: hand the launch its reference, to stop at the first miss."""
         from ..errors import GpuRegressError
-        from ..reference import store
 
         try:
             reference = store.read_reference(self.places.location(name, self.platform.key(sc.platform_tag(launch.config))))

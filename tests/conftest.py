@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shlex
 import shutil
 import subprocess
@@ -73,9 +75,23 @@ FSDP_ONLY = "fsdp and not triage and not resume"  # the fsdp case alone: tests/t
 
 @pytest.fixture(scope="session")
 def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A reference for the fsdp scenario at 8 steps, recorded once per session through the real command line."""
-    refs = record_references(tmp_path_factory.mktemp("fsdp-reference"), f"--gpuregress-steps={FSDP_STEPS}",
-                             "-k", FSDP_ONLY)
+    """A reference for the fsdp scenario at 8 steps, recorded once per test run through the real command line.
+
+    Under xdist the workers share one recording (the first to take the lock records it, in the folder above
+    the workers' own): on two cores a second recording cost the README's test command about 20 seconds.
+    Tests read it and never change it; ``refs`` gives a private copy."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.mktemp("fsdp-reference")
+    else:
+        shared = tmp_path_factory.getbasetemp().parent / "fsdp-reference"
+        shared.mkdir(exist_ok=True)
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        refs = shared / "refs"
+        if not (shared / "recorded").is_file():
+            shutil.rmtree(refs, ignore_errors=True)  # a worker that failed halfway left a partial one
+            record_references(shared, f"--gpuregress-steps={FSDP_STEPS}", "-k", FSDP_ONLY)
+            (shared / "recorded").touch()
     assert (refs / "fsdp" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
     return refs
 

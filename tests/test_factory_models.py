@@ -81,6 +81,7 @@ def test_a_factory_model_that_cannot_be_used_stops_the_session_naming_it(pyteste
     result.stderr.fnmatch_lines([f"*--gpuregress-model {entry}: *{says}*"])
 
 
+@pytest.mark.full_tier  # about 37 s; test_user_models.py records, passes and fails a user's config in the fast tier
 @pytest.mark.slow
 def test_a_factory_model_records_passes_and_fails_on_a_corrupted_reduce_scatter_or_checkpoint(
         pytester: pytest.Pytester, factory_dir: Path) -> None:

@@ -262,6 +262,7 @@ def test_users_own_training_loop_through_the_fixture(pytester: pytest.Pytester, 
     broken.stdout.fnmatch_lines(["*[[]kernel or collective[]] loss: first differing step 0*"])
 
 
+@pytest.mark.full_tier  # about 20 s; test_torchrun.py runs torchrun agents in the same tier
 def test_under_torchrun_every_rank_runs_in_place_and_agrees(recorded: Path, tmp_path: Path) -> None:
     """torchrun sets RANK and WORLD_SIZE: each pytest process is one rank on torchrun's rendezvous."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "pytest",

@@ -61,6 +61,7 @@ def pooled(module_pool: WorkerPool) -> SpawnLauncher:
     return SpawnLauncher(reuse=True, pool=module_pool)
 
 
+@pytest.mark.full_tier  # about 35 s: the fast tier keeps the pool's replacement tests
 def test_a_scenario_gives_the_same_bits_alone_or_after_others_in_reused_ranks(pooled: SpawnLauncher) -> None:
     fresh = SpawnLauncher(reuse=False)
     alone = fresh.run(job(fresh), 120).records[0]
@@ -120,6 +121,7 @@ def test_a_rank_that_failed_is_replaced_and_the_next_launch_gets_a_fresh_group(p
     assert pooled.groups_started == started + 1
 
 
+@pytest.mark.full_tier  # about 18 s; a rank that failed in a launch is replaced in the fast tier
 def test_an_idle_rank_killed_between_launches_is_replaced(pooled: SpawnLauncher) -> None:
     pooled.run(job(pooled), 120)
     group, started = list(pooled.pool.idle.values())[0], pooled.groups_started

@@ -6,11 +6,14 @@
         ...                                          # model (plain, DDP or FSDP2), optimizer, data
         rec = Recorder(ctx, "my-model")              # the reference's name
         for step in range(ctx.config["steps"]):
-            loss = loss_fn(model(x), y)
-            loss.backward()
+            with rec.phase("forward"):               # optional: step 0's op trace (below)
+                loss = loss_fn(model(x), y)
+            with rec.phase("backward"):
+                loss.backward()
             rec.gradients(model)                     # per-parameter norms; full gradients at step 0
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            with rec.phase("optimizer"):
+                opt.step()
             opt.zero_grad()
             if rec.step(loss, grad_norm=grad_norm):  # True: --gpuregress-fail-fast says stop
                 break
@@ -25,6 +28,10 @@ named tensor. Gradients may be replicas (DDP, or gradients averaged by hand) or 
 (DTensors); each is reduced the way its layout needs, so the numbers do not depend on how the
 model is split over ranks.
 
+``phase`` is optional: a loop that wraps the phases of its steps in it keeps step 0's op trace, as the built-in
+scenarios do, and a failed comparison names the first op whose output moved (its op, module path and
+shapes) and how many ops before it were bitwise equal (reference/first_moved.py).
+
 Methods marked *collective* must be called on every rank, in the same order, like any collective.
 Values are float64. Only ``step`` is required; what is not recorded is not compared.
 This module imports torch only inside its methods, on the ranks.
@@ -35,6 +42,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -82,6 +90,8 @@ class Recorder:
         from .training.observe import PeakMemory
 
         self._memory = PeakMemory(ctx.device_kind, ctx.device)  # the built-in scenarios' measure, from here on
+        self._model = model
+        self._tracer: Any = None  # step 0's op trace, made by the first phase() (training/op_trace.py)
         self._perturbation = str(ctx.config.get("perturbation", ""))  # set only in a noise replica
         self._applied = self._perturb(model)
         self._last = time.perf_counter()
@@ -101,6 +111,20 @@ class Recorder:
             return rows
         self._applied.add("reduction_order")
         return _reversed_rows(rows)
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        """``with rec.phase("forward"):`` around a part of each step: ``forward``, ``backward``, ``clip`` or
+        ``optimizer``. At step 0 every op dispatched inside is traced with a digest of its outputs; later steps
+        run untraced, at no cost. Module paths come from the ``model`` given to the Recorder."""
+        from .reference.op_trace import PHASES
+        from .training.op_trace import at_step, for_rank
+
+        if name not in PHASES:
+            raise RecorderMisuse(f"phase({name!r}): the phases are {', '.join(PHASES)}")
+        if self.steps == 0 and self._tracer is None:
+            module = self._model if hasattr(self._model, "named_modules") else None
+            self._tracer = for_rank(self.ctx, module)  # None in a noise replica: nothing traced there
+        return at_step(self._tracer, self.steps).phase(name)
 
     def gradients(self, params: Named) -> None:
         """Record every trainable parameter's gradient norm at this step, and at step 0 its gradient. *Collective.*
@@ -155,6 +179,8 @@ class Recorder:
         elif with_norm != self._with_grad_norm:
             raise RecorderMisuse(f"step {self.steps}: grad_norm given on some steps and not on others")
 
+        if self.steps == 0 and self._tracer is not None:
+            self._tracer.finish()  # step 0 is over: its trace is complete
         device = self.ctx.device
         parts = [_scalar(loss, "loss", device)]
         parts.append(_scalar(grad_norm, "grad_norm", device) if grad_norm is not None else parts[0].new_zeros(()))
@@ -198,6 +224,7 @@ class Recorder:
     def record(self) -> RunRecord:
         """The RunRecord of the steps so far, ready for ``gpuregress.check``. Not a collective."""
         from .training.observe import WARMUP_STEPS
+        from .training.op_trace import stored as stored_trace
 
         if not self.steps:
             raise RecorderMisuse("record(): no step recorded; call rec.step(loss) once per training step")
@@ -214,6 +241,7 @@ class Recorder:
         missed = sorted(set(filter(None, self._perturbation.split("+"))) - self._applied)
         if missed:  # a replica this loop did not perturb equals the plain run: say so beside the envelope
             results["perturbation_not_applied"] = missed
+        arrays.update(stored_trace(self._tracer, results))
         if steady:
             results["perf"] = {"median_step_s": median, "steady_steps": len(steady),
                                "peak_memory_bytes": self._memory.peak(), "memory": self._memory.kind}

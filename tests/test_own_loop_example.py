@@ -27,10 +27,13 @@ def test_the_example_records_passes_and_fails_when_its_loss_moves(example: pytes
     args = ["-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={refs}", "--gpuregress-perf=off",
             "-k", "own_loop", "test_own_loop.py"]
 
-    # Every optimizer step with lr x 1.01: step 0's loss is the same, step 1's moves.
+    # Every optimizer step with lr x 1.01: step 0's loss is the same, step 1's moves. The loop wraps its phases
+    # in rec.phase(): step 0's op trace names AdamW's first op that moved, on the first layer's weight.
     records_passes_and_breaks(example.runpytest, args, refs, "own-loop", "lr_scale:factor=1.01",
                               ["*loss: first differing step 1 of 20: expected *, got *",
-                               "*param_grad_norm: first differing step 1: *"])
+                               "*param_grad_norm: first differing step 1: *",
+                               "first difference: aten::* in 0.weight (optimizer), f32[[]32, 16[]]* relative; the * ops "
+                               "before it are bitwise equal (on ranks 0, 1 of 2, step-0 op trace)"])
     # Recording ran the noise replicas, each perturbed by the loop's Recorder: their spread is the envelope.
     stored = json.loads((refs / "own-loop" / "cpu-gloo-w2-fp32" / "record.json").read_text())
     assert stored["results"]["envelope"]["replicas"] == ["replica-weights_ulp_up", "replica-reduction_order",

@@ -233,3 +233,29 @@ def test_misuse_is_refused_with_a_message(tmp_path: Path) -> None:
         rec.weights(model)
     with pytest.raises(TypeError, match="named_parameters"):
         rec.weights([torch.ones(2)])
+
+
+def test_phases_trace_step_0_only_with_module_paths_and_a_wrong_phase_is_refused(tmp_path: Path) -> None:
+    from pytest_gpuregress.reference.op_trace import ranks
+
+    model = tiny_model()
+    opt = adamw(list(model.parameters()), TINY_ADAMW)
+    rec = Recorder(make_ctx(tmp_path, steps=3), "tiny", model=model)
+    with pytest.raises(RecorderMisuse, match="the phases are forward, backward, clip, optimizer"):
+        rec.phase("fwd")
+    for _ in range(3):
+        with rec.phase("forward"):
+            loss = model(torch.ones(3, 4)).pow(2).mean()
+        with rec.phase("backward"):
+            loss.backward()
+        with rec.phase("optimizer"):
+            opt.step()
+            opt.zero_grad()
+        rec.step(loss)
+    trace = ranks(rec.record())[0]
+    entries = [trace.entry(i) for i in range(len(trace))]
+    phases = {e.phase for e in entries}
+    assert phases == {"forward", "backward", "optimizer"}, phases
+    assert any(e.op == "aten::addmm" and e.module == "0" and e.phase == "forward" for e in entries)
+    # One step's ops only: step 0's forward has one addmm per layer, and later steps add none.
+    assert sum(e.op == "aten::addmm" and e.phase == "forward" for e in entries) == 2

@@ -51,11 +51,15 @@ def train(ctx: RankContext) -> RunRecord:
     rec = Recorder(ctx, "own-loop", model=model)  # model=: noise replicas may nudge its weights
     for step in range(int(ctx.config["steps"])):
         x, y = (rec.batch(t) for t in batch(step, ctx.rank, ctx.world_size, ctx.device))  # a replica may reorder rows
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
+        with rec.phase("forward"):  # step 0's op trace: a failure names the first op whose output moved
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        with rec.phase("backward"):
+            loss.backward()
         rec.gradients(model)  # per-parameter norms every step, whole gradients at step 0
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        with rec.phase("clip"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with rec.phase("optimizer"):
+            opt.step()
         opt.zero_grad()
         if rec.step(loss, grad_norm=grad_norm):  # True: --gpuregress-fail-fast stops the run here
             break

@@ -382,6 +382,14 @@ class NoTrace:
         pass
 
 
+def stored(tracer: OpTracer | None, results: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A scenario's step-0 trace after training: put into ``results``, its arrays returned ({} without a tracer)."""
+    arrays: dict[str, np.ndarray] = {}
+    if tracer is not None:
+        tracer.store(results, arrays)
+    return arrays
+
+
 def at_step(tracer: OpTracer | None, step: int) -> OpTracer | NoTrace:
     """The tracer for ``step``: ``tracer`` at step 0, else one that traces nothing."""
     return tracer if tracer is not None and step == 0 and not tracer.finished else NoTrace()

@@ -31,6 +31,7 @@ def run(ctx: RankContext) -> RunRecord:
     from ...training.moe import expert_load, is_moe
     from ...training.noise import apply_kernel_path, apply_weight_perturbation
     from ...training.op_trace import for_rank as op_tracer
+    from ...training.op_trace import stored as stored_trace
     from ...training.shard_units import RESULT_KEY, describe_units, shard_units
     from ...training.step import next_token_loss, rank_tokens
     from ...training.switches import apply_switches
@@ -88,9 +89,7 @@ def run(ctx: RankContext) -> RunRecord:
             results["expert_load"] = (load / ctx.world_size).tolist()
         except (RuntimeError, ValueError, LookupError) as exc:
             results["expert_load_error"] = f"{type(exc).__name__}: {exc}"
-    traced: dict[str, np.ndarray] = {}
-    if step.op_trace is not None:
-        step.op_trace.store(results, traced)  # step 0's op trace (training/op_trace.py)
+    traced = stored_trace(step.op_trace, results)  # step 0's op trace (training/op_trace.py)
     digests = {}
     for name, p in zip(names, params):
         digests[name] = float_digest(p.detach().full_tensor().float().cpu().numpy())

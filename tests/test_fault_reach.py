@@ -78,7 +78,10 @@ def test_measured_rows_match_the_table(fault: str, tmp_path: Path, monkeypatch: 
     """The benchmark's measurement of one row, over the scenario the fault belongs to: 'fires' exactly where the
     table says so, and 0 (a failure saying the fault never fired) everywhere else."""
     bench = _benchmark()
-    monkeypatch.setattr(bench, "SELECTION", fault.split(":")[0])  # the fault's own scenario: lora, checkpoint
+    # The fault's own scenario: lora, checkpoint. Not lora's resume cases: against the benchmark's empty reference
+    # folder they have no checkpoint to resume (their column is declared, as fsdp-resume's).
+    scenario = fault.split(":")[0]
+    monkeypatch.setattr(bench, "SELECTION", f"{scenario} and not resume" if scenario == "lora" else scenario)
     cells = bench.measure(fault, 4, tmp_path)  # type: ignore[attr-defined]
     declared = reach.REACH[reach.key_of(parse(fault))]
     for test_id, cell in cells.items():

@@ -34,7 +34,8 @@ def test_the_references_checkpoint_resumes_on_this_stack_bit_for_bit(pytester: p
     assert not [p for p in resume.rglob("*") if p.is_file() and not p.name.endswith((".json", ".safetensors"))]
     result = run(pytester, fsdp_reference)
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines([f"fsdp {PLATFORM}: PASSED [[]exact lane[]] 4 steps, *",
+    # The row names the resume case, not the fsdp reference whose folder it shares.
+    result.stdout.fnmatch_lines([f"fsdp-resume {PLATFORM}: PASSED [[]exact lane[]] 4 steps, *",
                                  "*note: fsdp-resume: the reference's checkpoint (step 4, written with torch *) loaded "
                                  "on this stack, trained on to step 8*"])
 

@@ -1,4 +1,4 @@
-"""The fsdp-resume verdict without ranks (scenarios/fsdp/resume_verdict.py, reference/continuation.py): the load
+"""The fsdp-resume verdict without ranks (scenarios/shared/resume_verdict.py, reference/continuation.py): the load
 judged piece by piece against what the reference saved, the continuation against the reference's last steps,
 and the case's session side (skips with the reason, the comparator's view of the reference)."""
 
@@ -18,7 +18,8 @@ from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios import registry
 from pytest_gpuregress.scenarios.base import Launch, Setup
 from pytest_gpuregress.scenarios.comparator import comparator_of
-from pytest_gpuregress.scenarios.fsdp import resume_plan, resume_verdict
+from pytest_gpuregress.scenarios.fsdp import resume_plan
+from pytest_gpuregress.scenarios.shared import resume_verdict
 
 from .conftest import make_record
 

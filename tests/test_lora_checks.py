@@ -145,7 +145,7 @@ def test_repeated_findings_of_one_check_are_capped() -> None:
 def test_scenario_is_registered_with_one_case_and_reference_folder_per_wrapper() -> None:
     assert registry()["lora"] is SCENARIO
     cases = SCENARIO.cases(CPU)
-    assert [c.id for c in cases] == ["fully_shard", "accelerate"]
+    assert [c.id for c in cases] == ["fully_shard", "accelerate", "fully_shard-resume", "accelerate-resume"]
     launches = SCENARIO.launches(cases, CPU)
     assert [la.config["wrapper"] for la in launches] == ["fsdp2", "accelerate"]
     config = launches[0].config

@@ -2,6 +2,7 @@
 
 One short reference (8 steps, no noise replicas) is recorded once for both wrappers; every test
 compares against a copy. Each fault is caught with its check's name, tensor and module in the message.
+The resume cases are tests/test_lora_resume_e2e.py's.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ from .conftest import kept_run_passes, record_references, reproduced
 pytestmark = pytest.mark.slow
 
 STEPS = "8"
-FSDP2 = "lora and fully_shard"
-ACCELERATE = "lora and accelerate"
+LORA = "lora and not resume"
+FSDP2 = "lora and fully_shard and not resume"
+ACCELERATE = "lora and accelerate and not resume"
 MODULE = "model.layers.1.self_attn.q_proj"
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     refs = record_references(tmp_path_factory.mktemp("lora"), f"--gpuregress-steps={STEPS}", "--gpuregress-replicas=0",
-                             "-k", "lora")
+                             "-k", LORA)
     for wrapper in ("fsdp2", "accelerate"):
         assert (refs / "lora" / f"cpu-gloo-w2-fp32-{wrapper}" / "manifest.json").is_file()
     return refs
@@ -36,13 +38,13 @@ def run(pytester: pytest.Pytester, refs: Path, selection: str, *extra: str) -> p
 
 def test_clean_runs_pass_in_the_exact_and_the_tolerant_lane(pytester: pytest.Pytester, refs: Path) -> None:
     artifacts = pytester.path / "artifacts"
-    exact = run(pytester, refs, "lora", "--gpuregress-keep-runs", f"--gpuregress-artifacts={artifacts}")
+    exact = run(pytester, refs, LORA, "--gpuregress-keep-runs", f"--gpuregress-artifacts={artifacts}")
     exact.assert_outcomes(passed=2)
     platform = "cpu-gloo-w2-fp32-fsdp2"  # the kept run passes again, its LoRA checks included
     assert kept_run_passes(artifacts, "lora-fully_shard", platform, refs / "lora" / platform) == 0
     exact.stdout.fnmatch_lines(["*lora cpu-gloo-w2-fp32-fsdp2: PASSED [[]exact lane[]] 8 steps*",
                                 "*lora cpu-gloo-w2-fp32-accelerate: PASSED [[]exact lane[]] 8 steps*"])
-    tolerant = run(pytester, refs, "lora", "--gpuregress-lane=tolerant")
+    tolerant = run(pytester, refs, LORA, "--gpuregress-lane=tolerant")
     tolerant.assert_outcomes(passed=2)
     # No check's finding ("lora check 'name': ..."); the progress line "gpuregress lora: lora checks" may show.
     assert "lora check '" not in exact.stdout.str() + tolerant.stdout.str()
@@ -58,6 +60,24 @@ def test_reduce_scatter_corrupted_for_small_messages_only_is_caught(pytester: py
     assert "lane: exact" in out
     corrupted = [line for line in out.splitlines() if "] step0_grad " in line]
     assert corrupted and all("lora_" in line for line in corrupted), corrupted
+    # The step-0 op trace names the collective, in the backward of the layer whose adapter message it carried.
+    result.stdout.fnmatch_lines(["first difference: c10d::_reduce_scatter_base_ in base_model.model.model.layers.* "
+                                 "(backward; FSDP::post_backward_reduce *), f32[[]*[]] * relative; the * ops before it "
+                                 "are bitwise equal (on ranks 0, 1 of 2, step-0 op trace)"])
+
+
+def test_each_lanes_reference_keeps_an_op_trace_and_its_distance_from_float64(recorded: Path) -> None:
+    import json
+
+    for wrapper in ("fsdp2", "accelerate"):
+        results = json.loads((recorded / "lora" / f"cpu-gloo-w2-fp32-{wrapper}" / "record.json").read_text())["results"]
+        assert sorted(results["op_trace"]["ranks"]) == ["0", "1"]
+        distances = results["oracle_distance"]["per_tensor"]  # the adapter's step-0 gradients against float64
+        assert distances and all(".lora_" in name for name in distances), sorted(distances)[:3]
+        # lora_B starts at zero: lora_A's step-0 gradient is exactly zero in both; lora_B's is close to float64.
+        assert all(d == 0.0 for n, d in distances.items() if ".lora_A." in n)
+        lora_b = [d for n, d in distances.items() if ".lora_B." in n]
+        assert lora_b and all(d < 1e-4 for d in lora_b) and any(d > 0 for d in lora_b), distances
 
 
 def test_gradient_leaking_into_a_frozen_base_weight_is_caught(pytester: pytest.Pytester, refs: Path) -> None:

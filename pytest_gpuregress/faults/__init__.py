@@ -165,7 +165,7 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                       ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
         "ranks": _RANKS, "rank": _RANKS}, required=("mode",), needs_peers=("rank0_slice",)),
     FaultKind("checkpoint", ".checkpoint:install", "a checkpoint bug of docs/faults.md section 3, for scenario checkpoint and "
-              "the fsdp-resume case "
+              "the resume cases of fsdp and lora "
               "(docs/checkpoint.md)", {
         "mode": Param("choice", "optimizer_dropped: the loaded optimizer state is dropped; rank0_shard: only rank 0's "
                                 "shard reaches the checkpoint; chunks_permuted: chunks come back in reverse order at "

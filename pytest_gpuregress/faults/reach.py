@@ -17,20 +17,23 @@ from . import FaultSpec, parse
 BUILT_IN = ("collectives", "fsdp", "lora", "checkpoint", "triage", "formats", "consensus")
 
 # The columns of the table: each built-in case family, as the prefix of its test id (<scenario>-<case>).
-COLUMNS = ("collectives", "fsdp", "fsdp-resume", "lora-fully_shard", "lora-accelerate", "checkpoint-full-state-dict",
-           "checkpoint-tied", "checkpoint-sharded-2to1", "checkpoint-sharded-1to2", "checkpoint-resume", "checkpoint-portability",
-           "triage-equivalence", "triage-oracle", "formats", "consensus-devices", "consensus-links")
+COLUMNS = ("collectives", "fsdp", "fsdp-resume", "lora-fully_shard", "lora-accelerate", "lora-fully_shard-resume",
+           "lora-accelerate-resume", "checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-sharded-2to1",
+           "checkpoint-sharded-1to2", "checkpoint-resume", "checkpoint-portability", "triage-equivalence", "triage-oracle",
+           "formats", "consensus-devices", "consensus-links")
 
 # Measured on the CPU with benchmarks/fault_reach.py (2 gloo ranks); "acts" means the fault changed something in
 # a launch the case reads (the main checkpoint launch carries both full-state-dict and tied).
-_STEPPING = ("fsdp", "fsdp-resume", "lora-fully_shard", "lora-accelerate", "checkpoint-full-state-dict", "checkpoint-tied",
-             "checkpoint-sharded-2to1", "checkpoint-sharded-1to2", "checkpoint-resume", "triage-equivalence",
+_STEPPING = ("fsdp", "fsdp-resume", "lora-fully_shard", "lora-accelerate", "lora-fully_shard-resume",
+             "lora-accelerate-resume", "checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-sharded-2to1",
+             "checkpoint-sharded-1to2", "checkpoint-resume", "triage-equivalence",
              "triage-oracle")  # an optimizer step (triage-oracle: its one-rank stack run; the float64 run is never faulted)
 _DEVICE_WORKLOAD = ("consensus-devices",)  # its MLP runs nn.Linear; its battery torch.matmul (matmul_ulp only)
 _FORWARD = (*_STEPPING, "checkpoint-portability", "formats")  # a model's forward pass (linear, attention, silu)
 _COLLECTIVE = ("collectives", *(c for c in _STEPPING if c != "checkpoint-sharded-1to2"))  # collectives between ranks
-# fsdp-resume trains only steps S = steps // 2 to the end: a hang or crash after step N < S never happens there.
-_FROM_STEP_0 = tuple(c for c in _STEPPING if c != "fsdp-resume")
+# A resume case trains only steps S = steps // 2 to the end: a hang or crash after step N < S never happens there.
+RESUMES = ("fsdp-resume", "lora-fully_shard-resume", "lora-accelerate-resume")
+_FROM_STEP_0 = tuple(c for c in _STEPPING if c not in RESUMES)
 
 # kind, or "kind:mode" -> the columns it reaches. Why a column is missing is in WHY_NOT.
 REACH: dict[str, tuple[str, ...]] = {
@@ -49,16 +52,17 @@ REACH: dict[str, tuple[str, ...]] = {
     "format:loader_fn_as_fnuz": ("formats",),  # only the io cases its loader serves: LOADER_CASES
     "lora": ("lora-fully_shard", "lora-accelerate"),
     "lora:rank0_slice": ("lora-fully_shard", "lora-accelerate"),
-    # fsdp-resume loads the fsdp reference's checkpoint through the same points (training/state_apply.py, rng_state.py).
-    "checkpoint:optimizer_dropped": ("fsdp-resume", "checkpoint-sharded-2to1", "checkpoint-sharded-1to2",
+    # The resume cases load their reference's checkpoint through the same points (training/state_apply.py,
+    # rng_state.py). No lora fault acts there: the continuation runs no LoRA check to catch one.
+    "checkpoint:optimizer_dropped": (*RESUMES, "checkpoint-sharded-2to1", "checkpoint-sharded-1to2",
                                      "checkpoint-resume"),
     "checkpoint:rank0_shard": ("checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-sharded-2to1",
                                "checkpoint-resume"),
     "checkpoint:chunks_permuted": ("checkpoint-sharded-2to1", "checkpoint-sharded-1to2"),
     "checkpoint:tied_key_dropped": ("checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-resume"),
     "checkpoint:untied": ("checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-resume"),
-    "checkpoint:rng_not_restored": ("fsdp-resume", "checkpoint-resume"),
-    "checkpoint:weights_late": ("fsdp-resume", "checkpoint-resume"),
+    "checkpoint:rng_not_restored": (*RESUMES, "checkpoint-resume"),
+    "checkpoint:weights_late": (*RESUMES, "checkpoint-resume"),
     "checkpoint:ulp_nudge": ("checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-sharded-2to1",
                              "checkpoint-sharded-1to2", "checkpoint-resume", "checkpoint-portability"),
 }
@@ -71,6 +75,7 @@ LOADER_CASES = {"safetensors": ("safetensors",), "safe_open": ("safe_open", "tra
 # On a CPU, accelerate wraps the model in DDP: its collectives are all_reduce and broadcast, and its state dict
 # holds whole tensors, so there is no shard to lose. On GPUs it runs FSDP2 and every op and rank0_slice act.
 CPU_DDP_OPS = ("all_reduce", "broadcast")
+CPU_DDP_COLUMNS = ("lora-accelerate", "lora-accelerate-resume")
 # consensus-links sweeps the ops whose every output element comes from one known rank (collectives/plan.py).
 LINK_OPS = ("all_gather", "broadcast", "all_to_all")
 CPU_ONLY_MISSING = {("lora:rank0_slice", "lora-accelerate"): "on a CPU accelerate runs DDP, whose state dict holds "
@@ -117,7 +122,7 @@ def reaches(spec: FaultSpec, test_id: str, device_kind: str = "cpu") -> bool:
         return test_id.split("-")[1] in ops  # a sweep case runs one op: collectives-<op>-...
     if ops and column == "consensus-links":
         return bool(set(ops) & set(LINK_OPS))
-    if ops and column == "lora-accelerate" and device_kind == "cpu":
+    if ops and column in CPU_DDP_COLUMNS and device_kind == "cpu":
         return bool(set(ops) & set(CPU_DDP_OPS))
     return True
 
@@ -160,7 +165,7 @@ def table_lines() -> list[str]:
                 cells.append("GPU only")
             elif key == "format:loader_fn_as_fnuz":
                 cells.append("acts (io cases)")
-            elif key == "collective" and column == "lora-accelerate":
+            elif key == "collective" and column in CPU_DDP_COLUMNS:
                 cells.append("acts (CPU: all_reduce, broadcast)")
             elif key == "collective" and column == "consensus-links":
                 cells.append(f"acts ({', '.join(LINK_OPS)})")

@@ -60,5 +60,9 @@ def measure_oracle_distance(sc: Scenario, setup: Setup, run: Runner, record: Run
     from .. import triage
     from ..reference import oracle_distance
 
-    if record.results.get(oracle_distance.RESULT_KEY) is None:  # cases sharing one launch: measured once
-        oracle_distance.attach(record, run(sc, triage.launches(sc, setup, model)["oracle"]))
+    oracle = sc.oracle_launch(setup, model)
+    if oracle is None and sc.supports_triage:
+        oracle = triage.launches(sc, setup, model)["oracle"]
+    # Cases sharing one launch: measured once.
+    if oracle is not None and record.results.get(oracle_distance.RESULT_KEY) is None:
+        oracle_distance.attach(record, run(sc, oracle))

@@ -63,7 +63,7 @@ class CheckPipeline:
         passed = comparison.passed and not problems
         kept = self.artifacts.keep(kept_as or name, with_identity(record, comparator), judgement.reference or reference, comparison,
                                    keep_run=not passed or self.keep_runs, plot=not passed or self.plots)
-        self._summarise(name, record, loc.path, judgement, kept, passed)
+        self._summarise(comparator.row_label(name), record, loc.path, judgement, kept, passed)
         if passed:
             return comparison
         if comparison.passed:

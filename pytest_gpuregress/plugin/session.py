@@ -138,8 +138,8 @@ class GpuRegressSession:
         if self.places.recording(reference, record.platform_key) and not unfired and not comparator.own_checks(record):
             if self.options.replicas:
                 self.launches.add_envelope(sc, self.selection.launch_of(sc, case), record, [])
-            if sc.supports_triage:  # the float64 oracle at hand: store how far step 0 is from it
-                measure_oracle_distance(sc, self.setup, self.launches.cached, record, model)
+            # Where a float64 oracle is at hand, store how far step 0 is from it.
+            measure_oracle_distance(sc, self.setup, self.launches.cached, record, model)
             record.attachments.update(sc.attachments(case, record, self.launches.cached, self.setup))
 
         def explain(ref: RunRecord, comparison: Comparison) -> tuple[str | None, list[str]]:

@@ -233,6 +233,12 @@ class Scenario:
         NotApplicable where the reference cannot serve. None (the default): the usual launch or ``experiment``."""
         return None
 
+    def oracle_launch(self, setup: Setup, model: str | None) -> Launch | None:
+        """The float64 oracle of step 0 whose distance a recording stores (reference/oracle_distance.py), for
+        ``model`` (a user's, by name; None: the scenario's own). None (the default): triage's oracle where the
+        scenario supports triage, else none."""
+        return None
+
     def triage_explains(self, case: Case) -> bool:
         """Whether triage's experiments may explain a failure of ``case`` (they rerun its training from step 0)."""
         return self.supports_triage

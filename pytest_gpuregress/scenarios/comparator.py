@@ -47,6 +47,11 @@ class Comparator:
             out += kernels.host_op_problems(run)
         return out
 
+    def row_label(self, reference_name: str) -> str:
+        """What the closing table calls a judged run of reference ``reference_name``: the reference's name; a
+        case that shares a reference but is a run of another kind (a resume) names itself."""
+        return reference_name
+
     def compare(self, reference: RunRecord, run: RunRecord) -> Comparison:
         """The numeric comparison only: what triage's experiments and plots are judged by."""
         if self.scenario is not None and self.case is not None:

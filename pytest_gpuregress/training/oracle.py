@@ -3,12 +3,14 @@
 One process, no sharding, no faults: the loss and each parameter's gradient norm as exactly as
 float64 gives them. A real run's step 0 must agree within a bound set by its compute dtype
 (triage/scenario.py): on a GPU this convicts a kernel with no stored reference; on the CPU it
-separates a wrong fp32 kernel from a wrong collective.
+separates a wrong fp32 kernel from a wrong collective. ``float64_step0`` is shared with the lora
+scenario's oracle (scenarios/lora/oracle.py), which trains the adapter only.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
@@ -16,23 +18,33 @@ from ..reference import step0
 from ..reference.record import RunRecord
 
 
+def float64_step0(model: Any, cfg: dict[str, Any], vocab_size: int) -> float:
+    """``model`` in float64 (its experts by the eager loop): the loss of step 0's whole global batch, backward
+    done. Uses every core: float64 on the GPU model is slow, and summation order barely matters here."""
+    import torch
+
+    from .data import token_source
+    from .moe import in_float64
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = in_float64(model)
+    tokens = torch.from_numpy(token_source(cfg, vocab_size).global_batch_at(0))
+    logits = model(input_ids=tokens[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    return float(loss)
+
+
 def run(ctx) -> RunRecord:  # type: ignore[no-untyped-def]
     """Rank entry (one rank): build the model as the scenario does, in float64, and take step 0's gradients."""
     import torch
 
-    from .data import token_source
     from .models import blueprint, build_causal_lm
-    from .moe import in_float64
 
-    torch.set_num_threads(os.cpu_count() or 1)  # float64 on the GPU model is slow; summation order barely matters here
     cfg = ctx.config
     model_config = blueprint(cfg)
-    model = in_float64(build_causal_lm(model_config, seed=int(cfg["seed"])))
-    data = token_source(cfg, model_config.vocab_size)
-    tokens = torch.from_numpy(data.global_batch_at(0))
-    logits = model(input_ids=tokens[:, :-1]).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-    loss.backward()
+    model = build_causal_lm(model_config, seed=int(cfg["seed"]))
+    loss = float64_step0(model, cfg, model_config.vocab_size)
     names = [n for n, _ in model.named_parameters()]
     # A parameter the loss does not use has no gradient: zero, as the scenario records it.
     whole = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
@@ -41,5 +53,5 @@ def run(ctx) -> RunRecord:  # type: ignore[no-untyped-def]
     for n, g in whole.items():
         grads.update(step0.shard_arrays(n, g.detach().numpy(), tuple(g.shape), 0, 1, step0.full_max_of(cfg)))
     return RunRecord(scenario="oracle", config=dict(cfg), platform_key="", world_size=1,
-                     series={"loss": [float(loss)]}, param_names=names,
+                     series={"loss": [loss]}, param_names=names,
                      arrays={"param_grad_norm": norms, **grads})

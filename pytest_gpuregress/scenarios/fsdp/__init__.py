@@ -2,7 +2,7 @@
 
 Session side: the configuration per device. The training loop itself is in ``rank.py``. The case
 ``resume`` (``fsdp-resume``) resumes the reference's own checkpoint on this stack and trains on
-(resume_plan.py, resume.py, resume_verdict.py; docs/checkpoint.md).
+(resume_plan.py, resume.py, and what lora's resume cases share with it: shared/resume_*.py; docs/checkpoint.md).
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from ...reference.compare import Comparison
 from ...reference.record import RunRecord
 from ...scenario_options import SCENARIO_OPTIONS
 from ..base import Case, Launch, Scenario, Setup
+from ..shared import resume_verdict
 from ..shared.replicas import perturbed_launches
-from ..shared.state_pieces import merge_boundaries
+from ..shared.resume_plan import ResumeComparator, is_resume, merge_resume
 from ..shared.training_config import COMMON, dropout_off, training_config
-from . import resume_plan, resume_verdict
-from .resume import RESULT_KEY as RESUME_RESULTS
+from .resume_plan import CASE as RESUME_CASE
+from .resume_plan import PLAN as RESUME
 
 Runner = Callable[[Scenario, Launch], RunRecord]
 
@@ -38,7 +39,7 @@ class FsdpScenario(Scenario):
     supports_triage = True
     trains_user_models = True
     options = SCENARIO_OPTIONS["fsdp"]  # declared with the plugin's: pytest reads them without importing this
-    comparator_type = resume_plan.FsdpComparator
+    comparator_type = ResumeComparator
 
     def default_config(self, setup: Setup) -> dict[str, Any]:
         return training_config(setup, COMMON, DEVICE_DEFAULTS)
@@ -57,40 +58,39 @@ class FsdpScenario(Scenario):
 
     def cases(self, setup: Setup) -> list[Case]:
         # The tiny Llama keeps the id and reference "fsdp"; each model of --gpuregress-model adds "fsdp-<model>".
-        return [Case(self.name), resume_plan.CASE,
+        return [Case(self.name), RESUME_CASE,
                 *(Case(m.name, launch=m.name, data={"model": m.name}) for m in setup.models)]
 
     def reference_name(self, case: Case) -> str | None:
         # The resume case judges the fsdp reference's continuation: it shares the reference, and records it.
-        return self.name if resume_plan.is_resume(case) else super().reference_name(case)
+        return self.name if is_resume(case) else super().reference_name(case)
 
     def attachments(self, case: Case, record: RunRecord, run: Runner, setup: Setup) -> dict[str, Path]:
-        return resume_plan.attachments(self, case, record, run, setup)
+        # The tiny Llama's reference only: a user's model has no resume case (not yet).
+        return RESUME.attachments(self, RESUME_CASE, record, run, setup) if case.launch == "default" else {}
 
     def experiment(self, case: Case, run: Runner, setup: Setup) -> RunRecord | None:
         """None (the usual launch); the resume case is skipped, recording or comparing, where it is off (GPUs)."""
-        off = resume_plan.off_here(setup) if resume_plan.is_resume(case) else None
+        off = RESUME.off_here(setup) if is_resume(case) else None
         if off:
             raise NotApplicable(off)
         return None
 
     def from_reference(self, case: Case, reference: Callable[[], RunRecord], run: Runner,
                        setup: Setup) -> RunRecord | None:
-        return resume_plan.continue_from(self, reference, run, setup) if resume_plan.is_resume(case) else None
+        if not is_resume(case):
+            return None
+        return RESUME.continue_from(self, case, self.default_config(setup), reference, run, setup)
 
     def triage_explains(self, case: Case) -> bool:
-        return not resume_plan.is_resume(case)  # triage reruns step 0, which a continuation never ran
+        return not is_resume(case)  # triage reruns step 0, which a continuation never ran
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
         """The default merge, and every rank's generator digests of a resume launch."""
-        merged = super().merge(records)
-        resume = merged.results.get(RESUME_RESULTS)
-        if resume and "boundary" in resume:
-            resume["boundary"] = merge_boundaries([r.results[RESUME_RESULTS]["boundary"] for r in records])
-        return merged
+        return merge_resume(super().merge(records), records)
 
     def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
-        if resume_plan.is_resume(case):
+        if is_resume(case):
             return resume_verdict.compare(reference, record, lane)
         return super().compare(reference, record, case, lane)
 

@@ -4,23 +4,36 @@ Two cases, each its own launch and reference (reference_runs/lora/<platform>-<wr
   lora-fully_shard the peft model under torch's FSDP2 (``fully_shard``), directly (wrapper "fsdp2")
   lora-accelerate  through ``Accelerator.prepare``: accelerate's FSDP2 plugin on GPUs, DDP on the CPU
 Both record what ``fsdp`` records (adapter parameters only) and run the LoRA checks of checks.py,
-which ``verdict()`` reports as findings of their own. Session side, torch-free; training is rank.py.
+which ``verdict()`` reports as findings of their own. Each has a resume case (``lora-fully_shard-resume``,
+``lora-accelerate-resume``): its reference's own checkpoint loaded on this stack and trained on, as
+``fsdp-resume`` does (resume_plan.py, resume.py; docs/checkpoint.md). Session side, torch-free; training is
+rank.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...errors import NotApplicable
 from ...reference.record import RunRecord
 from ...scenario_options import LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
 from ..base import Case, Launch, Scenario, Setup
+from ..shared import resume_verdict
 from ..shared.replicas import perturbed_launches
+from ..shared.resume_plan import ResumeComparator, is_resume, merge_resume
+from ..shared.resume_roles import RESULT_KEY as RESUME_RESULTS
 from ..shared.training_config import COMMON as TRAINING_COMMON
 from ..shared.training_config import training_config
+from .resume_plan import PLAN as RESUME
+from .resume_plan import resume_case
 
 if TYPE_CHECKING:  # for annotations only: the session side imports model code when it needs it
+    from ...reference.compare import Comparison
     from ...training.projections import BlockProjections
+
+Runner = Callable[[Scenario, Launch], RunRecord]
 
 DEFAULT_TARGETS = LORA_DEFAULT_TARGETS
 WRAPPERS = ("fsdp2", "accelerate")
@@ -37,6 +50,7 @@ class LoraScenario(Scenario):
     name = "lora"
     rank_entry = "pytest_gpuregress.scenarios.lora.rank:run"
     options = SCENARIO_OPTIONS["lora"]  # declared with the plugin's: pytest reads them without importing this
+    comparator_type = ResumeComparator
 
     trains_user_models = True
 
@@ -67,20 +81,25 @@ class LoraScenario(Scenario):
 
     def cases(self, setup: Setup) -> list[Case]:
         # Ids name the API, not "fsdp2": `-k fsdp` selects the fsdp scenario, not this one. A user's model
-        # adds its name: lora-fully_shard-mymoe.
-        return [Case(CASE_IDS[wrapper] + (f"-{model}" if model else ""), launch=wrapper + (f"-{model}" if model else ""),
-                     data={"wrapper": wrapper, "model": model})
-                for model in [None, *(m.name for m in setup.models)] for wrapper in WRAPPERS]
+        # adds its name: lora-fully_shard-mymoe. The tiny Llama's resume cases come last: lora-fully_shard-resume.
+        return [*(Case(CASE_IDS[wrapper] + (f"-{model}" if model else ""), launch=wrapper + (f"-{model}" if model else ""),
+                       data={"wrapper": wrapper, "model": model})
+                  for model in [None, *(m.name for m in setup.models)] for wrapper in WRAPPERS),
+                *(resume_case(CASE_IDS[wrapper], wrapper) for wrapper in WRAPPERS)]
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
-        return [Launch(case.launch, {**self.model_config(setup, case.data["model"]), "wrapper": case.data["wrapper"]})
-                for case in cases]
+        # A resume case names its wrapper's launch: one launch per key.
+        data = {case.launch: case.data for case in cases}
+        return [Launch(key, {**self.model_config(setup, d["model"]), "wrapper": d["wrapper"]}) for key, d in data.items()]
 
     def experiment(self, case: Case, run: Any, setup: Setup) -> RunRecord | None:
-        """None (the usual launch), after checking the model has modules the adapter can target."""
-        from ...errors import NotApplicable
+        """None (the usual launch), after checking the model has modules the adapter can target; a resume case is
+        skipped, recording or comparing, where the resume checkpoint is off (GPUs)."""
         from ...training.model_specs import targets_present
 
+        off = RESUME.off_here(setup) if is_resume(case) else None
+        if off:
+            raise NotApplicable(off)
         model = case.data.get("model")
         if model is None and not setup.option("lora-targets"):
             return None  # the defaults are the tiny Llama's own names
@@ -122,20 +141,49 @@ class LoraScenario(Scenario):
         # The wrapper is in the platform key, so `-k lora` records and finds both; a user's model has its own.
         return self.name if not case.data.get("model") else f"{self.name}-{case.data['model']}"
 
+    def attachments(self, case: Case, record: RunRecord, run: Runner, setup: Setup) -> dict[str, Path]:
+        # The tiny Llama's references only: a user's model has no resume case (not yet).
+        if case.data.get("model"):
+            return {}
+        return RESUME.attachments(self, resume_case(CASE_IDS[case.data["wrapper"]], case.data["wrapper"]), record, run,
+                                  setup)
+
+    def from_reference(self, case: Case, reference: Callable[[], RunRecord], run: Runner,
+                       setup: Setup) -> RunRecord | None:
+        if not is_resume(case):
+            return None
+        [launch] = self.launches([case], setup)
+        return RESUME.continue_from(self, case, launch.config, reference, run, setup)
+
+    def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
+        if is_resume(case):
+            return resume_verdict.compare(reference, record, lane)
+        return super().compare(reference, record, case, lane)
+
+    def oracle_launch(self, setup: Setup, model: str | None) -> Launch | None:
+        from .oracle import launch
+
+        return launch(self.model_config(setup, model))
+
     def noise_replicas(self, launch: Launch, setup: Setup, count: int) -> list[Launch]:
         return perturbed_launches(launch, setup, count)
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
-        """Rank 0's record with every rank's LoRA findings: a problem on one rank only is not lost."""
+        """Rank 0's record with every rank's LoRA findings: a problem on one rank only is not lost; a resume launch's
+        with every rank's generator digests."""
         from .checks import merge_findings
 
         merged = super().merge(records)
+        if RESUME_RESULTS in merged.results:  # a resume launch: no LoRA check ran there
+            return merge_resume(merged, records)
         merged.results["lora_checks"] = merge_findings(r.results.get("lora_checks", []) for r in records)
         return merged
 
     def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
         from .checks import CHECKS, format_findings
 
+        if RESUME_RESULTS in record.results:  # a continuation is judged against the reference's last steps only
+            return []
         problems = format_findings(record.results.get("lora_checks", []))
         missing = sorted(set(CHECKS) - set(record.results.get("lora_checks_run", [])))
         if missing:  # each check runs in every run; one that did not run cannot have passed

@@ -22,8 +22,13 @@ from . import adapter_io
 class Lane:
     model: Any  # what training calls: the sharded peft model, or accelerate's wrapper
     peft_model: Any  # the PeftModel itself (for save_pretrained and per-parameter access)
-    optimizer: Any
+    optimizer: Any  # what training steps: accelerate's AcceleratedOptimizer in its lane
     accelerator: Any = None
+
+    @property
+    def torch_optimizer(self) -> Any:
+        """The torch optimizer itself (under accelerate's wrapper): what DCP's state dicts and digests read."""
+        return self.optimizer.optimizer if self.accelerator is not None else self.optimizer
 
     def backward(self, loss: Any) -> None:
         if self.accelerator is not None:

@@ -16,20 +16,11 @@ import numpy as np
 
 from ...reference.record import RunRecord, float_digest
 from ...training.observe import StepObserver
-from ...training.optimizer import Optimization, Schedule
 from ..base import RankContext
-from . import adapter, adapter_io, checks, lanes, merging
+from . import adapter_io, checks, lanes, merging, trainer
+from .trainer import build_base as _build_base  # the round trip and the merge rebuild the base (oracle.py too)
 
 FIXED_BATCH_ROWS = 2  # sequences in the batch whose logits the round trip and the merge compare
-
-
-def _build_base(cfg: dict[str, Any], model_config: Any, perturbation: str) -> Any:
-    from ...training.models import build_causal_lm
-    from ...training.noise import apply_weight_perturbation
-
-    base = build_causal_lm(model_config, seed=int(cfg["seed"]))
-    apply_weight_perturbation(base, perturbation, cfg["dtype"])  # a noise replica's base, rebuilt identically on reload
-    return base
 
 
 def _sha(tensor: Any) -> str:
@@ -39,31 +30,23 @@ def _sha(tensor: Any) -> str:
 def run(ctx: RankContext) -> RunRecord:
     import torch
 
-    from ...training.data import MarkovTokens, token_source
-    from ...training.loop import TrainStep, train
-    from ...training.models import blueprint
-    from ...training.noise import apply_kernel_path
-    from ...training.step import next_token_loss, rank_tokens
-    from ...training.switches import apply_switches
+    from ...training.data import MarkovTokens
+    from ...training.loop import train
+    from ...training.op_trace import for_rank as op_tracer
+    from ...training.op_trace import stored as stored_trace
 
     cfg = ctx.config
-    model_config = blueprint(cfg)
-    perturbation = str(cfg.get("perturbation", ""))  # set only in the noise replicas of a recording
-    apply_kernel_path(perturbation, ctx)
-    apply_switches(cfg, ctx)
-    base = _build_base(cfg, model_config, perturbation)
-    targeted = adapter.targeted_modules(base, list(cfg["target_modules"]))
-    peft_model = adapter.wrap_with_lora(base, cfg)
+    built = trainer.adapted(ctx)
+    model_config, perturbation, peft_model = built.model_config, built.perturbation, built.peft_model
     base_names = [n for n, _ in peft_model.named_parameters() if not checks.is_adapter(n)]
     initial_base = {n: _sha(p) for n, p in peft_model.named_parameters() if not checks.is_adapter(n)}
     ctx.progress("model built")
 
-    lane = lanes.build(peft_model, cfg, ctx.device_kind, ctx.world_size)
+    lora = trainer.distribute(ctx, built)
+    lane = lora.lane
     device = torch.device(ctx.device)
     named = dict(lane.peft_model.named_parameters())
-    names = [n for n in named if checks.is_adapter(n)]
-    params = [named[n] for n in names]
-    data = token_source(cfg, model_config.vocab_size)
+    names, params = lora.names, lora.tracked
     step0: dict[str, np.ndarray] = {}
     leaked: dict[str, int] = {}
 
@@ -75,14 +58,12 @@ def run(ctx: RankContext) -> RunRecord:
             for name, p in zip(names, params):
                 step0[f"step0_grad/{name}"] = adapter_io.to_numpy(p.grad)
 
-    step = TrainStep(
-        loss=lambda s: next_token_loss(lane.model, rank_tokens(data, s, ctx, perturbation, device)),
-        # The scheduler is ours in both lanes, over the optimizer the lane hands out (accelerate's wrapper there).
-        optimization=Optimization.of(lane.optimizer, Schedule.from_config(cfg)),
-        clip=lambda: lane.clip(float(cfg["grad_clip"])),
-        backward=lane.backward,
-        tracked=params,  # the adapters only; the optimizer and the clipping take whatever requires a gradient
+    step = lora.step(
+        ctx,
         inspect=inspect_gradients,
+        # Module paths as peft names them (base_model.model.model.layers.0...); accelerate's DDP wrapper, the
+        # root on the CPU, reduces in C++ past the dispatcher, so that lane's trace has no collective entries.
+        op_trace=op_tracer(ctx, lane.peft_model),
     )
     steps = int(cfg["steps"])
     observer = StepObserver(ctx, steps, tokens_per_step=int(cfg["global_batch"]) * int(cfg["seq_len"]))
@@ -90,10 +71,10 @@ def run(ctx: RankContext) -> RunRecord:
 
     observer.finish(ctx.world_size)
     ctx.progress("lora checks")
-    trained = {n: adapter_io.to_numpy(p) for n, p in zip(names, params)}  # every rank's slice, gathered
+    trained = lora.weights()  # every rank's slice, gathered
     final_base = {n: _sha(named[n]) for n in base_names}
     findings = checks.check_frozen(leaked, initial_base, final_base)
-    findings += checks.check_nonzero(trained, targeted)
+    findings += checks.check_nonzero(trained, built.targeted)
     batch = torch.from_numpy(MarkovTokens(vocab_size=model_config.vocab_size, seq_len=int(cfg["seq_len"]),
                                           global_batch=FIXED_BATCH_ROWS, seed=int(cfg["data_seed"]) + 1)
                              .global_batch_at(0)[:, :-1]).to(device)
@@ -110,6 +91,9 @@ def run(ctx: RankContext) -> RunRecord:
         findings += merge_findings
 
     digests = {name: float_digest(values) for name, values in trained.items()}
+    results = {"lora_checks": findings, "lora_checks_run": sorted(checks.CHECKS), "lora_measured": measured,
+               **observer.results()}
+    traced = stored_trace(step.op_trace, results)  # step 0's op trace (training/op_trace.py)
     return RunRecord(
         scenario="lora",
         config=dict(cfg),
@@ -117,10 +101,9 @@ def run(ctx: RankContext) -> RunRecord:
         world_size=ctx.world_size,
         series={"loss": curves.losses, "grad_norm": curves.grad_norms},
         param_names=names,
-        arrays={"param_grad_norm": curves.param_norms(len(params)), **step0},
+        arrays={"param_grad_norm": curves.param_norms(len(params)), **step0, **traced},
         digests=digests,
-        results={"lora_checks": findings, "lora_checks_run": sorted(checks.CHECKS), "lora_measured": measured,
-                 **observer.results()},
+        results=results,
         timings=observer.timings(),
     )
 

@@ -6,5 +6,8 @@
   safetensors_file the strict, torch-free safetensors reader and writer (formats and checkpoint read with it)
   links            the collective sweep per link: wrong elements by sender and receiver (collectives and consensus)
   links            the collective sweep's wrong elements per sender -> receiver link (collectives, consensus)
-  state_pieces     a training state's digests compared piece by piece (checkpoint's resume, fsdp-resume)
+  state_pieces     a training state's digests compared piece by piece (checkpoint's resume, the resume cases)
+  resume_roles     rank side of a resume from a reference's own checkpoint: its save and continue roles
+  resume_plan      session side of it: what a recording stores, the launch that continues, the comparator
+  resume_verdict   the verdict on such a resume: the load piece by piece, then the continuation
 """

@@ -1,4 +1,5 @@
-"""Session side: the verdict on a resume from the fsdp reference's own checkpoint. torch-free (numpy).
+"""Session side: the verdict on a resume from a reference's own checkpoint (fsdp-resume, the lora resume
+cases). torch-free (numpy).
 
 Two questions, in this order:
   the load     the state right after loading the reference's checkpoint on this stack, piece by piece,
@@ -19,10 +20,10 @@ from ...reference.compare import Comparison, Finding, choose_lane, compare_train
 from ...reference.continuation import from_step
 from ...reference.record import RunRecord
 from ...stack import fingerprint as fp
-from ..shared.state_pieces import differing
+from .state_pieces import differing
 
 SAVED_KEY = "resume_checkpoint"  # the reference's results: the step, the digests of the state saved, its size
-LOADED_KEY = "resume"  # the continuation's results (rank side: resume.RESULT_KEY)
+LOADED_KEY = "resume"  # the continuation's results (rank side: resume_roles.RESULT_KEY)
 CONTINUES_FROM = "continues_from"  # a continuation_reference's results: the step it starts at
 COMPONENT = "checkpoint"
 

@@ -1,0 +1,48 @@
+"""The lora scenario's float64 oracle, on one rank: step 0 of the adapter on the whole global batch in float64.
+
+The base model and the adapter are built as rank.py builds them (same seeds, the adapter's counter-based
+lora_A and zero lora_B); only the adapter's gradients are kept, whole, under the keys rank.py records them
+with. A recording stores each tensor's distance from these (reference/oracle_distance.py), so that
+re-recording over it is allowed only toward float64.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...reference import step0
+from ...reference.record import RunRecord
+from ..base import Launch
+from ..shared.training_config import COMMON
+
+ENTRY = "pytest_gpuregress.scenarios.lora.oracle:run"
+
+
+def launch(config: dict[str, Any]) -> Launch:
+    """The oracle of a model's lora ``config`` (no wrapper: float64 on one rank has none, so one oracle serves
+    both of a model's cases): one rank, no faults (it is no stack under test)."""
+    from ...reference.op_trace import TRACE_CONFIG
+
+    # "wrapper" names the launch's platform (LoraScenario.platform_tag): none here.
+    return Launch(f"lora-oracle-{config.get('model', COMMON['model'])}",
+                  {**config, "wrapper": "none", "steps": 1, TRACE_CONFIG: False}, world_size=1, entry=ENTRY, inject=False)
+
+
+def run(ctx: Any) -> RunRecord:
+    import torch
+
+    from ...training.models import blueprint
+    from ...training.oracle import float64_step0
+    from . import adapter, checks
+    from .rank import _build_base
+
+    cfg = ctx.config
+    model_config = blueprint(cfg)
+    model = adapter.wrap_with_lora(_build_base(cfg, model_config, ""), cfg)
+    loss = float64_step0(model, cfg, model_config.vocab_size)
+    # An adapter the loss does not reach has no gradient: zero, as rank.py's AdamW sees it.
+    grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
+             for n, p in model.named_parameters() if checks.is_adapter(n)}
+    return RunRecord(scenario="lora-oracle", config=dict(cfg), platform_key="", world_size=1,
+                     series={"loss": [loss]}, param_names=list(grads),
+                     arrays={step0.FULL_PREFIX + n: g.detach().numpy() for n, g in grads.items()})

@@ -1,0 +1,130 @@
+"""Rank side: the lora run's model and trainer, built one way for the training run (rank.py) and for the resume
+roles (resume.py), so a continuation trains exactly what the reference trained.
+
+  adapted     the base model (a noise replica's perturbation applied) with the LoRA adapter on it, not yet
+              distributed: what the LoRA checks read before training
+  distribute  that peft model in its lane (lanes.py), AdamW and the schedule, the data: a ``LoraTrainer``
+Torch is imported inside the functions: only the ranks call them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...training.optimizer import Optimization, Optimized, Schedule
+from ..base import RankContext
+from . import adapter, adapter_io, checks, lanes
+
+if TYPE_CHECKING:
+    from ...training.loop import Curves, TrainStep
+
+
+def build_base(cfg: dict[str, Any], model_config: Any, perturbation: str) -> Any:
+    from ...training.models import build_causal_lm
+    from ...training.noise import apply_weight_perturbation
+
+    base = build_causal_lm(model_config, seed=int(cfg["seed"]))
+    apply_weight_perturbation(base, perturbation, cfg["dtype"])  # a noise replica's base, rebuilt identically on reload
+    return base
+
+
+@dataclass
+class Adapted:
+    """The peft model before it is distributed, and what built it."""
+
+    peft_model: Any
+    targeted: list[str]  # the base's linear layers the adapter targets (adapter.targeted_modules)
+    model_config: Any
+    perturbation: str  # set only in the noise replicas of a recording
+
+
+def adapted(ctx: RankContext) -> Adapted:
+    """The base model with the adapter on it, on the CPU; the kernel path and switches of the config applied."""
+    from ...training.models import blueprint
+    from ...training.noise import apply_kernel_path
+    from ...training.switches import apply_switches
+
+    cfg = ctx.config
+    model_config = blueprint(cfg)
+    perturbation = str(cfg.get("perturbation", ""))
+    apply_kernel_path(perturbation, ctx)
+    apply_switches(cfg, ctx)
+    base = build_base(cfg, model_config, perturbation)
+    targeted = adapter.targeted_modules(base, list(cfg["target_modules"]))
+    return Adapted(adapter.wrap_with_lora(base, cfg), targeted, model_config, perturbation)
+
+
+@dataclass
+class LoraTrainer(Optimized):
+    """The peft model in its lane, the adapter's parameters by name, AdamW and the schedule, and the data (the
+    batch of step s is batch s)."""
+
+    lane: lanes.Lane
+    names: list[str]  # the adapter's parameters, as the record names them
+    optimization: Optimization  # over the optimizer the lane hands out (accelerate's wrapper there)
+    data: Any
+    perturbation: str
+
+    @property
+    def model(self) -> Any:
+        """The PeftModel: what DCP's state dicts read and fill (through a DDP wrapper they would read the same)."""
+        return self.lane.peft_model
+
+    @property
+    def optimizer(self) -> Any:
+        return self.lane.torch_optimizer  # DCP initialises and fills a torch optimizer, not accelerate's wrapper
+
+    @property
+    def tracked(self) -> list[Any]:
+        """The adapter's parameters in ``names``' order: the ones whose gradient norms the record keeps."""
+        named = dict(self.lane.peft_model.named_parameters())
+        return [named[n] for n in self.names]
+
+    def step(self, ctx: RankContext, batch_of: Callable[[int], int] = int, **extra: Any) -> TrainStep:
+        """The training step; step s reads batch ``batch_of(s)``. ``extra``: TrainStep's inspect and op_trace."""
+        import torch
+
+        from ...training.loop import TrainStep
+        from ...training.step import next_token_loss, rank_tokens
+
+        device = torch.device(ctx.device)
+        lane = self.lane
+        return TrainStep(
+            loss=lambda s: next_token_loss(lane.model, rank_tokens(self.data, batch_of(s), ctx, self.perturbation,
+                                                                   device)),
+            # The scheduler is ours in both lanes, over the optimizer the lane hands out.
+            optimization=self.optimization,
+            clip=lambda: lane.clip(float(ctx.config["grad_clip"])),
+            backward=lane.backward,
+            tracked=self.tracked,  # the adapters only; the optimizer and the clipping take whatever requires a gradient
+            **extra,
+        )
+
+    def train(self, ctx: RankContext, steps: range, first_batch: int, progress: str) -> Curves:
+        from ...training.loop import train
+
+        step = self.step(ctx, lambda s: first_batch + s - steps.start)
+        return train(ctx, step, steps, progress=progress)
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return {n: adapter_io.to_numpy(p) for n, p in zip(self.names, self.tracked)}  # every rank's slice, gathered
+
+
+def distribute(ctx: RankContext, model: Adapted) -> LoraTrainer:
+    """``model`` in the lane of the config's wrapper, with its optimizer, schedule and data."""
+    from ...training.data import token_source
+
+    cfg = ctx.config
+    lane = lanes.build(model.peft_model, cfg, ctx.device_kind, ctx.world_size)
+    names = [n for n, _ in lane.peft_model.named_parameters() if checks.is_adapter(n)]
+    return LoraTrainer(lane, names, Optimization.of(lane.optimizer, Schedule.from_config(cfg)),
+                       token_source(cfg, model.model_config.vocab_size), model.perturbation)
+
+
+def build(ctx: RankContext) -> LoraTrainer:
+    """The trainer rank.py trains, at step 0."""
+    return distribute(ctx, adapted(ctx))

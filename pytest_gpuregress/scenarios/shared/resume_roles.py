@@ -1,0 +1,115 @@
+"""Rank side of a resume from a reference's own checkpoint: the two roles of its launches, for any trainer.
+
+  save      recording: the run's first S = steps // 2 steps, trained as the scenario's rank.py trains them;
+            then the whole training state saved (training/resume_checkpoint.py: DCP in safetensors, JSON)
+            into the folder the session named, and its digests per piece (training/state_digests.py). The
+            reference keeps both: the folder as ``resume/``, the digests in its results.
+  continue  comparing: a freshly built trainer, every generator scrambled, the reference's checkpoint
+            loaded from its ``resume/`` folder (read only), the digests of what was loaded, then steps S
+            to the end with the shared loop: the continuation the session judges against the
+            reference's own last steps.
+A scenario supplies the trainer (``ResumableTrainer``: its model, optimizer, schedule and data, built as
+its rank.py builds them) and a rank entry that calls ``Roles.run``: fsdp/resume.py, lora/resume.py.
+Torch is imported inside the functions: the session imports this module for its config keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from ...reference.record import RunRecord, float_digest
+from ...training.resume_checkpoint import Resumable
+from ..base import RankContext
+
+if TYPE_CHECKING:
+    from ...training.loop import Curves
+
+ROLE = "resume_role"  # session-only config keys: kept out of the record's config
+FOLDER = "resume_folder"
+SESSION_ONLY = (ROLE, FOLDER)
+RESULT_KEY = "resume"  # a resume launch's results: the step, the digests, or why it could not load
+SCRAMBLE_SEED = 876_543_219  # generators before the load: a value no run seeds with
+
+
+def resume_step(config: dict[str, Any]) -> int:
+    """S: the steps the checkpoint has taken; the continuation runs S to the end."""
+    return int(config["steps"]) // 2
+
+
+def stored(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config.items() if k not in SESSION_ONLY}
+
+
+class ResumableTrainer(Resumable, Protocol):
+    """A scenario's trainer at step 0, as its rank.py builds it, that can train a range of steps."""
+
+    def train(self, ctx: RankContext, steps: range, first_batch: int, progress: str) -> Curves:
+        """``steps`` with the shared loop; step s reads batch ``first_batch + (s - steps.start)``."""
+        ...
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """The whole trained tensors by name, as the scenario's own run digests them (collective)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The save and continue roles of ``scenario``, whose trainer ``build`` makes."""
+
+    scenario: str
+    build: Callable[[RankContext], ResumableTrainer]
+
+    def run(self, ctx: RankContext) -> RunRecord:
+        return {"save": self.save, "continue": self.resume}[ctx.config[ROLE]](ctx)
+
+    def _record(self, ctx: RankContext, results: dict[str, Any], **fields: Any) -> RunRecord:
+        return RunRecord(scenario=self.scenario, config=stored(ctx.config), platform_key="", world_size=ctx.world_size,
+                         results={RESULT_KEY: results}, **fields)
+
+    def save(self, ctx: RankContext) -> RunRecord:
+        """Recording: S steps, the save, the digests of the state saved."""
+        from ...training import dcp_safetensors, resume_checkpoint, state_digests
+
+        unavailable = dcp_safetensors.unavailable()
+        if unavailable:
+            return self._record(ctx, {"unavailable": unavailable})
+        start = resume_step(ctx.config)
+        trainer = self.build(ctx)
+        curves = trainer.train(ctx, range(start), 0, "training to the resume checkpoint")
+        ctx.progress("saving the resume checkpoint")
+        resume_checkpoint.save(trainer, Path(ctx.config[FOLDER]), step=start, data_position=start, rank=ctx.rank,
+                               world_size=ctx.world_size, device_kind=ctx.device_kind)
+        # After the save: a save that moves state shows.
+        boundary = state_digests.boundary(trainer, start, ctx.device_kind, ctx.rank)
+        return self._record(ctx, {"step": start, "boundary": boundary},
+                            series={"loss": curves.losses, "grad_norm": curves.grad_norms})
+
+    def resume(self, ctx: RankContext) -> RunRecord:
+        """Comparing: the reference's checkpoint loaded on this stack, then steps S to the end."""
+        from ...training import dcp_safetensors, resume_checkpoint, rng_state, state_digests
+
+        unavailable = dcp_safetensors.unavailable()
+        if unavailable:
+            return self._record(ctx, {"unavailable": unavailable})
+        trainer = self.build(ctx)
+        rng_state.scramble(SCRAMBLE_SEED + ctx.rank, ctx.device_kind)
+        ctx.progress("loading the reference's resume checkpoint")
+        try:
+            meta = resume_checkpoint.load(trainer, Path(ctx.config[FOLDER]), rank=ctx.rank, device_kind=ctx.device_kind)
+        except Exception as exc:  # noqa: BLE001 - a load that fails is the finding, named by the verdict
+            first = (str(exc).strip().splitlines() or [""])[0]
+            return self._record(ctx, {"load_error": f"{type(exc).__name__}: {first}"})
+        start, position = int(meta["step"]), int(meta["data_position"])
+        boundary = state_digests.boundary(trainer, position, ctx.device_kind, ctx.rank)  # what step S is about to see
+        state_digests.as_saved(boundary, trainer, meta["param_groups"], meta["scheduler"])
+        curves = trainer.train(ctx, range(start, int(ctx.config["steps"])), position, "resumed training")
+        digests = {name: float_digest(values) for name, values in trainer.weights().items()}
+        return self._record(ctx, {"step": start, "boundary": boundary, "saved_with_torch": meta.get("torch")},
+                            series={"loss": curves.losses, "grad_norm": curves.grad_norms},
+                            param_names=list(trainer.names),
+                            arrays={"param_grad_norm": curves.param_norms(len(trainer.names))}, digests=digests)

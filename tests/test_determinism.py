@@ -69,7 +69,9 @@ def _shipped_fingerprint() -> dict[str, Any]:
     return json.loads(SHIPPED.read_text())["fingerprint"]
 
 
-def test_cpu_keeps_the_values_of_every_recorded_key_and_adds_new_ones() -> None:
+def test_cpu_keeps_the_values_of_every_recorded_key_and_adds_new_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Left in the environment by a ROCm job (or a test): rocBLAS is not used here, so the fingerprint ignores it.
+    monkeypatch.setenv("ROCBLAS_DEFAULT_ATOMICS_MODE", "0")
     switches = set_determinism(0, device_kind="cpu")
     recorded = {k.removeprefix("determinism."): v for k, v in _shipped_fingerprint()["numerics"].items()
                 if k.startswith("determinism.")}
@@ -90,7 +92,7 @@ def test_cuda_is_strict_and_sends_attention_to_the_math_backend(monkeypatch: pyt
     assert switches["platform"] == "cuda" and switches["sdpa_backends"] == "math" and switches["warn_only"] is False
     assert switches["cublas_workspace_config"] == ":4096:8" and switches["tf32"] is False
     assert switches["deterministic"] is True and switches["nondeterministic_reason"] is None
-    assert switches["rocblas_atomics_mode"] is None  # set on ROCm only
+    assert switches["rocblas_atomics_mode"] is None  # set and read on ROCm only
     query = torch.randn(1, 2, 8, 16)  # the same global switches steer the CPU's choice: math, not flash
     assert torch._fused_sdp_choice(query, query, query) == torch.nn.attention.SDPBackend.MATH.value
 

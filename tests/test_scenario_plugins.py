@@ -21,6 +21,7 @@ def install_entry_point(pytester: pytest.Pytester, name: str, value: str, dist: 
 
 
 @pytest.mark.slow
+@pytest.mark.full_tier  # about 35 s: records, compares and breaks a plug-in end to end; the fast tier loads plug-ins
 def test_toy_scenario_records_compares_and_fails_under_a_fault(pytester: pytest.Pytester, tmp_path: Path) -> None:
     shutil.copy(EXAMPLE, pytester.path / EXAMPLE.name)
     install_entry_point(pytester, "toy", "gpuregress_toy:SCENARIO")

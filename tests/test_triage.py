@@ -1,6 +1,6 @@
 """Triage end to end: each fault is pinned on the right component by experiments, and a clean run passes.
 
-A short fsdp reference (8 steps, no replicas: triage does not need the envelope) is recorded once.
+They compare with the session's short fsdp reference (8 steps, conftest.py), recorded once for every test file.
 """
 
 from __future__ import annotations
@@ -10,17 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import record_references
 
 pytestmark = pytest.mark.slow
 
 RS_1E4 = "collective:op=reduce_scatter,max_bytes=200000,mode=nudge,rel=1e-4"
 
 
-@pytest.fixture(scope="module")
-def refs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return record_references(tmp_path_factory.mktemp("triage"), "--gpuregress-steps=8", "--gpuregress-replicas=0",
-                             "-k", "fsdp and not triage and not resume")
+@pytest.fixture
+def refs(fsdp_reference: Path) -> Path:
+    """The session's 8-step fsdp reference (conftest.py), read only: one recording less for the fast tier."""
+    return fsdp_reference
 
 
 def run(pytester: pytest.Pytester, refs: Path, selection: str, *extra: str) -> pytest.RunResult:

@@ -144,7 +144,8 @@ def set_determinism(seed: int, *, device_kind: str, cpu_threads: int | None = 1)
         "platform": chosen.platform,
         "warn_only": not chosen.deterministic,
         "sdpa_backends": ",".join(chosen.sdpa_backends),
-        "rocblas_atomics_mode": os.environ.get("ROCBLAS_DEFAULT_ATOMICS_MODE"),
+        # rocBLAS reads it on ROCm only: elsewhere a value left in the environment must not change the lane.
+        "rocblas_atomics_mode": os.environ.get("ROCBLAS_DEFAULT_ATOMICS_MODE") if chosen.platform == "rocm" else None,
         "deterministic": chosen.deterministic,
         "nondeterministic_reason": chosen.reason,
     }

@@ -11,7 +11,8 @@
             with rec.phase("backward"):
                 loss.backward()
             rec.gradients(model)                     # per-parameter norms; full gradients at step 0
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with rec.phase("clip"):                  # clipping scales gradients in place: trace it too
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             with rec.phase("optimizer"):
                 opt.step()
             opt.zero_grad()

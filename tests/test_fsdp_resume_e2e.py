@@ -78,7 +78,7 @@ def test_a_reference_without_a_checkpoint_skips_the_case_with_the_reason(pyteste
     refs = pytester.path / "refs"
     shutil.copytree(fsdp_reference, refs)
     folder = refs / "fsdp" / PLATFORM
-    shutil.rmtree(folder / "resume")  # as a reference recorded before resume checkpoints (the shipped ones, for now)
+    shutil.rmtree(folder / "resume")  # as a reference recorded before resume checkpoints existed
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("resume/")}
     (folder / "manifest.json").write_text(json.dumps(manifest))

@@ -157,3 +157,14 @@ def test_the_resume_case_shares_the_fsdp_reference_and_is_not_triaged() -> None:
     cases = {c.id: c for c in fsdp.cases(Setup("cpu", "gloo", 2))}
     assert fsdp.reference_name(cases["resume"]) == fsdp.reference_name(cases["fsdp"]) == "fsdp"
     assert not fsdp.triage_explains(cases["resume"]) and fsdp.triage_explains(cases["fsdp"])
+
+
+def test_a_piece_the_reference_never_digested_is_not_judged_and_one_it_did_must_match() -> None:
+    from pytest_gpuregress.scenarios.shared.state_pieces import differing
+
+    saved = {"model": {"a": "1"}}
+    newer = {"model": {"a": "1"}, "model.frozen": {"base": "2"}}  # this code digests a piece the reference lacks
+    assert differing(saved, newer) == []
+    with_frozen = {**saved, "model.frozen": {"base": "2"}}
+    assert [p for p, _ in differing(with_frozen, {"model": {"a": "1"}, "model.frozen": {"base": "3"}})] == ["model.frozen"]
+    assert [p for p, _ in differing(with_frozen, {"model": {"a": "1"}})] == ["model.frozen"]  # a piece not loaded

@@ -22,6 +22,10 @@ def test_the_main_job_passes_against_the_shipped_references(tmp_path: Path) -> N
     assert "fsdp cpu-gloo-w2-fp32: PASSED" in done.stdout and "ForeignReference" not in done.stdout
     for lane in ("fsdp2", "accelerate"):
         assert f"lora cpu-gloo-w2-fp32-{lane}: PASSED" in done.stdout
+    # The shipped checkpoints resumed on this stack: a skipped resume (no resume/, DCP missing) must not pass here.
+    for row in ("fsdp-resume cpu-gloo-w2-fp32", "lora-fully_shard-resume cpu-gloo-w2-fp32-fsdp2",
+                "lora-accelerate-resume cpu-gloo-w2-fp32-accelerate"):
+        assert f"{row}: PASSED" in done.stdout, done.stdout[-4000:]
     # The checkpoint scenario against its shipped reference, and the shipped bundle loaded on this stack. On the
     # CPU that recorded them the lane is exact; on any other CPU (or kernel path) it is tolerant, and says why.
     line = next(x for x in done.stdout.splitlines() if x.startswith("checkpoint cpu-gloo-w2-fp32:"))

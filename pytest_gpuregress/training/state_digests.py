@@ -80,12 +80,25 @@ def boundary(state: TrainingState, data_position: int, device_kind: str, rank: i
     for piece, name, values in full_tensors(state):
         # The step count is shown as it is: "5.0 -> 1.0" says more than two hashes.
         out.setdefault(piece, {})[name] = repr(float(values)) if piece == "optimizer.step" else sha(values)
+    # Weights saved and loaded but never trained (a lora base): a fresh trainer builds them equal to the saved
+    # ones, so the resume scrambles them first (scramble_frozen) and a load that skips them shows here.
+    for name, param in getattr(state, "frozen", []):
+        out.setdefault("model.frozen", {})[name] = sha(to_numpy(param))
     out["optimizer.param_groups"] = {f"group{i}": json_sha(g) for i, g in enumerate(param_groups(state))}
     out["lr_scheduler"] = {"state": json_sha(scheduler_state(state))}
     out["data.position"] = {"position": str(data_position)}
     for piece, digest in rng_state.digests(rng_state.capture(device_kind)).items():
         out[piece] = {f"rank{rank}": digest}
     return out
+
+
+def scramble_frozen(state: TrainingState) -> None:
+    """Zero the trainer's frozen weights (``frozen``: name, tensor pairs, where it has them) before a load."""
+    import torch
+
+    with torch.no_grad():
+        for _, param in getattr(state, "frozen", []):
+            param.zero_()
 
 
 def as_saved(digests: dict[str, dict[str, str]], state: TrainingState, saved_groups: list[dict[str, Any]],

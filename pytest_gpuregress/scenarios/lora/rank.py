@@ -61,8 +61,8 @@ def run(ctx: RankContext) -> RunRecord:
     step = lora.step(
         ctx,
         inspect=inspect_gradients,
-        # Module paths as peft names them (base_model.model.model.layers.0...); accelerate's DDP wrapper, the
-        # root on the CPU, reduces in C++ past the dispatcher, so that lane's trace has no collective entries.
+        # Module paths as peft names them (base_model.model.model.layers.0...); in the accelerate lane on the CPU
+        # the collectives are DDP's (c10d::broadcast_, c10d::allreduce_ per bucket).
         op_trace=op_tracer(ctx, lane.peft_model),
     )
     steps = int(cfg["steps"])

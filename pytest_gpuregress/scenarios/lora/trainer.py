@@ -79,6 +79,18 @@ class LoraTrainer(Optimized):
         return self.lane.torch_optimizer  # DCP initialises and fills a torch optimizer, not accelerate's wrapper
 
     @property
+    def params(self) -> list[Any]:
+        """The adapter's parameters, paired with ``names`` by the digests (not whatever requires a gradient: a base
+        weight a broken peft left trainable must not shift the pairs)."""
+        return self.tracked
+
+    @property
+    def frozen(self) -> list[tuple[str, Any]]:
+        """The base weights by name: saved and loaded with the adapter, never trained (state_digests.boundary)."""
+        adapter = set(self.names)
+        return [(n, p) for n, p in self.lane.peft_model.named_parameters() if n not in adapter]
+
+    @property
     def tracked(self) -> list[Any]:
         """The adapter's parameters in ``names``' order: the ones whose gradient norms the record keeps."""
         named = dict(self.lane.peft_model.named_parameters())

@@ -98,6 +98,7 @@ class Roles:
             return self._record(ctx, {"unavailable": unavailable})
         trainer = self.build(ctx)
         rng_state.scramble(SCRAMBLE_SEED + ctx.rank, ctx.device_kind)
+        state_digests.scramble_frozen(trainer)  # built equal to the saved ones: only a load may restore them
         ctx.progress("loading the reference's resume checkpoint")
         try:
             meta = resume_checkpoint.load(trainer, Path(ctx.config[FOLDER]), rank=ctx.rank, device_kind=ctx.device_kind)

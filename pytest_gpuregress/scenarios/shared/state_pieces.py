@@ -1,6 +1,7 @@
 """Session side: the pieces of a training state's digests (training/state_digests.py), compared piece by piece.
 
-A resume names what broke by piece: ``model``, ``optimizer.exp_avg``, ``optimizer.exp_avg_sq``,
+A resume names what broke by piece: ``model``, ``model.frozen`` (weights saved but never trained: a lora
+base), ``optimizer.exp_avg``, ``optimizer.exp_avg_sq``,
 ``optimizer.step``, ``optimizer.param_groups``, ``lr_scheduler``, ``rng.<generator>`` (per rank) and
 ``data.position``. The checkpoint scenario's resume case and the fsdp scenario's resume from its
 reference share this, so a broken piece reads the same in both. torch-free.
@@ -12,7 +13,7 @@ import hashlib
 
 Digests = dict[str, dict[str, str]]  # piece -> item (a parameter, a group, a rank) -> digest
 
-ORDER = ("model", "optimizer.exp_avg", "optimizer.exp_avg_sq", "optimizer.step", "optimizer.param_groups",
+ORDER = ("model", "model.frozen", "optimizer.exp_avg", "optimizer.exp_avg_sq", "optimizer.step", "optimizer.param_groups",
          "lr_scheduler", "rng.python", "rng.numpy", "rng.torch_cpu", "rng.torch_device", "data.position")
 
 
@@ -50,6 +51,8 @@ def differs(piece: str, expected: dict[str, str], got: dict[str, str]) -> str:
 
 
 def differing(expected: Digests, got: Digests) -> list[tuple[str, str]]:
-    """(piece, how it differs) for every piece whose items are not the expected ones, in ORDER's order."""
-    pieces = sorted(set(expected) | set(got), key=order)
+    """(piece, how it differs) for every piece whose items are not the expected ones, in ORDER's order.
+
+    A piece only ``got`` has is not judged: the reference was saved before that piece was digested."""
+    pieces = sorted(expected, key=order)
     return [(piece, why) for piece in pieces if (why := differs(piece, expected.get(piece, {}), got.get(piece, {})))]

@@ -1,6 +1,6 @@
 """The lora scenario's float64 oracle, on one rank: step 0 of the adapter on the whole global batch in float64.
 
-The base model and the adapter are built as rank.py builds them (same seeds, the adapter's counter-based
+The base model and the adapter are built as trainer.py builds them for rank.py (same seeds, the adapter's counter-based
 lora_A and zero lora_B); only the adapter's gradients are kept, whole, under the keys rank.py records them
 with. A recording stores each tensor's distance from these (reference/oracle_distance.py), so that
 re-recording over it is allowed only toward float64.
@@ -34,11 +34,11 @@ def run(ctx: Any) -> RunRecord:
     from ...training.models import blueprint
     from ...training.oracle import float64_step0
     from . import adapter, checks
-    from .rank import _build_base
+    from .trainer import build_base
 
     cfg = ctx.config
     model_config = blueprint(cfg)
-    model = adapter.wrap_with_lora(_build_base(cfg, model_config, ""), cfg)
+    model = adapter.wrap_with_lora(build_base(cfg, model_config, ""), cfg)
     loss = float64_step0(model, cfg, model_config.vocab_size)
     # An adapter the loss does not reach has no gradient: zero, as rank.py's AdamW sees it.
     grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)

@@ -18,7 +18,7 @@ from ...reference.record import RunRecord, float_digest
 from ...training.observe import StepObserver
 from ..base import RankContext
 from . import adapter_io, checks, lanes, merging, trainer
-from .trainer import build_base as _build_base  # the round trip and the merge rebuild the base (oracle.py too)
+from .trainer import build_base as _build_base  # the round trip and the merge rebuild the base
 
 FIXED_BATCH_ROWS = 2  # sequences in the batch whose logits the round trip and the merge compare
 

@@ -6,7 +6,8 @@
 # PYTHONPATH and -p), records a bf16 FSDP2 reference and compares a second run with it bit for bit (run-to-run
 # determinism), runs triage's equivalence and float64 oracle, forces another SDPA backend and a host fallback
 # (the kernel inventory must name both), runs the collective sweep once per NCCL protocol, injects a bf16 AVG
-# tail fault and runs the sweep benchmark. Budget: 8 minutes on one H200 (100 training steps).
+# tail fault and runs the sweep benchmark. Budget: 8 minutes on one H200 (100 training steps); the run prints
+# its estimate of that time from the steps it launches (gpu_check_expect.py budget), the dry run for 1 and 8 GPUs.
 #
 # Dry run (GPU_CHECK_DRY_RUN=1 or --dry-run): the same steps on 2 gloo CPU ranks with 4 steps and narrow
 # collective selections, so a wrong path or option fails in CI rather than on the one GPU run a task may get.
@@ -42,6 +43,11 @@ P=("$PY" -m pytest -p pytest_gpuregress.plugin -p no:cacheprovider -q -W default
    "--gpuregress-device=$DEVICE" --gpuregress-timeout=240 "--gpuregress-steps=$STEPS"
    "--gpuregress-reference-dir=$REFS" "--gpuregress-artifacts=$WORK/artifacts")
 CLI='import sys; from pytest_gpuregress.cli import main; sys.exit(main(sys.argv[1:]))'
+# Every expectation below comes from benchmarks/gpu_check_expect.py, whose CPU tests match each GPU one against
+# GPU-shaped output; MODE picks the column (gpu-w1 once the key says one GPU).
+EXPECT=("$PY" benchmarks/gpu_check_expect.py)
+if (( DRY )); then MODE=dry; else MODE=gpu; fi
+expect() { "${EXPECT[@]}" text "$1" "$MODE"; }
 
 NAMES=() EXPECTED=() OUTCOMES=() SECS=() VERDICTS=()
 # step NAME EXPECT REGEX -- COMMAND...: EXPECT is pass (exit 0), fail (1) or usage (4); REGEX, if any, must
@@ -67,10 +73,10 @@ step() {
 }
 
 # The stack fingerprint; the device kind proves torch sees what this mode expects.
-step env pass "\"kind\": \"$DEVICE\"" -- "$PY" -c "$CLI" env --device "$DEVICE"
+step env pass "$(expect env)" -- "$PY" -c "$CLI" env --device "$DEVICE"
 cp "$WORK/logs/env.log" "$OUT/fingerprint.json"
 # The key the code files fsdp references under (stack/platforms.py), not a spelling of our own.
-step platform-key pass '^(cpu|cuda|rocm)-' -- "$PY" -c '
+step platform-key pass "$(expect platform-key)" -- "$PY" -c '
 import sys
 from pytest_gpuregress.scenarios import registry
 from pytest_gpuregress.scenarios.base import Setup
@@ -81,50 +87,46 @@ print(p.key(sc.platform_tag(sc.default_config(Setup(p.device_kind, p.backend, p.
 ' "$DEVICE" "$STEPS"
 KEY=$(tail -n 1 "$WORK/logs/platform-key.log")
 RECORD=$REFS/fsdp/$KEY/record.json
+[[ $MODE == gpu && $KEY == *-w1-* ]] && MODE=gpu-w1
+# The GPU run's time, estimated from the steps below and the per-launch costs gpu_check_expect.py states: for one
+# GPU and for eight in the dry run, for this machine's GPUs on it.
+if (( DRY )); then GPUS=(1 8); else GPUS=("$(sed -E 's/.*-w([0-9]+)-.*/\1/' <<<"$KEY")"); fi
+for gpus in "${GPUS[@]}"; do
+    "${EXPECT[@]}" budget 100 3 "$gpus" "${GPU_CHECK_BUDGET:-480}" | tee -a "$OUT/log" "$WORK/budget.txt"
+done
 
-step record pass '(^|[^0-9])1 passed' -- "${P[@]}" -k "fsdp and not triage and not resume" --gpuregress-record "--gpuregress-replicas=$REPLICAS"
+step record pass "$(expect record)" -- "${P[@]}" -k "fsdp and not triage and not resume" --gpuregress-record "--gpuregress-replicas=$REPLICAS"
 step reference-at-key pass '' -- test -f "$RECORD"
 # Run-to-run determinism: a second run on the same stack compares in the exact lane, bit for bit.
-step compare pass 'PASSED \[exact lane\]' -- "${P[@]}" -k "fsdp and not triage and not resume"
+step compare pass "$(expect compare)" -- "${P[@]}" -k "fsdp and not triage and not resume"
 # N ranks against one (skipped at one rank: it needs 2+), and one rank against float64 (bf16's bound on GPUs).
-step triage pass 'passed' -- "${P[@]}" -k "triage and fsdp"
-# The kernel inventory on the device: a forced SDPA backend must be named, whatever the numbers do. It must be
-# one the clean run does not use: GPUs run math (stack/determinism.py routes them there), so flash is forced;
-# the CPU runs its own flash kernel, so math is forced.
-if (( DRY )); then SDPA_FORCED=(math '_scaled_dot_product_attention_math')
-else SDPA_FORCED=(flash '_scaled_dot_product_flash_attention([^_]|$)'); fi
-step sdpa-backend fail "attention: .*-> ${SDPA_FORCED[1]}" -- "${P[@]}" -k "fsdp and not triage and not resume" \
-    "--gpuregress-inject=sdpa_backend:backend=${SDPA_FORCED[0]}" --gpuregress-lane=tolerant --gpuregress-kernel-changes=fail
+step triage pass "$(expect triage)" -- "${P[@]}" -k "triage and fsdp"
+# The kernel inventory on the device: a forced SDPA backend, one the clean run does not use, must fail the run
+# as a kernel change, and the failed run's kept record must show SDPA dispatched to it (read from the structure:
+# on a GPU the report lists device kernels first and only the first changed ops).
+step sdpa-backend fail "$(expect sdpa-backend)" -- "${P[@]}" -k "fsdp and not triage and not resume" \
+    "--gpuregress-inject=sdpa_backend:backend=$("${EXPECT[@]}" sdpa-backend "$MODE")" --gpuregress-lane=tolerant \
+    --gpuregress-kernel-changes=fail
+step sdpa-forced pass '' -- "${EXPECT[@]}" sdpa-forced "$MODE" "$WORK/artifacts/runs/fsdp/$KEY/record.json"
 # A real host fallback on a GPU; on the CPU the GPU is emulated by a device tag, with the same report. 4 steps
 # recorded into a folder of their own: on the GPU model silu on the host costs seconds a step, and a recording
 # that fails its own checks names them without needing a reference.
-step host-op fail 'ran on the CPU.*aten::silu' -- "${P[@]}" -k "fsdp and not triage and not resume" --gpuregress-inject=host_op:op=silu \
+step host-op fail "$(expect host-op)" -- "${P[@]}" -k "fsdp and not triage and not resume" --gpuregress-inject=host_op:op=silu \
     --gpuregress-record --gpuregress-replicas=0 --gpuregress-steps=4 "--gpuregress-reference-dir=$WORK/refs-host-op"
-# What the clean reference's inventory holds: the math SDPA and no host op on GPUs. The CPU differs: its SDPA
-# runs the CPU flash kernel, and a CPU run keeps no host-op watch (there is no host to fall back to).
-if (( DRY )); then SDPA='_scaled_dot_product_flash_attention_for_cpu$' HOST=null
-else SDPA='_scaled_dot_product_attention_math$' HOST='{}'; fi
-step inventory pass '' -- "$PY" -c '
-import json, re, sys
-r = json.load(open(sys.argv[1]))["results"]
-sdpa, host = r["kernels"]["aten::scaled_dot_product_attention"]["dispatch"], r.get("host_ops")
-print(json.dumps({"sdpa": sdpa, "host_ops": host, "perf": r.get("perf")}, indent=1))
-sys.exit(0 if any(re.search(sys.argv[2], d) for d in sdpa) and json.dumps(host and host.get("ops")) == sys.argv[3] else 1)
-' "$RECORD" "$SDPA" "$HOST"
+# What the clean reference's inventory holds (gpu_check_expect.py says why each mode differs).
+step inventory pass '' -- "${EXPECT[@]}" inventory "$MODE" "$RECORD"
 # NCCL protocol pinning; gloo has no protocols, so on the CPU the sweep runs once and says so.
 # At one rank every collective case needs peers, so each is skipped with its reason.
-if (( DRY )); then PROTO_TEXT='does not apply to gloo'; elif [[ $KEY == *-w1-* ]]; then PROTO_TEXT=' skipped'
-else PROTO_TEXT='protocol LL128: '; fi
-step protocols pass "$PROTO_TEXT" -- "${P[@]}" "${SWEEP[@]}" --gpuregress-nccl-protos=LL,LL128,Simple
+step protocols pass "$(expect protocols)" -- "${P[@]}" "${SWEEP[@]}" --gpuregress-nccl-protos=LL,LL128,Simple
 # An injected bf16 AVG tail fault. A one-rank collective moves no data, so on one GPU the fault cannot fire and
 # the run refuses it as a usage error; with 2+ ranks (the CPU's 2 gloo ranks too) it must be caught.
-if [[ $KEY == *-w1-* ]]; then FAULT=(usage 'gpuregress-inject: .collective:.*needs 2 or more ranks to fire'); else FAULT=(fail 'wrong elements'); fi
+if [[ $MODE == gpu-w1 ]]; then FAULT=(usage "$(expect collective-fault)"); else FAULT=(fail "$(expect collective-fault)"); fi
 step collective-fault "${FAULT[@]}" -- "${P[@]}" -k "all_reduce and avg and bf16" "${FAULT_MAX[@]}" \
     "--gpuregress-inject=collective:op=all_reduce,dtype=bfloat16,reduce_op=avg,mode=zero_tail,count=8"
-if [[ $KEY == *-w1-* ]]; then  # a one-rank sweep moves no data: its 0 failing would prove nothing
+if [[ $MODE == gpu-w1 ]]; then  # a one-rank sweep moves no data: its 0 failing would prove nothing
     NAMES+=(sweep-bench) EXPECTED+=("not run at one rank") OUTCOMES+=("not run at one rank") SECS+=(0) VERDICTS+=(ok)
 else
-    step sweep-bench pass ' 0 failing' -- "$PY" benchmarks/collective_sweep.py --dtype bf16 "${BENCH[@]}"
+    step sweep-bench pass "$(expect sweep-bench)" -- "$PY" benchmarks/collective_sweep.py --dtype bf16 "${BENCH[@]}"
 fi
 
 tar -C "$WORK" -czf "$OUT/refs.tgz" refs 2>/dev/null
@@ -139,6 +141,7 @@ for verdict in "${VERDICTS[@]}"; do [[ $verdict == ok ]] || status=1; done
     echo "mode: $( ((DRY)) && echo 'dry run (CPU)' || echo GPU), platform key $KEY, ${SECONDS}s in all," \
          "$( ((status)) && echo 'SOME STEPS DIFFER FROM THEIR EXPECTATION' || echo 'every step as expected')"
 } >"$OUT/table.txt"
+cat "$WORK/budget.txt" >"$OUT/budget.txt" 2>/dev/null
 cat "$OUT/table.txt"
 echo "results in $OUT"
 rm -rf "$WORK"

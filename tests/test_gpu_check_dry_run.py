@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
-STEPS = ("env", "platform-key", "record", "reference-at-key", "compare", "triage", "sdpa-backend",
+STEPS = ("env", "platform-key", "record", "reference-at-key", "compare", "triage", "sdpa-backend", "sdpa-forced",
          "host-op", "inventory", "protocols", "collective-fault", "sweep-bench")
 
 
@@ -31,6 +31,9 @@ def test_the_dry_run_meets_every_expectation_and_tables_each_step(tmp_path: Path
     by_step = {row.split()[0]: row for row in rows}
     assert "fail /wrong elements/" in by_step["collective-fault"]
     assert "pass /does not apply to gloo/" in by_step["protocols"]
+    # The GPU run's estimated time, for one GPU and for eight, from the steps it launches.
+    budget = (tmp_path / "budget.txt").read_text()
+    assert "GPU budget estimate (one GPU, 100 steps, 3 replicas): " in budget and "(2+ GPUs, " in budget
 
 
 def test_a_step_that_differs_from_its_expectation_fails_the_check(tmp_path: Path) -> None:

@@ -99,10 +99,12 @@ class FactoryModel:
 
     def build(self, seed: int) -> Any:
         """A fresh model, initialised from ``seed`` as the shipped models are, fp32 on the CPU: N(0, std^2) with the
-        model's ``config.initializer_range`` where it has one, else 0.02."""
+        model's ``config.initializer_range`` where it has one, else 0.02. Its own init code runs on meta
+        parameters where the factory allows (meta_build.py), else as the factory wrote it."""
+        from .meta_build import without_init
         from .seeding import seed_parameters
 
-        model = self.empty()
+        model, _ = without_init(self.empty)
         std = getattr(getattr(model, "config", None), "initializer_range", None)
         seed_parameters(model, seed, float(std) if isinstance(std, (int, float)) else DEFAULT_STD)
         return model

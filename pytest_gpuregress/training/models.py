@@ -90,6 +90,7 @@ def build_causal_lm(config: Any, seed: int) -> Any:
 
     from .dropout import silence_modules, switch_off
     from .factory import FactoryModel
+    from .meta_build import without_init
 
     if isinstance(config, FactoryModel):
         with isolated_generators():
@@ -97,10 +98,12 @@ def build_causal_lm(config: Any, seed: int) -> Any:
         silence_modules(model)
         return model
     switch_off(config)  # training/dropout.py: masks cannot be compared across ranks or stacks
-    # Whatever the library draws while building (its own init, overwritten below) stays out of the
-    # training's generators: a transformers release that initialises in another order changes nothing.
+    # Parameters are made on the meta device, so the library's own init (thrown away: every parameter is
+    # seeded below) costs nothing; buffers are computed as usual (meta_build.py). Whatever the library draws
+    # while building stays out of the training's generators: a release that initialises in another order,
+    # or a model built the plain way after all, changes nothing.
     with isolated_generators(), torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(config)  # float32, torch's default dtype
+        model, _ = without_init(lambda: AutoModelForCausalLM.from_config(config))  # float32, torch's default dtype
     silence_modules(model)
     seed_parameters(model, seed, float(getattr(config, "initializer_range", 0.02)))
     return model

@@ -3,39 +3,78 @@
 Through Box-Muller in float64, never torch's or transformers' random streams, so a new library version
 that reorders module construction or changes its init code cannot move the starting point. The shipped
 models (models.py) and a user's factory model (factory.py) are seeded alike.
+
+Computing them at GPU size costs seconds a launch, so parameters of ``MIN_CACHED`` elements
+or more are kept in an on-disk cache (init_cache.py) and read by the launches after the first; smaller
+ones, and every parameter of the CPU models, are computed each time.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import zlib
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
 
 import numpy as np
 
-from .counter_rng import hash_words, unit_float
+from .counter_rng import hash_words, splitmix64, unit_float
+from .init_cache import Entry, InitCache, default_root, fetch
+
+BLOCK = 1 << 15  # pairs a block: its temporaries (a few MiB) stay in the CPU's caches
+THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+MIN_CACHED = 1 << 16  # elements: below, computing (a few ms) costs about what reading and checking a file does
+CACHED_DTYPES = ("float32", "float64", "float16")  # those numpy (and so the cache's safetensors) holds
 
 
 def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> np.ndarray:
-    """N(0, std^2) samples keyed by (seed, name), identical on every platform."""
+    """N(0, std^2) samples keyed by (seed, name), identical on every platform.
+
+    Box-Muller over pairs of counter hashes: with ``half`` pairs, element i is radius_i * cos(angle_i) and
+    element half + i is radius_i * sin(angle_i), the first ``count`` kept. Computed block by block of pairs
+    (in threads for a large array), each element through the same float64 operations one pass over the whole
+    array takes: test_init_cost.py keeps that pass and compares bit for bit."""
     count = int(np.prod(shape)) if shape else 1
     key = zlib.crc32(name.encode())
-    idx = np.arange((count + 1) // 2, dtype=np.uint64)
-    u1 = unit_float(hash_words(seed, 10, key, idx))
-    u2 = unit_float(hash_words(seed, 11, key, idx))
-    radius = np.sqrt(-2.0 * np.log1p(-u1))  # 1 - u1 is in (0, 1], so log is finite
-    z = np.concatenate([radius * np.cos(2 * np.pi * u2), radius * np.sin(2 * np.pi * u2)])[:count]
-    return (z * std).reshape(shape)
+    half = (count + 1) // 2
+    streams = hash_words(seed, 10, key), hash_words(seed, 11, key)  # hash_words(seed, s, key, i), less its last step
+    out = np.empty(2 * half)
+
+    def block(start: int) -> None:
+        idx = np.arange(start, min(start + BLOCK, half), dtype=np.uint64)
+        u1 = unit_float(splitmix64(streams[0] ^ idx))
+        u2 = unit_float(splitmix64(streams[1] ^ idx))
+        radius = np.sqrt(-2.0 * np.log1p(-u1))  # 1 - u1 is in (0, 1], so log is finite
+        angle = 2 * np.pi * u2
+        np.multiply(radius, np.cos(angle), out=out[start:start + idx.size])
+        np.multiply(radius, np.sin(angle), out=out[half + start:half + start + idx.size])
+
+    starts = range(0, half, BLOCK)
+    workers = min(len(starts), THREADS)
+    if workers > 1:  # numpy lets go of the GIL inside each operation
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(block, starts))
+    else:
+        for start in starts:
+            block(start)
+    z = out[:count]
+    z *= std
+    return z.reshape(shape)
 
 
+def seed_parameters(model: Any, seed: int, std: float, cache: InitCache | None | Literal["env"] = "env") -> None:
+    """Every parameter from (seed, its name): N(0, std^2) weights, zero biases, unit normalisation gains.
 
-def seed_parameters(model: Any, seed: int, std: float) -> None:
-    """Every parameter from (seed, its name): N(0, std^2) weights, zero biases, unit normalisation gains."""
+    ``cache``: where large parameters' values are kept between launches; "env", the folder the environment
+    names (init_cache.default_root); None, none."""
     import torch
 
     # Normalisation gains start at 1: by name (norm.weight, layernorm.weight) or by module class (GPT-2's
     # ln_1, ln_f are LayerNorms); for the shipped models both rules pick the same parameters.
     gains = {f"{module_name}.weight" if module_name else "weight" for module_name, module in model.named_modules()
              if "Norm" in type(module).__name__}
+    seeded = []
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight") or name in gains:
@@ -43,5 +82,72 @@ def seed_parameters(model: Any, seed: int, std: float) -> None:
             elif name.endswith(".bias"):
                 param.zero_()
             else:
-                values = seeded_normal(seed, name, tuple(param.shape), std)
-                param.copy_(torch.from_numpy(values).to(param.dtype))
+                seeded.append((name, param))
+        initialise(seed, std, seeded, default_cache() if cache == "env" else cache)
+
+
+def initialise(seed: int, std: float, named: list[tuple[str, Any]], cache: InitCache | None) -> None:
+    """Write each of ``named``'s seeded values, in its dtype, into the parameter (under no_grad): small ones
+    computed, large ones read from ``cache`` where it holds them, else computed and stored there."""
+    import torch
+
+    def cacheable(param: Any) -> bool:
+        return (cache is not None and param.numel() >= MIN_CACHED and dtype_name(param.dtype) in CACHED_DTYPES
+                and param.device.type == "cpu" and param.layout == torch.strided and param.is_contiguous())
+
+    for name, param in named:
+        if not cacheable(param):
+            param.copy_(normal_tensor(seed, name, tuple(param.shape), std, param.dtype))
+    entries = [(Entry(seed, name, tuple(param.shape), float(std), dtype_name(param.dtype)), param.detach().numpy())
+               for name, param in named if cacheable(param)]  # numpy views: the cache reads into the parameters
+    if cache is not None and entries:
+        fetch(cache, entries, lambda e: normal_tensor(e.seed, e.name, e.shape, e.std, getattr(torch, e.dtype)).numpy())
+
+
+def normal_tensor(seed: int, name: str, shape: tuple[int, ...], std: float, dtype: Any) -> Any:
+    """seeded_normal's float64 values rounded to ``dtype`` (a torch dtype) by torch, as a tensor."""
+    import torch
+
+    return torch.from_numpy(seeded_normal(seed, name, shape, std)).to(dtype)
+
+
+def dtype_name(dtype: Any) -> str:
+    """torch.float32 -> "float32"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def default_cache() -> InitCache | None:
+    """The cache in the folder the environment names, or None where it is switched off or the code's source
+    cannot be read (its identity is part of every key)."""
+    root, code = default_root(), code_identity()
+    return InitCache(root, code) if root is not None and code is not None else None
+
+
+@functools.lru_cache(maxsize=1)
+def code_identity() -> str | None:
+    """What seeded values depend on besides their entry: the code that computes them (its source), and the maths
+    under numpy (its version, the SIMD paths it may dispatch to, the C library), so a cache shared by unlike
+    machines or versions never hands one the other's values. None where the source cannot be read."""
+    import hashlib
+    import importlib
+    import inspect
+    import json
+    import platform
+
+    from . import counter_rng
+
+    try:
+        source = inspect.getsource(counter_rng) + inspect.getsource(seeded_normal) + inspect.getsource(normal_tensor)
+    except (OSError, TypeError):
+        return None
+    simd: list[str] = []
+    for where in ("numpy._core._multiarray_umath", "numpy.core._multiarray_umath"):
+        try:
+            features = getattr(importlib.import_module(where), "__cpu_features__", {})
+        except ImportError:
+            continue
+        simd = sorted(k for k, on in features.items() if on)
+        break
+    facts = {"source": hashlib.sha256(source.encode()).hexdigest(), "numpy": np.__version__, "simd": simd,
+             "machine": platform.machine(), "libc": list(platform.libc_ver())}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()

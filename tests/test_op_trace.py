@@ -119,6 +119,25 @@ def test_the_hash_is_the_bits_of_the_tensor_and_sees_one_flipped_bit_or_two_swap
     assert digest(values[::2])[3] == digest(values[::2].contiguous())[3]
 
 
+def test_a_device_output_is_digested_only_after_every_stream_of_its_device_is_done(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # FSDP2 at world size 1 writes the reduce-scatter's output on its own stream; the digest reads on another. A
+    # GPU tensor stands in here (this CPU build has no CUDA): the digest must synchronise its device first.
+    import torch
+
+    from pytest_gpuregress.training import op_trace, tensor_digest
+
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(f"synchronize {device}"))
+    monkeypatch.setattr(tensor_digest, "torch_digest", lambda tensor: events.append("read") or (0.0, 0.0, 0.0, 0))
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 1), dtype=torch.bfloat16)
+    assert op_trace._digest_of(on_gpu) == (0.0, 0.0, 0.0, 0)
+    assert events == ["synchronize cuda:1", "read"]
+    events.clear()
+    tensor_digest.digest(torch.ones(4))  # a CPU tensor has no other stream to wait for
+    assert events == []
+
+
 def test_a_clean_rerun_reports_no_moved_op(clean: RunRecord) -> None:
     again = traced_step0()
     assert first_moved(clean, again) is None

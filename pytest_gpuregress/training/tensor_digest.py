@@ -41,11 +41,31 @@ def digest(tensor: Any) -> tuple[float, float, float, int]:
     A CPU tensor of a dtype numpy has is read in place through numpy: a few calls instead of a dozen torch
     ops (the trace digests hundreds of small outputs). The hash is the same either way; the float64 sums may
     differ in their last bits, which is why equality is judged by the hash (reference/first_moved.py)."""
+    if tensor.device.type not in ("cpu", "meta"):
+        wait_for_writers(tensor.device)
     if tensor.device.type == "cpu" and tensor.dtype in _numpy_dtypes():
         # A copy: numpy's view of a tensor's own storage would make that storage non-resizable, and FSDP2
         # frees its unsharded parameters by resizing their storage to 0.
         return numpy_digest(tensor.detach().clone(memory_format=_contiguous()).numpy())
     return torch_digest(tensor)
+
+
+def wait_for_writers(device: Any) -> None:
+    """Wait until every stream of ``device`` has finished: an output may still be written on a side stream the
+    reading stream has not waited for. FSDP2 at world size 1 copies the reduce-scatter's input into its output on
+    the reduce-scatter stream, and the trace digests that output in the next op's hook, on the default stream,
+    before the program's own wait: the digest would race the copy and differ from run to run. Step 0 only, so
+    a whole-device synchronisation costs little; it changes no number the training computes."""
+    import torch
+
+    backend = getattr(torch, device.type, None)  # torch.cuda (ROCm too), torch.xpu, torch.mps
+    synchronize = getattr(backend, "synchronize", None)
+    if synchronize is None:
+        return
+    if device.type == "mps":  # one device, and its synchronize takes none
+        synchronize()
+    else:
+        synchronize(device)
 
 
 def numpy_digest(values: Any) -> tuple[float, float, float, int]:

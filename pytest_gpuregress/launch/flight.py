@@ -21,7 +21,8 @@ Inside ``torch.compile`` the wrapper steps aside (its lock would break the graph
 Not seen here: collectives that bypass ``torch.distributed``'s Python functions, such as the functional
 collectives of DTensor (``full_tensor()``, ``clip_grad_norm_`` over DTensors). For those, torch's own NCCL
 flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, dumped by torch on a watchdog timeout, inside the
-hung rank) is the source; the launcher sets it on NCCL/RCCL ranks unless the user did.
+hung rank) is the source; the launcher sets it on NCCL/RCCL ranks unless the user did, and reads the
+dumps into the report (torch_trace.py).
 """
 
 from __future__ import annotations

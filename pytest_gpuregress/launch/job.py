@@ -11,7 +11,11 @@ run directory:
   rank<r>.stack       Python stacks of all threads, dumped on SIGUSR1 when the launcher times out
   rank<r>.flight      the collective the rank is in or last left (flight.py), for hang diagnosis
   rank<r>.log         the rank's stdout and stderr
-All of it is plain text or JSON: nothing that crosses a process boundary is pickled.
+  rank<r>.device_error  the error a CUDA/HIP synchronize raised after the job: the rank is not reused
+  torch_fr_trace_rank<r>  torch's own flight-recorder dump, written by torch on an NCCL watchdog timeout
+                      (torch_trace.py); a pickle, the one file here that is not text or JSON, read
+                      without unpickling
+Apart from torch's dump, all of it is plain text or JSON: nothing that crosses a process boundary is pickled.
 """
 
 from __future__ import annotations
@@ -84,6 +88,10 @@ class RankFiles:
     @property
     def flight(self) -> Path:
         return self.run_dir / f"rank{self.rank}.flight"
+
+    @property
+    def device_error(self) -> Path:
+        return self.run_dir / f"rank{self.rank}.device_error"
 
     @property
     def log(self) -> Path:

@@ -10,8 +10,9 @@ The pool keeps groups per (world size, device, environment): a job whose environ
 process (``shared_pool``), so pytest sessions run one after another in it (pytester's inline runs)
 reuse ranks too; each job carries its working directory, which the rank enters for the job, and
 modules imported from there are forgotten afterwards (worker.py). A group is used by one job at a
-time and reused only after a clean job: a rank that raised, died, hung or did not release is
-killed with its whole group, so the next test gets a fresh one. Between jobs each rank undoes its
+time and reused only after a clean job: a rank that raised, died, hung or did not release, or that
+reported a sticky CUDA/HIP error (its device context is unusable: device_errors.py), is killed with its
+whole group, so the next test gets a fresh one. Between jobs each rank undoes its
 faults (``ctx.cleanup_hooks``) and reseeds everything (``set_determinism``), so a scenario gives the
 same bits alone or after others (tests/test_worker_pool.py proves it).
 

@@ -10,6 +10,9 @@ ends a job in one of four ways:
   raised     the scenario raised; its traceback comes back from rank<r>.error.json
   died       exited or was killed by a signal before delivering
   hung       still running at the limit; its Python stacks are dumped (SIGUSR1) before the kill
+On NCCL/RCCL torch's watchdog times a hung collective out before the limit, dumps its flight recorder
+and aborts the rank ("died"); the report then reads those dumps (torch_trace.py). A group is reused
+only after a clean job in which no rank reported a sticky CUDA/HIP error (device_errors.py).
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import RankFailure
-from ..reference.record import RunRecord
-from . import flight
+from ..reference.record import RECORD_JSON, RunRecord
+from . import device_errors, flight, torch_trace
 from .job import Job, RankFiles
-from .pool import RankGroup, WorkerPool, shared_pool
+from .pool import RankGroup, WorkerPool, rank_environment, shared_pool
 
 POLL_S = 0.05
 PROGRESS_EVERY_S = 1.0  # the launcher's side of "at most once a second"; the plugin may show fewer
@@ -102,6 +105,27 @@ def _main_thread_stack(dump: str | None) -> str | None:
     return (current[0] if current else blocks[-1]).strip()
 
 
+def sticky_ranks(run_dir: Path, world_size: int) -> dict[int, str]:
+    """Ranks that reported a sticky CUDA/HIP error (device_errors.py), and which: in the error they raised, the
+    record they delivered (a scenario may keep a device error as a finding), or the worker's own check after
+    the job. A false alarm costs a fresh group of ranks; a miss, every later case of the session."""
+    found: dict[int, str] = {}
+    for rank in range(world_size):
+        files = RankFiles(run_dir, rank)
+        texts = []
+        for path in (files.device_error, files.error, files.record_dir / RECORD_JSON):
+            try:
+                texts.append(path.read_text(errors="replace"))
+            except OSError:
+                continue
+        what = device_errors.first_sticky(texts)
+        if what is None and files.device_error.exists():
+            what = "device unusable after the job"  # the worker's synchronize failed with another error
+        if what is not None:
+            found[rank] = what
+    return found
+
+
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
@@ -149,9 +173,10 @@ class SpawnLauncher:
         job.cwd = job.cwd or os.getcwd()
         job.save(job_path)
         group = self._group_for(job)
-        started = time.monotonic()
+        started, since = time.monotonic(), time.time()
         group.submit(job_path)
         outcomes: list[RankOutcome] = []
+        sticky: dict[int, str] = {}
         try:
             outcomes, notes = self._watch(job, group, started + wall_timeout_s)
         finally:
@@ -159,6 +184,9 @@ class SpawnLauncher:
                 o.status == "delivered" and RankFiles(run_dir, o.rank).released.exists() and o.returncode is None
                 for o in outcomes
             )
+            # A rank whose device context is broken would fail the next job with an error that is not its own.
+            sticky = sticky_ranks(run_dir, job.world_size)
+            clean = clean and not sticky
             if clean and self.pool is not None and not job.fresh_ranks:
                 self.pool.release(group)
             elif clean:
@@ -166,9 +194,16 @@ class SpawnLauncher:
             else:  # a rank that failed, hung or did not release: the next job gets a fresh group
                 group.kill()
         wall = time.monotonic() - started
+        retired = "; ".join(f"rank {r}: {what}" for r, what in sorted(sticky.items()))
         failed = [o for o in outcomes if o.status != "delivered"]
         if failed:
-            raise RankFailure(self._failure_message(job, outcomes, failed, wall_timeout_s))
+            message = self._failure_message(job, outcomes, failed, wall_timeout_s, since)
+            if retired:
+                message = f"{message}\n\nsticky device error ({retired}): these ranks were retired"
+            raise RankFailure(message)
+        if retired:
+            notes.append(f"a rank reported a sticky device error ({retired}); its device context is unusable, so "
+                         "its ranks were retired and the next launch gets fresh ones")
         records = [RunRecord.load(RankFiles(run_dir, r).record_dir) for r in range(job.world_size)]
         if not self.keep_dirs:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -244,7 +279,8 @@ class SpawnLauncher:
         return line
 
     def _failure_message(
-        self, job: Job, outcomes: list[RankOutcome], failed: list[RankOutcome], wall_timeout_s: float
+        self, job: Job, outcomes: list[RankOutcome], failed: list[RankOutcome], wall_timeout_s: float,
+        since: float = 0.0,
     ) -> str:
         hung = [o for o in failed if o.status == "hung"]
         head = (
@@ -258,6 +294,11 @@ class SpawnLauncher:
             waits = flight.diagnose(states, {o.rank: o.last_progress for o in outcomes})
             if waits:
                 head += f"\n{waits}"
+        # NCCL/RCCL: torch's watchdog timed out first and dumped what it saw, DTensor's collectives included.
+        dumps = torch_trace.report(torch_trace.arm(Path(job.run_dir), job.backend, rank_environment(job)),
+                                   job.world_size, Path(job.run_dir), since)
+        if dumps:
+            head += f"\n{dumps}"
         # The root cause first: a rank that raised or died, before peers that only noticed it.
         order = {"raised": 0, "died": 1, "hung": 2, "stopped": 3}
         body = "\n\n".join(o.describe() for o in sorted(failed, key=lambda o: (order[o.status], o.rank)))

@@ -35,12 +35,17 @@ if TYPE_CHECKING:
 
 EXIT_SCENARIO_ERROR = 3
 EXIT_TEARDOWN_FAILED = 4
+EXIT_DEVICE_UNUSABLE = 5
 
 
 def _init_process_group(job: Job, rank: int, local_rank: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from . import torch_trace
+
+    # torch reads whether to dump on a watchdog timeout when the group is created (in place, before any job ran).
+    torch_trace.arm(Path(job.run_dir), job.backend)
     kwargs: dict[str, Any] = {}
     if job.device_kind == "cuda":
         torch.cuda.set_device(local_rank)
@@ -86,7 +91,7 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
     from ..scenarios.base import RankContext
     from ..stack.determinism import set_determinism
     from ..stack.fingerprint import collect
-    from . import flight
+    from . import flight, torch_trace
     from .net import listening_addresses
 
     files = RankFiles(Path(job.run_dir), rank)
@@ -107,6 +112,7 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
         installed = faults.install_counted(job.faults, ctx)
         # after the faults: it sees the calls the scenario makes; on NCCL/RCCL it reads completion from each Work
         flight.install(files.flight, ctx.cleanup_hooks, job.backend)
+        torch_trace.arm(Path(job.run_dir), job.backend)  # torch's own dump, on NCCL/RCCL, into this job's folder
         run_scenario = resolve_entry(job.scenario)
         switches = set_determinism(int(job.config.get("seed", 0)), device_kind=job.device_kind)
         if init_group:
@@ -255,17 +261,26 @@ def serve_job(job_path: Path, rank: int) -> int:
             return EXIT_TEARDOWN_FAILED
         finally:
             gc.collect()  # drop the job's tensors before the next job builds its own
-        _release_device_memory(job)
+        broken = _release_device_memory(job)
+    if broken:  # a sticky CUDA/HIP error: every later call fails the same way, so this process is done
+        files.device_error.write_text(f"{broken}\n")
+        return EXIT_DEVICE_UNUSABLE
     files.released.write_text("released\n")
     return 0
 
 
-def _release_device_memory(job: Job) -> None:
-    if job.device_kind == "cuda":
-        import torch
+def _release_device_memory(job: Job) -> str | None:
+    """Wait for the job's device work and free its cache; the error when the device context is unusable."""
+    if job.device_kind != "cuda":
+        return None
+    import torch
 
+    try:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+    except Exception as exc:  # noqa: BLE001 - any failure here means the context cannot serve another job
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def serve(rank: int) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..errors import NotApplicable, RankFailure
 from ..faults import firing, reach
+from ..launch import torch_trace
 from ..launch.job import Job
 from ..reference import envelope
 from ..reference.names import safe_component
@@ -76,9 +77,9 @@ class Launches:
             device_kind=self.platform.device_kind,
             backend=self.platform.backend,
             run_dir=str(self.launcher.make_run_dir()),
-            # The wall-clock limit fires first, so hung ranks are reported with their stacks
-            # rather than a peer's collective timeout.
-            timeout_s=self.options.timeout + 60,
+            # gloo: the wall-clock limit fires first, so hung ranks are reported with their stacks rather than a
+            # peer's collective timeout; NCCL/RCCL: torch's watchdog fires first and dumps its flight recorder.
+            timeout_s=torch_trace.group_timeout(self.platform.backend, self.options.timeout),
             faults=[*injected, *faults],
             env=dict(launch.env),
             loopback_only=not self.platform.in_place,

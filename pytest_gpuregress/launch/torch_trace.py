@@ -1,0 +1,295 @@
+"""torch's own flight recorder on NCCL/RCCL ranks: made to dump on a hang, collected and read for the report.
+
+The plugin's recorder (flight.py) sees the ``torch.distributed`` calls it wraps; torch's recorder, inside
+ProcessGroupNCCL, sees every collective the group runs, DTensor's functional collectives included
+(``full_tensor()``, ``clip_grad_norm_`` over DTensors), with its state on the GPU (scheduled, started,
+completed) and the Python frames that issued it. It writes its ring to a file when the NCCL watchdog
+times out a collective, so on those backends:
+
+* the process group's timeout is set below the launcher's wall-clock limit (``group_timeout``), with room
+  for torch to write the dump before the launcher kills the ranks; gloo keeps a timeout past the limit,
+  so that the launcher names hung gloo ranks with their stacks first (spawn.py);
+* each rank gets ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` and a dump location in its job's run folder (``arm``),
+  unless the user set them; torch 2.13 reads ``TORCH_FR_DUMP_TEMP_FILE`` and, failing it, the older
+  ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` (``DebugInfoWriter::getWriter``), and appends the global rank;
+* after a failed launch the dumps are read back (``read_dump``, never unpickled: safe_pickle.py) and
+  ``diagnose`` names the rank and the collective the others wait for, the way torch's ``fr_trace`` does
+  (``torch/distributed/flight_recorder/components/utils.py: error_analysis``): the first collective of a
+  group that not every member entered, or whose state differs between members.
+
+torch fixes the dump's file name at a process's first dump; a rank that dumped hung or lost its
+communicator, so it is never reused (spawn.py kills its group) and every job's dump lands in its own folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import safe_pickle
+from .flight import TORCH_TRACE_ENTRIES, queues_work
+
+# Seconds between the NCCL watchdog's timeout and the launcher's kill: torch waits up to
+# TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (15 s by default) for the dump, and its peers learn of the timeout
+# through the store within TORCH_NCCL_COORD_CHECK_MILSEC (1 s) before they dump too.
+DUMP_MARGIN_S = 30.0
+# gloo's group timeout lies past the wall-clock limit: the launcher reports hung ranks with their stacks.
+GLOO_MARGIN_S = 60.0
+PREFIX = "torch_fr_trace_rank"  # torch appends the global rank: torch_fr_trace_rank0
+FILE_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # torch reads the first one set
+DUMP_VAR = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # entries in the ring; the first one set
+# The prefix this plugin set last in this process: a later job (in place, one process serves every launch)
+# moves it to its own folder, while a prefix the user set is left alone.
+ARMED_VAR = "GPUREGRESS_TORCH_TRACE_PREFIX"
+COMPLETED = "completed"
+_DTENSOR_API = "/torch/distributed/tensor/_api.py"  # full_tensor() calls redistribute(): name full_tensor
+# Frames of the collective machinery between the code that asked for a collective and ProcessGroupNCCL.
+_PLUMBING = (
+    "/torch/distributed/distributed_c10d.py", "/torch/distributed/c10d_logger.py",
+    "/torch/distributed/_functional_collectives", "/torch/_ops.py", "/torch/autograd/function.py",
+    "/torch/distributed/tensor/_redistribute.py", "/torch/distributed/tensor/_collective_utils.py",
+    "/torch/distributed/tensor/_dispatch.py", "/torch/distributed/tensor/placement_types.py",
+    "/torch/distributed/tensor/_ops/", "/torch/_library/", "/torch/utils/_contextlib.py", "/torch/_compile.py",
+    "/torch/_dynamo/", "/pytest_gpuregress/launch/flight.py", "/pytest_gpuregress/faults/",
+)
+
+
+def group_timeout(backend: str, wall_s: float) -> float:
+    """The process group's timeout for a launch the launcher kills after ``wall_s`` seconds.
+
+    NCCL/RCCL: below the limit, so torch's watchdog times out and dumps first (half the limit at the
+    least, for short limits). gloo: past it, so the launcher's own report names the hung ranks."""
+    if queues_work(backend):
+        return max(wall_s - DUMP_MARGIN_S, wall_s / 2)
+    return wall_s + GLOO_MARGIN_S
+
+
+def arm(run_dir: Path, backend: str, environ: MutableMapping[str, str] | None = None) -> str | None:
+    """Make torch dump its recorder into ``run_dir`` on a watchdog timeout; the dump's file prefix, or None on
+    gloo (nothing is set there). Values the user set stay; ``environ`` defaults to this process's environment,
+    which torch reads when the group is created (the switch) and when it dumps (the location)."""
+    env = os.environ if environ is None else environ
+    if not queues_work(backend):
+        return None
+    env.setdefault(DUMP_VAR, "1")
+    if not env.get(BUFFER_VARS[0]):  # older torch keeps no ring by default (0 entries): nothing to dump
+        env.setdefault(BUFFER_VARS[1], str(TORCH_TRACE_ENTRIES))
+    ours = env.get(ARMED_VAR)
+    if not any(env.get(name) for name in FILE_VARS) or (ours and env.get(FILE_VARS[0]) == ours):
+        prefix = str(run_dir / PREFIX)
+        for name in FILE_VARS:  # both names: an older torch reads only the second
+            env[name] = prefix
+        env[ARMED_VAR] = prefix
+    return dump_prefix(env)
+
+
+def dump_prefix(environ: Mapping[str, str]) -> str | None:
+    """The file prefix torch writes its dump under, as torch picks it (the first of FILE_VARS that is set)."""
+    return next((environ[name] for name in FILE_VARS if environ.get(name)), None)
+
+
+def collect(prefix: str, ranks: range, run_dir: Path, since: float) -> dict[int, Path]:
+    """The dump of each rank that wrote one at or after ``since`` (epoch seconds), copied into ``run_dir`` when the
+    user sent it elsewhere, so the kept run folder carries it."""
+    found: dict[int, Path] = {}
+    for rank in ranks:
+        path = Path(f"{prefix}{rank}")
+        try:
+            # A user's fixed location may hold a dump of an earlier run (a second of slack: coarse file times).
+            if path.stat().st_mtime < since - 1.0:
+                continue
+        except OSError:
+            continue
+        kept = run_dir / f"{PREFIX}{rank}"
+        if path.resolve() != kept.resolve():
+            try:
+                shutil.copyfile(path, kept)
+            except OSError:
+                kept = path
+        found[rank] = kept
+    return found
+
+
+def read_dump(path: Path) -> dict[str, Any]:
+    """One rank's dump as plain data. torch 2.13 writes a pickle on a timeout (``dump_fr_trace``); JSON
+    (``_dump_fr_trace_json``) is read too. Raises ``safe_pickle.UnreadablePickle`` (``UnsafePickle`` for a file
+    that names any Python code: nothing in it runs)."""
+    data = path.read_bytes()
+    if data.lstrip()[:1] == b"{":
+        dump = json.loads(data)
+    else:
+        dump = safe_pickle.loads(data, f"the flight-recorder dump {path}")
+    if not isinstance(dump, dict):
+        raise safe_pickle.UnreadablePickle(f"cannot read {path}: a flight-recorder dump is a dict, this is "
+                                           f"{type(dump).__name__}")
+    return dump
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One collective of one rank, from its dump."""
+
+    rank: int
+    group: str  # the process group's name, the same on every member
+    desc: str  # its description: default_pg, a mesh dimension
+    seq: int  # collective_seq_id: the n-th collective of this group on this rank
+    op: str  # profiling_name: nccl:all_reduce, nccl:_reduce_scatter_base
+    state: str  # scheduled | started | completed
+    sizes: str
+    created_ns: int
+    origin: str  # the frame that asked for it, past the collective machinery
+
+    @property
+    def label(self) -> str:
+        sizes = f", {self.sizes}" if self.sizes else ""
+        origin = f", from {self.origin}" if self.origin else ""
+        return f"{self.op} #{self.seq} (group {self.desc or self.group}{sizes}{origin})"
+
+
+def entries_of(rank: int, dump: Mapping[str, Any]) -> list[Entry]:
+    """The collectives (not point-to-point calls) in a rank's dump."""
+    out = []
+    for raw in dump.get("entries") or []:
+        if not isinstance(raw, dict) or raw.get("is_p2p"):
+            continue
+        group = raw.get("process_group") or ("", "")
+        out.append(Entry(rank=rank, group=str(group[0]), desc=str(group[1]) if len(group) > 1 else "",
+                         seq=int(raw.get("collective_seq_id") or 0), op=str(raw.get("profiling_name") or "?"),
+                         state=str(raw.get("state") or ""), sizes=_sizes(raw), created_ns=int(raw.get("time_created_ns") or 0),
+                         origin=_origin(raw.get("frames") or [])))
+    return out
+
+
+def members(dumps: Mapping[int, Mapping[str, Any]], group: str, desc: str = "") -> set[int]:
+    """The global ranks of ``group`` as the dumps' pg_config lists them ("[0, 1]"); found by the group's description
+    where the config names it otherwise (gloo's default group is "" there, "0" in its entries)."""
+    ranks: set[int] = set()
+    for dump in dumps.values():
+        configs = dump.get("pg_config") or {}
+        config = configs.get(group) or next((c for c in configs.values() if desc and c.get("desc") == desc), None) \
+            or (next(iter(configs.values())) if len(configs) == 1 else {})
+        try:
+            ranks.update(int(r) for r in json.loads(str(config.get("ranks", "[]"))))
+        except (ValueError, TypeError):
+            continue
+    return ranks
+
+
+def diagnose(dumps: Mapping[int, Mapping[str, Any]]) -> str | None:
+    """The culprit in torch's dumps: which rank the others wait for, in which collective; None when every
+    collective completed. The group whose oldest unfinished collective started first is the one judged."""
+    by_group: dict[str, dict[int, list[Entry]]] = {}
+    for rank, dump in dumps.items():
+        for entry in entries_of(rank, dump):
+            by_group.setdefault(entry.group, {}).setdefault(rank, []).append(entry)
+    stuck: list[tuple[int, str]] = []
+    for group, ranks in by_group.items():
+        pending = [e for entries in ranks.values() for e in entries if e.state != COMPLETED]
+        if pending:
+            stuck.append((min(e.created_ns for e in pending), group))
+    if not stuck:
+        return None
+    stuck.sort()
+    group = stuck[0][1]
+    desc = next(e.desc for entries in by_group[group].values() for e in entries)
+    line = _judge(by_group[group], members(dumps, group, desc), set(dumps))
+    if len(stuck) > 1:
+        line += f"; {len(stuck) - 1} other process group(s) have unfinished collectives too"
+    return line
+
+
+def _judge(ranks: dict[int, list[Entry]], expected: set[int], dumped: set[int]) -> str:
+    expected = expected or set(ranks)
+    last = {r: max((e.seq for e in ranks.get(r, [])), default=0) for r in expected & dumped}
+    oldest = {r: min((e for e in entries if e.state != COMPLETED), key=lambda e: e.seq)
+              for r, entries in ranks.items() if any(e.state != COMPLETED for e in entries)}
+    waiting_seq = min(e.seq for e in oldest.values())
+    missing = sorted(expected - dumped)
+    tail = f"; no dump from {_ranks(missing)} (killed before it wrote one)" if missing else ""
+    # torch's first case: not every member entered the collective (error_analysis, "Not all ranks joining").
+    behind = sorted(r for r, seq in last.items() if seq < waiting_seq)
+    if behind:
+        waiters = sorted(r for r, e in oldest.items() if e.seq == waiting_seq)
+        parts = []
+        for r in behind:
+            prior = max(ranks.get(r, []), key=lambda e: e.seq, default=None)
+            before = f"its last: {prior.op} #{prior.seq}, {prior.state}" if prior else "no collective of this group"
+            parts.append(f"rank {r} never entered it ({before})")
+        verb = "waits" if len(waiters) == 1 else "wait"
+        return f"{_ranks(waiters)} {verb} in {oldest[waiters[0]].label} for {_ranks(behind)}: {'; '.join(parts)}{tail}"
+    present = ({r: e for r in sorted(last) for e in ranks.get(r, []) if e.seq == waiting_seq}
+               or {r: e for r, e in sorted(oldest.items()) if e.seq == waiting_seq})
+    # Then: the members disagree on what the collective is (another op, other sizes).
+    if len({(e.op, e.sizes) for e in present.values()}) > 1:
+        what = ", ".join(f"rank {r} {e.op} ({e.sizes or 'no sizes'})" for r, e in present.items())
+        return f"the ranks' call sequences diverged at collective #{waiting_seq}: {what}{tail}"
+    # Then: its state differs between members.
+    entry = next(iter(present.values()))
+    done = sorted(r for r, e in present.items() if e.state == COMPLETED)
+    started = sorted(r for r, e in present.items() if e.state == "started")
+    queued = sorted(r for r, e in present.items() if e.state not in ("started", COMPLETED))
+    if done:
+        return f"{_ranks(started + queued)} did not finish {entry.label}, which {_ranks(done)} finished{tail}"
+    if started and queued:
+        return (f"{_ranks(started)} run {entry.label} on the GPU; {_ranks(queued)} queued it but never started "
+                f"it (earlier work on its GPU did not finish){tail}")
+    if missing:  # the ranks that dumped agree: the one that did not is the suspect
+        verb = "waits" if len(present) == 1 else "wait"
+        return f"{_ranks(sorted(present))} {verb} in {entry.label}{tail}"
+    return (f"every rank is in {entry.label}: the transport itself is stuck (network, NCCL/RCCL, driver) "
+            f"or a GPU stopped in it{tail}")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _sizes(raw: Mapping[str, Any]) -> str:
+    sizes = raw.get("input_sizes") or []
+    dtypes = raw.get("input_dtypes") or []
+    shapes = "+".join("x".join(map(str, s)) or "scalar" for s in sizes if isinstance(s, list))
+    return f"{shapes} {'/'.join(sorted(set(map(str, dtypes))))}".strip()
+
+
+def _origin(frames: list[Any]) -> str:
+    """The innermost frame outside the collective machinery: DTensor's ``full_tensor``, ``clip_grad_norm_``, a
+    scenario's step. Frames come innermost first."""
+    for frame in frames:
+        if not isinstance(frame, dict):
+            continue
+        filename = str(frame.get("filename", ""))
+        if any(part in filename for part in _PLUMBING) or (filename.endswith(_DTENSOR_API) and frame.get("name") == "redistribute"):
+            continue
+        short = filename.split("site-packages/")[-1]
+        short = "/".join(short.split("/")[-3:])
+        return f"{frame.get('name', '?')} ({short}:{frame.get('line', '?')})"
+    return ""
+
+
+def report(prefix: str | None, world_size: int, run_dir: Path, since: float) -> str | None:
+    """The report's paragraph on torch's dumps of a failed launch: the culprit line and the files; None without
+    dumps. An unreadable or refused dump is named with the reason, never loaded."""
+    if not prefix:
+        return None
+    paths = collect(prefix, range(world_size), run_dir, since)
+    if not paths:
+        return None
+    dumps: dict[int, dict[str, Any]] = {}
+    problems: list[str] = []
+    for rank, path in paths.items():
+        try:
+            dumps[rank] = read_dump(path)
+        except (OSError, ValueError) as exc:
+            problems.append(f"rank {rank}: {exc}")
+    lines = ["torch's flight recorder (NCCL watchdog dump): "
+             + (diagnose(dumps) or "every recorded collective completed") if dumps else
+             "torch's flight recorder: no readable dump"]
+    lines.extend(problems)
+    lines.append("dumps: " + ", ".join(str(paths[r]) for r in sorted(paths)))
+    return "\n".join(lines)

@@ -114,3 +114,16 @@ def test_protocol_pinning_says_it_does_not_apply_to_gloo(pytester: pytest.Pytest
     result = sweep(pytester, "n1 and fp32", extra=("--gpuregress-nccl-protos=LL,LL128,Simple",))
     result.stdout.fnmatch_lines(["*NCCL protocol/algorithm pinning does not apply to gloo*"])
     assert "proto_LL" not in result.stdout.str()
+
+
+@pytest.mark.parametrize("world", [3, pytest.param(6, marks=pytest.mark.full_tier)])  # 6 ranks: about 60 s here
+def test_average_and_premul_sum_are_exact_at_world_sizes_not_a_power_of_two(pytester: pytest.Pytester, world: int) -> None:
+    # The inputs (one contributing rank per element where 1/world is inexact) must be right on gloo at these world
+    # sizes as on NCCL (test_collectives_plan.py simulates NCCL's premultiplied average); a lost rank still fails.
+    result = sweep(pytester, "avg and (fp32 or bf16 or fp16)", extra=(f"--gpuregress-world-size={world}",
+                                                                       "--gpuregress-collectives-max-bytes=4KiB"))
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 0 and outcomes["passed"] > 20, result.stdout.str()[-3000:]
+    dropped = sweep(pytester, "avg and bf16", "collective:op=all_reduce,reduce_op=avg,mode=zero_tail,count=8",
+                    extra=(f"--gpuregress-world-size={world}", "--gpuregress-collectives-max-bytes=4KiB"))
+    assert dropped.parseoutcomes().get("failed", 0) > 0

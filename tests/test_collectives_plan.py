@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -33,10 +35,61 @@ def test_values_and_sums_stay_exact(world: int, dtype: str) -> None:
             assert _exact_in(dtype, partial)  # every partial sum of a ring or tree is exact
         np.testing.assert_array_equal(plan.expected_reduction(idx, world, dtype, "sum", _np_reduce, salt), partial)
         avg_inputs = [plan.avg_values(idx, r, world, dtype, salt) for r in range(world)]
-        assert all(_exact_in(dtype, v) and v.min() >= 1 for v in avg_inputs)
+        if world & (world - 1):  # one contributing rank per element, in turn (see test_nccl_average_... below)
+            assert all(_exact_in(dtype, v) for v in avg_inputs)
+            np.testing.assert_array_equal(sum(v > 0 for v in avg_inputs), np.ones_like(idx))
+            assert all((v[r::world] > 0).all() for r, v in enumerate(avg_inputs))
+        else:
+            assert all(_exact_in(dtype, v) and v.min() >= 1 for v in avg_inputs)
         avg = plan.expected_reduction(idx, world, dtype, "avg", _np_reduce, salt)
         assert _exact_in(dtype, avg) and avg.min() >= 1
         np.testing.assert_array_equal(avg * world, sum(avg_inputs))
+
+
+def _nccl_average(inputs: list[np.ndarray], world: int, dtype: str, order: list[int]) -> Any:
+    """NCCL's float AVG (hostToDevRedOp, then PreMulSum): each input times (T)(float)(1.0/world) in T, then summed
+    in T in ``order``: one of the orders a ring or tree may add the ranks' terms."""
+    import torch
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    scalar = torch.tensor(float(np.float32(1.0 / world)), dtype=torch.float32).to(torch_dtype)
+    terms = [torch.from_numpy(v.astype(np.float64)).to(torch_dtype) * scalar for v in inputs]
+    total = terms[order[0]]
+    for r in order[1:]:
+        total = total + terms[r]
+    return total
+
+
+@pytest.mark.parametrize("world", [3, 5, 6, 7, 12])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_nccl_average_at_a_world_size_not_a_power_of_two_is_exactly_the_expected_value(world: int, dtype: str) -> None:
+    import torch
+
+    from pytest_gpuregress.scenarios.collectives.rank import _cast, _expected_reduction
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    case = plan.Case("all_reduce", "", "avg", dtype, 1024, True)
+    idx = torch.arange(case.n, dtype=torch.int64)
+    inputs = [plan.avg_values(idx.numpy(), r, world, dtype, salt=1) for r in range(world)]
+    expected = _expected_reduction(case, idx, "nccl", world, 1, torch_dtype, None, torch)
+    for order in (list(range(world)), list(reversed(range(world))), [*range(1, world), 0]):
+        got = _nccl_average(inputs, world, dtype, order)
+        assert torch.equal(got, expected), f"order {order}: {int((got != expected).sum())} elements differ"
+    # gloo sums, then divides: the closed form itself.
+    assert torch.equal(_expected_reduction(case, idx, "gloo", world, 1, torch_dtype, None, torch),
+                       _cast(plan.expected_reduction(idx, world, dtype, "avg", None, 1), torch_dtype, torch))
+
+
+def test_the_old_paired_average_inputs_would_have_failed_nccl_at_six_ranks() -> None:
+    # What the check guards against: every rank holding base +- 1, premultiplied by NCCL's rounded 1/6, gives a
+    # result one ulp off the closed form for some elements in fp16: a false [collective] on a healthy NCCL.
+    import torch
+
+    world, idx = 6, np.arange(1024, dtype=np.int64)
+    base = (idx * 7) % (plan.value_limit(world, "fp16") - 2) + 2
+    paired = [base + (1 if r % 2 == 0 else -1) for r in range(world)]
+    got = _nccl_average(paired, world, "fp16", list(range(world)))
+    assert (got != torch.from_numpy(base.astype(np.float64)).to(torch.float16)).any()
 
 
 def test_values_depend_on_rank_index_and_repeat() -> None:

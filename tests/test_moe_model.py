@@ -95,6 +95,22 @@ def test_expert_load_rows_sum_to_one_and_spread_over_experts(cpu_config, model, 
     assert model.training  # expert_load evaluates in eval mode and restores the modes
 
 
+def test_the_expert_load_is_averaged_on_the_ranks_device_as_nccl_needs(model, tokens, monkeypatch) -> None:
+    # An NCCL-only group cannot reduce a CPU tensor: the load must reach all_reduce on the rank's device. The meta
+    # device stands in for a GPU here.
+    import torch.distributed as dist
+
+    from pytest_gpuregress.training.moe import mean_expert_load
+
+    seen: list[torch.device] = []
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: seen.append(tensor.device))
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    averaged = mean_expert_load(model, tokens, torch.device("meta"))
+    assert seen == [torch.device("meta")] and averaged.device.type == "meta"
+    on_cpu = mean_expert_load(model, tokens, torch.device("cpu"))  # the fake reduce leaves one rank's load: halved
+    np.testing.assert_allclose(on_cpu.numpy() * 2, expert_load(model, tokens), rtol=0, atol=0)
+
+
 def test_expert_load_matches_the_router_logits_transformers_returns(cpu_config, model, tokens) -> None:
     with torch.no_grad():
         out = model(input_ids=tokens, output_router_logits=True)

@@ -92,6 +92,17 @@ def _selected(output: Any, top_k: int) -> Any:
     return torch.topk(logits.float(), top_k, dim=-1).indices  # softmax keeps the order: same choice as on probs
 
 
+def mean_expert_load(model: Any, input_ids: Any, device: Any) -> Any:
+    """``expert_load`` averaged over the group's ranks, as a tensor on ``device``. Reduced on the rank's own
+    device: an NCCL or RCCL group cannot all-reduce a CPU tensor. Every rank must call it."""
+    import torch
+    import torch.distributed as dist
+
+    load = torch.from_numpy(expert_load(model, input_ids)).to(device)
+    dist.all_reduce(load)
+    return load / dist.get_world_size()
+
+
 def expert_load(model: Any, input_ids: Any) -> np.ndarray:
     """[MoE layers, experts] float64: the share of routed token-slots each expert receives on ``input_ids``.
 

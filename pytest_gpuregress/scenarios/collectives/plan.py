@@ -165,12 +165,35 @@ def rank_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) -> A
 
 
 def avg_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) -> Any:
-    """Inputs whose sum over ranks is world x base, so AVG and PREMUL_SUM(1/world) are exact."""
+    """Inputs whose sum over ranks is world x base, so AVG and PREMUL_SUM(1/world) are exact.
+
+    Where 1/world is inexact (3, 5, 6, 7 ranks, ...), NCCL and RCCL average floats as a sum of inputs each
+    premultiplied by 1/world rounded to the dtype (``premultiplies_average``), and how those rounded terms
+    add up depends on the order the algorithm picks: one ulp either way, which a closed form cannot know. So
+    there each element has one contributing rank, in turn (element i: rank i mod world), holding world x base
+    and the others 0: every order adds the same single term, and each backend's result is exact under its
+    documented algorithm. Every rank still owns 1/world of the elements, so a lost contribution shows."""
     k = value_limit(world, dtype)
     base = (idx * 7 + salt * 5) % max(1, k - 2) + 2
+    if world & (world - 1):
+        return (idx % world == rank) * (base * world)
     pairs = world - (world % 2)
     delta = 0 if rank >= pairs else (1 if rank % 2 == 0 else -1)
     return base + delta
+
+
+def premultiplies_average(backend: str, dtype: str, world: int) -> bool:
+    """True where the backend computes a float AVG as PREMUL_SUM by 1/world rounded to the dtype and that
+    rounding shows: NCCL and RCCL (torch names both "nccl"; NCCL's hostToDevRedOp), at a world size that is not a
+    power of two. gloo sums, then divides."""
+    return "nccl" in backend and dtype in ("fp32", "bf16", "fp16") and world & (world - 1) != 0
+
+
+def nccl_average_scalar(world: int) -> float:
+    """NCCL's premultiplier for AVG: 1.0/world in double, rounded to float, then to the dtype by the caller."""
+    import numpy as np
+
+    return float(np.float32(1.0 / world))
 
 
 def premul_factor(world: int) -> float:

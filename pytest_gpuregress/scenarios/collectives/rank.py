@@ -32,6 +32,18 @@ def _cast(values: Any, dtype: Any, torch: Any) -> Any:
     return values.to(dtype) if not dtype.is_floating_point else values.to(torch.float64).to(dtype)
 
 
+def _expected_reduction(case: plan.Case, idx: Any, backend: str, world: int, salt: int, dtype: Any, reduce: Any,
+                        torch: Any) -> Any:
+    """The reduced value of each element in ``dtype``, as the backend's documented algorithm computes it."""
+    exact = plan.expected_reduction(idx, world, case.dtype, case.reduce_op, reduce, salt)
+    if case.reduce_op != "avg" or not plan.premultiplies_average(backend, case.dtype, world):
+        return _cast(exact, dtype, torch)
+    # NCCL: each input times 1/world rounded to the dtype, then summed. The inputs give each element one nonzero
+    # term (plan.avg_values), so the sum is that term, rounded once: the same in any order the algorithm adds.
+    scalar = torch.tensor(plan.nccl_average_scalar(world), dtype=torch.float32).to(dtype)
+    return _cast(exact * world, dtype, torch) * scalar.to(idx.device)
+
+
 def _prepare(case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> tuple[Any, Any, Any]:
     """(call, output reader, expected) for one repeat of ``case`` on this rank."""
     import torch.distributed as dist
@@ -56,7 +68,7 @@ def _prepare(case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> tuple[
     scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     if case.op == "all_reduce":
         t = values(0, r)
-        expected = _cast(plan.expected_reduction(idx, w, case.dtype, case.reduce_op, reduce, salt), dtype, torch)
+        expected = _expected_reduction(case, idx, ctx.backend, w, salt, dtype, reduce, torch)
         return (lambda: dist.all_reduce(t, op=_reduce_op(dist, case.reduce_op, w), async_op=True)), (lambda: t), expected
     if case.op == "broadcast":
         root = w - 1  # not rank 0, so a root mix-up shows
@@ -75,7 +87,7 @@ def _prepare(case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> tuple[
         return (lambda: get_single(out, mine, async_op=True)), (lambda: out), expected
     if case.op == "reduce_scatter":
         op = _reduce_op(dist, case.reduce_op, w)
-        expected = _cast(plan.expected_reduction(idx + r * n, w, case.dtype, case.reduce_op, reduce, salt), dtype, torch)
+        expected = _expected_reduction(case, idx + r * n, ctx.backend, w, salt, dtype, reduce, torch)
         if case.variant == "list":
             out = blank(n)
             ins = chunks(r)

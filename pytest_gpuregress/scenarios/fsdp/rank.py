@@ -22,13 +22,12 @@ from ..base import RankContext
 def run(ctx: RankContext) -> RunRecord:
     """Train on this rank and return what a regression moves."""
     import torch
-    import torch.distributed as dist
 
     from ...training.data import token_source
     from ...training.fsdp2 import mixed_precision, shard
     from ...training.loop import TrainStep, clip_gradients, train
     from ...training.models import blueprint, build_causal_lm
-    from ...training.moe import expert_load, is_moe
+    from ...training.moe import is_moe, mean_expert_load
     from ...training.noise import apply_kernel_path, apply_weight_perturbation
     from ...training.op_trace import for_rank as op_tracer
     from ...training.op_trace import stored as stored_trace
@@ -84,9 +83,8 @@ def run(ctx: RankContext) -> RunRecord:
     results[RESULT_KEY] = unit_table
     if is_moe(model_config):  # how evenly the trained routers spread step 0's tokens, averaged over ranks
         try:  # a diagnostic: a transformers release whose routers it cannot find must not lose the verdict
-            load = torch.from_numpy(expert_load(model, rank_tokens(data, 0, ctx, "", device)[:, :-1]))
-            dist.all_reduce(load)  # every rank gets here, or every rank raised above: the same model on each
-            results["expert_load"] = (load / ctx.world_size).tolist()
+            # every rank gets here, or every rank raised above: the same model on each
+            results["expert_load"] = mean_expert_load(model, rank_tokens(data, 0, ctx, "", device)[:, :-1], device).cpu().tolist()
         except (RuntimeError, ValueError, LookupError) as exc:
             results["expert_load_error"] = f"{type(exc).__name__}: {exc}"
     traced = stored_trace(step.op_trace, results)  # step 0's op trace (training/op_trace.py)

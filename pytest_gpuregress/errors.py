@@ -56,6 +56,10 @@ class RegressionFailure(AssertionError):
     """A run differs from its reference, or a check case from its closed-form result. The message is the report."""
 
 
+class CallRejected(GpuRegressError):
+    """torch's own argument checks turned down a call the plugin made: a bug of the plugin, not of the stack."""
+
+
 class NotApplicable(GpuRegressError):
     """What was asked cannot apply on this platform or launch mode; a test that needs it is skipped."""
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import CallRejected
 from ...reference.compare import Finding
 from ...reference.record import RunRecord
 from . import grid, oracle
@@ -141,6 +142,8 @@ def scaled_mm_problems(record: RunRecord) -> list[str]:
         return []
     if "error" in result:
         return [f"[fp8 matmul] torch._scaled_mm {result['format']} on {result['arch']} raised {result['error']}"]
+    if "call_rejected" in result:  # not a finding against the stack: the plugin's own call is wrong
+        raise CallRejected(call_rejected(result))
     if "refused" in result:
         return [f"[fp8 matmul] {refusal(result)}"]
     if result["non_finite"] or not result["worst_ratio"] <= 1.0:
@@ -156,6 +159,13 @@ def refusal(result: dict[str, Any]) -> str:
     return (f"this stack's torch._scaled_mm does not accept {result['format']} on {result['arch']}: {result['refused']}; "
             f"a device that multiplies {result['format']} natively should, so its kernel library (cuBLASLt, hipBLASLt, "
             "oneDNN) changed or lost the format")
+
+
+def call_rejected(result: dict[str, Any]) -> str:
+    """torch's argument checks turning down the plugin's own _scaled_mm call, said as the plugin's bug."""
+    return (f"the plugin called torch._scaled_mm wrongly for {result['format']} {result['shape']} on {result['arch']}: "
+            f"torch's own argument checks rejected the call ({result['call_rejected']}); this is a bug of "
+            "pytest-gpuregress (scenarios/formats/scaled_mm.py), not a finding about the stack: please report it")
 
 
 def stale_reference(part: str, key: str, reference: RunRecord) -> list[str]:

@@ -7,6 +7,7 @@ does not apply. The oracle dequantizes the same codes with ml_dtypes and multipl
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -50,20 +51,50 @@ def finite_codes(count: int, fmt: Format, salt: int) -> np.ndarray:
     return finite[index]
 
 
-_REFUSAL_WORDS = ("not supported", "unsupported", "not implemented", "expects", "expected")
+# Who said no, read from torch's message. Checked in this order, first match wins:
+# 1. The vendor says the format or this device is not supported: a refusal, a finding about the stack. Also
+#    "torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0 or 8.9, or ROCm MI300+",
+#    "Float8_e4m3fn is only supported for ROCm 6.5 and above", CUBLAS_STATUS_NOT_SUPPORTED.
+# "requires" only where a platform follows: "requires the scales to be float32" is an argument check.
+_UNSUPPORTED = re.compile(r"not supported|unsupported|not_supported|only supported|not implemented|compute capability|"
+                          r"requires (cuda|rocm|hip|sm_|gfx|compute|a gpu|an? .*(gpu|device|architecture))")
+# 2. torch's own argument checks (aten/src/ATen/native/cuda/ScaledBlas.cpp, _scaled_mm_out_cuda; mkldnn's on the
+#    CPU): shapes, strides, dtypes, layout, scales. They judge the plugin's call, not the vendor's kernel, even
+#    where they name the format ("Invalid scaling configuration ... Got a.dtype()=Float8_e4m3fnuz"). Nothing here
+#    may match a failed kernel ("CUDA error: invalid argument", "an illegal memory access", "out of memory").
+_CALL_CHECKS = re.compile(r"expected|must be|must have|must match|cannot be multiplied|divisible|divisble|"
+                          r"invalid scaling|col_major|row_major|row-major|column-major|stride|contiguous|"
+                          r"per-tensor scaling|same device")
+# 3. Left over, a message that names the format or an fp8 architecture is the kernel library turning it down
+#    (oneDNN: "itensor_view_from_dense expects float/bfloat16/half/int8/fp8 tensor inputFloat8_e4m3fnuz").
+_ARCH = re.compile(r"sm_?(89|9\d|1\d\d)|gfx9[45]|gfx12")
+
+
+def classify(exc: BaseException, fmt: Format) -> str:
+    """Who turned the call down: "refused" (the stack refuses the format on this device: a finding),
+    "call" (torch's argument checks reject the plugin's own call: a bug of the plugin) or "error" (the
+    kernel failed: an illegal address, out of memory, a failed launch)."""
+    text = str(exc).lower()
+    if isinstance(exc, NotImplementedError) or _UNSUPPORTED.search(text):
+        return "refused"
+    # TypeError: the binding's signature; ValueError: TORCH_CHECK_VALUE, argument validation by definition.
+    if isinstance(exc, (TypeError, ValueError)) or _CALL_CHECKS.search(text):
+        return "call"
+    if fmt.torch_name.lower() in text or fmt.id in text or _ARCH.search(text):
+        return "refused"
+    return "error"
 
 
 def refuses_format(exc: BaseException, fmt: Format) -> bool:
-    """Whether ``exc`` is the kernel library turning the format down, rather than the kernel failing."""
-    text = str(exc).lower()
-    named = fmt.torch_name.lower() in text or fmt.id in text  # "...tensor inputFloat8_e4m3fnuz" (oneDNN)
-    return isinstance(exc, NotImplementedError) or named or any(word in text for word in _REFUSAL_WORDS)
+    """Whether ``exc`` is the kernel library turning the format down, rather than the call or the kernel failing."""
+    return classify(exc, fmt) == "refused"
 
 
 def check(dev: str, fmt: Format) -> dict[str, Any]:
     """Run _scaled_mm once and compare it with the oracle; worst error as a share of the bound.
 
-    A ``_scaled_mm`` that refuses the format returns ``{"refused": "<error>"}`` instead of raising."""
+    A ``_scaled_mm`` that refuses the format returns ``{"refused": "<error>"}``, one whose argument checks reject
+    the call ``{"call_rejected": "<error>"}`` (the judge raises it as the plugin's error), instead of raising."""
     a_codes = finite_codes(M * K, fmt, 1).reshape(M, K)
     b_codes = finite_codes(N * K, fmt, 2).reshape(N, K)  # B is passed column-major: B^T row-major
     dtype = getattr(torch, fmt.torch_name)
@@ -73,12 +104,17 @@ def check(dev: str, fmt: Format) -> dict[str, Any]:
     scale_b = torch.tensor(SCALE_B, dtype=torch.float32, device=dev)
     try:
         product = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
-    except (RuntimeError, NotImplementedError) as exc:
-        if not refuses_format(exc, fmt):
+    # ValueError: torch 2.13's TORCH_CHECK_VALUE ("Invalid scaling configuration"); TypeError: the Python binding.
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
+        kind = classify(exc, fmt)
+        if kind == "error":
             raise  # an illegal address, out of memory, a failed launch: run() reports it as an error, not a refusal
+        said = f"{type(exc).__name__}: {exc}"
+        if kind == "call":  # the plugin's own call is wrong: never blamed on the vendor
+            return {"applicable": True, "format": fmt.id, "shape": [M, K, N], "call_rejected": said}
         # The stack's kernel library refuses the format (oneDNN on AVX512 CPUs and cuBLASLt refuse e4m3fnuz):
         # a fact about this stack, reported as a finding by the judge, never a crash of the case.
-        return {"applicable": True, "format": fmt.id, "shape": [M, K, N], "refused": f"{type(exc).__name__}: {exc}"}
+        return {"applicable": True, "format": fmt.id, "shape": [M, K, N], "refused": said}
     got = oracle.as_float64(product.cpu().numpy())
     a64 = oracle.decode(a_codes, fmt).astype(np.float64)
     b64 = oracle.decode(b_codes, fmt).astype(np.float64).T

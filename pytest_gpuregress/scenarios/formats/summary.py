@@ -62,6 +62,8 @@ def scaled_mm_lines(record: RunRecord, on_cpu: bool) -> list[str]:
         return [f"  torch._scaled_mm: not applicable: {result['reason']}"]
     if "error" in result:
         return [f"  torch._scaled_mm {result['format']} on {result['arch']}: raised {result['error']}"]
+    if "call_rejected" in result:
+        return [f"  {judge.call_rejected(result)}"]
     if "refused" in result:
         return [f"  {judge.refusal(result)}"]
     return [f"  torch._scaled_mm {result['format']} on {result['arch']}: worst error {result['worst_ratio']:.3g} "

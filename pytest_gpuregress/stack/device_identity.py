@@ -2,9 +2,10 @@
 
 Used by the consensus vote (scenarios/consensus) to name a device, and by the collective sweep to name a link.
 The parsers are pure: they take what ``nvidia-smi`` or ``amd-smi`` printed, so tests feed them recorded output.
-``probe`` runs the tools on a rank through ``stack.devices.run_tool`` (a missing, slow or failing tool gives
-None, never a failed run) and matches the rank's torch device to the tool's row by UUID, then by PCI bus id,
-and only then by index (the order CUDA numbers devices in need not be the tool's). Torch-free: ``probe`` is
+``probe`` reads the vendor's library on a rank where its binding is installed (stack/smi_bindings.py), else
+runs the tools through ``stack.devices.run_tool`` (a missing, hung or failing tool gives None, never a failed
+run), and matches the rank's torch device to the tool's row by UUID, then by PCI bus id, and only then by index
+(the order CUDA numbers devices in need not be the tool's). Torch-free: ``probe`` is
 handed torch by the rank.
 """
 
@@ -17,7 +18,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from .devices import _json_payload, _value, parse_nvidia_smi, run_tool
+from . import smi_bindings
+from .devices import _json_payload, _value, nvidia_query, parse_nvidia_smi, run_tool
 
 NVIDIA_ID_QUERY = ("index", "pci.bus_id", "uuid", "serial", "name", "vbios_version")
 # The environment variables that say which node a rank is on: torchrun's node rank, then Slurm's.
@@ -62,8 +64,13 @@ def normal_uuid(text: object) -> str | None:
 
 def parse_nvidia_ids(text: str) -> list[SmiDevice]:
     """``nvidia-smi --query-gpu=index,pci.bus_id,uuid,serial,name,vbios_version --format=csv,noheader``, a row a GPU."""
+    return nvidia_ids(parse_nvidia_smi(text, NVIDIA_ID_QUERY))
+
+
+def nvidia_ids(rows: list[dict[str, str | None]]) -> list[SmiDevice]:
+    """The rows of NVIDIA_ID_QUERY (from nvidia-smi or NVML: devices.nvidia_query) as devices."""
     out = []
-    for row in parse_nvidia_smi(text, NVIDIA_ID_QUERY):
+    for row in rows:
         index = row.get("index")
         if index is None or not index.isdigit():
             continue
@@ -198,11 +205,13 @@ def node_rank(env: dict[str, str] | None = None) -> int:
 def smi_devices(is_rocm: bool) -> tuple[SmiDevice, ...]:
     """Every GPU the vendor's tool lists, once per process (none of it changes while the process runs)."""
     if is_rocm:
+        facts = smi_bindings.amd_facts()  # the AMD SMI library in process, where its binding is installed
+        if facts is not None:
+            return tuple(SmiDevice(d.index, normal_bus_id(d.bdf), _value(d.uuid), _value(d.serial)) for d in facts.devices)
         listed = parse_amd_list(run_tool(("amd-smi", "list", "--json")) or "")
         serials = parse_amd_serials(run_tool(("amd-smi", "static", "--asic", "--json")) or "")
         return tuple(SmiDevice(d.index, d.bus_id, d.uuid, serials.get(d.index), d.name, d.firmware) for d in listed)
-    query = f"--query-gpu={','.join(NVIDIA_ID_QUERY)}"
-    return tuple(parse_nvidia_ids(run_tool(("nvidia-smi", query, "--format=csv,noheader")) or ""))
+    return tuple(nvidia_ids(nvidia_query(NVIDIA_ID_QUERY) or []))
 
 
 @functools.lru_cache(maxsize=1)

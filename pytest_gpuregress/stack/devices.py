@@ -1,8 +1,9 @@
 """Device facts beyond torch's own: DNN and BLAS library, MIG, driver and firmware versions.
 
 The parse functions are pure: they take what a tool printed or torch returned, so tests feed them
-recorded outputs. The probes run ``nvidia-smi`` / ``amd-smi`` with a short timeout and give None
-for anything they cannot read: a missing, slow or failing tool never fails a test session.
+recorded outputs. The probes read the vendor's library in process where its binding is installed
+(smi_bindings.py: pynvml, amdsmi), else run ``nvidia-smi`` / ``amd-smi``, and give None for anything they
+cannot read: a missing, hung or failing tool never fails a test session.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-SMI_TIMEOUT_S = 2.0
+from . import smi_bindings
+
+# nvidia-smi and amd-smi initialise every GPU when no daemon keeps them initialised (persistence mode off): several
+# seconds on an 8-GPU node, more while 8 ranks start at once. Each probe runs once per process (cached), so a
+# generous limit costs nothing where the tool answers; where it hangs, run_tool stops asking it (_HUNG).
+SMI_TIMEOUT_S = 30.0
 # One nvidia-smi call for all three; a driver that predates MIG rejects the whole query (see _smi).
 NVIDIA_QUERY = ("driver_version", "vbios_version", "mig.mode.current")
 # Fields probe_device() adds to the fingerprint's device section (driver exists already).
@@ -183,17 +189,36 @@ def _json_payload(text: str) -> Any:
 # ---- probes -----------------------------------------------------------------------------------
 
 
+# Tools that ran past their timeout in this process: a tool hung once (a wedged driver) is not asked again, so the
+# probes of one process wait SMI_TIMEOUT_S once per tool, not once per query.
+_HUNG: set[str] = set()
+
+
 def run_tool(argv: Sequence[str], timeout: float = SMI_TIMEOUT_S) -> str | None:
-    """A tool's stdout, or None when it is not installed, fails, or takes longer than ``timeout``."""
+    """A tool's stdout, or None when it is not installed, fails, takes longer than ``timeout``, or did so before."""
     exe = shutil.which(argv[0])
-    if exe is None:
+    if exe is None or exe in _HUNG:
         return None
     try:
         done = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, errors="replace",
                               timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        _HUNG.add(exe)
+        return None
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
     return done.stdout if done.returncode == 0 else None
+
+
+def nvidia_query(fields: Sequence[str]) -> list[dict[str, str | None]] | None:
+    """parse_nvidia_smi's rows of ``nvidia-smi --query-gpu=<fields>``: read through NVML where pynvml is installed
+    (a field it cannot give is None, as the tool's [N/A]), else from the tool; None when the tool failed or
+    rejected a field."""
+    bound = smi_bindings.nvidia_rows(fields)
+    if bound is not None:
+        return [{name: _value(text) for name, text in row.items()} for row in bound]
+    text = run_tool(("nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"))
+    return None if text is None else parse_nvidia_smi(text, fields)
 
 
 @functools.lru_cache(maxsize=2)
@@ -201,18 +226,19 @@ def smi_facts(is_rocm: bool) -> tuple[str | None, str | None, tuple[str | None, 
     """(driver, firmware, per-GPU MIG modes) from the vendor's SMI tool.
 
     Cached per process: the worker collects a fingerprint for every job, and none of these can change
-    while the process holds the GPU. ``smi_facts.cache_clear()`` forgets them.
+    while the process holds the GPU. ``smi_facts.cache_clear()`` forgets them. Read through the vendor's
+    library where its binding is installed (smi_bindings.py), in the tool's words; else from the tool.
     """
     if is_rocm:
+        facts = smi_bindings.amd_facts()
+        if facts is not None:
+            return _value(facts.driver), firmware_summary({k: v for k, v in facts.firmware.items() if _value(v)}), ()
         version = parse_amd_smi_version(run_tool(("amd-smi", "version")) or "")
         firmware = parse_amd_smi_firmware(run_tool(("amd-smi", "firmware", "-g", "0", "--json")) or "")
         return version.get("amdgpu"), firmware_summary(firmware), ()
-    text = run_tool(("nvidia-smi", f"--query-gpu={','.join(NVIDIA_QUERY)}", "--format=csv,noheader"))
-    rows = parse_nvidia_smi(text or "")
-    if text is None:  # a driver without MIG support rejects the field; ask again without it
-        fields = NVIDIA_QUERY[:2]
-        rows = parse_nvidia_smi(run_tool(("nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader")) or "",
-                                fields)
+    rows = nvidia_query(NVIDIA_QUERY)
+    if rows is None:  # a driver without MIG support rejects the field; ask again without it
+        rows = nvidia_query(NVIDIA_QUERY[:2]) or []
     first = rows[0] if rows else {}
     vbios = first.get("vbios_version")
     return first.get("driver_version"), f"vbios {vbios}" if vbios else None, tuple(r.get("mig.mode.current") for r in rows)

@@ -59,10 +59,18 @@ class StepObserver:
             with self.kernels.capture() if step == self.window.start else self.kernels.watch_host():
                 yield
             self.window_times[step] = time.perf_counter() - started
-            return
-        started = time.perf_counter()
-        yield
-        self.times[step] = time.perf_counter() - started
+        else:
+            started = time.perf_counter()
+            yield
+            self.times[step] = time.perf_counter() - started
+        if step == 0:
+            # The peak is the training's from step 1 on. Step 0 is the op trace's (training/op_trace.py): its
+            # float64 digests and the outputs it holds until the next op would count as training memory, and
+            # pausing the meter around the digests alone would miss the latter. Step 1 on holds all step 0
+            # does (weights, gradients, the optimizer state step 0 made), so nothing of the training is lost,
+            # and the figure is the same with the trace on or off. Perf is judged only with steady steps, so
+            # never from a run that stopped after step 0.
+            self._memory.restart()
 
     def steady_times(self) -> list[float]:
         """Step times after the warm-up, outside the window: [] when a run stopped before any (fail-fast)."""
@@ -122,11 +130,20 @@ class PeakMemory:
             return
         self.baseline = _status_bytes("VmRSS") or 0
         try:
-            with open(_CLEAR_REFS, "w") as fh:
-                fh.write("5")
+            _reset_rss_peak()
             self.kind = "peak RSS growth of this run"
         except OSError:  # not Linux, or not permitted: the peak since the rank started
             self.kind = "peak RSS growth since the rank started"
+
+    def restart(self) -> None:
+        """Peak from now on (the allocation or RSS of this moment counts, what came before no more): the
+        training's steps after the traced step 0. Without clear_refs the RSS peak since the start stays."""
+        if self.device_kind == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.kind == "peak RSS growth of this run":
+            _reset_rss_peak()
 
     def peak(self) -> int:
         if self.device_kind == "cuda":
@@ -134,6 +151,12 @@ class PeakMemory:
 
             return int(torch.cuda.max_memory_allocated(self.device))
         return max(0, (_status_bytes("VmHWM") or 0) - self.baseline)
+
+
+def _reset_rss_peak() -> None:
+    """Set the peak RSS (VmHWM) to the RSS of now; OSError where Linux's clear_refs is missing or not permitted."""
+    with open(_CLEAR_REFS, "w") as fh:
+        fh.write("5")
 
 
 def _status_bytes(field: str) -> int | None:

@@ -18,15 +18,25 @@ from ..reference import step0
 from ..reference.record import RunRecord
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS has one (taskset, a batch scheduler's
+    cpuset, a launcher's binding), else every CPU. More threads than that would only take turns on them."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # macOS and Windows have no sched_getaffinity
+        return os.cpu_count() or 1
+
+
 def float64_step0(model: Any, cfg: dict[str, Any], vocab_size: int) -> float:
     """``model`` in float64 (its experts by the eager loop): the loss of step 0's whole global batch, backward
-    done. Uses every core: float64 on the GPU model is slow, and summation order barely matters here."""
+    done. Uses every core it may (usable_cpus): float64 on the GPU model is slow, and summation order barely
+    matters here."""
     import torch
 
     from .data import token_source
     from .moe import in_float64
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cpus())
     model = in_float64(model)
     tokens = torch.from_numpy(token_source(cfg, vocab_size).global_batch_at(0))
     logits = model(input_ids=tokens[:, :-1]).logits

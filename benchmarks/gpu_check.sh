@@ -25,6 +25,9 @@ PY=${PYTHON:-python3}
 # Only this plugin, from this tree: neither an installed copy nor the machine's other pytest plugins.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 
+# What the GPU run takes: its training steps, noise replicas and seconds. Two replicas, not 3: with every launch
+# counted (gpu_check_expect.py budget) a third would not fit 480 s on one H200; the machinery is the same.
+GPU_STEPS=100 GPU_REPLICAS=2 GPU_BUDGET=${GPU_CHECK_BUDGET:-480}
 if (( DRY )); then
     # One noise replica, not 3: the replica machinery still runs; the other two only cost CPU time.
     DEVICE=cpu STEPS=4 REPLICAS=1 BUDGET=${GPU_CHECK_BUDGET:-600}
@@ -33,7 +36,7 @@ if (( DRY )); then
     BENCH=(--device cpu --max-bytes 4KiB --repeats 1)
 else
     # 8 minutes: a device command may run 10, and the table must be printed before that.
-    DEVICE=cuda STEPS=100 REPLICAS=3 BUDGET=${GPU_CHECK_BUDGET:-480}
+    DEVICE=cuda STEPS=$GPU_STEPS REPLICAS=$GPU_REPLICAS BUDGET=$GPU_BUDGET
     # Three protocols x the whole sweep: 64 MiB keeps it in budget; the benchmark step below goes to 256 MiB.
     SWEEP=(-k collectives --gpuregress-collectives-max-bytes=64MiB)
     FAULT_MAX=()
@@ -90,9 +93,9 @@ RECORD=$REFS/fsdp/$KEY/record.json
 [[ $MODE == gpu && $KEY == *-w1-* ]] && MODE=gpu-w1
 # The GPU run's time, estimated from the steps below and the per-launch costs gpu_check_expect.py states: for one
 # GPU and for eight in the dry run, for this machine's GPUs on it.
-if (( DRY )); then GPUS=(1 8); else GPUS=("$(sed -E 's/.*-w([0-9]+)-.*/\1/' <<<"$KEY")"); fi
+if (( DRY )); then GPUS=(1 8); elif [[ $KEY =~ -w([0-9]+)- ]]; then GPUS=("${BASH_REMATCH[1]}"); else GPUS=(1); fi
 for gpus in "${GPUS[@]}"; do
-    "${EXPECT[@]}" budget 100 3 "$gpus" "${GPU_CHECK_BUDGET:-480}" | tee -a "$OUT/log" "$WORK/budget.txt"
+    "${EXPECT[@]}" budget "$GPU_STEPS" "$GPU_REPLICAS" "$gpus" "$GPU_BUDGET" | tee -a "$OUT/log" "$WORK/budget.txt"
 done
 
 step record pass "$(expect record)" -- "${P[@]}" -k "fsdp and not triage and not resume" --gpuregress-record "--gpuregress-replicas=$REPLICAS"

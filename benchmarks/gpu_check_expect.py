@@ -67,16 +67,18 @@ HOST_OPS_CLEAN: dict[str, dict[str, Any] | None] = {"gpu": {}, "dry": None}
 # training step of the GPU model on one H200 (6 x 156 M parameters x 12,288 tokens = 11.5 TFLOP in bf16, at a
 # third of the chip's 790 TFLOP/s, with math attention); the float64 oracle's step 0 on the host (11.5 TFLOP in
 # float64 on 16 cores, about 0.3 TFLOP/s); one NCCL sweep launch up to 64 MiB.
-COSTS_S = {"rank_start": 10.0, "build_first": 8.0, "build_later": 1.5, "trace_and_profile": 10.0, "train_step": 0.15,
-           "oracle": 45.0, "collective_launch": 30.0, "process": 6.0}
+COSTS_S = {"session": 10.0, "rank_start": 10.0, "build_first": 8.0, "build_later": 1.5, "trace_and_profile": 10.0,
+           "train_step": 0.15, "host_step": 3.0, "oracle": 45.0, "collective_launch": 30.0, "process": 6.0}
 
 
 @dataclass(frozen=True)
 class Launches:
     """What one step of gpu_check.sh starts on the GPU machine."""
 
+    sessions: int = 0  # pytest sessions: the interpreter, torch and transformers, the fingerprint, collection
     models: int = 0  # rank groups that build the GPU-size model and train it
     steps: int = 0  # training steps, summed over those groups
+    host_steps: int = 0  # training steps with an op moved to the host (the host-op fault): seconds each
     oracles: int = 0  # float64 oracle launches: step 0 of the GPU model on the host
     sweeps: int = 0  # rank groups that run the collective sweep (no model)
     processes: int = 0  # plain processes (the fingerprint, the key, the record checks, the sweep benchmark)
@@ -85,8 +87,8 @@ class Launches:
         builds = self.models + self.oracles
         build = (COSTS_S["build_first"] + (builds - 1) * COSTS_S["build_later"]) if first_build and builds \
             else builds * COSTS_S["build_later"]
-        return (self.models * (COSTS_S["rank_start"] + COSTS_S["trace_and_profile"]) + build
-                + self.steps * COSTS_S["train_step"]
+        return (self.sessions * COSTS_S["session"] + self.models * (COSTS_S["rank_start"] + COSTS_S["trace_and_profile"])
+                + build + self.steps * COSTS_S["train_step"] + self.host_steps * COSTS_S["host_step"]
                 + self.oracles * (COSTS_S["rank_start"] + COSTS_S["oracle"])
                 + self.sweeps * COSTS_S["collective_launch"] + self.processes * COSTS_S["process"])
 
@@ -98,18 +100,18 @@ def gpu_launches(steps: int, replicas: int, one_gpu: bool, triage_steps: int = 3
         "env": Launches(processes=1),
         "platform-key": Launches(processes=1),
         # the run, its noise replicas, and the float64 oracle a recording is judged by
-        "record": Launches(models=1 + replicas, steps=(1 + replicas) * steps, oracles=1),
+        "record": Launches(sessions=1, models=1 + replicas, steps=(1 + replicas) * steps, oracles=1),
         "reference-at-key": Launches(),
-        "compare": Launches(models=1, steps=steps),
-        # N ranks and one rank for a few steps (skipped on one GPU), and the oracle
-        "triage": Launches(models=2 * peers, steps=2 * peers * triage_steps, oracles=1),
-        "sdpa-backend": Launches(models=1, steps=steps),
+        "compare": Launches(sessions=1, models=1, steps=steps),
+        # one rank for a few steps and the oracle; N ranks too where there are peers (triage/__init__.py)
+        "triage": Launches(sessions=1, models=1 + peers, steps=(1 + peers) * triage_steps, oracles=1),
+        "sdpa-backend": Launches(sessions=1, models=1, steps=steps),
         "sdpa-forced": Launches(processes=1),
         # a 4-step recording with silu on the host: it fails its own checks, so no oracle is asked
-        "host-op": Launches(models=1, steps=4),
+        "host-op": Launches(sessions=1, models=1, host_steps=4),
         "inventory": Launches(processes=1),
-        "protocols": Launches(sweeps=3 * peers),  # one launch per NCCL protocol
-        "collective-fault": Launches(sweeps=peers),
+        "protocols": Launches(sessions=1, sweeps=3 * peers),  # one launch per NCCL protocol; skipped on one GPU
+        "collective-fault": Launches(sessions=1, sweeps=peers),  # on one GPU a usage error, before any launch
         "sweep-bench": Launches(processes=peers),
     }
 
@@ -121,8 +123,9 @@ def budget_lines(steps: int, replicas: int, one_gpu: bool, budget_s: int) -> tup
         seconds = launched.seconds(first)
         first = first and not (launched.models or launched.oracles)
         total += seconds
-        lines.append(f"  {step:<17} {launched.models:>2} model launches, {launched.steps:>4} steps, "
-                     f"{launched.oracles} oracle, {launched.sweeps} sweeps: {seconds:6.0f} s")
+        lines.append(f"  {step:<17} {launched.sessions} pytest, {launched.models} model launches, "
+                     f"{launched.steps + launched.host_steps:>4} steps, {launched.oracles} oracle, "
+                     f"{launched.sweeps} sweeps: {seconds:4.0f} s")
     fits = total <= budget_s
     head = (f"GPU budget estimate ({'one GPU' if one_gpu else '2+ GPUs'}, {steps} steps, {replicas} replicas): "
             f"{total:.0f} s of the {budget_s} s budget{'' if fits else ' - OVER BUDGET'}")

@@ -33,7 +33,7 @@ def test_the_dry_run_meets_every_expectation_and_tables_each_step(tmp_path: Path
     assert "pass /does not apply to gloo/" in by_step["protocols"]
     # The GPU run's estimated time, for one GPU and for eight, from the steps it launches.
     budget = (tmp_path / "budget.txt").read_text()
-    assert "GPU budget estimate (one GPU, 100 steps, 3 replicas): " in budget and "(2+ GPUs, " in budget
+    assert "GPU budget estimate (one GPU, 100 steps, 2 replicas): " in budget and "(2+ GPUs, " in budget
 
 
 def test_a_step_that_differs_from_its_expectation_fails_the_check(tmp_path: Path) -> None:

@@ -165,15 +165,19 @@ def test_the_command_line_reads_a_record_and_exits_by_its_verdict(tmp_path: Path
 def test_the_budget_estimate_covers_every_step_of_the_script_and_one_gpu_fits() -> None:
     from .test_gpu_check_dry_run import STEPS
 
-    assert tuple(expect.gpu_launches(100, 3, one_gpu=True)) == STEPS
-    lines, fits = expect.budget_lines(100, 3, one_gpu=True, budget_s=480)
-    assert fits, "\n".join(lines)
+    script = (SCRIPT.parent / "gpu_check.sh").read_text()
+    steps, replicas, budget = (int(re.search(rf"\b{name}=\$?\{{?(?:GPU_CHECK_BUDGET:-)?(\d+)", script).group(1))  # type: ignore[union-attr]
+                               for name in ("GPU_STEPS", "GPU_REPLICAS", "GPU_BUDGET"))
+    assert tuple(expect.gpu_launches(steps, replicas, one_gpu=True)) == STEPS
+    lines, fits = expect.budget_lines(steps, replicas, one_gpu=True, budget_s=budget)
+    assert fits, "\n".join(lines)  # the run gpu_check.sh makes on one H200, every launch and pytest session counted
     # Every launch counts: one more replica, or a longer run, costs time, and a budget too small says so.
     one_more = expect.budget_lines(100, 4, one_gpu=True, budget_s=480)[0][0]
-    seconds = [float(re.search(r": (\d+) s of", line).group(1)) for line in (lines[0], one_more)]  # type: ignore[union-attr]
+    seconds = [float(re.search(r": (\d+) s of", line).group(1))  # type: ignore[union-attr]
+               for line in (expect.budget_lines(100, 3, one_gpu=True, budget_s=480)[0][0], one_more)]
     assert seconds[1] > seconds[0]
     assert not expect.budget_lines(100, 3, one_gpu=True, budget_s=60)[1]
     # On one GPU nothing that needs peers runs: no sweep, no equivalence.
     launched = expect.gpu_launches(100, 3, one_gpu=True)
-    assert launched["protocols"].sweeps == 0 and launched["triage"].models == 0
+    assert launched["protocols"].sweeps == 0 and launched["triage"].models == 1  # the one-rank run, no N-rank one
     assert expect.gpu_launches(100, 3, one_gpu=False)["protocols"].sweeps == 3

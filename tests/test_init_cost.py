@@ -146,7 +146,13 @@ def test_a_model_that_cannot_be_built_on_meta_parameters_is_built_the_plain_way(
             self.weight = torch.nn.Parameter(torch.ones(4))
             self.register_buffer("twice", self.weight.detach() * 2, persistent=False)  # would be left on meta
 
-    for kind in (ReadsItsWeight, BufferFromWeight):
+    class MaskFromWeight(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4))
+            self.mask = self.weight.detach() > 0  # a plain attribute, no buffer: would be left on meta
+
+    for kind in (ReadsItsWeight, BufferFromWeight, MaskFromWeight):
         model, fast = without_init(kind)
         assert not fast and all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
         assert torch.equal(model.weight, torch.ones_like(model.weight))
@@ -281,6 +287,25 @@ def test_a_damaged_cache_entry_is_recomputed_and_rewritten_never_used(tmp_path: 
     assert_equal_bits(seeded(cache), old_seeded())
     rewritten = cache.load(entry)  # written again, whole
     assert path.read_bytes() != damaged and rewritten is not None and rewritten.tobytes() == good.tobytes()
+
+
+def test_the_cache_forgets_what_no_launch_used_lately_and_what_killed_ranks_left(tmp_path: Path) -> None:
+    # It would only grow: every code change or numpy upgrade starts a new 0.6 GB set of entries per model and seed.
+    import os
+    import time
+
+    cache = cache_at(tmp_path)
+    used, old = Entry(1, "used", (3, 5), 0.02, "float32"), Entry(1, "old", (3, 5), 0.02, "float32")
+    for entry in (used, old):
+        cache.store(entry, np.ones((3, 5), dtype=np.float32))
+    leftover = cache.path(used).with_name(".killed.tmp")
+    leftover.write_bytes(b"half an entry")
+    month_ago = time.time() - 30 * 86400
+    for path in (cache.path(used), cache.path(old), leftover):
+        os.utime(path, (month_ago, month_ago))
+    assert cache.load(used) is not None  # a read marks it used
+    assert cache.prune() == 2
+    assert cache.path(used).exists() and not cache.path(old).exists() and not leftover.exists()
 
 
 def test_an_entry_is_a_safetensors_file_any_reader_takes(tmp_path: Path) -> None:

@@ -22,6 +22,8 @@ import contextlib
 import hashlib
 import json
 import os
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -33,6 +35,8 @@ import numpy as np
 VARIABLE = "GPUREGRESS_INIT_CACHE"
 OFF = "off"
 TENSOR = "values"  # the one tensor of an entry's file
+UNUSED_DAYS = 14.0  # an entry no launch read or wrote for this long is deleted by the next writer
+_pruned = threading.Event()  # once per process: the first write prunes
 TAGS = {"float32": "F32", "float64": "F64", "float16": "F16"}  # safetensors' names of the dtypes cached
 HEADER_LIMIT = 1 << 20  # an entry's header is a few hundred bytes
 
@@ -95,15 +99,37 @@ class InitCache:
                     return False
         except (OSError, ValueError):  # missing, unreadable, not JSON: all mean "compute it"
             return False
-        return meta.get("sha256") == values_digest(out)
+        if meta.get("sha256") != values_digest(out):
+            return False
+        with contextlib.suppress(OSError):  # marks it used: prune() keeps what was read lately
+            os.utime(path)
+        return True
 
     def load(self, entry: Entry) -> np.ndarray | None:
         """The entry's values, or None where there is no whole, matching file."""
         out = np.empty(entry.shape, dtype=entry.dtype)
         return out if self.load_into(entry, out) else None
 
+    def prune(self, unused_days: float = UNUSED_DAYS, now: float | None = None) -> int:
+        """Delete entries no launch has read or written for ``unused_days`` (other code identities' and other
+        models' left behind: the cache would otherwise only grow, 0.6 GB per GPU-size model and seed), and
+        temporary files and locks a killed rank left for over an hour. The number of files deleted."""
+        now = time.time() if now is None else now
+        deleted = 0
+        for path in self.root.glob("*/*"):
+            stale = unused_days * 86400 if path.suffix == ".safetensors" else 3600  # else .tmp, .lock
+            with contextlib.suppress(OSError):
+                if now - path.stat().st_mtime > stale:
+                    path.unlink()
+                    deleted += 1
+        return deleted
+
     def store(self, entry: Entry, values: np.ndarray) -> None:
-        """Write the entry atomically; a cache that cannot be written (read-only, full) is only not written."""
+        """Write the entry atomically; a cache that cannot be written (read-only, full) is only not written. The
+        first write of a process prunes what no launch used lately."""
+        if not _pruned.is_set():
+            _pruned.set()
+            self.prune()
         path = self.path(entry)
         values = np.ascontiguousarray(values, dtype=np.dtype(entry.dtype).newbyteorder("<"))
         meta = {"entry": entry.describe(), "code": self.code, "sha256": values_digest(values)}

@@ -42,8 +42,16 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def on_meta(model: Any) -> list[str]:
-    """The names of ``model``'s buffers left on the meta device: values the plain build would have computed."""
-    return [name for name, buffer in model.named_buffers() if buffer.device.type == "meta"]
+    """The names of ``model``'s buffers, and of tensors its modules keep as plain attributes (a mask made from a
+    weight), left on the meta device: values the plain build would have computed."""
+    import torch
+
+    left = [name for name, buffer in model.named_buffers() if buffer.device.type == "meta"]
+    for path, module in model.named_modules():
+        left += [f"{path}.{name}" if path else name for name, value in vars(module).items()
+                 if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+                 and value.device.type == "meta"]
+    return left
 
 
 def materialise(model: Any, device: str = "cpu") -> None:

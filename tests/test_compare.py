@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pytest_gpuregress.reference.compare import compare_training, ulps32
+from pytest_gpuregress.reference.compare import compare_training, ulp_distance, ulps32
 from pytest_gpuregress.reference.report import format_comparison
 
 from .conftest import make_record
@@ -28,6 +28,16 @@ def test_one_ulp_in_the_loss_fails_the_exact_lane_at_its_step() -> None:
     finding = next(f for f in cmp.findings if f.metric == "loss")
     assert finding.step == 3 and "first differing step 3" in finding.message and "ulp32" in finding.message
     assert "HINT" in _report(cmp)
+
+
+def test_a_loss_below_one_float32_ulp_away_never_reads_as_zero_ulps() -> None:
+    # Losses are float64: a difference float32 cannot see used to print "(0 ulp32)".
+    run = make_record()
+    run.series["loss"][2] = float(np.nextafter(run.series["loss"][2], 10.0))
+    finding = next(f for f in compare_training(make_record(), run).findings if f.metric == "loss")
+    assert "(1 ulp64, within one float32 ulp)" in finding.message and "0 ulp32" not in finding.message
+    assert ulp_distance(1.0, 1.0) == "0 ulp32" and ulp_distance(2.0, 1.0) == "8388608 ulp32"
+    assert ulp_distance(-1.0, float(np.nextafter(-1.0, 0.0))) == "1 ulp64, within one float32 ulp"
 
 
 def test_changed_stack_selects_the_tolerant_lane_and_reports_the_change() -> None:

@@ -89,6 +89,14 @@ class Comparison:
     def passed(self) -> bool:
         return not self.findings
 
+    def convict(self, component: str) -> None:
+        """Name ``component`` on every finding, as triage's experiments found: they replace the heuristic's guess.
+        The model-layout finding keeps its own name: it says what the library did to the model's code, which no
+        experiment on this stack can overturn (the fault the experiments convict is another finding's cause)."""
+        for finding in self.findings:
+            if finding.metric != model_layout.COMPONENT:
+                finding.component = component
+
 
 def choose_lane(reference: RunRecord, run: RunRecord, requested: str = "auto") -> tuple[str, str]:
     changed = fp.numerics_diff(reference.fingerprint, run.fingerprint)
@@ -111,6 +119,25 @@ def ulps32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.where(i < 0, np.int64(-(2**31)) - i, i)
 
     return np.abs(ordinal(a) - ordinal(b))
+
+
+def ulps64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Distance in float64 units in the last place: for values (losses, norms) that float32 cannot tell apart."""
+
+    def ordinal(x: np.ndarray) -> np.ndarray:
+        i = np.asarray(x, dtype=np.float64).view(np.int64).astype(object)  # exact: the ordinals span 2**64
+        return np.where(i < 0, -(2**63) - i, i)
+
+    return np.abs(ordinal(a) - ordinal(b))
+
+
+def ulp_distance(got: float, expected: float) -> str:
+    """How far apart two values are in ulps: in float32's where they differ there, else in float64's, so values
+    that differ never read as "0 ulp32" (a float64 loss or norm can move below one float32 ulp)."""
+    apart = int(ulps32(np.float64(got), np.float64(expected)))
+    if apart or got == expected or got != got or expected != expected:
+        return f"{apart} ulp32"
+    return f"{int(ulps64(np.float64(got), np.float64(expected)))} ulp64, within one float32 ulp"
 
 
 def _bits_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -145,9 +172,9 @@ class _Check:
             ratio = np.where(self.dev > 0, self.dev / self.limit, 0.0)
         return float(np.max(ratio))
 
-    def measure(self, index: Any, lane: str, ulps: int | None = None) -> str:
+    def measure(self, index: Any, lane: str, ulps: str | None = None) -> str:
         if lane == "exact":
-            return f"{ulps} ulp32" if ulps is not None else "bits differ"
+            return ulps if ulps is not None else "bits differ"
         return f"{float(self.dev[index]):.3g} > tol {float(self.limit[index]):.3g}"
 
 
@@ -172,7 +199,7 @@ def _series(metric: str, ref: list[float], got: list[float], lane: str, limit: n
         component="",
         message=(
             f"{metric}: first differing step {step} of {n}: expected {float(r[step])!r}, got {float(g[step])!r} "
-            f"({check.measure(step, lane, int(ulp[step]))}); {int(check.bad.sum())} steps differ, "
+            f"({check.measure(step, lane, ulp_distance(float(g[step]), float(r[step])))}); {int(check.bad.sum())} steps differ, "
             f"max rel {float(check.dev.max()):.3g}"
         ),
         step=step,
@@ -207,7 +234,7 @@ def _param_grad_norms(ref: RunRecord, run: RunRecord, lane: str, limit: np.ndarr
         message=(
             f"param_grad_norm: first differing step {step}: {len(params_bad)} of {r.shape[1]} parameters, "
             f"first {names[first]}: expected {float(r[step, first])!r}, got {float(g[step, first])!r} "
-            f"({check.measure((step, first), lane, int(ulps32(g[step, first], r[step, first])))})"
+            f"({check.measure((step, first), lane, ulp_distance(float(g[step, first]), float(r[step, first])))})"
         ),
         step=step,
         tensor=names[first],
@@ -264,7 +291,7 @@ def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, fl
                     f"step0_grad {name} {size}: {len(flat_bad)} {unit} differ "
                     f"({100 * len(flat_bad) / len(dev):.3g}%), first at {where(first)}: expected "
                     f"{'block sum ' if blocked else ''}{float(rf[first])!r}, got {float(gf[first])!r} "
-                    f"({check.measure(first, lane, int(ulps32(gf[first], rf[first])))}); "
+                    f"({check.measure(first, lane, ulp_distance(float(gf[first]), float(rf[first])))}); "
                     f"max |diff|/max|ref| {float(check.dev.max()):.3g}"
                 ),
                 step=0,

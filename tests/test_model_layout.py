@@ -41,6 +41,29 @@ def test_a_fused_to_per_expert_layout_is_the_models_code_not_a_kernel() -> None:
     assert {f.component for f in comparison.findings} == {"model"}  # the loss that moved too: never a kernel
 
 
+def test_triage_convicting_a_fault_keeps_the_model_finding_named_model() -> None:
+    # A fault on a stack whose model layout also changed: the experiments convict the fault's component for the
+    # numbers, but the layout line says what the library did, "not a kernel or collective fault", and keeps it.
+    comparison = compare_training(moe_record(False, "5.24.0"), moe_record(True, "4.57.6"), lane="exact")
+    comparison.convict("collective")
+    assert comparison.findings[0].metric == "model" and comparison.findings[0].component == "model"
+    assert {f.component for f in comparison.findings[1:]} == {"collective"}
+
+
+def test_the_report_of_a_changed_model_advises_a_folder_of_its_own_not_overwriting() -> None:
+    from pytest_gpuregress.reference.report import format_comparison
+
+    comparison = compare_training(moe_record(False, "5.24.0"), moe_record(True, "4.57.6"), lane="exact")
+    text = format_comparison(comparison, scenario="fsdp", platform_key="cpu-gloo-w2-fp32", reference_path="REF",
+                             record_hint="OVERWRITE", record_elsewhere_hint="ELSEWHERE")
+    assert "record it into another folder, keeping this one: ELSEWHERE" in text and "OVERWRITE" not in text
+    plain = compare_training(moe_record(False, "5.24.0"), moe_record(False, "5.24.0"), lane="exact")
+    plain.findings = comparison.findings[1:]  # the same differences without a layout change
+    text = format_comparison(plain, scenario="fsdp", platform_key="cpu-gloo-w2-fp32", reference_path="REF",
+                             record_hint="OVERWRITE", record_elsewhere_hint="ELSEWHERE")
+    assert "record them as the reference: OVERWRITE" in text and "ELSEWHERE" not in text
+
+
 def test_an_unchanged_layout_gives_no_model_finding() -> None:
     reference, run = moe_record(False, "5.24.0"), moe_record(False, "5.24.0")
     run.arrays["step0_grad/model.layers.0.self_attn.q_proj.weight"] = run.arrays[

@@ -124,6 +124,26 @@ def test_the_record_hint_carries_a_scenarios_own_options(pytester: pytest.Pytest
     assert "collectives-repeats" not in hint  # at its default
 
 
+def test_printed_record_commands_never_write_into_the_shipped_references(pytester: pytest.Pytester) -> None:
+    # Inside the plugin's own checkout the user's folder is the shipped one: a pasted command would overwrite it.
+    from pytest_gpuregress.plugin.options import Options
+    from pytest_gpuregress.plugin.session import GpuRegressSession
+    from pytest_gpuregress.resources import shipped_dir
+
+    shipped = shipped_dir("reference_runs")
+    places = GpuRegressSession(Options(enabled=True, device="cpu"), shipped.parent).places
+    assert places.user_root.resolve() == shipped.resolve()
+    loc = places.location("fsdp", "cpu-gloo-w2-fp32")
+    hint, elsewhere = loc.record_hint, loc.record_elsewhere_hint
+    assert f"--gpuregress-reference-dir={shipped}-recorded" in hint
+    assert f"--gpuregress-reference-dir={shipped}-recorded-this-stack" in elsewhere
+    # A user's own folder is where the plain command records; a stack whose model changed gets a folder of its own.
+    own = GpuRegressSession(Options(enabled=True, device="cpu"), pytester.path).places
+    assert f"--gpuregress-reference-dir={pytester.path / 'reference_runs'} " in own.record_hint("fsdp") + " "
+    assert f"--gpuregress-reference-dir={pytester.path / 'reference_runs-this-stack'}" in \
+        own.location("fsdp", "cpu-gloo-w2-fp32").record_elsewhere_hint
+
+
 def test_gpuregress_under_xdist_stops_with_the_fix_and_runs_with_n_0(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\naddopts = -n 2\n")  # what many users keep
     refused = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpuregress", "--collect-only", "-q")

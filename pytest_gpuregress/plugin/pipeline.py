@@ -72,10 +72,11 @@ class CheckPipeline:
         evidence: list[str] = []
         if explain is not None and comparison.findings:
             component, evidence = explain(judgement.reference or reference, comparison)
-            for finding in comparison.findings if component else ():  # experiments replace the heuristic's guess
-                finding.component = component
+            if component:
+                comparison.convict(component)
         report = format_comparison(comparison, scenario=name, platform_key=record.platform_key,
-                                   reference_path=str(loc.path), record_hint=loc.record_hint) + "\n".join(evidence)
+                                   reference_path=str(loc.path), record_hint=loc.record_hint,
+                                   record_elsewhere_hint=loc.record_elsewhere_hint) + "\n".join(evidence)
         if comparison.findings and judgement.observed is not None:  # a deviation: what the kernels did sits next to it
             report += "\n" + "\n".join(judgement.observed.evidence())
         report += "\n" + "\n".join(kept.report_lines(loc.path))

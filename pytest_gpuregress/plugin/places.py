@@ -27,11 +27,25 @@ class ReferencePlaces:
     def shipped_root(self) -> Path:
         return shipped_dir("reference_runs")
 
-    def record_hint(self, selection: str) -> str:
-        """The command that records the references ``selection`` (a -k expression) reads, with this run's setup."""
+    @property
+    def recording_root(self) -> Path:
+        """Where a printed record command writes: the user's folder, never the references shipped with the plugin
+        (the user's folder is the shipped one only inside the plugin's own checkout, or when named so)."""
+        root = self.user_root
+        return root.with_name(f"{root.name}-recorded") if root.resolve() == self.shipped_root.resolve() else root
+
+    @property
+    def elsewhere_root(self) -> Path:
+        """A folder of its own for this stack's references, beside the one read (which the old stack keeps)."""
+        root = self.recording_root
+        return root.with_name(f"{root.name}-this-stack")
+
+    def record_hint(self, selection: str, folder: Path | None = None) -> str:
+        """The command that records the references ``selection`` (a -k expression) reads, with this run's setup,
+        into ``folder`` (default: the user's folder)."""
         options = self.options
         parts = ["pytest", "--gpuregress", "--gpuregress-record", "-k", selection,
-                 f"--gpuregress-reference-dir={self.user_root}"]
+                 f"--gpuregress-reference-dir={folder or self.recording_root}"]
         if options.steps:
             parts.append(f"--gpuregress-steps={options.steps}")
         if options.world_size:
@@ -53,13 +67,14 @@ class ReferencePlaces:
 
     def location(self, name: str, platform_key: str, *, for_writing: bool = False) -> store.ReferenceLocation:
         store.check_names(name, platform_key)  # a name or dtype such as '../x' must not leave the reference dir
-        hint = self.record_hint(self.selection.expression_for(name))
-        user = store.ReferenceLocation(self.user_root, name, platform_key, hint)
+        selection = self.selection.expression_for(name)
+        hint, elsewhere = self.record_hint(selection), self.record_hint(selection, self.elsewhere_root)
+        user = store.ReferenceLocation(self.user_root, name, platform_key, hint, elsewhere)
         # An explicit --gpuregress-reference-dir means that directory only; the shipped
         # references are the fallback of the default location.
         if for_writing or self.options.reference_dir is not None or (user.path / store.MANIFEST).exists():
             return user
-        shipped = store.ReferenceLocation(self.shipped_root, name, platform_key, hint)
+        shipped = store.ReferenceLocation(self.shipped_root, name, platform_key, hint, elsewhere)
         if (shipped.path / store.MANIFEST).exists():
             return shipped
         return user

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..stack.fingerprint import describe_change
+from . import model_layout
 from .compare import Comparison, Finding
 
 MAX_FINDINGS = 12
@@ -61,6 +62,7 @@ def format_comparison(
     platform_key: str,
     reference_path: str,
     record_hint: str,
+    record_elsewhere_hint: str = "",
 ) -> str:
     head = [
         f"scenario {scenario!r} on {platform_key} differs from its reference",
@@ -81,6 +83,14 @@ def format_comparison(
         "what changed in the stack since the reference was recorded:",
         *format_stack_changes(comparison.stack_changes),
         "",
-        f"if the new numbers are right, record them as the reference: {record_hint}",
+        _record_advice(comparison, record_hint, record_elsewhere_hint),
     ]
     return "\n".join(head + body + tail)
+
+
+def _record_advice(comparison: Comparison, record_hint: str, record_elsewhere_hint: str) -> str:
+    """What to record: over the reference if the new numbers are right; where the model's code changed, a reference
+    of this stack's own in another folder, as the model finding says (the old stack keeps its reference)."""
+    if record_elsewhere_hint and any(f.metric == model_layout.COMPONENT for f in comparison.findings):
+        return f"this stack needs a reference of its own: record it into another folder, keeping this one: {record_elsewhere_hint}"
+    return f"if the new numbers are right, record them as the reference: {record_hint}"

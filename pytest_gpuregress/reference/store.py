@@ -40,6 +40,9 @@ class ReferenceLocation:
     scenario: str
     platform_key: str
     record_hint: str = "pytest --gpuregress --gpuregress-record"
+    # The command that records this stack's reference into another folder, keeping this one: where the reference
+    # cannot judge this stack (the model's code changed) and the old stack still needs it.
+    record_elsewhere_hint: str = ""
 
     @property
     def path(self) -> Path:

@@ -36,6 +36,16 @@ def test_the_plot_of_a_failed_comparison_is_a_png(tmp_path: Path) -> None:
     assert not list(path.parent.glob(".*tmp*"))  # written atomically
 
 
+def test_the_plot_of_a_run_whose_model_layout_changed_draws(tmp_path: Path) -> None:
+    # A [model] finding: the library split a parameter, so the runs have different parameter lists.
+    pytest.importorskip("matplotlib")
+    reference, run = make_record(steps=10), make_record(steps=10)
+    run.param_names = ["a.weight", "b.0.weight", "b.1.weight"]
+    run.arrays["param_grad_norm"] = np.ones((10, 3))
+    path = plot_comparison(reference, run, tmp_path / "model.png", compare_training(reference, run, lane="tolerant"))
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+
+
 def test_the_plot_of_a_reference_alone_draws_its_band(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     path = plot_comparison(make_record(steps=10), None, tmp_path / "ref.png")

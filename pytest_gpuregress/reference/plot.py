@@ -113,6 +113,12 @@ def _worst_parameters(ax, reference: RunRecord, run: RunRecord | None, limits: d
         ax.set_title("gradient norms per parameter: no run to compare")
         ax.axis("off")
         return
+    if ref.shape[1:] != got.shape[1:] or (run is not None and run.param_names != reference.param_names):
+        # the model's code changed its parameters (a [model] finding): there is no parameter to pair with its own
+        ax.set_title(f"gradient norms per parameter: {ref.shape[1]} parameters in the reference, {got.shape[1]} "
+                     "in this run: the model's layout changed", fontsize=9)
+        ax.axis("off")
+        return
     steps = min(len(ref), len(got))
     ratio = rel(got[:steps], ref[:steps]) / np.asarray(limits["param_grad_norm"], dtype=np.float64)[:steps]
     worst = np.nanmax(ratio, axis=0) if steps else np.zeros(ref.shape[1])

@@ -243,6 +243,8 @@ def rank_differences(first: RunRecord, other: RunRecord) -> list[str]:
         out.append("inspect")
     for path, result in first.results.get("io", {}).items():
         peer = other.results.get("io", {}).get(path) or {}
+        if peer.get("skipped") and not peer.get("checked"):
+            continue  # a path only rank 0 checks (transformers' save_pretrained): the peer measured nothing
         if (result["problems"], result["known_issues"]) != (peer.get("problems"), peer.get("known_issues")):
             out.append(f"io-{path}")
     return sorted(set(out))

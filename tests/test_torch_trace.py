@@ -26,7 +26,8 @@ DATA = Path(__file__).parent / "data" / "torch_fr"
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No flight-recorder variable of the user's; monkeypatch puts back whatever the tests set."""
-    for name in (*torch_trace.FILE_VARS, *torch_trace.BUFFER_VARS, torch_trace.DUMP_VAR, torch_trace.ARMED_VAR):
+    for name in (*torch_trace.FILE_VARS, *torch_trace.BUFFER_VARS, torch_trace.DUMP_VAR, torch_trace.ARMED_VAR,
+                 torch_trace.TIMING_VAR):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
 
@@ -71,7 +72,7 @@ def test_the_rank_that_never_entered_the_collective_is_the_culprit(tmp_path: Pat
     text = torch_trace.report(prefix, 2, tmp_path, time.time() - 5)
     assert text is not None
     line = text.splitlines()[0]
-    assert line.startswith("torch's flight recorder (NCCL watchdog dump): rank 0 waits in nccl:all_reduce #6 "
+    assert line.startswith("torch's flight recorder (the ranks' dumps): rank 0 waits in nccl:all_reduce #6 "
                            "(group default_pg, 1 Float, from _get_total_norm (nn/utils/clip_grad.py:")
     assert line.endswith("for rank 1: rank 1 never entered it (its last: nccl:scatter #5, completed)")
     assert text.splitlines()[-1] == f"dumps: {prefix}0, {prefix}1"
@@ -175,10 +176,13 @@ def test_arming_sets_the_dump_switch_and_location_unless_the_user_did(tmp_path: 
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == prefix
     assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert env["TORCH_NCCL_ENABLE_TIMING"] == "1"  # else no entry is ever "started"
+    # Armed twice for one job (worker.py: before the group, and per job): nothing changes.
+    assert torch_trace.arm(tmp_path / "run1", "nccl", again := dict(env)) == prefix and again == env
     # The next job (in place, the same process) dumps into its own folder.
     assert torch_trace.arm(tmp_path / "run2", "nccl", env) == str(tmp_path / "run2" / "torch_fr_trace_rank")
     mine = {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-            "TORCH_FR_BUFFER_SIZE": "64"}
+            "TORCH_FR_BUFFER_SIZE": "64", "TORCH_NCCL_ENABLE_TIMING": "0"}
     env = dict(mine)
     assert torch_trace.arm(tmp_path, "nccl", env) == "/scratch/fr_"
     assert {k: v for k, v in env.items() if k != torch_trace.ARMED_VAR} == mine
@@ -202,6 +206,7 @@ def test_the_rank_is_armed_before_its_process_group_is_created(tmp_path: Path, m
     worker._init_process_group(job, 0, 0)
     assert seen["env"]["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert seen["env"]["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "torch_fr_trace_rank")
+    assert seen["env"]["TORCH_NCCL_ENABLE_TIMING"] == "1"
     assert seen["timeout"].total_seconds() == 570
 
 
@@ -239,6 +244,145 @@ def test_a_failed_nccl_launch_reports_the_dumps_in_its_run_folder(tmp_path: Path
               backend="nccl", run_dir=str(tmp_path), timeout_s=570)
     died = [RankOutcome(rank=r, status="died", returncode=-6, last_progress="step 3 done") for r in (0, 1)]
     message = SpawnLauncher(reuse=False)._failure_message(job, died, died, 600, time.time() - 5)
-    assert "torch's flight recorder (NCCL watchdog dump): rank 0 waits in nccl:all_reduce #6" in message
+    assert "torch's flight recorder (the ranks' dumps): rank 0 waits in nccl:all_reduce #6" in message
     gloo = Job(**{**job.__dict__, "backend": "gloo"})
     assert "flight recorder" not in SpawnLauncher(reuse=False)._failure_message(gloo, died, died, 600, time.time() - 5)
+
+
+def wait_for(path: Path, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < end:
+        time.sleep(0.02)
+    return path.exists()
+
+
+def test_a_rank_dumps_on_the_launchers_request_and_only_then(tmp_path: Path) -> None:
+    target = tmp_path / "torch_fr_trace_rank1"
+    responder = torch_trace.DumpResponder(tmp_path, target, poll_s=0.02, dump=lambda: b'{"entries": []}')
+    try:
+        time.sleep(0.1)
+        assert not target.exists()
+        (tmp_path / torch_trace.REQUEST).write_text("now\n")
+        assert wait_for(target)
+        assert target.read_bytes() == b'{"entries": []}'
+        assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []  # written aside, then renamed
+    finally:
+        responder.close()
+    assert not responder._thread.is_alive()
+
+
+def test_a_failed_dump_is_said_in_the_rank_log_and_writes_nothing(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    def broken() -> bytes:
+        raise RuntimeError("no recorder")
+
+    responder = torch_trace.DumpResponder(tmp_path, tmp_path / "dump0", poll_s=0.02, dump=broken)
+    responder.close()
+    assert responder.answer() is False and not (tmp_path / "dump0").exists()
+    assert "no recorder" in capsys.readouterr().err
+
+
+def test_the_dump_thread_runs_per_job_on_nccl_only_and_stops_with_the_job(tmp_path: Path) -> None:
+    hooks: list[Any] = []
+    assert torch_trace.serve_requests(tmp_path, 0, "gloo", hooks, {}) is None and hooks == []
+    for job in ("job1", "job2"):  # a pooled rank serves one job after another, each in its own folder
+        env: dict[str, str] = {}
+        torch_trace.arm(tmp_path / job, "nccl", env)
+        responder = torch_trace.serve_requests(tmp_path / job, 3, "nccl", hooks, env)
+        assert responder is not None
+        assert responder.request == tmp_path / job / torch_trace.REQUEST
+        assert responder.path == tmp_path / job / "torch_fr_trace_rank3"
+        for hook in hooks:
+            hook()
+        hooks.clear()
+        assert not responder._thread.is_alive()
+
+
+def test_torchs_recorder_is_dumped_as_json_on_request_from_a_real_gloo_group(tmp_path: Path) -> None:
+    """gloo records into the same flight recorder as NCCL; the requested dump is the JSON the report reads."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        dist.all_reduce(torch.ones(4, 3))
+        target = Path(f"{tmp_path / torch_trace.PREFIX}0")
+        responder = torch_trace.DumpResponder(tmp_path, target, poll_s=0.02)
+        (tmp_path / torch_trace.REQUEST).write_text("now\n")
+        assert wait_for(target)
+        responder.close()
+    finally:
+        dist.destroy_process_group()
+    assert target.read_bytes().lstrip()[:1] == b"{"
+    entries = torch_trace.entries_of(0, torch_trace.read_dump(target))
+    assert ("gloo:all_reduce", "4x3 Float") in [(e.op, e.sizes) for e in entries]
+
+
+FAKE_RANK = """
+import signal, sys, time
+from pathlib import Path
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a rank blocked in C++ does not die of the stack request either
+from pytest_gpuregress.launch.torch_trace import DumpResponder
+run_dir, rank, dump = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]).read_bytes()
+DumpResponder(run_dir, run_dir / f"torch_fr_trace_rank{rank}", poll_s=0.05, dump=lambda: dump)
+Path(sys.argv[3] + ".ready").touch()
+time.sleep(120)  # hung
+"""
+
+
+class HungGroup:
+    """Two ranks that hang and answer the launcher's dump request with a recorded dump (no torch to import)."""
+
+    def __init__(self, run_dir: Path, dumps: dict[int, dict[str, Any]]) -> None:
+        import json
+        import subprocess
+        import sys
+
+        self.procs = []
+        for rank, dump in dumps.items():
+            data = run_dir.parent / f"recorded{rank}.json"
+            data.write_text(json.dumps(dump))
+            self.procs.append(subprocess.Popen([sys.executable, "-c", FAKE_RANK, str(run_dir), str(rank), str(data)]))
+        for rank in dumps:  # started up before the launch's clock starts, as a pooled rank is
+            assert wait_for(run_dir.parent / f"recorded{rank}.json.ready", 60)
+
+    def submit(self, job_path: Path) -> None:
+        pass
+
+    def startup_log(self, rank: int) -> Path:
+        return Path("/nonexistent")
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+    close = kill
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_at_its_limit_the_launcher_asks_nccl_ranks_for_their_dumps_and_names_the_culprit(
+        tmp_path: Path, clean_env: None, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_gpuregress.errors import RankFailure
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    # The launch hangs long after start-up: the watchdog's timeout, counted from the collective, is still far off.
+    group = HungGroup(run_dir, {0: on_nccl(recorded(0), 6, "started"), 1: on_nccl(recorded(1), 5)})
+    launcher = SpawnLauncher(reuse=False, keep_dirs=True)
+    monkeypatch.setattr(launcher, "_group_for", lambda job: group)
+    job = Job(scenario="x:y", config={}, world_size=2, device_kind="cuda", backend=backend, run_dir=str(run_dir),
+              timeout_s=570)
+    try:
+        with pytest.raises(RankFailure, match="rank 0 hung, rank 1 hung") as failure:
+            launcher.run(job, 1.0)
+    finally:
+        group.kill()
+    message = str(failure.value)
+    if backend == "gloo":  # the launcher names hung gloo ranks with their stacks; nothing is asked of them
+        assert not (run_dir / torch_trace.REQUEST).exists() and "flight recorder (" not in message
+        return
+    assert (run_dir / torch_trace.REQUEST).exists()
+    assert ("torch's flight recorder (the ranks' dumps): rank 0 waits in nccl:all_reduce #6 (group default_pg, "
+            "1 Float, from _get_total_norm") in message
+    assert f"dumps: {run_dir}/torch_fr_trace_rank0, {run_dir}/torch_fr_trace_rank1" in message

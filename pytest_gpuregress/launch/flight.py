@@ -20,9 +20,9 @@ Inside ``torch.compile`` the wrapper steps aside (its lock would break the graph
 
 Not seen here: collectives that bypass ``torch.distributed``'s Python functions, such as the functional
 collectives of DTensor (``full_tensor()``, ``clip_grad_norm_`` over DTensors). For those, torch's own NCCL
-flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, dumped by torch on a watchdog timeout, inside the
-hung rank) is the source; the launcher sets it on NCCL/RCCL ranks unless the user did, and reads the
-dumps into the report (torch_trace.py).
+flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, dumped inside the hung rank on the launcher's request at
+its limit, or by torch on a watchdog timeout) is the source; the launcher sets it on NCCL/RCCL ranks unless
+the user did, and reads the dumps into the report (torch_trace.py).
 """
 
 from __future__ import annotations

@@ -10,8 +10,10 @@ ends a job in one of four ways:
   raised     the scenario raised; its traceback comes back from rank<r>.error.json
   died       exited or was killed by a signal before delivering
   hung       still running at the limit; its Python stacks are dumped (SIGUSR1) before the kill
-On NCCL/RCCL torch's watchdog times a hung collective out before the limit, dumps its flight recorder
-and aborts the rank ("died"); the report then reads those dumps (torch_trace.py). A group is reused
+On NCCL/RCCL the launcher first asks the ranks to dump torch's flight recorder (torch_trace.py:
+``request_dumps``, up to REQUEST_WAIT_S), then takes their stacks and kills them; torch's watchdog,
+which times a collective out from when it was queued, dumps too when a hang times out before the limit.
+The report then reads those dumps (torch_trace.py). A group is reused
 only after a clean job in which no rank reported a sticky CUDA/HIP error (device_errors.py).
 """
 
@@ -22,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -237,6 +240,8 @@ class SpawnLauncher:
                 timed_out = True
                 break
             time.sleep(POLL_S)
+        if timed_out and torch_trace.queues_work(job.backend):
+            self._request_dumps(job, procs, files)
         # Ask ranks that are still working for their Python stacks before they are killed.
         pending = [p for p, f in zip(procs, files) if p.poll() is None and not f.done.exists()]
         for proc in pending:
@@ -272,6 +277,15 @@ class SpawnLauncher:
             outcomes.append(outcome)
         return outcomes, notes
 
+    def _request_dumps(self, job: Job, procs: list[subprocess.Popen[bytes]], files: list[RankFiles]) -> None:
+        """NCCL/RCCL at the limit: the ranks dump torch's flight recorder before the kill (its watchdog counts
+        from when a collective was queued, so it rarely comes first)."""
+        prefix = torch_trace.arm(Path(job.run_dir), job.backend, rank_environment(job))
+        if not prefix:
+            return
+        torch_trace.request_dumps(Path(job.run_dir), prefix, lambda: [
+            r for r, (p, f) in enumerate(zip(procs, files)) if p.poll() is None and not f.done.exists()])
+
     def _show_progress(self, job: Job, files: RankFiles, shown: str | None) -> str | None:
         line = files.last_progress()
         if line and line != shown and self.on_progress is not None:
@@ -294,7 +308,7 @@ class SpawnLauncher:
             waits = flight.diagnose(states, {o.rank: o.last_progress for o in outcomes})
             if waits:
                 head += f"\n{waits}"
-        # NCCL/RCCL: torch's watchdog timed out first and dumped what it saw, DTensor's collectives included.
+        # NCCL/RCCL: what torch's recorder saw (dumped on request or by its watchdog), DTensor's collectives included.
         dumps = torch_trace.report(torch_trace.arm(Path(job.run_dir), job.backend, rank_environment(job)),
                                    job.world_size, Path(job.run_dir), since)
         if dumps:

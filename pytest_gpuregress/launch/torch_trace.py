@@ -1,21 +1,27 @@
-"""torch's own flight recorder on NCCL/RCCL ranks: made to dump on a hang, collected and read for the report.
+"""torch's own flight recorder on NCCL/RCCL ranks: dumped on a hang, collected and read for the report.
 
 The plugin's recorder (flight.py) sees the ``torch.distributed`` calls it wraps; torch's recorder, inside
 ProcessGroupNCCL, sees every collective the group runs, DTensor's functional collectives included
 (``full_tensor()``, ``clip_grad_norm_`` over DTensors), with its state on the GPU (scheduled, started,
-completed) and the Python frames that issued it. It writes its ring to a file when the NCCL watchdog
-times out a collective, so on those backends:
+completed) and the Python frames that issued it. On those backends a hung launch gets a dump from two sources:
 
-* the process group's timeout is set below the launcher's wall-clock limit (``group_timeout``), with room
-  for torch to write the dump before the launcher kills the ranks; gloo keeps a timeout past the limit,
-  so that the launcher names hung gloo ranks with their stacks first (spawn.py);
-* each rank gets ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` and a dump location in its job's run folder (``arm``),
-  unless the user set them; torch 2.13 reads ``TORCH_FR_DUMP_TEMP_FILE`` and, failing it, the older
-  ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` (``DebugInfoWriter::getWriter``), and appends the global rank;
-* after a failed launch the dumps are read back (``read_dump``, never unpickled: safe_pickle.py) and
-  ``diagnose`` names the rank and the collective the others wait for, the way torch's ``fr_trace`` does
-  (``torch/distributed/flight_recorder/components/utils.py: error_analysis``): the first collective of a
-  group that not every member entered, or whose state differs between members.
+* at the launcher's limit, the launcher asks for it (``request_dumps``: a ``torch_fr_dump_request`` file in the
+  run folder) before it kills the ranks; a daemon thread on each rank (``serve_requests``, one per job) answers
+  with torch's recorder as JSON. This is the source that comes first: NCCL's watchdog counts a collective's
+  timeout from when it was queued, so a hang after minutes of training times out after the launcher's
+  deadline, which counts from the launch's start;
+* the NCCL watchdog's own dump on a timeout, for a hang early enough to time out before the limit, or a rank
+  whose Python thread cannot run (its main thread holds the GIL). The process group's timeout is set below
+  the launcher's limit (``group_timeout``); gloo keeps a timeout past the limit, so that the launcher names
+  hung gloo ranks with their stacks first (spawn.py). Each rank gets ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` and a
+  dump location in its job's run folder (``arm``), unless the user set them; torch 2.13 reads
+  ``TORCH_FR_DUMP_TEMP_FILE`` and, failing it, the older ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``
+  (``DebugInfoWriter::getWriter``), and appends the global rank. The requested dump goes to the same file.
+
+After a failed launch the dumps are read back (``read_dump``, a pickle never unpickled: safe_pickle.py) and
+``diagnose`` names the rank and the collective the others wait for, the way torch's ``fr_trace`` does
+(``torch/distributed/flight_recorder/components/utils.py: error_analysis``): the first collective of a
+group that not every member entered, or whose state differs between members.
 
 torch fixes the dump's file name at a process's first dump; a rank that dumped hung or lost its
 communicator, so it is never reused (spawn.py kills its group) and every job's dump lands in its own folder.
@@ -26,11 +32,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping, MutableMapping
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..reference import atomic
 from . import safe_pickle
 from .flight import TORCH_TRACE_ENTRIES, queues_work
 
@@ -43,11 +53,19 @@ GLOO_MARGIN_S = 60.0
 PREFIX = "torch_fr_trace_rank"  # torch appends the global rank: torch_fr_trace_rank0
 FILE_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # torch reads the first one set
 DUMP_VAR = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+# Start events per collective, without which no entry is ever "started" (ProcessGroupNCCL records them only
+# with it): the "queued but never started" culprit needs it. It adds two CUDA events per collective.
+TIMING_VAR = "TORCH_NCCL_ENABLE_TIMING"
 BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # entries in the ring; the first one set
 # The prefix this plugin set last in this process: a later job (in place, one process serves every launch)
 # moves it to its own folder, while a prefix the user set is left alone.
 ARMED_VAR = "GPUREGRESS_TORCH_TRACE_PREFIX"
 COMPLETED = "completed"
+REQUEST = "torch_fr_dump_request"  # in the run folder: the launcher asks the ranks for their dumps (spawn.py)
+REQUEST_POLL_S = 0.2  # how often a rank looks for the request, and the launcher for the dumps
+REQUEST_WAIT_S = 10.0  # how long the launcher waits for the ranks' dumps before it kills them
+# torch's Python entry points for a JSON dump of the recorder: 2.6 and later, then the older name.
+_DUMP_FUNCTIONS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
 _DTENSOR_API = "/torch/distributed/tensor/_api.py"  # full_tensor() calls redistribute(): name full_tensor
 # Frames of the collective machinery between the code that asked for a collective and ProcessGroupNCCL.
 _PLUMBING = (
@@ -63,8 +81,9 @@ _PLUMBING = (
 def group_timeout(backend: str, wall_s: float) -> float:
     """The process group's timeout for a launch the launcher kills after ``wall_s`` seconds.
 
-    NCCL/RCCL: below the limit, so torch's watchdog times out and dumps first (half the limit at the
-    least, for short limits). gloo: past it, so the launcher's own report names the hung ranks."""
+    NCCL/RCCL: below the limit (half the limit at the least, for short limits), so a hang early in the launch
+    times out and dumps before the kill; later hangs get the dump the launcher asks for at its limit
+    (``request_dumps``). gloo: past it, so the launcher's own report names the hung ranks."""
     if queues_work(backend):
         return max(wall_s - DUMP_MARGIN_S, wall_s / 2)
     return wall_s + GLOO_MARGIN_S
@@ -73,11 +92,13 @@ def group_timeout(backend: str, wall_s: float) -> float:
 def arm(run_dir: Path, backend: str, environ: MutableMapping[str, str] | None = None) -> str | None:
     """Make torch dump its recorder into ``run_dir`` on a watchdog timeout; the dump's file prefix, or None on
     gloo (nothing is set there). Values the user set stay; ``environ`` defaults to this process's environment,
-    which torch reads when the group is created (the switch) and when it dumps (the location)."""
+    which torch reads when the group is created (the switch) and when it dumps (the location). Idempotent: a
+    second call for the same folder changes nothing."""
     env = os.environ if environ is None else environ
     if not queues_work(backend):
         return None
     env.setdefault(DUMP_VAR, "1")
+    env.setdefault(TIMING_VAR, "1")
     if not env.get(BUFFER_VARS[0]):  # older torch keeps no ring by default (0 entries): nothing to dump
         env.setdefault(BUFFER_VARS[1], str(TORCH_TRACE_ENTRIES))
     ours = env.get(ARMED_VAR)
@@ -100,11 +121,7 @@ def collect(prefix: str, ranks: range, run_dir: Path, since: float) -> dict[int,
     found: dict[int, Path] = {}
     for rank in ranks:
         path = Path(f"{prefix}{rank}")
-        try:
-            # A user's fixed location may hold a dump of an earlier run (a second of slack: coarse file times).
-            if path.stat().st_mtime < since - 1.0:
-                continue
-        except OSError:
+        if not _fresh(path, since):
             continue
         kept = run_dir / f"{PREFIX}{rank}"
         if path.resolve() != kept.resolve():
@@ -116,10 +133,94 @@ def collect(prefix: str, ranks: range, run_dir: Path, since: float) -> dict[int,
     return found
 
 
+def _fresh(path: Path, since: float) -> bool:
+    """Whether ``path`` was written at or after ``since``: a user's fixed location may hold a dump of an earlier
+    run (a second of slack: coarse file times)."""
+    try:
+        return path.stat().st_mtime >= since - 1.0
+    except OSError:
+        return False
+
+
+def dump_json() -> bytes:
+    """This process's flight recorder as JSON, every entry (the completed ones give each rank's sequence)."""
+    from torch._C import _distributed_c10d as c10d
+
+    for name in _DUMP_FUNCTIONS:
+        dump = getattr(c10d, name, None)
+        if dump is not None:
+            data = dump(True, False)  # includeCollectives, onlyActive
+            return data.encode() if isinstance(data, str) else bytes(data)
+    raise RuntimeError(f"this torch has none of {', '.join(_DUMP_FUNCTIONS)}")
+
+
+class DumpResponder:
+    """A daemon thread that writes this rank's dump to ``path`` once the launcher asks (``REQUEST`` in
+    ``run_dir``). It sleeps between looks (``time.sleep`` lets go of the GIL), so a rank blocked in a collective
+    still answers; ``close`` stops it at the end of the job (ranks serve one job after another)."""
+
+    def __init__(self, run_dir: Path, path: Path, *, poll_s: float = REQUEST_POLL_S,
+                 dump: Callable[[], bytes] = dump_json) -> None:
+        self.request = run_dir / REQUEST
+        self.path = path
+        self.poll_s = poll_s
+        self._dump = dump
+        self._stop = False
+        self._thread = threading.Thread(target=self._watch, name="gpuregress-torch-fr", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop:
+            if self.request.exists():
+                self.answer()
+                return
+            time.sleep(self.poll_s)
+
+    def answer(self) -> bool:
+        """Write the dump (a temporary file renamed over the target: the launcher never reads half of one)."""
+        try:
+            atomic.write_bytes(self.path, self._dump())
+        except Exception as exc:  # noqa: BLE001 - no dump is no paragraph in the report; the rank goes on
+            print(f"gpuregress: could not dump torch's flight recorder to {self.path}: {exc!r}", file=sys.stderr)
+            return False
+        return True
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(timeout=self.poll_s + 5)
+
+
+def serve_requests(run_dir: Path, rank: int, backend: str, cleanup_hooks: list[Callable[[], None]],
+                   environ: Mapping[str, str] | None = None) -> DumpResponder | None:
+    """On NCCL/RCCL, answer the launcher's request for this job's dump until the cleanup hooks run; the dump goes
+    where torch's own would (``dump_prefix`` + the global rank), which ``report`` reads. None on gloo, or with no
+    location (``arm`` comes first)."""
+    prefix = dump_prefix(os.environ if environ is None else environ)
+    if not queues_work(backend) or not prefix:
+        return None
+    responder = DumpResponder(run_dir, Path(f"{prefix}{rank}"))
+    cleanup_hooks.append(responder.close)
+    return responder
+
+
+def request_dumps(run_dir: Path, prefix: str, live: Callable[[], list[int]], wait_s: float = REQUEST_WAIT_S,
+                  poll_s: float = REQUEST_POLL_S) -> list[int]:
+    """Ask the ranks of a hung launch for their dumps, and wait up to ``wait_s`` for each rank still in ``live()``
+    to write one; the live ranks that did not."""
+    asked = time.time()
+    atomic.write_bytes(run_dir / REQUEST, f"{asked}\n".encode())
+    end = time.monotonic() + wait_s
+    while True:
+        missing = [r for r in live() if not _fresh(Path(f"{prefix}{r}"), asked)]
+        if not missing or time.monotonic() >= end:
+            return missing
+        time.sleep(poll_s)
+
+
 def read_dump(path: Path) -> dict[str, Any]:
-    """One rank's dump as plain data. torch 2.13 writes a pickle on a timeout (``dump_fr_trace``); JSON
-    (``_dump_fr_trace_json``) is read too. Raises ``safe_pickle.UnreadablePickle`` (``UnsafePickle`` for a file
-    that names any Python code: nothing in it runs)."""
+    """One rank's dump as plain data. torch 2.13 writes a pickle on a timeout (``dump_fr_trace``); the dump a rank
+    writes on the launcher's request is JSON (``_dump_fr_trace_json``). Raises ``safe_pickle.UnreadablePickle``
+    (``UnsafePickle`` for a file that names any Python code: nothing in it runs)."""
     data = path.read_bytes()
     if data.lstrip()[:1] == b"{":
         dump = json.loads(data)
@@ -287,7 +388,7 @@ def report(prefix: str | None, world_size: int, run_dir: Path, since: float) -> 
             dumps[rank] = read_dump(path)
         except (OSError, ValueError) as exc:
             problems.append(f"rank {rank}: {exc}")
-    lines = ["torch's flight recorder (NCCL watchdog dump): "
+    lines = ["torch's flight recorder (the ranks' dumps): "
              + (diagnose(dumps) or "every recorded collective completed") if dumps else
              "torch's flight recorder: no readable dump"]
     lines.extend(problems)

@@ -44,7 +44,8 @@ def _init_process_group(job: Job, rank: int, local_rank: int) -> None:
 
     from . import torch_trace
 
-    # torch reads whether to dump on a watchdog timeout when the group is created (in place, before any job ran).
+    # torch reads whether to dump on a watchdog timeout when the group is created: in place (inplace.py) the group
+    # is created here before any job ran, so before execute_rank's own call (idempotent: the same folder, no change).
     torch_trace.arm(Path(job.run_dir), job.backend)
     kwargs: dict[str, Any] = {}
     if job.device_kind == "cuda":
@@ -112,7 +113,10 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
         installed = faults.install_counted(job.faults, ctx)
         # after the faults: it sees the calls the scenario makes; on NCCL/RCCL it reads completion from each Work
         flight.install(files.flight, ctx.cleanup_hooks, job.backend)
-        torch_trace.arm(Path(job.run_dir), job.backend)  # torch's own dump, on NCCL/RCCL, into this job's folder
+        # torch's own dump, on NCCL/RCCL, into this job's folder (in place, a later job moves it from the first's),
+        # and a thread that writes it when the launcher asks at its limit, stopped by the cleanup hooks.
+        torch_trace.arm(Path(job.run_dir), job.backend)
+        torch_trace.serve_requests(Path(job.run_dir), rank, job.backend, ctx.cleanup_hooks)
         run_scenario = resolve_entry(job.scenario)
         switches = set_determinism(int(job.config.get("seed", 0)), device_kind=job.device_kind)
         if init_group:

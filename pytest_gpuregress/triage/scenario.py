@@ -17,7 +17,7 @@ from collections.abc import Callable
 from ..reference.record import RunRecord
 from ..scenarios import registry
 from ..scenarios.base import Case, CheckScenario, Launch, Scenario, Setup
-from . import cheap_evidence
+from . import experiment as run_experiment
 
 
 class TriageScenario(CheckScenario):
@@ -40,8 +40,7 @@ class TriageScenario(CheckScenario):
 
     def experiment(self, case: Case, run: Callable[[Scenario, Launch], RunRecord], setup: Setup) -> RunRecord:
         target = registry()[case.data["scenario"]]
-        evidence = cheap_evidence(target, setup, run, case.data.get("model"))
-        found = {e.name: e for e in evidence}[case.data["experiment"]]
+        found = run_experiment(case.data["experiment"], target, setup, run, case.data.get("model"))
         return RunRecord(scenario=self.name, config={}, platform_key="", world_size=setup.world_size,
                          results={"status": found.status, "detail": found.detail, "lines": found.lines,
                                   "component": found.component})

@@ -31,6 +31,7 @@ SPECS = (
     "lr_scale", "linear_noise", "sdpa_backend", "host_op", "slow_step:seconds=0.01",
     "format:mode=fn_as_fnuz", "format:mode=keep_0x80", "format:mode=fnuz_max_448", "format:mode=flip_overflow",
     "format:mode=mx_scale_off_by_one", "format:mode=loader_fn_as_fnuz",
+    "format:mode=loader_e5m2_as_e4m3fn",
     "lora:mode=grad_leak", "lora:mode=rank0_slice", "lora:mode=zero_lora_b", "lora:mode=merge_ulp",
     *(f"checkpoint:mode={m}" for m in ("optimizer_dropped", "rank0_shard", "chunks_permuted", "tied_key_dropped",
                                        "untied", "rng_not_restored", "weights_late", "ulp_nudge")),

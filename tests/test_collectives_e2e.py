@@ -127,3 +127,22 @@ def test_average_and_premul_sum_are_exact_at_world_sizes_not_a_power_of_two(pyte
     dropped = sweep(pytester, "avg and bf16", "collective:op=all_reduce,reduce_op=avg,mode=zero_tail,count=8",
                     extra=(f"--gpuregress-world-size={world}", "--gpuregress-collectives-max-bytes=4KiB"))
     assert dropped.parseoutcomes().get("failed", 0) > 0
+
+
+def test_a_bf16_sum_that_truncates_is_caught_by_the_rounding_cases_only(pytester: pytest.Pytester) -> None:
+    # A backend whose bf16 SUM rounds toward zero: exact integer sums never round, so the bf16 cases pass; the
+    # bf16r cases, whose sums must round to nearest even, fail, every one.
+    result = sweep(pytester, "bf16 and sum and not premul_sum", "collective:mode=truncate_bf16")
+    rounding = {c.id for c in plan.plan("gloo", 2, 64 << 10) if c.dtype == "bf16r"}
+    assert set(failed_ids(result)) == rounding, result.stdout.str()[-3000:]
+    assert result.parseoutcomes()["passed"] > 50  # the integer bf16 SUM cases: blind to the rounding mode
+    result.stdout.fnmatch_lines(["*[[]collective[]] all_reduce SUM bf16r n=8 (16 B) in place: * wrong elements summed "
+                                 "over ranks and repeats*first wrong index 1 on rank 0: expected 16.25, got 16.125*"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sums_that_round_are_exact_on_gloo(pytester: pytest.Pytester, world: int) -> None:
+    result = sweep(pytester, "bf16r or fp16r", extra=(f"--gpuregress-world-size={world}",))
+    outcomes = result.parseoutcomes()
+    expected = len([c for c in plan.plan("gloo", world, 64 << 10) if c.dtype in plan.ROUNDING])
+    assert outcomes.get("failed", 0) == 0 and outcomes["passed"] == expected, result.stdout.str()[-3000:]

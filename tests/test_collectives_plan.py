@@ -156,3 +156,96 @@ def test_parse_bytes_and_protocol_groups() -> None:
     groups = protocol_groups(["LL", "LL128"], ["Ring"], "nccl")
     assert groups == {"LL+Ring": {"NCCL_PROTO": "LL", "NCCL_ALGO": "Ring"},
                       "LL128+Ring": {"NCCL_PROTO": "LL128", "NCCL_ALGO": "Ring"}}
+
+
+# --- sums that must round (bf16r, fp16r) -----------------------------------------------------------------------
+
+
+def _round_significand(x: float, bits: int, how: str) -> float:
+    """``x`` to ``bits`` significant bits, independent of torch and ml_dtypes: Python's round() is round half to even;
+    trunc is toward zero; half_up rounds ties away from zero. Exact: scaling by powers of two loses nothing."""
+    import math
+
+    _, exp = math.frexp(x)
+    scaled = x * 2.0 ** (bits - exp)
+    whole = {"rne": round(scaled), "trunc": math.trunc(scaled),
+             "half_up": math.copysign(math.floor(abs(scaled) + 0.5), scaled)}[how]
+    return float(whole) * 2.0 ** (exp - bits)
+
+
+def _rounding_inputs(world: int, dtype: str, salt: int, n: int = 4096) -> tuple[np.ndarray, list[np.ndarray]]:
+    idx = np.arange(n, dtype=np.int64)
+    return idx, [plan.rounding_values(idx, r, world, dtype, salt).astype(np.float64) * plan.unit(dtype)
+                 for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("dtype", ["bf16r", "fp16r"])
+def test_rounding_inputs_are_exact_and_their_sums_round_once_to_nearest_even(world: int, dtype: str) -> None:
+    import torch
+
+    from pytest_gpuregress.scenarios.collectives.rank import _cast
+
+    torch_dtype = getattr(torch, plan.DTYPES[dtype][1])
+    bits = plan.ROUNDING[dtype]
+    for salt in range(3):
+        idx, inputs = _rounding_inputs(world, dtype, salt)
+        if world > 1:  # every input is exact in the dtype; exactly two nonzero terms per element; every rank has some
+            for values in inputs:  # (one rank alone holds a + b: the sweep never runs there, its cases need a peer)
+                assert np.array_equal(torch.from_numpy(values).to(torch_dtype).double().numpy(), values)
+            np.testing.assert_array_equal(sum((v != 0).astype(int) for v in inputs), np.full(idx.shape, 2))
+            assert all((v != 0).sum() >= len(idx) // world for v in inputs)
+        exact = sum(inputs)
+        assert (exact == exact.astype(np.float32)).all()  # torch's double -> float -> dtype cast rounds once
+        expected = _cast(torch.from_numpy(plan.expected_reduction(idx, world, dtype, "sum", None, salt)), torch_dtype,
+                         torch, plan.unit(dtype)).double().numpy()
+        rne = np.array([_round_significand(x, bits, "rne") for x in exact])
+        np.testing.assert_array_equal(expected, rne)
+        assert (expected != 0).all()  # output buffers start at 0
+        assert (expected != exact).mean() > 0.7  # most sums round
+        trunc = np.array([_round_significand(x, bits, "trunc") for x in exact])
+        half_up = np.array([_round_significand(x, bits, "half_up") for x in exact])
+        assert (trunc != rne).mean() > 0.5 and (half_up != rne).any()  # both wrong roundings show
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+@pytest.mark.parametrize("dtype", ["bf16r", "fp16r"])
+def test_rounding_sums_are_the_same_in_any_order_a_backend_adds_them(world: int, dtype: str) -> None:
+    # Each partial sum is rounded to the dtype, as gloo and NCCL do (float accumulate, round to nearest even): with
+    # one nonzero term besides a, every order rounds a + b once.
+    import torch
+
+    torch_dtype = getattr(torch, plan.DTYPES[dtype][1])
+    idx, inputs = _rounding_inputs(world, dtype, salt=2)
+    terms = [torch.from_numpy(v).to(torch_dtype) for v in inputs]
+    expected = torch.from_numpy(sum(inputs)).to(torch_dtype)
+    for order in (list(range(world)), list(reversed(range(world))), [*range(1, world), 0]):
+        total = terms[order[0]]
+        for r in order[1:]:
+            total = total + terms[r]
+        assert torch.equal(total, expected), order
+    pairs = [terms[0] + terms[1], terms[1] + terms[0]] if world == 2 else []
+    assert all(torch.equal(p, expected) for p in pairs)
+
+
+def test_rounding_pairs_hold_ties_both_ways_and_non_ties() -> None:
+    bits = plan.ROUNDING["bf16r"]
+    sums = [(a + b) / 2 for a, b in plan._rounding_pairs(bits)]  # half units -> values around M = 256
+    rne = [_round_significand(x, bits, "rne") for x in sums]
+    assert 257.0 in sums and rne[sums.index(257.0)] == 256.0  # a tie down to even: half-up gives 258
+    assert 259.0 in sums and rne[sums.index(259.0)] == 260.0  # a tie up to even: truncation gives 258
+    assert -259.0 in sums and rne[sums.index(-259.0)] == -260.0
+    assert 515.0 in sums and rne[sums.index(515.0)] == 516.0  # over the binade, where the ulp is 4
+    assert all(x != 0 for x in sums)
+
+
+def test_rounding_cases_are_sums_of_two_reductions_at_a_few_sizes() -> None:
+    for backend in ("gloo", "nccl"):
+        cases = [c for c in plan.plan(backend, 2, 4 << 20) if c.dtype in plan.ROUNDING]
+        assert {(c.op, c.reduce_op) for c in cases} == {("all_reduce", "sum"), ("reduce_scatter", "sum")}
+        assert {c.n for c in cases} == set(plan.ROUNDING_SIZES) and len(cases) == 2 * 4 * len(plan.ROUNDING_SIZES)
+    ids = [c.id for c in plan.plan("gloo", 2, 4 << 20)]
+    assert "all_reduce-sum-bf16r-n1031-inplace" in ids and "reduce_scatter-list-sum-fp16r-n8-outofplace" in ids
+    assert all(c.n * 2 * 2 <= 16 << 10 for c in plan.plan("gloo", 2, 16 << 10) if c.dtype in plan.ROUNDING)
+    case = plan.Case("all_reduce", "", "sum", "bf16r", 8, True)
+    assert case.describe(2) == "all_reduce SUM bf16r n=8 (16 B) in place" and case.nbytes(2) == 16

@@ -102,6 +102,11 @@ def test_a_loader_fault_reaches_only_the_io_cases_of_its_loader() -> None:
     assert all(reach.reaches(every, f"formats-io-{p}") for p in ("safetensors", "safe_open", "torch_load", "dcp",
                                                                   "transformers"))
     assert reach.reaches(parse("format:mode=fn_as_fnuz"), "formats-decode-e4m3fn")
+    e5m2 = parse("format:mode=loader_e5m2_as_e4m3fn")  # transformers' fine-grained fp8 is e4m3fn only
+    assert all(reach.reaches(e5m2, f"formats-io-{p}") for p in ("safetensors", "safe_open", "torch_load", "dcp"))
+    assert not reach.reaches(e5m2, "formats-io-transformers")
+    assert not reach.reaches(parse("format:mode=loader_e5m2_as_e4m3fn,path=safe_open"), "formats-io-transformers")
+    assert "e4m3fn only" in reach.unreached_reason(["format:mode=loader_e5m2_as_e4m3fn"], "formats", "io-transformers")
 
 
 def test_consensus_is_reached_by_the_faults_its_workloads_run_into() -> None:
@@ -109,3 +114,14 @@ def test_consensus_is_reached_by_the_faults_its_workloads_run_into() -> None:
     assert not reach.reaches(parse("matmul_ulp:rank=1"), "consensus-links")  # the link sweep runs no matmul
     assert reach.reaches(parse("collective:op=all_gather,mode=nudge,rel=1e-3"), "consensus-links")
     assert not reach.reaches(parse("collective:op=reduce_scatter,mode=nudge,rel=1e-3"), "consensus-links")
+
+
+def test_a_truncating_bf16_sum_reaches_only_the_sweeps_reductions() -> None:
+    truncate = parse("collective:mode=truncate_bf16")
+    assert reach.key_of(truncate) == "collective:truncate_bf16"
+    assert reach.reaches(truncate, "collectives-all_reduce-sum-bf16r-n8-inplace")
+    assert reach.reaches(truncate, "collectives-proto_LL-reduce_scatter-single-sum-bf16r-n8-outofplace")
+    assert not reach.reaches(truncate, "collectives-all_gather-single-bf16-n8-outofplace")
+    assert not reach.reaches(parse("collective:op=all_gather|all_reduce,mode=truncate_bf16"),
+                             "collectives-reduce_scatter-list-sum-bf16r-n8-outofplace")
+    assert not reach.reaches(truncate, "fsdp") and not reach.reaches(truncate, "consensus-links")

@@ -116,10 +116,12 @@ def test_faults_are_undone_after_the_run() -> None:
 def test_format_fault_specs_are_checked() -> None:
     with pytest.raises(BadFaultSpec, match="mode='fn_as_fn' is not allowed; mode takes one of fn_as_fnuz|keep_0x80"):
         faults.parse("format:mode=fn_as_fn")
-    from pytest_gpuregress.faults.formats import PATCHES
+    from pytest_gpuregress.faults.formats import LOADER_MODES, PATCHES
+    from pytest_gpuregress.faults.loaders import MODES
 
-    # Every mode intercepts a fault point of the scenario's device functions, or (loader_fn_as_fnuz) wraps the stack's loaders.
-    assert set(PATCHES) | {"loader_fn_as_fnuz"} == set(faults.KINDS["format"].params["mode"].choices)
+    # Every mode intercepts a fault point of the scenario's device functions, or (loader_*) wraps the stack's loaders.
+    assert set(PATCHES) | set(LOADER_MODES) == set(faults.KINDS["format"].params["mode"].choices)
+    assert set(LOADER_MODES) == set(MODES)
     ctx = RankContext(0, 1, 0, "cpu", "gloo", {}, Path("."))
     with pytest.raises(BadFaultSpec, match="fault kind 'format' needs mode="):
         faults.install(["format:by=2"], ctx)
@@ -138,6 +140,20 @@ def test_warn_mode_passes_a_behaviour_change_and_still_shows_it(clean: RunRecord
     start = lines.index("format behaviours that changed since the reference (--gpuregress-format-changes=warn, not failed):")
     assert "  overflow to e4m3fn now gives NaN; the reference saturated to 448" in lines[start:]
     record.results.pop("warned")
+
+
+def test_a_path_only_rank_0_checks_is_no_disagreement_between_the_devices() -> None:
+    # transformers' save_pretrained writes on rank 0 only, so rank 1 skips formats-io-transformers: that is no
+    # measurement, and must not read as "the devices of this machine disagree".
+    def io(**path: object) -> RunRecord:
+        return RunRecord(scenario="formats", config={}, platform_key="cpu-gloo-w2-fp32", world_size=2,
+                         results={"io": {"transformers": {"problems": [], "known_issues": [], "checked": 0, **path}}})
+
+    rank0 = io(checked=12)
+    skipped = io(skipped="under torch.distributed, save_pretrained writes on rank 0 only: rank 0 checks this path")
+    assert judge.rank_differences(rank0, skipped) == []
+    other = io(checked=12, problems=["fine_grained_e4m3fn: from_pretrained: 1 of 12 tensors; first w: 3 bytes differ"])
+    assert judge.rank_differences(rank0, other) == ["io-transformers"]
 
 
 def test_ranks_that_measure_differently_are_named(clean: RunRecord) -> None:

@@ -1,7 +1,8 @@
 """The formats scenario's io cases: the quantized checkpoints through the stack's own loaders and writers.
 
 A misread placed inside each real loader (safetensors' load_file and safe_open, torch.load, DCP,
-transformers' from_pretrained) must be caught and named with both formats and the factor; a clean
+transformers' from_pretrained) must be caught and named with both formats and the factor, for the e4m3
+and the e5m2 families (e5m2 only where the path carries it: not transformers' e4m3fn-only layout); a clean
 stack passes every path; a known failure of the installed library is reported by name while the
 other paths still run; an unknown one fails its path."""
 
@@ -19,12 +20,14 @@ from pytest_gpuregress.errors import NotApplicable
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios.base import Case, Setup
 from pytest_gpuregress.scenarios.formats import SCENARIO, judge, known_issues, roundtrip, stack_io
-from pytest_gpuregress.scenarios.formats.catalog import IO_PATHS, SCHEMES
+from pytest_gpuregress.scenarios.formats.catalog import IO_PATHS, IO_SCHEMES, SCHEMES
 
 pytestmark = pytest.mark.cpu_sensitive  # .ci/run runs these again on a lower CPU kernel path
 
 CONFIG = {"model": "tiny-llama", "model_size": "cpu", "seed": 0, "batch": [2, 16]}
 E4M3FN = ["per_tensor_e4m3fn"]
+E5M2 = ["per_tensor_e4m3fn", "per_tensor_e5m2", "per_tensor_e5m2fnuz"]
+E5M2_PATHS = [p for p in IO_PATHS if p != "transformers"]  # transformers' fine-grained fp8 is e4m3fn only
 
 
 def io_results(paths: list[str], schemes: list[str] = E4M3FN, *specs: str) -> tuple[dict[str, Any], list[int]]:
@@ -45,13 +48,13 @@ def verdict(path: str, io: dict[str, Any]) -> list[str]:
 
 
 def test_every_path_reads_and_writes_every_scheme_byte_for_byte_on_a_clean_stack() -> None:
-    io, _ = io_results(list(IO_PATHS), list(SCHEMES))
+    io, _ = io_results(list(IO_PATHS), [*SCHEMES, *IO_SCHEMES])
     for path in IO_PATHS:
         assert io[path]["problems"] == [], path
         assert io[path]["checked"] > 0, path
         assert verdict(path, io) == [] or path == "transformers"  # transformers may skip on an old version
-    # Every scheme goes through the generic paths: 5 schemes of 17 weights, 1 probe, with scales and amax.
-    assert io["torch_load"]["checked"] >= 5 * 18 * 2
+    # Every scheme goes through the generic paths: 7 schemes of 17 weights, 1 probe, with scales and amax.
+    assert io["torch_load"]["checked"] >= 7 * 18 * 2
 
 
 @pytest.mark.parametrize("path", IO_PATHS)
@@ -65,6 +68,56 @@ def test_a_fn_to_fnuz_misread_inside_each_real_loader_is_caught_and_named(path: 
     assert text.startswith(f"[checkpoint I/O] {path} (")
     assert "e4m3fn" in text and "e4m3fnuz" in text and "factor 2" in text
     assert "0x80 -> 0x00 rewrite" in text  # the fix
+
+
+@pytest.mark.parametrize("path", E5M2_PATHS)
+def test_an_e5m2_as_e4m3fn_misread_inside_each_real_loader_is_caught_and_named(path: str) -> None:
+    io, fired = io_results([path], E5M2, f"format:mode=loader_e5m2_as_e4m3fn,path={path}")
+    assert fired[0] > 0
+    problems = verdict(path, io)
+    assert problems and all(": per_tensor_e5m2: " in p for p in problems)  # the e4m3fn and e5m2fnuz files read right
+    problem = problems[0]
+    assert problem.startswith(f"[checkpoint I/O] {path} (")
+    assert ": per_tensor_e5m2: " in problem and "first model.embed_tokens.weight: written as torch.float8_e5m2 " \
+        "(F8_E5M2), read back as torch.float8_e4m3fn: the loader reads e5m2 bytes as e4m3fn, values change by no " \
+        "single factor (code 0x" in problem
+
+
+def test_a_load_file_that_hands_e5m2_back_as_e4m3fn_fails_io_safetensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the public API: the same bytes, the wrong dtype. Only a file with e5m2 tensors can show it."""
+    import safetensors.torch
+    import torch
+
+    real = safetensors.torch.load_file
+
+    def e5m2_as_e4m3fn(filename: str, device: str = "cpu") -> dict[str, Any]:
+        return {k: t.view(torch.float8_e4m3fn) if t.dtype == torch.float8_e5m2 else t
+                for k, t in real(filename, device=device).items()}
+
+    monkeypatch.setattr(safetensors.torch, "load_file", e5m2_as_e4m3fn)
+    io, _ = io_results(["safetensors"], E5M2)
+    [problem] = verdict("safetensors", io)
+    assert problem.startswith("[checkpoint I/O] safetensors (safetensors ")
+    assert "per_tensor_e5m2: load_file: 17 of 51 tensors; first model.embed_tokens.weight: written as " \
+           "torch.float8_e5m2 (F8_E5M2), read back as torch.float8_e4m3fn: the loader reads e5m2 bytes as e4m3fn" \
+           in problem
+    assert "fix: the loader must hand F8_E5M2 tensors back as torch.float8_e5m2" in problem
+
+
+def test_a_loader_that_hands_e5m2fnuz_back_as_e5m2_is_named_with_the_factor(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    real = torch.load
+
+    def fnuz_as_fn(*args: Any, **kwargs: Any) -> Any:
+        return {k: t.view(torch.float8_e5m2) if t.dtype == torch.float8_e5m2fnuz else t
+                for k, t in real(*args, **kwargs).items()}
+
+    monkeypatch.setattr(torch, "load", fnuz_as_fn)
+    io, _ = io_results(["torch_load"], E5M2)
+    [problem] = io["torch_load"]["problems"]
+    assert problem.startswith("per_tensor_e5m2fnuz: torch.load(weights_only=True): 17 of 51 tensors;")
+    assert "the loader reads e5m2fnuz bytes as e5m2, every value 2x (factor 2)" in problem
 
 
 def test_a_misread_in_torch_load_shows_through_dcp_which_loads_with_it() -> None:
@@ -135,6 +188,49 @@ def test_known_issues_match_only_their_call_symptom_tags_and_versions(monkeypatc
         == "safetensors-no-fnuz"
     assert known_issues.match("safetensors", "load_file", "SafetensorError: InvalidHeaderDeserialization",
                               frozenset({"F8_E4M3", "F32"})) is None  # a plain fp8 file it cannot read: a failure
+    # e5m2fnuz is the same issue, in the words safetensors 0.7.0 says it (measured)
+    e5m2fnuz = frozenset({"F8_E5M2FNUZ", "F32"})
+    unknown = ("SafetensorError: Error while deserializing header: invalid JSON in header: unknown variant "
+               "`F8_E5M2FNUZ`, expected one of `BOOL`, `F4`, `F6_E2M3`, `F6_E3M2`, `U8`, `I8`, `F8_E5M2`, `F8_E4M3`")
+    assert known_issues.match("safetensors", "save_file", "KeyError: torch.float8_e5m2fnuz", e5m2fnuz).name \
+        == known_issues.match("safetensors", "get_slice", unknown, e5m2fnuz).name == "safetensors-no-fnuz"
+    assert known_issues.match("safetensors", "load_file", unknown, frozenset({"F8_E5M2", "F32"})) is None
+    versions["safetensors"] = "0.8.0"
+    assert known_issues.match("safetensors", "load_file", unknown, e5m2fnuz) is None
+
+
+def test_a_safetensors_without_the_e5m2fnuz_tag_gives_the_known_issue_not_a_failure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What safetensors 0.7.0 does with the e5m2fnuz file (measured): the named issue of e4m3fnuz, and the
+    e4m3fn and e5m2 files still compared."""
+    import safetensors.torch
+
+    real_save, real_load = safetensors.torch.save_file, safetensors.torch.load_file
+
+    def no_fnuz_save(tensors: dict[str, Any], filename: str, metadata: Any = None) -> None:
+        fnuz = [t.dtype for t in tensors.values() if "fnuz" in str(t.dtype)]
+        if fnuz:
+            raise KeyError(fnuz[0])
+        real_save(tensors, filename, metadata=metadata)
+
+    def no_fnuz_load(filename: str, device: str = "cpu") -> dict[str, Any]:
+        if "fnuz" in Path(filename).name:
+            raise RuntimeError("Error while deserializing header: invalid JSON in header: unknown variant "
+                               "`F8_E5M2FNUZ`, expected one of `BOOL`, `F4`, `U8`, `F8_E5M2`, `F8_E4M3`")
+        return real_load(filename, device=device)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", no_fnuz_save)
+    monkeypatch.setattr(safetensors.torch, "load_file", no_fnuz_load)
+    real_installed = known_issues.installed
+    monkeypatch.setattr(known_issues, "installed", lambda d: "0.7.0" if d == "safetensors" else real_installed(d))
+    io, _ = io_results(["safetensors"], E5M2)
+    assert io["safetensors"]["problems"] == []
+    assert [i.split(": known issue ")[0] for i in io["safetensors"]["known_issues"]] == [
+        "per_tensor_e5m2fnuz: save_file", "per_tensor_e5m2fnuz: load_file"]
+    assert all("safetensors-no-fnuz" in i for i in io["safetensors"]["known_issues"])
+    assert io["safetensors"]["checked"] == 4 * 51  # e4m3fn and e5m2, each written and read
+    with pytest.warns(judge.KnownStackIssue, match="safetensors-no-fnuz"):
+        assert verdict("safetensors", io) == []
 
 
 def test_a_path_whose_every_scheme_ended_in_a_known_issue_fails_as_not_exercised() -> None:
@@ -179,7 +275,7 @@ def test_slices_from_the_middle_the_end_and_by_column_are_checked(monkeypatch: p
 
     class Handle(_Handle):
         def get_slice(self, name: str) -> Any:
-            return FromTheStart(self._inner.get_slice(name), self._firing)
+            return FromTheStart(self._inner.get_slice(name), self._misread)
 
     real = safetensors.safe_open
     monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: Handle(real(*a, **k), None))

@@ -95,8 +95,9 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("collective", ".collective:install", "corrupt the output of matching collectives", {
         "op": Param("choices", "which collectives", COLLECTIVE_OPS),
         "mode": Param("choice", "nudge: one element x (1+rel); zero_tail: the last `count` elements; zeros; "
-                                "stale_chunk: chunk `chunk` keeps the previous call's value",
-                      ("nudge", "zero_tail", "zeros", "stale_chunk")),
+                                "stale_chunk: chunk `chunk` keeps the previous call's value; truncate_bf16: a bf16 SUM "
+                                "all-reduce or reduce-scatter rounds toward zero instead of to nearest even",
+                      ("nudge", "zero_tail", "zeros", "stale_chunk", "truncate_bf16")),
         "rel": Param("number", "relative size of a nudge (default 1e-3)"),
         "count": Param("int", "elements zeroed by zero_tail (default 8)", minimum=1),
         "chunk": Param("int", "which chunk stale_chunk restores (default -1, the last)"),
@@ -147,10 +148,12 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                                 "0x80; fnuz_max_448: 448 used as e4m3fnuz's maximum for scales; flip_overflow: a "
                                 "saturating cast gives NaN/inf on overflow, and the reverse; mx_scale_off_by_one: "
                                 "the MX shared exponent is off by `by`; loader_fn_as_fnuz: the stack's own "
-                                "checkpoint loader (of `path`, default all) hands e4m3fn tensors back as e4m3fnuz",
+                                "checkpoint loader (of `path`, default all) hands e4m3fn tensors back as e4m3fnuz; "
+                                "loader_e5m2_as_e4m3fn: it hands e5m2 tensors back as e4m3fn",
                       ("fn_as_fnuz", "keep_0x80", "fnuz_max_448", "flip_overflow", "mx_scale_off_by_one",
-                       "loader_fn_as_fnuz")),
-        "path": Param("choice", "loader_fn_as_fnuz: the stack's I/O path whose loader misreads (default every one)",
+                       "loader_fn_as_fnuz", "loader_e5m2_as_e4m3fn")),
+        "path": Param("choice", "loader_fn_as_fnuz, loader_e5m2_as_e4m3fn: the stack's I/O path whose loader "
+                                "misreads (default every one)",
                       ("safetensors", "safe_open", "torch_load", "dcp", "transformers")),
         "format": Param("choice", "the format flip_overflow changes (default e4m3fn)",
                         ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz", "e8m0fnu", "e2m1fn")),

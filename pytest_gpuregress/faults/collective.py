@@ -3,10 +3,15 @@
 Every public collective of ``torch.distributed`` (and the private single-tensor forms older FSDP
 releases call) is wrapped; the wrapper lets the real call finish, then corrupts its output when
 the spec's filters match: op family, message size, dtype, reduction, rank, and one call in N.
+
+Mode ``truncate_bf16`` is a reduction with the wrong rounding rather than corrupt bytes: a bf16 SUM
+all-reduce or reduce-scatter recomputed from every rank's input, accumulated in float32 and cut to
+bf16 toward zero (the low 16 bits dropped) instead of rounded to nearest even.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +46,11 @@ def nbytes(value: Any) -> int:
 
 def _flat_outputs(out: Any) -> list[Any]:
     return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+# Reductions a truncating bf16 SUM recomputes, and where each keeps its input (torch.distributed's argument names).
+TRUNCATED_FAMILIES = ("all_reduce", "reduce_scatter")
+_INPUT_ARGUMENT = ("tensor", "input", "input_list")
 
 
 def reduce_op_name(op: Any) -> str | None:
@@ -89,13 +99,24 @@ class CollectiveFault:
     def fired(self) -> int:
         return self.firing.count
 
-    def after(self, family: str, size: int, out: Any, op: Any) -> None:
-        if not self.matches(family, size, out, op):
+    def truncates(self, family: str, size: int, out: Any, op: Any) -> bool:
+        """Whether this call is a bf16 SUM reduction this fault recomputes with truncation (mode truncate_bf16)."""
+        return (self.mode == "truncate_bf16" and family in TRUNCATED_FAMILIES and self.matches(family, size, out, op)
+                and str(_flat_outputs(out)[0].dtype) == "torch.bfloat16" and reduce_op_name(op) == "sum")
+
+    def after(self, family: str, size: int, out: Any, op: Any, captured: tuple[Any, Any] | None = None) -> None:
+        """Corrupt the finished call's output. ``captured``: (this rank's input in float32, group), taken before the
+        call for truncate_bf16 (an all-reduce overwrites its input)."""
+        if not self.matches(family, size, out, op) or (self.mode == "truncate_bf16" and captured is None):
             return
         self.calls += 1
         fire = self.calls % self.every == 0
         outputs = _flat_outputs(out)
-        if self.mode == "stale_chunk":
+        if self.mode == "truncate_bf16":
+            if fire and captured is not None:
+                _truncated_sum(family, outputs, *captured)
+                self.firing.fire()  # the call was rerouted through the truncating sum, whatever its inputs
+        elif self.mode == "stale_chunk":
             key = (family, str(outputs[0].dtype), tuple(tuple(t.shape) for t in outputs))
             previous = self.stale.get(key)
             self.stale[key] = [t.detach().clone() for t in outputs]
@@ -139,10 +160,67 @@ class CollectiveFault:
         return True
 
 
+def _float32_input(bound: dict[str, Any]) -> Any:
+    """This rank's whole input of a reduction, in float32: the in-place tensor, the input, or the input list joined."""
+    import torch
+
+    value = next(bound[key] for key in _INPUT_ARGUMENT if key in bound)
+    return torch.cat([t.reshape(-1) for t in value]).float() if isinstance(value, (list, tuple)) else \
+        value.detach().reshape(-1).float().clone()
+
+
+def _truncated_sum(family: str, outputs: list[Any], mine: Any, group: Any) -> None:
+    """Overwrite ``outputs`` with the SUM as a truncating backend computes it: every rank's input gathered in
+    float32 (through the real all-gather), added in rank order in float32, then cut to bf16 toward zero by masking
+    the low 16 bits of each float32, where a correct backend rounds to nearest even."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    gathered = torch.empty(world * mine.numel(), dtype=torch.float32, device=mine.device)
+    dist.all_gather_into_tensor(gathered, mine, group=group)  # inside this fault's call: the real one runs
+    total = gathered.view(world, -1)[0].clone()
+    for r in range(1, world):
+        total += gathered.view(world, -1)[r]
+    truncated = (total.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: low bits are 0
+    if family == "reduce_scatter":
+        truncated = truncated.view(world, -1)[rank]
+    outputs[0].view(-1).copy_(truncated)  # a reduction has one output tensor
+
+
+def _finished(work: Any) -> Any:
+    """A finished stand-in for ``work``, already waited for, whose wait() writes nothing: gloo's reduce_scatter_single
+    copies its result into the output again at every wait(), which would undo the fault the caller must see."""
+    import torch.distributed as dist
+
+    class FinishedWork(dist.Work):  # a Work, as torch's own _IllegalWork: callers may check the type
+        def __init__(self, real: Any) -> None:
+            super().__init__()
+            self.real = real
+
+        def wait(self, timeout: Any = None) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+        def is_success(self) -> bool:
+            return True
+
+        def exception(self) -> Any:
+            return None
+
+        def get_future(self) -> Any:
+            return self.real.get_future()
+
+    return FinishedWork(work)
+
+
 def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[], None]:
     """Wrap ``dist.<name>``; return the undo (ranks outlive a launch, so no patch may outlive it)."""
     original = getattr(dist, name)
     family, out_key = COLLECTIVES[name]
+    signature = inspect.signature(original)  # to find the op, group and input however the caller passed them
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if getattr(fault.local, "inside", False) or in_plugin_own_collective():  # nested, or the plugin's own call
@@ -151,12 +229,22 @@ def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[
         try:
             out = kwargs.get(out_key, args[0] if args else None)
             size = max(nbytes(out), nbytes(args[1] if len(args) > 1 else kwargs.get("input", None)))
+            try:
+                bound = signature.bind_partial(*args, **kwargs).arguments
+            except TypeError:  # a call the real function will refuse: let it say why
+                bound = kwargs
+            op = bound.get("op")
+            captured = None
+            if fault.truncates(family, size, out, op):
+                with fault_region():
+                    captured = (_float32_input(bound), bound.get("group"))
             work = original(*args, **kwargs)
             if work is not None and hasattr(work, "wait"):  # async_op, given by keyword or position: finish first
                 work.wait()
+            acted = fault.firing.count
             with fault_region():  # the fault's own arithmetic stays out of the kernel inventory
-                fault.after(family, size, out, kwargs.get("op"))
-            return work
+                fault.after(family, size, out, op, captured)
+            return _finished(work) if work is not None and fault.firing.count > acted else work
         finally:
             fault.local.inside = False
 

@@ -10,6 +10,7 @@ Each mode intercepts one fault point of the formats scenario's device functions 
   mx_scale_off_by_one  the MX shared exponent is off by ``by`` (default +1)
   loader_fn_as_fnuz    the stack's own checkpoint loader (safetensors, torch.load, DCP, transformers) hands
                        e4m3fn tensors back as e4m3fnuz: faults/loaders.py
+  loader_e5m2_as_e4m3fn  the same loaders hand e5m2 tensors back as e4m3fn (the same bytes, the wrong dtype)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ Wrapper = Callable[[Callable[..., Any], FaultSpec, Firing], Callable[..., Any]]
 
 def install_format(spec: FaultSpec, ctx: Any) -> Firing:
     mode = spec.get("mode")
-    if mode == "loader_fn_as_fnuz":  # in the stack's loaders, not in the scenario's device functions
+    if mode in LOADER_MODES:  # in the stack's loaders, not in the scenario's device functions
         from . import loaders
 
         return loaders.install(spec, ctx)
@@ -111,6 +112,7 @@ def _mx_off(exponent: Callable[..., Any], spec: FaultSpec, firing: Firing) -> Ca
     return off
 
 
+LOADER_MODES = ("loader_fn_as_fnuz", "loader_e5m2_as_e4m3fn")  # faults/loaders.py MODES
 # mode -> (the device function it intercepts: fault point formats.<function>, the wrapper)
 PATCHES: dict[str, tuple[str, Wrapper]] = {
     "fn_as_fnuz": ("decode", _read_fn_as_fnuz),

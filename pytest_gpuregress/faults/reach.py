@@ -38,6 +38,8 @@ _FROM_STEP_0 = tuple(c for c in _STEPPING if c not in RESUMES)
 # kind, or "kind:mode" -> the columns it reaches. Why a column is missing is in WHY_NOT.
 REACH: dict[str, tuple[str, ...]] = {
     "collective": (*_COLLECTIVE, "consensus-links"),  # the link sweep moves data only: LINK_OPS
+    # bf16 SUM reductions only: the training scenarios reduce in fp32 (CPU, and FSDP2's bf16 with fp32 reduction)
+    "collective:truncate_bf16": ("collectives",),
     "emulate_premul_sum": _COLLECTIVE,
     "lr_scale": _STEPPING,
     "linear_noise": (*_FORWARD, *_DEVICE_WORKLOAD),
@@ -50,6 +52,7 @@ REACH: dict[str, tuple[str, ...]] = {
     "teardown_abort": _STEPPING,
     "format": ("formats",),
     "format:loader_fn_as_fnuz": ("formats",),  # only the io cases its loader serves: LOADER_CASES
+    "format:loader_e5m2_as_e4m3fn": ("formats",),  # likewise, but never io-transformers: NO_E5M2_CASES
     "lora": ("lora-fully_shard", "lora-accelerate"),
     "lora:rank0_slice": ("lora-fully_shard", "lora-accelerate"),
     # The resume cases load their reference's checkpoint through the same points (training/state_apply.py,
@@ -67,10 +70,16 @@ REACH: dict[str, tuple[str, ...]] = {
                              "checkpoint-sharded-1to2", "checkpoint-resume", "checkpoint-portability"),
 }
 
-# format:loader_fn_as_fnuz,path=P misreads inside the stack's loader P, so it acts in the formats-io cases whose
-# path calls that loader: DCP reads its files with torch.load, transformers (5.x) with safetensors.safe_open.
+# format:loader_fn_as_fnuz,path=P (and loader_e5m2_as_e4m3fn) misreads inside the stack's loader P, so it acts in the
+# formats-io cases whose path calls that loader: DCP reads its files with torch.load, transformers (5.x) with
+# safetensors.safe_open.
 LOADER_CASES = {"safetensors": ("safetensors",), "safe_open": ("safe_open", "transformers"),
                 "torch_load": ("torch_load", "dcp"), "dcp": ("dcp",), "transformers": ("transformers",)}
+LOADER_KEYS = ("format:loader_fn_as_fnuz", "format:loader_e5m2_as_e4m3fn")
+# transformers' fine-grained fp8 layout is e4m3fn only: io-transformers loads no e5m2 tensor to misread.
+NO_E5M2_CASES = ("transformers",)
+CASE_WHY_NOT = {("format:loader_e5m2_as_e4m3fn", "formats-io-transformers"):
+                "transformers' fine-grained fp8 layout is e4m3fn only: no e5m2 tensor goes through it"}
 
 # On a CPU, accelerate wraps the model in DDP: its collectives are all_reduce and broadcast, and its state dict
 # holds whole tensors, so there is no shard to lose. On GPUs it runs FSDP2 and every op and rank0_slice act.
@@ -78,6 +87,8 @@ CPU_DDP_OPS = ("all_reduce", "broadcast")
 CPU_DDP_COLUMNS = ("lora-accelerate", "lora-accelerate-resume")
 # consensus-links sweeps the ops whose every output element comes from one known rank (collectives/plan.py).
 LINK_OPS = ("all_gather", "broadcast", "all_to_all")
+# collective:mode=truncate_bf16 recomputes reductions only (faults/collective.py TRUNCATED_FAMILIES).
+TRUNCATED_OPS = ("all_reduce", "reduce_scatter")
 CPU_ONLY_MISSING = {("lora:rank0_slice", "lora-accelerate"): "on a CPU accelerate runs DDP, whose state dict holds "
                                                              "whole tensors: no slice to lose (FSDP2 on GPUs)"}
 
@@ -114,17 +125,26 @@ def reaches(spec: FaultSpec, test_id: str, device_kind: str = "cpu") -> bool:
         return False
     if device_kind == "cpu" and (key, column) in CPU_ONLY_MISSING:
         return False
-    if key == "format:loader_fn_as_fnuz" and test_id != column:
+    if key in LOADER_KEYS and test_id != column:
         paths = LOADER_CASES[spec.get("path")] if spec.get("path") else tuple(p for ps in LOADER_CASES.values() for p in ps)
+        if key == "format:loader_e5m2_as_e4m3fn":
+            paths = tuple(p for p in paths if p not in NO_E5M2_CASES)
         return any(test_id == f"formats-io-{p}" for p in paths)
     ops = spec.get("op") if spec.kind == "collective" else None
+    if key == "collective:truncate_bf16" and test_id != column:
+        return _sweep_op(test_id) in set(ops or TRUNCATED_OPS) & set(TRUNCATED_OPS)
     if ops and column == "collectives" and test_id != column:
-        return test_id.split("-")[1] in ops  # a sweep case runs one op: collectives-<op>-...
+        return _sweep_op(test_id) in ops
     if ops and column == "consensus-links":
         return bool(set(ops) & set(LINK_OPS))
     if ops and column in CPU_DDP_COLUMNS and device_kind == "cpu":
         return bool(set(ops) & set(CPU_DDP_OPS))
     return True
+
+
+def _sweep_op(test_id: str) -> str:
+    """The one op a sweep case runs: collectives-[proto_<P>-]<op>-..."""
+    return next((part for part in test_id.split("-")[1:] if not part.startswith("proto_")), "")
 
 
 def test_id(scenario: str, case_id: str) -> str:
@@ -145,7 +165,8 @@ def unreached_reason(texts: Iterable[str], scenario: str, case_id: str, device_k
     if not texts or any(reaches(parse(t), tid, device_kind) for t in texts):
         return None
     column = column_of(tid) or tid
-    whys = [CPU_ONLY_MISSING.get((key_of(parse(t)), column), "") if device_kind == "cpu" else "" for t in texts]
+    whys = [CASE_WHY_NOT.get((key_of(parse(t)), tid))
+            or (CPU_ONLY_MISSING.get((key_of(parse(t)), column), "") if device_kind == "cpu" else "") for t in texts]
     why = "; ".join(filter(None, whys)) or WHY_NOT.get(column, "")
     acts = sorted({c for t in texts for c in REACH.get(key_of(parse(t)), ())
                    if scenario in BUILT_IN and reaches(parse(t), c, device_kind)})
@@ -165,8 +186,12 @@ def table_lines() -> list[str]:
                 cells.append("GPU only")
             elif key == "format:loader_fn_as_fnuz":
                 cells.append("acts (io cases)")
+            elif key == "format:loader_e5m2_as_e4m3fn":
+                cells.append("acts (io cases except transformers)")
             elif key == "collective" and column in CPU_DDP_COLUMNS:
                 cells.append("acts (CPU: all_reduce, broadcast)")
+            elif key == "collective:truncate_bf16":
+                cells.append(f"acts (bf16 SUM {', '.join(TRUNCATED_OPS)})")
             elif key == "collective" and column == "consensus-links":
                 cells.append(f"acts ({', '.join(LINK_OPS)})")
             else:

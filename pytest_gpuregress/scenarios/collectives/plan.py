@@ -25,7 +25,12 @@ DTYPES: dict[str, tuple[int, str]] = {
     "int32": (4, "int32"),
     "fp8e4m3": (1, "float8_e4m3fn"),
     "fp8e5m2": (1, "float8_e5m2"),
+    "bf16r": (2, "bfloat16"),  # bf16 and fp16 SUM whose sums round (rounding_values)
+    "fp16r": (2, "float16"),
 }
+# rounding dtype -> significant bits of its storage dtype (bf16: 8, fp16: 11)
+ROUNDING = {"bf16r": 8, "fp16r": 11}
+ROUNDING_SIZES = (8, 1031, 65536)  # small, a tail of 7, mid-size: its inputs are not about size bands
 REDUCE_OPS = ("sum", "avg", "max", "min", "premul_sum")
 # (op, variant, reduce op, in place)
 KINDS: list[tuple[str, str, str, bool]] = [
@@ -106,6 +111,8 @@ def supported(backend: str, op: str, reduce_op: str, dtype: str, emulated: tuple
 
     ``emulated``: ops a fault shim provides (emulate_premul_sum), all-reduce only."""
     is_int = dtype == "int32"
+    if dtype in ROUNDING:  # only a sum adds exactly two terms per element (rounding_values)
+        return reduce_op == "sum" and op in ("all_reduce", "reduce_scatter")
     if dtype.startswith("fp8"):
         return backend == "nccl" and op in MOVE_ONLY
     if reduce_op == "premul_sum":
@@ -119,16 +126,24 @@ def supported(backend: str, op: str, reduce_op: str, dtype: str, emulated: tuple
 
 def plan(backend: str, world: int, max_bytes: int, dtypes: list[str] | None = None,
          protocols: list[str] | None = None, emulated: tuple[str, ...] = ()) -> list[Case]:
-    chosen = dtypes or (["fp32", "bf16", "fp16", "int32"] + (["fp8e4m3", "fp8e5m2"] if backend == "nccl" else []))
+    chosen = dtypes or (["fp32", "bf16", "fp16", "int32", *ROUNDING]
+                        + (["fp8e4m3", "fp8e5m2"] if backend == "nccl" else []))
     cases: list[Case] = []
     for protocol in protocols or ["default"]:
         for op, variant, reduce_op, in_place in KINDS:
             for dtype in chosen:
                 if not supported(backend, op, reduce_op, dtype, emulated):
                     continue
-                for n in sizes(max_bytes, DTYPES[dtype][0], world):
+                for n in _sizes_of(dtype, max_bytes, world):
                     cases.append(Case(op, variant, reduce_op, dtype, n, in_place, protocol))
     return cases
+
+
+def _sizes_of(dtype: str, max_bytes: int, world: int) -> list[int]:
+    elem = DTYPES[dtype][0]
+    if dtype in ROUNDING:  # a few sizes: the other cases of the dtype already cover every size band
+        return [n for n in ROUNDING_SIZES if n * elem * world <= max_bytes]
+    return sizes(max_bytes, elem, world)
 
 
 LINK_SIZES = (1, 7, 1031, 4096)  # elements per rank per peer: one element, a short tail, odd, a page
@@ -182,6 +197,60 @@ def avg_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) -> An
     return base + delta
 
 
+def _rounding_pairs(bits: int) -> list[tuple[int, int]]:
+    """The (a, b) of ``rounding_values`` in half units, around M = 2**bits, where the dtype's ulp is 2.
+
+    Each comment: the exact a + b -> rounded to nearest even (RNE) -> what truncation (toward zero) gives."""
+    m2 = 2 << bits  # 2M: M in half units
+    return [
+        (m2, 2),  # M + 1, a tie -> M (even; half-up gives M + 2)
+        (m2 + 4, 2),  # M + 3, a tie -> M + 4 (even) -> truncation: M + 2
+        (m2, 3),  # M + 1.5 -> M + 2 -> truncation: M
+        (m2 + 4, -1),  # M + 1.5 from opposite signs -> M + 2 -> truncation: M
+        (-(m2 + 4), -2),  # -(M + 3), a tie -> -(M + 4) -> truncation: -(M + 2)
+        (-m2, -3),  # -(M + 1.5) -> -(M + 2) -> truncation: -M
+        (2 * m2 - 4, 10),  # 2M + 3, over the binade (ulp 4) -> 2M + 4 -> truncation: 2M
+        (m2 + 12, 1),  # M + 6.5, below half an ulp -> M + 6 (rounding up gives M + 8)
+    ]
+
+
+ROUNDING_EXPONENTS = 8  # pairs are scaled by 2**-4 .. 2**3: other exponents; fp16's largest sum is 32792
+ROUNDING_UNIT = 2.0**-5  # rounding_values are integers in this unit: half units scaled by down to 2**-4
+
+
+def unit(dtype: str) -> float:
+    """What one integer of ``rounding_values`` is worth (1 for every other dtype): a power of two, so exact."""
+    return ROUNDING_UNIT if dtype in ROUNDING else 1.0
+
+
+def rounding_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) -> Any:
+    """Inputs (integers in ``unit(dtype)``) whose sum over ranks is not representable in the dtype, so it must round.
+
+    Each element has exactly two nonzero terms, a on rank idx mod world and b on another rank (varying with idx),
+    the other ranks 0: adding 0 is exact, so any order a ring, a tree or gloo adds them in rounds once, a + b, and
+    the result is RNE(a + b) whatever the order. a and b and their exact sum need at most bits + 2 significant bits,
+    exact in float32 and float64. The pairs cover ties that round down and up to even (truncation and round-half-up
+    each miss one), non-ties, opposite signs, negatives and a binade crossing (``_rounding_pairs``); no sum is 0
+    (outputs start at 0). Every rank holds a or b of 2/world of the elements, so a lost contribution shows."""
+    pairs = _rounding_pairs(ROUNDING[dtype])
+    first = idx % world
+    second = (first + 1 + (idx // world) % max(1, world - 1)) % world  # never ``first`` when world > 1
+    role = (first == rank) * 1 + (second == rank) * 2  # 0: holds nothing, 1: holds a, 2: holds b (3: one rank)
+    table = [0] * len(pairs) + [a for a, _ in pairs] + [b for _, b in pairs] + [a + b for a, b in pairs]
+    # 8 pairs and 8 exponents: masks and shifts, cheaper than % and // on large index tensors
+    scale = 1 << (((idx >> 3) + salt) & (ROUNDING_EXPONENTS - 1))  # x 2**-4 .. 2**3, times 2**4 in unit
+    return _lookup(table, role * len(pairs) + ((idx + salt) & (len(pairs) - 1))) * scale
+
+
+def _lookup(table: list[int], index: Any) -> Any:
+    """table[index] elementwise, for an int64 numpy array or torch tensor (on its device)."""
+    if hasattr(index, "new_tensor"):
+        return index.new_tensor(table)[index]
+    import numpy as np
+
+    return np.asarray(table, dtype=np.int64)[index]
+
+
 def premultiplies_average(backend: str, dtype: str, world: int) -> bool:
     """True where the backend computes a float AVG as PREMUL_SUM by 1/world rounded to the dtype and that
     rounding shows: NCCL and RCCL (torch names both "nccl"; NCCL's hostToDevRedOp), at a world size that is not a
@@ -203,7 +272,14 @@ def premul_factor(world: int) -> float:
 
 def expected_reduction(idx: Any, world: int, dtype: str, reduce_op: str, reduce: Any, salt: int = 0) -> Any:
     """Closed-form result of reducing element ``idx`` over all ranks. ``reduce(op, a, b)`` combines
-    two arrays elementwise for max and min (numpy.maximum or torch.maximum, ...)."""
+    two arrays elementwise for max and min (numpy.maximum or torch.maximum, ...).
+
+    For a rounding dtype: the exact sum, in ``unit(dtype)``; the caller rounds it once to the dtype."""
+    if dtype in ROUNDING:
+        total = rounding_values(idx, 0, world, dtype, salt)
+        for r in range(1, world):
+            total = total + rounding_values(idx, r, world, dtype, salt)
+        return total
     if reduce_op in ("avg", "premul_sum"):
         total = avg_values(idx, 0, world, dtype, salt) * 0
         for r in range(world):
@@ -217,6 +293,8 @@ def expected_reduction(idx: Any, world: int, dtype: str, reduce_op: str, reduce:
 
 
 def inputs_for(case: Case, idx: Any, rank: int, world: int, salt: int = 0) -> Any:
+    if case.dtype in ROUNDING:
+        return rounding_values(idx, rank, world, case.dtype, salt)
     if case.reduce_op in ("avg", "premul_sum"):
         return avg_values(idx, rank, world, case.dtype, salt)
     return rank_values(idx, rank, world, case.dtype, salt)

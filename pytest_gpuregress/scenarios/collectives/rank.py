@@ -27,9 +27,15 @@ def _reduce_op(dist: Any, name: str, world: int) -> Any:
             "min": dist.ReduceOp.MIN}[name]
 
 
-def _cast(values: Any, dtype: Any, torch: Any) -> Any:
-    """int64 or float64 integers to ``dtype``, through float64 for floats (int64 -> fp8 has no kernel)."""
-    return values.to(dtype) if not dtype.is_floating_point else values.to(torch.float64).to(dtype)
+def _cast(values: Any, dtype: Any, torch: Any, unit: float = 1.0) -> Any:
+    """int64 or float64 integers (worth ``unit`` each, a power of two) to ``dtype``, through float64 for floats
+    (int64 -> fp8 has no kernel).
+
+    The float cast rounds to nearest even, once where the value is exact in float32 (torch goes double -> float ->
+    dtype): that is how a rounding case's exact sum becomes its expected value, independent of any collective."""
+    if not dtype.is_floating_point:
+        return values.to(dtype)
+    return (values.to(torch.float64) * unit).to(dtype)
 
 
 def _expected_reduction(case: plan.Case, idx: Any, backend: str, world: int, salt: int, dtype: Any, reduce: Any,
@@ -37,7 +43,7 @@ def _expected_reduction(case: plan.Case, idx: Any, backend: str, world: int, sal
     """The reduced value of each element in ``dtype``, as the backend's documented algorithm computes it."""
     exact = plan.expected_reduction(idx, world, case.dtype, case.reduce_op, reduce, salt)
     if case.reduce_op != "avg" or not plan.premultiplies_average(backend, case.dtype, world):
-        return _cast(exact, dtype, torch)
+        return _cast(exact, dtype, torch, plan.unit(case.dtype))
     # NCCL: each input times 1/world rounded to the dtype, then summed. The inputs give each element one nonzero
     # term (plan.avg_values), so the sum is that term, rounded once: the same in any order the algorithm adds.
     scalar = torch.tensor(plan.nccl_average_scalar(world), dtype=torch.float32).to(dtype)
@@ -53,7 +59,7 @@ def _prepare(case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> tuple[
     idx = torch.arange(n, dtype=torch.int64, device=dev)
 
     def values(offset: int, rank: int) -> Any:
-        return _cast(plan.inputs_for(case, idx + offset, rank, w, salt), dtype, torch)
+        return _cast(plan.inputs_for(case, idx + offset, rank, w, salt), dtype, torch, plan.unit(case.dtype))
 
     def chunks(rank: int) -> list[Any]:
         return [values(q * n, rank) for q in range(w)]

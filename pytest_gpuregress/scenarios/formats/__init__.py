@@ -31,7 +31,7 @@ from ...stack import fingerprint as fp
 from ...warn import warn_at_test
 from ..base import Case, CheckScenario, Launch, Setup
 from . import grid, judge, summary
-from .catalog import FORMATS, IO_PATHS, MX_BLOCK, SCHEMES
+from .catalog import FORMATS, IO_PATHS, IO_SCHEMES, MX_BLOCK, SCHEMES
 
 REFERENCE = "formats"
 
@@ -72,6 +72,8 @@ class FormatsScenario(CheckScenario):
         for case in cases:
             parts.setdefault(case.data["part"], []).append(case_key(case))
         quantized = list(SCHEMES) if "inspect" in parts or "io" in parts else parts.get("quantized", [])
+        if "io" in parts:  # the e5m2 family's files, for the io cases only ("run" is not part of the reference)
+            quantized += list(IO_SCHEMES)
         identity = {"model": "tiny-llama", "model_size": size}
         if model is not None:
             identity.update(setup.model(model).config_fields())

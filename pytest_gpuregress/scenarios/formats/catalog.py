@@ -75,6 +75,13 @@ SCHEMES: dict[str, Scheme] = {s.id: s for s in (
     Scheme("mx_fp8_e4m3fn", "e4m3fn", MX_BLOCK, what="MXFP8: blocks of 32 with e8m0 scales"),
     Scheme("mx_fp4_e2m1fn", "e2m1fn", MX_BLOCK, what="MXFP4: blocks of 32 with e8m0 scales"),
 )}
+# The e5m2 family goes through the io cases only, quantized by the oracle: a loader that hands e5m2 bytes back as
+# e4m3fn (or e5m2fnuz as e5m2) needs such tensors in the files, not a quantized-<scheme> case of its own, and
+# SCHEMES is part of the reference's config (adding to it would make every stored formats reference foreign).
+IO_SCHEMES: dict[str, Scheme] = {s.id: s for s in (
+    Scheme("per_tensor_e5m2", "e5m2", what="per tensor to e5m2, scale amax/57344 (OCP)"),
+    Scheme("per_tensor_e5m2fnuz", "e5m2fnuz", what="per tensor to e5m2fnuz, scale amax/57344 (MI300)"),
+)}
 
 # Launch config keys that say what this session runs, not what the numbers depend on: the rank
 # keeps them out of its record's config, so a reference recorded with another selection or

@@ -30,10 +30,11 @@ class KnownIssue:
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     KnownIssue("safetensors-no-fnuz", "safetensors", ("save_file", "load_file", "get_tensor", "get_slice"),
-               r"float8_e4m3fnuz|F8_E4M3FNUZ", ("F8_E4M3FNUZ",), {"safetensors": "<0.8"},
-               "cannot write torch.float8_e4m3fnuz (KeyError) nor read the F8_E4M3FNUZ tag (unknown variant), so "
-               "MI300's fp8 checkpoints cannot go through it; safetensors 0.8.0 does both",
-               "safetensors 0.4.5, 0.5.3, 0.6.2 and 0.7.0 on torch 2.13"),
+               r"float8_e[45]m[23]fnuz|F8_E[45]M[23]FNUZ", ("F8_E4M3FNUZ", "F8_E5M2FNUZ"), {"safetensors": "<0.8"},
+               "cannot write torch.float8_e4m3fnuz or float8_e5m2fnuz (KeyError) nor read the F8_E4M3FNUZ and "
+               "F8_E5M2FNUZ tags (unknown variant), so MI300's fp8 checkpoints cannot go through it; safetensors 0.8.0 "
+               "does both",
+               "safetensors 0.4.5, 0.5.3, 0.6.2 and 0.7.0 on torch 2.13 (e5m2fnuz measured with 0.7.0)"),
     KnownIssue("safetensors-no-mx-tags", "safetensors", ("save_file", "load_file", "get_tensor", "get_slice"),
                r"float8_e8m0fnu|float4_e2m1fn_x2|InvalidHeaderDeserialization", ("F8_E8M0", "F4"),
                {"safetensors": "<0.6"},

@@ -28,7 +28,7 @@ import torch
 
 from ...errors import GpuRegressError
 from . import checkpoint, device, diagnose, oracle, quantize
-from .catalog import FORMATS, SCHEMES, Format, Scheme
+from .catalog import FORMATS, IO_SCHEMES, SCHEMES, Format, Scheme
 
 PROBE = "gpuregress.probe"
 
@@ -164,8 +164,8 @@ def checksum(values: np.ndarray) -> dict[str, float]:
 
 
 def _needed(selected: list[str]) -> Iterator[Scheme]:
-    """The selected schemes in catalog order, with the schemes they convert from."""
-    wanted = set(selected) | {SCHEMES[s].source for s in selected if SCHEMES[s].source}
+    """The selected schemes of catalog.SCHEMES in catalog order, with the schemes they convert from."""
+    wanted = set(selected) | {SCHEMES[s].source for s in selected if s in SCHEMES and SCHEMES[s].source}
     return (s for s in SCHEMES.values() if s.id in wanted)
 
 
@@ -201,6 +201,15 @@ class RoundTrip:
         checkpoint.write(path, tensors, checkpoint.metadata_for(scheme))
         return checkpoint.read(path)
 
+    def write_oracle(self, scheme: Scheme) -> checkpoint.Checkpoint:
+        """A checkpoint for the io cases only (catalog.IO_SCHEMES): quantized by the oracle, written by the codec."""
+        fmt = FORMATS[scheme.element]
+        tensors = [t for name, w in self.weights.items()
+                   for t in checkpoint.quantized_tensors(name, fmt, quantize.quantize(w.cpu().numpy(), scheme), None)]
+        path = self.folder / f"{scheme.id}.safetensors"
+        checkpoint.write(path, tensors, checkpoint.metadata_for(scheme))
+        return checkpoint.read(path)
+
     def scheme(self, scheme: Scheme) -> tuple[dict[str, Any], dict[str, Any], np.ndarray]:
         """(results, diagnosis, logits) of one scheme."""
         problems: dict[str, list[str]] = {}
@@ -230,7 +239,8 @@ class RoundTrip:
 def run(selected: list[str], config: dict[str, Any], dev: str, workdir: Path, progress: Callable[[str], None],
         io_paths: list[str] | None = None) -> tuple[dict[str, Any], dict[str, Any], dict[str, np.ndarray], dict[str, Any]]:
     """(results per scheme, diagnosis per scheme, logits arrays, stack I/O results per path) for the ``selected``
-    scheme ids; ``io_paths``: the stack's I/O paths (stack_io.PATHS) to put every written file through.
+    scheme ids; ``io_paths``: the stack's I/O paths (stack_io.PATHS) to put every written file through. Ids of
+    catalog.IO_SCHEMES among ``selected`` only add the oracle's checkpoint of that scheme to the io paths' files.
 
     A scheme whose round trip raises is a finding of its own case, not a crash of the launch."""
     results: dict[str, Any] = {}
@@ -249,6 +259,7 @@ def run(selected: list[str], config: dict[str, Any], dev: str, workdir: Path, pr
             from . import stack_io
 
             written = {s: checkpoint.read(Path(folder) / f"{s}.safetensors") for s in results if "error" not in results[s]}
+            written.update({s: trip.write_oracle(IO_SCHEMES[s]) for s in IO_SCHEMES if s in selected})
             io = stack_io.run(io_paths, written, trip.model, dev, Path(folder), workdir)
             progress("stack I/O paths done")
     return results, inspected, arrays, io

@@ -1,7 +1,8 @@
 """The quantized checkpoints through the stack's own I/O, the paths users load fp8 and fp4 weights with. Rank side.
 
-For every scheme of catalog.SCHEMES, the file roundtrip.py wrote with the scenario's strict codec
-(checkpoint.py, the independent oracle) goes through each path:
+For every scheme of catalog.SCHEMES and catalog.IO_SCHEMES (the e5m2 family: e4m3, e5m2 and e2m1 tensors in
+all), the file roundtrip.py wrote with the scenario's strict codec (checkpoint.py, the independent oracle) goes
+through each path:
   safetensors    safetensors.torch.save_file writes the tensors: the codec reads the file back and checks
                  every tag, shape and byte; load_file reads the codec's file: every dtype and byte
   safe_open      safetensors.safe_open on the codec's file: get_tensor, get_slice whole and its first row
@@ -11,7 +12,8 @@ For every scheme of catalog.SCHEMES, the file roundtrip.py wrote with the scenar
   transformers   save_pretrained with the decoder layers' projections in transformers' fine-grained fp8 layout
                  (e4m3fn codes, weight_scale_inv with one scale per 16 x 16 block, quantized by the oracle);
                  the codec checks the written file, then from_pretrained loads it: fp8 parameters byte for
-                 byte, or, where transformers dequantizes (on a CPU), every value against code x its block's scale
+                 byte, or, where transformers dequantizes (on a CPU), every value against code x its block's scale;
+                 that layout is e4m3fn only (its quantizer casts to float8_e4m3fn), so no e5m2 goes this way
 The functions are called through their modules at call time (``safetensors.torch.load_file``, ``torch.load``,
 ``dcp.load``, ``transformers.modeling_utils.safe_open``), so a fault placed in the stack's loader
 (faults/loaders.py) is what runs. An error is a problem of its path, unless known_issues.py knows it:
@@ -34,7 +36,7 @@ import torch
 
 from ...stack.known_issues import parse_version
 from . import checkpoint, device, known_issues, oracle
-from .catalog import BY_TAG, FORMATS, IO_PATHS
+from .catalog import BY_TAG, FORMATS, IO_PATHS, Format
 
 PATHS: dict[str, str] = {  # catalog.IO_PATHS, described
     "safetensors": "safetensors.torch save_file and load_file",
@@ -47,6 +49,14 @@ assert tuple(PATHS) == IO_PATHS
 TRANSFORMERS_SCHEME = "fine_grained_e4m3fn"  # transformers' own fp8 layout: e4m3fn codes, a float32 scale per block
 FIX = ("convert e4m3fn to e4m3fnuz with the 0x80 -> 0x00 rewrite and the scale doubled (gpuregress inspect-fp8 says "
        "how), never by reinterpreting the bytes; report the loader's library and version upstream")
+
+
+def fix(written: Format, read_as: Format) -> str:
+    """What to do about a loader that hands ``written`` bytes back as ``read_as``."""
+    if written.counterpart == read_as.id and not written.fnuz:  # the conversion the loader skipped
+        return FIX.replace("e4m3fn to e4m3fnuz", f"{written.id} to {read_as.id}")
+    return (f"the loader must hand {written.tag} tensors back as torch.{written.torch_name}, never as a view of "
+            "their bytes in another format; report the loader's library and version upstream")
 
 
 def torch_dtype(tag: str) -> torch.dtype:
@@ -196,11 +206,18 @@ def misread(stored: checkpoint.Stored, read_as: torch.dtype) -> str:
     if written is None or other is None or other.bits != written.bits or written.packed:
         return text
     codes = np.frombuffer(stored.data, dtype=np.uint8)
-    ratio = oracle.value_ratio(oracle.decode(codes, written), oracle.decode(codes, other))
+    before, after = oracle.decode(codes, written), oracle.decode(codes, other)
+    ratio = oracle.value_ratio(before, after)
     if ratio:
-        text += (f": the loader reads {written.id} bytes as {other.id}, every value {ratio:g}x "
-                 f"(factor {max(ratio, 1 / ratio):g}); fix: {FIX}")
-    return text
+        change = f"every value {ratio:g}x (factor {max(ratio, 1 / ratio):g})"
+    else:  # e5m2 as e4m3fn: another exponent width, so no one factor; one code shows the size of it
+        moved = np.flatnonzero(np.isfinite(before) & (before != 0) & ~oracle.same_values(before, after))
+        if not moved.size:
+            return text
+        i = int(moved[0])
+        change = (f"values change by no single factor (code 0x{int(codes[i]):02X} is {float(before[i]):g} in "
+                  f"{written.id}, {float(after[i]):g} in {other.id})")
+    return f"{text}: the loader reads {written.id} bytes as {other.id}, {change}; fix: {fix(written, other)}"
 
 
 def local_rows(tensor: torch.Tensor) -> torch.Tensor:

@@ -35,12 +35,12 @@ def test_values_and_sums_stay_exact(world: int, dtype: str) -> None:
             assert _exact_in(dtype, partial)  # every partial sum of a ring or tree is exact
         np.testing.assert_array_equal(plan.expected_reduction(idx, world, dtype, "sum", _np_reduce, salt), partial)
         avg_inputs = [plan.avg_values(idx, r, world, dtype, salt) for r in range(world)]
-        if world & (world - 1):  # one contributing rank per element, in turn (see test_nccl_average_... below)
-            assert all(_exact_in(dtype, v) for v in avg_inputs)
-            np.testing.assert_array_equal(sum(v > 0 for v in avg_inputs), np.ones_like(idx))
-            assert all((v[r::world] > 0).all() for r, v in enumerate(avg_inputs))
-        else:
-            assert all(_exact_in(dtype, v) and v.min() >= 1 for v in avg_inputs)
+        assert all(_exact_in(dtype, v) and v.min() >= 1 for v in avg_inputs)
+        if world > 1:  # NCCL's premultiplied average: two equal powers of two per element, on ranks i and i + 1
+            ncclish = [plan.avg_values(idx, r, world, dtype, salt, premultiplied=True) for r in range(world)]
+            assert all(_exact_in(dtype, v) and _exact_in(dtype, 2 * v) for v in ncclish)
+            np.testing.assert_array_equal(sum(v > 0 for v in ncclish), np.full_like(idx, min(world, 2)))
+            assert all((v[r::world] > 0).all() and (v[(r - 1) % world::world] > 0).all() for r, v in enumerate(ncclish))
         avg = plan.expected_reduction(idx, world, dtype, "avg", _np_reduce, salt)
         assert _exact_in(dtype, avg) and avg.min() >= 1
         np.testing.assert_array_equal(avg * world, sum(avg_inputs))
@@ -70,11 +70,15 @@ def test_nccl_average_at_a_world_size_not_a_power_of_two_is_exactly_the_expected
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     case = plan.Case("all_reduce", "", "avg", dtype, 1024, True)
     idx = torch.arange(case.n, dtype=torch.int64)
-    inputs = [plan.avg_values(idx.numpy(), r, world, dtype, salt=1) for r in range(world)]
+    inputs = [plan.inputs_for(case, idx.numpy(), r, world, salt=1, backend="nccl") for r in range(world)]
     expected = _expected_reduction(case, idx, "nccl", world, 1, torch_dtype, None, torch)
-    for order in (list(range(world)), list(reversed(range(world))), [*range(1, world), 0]):
+    for order in (list(range(world)), list(reversed(range(world))), [*range(1, world), 0], [2, 0, *range(3, world), 1]):
         got = _nccl_average(inputs, world, dtype, order)
         assert torch.equal(got, expected), f"order {order}: {int((got != expected).sum())} elements differ"
+    # A reduction that keeps one rank's value (MAX, or a peer's contribution lost) is wrong on every element.
+    kept_one = torch.from_numpy(np.maximum.reduce(inputs).astype(np.float64)).to(torch_dtype)
+    assert not torch.eq(kept_one * torch.tensor(float(np.float32(1 / world))).to(torch_dtype), expected).any()
+    assert not torch.eq(kept_one, expected).any()
     # gloo sums, then divides: the closed form itself.
     assert torch.equal(_expected_reduction(case, idx, "gloo", world, 1, torch_dtype, None, torch),
                        _cast(plan.expected_reduction(idx, world, dtype, "avg", None, 1), torch_dtype, torch))

@@ -179,19 +179,23 @@ def rank_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) -> A
     return (idx * 7 + rank * 13 + salt * 5) % k + 1
 
 
-def avg_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) -> Any:
-    """Inputs whose sum over ranks is world x base, so AVG and PREMUL_SUM(1/world) are exact.
+def avg_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0, premultiplied: bool = False) -> Any:
+    """Inputs whose sum over ranks is world x base, so AVG and PREMUL_SUM(1/world) are exact on a backend that
+    sums, then divides (gloo), or premultiplies by an exact 1/world (a power-of-two world size).
 
-    Where 1/world is inexact (3, 5, 6, 7 ranks, ...), NCCL and RCCL average floats as a sum of inputs each
-    premultiplied by 1/world rounded to the dtype (``premultiplies_average``), and how those rounded terms
-    add up depends on the order the algorithm picks: one ulp either way, which a closed form cannot know. So
-    there each element has one contributing rank, in turn (element i: rank i mod world), holding world x base
-    and the others 0: every order adds the same single term, and each backend's result is exact under its
-    documented algorithm. Every rank still owns 1/world of the elements, so a lost contribution shows."""
+    ``premultiplied``: the backend averages as a sum of inputs each premultiplied by 1/world rounded to the dtype
+    (NCCL and RCCL, ``premultiplies_average``), where 1/world is inexact (3, 5, 6, 7 ranks, ...): how rounded
+    terms add up depends on the order the algorithm picks, one ulp either way, which no closed form knows. There
+    each element has two contributing ranks, in turn (element i: ranks i and i + 1 mod world), each holding the
+    same power of two 2^e, the others 0: each term 2^e x s is exact, and so is their sum 2^(e+1) x s in any order.
+    Two, not one: a reduction that keeps one rank's value (MAX, a lost peer) gives 2^e x s, and fails."""
     k = value_limit(world, dtype)
+    if premultiplied:
+        exponent = (idx * 7 + salt * 5) % max(1, k.bit_length() - 1)  # 2 x 2^e stays within the exact range
+        first = idx % world
+        mine = (first == rank) | ((first + 1) % world == rank)
+        return mine * (1 << exponent)
     base = (idx * 7 + salt * 5) % max(1, k - 2) + 2
-    if world & (world - 1):
-        return (idx % world == rank) * (base * world)
     pairs = world - (world % 2)
     delta = 0 if rank >= pairs else (1 if rank % 2 == 0 else -1)
     return base + delta
@@ -292,11 +296,12 @@ def expected_reduction(idx: Any, world: int, dtype: str, reduce_op: str, reduce:
     return result
 
 
-def inputs_for(case: Case, idx: Any, rank: int, world: int, salt: int = 0) -> Any:
+def inputs_for(case: Case, idx: Any, rank: int, world: int, salt: int = 0, backend: str = "gloo") -> Any:
     if case.dtype in ROUNDING:
         return rounding_values(idx, rank, world, case.dtype, salt)
     if case.reduce_op in ("avg", "premul_sum"):
-        return avg_values(idx, rank, world, case.dtype, salt)
+        premultiplied = case.reduce_op == "avg" and premultiplies_average(backend, case.dtype, world)
+        return avg_values(idx, rank, world, case.dtype, salt, premultiplied)
     return rank_values(idx, rank, world, case.dtype, salt)
 
 

@@ -41,13 +41,17 @@ def _cast(values: Any, dtype: Any, torch: Any, unit: float = 1.0) -> Any:
 def _expected_reduction(case: plan.Case, idx: Any, backend: str, world: int, salt: int, dtype: Any, reduce: Any,
                         torch: Any) -> Any:
     """The reduced value of each element in ``dtype``, as the backend's documented algorithm computes it."""
-    exact = plan.expected_reduction(idx, world, case.dtype, case.reduce_op, reduce, salt)
     if case.reduce_op != "avg" or not plan.premultiplies_average(backend, case.dtype, world):
+        exact = plan.expected_reduction(idx, world, case.dtype, case.reduce_op, reduce, salt)
         return _cast(exact, dtype, torch, plan.unit(case.dtype))
-    # NCCL: each input times 1/world rounded to the dtype, then summed. The inputs give each element one nonzero
-    # term (plan.avg_values), so the sum is that term, rounded once: the same in any order the algorithm adds.
-    scalar = torch.tensor(plan.nccl_average_scalar(world), dtype=torch.float32).to(dtype)
-    return _cast(exact * world, dtype, torch) * scalar.to(idx.device)
+    # NCCL, as it documents the algorithm: each input times (T)(float)(1/world), then summed in T. The inputs
+    # (plan.avg_values) make every term and every partial sum exact, so this order gives the one right answer.
+    scalar = torch.tensor(plan.nccl_average_scalar(world), dtype=torch.float32).to(dtype).to(idx.device)
+    total = None
+    for rank in range(world):
+        term = _cast(plan.inputs_for(case, idx, rank, world, salt, backend), dtype, torch) * scalar
+        total = term if total is None else total + term
+    return total
 
 
 def _prepare(case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> tuple[Any, Any, Any]:
@@ -59,7 +63,7 @@ def _prepare(case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> tuple[
     idx = torch.arange(n, dtype=torch.int64, device=dev)
 
     def values(offset: int, rank: int) -> Any:
-        return _cast(plan.inputs_for(case, idx + offset, rank, w, salt), dtype, torch, plan.unit(case.dtype))
+        return _cast(plan.inputs_for(case, idx + offset, rank, w, salt, ctx.backend), dtype, torch, plan.unit(case.dtype))
 
     def chunks(rank: int) -> list[Any]:
         return [values(q * n, rank) for q in range(w)]

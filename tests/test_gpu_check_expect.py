@@ -1,9 +1,9 @@
 """Every expectation of benchmarks/gpu_check.sh, matched on the CPU against what a GPU run would print or record.
 
-The records and outputs here are GPU-shaped and made by the plugin's own code: inventories whose ops carry CUDA
-kernel names besides their aten dispatch, a host-op watch on an accelerator, a cuda fingerprint printed by
-``gpuregress env``, NCCL protocol summaries. An expectation that cannot match on a GPU fails here, before the one
-GPU run a task may get is spent on it."""
+The records and outputs here are GPU-shaped and made by the plugin's own code: inventories that
+training/kernels.py takes from CUDA-shaped profiler events (aten dispatch above device kernels), a host-op watch
+on an accelerator, a cuda fingerprint printed by ``gpuregress env``, NCCL protocol summaries. An expectation
+that cannot match on a GPU fails here, before the one GPU run a task may get is spent on it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from pytest_gpuregress.scenarios import registry
 from pytest_gpuregress.scenarios.base import Setup
 from pytest_gpuregress.scenarios.collectives import plan
 from pytest_gpuregress.stack.platforms import resolve_platform
+from pytest_gpuregress.training.kernels import inventory_from_events
 
 from .conftest import make_record
 from .test_gpu_branches import as_gpu_build
@@ -33,20 +35,36 @@ sys.modules.setdefault("gpu_check_expect", expect)  # its dataclasses look their
 _spec.loader.exec_module(expect)  # type: ignore[union-attr]
 
 FLASH_KERNEL = "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 64, 4, false, false, cutlass::bfloat16_t>"
-MATH_KERNELS = ["ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x4_tn", "cunn_SoftMaxForward"]
+MATH_KERNELS = ["ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x4_tn", "void at::native::cunn_SoftMaxForward<8>"]
+
+
+def event(name: str, children: tuple[Any, ...] = (), kernels: tuple[str, ...] = ()) -> SimpleNamespace:
+    """A profiler function event as torch.profiler gives it on CUDA: its aten children and its device kernels."""
+    node = SimpleNamespace(name=name, cpu_children=list(children), cpu_parent=None,
+                           kernels=[SimpleNamespace(name=k) for k in kernels])
+    for child in children:
+        child.cpu_parent = node
+    return node
+
+
+def flatten(events: list[SimpleNamespace]) -> list[SimpleNamespace]:
+    return [e for top in events for e in (top, *flatten(top.cpu_children))]
 
 
 def gpu_inventory(sdpa_backend: str) -> dict[str, Any]:
-    """A kernel inventory as training/kernels.py takes it on an H100: device kernels and aten dispatch per op."""
-    sdpa = ({"dispatch": ["aten::_fused_sdp_choice", "aten::_scaled_dot_product_flash_attention"], "kernels": [FLASH_KERNEL]}
-            if sdpa_backend == "flash" else
-            {"dispatch": ["aten::_fused_sdp_choice", "aten::_scaled_dot_product_attention_math"], "kernels": MATH_KERNELS})
-    return {
-        "aten::linear": {"dispatch": ["aten::matmul", "aten::t"], "kernels": [MATH_KERNELS[0]], "calls": 28},
-        "aten::add": {"dispatch": [], "kernels": ["void at::native::vectorized_elementwise_kernel<4>"], "calls": 40},
-        "aten::bmm": {"dispatch": [], "kernels": MATH_KERNELS[:1], "calls": 8},
-        expect.SDPA_OP: {**sdpa, "calls": 4},
-    }
+    """The kernel inventory training/kernels.py takes from an H100's profiler events: SDPA through its backend's
+    aten op down to the device kernels, a linear through matmul to a GEMM kernel."""
+    if sdpa_backend == "flash":
+        sdpa = event(expect.SDPA_OP, (event("aten::_fused_sdp_choice"),
+                                      event("aten::_scaled_dot_product_flash_attention",
+                                            (event("aten::_flash_attention_forward", kernels=(FLASH_KERNEL,)),))))
+    else:
+        sdpa = event(expect.SDPA_OP, (event("aten::_fused_sdp_choice"),
+                                      event("aten::_scaled_dot_product_attention_math",
+                                            (event("aten::bmm", kernels=MATH_KERNELS[:1]),
+                                             event("aten::_softmax", kernels=MATH_KERNELS[1:])))))
+    linear = event("aten::linear", (event("aten::t"), event("aten::matmul", (event("aten::mm", kernels=MATH_KERNELS[:1]),))))
+    return inventory_from_events(flatten([sdpa, linear]))
 
 
 def gpu_record(sdpa_backend: str = "math", host_ops: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pytest_gpuregress.training import oracle
+from pytest_gpuregress.training.cpus import usable_cpus
 
 
 class Stop(Exception):
@@ -18,7 +19,7 @@ def test_the_thread_count_follows_the_affinity_mask(monkeypatch: pytest.MonkeyPa
     """A rank bound to 3 CPUs of a 64-CPU node (taskset, a Slurm cpuset) runs 3 threads, not 64."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6}, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
-    assert oracle.usable_cpus() == 3
+    assert usable_cpus() == 3
     threads: list[int] = []
 
     def set_num_threads(count: int) -> None:
@@ -34,9 +35,9 @@ def test_the_thread_count_follows_the_affinity_mask(monkeypatch: pytest.MonkeyPa
 def test_without_an_affinity_mask_every_cpu_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS, Windows
     monkeypatch.setattr(os, "cpu_count", lambda: 12)
-    assert oracle.usable_cpus() == 12
+    assert usable_cpus() == 12
     monkeypatch.setattr(os, "cpu_count", lambda: None)  # "undetermined"
-    assert oracle.usable_cpus() == 1
+    assert usable_cpus() == 1
 
 
 def test_a_failing_affinity_call_falls_back_to_the_cpu_count(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,4 +46,4 @@ def test_a_failing_affinity_call_falls_back_to_the_cpu_count(monkeypatch: pytest
 
     monkeypatch.setattr(os, "sched_getaffinity", refused, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    assert oracle.usable_cpus() == 8
+    assert usable_cpus() == 8

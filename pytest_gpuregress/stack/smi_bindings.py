@@ -16,7 +16,7 @@ import functools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 # Every --query-gpu field a probe asks for, and how NVML answers it (handle -> the tool's text).
 _NVML_FIELDS: dict[str, Callable[[Any, Any], object]] = {
@@ -37,6 +37,9 @@ def _text(value: object) -> str | None:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
+T = TypeVar("T")
+
+
 def _read(fn: Callable[[], object]) -> str | None:
     try:
         return _text(fn())
@@ -54,28 +57,39 @@ def _import(name: str) -> Any:
         return None
 
 
+def _through(name: str, init: str, shutdown: str, read: Callable[[Any], T]) -> T | None:
+    """``read(library)`` between the binding's init and shutdown calls; None without the binding, where its library
+    does not start (no driver library, no GPU, amdgpu not loaded, no permission: the tool says what it can) or
+    where it fails half-way (the tool is asked instead)."""
+    library = _import(name)
+    if library is None:
+        return None
+    try:
+        getattr(library, init)()
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
+    try:
+        return read(library)
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
+    finally:
+        _read(getattr(library, shutdown))
+
+
+def _nvml_rows(nvml: Any) -> tuple[dict[str, str | None], ...]:
+    driver = _read(nvml.nvmlSystemGetDriverVersion)
+    rows = []
+    for i in range(int(nvml.nvmlDeviceGetCount())):
+        handle = nvml.nvmlDeviceGetHandleByIndex(i)
+        row = {name: _read(functools.partial(get, nvml, handle)) for name, get in _NVML_FIELDS.items()}
+        rows.append({**row, "driver_version": driver})
+    return tuple(rows)
+
+
 @functools.lru_cache(maxsize=1)
 def _nvml_devices() -> tuple[dict[str, str | None], ...] | None:
     """Every GPU NVML lists, with every field of _NVML_FIELDS and "driver_version"; None without NVML."""
-    nvml = _import("pynvml")
-    if nvml is None:
-        return None
-    try:
-        nvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no driver library, no GPU: the tool says what it can
-        return None
-    try:
-        driver = _read(nvml.nvmlSystemGetDriverVersion)
-        rows = []
-        for i in range(int(nvml.nvmlDeviceGetCount())):
-            handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            row = {name: _read(functools.partial(get, nvml, handle)) for name, get in _NVML_FIELDS.items()}
-            rows.append({**row, "driver_version": driver})
-        return tuple(rows)
-    except Exception:  # noqa: BLE001 - a library that fails half-way: the tool is asked instead
-        return None
-    finally:
-        _read(nvml.nvmlShutdown)
+    return _through("pynvml", "nvmlInit", "nvmlShutdown", _nvml_rows)
 
 
 def nvidia_rows(fields: Sequence[str]) -> list[dict[str, str | None]] | None:
@@ -119,34 +133,26 @@ def _firmware(amdsmi: Any, handle: Any) -> dict[str, str]:
     return out
 
 
+def _amd_facts(amdsmi: Any) -> AmdFacts:
+    handles = list(amdsmi.amdsmi_get_processor_handles())
+    devices = tuple(AmdDevice(i, _read(functools.partial(amdsmi.amdsmi_get_gpu_device_bdf, h)),
+                              _read(functools.partial(amdsmi.amdsmi_get_gpu_device_uuid, h)),
+                              _read(lambda h=h: amdsmi.amdsmi_get_gpu_asic_info(h)["asic_serial"]))
+                    for i, h in enumerate(handles))  # amd-smi's GPU index is the handle's position
+    if not handles:
+        return AmdFacts(None)
+    driver = _read(lambda: amdsmi.amdsmi_get_gpu_driver_info(handles[0])["driver_version"])
+    try:
+        firmware = _firmware(amdsmi, handles[0])
+    except Exception:  # noqa: BLE001 - no firmware list: amd-smi prints N/A
+        firmware = {}
+    return AmdFacts(driver, firmware, devices)
+
+
 @functools.lru_cache(maxsize=1)
 def amd_facts() -> AmdFacts | None:
     """The AMD SMI library's view of this node's GPUs; None without it."""
-    amdsmi = _import("amdsmi")
-    if amdsmi is None:
-        return None
-    try:
-        amdsmi.amdsmi_init()
-    except Exception:  # noqa: BLE001 - amdgpu not loaded, no permission: the tool says what it can
-        return None
-    try:
-        handles = list(amdsmi.amdsmi_get_processor_handles())
-        devices = tuple(AmdDevice(i, _read(functools.partial(amdsmi.amdsmi_get_gpu_device_bdf, h)),
-                                  _read(functools.partial(amdsmi.amdsmi_get_gpu_device_uuid, h)),
-                                  _read(lambda h=h: amdsmi.amdsmi_get_gpu_asic_info(h)["asic_serial"]))
-                        for i, h in enumerate(handles))  # amd-smi's GPU index is the handle's position
-        if not handles:
-            return AmdFacts(None)
-        driver = _read(lambda: amdsmi.amdsmi_get_gpu_driver_info(handles[0])["driver_version"])
-        try:
-            firmware = _firmware(amdsmi, handles[0])
-        except Exception:  # noqa: BLE001 - no firmware list: amd-smi prints N/A
-            firmware = {}
-        return AmdFacts(driver, firmware, devices)
-    except Exception:  # noqa: BLE001 - a library that fails half-way: the tool is asked instead
-        return None
-    finally:
-        _read(amdsmi.amdsmi_shut_down)
+    return _through("amdsmi", "amdsmi_init", "amdsmi_shut_down", _amd_facts)
 
 
 def forget() -> None:

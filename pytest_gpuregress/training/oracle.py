@@ -9,22 +9,13 @@ scenario's oracle (scenarios/lora/oracle.py), which trains the adapter only.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
 from ..reference import step0
 from ..reference.record import RunRecord
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity mask where the OS has one (taskset, a batch scheduler's
-    cpuset, a launcher's binding), else every CPU. More threads than that would only take turns on them."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):  # macOS and Windows have no sched_getaffinity
-        return os.cpu_count() or 1
+from .cpus import usable_cpus
 
 
 def float64_step0(model: Any, cfg: dict[str, Any], vocab_size: int) -> float:

@@ -12,7 +12,6 @@ ones, and every parameter of the CPU models, are computed each time.
 from __future__ import annotations
 
 import functools
-import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -20,10 +19,11 @@ from typing import Any, Literal
 import numpy as np
 
 from .counter_rng import hash_words, splitmix64, unit_float
+from .cpus import usable_cpus
 from .init_cache import Entry, InitCache, default_root, fetch
 
 BLOCK = 1 << 15  # pairs a block: its temporaries (a few MiB) stay in the CPU's caches
-THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+THREADS = min(8, usable_cpus())
 MIN_CACHED = 1 << 16  # elements: below, computing (a few ms) costs about what reading and checking a file does
 CACHED_DTYPES = ("float32", "float64", "float16")  # those numpy (and so the cache's safetensors) holds
 

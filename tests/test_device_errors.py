@@ -94,6 +94,7 @@ SCENARIO = textwrap.dedent('''
 
 
 @pytest.mark.slow
+@pytest.mark.full_tier  # 26 s of pooled ranks: the classification's unit tests above stay fast
 def test_a_sticky_error_gives_the_next_job_fresh_ranks_and_an_ordinary_one_keeps_them(tmp_path: Path) -> None:
     (tmp_path / "finding_scenario.py").write_text(SCENARIO)
     pool = WorkerPool()

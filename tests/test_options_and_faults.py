@@ -81,6 +81,7 @@ SCENARIO = Sized()
 """
 
 
+@pytest.mark.full_tier  # 25 s: a plug-in's session end to end: the fast tier stays within its time
 def test_a_plug_ins_option_exists_with_the_flag_is_checked_and_reaches_the_scenario(pytester: pytest.Pytester) -> None:
     from .test_scenario_plugins import install_entry_point
 

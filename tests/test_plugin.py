@@ -75,6 +75,7 @@ def test_header_shows_the_stack_fingerprint(pytester: pytest.Pytester) -> None:
     ])
 
 
+@pytest.mark.full_tier  # 14 s; its harmless twin stays fast: the fast tier stays within its time
 def test_reference_dir_as_two_words_fails_clearly_when_it_moves_the_rootdir(
     pytester: pytest.Pytester, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

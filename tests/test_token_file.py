@@ -89,6 +89,7 @@ def test_a_rank_refuses_a_file_that_changed_since_the_session_read_it(tmp_path: 
 
 
 @pytest.mark.slow
+@pytest.mark.full_tier  # 68 s, three sessions: the file's reading and refusals are tested fast above
 def test_a_token_file_records_its_own_reference_and_a_bad_one_stops_the_session(tmp_path: Path,
                                                                                 pytester: pytest.Pytester) -> None:
     tokens = save_npy(tmp_path / "traffic.npy", (np.arange(50_000) * 7919 % 251).astype(np.int32))

@@ -193,12 +193,14 @@ def test_rank_that_raises_reports_its_traceback(pytester: pytest.Pytester, refs:
                                  "*RuntimeError: injected crash*"])
 
 
+@pytest.mark.full_tier  # 21 s; a raising rank stays fast: the fast tier stays within its time
 def test_rank_killed_before_delivering_fails_with_its_signal(pytester: pytest.Pytester, refs: Path) -> None:
     result = run(pytester, refs, "--gpuregress-inject=crash:rank=1,step=1,how=abort")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*rank 1 died with SIGABRT before delivering results (last progress: step 1 done, loss *)*"])
 
 
+@pytest.mark.full_tier  # 29 s: the fast tier stays within its time
 def test_abort_at_teardown_after_delivery_is_harmless(pytester: pytest.Pytester, refs: Path) -> None:
     result = run(pytester, refs, "--gpuregress-inject=teardown_abort:rank=1")
     result.assert_outcomes(passed=1)

@@ -93,6 +93,7 @@ def pollute(ctx):
 """
 
 
+@pytest.mark.full_tier  # 53 s of pooled jobs: the fast tier stays within its time
 def test_process_wide_state_a_job_changed_is_back_for_the_next_job(pooled: SpawnLauncher, tmp_path: Path) -> None:
     fresh = SpawnLauncher(reuse=False)
     alone = fresh.run(job(fresh, "lora", wrapper="accelerate"), 120).records[0]
@@ -213,6 +214,7 @@ def test_inline_pytest_sessions_share_the_process_pool(pytester: pytest.Pytester
     assert counts[0] == counts[1] == counts[2] <= 2 * MAX_IDLE_GROUPS, counts
 
 
+@pytest.mark.full_tier  # 28 s of pooled jobs: the fast tier stays within its time
 def test_a_job_that_asks_for_fresh_ranks_gets_new_processes_and_leaves_the_pool_alone(pooled: SpawnLauncher) -> None:
     pooled.run(job(pooled), 120)
     pooled_pids, started = list(pooled.pool.idle.values())[0].pids, pooled.groups_started

@@ -42,6 +42,24 @@ def test_corrupt_reference_is_a_clear_error(two_refs: tuple[Path, Path], capsys:
     assert "record.json: sha256" in capsys.readouterr().err
 
 
+def test_a_path_that_is_not_there_is_a_typo_not_a_reference_to_re_record(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'nope'}: no such file or folder" in err and "re-record" not in err
+    (tmp_path / "record.json").write_text("{}")
+    assert main(["show", str(tmp_path / "record.json")]) == 2
+    assert "not a folder; give the folder that holds record.json" in capsys.readouterr().err
+
+
+def test_version_is_the_installed_distributions(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"gpuregress {version('pytest-gpuregress')}"
+
+
 def test_env_prints_the_fingerprint(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 

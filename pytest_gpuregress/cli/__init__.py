@@ -33,7 +33,7 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    record = load_record(Path(args.path))
+    record = load_record(_record_folder(args.path))
     loss = record.series.get("loss", [])
     versions = record.fingerprint.get("versions", {})
     print(f"scenario:  {record.scenario}")
@@ -45,6 +45,18 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _record_folder(given: str) -> Path:
+    """A folder holding a record (a reference or a kept run), or a usage error that says what is wrong with it: a
+    path that is not there is a typo, not a reference to re-record."""
+    path = Path(given)
+    if not path.exists():
+        raise GpuRegressError(f"{given}: no such file or folder (a reference or a kept run: the folder that holds "
+                              "record.json, as the failure report printed it)")
+    if not path.is_dir():
+        raise GpuRegressError(f"{given}: not a folder; give the folder that holds record.json")
+    return path
+
+
 def _compare(args: argparse.Namespace) -> int:
     """Judge a kept run as the plugin did: its scenario's own checks, and against REF where given."""
     from ..scenarios.comparator import for_kept
@@ -52,8 +64,8 @@ def _compare(args: argparse.Namespace) -> int:
     if len(args.paths) > 2:
         raise GpuRegressError(f"compare takes [REF] RUN, not {len(args.paths)} paths")
     *given, run_path = args.paths
-    run = load_record(Path(run_path))
-    reference = load_record(Path(given[0])) if given else None
+    run = load_record(_record_folder(run_path))
+    reference = load_record(_record_folder(given[0])) if given else None
     comparator = for_kept(run, lane=args.lane)
     has_reference = comparator.scenario is None or comparator.case is None \
         or comparator.scenario.reference_name(comparator.case) is not None
@@ -86,8 +98,19 @@ def _scenarios(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml), or "unknown" from a tree that is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pytest-gpuregress")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpuregress", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("env", help="print this machine's stack fingerprint")
     env.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

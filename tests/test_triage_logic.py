@@ -55,28 +55,3 @@ def test_shard_owner_follows_fsdp2_dim0_sharding_with_padding() -> None:
 def test_the_fp32_bound_on_the_cpu_model() -> None:
     assert abs(step0_bound("fp32", 16 * 64, 2) - 5.72e-6) < 1e-8
     assert step0_bound("bf16", 48 * 256, 8) > step0_bound("fp32", 48 * 256, 8)
-
-
-def test_a_failing_oracle_launch_fails_the_oracle_case_not_the_equivalence_case() -> None:
-    import pytest
-
-    from pytest_gpuregress.errors import RankFailure
-    from pytest_gpuregress.scenarios import registry
-    from pytest_gpuregress.scenarios.base import Setup
-    from pytest_gpuregress.triage.scenario import SCENARIO
-
-    launched: list[str] = []
-
-    def run(sc, launch):  # type: ignore[no-untyped-def]
-        launched.append(launch.key)
-        if launch.key == "triage-oracle":
-            raise RankFailure("the float64 oracle ran out of memory")
-        return make_record(config=launch.config)
-
-    setup = Setup("cpu", "gloo", 2)
-    cases = {c.id: c for c in SCENARIO.cases(setup)}
-    record = SCENARIO.experiment(cases["equivalence-fsdp"], run, setup)
-    assert record.results["status"] == "clean" and launched == ["triage-n", "triage-1"]
-    with pytest.raises(RankFailure, match="oracle ran out of memory"):
-        SCENARIO.experiment(cases["oracle-fsdp"], run, setup)
-    assert registry()["fsdp"].supports_triage

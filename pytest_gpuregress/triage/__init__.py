@@ -160,22 +160,14 @@ def _shape(record: RunRecord, name: str) -> tuple[int, ...]:
 
 def cheap_evidence(sc: Scenario, setup: Setup, run: Runner, model: str | None = None) -> list[Experiment]:
     """Equivalence and oracle, from three short launches (cached by the runner)."""
-    return [experiment(kind, sc, setup, run, model) for kind in EXPERIMENTS]
-
-
-EXPERIMENTS = ("equivalence", "oracle")
-
-
-def experiment(kind: str, sc: Scenario, setup: Setup, run: Runner, model: str | None = None) -> Experiment:
-    """One of the cheap experiments, from the launches it needs alone: a launch that fails (the float64 oracle's)
-    fails the experiment that needs it, not its neighbour."""
     planned = launches(sc, setup, model)
-    if kind == "equivalence":
-        if setup.world_size < 2:  # one rank against one rank would clear the collectives without testing them
-            return Experiment("equivalence", "not applicable", "needs 2 or more ranks: this run has 1")
-        return equivalence(sc, run(sc, planned["n"]), run(sc, planned["one"]), setup)
+    if setup.world_size < 2:  # one rank against one rank would clear the collectives without testing them
+        one, exact = (run(sc, planned[key]) for key in ("one", "oracle"))
+        return [Experiment("equivalence", "not applicable", "needs 2 or more ranks: this run has 1"),
+                oracle(sc, one, exact)]
+    n, one, exact = (run(sc, planned[key]) for key in ("n", "one", "oracle"))
     # The oracle judges the one-rank run: no collective touches it, so a difference there is the kernels'.
-    return oracle(sc, run(sc, planned["one"]), run(sc, planned["oracle"]))
+    return [equivalence(sc, n, one, setup), oracle(sc, one, exact)]
 
 
 def first_moved_evidence(comparison: Comparison | None) -> Experiment | None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from ..reference.record import RunRecord
 from ..scenarios import registry
 from ..scenarios.base import Case, CheckScenario, Launch, Scenario, Setup
-from . import experiment as run_experiment
+from . import cheap_evidence
 
 
 class TriageScenario(CheckScenario):
@@ -40,7 +40,8 @@ class TriageScenario(CheckScenario):
 
     def experiment(self, case: Case, run: Callable[[Scenario, Launch], RunRecord], setup: Setup) -> RunRecord:
         target = registry()[case.data["scenario"]]
-        found = run_experiment(case.data["experiment"], target, setup, run, case.data.get("model"))
+        evidence = cheap_evidence(target, setup, run, case.data.get("model"))
+        found = {e.name: e for e in evidence}[case.data["experiment"]]
         return RunRecord(scenario=self.name, config={}, platform_key="", world_size=setup.world_size,
                          results={"status": found.status, "detail": found.detail, "lines": found.lines,
                                   "component": found.component})

@@ -53,6 +53,7 @@ def test_every_case_passes_and_leaves_no_checkpoint_behind(pytester: pytest.Pyte
     assert kept_run_passes(artifacts, "checkpoint-full-state-dict", PLATFORM, refs / "checkpoint" / PLATFORM) == 0
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes
 def test_resume_names_each_piece_a_fault_left_unrestored(pytester: pytest.Pytester, refs: Path) -> None:
     """Three faults in one run (a resume costs three launches, one in new processes): each leaves a
     different piece unrestored, and each piece is named on its own, while the others stay "same"."""

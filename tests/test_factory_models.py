@@ -133,6 +133,7 @@ def test_a_factory_that_needs_real_tensors_is_sized_on_the_cpu_and_its_tokens_ar
     assert all((a == b).all() for a, b in zip(first.state_dict().values(), second.state_dict().values()))
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes
 @pytest.mark.slow
 def test_a_parameter_the_loss_does_not_use_counts_as_a_zero_gradient(pytester: pytest.Pytester) -> None:
     # A user's model may carry a parameter its forward never reads: no gradient, and no crash on the ranks.

@@ -115,6 +115,7 @@ def run(pytester: pytest.Pytester, refs: Path, *extra: str) -> pytest.RunResult:
                               f"--gpuregress-reference-dir={refs}", "-k", FSDP_ONLY, *extra)
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes
 @pytest.mark.slow
 def test_a_fault_that_cannot_fire_on_the_case_fails_it_and_one_that_fires_is_counted(pytester: pytest.Pytester,
                                                                                    tmp_path: Path) -> None:

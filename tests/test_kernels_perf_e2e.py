@@ -36,6 +36,7 @@ def test_the_reference_carries_an_inventory_and_perf_figures(fsdp_reference: Pat
     assert "host_ops" not in stored["results"]  # a CPU run has no host to fall back to
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes
 def test_sdpa_forced_to_math_is_named_next_to_the_deviation_and_in_triage(pytester: pytest.Pytester,
                                                                          fsdp_reference: Path) -> None:
     result = run(pytester, fsdp_reference, "--gpuregress-inject=sdpa_backend:backend=math")

@@ -130,6 +130,7 @@ def test_the_units_hold_what_fsdp2_itself_groups(one_rank_group: None) -> None:
     assert grouped == expected
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes
 @pytest.mark.slow
 def test_equivalence_names_a_gpt2_layer_group_in_a_real_run(pytester: pytest.Pytester) -> None:
     (pytester.path / "tiny-gpt2.json").write_text(json.dumps(GPT2))

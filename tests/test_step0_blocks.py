@@ -99,6 +99,7 @@ def test_big_gradients(gpuregress):
 '''
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes
 @pytest.mark.slow
 def test_a_wrong_element_of_a_large_gradient_is_caught_end_to_end(pytester: pytest.Pytester, tmp_path: Path) -> None:
     pytester.makepyfile(test_big=BIG_GRADIENTS)

@@ -98,6 +98,7 @@ def kill_one_recording(root: Path, first_generation: int, delay_s: float, fallba
     return [int(line) for line in out.split()]
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes
 @pytest.mark.parametrize(("fallback", "kills"), [(False, KILLS), (True, KILLS)], ids=["exchange", "fallback"])
 def test_killed_recording_leaves_the_old_or_the_new_reference(tmp_path: Path, fallback: bool, kills: int) -> None:
     if not fallback and not _exchange_works(tmp_path):

@@ -175,6 +175,7 @@ def test_foreign_reference_names_what_differs(pytester: pytest.Pytester, refs: P
                                  "*config steps: reference 8, this run 6*"])
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes
 def test_hung_rank_fails_within_the_timeout_with_rank_step_and_stack(pytester: pytest.Pytester, refs: Path) -> None:
     started = time.monotonic()
     result = run(pytester, refs, "--gpuregress-inject=hang:rank=1,step=2", "--gpuregress-timeout=15")
@@ -186,6 +187,7 @@ def test_hung_rank_fails_within_the_timeout_with_rank_step_and_stack(pytester: p
     assert elapsed < 15 + 30, elapsed
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes
 def test_rank_that_raises_reports_its_traceback(pytester: pytest.Pytester, refs: Path) -> None:
     result = run(pytester, refs, "--gpuregress-inject=crash:rank=1,step=1")
     result.assert_outcomes(failed=1)

@@ -65,6 +65,7 @@ def test_two_models_of_one_name_or_a_reserved_name_are_refused(pytester: pytest.
     collect(pytester, "--gpuregress-model=fsdp.json").stderr.fnmatch_lines(["*would be named 'fsdp'*"])
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes
 @pytest.mark.slow
 def test_an_unseen_config_records_passes_and_fails_on_a_corrupted_reduce_scatter(pytester: pytest.Pytester) -> None:
     write_config(pytester.path, "tiny-qwen2", QWEN2)

@@ -107,6 +107,7 @@ def test_process_wide_state_a_job_changed_is_back_for_the_next_job(pooled: Spawn
     same_bits(alone, after)
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes
 def test_a_rank_that_failed_is_replaced_and_the_next_launch_gets_a_fresh_group(pooled: SpawnLauncher) -> None:
     pooled.run(job(pooled), 120)
     first, started = list(pooled.pool.idle.values())[0].pids, pooled.groups_started
@@ -132,6 +133,7 @@ def test_an_idle_rank_killed_between_launches_is_replaced(pooled: SpawnLauncher)
     assert pooled.groups_started == started + 1
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes
 def test_a_hung_rank_is_reported_and_its_group_replaced(pooled: SpawnLauncher) -> None:
     with pytest.raises(RankFailure, match="rank 1 hung") as failure:
         pooled.run(job(pooled, faults=("hang:rank=1,step=1",)), 8)

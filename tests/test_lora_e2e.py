@@ -66,6 +66,17 @@ def test_reduce_scatter_corrupted_for_small_messages_only_is_caught(pytester: py
                                  "are bitwise equal (on ranks 0, 1 of 2, step-0 op trace)"])
 
 
+def test_a_bug_in_foreach_adamw_fails_only_the_case_that_runs_it_and_names_the_implementation(
+        pytester: pytest.Pytester, refs: Path) -> None:
+    # fully_shard steps AdamW's foreach path, accelerate its fused kernel (ADAMW_OF_WRAPPER): the fault reaches one.
+    result = run(pytester, refs, LORA, "--gpuregress-inject=adamw:mode=foreach,factor=1.001",
+                 "--gpuregress-lane=tolerant", "-rs")
+    result.assert_outcomes(failed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*[[]optimizer or collective[]] loss: first differing step 1 of 8*"
+                                 "AdamW implementation: foreach*"])
+    result.stdout.fnmatch_lines(["*no injected fault acts in lora-accelerate*"])
+
+
 def test_each_lanes_reference_keeps_an_op_trace_and_its_distance_from_float64(recorded: Path) -> None:
     import json
 

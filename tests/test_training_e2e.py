@@ -138,6 +138,18 @@ def test_reduce_scatter_corrupted_in_one_size_band_is_caught(pytester: pytest.Py
     assert "kernels: the same as in the reference" in out and "kernels changed: 0" in out, out[-3000:]
 
 
+def test_a_clip_off_by_1e3_is_caught_in_the_tolerant_lane_and_named_the_optimizer(pytester: pytest.Pytester,
+                                                                                   refs: Path) -> None:
+    # The tiny Llama's gradient norm starts near 0.9, above fsdp's grad_clip of 0.5: step 0 clips. Its loss and
+    # gradients before clipping are computed before the clip, so the first signal is the norm after it.
+    result = run(pytester, refs, "--gpuregress-inject=clip:mode=scale,rel=1e-3", "--gpuregress-lane=tolerant")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*[[]optimizer[]] clipped_grad_norm: first differing step 0 of 8*the gradients before "
+                                 "clipping match at step 0, so the clipping itself scaled them wrongly*"
+                                 "AdamW implementation: fused*"])
+    assert "[kernel]" not in result.stdout.str() and "[collective]" not in result.stdout.str()
+
+
 def test_legitimate_kernel_drift_shows_in_the_exact_lane(pytester: pytest.Pytester, refs: Path) -> None:
     # That it passes the tolerant lane is shown at full length, against the shipped reference and its
     # envelope (test_shipped_references.py); a changed learning rate is in test_triage.py.

@@ -116,6 +116,17 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
               need_not_fire="a shim that gives gloo PREMUL_SUM, not a fault: it corrupts nothing"),
     FaultKind("lr_scale", ".training:install_lr_scale", "every optimizer step uses lr x factor", {
         "factor": Param("number", "the learning-rate factor (default 1.01)"), "ranks": _RANKS, "rank": _RANKS}),
+    FaultKind("clip", ".training:install_clip", "gradient clipping goes wrong on the steps where it acts", {
+        "mode": Param("choice", "scale: the clipped gradients x (1+rel), a coefficient off by rel; skip: nothing is "
+                                "clipped", ("scale", "skip")),
+        "rel": Param("number", "relative error of scale (default 1e-3)"), "ranks": _RANKS, "rank": _RANKS},
+        required=("mode",)),
+    FaultKind("adamw", ".training:install_adamw", "one AdamW implementation steps with lr x factor; the others are "
+              "right", {
+                  "mode": Param("choice", "the implementation: single (foreach=False), foreach, fused",
+                                ("single", "foreach", "fused")),
+                  "factor": Param("number", "the learning-rate factor inside it (default 1.001)"),
+                  "ranks": _RANKS, "rank": _RANKS}, required=("mode",)),
     FaultKind("linear_noise", ".training:install_linear_noise",
               "every F.linear output x (1 +- rel), a fixed sign per output feature: legitimate kernel drift at 1e-7", {
                   "rel": Param("number", "relative change (default 1e-7)"), "ranks": _RANKS, "rank": _RANKS}),
@@ -162,7 +173,9 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("lora", ".lora:install", "a peft/accelerate LoRA bug, for scenario lora (docs/lora.md)", {
         "mode": Param("choice", "grad_leak: one base weight stays trainable; rank0_slice: the adapter is saved from "
                                 "each rank's shard; zero_lora_b: one lora_B saved as zeros; merge_ulp: one layer's "
-                                "merged weight one ulp up", ("grad_leak", "rank0_slice", "zero_lora_b", "merge_ulp")),
+                                "merged weight one ulp up; dropout_in_eval: nn.Dropout (peft's lora_dropout) drops in "
+                                "eval mode too; dropout_unseeded: its masks ignore torch.manual_seed",
+                      ("grad_leak", "rank0_slice", "zero_lora_b", "merge_ulp", "dropout_in_eval", "dropout_unseeded")),
         "layer": Param("int", "decoder layer of the affected module (default 1)"),
         "proj": Param("choice", "projection of the affected module (default q_proj)",
                       ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),

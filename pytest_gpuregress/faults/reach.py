@@ -34,6 +34,8 @@ _COLLECTIVE = ("collectives", *(c for c in _STEPPING if c != "checkpoint-sharded
 # A resume case trains only steps S = steps // 2 to the end: a hang or crash after step N < S never happens there.
 RESUMES = ("fsdp-resume", "lora-fully_shard-resume", "lora-accelerate-resume")
 _FROM_STEP_0 = tuple(c for c in _STEPPING if c not in RESUMES)
+_CLIPPING = ("fsdp", "fsdp-resume", "lora-fully_shard", "lora-accelerate", "lora-fully_shard-resume",
+             "lora-accelerate-resume", "triage-equivalence", "triage-oracle")
 
 # kind, or "kind:mode" -> the columns it reaches. Why a column is missing is in WHY_NOT.
 REACH: dict[str, tuple[str, ...]] = {
@@ -42,6 +44,13 @@ REACH: dict[str, tuple[str, ...]] = {
     "collective:truncate_bf16": ("collectives",),
     "emulate_premul_sum": _COLLECTIVE,
     "lr_scale": _STEPPING,
+    # Where clipping acts on a real share of the steps: fsdp and lora clip below their typical norm (their configs).
+    "clip": _CLIPPING,
+    # Each AdamW implementation where a scenario's config runs it (adamw: fsdp fused, lora by wrapper, checkpoint single).
+    "adamw:fused": ("fsdp", "fsdp-resume", "lora-accelerate", "lora-accelerate-resume", "triage-equivalence",
+                    "triage-oracle"),
+    "adamw:foreach": ("lora-fully_shard", "lora-fully_shard-resume"),
+    "adamw:single": tuple(c for c in _STEPPING if c.startswith("checkpoint-")),
     "linear_noise": (*_FORWARD, *_DEVICE_WORKLOAD),
     "matmul_ulp": (*_FORWARD, *_DEVICE_WORKLOAD),  # through F.linear, as linear_noise; consensus is where it is caught
     "sdpa_backend": _FORWARD,

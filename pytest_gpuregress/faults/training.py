@@ -63,3 +63,54 @@ def install_linear_noise(spec: FaultSpec, ctx: Any) -> Firing:
     F.linear = linear
     ctx.cleanup_hooks.append(lambda: setattr(F, "linear", original))
     return firing
+
+
+def install_clip(spec: FaultSpec, ctx: Any) -> Firing:
+    """Gradient clipping gone wrong where it acts: ``scale`` leaves the clipped gradients x (1 + rel) (a clip
+    coefficient off by rel), ``skip`` returns the norm and clips nothing. Through ``torch.nn.utils.clip_grad_norm_``,
+    which both the plugin's loop and accelerate's ``clip_grad_norm_`` call; counted on the steps where it clipped."""
+    import torch
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_grad
+
+    mode, rel = spec.get("mode", "scale"), float(spec.get("rel", 1e-3))
+    original = clip_grad.clip_grad_norm_
+    firing = Firing(spec.text)  # steps whose clipping went wrong
+
+    def clip(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        total = original(params, float("inf") if mode == "skip" else max_norm, *args, **kwargs)
+        whole = total.full_tensor() if hasattr(total, "full_tensor") else total
+        if float(whole) + 1e-6 > max_norm:  # torch's own test: a coefficient below one
+            firing.fire()
+            if mode == "scale":
+                with fault_region(), torch.no_grad():
+                    for p in params:
+                        if p.grad is not None:
+                            p.grad.mul_(1.0 + rel)
+        return total
+
+    for module in (nn_utils, clip_grad):
+        module.clip_grad_norm_ = clip
+    ctx.cleanup_hooks.append(lambda: [setattr(m, "clip_grad_norm_", original) for m in (nn_utils, clip_grad)])
+    return firing
+
+
+def install_adamw(spec: FaultSpec, ctx: Any) -> Firing:
+    """One AdamW implementation (``mode``: single, foreach or fused) steps with lr x factor; the others are right.
+    A bug that lives in one path only, as torch's fused and foreach kernels are separate code."""
+    import torch.optim.adam as adam
+
+    function = {"single": "_single_tensor_adam", "foreach": "_multi_tensor_adam", "fused": "_fused_adam"}[spec.get("mode")]
+    factor = float(spec.get("factor", 1.001))
+    original = getattr(adam, function)
+    firing = Firing(spec.text)  # optimizer steps through that implementation
+
+    def wrong_rate(*args: Any, **kwargs: Any) -> Any:
+        firing.fire()
+        kwargs["lr"] = kwargs["lr"] * factor
+        return original(*args, **kwargs)
+
+    setattr(adam, function, wrong_rate)
+    ctx.cleanup_hooks.append(lambda: setattr(adam, function, original))
+    return firing

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import MissingReference, ReferenceProblem, RegressionFailure
-from ..reference import oracle_distance, perf, store
+from ..reference import clipping, oracle_distance, perf, store
 from ..reference.compare import Comparison, tolerant_limits
 from ..reference.judgement import Judgement
 from ..reference.plot import first_divergence
@@ -106,7 +106,9 @@ class CheckPipeline:
         loc = self.places.location(name, record.platform_key, for_writing=True)
         if not self.writes_references() or self._recorded.get(loc.path) is record:  # cases sharing one reference
             return
+        clip = clipping.of(record)
         notes = [*record.notes, *self._toward_the_truth(loc, name, record)]
+        notes += [clip.warning() or clip.describe()] if clip is not None else []
         path = store.write_reference(loc, record, overwrite=True)
         self._recorded[loc.path] = record
         self.outcomes.append(Outcome(name, record.platform_key, "recorded", detail=str(path), notes=notes))
@@ -133,6 +135,8 @@ class CheckPipeline:
         assert comparison is not None and observed is not None
         loss = record.series.get("loss")
         detail = f"{record.steps} steps, loss {loss[0]:.4f} -> {loss[-1]:.4f}, " if loss else ""
+        clip = clipping.of(record)
+        detail += f"{clip.describe()}, " if clip is not None else ""
         detail += f"reference {reference_path}"
         if comparison.margins:
             detail += f"; {format_margins(comparison)}"

@@ -22,8 +22,8 @@ import numpy as np
 from ..stack import fingerprint as fp
 from ..stack.determinism import nondeterminism
 from . import model_layout, step0
+from .envelope import METRICS, SERIES, MetricLimits, digest_deviation, floors_for, limit, rel, tensor_deviation
 from .envelope import PREFIX as ENVELOPE_PREFIX
-from .envelope import MetricLimits, digest_deviation, floors_for, limit, rel, tensor_deviation
 from .first_moved import FirstMoved, equal_traces, first_moved
 from .record import RunRecord
 
@@ -354,6 +354,13 @@ def _suspect(findings: list[Finding]) -> None:
     """
     step0 = [f for f in findings if f.metric == "step0_grad"]
     loss = next((f for f in findings if f.metric == "loss"), None)
+    clip = _clip_moved_first(findings)
+    if clip is not None:  # right before clipping, wrong after it: every later difference follows from the clip
+        clip.message += (f"; the gradients before clipping match at step {clip.step}, so the clipping itself scaled "
+                         "them wrongly (clip_grad_norm_, or the wrapper's)")
+        for f in findings:
+            f.component = "optimizer"
+        return
     for f in step0:
         sparse = f.fraction is not None and f.fraction < (SPARSE_FRACTION if f.unit == "elements" else SPARSE_BLOCK_FRACTION)
         f.component = "collective" if sparse else "kernel"
@@ -368,24 +375,45 @@ def _suspect(findings: list[Finding]) -> None:
             f.component = "optimizer or collective"
 
 
+def _clip_moved_first(findings: list[Finding]) -> Finding | None:
+    """The clipped-norm finding when it comes before every other: a step's loss and gradients (before clipping) are
+    computed before its clip, so a clip that went wrong at step s moves them from step s + 1 on, never at s."""
+    clip = next((f for f in findings if f.metric == "clipped_grad_norm"), None)
+    if clip is None or clip.step is None:
+        return None
+    # Final weights carry no step: they follow from whatever moved first.
+    others = [0 if f.metric == "step0_grad" else f.step for f in findings if f is not clip and f.metric != "final_weights"]
+    return clip if all(step is not None and step > clip.step for step in others) else None
+
+
+def name_optimizer(findings: list[Finding], config: dict[str, Any]) -> None:
+    """Say which AdamW implementation ran where a finding points at the optimizer: a bug can live in one only, and
+    the other cases (another implementation each) say whether theirs is clean."""
+    implementation = config.get("adamw")  # training/optimizer.py: single, foreach or fused; a user's loop: not known
+    if implementation is None:
+        return
+    for finding in findings:
+        if "optimizer" in finding.component and "AdamW implementation" not in finding.message:
+            finding.message += f"; AdamW implementation: {implementation}"
+
+
 def tolerant_limits(reference: RunRecord, tolerances: Tolerances | None = None) -> tuple[dict[str, Any], str]:
     """Per-metric tolerant-lane limits: K x envelope + floor where the reference has an envelope, else fixed."""
     dtype = str(reference.config.get("dtype", "fp32"))
     fixed = tolerances or DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["bf16"])
     floors = floors_for(dtype)
-    steps = len(reference.series.get("loss", []))
     names = step0.names(reference)
     digests = sorted(reference.digests)
     has_envelope = tolerances is None and any(k.startswith(ENVELOPE_PREFIX) for k in reference.arrays)
     out: dict[str, Any] = {}
-    for metric in ("loss", "grad_norm", "param_grad_norm", "step0_grad", "final_weights"):
-        enveloped = limit(reference, metric, getattr(floors, metric)) if has_envelope else None
+    for metric in METRICS:
+        enveloped = limit(reference, metric, floors.of(metric)) if has_envelope else None
         if enveloped is None:
-            shape = {"loss": steps, "grad_norm": len(reference.series.get("grad_norm", [])),
-                     "step0_grad": len(names), "final_weights": len(digests)}.get(metric)
+            shape = {"step0_grad": len(names), "final_weights": len(digests)}.get(metric)
+            shape = len(reference.series.get(metric, [])) if metric in SERIES else shape
             param = reference.arrays.get("param_grad_norm")
             shape = param.shape if metric == "param_grad_norm" and param is not None else shape
-            enveloped = np.full(shape or 0, getattr(fixed, metric), dtype=np.float64)
+            enveloped = np.full(shape or 0, fixed.of(metric), dtype=np.float64)
         out[metric] = enveloped
     out["step0_grad"] = dict(zip(names, out["step0_grad"].tolist()))
     out["final_weights"] = dict(zip(digests, out["final_weights"].tolist()))
@@ -404,7 +432,7 @@ def compare_training(
     margins: dict[str, float] = {}
     step0, margins["step0_grad"] = _step0_grads(reference, run, chosen, limits["step0_grad"])
     findings.extend(step0)
-    for metric in ("loss", "grad_norm"):
+    for metric in SERIES:
         if metric in reference.series:
             found, margins[metric] = _series(metric, reference.series[metric], run.series.get(metric, []), chosen,
                                              limits[metric])
@@ -418,6 +446,7 @@ def compare_training(
         if found:
             findings.append(found)
     _suspect(findings)
+    name_optimizer(findings, run.config)
     changed = model_layout.verdict(reference, run)
     if changed:  # the model's own code moved: every difference follows from it, none convicts a kernel
         for finding in findings:

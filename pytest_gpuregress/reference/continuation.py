@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .envelope import PER_STEP
 from .envelope import PREFIX as ENVELOPE_PREFIX
 from .record import RunRecord
 
-PER_STEP = ("loss", "grad_norm", "param_grad_norm")  # metrics stored one row per step
 WHOLE_RUN = ("final_weights",)  # metrics of the run's end, the same for a continuation
 
 

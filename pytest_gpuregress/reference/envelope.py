@@ -36,6 +36,14 @@ PREFIX = "envelope/"
 K = 10.0
 
 
+# The per-step series a training record keeps, each compared step by step: the loss, the global gradient norm
+# before clipping, and after it (where a clip that scales wrongly, or not at all, shows while the gradients
+# before it are right).
+SERIES = ("loss", "grad_norm", "clipped_grad_norm")
+PER_STEP = (*SERIES, "param_grad_norm")  # metrics stored one row per step
+METRICS = (*PER_STEP, "step0_grad", "final_weights")  # every metric a training comparison judges
+
+
 @dataclass(frozen=True)
 class MetricLimits:
     """One limit per compared metric: relative for scalars; for tensors, |a-b| / max|reference|."""
@@ -45,6 +53,11 @@ class MetricLimits:
     param_grad_norm: float
     step0_grad: float
     final_weights: float
+    clipped_grad_norm: float | None = None  # None: grad_norm's (the same quantity, after clipping)
+
+    def of(self, metric: str) -> float:
+        value = getattr(self, metric)
+        return self.grad_norm if value is None else float(value)
 
 
 # fp32: two float32 ulps (2.4e-7 relative): a floor that covers rounding, and stays 50x below the
@@ -91,7 +104,7 @@ def digest_deviation(run: dict, ref: dict) -> float:
 def deviations(reference: RunRecord, run: RunRecord) -> dict[str, np.ndarray]:
     """Per-metric deviation arrays of ``run`` from ``reference``, in the comparison's measures."""
     out: dict[str, np.ndarray] = {}
-    for metric in ("loss", "grad_norm"):
+    for metric in SERIES:
         r, g = reference.series.get(metric), run.series.get(metric)
         if r is not None and g is not None and len(r) == len(g):
             out[metric] = rel(np.asarray(g), np.asarray(r))
@@ -132,7 +145,7 @@ def measure(base: RunRecord, replicas: list[RunRecord]) -> dict[str, np.ndarray]
                 raise NoisyReplica(f"noise replica {replica.config.get('perturbation', '?')!r} gave a non-finite "
                                    f"{metric} (NaN or inf): the stack is not healthy enough to record a reference")
             spread[metric] = np.maximum(spread[metric], dev) if metric in spread else dev
-    for metric in ("loss", "grad_norm", "param_grad_norm"):
+    for metric in PER_STEP:
         if metric in spread:
             spread[metric] = np.maximum.accumulate(spread[metric], axis=0)
     return {PREFIX + metric: values for metric, values in spread.items()}

@@ -19,12 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from .envelope import PER_STEP, rel
 from .envelope import PREFIX as ENVELOPE_PREFIX
-from .envelope import rel
 from .record import RunRecord
 
-WATCHED = ("loss", "grad_norm")
-PER_STEP_ARRAYS = ("param_grad_norm",)
+WATCHED = ("loss", "grad_norm")  # what each step reports to the ranks' vote (training/loop.py)
 
 
 def watch_from(reference: RunRecord | None, limits: dict[str, Any]) -> dict[str, Any]:
@@ -78,7 +77,6 @@ def truncated_reference(reference: RunRecord, steps: int) -> RunRecord:
     cut.arrays = {}
     for key, value in reference.arrays.items():
         metric = key[len(ENVELOPE_PREFIX):] if key.startswith(ENVELOPE_PREFIX) else key
-        per_step = metric in WATCHED or metric in PER_STEP_ARRAYS
-        cut.arrays[key] = value[:steps] if per_step else value
+        cut.arrays[key] = value[:steps] if metric in PER_STEP else value
     cut.digests = {}
     return cut

@@ -48,7 +48,7 @@ class FirstMoved:
             return "data"
         if self.entry.op.startswith(COLLECTIVE_NAMESPACES):
             return "collective"
-        if self.entry.phase == "optimizer":
+        if self.entry.phase in ("clip", "optimizer"):  # gradient clipping is part of the update, as AdamW's step
             return "optimizer"
         return "kernel"
 

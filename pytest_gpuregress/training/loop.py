@@ -5,10 +5,12 @@
     curves = train(ctx, step, range(steps), observer=observer, progress="training")
 
 One step: this rank's loss (forward), backward, each tracked parameter's gradient norm, the
-gradient clipping, the optimizer and schedule step; then one float64 all-reduce carries the loss
-and every tracked parameter's squared norm. The loop hands each step's loss and gradient norm to
-``ctx.step_done`` (progress lines, injected step faults, --gpuregress-fail-fast) and stops when it
-says so. What differs between scenarios is a field or an argument, with no default that hides it.
+gradient clipping, the global norm after it, the optimizer and schedule step; then one float64
+all-reduce carries the loss, every tracked parameter's squared norm and the clipped squared norm.
+The norm after clipping is what a wrong or skipped clip moves while every gradient before it is
+right. The loop hands each step's loss and gradient norm to ``ctx.step_done`` (progress lines,
+injected step faults, --gpuregress-fail-fast) and stops when it says so. What differs between
+scenarios is a field or an argument, with no default that hides it.
 Torch is imported inside the functions: only the ranks call them.
 """
 
@@ -61,6 +63,7 @@ class StepResult:
     loss: float  # the mean over ranks
     grad_norm: float  # the global norm, before clipping
     param_norms: np.ndarray  # each tracked parameter's global gradient norm, float64
+    clipped_norm: float  # the tracked parameters' global gradient norm after clipping
 
 
 def take_step(parts: TrainStep, step: int, world_size: int, device: Any) -> StepResult:
@@ -76,30 +79,39 @@ def take_step(parts: TrainStep, step: int, world_size: int, device: Any) -> Step
     squares = squared_norms(parts.tracked, world_size, device)
     if parts.inspect is not None:
         parts.inspect(step)
-    # One float64 all-reduce per step carries the loss and every tracked parameter's squared norm.
-    stats = torch.stack([loss.detach().double(), *squares])
     with trace.phase("clip"):
         grad_norm = parts.clip()
+    clipped = torch.stack(squared_norms(parts.tracked, world_size, device)).sum() if squares else loss.new_zeros(())
+    # One float64 all-reduce per step carries the loss, every tracked parameter's squared norm and the clipped one.
+    stats = torch.stack([loss.detach().double(), *squares, clipped.double()])
     with trace.phase("optimizer"):
         parts.optimization.step()
     trace.finish()
     dist.all_reduce(stats)
     stats = stats.cpu()
-    return StepResult(loss=float(stats[0]) / world_size, grad_norm=grad_norm, param_norms=stats[1:].sqrt().numpy())
+    return StepResult(loss=float(stats[0]) / world_size, grad_norm=grad_norm, param_norms=stats[1:-1].sqrt().numpy(),
+                      clipped_norm=float(stats[-1].sqrt()))
 
 
 @dataclass
 class Curves:
-    """What the loop gives back: per step, the loss, the gradient norm and each tracked parameter's norm."""
+    """What the loop gives back: per step, the loss, the gradient norm (before and after clipping) and each tracked
+    parameter's norm."""
 
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     param_norm_rows: list[np.ndarray] = field(default_factory=list)
+    clipped_norms: list[float] = field(default_factory=list)
 
     def add(self, result: StepResult) -> None:
         self.losses.append(result.loss)
         self.grad_norms.append(result.grad_norm)
         self.param_norm_rows.append(result.param_norms)
+        self.clipped_norms.append(result.clipped_norm)
+
+    def series(self) -> dict[str, list[float]]:
+        """The record's per-step series: the loss, the gradient norm before clipping and after it."""
+        return {"loss": self.losses, "grad_norm": self.grad_norms, "clipped_grad_norm": self.clipped_norms}
 
     def param_norms(self, tracked: int) -> np.ndarray:
         """Steps x tracked parameters, float64 (the record's ``param_grad_norm``)."""

@@ -11,9 +11,15 @@ Torch is imported inside the functions: only the ranks call them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from .schedule import lr_factor
+
+# torch's three AdamW implementations, as a config names them (``adamw``): each rounds differently, and a bug can
+# live in one only. "single": the per-parameter loop; "foreach": the multi-tensor path, torch's default on GPUs;
+# "fused": one fused kernel (torch._fused_adamw_), the HF Trainer's and torchtitan's default.
+Implementation = Literal["single", "foreach", "fused"]
+IMPLEMENTATIONS: tuple[Implementation, ...] = ("single", "foreach", "fused")
 
 
 @dataclass(frozen=True)
@@ -22,16 +28,18 @@ class AdamWSettings:
     betas: tuple[float, float]
     eps: float
     weight_decay: float
-    # False: the per-parameter loop, which every reference was recorded with; the multi-tensor path
-    # (True, or None: torch's choice per device) rounds differently.
-    foreach: bool | None = False
+    implementation: Implementation = "single"
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any], *, foreach: bool | None = False) -> AdamWSettings:
-        """The settings of a scenario config's ``lr``, ``betas``, ``eps`` and ``weight_decay``."""
+    def from_config(cls, cfg: dict[str, Any]) -> AdamWSettings:
+        """The settings of a scenario config's ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``adamw`` (the
+        implementation; a config without it, as every reference recorded before it, ran the single-tensor loop)."""
         beta1, beta2 = cfg["betas"]
+        implementation = str(cfg.get("adamw", "single"))
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"config adamw={implementation!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
         return cls(lr=float(cfg["lr"]), betas=(float(beta1), float(beta2)), eps=float(cfg["eps"]),
-                   weight_decay=float(cfg["weight_decay"]), foreach=foreach)
+                   weight_decay=float(cfg["weight_decay"]), implementation=implementation)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -51,8 +59,10 @@ def adamw(params: list[Any], settings: AdamWSettings) -> Any:
     """AdamW over ``params`` (a list: the caller decides which, e.g. only those that require a gradient)."""
     import torch
 
+    chosen = settings.implementation
     return torch.optim.AdamW(params, lr=settings.lr, betas=settings.betas, eps=settings.eps,
-                             weight_decay=settings.weight_decay, foreach=settings.foreach)
+                             weight_decay=settings.weight_decay, foreach=chosen == "foreach",
+                             fused=True if chosen == "fused" else None)
 
 
 def warmup_cosine(optimizer: Any, schedule: Schedule) -> Any:

@@ -43,7 +43,9 @@ def train(device: str, config: dict[str, Any], digests: Digests) -> None:
     steps = int(config["steps"])
     inputs = torch.randn((steps, batch, width), generator=generator)
     targets = F.one_hot(torch.randint(0, classes, (steps, batch), generator=generator), classes).to(torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=float(config["lr"]), foreach=False)
+    # torch's own choice per device (foreach on GPUs), as users run it: peers vote among themselves, no reference
+    # fixes the path.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=float(config["lr"]))
     names = [name for name, _ in model.named_parameters()]
     for step in range(steps):
         logits = model(inputs[step].to(device))

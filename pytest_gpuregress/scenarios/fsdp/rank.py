@@ -96,7 +96,7 @@ def run(ctx: RankContext) -> RunRecord:
         config=dict(cfg),
         platform_key="",  # set by the plugin, which knows the platform
         world_size=ctx.world_size,
-        series={"loss": curves.losses, "grad_norm": curves.grad_norms},
+        series=curves.series(),
         param_names=names,
         arrays={"param_grad_norm": curves.param_norms(len(params)), **step0, **traced},
         digests=digests,

@@ -87,7 +87,7 @@ class Roles:
         # After the save: a save that moves state shows.
         boundary = state_digests.boundary(trainer, start, ctx.device_kind, ctx.rank)
         return self._record(ctx, {"step": start, "boundary": boundary},
-                            series={"loss": curves.losses, "grad_norm": curves.grad_norms})
+                            series=curves.series())
 
     def resume(self, ctx: RankContext) -> RunRecord:
         """Comparing: the reference's checkpoint loaded on this stack, then steps S to the end."""
@@ -111,6 +111,6 @@ class Roles:
         curves = trainer.train(ctx, range(start, int(ctx.config["steps"])), position, "resumed training")
         digests = {name: float_digest(values) for name, values in trainer.weights().items()}
         return self._record(ctx, {"step": start, "boundary": boundary, "saved_with_torch": meta.get("torch")},
-                            series={"loss": curves.losses, "grad_norm": curves.grad_norms},
+                            series=curves.series(),
                             param_names=list(trainer.names),
                             arrays={"param_grad_norm": curves.param_norms(len(trainer.names))}, digests=digests)

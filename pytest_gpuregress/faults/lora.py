@@ -10,6 +10,8 @@ it through ``ctx.cleanup_hooks``:
                 cannot fire there and the case fails saying so)
   zero_lora_b   lora.write_adapter saves one lora_B as zeros
   merge_ulp     lora.merge_and_unload leaves one layer's merged weight one ulp up
+  dropout_in_eval   nn.Dropout, peft's lora_dropout, drops in eval mode too
+  dropout_unseeded  nn.Dropout draws its masks from a generator torch.manual_seed does not reach
 The affected module is model.layers.<layer>.<its block>.<proj> (default model.layers.1.self_attn.q_proj).
 """
 
@@ -106,6 +108,38 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
                 return merged
             return merge_and_unload
         _intercept(ctx, "lora.merge_and_unload", off_by_one_ulp)
+    elif mode in ("dropout_in_eval", "dropout_unseeded"):
+        _patch_stack(ctx, _dropout_class(), "forward", _broken_dropout(mode, firing))
     else:
-        raise ValueError(f"lora fault mode {mode!r}: expected grad_leak, rank0_slice, zero_lora_b or merge_ulp")
+        raise ValueError(f"lora fault mode {mode!r}: expected grad_leak, rank0_slice, zero_lora_b, merge_ulp, "
+                         "dropout_in_eval or dropout_unseeded")
     return firing
+
+
+def _dropout_class() -> Any:
+    import torch
+
+    return torch.nn.Dropout
+
+
+def _broken_dropout(mode: str, firing: Firing) -> Any:
+    """nn.Dropout (what peft's lora_dropout is when p > 0) applied in eval mode too, or drawing its masks from a
+    generator torch's seed does not reach. Training's adapters have no dropout, so only the dropout check meets it."""
+    def wrap(original: Any) -> Any:
+        def forward(self: Any, x: Any) -> Any:
+            import os
+
+            import torch
+            import torch.nn.functional as F
+
+            if mode == "dropout_in_eval" and not self.training and self.p > 0:
+                firing.fire()
+                return F.dropout(x, self.p, True, self.inplace)
+            if mode == "dropout_unseeded" and self.training and self.p > 0:
+                firing.fire()
+                generator = torch.Generator(device=x.device).manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+                keep = torch.rand(x.shape, generator=generator, device=x.device) >= self.p
+                return x * keep / (1 - self.p)
+            return original(self, x)
+        return forward
+    return wrap

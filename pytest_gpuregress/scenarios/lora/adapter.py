@@ -17,8 +17,10 @@ from . import checks
 def lora_config(cfg: dict[str, Any]) -> Any:
     from peft import LoraConfig
 
+    # No dropout in training: the run must be a pure function of the seed (dropout_check.py says why, and checks
+    # dropout on the trained adapter instead).
     return LoraConfig(r=int(cfg["lora_r"]), lora_alpha=int(cfg["lora_alpha"]), target_modules=list(cfg["target_modules"]),
-                      lora_dropout=0.0, bias="none")  # no dropout: the run must be a pure function of the seed
+                      lora_dropout=float(cfg.get("lora_dropout", 0.0)), bias="none")
 
 
 def scale(cfg: dict[str, Any]) -> float:

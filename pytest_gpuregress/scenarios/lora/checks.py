@@ -22,6 +22,7 @@ CHECKS: dict[str, str] = {
     "sharded-save": "checkpoint",  # the saved adapter holds every rank's slice, full shapes
     "adapter-roundtrip": "checkpoint",  # save_pretrained -> from_pretrained gives the same tensors and logits
     "merge": "kernel",  # merge_and_unload agrees with the unmerged model within the dtype's bound
+    "dropout": "library",  # peft's lora_dropout: off in eval, masks from torch's seeded RNG, applied in train
 }
 
 Finding = dict[str, str]
@@ -83,7 +84,7 @@ def _shape(shape: Iterable[int]) -> str:
     return "[" + ", ".join(str(int(d)) for d in shape) + "]"
 
 
-def _difference(expected: np.ndarray, got: np.ndarray) -> str:
+def difference(expected: np.ndarray, got: np.ndarray) -> str:
     """What differs between two same-shaped tensors, in words: zeros, or how many elements and by how much."""
     if got.size and not np.any(got) and np.any(expected):
         return "is all zeros"
@@ -154,7 +155,7 @@ def check_saved(saved: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarra
         elif got.dtype != full.dtype:
             out.append(finding("adapter-roundtrip", f"{describe(key)} saved as {got.dtype}, trained as {full.dtype}"))
         elif not np.array_equal(full.view(np.uint8), got.view(np.uint8)):
-            out.append(finding("adapter-roundtrip", f"{describe(key)} {_difference(full, got)} in the saved file"))
+            out.append(finding("adapter-roundtrip", f"{describe(key)} {difference(full, got)} in the saved file"))
     return out
 
 
@@ -170,7 +171,7 @@ def check_reloaded(reloaded: Mapping[str, np.ndarray], trained: Mapping[str, np.
             out.append(finding("adapter-roundtrip", f"{describe(name)} has shape {_shape(got.shape)} after reload, "
                                                     f"trained {_shape(full.shape)}"))
         elif not np.array_equal(full.view(np.uint8), got.astype(full.dtype).view(np.uint8)):
-            out.append(finding("adapter-roundtrip", f"{describe(name)} {_difference(full, got.astype(full.dtype))} "
+            out.append(finding("adapter-roundtrip", f"{describe(name)} {difference(full, got.astype(full.dtype))} "
                                                     "after reload"))
     return out
 

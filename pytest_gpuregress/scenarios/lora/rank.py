@@ -17,7 +17,7 @@ import numpy as np
 from ...reference.record import RunRecord, float_digest
 from ...training.observe import StepObserver
 from ..base import RankContext
-from . import adapter_io, checks, lanes, merging, trainer
+from . import adapter_io, checks, dropout_check, lanes, merging, trainer
 from .trainer import build_base as _build_base  # the round trip and the merge rebuild the base
 
 FIXED_BATCH_ROWS = 2  # sequences in the batch whose logits the round trip and the merge compare
@@ -89,6 +89,8 @@ def run(ctx: RankContext) -> RunRecord:
         merge_findings, measured = merging.check_merge(_build_base(cfg, model_config, perturbation), trained, cfg,
                                                        batch, compute_dtype)
         findings += merge_findings
+        findings += dropout_check.check_dropout(lambda: _build_base(cfg, model_config, perturbation), trained, cfg,
+                                                batch)
 
     digests = {name: float_digest(values) for name, values in trained.items()}
     results = {"lora_checks": findings, "lora_checks_run": sorted(checks.CHECKS), "lora_measured": measured,
@@ -99,7 +101,7 @@ def run(ctx: RankContext) -> RunRecord:
         config=dict(cfg),
         platform_key="",
         world_size=ctx.world_size,
-        series={"loss": curves.losses, "grad_norm": curves.grad_norms},
+        series=curves.series(),
         param_names=names,
         arrays={"param_grad_norm": curves.param_norms(len(params)), **step0, **traced},
         digests=digests,

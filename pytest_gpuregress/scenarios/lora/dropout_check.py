@@ -1,0 +1,61 @@
+"""Rank side: peft's LoRA dropout, exercised after training (the ``dropout`` LoRA check).
+
+Training keeps ``lora_dropout`` at 0, so that a run is a pure function of the seed on every machine: torch draws a
+CPU dropout mask from MKL's generator on Intel CPUs and from its own elsewhere (``bernoulli_`` on the CPU), so masks
+are not equal across stacks, and a reference recorded with dropout on one CPU would fail on another. What a peft
+or torch bug in dropout breaks is checked here instead, on the trained adapter with ``lora_dropout`` > 0:
+
+  eval       in eval mode the adapter gives bit for bit what the same adapter without dropout gives
+  seeded     in train mode, two forwards after the same ``torch.manual_seed`` give the same bits (masks follow
+             torch's RNG, so a training run can be repeated)
+  acts       in train mode the output differs from eval mode's (the dropout is applied at all)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import adapter, adapter_io, checks
+
+P = 0.1  # the dropout probability checked: peft's examples' usual value
+SEED = 1234
+
+
+def check_dropout(fresh_base: Callable[[], Any], trained: dict[str, np.ndarray], cfg: dict[str, Any],
+                  batch: Any) -> list[checks.Finding]:
+    """The three dropout checks on two fresh peft models carrying the trained adapter, with and without dropout."""
+    import torch
+
+    def logits(model: Any) -> np.ndarray:
+        with torch.no_grad():
+            return adapter_io.to_numpy(model(input_ids=batch).logits.float())
+
+    plain = _adapted(fresh_base(), trained, cfg, 0.0, batch.device).eval()
+    dropping = _adapted(fresh_base(), trained, cfg, P, batch.device).eval()
+    findings: list[checks.Finding] = []
+    expected, in_eval = logits(plain), logits(dropping)
+    if not np.array_equal(expected, in_eval):
+        findings.append(checks.finding("dropout", f"in eval mode the adapter with lora_dropout={P} gives other logits "
+                                       f"than without dropout: {checks.difference(expected, in_eval)}"))
+    dropping.train()
+    torch.manual_seed(SEED)
+    first = logits(dropping)
+    torch.manual_seed(SEED)
+    second = logits(dropping)
+    if not np.array_equal(first, second):
+        findings.append(checks.finding("dropout", f"in train mode two forwards after torch.manual_seed({SEED}) give "
+                                       f"other logits ({checks.difference(first, second)}): the masks do not follow "
+                                       "torch's RNG, so no run can be repeated"))
+    if np.array_equal(first, in_eval):
+        findings.append(checks.finding("dropout", f"in train mode lora_dropout={P} changes nothing: the dropout is "
+                                       "never applied"))
+    return findings
+
+
+def _adapted(base: Any, trained: dict[str, np.ndarray], cfg: dict[str, Any], dropout: float, device: Any) -> Any:
+    model = adapter.wrap_with_lora(base, {**cfg, "lora_dropout": dropout})
+    adapter.load_adapter_tensors(model, trained)
+    return model.to(device)

@@ -1,0 +1,64 @@
+"""The LoRA dropout check (scenarios/lora/dropout_check.py): peft's lora_dropout off in eval, seeded, and applied,
+on a real tiny Llama in process; each emulated dropout bug caught by name, and the clean stack passing."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pytest_gpuregress import faults
+from pytest_gpuregress.scenarios.lora import checks
+from pytest_gpuregress.scenarios.lora.dropout_check import check_dropout
+
+
+@pytest.fixture(scope="module")
+def tiny() -> dict[str, Any]:
+    import torch
+
+    from pytest_gpuregress.scenarios.lora import DEFAULT_TARGETS, adapter
+    from pytest_gpuregress.training.models import blueprint, build_causal_lm
+
+    cfg = {"model": "tiny-llama", "model_size": "cpu", "seed": 0, "lora_r": 8, "lora_alpha": 16,
+           "target_modules": list(DEFAULT_TARGETS)}
+    model_config = blueprint(cfg)
+    peft_model = adapter.wrap_with_lora(build_causal_lm(model_config, seed=0), cfg)
+    rng = np.random.default_rng(0)  # a trained adapter: lora_B away from zero, so the dropped input shows
+    trained = {name: (rng.standard_normal(tuple(p.shape)) * 0.05).astype(np.float32)
+               for name, p in peft_model.named_parameters() if checks.is_adapter(name)}
+    batch = torch.randint(0, model_config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    return {"base": lambda: build_causal_lm(model_config, seed=0), "trained": trained, "cfg": cfg, "batch": batch}
+
+
+def _checked(tiny: dict[str, Any]) -> list[str]:
+    return [f["message"] for f in check_dropout(tiny["base"], tiny["trained"], tiny["cfg"], tiny["batch"])]
+
+
+def test_peft_dropout_on_this_stack_passes(tiny: dict[str, Any]) -> None:
+    assert _checked(tiny) == []
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("dropout_in_eval", "in eval mode the adapter with lora_dropout=0.1 gives other logits than without dropout"),
+    ("dropout_unseeded", "the masks do not follow torch's RNG"),
+])
+def test_a_dropout_bug_is_caught_by_name(tiny: dict[str, Any], mode: str, expected: str) -> None:
+    ctx = SimpleNamespace(rank=0, world_size=1, device_kind="cpu", cleanup_hooks=[], step_hooks=[], teardown_hooks=[])
+    (installed,) = faults.install_counted([f"lora:mode={mode}"], ctx)
+    try:
+        found = _checked(tiny)
+    finally:
+        for undo in reversed(ctx.cleanup_hooks):
+            undo()
+    assert installed.count > 0
+    assert any(expected in message for message in found), found
+    assert checks.CHECKS["dropout"] == "library"
+
+
+def test_a_dropout_never_applied_is_caught(tiny: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.nn.Dropout, "forward", lambda self, x: x)
+    assert any("changes nothing: the dropout is never applied" in m for m in _checked(tiny))

@@ -129,7 +129,10 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                   "ranks": _RANKS, "rank": _RANKS}, required=("mode",)),
     FaultKind("linear_noise", ".training:install_linear_noise",
               "every F.linear output x (1 +- rel), a fixed sign per output feature: legitimate kernel drift at 1e-7", {
-                  "rel": Param("number", "relative change (default 1e-7)"), "ranks": _RANKS, "rank": _RANKS}),
+                  "rel": Param("number", "relative change (default 1e-7)"),
+                  "rows": Param("int", "only outputs of this many rows (tokens): a GEMM kernel picked by shape, as "
+                                       "cuBLAS and hipBLASLt pick them", minimum=1),
+                  "ranks": _RANKS, "rank": _RANKS}),
     FaultKind("matmul_ulp", ".matmul:install_matmul_ulp",
               "the first element of every matmul, mm, bmm and F.linear output one ulp away from zero: one device "
               "with a failing part, for scenario consensus", {

@@ -1,4 +1,11 @@
-"""What every training scenario's step shares on a rank: this rank's tokens, and the next-token loss."""
+"""What every training scenario's step shares on a rank: this rank's tokens, and the next-token loss.
+
+A one-rank run can stand in for N ranks (config ``emulate_world``: triage's equivalence and its world-size flip):
+it runs each of the N ranks' micro-batches in turn, each in its own forward with that rank's shapes, and averages
+their losses, so every GEMM sees the rows it sees on N ranks and only the communication differs. cuBLAS and
+hipBLASLt pick kernels by shape: a one-rank run over the whole batch would call other kernels, and a kernel bug
+of one shape would look like a collective's.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +14,30 @@ from typing import Any
 from .data import MarkovTokens
 from .noise import apply_batch_order
 
+EMULATE_WORLD = "emulate_world"  # config key: the world a one-rank run stands in for
+
 
 def rank_tokens(data: MarkovTokens, step: int, ctx: Any, perturbation: str, device: Any) -> Any:
     """This rank's slice of the step's global batch, in the order a noise replica asks for, on ``device``."""
+    return _tokens(data, step, ctx.rank, ctx.world_size, perturbation, device)
+
+
+def _tokens(data: MarkovTokens, step: int, rank: int, world_size: int, perturbation: str, device: Any) -> Any:
     import torch
 
-    tokens = torch.from_numpy(data.rank_batch(step, ctx.rank, ctx.world_size))
+    tokens = torch.from_numpy(data.rank_batch(step, rank, world_size))
     return apply_batch_order(tokens, perturbation).to(device)
+
+
+def step_loss(model: Any, data: MarkovTokens, step: int, ctx: Any, perturbation: str, device: Any) -> Any:
+    """This rank's loss for ``step``; on a rank standing in for ``emulate_world`` ranks, the mean of their losses."""
+    import torch
+
+    emulated = int(ctx.config.get(EMULATE_WORLD, 0) or 0)
+    if ctx.world_size != 1 or emulated <= 1:
+        return next_token_loss(model, rank_tokens(data, step, ctx, perturbation, device))
+    losses = [next_token_loss(model, _tokens(data, step, rank, emulated, perturbation, device)) for rank in range(emulated)]
+    return torch.stack(losses).mean()  # the gradients FSDP2's reduce-scatter averages over the ranks
 
 
 def next_token_loss(model: Any, tokens: Any) -> Any:

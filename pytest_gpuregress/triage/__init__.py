@@ -1,7 +1,9 @@
 """Triage: name the component behind a difference with experiments, each of which clears or convicts one.
 
   equivalence  the scenario on N ranks and on one rank, same global batch, 3 steps: step-0 gradients
-               and the first losses must agree within a derived bound (reference/bounds.py). A difference
+               and the first losses must agree within a derived bound (reference/bounds.py). The one rank
+               runs each rank's micro-batch in turn with that rank's shapes (training/step.py), so every
+               GEMM sees the same rows on both sides and only the communication differs. A difference
                convicts a collective, and names the parameters, the rank whose shard holds them and
                the message that carried them. Needs no stored reference.
   oracle       step 0 in float64 on the CPU in one process (training/oracle.py): the one-rank run's
@@ -27,6 +29,7 @@ from ..reference.bounds import step0_bound
 from ..reference.envelope import rel, step0_deviation
 from ..reference.op_trace import TRACE_CONFIG
 from ..reference.record import RunRecord
+from ..training.step import EMULATE_WORLD
 
 if TYPE_CHECKING:
     from ..reference.compare import Comparison
@@ -60,7 +63,8 @@ def launches(sc: Scenario, setup: Setup, model: str | None = None) -> dict[str, 
     suffix = f"-{model}" if model else ""
     return {
         "n": Launch(f"triage-n{suffix}", config),
-        "one": Launch(f"triage-1{suffix}", config, world_size=1),
+        # Each of the N ranks' micro-batches in turn, with their shapes: only the communication differs from "n".
+        "one": Launch(f"triage-1{suffix}", {**config, EMULATE_WORLD: setup.world_size}, world_size=1),
         # The oracle is the reference implementation: injected faults emulate the stack under test.
         "oracle": Launch(f"triage-oracle{suffix}", config, world_size=1, entry=ORACLE_ENTRY, inject=False),
     }

@@ -15,6 +15,7 @@ from ..errors import NotApplicable
 from ..reference.compare import Comparison, compare_training
 from ..reference.op_trace import TRACE_CONFIG
 from ..reference.record import RunRecord
+from ..training.step import EMULATE_WORLD
 from . import Experiment, Runner
 
 if TYPE_CHECKING:
@@ -50,7 +51,8 @@ def switches(setup: Setup) -> list[Switch]:
         Switch(f"ATEN_CPU_CAPABILITY={lower}", "kernel", env={"ATEN_CPU_CAPABILITY": lower}) if lower else
         Switch("a lower ATEN_CPU_CAPABILITY", "kernel", not_applicable="this CPU already runs the default kernels"),
         Switch("one thread per rank", "kernel", not_applicable="ranks already run one thread each"),
-        Switch("world size 1", "collective", world_size=1),
+        # One rank running each rank's micro-batch in turn, with their shapes: only the communication is gone.
+        Switch("world size 1", "collective", config={EMULATE_WORLD: setup.world_size}, world_size=1),
     ]
 
 

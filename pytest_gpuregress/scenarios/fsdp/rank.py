@@ -32,7 +32,7 @@ def run(ctx: RankContext) -> RunRecord:
     from ...training.op_trace import for_rank as op_tracer
     from ...training.op_trace import stored as stored_trace
     from ...training.shard_units import RESULT_KEY, describe_units, shard_units
-    from ...training.step import next_token_loss, rank_tokens
+    from ...training.step import rank_tokens, step_loss
     from ...training.switches import apply_switches
 
     cfg = ctx.config
@@ -67,7 +67,7 @@ def run(ctx: RankContext) -> RunRecord:
                                                    ctx.rank, ctx.world_size, step0_arrays.full_max_of(cfg)))
 
     step = TrainStep(
-        loss=lambda s: next_token_loss(model, rank_tokens(data, s, ctx, perturbation, device)),
+        loss=lambda s: step_loss(model, data, s, ctx, perturbation, device),
         optimization=Optimization.of(adamw(params, AdamWSettings.from_config(cfg)), Schedule.from_config(cfg)),
         clip=lambda: clip_gradients(params, float(cfg["grad_clip"])),
         tracked=params,

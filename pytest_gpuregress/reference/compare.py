@@ -349,8 +349,12 @@ def _suspect(findings: list[Finding]) -> None:
       collective (reduce-scatter) corrupted them; wrong nearly everywhere: a kernel changed.
     - loss wrong at step 0 with no step-0 gradients recorded: a kernel or a collective; without
       the gradients there is no evidence to tell them apart, so both are named.
-    - step-0 numbers right but training diverges later: the optimizer, the schedule, or a
-      collective at a later step (a stale all-gather); the first step says where to look.
+    - step-0 numbers right but training diverges later: where the loss moves first (at or before the
+      gradients), the weights of that step were wrong: the optimizer, the schedule, or a collective
+      that carries weights (a stale all-gather). Where the gradients move first and the loss of that
+      step still matches, the weights were right and the gradients were computed wrong: a collective
+      that carries gradients (reduce-scatter, all-reduce) or a backward kernel.
+    - the norm after clipping wrong before anything else: the clipping (``_clip_moved_first``).
     """
     step0 = [f for f in findings if f.metric == "step0_grad"]
     loss = next((f for f in findings if f.metric == "loss"), None)
@@ -371,8 +375,18 @@ def _suspect(findings: list[Finding]) -> None:
             f.component = step0[0].component
         elif loss is not None and loss.step == 0:
             f.component = "kernel or collective"
+        elif gradients_moved_first(findings):
+            f.component = "collective or kernel"
         else:
             f.component = "optimizer or collective"
+
+
+def gradients_moved_first(findings: list[Finding]) -> bool:
+    """Whether a step's gradients differ while its loss (computed before them, from the same weights) does not:
+    then the weights were right and the gradients were computed wrong, which no optimizer step explains."""
+    gradient_steps = [f.step for f in findings if f.metric in ("grad_norm", "param_grad_norm") and f.step is not None]
+    loss_step = next((f.step for f in findings if f.metric == "loss" and f.step is not None), None)
+    return bool(gradient_steps) and (loss_step is None or min(gradient_steps) < loss_step)
 
 
 def _clip_moved_first(findings: list[Finding]) -> Finding | None:

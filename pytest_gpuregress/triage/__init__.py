@@ -26,6 +26,7 @@ import numpy as np
 
 from ..reference import step0
 from ..reference.bounds import step0_bound
+from ..reference.compare import gradients_moved_first
 from ..reference.envelope import rel, step0_deviation
 from ..reference.op_trace import TRACE_CONFIG
 from ..reference.record import RunRecord
@@ -219,9 +220,17 @@ def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tup
             # Step 0 is within the tolerance: that op's drift is the legitimate kind the envelope allows (another
             # kernel path), not what failed later; it is shown, and convicts nothing.
             by_name[moved.name] = Experiment(moved.name, "drifts within the tolerance at step 0", moved.detail)
-            component = "optimizer" if late else "kernel" if changed else None
-        elif late:  # step 0 matches the reference and both experiments are clean: the update goes wrong
+            update = late and not gradients_moved_first(comparison.findings)
+            component = "optimizer" if update else "kernel" if changed and not late else None
+        elif late and not gradients_moved_first(comparison.findings):
+            # step 0 matches the reference, both experiments are clean, and a step's loss moves no later than its
+            # gradients: the weights it started from were wrong, so the update went wrong
             component = "optimizer"
+        elif late:  # the gradients of a step moved while its loss (the same weights) matched: not the update
+            by_name["divergence"] = Experiment("divergence", "starts", by_name["divergence"].detail + "; the "
+                                               "gradients move before the loss, so the update is not the cause "
+                                               "(a collective that carries gradients, or a backward kernel)")
+            component = None
         elif changed:  # nothing convicted or cleared, but the kernels did change: the likeliest cause
             component = "kernel"
         else:

@@ -131,7 +131,7 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
     record.fingerprint = record.fingerprint or ctx.fingerprint
     if ctx.stopped is not None:
         record.results["fail_fast"] = ctx.stopped
-    if job.faults:  # the session sums the ranks' counts and writes the notes (session.py, faults/firing.py)
+    if job.faults:  # the launcher sums the ranks' counts and writes the notes (plugin/launches.py, faults/firing.py)
         record.results[firing.RESULT_KEY] = firing.rank_counts(installed)
     if job.loopback_only:
         record.results.setdefault("listening", {})[str(rank)] = listening_addresses()

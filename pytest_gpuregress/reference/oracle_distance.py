@@ -12,7 +12,6 @@ A first recording stores the distance without judging it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -79,7 +78,3 @@ def judge_rerecording(old: RunRecord, new: RunRecord, slack: dict[str, float]) -
                                   f"the measured noise allows ({summary})", worse)
     return Rerecording(True, f"no further from float64 within the measured noise ({summary})", [])
 
-
-def summary_of(record: RunRecord) -> Any:
-    """The stored median distance, for the recorded line (None when not measured)."""
-    return (record.results.get(RESULT_KEY) or {}).get("median")

@@ -3,7 +3,7 @@
 Session side, torch-free. Its cases exist only with ``--gpuregress-consensus``:
   devices   every rank stands for one device and runs the same single-device workload at once (workload.py:
             a seeded training run, a GEMM and reduction battery, the format casts), with no collective in its
-            numbers; it hands back digests, 24 bytes a tensor, and who it is (identity.py). Devices vote bit
+            numbers; it hands back digests, 24 bytes a tensor, and who it is (stack/device_identity.py). Devices vote bit
             for bit within each group of one device model and stack (group_key.py, vote.py): every device that
             differs from its group's majority is named with its node, local index, PCI bus id and UUID or
             serial, and the first step and tensor where it differs, and by how much (report.py). Devices of

@@ -18,7 +18,7 @@ from ...reference.record import RunRecord, float_digest
 from ...training.observe import StepObserver
 from ..base import RankContext
 from . import adapter_io, checks, dropout_check, lanes, merging, trainer
-from .trainer import build_base as _build_base  # the round trip and the merge rebuild the base
+from .trainer import build_base  # the round trip, the merge and the dropout check rebuild the base
 
 FIXED_BATCH_ROWS = 2  # sequences in the batch whose logits the round trip and the merge compare
 
@@ -86,10 +86,10 @@ def run(ctx: RankContext) -> RunRecord:
         compute_dtype = torch.bfloat16 if cfg["dtype"] == "bf16" else torch.float32
         findings += _roundtrip(lane, state, trained, trained_logits, cfg, model_config, perturbation, batch,
                                compute_dtype, ctx.world_size)
-        merge_findings, measured = merging.check_merge(_build_base(cfg, model_config, perturbation), trained, cfg,
+        merge_findings, measured = merging.check_merge(build_base(cfg, model_config, perturbation), trained, cfg,
                                                        batch, compute_dtype)
         findings += merge_findings
-        findings += dropout_check.check_dropout(lambda: _build_base(cfg, model_config, perturbation), trained, cfg,
+        findings += dropout_check.check_dropout(lambda: build_base(cfg, model_config, perturbation), trained, cfg,
                                                 batch)
 
     digests = {name: float_digest(values) for name, values in trained.items()}
@@ -124,7 +124,7 @@ def _roundtrip(lane: lanes.Lane, state: dict[str, Any], trained: dict[str, np.nd
             return [checks.finding("adapter-roundtrip", f"save_pretrained failed: {type(exc).__name__}: {exc}")]
         findings += checks.check_saved(adapter_io.read_saved(folder), trained, world_size)
         try:
-            reloaded = adapter_io.reload(_build_base(cfg, model_config, perturbation), folder)
+            reloaded = adapter_io.reload(build_base(cfg, model_config, perturbation), folder)
         except Exception as exc:  # noqa: BLE001 - e.g. a size mismatch from a sliced save
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             findings.append(checks.finding("adapter-roundtrip", f"PeftModel.from_pretrained failed on the saved "

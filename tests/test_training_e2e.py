@@ -7,7 +7,9 @@ step, tensor, component, rank or file.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import subprocess
 import sys
 import time
@@ -179,12 +181,42 @@ def test_corrupt_reference_names_the_file(pytester: pytest.Pytester, refs: Path)
     result.stdout.fnmatch_lines([f"*CorruptReference: {tensors}: sha256 * does not match manifest.json*"])
 
 
-def test_foreign_reference_names_what_differs(pytester: pytest.Pytester, refs: Path) -> None:
-    result = pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-steps=6",
-                                f"--gpuregress-reference-dir={refs}", "-k", FSDP_ONLY)
+def test_a_reference_of_other_steps_is_a_usage_error_before_any_rank_starts(pytester: pytest.Pytester,
+                                                                            refs: Path) -> None:
+    started = time.monotonic()
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-steps=6",
+                                           f"--gpuregress-reference-dir={refs}", "-k", FSDP_ONLY)
+    elapsed = time.monotonic() - started
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*recorded with other settings, so nothing was trained*",
+                                 f"*{refs}*fsdp*record.json was recorded with steps 8 (this run 6): compare with it "
+                                 "by adding --gpuregress-steps=8",
+                                 "*second choice*--gpuregress-record -k fsdp --gpuregress-reference-dir=*-this-stack "
+                                 "--gpuregress-steps=6*"])
+    output = result.stdout.str() + result.stderr.str()
+    assert "process group ready" not in output and elapsed < 10, elapsed  # no rank started
+
+
+def test_a_reference_of_another_config_is_named_after_the_run(pytester: pytest.Pytester, refs: Path) -> None:
+    # What no option sets (here the learning rate, as an older plugin version might have recorded it) is found
+    # when the run is compared.
+    record = next(refs.glob("fsdp/*/record.json"))
+    data = json.loads(record.read_text())
+    data["config"]["lr"] = 1e-3
+    _rewrite_with_manifest(record, data)
+    result = run(pytester, refs)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*ForeignReference: *record.json: reference was recorded for a different setup*",
-                                 "*config steps: reference 8, this run 6*"])
+                                 "*config lr: reference 0.001, this run 0.003*"])
+
+
+def _rewrite_with_manifest(record: Path, data: dict) -> None:
+    """Rewrite a reference's record.json and its sha256 in manifest.json, as a reference recorded so would be."""
+    record.write_text(json.dumps(data))
+    manifest_path = record.parent / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["record.json"] = hashlib.sha256(record.read_bytes()).hexdigest()
+    manifest_path.write_text(json.dumps(manifest))
 
 
 @pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes

@@ -1,0 +1,69 @@
+"""Before any rank starts: a stored reference recorded with other run settings than this run's.
+
+Comparing a 300-step run with a reference of 100 steps can only fail, and only after training. So after
+collection, each selected case's reference config is read (record.json only, no tensors) and compared with the
+launch's on the settings an option sets. A mismatch stops the session as a usage error that prints the options
+reproducing the reference's settings first, and re-recording into a folder of its own only second: overwriting
+the reference would lose what the old stack computed. Every other config difference is still reported after the
+run (reference/store.py: check_compatible), where a damaged record.json is reported too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from ..reference.record import RECORD_JSON
+from ..scenarios import registry
+
+if TYPE_CHECKING:
+    from .session import GpuRegressSession
+
+# config key -> the option that sets it
+SETTING_OPTIONS = {"steps": "--gpuregress-steps"}
+
+
+def differing_settings(session: GpuRegressSession) -> tuple[list[str], list[str]]:
+    """(one line per selected reference whose recorded settings differ from this run's, with the options to use;
+    the -k expressions that select those references' cases)."""
+    lines: dict[str, str] = {}
+    selections: list[str] = []
+    for scenario, cases in session.selection.selected.items():
+        sc = registry()[scenario]
+        for case in cases if sc.kind == "training" else []:
+            name = sc.reference_name(case)
+            launch = session.selection.launch_of(sc, case)
+            key = session.platform.key(sc.platform_tag(launch.config))
+            if name is None or session.places.recording(name, key):
+                continue
+            path = session.places.location(name, key).path / RECORD_JSON
+            recorded = _recorded_config(path)
+            differing = [(k, recorded[k], launch.config[k]) for k in SETTING_OPTIONS
+                         if k in recorded and k in launch.config and recorded[k] != launch.config[k]]
+            if differing and str(path) not in lines:
+                what = ", ".join(f"{k} {ref!r} (this run {ours!r})" for k, ref, ours in differing)
+                options = " ".join(f"{SETTING_OPTIONS[k]}={ref}" for k, ref, _ in differing)
+                lines[str(path)] = f"{path} was recorded with {what}: compare with it by adding {options}"
+                selections.append(session.selection.expression_for(name))
+    return list(lines.values()), selections
+
+
+def _recorded_config(path: Any) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}  # missing or damaged: the full read after the run names it
+    config = data.get("config") if isinstance(data, dict) else None
+    return config if isinstance(config, dict) else {}
+
+
+def usage_message(session: GpuRegressSession) -> str | None:
+    """The usage error for references of other settings, or None when every selected one matches this run's."""
+    lines, selections = differing_settings(session)
+    if not lines:
+        return None
+    places = session.places
+    hint = places.record_hint(" or ".join(dict.fromkeys(selections)), places.elsewhere_root)
+    return ("the references this run would compare with were recorded with other settings, so nothing was trained:\n  "
+            + "\n  ".join(lines) + "\nor, second choice, record references for this run's settings in a folder of "
+            f"their own: {hint}")

@@ -342,18 +342,18 @@ def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, 
     return finding, margin
 
 
-def _suspect(findings: list[Finding]) -> None:
+def _suspect(findings: list[Finding], lane: str) -> None:
     """Point each finding at a component, from the order in which signals appear.
 
     - step-0 gradients wrong in a few elements (or, for block sums, in under half the blocks): a
       collective (reduce-scatter) corrupted them; wrong nearly everywhere: a kernel changed.
     - loss wrong at step 0 with no step-0 gradients recorded: a kernel or a collective; without
       the gradients there is no evidence to tell them apart, so both are named.
-    - step-0 numbers right but training diverges later: where the loss moves first (at or before the
-      gradients), the weights of that step were wrong: the optimizer, the schedule, or a collective
-      that carries weights (a stale all-gather). Where the gradients move first and the loss of that
-      step still matches, the weights were right and the gradients were computed wrong: a collective
-      that carries gradients (reduce-scatter, all-reduce) or a backward kernel.
+    - step-0 numbers right but training diverges later: the optimizer, the schedule, or a collective
+      that carries weights (a stale all-gather). In the exact lane, where a step's per-parameter
+      gradients differ while its loss is bitwise equal, the weights were right and the gradients were
+      computed wrong: a collective that carries gradients (reduce-scatter, all-reduce) or a backward
+      kernel (``gradients_moved_first``).
     - the norm after clipping wrong before anything else: the clipping (``_clip_moved_first``).
     """
     step0 = [f for f in findings if f.metric == "step0_grad"]
@@ -375,18 +375,26 @@ def _suspect(findings: list[Finding]) -> None:
             f.component = step0[0].component
         elif loss is not None and loss.step == 0:
             f.component = "kernel or collective"
-        elif gradients_moved_first(findings):
+        elif gradients_moved_first(findings, lane):
             f.component = "collective or kernel"
         else:
             f.component = "optimizer or collective"
 
 
-def gradients_moved_first(findings: list[Finding]) -> bool:
-    """Whether a step's gradients differ while its loss (computed before them, from the same weights) does not:
-    then the weights were right and the gradients were computed wrong, which no optimizer step explains."""
-    gradient_steps = [f.step for f in findings if f.metric in ("grad_norm", "param_grad_norm") and f.step is not None]
+def gradients_moved_first(findings: list[Finding], lane: str) -> bool:
+    """Whether a step's gradients differ while its loss (computed before them, from the same weights) is bitwise
+    equal: then the weights were right and the gradients were computed wrong, which no optimizer step explains.
+
+    The exact lane only: there any change of the weights changes the loss's bits. In the tolerant lane each metric
+    has its own limit, and a per-parameter norm can cross its limit steps before the averaged loss does (an update
+    wrong on one tensor), so the order of the first findings proves nothing. The gradients are the per-parameter
+    norms, measured before clipping; ``grad_norm`` is what the clip itself computed, and a clip that moved first is
+    the clip's (``_clip_moved_first``)."""
+    if lane != "exact" or _clip_moved_first(findings) is not None:
+        return False
+    gradient_step = next((f.step for f in findings if f.metric == "param_grad_norm" and f.step is not None), None)
     loss_step = next((f.step for f in findings if f.metric == "loss" and f.step is not None), None)
-    return bool(gradient_steps) and (loss_step is None or min(gradient_steps) < loss_step)
+    return gradient_step is not None and loss_step is not None and gradient_step < loss_step
 
 
 def _clip_moved_first(findings: list[Finding]) -> Finding | None:
@@ -459,12 +467,12 @@ def compare_training(
         margins[metric] = margin
         if found:
             findings.append(found)
-    _suspect(findings)
-    name_optimizer(findings, run.config)
+    _suspect(findings, chosen)
     changed = model_layout.verdict(reference, run)
     if changed:  # the model's own code moved: every difference follows from it, none convicts a kernel
         for finding in findings:
             finding.component = model_layout.COMPONENT
         findings.insert(0, Finding("model", model_layout.COMPONENT, changed))
+    name_optimizer(findings, run.config)
     return Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source,
                       first_moved=first_moved(reference, run), equal_trace=equal_traces(reference, run))

@@ -220,16 +220,16 @@ def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tup
             # Step 0 is within the tolerance: that op's drift is the legitimate kind the envelope allows (another
             # kernel path), not what failed later; it is shown, and convicts nothing.
             by_name[moved.name] = Experiment(moved.name, "drifts within the tolerance at step 0", moved.detail)
-            update = late and not gradients_moved_first(comparison.findings)
-            component = "optimizer" if update else "kernel" if changed and not late else None
-        elif late and not gradients_moved_first(comparison.findings):
+            gradients = late and gradients_moved_first(comparison.findings, comparison.lane)
+            if gradients:
+                by_name["divergence"] = _gradients_first(by_name["divergence"])
+            component = "optimizer" if late and not gradients else "kernel" if changed and not late else None
+        elif late and not gradients_moved_first(comparison.findings, comparison.lane):
             # step 0 matches the reference, both experiments are clean, and a step's loss moves no later than its
             # gradients: the weights it started from were wrong, so the update went wrong
             component = "optimizer"
         elif late:  # the gradients of a step moved while its loss (the same weights) matched: not the update
-            by_name["divergence"] = Experiment("divergence", "starts", by_name["divergence"].detail + "; the "
-                                               "gradients move before the loss, so the update is not the cause "
-                                               "(a collective that carries gradients, or a backward kernel)")
+            by_name["divergence"] = _gradients_first(by_name["divergence"])
             component = None
         elif changed:  # nothing convicted or cleared, but the kernels did change: the likeliest cause
             component = "kernel"
@@ -241,6 +241,12 @@ def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tup
     named = component or "inconclusive (the experiments neither convict nor clear a component; the findings keep " \
                          "the heuristic's guess)"
     return component, f"triage verdict: {named}. Evidence: {evidence}"
+
+
+def _gradients_first(divergence: Experiment) -> Experiment:
+    return Experiment("divergence", "starts", divergence.detail + "; the gradients move before the loss (which is "
+                      "bitwise equal at that step), so the update is not the cause (a collective that carries "
+                      "gradients, or a backward kernel)")
 
 
 def report(line: str, experiments: list[Experiment]) -> list[str]:

@@ -62,3 +62,33 @@ def test_a_dropout_never_applied_is_caught(tiny: dict[str, Any], monkeypatch: py
 
     monkeypatch.setattr(torch.nn.Dropout, "forward", lambda self, x: x)
     assert any("changes nothing: the dropout is never applied" in m for m in _checked(tiny))
+
+
+@pytest.mark.parametrize("broken, expected", [
+    (lambda self, x: torch_dropout(x, self.p, self.training, rescale=False), "the inverted-dropout rescale is wrong"),
+    (lambda self, x: torch_dropout(x, 2 * self.p, self.training, rescale=True), "of the inputs dropped with lora_dropout=0.1"),
+])
+def test_a_dropout_with_the_wrong_rescale_or_share_is_caught(tiny: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                                              broken: Any, expected: str) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.nn.Dropout, "forward", broken)
+    assert any(expected in m for m in _checked(tiny)), _checked(tiny)
+
+
+def torch_dropout(x: Any, p: float, training: bool, rescale: bool) -> Any:
+    import torch
+
+    if not training:
+        return x
+    keep = (torch.rand(x.shape, device=x.device) >= p).to(x.dtype)
+    return x * keep / (1 - p) if rescale else x * keep
+
+
+def test_the_check_leaves_the_ranks_random_state_as_it_found_it(tiny: dict[str, Any]) -> None:
+    import torch
+
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    _checked(tiny)
+    assert torch.equal(torch.get_rng_state(), before)

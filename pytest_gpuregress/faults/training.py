@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..reference.clipping import TORCH_EPS
 from ..training.kernels import fault_region
 from . import FaultSpec
 from .firing import Firing
@@ -85,7 +86,7 @@ def install_clip(spec: FaultSpec, ctx: Any) -> Firing:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         total = original(params, float("inf") if mode == "skip" else max_norm, *args, **kwargs)
         whole = total.full_tensor() if hasattr(total, "full_tensor") else total
-        if float(whole) + 1e-6 > max_norm:  # torch's own test: a coefficient below one
+        if float(whole) + TORCH_EPS > max_norm:  # torch's own test: a coefficient below one
             firing.fire()
             if mode == "scale":
                 with fault_region(), torch.no_grad():

@@ -32,7 +32,7 @@ def local_part(tensor: Any, world_size: int) -> tuple[Any, bool]:
 
 def squared_norms(params: list[Any], world_size: int, device: Any) -> list[Any]:
     """Each parameter's squared gradient norm (a float64 0-dim tensor on ``device``), scaled so that the sum
-    over ranks is the global value. Call after ``backward()`` and before clipping."""
+    over ranks is the global value. Call after ``backward()``: before clipping, or after it for the clipped norm."""
     import torch
 
     squares = []

@@ -9,6 +9,9 @@ or torch bug in dropout breaks is checked here instead, on the trained adapter w
   seeded     in train mode, two forwards after the same ``torch.manual_seed`` give the same bits (masks follow
              torch's RNG, so a training run can be repeated)
   acts       in train mode the output differs from eval mode's (the dropout is applied at all)
+  scale      the adapter's own dropout module, in train mode on ones: every kept value exactly 1 / (1 - p), and
+             the share dropped within binomial noise of p (a missing rescale, or another p, fails)
+It draws from a forked RNG, so the rank's own random state is as training left it.
 """
 
 from __future__ import annotations
@@ -22,11 +25,21 @@ from . import adapter, adapter_io, checks
 
 P = 0.1  # the dropout probability checked: peft's examples' usual value
 SEED = 1234
+SAMPLES = 100_000  # ones through the dropout module: the dropped share's standard deviation is 1e-3 at p = 0.1
+SHARE_SLACK = 0.01  # ten standard deviations
 
 
 def check_dropout(fresh_base: Callable[[], Any], trained: dict[str, np.ndarray], cfg: dict[str, Any],
                   batch: Any) -> list[checks.Finding]:
-    """The three dropout checks on two fresh peft models carrying the trained adapter, with and without dropout."""
+    """The dropout checks on two fresh peft models carrying the trained adapter, with and without dropout."""
+    import torch
+
+    with torch.random.fork_rng(devices=[batch.device] if batch.device.type == "cuda" else []):
+        return _checked(fresh_base, trained, cfg, batch)
+
+
+def _checked(fresh_base: Callable[[], Any], trained: dict[str, np.ndarray], cfg: dict[str, Any],
+             batch: Any) -> list[checks.Finding]:
     import torch
 
     def logits(model: Any) -> np.ndarray:
@@ -52,6 +65,24 @@ def check_dropout(fresh_base: Callable[[], Any], trained: dict[str, np.ndarray],
     if np.array_equal(first, in_eval):
         findings.append(checks.finding("dropout", f"in train mode lora_dropout={P} changes nothing: the dropout is "
                                        "never applied"))
+    return findings + _scale(dropping, batch.device)
+
+
+def _scale(model: Any, device: Any) -> list[checks.Finding]:
+    """The first adapter's own dropout module on ones, in train mode: kept values 1 / (1 - p), a share p dropped."""
+    import torch
+
+    module = next(m for name, m in model.named_modules() if name.endswith("lora_dropout.default"))
+    torch.manual_seed(SEED)
+    with torch.no_grad():
+        out = adapter_io.to_numpy(module(torch.ones(SAMPLES, device=device)))
+    kept, dropped = out[out != 0], float(np.mean(out == 0))
+    findings = []
+    if kept.size and not np.all(kept == np.float32(1 / (1 - P))):
+        findings.append(checks.finding("dropout", f"kept values are {float(kept.min())!r} to {float(kept.max())!r}, "
+                                       f"not 1 / (1 - {P}) = {1 / (1 - P)!r}: the inverted-dropout rescale is wrong"))
+    if abs(dropped - P) > SHARE_SLACK:
+        findings.append(checks.finding("dropout", f"{dropped:.4f} of the inputs dropped with lora_dropout={P}"))
     return findings
 
 

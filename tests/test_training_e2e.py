@@ -80,6 +80,8 @@ def test_a_failed_run_is_kept_plotted_reported_and_reproducible(pytester: pytest
     assert properties["lane"] == "exact" and properties["platform_key"] == "cpu-gloo-w2-fp32"
     assert properties["first_differing_step"] == "0" and float(properties["worst_over_tolerance"]) > 1
     assert float(properties["seconds"]) > 0
+    assert properties["component"] == "collective"  # the bracketed name, for dashboards that group failures
+    assert properties["triage_verdict"].startswith("triage verdict: collective. Evidence: ")
     if importlib.util.find_spec("pytest_html"):  # the plot and the stack's changes, embedded
         report = html.read_text()
         assert "comparison plot" in report and "stack changes since the reference" in report
@@ -195,6 +197,19 @@ def test_a_reference_of_other_steps_is_a_usage_error_before_any_rank_starts(pyte
                                  "--gpuregress-steps=6*"])
     output = result.stdout.str() + result.stderr.str()
     assert "process group ready" not in output and elapsed < 10, elapsed  # no rank started
+
+
+def test_a_reference_of_an_earlier_release_is_a_usage_error_that_says_so(pytester: pytest.Pytester,
+                                                                         refs: Path) -> None:
+    record = next(refs.glob("fsdp/*/record.json"))
+    data = json.loads(record.read_text())
+    del data["config"]["adamw"]  # what every fsdp reference recorded before AdamW's implementation was named lacks
+    _rewrite_with_manifest(record, data)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-steps={STEPS}",
+                                           f"--gpuregress-reference-dir={refs}", "-k", FSDP_ONLY)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{record} was recorded by an earlier pytest-gpuregress (clipping below the typical "
+                                 "norm and a named AdamW implementation changed every fsdp and lora training config)*"])
 
 
 def test_a_reference_of_another_config_is_named_after_the_run(pytester: pytest.Pytester, refs: Path) -> None:

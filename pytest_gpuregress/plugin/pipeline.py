@@ -74,6 +74,11 @@ class CheckPipeline:
             component, evidence = explain(judgement.reference or reference, comparison)
             if component:
                 comparison.convict(component)
+            verdict = next((line for line in evidence if line.startswith("triage verdict:")), None)
+            if verdict:
+                self.figures["triage_verdict"] = verdict
+        # JUnit's component property: the bracketed names of the findings, as the report prints them
+        self.figures["component"] = ", ".join(dict.fromkeys(f.component for f in comparison.findings))
         report = format_comparison(comparison, scenario=name, platform_key=record.platform_key,
                                    reference_path=str(loc.path), record_hint=loc.record_hint,
                                    record_elsewhere_hint=loc.record_elsewhere_hint) + "\n".join(evidence)

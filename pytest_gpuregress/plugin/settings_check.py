@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 # config key -> the option that sets it
 SETTING_OPTIONS = {"steps": "--gpuregress-steps"}
+# Keys a training config gained in a release, with what changed: a reference without one was recorded before.
+ADDED_KEYS = {"adamw": "clipping below the typical norm and a named AdamW implementation changed every fsdp and "
+                       "lora training config"}
 
 
 def differing_settings(session: GpuRegressSession) -> tuple[list[str], list[str]]:
@@ -40,10 +43,16 @@ def differing_settings(session: GpuRegressSession) -> tuple[list[str], list[str]
             recorded = _recorded_config(path)
             differing = [(k, recorded[k], launch.config[k]) for k in SETTING_OPTIONS
                          if k in recorded and k in launch.config and recorded[k] != launch.config[k]]
-            if differing and str(path) not in lines:
-                what = ", ".join(f"{k} {ref!r} (this run {ours!r})" for k, ref, ours in differing)
-                options = " ".join(f"{SETTING_OPTIONS[k]}={ref}" for k, ref, _ in differing)
-                lines[str(path)] = f"{path} was recorded with {what}: compare with it by adding {options}"
+            older = [why for k, why in ADDED_KEYS.items() if recorded and k in launch.config and k not in recorded]
+            if (differing or older) and str(path) not in lines:
+                if older:
+                    lines[str(path)] = (f"{path} was recorded by an earlier pytest-gpuregress ({older[0]}): it cannot "
+                                        "be compared; record this stack's reference in a folder of its own, on a "
+                                        "known-good stack")
+                else:
+                    what = ", ".join(f"{k} {ref!r} (this run {ours!r})" for k, ref, ours in differing)
+                    options = " ".join(f"{SETTING_OPTIONS[k]}={ref}" for k, ref, _ in differing)
+                    lines[str(path)] = f"{path} was recorded with {what}: compare with it by adding {options}"
                 selections.append(session.selection.expression_for(name))
     return list(lines.values()), selections
 

@@ -77,8 +77,8 @@ class CheckPipeline:
             verdict = next((line for line in evidence if line.startswith("triage verdict:")), None)
             if verdict:
                 self.figures["triage_verdict"] = verdict
-        # JUnit's component property: the bracketed names of the findings, as the report prints them
-        self.figures["component"] = ", ".join(dict.fromkeys(f.component for f in comparison.findings))
+        if comparison.findings:  # JUnit's component property: the findings' bracketed names, as the report prints them
+            self.figures["component"] = ", ".join(dict.fromkeys(f.component for f in comparison.findings))
         report = format_comparison(comparison, scenario=name, platform_key=record.platform_key,
                                    reference_path=str(loc.path), record_hint=loc.record_hint,
                                    record_elsewhere_hint=loc.record_elsewhere_hint) + "\n".join(evidence)

@@ -139,7 +139,7 @@ def test_clipping_is_counted_from_the_record_and_a_clip_that_rarely_acts_is_said
     assert counted.describe() == "clipping acted on 3 of 5 steps (max norm 0.5)" and counted.warning() is None
     rarely = clipping.Clipping(0.5, 2, 300)
     assert rarely.warning() is not None and "the clip itself is barely exercised" in rarely.warning()
-    assert "unclipped update" in str(clipping.Clipping(0.5, 299, 300).warning())
+    assert clipping.Clipping(0.5, 299, 300).warning() is None  # torch scales by the clamped coefficient every step
     assert clipping.of(RunRecord("mine", {}, "p", 2, series={"grad_norm": [1.0]})) is None  # a loop without a clip
 
 

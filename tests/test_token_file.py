@@ -55,7 +55,7 @@ def test_a_bad_file_is_one_error_naming_it_and_the_fix(tmp_path: Path, name: str
 
 def test_ids_outside_the_vocabulary_and_too_short_a_sample_are_refused(tmp_path: Path) -> None:
     path = save_npy(tmp_path / "big.npy", np.arange(1000))
-    with pytest.raises(BadTokens, match="holds id 999, outside the model's vocabulary of 256; use ids below 256"):
+    with pytest.raises(BadTokens, match="holds id 999, outside the vocabulary of 256 of the model; use ids below 256"):
         describe(path, 256, 64)
     with pytest.raises(BadTokens, match="holds 10 tokens, fewer than one sequence of 65"):
         describe(save_npy(tmp_path / "short.npy", np.arange(10)), 256, 64)
@@ -88,17 +88,30 @@ def test_a_rank_refuses_a_file_that_changed_since_the_session_read_it(tmp_path: 
     assert isinstance(token_source({k: v for k, v in config.items() if k != "tokens"}, 256), MarkovTokens)
 
 
+def test_the_option_without_a_model_of_yours_is_a_usage_error_before_anything_trains(tmp_path: Path,
+                                                                                      pytester: pytest.Pytester) -> None:
+    tokens = save_npy(tmp_path / "traffic.npy", np.arange(5_000) % 32_000)
+    refused = pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-tokens={tokens}",
+                                 "--collect-only")
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    refused.stderr.fnmatch_lines([f"*--gpuregress-tokens {tokens}: feeds the models given with --gpuregress-model, "
+                                  "and none is given (the built-in models train on their own synthetic data)*"])
+
+
 @pytest.mark.slow
 @pytest.mark.full_tier  # 68 s, three sessions: the file's reading and refusals are tested fast above
-def test_a_token_file_records_its_own_reference_and_a_bad_one_stops_the_session(tmp_path: Path,
-                                                                                pytester: pytest.Pytester) -> None:
+def test_a_token_file_feeds_the_users_model_and_records_its_reference_and_a_bad_one_stops_the_session(
+        tmp_path: Path, pytester: pytest.Pytester) -> None:
     tokens = save_npy(tmp_path / "traffic.npy", (np.arange(50_000) * 7919 % 251).astype(np.int32))
-    selection = ("-k", "fsdp and not triage and not resume", "--gpuregress-steps=4", "--gpuregress-replicas=0")
+    model = ("--gpuregress-model=tiny-llama-tied",)  # a model of the user's, by the zoo's name
+    selection = ("-k", "fsdp and not triage and not resume", "--gpuregress-steps=4", "--gpuregress-replicas=0", *model)
     refs = record_references(tmp_path, *selection, f"--gpuregress-tokens={tokens}")
-    stored = json.loads((refs / "fsdp" / "cpu-gloo-w2-fp32" / "record.json").read_text())
+    stored = json.loads((refs / "fsdp-tiny-llama-tied" / "cpu-gloo-w2-fp32" / "record.json").read_text())
     assert stored["config"]["tokens"]["count"] == 50_000
+    builtin = json.loads((refs / "fsdp" / "cpu-gloo-w2-fp32" / "record.json").read_text())
+    assert "tokens" not in builtin["config"]  # the built-in model keeps its synthetic data
     common = ("-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={refs}", *selection)
-    pytester.runpytest(*common, f"--gpuregress-tokens={tokens}").assert_outcomes(passed=1)
+    pytester.runpytest(*common, f"--gpuregress-tokens={tokens}").assert_outcomes(passed=2)
     # The synthetic data is another setup (the store's identity test: tests/test_store.py): its reference is another.
     from pytest_gpuregress.reference.store import config_differences
 
@@ -109,4 +122,5 @@ def test_a_token_file_records_its_own_reference_and_a_bad_one_stops_the_session(
     bad = save_npy(tmp_path / "wide.npy", np.arange(300))
     refused = pytester.runpytest(*common, f"--gpuregress-tokens={bad}")
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
-    refused.stderr.fnmatch_lines([f"*--gpuregress-tokens {bad}: holds id 299, outside the model's vocabulary of 256*"])
+    refused.stderr.fnmatch_lines([f"*--gpuregress-tokens {bad}: holds id 299, outside the vocabulary of 256 of model "
+                                  "'tiny-llama-tied'*"])

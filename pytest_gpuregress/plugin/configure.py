@@ -43,10 +43,15 @@ def build_session(config: pytest.Config, options: Options) -> GpuRegressSession:
 
 def _check_models_and_tokens(session: GpuRegressSession) -> None:
     """The user's models build (on the meta device) and fit; the token file reads and fits their vocabularies."""
+    from ..errors import BadTokens
     from ..scenarios import registry
     from ..training.model_specs import check_model
 
     options = session.options
+    if options.tokens is not None and not options.models:
+        raise BadTokens(options.tokens, "feeds the models given with --gpuregress-model, and none is given (the "
+                        "built-in models train on their own synthetic data)",
+                        "add --gpuregress-model=<your config.json or module:factory>, or leave the option out")
     for model in options.models:
         check_model(model, session.platform.device_kind, session.platform.world_size)
     # Every config that trains on a token sample (the user's file, a factory's ids) describes it: read it now.

@@ -133,12 +133,13 @@ class Options:
         "fixes it."), _models)
     tokens: Path | None = option(OptionSpec(
         "tokens", "path", None, "a `.npy` or `.safetensors` file of token ids (a sample of your own traffic) that "
-        "`fsdp`, `lora`, `checkpoint` and triage train on instead of the synthetic Markov data", metavar="FILE",
+        "your models (--gpuregress-model) train on in `fsdp`, `lora`, `checkpoint` and triage instead of the "
+        "synthetic Markov data; the built-in models keep theirs", metavar="FILE",
         shown_default="the synthetic data", ini_relative=True,
         details="Read as one stream: step s, sample i takes window s x batch + i (wrapping), so batches stay fixed "
         "per step and shard by rank as before. Its sha256 goes into the stored config, so it gets references of its "
-        "own; a missing file, non-integer ids or an id outside the model's vocabulary stop the session before any "
-        "rank starts. Never unpickled."))
+        "own; a missing file, non-integer ids or an id outside a model's vocabulary (named) stop the session before "
+        "any rank starts, and so does the option without --gpuregress-model. Never unpickled."))
     known_issues: Path | None = option(OptionSpec(
         "known-issues", "path", None, "a TOML file of your own known stack issues, matched against this stack like "
         "the shipped ones", metavar="FILE", ini_relative=True, details="See [known_issues.md](known_issues.md)."))

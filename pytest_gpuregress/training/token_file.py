@@ -72,12 +72,12 @@ def _safetensors_tokens(path: Path) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)  # every case and launch asks for its config: read and hash the file once
-def describe(path: Path, vocab_size: int, seq_len: int) -> dict[str, Any]:
+def describe(path: Path, vocab_size: int, seq_len: int, whose: str = "the model") -> dict[str, Any]:
     """What a scenario's config keeps of the file: where it is, and what it is (its hash and size).
 
     Only ``sha256`` and ``count`` are the data's identity; ``file`` is where this machine finds it
     (a reference recorded elsewhere, from a copy at another path, is not foreign)."""
-    return {"file": str(path.resolve()), **identity(load_tokens(path), vocab_size, seq_len, path)}
+    return {"file": str(path.resolve()), **identity(load_tokens(path), vocab_size, seq_len, path, whose=whose)}
 
 
 def describe_for(cfg: dict[str, Any], tokens: Path | None) -> dict[str, Any] | None:
@@ -90,8 +90,9 @@ def describe_for(cfg: dict[str, Any], tokens: Path | None) -> dict[str, Any] | N
         return None
     model = blueprint(cfg)
     vocab, seq_len = int(model.vocab_size), int(cfg["seq_len"])  # a config's vocab_size is its class default too
-    if tokens is not None:
-        return describe(tokens, vocab, seq_len)
+    if tokens is not None:  # several models may read one file: a refusal names whose vocabulary it missed
+        return describe(tokens, vocab, seq_len, whose=f"model {cfg.get('model')!r}")
+
     own = model.tokens
     return None if own is None else describe_factory_tokens(str(cfg["model_factory"]), own, vocab, seq_len)
 
@@ -102,14 +103,14 @@ def describe_factory_tokens(entry: str, stream: np.ndarray, vocab_size: int, seq
 
 
 def identity(stream: np.ndarray, vocab_size: int, seq_len: int, where: object,
-             option: str = "--gpuregress-tokens") -> dict[str, Any]:
+             option: str = "--gpuregress-tokens", whose: str = "the model") -> dict[str, Any]:
     """The stream's hash and size, once it is checked to hold a sequence and only ids of the vocabulary."""
     if stream.size < seq_len + 1:
         raise BadTokens(where, f"holds {stream.size} tokens, fewer than one sequence of {seq_len + 1}",
                         "use a longer sample, or a shorter --gpuregress-steps/seq_len", option)
     largest = int(stream.max())
     if largest >= vocab_size:
-        raise BadTokens(where, f"holds id {largest}, outside the model's vocabulary of {vocab_size}",
+        raise BadTokens(where, f"holds id {largest}, outside the vocabulary of {vocab_size} of {whose}",
                         f"use ids below {vocab_size}, the vocab_size of the model the scenario trains", option)
     return {"sha256": hashlib.sha256(stream.tobytes()).hexdigest(), "count": int(stream.size)}
 

@@ -69,8 +69,8 @@ def config(setup: Setup, model: str | None = None) -> dict[str, Any]:
     if model is None:
         tied = tied_fields(cfg)
         cfg["tied_model_architecture"] = architecture_of(tied)
-        describe_for(tied, setup.tokens)  # the tied model reads the same data: its vocabulary must hold it too
-    tokens = describe_for(cfg, setup.tokens)  # a user's token sample replaces the synthetic data
+    # A user's token sample replaces the synthetic data of the user's models only (training_config.py).
+    tokens = describe_for(cfg, setup.tokens if model is not None else None)
     if tokens is not None:
         cfg["tokens"] = tokens
     return cfg

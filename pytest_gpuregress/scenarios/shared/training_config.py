@@ -42,7 +42,9 @@ def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, 
         if switched:  # training/dropout.py; a model without dropout keeps its config and its references
             config["dropout_off"] = switched
     config["model_architecture"] = architecture_of(config)
-    tokens = describe_for(config, setup.tokens)  # a user's token sample replaces the synthetic data
+    # A user's token sample replaces the synthetic data of the user's models only: the built-in models keep theirs
+    # (their vocabulary is 256; real traffic's is 32k and more).
+    tokens = describe_for(config, setup.tokens if model is not None else None)
     if tokens is not None:
         config["tokens"] = tokens
     return config

@@ -49,6 +49,22 @@ def test_missing_reference_names_path_and_command(loc: store.ReferenceLocation) 
     assert str(loc.path) in str(info.value) and "RECORD-HINT" in str(info.value)
 
 
+def test_a_missing_reference_says_a_reference_of_another_world_size_is_beside_it(tmp_path: Path,
+                                                                                   record: RunRecord) -> None:
+    def at(key: str) -> store.ReferenceLocation:
+        return store.ReferenceLocation(tmp_path / "refs", "lora", key, "RECORD-HINT")
+
+    store.write_reference(at("cpu-gloo-w2-fp32-fsdp2"), record, overwrite=False)
+    store.write_reference(at("cpu-gloo-w1-fp32-accelerate"), record, overwrite=False)  # another wrapper: not said
+    with pytest.raises(MissingReference) as info:
+        store.read_reference(at("cpu-gloo-w1-fp32-fsdp2"))
+    assert "no reference recorded for scenario 'lora' on platform 'cpu-gloo-w1-fp32-fsdp2'; the same folder holds " \
+           "cpu-gloo-w2-fp32-fsdp2 (--gpuregress-world-size=2 compares with it)" in str(info.value)
+    with pytest.raises(MissingReference) as alone:
+        store.read_reference(at("cpu-gloo-w1-fp32-other"))
+    assert "the same folder holds" not in str(alone.value)
+
+
 def test_truncated_tensors_are_named(loc: store.ReferenceLocation, record: RunRecord) -> None:
     store.write_reference(loc, record, overwrite=False)
     tensors = loc.path / "tensors.safetensors"

@@ -165,6 +165,7 @@ def test_legitimate_kernel_drift_shows_in_the_exact_lane(pytester: pytest.Pytest
 
 def test_missing_reference_fails_with_the_record_command(pytester: pytest.Pytester, tmp_path: Path) -> None:
     empty = tmp_path / "empty"
+    empty.mkdir()
     result = run(pytester, empty)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
@@ -172,7 +173,21 @@ def test_missing_reference_fails_with_the_record_command(pytester: pytest.Pytest
         f"*fix: record one on a known-good stack: pytest --gpuregress --gpuregress-record -k fsdp "
         f"--gpuregress-reference-dir={empty} --gpuregress-steps=8*",
     ])
-    assert not empty.exists()  # a comparing run never writes
+    assert not any(empty.iterdir())  # a comparing run never writes
+
+
+def test_a_reference_dir_that_does_not_exist_is_a_usage_error_when_comparing(pytester: pytest.Pytester,
+                                                                             tmp_path: Path) -> None:
+    nowhere = tmp_path / "nowhere"
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={nowhere}",
+                                "-k", FSDP_ONLY, "--collect-only")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*--gpuregress-reference-dir={nowhere}: {nowhere} does not exist, and a comparing "
+                                 "run only reads references*"])
+    assert not nowhere.exists()
+    header = pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={tmp_path}",
+                                "-k", FSDP_ONLY, "--collect-only")
+    assert "else shipped" not in header.stdout.str()  # an explicit folder is the only one read
 
 
 def test_corrupt_reference_names_the_file(pytester: pytest.Pytester, refs: Path) -> None:

@@ -199,9 +199,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     chosen = {tuple(i.callspec.params["gpuregress_case"]) for i in items
               if hasattr(i, "callspec") and "gpuregress_case" in i.callspec.params}
     config.stash[SESSION_KEY].select(chosen)  # type: ignore[arg-type]
-    from .settings_check import usage_message
+    from .settings_check import missing_folder, usage_message
 
-    mismatch = None if options.record else usage_message(config.stash[SESSION_KEY])
+    session = config.stash[SESSION_KEY]
+    mismatch = missing_folder(session) or (None if options.record else usage_message(session))
     if mismatch:  # before any rank starts: a comparison with other settings could only fail, after training
         raise pytest.UsageError(mismatch)
 

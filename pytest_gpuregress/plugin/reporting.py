@@ -37,7 +37,9 @@ def header_lines(session: GpuRegressSession) -> list[str]:
     doing = "RECORDING" if options.record else "RECORDING missing and comparing" if options.record_missing else "comparing"
     lines.append(f"gpuregress run: {plat.world_size} {plat.backend} ranks on {plat.device_kind} ({mode}); {doing} "
                  f"references in {session.places.user_root}"
-                 + ("" if options.record else f" (else shipped: {session.places.shipped_root})"))
+                 # an explicit folder means that folder only (places.py): the shipped ones are no fallback then
+                 + ("" if options.record or options.reference_dir is not None
+                    else f" (else shipped: {session.places.shipped_root})"))
     lines += session.selection.rank_header()
     lines.append(f"gpuregress artifacts: {session.output_dir} (failed runs, plots, logs; --gpuregress-artifacts)")
     if options.inject:

@@ -66,6 +66,17 @@ def _recorded_config(path: Any) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
+def missing_folder(session: GpuRegressSession) -> str | None:
+    """The usage error for an explicit --gpuregress-reference-dir that does not exist while comparing: a comparing
+    run never creates it (only recording does), so every case would fail 'no reference' after training."""
+    options, places = session.options, session.places
+    if options.reference_dir is None or options.record or options.record_missing or places.user_root.exists():
+        return None
+    return (f"--gpuregress-reference-dir={options.reference_dir}: {places.user_root} does not exist, and a comparing "
+            "run only reads references; point it at the folder that holds them, or record them there first: "
+            f"pytest --gpuregress --gpuregress-record --gpuregress-reference-dir={options.reference_dir} ...")
+
+
 def usage_message(session: GpuRegressSession) -> str | None:
     """The usage error for references of other settings, or None when every selected one matches this run's."""
     lines, selections = differing_settings(session)

@@ -17,6 +17,7 @@ reference too, with a warning. Scenario names and platform keys must pass names.
 from __future__ import annotations
 
 import datetime as _dt
+import re
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -141,7 +142,7 @@ def read_reference(loc: ReferenceLocation) -> RunRecord:
         what = "no reference recorded" if not target.exists() else "directory has no manifest.json"
         raise MissingReference(
             target,
-            f"{what} for scenario {loc.scenario!r} on platform {loc.platform_key!r}",
+            f"{what} for scenario {loc.scenario!r} on platform {loc.platform_key!r}{_beside(loc)}",
             f"record one on a known-good stack: {loc.record_hint}",
         )
     manifest = read_json(manifest_path)
@@ -178,6 +179,27 @@ def read_reference(loc: ReferenceLocation) -> RunRecord:
     record = RunRecord.load(target)
     record.attachments = {folder: target / folder for folder in folders}
     return record
+
+
+def _beside(loc: ReferenceLocation) -> str:
+    """Where the scenario's folder holds references of other platforms (another world size or precision): say so,
+    with the option that selects a world size, so that a run with too few devices does not read as 'never recorded'."""
+    folder = loc.path.parent
+    others = sorted(p.name for p in folder.iterdir() if p.name != loc.platform_key and (p / MANIFEST).exists()
+                    and _differs_in_size_or_precision(p.name, loc.platform_key)) if folder.is_dir() else []
+    if not others:
+        return ""
+    sizes = sorted({m.group(1) for name in others if (m := re.search(r"-w(\d+)-", name))})
+    option = f" (--gpuregress-world-size={' or '.join(sizes)} compares with it)" if sizes else ""
+    return f"; the same folder holds {', '.join(others)}{option}"
+
+
+def _differs_in_size_or_precision(key: str, other: str) -> bool:
+    """cpu-gloo-w2-fp32-fsdp2 against cpu-gloo-w1-fp32-fsdp2: the same platform but its world size or dtype."""
+    ours, theirs = key.split("-"), other.split("-")
+    varying = re.compile(r"w\d+|fp32|bf16|fp16|fp8")
+    return len(ours) == len(theirs) and all(a == b or (varying.fullmatch(a) and varying.fullmatch(b))
+                                            for a, b in zip(ours, theirs))
 
 
 def load_record(path: Path) -> RunRecord:

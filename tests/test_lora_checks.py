@@ -36,14 +36,18 @@ def test_adapter_names_are_described_by_tensor_and_module() -> None:
     assert checks.canonical(Q_B) == SAVED_Q_B
 
 
-def test_frozen_base_names_the_leaking_and_the_changed_weight() -> None:
+def test_frozen_base_names_the_leaking_and_the_changed_weight_and_what_moved_it() -> None:
     found = messages(checks.check_frozen({BASE_Q: 0}, {BASE_Q: "aa", "x.weight": "bb"}, {BASE_Q: "cc", "x.weight": "bb"}))
     assert found == [
-        f"[optimizer] lora check 'frozen-base': frozen base weight {MODULE}.base_layer.weight received a gradient at "
-        "step 0 (only lora_A/lora_B may)",
-        f"[optimizer] lora check 'frozen-base': base weight {MODULE}.base_layer.weight changed during training: it is "
-        "no longer bit-identical to its initial digest",
+        f"[library] lora check 'frozen-base': frozen base weight {MODULE}.base_layer.weight received a gradient at "
+        "step 0 (only lora_A/lora_B may): the library left it trainable",
+        f"[library] lora check 'frozen-base': base weight {MODULE}.base_layer.weight changed during training: it is "
+        "no longer bit-identical to its initial digest, stepped with the gradient it received from step 0",
     ]
+    written = messages(checks.check_frozen({}, {BASE_Q: "aa"}, {BASE_Q: "cc"}))  # no gradient, yet it moved
+    assert written == [f"[optimizer or collective] lora check 'frozen-base': base weight {MODULE}.base_layer.weight "
+                       "changed during training without ever receiving a gradient: no longer bit-identical to its "
+                       "initial digest (an optimizer stepping it anyway, or a collective or load writing into it)"]
     assert checks.check_frozen({}, {BASE_Q: "aa"}, {BASE_Q: "aa"}) == []
 
 

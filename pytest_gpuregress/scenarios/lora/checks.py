@@ -17,7 +17,7 @@ from . import bounds
 
 # check name -> the component a failure points at (the plugin's vocabulary)
 CHECKS: dict[str, str] = {
-    "frozen-base": "optimizer",  # only adapters get gradients; base weights never move
+    "frozen-base": "optimizer",  # only adapters get gradients; base weights never move (each finding names its cause)
     "adapter-nonzero": "optimizer",  # every targeted module has a non-empty lora_A/lora_B, lora_B trained away from 0
     "sharded-save": "checkpoint",  # the saved adapter holds every rank's slice, full shapes
     "adapter-roundtrip": "checkpoint",  # save_pretrained -> from_pretrained gives the same tensors and logits
@@ -32,10 +32,11 @@ Finding = dict[str, str]
 _ADAPTER = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<which>lora_[AB])(?:\.[^.]+)?\.weight$")
 
 
-def finding(check: str, message: str) -> Finding:
+def finding(check: str, message: str, component: str | None = None) -> Finding:
+    """A check's finding; ``component``: what this finding points at, where the check's default would misname it."""
     if check not in CHECKS:
         raise ValueError(f"unknown lora check {check!r}; known: {', '.join(CHECKS)}")
-    return {"check": check, "component": CHECKS[check], "message": message}
+    return {"check": check, "component": component or CHECKS[check], "message": message}
 
 
 def format_finding(item: Mapping[str, str]) -> str:
@@ -98,15 +99,27 @@ def difference(expected: np.ndarray, got: np.ndarray) -> str:
 
 
 def check_frozen(leaked: Mapping[str, int], initial: Mapping[str, str], final: Mapping[str, str]) -> list[Finding]:
-    """``leaked``: base parameter -> first step its gradient was not None; ``initial``/``final``: sha256 per base weight."""
+    """``leaked``: base parameter -> first step its gradient was not None; ``initial``/``final``: sha256 per base weight.
+
+    Each finding names what moved the weight. A gradient on it means the library left it trainable (peft's
+    freezing, or a transformers module that re-enabled it): [library], and the change that follows is the optimizer
+    doing its job on a weight it was handed. A change with no gradient ever was written by something else: the
+    optimizer stepping a weight without a gradient, or a collective or load writing into it."""
     out = [finding("frozen-base", f"frozen base weight {describe(name)} received a gradient at step {step} "
-                                  "(only lora_A/lora_B may)") for name, step in leaked.items()]
+                                  "(only lora_A/lora_B may): the library left it trainable", "library")
+           for name, step in leaked.items()]
     for name, digest in initial.items():
         if name not in final:
-            out.append(finding("frozen-base", f"base weight {describe(name)} is missing after training"))
-        elif final[name] != digest:
+            out.append(finding("frozen-base", f"base weight {describe(name)} is missing after training", "library"))
+        elif final[name] != digest and name in leaked:
             out.append(finding("frozen-base", f"base weight {describe(name)} changed during training: it is no longer "
-                                              "bit-identical to its initial digest"))
+                                              "bit-identical to its initial digest, stepped with the gradient it "
+                                              f"received from step {leaked[name]}", "library"))
+        elif final[name] != digest:
+            out.append(finding("frozen-base", f"base weight {describe(name)} changed during training without ever "
+                                              "receiving a gradient: no longer bit-identical to its initial digest "
+                                              "(an optimizer stepping it anyway, or a collective or load writing "
+                                              "into it)", "optimizer or collective"))
     return out
 
 

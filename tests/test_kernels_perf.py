@@ -83,7 +83,9 @@ def test_perf_ratios_say_worse_by_and_pass_limits_only_when_past_them() -> None:
                                   "3.00x worse (limit 1.5x); medians over 290 steady steps")
     assert "[performance] peak memory 560 MiB vs 400 MiB in the reference: 1.40x worse (limit 1.3x)" in problems[1]
     assert perf.problems(perf.ratios(with_results(perf=PERF), with_results(perf=PERF)), make_record()) == []
-    assert perf.summary(found).startswith("step time 3.00x, tokens/s 3.00x, peak memory 1.40x")
+    assert perf.summary(found).startswith("step time 3.00x slower, tokens/s 3.00x slower, peak memory 1.40x larger")
+    faster = perf.ratios(with_results(perf=slower), with_results(perf=PERF))
+    assert perf.summary(faster).startswith("step time 3.00x faster, tokens/s 3.00x faster, peak memory 1.40x smaller")
 
 
 def test_perf_limits_are_options_and_peak_rss_is_not_compared_with_device_memory() -> None:
@@ -107,8 +109,8 @@ def test_observations_report_or_fail_kernel_changes_as_asked(mode: str) -> None:
         assert seen.failures() == []
         [(category, message)] = seen.warnings()
         assert category is GpuRegressKernelWarning and "flash_attention_for_cpu -> " in message
-    assert seen.detail() == "perf vs reference: step time 1.00x, tokens/s 1.00x, peak memory 1.00x, " \
-                            "all-reduce bus bandwidth 1.00x; kernels changed: 1"
+    assert seen.detail() == "perf vs reference: step time unchanged, tokens/s unchanged, peak memory unchanged, " \
+                            "all-reduce bus bandwidth unchanged; kernels changed: 1"
 
 
 def test_observations_warn_or_fail_on_a_slowdown_and_can_be_turned_off() -> None:
@@ -135,7 +137,7 @@ def test_perf_is_not_judged_against_a_reference_timed_on_other_hardware(other: d
     for options in (JudgingPolicy(), JudgingPolicy(perf="fail")):
         seen = Observations.of(ref, run, options)
         assert seen.failures() == [] and seen.warnings() == [] and seen.perf_problems == []
-        assert "bus bandwidth 1.00x (not judged: the reference was timed on other hardware (device." in seen.detail()
+        assert "bus bandwidth unchanged (not judged: the reference was timed on other hardware (device." in seen.detail()
     run.fingerprint = {**run.fingerprint, "device": device}  # the same hardware: judged
     assert Observations.of(ref, run, JudgingPolicy(perf="fail")).failures()[0].startswith("[performance] tokens/s")
     # An AVX512 CPU forced down to AVX2 reads like the AVX2 machine that recorded: not judged either.

@@ -46,7 +46,18 @@ class Ratio:
                 + (f" (limit {self.limit:g}x)" if self.over else ""))
 
     def short(self) -> str:
-        return f"{self.name} {self.worse_by:.2f}x"
+        """In words: "step time 1.35x slower", "peak memory 1.10x smaller", "tokens/s unchanged"."""
+        if round(self.worse_by, 2) == 1.0:
+            return f"{self.name} unchanged"
+        worse, better = _WORDS.get(self.unit, ("worse", "better"))
+        if self.worse_by > 1:
+            return f"{self.name} {self.worse_by:.2f}x {worse}"
+        return f"{self.name} {1 / self.worse_by:.2f}x {better}"
+
+
+# How each unit says worse and better: a slower step, fewer tokens/s (said as slower), more memory, less bandwidth.
+_WORDS = {"s": ("slower", "faster"), "tokens/s": ("slower", "faster"), "bytes": ("larger", "smaller"),
+          "GB/s": ("lower", "higher")}
 
 
 def _value(value: float, unit: str) -> str:
@@ -103,5 +114,5 @@ def problems(found: list[Ratio] | None, record: RunRecord, reference: RunRecord 
 
 
 def summary(found: list[Ratio] | None) -> str:
-    """For the closing table: "step time 1.02x, peak memory 0.99x, ..." ("" without figures)."""
+    """For the closing table: "step time 1.02x slower, peak memory unchanged, ..." ("" without figures)."""
     return ", ".join(r.short() for r in found or [])

@@ -76,7 +76,7 @@ step() {
 }
 
 # The stack fingerprint; the device kind proves torch sees what this mode expects.
-step env pass "$(expect env)" -- "$PY" -c "$CLI" env --device "$DEVICE"
+step env pass "$(expect env)" -- "$PY" -c "$CLI" env --json --device "$DEVICE"
 cp "$WORK/logs/env.log" "$OUT/fingerprint.json"
 # The key the code files fsdp references under (stack/platforms.py), not a spelling of our own.
 step platform-key pass "$(expect platform-key)" -- "$PY" -c '

@@ -65,11 +65,16 @@ def test_env_prints_the_fingerprint(capsys: pytest.CaptureFixture[str]) -> None:
 
     import torch
 
-    assert main(["env", "--device", "cpu"]) == 0
+    assert main(["env", "--json", "--device", "cpu"]) == 0
     fingerprint = json.loads(capsys.readouterr().out)
     assert fingerprint["versions"]["torch"] == torch.__version__
     assert fingerprint["comm"]["backend"] == "gloo" and fingerprint["comm"]["world_size"] == 2
     assert fingerprint["device"]["kind"] == "cpu" and fingerprint["device"]["cpu_capability"]
+    assert main(["env", "--device", "cpu"]) == 0  # in words by default
+    words = capsys.readouterr().out.splitlines()
+    assert words[0].startswith(f"stack: torch {torch.__version__}, transformers ")
+    assert words[1].startswith("device: cpu ") and "ranks: 2 on gloo" in words
+    assert words[-1] == "every field, for machines: gpuregress env --json"
 
 
 def test_scenarios_lists_the_registry(capsys: pytest.CaptureFixture[str]) -> None:

@@ -94,7 +94,7 @@ def test_env_on_a_gpu_prints_the_cuda_kind(monkeypatch: pytest.MonkeyPatch, caps
     as_gpu_build(monkeypatch, count=8)
     monkeypatch.setattr(fingerprint, "collect", lambda kind, backend, world: {
         "device": {"kind": kind, "name": "NVIDIA H200", "count": world}, "comm": {"backend": backend}})
-    assert cli.main(["env", "--device", "cuda"]) == 0
+    assert cli.main(["env", "--json", "--device", "cuda"]) == 0
     assert found(expect.text("env", "gpu"), capsys.readouterr().out)
 
 

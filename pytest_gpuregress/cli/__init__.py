@@ -1,6 +1,6 @@
 """``gpuregress``: inspect the stack and stored references without running pytest.
 
-    gpuregress env                      the stack fingerprint of this machine, as JSON
+    gpuregress env [--json]             the stack fingerprint of this machine, in words (or as JSON)
     gpuregress show DIR                 what a reference holds: scenario, platform, steps, loss, stack
     gpuregress compare [REF] RUN        judge a kept run as the plugin did: its scenario's checks, against REF
     gpuregress scenarios                the installed scenarios: built-in and from other packages
@@ -24,11 +24,19 @@ from . import inspect_fp8, plot, portability
 
 
 def _env(args: argparse.Namespace) -> int:
-    from ..stack.fingerprint import collect
+    from ..stack.fingerprint import collect, header_lines
     from ..stack.platforms import resolve_platform
 
     plat = resolve_platform(args.device)
-    print(json.dumps(collect(plat.device_kind, plat.backend, plat.world_size), indent=1, sort_keys=True))
+    fingerprint = collect(plat.device_kind, plat.backend, plat.world_size)
+    if args.json:  # for machines: every field
+        print(json.dumps(fingerprint, indent=1, sort_keys=True))
+        return 0
+    for line in header_lines(fingerprint):  # the report header's words
+        print(line.removeprefix("gpuregress "))
+    comm = fingerprint["comm"]
+    print(f"ranks: {comm.get('world_size')} on {comm.get('backend')}")
+    print("every field, for machines: gpuregress env --json")
     return 0
 
 
@@ -112,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpuregress", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    env = sub.add_parser("env", help="print this machine's stack fingerprint")
+    env = sub.add_parser("env", help="print this machine's stack fingerprint, in words")
     env.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    env.add_argument("--json", action="store_true", help="every field, as JSON")
     env.set_defaults(func=_env)
     show = sub.add_parser("show", help="summarise a stored reference or record")
     show.add_argument("path")

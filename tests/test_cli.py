@@ -77,6 +77,25 @@ def test_env_prints_the_fingerprint(capsys: pytest.CaptureFixture[str]) -> None:
     assert words[-1] == "every field, for machines: gpuregress env --json"
 
 
+def test_list_shows_each_reference_of_a_folder_with_its_stack_and_a_damaged_one_as_such(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import shutil
+
+    shipped = Path(__file__).resolve().parents[1] / "reference_runs"
+    assert main(["list", str(shipped)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["scenario", "platform", "recorded", "steps", "stack"]
+    fsdp = next(line for line in lines if line.startswith("fsdp ") and " cpu-gloo-w2-fp32 " in line)
+    assert " 300 " in fsdp and "torch 2.13.0" in fsdp
+    damaged = tmp_path / "refs"
+    shutil.copytree(shipped / "fsdp", damaged / "fsdp")
+    (damaged / "fsdp" / "cpu-gloo-w2-fp32" / "record.json").write_text("{")
+    assert main(["list", str(damaged)]) == 0
+    assert "damaged: JSONDecodeError" in capsys.readouterr().out
+    assert main(["list", str(tmp_path / "nowhere")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+
+
 def test_scenarios_lists_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["scenarios"]) == 0
     rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()}

@@ -2,6 +2,7 @@
 
     gpuregress env [--json]             the stack fingerprint of this machine, in words (or as JSON)
     gpuregress show DIR                 what a reference holds: scenario, platform, steps, loss, stack
+    gpuregress list FOLDER              the references a folder holds, by scenario and platform, and their stacks
     gpuregress compare [REF] RUN        judge a kept run as the plugin did: its scenario's checks, against REF
     gpuregress scenarios                the installed scenarios: built-in and from other packages
     gpuregress inspect-fp8 FILE         do a safetensors file's fp8/fp4 codes match their tags and scales?
@@ -20,7 +21,7 @@ from pathlib import Path
 from ..errors import GpuRegressError
 from ..reference.report import format_comparison
 from ..reference.store import load_record
-from . import inspect_fp8, plot, portability
+from . import inspect_fp8, listing, plot, portability
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -102,7 +103,8 @@ def _scenarios(args: argparse.Namespace) -> int:
     for name, scenario in registry().items():
         module = type(scenario).__module__
         doc = (type(scenario).__doc__ or (__import__(module, fromlist=["_"]).__doc__ or "")).strip().splitlines()
-        print(f"{name:<14} {scenario.kind:<9} {module}  {doc[0] if doc else ''}")
+        summary = doc[0].replace("``", "").replace("`", "") if doc else ""  # a terminal shows no doc markup
+        print(f"{name:<14} {scenario.kind:<9} {module}  {summary}")
     return 0
 
 
@@ -138,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     inspect_fp8.add_parser(sub)
     portability.add_parser(sub)
     plot.add_parser(sub)
+    listing.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

@@ -93,6 +93,9 @@ def test_progress_reads_as_step_n_of_total() -> None:
     assert describe_progress("model built", job) == "model built"
     assert scenario_label(job.scenario) == "fsdp"
     assert scenario_label("user_scenario:train") == "user_scenario"
+    replica = Job(scenario=job.scenario, config={"steps": 300, "perturbation": "reduction_order"}, world_size=2,
+                  device_kind="cpu", backend="gloo", run_dir="/tmp", timeout_s=1)
+    assert describe_progress("step 54 done, loss 3.2", replica) == "replica 2 (reduction_order): step 55 of 300, loss 3.2"
 
 
 def test_a_plugin_warning_points_at_the_test_that_led_to_it() -> None:

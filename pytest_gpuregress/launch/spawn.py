@@ -92,12 +92,18 @@ def scenario_label(entry: str) -> str:
 
 
 def describe_progress(line: str, job: Job) -> str:
-    """'step 56 done, loss 3.2' as 'step 57 of 300, loss 3.2'; other phases as they are."""
+    """'step 56 done, loss 3.2' as 'step 57 of 300, loss 3.2'; other phases as they are. A noise replica's
+    lines say which replica they are, so a recording's progress does not read as the same run three times over."""
+    from ..training.noise import PERTURBATIONS
+
+    perturbation = job.config.get("perturbation")
+    replica = f"replica {PERTURBATIONS.index(perturbation) + 1} ({perturbation}): " \
+        if perturbation in PERTURBATIONS else ""
     match = re.fullmatch(r"step (\d+) done(.*)", line)
     steps = job.config.get("steps")
     if match is None or not steps:
-        return line
-    return f"step {int(match.group(1)) + 1} of {steps}{match.group(2)}"
+        return replica + line
+    return f"{replica}step {int(match.group(1)) + 1} of {steps}{match.group(2)}"
 
 
 def _main_thread_stack(dump: str | None) -> str | None:

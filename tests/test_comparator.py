@@ -66,3 +66,6 @@ def test_references_no_case_reads_are_listed_and_read_ones_are_not(tmp_path: Pat
     session = GpuRegressSession(Options(enabled=True, device="cpu", reference_dir=tmp_path), tmp_path)
     # Another platform's references are not this run's to judge; lora's is read by its cases.
     assert session.places.unused({"cpu-gloo-w2-fp32"}) == ["fsdp-removed-model/cpu-gloo-w2-fp32"]
+    # A user's own loop reads a reference by its own name: once read, it is not listed as unread.
+    session.places.location("fsdp-removed-model", "cpu-gloo-w2-fp32")
+    assert session.places.unused({"cpu-gloo-w2-fp32"}) == []

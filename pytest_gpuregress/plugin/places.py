@@ -18,6 +18,7 @@ class ReferencePlaces:
         self.options = options
         self.rootpath = rootpath
         self.selection = selection
+        self.used: set[str] = set()  # every reference this session looked for: a user's own loop names its own
 
     @property
     def user_root(self) -> Path:
@@ -67,6 +68,7 @@ class ReferencePlaces:
 
     def location(self, name: str, platform_key: str, *, for_writing: bool = False) -> store.ReferenceLocation:
         store.check_names(name, platform_key)  # a name or dtype such as '../x' must not leave the reference dir
+        self.used.add(name)
         selection = self.selection.expression_for(name)
         hint, elsewhere = self.record_hint(selection), self.record_hint(selection, self.elsewhere_root)
         user = store.ReferenceLocation(self.user_root, name, platform_key, hint, elsewhere)
@@ -94,7 +96,7 @@ class ReferencePlaces:
         this run did not give."""
         if not self.user_root.is_dir() or self.user_root.resolve() == self.shipped_root.resolve():
             return []  # the plugin's own shipped references (this repository's main job) are not the user's to prune
-        wanted = self.selection.reference_names()
+        wanted = self.selection.reference_names() | self.used  # the cases' references, and any this run read
         return sorted(f"{manifest.parent.parent.name}/{manifest.parent.name}"
                       for manifest in self.user_root.glob(f"*/*/{store.MANIFEST}")
                       if manifest.parent.name in platform_keys and manifest.parent.parent.name not in wanted)

@@ -68,8 +68,10 @@ def files_under(root: Path) -> set[Path]:
 def test_unsafe_name_through_the_fixture_is_one_clear_error_and_writes_nothing(pytester: pytest.Pytester,
                                                                                  mode: str) -> None:
     pytester.makepyfile(test_user=USER_TEST)
-    before = files_under(pytester.path)
     refs = pytester.path / "refs" / "inner"
+    if mode != "--gpuregress-record":  # a comparing run needs its folder to exist (a usage error otherwise)
+        refs.mkdir(parents=True)
+    before = files_under(pytester.path)
     result = pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={refs}",
                                 "-k", "test_unsafe", mode, "test_user.py")
     result.assert_outcomes(failed=2)

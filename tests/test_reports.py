@@ -98,6 +98,18 @@ def test_progress_reads_as_step_n_of_total() -> None:
     assert describe_progress("step 54 done, loss 3.2", replica) == "replica 2 (reduction_order): step 55 of 300, loss 3.2"
 
 
+def test_progress_says_about_how_long_is_left_at_the_pace_so_far() -> None:
+    from pytest_gpuregress.launch.spawn import time_left
+
+    job = Job(scenario="pytest_gpuregress.scenarios.fsdp.rank:run", config={"steps": 300}, world_size=2,
+              device_kind="cpu", backend="gloo", run_dir="/tmp/a", timeout_s=1)
+    pace: dict = {}
+    assert time_left("step 9 done, loss 3.2", job, pace, now=100.0) == ""  # one step seen: no pace yet
+    assert time_left("step 19 done, loss 3.1", job, pace, now=105.0) == ", about 2m20s left"  # 0.5 s a step, 280 left
+    assert time_left("step 298 done, loss 1.0", job, pace, now=244.5) == ", about 0s left"
+    assert time_left("model built", job, pace, now=245.0) == ""
+
+
 def test_a_plugin_warning_points_at_the_test_that_led_to_it() -> None:
     """pytest shows a warning's file and line: a perf, kernel or format warning names the test, not a line
     inside the plugin (it used to show plugin/session.py)."""

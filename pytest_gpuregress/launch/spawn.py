@@ -106,6 +106,21 @@ def describe_progress(line: str, job: Job) -> str:
     return f"{replica}step {int(match.group(1)) + 1} of {steps}{match.group(2)}"
 
 
+def time_left(line: str, job: Job, pace: dict[str, tuple[float, int]], now: float) -> str:
+    """', about 1m20s left' at the pace since the first step the job reported ('' until a second step has)."""
+    match = re.fullmatch(r"step (\d+) done.*", line)
+    steps = job.config.get("steps")
+    if match is None or not steps:
+        return ""
+    step = int(match.group(1))
+    since, first = pace.setdefault(job.run_dir, (now, step))
+    if step <= first:
+        return ""
+    seconds = (now - since) / (step - first) * max(int(steps) - 1 - step, 0)
+    minutes, rest = divmod(int(round(seconds)), 60)
+    return f", about {minutes}m{rest:02d}s left" if minutes else f", about {rest}s left"
+
+
 def _main_thread_stack(dump: str | None) -> str | None:
     if not dump:
         return None
@@ -155,6 +170,7 @@ class SpawnLauncher:
         self.owns_pool = pool is not None
         self.groups_started = 0
         self.on_progress: Callable[[str], None] | None = None  # rank 0's progress lines, while a job runs
+        self._pace: dict[str, tuple[float, int]] = {}  # run dir -> (when, step) of the first step a job reported
 
     def make_run_dir(self) -> Path:
         if self.base_dir is not None:
@@ -295,7 +311,8 @@ class SpawnLauncher:
     def _show_progress(self, job: Job, files: RankFiles, shown: str | None) -> str | None:
         line = files.last_progress()
         if line and line != shown and self.on_progress is not None:
-            self.on_progress(f"{scenario_label(job.scenario)}: {describe_progress(line, job)}")
+            left = time_left(line, job, self._pace, time.monotonic())
+            self.on_progress(f"{scenario_label(job.scenario)}: {describe_progress(line, job)}{left}")
         return line
 
     def _failure_message(

@@ -28,6 +28,7 @@ def two_agents(tmp_path: Path, *pytest_args: str, select: str = "fsdp and not tr
                timeout: float = 240) -> tuple[list[str], float]:
     """Run pytest under two single-rank torchrun agents; return each agent's output and the wall time."""
     port = free_port()
+    (tmp_path / "refs").mkdir(exist_ok=True)  # a comparing run's folder must exist; these fail before comparing
     procs = []
     started = time.monotonic()
     for node in range(2):

@@ -69,6 +69,7 @@ def test_two_models_of_one_name_or_a_reserved_name_are_refused(pytester: pytest.
 @pytest.mark.slow
 def test_an_unseen_config_records_passes_and_fails_on_a_corrupted_reduce_scatter(pytester: pytest.Pytester) -> None:
     write_config(pytester.path, "tiny-qwen2", QWEN2)
+    (pytester.path / "refs").mkdir()  # a comparing run's folder must exist; this one holds no reference yet
     common = ("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-model=tiny-qwen2.json",
               f"--gpuregress-reference-dir={pytester.path / 'refs'}", "--gpuregress-steps=6",
               "-k", "tiny-qwen2 and fsdp and not triage")

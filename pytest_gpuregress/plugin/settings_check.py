@@ -10,10 +10,11 @@ run (reference/store.py: check_compatible), where a damaged record.json is repor
 
 from __future__ import annotations
 
-import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..reference.record import RECORD_JSON
+from ..errors import CorruptReference
+from ..reference.record import RECORD_JSON, read_json
 from ..scenarios import registry
 
 if TYPE_CHECKING:
@@ -57,12 +58,12 @@ def differing_settings(session: GpuRegressSession) -> tuple[list[str], list[str]
     return list(lines.values()), selections
 
 
-def _recorded_config(path: Any) -> dict[str, Any]:
+def _recorded_config(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        data = read_json(path)
+    except CorruptReference:
         return {}  # missing or damaged: the full read after the run names it
-    config = data.get("config") if isinstance(data, dict) else None
+    config = data.get("config")
     return config if isinstance(config, dict) else {}
 
 

@@ -209,6 +209,8 @@ def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tup
         first = min((f.step for f in comparison.findings if f.step is not None), default=None)
         cleared = all(by_name[n].status == "clean" for n in ("equivalence", "oracle") if n in by_name)
         late = cleared and len(experiments) >= 2 and first is not None and first > 0
+        # A step's gradients moved while its loss (the same weights) matched: the update is not the cause.
+        gradients = late and gradients_moved_first(comparison.findings, comparison.lane)
         if late:
             by_name["divergence"] = Experiment("divergence", "starts", f"step 0 matches the reference; the first "
                                                                      f"difference is at step {first}")
@@ -220,17 +222,15 @@ def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tup
             # Step 0 is within the tolerance: that op's drift is the legitimate kind the envelope allows (another
             # kernel path), not what failed later; it is shown, and convicts nothing.
             by_name[moved.name] = Experiment(moved.name, "drifts within the tolerance at step 0", moved.detail)
-            gradients = late and gradients_moved_first(comparison.findings, comparison.lane)
             if gradients:
                 by_name["divergence"] = _gradients_first(by_name["divergence"])
             component = "optimizer" if late and not gradients else "kernel" if changed and not late else None
-        elif late and not gradients_moved_first(comparison.findings, comparison.lane):
-            # step 0 matches the reference, both experiments are clean, and a step's loss moves no later than its
-            # gradients: the weights it started from were wrong, so the update went wrong
-            component = "optimizer"
-        elif late:  # the gradients of a step moved while its loss (the same weights) matched: not the update
-            by_name["divergence"] = _gradients_first(by_name["divergence"])
-            component = None
+        elif late:
+            # step 0 matches the reference and both experiments are clean: the weights a step started from were
+            # wrong, so the update went wrong; unless its gradients moved first, which clears the update
+            if gradients:
+                by_name["divergence"] = _gradients_first(by_name["divergence"])
+            component = None if gradients else "optimizer"
         elif changed:  # nothing convicted or cleared, but the kernels did change: the likeliest cause
             component = "kernel"
         else:

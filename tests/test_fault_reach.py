@@ -56,7 +56,7 @@ def test_a_users_own_scenario_is_reached_by_every_fault() -> None:
 def test_an_unreached_case_is_skipped_end_to_end_and_a_reached_one_catches_the_fault(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", "-k", "fsdp or formats-inspect", "-rfs",
                                 "--gpuregress-inject=format:mode=keep_0x80")
-    result.assert_outcomes(failed=1, skipped=4)  # fsdp, fsdp-resume and the two triage cases: no format fault acts there
+    result.assert_outcomes(failed=1, skipped=5)  # fsdp, fsdp-resume, fsdp-bf16, the two triage cases: no format fault
     result.stdout.fnmatch_lines(["*not applicable: --gpuregress-inject format:mode=keep_0x80: no injected fault acts "
                                  "in fsdp; it acts in formats; docs/faults.md lists where each fault acts*"])
     result.stdout.fnmatch_lines(["FAILED *formats-inspect*"])
@@ -116,7 +116,7 @@ def test_consensus_is_reached_by_the_faults_its_workloads_run_into() -> None:
     assert not reach.reaches(parse("collective:op=reduce_scatter,mode=nudge,rel=1e-3"), "consensus-links")
 
 
-def test_a_truncating_bf16_sum_reaches_only_the_sweeps_reductions() -> None:
+def test_a_truncating_bf16_reduction_reaches_the_sweeps_reductions_and_the_bf16_lane() -> None:
     truncate = parse("collective:mode=truncate_bf16")
     assert reach.key_of(truncate) == "collective:truncate_bf16"
     assert reach.reaches(truncate, "collectives-all_reduce-sum-bf16r-n8-inplace")
@@ -125,3 +125,12 @@ def test_a_truncating_bf16_sum_reaches_only_the_sweeps_reductions() -> None:
     assert not reach.reaches(parse("collective:op=all_gather|all_reduce,mode=truncate_bf16"),
                              "collectives-reduce_scatter-list-sum-bf16r-n8-outofplace")
     assert not reach.reaches(truncate, "fsdp") and not reach.reaches(truncate, "consensus-links")
+    assert reach.reaches(truncate, "fsdp-bf16")  # the CPU bf16 lane reduce-scatters its gradients in bf16 (AVG)
+
+
+def test_a_truncating_cast_reaches_the_bf16_lane_on_a_cpu_and_every_bf16_training_case_on_gpus() -> None:
+    cast = parse("cast:mode=truncate_bf16")
+    assert reach.reaches(cast, "fsdp-bf16", "cpu") and not reach.reaches(cast, "fsdp", "cpu")
+    assert reach.reaches(cast, "fsdp", "cuda") and reach.reaches(cast, "lora-fully_shard", "cuda")
+    assert not reach.reaches(cast, "checkpoint-resume", "cuda") and not reach.reaches(cast, "collectives", "cpu")
+    assert "trains in fp32" in reach.unreached_reason(["cast:mode=truncate_bf16"], "fsdp", "fsdp", "cpu")

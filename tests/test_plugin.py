@@ -41,8 +41,9 @@ def test_flag_runs_only_plugin_tests_from_user_paths_plus_the_builtin_suite(pyte
 def test_builtin_suite_runs_from_any_directory_and_selects_by_scenario(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "fsdp")
     result.stdout.fnmatch_lines(["*test_scenario[[]fsdp[]]*", "*test_scenario[[]fsdp-resume[]]*",
+                                 "*test_scenario[[]fsdp-bf16[]]*",
                                  "*test_scenario[[]triage-equivalence-fsdp[]]*", "*test_scenario[[]triage-oracle-fsdp[]]*",
-                                 "4/* tests collected (* deselected)*"])
+                                 "5/* tests collected (* deselected)*"])
     result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "equivalence")
     result.stdout.fnmatch_lines(["*test_scenario[[]triage-equivalence-fsdp[]]*", "1/* tests collected (* deselected)*"])
     result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "all_reduce and bf16 and n1024")

@@ -95,7 +95,7 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("collective", ".collective:install", "corrupt the output of matching collectives", {
         "op": Param("choices", "which collectives", COLLECTIVE_OPS),
         "mode": Param("choice", "nudge: one element x (1+rel); zero_tail: the last `count` elements; zeros; "
-                                "stale_chunk: chunk `chunk` keeps the previous call's value; truncate_bf16: a bf16 SUM "
+                                "stale_chunk: chunk `chunk` keeps the previous call's value; truncate_bf16: a bf16 SUM or AVG "
                                 "all-reduce or reduce-scatter rounds toward zero instead of to nearest even",
                       ("nudge", "zero_tail", "zeros", "stale_chunk", "truncate_bf16")),
         "rel": Param("number", "relative size of a nudge (default 1e-3)"),
@@ -109,6 +109,8 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
         "ranks": _RANKS,
         "rank": _RANKS,
         "every": Param("int", "fire on 1 matching call in N", minimum=1),
+        "from_step": Param("int", "fire only from this training step on: a bug that starts late (a resumed run "
+                                  "starts at its checkpoint's step)", minimum=0),
     }, needs_peers=True),
     FaultKind("emulate_premul_sum", ".collective:install_premul_sum_emulation",
               "give gloo a PREMUL_SUM all-reduce (input x factor, then SUM), so a premul_sum fault can be shown "
@@ -133,6 +135,10 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                   "rows": Param("int", "only outputs of this many rows (tokens): a GEMM kernel picked by shape, as "
                                        "cuBLAS and hipBLASLt pick them", minimum=1),
                   "ranks": _RANKS, "rank": _RANKS}),
+    FaultKind("cast", ".casts:install_cast", "a conversion kernel with the wrong rounding", {
+        "mode": Param("choice", "truncate_bf16: every fp32 -> bf16 cast (aten _to_copy) rounds toward zero instead "
+                                "of to nearest even", ("truncate_bf16",)),
+        "ranks": _RANKS, "rank": _RANKS}, required=("mode",)),
     FaultKind("matmul_ulp", ".matmul:install_matmul_ulp",
               "the first element of every matmul, mm, bmm and F.linear output one ulp away from zero: one device "
               "with a failing part, for scenario consensus", {

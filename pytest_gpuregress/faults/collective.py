@@ -5,8 +5,9 @@ releases call) is wrapped; the wrapper lets the real call finish, then corrupts 
 the spec's filters match: op family, message size, dtype, reduction, rank, and one call in N.
 
 Mode ``truncate_bf16`` is a reduction with the wrong rounding rather than corrupt bytes: a bf16 SUM
-all-reduce or reduce-scatter recomputed from every rank's input, accumulated in float32 and cut to
-bf16 toward zero (the low 16 bits dropped) instead of rounded to nearest even.
+or AVG all-reduce or reduce-scatter recomputed from every rank's input, accumulated in float32 (AVG:
+then divided by the world size) and cut to bf16 toward zero (the low 16 bits dropped) instead of
+rounded to nearest even. FSDP2 reduce-scatters bf16 gradients with AVG.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def _flat_outputs(out: Any) -> list[Any]:
 
 # Reductions a truncating bf16 SUM recomputes, and where each keeps its input (torch.distributed's argument names).
 TRUNCATED_FAMILIES = ("all_reduce", "reduce_scatter")
+TRUNCATED_REDUCTIONS = ("sum", "avg")
 _INPUT_ARGUMENT = ("tensor", "input", "input_list")
 
 
@@ -64,8 +66,11 @@ def reduce_op_name(op: Any) -> str | None:
 
 
 class CollectiveFault:
-    def __init__(self, spec: FaultSpec, rank: int, world_size: int) -> None:
+    def __init__(self, spec: FaultSpec, rank: int, world_size: int,
+                 current_step: Callable[[], int | None] = lambda: None) -> None:
         self.spec = spec
+        self.from_step = spec.get("from_step")  # a fault that starts late: only from this training step on
+        self.current_step = current_step
         self.rank = rank
         self.world_size = world_size
         self.ops = spec.get("op") or frozenset(_family for _family, _ in COLLECTIVES.values())
@@ -90,6 +95,8 @@ class CollectiveFault:
             return False
         if self.target_ranks is not None and self.rank not in self.target_ranks:
             return False
+        if self.from_step is not None and not (self.current_step() or 0) >= self.from_step:
+            return False
         first = _flat_outputs(out)[0]
         if self.dtype and str(first.dtype).replace("torch.", "") != self.dtype:
             return False
@@ -100,9 +107,9 @@ class CollectiveFault:
         return self.firing.count
 
     def truncates(self, family: str, size: int, out: Any, op: Any) -> bool:
-        """Whether this call is a bf16 SUM reduction this fault recomputes with truncation (mode truncate_bf16)."""
+        """Whether this call is a bf16 SUM or AVG reduction this fault recomputes with truncation (truncate_bf16)."""
         return (self.mode == "truncate_bf16" and family in TRUNCATED_FAMILIES and self.matches(family, size, out, op)
-                and str(_flat_outputs(out)[0].dtype) == "torch.bfloat16" and reduce_op_name(op) == "sum")
+                and str(_flat_outputs(out)[0].dtype) == "torch.bfloat16" and reduce_op_name(op) in TRUNCATED_REDUCTIONS)
 
     def after(self, family: str, size: int, out: Any, op: Any, captured: tuple[Any, Any] | None = None) -> None:
         """Corrupt the finished call's output. ``captured``: (this rank's input in float32, group), taken before the
@@ -114,7 +121,7 @@ class CollectiveFault:
         outputs = _flat_outputs(out)
         if self.mode == "truncate_bf16":
             if fire and captured is not None:
-                _truncated_sum(family, outputs, *captured)
+                _truncated_sum(family, outputs, *captured, average=reduce_op_name(op) == "avg")
                 self.firing.fire()  # the call was rerouted through the truncating sum, whatever its inputs
         elif self.mode == "stale_chunk":
             key = (family, str(outputs[0].dtype), tuple(tuple(t.shape) for t in outputs))
@@ -169,10 +176,11 @@ def _float32_input(bound: dict[str, Any]) -> Any:
         value.detach().reshape(-1).float().clone()
 
 
-def _truncated_sum(family: str, outputs: list[Any], mine: Any, group: Any) -> None:
-    """Overwrite ``outputs`` with the SUM as a truncating backend computes it: every rank's input gathered in
-    float32 (through the real all-gather), added in rank order in float32, then cut to bf16 toward zero by masking
-    the low 16 bits of each float32, where a correct backend rounds to nearest even."""
+def _truncated_sum(family: str, outputs: list[Any], mine: Any, group: Any, average: bool = False) -> None:
+    """Overwrite ``outputs`` with the SUM (or, ``average``, the AVG) as a truncating backend computes it: every rank's
+    input gathered in float32 (through the real all-gather), added in rank order in float32 (divided by the world
+    size for AVG), then cut to bf16 toward zero by masking the low 16 bits of each float32, where a correct backend
+    rounds to nearest even."""
     import torch
     import torch.distributed as dist
 
@@ -182,6 +190,8 @@ def _truncated_sum(family: str, outputs: list[Any], mine: Any, group: Any) -> No
     total = gathered.view(world, -1)[0].clone()
     for r in range(1, world):
         total += gathered.view(world, -1)[r]
+    if average:
+        total /= world
     truncated = (total.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: low bits are 0
     if family == "reduce_scatter":
         truncated = truncated.view(world, -1)[rank]
@@ -256,7 +266,7 @@ def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[
 def install(spec: FaultSpec, ctx: Any) -> Firing:
     import torch.distributed as dist
 
-    fault = CollectiveFault(spec, ctx.rank, ctx.world_size)
+    fault = CollectiveFault(spec, ctx.rank, ctx.world_size, lambda: getattr(ctx, "current_step", None))
     for name in COLLECTIVES:
         if hasattr(dist, name):
             ctx.cleanup_hooks.append(_wrap_collective(dist, name, fault))

@@ -17,14 +17,14 @@ from . import FaultSpec, parse
 BUILT_IN = ("collectives", "fsdp", "lora", "checkpoint", "triage", "formats", "consensus")
 
 # The columns of the table: each built-in case family, as the prefix of its test id (<scenario>-<case>).
-COLUMNS = ("collectives", "fsdp", "fsdp-resume", "lora-fully_shard", "lora-accelerate", "lora-fully_shard-resume",
+COLUMNS = ("collectives", "fsdp", "fsdp-resume", "fsdp-bf16", "lora-fully_shard", "lora-accelerate", "lora-fully_shard-resume",
            "lora-accelerate-resume", "checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-sharded-2to1",
            "checkpoint-sharded-1to2", "checkpoint-resume", "checkpoint-portability", "triage-equivalence", "triage-oracle",
            "formats", "consensus-devices", "consensus-links")
 
 # Measured on the CPU with benchmarks/fault_reach.py (2 gloo ranks); "acts" means the fault changed something in
 # a launch the case reads (the main checkpoint launch carries both full-state-dict and tied).
-_STEPPING = ("fsdp", "fsdp-resume", "lora-fully_shard", "lora-accelerate", "lora-fully_shard-resume",
+_STEPPING = ("fsdp", "fsdp-resume", "fsdp-bf16", "lora-fully_shard", "lora-accelerate", "lora-fully_shard-resume",
              "lora-accelerate-resume", "checkpoint-full-state-dict", "checkpoint-tied", "checkpoint-sharded-2to1",
              "checkpoint-sharded-1to2", "checkpoint-resume", "triage-equivalence",
              "triage-oracle")  # an optimizer step (triage-oracle: its one-rank stack run; the float64 run is never faulted)
@@ -34,20 +34,24 @@ _COLLECTIVE = ("collectives", *(c for c in _STEPPING if c != "checkpoint-sharded
 # A resume case trains only steps S = steps // 2 to the end: a hang or crash after step N < S never happens there.
 RESUMES = ("fsdp-resume", "lora-fully_shard-resume", "lora-accelerate-resume")
 _FROM_STEP_0 = tuple(c for c in _STEPPING if c not in RESUMES)
-_CLIPPING = ("fsdp", "fsdp-resume", "lora-fully_shard", "lora-accelerate", "lora-fully_shard-resume",
+_CLIPPING = ("fsdp", "fsdp-resume", "fsdp-bf16", "lora-fully_shard", "lora-accelerate", "lora-fully_shard-resume",
              "lora-accelerate-resume", "triage-equivalence", "triage-oracle")
 
 # kind, or "kind:mode" -> the columns it reaches. Why a column is missing is in WHY_NOT.
 REACH: dict[str, tuple[str, ...]] = {
     "collective": (*_COLLECTIVE, "consensus-links"),  # the link sweep moves data only: LINK_OPS
-    # bf16 SUM reductions only: the training scenarios reduce in fp32 (CPU, and FSDP2's bf16 with fp32 reduction)
-    "collective:truncate_bf16": ("collectives",),
+    # bf16 SUM reductions only: the sweep's, and the CPU bf16 lane's gradient reduce-scatters (the other training
+    # cases reduce in fp32: the CPU's, and FSDP2's bf16 with fp32 reduction on GPUs)
+    "collective:truncate_bf16": ("collectives", "fsdp-bf16"),
+    # fp32 -> bf16 casts: where a case trains in bf16 (on a CPU, the bf16 lane only: BF16_ON_GPUS)
+    "cast": ("fsdp", "fsdp-resume", "fsdp-bf16", "lora-fully_shard", "lora-accelerate", "lora-fully_shard-resume",
+             "lora-accelerate-resume"),
     "emulate_premul_sum": _COLLECTIVE,
     "lr_scale": _STEPPING,
     # Where clipping acts on a real share of the steps: fsdp and lora clip below their typical norm (their configs).
     "clip": _CLIPPING,
     # Each AdamW implementation where a scenario's config runs it (adamw: fsdp fused, lora by wrapper, checkpoint single).
-    "adamw:fused": ("fsdp", "fsdp-resume", "lora-accelerate", "lora-accelerate-resume", "triage-equivalence",
+    "adamw:fused": ("fsdp", "fsdp-resume", "fsdp-bf16", "lora-accelerate", "lora-accelerate-resume", "triage-equivalence",
                     "triage-oracle"),
     "adamw:foreach": ("lora-fully_shard", "lora-fully_shard-resume"),
     "adamw:single": tuple(c for c in _STEPPING if c.startswith("checkpoint-")),
@@ -98,8 +102,13 @@ CPU_DDP_COLUMNS = ("lora-accelerate", "lora-accelerate-resume")
 LINK_OPS = ("all_gather", "broadcast", "all_to_all")
 # collective:mode=truncate_bf16 recomputes reductions only (faults/collective.py TRUNCATED_FAMILIES).
 TRUNCATED_OPS = ("all_reduce", "reduce_scatter")
+# Cases that train in bf16 on GPUs and in fp32 on a CPU, where only the bf16 lane casts to bf16.
+BF16_ON_GPUS = ("fsdp", "fsdp-resume", "lora-fully_shard", "lora-accelerate", "lora-fully_shard-resume",
+                "lora-accelerate-resume")
 CPU_ONLY_MISSING = {("lora:rank0_slice", "lora-accelerate"): "on a CPU accelerate runs DDP, whose state dict holds "
-                                                             "whole tensors: no slice to lose (FSDP2 on GPUs)"}
+                                                             "whole tensors: no slice to lose (FSDP2 on GPUs)",
+                    **{("cast", c): "on a CPU this case trains in fp32: fsdp-bf16 casts to bf16 there"
+                       for c in BF16_ON_GPUS}}
 
 WHY_NOT: dict[str, str] = {
     "collectives": "the sweep runs collectives only: no model, no step",

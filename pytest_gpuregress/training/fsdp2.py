@@ -10,17 +10,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+REDUCE_DTYPE = "reduce_dtype"  # config key: the gradient reduce-scatter's dtype under bf16 ("fp32" when absent)
 
-def mixed_precision(dtype: str) -> Any:
-    """The policy of a scenario's compute dtype: bf16 parameters with fp32 gradient reduction for "bf16";
-    None for anything else, which means the wrapper's own default (fp32 throughout)."""
-    if dtype != "bf16":
+
+def reduce_dtype_of(config: dict[str, Any]) -> str:
+    """The dtype a run's gradients are reduce-scattered in: bf16 only where a bf16 run's config says so."""
+    return str(config.get(REDUCE_DTYPE, "fp32")) if config.get("dtype") == "bf16" else "fp32"
+
+
+def mixed_precision(config: dict[str, Any]) -> Any:
+    """The policy of a run's compute dtype: bf16 parameters for "bf16", with gradients reduced in fp32 (GPUs,
+    torchtitan's default) or in bf16 where the config's ``reduce_dtype`` says so (the CPU bf16 lane: FSDP2's own
+    default when only ``param_dtype`` is set, which many users run). None for anything else: fp32 throughout."""
+    if config.get("dtype") != "bf16":
         return None
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    # The reduce dtype stays fp32 on every platform: shard_units.REDUCE_BYTES counts on it.
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    reduce = torch.bfloat16 if reduce_dtype_of(config) == "bf16" else torch.float32
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
 
 
 def shard(units: Sequence[tuple[str, Any]], *, mp_policy: Any = None,

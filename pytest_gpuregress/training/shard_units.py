@@ -14,7 +14,7 @@ from typing import Any
 
 ROOT = ""  # the root unit's module path: the model itself
 RESULT_KEY = "fsdp_units"  # where a training record keeps its units (RunRecord.results)
-REDUCE_BYTES = 4  # the reduce dtype is fp32 on every platform (fsdp2.py: mixed_precision)
+REDUCE_BYTES = {"fp32": 4, "bf16": 2}  # per element, by the reduce dtype (fsdp2.py: reduce_dtype_of)
 
 
 def shard_units(model: Any) -> list[tuple[str, Any]]:
@@ -42,9 +42,10 @@ def unit_params(model: Any, units: list[tuple[str, Any]]) -> dict[str, list[str]
     return owned
 
 
-def reduce_scatter_bytes(names: list[str], shapes: dict[str, tuple[int, ...]], world_size: int) -> int:
-    """Bytes of the reduce-scatter carrying ``names``' gradients: fp32, each parameter padded on dim 0 to a
-    multiple of the world size, as FSDP2 shards it."""
+def reduce_scatter_bytes(names: list[str], shapes: dict[str, tuple[int, ...]], world_size: int,
+                         reduce_dtype: str = "fp32") -> int:
+    """Bytes of the reduce-scatter carrying ``names``' gradients in ``reduce_dtype``, each parameter padded on
+    dim 0 to a multiple of the world size, as FSDP2 shards it."""
     elements = 0
     for name in names:
         shape = shapes.get(name, ())
@@ -54,13 +55,14 @@ def reduce_scatter_bytes(names: list[str], shapes: dict[str, tuple[int, ...]], w
         for d in shape[1:]:
             rest *= d
         elements += -(-shape[0] // world_size) * world_size * rest
-    return elements * REDUCE_BYTES
+    return elements * REDUCE_BYTES[reduce_dtype]
 
 
-def describe_units(model: Any, units: list[tuple[str, Any]], world_size: int) -> dict[str, dict[str, Any]]:
+def describe_units(model: Any, units: list[tuple[str, Any]], world_size: int,
+                   reduce_dtype: str = "fp32") -> dict[str, dict[str, Any]]:
     """What a record keeps of the units: path -> {"params": names, "bytes": its reduce-scatter at ``world_size``}."""
     shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
-    return {path: {"params": names, "bytes": reduce_scatter_bytes(names, shapes, world_size)}
+    return {path: {"params": names, "bytes": reduce_scatter_bytes(names, shapes, world_size, reduce_dtype)}
             for path, names in unit_params(model, units).items()}
 
 

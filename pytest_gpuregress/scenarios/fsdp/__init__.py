@@ -33,6 +33,13 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {"model_size": "gpu", "dtype": "bf16", "global_batch": 48, "seq_len": 256, "lr": 6e-4, "grad_clip": 0.5},
 }
 TRAINING: dict[str, Any] = {**COMMON, "adamw": "fused"}
+# The CPU's bf16 lane (case ``bf16``, reference ``fsdp/<cpu>-bf16``): the CPU size with bf16 parameters over fp32
+# master weights and gradients reduce-scattered in bf16, so bf16 casts, bf16 matmuls and bf16 reductions run on
+# every machine. GPUs train in bf16 already (their default lane), with fp32 reduction.
+# 100 steps: bf16 rounds on every step, and the lane keeps the main job within its time.
+BF16_LANE = "bf16"
+BF16: dict[str, Any] = {"dtype": "bf16", "reduce_dtype": "bf16"}
+BF16_STEPS = 100
 
 
 class FsdpScenario(Scenario):
@@ -60,13 +67,16 @@ class FsdpScenario(Scenario):
                 for m in setup.models if (switched := dropout_off(setup, m.name))]
 
     def cases(self, setup: Setup) -> list[Case]:
-        # The tiny Llama keeps the id and reference "fsdp"; each model of --gpuregress-model adds "fsdp-<model>".
-        return [Case(self.name), RESUME_CASE,
+        # The tiny Llama keeps the id and reference "fsdp"; each model of --gpuregress-model adds "fsdp-<model>";
+        # the CPU adds its bf16 lane, "fsdp-bf16".
+        bf16 = [Case(BF16_LANE, launch=BF16_LANE)] if setup.device_kind == "cpu" else []
+        return [Case(self.name), RESUME_CASE, *bf16,
                 *(Case(m.name, launch=m.name, data={"model": m.name}) for m in setup.models)]
 
     def reference_name(self, case: Case) -> str | None:
-        # The resume case judges the fsdp reference's continuation: it shares the reference, and records it.
-        return self.name if is_resume(case) else super().reference_name(case)
+        # The resume case judges the fsdp reference's continuation: it shares the reference, and records it. The
+        # bf16 lane is the fsdp reference in another dtype: its folder is fsdp/<platform>-bf16.
+        return self.name if is_resume(case) or case.launch == BF16_LANE else super().reference_name(case)
 
     def attachments(self, case: Case, record: RunRecord, run: Runner, setup: Setup) -> dict[str, Path]:
         # The tiny Llama's reference only: a user's model has no resume case (not yet).
@@ -99,7 +109,13 @@ class FsdpScenario(Scenario):
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
         keys = dict.fromkeys(c.launch for c in cases)
-        return [Launch(key, self.model_config(setup, None if key == "default" else key)) for key in keys]
+        return [Launch(key, self._launch_config(key, setup)) for key in keys]
+
+    def _launch_config(self, key: str, setup: Setup) -> dict[str, Any]:
+        if key == BF16_LANE:
+            steps = {} if setup.steps is not None else {"steps": BF16_STEPS}  # --gpuregress-steps sets every lane's
+            return {**self.default_config(setup), **BF16, **steps}
+        return self.model_config(setup, None if key == "default" else key)
 
     def noise_replicas(self, launch: Launch, setup: Setup, count: int) -> list[Launch]:
         return perturbed_launches(launch, setup, count)
@@ -140,11 +156,13 @@ def recorded_units(record: RunRecord | None) -> dict[str, dict[str, Any]] | None
 
 def reduce_scatter_message(param: str, shapes: dict[str, tuple[int, ...]], world_size: int,
                            record: RunRecord | None = None) -> str:
-    """The reduce-scatter that carries ``param``'s gradient: one per fully_shard unit, fp32 (the reduce dtype),
-    each parameter padded on dim 0 to a multiple of the world size, as FSDP2 shards it.
+    """The reduce-scatter that carries ``param``'s gradient: one per fully_shard unit, in the run's reduce dtype
+    (fp32, or bf16 in the CPU bf16 lane), each parameter padded on dim 0 to a multiple of the world size, as
+    FSDP2 shards it.
 
     The unit is the one ``record``'s run really wrapped ``param`` in; a record without units (older than
     them) falls back to the name pattern of ``_group``, which knows Llama's layers only."""
+    from ...training.fsdp2 import reduce_dtype_of
     from ...training.shard_units import group_label, reduce_scatter_bytes, unit_of
     from ...units import human_bytes
 
@@ -154,11 +172,20 @@ def reduce_scatter_message(param: str, shapes: dict[str, tuple[int, ...]], world
         unit = units[path]
         # The recorded size holds at the record's world size; at another (triage's one rank), recount it.
         size = unit["bytes"] if record.world_size == world_size else \
-            reduce_scatter_bytes(unit["params"], shapes, world_size)
-        return f"reduce-scatter of {group_label(path)}, {human_bytes(int(size))}"
+            reduce_scatter_bytes(unit["params"], shapes, world_size, reduce_dtype_of(record.config))
+        return f"{_dtype_word(record)}reduce-scatter of {group_label(path)}, {human_bytes(int(size))}"
     group = _group(param)
     members = [name for name in shapes if _group(name) == group]
-    return f"reduce-scatter of {group}, {human_bytes(reduce_scatter_bytes(members, shapes, world_size))}"
+    reduce = reduce_dtype_of(record.config) if record is not None else "fp32"
+    return (f"{_dtype_word(record)}reduce-scatter of {group}, "
+            f"{human_bytes(reduce_scatter_bytes(members, shapes, world_size, reduce))}")
+
+
+def _dtype_word(record: RunRecord | None) -> str:
+    """"bf16 " where the run reduced its gradients in bf16 (the CPU bf16 lane); "" for fp32, the usual case."""
+    from ...training.fsdp2 import reduce_dtype_of
+
+    return "bf16 " if record is not None and reduce_dtype_of(record.config) == "bf16" else ""
 
 
 SCENARIO = FsdpScenario()

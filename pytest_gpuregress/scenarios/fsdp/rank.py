@@ -24,7 +24,7 @@ def run(ctx: RankContext) -> RunRecord:
     import torch
 
     from ...training.data import token_source
-    from ...training.fsdp2 import mixed_precision, shard
+    from ...training.fsdp2 import mixed_precision, reduce_dtype_of, shard
     from ...training.loop import TrainStep, clip_gradients, train
     from ...training.models import blueprint, build_causal_lm
     from ...training.moe import is_moe, mean_expert_load
@@ -48,8 +48,8 @@ def run(ctx: RankContext) -> RunRecord:
 
     units = shard_units(model)  # each decoder layer, then the root
     # Kept before wrapping, which replaces the parameters: a failure names the unit that carried a gradient.
-    unit_table = describe_units(model, units, ctx.world_size)
-    shard(units, mp_policy=mixed_precision(cfg["dtype"]))
+    unit_table = describe_units(model, units, ctx.world_size, reduce_dtype_of(cfg))
+    shard(units, mp_policy=mixed_precision(cfg))
 
     names = [n for n, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]

@@ -68,7 +68,7 @@ def build(ctx: RankContext) -> FsdpTrainer:
     model = build_causal_lm(model_config, seed=int(cfg["seed"]))
     apply_switches(cfg, ctx)
     model = model.to(torch.device(ctx.device))
-    shard(shard_units(model), mp_policy=mixed_precision(cfg["dtype"]))
+    shard(shard_units(model), mp_policy=mixed_precision(cfg))
     named = list(model.named_parameters())
     optimization = Optimization.of(adamw([p for _, p in named], AdamWSettings.from_config(cfg)),
                                    Schedule.from_config(cfg))

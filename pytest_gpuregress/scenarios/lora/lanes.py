@@ -57,7 +57,7 @@ def _trainable(model: Any) -> list[Any]:
 def fsdp2(peft_model: Any, cfg: dict[str, Any], device: Any) -> Lane:
     peft_model = peft_model.to(device)
     # Each decoder layer of the wrapped model, then the peft model as the root.
-    shard(shard_units(peft_model), mp_policy=mixed_precision(cfg["dtype"]))
+    shard(shard_units(peft_model), mp_policy=mixed_precision(cfg))
     return Lane(peft_model, peft_model, adamw(_trainable(peft_model), AdamWSettings.from_config(cfg)))
 
 
@@ -79,7 +79,7 @@ def accelerate(peft_model: Any, cfg: dict[str, Any], device_kind: str, world_siz
             transformer_cls_names_to_wrap=sorted({type(m).__name__ for m in decoder_layers(peft_model.base_model.model)}),
             reshard_after_forward=True,
             state_dict_type="FULL_STATE_DICT",
-            mixed_precision_policy=mixed_precision(cfg["dtype"]),  # None: accelerate's default, fp32
+            mixed_precision_policy=mixed_precision(cfg),  # None: accelerate's default, fp32
         )
         accelerator = Accelerator(fsdp_plugin=plugin)
     else:

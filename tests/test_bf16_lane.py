@@ -1,0 +1,107 @@
+"""The CPU's bf16 lane (#35 item 3): fsdp-bf16 trains with bf16 parameters over fp32 master weights and reduce-scatters
+its gradients in bf16, so a conversion or reduction that rounds wrongly fails on every machine, named.
+
+The fault of each: ``cast:mode=truncate_bf16`` (fp32 -> bf16 casts cut toward zero: a conversion kernel, [kernel])
+and ``collective:mode=truncate_bf16`` (a bf16 AVG reduce-scatter cut toward zero: [collective]). Before the lane
+neither could fire in training: every training case ran fp32 on the CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pytest_gpuregress import faults
+from pytest_gpuregress.scenarios.base import Setup
+from pytest_gpuregress.scenarios.fsdp import BF16_STEPS, SCENARIO
+from pytest_gpuregress.training.fsdp2 import mixed_precision, reduce_dtype_of
+from pytest_gpuregress.training.shard_units import reduce_scatter_bytes
+
+from .conftest import record_references
+
+ONE_AND_THREE_QUARTER_ULPS = 1.0 + 2**-8 + 2**-9  # bf16 rounds it up to 1 + 2**-7; cut toward zero it is 1.0
+
+
+def _ctx() -> SimpleNamespace:
+    return SimpleNamespace(rank=0, world_size=1, device_kind="cpu", cleanup_hooks=[], step_hooks=[], teardown_hooks=[])
+
+
+def _setup(device_kind: str, steps: int | None = None) -> Setup:
+    return Setup(device_kind=device_kind, backend="gloo" if device_kind == "cpu" else "nccl", world_size=2, steps=steps)
+
+
+def test_the_bf16_lane_is_a_cpu_case_of_its_own_with_bf16_reduction_and_its_own_reference_folder() -> None:
+    cpu = SCENARIO.cases(_setup("cpu"))
+    lane = next(c for c in cpu if c.id == "bf16")
+    assert SCENARIO.reference_name(lane) == "fsdp"  # fsdp/<platform>-bf16: the tag is the dtype
+    (launch,) = SCENARIO.launches([lane], _setup("cpu"))
+    assert (launch.config["dtype"], launch.config["reduce_dtype"], launch.config["steps"]) == ("bf16", "bf16",
+                                                                                               BF16_STEPS)
+    assert SCENARIO.platform_tag(launch.config) == "bf16"
+    assert SCENARIO.launches([lane], _setup("cpu", steps=8))[0].config["steps"] == 8  # --gpuregress-steps: every lane
+    assert "bf16" not in [c.id for c in SCENARIO.cases(_setup("cuda"))]  # GPUs train in bf16 in their default lane
+
+
+def test_bf16_reduction_only_where_a_bf16_run_asks_for_it() -> None:
+    import torch
+
+    assert mixed_precision({"dtype": "fp32", "reduce_dtype": "bf16"}) is None
+    assert mixed_precision({"dtype": "bf16"}).reduce_dtype == torch.float32  # GPUs: torchtitan's fp32 reduction
+    policy = mixed_precision({"dtype": "bf16", "reduce_dtype": "bf16"})
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
+    assert reduce_dtype_of({"dtype": "fp32", "reduce_dtype": "bf16"}) == "fp32"
+    shapes = {"w": (4, 3)}
+    assert reduce_scatter_bytes(["w"], shapes, 2, "bf16") * 2 == reduce_scatter_bytes(["w"], shapes, 2) == 48
+
+
+def test_a_truncating_cast_cuts_fp32_to_bf16_toward_zero_and_nothing_else() -> None:
+    import torch
+
+    values = torch.tensor([ONE_AND_THREE_QUARTER_ULPS, -ONE_AND_THREE_QUARTER_ULPS, 3.0])
+    assert values.to(torch.bfloat16).float().tolist() == [1.0078125, -1.0078125, 3.0]  # to nearest even
+    ctx = _ctx()
+    (installed,) = faults.install_counted(["cast:mode=truncate_bf16"], ctx)
+    try:
+        weight = torch.nn.Parameter(values.clone())
+        cut = weight.to(torch.bfloat16)
+        assert cut.float().tolist() == [1.0, -1.0, 3.0] and cut.requires_grad
+        (cut.float() * 2).sum().backward()
+        assert weight.grad.tolist() == [2.0, 2.0, 2.0]  # autograd as before: only the values moved
+        assert values.bfloat16().float().tolist() == [1.0, -1.0, 3.0]
+        assert values.to(torch.float64).tolist() == values.tolist()  # other conversions untouched
+        assert values.to(torch.bfloat16).to(torch.float32).tolist() == [1.0, -1.0, 3.0]  # bf16 -> fp32 exact
+        assert installed.count == 3  # the conversions that changed a value
+    finally:
+        for undo in reversed(ctx.cleanup_hooks):
+            undo()
+    assert values.to(torch.bfloat16).float().tolist() == [1.0078125, -1.0078125, 3.0]  # uninstalled
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bf16 lane's reference at 8 steps, recorded through the real command line."""
+    return record_references(tmp_path_factory.mktemp("bf16-refs"), "--gpuregress-steps=8", "-k", "fsdp-bf16")
+
+
+def _compare(pytester: pytest.Pytester, refs: Path, *extra: str) -> pytest.RunResult:
+    return pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-steps=8",
+                              f"--gpuregress-reference-dir={refs}", "-k", "fsdp-bf16", *extra)
+
+
+@pytest.mark.full_tier  # end to end with spawned ranks: a recording and three comparisons
+def test_the_bf16_lane_passes_clean_and_names_a_wrong_cast_and_a_wrong_bf16_reduction(pytester: pytest.Pytester,
+                                                                                      bf16_reference: Path) -> None:
+    clean = _compare(pytester, bf16_reference)
+    clean.assert_outcomes(passed=1)
+    clean.stdout.fnmatch_lines(["fsdp cpu-gloo-w2-bf16: PASSED [[]exact lane[]] 8 steps*"])
+
+    cast = _compare(pytester, bf16_reference, "--gpuregress-inject=cast:mode=truncate_bf16")
+    cast.assert_outcomes(failed=1)
+    cast.stdout.fnmatch_lines(["[[]kernel[]] step0_grad *", "*first difference: aten::_to_copy in * f32[[]*] -> bf16*"])
+
+    reduce = _compare(pytester, bf16_reference, "--gpuregress-inject=collective:mode=truncate_bf16")
+    reduce.assert_outcomes(failed=1)
+    reduce.stdout.fnmatch_lines(["[[]collective[]] step0_grad *",
+                                 "*first difference: c10d::_reduce_scatter_base_ in * bf16[[]*] -> bf16*"])

@@ -33,7 +33,7 @@ SCENARIO_OPTIONS: dict[str, tuple[OptionSpec, ...]] = {
                    "checkpoints and run `fsdp-resume` and `lora-*-resume` (the new stack resumes the reference's "
                    "training from it)",
                    shown_default="off on GPUs; always on the CPU",
-                   details="The fsdp checkpoint holds the weights and AdamW's two moments at step `steps // 2`: about 12 "
+                   details="The fsdp checkpoint holds the weights and AdamW's two moments at step `3 * steps // 4`: about 12 "
                    "bytes per parameter, 1.9 GB for the 156 M-parameter GPU model, 1.5 MB for the CPU one; a lora "
                    "checkpoint the frozen base weights (4 bytes per parameter) and the adapter with its moments, about "
                    "0.64 GB on GPUs. See "

@@ -1,9 +1,11 @@
 """Resume across stacks end to end (fsdp-resume): the fsdp reference keeps its own checkpoint at step S, and a
 comparison loads it on this machine's stack and trains on. Real gloo ranks, FSDP2, DCP in safetensors.
 
-The session's fsdp reference (conftest.fsdp_reference, 8 steps) carries the checkpoint at step 4: clean, the
-continuation repeats the reference's last 4 steps bit for bit; with one optimizer state dropped on load, the
-piece is named. A reference without a checkpoint skips the case with the reason, a damaged one is refused
+The session's fsdp reference (conftest.fsdp_reference, 8 steps) carries the checkpoint at step 6: clean, the
+continuation repeats the reference's last 2 steps bit for bit; with one optimizer state dropped on load, the
+piece is named; one element of a reduce-scatter off by 1e-5 from step 6 on, which the norms of the fsdp case
+let through in the tolerant lane, fails the gradients of step 6 (``late_grad``), named a collective. A
+reference without a checkpoint skips the case with the reason, a damaged one is refused
 naming the file: neither starts a rank.
 """
 
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import FSDP_STEPS, reproduced
+from .conftest import FSDP_ONLY, FSDP_STEPS, reproduced
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +37,8 @@ def test_the_references_checkpoint_resumes_on_this_stack_bit_for_bit(pytester: p
     result = run(pytester, fsdp_reference)
     result.assert_outcomes(passed=1)
     # The row names the resume case, not the fsdp reference whose folder it shares.
-    result.stdout.fnmatch_lines([f"fsdp-resume {PLATFORM}: PASSED [[]exact lane[]] 4 steps, *",
-                                 "*note: fsdp-resume: the reference's checkpoint (step 4, written with torch *) loaded "
+    result.stdout.fnmatch_lines([f"fsdp-resume {PLATFORM}: PASSED [[]exact lane[]] 2 steps, *",
+                                 "*note: fsdp-resume: the reference's checkpoint (step 6, written with torch *) loaded "
                                  "on this stack, trained on to step 8*"])
 
 
@@ -44,17 +46,33 @@ def test_one_optimizer_state_dropped_on_load_is_caught_and_named(pytester: pytes
                                                                  fsdp_reference: Path) -> None:
     result = run(pytester, fsdp_reference, "--gpuregress-inject=checkpoint:mode=optimizer_dropped")
     result.assert_outcomes(failed=1)
-    saved = "after loading the reference's checkpoint is not the state it saved at step 4"
+    saved = "after loading the reference's checkpoint is not the state it saved at step 6"
     result.stdout.fnmatch_lines([
         f"[[]checkpoint[]] resume: optimizer.exp_avg {saved} (21 of 21 tensors differ, first lm_head.weight)",
         f"[[]checkpoint[]] resume: optimizer.exp_avg_sq {saved} (21 of 21 tensors differ, first lm_head.weight)",
-        f"[[]checkpoint[]] resume: optimizer.step {saved} (21 of 21 tensors differ, first lm_head.weight: 4.0 -> 1.0)",
+        f"[[]checkpoint[]] resume: optimizer.step {saved} (21 of 21 tensors differ, first lm_head.weight: 6.0 -> 1.0)",
         f"[[]checkpoint[]] resume: optimizer.param_groups {saved} (1 of 1 entries differ, first group0)",
-        "[[]checkpoint[]] resumed at step 4 (steps counted from there): loss: first differing step 1 of 4:*"])
+        "[[]checkpoint[]] resumed at step 6 (steps counted from there): loss: first differing step 1 of 2:*"])
     out = result.stdout.str()
     assert f"resume: model {saved}" not in out and "rng." not in out  # what the load did restore is not named
     assert "triage" not in out  # triage reruns step 0, which a continuation never ran
     assert reproduced(out) == [1]  # the printed command judges the kept run the same way
+
+
+def test_a_one_element_fault_that_starts_late_fails_the_late_gradients_named_a_collective(
+        pytester: pytest.Pytester, fsdp_reference: Path) -> None:
+    late = "--gpuregress-inject=collective:op=reduce_scatter,mode=nudge,rel=1e-5,from_step=6"
+    norms_only = pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-steps={FSDP_STEPS}",
+                                    f"--gpuregress-reference-dir={fsdp_reference}", "-k", FSDP_ONLY, late,
+                                    "--gpuregress-lane=tolerant")
+    norms_only.assert_outcomes(passed=1)  # what the fsdp case keeps after step 0 (norms) lets it through
+    result = run(pytester, fsdp_reference, late, "--gpuregress-lane=tolerant")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["[[]collective[]] late_grad (step 6's gradients, from the reference's state) * "
+                                 "* elements differ *"])
+    clean = run(pytester, fsdp_reference, "--gpuregress-lane=tolerant")
+    clean.assert_outcomes(passed=1)
+    clean.stdout.fnmatch_lines([f"fsdp-resume {PLATFORM}: PASSED [[]tolerant lane[]] *late_grad *x*"])
 
 
 @pytest.mark.full_tier  # the fast tier keeps the clean resume and the optimizer fault
@@ -63,7 +81,7 @@ def test_generators_left_unrestored_and_weights_applied_late_are_named(pytester:
     result = run(pytester, fsdp_reference, "--gpuregress-inject=checkpoint:mode=rng_not_restored",
                  "--gpuregress-inject=checkpoint:mode=weights_late")
     result.assert_outcomes(failed=1)
-    saved = "after loading the reference's checkpoint is not the state it saved at step 4"
+    saved = "after loading the reference's checkpoint is not the state it saved at step 6"
     result.stdout.fnmatch_lines([
         f"[[]checkpoint[]] resume: model {saved} (21 of 21 tensors differ, first lm_head.weight)",
         f"[[]checkpoint[]] resume: rng.python {saved} (2 of 2 ranks differ, first rank0)",

@@ -2,8 +2,8 @@
 its own checkpoint at step S, and a comparison loads it on this machine's stack, in that wrapper's lane, and trains
 on. Real gloo ranks, peft under FSDP2 and under accelerate (DDP on the CPU), DCP in safetensors.
 
-The module records both lora references once (8 steps, no replicas: the checkpoints at step 4). Clean, each
-continuation repeats its reference's last 4 steps bit for bit; a load that leaves a piece unrestored is named
+The module records both lora references once (8 steps, no replicas: the checkpoints at step 6). Clean, each
+continuation repeats its reference's last 2 steps bit for bit; a load that leaves a piece unrestored is named
 piece by piece, as a [checkpoint] failure; a reference without a checkpoint skips the case with the reason. One
 cheap test of the session side (no ranks) stays in the fast tier.
 """
@@ -27,7 +27,7 @@ from .conftest import make_record, record_references, reproduced
 STEPS = "8"
 PLATFORM = "cpu-gloo-w2-fp32"
 RESUMES = "lora and resume"
-SAVED = "after loading the reference's checkpoint is not the state it saved at step 4"
+SAVED = "after loading the reference's checkpoint is not the state it saved at step 6"
 FIRST = "base_model.model.model.layers.0.mlp.down_proj.lora_A.default.weight"  # the first adapter tensor by name
 
 
@@ -84,8 +84,8 @@ def test_each_wrappers_checkpoint_resumes_on_this_stack_bit_for_bit(pytester: py
     result = run(pytester, recorded, RESUMES)
     result.assert_outcomes(passed=2)
     for wrapper, case in (("fsdp2", "fully_shard"), ("accelerate", "accelerate")):
-        result.stdout.fnmatch_lines([f"lora-{case}-resume {PLATFORM}-{wrapper}: PASSED [[]exact lane[]] 4 steps, *",
-                                     f"*note: lora-{case}-resume: the reference's checkpoint (step 4, written with "
+        result.stdout.fnmatch_lines([f"lora-{case}-resume {PLATFORM}-{wrapper}: PASSED [[]exact lane[]] 2 steps, *",
+                                     f"*note: lora-{case}-resume: the reference's checkpoint (step 6, written with "
                                      "torch *) loaded on this stack, trained on to step 8*"])
     assert "lora check '" not in result.stdout.str()  # a continuation runs no LoRA check
 
@@ -107,8 +107,8 @@ def test_generators_left_unrestored_and_weights_applied_late_are_named_in_both_l
             f"[[]checkpoint[]] resume: rng.python {SAVED} (2 of 2 ranks differ, first rank0)",
             f"[[]checkpoint[]] resume: rng.numpy {SAVED} (2 of 2 ranks differ, first rank0)",
             f"[[]checkpoint[]] resume: rng.torch_cpu {SAVED} (2 of 2 ranks differ, first rank0)",
-            # The weights step 4 ran on were the fresh adapter's: the curve moves at once, put down to the load.
-            "[[]checkpoint[]] resumed at step 4 (steps counted from there): loss: first differing step 0 of 4:*"])
+            # The weights step 6 ran on were the fresh adapter's: the curve moves at once, put down to the load.
+            "[[]checkpoint[]] resumed at step 6 (steps counted from there): loss: first differing step 0 of 2:*"])
     assert "resume: optimizer." not in out  # what the load did restore is not named
     assert "triage" not in out  # triage reruns step 0, which a continuation never ran
 
@@ -121,9 +121,9 @@ def test_adamw_state_under_accelerates_wrapper_dropped_on_load_is_named(pytester
     result.stdout.fnmatch_lines([
         f"[[]checkpoint[]] resume: optimizer.exp_avg {SAVED} (28 of 28 tensors differ, first {FIRST})",
         f"[[]checkpoint[]] resume: optimizer.exp_avg_sq {SAVED} (28 of 28 tensors differ, first {FIRST})",
-        f"[[]checkpoint[]] resume: optimizer.step {SAVED} (28 of 28 tensors differ, first {FIRST}: 4.0 -> 1.0)",
+        f"[[]checkpoint[]] resume: optimizer.step {SAVED} (28 of 28 tensors differ, first {FIRST}: 6.0 -> 1.0)",
         f"[[]checkpoint[]] resume: optimizer.param_groups {SAVED} (1 of 1 entries differ, first group0)",
-        "[[]checkpoint[]] resumed at step 4 (steps counted from there): loss: first differing step 1 of 4:*"])
+        "[[]checkpoint[]] resumed at step 6 (steps counted from there): loss: first differing step 1 of 2:*"])
     out = result.stdout.str()
     assert f"resume: model {SAVED}" not in out and "resume: model.frozen" not in out and "rng." not in out
     assert reproduced(out) == [1]  # the printed command judges the kept run the same way

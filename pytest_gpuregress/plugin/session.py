@@ -47,7 +47,8 @@ class GpuRegressSession:
         check_ranks(options.faults, self.platform.world_size, rank_origin(self.platform, options.world_size))
         self.setup = Setup(device_kind=self.platform.device_kind, backend=self.platform.backend,
                            world_size=self.platform.world_size, steps=options.steps, faults=options.faults,
-                           options=dict(options.scenario_values), tokens=options.tokens, models=options.models)
+                           options=dict(options.scenario_values), tokens=options.tokens, models=options.models,
+                           replicas=options.replicas)
         self.policy = policy_of(options)
         self.figures: dict[str, Any] = {}  # the current test's key figures, for JUnit properties and HTML extras
         self.outcomes: list[Outcome] = []

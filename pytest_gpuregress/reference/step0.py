@@ -24,6 +24,11 @@ from .record import RunRecord
 
 FULL_PREFIX = "step0_grad/"
 BLOCK_PREFIX = "step0_blocks/"
+STEP0 = (FULL_PREFIX, BLOCK_PREFIX)
+# The same form for the gradients of a resumed run's first step (its checkpoint's step S, late in the run): a
+# continuation from the reference's own state computes them from exactly the state the reference had, so they
+# are judged as step 0's are (scenarios/shared/late_gradients.py).
+LATE = ("late_grad/", "late_blocks/")
 FULL_MAX_ELEMENTS = 1 << 16  # 256 KiB of float32: every tensor of the CPU model stays whole
 BLOCK = 1024  # elements: 4 KiB of float32
 _INDEX, _COUNT, _SUM, _ABS_SUM, _MAX_ABS = range(5)
@@ -67,13 +72,14 @@ def combine(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def shard_arrays(name: str, local: np.ndarray, full_shape: tuple[int, ...], rank: int, world_size: int,
-                 full_max: int = FULL_MAX_ELEMENTS) -> dict[str, np.ndarray]:
-    """What one rank records of its dim-0 shard ``local`` of a gradient shaped ``full_shape``."""
+                 full_max: int = FULL_MAX_ELEMENTS, prefixes: tuple[str, str] = STEP0) -> dict[str, np.ndarray]:
+    """What one rank records of its dim-0 shard ``local`` of a gradient shaped ``full_shape``, under ``prefixes``
+    (whole, blocks)."""
     numel = int(np.prod(full_shape)) if full_shape else 1
     if numel <= full_max:
         # A copy: on the CPU ``local`` may share memory with the live gradient, which clipping scales next.
-        return {FULL_PREFIX + name: np.array(local, copy=True)}
-    return {BLOCK_PREFIX + name: summarize(local, shard_offset(full_shape, rank, world_size), BLOCK)}
+        return {prefixes[0] + name: np.array(local, copy=True)}
+    return {prefixes[1] + name: summarize(local, shard_offset(full_shape, rank, world_size), BLOCK)}
 
 
 def full_max_of(config: dict) -> int:
@@ -89,17 +95,27 @@ def shard_offset(full_shape: tuple[int, ...], rank: int, world_size: int) -> int
     return min(rank * chunk, rows) * per_row
 
 
-def merge_ranks(records: list[RunRecord]) -> dict[str, np.ndarray]:
-    """The full step-0 arrays from every rank's shard arrays, in rank order (dim-0 shards)."""
-    keys = sorted({k for r in records for k in r.arrays if k.startswith((FULL_PREFIX, BLOCK_PREFIX))})
+def merge_ranks(records: list[RunRecord], prefixes: tuple[str, str] = STEP0) -> dict[str, np.ndarray]:
+    """The full arrays under ``prefixes`` from every rank's shard arrays, in rank order (dim-0 shards)."""
+    keys = sorted({k for r in records for k in r.arrays if k.startswith(prefixes)})
     merged: dict[str, np.ndarray] = {}
     for key in keys:
         parts = [r.arrays[key] for r in records if key in r.arrays]
-        if key.startswith(FULL_PREFIX):
+        if key.startswith(prefixes[0]):
             merged[key] = np.concatenate(parts, axis=0)
         else:
             merged[key] = combine(parts)
     return merged
+
+
+def renamed(arrays: dict[str, np.ndarray], source: tuple[str, str], target: tuple[str, str]) -> dict[str, np.ndarray]:
+    """The arrays under ``source`` prefixes, keyed under ``target``'s: late gradients seen as step 0's."""
+    out = {}
+    for key, value in arrays.items():
+        for old, new in zip(source, target):
+            if key.startswith(old):
+                out[new + key.removeprefix(old)] = value
+    return out
 
 
 def names(record: RunRecord) -> list[str]:

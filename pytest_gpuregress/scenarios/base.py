@@ -54,6 +54,7 @@ class Setup:
     options: dict[str, Any] = field(default_factory=dict)
     tokens: Path | None = None  # --gpuregress-tokens: a user's token sample for the training scenarios
     models: tuple[ModelSpec, ...] = ()  # --gpuregress-model: models every training scenario runs besides its own
+    replicas: int = 3  # --gpuregress-replicas: noise replicas of a recording (training/noise.py DEFAULT_REPLICAS)
 
     def option(self, name: str) -> Any:
         """The value of this scenario's ``--gpuregress-<name>`` option (None when unset and no default)."""
@@ -112,6 +113,9 @@ class RankContext:
     watch: dict[str, Any] = field(default_factory=dict)  # --gpuregress-fail-fast: the reference, per step
     stopped: dict[str, Any] | None = None  # the step fail-fast stopped at, and why
     profile: bool = True  # take a kernel inventory of a few steady steps (training/observe.py)
+    # The training step running now (training/loop.py sets it before each one); None outside training. Faults that
+    # start late read it: a continuation from step S runs step S first, with no completed step before it.
+    current_step: int | None = None
 
     @property
     def device(self) -> str:

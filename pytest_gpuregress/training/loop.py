@@ -131,6 +131,7 @@ def train(ctx: Any, parts: TrainStep, steps: Iterable[int], *, observer: StepObs
         ctx.progress(progress)
     curves = Curves()
     for step in steps:
+        ctx.current_step = step  # what a fault that starts late reads (RankContext.current_step)
         with observer.step(step) if observer is not None else nullcontext():
             result = take_step(parts, step, ctx.world_size, ctx.device)
         curves.add(result)

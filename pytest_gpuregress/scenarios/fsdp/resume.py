@@ -7,6 +7,7 @@ recording stack the continuation repeats the reference's last steps bit for bit,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,8 @@ class FsdpTrainer(Optimized):
     optimization: Optimization
     data: Any
 
-    def train(self, ctx: RankContext, steps: range, first_batch: int, progress: str) -> Curves:
+    def train(self, ctx: RankContext, steps: range, first_batch: int, progress: str,
+              inspect: Callable[[int], None] | None = None) -> Curves:
         import torch
 
         from ...training.loop import TrainStep, clip_gradients, train
@@ -40,12 +42,14 @@ class FsdpTrainer(Optimized):
 
         device = torch.device(ctx.device)
         params = self.params
+        perturbation = str(ctx.config.get("perturbation", ""))  # a noise replica of the late gradients (recording)
         step = TrainStep(
-            loss=lambda s: next_token_loss(self.model, rank_tokens(self.data, first_batch + s - steps.start, ctx, "",
-                                                                   device)),
+            loss=lambda s: next_token_loss(self.model, rank_tokens(self.data, first_batch + s - steps.start, ctx,
+                                                                   perturbation, device)),
             optimization=self.optimization,
             clip=lambda: clip_gradients(params, float(ctx.config["grad_clip"])),
             tracked=params,
+            inspect=inspect,
         )
         return train(ctx, step, steps, progress=progress)
 
@@ -60,12 +64,14 @@ def build(ctx: RankContext) -> FsdpTrainer:
     from ...training.data import token_source
     from ...training.fsdp2 import mixed_precision, shard
     from ...training.models import blueprint, build_causal_lm
+    from ...training.noise import apply_kernel_path
     from ...training.shard_units import shard_units
     from ...training.switches import apply_switches
 
     cfg = ctx.config
     model_config = blueprint(cfg)
     model = build_causal_lm(model_config, seed=int(cfg["seed"]))
+    apply_kernel_path(str(cfg.get("perturbation", "")), ctx)  # GPUs; a CPU replica's kernel path is its environment
     apply_switches(cfg, ctx)
     model = model.to(torch.device(ctx.device))
     shard(shard_units(model), mp_policy=mixed_precision(cfg))

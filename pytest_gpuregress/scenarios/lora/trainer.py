@@ -116,10 +116,11 @@ class LoraTrainer(Optimized):
             **extra,
         )
 
-    def train(self, ctx: RankContext, steps: range, first_batch: int, progress: str) -> Curves:
+    def train(self, ctx: RankContext, steps: range, first_batch: int, progress: str,
+              inspect: Callable[[int], None] | None = None) -> Curves:
         from ...training.loop import train
 
-        step = self.step(ctx, lambda s: first_batch + s - steps.start)
+        step = self.step(ctx, lambda s: first_batch + s - steps.start, inspect=inspect)
         return train(ctx, step, steps, progress=progress)
 
     def weights(self) -> dict[str, np.ndarray]:

@@ -25,13 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import NotApplicable
+from ...reference import step0
 from ...reference.judgement import Judgement
 from ...reference.record import RunRecord
 from ...stack.platforms import launched_by_torchrun
 from ...units import human_bytes
 from ..base import Case, Launch, Scenario, Setup
 from ..comparator import Comparator
-from . import resume_verdict
+from . import late_gradients, resume_verdict
+from .late_gradients import LATE_ONLY
 from .resume_roles import FOLDER, RESULT_KEY, ROLE, resume_step
 from .state_pieces import merge_boundaries
 
@@ -65,10 +67,12 @@ def _root(setup: Setup) -> Path:
 
 
 def merge_resume(merged: RunRecord, records: list[RunRecord]) -> RunRecord:
-    """Every rank's generator digests of a resume launch into ``merged`` (the other pieces are rank 0's)."""
+    """Every rank's generator digests of a resume launch into ``merged`` (the other pieces are rank 0's), and its
+    late gradients from every rank's shard."""
     resume = merged.results.get(RESULT_KEY)
     if resume and "boundary" in resume:
         resume["boundary"] = merge_boundaries([r.results[RESULT_KEY]["boundary"] for r in records])
+    merged.arrays.update(step0.merge_ranks(records, step0.LATE))
     return merged
 
 
@@ -120,7 +124,28 @@ class ResumePlan:
         size = folder_bytes(folder)
         record.results[resume_verdict.SAVED_KEY] = {"step": start, "boundary": result["boundary"], "bytes": size}
         record.notes.append(f"resume checkpoint at step {start}: {human_bytes(size)} in {ATTACHMENT}/")
+        self._late_reference(sc, case, record, folder, run, setup)
         return {ATTACHMENT: folder}
+
+    def _late_reference(self, sc: Scenario, case: Case, record: RunRecord, folder: Path, run: Runner,
+                        setup: Setup) -> None:
+        """Into ``record``: the gradients of the checkpoint's step, run from the checkpoint on this stack, and their
+        envelope from the noise replicas, each run the same way under its perturbation (late_gradients.py)."""
+        config = {**record.config, ROLE: "continue", FOLDER: str(folder), LATE_ONLY: True}
+        config.pop("perturbation", None)
+        plain = run(sc, Launch(launch_key("late", case), config, entry=self.entry))
+        late = late_gradients.late_arrays(plain)
+        if not late:
+            record.notes.append("no late gradients recorded: the run from the resume checkpoint kept none")
+            return
+        record.arrays.update(late)
+        replicas = [run(sc, Launch(launch_key(f"late-{r.config['perturbation']}", case), r.config, r.env,
+                                   entry=self.entry))
+                    for r in sc.noise_replicas(Launch("late", config), setup, setup.replicas)]
+        if replicas:
+            record.arrays[late_gradients.ENVELOPE] = late_gradients.spread(plain, replicas)
+        record.notes.append(f"late gradients: step {resume_step(record.config)}'s, from the resume checkpoint, "
+                            f"{len(late)} tensors, with the spread of {len(replicas)} noise replicas")
 
     def continue_from(self, sc: Scenario, case: Case, config: dict[str, Any], reference: Callable[[], RunRecord],
                       run: Runner, setup: Setup) -> RunRecord:

@@ -1,6 +1,6 @@
 """Rank side of a resume from a reference's own checkpoint: the two roles of its launches, for any trainer.
 
-  save      recording: the run's first S = steps // 2 steps, trained as the scenario's rank.py trains them;
+  save      recording: the run's first S = 3/4 of its steps, trained as the scenario's rank.py trains them;
             then the whole training state saved (training/resume_checkpoint.py: DCP in safetensors, JSON)
             into the folder the session named, and its digests per piece (training/state_digests.py). The
             reference keeps both: the folder as ``resume/``, the digests in its results.
@@ -25,20 +25,23 @@ import numpy as np
 from ...reference.record import RunRecord, float_digest
 from ...training.resume_checkpoint import Resumable
 from ..base import RankContext
+from . import late_gradients
+from .late_gradients import LATE_ONLY
 
 if TYPE_CHECKING:
     from ...training.loop import Curves
 
 ROLE = "resume_role"  # session-only config keys: kept out of the record's config
 FOLDER = "resume_folder"
-SESSION_ONLY = (ROLE, FOLDER)
+SESSION_ONLY = (ROLE, FOLDER, LATE_ONLY)
 RESULT_KEY = "resume"  # a resume launch's results: the step, the digests, or why it could not load
 SCRAMBLE_SEED = 876_543_219  # generators before the load: a value no run seeds with
 
 
 def resume_step(config: dict[str, Any]) -> int:
-    """S: the steps the checkpoint has taken; the continuation runs S to the end."""
-    return int(config["steps"]) // 2
+    """S: the steps the checkpoint has taken; the continuation runs S to the end. Late (3/4 of the run: step 225 of
+    300), so the late gradients judged from it see a fault that starts as late as that."""
+    return int(config["steps"]) * 3 // 4
 
 
 def stored(config: dict[str, Any]) -> dict[str, Any]:
@@ -48,8 +51,10 @@ def stored(config: dict[str, Any]) -> dict[str, Any]:
 class ResumableTrainer(Resumable, Protocol):
     """A scenario's trainer at step 0, as its rank.py builds it, that can train a range of steps."""
 
-    def train(self, ctx: RankContext, steps: range, first_batch: int, progress: str) -> Curves:
-        """``steps`` with the shared loop; step s reads batch ``first_batch + (s - steps.start)``."""
+    def train(self, ctx: RankContext, steps: range, first_batch: int, progress: str,
+              inspect: Callable[[int], None] | None = None) -> Curves:
+        """``steps`` with the shared loop; step s reads batch ``first_batch + (s - steps.start)``. ``inspect``:
+        TrainStep's look at each step's gradients."""
         ...
 
     def weights(self) -> dict[str, np.ndarray]:
@@ -92,6 +97,7 @@ class Roles:
     def resume(self, ctx: RankContext) -> RunRecord:
         """Comparing: the reference's checkpoint loaded on this stack, then steps S to the end."""
         from ...training import dcp_safetensors, resume_checkpoint, rng_state, state_digests
+        from ...training.noise import perturb_weights
 
         unavailable = dcp_safetensors.unavailable()
         if unavailable:
@@ -108,9 +114,15 @@ class Roles:
         start, position = int(meta["step"]), int(meta["data_position"])
         boundary = state_digests.boundary(trainer, position, ctx.device_kind, ctx.rank)  # what step S is about to see
         state_digests.as_saved(boundary, trainer, meta["param_groups"], meta["scheduler"])
-        curves = trainer.train(ctx, range(start, int(ctx.config["steps"])), position, "resumed training")
+        late_only = bool(ctx.config.get(LATE_ONLY))
+        if late_only:  # a noise replica of the late gradients: its perturbation on the state it loaded
+            perturb_weights(trainer.params, str(ctx.config.get("perturbation", "")), str(ctx.config["dtype"]))
+        keep, late = late_gradients.capture(list(trainer.names), trainer.params, ctx, start)
+        end = start + 1 if late_only else int(ctx.config["steps"])
+        curves = trainer.train(ctx, range(start, end), position, "resumed training", inspect=keep)
+        results = {"step": start, "boundary": boundary, "saved_with_torch": meta.get("torch")}
+        if late_only:
+            return self._record(ctx, results, arrays=late)
         digests = {name: float_digest(values) for name, values in trainer.weights().items()}
-        return self._record(ctx, {"step": start, "boundary": boundary, "saved_with_torch": meta.get("torch")},
-                            series=curves.series(),
-                            param_names=list(trainer.names),
-                            arrays={"param_grad_norm": curves.param_norms(len(trainer.names))}, digests=digests)
+        return self._record(ctx, results, series=curves.series(), param_names=list(trainer.names),
+                            arrays={"param_grad_norm": curves.param_norms(len(trainer.names)), **late}, digests=digests)

@@ -6,6 +6,9 @@ Two questions, in this order:
                against the digests the reference took when it saved: a checkpoint is a copy, so every
                piece must be equal on every stack. A piece that differs is named (``optimizer.exp_avg``,
                ``rng.numpy``, ...), as the checkpoint scenario's resume case names it.
+  the gradients of step S, the continuation's first, against the reference's (late_gradients.py): computed
+               from exactly the reference's state, so judged element by element as step 0's are
+               (``late_grad``), where the reference recorded them.
   the curve    the continuation, steps S to the end, against the reference's own steps S to the end
                (reference/continuation.py): bitwise in the exact lane (the recording stack), within the
                reference's envelope in the tolerant lane (another stack).
@@ -20,6 +23,7 @@ from ...reference.compare import Comparison, Finding, choose_lane, compare_train
 from ...reference.continuation import from_step
 from ...reference.record import RunRecord
 from ...stack import fingerprint as fp
+from . import late_gradients
 from .state_pieces import differing
 
 SAVED_KEY = "resume_checkpoint"  # the reference's results: the step, the digests of the state saved, its size
@@ -48,6 +52,9 @@ def continuation_reference(reference: RunRecord) -> RunRecord:
     if not saved or reference.results.get(CONTINUES_FROM) is not None:
         return reference
     view = from_step(reference, int(saved["step"]))
+    view.arrays.update(late_gradients.late_arrays(reference))
+    if late_gradients.ENVELOPE in reference.arrays:
+        view.arrays[late_gradients.ENVELOPE] = reference.arrays[late_gradients.ENVELOPE]
     view.results = {SAVED_KEY: saved, CONTINUES_FROM: int(saved["step"])}
     return view
 
@@ -65,12 +72,25 @@ def compare(reference: RunRecord, run: RunRecord, lane: str) -> Comparison:
     broken = load_findings(saved, loaded)
     if loaded.get("load_error"):
         return Comparison(chosen, reason, broken, fp.diff(reference.fingerprint, run.fingerprint))
-    comparison = compare_training(reference, run, lane=lane)
-    comparison.margins.pop("step0_grad", None)  # a continuation has no step 0
+    # Step S's gradients in step 0's place: a continuation has no step 0, and they are judged as step 0's are.
+    comparison = compare_training(late_gradients.as_step0(reference), late_gradients.as_step0(run), lane=lane)
     start = int(saved["step"])
+    late_margin = comparison.margins.pop("step0_grad", None)
+    if late_gradients.has_late(reference):
+        comparison.margins = {late_gradients.METRIC: late_margin or 0.0, **comparison.margins}
     for finding in comparison.findings:
-        finding.message = f"resumed at step {start} (steps counted from there): {finding.message}"
+        if finding.metric == "step0_grad":
+            finding.metric, finding.step = late_gradients.METRIC, start
+            finding.message = finding.message.replace(
+                "step0_grad ", f"{late_gradients.METRIC} (step {start}'s gradients, from the reference's state) ", 1)
+        else:
+            finding.message = f"resumed at step {start} (steps counted from there): {finding.message}"
         if broken:  # the state the continuation started from was wrong: what follows is the load's doing
             finding.component = COMPONENT
+    if broken:  # one tensor's gradients say the load moved them; the other tensors' say the same again
+        late = [f for f in comparison.findings if f.metric == late_gradients.METRIC]
+        comparison.findings = [f for f in comparison.findings if f.metric != late_gradients.METRIC or f is late[0]]
+        if len(late) > 1:
+            late[0].message += f" (and {len(late) - 1} more tensors)"
     comparison.findings[:0] = broken
     return comparison

@@ -1,0 +1,106 @@
+"""The gradients of a late step, judged as step 0's are: what catches a small fault that starts late.
+
+After step 0 a training record keeps norms only, and in the tolerant lane the envelope of a late step
+already holds the chaotic drift of hundreds of steps: one element off by 1e-5 from step 200 hides there.
+A resume case continues from the reference's own checkpoint (step S, late in the run), so its first step
+computes its gradients from exactly the state the reference had at step S. Those gradients are compared
+element by element, as step 0's: sharp, with no drift to hide in.
+
+  recording  after the resume checkpoint is saved, one ``late`` launch loads it and runs step S (the
+             reference's gradients), and one per noise replica does the same under the replica's
+             perturbation (the perturbation applied after the load). Their spread per tensor is the
+             late gradients' envelope (``envelope/late_grad``).
+  comparing  the continuation records its first step's gradients; the verdict judges them against the
+             reference's with the step-0 comparison (``as_step0``), and names them ``late_grad``.
+
+Arrays use step-0's form under their own prefixes (reference/step0.py ``LATE``): whole tensors when
+small, block sums when large, each rank its own FSDP2 shard. Torch is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from ...reference import step0
+from ...reference.envelope import PREFIX as ENVELOPE_PREFIX
+from ...reference.envelope import NoisyReplica, step0_deviation
+from ...reference.record import RunRecord
+
+LATE_ONLY = "resume_late_only"  # session-only config key: the launch runs the checkpoint's step only
+ENVELOPE = ENVELOPE_PREFIX + "late_grad"
+METRIC = "late_grad"
+
+
+# --- on the ranks ----------------------------------------------------------------------------------
+
+
+def capture(names: list[str], params: list[Any], ctx: Any, step: int) -> tuple[Callable[[int], None],
+                                                                                dict[str, np.ndarray]]:
+    """A TrainStep ``inspect`` hook that keeps the gradients of ``step`` (after backward, before clipping), and the
+    dict it fills: this rank's shard of a sharded (FSDP2) gradient, rank 0's whole tensor of a replicated one."""
+    arrays: dict[str, np.ndarray] = {}
+    full_max = step0.full_max_of(ctx.config)
+
+    def keep(current: int) -> None:
+        if current != step:
+            return
+        for name, param in zip(names, params):
+            arrays.update(_rank_arrays(name, param, ctx, full_max))
+
+    return keep, arrays
+
+
+def _rank_arrays(name: str, param: Any, ctx: Any, full_max: int) -> dict[str, np.ndarray]:
+    import torch
+
+    grad = param.grad
+    if hasattr(param, "to_local"):  # a DTensor shard on dim 0: merged across ranks by merge()
+        local = grad.to_local() if grad is not None else torch.zeros_like(param.to_local())
+        return step0.shard_arrays(name, local.float().cpu().numpy(), tuple(param.shape), ctx.rank, ctx.world_size,
+                                  full_max, step0.LATE)
+    if ctx.rank != 0:  # replicated (DDP): every rank holds the same reduced gradient
+        return {}
+    whole = grad if grad is not None else torch.zeros_like(param)
+    return step0.shard_arrays(name, whole.detach().float().cpu().numpy(), tuple(param.shape), 0, 1, full_max,
+                              step0.LATE)
+
+
+# --- session side ----------------------------------------------------------------------------------
+
+
+def as_step0(record: RunRecord) -> RunRecord:
+    """``record`` with its late gradients (and their envelope) in step 0's place, for the step-0 comparison."""
+    arrays = {k: v for k, v in record.arrays.items() if not k.startswith(step0.STEP0)}
+    arrays.update(step0.renamed(record.arrays, step0.LATE, step0.STEP0))
+    if ENVELOPE in record.arrays:
+        arrays[ENVELOPE_PREFIX + "step0_grad"] = record.arrays[ENVELOPE]
+    return replace(record, arrays=arrays)
+
+
+def late_arrays(record: RunRecord) -> dict[str, np.ndarray]:
+    return {k: v for k, v in record.arrays.items() if k.startswith(step0.LATE)}
+
+
+def spread(reference: RunRecord, replicas: list[RunRecord]) -> np.ndarray:
+    """Per tensor (in step0.names order), the largest deviation any replica's late gradients reached from the
+    reference's, in the step-0 comparison's measure."""
+    base = as_step0(reference)
+    names = step0.names(base)
+    out = np.zeros(len(names))
+    for replica in replicas:
+        seen = as_step0(replica)
+        for i, name in enumerate(names):
+            deviation = step0_deviation(seen, base, name)
+            if deviation is None or not np.isfinite(deviation).all():
+                raise NoisyReplica(f"noise replica {replica.config.get('perturbation', '?')!r} gave late gradients "
+                                   f"of {name} that are missing, reshaped or not finite")
+            out[i] = max(out[i], float(deviation.max()) if deviation.size else 0.0)
+    return out
+
+
+def has_late(record: RunRecord) -> bool:
+    return any(k.startswith(step0.LATE) for k in record.arrays)

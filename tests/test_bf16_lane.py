@@ -1,5 +1,6 @@
-"""The CPU's bf16 lane (#35 item 3): fsdp-bf16 trains with bf16 parameters over fp32 master weights and reduce-scatters
-its gradients in bf16, so a conversion or reduction that rounds wrongly fails on every machine, named.
+"""The CPU's bf16 lane (#35 item 3): fsdp-bf16 trains with bf16 parameters over fp32 master weights, reduce-scatters
+its gradients in bf16 and writes its trained weights as a bf16 checkpoint it reads back through the stack's loaders,
+so a conversion or reduction that rounds wrongly, or a loader that takes bf16 for fp16, fails on every machine, named.
 
 The fault of each: ``cast:mode=truncate_bf16`` (fp32 -> bf16 casts cut toward zero: a conversion kernel, [kernel])
 and ``collective:mode=truncate_bf16`` (a bf16 AVG reduce-scatter cut toward zero: [collective]). Before the lane
@@ -14,8 +15,10 @@ from types import SimpleNamespace
 import pytest
 
 from pytest_gpuregress import faults
-from pytest_gpuregress.scenarios.base import Setup
+from pytest_gpuregress.reference.record import RunRecord
+from pytest_gpuregress.scenarios.base import Case, Setup
 from pytest_gpuregress.scenarios.fsdp import BF16_STEPS, SCENARIO
+from pytest_gpuregress.training import bf16_checkpoint
 from pytest_gpuregress.training.fsdp2 import mixed_precision, reduce_dtype_of
 from pytest_gpuregress.training.shard_units import reduce_scatter_bytes
 
@@ -79,6 +82,37 @@ def test_a_truncating_cast_cuts_fp32_to_bf16_toward_zero_and_nothing_else() -> N
     assert values.to(torch.bfloat16).float().tolist() == [1.0078125, -1.0078125, 3.0]  # uninstalled
 
 
+def test_the_bf16_checkpoint_comes_back_bit_for_bit_through_every_reader(tmp_path: Path) -> None:
+    import torch
+
+    weights = {"w": torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), "b": torch.tensor([1.0 + 2**-9])}
+    result = bf16_checkpoint.round_trip(weights, tmp_path)
+    assert result["problems"] == [] and result["paths"] == list(bf16_checkpoint.PATHS) and result["tensors"] == 2
+    assert bf16_checkpoint.findings(result) == []
+
+
+def test_a_loader_that_hands_bf16_back_as_fp16_is_named_for_its_path_only(tmp_path: Path) -> None:
+    import torch
+
+    ctx = _ctx()
+    (installed,) = faults.install_counted(["format:mode=loader_bf16_as_fp16,path=safetensors"], ctx)
+    try:
+        result = bf16_checkpoint.round_trip({"w": torch.ones(2, 3)}, tmp_path)
+    finally:
+        for undo in reversed(ctx.cleanup_hooks):
+            undo()
+    assert result["problems"] == ["safetensors: w came back as torch.float16, written as torch.bfloat16"]
+    assert installed.count == 1
+    record = RunRecord(scenario="fsdp", config={"dtype": "bf16", "bf16_checkpoint": True}, platform_key="",
+                       world_size=2, results={bf16_checkpoint.RESULT_KEY: result})
+    lane = Case("bf16", launch="bf16")
+    assert SCENARIO.verdict(lane, record, _setup("cpu")) == [
+        "[checkpoint] bf16 checkpoint of the trained weights (1 tensors) through safetensors: w came back as "
+        "torch.float16, written as torch.bfloat16"]
+    record.results.pop(bf16_checkpoint.RESULT_KEY)
+    assert "did not run" in SCENARIO.verdict(lane, record, _setup("cpu"))[0]  # asked for and missing: not a pass
+
+
 @pytest.fixture(scope="module")
 def bf16_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bf16 lane's reference at 8 steps, recorded through the real command line."""
@@ -105,3 +139,9 @@ def test_the_bf16_lane_passes_clean_and_names_a_wrong_cast_and_a_wrong_bf16_redu
     reduce.assert_outcomes(failed=1)
     reduce.stdout.fnmatch_lines(["[[]collective[]] step0_grad *",
                                  "*first difference: c10d::_reduce_scatter_base_ in * bf16[[]*] -> bf16*"])
+
+    loader = _compare(pytester, bf16_reference, "--gpuregress-inject=format:mode=loader_bf16_as_fp16")
+    loader.assert_outcomes(failed=1)
+    loader.stdout.fnmatch_lines(["*[[]checkpoint[]] bf16 checkpoint of the trained weights (* tensors) through "
+                                 "safetensors: * came back as torch.float16, written as torch.bfloat16*"])
+    assert "through torch_load" in loader.stdout.str() and "through safe_open" in loader.stdout.str()

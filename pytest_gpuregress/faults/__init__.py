@@ -169,10 +169,11 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                                 "saturating cast gives NaN/inf on overflow, and the reverse; mx_scale_off_by_one: "
                                 "the MX shared exponent is off by `by`; loader_fn_as_fnuz: the stack's own "
                                 "checkpoint loader (of `path`, default all) hands e4m3fn tensors back as e4m3fnuz; "
-                                "loader_e5m2_as_e4m3fn: it hands e5m2 tensors back as e4m3fn",
+                                "loader_e5m2_as_e4m3fn: it hands e5m2 tensors back as e4m3fn; loader_bf16_as_fp16: "
+                                "it hands bf16 tensors back as fp16 (the bf16 lane's checkpoint)",
                       ("fn_as_fnuz", "keep_0x80", "fnuz_max_448", "flip_overflow", "mx_scale_off_by_one",
-                       "loader_fn_as_fnuz", "loader_e5m2_as_e4m3fn")),
-        "path": Param("choice", "loader_fn_as_fnuz, loader_e5m2_as_e4m3fn: the stack's I/O path whose loader "
+                       "loader_fn_as_fnuz", "loader_e5m2_as_e4m3fn", "loader_bf16_as_fp16")),
+        "path": Param("choice", "the loader modes: the stack's I/O path whose loader "
                                 "misreads (default every one)",
                       ("safetensors", "safe_open", "torch_load", "dcp", "transformers")),
         "format": Param("choice", "the format flip_overflow changes (default e4m3fn)",

@@ -112,7 +112,7 @@ def _mx_off(exponent: Callable[..., Any], spec: FaultSpec, firing: Firing) -> Ca
     return off
 
 
-LOADER_MODES = ("loader_fn_as_fnuz", "loader_e5m2_as_e4m3fn")  # faults/loaders.py MODES
+LOADER_MODES = ("loader_fn_as_fnuz", "loader_e5m2_as_e4m3fn", "loader_bf16_as_fp16")  # faults/loaders.py MODES
 # mode -> (the device function it intercepts: fault point formats.<function>, the wrapper)
 PATCHES: dict[str, tuple[str, Wrapper]] = {
     "fn_as_fnuz": ("decode", _read_fn_as_fnuz),

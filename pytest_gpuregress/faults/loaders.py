@@ -2,7 +2,7 @@
 
 This is the NVIDIA-checkpoint-on-MI300 bug (docs/faults.md section 2) where it really sits: in the
 library that loads the file, not in the formats scenario's code. The loader modes of fault kind
-``format`` (MODES: ``loader_fn_as_fnuz``, ``loader_e5m2_as_e4m3fn``) wrap, for each chosen ``path`` of
+``format`` (MODES: ``loader_fn_as_fnuz``, ``loader_e5m2_as_e4m3fn``, ``loader_bf16_as_fp16``) wrap, for each chosen ``path`` of
 the formats scenario's io cases:
   safetensors    safetensors.torch.load_file
   safe_open      safetensors.safe_open (get_tensor and get_slice of the handle it opens)
@@ -27,6 +27,7 @@ from .firing import Firing
 MODES: dict[str, tuple[str, str]] = {
     "loader_fn_as_fnuz": ("float8_e4m3fn", "float8_e4m3fnuz"),  # an NVIDIA checkpoint read on MI300
     "loader_e5m2_as_e4m3fn": ("float8_e5m2", "float8_e4m3fn"),  # one fp8 tag taken for the other
+    "loader_bf16_as_fp16": ("bfloat16", "float16"),  # BF16 taken for F16: the two 16-bit floats confused
 }
 
 

@@ -66,6 +66,9 @@ REACH: dict[str, tuple[str, ...]] = {
     "format": ("formats",),
     "format:loader_fn_as_fnuz": ("formats",),  # only the io cases its loader serves: LOADER_CASES
     "format:loader_e5m2_as_e4m3fn": ("formats",),  # likewise, but never io-transformers: NO_E5M2_CASES
+    # The formats io cases carry fp8 and fp4 tensors only; the bf16 lane reads its bf16 weights back through three
+    # of the loaders (training/bf16_checkpoint.py).
+    "format:loader_bf16_as_fp16": ("fsdp-bf16",),
     "lora": ("lora-fully_shard", "lora-accelerate"),
     "lora:rank0_slice": ("lora-fully_shard", "lora-accelerate"),
     # The resume cases load their reference's checkpoint through the same points (training/state_apply.py,

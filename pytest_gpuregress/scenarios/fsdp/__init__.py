@@ -38,7 +38,7 @@ TRAINING: dict[str, Any] = {**COMMON, "adamw": "fused"}
 # every machine. GPUs train in bf16 already (their default lane), with fp32 reduction.
 # 100 steps: bf16 rounds on every step, and the lane keeps the main job within its time.
 BF16_LANE = "bf16"
-BF16: dict[str, Any] = {"dtype": "bf16", "reduce_dtype": "bf16"}
+BF16: dict[str, Any] = {"dtype": "bf16", "reduce_dtype": "bf16", "bf16_checkpoint": True}  # training/bf16_checkpoint.py
 BF16_STEPS = 100
 
 
@@ -94,6 +94,17 @@ class FsdpScenario(Scenario):
         if not is_resume(case):
             return None
         return RESUME.continue_from(self, case, self.default_config(setup), reference, run, setup)
+
+    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
+        """The bf16 lane's checkpoint round trip (training/bf16_checkpoint.py); nothing for the other cases."""
+        from ...training import bf16_checkpoint
+
+        if not record.config.get(bf16_checkpoint.CONFIG_KEY) or record.results.get(resume_verdict.LOADED_KEY):
+            return []
+        result = record.results.get(bf16_checkpoint.RESULT_KEY)
+        if result is None:  # asked for, so it must have run: one that did not cannot have passed
+            return ["[checkpoint] bf16 checkpoint of the trained weights: the round trip did not run"]
+        return bf16_checkpoint.findings(result)
 
     def triage_explains(self, case: Case) -> bool:
         return not is_resume(case)  # triage reruns step 0, which a continuation never ran

@@ -14,6 +14,7 @@ import numpy as np
 
 from ...reference import step0 as step0_arrays
 from ...reference.record import RunRecord, float_digest
+from ...training import bf16_checkpoint
 from ...training.observe import StepObserver
 from ...training.optimizer import AdamWSettings, Optimization, Schedule, adamw
 from ..base import RankContext
@@ -88,9 +89,10 @@ def run(ctx: RankContext) -> RunRecord:
         except (RuntimeError, ValueError, LookupError) as exc:
             results["expert_load_error"] = f"{type(exc).__name__}: {exc}"
     traced = stored_trace(step.op_trace, results)  # step 0's op trace (training/op_trace.py)
-    digests = {}
-    for name, p in zip(names, params):
-        digests[name] = float_digest(p.detach().full_tensor().float().cpu().numpy())
+    whole = {name: p.detach().full_tensor() for name, p in zip(names, params)}  # collective: every rank gathers
+    digests = {name: float_digest(w.float().cpu().numpy()) for name, w in whole.items()}
+    if cfg.get(bf16_checkpoint.CONFIG_KEY) and ctx.rank == 0:  # the bf16 lane: its weights through the stack's I/O
+        results[bf16_checkpoint.RESULT_KEY] = bf16_checkpoint.round_trip(whole, ctx.run_dir / "bf16-checkpoint")
     return RunRecord(
         scenario="fsdp",
         config=dict(cfg),

@@ -5,8 +5,8 @@ Pure AST over pytest_gpuregress/**/*.py: nothing of the package is imported, so 
 Counted for the layer rule: every import statement of a module, wherever it stands: at the top, inside a
 function (the usual way to hide an arrow back up) and under ``if TYPE_CHECKING:`` (a type named from a
 higher layer is still a dependency on that layer; moving the type down is the fix).
-Counted for circles: the imports that run, at the top and inside functions. A TYPE_CHECKING import never
-executes, and two modules of one layer may name each other's types.
+Counted for circles: every import too, TYPE_CHECKING ones included: two modules that name each other's
+types are one concern split in two, or share a piece that belongs in a module of its own.
 Not counted: that importing ``a.b`` first runs ``a/__init__.py`` (Python's doing, not an arrow), and
 entry strings (``"package.module:function"``) that the scenario registry and the launcher resolve at run
 time, as they do a plug-in's.
@@ -161,13 +161,12 @@ def upward(found: Iterable[Import], modules: Mapping[str, tuple[str, bool]]) -> 
 
 
 def circles(found: Iterable[Import]) -> list[str]:
-    """Each group of modules that import each other round in a circle (through imports that run), with its arrows."""
+    """Each group of modules that import each other round in a circle (TYPE_CHECKING imports too), with its arrows."""
     edges: dict[str, set[str]] = {}
     lines: dict[tuple[str, str], Import] = {}
     for imp in found:
-        if imp.runs:
-            edges.setdefault(imp.importer, set()).add(imp.imported)
-            lines.setdefault((imp.importer, imp.imported), imp)
+        edges.setdefault(imp.importer, set()).add(imp.imported)
+        lines.setdefault((imp.importer, imp.imported), imp)
     problems = []
     for group in _strongly_connected(edges):
         arrows = sorted(str(lines[(a, b)]) for a in group for b in edges.get(a, ()) if b in group)
@@ -279,14 +278,17 @@ def test_one_scenario_folder_importing_another_is_reported() -> None:
     assert "scenario folder lora depends on scenario folder fsdp" in problems[1]
 
 
-def test_a_circle_is_reported_through_function_level_imports_but_not_through_type_checking() -> None:
+def test_a_circle_is_reported_through_function_level_imports_and_through_type_checking() -> None:
     modules = _tree(init="", training__init="",
                     training__models="def build():\n    from .factory import FactoryModel\n",
                     training__factory="from .models import seed_parameters\n",
                     training__data="from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .token_file import T\n",
                     training__token_file="from .data import rank_slice\n")
     problems = circles(imports(modules))
-    assert problems == [f"circle of {ROOT}.training.factory, {ROOT}.training.models: "
+    assert problems == [f"circle of {ROOT}.training.data, {ROOT}.training.token_file: "
+                        f"{ROOT}.training.data:3 imports {ROOT}.training.token_file (TYPE_CHECKING); "
+                        f"{ROOT}.training.token_file:1 imports {ROOT}.training.data",
+                        f"circle of {ROOT}.training.factory, {ROOT}.training.models: "
                         f"{ROOT}.training.factory:1 imports {ROOT}.training.models; "
                         f"{ROOT}.training.models:2 imports {ROOT}.training.factory"], problems
 

@@ -24,7 +24,7 @@ from ..errors import BadFaultSpec
 from ..fault_spec import FaultSpec
 
 if TYPE_CHECKING:
-    from .firing import Firing
+    from .fired import Firing
 
 COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 REDUCE_OPS = ("sum", "avg", "max", "min", "premul_sum")

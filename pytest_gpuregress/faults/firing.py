@@ -11,24 +11,12 @@ Torch-free: the session imports it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from . import KINDS, FaultSpec, parse
+from .fired import Firing
 
 RESULT_KEY = "faults_fired"
-
-
-@dataclass
-class Firing:
-    """One installed spec on one rank, and how often it acted. ``counted`` False: it cannot be counted."""
-
-    spec: str
-    count: int = 0
-    counted: bool = True
-
-    def fire(self, times: int = 1) -> None:
-        self.count += times
 
 
 def rank_counts(firings: Iterable[Firing]) -> dict[str, int]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..stack import fingerprint as fp
 from . import kernels, perf
-from .judgement import JudgingPolicy
+from .policy import JudgingPolicy
 from .record import RunRecord
 
 

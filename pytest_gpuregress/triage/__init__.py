@@ -191,6 +191,19 @@ def first_moved_evidence(comparison: Comparison | None) -> Experiment | None:
 def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tuple[str | None, str]:
     """(component, the one-line verdict with its evidence). The component is None when the experiments
     convict nothing and cannot clear step 0: then the findings keep the heuristic's components."""
+    by_name = _evidence(comparison, experiments)
+    component = _convicted(experiments, by_name)
+    if component is None and comparison is not None and comparison.findings:
+        component = _from_the_findings(comparison, experiments, by_name)
+    evidence = "; ".join(f"{e.name} {e.status}: {e.detail}" for e in by_name.values())
+    named = component or "inconclusive (the experiments neither convict nor clear a component; the findings keep " \
+                         "the heuristic's guess)"
+    return component, f"triage verdict: {named}. Evidence: {evidence}"
+
+
+def _evidence(comparison: Comparison | None, experiments: list[Experiment]) -> dict[str, Experiment]:
+    """The experiments by name, with what the comparison itself shows: the kernels that changed since the
+    reference, and the first op of step 0 that moved."""
     by_name = {e.name: e for e in experiments}
     changed = comparison.kernel_changes if comparison is not None else None
     if changed:
@@ -199,48 +212,49 @@ def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tup
     moved = first_moved_evidence(comparison)
     if moved is not None:
         by_name[moved.name] = moved
+    return by_name
+
+
+def _convicted(experiments: list[Experiment], by_name: dict[str, Experiment]) -> str | None:
+    """The component an experiment convicts; the oracle first: it judges a run no collective touched."""
     oracle_result = by_name.get("oracle")
-    component: str | None
     if oracle_result is not None and oracle_result.convicts:
-        component = "kernel"  # the oracle judges a run no collective touched: it outranks equivalence
-    elif any(e.convicts and e.component for e in experiments):
-        component = next(e.component for e in experiments if e.convicts and e.component)
-    elif comparison is not None and comparison.findings:
-        first = min((f.step for f in comparison.findings if f.step is not None), default=None)
-        cleared = all(by_name[n].status == "clean" for n in ("equivalence", "oracle") if n in by_name)
-        late = cleared and len(experiments) >= 2 and first is not None and first > 0
-        # A step's gradients moved while its loss (the same weights) matched: the update is not the cause.
-        gradients = late and gradients_moved_first(comparison.findings, comparison.lane)
-        if late:
-            by_name["divergence"] = Experiment("divergence", "starts", f"step 0 matches the reference; the first "
-                                                                     f"difference is at step {first}")
-        # The op that first gave another answer, its inputs equal, convicts where its effect is what failed: a
-        # forward or backward op when step 0 already differs, an optimizer op (its update shows from step 1).
-        if moved is not None and moved.convicts and (first == 0 or moved.component == "optimizer"):
-            component = moved.component
-        elif moved is not None and moved.convicts:
-            # Step 0 is within the tolerance: that op's drift is the legitimate kind the envelope allows (another
-            # kernel path), not what failed later; it is shown, and convicts nothing.
-            by_name[moved.name] = Experiment(moved.name, "drifts within the tolerance at step 0", moved.detail)
-            if gradients:
-                by_name["divergence"] = _gradients_first(by_name["divergence"])
-            component = "optimizer" if late and not gradients else "kernel" if changed and not late else None
-        elif late:
-            # step 0 matches the reference and both experiments are clean: the weights a step started from were
-            # wrong, so the update went wrong; unless its gradients moved first, which clears the update
-            if gradients:
-                by_name["divergence"] = _gradients_first(by_name["divergence"])
-            component = None if gradients else "optimizer"
-        elif changed:  # nothing convicted or cleared, but the kernels did change: the likeliest cause
-            component = "kernel"
-        else:
-            component = None
-    else:
-        component = None
-    evidence = "; ".join(f"{e.name} {e.status}: {e.detail}" for e in by_name.values())
-    named = component or "inconclusive (the experiments neither convict nor clear a component; the findings keep " \
-                         "the heuristic's guess)"
-    return component, f"triage verdict: {named}. Evidence: {evidence}"
+        return "kernel"
+    return next((e.component for e in experiments if e.convicts and e.component), None)
+
+
+def _from_the_findings(comparison: Comparison, experiments: list[Experiment],
+                       by_name: dict[str, Experiment]) -> str | None:
+    """No experiment convicts: the component the findings' first step, the first moved op and the kernel changes
+    point at together, or None (inconclusive). Adds the divergence evidence to ``by_name``."""
+    changed = bool(comparison.kernel_changes)
+    moved = by_name.get("first moved op")
+    first = min((f.step for f in comparison.findings if f.step is not None), default=None)
+    cleared = all(by_name[n].status == "clean" for n in ("equivalence", "oracle") if n in by_name)
+    late = cleared and len(experiments) >= 2 and first is not None and first > 0
+    # A step's gradients moved while its loss (the same weights) matched: the update is not the cause.
+    gradients = late and gradients_moved_first(comparison.findings, comparison.lane)
+    if late:
+        by_name["divergence"] = Experiment("divergence", "starts", f"step 0 matches the reference; the first "
+                                                                 f"difference is at step {first}")
+    # The op that first gave another answer, its inputs equal, convicts where its effect is what failed: a
+    # forward or backward op when step 0 already differs, an optimizer op (its update shows from step 1).
+    if moved is not None and moved.convicts and (first == 0 or moved.component == "optimizer"):
+        return moved.component
+    if moved is not None and moved.convicts:
+        # Step 0 is within the tolerance: that op's drift is the legitimate kind the envelope allows (another
+        # kernel path), not what failed later; it is shown, and convicts nothing.
+        by_name[moved.name] = Experiment(moved.name, "drifts within the tolerance at step 0", moved.detail)
+        if gradients:
+            by_name["divergence"] = _gradients_first(by_name["divergence"])
+        return "optimizer" if late and not gradients else "kernel" if changed and not late else None
+    if late:
+        # step 0 matches the reference and both experiments are clean: the weights a step started from were
+        # wrong, so the update went wrong; unless its gradients moved first, which clears the update
+        if gradients:
+            by_name["divergence"] = _gradients_first(by_name["divergence"])
+        return None if gradients else "optimizer"
+    return "kernel" if changed else None  # nothing convicted or cleared; changed kernels are the likeliest cause
 
 
 def _gradients_first(divergence: Experiment) -> Experiment:

@@ -126,3 +126,15 @@ def test_initial_weights_are_pinned() -> None:
         digest.update(name.encode())
         digest.update(param.detach().float().numpy().tobytes())
     assert digest.hexdigest() == WEIGHTS_SHA256
+
+
+def test_the_gpu_size_parameter_count_the_checkpoint_sizes_quote_is_the_gpu_models() -> None:
+    """fsdp's and lora's resume plans say what their GPU checkpoints weigh from this one number."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pytest_gpuregress.training.models import TINY_LLAMA_GPU_PARAMETERS, load_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config("tiny-llama", "gpu"))
+    assert sum(p.numel() for p in model.parameters()) == TINY_LLAMA_GPU_PARAMETERS

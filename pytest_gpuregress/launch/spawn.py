@@ -235,12 +235,22 @@ class SpawnLauncher:
         return LaunchResult(records=records, outcomes=outcomes, notes=notes, wall_s=wall)
 
     def _watch(self, job: Job, group: RankGroup, deadline: float) -> tuple[list[RankOutcome], list[str]]:
-        procs = group.procs
-        run_dir = Path(job.run_dir)
-        files = [RankFiles(run_dir, r) for r in range(job.world_size)]
+        """Wait for the ranks, then say what became of each: delivered, raised, hung, stopped or died."""
+        files = [RankFiles(Path(job.run_dir), r) for r in range(job.world_size)]
+        timed_out = self._wait(job, group.procs, files, deadline)
+        if timed_out and torch_trace.queues_work(job.backend):
+            self._request_dumps(job, group.procs, files)
+        _ask_for_stacks(group.procs, files)
+        notes: list[str] = []
+        outcomes = [_outcome(rank, proc, f, group, timed_out, notes)
+                    for rank, (proc, f) in enumerate(zip(group.procs, files))]
+        return outcomes, notes
+
+    def _wait(self, job: Job, procs: list[subprocess.Popen[bytes]], files: list[RankFiles], deadline: float) -> bool:
+        """Until every rank is done (exited or released), a rank failed without delivering (after a grace), every
+        rank delivered (after the teardown grace), or the deadline; True at the deadline. Shows progress."""
         first_failure: float | None = None
         all_delivered_at: float | None = None
-        timed_out = False
         shown, next_show = None, time.monotonic() + PROGRESS_EVERY_S
         while True:
             now = time.monotonic()
@@ -249,55 +259,18 @@ class SpawnLauncher:
             codes = [p.poll() for p in procs]
             delivered = [f.done.exists() for f in files]
             if all(c is not None or f.released.exists() for c, f in zip(codes, files)):
-                break
+                return False
             if any(c not in (None, 0) and not d for c, d in zip(codes, delivered)):
                 first_failure = first_failure or now
                 if now - first_failure > FAILURE_GRACE_S:
-                    break
+                    return False
             if all(delivered):
                 all_delivered_at = all_delivered_at or now
                 if now - all_delivered_at > TEARDOWN_GRACE_S:
-                    break
+                    return False
             if now > deadline:
-                timed_out = True
-                break
+                return True
             time.sleep(POLL_S)
-        if timed_out and torch_trace.queues_work(job.backend):
-            self._request_dumps(job, procs, files)
-        # Ask ranks that are still working for their Python stacks before they are killed.
-        pending = [p for p, f in zip(procs, files) if p.poll() is None and not f.done.exists()]
-        for proc in pending:
-            try:
-                os.kill(proc.pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-        if pending:
-            time.sleep(1.0)
-        outcomes: list[RankOutcome] = []
-        notes: list[str] = []
-        for rank, (proc, f) in enumerate(zip(procs, files)):
-            code = proc.poll()
-            outcome = RankOutcome(rank=rank, status="", returncode=code, last_progress=f.last_progress())
-            if f.done.exists():
-                outcome.status = "delivered"
-                if code is None and not f.released.exists():
-                    notes.append(f"rank {rank} delivered its results but had not finished teardown; killed")
-                elif code not in (None, 0):
-                    notes.append(
-                        f"rank {rank} delivered its results, then exited with "
-                        f"{outcome.signal_name or code} during teardown (ignored)"
-                    )
-            elif f.error.exists():
-                outcome.status = "raised"
-                outcome.error = json.loads(f.error.read_text())
-            elif code is None:
-                outcome.status = "hung" if timed_out else "stopped"
-                outcome.stack = f.stack.read_text(errors="replace") if f.stack.exists() else None
-            else:
-                outcome.status = "died"
-            outcome.log_tail = _tail(f.log) or _tail(group.startup_log(rank))
-            outcomes.append(outcome)
-        return outcomes, notes
 
     def _request_dumps(self, job: Job, procs: list[subprocess.Popen[bytes]], files: list[RankFiles]) -> None:
         """NCCL/RCCL at the limit: the ranks dump torch's flight recorder before the kill (its watchdog counts
@@ -340,3 +313,39 @@ class SpawnLauncher:
         order = {"raised": 0, "died": 1, "hung": 2, "stopped": 3}
         body = "\n\n".join(o.describe() for o in sorted(failed, key=lambda o: (order[o.status], o.rank)))
         return f"{head}\nlogs: {job.run_dir}\n\n{body}"
+
+
+def _ask_for_stacks(procs: list[subprocess.Popen[bytes]], files: list[RankFiles]) -> None:
+    """Ask ranks that are still working for their Python stacks before they are killed."""
+    pending = [p for p, f in zip(procs, files) if p.poll() is None and not f.done.exists()]
+    for proc in pending:
+        try:
+            os.kill(proc.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    if pending:
+        time.sleep(1.0)
+
+
+def _outcome(rank: int, proc: subprocess.Popen[bytes], files: RankFiles, group: RankGroup, timed_out: bool,
+             notes: list[str]) -> RankOutcome:
+    """What became of one rank, from its files and exit code; a note where it misbehaved after delivering."""
+    code = proc.poll()
+    outcome = RankOutcome(rank=rank, status="", returncode=code, last_progress=files.last_progress())
+    if files.done.exists():
+        outcome.status = "delivered"
+        if code is None and not files.released.exists():
+            notes.append(f"rank {rank} delivered its results but had not finished teardown; killed")
+        elif code not in (None, 0):
+            notes.append(f"rank {rank} delivered its results, then exited with {outcome.signal_name or code} during "
+                         "teardown (ignored)")
+    elif files.error.exists():
+        outcome.status = "raised"
+        outcome.error = json.loads(files.error.read_text())
+    elif code is None:
+        outcome.status = "hung" if timed_out else "stopped"
+        outcome.stack = files.stack.read_text(errors="replace") if files.stack.exists() else None
+    else:
+        outcome.status = "died"
+    outcome.log_tail = _tail(files.log) or _tail(group.startup_log(rank))
+    return outcome

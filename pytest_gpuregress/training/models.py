@@ -21,6 +21,9 @@ from .layers import decoder_layers as decoder_layers
 from .seeding import seed_parameters
 from .seeding import seeded_normal as seeded_normal
 
+# The tiny Llama at GPU size (models/tiny-llama/gpu): what its checkpoints weigh is said before any is built.
+TINY_LLAMA_GPU_PARAMETERS = 155_730_944
+
 
 def config_path(name: str, size: str) -> Path:
     """The config file of model ``name`` at ``size`` (cpu or gpu): a shipped model's, or ``name`` itself when

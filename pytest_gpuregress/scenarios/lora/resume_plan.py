@@ -6,11 +6,12 @@ fsdp-resume's (shared/resume_plan.py); the rank side is resume.py. torch-free.
 
 from __future__ import annotations
 
+from ...training.models import TINY_LLAMA_GPU_PARAMETERS
 from ..base import Case
 from ..shared.resume_plan import PART, ResumePlan
 
 ENTRY = "pytest_gpuregress.scenarios.lora.resume:run"
-GPU_MODEL_PARAMETERS = 155_730_944  # the tiny Llama at GPU size (models/tiny-llama/gpu), frozen in fp32
+GPU_MODEL_PARAMETERS = TINY_LLAMA_GPU_PARAMETERS  # frozen in fp32
 GPU_ADAPTER_PARAMETERS = 1_163_264  # r 8 on its 7 projections in 8 layers: 8 x (in + out) per projection
 GPU_BYTES = 4 * GPU_MODEL_PARAMETERS + 12 * GPU_ADAPTER_PARAMETERS  # the adapter with AdamW's two moments
 

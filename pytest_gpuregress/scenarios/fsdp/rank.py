@@ -31,7 +31,7 @@ def run(ctx: RankContext) -> RunRecord:
     from ...training.moe import is_moe, mean_expert_load
     from ...training.noise import apply_kernel_path, apply_weight_perturbation
     from ...training.op_trace import for_rank as op_tracer
-    from ...training.op_trace import stored as stored_trace
+    from ...training.run_record import training_record
     from ...training.shard_units import RESULT_KEY, describe_units, shard_units
     from ...training.step import rank_tokens, step_loss
     from ...training.switches import apply_switches
@@ -80,28 +80,15 @@ def run(ctx: RankContext) -> RunRecord:
     curves = train(ctx, step, range(steps), observer=observer, progress="training")
 
     observer.finish(ctx.world_size)
-    results = observer.results()
-    results[RESULT_KEY] = unit_table
+    results: dict[str, object] = {RESULT_KEY: unit_table}
     if is_moe(model_config):  # how evenly the trained routers spread step 0's tokens, averaged over ranks
         try:  # a diagnostic: a transformers release whose routers it cannot find must not lose the verdict
             # every rank gets here, or every rank raised above: the same model on each
             results["expert_load"] = mean_expert_load(model, rank_tokens(data, 0, ctx, "", device)[:, :-1], device).cpu().tolist()
         except (RuntimeError, ValueError, LookupError) as exc:
             results["expert_load_error"] = f"{type(exc).__name__}: {exc}"
-    traced = stored_trace(step.op_trace, results)  # step 0's op trace (training/op_trace.py)
     whole = {name: p.detach().full_tensor() for name, p in zip(names, params)}  # collective: every rank gathers
     digests = {name: float_digest(w.float().cpu().numpy()) for name, w in whole.items()}
     if cfg.get(bf16_checkpoint.CONFIG_KEY) and ctx.rank == 0:  # the bf16 lane: its weights through the stack's I/O
         results[bf16_checkpoint.RESULT_KEY] = bf16_checkpoint.round_trip(whole, ctx.run_dir / "bf16-checkpoint")
-    return RunRecord(
-        scenario="fsdp",
-        config=dict(cfg),
-        platform_key="",  # set by the plugin, which knows the platform
-        world_size=ctx.world_size,
-        series=curves.series(),
-        param_names=names,
-        arrays={"param_grad_norm": curves.param_norms(len(params)), **step0, **traced},
-        digests=digests,
-        results=results,
-        timings=observer.timings(),
-    )
+    return training_record("fsdp", ctx, step, curves, observer, names, step0, digests, results)

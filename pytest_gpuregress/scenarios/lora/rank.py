@@ -33,7 +33,7 @@ def run(ctx: RankContext) -> RunRecord:
     from ...training.data import MarkovTokens
     from ...training.loop import train
     from ...training.op_trace import for_rank as op_tracer
-    from ...training.op_trace import stored as stored_trace
+    from ...training.run_record import training_record
 
     cfg = ctx.config
     built = trainer.adapted(ctx)
@@ -93,21 +93,8 @@ def run(ctx: RankContext) -> RunRecord:
                                                 batch)
 
     digests = {name: float_digest(values) for name, values in trained.items()}
-    results = {"lora_checks": findings, "lora_checks_run": sorted(checks.CHECKS), "lora_measured": measured,
-               **observer.results()}
-    traced = stored_trace(step.op_trace, results)  # step 0's op trace (training/op_trace.py)
-    return RunRecord(
-        scenario="lora",
-        config=dict(cfg),
-        platform_key="",
-        world_size=ctx.world_size,
-        series=curves.series(),
-        param_names=names,
-        arrays={"param_grad_norm": curves.param_norms(len(params)), **step0, **traced},
-        digests=digests,
-        results=results,
-        timings=observer.timings(),
-    )
+    results = {"lora_checks": findings, "lora_checks_run": sorted(checks.CHECKS), "lora_measured": measured}
+    return training_record("lora", ctx, step, curves, observer, names, step0, digests, results)
 
 
 def _roundtrip(lane: lanes.Lane, state: dict[str, Any], trained: dict[str, np.ndarray], trained_logits: np.ndarray,

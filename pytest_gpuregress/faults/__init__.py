@@ -99,6 +99,7 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                                 "all-reduce or reduce-scatter rounds toward zero instead of to nearest even",
                       ("nudge", "zero_tail", "zeros", "stale_chunk", "truncate_bf16")),
         "rel": Param("number", "relative size of a nudge (default 1e-3)"),
+        "add": Param("number", "a nudge adds this to the element instead (an absolute error, e.g. 1e-5)"),
         "count": Param("int", "elements zeroed by zero_tail (default 8)", minimum=1),
         "chunk": Param("int", "which chunk stale_chunk restores (default -1, the last)"),
         "pieces": Param("int", "chunks a single-tensor output is cut into for stale_chunk (default 2)", minimum=2),

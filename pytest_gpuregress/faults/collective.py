@@ -158,7 +158,9 @@ class CollectiveFault:
             flat[-self.spec.get("count", 8) :] = 0
         else:  # nudge one element in the middle, where neither head nor tail checks would look first
             i = flat.numel() // 2
-            if flat.is_floating_point():
+            if flat.is_floating_point() and self.spec.get("add") is not None:  # off by an absolute amount
+                flat[i] = (flat[i].to(torch.float64) + self.spec.get("add")).to(flat.dtype)
+            elif flat.is_floating_point():
                 rel = self.spec.get("rel", 1e-3)
                 value = flat[i].to(torch.float64)
                 flat[i] = (value * (1 + rel) if value != 0 else torch.tensor(rel, dtype=torch.float64)).to(flat.dtype)

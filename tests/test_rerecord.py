@@ -61,7 +61,7 @@ def test_re_recording_is_refused_for_a_worse_stack_and_accepted_for_a_clean_othe
         import os
 
         cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-record",
-               f"--gpuregress-reference-dir={refs}", "--gpuregress-steps=4", "-k", "fsdp and not triage and not resume", *extra]
+               f"--gpuregress-reference-dir={refs}", "--gpuregress-steps=4", "-k", "fsdp and not triage and not resume and not bf16", *extra]
         return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900,
                               env={**os.environ, **(env or {})})
 

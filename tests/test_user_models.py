@@ -38,7 +38,7 @@ def test_a_model_gets_its_own_cases_in_every_training_scenario(pytester: pytest.
         assert f"test_scenario[{test_id}]" in out
     assert "test_scenario[fsdp]" in out  # the built-in model keeps its ids and references
     selected = collect(pytester, "-k", "tiny-qwen2 and fsdp and not triage").stdout.str()
-    assert "test_scenario[fsdp-tiny-qwen2]" in selected and "1/1999 tests collected" in selected  # 1985 built-in + 14 of the model
+    assert "test_scenario[fsdp-tiny-qwen2]" in selected and "1/2000 tests collected" in selected  # 1986 built-in + 14 of the model
 
 
 @pytest.mark.parametrize(("config", "says"), [

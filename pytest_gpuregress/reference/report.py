@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..components import tag
 from ..stack.fingerprint import describe_change
 from . import model_layout
 from .compare import Comparison, Finding
@@ -48,7 +49,7 @@ def format_drift(comparison: Comparison) -> str | None:
 
 
 def format_finding(finding: Finding) -> list[str]:
-    lines = [f"[{finding.component}] {finding.message}"]
+    lines = [f"{tag(finding.component)} {finding.message}"]
     if finding.worst:
         label = "rel diff" if finding.metric != "step0_grad" else "|d|/max|r|"
         lines += ["    worst entries:", *format_table(finding.worst, label)]

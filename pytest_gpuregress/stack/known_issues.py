@@ -29,6 +29,7 @@ from typing import Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from ..components import COMPONENTS
 from ..errors import BadKnownIssues
 from .fingerprint import _ENV_IGNORED, _ENV_PREFIXES, NUMERICS_FIELDS, Fingerprint
 
@@ -40,7 +41,6 @@ else:  # pragma: no cover - pytest itself depends on tomli below 3.11
 SHIPPED_FILE = "known_issues.toml"
 HEADER_PREFIX = "gpuregress KNOWN ISSUE"
 
-COMPONENTS = ("collective", "kernel", "optimizer", "checkpoint", "format", "driver", "firmware", "compiler", "runtime")
 REQUIRED_KEYS = ("id", "component", "affects", "symptom", "workaround", "source")
 OPTIONAL_KEYS = ("hardware",)
 _TEXT_KEYS = ("id", "component", "symptom", "workaround", "source", "hardware")

@@ -139,7 +139,7 @@ class FormatsScenario(CheckScenario):
         else:
             findings = judge.quantized_findings(key, reference, record, chosen)
         # A reference recorded from a run that failed its own checks must not vouch for anything.
-        findings += [Finding("reference", "reference", f"the reference itself fails: {p}")
+        findings += [Finding("reference", "format", f"the reference itself fails: {p}")
                      for p in judge.stale_reference(part, key, reference)]
         return Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, record.fingerprint))
 

@@ -98,7 +98,7 @@ def test_a_dropout_model_passes_fsdp_lora_and_triage_clean_and_a_collective_faul
                               cwd=tmp_path, capture_output=True, text=True, timeout=900)
 
     clean = run()
-    # fsdp, both lora lanes, and triage's equivalence (2 ranks against 1) and oracle (float64) for the model
+    # fsdp, both lora wrappers, and triage's equivalence (2 ranks against 1) and oracle (float64) for the model
     assert clean.returncode == 0, clean.stdout[-3000:]
     assert "5 passed" in clean.stdout and "gpuregress dropout (tiny-gpt2): switched off for training" in clean.stdout
     faulted = run("--gpuregress-inject=collective:op=reduce_scatter,mode=nudge,rel=1e-3", "--gpuregress-triage")

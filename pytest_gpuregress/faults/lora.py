@@ -3,8 +3,8 @@
 Each mode intercepts one fault point the scenario's rank-side code marks (fault_points.py), and undoes
 it through ``ctx.cleanup_hooks``:
   grad_leak     lora.wrap leaves one base weight trainable (a peft change that unfreezes it)
-  rank0_slice   each rank's local shard saved as the whole adapter (accelerate PR #4206): in the fully_shard
-                lane through lora.gather_for_save, in the accelerate lane inside accelerate's own
+  rank0_slice   each rank's local shard saved as the whole adapter (accelerate PR #4206): under fully_shard
+                through lora.gather_for_save, under accelerate inside accelerate's own
                 Accelerator.get_state_dict (the stack's function, wrapped), where it fires only on a sharded
                 model (FSDP2 on GPUs; on a CPU accelerate runs DDP, which holds whole tensors, so the fault
                 cannot fire there and the case fails saying so)

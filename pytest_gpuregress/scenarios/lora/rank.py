@@ -17,7 +17,7 @@ import numpy as np
 from ...reference.record import RunRecord, float_digest
 from ...training.observe import StepObserver
 from ..base import RankContext
-from . import adapter_io, checks, dropout_check, lanes, merging, trainer
+from . import adapter_io, checks, dropout_check, merging, trainer, wrappers
 from .trainer import build_base  # the round trip, the merge and the dropout check rebuild the base
 
 FIXED_BATCH_ROWS = 2  # sequences in the batch whose logits the round trip and the merge compare
@@ -43,9 +43,9 @@ def run(ctx: RankContext) -> RunRecord:
     ctx.progress("model built")
 
     lora = trainer.distribute(ctx, built)
-    lane = lora.lane
+    wrapped = lora.wrapped
     device = torch.device(ctx.device)
-    named = dict(lane.peft_model.named_parameters())
+    named = dict(wrapped.peft_model.named_parameters())
     names, params = lora.names, lora.tracked
     step0: dict[str, np.ndarray] = {}
     leaked: dict[str, int] = {}
@@ -61,9 +61,9 @@ def run(ctx: RankContext) -> RunRecord:
     step = lora.step(
         ctx,
         inspect=inspect_gradients,
-        # Module paths as peft names them (base_model.model.model.layers.0...); in the accelerate lane on the CPU
+        # Module paths as peft names them (base_model.model.model.layers.0...); under accelerate on the CPU
         # the collectives are DDP's (c10d::broadcast_, c10d::allreduce_ per bucket).
-        op_trace=op_tracer(ctx, lane.peft_model),
+        op_trace=op_tracer(ctx, wrapped.peft_model),
     )
     steps = int(cfg["steps"])
     observer = StepObserver(ctx, steps, tokens_per_step=int(cfg["global_batch"]) * int(cfg["seq_len"]))
@@ -79,12 +79,12 @@ def run(ctx: RankContext) -> RunRecord:
                                           global_batch=FIXED_BATCH_ROWS, seed=int(cfg["data_seed"]) + 1)
                              .global_batch_at(0)[:, :-1]).to(device)
     with torch.no_grad():
-        trained_logits = adapter_io.to_numpy(lane.model(input_ids=batch).logits.float())
-    state = lane.state_dict_for_save()  # collective: every rank takes part
+        trained_logits = adapter_io.to_numpy(wrapped.model(input_ids=batch).logits.float())
+    state = wrapped.state_dict_for_save()  # collective: every rank takes part
     measured: dict[str, float] = {}
     if ctx.rank == 0:
         compute_dtype = torch.bfloat16 if cfg["dtype"] == "bf16" else torch.float32
-        findings += _roundtrip(lane, state, trained, trained_logits, cfg, model_config, perturbation, batch,
+        findings += _roundtrip(wrapped, state, trained, trained_logits, cfg, model_config, perturbation, batch,
                                compute_dtype, ctx.world_size)
         merge_findings, measured = merging.check_merge(build_base(cfg, model_config, perturbation), trained, cfg,
                                                        batch, compute_dtype)
@@ -97,7 +97,7 @@ def run(ctx: RankContext) -> RunRecord:
     return training_record("lora", ctx, step, curves, observer, names, step0, digests, results)
 
 
-def _roundtrip(lane: lanes.Lane, state: dict[str, Any], trained: dict[str, np.ndarray], trained_logits: np.ndarray,
+def _roundtrip(wrapped: wrappers.Wrapped, state: dict[str, Any], trained: dict[str, np.ndarray], trained_logits: np.ndarray,
                cfg: dict[str, Any], model_config: Any, perturbation: str, batch: Any, compute_dtype: Any,
                world_size: int) -> list[checks.Finding]:
     """Rank 0: save with save_pretrained, check the file, reload into a fresh base model, check tensors and logits."""
@@ -106,7 +106,7 @@ def _roundtrip(lane: lanes.Lane, state: dict[str, Any], trained: dict[str, np.nd
     findings: list[checks.Finding] = []
     with tempfile.TemporaryDirectory(prefix="gpuregress-lora-") as folder:
         try:
-            adapter_io.write_adapter(lane.peft_model, state, folder)
+            adapter_io.write_adapter(wrapped.peft_model, state, folder)
         except Exception as exc:  # noqa: BLE001 - a failing save is a finding, not a crash
             return [checks.finding("adapter-roundtrip", f"save_pretrained failed: {type(exc).__name__}: {exc}")]
         findings += checks.check_saved(adapter_io.read_saved(folder), trained, world_size)

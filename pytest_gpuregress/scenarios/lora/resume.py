@@ -1,5 +1,5 @@
 """The lora scenario's resume from its reference, on one rank: the save and continue roles
-(shared/resume_roles.py) over the trainer rank.py trains (trainer.py), in the case's lane.
+(shared/resume_roles.py) over the trainer rank.py trains (trainer.py), under the case's wrapper.
 
 The checkpoint is what DCP's ``get_state_dict`` gives of the PeftModel (the frozen base weights and the
 adapter) and of the torch AdamW under accelerate's wrapper, with the schedule, the generators and the data

@@ -3,7 +3,7 @@ roles (resume.py), so a continuation trains exactly what the reference trained.
 
   adapted     the base model (a noise replica's perturbation applied) with the LoRA adapter on it, not yet
               distributed: what the LoRA checks read before training
-  distribute  that peft model in its lane (lanes.py), AdamW and the schedule, the data: a ``LoraTrainer``
+  distribute  that peft model in its distribution wrapper (wrappers.py), AdamW and the schedule, the data: a ``LoraTrainer``
 Torch is imported inside the functions: only the ranks call them.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from ...training.optimizer import Optimization, Optimized, Schedule
 from ..base import RankContext
-from . import adapter, adapter_io, checks, lanes
+from . import adapter, adapter_io, checks, wrappers
 
 if TYPE_CHECKING:
     from ...training.loop import Curves, TrainStep
@@ -60,23 +60,23 @@ def adapted(ctx: RankContext) -> Adapted:
 
 @dataclass
 class LoraTrainer(Optimized):
-    """The peft model in its lane, the adapter's parameters by name, AdamW and the schedule, and the data (the
+    """The peft model in its wrapper, the adapter's parameters by name, AdamW and the schedule, and the data (the
     batch of step s is batch s)."""
 
-    lane: lanes.Lane
+    wrapped: wrappers.Wrapped
     names: list[str]  # the adapter's parameters, as the record names them
-    optimization: Optimization  # over the optimizer the lane hands out (accelerate's wrapper there)
+    optimization: Optimization  # over the optimizer the wrapper hands out (accelerate's own there)
     data: Any
     perturbation: str
 
     @property
     def model(self) -> Any:
         """The PeftModel: what DCP's state dicts read and fill (through a DDP wrapper they would read the same)."""
-        return self.lane.peft_model
+        return self.wrapped.peft_model
 
     @property
     def optimizer(self) -> Any:
-        return self.lane.torch_optimizer  # DCP initialises and fills a torch optimizer, not accelerate's wrapper
+        return self.wrapped.torch_optimizer  # DCP initialises and fills a torch optimizer, not accelerate's wrapper
 
     @property
     def params(self) -> list[Any]:
@@ -88,12 +88,12 @@ class LoraTrainer(Optimized):
     def frozen(self) -> list[tuple[str, Any]]:
         """The base weights by name: saved and loaded with the adapter, never trained (state_digests.boundary)."""
         adapter = set(self.names)
-        return [(n, p) for n, p in self.lane.peft_model.named_parameters() if n not in adapter]
+        return [(n, p) for n, p in self.wrapped.peft_model.named_parameters() if n not in adapter]
 
     @property
     def tracked(self) -> list[Any]:
         """The adapter's parameters in ``names``' order: the ones whose gradient norms the record keeps."""
-        named = dict(self.lane.peft_model.named_parameters())
+        named = dict(self.wrapped.peft_model.named_parameters())
         return [named[n] for n in self.names]
 
     def step(self, ctx: RankContext, batch_of: Callable[[int], int] = int, **extra: Any) -> TrainStep:
@@ -104,14 +104,14 @@ class LoraTrainer(Optimized):
         from ...training.step import next_token_loss, rank_tokens
 
         device = torch.device(ctx.device)
-        lane = self.lane
+        wrapped = self.wrapped
         return TrainStep(
-            loss=lambda s: next_token_loss(lane.model, rank_tokens(self.data, batch_of(s), ctx, self.perturbation,
+            loss=lambda s: next_token_loss(wrapped.model, rank_tokens(self.data, batch_of(s), ctx, self.perturbation,
                                                                    device)),
-            # The scheduler is ours in both lanes, over the optimizer the lane hands out.
+            # The scheduler is ours under both wrappers, over the optimizer the wrapper hands out.
             optimization=self.optimization,
-            clip=lambda: lane.clip(float(ctx.config["grad_clip"])),
-            backward=lane.backward,
+            clip=lambda: wrapped.clip(float(ctx.config["grad_clip"])),
+            backward=wrapped.backward,
             tracked=self.tracked,  # the adapters only; the optimizer and the clipping take whatever requires a gradient
             **extra,
         )
@@ -128,13 +128,13 @@ class LoraTrainer(Optimized):
 
 
 def distribute(ctx: RankContext, model: Adapted) -> LoraTrainer:
-    """``model`` in the lane of the config's wrapper, with its optimizer, schedule and data."""
+    """``model`` in the config's wrapper, with its optimizer, schedule and data."""
     from ...training.data import token_source
 
     cfg = ctx.config
-    lane = lanes.build(model.peft_model, cfg, ctx.device_kind, ctx.world_size)
-    names = [n for n, _ in lane.peft_model.named_parameters() if checks.is_adapter(n)]
-    return LoraTrainer(lane, names, Optimization.of(lane.optimizer, Schedule.from_config(cfg)),
+    wrapped = wrappers.build(model.peft_model, cfg, ctx.device_kind, ctx.world_size)
+    names = [n for n, _ in wrapped.peft_model.named_parameters() if checks.is_adapter(n)]
+    return LoraTrainer(wrapped, names, Optimization.of(wrapped.optimizer, Schedule.from_config(cfg)),
                        token_source(cfg, model.model_config.vocab_size), model.perturbation)
 
 

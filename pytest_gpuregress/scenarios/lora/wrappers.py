@@ -2,7 +2,7 @@
 
 fsdp2       ``fully_shard`` on every decoder layer and the root, directly (torch's FSDP2).
 accelerate  ``Accelerator.prepare``, as the HF Trainer and TRL do: on GPUs with accelerate's FSDP2
-            plugin; on the CPU accelerate offers DDP only, so that is what this lane runs there.
+            plugin; on the CPU accelerate offers DDP only, so that is what this wrapper runs there.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from . import adapter_io
 
 
 @dataclass
-class Lane:
+class Wrapped:
+    """The peft model under one distribution wrapper (fully_shard, or accelerate): what training calls and steps."""
+
     model: Any  # what training calls: the sharded peft model, or accelerate's wrapper
     peft_model: Any  # the PeftModel itself (for save_pretrained and per-parameter access)
-    optimizer: Any  # what training steps: accelerate's AcceleratedOptimizer in its lane
+    optimizer: Any  # what training steps: accelerate's AcceleratedOptimizer under accelerate
     accelerator: Any = None
 
     @property
@@ -43,7 +45,7 @@ class Lane:
         return float(adapter_io.full_tensor(self.accelerator.clip_grad_norm_(params, max_norm)).double())
 
     def state_dict_for_save(self) -> dict[str, Any]:
-        """The full state dict the way this lane's users get it (collective; may be empty off rank 0)."""
+        """The full state dict the way this wrapper's users get it (collective; may be empty off rank 0)."""
         if self.accelerator is not None:
             return self.accelerator.get_state_dict(self.model)
         return adapter_io.gather_for_save(self.peft_model)
@@ -54,14 +56,14 @@ def _trainable(model: Any) -> list[Any]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def fsdp2(peft_model: Any, cfg: dict[str, Any], device: Any) -> Lane:
+def fsdp2(peft_model: Any, cfg: dict[str, Any], device: Any) -> Wrapped:
     peft_model = peft_model.to(device)
     # Each decoder layer of the wrapped model, then the peft model as the root.
     shard(shard_units(peft_model), mp_policy=mixed_precision(cfg))
-    return Lane(peft_model, peft_model, adamw(_trainable(peft_model), AdamWSettings.from_config(cfg)))
+    return Wrapped(peft_model, peft_model, adamw(_trainable(peft_model), AdamWSettings.from_config(cfg)))
 
 
-def accelerate(peft_model: Any, cfg: dict[str, Any], device_kind: str, world_size: int) -> Lane:
+def accelerate(peft_model: Any, cfg: dict[str, Any], device_kind: str, world_size: int) -> Wrapped:
     from accelerate import Accelerator
 
     # Our launcher made the process group already; accelerate reads the topology from the environment
@@ -87,10 +89,10 @@ def accelerate(peft_model: Any, cfg: dict[str, Any], device_kind: str, world_siz
     optimizer = adamw(_trainable(peft_model), AdamWSettings.from_config(cfg))
     # The scheduler stays ours: accelerate's wrapper would step it once per process per optimizer step.
     model, optimizer = accelerator.prepare(peft_model, optimizer)
-    return Lane(model, accelerator.unwrap_model(model), optimizer, accelerator=accelerator)
+    return Wrapped(model, accelerator.unwrap_model(model), optimizer, accelerator=accelerator)
 
 
-def build(peft_model: Any, cfg: dict[str, Any], device_kind: str, world_size: int) -> Lane:
+def build(peft_model: Any, cfg: dict[str, Any], device_kind: str, world_size: int) -> Wrapped:
     import torch
 
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if device_kind == "cuda" else "cpu")

@@ -19,7 +19,7 @@ from pytest_gpuregress.scenarios import registry
 from pytest_gpuregress.scenarios.base import Launch, Setup
 from pytest_gpuregress.scenarios.comparator import comparator_of
 from pytest_gpuregress.scenarios.fsdp import resume_plan
-from pytest_gpuregress.scenarios.shared import resume_verdict
+from pytest_gpuregress.scenarios.shared import late_gradients, resume_verdict
 
 from .conftest import make_record
 
@@ -168,3 +168,45 @@ def test_a_piece_the_reference_never_digested_is_not_judged_and_one_it_did_must_
     with_frozen = {**saved, "model.frozen": {"base": "2"}}
     assert [p for p, _ in differing(with_frozen, {"model": {"a": "1"}, "model.frozen": {"base": "3"}})] == ["model.frozen"]
     assert [p for p, _ in differing(with_frozen, {"model": {"a": "1"}})] == ["model.frozen"]  # a piece not loaded
+
+
+def _with_late_gradients(ref: RunRecord) -> tuple[RunRecord, RunRecord]:
+    """``ref`` with the late gradients of step START and their envelope, and a faithful continuation that has them."""
+    rng = np.random.default_rng(0)
+    late = {"late_grad/a.weight": rng.normal(size=(16, 8)).astype(np.float32),
+            "late_grad/b.weight": rng.normal(size=(8,)).astype(np.float32)}
+    ref.arrays.update(late)
+    ref.arrays[late_gradients.ENVELOPE] = np.full(2, 1e-7)
+    run = continuation(ref)
+    run.arrays.update({k: v.copy() for k, v in late.items()})
+    return ref, run
+
+
+def test_late_gradients_equal_pass_and_one_element_off_is_a_collective_named_at_the_checkpoints_step() -> None:
+    ref, run = _with_late_gradients(reference())
+    clean = resume_verdict.compare(ref, run, "tolerant")
+    assert clean.passed and "late_grad" in clean.margins and "step0_grad" not in clean.margins
+    run.arrays["late_grad/a.weight"][3, 5] += 1e-4  # one element of one tensor, as a corrupted reduce-scatter leaves it
+    broken = resume_verdict.compare(ref, run, "tolerant")
+    (finding,) = broken.findings
+    assert (finding.metric, finding.component, finding.step, finding.tensor) == ("late_grad", "collective", START,
+                                                                                 "a.weight")
+    assert finding.message.startswith(f"late_grad (step {START}'s gradients, from the reference's state) a.weight "
+                                      "[16, 8] = 128 elements: 1 elements differ")
+
+
+def test_late_gradients_that_move_everywhere_are_a_kernel_and_a_reference_without_them_judges_the_curve_only() -> None:
+    ref, run = _with_late_gradients(reference())
+    run.arrays["late_grad/a.weight"] *= np.float32(1 + 1e-3)
+    (finding,) = resume_verdict.compare(ref, run, "tolerant").findings
+    assert (finding.metric, finding.component) == ("late_grad", "kernel")
+    older = reference()  # recorded before late gradients: no late_grad margin, no finding from them
+    assert "late_grad" not in resume_verdict.compare(older, continuation(older), "tolerant").margins
+
+
+def test_a_late_replicas_spread_is_measured_as_step_0s_is() -> None:
+    ref, run = _with_late_gradients(reference())
+    run.arrays["late_grad/b.weight"][0] += np.float32(0.5)
+    spread = late_gradients.spread(ref, [run])
+    scale = float(np.abs(ref.arrays["late_grad/b.weight"]).max())
+    assert spread[0] == 0.0 and spread[1] == pytest.approx(0.5 / scale, rel=1e-6)  # names in step0.names order

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import FSDP_ONLY
+
 USER_TESTS = """
 import sys
 import pytest
@@ -152,7 +154,7 @@ def test_gpuregress_under_xdist_stops_with_the_fix_and_runs_with_n_0(pytester: p
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
     refused.stderr.fnmatch_lines(["*--gpuregress cannot run under pytest-xdist (-n 2): *Add -n 0 to the command line*"])
     allowed = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpuregress", "--collect-only", "-q",
-                                            "-n", "0", "-k", "fsdp and not triage and not resume and not bf16")
+                                            "-n", "0", "-k", FSDP_ONLY)
     assert allowed.ret == pytest.ExitCode.OK
     allowed.stdout.fnmatch_lines(["*test_scenario[[]fsdp[]]*"])
     plain = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", "-q")  # no flag: untouched

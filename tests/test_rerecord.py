@@ -15,7 +15,7 @@ import pytest
 from pytest_gpuregress.reference import oracle_distance
 from pytest_gpuregress.reference.record import RunRecord
 
-from .conftest import make_record
+from .conftest import FSDP_ONLY, make_record
 
 
 def _with_distances(**per_tensor: float) -> RunRecord:
@@ -61,7 +61,7 @@ def test_re_recording_is_refused_for_a_worse_stack_and_accepted_for_a_clean_othe
         import os
 
         cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-record",
-               f"--gpuregress-reference-dir={refs}", "--gpuregress-steps=4", "-k", "fsdp and not triage and not resume and not bf16", *extra]
+               f"--gpuregress-reference-dir={refs}", "--gpuregress-steps=4", "-k", FSDP_ONLY, *extra]
         return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900,
                               env={**os.environ, **(env or {})})
 

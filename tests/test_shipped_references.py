@@ -21,6 +21,8 @@ import pytest
 from pytest_gpuregress.reference.atomic import sha256_file, write_json
 from pytest_gpuregress.resources import shipped_dir
 
+from .conftest import FSDP_ONLY
+
 pytestmark = [pytest.mark.slow, pytest.mark.full_tier, pytest.mark.cpu_sensitive]
 
 SHIPPED = shipped_dir("reference_runs")
@@ -58,7 +60,7 @@ def test_an_upgrade_with_kernel_drift_compares_in_the_tolerant_lane_passes_and_n
 ) -> None:
     # An upgrade usually brings legitimate kernel drift too: every linear layer x (1 +- 1e-7).
     junit = tmp_path / "junit.xml"
-    done = gpuregress(tmp_path, f"--gpuregress-reference-dir={upgraded_refs}", "-k", "fsdp and not triage and not resume and not bf16",
+    done = gpuregress(tmp_path, f"--gpuregress-reference-dir={upgraded_refs}", "-k", FSDP_ONLY,
                       "--gpuregress-inject=linear_noise:rel=1e-7", f"--junitxml={junit}")
     assert done.returncode == 0, done.stdout[-4000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("fsdp cpu-gloo-w2-fp32:"))
@@ -74,7 +76,7 @@ def test_an_upgrade_with_kernel_drift_compares_in_the_tolerant_lane_passes_and_n
 
 def test_a_reduce_scatter_error_of_1e_4_still_fails_after_the_upgrade(upgraded_refs: Path, tmp_path: Path) -> None:
     fault = "collective:op=reduce_scatter,max_bytes=200000,mode=nudge,rel=1e-4"
-    done = gpuregress(tmp_path, f"--gpuregress-reference-dir={upgraded_refs}", "-k", "fsdp and not triage and not resume and not bf16",
+    done = gpuregress(tmp_path, f"--gpuregress-reference-dir={upgraded_refs}", "-k", FSDP_ONLY,
                       f"--gpuregress-inject={fault}")
     assert done.returncode == 1, done.stdout[-4000:]
     out = done.stdout
@@ -84,7 +86,7 @@ def test_a_reduce_scatter_error_of_1e_4_still_fails_after_the_upgrade(upgraded_r
 
 def test_a_small_lr_change_fails_the_tolerant_lane_at_once(tmp_path: Path) -> None:
     # With --gpuregress-fail-fast the run stops where the loss first leaves the shipped envelope.
-    done = gpuregress(tmp_path, "-k", "fsdp and not triage and not resume and not bf16", "--gpuregress-lane=tolerant", "--gpuregress-fail-fast",
+    done = gpuregress(tmp_path, "-k", FSDP_ONLY, "--gpuregress-lane=tolerant", "--gpuregress-fail-fast",
                       "--gpuregress-inject=lr_scale:factor=1.001")
     assert done.returncode == 1, done.stdout[-4000:]
     assert "fail-fast: stopped at step " in done.stdout

@@ -13,7 +13,7 @@ from pytest_gpuregress.errors import BadTokens
 from pytest_gpuregress.training.data import MarkovTokens, rank_slice, token_source
 from pytest_gpuregress.training.token_file import TokenFileBatches, describe, load_tokens
 
-from .conftest import record_references
+from .conftest import FSDP_ONLY, record_references
 
 
 def save_npy(path: Path, values: np.ndarray) -> Path:
@@ -104,7 +104,7 @@ def test_a_token_file_feeds_the_users_model_and_records_its_reference_and_a_bad_
         tmp_path: Path, pytester: pytest.Pytester) -> None:
     tokens = save_npy(tmp_path / "traffic.npy", (np.arange(50_000) * 7919 % 251).astype(np.int32))
     model = ("--gpuregress-model=tiny-llama-tied",)  # a model of the user's, by the zoo's name
-    selection = ("-k", "fsdp and not triage and not resume and not bf16", "--gpuregress-steps=4", "--gpuregress-replicas=0", *model)
+    selection = ("-k", FSDP_ONLY, "--gpuregress-steps=4", "--gpuregress-replicas=0", *model)
     refs = record_references(tmp_path, *selection, f"--gpuregress-tokens={tokens}")
     stored = json.loads((refs / "fsdp-tiny-llama-tied" / "cpu-gloo-w2-fp32" / "record.json").read_text())
     assert stored["config"]["tokens"]["count"] == 50_000

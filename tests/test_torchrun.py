@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import FSDP_ONLY
+
 # torchrun agents, in-place ranks and hangs: about 90 s on 2 cores, so the full tier (CI runs it on every submission).
 pytestmark = [pytest.mark.slow, pytest.mark.full_tier]
 
@@ -24,7 +26,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def two_agents(tmp_path: Path, *pytest_args: str, select: str = "fsdp and not triage and not resume and not bf16",
+def two_agents(tmp_path: Path, *pytest_args: str, select: str = FSDP_ONLY,
                timeout: float = 240) -> tuple[list[str], float]:
     """Run pytest under two single-rank torchrun agents; return each agent's output and the wall time."""
     port = free_port()
@@ -70,7 +72,7 @@ def test_two_sessions_started_together_in_one_folder_do_not_collide(tmp_path: Pa
 
     refs = tmp_path / "refs"
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-steps=4",
-           f"--gpuregress-reference-dir={refs}", "-k", "fsdp and not triage and not resume and not bf16"]
+           f"--gpuregress-reference-dir={refs}", "-k", FSDP_ONLY]
 
     def both(*extra: str) -> list[str]:
         procs = [subprocess.Popen([*cmd, *extra], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

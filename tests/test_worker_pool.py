@@ -26,6 +26,8 @@ from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios import get_scenario
 from pytest_gpuregress.scenarios.base import Setup
 
+from .conftest import FSDP_ONLY
+
 pytestmark = pytest.mark.slow
 
 CPU = Setup("cpu", "gloo", 2, steps=6)
@@ -177,7 +179,7 @@ def test_no_rank_outlives_a_cancelled_pytest_run(tmp_path: Path, sig: signal.Sig
     """What a CI cancel does: signal pytest while a rank hangs; nothing of the run may survive."""
     (tmp_path / "conftest.py").write_text("")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "-k", "fsdp and not triage and not resume and not bf16",
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "-k", FSDP_ONLY,
          "--gpuregress-steps=4", "--gpuregress-inject=hang:rank=1,step=1", "--gpuregress-timeout=300",
          f"--gpuregress-reference-dir={tmp_path / 'refs'}", "--gpuregress-record", "--gpuregress-replicas=0"],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

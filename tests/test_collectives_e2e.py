@@ -56,6 +56,7 @@ def test_clean_sweep_passes(pytester: pytest.Pytester) -> None:
                                  "*all_reduce SUM fp32 bandwidth*", "*algbw(GB/s)*busbw(GB/s)*"])
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_corruption_in_one_size_band_only_is_caught_and_named(pytester: pytest.Pytester) -> None:
     result = sweep(pytester, "fp32", "collective:min_bytes=2048,max_bytes=8192,mode=nudge")
     failed = failed_ids(result)
@@ -92,6 +93,7 @@ def test_premul_sum_is_clean_when_only_emulated(pytester: pytest.Pytester) -> No
     assert result.parseoutcomes().get("failed", 0) == 0 and result.parseoutcomes()["passed"] > 10
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_one_stale_chunk_in_all_gather_is_caught(pytester: pytest.Pytester) -> None:
     result = sweep(pytester, "fp32", "collective:op=all_gather,mode=stale_chunk")
     failed = failed_ids(result)

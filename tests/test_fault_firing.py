@@ -62,10 +62,9 @@ def test_a_fault_that_fired_nowhere_is_named_with_the_path_it_missed() -> None:
     ("crash:rank=1,step=100", "step 100 never completed"),
     ("host_op", "no torch.nn.functional.silu call"),
     ("checkpoint:mode=ulp_nudge,layer=0,proj=down_proj", "no load of model.layers.0.*.down_proj.weight (hooks.after_load)"),
-    ("lora:mode=rank0_slice", "no sharded adapter gathered for saving: adapter_io.gather_for_save in the fully_shard "
-                              "lane, Accelerator.get_state_dict of a sharded model in the accelerate lane (on a CPU "
-                              "accelerate runs DDP, whose whole tensors have no slice to lose: use the fully_shard "
-                              "lane there)"),
+    ("lora:mode=rank0_slice", "no sharded adapter gathered for saving: adapter_io.gather_for_save under fully_shard, "
+                              "Accelerator.get_state_dict of a sharded model under accelerate (on a CPU accelerate "
+                              "runs DDP, whose whole tensors have no slice to lose: use lora-fully_shard there)"),
     ("format:mode=flip_overflow,format=e5m2", "no overflowing cast to e5m2 (device.cast)"),
 ])
 def test_the_path_a_fault_missed_reads_its_spec(spec: str, path: str) -> None:

@@ -59,6 +59,7 @@ def test_one_optimizer_state_dropped_on_load_is_caught_and_named(pytester: pytes
     assert reproduced(out) == [1]  # the printed command judges the kept run the same way
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_a_one_element_fault_that_starts_late_fails_the_late_gradients_named_a_collective(
         pytester: pytest.Pytester, fsdp_reference: Path) -> None:
     late = "--gpuregress-inject=collective:op=reduce_scatter,mode=nudge,rel=1e-5,from_step=6"

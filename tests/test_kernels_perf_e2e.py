@@ -49,6 +49,7 @@ def test_sdpa_forced_to_math_is_named_next_to_the_deviation_and_in_triage(pytest
                                  "in the reference, first *"])
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_kernel_changes_and_slowdowns_alone_warn_and_fail_only_when_asked(pytester: pytest.Pytester,
                                                                         fsdp_reference: Path) -> None:
     # The tolerant lane: math SDPA keeps the numbers within the envelope, and sleeping changes none.

@@ -92,6 +92,7 @@ def test_each_lanes_reference_keeps_an_op_trace_and_its_distance_from_float64(re
         assert lora_b and all(d < 1e-4 for d in lora_b) and any(d > 0 for d in lora_b), distances
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_gradient_leaking_into_a_frozen_base_weight_is_caught(pytester: pytest.Pytester, refs: Path) -> None:
     result = run(pytester, refs, FSDP2, "--gpuregress-inject=lora:mode=grad_leak")
     result.assert_outcomes(failed=1)
@@ -124,6 +125,7 @@ def test_the_rank0_slice_fault_is_refused_in_the_cpu_accelerate_lane_with_the_re
                                  "no slice to lose (FSDP2 on GPUs)); it acts in lora-fully_shard*"])
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_lora_b_zeroed_on_save_is_caught_in_the_accelerate_lane(pytester: pytest.Pytester, refs: Path) -> None:
     result = run(pytester, refs, ACCELERATE, "--gpuregress-inject=lora:mode=zero_lora_b")
     result.assert_outcomes(failed=1)
@@ -133,6 +135,7 @@ def test_lora_b_zeroed_on_save_is_caught_in_the_accelerate_lane(pytester: pytest
         "*(the comparison with the reference * passed)*"])
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_merged_weight_one_ulp_off_in_one_layer_is_caught(pytester: pytest.Pytester, refs: Path) -> None:
     result = run(pytester, refs, FSDP2, "--gpuregress-inject=lora:mode=merge_ulp,layer=0,proj=down_proj")
     result.assert_outcomes(failed=1)

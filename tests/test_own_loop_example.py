@@ -22,6 +22,7 @@ def example(pytester: pytest.Pytester) -> pytest.Pytester:
 
 
 @pytest.mark.slow
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_the_example_records_passes_and_fails_when_its_loss_moves(example: pytest.Pytester, tmp_path: Path) -> None:
     refs = tmp_path / "refs"
     args = ["-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={refs}", "--gpuregress-perf=off",

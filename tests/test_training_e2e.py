@@ -104,6 +104,7 @@ def test_fail_fast_stops_at_the_first_step_outside_tolerance(pytester: pytest.Py
     assert "reference has 8 steps" not in result.stdout.str()  # compared over the steps that ran
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_fail_fast_stops_every_rank_together_when_only_one_rank_sees_a_miss(pytester: pytest.Pytester,
                                                                           refs: Path) -> None:
     # Rank 1's all-reduces come back zero: its loss leaves the reference, rank 0's does not. A rank that
@@ -154,6 +155,7 @@ def test_a_clip_off_by_1e3_is_caught_in_the_tolerant_lane_and_named_the_optimize
     assert "[kernel]" not in result.stdout.str() and "[collective]" not in result.stdout.str()
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_legitimate_kernel_drift_shows_in_the_exact_lane(pytester: pytest.Pytester, refs: Path) -> None:
     # That it passes the tolerant lane is shown at full length, against the shipped reference and its
     # envelope (test_shipped_references.py); a changed learning rate is in test_triage.py.
@@ -200,10 +202,8 @@ def test_corrupt_reference_names_the_file(pytester: pytest.Pytester, refs: Path)
 
 def test_a_reference_of_other_steps_is_a_usage_error_before_any_rank_starts(pytester: pytest.Pytester,
                                                                             refs: Path) -> None:
-    started = time.monotonic()
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-steps=6",
                                            f"--gpuregress-reference-dir={refs}", "-k", FSDP_ONLY)
-    elapsed = time.monotonic() - started
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*recorded with other settings, so nothing was trained*",
                                  f"*{refs}*fsdp*record.json was recorded with steps 8 (this run 6): compare with it "
@@ -211,7 +211,7 @@ def test_a_reference_of_other_steps_is_a_usage_error_before_any_rank_starts(pyte
                                  "*second choice*--gpuregress-record -k fsdp --gpuregress-reference-dir=*-this-stack "
                                  "--gpuregress-steps=6*"])
     output = result.stdout.str() + result.stderr.str()
-    assert "process group ready" not in output and elapsed < 10, elapsed  # no rank started
+    assert "process group ready" not in output and "gpuregress fsdp: step" not in output  # no rank started
 
 
 def test_a_reference_of_an_earlier_release_is_a_usage_error_that_says_so(pytester: pytest.Pytester,

@@ -52,6 +52,7 @@ def test_reduce_scatter_error_is_convicted_as_collective_by_equivalence_and_swit
     print(f"--gpuregress-triage on one failing 8-step scenario: {elapsed:.0f}s")
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_linear_layer_noise_is_convicted_as_kernel_by_the_oracle(pytester: pytest.Pytester, refs: Path) -> None:
     result = run(pytester, refs, "fsdp and not resume and not bf16", "--gpuregress-inject=linear_noise:rel=1e-4")
     out = result.stdout.str()
@@ -61,6 +62,7 @@ def test_linear_layer_noise_is_convicted_as_kernel_by_the_oracle(pytester: pytes
     assert "FAILED ::test_scenario[[]triage-equivalence" not in out
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_a_gemm_bug_of_the_per_rank_shape_is_a_kernel_not_a_collective(pytester: pytest.Pytester, refs: Path) -> None:
     # Each rank's GEMMs have 8 x 64 = 512 rows. A one-rank run over the whole batch (1024 rows) would call another
     # kernel, stay clean, and equivalence would convict a collective; the one rank runs each rank's micro-batch.

@@ -87,8 +87,8 @@ PATHS: dict[str, str] = {
     "format:loader_e5m2_as_e4m3fn": "no e5m2 tensor loaded through the stack's {path} loader (the formats io cases)",
     "lora:grad_leak": "no model wrapped with LoRA (adapter.wrap_with_lora)",
     "lora:rank0_slice": "no sharded adapter gathered for saving: adapter_io.gather_for_save under fully_shard, "
-                        "Accelerator.get_state_dict of a sharded model in the accelerate lane (on a CPU accelerate "
-                        "runs DDP, whose whole tensors have no slice to lose: use the fully_shard lane there)",
+                        "Accelerator.get_state_dict of a sharded model under accelerate (on a CPU accelerate runs "
+                        "DDP, whose whole tensors have no slice to lose: use lora-fully_shard there)",
     "lora:zero_lora_b": "no adapter written through adapter_io.write_adapter",
     "lora:merge_ulp": "no adapter merged (merging.merge_and_unload)",
     "checkpoint:optimizer_dropped": "no optimizer state loaded (state_apply.apply_optimizer)",

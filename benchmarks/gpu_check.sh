@@ -98,23 +98,25 @@ for gpus in "${GPUS[@]}"; do
     "${EXPECT[@]}" budget "$GPU_STEPS" "$GPU_REPLICAS" "$gpus" "$GPU_BUDGET" | tee -a "$OUT/log" "$WORK/budget.txt"
 done
 
-step record pass "$(expect record)" -- "${P[@]}" -k "fsdp and not triage and not resume" --gpuregress-record "--gpuregress-replicas=$REPLICAS"
+# The fsdp case alone: not its triage, resume or (on the CPU of the dry run) bf16-lane cases.
+FSDP_CASE="fsdp and not triage and not resume and not bf16"
+step record pass "$(expect record)" -- "${P[@]}" -k "$FSDP_CASE" --gpuregress-record "--gpuregress-replicas=$REPLICAS"
 step reference-at-key pass '' -- test -f "$RECORD"
 # Run-to-run determinism: a second run on the same stack compares in the exact lane, bit for bit.
-step compare pass "$(expect compare)" -- "${P[@]}" -k "fsdp and not triage and not resume"
+step compare pass "$(expect compare)" -- "${P[@]}" -k "$FSDP_CASE"
 # N ranks against one (skipped at one rank: it needs 2+), and one rank against float64 (bf16's bound on GPUs).
 step triage pass "$(expect triage)" -- "${P[@]}" -k "triage and fsdp"
 # The kernel inventory on the device: a forced SDPA backend, one the clean run does not use, must fail the run
 # as a kernel change, and the failed run's kept record must show SDPA dispatched to it (read from the structure:
 # on a GPU the report lists device kernels first and only the first changed ops).
-step sdpa-backend fail "$(expect sdpa-backend)" -- "${P[@]}" -k "fsdp and not triage and not resume" \
+step sdpa-backend fail "$(expect sdpa-backend)" -- "${P[@]}" -k "$FSDP_CASE" \
     "--gpuregress-inject=sdpa_backend:backend=$("${EXPECT[@]}" sdpa-backend "$MODE")" --gpuregress-lane=tolerant \
     --gpuregress-kernel-changes=fail
 step sdpa-forced pass '' -- "${EXPECT[@]}" sdpa-forced "$MODE" "$WORK/artifacts/runs/fsdp/$KEY/record.json"
 # A real host fallback on a GPU; on the CPU the GPU is emulated by a device tag, with the same report. 4 steps
 # recorded into a folder of their own: on the GPU model silu on the host costs seconds a step, and a recording
 # that fails its own checks names them without needing a reference.
-step host-op fail "$(expect host-op)" -- "${P[@]}" -k "fsdp and not triage and not resume" --gpuregress-inject=host_op:op=silu \
+step host-op fail "$(expect host-op)" -- "${P[@]}" -k "$FSDP_CASE" --gpuregress-inject=host_op:op=silu \
     --gpuregress-record --gpuregress-replicas=0 --gpuregress-steps=4 "--gpuregress-reference-dir=$WORK/refs-host-op"
 # What the clean reference's inventory holds (gpu_check_expect.py says why each mode differs).
 step inventory pass '' -- "${EXPECT[@]}" inventory "$MODE" "$RECORD"

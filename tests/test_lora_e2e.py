@@ -50,6 +50,7 @@ def test_clean_runs_pass_in_the_exact_and_the_tolerant_lane(pytester: pytest.Pyt
     assert "lora check '" not in exact.stdout.str() + tolerant.stdout.str()
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_reduce_scatter_corrupted_for_small_messages_only_is_caught(pytester: pytest.Pytester, refs: Path) -> None:
     # Only adapter gradients are reduce-scattered: 33 KiB per decoder layer. The band stops far below
     # the full model's (128-181 KiB in fsdp), so only a small-message bug can reach it.

@@ -95,6 +95,7 @@ def test_a_passed_run_leaves_no_record_unless_asked(pytester: pytest.Pytester, r
     assert (artifacts / "runs" / "fsdp" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_fail_fast_stops_at_the_first_step_outside_tolerance(pytester: pytest.Pytester, refs: Path) -> None:
     result = run(pytester, refs, "--gpuregress-fail-fast", "--gpuregress-inject=lr_scale:factor=2")
     result.assert_outcomes(failed=1)

@@ -73,6 +73,7 @@ def test_a_gemm_bug_of_the_per_rank_shape_is_a_kernel_not_a_collective(pytester:
     assert "[collective]" not in out and "FAILED ::test_scenario[triage-equivalence" not in out
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_changed_learning_rate_is_convicted_as_optimizer(pytester: pytest.Pytester, refs: Path) -> None:
     result = run(pytester, refs, "fsdp and not resume and not bf16", "--gpuregress-inject=lr_scale:factor=1.01")
     result.assert_outcomes(failed=1, passed=2)  # equivalence and oracle stay clean: step 0 precedes the update

@@ -10,14 +10,13 @@ element long before the loss curve moves (see docs/faults.md, section 1).
 
 from __future__ import annotations
 
-import numpy as np
-
 from ...reference import step0 as step0_arrays
 from ...reference.record import RunRecord, float_digest
 from ...training import bf16_checkpoint
 from ...training.observe import StepObserver
 from ...training.optimizer import AdamWSettings, Optimization, Schedule, adamw
 from ..base import RankContext
+from ..shared.gradient_capture import capture
 
 
 def run(ctx: RankContext) -> RunRecord:
@@ -55,17 +54,7 @@ def run(ctx: RankContext) -> RunRecord:
     names = [n for n, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
     data = token_source(cfg, model_config.vocab_size)
-    step0: dict[str, np.ndarray] = {}
-
-    def keep_step0(step: int) -> None:
-        """This rank's shard of every step-0 gradient: merge() assembles the tensors."""
-        if step != 0:
-            return
-        for name, p in zip(names, params):
-            # A parameter the loss does not use (a user's model may have one) has no gradient: zero, as AdamW sees it.
-            grad = p.grad.to_local() if p.grad is not None else torch.zeros_like(p.to_local())
-            step0.update(step0_arrays.shard_arrays(name, grad.float().cpu().numpy(), tuple(p.shape),
-                                                   ctx.rank, ctx.world_size, step0_arrays.full_max_of(cfg)))
+    keep_step0, step0 = capture(names, params, ctx, 0, step0_arrays.STEP0)  # this rank's shards: merge() joins them
 
     step = TrainStep(
         loss=lambda s: step_loss(model, data, s, ctx, perturbation, device),

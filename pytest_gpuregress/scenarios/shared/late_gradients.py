@@ -14,14 +14,13 @@ element by element, as step 0's: sharp, with no drift to hide in.
              reference's with the step-0 comparison (``as_step0``), and names them ``late_grad``.
 
 Arrays use step-0's form under their own prefixes (reference/step0.py ``LATE``): whole tensors when
-small, block sums when large, each rank its own FSDP2 shard. Torch is imported inside the functions.
+small, block sums when large, each rank its own FSDP2 shard; the ranks keep them with
+gradient_capture.capture. numpy only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
@@ -33,40 +32,6 @@ from ...reference.record import RunRecord
 LATE_ONLY = "resume_late_only"  # session-only config key: the launch runs the checkpoint's step only
 ENVELOPE = ENVELOPE_PREFIX + "late_grad"
 METRIC = "late_grad"
-
-
-# --- on the ranks ----------------------------------------------------------------------------------
-
-
-def capture(names: list[str], params: list[Any], ctx: Any, step: int) -> tuple[Callable[[int], None],
-                                                                                dict[str, np.ndarray]]:
-    """A TrainStep ``inspect`` hook that keeps the gradients of ``step`` (after backward, before clipping), and the
-    dict it fills: this rank's shard of a sharded (FSDP2) gradient, rank 0's whole tensor of a replicated one."""
-    arrays: dict[str, np.ndarray] = {}
-    full_max = step0.full_max_of(ctx.config)
-
-    def keep(current: int) -> None:
-        if current != step:
-            return
-        for name, param in zip(names, params):
-            arrays.update(_rank_arrays(name, param, ctx, full_max))
-
-    return keep, arrays
-
-
-def _rank_arrays(name: str, param: Any, ctx: Any, full_max: int) -> dict[str, np.ndarray]:
-    import torch
-
-    grad = param.grad
-    if hasattr(param, "to_local"):  # a DTensor shard on dim 0: merged across ranks by merge()
-        local = grad.to_local() if grad is not None else torch.zeros_like(param.to_local())
-        return step0.shard_arrays(name, local.float().cpu().numpy(), tuple(param.shape), ctx.rank, ctx.world_size,
-                                  full_max, step0.LATE)
-    if ctx.rank != 0:  # replicated (DDP): every rank holds the same reduced gradient
-        return {}
-    whole = grad if grad is not None else torch.zeros_like(param)
-    return step0.shard_arrays(name, whole.detach().float().cpu().numpy(), tuple(param.shape), 0, 1, full_max,
-                              step0.LATE)
 
 
 # --- session side ----------------------------------------------------------------------------------

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ...reference import step0
 from ...reference.record import RunRecord, float_digest
 from ...training.resume_checkpoint import Resumable
 from ..base import RankContext
-from . import late_gradients
+from .gradient_capture import capture
 from .late_gradients import LATE_ONLY
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ class Roles:
         late_only = bool(ctx.config.get(LATE_ONLY))
         if late_only:  # a noise replica of the late gradients: its perturbation on the state it loaded
             perturb_weights(trainer.params, str(ctx.config.get("perturbation", "")), str(ctx.config["dtype"]))
-        keep, late = late_gradients.capture(list(trainer.names), trainer.params, ctx, start)
+        keep, late = capture(list(trainer.names), trainer.params, ctx, start, step0.LATE)
         end = start + 1 if late_only else int(ctx.config["steps"])
         curves = trainer.train(ctx, range(start, end), position, "resumed training", inspect=keep)
         results = {"step": start, "boundary": boundary, "saved_with_torch": meta.get("torch")}

@@ -20,6 +20,7 @@ from typing import Any
 from ..fault_points import in_plugin_own_collective
 from ..training.kernels import fault_region
 from . import FaultSpec
+from .casts import truncated_bf16
 from .firing import Firing
 
 # dist function -> (op family, keyword of the output argument, which is always the first)
@@ -194,7 +195,7 @@ def _truncated_sum(family: str, outputs: list[Any], mine: Any, group: Any, avera
         total += gathered.view(world, -1)[r]
     if average:
         total /= world
-    truncated = (total.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: low bits are 0
+    truncated = truncated_bf16(total)  # the sum cut toward zero, as the cast fault cuts a conversion
     if family == "reduce_scatter":
         truncated = truncated.view(world, -1)[rank]
     outputs[0].view(-1).copy_(truncated)  # a reduction has one output tensor

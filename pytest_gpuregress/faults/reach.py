@@ -31,7 +31,7 @@ _STEPPING = ("fsdp", "fsdp-resume", "fsdp-bf16", "lora-fully_shard", "lora-accel
 _DEVICE_WORKLOAD = ("consensus-devices",)  # its MLP runs nn.Linear; its battery torch.matmul (matmul_ulp only)
 _FORWARD = (*_STEPPING, "checkpoint-portability", "formats")  # a model's forward pass (linear, attention, silu)
 _COLLECTIVE = ("collectives", *(c for c in _STEPPING if c != "checkpoint-sharded-1to2"))  # collectives between ranks
-# A resume case trains only steps S = steps // 2 to the end: a hang or crash after step N < S never happens there.
+# A resume case trains only steps S = 3 * steps // 4 to the end: a hang or crash after step N < S never happens there.
 RESUMES = ("fsdp-resume", "lora-fully_shard-resume", "lora-accelerate-resume")
 _FROM_STEP_0 = tuple(c for c in _STEPPING if c not in RESUMES)
 _CLIPPING = ("fsdp", "fsdp-resume", "fsdp-bf16", "lora-fully_shard", "lora-accelerate", "lora-fully_shard-resume",

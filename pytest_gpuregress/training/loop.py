@@ -130,12 +130,15 @@ def train(ctx: Any, parts: TrainStep, steps: Iterable[int], *, observer: StepObs
     if progress is not None:
         ctx.progress(progress)
     curves = Curves()
-    for step in steps:
-        ctx.current_step = step  # what a fault that starts late reads (RankContext.current_step)
-        with observer.step(step) if observer is not None else nullcontext():
-            result = take_step(parts, step, ctx.world_size, ctx.device)
-        curves.add(result)
-        metrics = {"loss": result.loss, "grad_norm": result.grad_norm} if report_metrics else {}
-        if ctx.step_done(step, **metrics) and stop_when_told:
-            break
+    try:
+        for step in steps:
+            ctx.current_step = step  # what a fault that starts late reads (RankContext.current_step)
+            with observer.step(step) if observer is not None else nullcontext():
+                result = take_step(parts, step, ctx.world_size, ctx.device)
+            curves.add(result)
+            metrics = {"loss": result.loss, "grad_norm": result.grad_norm} if report_metrics else {}
+            if ctx.step_done(step, **metrics) and stop_when_told:
+                break
+    finally:
+        ctx.current_step = None  # after training (digests, saves) no step runs: a late fault does not act there
     return curves

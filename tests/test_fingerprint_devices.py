@@ -354,3 +354,18 @@ def test_a_field_added_after_a_reference_was_recorded_does_not_change_its_lane()
     assert numerics_diff(old_gpu, new_gpu) == []  # recorded before dnn and blas_library existed: exact lane kept
     moved = {**new_gpu, "device": {**new_gpu["device"], "dnn": "cuDNN 9.11.0"}}
     assert numerics_diff(new_gpu, moved) == [("device.dnn", "cuDNN 9.10.0", "cuDNN 9.11.0")]
+
+
+def test_a_bf16_run_on_a_cpu_reads_its_bf16_instructions_and_an_fp32_run_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN picks its bf16 instructions itself: a bf16 reference recorded with AVX512-BF16 computes other bits
+    than an AVX2 CPU, even under ATEN_CPU_CAPABILITY=avx2, so that must choose the tolerant lane."""
+    from pytest_gpuregress.stack import fingerprint as fp
+
+    bf16 = fp.collect("cpu", "gloo", 2, bf16=True)
+    assert bf16["device"]["cpu_bf16"] in ("amx_bf16", "avx512_bf16", "none")
+    assert "cpu_bf16" not in fp.collect("cpu", "gloo", 2)["device"]
+    other = {**bf16, "device": {**bf16["device"], "cpu_bf16": "none" if bf16["device"]["cpu_bf16"] != "none" else "avx512_bf16"}}
+    assert [c[0] for c in fp.numerics_diff(bf16, other)] == ["device.cpu_bf16"]
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    capped = fp.cpu_bf16()
+    assert capped == "none" or capped.endswith("(max ISA AVX2)")

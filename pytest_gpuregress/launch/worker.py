@@ -123,7 +123,8 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
             _init_process_group(job, rank, local_rank)
         ctx.progress("process group ready")
         if job.collect_fingerprint and rank == 0:
-            ctx.fingerprint = collect(job.device_kind, job.backend, job.world_size, switches)
+            ctx.fingerprint = collect(job.device_kind, job.backend, job.world_size, switches,
+                                      bf16=job.config.get("dtype") == "bf16")
         record = run_scenario(ctx)
     finally:
         for undo in reversed(ctx.cleanup_hooks):

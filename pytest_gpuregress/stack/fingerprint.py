@@ -37,6 +37,7 @@ NUMERICS_FIELDS: dict[str, tuple[str, ...]] = {
     "versions": ("torch", "transformers", "peft", "accelerate", "numpy"),
     "device": (
         "kind", "name", "count", "arch", "cuda", "hip", "driver", "dnn", "blas_library", "cpu_model", "cpu_capability",
+        "cpu_bf16",
     ),
     "numerics": (
         "blas",
@@ -55,7 +56,7 @@ NUMERICS_FIELDS: dict[str, tuple[str, ...]] = {
     "comm": ("backend", "world_size", "nccl_version", "env"),
 }
 
-_ENV_PREFIXES = ("NCCL_", "RCCL_", "HSA_", "GLOO_", "TORCH_NCCL_", "ATEN_CPU_CAPABILITY", "MKL_")
+_ENV_PREFIXES = ("NCCL_", "RCCL_", "HSA_", "GLOO_", "TORCH_NCCL_", "ATEN_CPU_CAPABILITY", "MKL_", "ONEDNN_", "DNNL_")
 # Settings that route sockets, log or handle errors but do not change a computed number. Thread
 # counts are recorded as numerics.num_threads, so OMP_NUM_THREADS is not needed here.
 _ENV_IGNORED = {
@@ -82,6 +83,20 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_bf16() -> str:
+    """The bf16 instructions oneDNN may use for a CPU's bf16 matmuls ("amx_bf16", "avx512_bf16" or "none"). oneDNN
+    picks its ISA itself: ATEN_CPU_CAPABILITY does not reach it, so a bf16 run computes other bits on a CPU with
+    other bf16 instructions even where cpu_capability reads the same. ONEDNN_MAX_CPU_ISA caps it (named with it)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    found = next((isa for isa in ("amx_bf16", "avx512_bf16") if isa in flags), "none")
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    return f"{found} (max ISA {cap})" if cap and found != "none" else found
 
 
 def _blas_info(torch: Any) -> str:
@@ -171,8 +186,11 @@ def collect(
     backend: str | None = None,
     world_size: int | None = None,
     determinism: dict[str, Any] | None = None,
+    bf16: bool = False,
 ) -> Fingerprint:
-    """Read the fingerprint of this process's stack. Imports torch."""
+    """Read the fingerprint of this process's stack. Imports torch. ``bf16``: the run computes in bf16, so on a
+    CPU the bf16 instructions oneDNN may use are part of it (``device.cpu_bf16``; fp32 runs leave it out, and so
+    keep their lane against references recorded before it was read)."""
     import torch
 
     cuda_matmul = torch.backends.cuda.matmul
@@ -207,7 +225,8 @@ def collect(
             "numpy": _version("numpy"),
             "pytest_gpuregress": _version("pytest-gpuregress"),
         },
-        "device": _device_section(torch, device_kind),
+        "device": {**_device_section(torch, device_kind),
+                   **({"cpu_bf16": cpu_bf16()} if bf16 and device_kind == "cpu" else {})},
         "numerics": numerics,
         "comm": {
             "backend": backend,

@@ -94,11 +94,13 @@ _STEP = Param("int", "the step after which it fires", minimum=0)
 KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("collective", ".collective:install", "corrupt the output of matching collectives", {
         "op": Param("choices", "which collectives", COLLECTIVE_OPS),
-        "mode": Param("choice", "nudge: one element x (1+rel); zero_tail: the last `count` elements; zeros; "
-                                "stale_chunk: chunk `chunk` keeps the previous call's value; truncate_bf16: a bf16 SUM or AVG "
-                                "all-reduce or reduce-scatter rounds toward zero instead of to nearest even",
-                      ("nudge", "zero_tail", "zeros", "stale_chunk", "truncate_bf16")),
-        "rel": Param("number", "relative size of a nudge (default 1e-3)"),
+        "mode": Param("choice", "nudge: one element x (1+rel); scale: every element x (1+rel), an AVG divided "
+                                "by the wrong count or a PREMUL_SUM factor off; zero_tail: the last `count` elements; "
+                                "zeros; stale_chunk: chunk `chunk` keeps the previous call's value; truncate_bf16: a "
+                                "bf16 SUM or AVG all-reduce or reduce-scatter rounds toward zero instead of to nearest "
+                                "even",
+                      ("nudge", "zero_tail", "zeros", "stale_chunk", "truncate_bf16", "scale")),
+        "rel": Param("number", "relative size of a nudge or a scale (default 1e-3)"),
         "add": Param("number", "a nudge adds this to the element instead (an absolute error, e.g. 1e-5)"),
         "count": Param("int", "elements zeroed by zero_tail (default 8)", minimum=1),
         "chunk": Param("int", "which chunk stale_chunk restores (default -1, the last)"),

@@ -157,6 +157,11 @@ class CollectiveFault:
                 t.zero_()
         elif self.mode == "zero_tail":
             flat[-self.spec.get("count", 8) :] = 0
+        elif self.mode == "scale":
+            if not flat.is_floating_point():
+                return False
+            for t in outputs:
+                t.mul_(1 + self.spec.get("rel", 1e-3))
         else:  # nudge one element in the middle, where neither head nor tail checks would look first
             i = flat.numel() // 2
             if flat.is_floating_point() and self.spec.get("add") is not None:  # off by an absolute amount

@@ -43,7 +43,7 @@ def keep_first_moved_stack(sc: Scenario, setup: Setup, run: Runner, comparison: 
     --gpuregress-triage, whose launches it joins), into the comparison's report; else how to get it."""
     from ..triage.op_stack import keep_stack
 
-    moved = comparison.first_moved
+    moved = comparison.culprit
     if moved is None or moved.kind != "moved":
         return
     if not rerun:

@@ -25,6 +25,7 @@ from . import model_layout, step0
 from .envelope import METRICS, SERIES, MetricLimits, digest_deviation, floors_for, limit, rel, tensor_deviation
 from .envelope import PREFIX as ENVELOPE_PREFIX
 from .first_moved import FirstMoved, equal_traces, first_moved
+from .introduced import analysed, describe_thresholds, introduced_at
 from .record import RunRecord
 
 WORST_ROWS = 8
@@ -84,6 +85,20 @@ class Comparison:
     first_moved: FirstMoved | None = None
     # (ranks, ops per rank) where both records traced step 0 and no op moved: "no drift", said as information.
     equal_trace: tuple[int, int] | None = None
+    # The tolerant lane's op of step 0 that introduced a difference beyond drift (introduced.py); None where none
+    # did. ``introduced_note``: why it could not be looked for (a reference recorded before op sources were kept).
+    introduced: FirstMoved | None = None
+    introduced_note: str | None = None
+    introduced_rule: str = ""  # what "beyond drift" meant: the reference's thresholds, in words
+
+    @property
+    def culprit(self) -> FirstMoved | None:
+        """The op a failure names and triage weighs: in the exact lane the first op that moved (no drift is
+        allowed there); in the tolerant lane the op that introduced a difference, never plain drift (for an
+        older reference, the first op that moved, with ``introduced_note``)."""
+        if self.lane == "exact" or self.introduced_note is not None:
+            return self.first_moved
+        return self.introduced
 
     @property
     def passed(self) -> bool:
@@ -474,5 +489,17 @@ def compare_training(
             finding.component = model_layout.COMPONENT
         findings.insert(0, Finding("model", model_layout.COMPONENT, changed))
     name_optimizer(findings, run.config)
-    return Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source,
-                      first_moved=first_moved(reference, run), equal_trace=equal_traces(reference, run))
+    comparison = Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source,
+                            first_moved=first_moved(reference, run), equal_trace=equal_traces(reference, run))
+    if chosen == "tolerant" and comparison.first_moved is not None:
+        if analysed(reference, run):
+            comparison.introduced = introduced_at(reference, run)
+            comparison.introduced_rule = describe_thresholds(reference)
+        else:
+            comparison.introduced_note = OLD_TRACE_NOTE
+    return comparison
+
+
+OLD_TRACE_NOTE = ("the reference's op trace keeps no op sources (recorded before they were kept), so the op that "
+                  "introduced the difference cannot be told from drift: the first op that moved is shown, which on "
+                  "another stack may be legitimate drift; re-record the reference to have it named")

@@ -1,4 +1,6 @@
 """The first op that moved: where a run's step-0 op trace first departs from its reference's. numpy only.
+In the exact lane it is what a failure names; in the tolerant lane it is where drift begins, and introduced.py
+names the op that introduced the difference.
 
 Per rank, the two traces are walked in order (op_trace.py). The first entry that differs is either
 
@@ -37,6 +39,11 @@ class FirstMoved:
     world: int  # ranks compared
     also_on: tuple[int, ...] = ()  # other ranks where the same entry moved first
     stack: list[str] = field(default_factory=list)  # its Python stack, from the re-run that keeps it
+    # What the line calls it: the first op that moved ("first difference"), or, in the tolerant lane, the op that
+    # introduced a difference beyond drift ("introduced at", introduced.py) and where drift began ("drift begins at").
+    label: str = "first difference"
+    inputs_relative: float | None = None  # "introduced at": the most its inputs moved
+    ulps: float | None = None  # "introduced at": its move in units of its output dtype's rounding
 
     @property
     def component(self) -> str | None:
@@ -58,9 +65,13 @@ class FirstMoved:
         where = f"on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} of {self.world}"
         before = f"the {self.equal_before} ops before it are bitwise equal" if self.equal_before != 1 else \
             "the op before it is bitwise equal"
+        if self.kind == "moved" and self.entry is not None and self.inputs_relative is not None:
+            return f"{self.label}: {_name(self.entry)}, {_shapes(self.entry)}, its output moved {self.relative:.1e} " \
+                   f"relative ({self.ulps or 0:.3g} ulps) against {self.inputs_relative:.1e} for its inputs " \
+                   f"({where}, step-0 op trace)"
         if self.kind == "moved" and self.entry is not None:
             size = f"{self.relative:.1e} relative" if self.relative > 0 else "bits differ, digests' sums equal"
-            return f"first difference: {_name(self.entry)}, {_shapes(self.entry)}, {size}; {before} " \
+            return f"{self.label}: {_name(self.entry)}, {_shapes(self.entry)}, {size}; {before} " \
                    f"({where}, step-0 op trace)"
         ref = _name(self.reference) if self.reference is not None else "the end of the reference's trace"
         got = _name(self.entry) if self.entry is not None else "the end of this run's trace"

@@ -9,8 +9,10 @@ The rank side (training/op_trace.py) records it; first_moved.py compares two. Pe
 
 and in ``arrays``, under ``op_trace/rank<r>/``: ``ops`` (int32, one row per op: the string indices of its op,
 module, region, phase and inputs, and its count of outputs), ``outputs`` (int32, the string index of each
-output's shape, in op order), ``digest`` (float64, one row per output: sum, sum of |x|, max |x|) and ``hash``
-(int64, per output). Every rank's trace is kept: ``merge_ranks`` folds them into the merged record. An
+output's shape, in op order), ``digest`` (float64, one row per output: sum, sum of |x|, max |x|), ``hash``
+(int64, per output) and, in traces recorded since sources were kept, ``source_counts`` (int32, per op) and
+``sources`` (int32, in op order: the entries whose values each op's inputs hold; introduced.py follows them).
+Every rank's trace is kept: ``merge_ranks`` folds them into the merged record. An
 ``<input>`` entry is a tensor an op read that no traced op made (tokens, weights, buffers).
 """
 
@@ -67,16 +69,35 @@ class RankTrace:
     hash_kind: str = ""
     seconds: float = 0.0
     error: str | None = None  # why the rank side stopped tracing (a bug of the tracer): not compared
+    source_counts: np.ndarray | None = None  # int32 [ops]; None in traces recorded before sources were kept
+    sources: np.ndarray | None = None  # int32 [sum of source_counts]
 
     def __post_init__(self) -> None:
         self.ops = np.asarray(self.ops, dtype=np.int32).reshape(-1, 6)
         self.outputs = np.asarray(self.outputs, dtype=np.int32).reshape(-1)
         self._first = np.concatenate([[0], np.cumsum(self.ops[:, _OUTPUTS], dtype=np.int64)])
+        if self.source_counts is not None and self.sources is not None:
+            self.source_counts = np.asarray(self.source_counts, dtype=np.int32).reshape(-1)
+            self.sources = np.asarray(self.sources, dtype=np.int32).reshape(-1)
+            self._first_source = np.concatenate([[0], np.cumsum(self.source_counts, dtype=np.int64)])
+        else:
+            self.source_counts = self.sources = None
+
+    @property
+    def has_sources(self) -> bool:
+        return self.sources is not None and len(self.source_counts) == len(self.ops)  # type: ignore[arg-type]
+
+    def sources_of(self, index: int) -> tuple[int, ...]:
+        """The entries whose values entry ``index``'s inputs hold (() for a trace without sources)."""
+        if not self.has_sources:
+            return ()
+        first, last = int(self._first_source[index]), int(self._first_source[index + 1])
+        return tuple(int(i) for i in self.sources[first:last])  # type: ignore[index]
 
     @classmethod
     def of_entries(cls, entries: Sequence[tuple[str, str, str, str, str, list[str]]],
                    digests: Sequence[Sequence[tuple[float, float, float, int]]], *, backend: str, hash_kind: str,
-                   seconds: float, error: str | None = None) -> RankTrace:
+                   seconds: float, error: str | None = None, sources: Sequence[Sequence[int]] | None = None) -> RankTrace:
         """From the rank side's entries (op, module, region, phase, inputs, output shapes) and their digests."""
         table: dict[str, int] = {}
 
@@ -91,8 +112,10 @@ class RankTrace:
                 total, abs_total, max_abs, hashed = found[i] if i < len(found) else (np.nan, np.nan, np.nan, 0)
                 rows.append((total, abs_total, max_abs))
                 hashes.append(hashed)
+        counts = None if sources is None else np.array([len(s) for s in sources], dtype=np.int32)
+        flat = None if sources is None else np.array([i for s in sources for i in s], dtype=np.int32)
         return cls(list(table), np.array(ops), np.array(outputs), np.array(rows, dtype=np.float64).reshape(-1, 3),
-                   np.array(hashes, dtype=np.int64), backend, hash_kind, seconds, error)
+                   np.array(hashes, dtype=np.int64), backend, hash_kind, seconds, error, counts, flat)
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -112,8 +135,11 @@ class RankTrace:
 
     def arrays(self, rank: int) -> dict[str, np.ndarray]:
         prefix = f"{ARRAY_PREFIX}rank{rank}/"
-        return {prefix + "ops": self.ops, prefix + "outputs": self.outputs, prefix + "digest": self.digests,
-                prefix + "hash": self.hashes}
+        out = {prefix + "ops": self.ops, prefix + "outputs": self.outputs, prefix + "digest": self.digests,
+               prefix + "hash": self.hashes}
+        if self.has_sources:
+            out.update({prefix + "source_counts": self.source_counts, prefix + "sources": self.sources})
+        return out
 
     def store(self, rank: int, results: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         results.setdefault(RESULT_KEY, {"ranks": {}})["ranks"][str(rank)] = self.to_json()
@@ -137,9 +163,10 @@ def ranks(record: RunRecord) -> dict[int, RankTrace]:
         if any(a is None for a in found) or data.get("format") != FORMAT or data.get("error"):
             continue  # a trace of another format, or one the rank could not finish: nothing to compare
         ops, outputs, digest, hashes = found
+        counts, sources = (record.arrays.get(f"{ARRAY_PREFIX}rank{key}/{name}") for name in ("source_counts", "sources"))
         out[int(key)] = RankTrace(list(data["strings"]), ops, outputs, np.asarray(digest, dtype=np.float64).reshape(-1, 3),
                                   np.asarray(hashes, dtype=np.int64), str(data.get("backend", "")),
-                                  str(data.get("hash", "")), float(data.get("seconds", 0.0)))
+                                  str(data.get("hash", "")), float(data.get("seconds", 0.0)), None, counts, sources)
     return out
 
 

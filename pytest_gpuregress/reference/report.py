@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..components import tag
@@ -48,6 +49,24 @@ def format_drift(comparison: Comparison) -> str | None:
     return f"bitwise drift (information): {moved.describe()}"
 
 
+def op_lines(comparison: Comparison) -> list[str]:
+    """Which op of step 0 gave another answer: what a bug report names. In the exact lane the first op that
+    moved; in the tolerant lane the op that introduced a difference, and where legitimate drift began."""
+    moved, culprit = comparison.first_moved, comparison.culprit
+    if moved is None:
+        return []
+    if comparison.lane == "exact":
+        return ["", *moved.lines()]
+    if comparison.introduced_note is not None:
+        return ["", *moved.lines(), f"    ({comparison.introduced_note})"]
+    drift = replace(moved, label="drift begins at", stack=[]).describe()
+    if culprit is None:
+        return ["", f"introduced at: no op of step 0 moved beyond drift ({comparison.introduced_rule}): the "
+                "difference starts later, or is per op too small to tell from drift", drift]
+    same = (culprit.rank, culprit.entry_index) == (moved.rank, moved.entry_index)
+    return ["", *culprit.lines(), *([] if same else [drift])]
+
+
 def format_finding(finding: Finding) -> list[str]:
     lines = [f"{tag(finding.component)} {finding.message}"]
     if finding.worst:
@@ -77,8 +96,7 @@ def format_comparison(
     hidden = len(comparison.findings) - MAX_FINDINGS
     if hidden > 0:
         body.append(f"... and {hidden} more findings")
-    if comparison.first_moved is not None:  # which op first gave another answer: what a bug report names
-        body += ["", *comparison.first_moved.lines()]
+    body += op_lines(comparison)
     tail = [
         "",
         "what changed in the stack since the reference was recorded:",

@@ -251,12 +251,13 @@ class Scenario:
         """Combine the per-rank records (index = rank). By default rank 0's, which holds global values;
         with ``step0_sharded``, the step-0 gradients assembled from every rank's shard (reference/step0.py).
         Either way the largest peak memory, every rank's host ops (training/observe.py) and op trace."""
-        from ..reference import op_trace
+        from ..reference import introduced, op_trace
         from ..training.observe import merge_ranks
 
         merged = records[0]
         merged.results.update(merge_ranks(records))
         traced, traced_arrays = op_trace.merge_ranks(records)  # every rank's step-0 op trace, where it keeps one
+        introduced.attach_thresholds(traced)  # what "introduced a difference" means, kept with a reference
         merged.results.update(traced)
         merged.arrays.update(traced_arrays)
         if self.step0_sharded:

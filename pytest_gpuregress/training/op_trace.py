@@ -12,7 +12,10 @@ parameter, in clipping and the optimizer: op_trace_modules.py), the innermost re
 phase, its tensor inputs' shapes and dtypes, its outputs' shapes and dtypes, and per output the float64
 sum, sum of |x|, max |x| and a hash of the bits (tensor_digest.py). A tensor an op reads that no traced op
 made (the step's tokens, the weights, a buffer) enters the trace once, as an ``<input>`` entry before that
-op: so every op's inputs are in the trace, and an op that moved with equal inputs convicts its kernel.
+op: so every op's inputs are in the trace, and an op that moved with equal inputs convicts its kernel. Each
+entry also keeps its sources: the entries whose values its inputs hold (the last op that wrote each input's
+storage, or the ``<input>`` entry of that view), which reference/introduced.py follows to tell the op that
+introduced a difference from the drift it propagates.
 
 Tracing reads and never writes, and never waits: views, allocations (uninitialised memory) and ops that
 make no new values are not entries. An op's outputs are digested just before the next traced op runs (or at
@@ -86,24 +89,29 @@ def inputs_text(tensors: list[Any]) -> str:
 
 class _Storages:
     """Storages the trace has met, by identity, forgotten when freed (their ids are then reused): those ops
-    made, and the views of the others already kept as inputs."""
+    made, the views of the others already kept as inputs, and the entry that last wrote each (an op's sources)."""
 
     _MADE = "made"
+    _WRITER = "writer"
 
     def __init__(self) -> None:
-        self._seen: dict[int, set[Any]] = {}
+        self._seen: dict[int, dict[Any, int]] = {}  # storage id -> {_MADE, _WRITER or a view's key: entry index}
         self._finalizers: list[weakref.finalize] = []
 
-    def _views(self, tensor: Any) -> set[Any] | None:
+    def _views(self, tensor: Any) -> dict[Any, int] | None:
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # no storage (sparse, nested): nothing to keep
             return None
         key = id(storage)
         if key not in self._seen:
-            self._seen[key] = set()
+            self._seen[key] = {}
             self._finalizers.append(weakref.finalize(storage, self._seen.pop, key, None))
         return self._seen[key]
+
+    @staticmethod
+    def _view_key(tensor: Any) -> tuple[Any, ...]:
+        return tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype)
 
     def close(self) -> None:
         """Forget every storage: ranks outlive a launch, and a long-lived storage would keep its finalizer."""
@@ -114,7 +122,7 @@ class _Storages:
     def made(self, tensor: Any) -> None:
         views = self._views(tensor)
         if views is not None:
-            views.add(self._MADE)
+            views[self._MADE] = -1
 
     def was_made(self, tensor: Any) -> bool:
         views = self._views(tensor)
@@ -125,11 +133,25 @@ class _Storages:
         views = self._views(tensor)
         if views is None or self._MADE in views:
             return False
-        key = (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype))
+        key = self._view_key(tensor)
         if key in views:
             return False
-        views.add(key)
+        views[key] = -1
         return True
+
+    def wrote(self, tensor: Any, index: int, *, as_input: bool = False) -> None:
+        """Entry ``index`` made ``tensor``'s values (an ``<input>`` entry: that view's)."""
+        views = self._views(tensor)
+        if views is not None:
+            views[self._view_key(tensor) if as_input else self._WRITER] = index
+
+    def writer(self, tensor: Any) -> int | None:
+        """The entry whose values ``tensor`` holds: its view's ``<input>`` entry, else the storage's last writer."""
+        views = self._views(tensor)
+        if views is None:
+            return None
+        found = views.get(self._view_key(tensor), views.get(self._WRITER, -1))
+        return found if found >= 0 else None
 
 
 def _digest_of(tensor: Any) -> tuple[float, float, float, int]:
@@ -169,6 +191,7 @@ class OpTracer:
         self._phase: str | None = None
         self._regions: list[str] = []
         self._entries: list[tuple[str, str, str, str, str, list[str]]] = []  # op, module, region, phase, inputs, outputs
+        self._sources: list[list[int]] = []  # per entry: the entries whose values its inputs hold
         self._digests: list[list[tuple[float, float, float, int]]] = []
         self._pending: tuple[int, list[Any]] | None = None  # the last op: digested before the next one runs
         self._in_flight: dict[int, tuple[int, list[Any]]] = {}  # collectives, by output storage: until read
@@ -248,7 +271,7 @@ class OpTracer:
         self._land(inputs)
         for tensor in inputs:
             if self._storages.first_read(tensor):
-                self._add(INPUT_OP, self._where(inputs), inputs_text([tensor]), [tensor])
+                self._add(INPUT_OP, self._where(inputs), inputs_text([tensor]), [tensor], [], as_input=True)
                 self._settle()
 
     def _after(self, func: Any, args: Any, kwargs: Any, result: Any) -> None:
@@ -274,15 +297,20 @@ class OpTracer:
         self._lineage.inherit(module, outputs)
         filled = _FILLED_OUTPUTS.get(name)
         kept = [outputs[i] for i in filled if i < len(outputs)] if filled else outputs
-        self._add(name, module, inputs_text(inputs), kept, collective=name.startswith(_COLLECTIVES))
+        sources = sorted({i for i in map(self._storages.writer, inputs) if i is not None})  # before it writes
+        self._add(name, module, inputs_text(inputs), kept, sources, collective=name.startswith(_COLLECTIVES))
 
     # --- the entries -------------------------------------------------------------------------------------
 
-    def _add(self, name: str, module: str, inputs: str, tensors: list[Any], collective: bool = False) -> None:
+    def _add(self, name: str, module: str, inputs: str, tensors: list[Any], sources: list[int], *,
+             collective: bool = False, as_input: bool = False) -> None:
         index = len(self._entries)
         region = self._regions[-1] if self._regions else ""
         self._entries.append((name, module, region, str(self._phase), inputs, [shape_text(t) for t in tensors]))
+        self._sources.append(sources)
         self._digests.append([])
+        for tensor in tensors:
+            self._storages.wrote(tensor, index, as_input=as_input)
         if collective:  # its outputs are final once the program has waited for it: when it reads them
             for tensor in tensors:
                 self._in_flight[id(tensor.untyped_storage())] = (index, tensors)
@@ -317,6 +345,7 @@ class OpTracer:
         new = outputs[0]
         if tensors and new.numel() > 1 and new.numel() == tensors[0].numel() and new.dtype == tensors[0].dtype:
             tensors[0] = new
+            self._storages.wrote(new, self._pending[0])
 
     def _backend_copy(self, name: str, args: Any) -> bool:
         """A copy into a collective's output from a buffer no traced op made: how gloo finishes a reduce-scatter
@@ -360,7 +389,7 @@ class OpTracer:
         self._guarded(self._settle)
         self._guarded(self._land, None)
         return RankTrace.of_entries(self._entries, self._digests, backend=self.backend, hash_kind=HASH_KIND,
-                                    seconds=self.seconds, error=self.error)
+                                    seconds=self.seconds, error=self.error, sources=self._sources)
 
     def store(self, results: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         """Put this rank's trace (and a kept stack) into a RunRecord's ``results`` and ``arrays``."""

@@ -176,16 +176,19 @@ def cheap_evidence(sc: Scenario, setup: Setup, run: Runner, model: str | None = 
 
 
 def first_moved_evidence(comparison: Comparison | None) -> Experiment | None:
-    """The first op of step 0 that moved against the reference (reference/first_moved.py), every op before it
-    (its inputs among them) bitwise equal: a collective op (or FSDP2's copies around one) convicts the
-    collective, an optimizer op the optimizer, a compute op its kernel, an input no op made (tokens, weights)
-    the data. A changed op sequence convicts nothing."""
-    moved = comparison.first_moved if comparison is not None else None
-    if moved is None:
+    """The op of step 0 that gave another answer (``Comparison.culprit``): in the exact lane the first that moved,
+    every op before it (its inputs among them) bitwise equal; in the tolerant lane the first that introduced a
+    difference beyond drift (reference/introduced.py), never plain drift. A collective op (or FSDP2's copies
+    around one) convicts the collective, an optimizer op the optimizer, a compute op its kernel, an input no op
+    made (tokens, weights) the data. A changed op sequence, or drift alone, convicts nothing."""
+    if comparison is None or comparison.first_moved is None:
         return None
+    moved = comparison.culprit
+    if moved is None:  # the tolerant lane: ops moved, none beyond drift, so no op convicts anything
+        drift = comparison.first_moved.describe().removeprefix("first difference: ")
+        return Experiment("first moved op", "drift only", f"no op of step 0 moved beyond drift; it begins at {drift}")
     status = "differs" if moved.component else "sequence changed"
-    return Experiment("first moved op", status, moved.describe().removeprefix("first difference: "),
-                      component=moved.component)
+    return Experiment("first moved op", status, moved.describe().split(": ", 1)[-1], component=moved.component)
 
 
 def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tuple[str | None, str]:

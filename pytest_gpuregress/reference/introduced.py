@@ -1,0 +1,229 @@
+"""The op that introduced a difference, apart from the drift a new kernel path brings. numpy only.
+
+In the tolerant lane (another stack than the reference's) dozens of kernels round differently, so the first op
+of step 0 that moved (first_moved.py) is nearly always that legitimate drift. Here each op's move is set against
+its inputs' moves: an op introduced a difference when its output moved
+
+  - at least ``floor_ulps`` units of its output dtype's rounding (drift is a few ulps at most), and
+  - more than ``amplification`` times the most any of its inputs moved (an op whose output moved about as much
+    as its inputs propagates what came before).
+
+A move is the largest relative change of an output's digests (first_moved.relative_difference); its inputs are
+the entries whose values they hold (the trace's sources, kept since traces recorded them). A collective's output
+holds every rank's input, so its inputs' move is the largest over the ranks. The thresholds were measured on
+clean runs across kernel paths (docs/envelope.md, "The op that introduced a difference") and are stored with the
+reference when it is recorded, so a later change of them never re-judges an older reference silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from .first_moved import FirstMoved, relative_difference
+from .op_trace import INPUT_OP, RESULT_KEY, RankTrace, ranks
+from .record import RunRecord
+
+INTRODUCED_KEY = "introduced"  # under results["op_trace"]: the thresholds the reference was recorded with
+_CROSS_RANK = ("c10d::", "_c10d_functional::", "c10d_functional::")  # outputs that hold other ranks' inputs
+# Units of rounding per dtype (torch's abbreviations, as the trace's shape texts write them).
+_EPSILON = {"f64": 2.0**-52, "f32": 2.0**-23, "tf32": 2.0**-10, "bf16": 2.0**-7, "f16": 2.0**-10,
+            "f8e4m3fn": 2.0**-3, "f8e4m3fnuz": 2.0**-3, "f8e5m2": 2.0**-2, "f8e5m2fnuz": 2.0**-2}
+_INTEGER_EPSILON = 1.0  # an integer output (indices, counts) that moved at all moved by whole units
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    floor_ulps: float
+    amplification: float
+
+    def to_json(self) -> dict[str, float]:
+        return {"floor_ulps": self.floor_ulps, "amplification": self.amplification}
+
+    def describe(self) -> str:
+        return f"an output moved at least {self.floor_ulps:g} ulps of its dtype and over " \
+               f"{self.amplification:g}x its inputs' move"
+
+
+# Measured (docs/envelope.md): on the other CPU kernel path a clean run moves no op of the fsdp and lora cases
+# past 6 ulps but AdamW's first update (up to 89: a gradient near zero that drift flips the sign of), and no op
+# past 3 ulps more than 10x its inputs'. The amplification is set far above that: an elementwise product with
+# heavy-tailed operands moves its digest 190x more than its inputs' when one of them carries a one-element error
+# (tests/test_introduced.py), and naming that op would convict the wrong component. A 1e-4 GEMM error whose
+# inputs are equal is 840 ulps against nothing; a 1e-3 reduce-scatter error after drift, 8400 ulps at 6000x.
+DEFAULT = Thresholds(floor_ulps=32.0, amplification=1000.0)
+
+
+def stored_thresholds(reference: RunRecord) -> Thresholds | None:
+    """The thresholds ``reference`` was recorded with; None for a reference recorded before they were kept."""
+    stored = reference.results.get(RESULT_KEY)
+    found = stored.get(INTRODUCED_KEY) if isinstance(stored, dict) else None
+    if not isinstance(found, dict):
+        return None
+    try:
+        return Thresholds(float(found["floor_ulps"]), float(found["amplification"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def describe_thresholds(reference: RunRecord) -> str:
+    found = stored_thresholds(reference)
+    return found.describe() if found is not None else ""
+
+
+def attach_thresholds(results: dict[str, Any]) -> None:
+    """Store today's thresholds beside a recording's op trace (where it keeps one with sources)."""
+    stored = results.get(RESULT_KEY)
+    if isinstance(stored, dict):
+        stored[INTRODUCED_KEY] = DEFAULT.to_json()
+
+
+def epsilon(shape: str) -> float:
+    """The unit of rounding of a shape text's dtype ("f32[8, 64]" -> 2**-23)."""
+    dtype = shape.split("[", 1)[0]
+    if dtype in _EPSILON:
+        return _EPSILON[dtype]
+    return _INTEGER_EPSILON if dtype[:1] in ("i", "u", "b") else _EPSILON["f32"]
+
+
+def output_relative(run: Any, ref: Any) -> np.ndarray:
+    """Per output of an entry: the largest relative change of its digests (first_moved.relative_difference)."""
+    return np.array([relative_difference(_one(run, k), _one(ref, k)) for k in range(len(run.outputs))])
+
+
+def _one(entry: Any, k: int) -> Any:
+    return replace(entry, outputs=entry.outputs[k:k + 1], digests=entry.digests[k:k + 1], hashes=entry.hashes[k:k + 1])
+
+
+@dataclass
+class _Moves:
+    """Per entry of one rank, over the entries both traces share: how far each output moved (relative), and
+    each output's size and unit of rounding: its dtype's, or the coarsest its inputs' values were rounded to
+    where that is coarser (values upcast from bf16 carry bf16's rounding into every float32 op they reach)."""
+
+    outputs: list[np.ndarray]  # per entry: each output's relative move (0 where its bits are equal)
+    sizes: list[np.ndarray]  # per entry: each output's elements
+    epsilons: list[np.ndarray]  # per entry: each output's unit of rounding
+
+    @classmethod
+    def of(cls, reference: RankTrace, run: RankTrace) -> _Moves:
+        compare_hashes = reference.hash_kind == run.hash_kind
+        moves = cls([], [], [])
+        for i in range(min(len(reference), len(run))):
+            ref, got = reference.entry(i), run.entry(i)
+            if ref.identity != got.identity:
+                break  # a changed op sequence: later values cannot be paired
+            equal = np.array_equal(ref.hashes, got.hashes) if compare_hashes else \
+                np.array_equal(ref.digests.view(np.int64), got.digests.view(np.int64))
+            moves.outputs.append(np.zeros(len(got.outputs)) if equal else output_relative(got, ref))
+            moves.sizes.append(np.array([numel((s,)) for s in got.outputs], dtype=np.float64))
+            inherited = max((float(e) for j in run.sources_of(i) if j < i for e in moves.epsilons[j] if e < 1.0),
+                            default=0.0)  # floating inputs only: token ids round nothing
+            moves.epsilons.append(np.array([max(epsilon(s), inherited) for s in got.outputs], dtype=np.float64))
+        return moves
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def relative(self, index: int) -> float:
+        return float(self.outputs[index].max(initial=0.0))
+
+    def ulps(self, index: int) -> float:
+        found = self.outputs[index] / self.epsilons[index]
+        return float(found.max(initial=0.0))
+
+    def moved_outputs(self, index: int) -> list[tuple[float, float]]:
+        """(relative move, elements) of each output of entry ``index`` that moved."""
+        return [(float(r), float(n)) for r, n in zip(self.outputs[index], self.sizes[index]) if r > 0]
+
+
+def numel(shapes: tuple[str, ...]) -> int:
+    """Elements of the outputs whose shape texts are ``shapes`` ("f32[8, 64]" -> 512; "f32[]" -> 1)."""
+    total = 0
+    for shape in shapes:
+        dims = shape[shape.index("[") + 1:shape.rindex("]")] if "[" in shape else ""
+        total += int(np.prod([int(d) for d in dims.split(",") if d.strip()], dtype=np.int64))
+    return max(total, 1)
+
+
+def _inputs_moved(index: int, trace: RankTrace, moves: _Moves,
+                  others: list[tuple[RankTrace, _Moves]]) -> list[tuple[float, float]]:
+    """(relative move, elements) of every input of entry ``index`` that moved; for a collective, of every rank."""
+    pairs = [(trace, moves)]
+    if trace.entry(index).op.startswith(_CROSS_RANK):
+        pairs += others
+    return [moved for rank_trace, rank_moves in pairs for source in rank_trace.sources_of(index)
+            if source < len(rank_moves) for moved in rank_moves.moved_outputs(source)]
+
+
+def explained(inputs: list[tuple[float, float]], size: float) -> float:
+    """The move an output of ``size`` elements may take from inputs that moved as ``inputs`` say. A digest
+    spreads a change of a few elements over all of them, and a reduction (a norm, a sum) gathers it again into
+    few outputs: so an input larger than the output explains its move times the ratio of their sizes."""
+    return max((relative * max(1.0, elements / size) for relative, elements in inputs), default=0.0)
+
+
+def _introduces(index: int, inputs: list[tuple[float, float]], moves: _Moves, thresholds: Thresholds) -> float | None:
+    """What its inputs explain, where an output of entry ``index`` moved past the floor and more than
+    ``amplification`` times that; None where no output did."""
+    for relative, size, eps in zip(moves.outputs[index], moves.sizes[index], moves.epsilons[index]):
+        allowed = explained(inputs, size)
+        if relative / eps >= thresholds.floor_ulps and relative > thresholds.amplification * allowed:
+            return allowed
+    return None
+
+
+def _first_in_rank(trace: RankTrace, moves: _Moves, others: list[tuple[RankTrace, _Moves]],
+                   thresholds: Thresholds) -> tuple[int, float] | None:
+    """(entry index, what its inputs explain) of the first entry that introduced a difference, or None."""
+    drifted = False
+    for index in range(len(moves)):
+        if moves.ulps(index) < thresholds.floor_ulps:
+            drifted = drifted or moves.relative(index) > 0
+            continue
+        if trace.entry(index).op == INPUT_OP:
+            if not drifted:
+                return index, 0.0  # a tensor no op made (tokens, weights) moved that far, before any op: the data
+            continue  # made by what the trace does not see (a collective's wait) from values that drifted already
+        allowed = _introduces(index, _inputs_moved(index, trace, moves, others), moves, thresholds)
+        if allowed is not None:
+            return index, allowed
+    return None
+
+
+def analysed(reference: RunRecord, run: RunRecord) -> bool:
+    """Both records traced step 0 with sources on a rank they share, and the reference keeps its thresholds."""
+    ref_ranks, run_ranks = ranks(reference), ranks(run)
+    common = set(ref_ranks) & set(run_ranks)
+    return stored_thresholds(reference) is not None and bool(common) and \
+        all(ref_ranks[r].has_sources and run_ranks[r].has_sources for r in common)
+
+
+def introduced_at(reference: RunRecord, run: RunRecord) -> FirstMoved | None:
+    """The first op of step 0 that introduced a difference beyond drift, over every rank (the earliest entry,
+    the lowest rank on a tie); None where none did, or where ``analysed`` is false."""
+    if not analysed(reference, run):
+        return None
+    thresholds = stored_thresholds(reference)
+    assert thresholds is not None
+    ref_ranks, run_ranks = ranks(reference), ranks(run)
+    common = sorted(set(ref_ranks) & set(run_ranks))
+    moves = {r: _Moves.of(ref_ranks[r], run_ranks[r]) for r in common}
+    found: dict[int, tuple[int, float]] = {}
+    for r in common:
+        others = [(run_ranks[o], moves[o]) for o in common if o != r]
+        hit = _first_in_rank(run_ranks[r], moves[r], others, thresholds)
+        if hit is not None:
+            found[r] = hit
+    if not found:
+        return None
+    rank = min(found, key=lambda r: (found[r][0], r))
+    index, inputs = found[rank]
+    trace = run_ranks[rank]
+    entry = trace.entry(index)
+    same = tuple(r for r, (i, _) in found.items() if r != rank and i == index)
+    before = sum(1 for i in range(index) if trace.entry(i).op != INPUT_OP)
+    return FirstMoved(rank, "moved", entry, ref_ranks[rank].entry(index), before, moves[rank].relative(index),
+                      len(common), same, label="introduced at", inputs_relative=inputs, ulps=moves[rank].ulps(index))

@@ -86,6 +86,9 @@ class FaultKind:
     needs_peers: bool | tuple[str, ...] = False
     # Why a spec of this kind need not fire ("" : it must, or the case it ran with fails; faults/firing.py).
     need_not_fire: str = ""
+    # Code installed on the machine (a library release), not a fault of the stack under test: it runs in every
+    # launch, the float64 oracle's too, as the library's code would.
+    installed_code: bool = False
 
 
 _RANKS = Param("ranks", "only these ranks ('|'-separated)")
@@ -193,6 +196,13 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
         "proj": Param("choice", "projection of the affected module (default q_proj)",
                       ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
         "ranks": _RANKS, "rank": _RANKS}, required=("mode",), needs_peers=("rank0_slice",)),
+    FaultKind("library", ".library:install", "a library release that computes another function from the same "
+              "parameters (docs/triage.md); it runs in every launch, the float64 oracle's too", {
+                  "mode": Param("choice", "rope_interleaved: transformers' Llama rotate_half pairs neighbouring "
+                                          "features instead of the two halves; lora_rslora: peft scales an adapter "
+                                          "by alpha / sqrt(r) instead of alpha / r",
+                                ("rope_interleaved", "lora_rslora")),
+              }, required=("mode",), installed_code=True),
     FaultKind("checkpoint", ".checkpoint:install", "a checkpoint bug of docs/faults.md section 3, for scenario checkpoint and "
               "the resume cases of fsdp and lora "
               "(docs/checkpoint.md)", {

@@ -85,6 +85,8 @@ PATHS: dict[str, str] = {
     "format:mx_scale_off_by_one": "no MX shared exponent computed (device.mx_scale_exponent)",
     "format:loader_fn_as_fnuz": "no e4m3fn tensor loaded through the stack's {path} loader (the formats io cases)",
     "format:loader_e5m2_as_e4m3fn": "no e5m2 tensor loaded through the stack's {path} loader (the formats io cases)",
+    "library:rope_interleaved": "no rotary embedding of transformers' Llama applied (modeling_llama.rotate_half)",
+    "library:lora_rslora": "no LoRA adapter made by peft (LoraLayer.update_layer)",
     "lora:grad_leak": "no model wrapped with LoRA (adapter.wrap_with_lora)",
     "lora:rank0_slice": "no sharded adapter gathered for saving: adapter_io.gather_for_save under fully_shard, "
                         "Accelerator.get_state_dict of a sharded model under accelerate (on a CPU accelerate runs "

@@ -69,6 +69,9 @@ REACH: dict[str, tuple[str, ...]] = {
     # The formats io cases carry fp8 and fp4 tensors only; the bf16 lane reads its bf16 weights back through three
     # of the loaders (training/bf16_checkpoint.py).
     "format:loader_bf16_as_fp16": ("fsdp-bf16",),
+    # Installed code: the Llama family's forward (every case that runs the tiny Llama), peft's LoRA layers.
+    "library:rope_interleaved": tuple(c for c in _FORWARD if c != "formats"),
+    "library:lora_rslora": ("lora-fully_shard", "lora-accelerate", "lora-fully_shard-resume", "lora-accelerate-resume"),
     "lora": ("lora-fully_shard", "lora-accelerate"),
     "lora:rank0_slice": ("lora-fully_shard", "lora-accelerate"),
     # The resume cases load their reference's checkpoint through the same points (training/state_apply.py,
@@ -177,6 +180,14 @@ def reaching(texts: Iterable[str], scenario: str, case_ids: Iterable[str], devic
     """The specs of ``texts`` that reach at least one of the cases (all of the scenario's when none are named)."""
     ids = [test_id(scenario, c) for c in case_ids] or [c for c in COLUMNS if c.split("-")[0] == scenario] or [scenario]
     return [t for t in texts if any(reaches(parse(t), i, device_kind) for i in ids)]
+
+
+def installed_code(texts: Iterable[str]) -> list[str]:
+    """The specs of ``texts`` whose kind is code installed on the machine (a library release): they run in every
+    launch, the float64 oracle's too, where a fault of the stack under test never does."""
+    from . import KINDS
+
+    return [t for t in texts if KINDS[parse(t).kind].installed_code]
 
 
 def unreached_reason(texts: Iterable[str], scenario: str, case_id: str, device_kind: str = "cpu") -> str | None:

@@ -5,19 +5,23 @@ from __future__ import annotations
 
 from ..reference.compare import Comparison
 from ..reference.record import RunRecord
-from ..scenarios import Scenario, Setup
+from ..scenarios import Launch, Scenario, Setup
 from .launches import Runner
 
 
 def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, comparison: Comparison,
-                    model: str | None, flips: bool) -> tuple[str | None, list[str]]:
-    """(the component behind a failed comparison, report lines with the evidence): equivalence and the oracle
-    always, switches flipped with ``flips`` (--gpuregress-triage)."""
+                    model: str | None, flips: bool, experiments: bool = True) -> tuple[str | None, list[str]]:
+    """(the component behind a failed comparison, report lines with the evidence): first whether the model's code
+    changed (the float64 oracle against the reference's); then, for a scenario triage explains (``experiments``),
+    equivalence and the oracle always, switches flipped with ``flips`` (--gpuregress-triage)."""
     from .. import triage
     from ..reference import model_layout
     from ..triage.flips import flip
 
     model_changed = any(f.component == model_layout.COMPONENT for f in comparison.findings)
+    library = None if model_changed else library_change(sc, setup, run, reference, model)
+    if library is not None or not experiments:
+        return library or (None, [])
     try:
         # Equivalence and the oracle need no reference: even where the model's code changed, they can
         # still convict a collective or a kernel of this stack, which re-recording must not bury.
@@ -35,6 +39,51 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
     component, line = triage.verdict(comparison, experiments)
     keep_first_moved_stack(sc, setup, run, comparison, model, rerun=flips)
     return component, triage.report(line, experiments)
+
+
+def library_change(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord,
+                   model: str | None) -> tuple[str, list[str]] | None:
+    """``("library: <package>", evidence)`` where the float64 oracle on this stack computes another step 0 than
+    the one kept with the reference (reference/oracle_step0.py): the model's code changed, not a kernel under it.
+    None where it did not, or where either oracle is missing."""
+    from ..reference import oracle_step0
+
+    launch = oracle_launch(sc, setup, model)
+    if launch is None or reference.results.get(oracle_step0.RESULT_KEY) is None:
+        return None
+    try:
+        change = oracle_step0.code_change(reference, run(sc, launch))
+    except Exception:  # noqa: BLE001 - the experiments run the oracle again, and say why it failed
+        return None
+    if change is None:
+        return None
+    package = library_of(change.tensor)
+    return f"library: {package}", ["", f"triage verdict: library: {package}. Evidence: {change.describe()}; "
+                                       f"{_package_evidence(reference, package)}"]
+
+
+def library_of(tensor: str) -> str:
+    """The library whose code runs where the oracle moved most: peft for a LoRA adapter's tensors, else
+    transformers (the model's own modules)."""
+    return "peft" if ".lora_" in tensor else "transformers"
+
+
+def _package_evidence(reference: RunRecord, package: str) -> str:
+    recorded = (reference.fingerprint.get("versions") or {}).get(package)
+    installed = _installed_version(package)
+    if recorded and installed and recorded != installed:
+        return f"{package} changed since the reference ({recorded} -> {installed}): read its release notes"
+    return (f"{package} is at the reference's version ({installed or 'unknown'}): its code on this machine was "
+            "changed or patched")
+
+
+def _installed_version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def keep_first_moved_stack(sc: Scenario, setup: Setup, run: Runner, comparison: Comparison, model: str | None,
@@ -55,14 +104,24 @@ def keep_first_moved_stack(sc: Scenario, setup: Setup, run: Runner, comparison: 
         moved.stack.append(f"its Python stack: the re-run of step 0 failed ({type(exc).__name__}: {exc})")
 
 
-def measure_oracle_distance(sc: Scenario, setup: Setup, run: Runner, record: RunRecord, model: str | None) -> None:
-    """Store ``record``'s step-0 distance from triage's float64 oracle in it (reference/oracle_distance.py)."""
+def oracle_launch(sc: Scenario, setup: Setup, model: str | None) -> Launch | None:
+    """The float64 oracle of a scenario's step 0: its own, or triage's; None where it has none."""
     from .. import triage
-    from ..reference import oracle_distance
 
     oracle = sc.oracle_launch(setup, model)
     if oracle is None and sc.supports_triage:
         oracle = triage.launches(sc, setup, model)["oracle"]
+    return oracle
+
+
+def measure_oracle_distance(sc: Scenario, setup: Setup, run: Runner, record: RunRecord, model: str | None) -> None:
+    """Store in ``record`` its step-0 distance from the float64 oracle (reference/oracle_distance.py) and the
+    oracle's own step 0 (reference/oracle_step0.py), which later runs hold theirs against."""
+    from ..reference import oracle_distance, oracle_step0
+
+    oracle = oracle_launch(sc, setup, model)
     # Cases sharing one launch: measured once.
     if oracle is not None and record.results.get(oracle_distance.RESULT_KEY) is None:
-        oracle_distance.attach(record, run(sc, oracle))
+        oracle_record = run(sc, oracle)
+        oracle_distance.attach(record, oracle_record)
+        oracle_step0.attach(record, oracle_record)

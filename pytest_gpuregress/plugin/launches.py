@@ -69,7 +69,7 @@ class Launches:
                                 f"({launch.world_size or self.platform.world_size} ranks, environment {launch.env or 'as is'}), "
                                 "which cannot be started in place under torchrun; run it spawned locally")
         injected = reach.reaching(self.options.inject, sc.name, self.selection.served_cases(sc, launch.key),
-                                  self.platform.device_kind) if launch.inject else []
+                                  self.platform.device_kind) if launch.inject else reach.installed_code(self.options.inject)
         job = Job(
             scenario=launch.entry or sc.rank_entry,
             config=launch.config,

@@ -144,10 +144,10 @@ class GpuRegressSession:
             record.attachments.update(sc.attachments(case, record, self.launches.cached, self.setup))
 
         def explain(ref: RunRecord, comparison: Comparison) -> tuple[str | None, list[str]]:
-            return explain_failure(sc, self.setup, self.launches.cached, ref, comparison, model, self.options.triage)
+            return explain_failure(sc, self.setup, self.launches.cached, ref, comparison, model, self.options.triage,
+                                   experiments=sc.triage_explains(case))
 
-        self.pipeline.check(record, reference, comparator, unfired, explain if sc.triage_explains(case) else None,
-                            kept_as=test_id(sc, case))
+        self.pipeline.check(record, reference, comparator, unfired, explain, kept_as=test_id(sc, case))
 
     def _from_reference(self, sc: Scenario, case: Case, name: str | None, run: Runner) -> RunRecord | None:
         """The run of a case that starts from its stored reference (Scenario.from_reference); None when recording

@@ -112,4 +112,10 @@ def _record_advice(comparison: Comparison, record_hint: str, record_elsewhere_hi
     of this stack's own in another folder, as the model finding says (the old stack keeps its reference)."""
     if record_elsewhere_hint and any(f.metric == model_layout.COMPONENT for f in comparison.findings):
         return f"this stack needs a reference of its own: record it into another folder, keeping this one: {record_elsewhere_hint}"
+    library = next((f.component for f in comparison.findings if f.component.startswith("library:")), None)
+    if library is not None:  # not a kernel to re-record over: code that computes another function
+        package = library.split(":", 1)[1].strip()
+        return (f"the model's code changed with {package}: check its release notes (or the patch on this machine); "
+                "if the new numbers are what it means to compute, record a reference of this stack's own into "
+                f"another folder, keeping this one: {record_elsewhere_hint or record_hint}")
     return f"if the new numbers are right, record them as the reference: {record_hint}"

@@ -51,9 +51,11 @@ def check_merge(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, 
 
     findings: list[checks.Finding] = []
     worst_ratio = 0.0
-    scale = adapter.scale(cfg)
     for module, base in base_weights.items():
         lora_a, lora_b = factors[module]
+        # The layer's own scaling, as its forward applies it: the merge must agree with the adapter's forward (a
+        # peft release that scales by alpha / sqrt(r) changes both, which the float64 oracle names as the library).
+        scale = float(layers[module].scaling["default"])
         merged_w = merged_weights.get(module)
         if merged_w is not None:
             merged_w = _out_in(merged_w, module in flipped)

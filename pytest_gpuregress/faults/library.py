@@ -1,0 +1,63 @@
+"""Library code that computes another function: a release of transformers or peft that changed what the model
+computes from the same parameters. Each mode replaces the library's own function where the library defines it,
+so the new code runs its own ops, as a new release would, and in every launch, the float64 oracle's too: it is
+code installed on the machine, not a fault of the stack under test (FaultKind.installed_code).
+
+  rope_interleaved  transformers' Llama ``rotate_half`` pairs neighbouring features (the GPT-J convention)
+                    instead of the two halves
+  lora_rslora       peft's ``LoraLayer.update_layer`` scales an adapter by alpha / sqrt(r) instead of alpha / r
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from . import FaultSpec
+from .firing import Firing
+
+
+def _patch(ctx: Any, owner: Any, attr: str, replacement: Any) -> None:
+    original = getattr(owner, attr)
+    setattr(owner, attr, replacement(original))
+    ctx.cleanup_hooks.append(lambda: setattr(owner, attr, original))
+
+
+def _interleaved(firing: Firing) -> Any:
+    def wrap(original: Any) -> Any:
+        def rotate_half(x: Any) -> Any:
+            import torch
+
+            firing.fire()
+            return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+        return rotate_half
+
+    return wrap
+
+
+def _rslora(firing: Firing) -> Any:
+    def wrap(original: Any) -> Any:
+        def update_layer(self: Any, adapter_name: str, r: int, lora_alpha: int, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, adapter_name, r, lora_alpha, *args, **kwargs)
+            if adapter_name in self.scaling:
+                self.scaling[adapter_name] = lora_alpha / math.sqrt(r)
+                firing.fire()
+            return out
+
+        return update_layer
+
+    return wrap
+
+
+def install(spec: FaultSpec, ctx: Any) -> Firing:
+    firing = Firing(spec.text)
+    if spec.get("mode") == "rope_interleaved":
+        from transformers.models.llama import modeling_llama
+
+        _patch(ctx, modeling_llama, "rotate_half", _interleaved(firing))
+    else:
+        from peft.tuners.lora.layer import LoraLayer
+
+        _patch(ctx, LoraLayer, "update_layer", _rslora(firing))
+    return firing

@@ -1,0 +1,93 @@
+"""Whether the model's code computes another function: the float64 oracle's step 0, kept with the reference.
+
+A reference recorded with a float64 oracle at hand (fsdp, lora and the models of --gpuregress-model) keeps the
+oracle's step-0 loss and, per parameter, its step-0 gradient's sum, sum of |x| and max |x|. On a failing run the
+oracle runs again on this stack (it is triage's float64 one-rank run, with no fault of the stack under test). In
+float64 a new kernel path, a new BLAS or a collective moves these numbers by about 1e-15; a library that changed
+what the model computes (another RoPE convention, LoRA scaled by alpha / sqrt(r)) moves them by far more than
+``CODE_CHANGE``. So a moved oracle convicts the model's code (the library that runs it), not a kernel under it.
+numpy only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import step0
+from .record import RunRecord
+
+RESULT_KEY = "oracle_step0"  # in RunRecord.results: {"loss": float, "grads": {name: [sum, sum |x|, max |x|]}}
+# float64 step 0 moves ~1e-15 with the kernels; a library change that alters the math moves it past 1e-6 (an
+# RMSNorm epsilon of 1e-5 for 1e-6 moves it 5e-6). The oracle's gradients are kept in float32: 6e-8 per element.
+CODE_CHANGE = 1e-6
+
+
+@dataclass(frozen=True)
+class CodeChange:
+    """The oracle on this stack against the reference's: its largest relative move, and where."""
+
+    tensor: str  # the parameter whose gradient moved most ("loss" where the loss moved more)
+    relative: float
+    moved: int  # parameters whose gradient moved past CODE_CHANGE
+    total: int
+
+    def describe(self) -> str:
+        where = "the loss" if self.tensor == "loss" else f"the gradient of {self.tensor}"
+        return (f"the float64 oracle's step 0 on this stack differs from the one recorded with the reference: "
+                f"{where} by {self.relative:.2g} relative, {self.moved} of {self.total} gradients past "
+                f"{CODE_CHANGE:g}; float64 kernels move it by about 1e-15, so the model's code computes another "
+                f"function")
+
+
+def digest(oracle: RunRecord) -> dict[str, Any]:
+    """The oracle's step-0 loss and per-parameter gradient digests, as a reference keeps them."""
+    grads: dict[str, list[float]] = {}
+    for name in step0.names(oracle):
+        found = step0.full_or_blocks(oracle, name)
+        if found is None:
+            continue
+        prefix, values = found
+        if prefix == step0.FULL_PREFIX:
+            flat = np.abs(np.asarray(values, dtype=np.float64).reshape(-1))
+            grads[name] = [float(np.asarray(values, dtype=np.float64).sum()), float(flat.sum()), float(flat.max(initial=0.0))]
+        else:
+            rows = np.asarray(values, dtype=np.float64)
+            grads[name] = [float(rows[:, 2].sum()), float(rows[:, 3].sum()), float(rows[:, 4].max(initial=0.0))]
+    losses = oracle.series.get("loss") or [float("nan")]
+    return {"loss": float(losses[0]), "grads": grads}
+
+
+def attach(record: RunRecord, oracle: RunRecord) -> None:
+    """Keep ``oracle``'s step 0 in ``record`` (a recording about to become a reference)."""
+    record.results[RESULT_KEY] = digest(oracle)
+
+
+def _relative(now: list[float], then: list[float]) -> float:
+    total, abs_total, max_abs = (float(v) for v in then)
+    moves = [abs(now[0] - total) / abs_total if abs_total else abs(now[0] - total),
+             abs(now[1] - abs_total) / abs_total if abs_total else abs(now[1] - abs_total),
+             abs(now[2] - max_abs) / max_abs if max_abs else abs(now[2] - max_abs)]
+    return float(np.nan_to_num(max(moves), nan=np.inf))
+
+
+def code_change(reference: RunRecord, oracle: RunRecord) -> CodeChange | None:
+    """How the oracle's step 0 on this stack moved from the reference's, where it moved past ``CODE_CHANGE``;
+    None where it did not, where the reference keeps none (recorded before it was kept), or where the
+    parameters differ (another layout: reference/model_layout.py names that)."""
+    kept = reference.results.get(RESULT_KEY)
+    if not isinstance(kept, dict) or not isinstance(kept.get("grads"), dict):
+        return None
+    now = digest(oracle)
+    if set(now["grads"]) != set(kept["grads"]) or not now["grads"]:
+        return None
+    moves = {name: _relative(now["grads"][name], kept["grads"][name]) for name in now["grads"]}
+    then_loss = float(kept.get("loss", float("nan")))
+    moves_loss = abs(now["loss"] - then_loss) / abs(then_loss) if then_loss else abs(now["loss"])
+    worst = max(moves, key=lambda name: moves[name])
+    tensor, relative = (worst, moves[worst]) if moves[worst] >= moves_loss else ("loss", float(moves_loss))
+    if not relative > CODE_CHANGE:
+        return None
+    return CodeChange(tensor, relative, sum(1 for m in moves.values() if m > CODE_CHANGE), len(moves))

@@ -1,0 +1,142 @@
+"""Library code that computes another function is named ``[library: <package>]``, never a kernel, and carries no
+advice to re-record over the reference (#34 item 4): the float64 oracle's step 0, kept with the reference, moves
+only when the model's code changed (reference/oracle_step0.py). The faults that emulate it replace the library's
+own functions (faults/library.py) and run in the oracle's launch too, as installed code would.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pytest_gpuregress.faults import KINDS, parse
+from pytest_gpuregress.faults.reach import installed_code
+from pytest_gpuregress.plugin.explain import library_change, library_of
+from pytest_gpuregress.reference import oracle_step0
+from pytest_gpuregress.reference.compare import Comparison, Finding
+from pytest_gpuregress.reference.record import RunRecord
+from pytest_gpuregress.reference.report import format_comparison
+from pytest_gpuregress.scenarios import Launch
+
+from .conftest import make_record
+
+LORA_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"
+Q_PROJ = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+
+
+def oracle(lora_b_scale: float = 1.0, noise: float = 0.0, loss: float = 5.5) -> RunRecord:
+    """A float64 oracle's record: its step-0 loss and two gradients."""
+    record = make_record()
+    rng = np.random.default_rng(0)
+    record.arrays = {"step0_grad/" + Q_PROJ: rng.normal(size=(8, 8)) * (1 + noise),
+                     "step0_grad/" + LORA_B: rng.normal(size=(8, 2)) * lora_b_scale}
+    record.series = {"loss": [loss, loss * 0.9]}
+    return record
+
+
+def kept(record: RunRecord, with_oracle: RunRecord) -> RunRecord:
+    oracle_step0.attach(record, with_oracle)
+    return record
+
+
+def test_a_float64_oracle_that_moves_only_by_rounding_is_no_code_change() -> None:
+    reference = kept(make_record(), oracle())
+    assert oracle_step0.code_change(reference, oracle()) is None
+    assert oracle_step0.code_change(reference, oracle(noise=1e-12)) is None  # another float64 kernel path
+    assert oracle_step0.code_change(make_record(), oracle(lora_b_scale=2.0)) is None  # recorded before: no verdict
+
+
+def test_a_scaled_adapter_is_a_code_change_of_peft_and_a_moved_loss_of_the_model() -> None:
+    reference = kept(make_record(), oracle())
+    change = oracle_step0.code_change(reference, oracle(lora_b_scale=8 ** 0.5))  # alpha / sqrt(r) for alpha / r, r=8
+    assert change is not None and change.tensor == LORA_B and change.moved == 1 and change.total == 2
+    assert change.relative == pytest.approx(8 ** 0.5 - 1, rel=1e-9) and library_of(change.tensor) == "peft"
+    assert "the model's code computes another function" in change.describe()
+    rope = oracle_step0.code_change(reference, oracle(noise=1e-3, loss=5.6))
+    assert rope is not None and rope.tensor == "loss" and library_of(rope.tensor) == "transformers"
+    renamed = make_record()
+    renamed.arrays = {"step0_grad/other": np.ones(3)}
+    assert oracle_step0.code_change(reference, renamed) is None  # another layout: reference/model_layout.py's
+
+
+def test_the_failure_is_explained_by_the_library_from_the_oracle_launch_it_runs() -> None:
+    launch = Launch("triage-oracle", {})
+    scenario = SimpleNamespace(oracle_launch=lambda setup, model: launch, supports_triage=False)
+    reference = kept(make_record(), oracle())
+    ran: list[str] = []
+
+    def runner(changed: RunRecord) -> Any:
+        return lambda sc, la: ran.append(la.key) or changed
+
+    found = library_change(scenario, SimpleNamespace(), runner(oracle(lora_b_scale=2.0)), reference, None)  # type: ignore[arg-type]
+    assert found is not None and ran == ["triage-oracle"]
+    component, lines = found
+    assert component == "library: peft"
+    assert lines[1].startswith("triage verdict: library: peft. Evidence: the float64 oracle's step 0 on this stack")
+    assert "peft is at the reference's version" in lines[1] or "peft changed since the reference" in lines[1]
+    assert library_change(scenario, SimpleNamespace(), runner(oracle()), reference, None) is None  # type: ignore[arg-type]
+    no_oracle = SimpleNamespace(oracle_launch=lambda setup, model: None, supports_triage=False)
+    assert library_change(no_oracle, SimpleNamespace(), runner(oracle(2.0)), reference, None) is None  # type: ignore[arg-type]
+
+
+def test_a_library_finding_gives_release_notes_and_a_folder_of_its_own_never_a_re_record() -> None:
+    finding = Finding("step0_grad", "library: transformers", "step0_grad model.layers.0.self_attn.q_proj.weight ...")
+    comparison = Comparison("tolerant", "the stack changed", [finding], [])
+    text = format_comparison(comparison, scenario="fsdp", platform_key="cpu-gloo-w2-fp32", reference_path="ref",
+                             record_hint="pytest --gpuregress --gpuregress-record -k fsdp",
+                             record_elsewhere_hint="pytest --gpuregress --gpuregress-record -k fsdp "
+                                                   "--gpuregress-reference-dir=new")
+    assert "[library: transformers] step0_grad" in text
+    assert "the model's code changed with transformers: check its release notes" in text
+    assert "--gpuregress-reference-dir=new" in text and "record them as the reference" not in text
+
+
+def test_library_faults_are_installed_code_that_runs_in_the_oracle_too() -> None:
+    assert KINDS["library"].installed_code and not KINDS["linear_noise"].installed_code
+    texts = ["library:mode=rope_interleaved", "linear_noise:rel=1e-4"]
+    assert installed_code(texts) == ["library:mode=rope_interleaved"]
+    assert installed_code(["collective:op=reduce_scatter"]) == []
+
+
+def test_the_rope_fault_replaces_transformers_rotate_half_and_undoes_it() -> None:
+    import torch
+    from transformers.models.llama import modeling_llama
+
+    from pytest_gpuregress.faults.library import install
+
+    original = modeling_llama.rotate_half
+    ctx = SimpleNamespace(cleanup_hooks=[])
+    firing = install(parse("library:mode=rope_interleaved"), ctx)
+    x = torch.arange(8.0).reshape(1, 8)
+    assert torch.equal(modeling_llama.rotate_half(x), torch.tensor([[-1.0, 0, -3, 2, -5, 4, -7, 6]]))
+    assert firing.count == 1
+    for undo in ctx.cleanup_hooks:
+        undo()
+    assert modeling_llama.rotate_half is original
+    assert torch.equal(original(x), torch.tensor([[-4.0, -5, -6, -7, 0, 1, 2, 3]]))
+
+
+def test_the_rslora_fault_scales_peft_adapters_by_alpha_over_the_root_of_r_and_undoes_it() -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.layer import LoraLayer
+
+    from pytest_gpuregress.faults.library import install
+
+    def adapted() -> Any:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["0"]))
+
+    original = LoraLayer.update_layer
+    ctx = SimpleNamespace(cleanup_hooks=[])
+    firing = install(parse("library:mode=lora_rslora"), ctx)
+    layer = next(m for m in adapted().modules() if isinstance(m, LoraLayer))
+    assert layer.scaling["default"] == pytest.approx(8 / 4 ** 0.5) and firing.count == 1
+    for undo in ctx.cleanup_hooks:
+        undo()
+    assert LoraLayer.update_layer is original
+    layer = next(m for m in adapted().modules() if isinstance(m, LoraLayer))
+    assert layer.scaling["default"] == pytest.approx(8 / 4)

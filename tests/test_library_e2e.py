@@ -1,0 +1,51 @@
+"""End to end, #34 item 4: a RoPE convention changed in transformers' code and LoRA scaled by alpha / sqrt(r) in
+peft's are named ``[library: transformers]`` and ``[library: peft]``, with the float64 oracle as the evidence,
+never ``[kernel]``, and the advice is the library's release notes and a folder of this stack's own, never a
+re-record over the reference. The faults replace the libraries' own functions, in every launch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import FSDP_ONLY, FSDP_STEPS, record_references
+
+pytestmark = [pytest.mark.slow, pytest.mark.full_tier]
+
+LORA = "lora-accelerate and not resume"
+
+
+def run(cwd: Path, refs: Path, selection: str, fault: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-steps={FSDP_STEPS}",
+           f"--gpuregress-reference-dir={refs}", "-k", selection, f"--gpuregress-inject={fault}"]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def tags(out: str) -> set[str]:
+    return {line.split("]", 1)[0] + "]" for line in out.splitlines() if line.startswith("[")}
+
+
+def test_a_rope_change_in_transformers_is_the_library_not_a_kernel(fsdp_reference: Path, tmp_path: Path) -> None:
+    done = run(tmp_path, fsdp_reference, FSDP_ONLY, "library:mode=rope_interleaved")
+    assert done.returncode == 1, done.stdout[-4000:]
+    assert tags(done.stdout) == {"[library: transformers]"}, done.stdout[-4000:]
+    assert "triage verdict: library: transformers. Evidence: the float64 oracle's step 0 on this stack differs" \
+        in done.stdout
+    assert "the model's code changed with transformers: check its release notes" in done.stdout
+    assert "record them as the reference" not in done.stdout
+
+
+def test_a_lora_scaling_change_in_peft_is_the_library_not_a_kernel(tmp_path_factory: pytest.TempPathFactory,
+                                                                  tmp_path: Path) -> None:
+    refs = record_references(tmp_path_factory.mktemp("lora-library"), f"--gpuregress-steps={FSDP_STEPS}",
+                             "--gpuregress-replicas=0", "-k", LORA)
+    done = run(tmp_path, refs, LORA, "library:mode=lora_rslora")
+    assert done.returncode == 1, done.stdout[-4000:]
+    assert tags(done.stdout) == {"[library: peft]"}, done.stdout[-4000:]  # the merge check agrees with the forward
+    assert "triage verdict: library: peft. Evidence: the float64 oracle's step 0" in done.stdout
+    assert "the model's code changed with peft: check its release notes" in done.stdout
+    assert "record them as the reference" not in done.stdout

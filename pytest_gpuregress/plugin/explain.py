@@ -57,24 +57,9 @@ def library_change(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
         return None
     if change is None:
         return None
-    package = library_of(change.tensor)
-    return f"library: {package}", ["", f"triage verdict: library: {package}. Evidence: {change.describe()}; "
-                                       f"{_package_evidence(reference, package)}"]
-
-
-def library_of(tensor: str) -> str:
-    """The library whose code runs where the oracle moved most: peft for a LoRA adapter's tensors, else
-    transformers (the model's own modules)."""
-    return "peft" if ".lora_" in tensor else "transformers"
-
-
-def _package_evidence(reference: RunRecord, package: str) -> str:
-    recorded = (reference.fingerprint.get("versions") or {}).get(package)
-    installed = _installed_version(package)
-    if recorded and installed and recorded != installed:
-        return f"{package} changed since the reference ({recorded} -> {installed}): read its release notes"
-    return (f"{package} is at the reference's version ({installed or 'unknown'}): its code on this machine was "
-            "changed or patched")
+    recorded = reference.fingerprint.get("versions") or {}
+    package, why = oracle_step0.suspect(change.tensor, recorded, {p: _installed_version(p) for p in recorded})
+    return f"library: {package}", ["", f"triage verdict: library: {package}. Evidence: {change.describe()}; {why}"]
 
 
 def _installed_version(package: str) -> str | None:

@@ -91,3 +91,25 @@ def code_change(reference: RunRecord, oracle: RunRecord) -> CodeChange | None:
     if not relative > CODE_CHANGE:
         return None
     return CodeChange(tensor, relative, sum(1 for m in moves.values() if m > CODE_CHANGE), len(moves))
+
+
+MODEL_LIBRARIES = ("transformers", "peft", "accelerate")
+
+
+def suspect(tensor: str, recorded: dict[str, str | None], installed: dict[str, str | None]) -> tuple[str, str]:
+    """(the package whose code changed, why), from the most-moved tensor and the versions the reference was
+    recorded with against this stack's: a model library that changed version, peft for an adapter's tensors,
+    transformers for the model's own; torch where only torch changed (its ops compute another function, or its
+    float64 kernels broke: a torch bug either way). Where no version changed, the code on this machine was."""
+    changed = [p for p in ("torch", *MODEL_LIBRARIES) if recorded.get(p) and installed.get(p)
+               and recorded[p] != installed[p]]
+    by_tensor = "peft" if ".lora_" in tensor else "transformers"
+    models = [p for p in changed if p in MODEL_LIBRARIES]
+    package = by_tensor if by_tensor in models or not models else models[0]
+    if not models and "torch" in changed:
+        package = "torch"
+    if package in changed:
+        return package, f"{package} changed since the reference ({recorded[package]} -> {installed[package]}): " \
+                        "read its release notes"
+    return package, f"{package} is at the reference's version ({installed.get(package) or 'unknown'}): its code on " \
+                    "this machine was changed or patched"

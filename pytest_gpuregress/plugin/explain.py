@@ -47,6 +47,7 @@ def library_change(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
     the one kept with the reference (reference/oracle_step0.py): the model's code changed, not a kernel under it.
     None where it did not, or where either oracle is missing."""
     from ..reference import oracle_step0
+    from ..stack.fingerprint import installed_version
 
     launch = oracle_launch(sc, setup, model)
     if launch is None or reference.results.get(oracle_step0.RESULT_KEY) is None:
@@ -58,17 +59,8 @@ def library_change(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
     if change is None:
         return None
     recorded = reference.fingerprint.get("versions") or {}
-    package, why = oracle_step0.suspect(change.tensor, recorded, {p: _installed_version(p) for p in recorded})
+    package, why = oracle_step0.suspect(change.tensor, recorded, {p: installed_version(p) for p in recorded})
     return f"library: {package}", ["", f"triage verdict: library: {package}. Evidence: {change.describe()}; {why}"]
-
-
-def _installed_version(package: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def keep_first_moved_stack(sc: Scenario, setup: Setup, run: Runner, comparison: Comparison, model: str | None,

@@ -104,7 +104,7 @@ def _shapes(entry: TraceOp) -> str:
     return f"{entry.inputs} -> {outputs}" if entry.inputs and entry.op != INPUT_OP else outputs
 
 
-def _bits_equal(a: TraceOp, b: TraceOp, compare_hashes: bool) -> bool:
+def bits_equal(a: TraceOp, b: TraceOp, compare_hashes: bool) -> bool:
     """Equal bits: equal hashes (an integer sum, the same in any order on any stack). Without hashes of one
     kind, equal float64 digests; those may also differ where only the summation order of the digest changed."""
     if compare_hashes:
@@ -112,17 +112,28 @@ def _bits_equal(a: TraceOp, b: TraceOp, compare_hashes: bool) -> bool:
     return np.array_equal(a.digests.view(np.int64), b.digests.view(np.int64))
 
 
-def relative_difference(run: TraceOp, ref: TraceOp) -> float:
-    """The largest relative change of the digests (see the module docstring); inf where NaN appears in one."""
+def _changes(run: TraceOp, ref: TraceOp) -> np.ndarray:
+    """Per output, the largest relative change of its digests, NaNs read as no change."""
     g, r = run.digests, ref.digests
-    if np.isnan(g).any() != np.isnan(r).any():
-        return float("inf")
     with np.errstate(divide="ignore", invalid="ignore"):
         change = np.abs(g - r)
         scale = np.stack([r[:, 1], r[:, 1], r[:, 2]], axis=1)
         rel = np.where(change == 0, 0.0, change / scale)
-    rel = np.nan_to_num(rel, nan=0.0, posinf=np.inf)
-    return float(rel.max(initial=0.0))
+    return np.nan_to_num(rel, nan=0.0, posinf=np.inf).max(axis=1, initial=0.0)
+
+
+def relative_per_output(run: TraceOp, ref: TraceOp) -> np.ndarray:
+    """Per output, the largest relative change of its digests (see the module docstring); inf for an output
+    where NaN appears in one digest and not the other."""
+    nan_differs = np.isnan(run.digests).any(axis=1) != np.isnan(ref.digests).any(axis=1)
+    return np.where(nan_differs, np.inf, _changes(run, ref))
+
+
+def relative_difference(run: TraceOp, ref: TraceOp) -> float:
+    """The largest relative change of the digests over every output; inf where NaN appears in one."""
+    if np.isnan(run.digests).any() != np.isnan(ref.digests).any():
+        return float("inf")
+    return float(_changes(run, ref).max(initial=0.0))
 
 
 def first_in_rank(reference: RankTrace, run: RankTrace) -> tuple[str, int, float] | None:
@@ -132,7 +143,7 @@ def first_in_rank(reference: RankTrace, run: RankTrace) -> tuple[str, int, float
         ref, got = reference.entry(i), run.entry(i)
         if ref.identity != got.identity:
             return "sequence", i, 0.0
-        if not _bits_equal(ref, got, compare_hashes):
+        if not bits_equal(ref, got, compare_hashes):
             return "moved", i, relative_difference(got, ref)
     if len(reference) != len(run):
         return "sequence", min(len(reference), len(run)), 0.0

@@ -8,7 +8,7 @@ its inputs' moves: an op introduced a difference when its output moved
   - more than ``amplification`` times the most any of its inputs moved (an op whose output moved about as much
     as its inputs propagates what came before).
 
-A move is the largest relative change of an output's digests (first_moved.relative_difference); its inputs are
+A move is the largest relative change of an output's digests (first_moved.relative_per_output); its inputs are
 the entries whose values they hold (the trace's sources, kept since traces recorded them). A collective's output
 holds every rank's input, so its inputs' move is the largest over the ranks. The thresholds were measured on
 clean runs across kernel paths (docs/envelope.md, "The op that introduced a difference") and are stored with the
@@ -17,12 +17,12 @@ reference when it is recorded, so a later change of them never re-judges an olde
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .first_moved import FirstMoved, relative_difference
+from .first_moved import FirstMoved, bits_equal, relative_per_output
 from .op_trace import INPUT_OP, RESULT_KEY, RankTrace, ranks
 from .record import RunRecord
 
@@ -88,15 +88,6 @@ def epsilon(shape: str) -> float:
     return _INTEGER_EPSILON if dtype[:1] in ("i", "u", "b") else _EPSILON["f32"]
 
 
-def output_relative(run: Any, ref: Any) -> np.ndarray:
-    """Per output of an entry: the largest relative change of its digests (first_moved.relative_difference)."""
-    return np.array([relative_difference(_one(run, k), _one(ref, k)) for k in range(len(run.outputs))])
-
-
-def _one(entry: Any, k: int) -> Any:
-    return replace(entry, outputs=entry.outputs[k:k + 1], digests=entry.digests[k:k + 1], hashes=entry.hashes[k:k + 1])
-
-
 @dataclass
 class _Moves:
     """Per entry of one rank, over the entries both traces share: how far each output moved (relative), and
@@ -115,9 +106,8 @@ class _Moves:
             ref, got = reference.entry(i), run.entry(i)
             if ref.identity != got.identity:
                 break  # a changed op sequence: later values cannot be paired
-            equal = np.array_equal(ref.hashes, got.hashes) if compare_hashes else \
-                np.array_equal(ref.digests.view(np.int64), got.digests.view(np.int64))
-            moves.outputs.append(np.zeros(len(got.outputs)) if equal else output_relative(got, ref))
+            equal = bits_equal(ref, got, compare_hashes)
+            moves.outputs.append(np.zeros(len(got.outputs)) if equal else relative_per_output(got, ref))
             moves.sizes.append(np.array([numel((s,)) for s in got.outputs], dtype=np.float64))
             inherited = max((float(e) for j in run.sources_of(i) if j < i for e in moves.epsilons[j] if e < 1.0),
                             default=0.0)  # floating inputs only: token ids round nothing

@@ -26,11 +26,7 @@ def layout(record: RunRecord) -> dict[str, tuple[int, ...] | None]:
     """Parameter name -> shape, from the record's step-0 gradients: whole, or in blocks with the shape in the
     digests (None where a record does not say it: such a parameter counts by name only)."""
     shapes: dict[str, tuple[int, ...] | None] = {}
-    for name in step0.names(record):
-        found = step0.full_or_blocks(record, name)
-        if found is None:
-            continue
-        prefix, array = found
+    for name, prefix, array in step0.each(record):
         if prefix == step0.BLOCK_PREFIX:
             shape = record.digests.get(name, {}).get("shape")
             shapes[name] = tuple(shape) if shape else None

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import step0
+from .model_layout import MODEL_LIBRARIES
 from .record import RunRecord
 
 RESULT_KEY = "oracle_step0"  # in RunRecord.results: {"loss": float, "grads": {name: [sum, sum |x|, max |x|]}}
@@ -44,18 +45,7 @@ class CodeChange:
 
 def digest(oracle: RunRecord) -> dict[str, Any]:
     """The oracle's step-0 loss and per-parameter gradient digests, as a reference keeps them."""
-    grads: dict[str, list[float]] = {}
-    for name in step0.names(oracle):
-        found = step0.full_or_blocks(oracle, name)
-        if found is None:
-            continue
-        prefix, values = found
-        if prefix == step0.FULL_PREFIX:
-            flat = np.abs(np.asarray(values, dtype=np.float64).reshape(-1))
-            grads[name] = [float(np.asarray(values, dtype=np.float64).sum()), float(flat.sum()), float(flat.max(initial=0.0))]
-        else:
-            rows = np.asarray(values, dtype=np.float64)
-            grads[name] = [float(rows[:, 2].sum()), float(rows[:, 3].sum()), float(rows[:, 4].max(initial=0.0))]
+    grads = {name: step0.totals(prefix, values) for name, prefix, values in step0.each(oracle)}
     losses = oracle.series.get("loss") or [float("nan")]
     return {"loss": float(losses[0]), "grads": grads}
 
@@ -93,18 +83,15 @@ def code_change(reference: RunRecord, oracle: RunRecord) -> CodeChange | None:
     return CodeChange(tensor, relative, sum(1 for m in moves.values() if m > CODE_CHANGE), len(moves))
 
 
-MODEL_LIBRARIES = ("transformers", "peft", "accelerate")
-
 
 def suspect(tensor: str, recorded: dict[str, str | None], installed: dict[str, str | None]) -> tuple[str, str]:
     """(the package whose code changed, why), from the most-moved tensor and the versions the reference was
     recorded with against this stack's: a model library that changed version, peft for an adapter's tensors,
     transformers for the model's own; torch where only torch changed (its ops compute another function, or its
     float64 kernels broke: a torch bug either way). Where no version changed, the code on this machine was."""
-    changed = [p for p in ("torch", *MODEL_LIBRARIES) if recorded.get(p) and installed.get(p)
-               and recorded[p] != installed[p]]
+    changed = [p for p in MODEL_LIBRARIES if recorded.get(p) and installed.get(p) and recorded[p] != installed[p]]
     by_tensor = "peft" if ".lora_" in tensor else "transformers"
-    models = [p for p in changed if p in MODEL_LIBRARIES]
+    models = [p for p in changed if p != "torch"]
     package = by_tensor if by_tensor in models or not models else models[0]
     if not models and "torch" in changed:
         package = "torch"

@@ -18,6 +18,8 @@ ranks produced it (``merge_ranks`` adds the partial blocks at shard edges). nump
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from .record import RunRecord
@@ -121,6 +123,23 @@ def renamed(arrays: dict[str, np.ndarray], source: tuple[str, str], target: tupl
 def names(record: RunRecord) -> list[str]:
     """Every parameter with a step-0 gradient, whole or in blocks."""
     return sorted(k.split("/", 1)[1] for k in record.arrays if k.startswith((FULL_PREFIX, BLOCK_PREFIX)))
+
+
+def each(record: RunRecord) -> Iterator[tuple[str, str, np.ndarray]]:
+    """(name, prefix, array) of every step-0 gradient: whole (FULL_PREFIX) or in blocks (BLOCK_PREFIX)."""
+    for name in names(record):
+        found = full_or_blocks(record, name)
+        if found is not None:
+            yield name, *found
+
+
+def totals(prefix: str, array: np.ndarray) -> list[float]:
+    """[sum, sum of |x|, max |x|] of a gradient, in float64, from its whole values or its blocks' rows."""
+    values = np.asarray(array, dtype=np.float64)
+    if prefix == BLOCK_PREFIX:
+        return [float(values[:, _SUM].sum()), float(values[:, _ABS_SUM].sum()), float(values[:, _MAX_ABS].max(initial=0.0))]
+    magnitude = np.abs(values.reshape(-1))
+    return [float(values.sum()), float(magnitude.sum()), float(magnitude.max(initial=0.0))]
 
 
 def full_or_blocks(record: RunRecord, name: str) -> tuple[str, np.ndarray] | None:

@@ -67,7 +67,8 @@ _ENV_IGNORED = {
 }
 
 
-def _version(dist: str) -> str | None:
+def installed_version(dist: str) -> str | None:
+    """The installed version of a distribution, or None where it is not installed."""
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -218,12 +219,12 @@ def collect(
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
-            "transformers": _version("transformers"),
-            "peft": _version("peft"),
-            "accelerate": _version("accelerate"),
-            "safetensors": _version("safetensors"),
-            "numpy": _version("numpy"),
-            "pytest_gpuregress": _version("pytest-gpuregress"),
+            "transformers": installed_version("transformers"),
+            "peft": installed_version("peft"),
+            "accelerate": installed_version("accelerate"),
+            "safetensors": installed_version("safetensors"),
+            "numpy": installed_version("numpy"),
+            "pytest_gpuregress": installed_version("pytest-gpuregress"),
         },
         "device": {**_device_section(torch, device_kind),
                    **({"cpu_bf16": cpu_bf16()} if bf16 and device_kind == "cpu" else {})},

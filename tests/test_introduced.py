@@ -243,3 +243,42 @@ def test_the_scale_mode_of_the_collective_fault_scales_every_element_and_only_fl
     fault.after("reduce_scatter", 32, ints, None)
     assert fault.fired == 1 and torch.equal(ints, torch.arange(8))  # nothing to scale: not fired
 
+
+
+def test_a_changed_op_sequence_is_named_as_such_in_the_tolerant_lane_never_as_drift() -> None:
+    ref = record_of(reduce_scatter([1.0, 2.0], 3.0))
+    changed = record_of(trace_of([(INPUT_OP, "f32[8]", [], [1.0, 8.0, 1.0]),
+                                  ("aten::sigmoid", "f32[8]", [0], [2.0, 8.0, 1.0]),  # the library wrote SiLU anew
+                                  ("c10d::_reduce_scatter_base_", "f32[4]", [1], [3.0, 4.0, 1.0])]))
+    changed.series = {k: [v * (1 + 1e-3) for v in vals] for k, vals in changed.series.items()}
+    comparison = compare_training(ref, changed, lane="tolerant")
+    assert comparison.introduced is None and comparison.culprit is comparison.first_moved
+    assert comparison.culprit is not None and comparison.culprit.kind == "sequence"
+    text = report(comparison)
+    assert "the op sequence changed at op 1" in text and "moved beyond drift" not in text
+    evidence = triage.first_moved_evidence(comparison)
+    assert evidence is not None and evidence.status == "sequence changed"
+    assert evidence.detail.startswith("the op sequence changed at op 1: the reference ran aten::mul")
+
+
+def test_a_collective_on_ranks_whose_traces_differ_weighs_only_the_ranks_that_ran_it() -> None:
+    """MoE routing can make ranks run other ops: a rank whose trace is shorter, or holds another op at that
+    place, is left out of the collective's inputs instead of failing the comparison or pairing another op."""
+    ref = record_of(reduce_scatter([1.0, 2.0], 3.0), trace_of([(INPUT_OP, "f32[8]", [], [1.0, 8.0, 1.0])]))
+    run = record_of(reduce_scatter([1.0, 2.0], 3.0 + 4e-3), trace_of([(INPUT_OP, "f32[8]", [], [1.0, 8.0, 1.0])]))
+    found = introduced.introduced_at(ref, run)
+    assert found is not None and found.entry is not None and found.entry.op == "c10d::_reduce_scatter_base_"
+
+
+def test_an_op_that_writes_into_an_input_in_place_becomes_its_source() -> None:
+    import torch
+
+    from pytest_gpuregress.training.op_trace import _Storages
+
+    storages, weight = _Storages(), torch.ones(4)
+    assert storages.first_read(weight)
+    storages.wrote(weight, 3, as_input=True)
+    assert storages.writer(weight) == 3  # read as an input
+    storages.wrote(weight, 9)  # AdamW's step writes it in place
+    assert storages.writer(weight) == 9
+    storages.close()

@@ -62,16 +62,32 @@ def test_a_scaled_adapter_is_a_code_change_of_peft_and_a_moved_loss_of_the_model
     assert oracle_step0.code_change(reference, renamed) is None  # another layout: reference/model_layout.py's
 
 
+def moved_at(tensor: str, loss_relative: float = 0.0) -> oracle_step0.CodeChange:
+    return oracle_step0.CodeChange(tensor, 0.5, 1, 2, loss_relative)
+
+
 def test_the_package_is_the_one_that_changed_else_the_one_whose_code_runs_where_the_oracle_moved() -> None:
     same = {"torch": "2.13.0", "transformers": "5.24.0", "peft": "0.21.2", "accelerate": "1.16.0"}
-    assert oracle_step0.suspect(LORA_B, same, same)[0] == "peft"
-    package, why = oracle_step0.suspect(Q_PROJ, same, same)
+    assert oracle_step0.suspect(moved_at(LORA_B), same, same)[0] == "peft"
+    # lora's oracle keeps adapter gradients only: where its loss moved too, the model's forward changed
+    assert oracle_step0.suspect(moved_at(LORA_B, loss_relative=0.02), same, same)[0] == "transformers"
+    package, why = oracle_step0.suspect(moved_at(Q_PROJ), same, same)
     assert package == "transformers" and "its code on this machine was changed or patched" in why
     newer = {**same, "transformers": "5.25.0"}
-    package, why = oracle_step0.suspect(LORA_B, same, newer)  # peft did not change; transformers did
+    package, why = oracle_step0.suspect(moved_at(LORA_B), same, newer)  # peft did not change; transformers did
     assert package == "transformers" and why.startswith("transformers changed since the reference (5.24.0 -> 5.25.0)")
-    assert oracle_step0.suspect(Q_PROJ, same, {**same, "torch": "2.14.1"})[0] == "torch"
-    assert oracle_step0.suspect(LORA_B, same, {**same, "peft": "0.22.0", "torch": "2.14.1"})[0] == "peft"
+    assert oracle_step0.suspect(moved_at(Q_PROJ), same, {**same, "torch": "2.14.1"})[0] == "torch"
+    package, why = oracle_step0.suspect(moved_at(LORA_B), same, {**same, "peft": "0.22.0", "torch": "2.14.1"})
+    assert package == "peft" and why.endswith("(torch changed too: 2.13.0 -> 2.14.1)")
+    # accelerate only wraps the training runs; the float64 oracle never runs it
+    assert oracle_step0.suspect(moved_at(Q_PROJ), same, {**same, "accelerate": "1.17.0"})[0] == "transformers"
+
+
+def test_a_nan_oracle_loss_on_one_side_is_a_change_and_never_hides_the_gradients() -> None:
+    reference = kept(make_record(), oracle())
+    broken = oracle(lora_b_scale=2.0, loss=float("nan"))
+    change = oracle_step0.code_change(reference, broken)
+    assert change is not None and change.tensor == "loss" and change.relative == float("inf")
 
 
 def test_the_failure_is_explained_by_the_library_from_the_oracle_launch_it_runs() -> None:
@@ -88,10 +104,10 @@ def test_the_failure_is_explained_by_the_library_from_the_oracle_launch_it_runs(
 
     found = library_change(scenario, SimpleNamespace(), runner(oracle(lora_b_scale=2.0)), reference, None)  # type: ignore[arg-type]
     assert found is not None and ran == ["triage-oracle"]
-    component, lines = found
+    component, evidence = found
     assert component == "library: peft"
-    assert lines[1].startswith("triage verdict: library: peft. Evidence: the float64 oracle's step 0 on this stack")
-    assert "peft is at the reference's version" in lines[1]  # no version changed: the code on this machine did
+    assert evidence.startswith("the float64 oracle's step 0 on this stack differs")
+    assert "peft is at the reference's version" in evidence  # no version changed: the code on this machine did
     assert library_change(scenario, SimpleNamespace(), runner(oracle()), reference, None) is None  # type: ignore[arg-type]
     no_oracle = SimpleNamespace(oracle_launch=lambda setup, model: None, supports_triage=False)
     assert library_change(no_oracle, SimpleNamespace(), runner(oracle(2.0)), reference, None) is None  # type: ignore[arg-type]
@@ -155,3 +171,35 @@ def test_the_rslora_fault_scales_peft_adapters_by_alpha_over_the_root_of_r_and_u
     assert LoraLayer.update_layer is original
     layer = next(m for m in adapted().modules() if isinstance(m, LoraLayer))
     assert layer.scaling["default"] == pytest.approx(8 / 4)
+
+
+def test_an_experiment_that_convicts_this_stack_wins_over_a_library_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upgrade that changed transformers and broke a collective: equivalence convicts the collective, and the
+    library's change is evidence beside it, never a verdict that buries the bug under "record your own"."""
+    from pytest_gpuregress import triage
+    from pytest_gpuregress.plugin import explain
+
+    evidence = "the float64 oracle's step 0 on this stack differs ..."
+    monkeypatch.setattr(explain, "library_change", lambda *args: ("library: transformers", evidence))
+    finding = Finding("step0_grad", "kernel", "step0_grad ...", step=0)
+
+    def explained(experiments: list[Any], run_experiments: bool = True,
+                  findings: list[Finding] | None = None) -> tuple[Any, list[str]]:
+        monkeypatch.setattr(triage, "cheap_evidence", lambda *args: list(experiments))
+        comparison = Comparison("tolerant", "changed", findings or [finding], [])
+        return explain.explain_failure(SimpleNamespace(), SimpleNamespace(), None, make_record(), comparison,  # type: ignore[arg-type]
+                                       None, flips=False, run_experiments=run_experiments)
+
+    convicting = [triage.Experiment("equivalence", "differs", "2 ranks differ from 1", component="collective"),
+                  triage.Experiment("oracle", "clean", "")]
+    component, lines = explained(convicting)
+    assert component == "collective" and f"    also: {evidence}" in lines
+    clean = [triage.Experiment("equivalence", "clean", ""), triage.Experiment("oracle", "clean", "")]
+    component, lines = explained(clean)
+    assert component == "library: transformers" and lines[1] == f"triage verdict: library: transformers. Evidence: {evidence}"
+    # a scenario triage does not explain: a round trip's finding keeps its name, the code change is evidence
+    round_trip = Finding("resume", "checkpoint", "resume ...")
+    component, lines = explained([], run_experiments=False, findings=[round_trip])
+    assert component is None and lines == ["", f"also: {evidence}"]
+    component, lines = explained([], run_experiments=False)
+    assert component == "library: transformers"

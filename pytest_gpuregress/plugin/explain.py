@@ -10,18 +10,20 @@ from .launches import Runner
 
 
 def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, comparison: Comparison,
-                    model: str | None, flips: bool, experiments: bool = True) -> tuple[str | None, list[str]]:
-    """(the component behind a failed comparison, report lines with the evidence): first whether the model's code
-    changed (the float64 oracle against the reference's); then, for a scenario triage explains (``experiments``),
-    equivalence and the oracle always, switches flipped with ``flips`` (--gpuregress-triage)."""
+                    model: str | None, flips: bool, run_experiments: bool = True) -> tuple[str | None, list[str]]:
+    """(the component behind a failed comparison, report lines with the evidence): whether the model's code
+    changed (the float64 oracle against the reference's), and for a scenario triage explains
+    (``run_experiments``) equivalence and the oracle always, switches flipped with ``flips`` (--gpuregress-triage).
+    A code change is the verdict only where no experiment convicts this stack: a collective or kernel bug of an
+    upgrade that also changed a library must not be buried under "record a reference of your own"."""
     from .. import triage
     from ..reference import model_layout
     from ..triage.flips import flip
 
     model_changed = any(f.component == model_layout.COMPONENT for f in comparison.findings)
     library = None if model_changed else library_change(sc, setup, run, reference, model)
-    if library is not None or not experiments:
-        return library or (None, [])
+    if not run_experiments:
+        return _library_alone(library, comparison)
     try:
         # Equivalence and the oracle need no reference: even where the model's code changed, they can
         # still convict a collective or a kernel of this stack, which re-recording must not bury.
@@ -31,6 +33,10 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
                                             "differs from the reference's, so the runs start from other weights; "
                                             "equivalence and the oracle on this stack convict nothing",
                                             *triage.report("", experiments)[2:]]
+        if library is not None and not any(e.convicts for e in experiments):
+            component, evidence = library
+            return component, ["", f"triage verdict: {component}. Evidence: {evidence}",
+                               *triage.report("", experiments)[2:]]
         if flips and not model_changed:  # flips compare with a reference that cannot judge
             experiments += flip(sc, setup, run, reference, comparison, model)
     except Exception as exc:  # noqa: BLE001 - triage must never hide the regression it explains
@@ -38,11 +44,27 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
         return None, ["", f"triage could not run ({type(exc).__name__}: {first}); components are the heuristic's"]
     component, line = triage.verdict(comparison, experiments)
     keep_first_moved_stack(sc, setup, run, comparison, model, rerun=flips)
-    return component, triage.report(line, experiments)
+    also = [f"    also: {library[1]}"] if library is not None else []
+    return component, [*triage.report(line, experiments), *also]
+
+
+# Findings a changed library's numbers cannot explain away: round trips and formats are judged against themselves.
+_NOT_NUMERICS = ("checkpoint", "format")
+
+
+def _library_alone(library: tuple[str, str] | None, comparison: Comparison) -> tuple[str | None, list[str]]:
+    """For a scenario triage does not explain: the code change is the verdict unless a finding is a round trip's
+    or a format's, which then keeps its name, with the code change as evidence beside it."""
+    if library is None:
+        return None, []
+    component, evidence = library
+    if any(f.component in _NOT_NUMERICS for f in comparison.findings):
+        return None, ["", f"also: {evidence}"]
+    return component, ["", f"triage verdict: {component}. Evidence: {evidence}"]
 
 
 def library_change(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord,
-                   model: str | None) -> tuple[str, list[str]] | None:
+                   model: str | None) -> tuple[str, str] | None:
     """``("library: <package>", evidence)`` where the float64 oracle on this stack computes another step 0 than
     the one kept with the reference (reference/oracle_step0.py): the model's code changed, not a kernel under it.
     None where it did not, or where either oracle is missing."""
@@ -59,8 +81,8 @@ def library_change(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
     if change is None:
         return None
     recorded = reference.fingerprint.get("versions") or {}
-    package, why = oracle_step0.suspect(change.tensor, recorded, {p: installed_version(p) for p in recorded})
-    return f"library: {package}", ["", f"triage verdict: library: {package}. Evidence: {change.describe()}; {why}"]
+    package, why = oracle_step0.suspect(change, recorded, {p: installed_version(p) for p in recorded})
+    return f"library: {package}", f"{change.describe()}; {why}"
 
 
 def keep_first_moved_stack(sc: Scenario, setup: Setup, run: Runner, comparison: Comparison, model: str | None,

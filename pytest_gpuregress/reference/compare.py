@@ -96,8 +96,9 @@ class Comparison:
         """The op a failure names and triage weighs: in the exact lane the first op that moved (no drift is
         allowed there); in the tolerant lane the op that introduced a difference, never plain drift (for an
         older reference, the first op that moved, with ``introduced_note``)."""
-        if self.lane == "exact" or self.introduced_note is not None:
-            return self.first_moved
+        changed_sequence = self.first_moved is not None and self.first_moved.kind == "sequence"
+        if self.lane == "exact" or self.introduced_note is not None or (self.introduced is None and changed_sequence):
+            return self.first_moved  # a changed op sequence is no drift: the model's code or torch's dispatch changed
         return self.introduced
 
     @property

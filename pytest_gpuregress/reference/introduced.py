@@ -140,10 +140,14 @@ def numel(shapes: tuple[str, ...]) -> int:
 
 def _inputs_moved(index: int, trace: RankTrace, moves: _Moves,
                   others: list[tuple[RankTrace, _Moves]]) -> list[tuple[float, float]]:
-    """(relative move, elements) of every input of entry ``index`` that moved; for a collective, of every rank."""
+    """(relative move, elements) of every input of entry ``index`` that moved; for a collective, of every rank
+    whose trace holds the same collective at that place (ranks whose traces differ, as MoE routing makes them,
+    are left out rather than paired with another op)."""
+    entry = trace.entry(index)
     pairs = [(trace, moves)]
-    if trace.entry(index).op.startswith(_CROSS_RANK):
-        pairs += others
+    if entry.op.startswith(_CROSS_RANK):
+        pairs += [(other, other_moves) for other, other_moves in others
+                  if index < len(other_moves) and other.entry(index).identity == entry.identity]
     return [moved for rank_trace, rank_moves in pairs for source in rank_trace.sources_of(index)
             if source < len(rank_moves) for moved in rank_moves.moved_outputs(source)]
 

@@ -34,6 +34,7 @@ class CodeChange:
     relative: float
     moved: int  # parameters whose gradient moved past CODE_CHANGE
     total: int
+    loss_relative: float = 0.0  # the loss's own move: the model's forward changed, not only an adapter's scaling
 
     def describe(self) -> str:
         where = "the loss" if self.tensor == "loss" else f"the gradient of {self.tensor}"
@@ -74,29 +75,45 @@ def code_change(reference: RunRecord, oracle: RunRecord) -> CodeChange | None:
     if set(now["grads"]) != set(kept["grads"]) or not now["grads"]:
         return None
     moves = {name: _relative(now["grads"][name], kept["grads"][name]) for name in now["grads"]}
-    then_loss = float(kept.get("loss", float("nan")))
-    moves_loss = abs(now["loss"] - then_loss) / abs(then_loss) if then_loss else abs(now["loss"])
+    moves_loss = _loss_move(now["loss"], float(kept.get("loss", float("nan"))))
     worst = max(moves, key=lambda name: moves[name])
-    tensor, relative = (worst, moves[worst]) if moves[worst] >= moves_loss else ("loss", float(moves_loss))
+    tensor, relative = (worst, moves[worst]) if moves[worst] >= moves_loss else ("loss", moves_loss)
     if not relative > CODE_CHANGE:
         return None
-    return CodeChange(tensor, relative, sum(1 for m in moves.values() if m > CODE_CHANGE), len(moves))
+    return CodeChange(tensor, relative, sum(1 for m in moves.values() if m > CODE_CHANGE), len(moves), moves_loss)
+
+
+def _loss_move(now: float, then: float) -> float:
+    """The loss's relative move; inf where one of the two is NaN (a NaN must not hide the gradients' move)."""
+    if np.isnan(now) or np.isnan(then):
+        return 0.0 if np.isnan(now) and np.isnan(then) else float("inf")
+    return abs(now - then) / abs(then) if then else abs(now)
 
 
 
-def suspect(tensor: str, recorded: dict[str, str | None], installed: dict[str, str | None]) -> tuple[str, str]:
-    """(the package whose code changed, why), from the most-moved tensor and the versions the reference was
-    recorded with against this stack's: a model library that changed version, peft for an adapter's tensors,
-    transformers for the model's own; torch where only torch changed (its ops compute another function, or its
-    float64 kernels broke: a torch bug either way). Where no version changed, the code on this machine was."""
+# The libraries the float64 oracle runs: the model's code and LoRA's (accelerate only wraps the training runs).
+ORACLE_LIBRARIES = ("transformers", "peft")
+
+
+def suspect(change: CodeChange, recorded: dict[str, str | None], installed: dict[str, str | None]) -> tuple[str, str]:
+    """(the package whose code changed, why), from what moved and the versions the reference was recorded with
+    against this stack's. By what moved: peft where only adapter gradients moved (the loss did not: LoRA's B is
+    zero at step 0, so only its scaling or its gradients changed), else transformers (the model's forward). A
+    library the oracle runs that changed version is preferred; torch where only torch changed (its ops compute
+    another function, or its float64 kernels broke: a torch bug either way). Where none changed, the code on
+    this machine did."""
     changed = [p for p in MODEL_LIBRARIES if recorded.get(p) and installed.get(p) and recorded[p] != installed[p]]
-    by_tensor = "peft" if ".lora_" in tensor else "transformers"
-    models = [p for p in changed if p != "torch"]
-    package = by_tensor if by_tensor in models or not models else models[0]
+    adapter_only = ".lora_" in change.tensor and not change.loss_relative > CODE_CHANGE
+    by_code = "peft" if adapter_only else "transformers"
+    models = [p for p in changed if p in ORACLE_LIBRARIES]
+    package = by_code if by_code in models or not models else models[0]
     if not models and "torch" in changed:
         package = "torch"
+    also = f" (torch changed too: {recorded['torch']} -> {installed['torch']})" \
+        if package != "torch" and "torch" in changed else ""
     if package in changed:
         return package, f"{package} changed since the reference ({recorded[package]} -> {installed[package]}): " \
-                        "read its release notes"
+                        f"read its release notes{also}"
     return package, f"{package} is at the reference's version ({installed.get(package) or 'unknown'}): its code on " \
-                    "this machine was changed or patched"
+                    f"this machine was changed or patched, or torch's under it (the oracle runs both; no version " \
+                    f"says which){also}"

@@ -146,11 +146,12 @@ class _Storages:
             views[self._view_key(tensor) if as_input else self._WRITER] = index
 
     def writer(self, tensor: Any) -> int | None:
-        """The entry whose values ``tensor`` holds: its view's ``<input>`` entry, else the storage's last writer."""
+        """The entry whose values ``tensor`` holds: the later of its view's ``<input>`` entry and the storage's
+        last writer (an op that wrote into an input's storage in place after it was read, as AdamW's step does)."""
         views = self._views(tensor)
         if views is None:
             return None
-        found = views.get(self._view_key(tensor), views.get(self._WRITER, -1))
+        found = max(views.get(self._view_key(tensor), -1), views.get(self._WRITER, -1))
         return found if found >= 0 else None
 
 

@@ -188,7 +188,8 @@ def first_moved_evidence(comparison: Comparison | None) -> Experiment | None:
         drift = comparison.first_moved.describe().removeprefix("first difference: ")
         return Experiment("first moved op", "drift only", f"no op of step 0 moved beyond drift; it begins at {drift}")
     status = "differs" if moved.component else "sequence changed"
-    return Experiment("first moved op", status, moved.describe().split(": ", 1)[-1], component=moved.component)
+    return Experiment("first moved op", status, moved.describe().removeprefix(f"{moved.label}: "),
+                      component=moved.component)
 
 
 def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tuple[str | None, str]:

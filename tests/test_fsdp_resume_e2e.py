@@ -76,6 +76,22 @@ def test_a_one_element_fault_that_starts_late_fails_the_late_gradients_named_a_c
     clean.stdout.fnmatch_lines([f"fsdp-resume {PLATFORM}: PASSED [[]tolerant lane[]] *late_grad *x*"])
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
+def test_a_late_reduce_scatter_error_fails_the_fsdp_case_named_a_collective_by_the_late_window(
+        pytester: pytest.Pytester, fsdp_reference: Path) -> None:
+    # The default run's own case, the resume case deselected: step 0 is clean, so equivalence and the oracle clear
+    # it, and the late window (step 6's gradients from the reference's checkpoint) convicts the reduce-scatter.
+    late = "--gpuregress-inject=collective:op=reduce_scatter,mode=nudge,rel=1e-3,from_step=6"
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-steps={FSDP_STEPS}",
+                                f"--gpuregress-reference-dir={fsdp_reference}", "-k", FSDP_ONLY, late)
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "triage verdict: collective. Evidence: equivalence clean" in out, out[-5000:]
+    assert "late window differs: step 6's gradients, computed on this stack from the reference's own state" in out
+    result.stdout.fnmatch_lines(["[[]collective[]] grad_norm: first differing step 6 of 8*"])
+    assert "[optimizer]" not in out and "AdamW implementation" not in out
+
+
 @pytest.mark.full_tier  # the fast tier keeps the clean resume and the optimizer fault
 def test_generators_left_unrestored_and_weights_applied_late_are_named(pytester: pytest.Pytester,
                                                                         fsdp_reference: Path) -> None:

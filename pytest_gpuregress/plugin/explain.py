@@ -3,17 +3,25 @@ heuristic's guess; on a recording, the float64 oracle's distance stored with the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from ..errors import NotApplicable
 from ..reference.compare import Comparison
 from ..reference.record import RunRecord
-from ..scenarios import Launch, Scenario, Setup
+from ..scenarios import Case, Launch, Scenario, Setup
 from .launches import Runner
+
+if TYPE_CHECKING:
+    from ..triage import Experiment
 
 
 def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, comparison: Comparison,
-                    model: str | None, flips: bool, run_experiments: bool = True) -> tuple[str | None, list[str]]:
+                    model: str | None, flips: bool, run_experiments: bool = True,
+                    case: Case | None = None) -> tuple[str | None, list[str]]:
     """(the component behind a failed comparison, report lines with the evidence): whether the model's code
     changed (the float64 oracle against the reference's), and for a scenario triage explains
-    (``run_experiments``) equivalence and the oracle always, switches flipped with ``flips`` (--gpuregress-triage).
+    (``run_experiments``) equivalence and the oracle always, the late window of ``case`` where step 0 is cleared
+    and a later step differs (triage/late_window.py), switches flipped with ``flips`` (--gpuregress-triage).
     A code change is the verdict only where no experiment convicts this stack: a collective or kernel bug of an
     upgrade that also changed a library must not be buried under "record a reference of your own"."""
     from .. import triage
@@ -33,6 +41,9 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
                                             "differs from the reference's, so the runs start from other weights; "
                                             "equivalence and the oracle on this stack convict nothing",
                                             *triage.report("", experiments)[2:]]
+        first = triage.divergence_start(comparison, experiments)
+        if first is not None and case is not None:  # step 0 cleared, a later step differs: judge where it starts
+            experiments += late_window(sc, setup, run, reference, case, comparison.lane, first)
         if library is not None and not any(e.convicts for e in experiments):
             component, evidence = library
             return component, ["", f"triage verdict: {component}. Evidence: {evidence}",
@@ -83,6 +94,28 @@ def library_change(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
     recorded = reference.fingerprint.get("versions") or {}
     package, why = oracle_step0.suspect(change, recorded, {p: installed_version(p) for p in recorded})
     return f"library: {package}", f"{change.describe()}; {why}"
+
+
+def late_window(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, case: Case, lane: str,
+                first_step: int) -> list[Experiment]:
+    """The late window's experiment, where ``case`` has a resume case continuing its reference from the
+    reference's late checkpoint; [] where it has none. Its launch is the resume case's own: run once per session
+    for both."""
+    from ..scenarios.shared import resume_plan, resume_verdict
+    from ..triage import Experiment
+    from ..triage import late_window as window
+
+    resume = resume_plan.late_window_case(sc, case, setup)
+    saved = reference.results.get(resume_verdict.SAVED_KEY)
+    if resume is None or not saved:
+        return []
+    try:
+        record = sc.from_reference(resume, lambda: reference, run, setup)
+    except NotApplicable as exc:
+        return [Experiment(window.NAME, "not applicable", str(exc))]
+    if record is None:
+        return []
+    return [window.judged(first_step, int(saved["step"]), sc.compare(reference, record, resume, lane))]
 
 
 def keep_first_moved_stack(sc: Scenario, setup: Setup, run: Runner, comparison: Comparison, model: str | None,

@@ -145,7 +145,7 @@ class GpuRegressSession:
 
         def explain(ref: RunRecord, comparison: Comparison) -> tuple[str | None, list[str]]:
             return explain_failure(sc, self.setup, self.launches.cached, ref, comparison, model, self.options.triage,
-                                   run_experiments=sc.triage_explains(case))
+                                   run_experiments=sc.triage_explains(case), case=case)
 
         self.pipeline.check(record, reference, comparator, unfired, explain, kept_as=test_id(sc, case))
 

@@ -112,6 +112,8 @@ class Comparison:
         for finding in self.findings:
             if finding.metric != model_layout.COMPONENT:
                 finding.component = component
+            if "optimizer" not in finding.component:  # which AdamW ran says nothing of a component cleared of it
+                finding.message = finding.message.partition(ADAMW_NOTE)[0]
 
 
 def choose_lane(reference: RunRecord, run: RunRecord, requested: str = "auto") -> tuple[str, str]:
@@ -424,6 +426,9 @@ def _clip_moved_first(findings: list[Finding]) -> Finding | None:
     return clip if all(step is not None and step > clip.step for step in others) else None
 
 
+ADAMW_NOTE = "; AdamW implementation: "
+
+
 def name_optimizer(findings: list[Finding], config: dict[str, Any]) -> None:
     """Say which AdamW implementation ran where a finding points at the optimizer: a bug can live in one only, and
     the other cases (another implementation each) say whether theirs is clean."""
@@ -431,8 +436,8 @@ def name_optimizer(findings: list[Finding], config: dict[str, Any]) -> None:
     if implementation is None:
         return
     for finding in findings:
-        if "optimizer" in finding.component and "AdamW implementation" not in finding.message:
-            finding.message += f"; AdamW implementation: {implementation}"
+        if "optimizer" in finding.component and ADAMW_NOTE not in finding.message:
+            finding.message += f"{ADAMW_NOTE}{implementation}"
 
 
 def tolerant_limits(reference: RunRecord, tolerances: Tolerances | None = None) -> tuple[dict[str, Any], str]:

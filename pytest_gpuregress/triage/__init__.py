@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from ..reference.compare import Comparison
     from ..scenarios.base import Launch, Scenario, Setup
 
+LATE_WINDOW = "late window"  # the experiment of late_window.py
 TRIAGE_STEPS = 3  # equivalence compares step 0's gradients and the losses of the first steps
 ORACLE_ENTRY = "pytest_gpuregress.training.oracle:run"
 Runner = Callable[["Scenario", "Launch"], RunRecord]
@@ -234,13 +235,14 @@ def _from_the_findings(comparison: Comparison, experiments: list[Experiment],
     changed = bool(comparison.kernel_changes)
     moved = by_name.get("first moved op")
     first = min((f.step for f in comparison.findings if f.step is not None), default=None)
-    cleared = all(by_name[n].status == "clean" for n in ("equivalence", "oracle") if n in by_name)
-    late = cleared and len(experiments) >= 2 and first is not None and first > 0
+    late = divergence_start(comparison, experiments) is not None
     # A step's gradients moved while its loss (the same weights) matched: the update is not the cause.
     gradients = late and gradients_moved_first(comparison.findings, comparison.lane)
     if late:
         by_name["divergence"] = Experiment("divergence", "starts", f"step 0 matches the reference; the first "
                                                                  f"difference is at step {first}")
+        if gradients:
+            by_name["divergence"] = _gradients_first(by_name["divergence"])
     # The op that first gave another answer, its inputs equal, convicts where its effect is what failed: a
     # forward or backward op when step 0 already differs, an optimizer op (its update shows from step 1).
     if moved is not None and moved.convicts and (first == 0 or moved.component == "optimizer"):
@@ -249,16 +251,23 @@ def _from_the_findings(comparison: Comparison, experiments: list[Experiment],
         # Step 0 is within the tolerance: that op's drift is the legitimate kind the envelope allows (another
         # kernel path), not what failed later; it is shown, and convicts nothing.
         by_name[moved.name] = Experiment(moved.name, "drifts within the tolerance at step 0", moved.detail)
-        if gradients:
-            by_name["divergence"] = _gradients_first(by_name["divergence"])
-        return "optimizer" if late and not gradients else "kernel" if changed and not late else None
     if late:
         # step 0 matches the reference and both experiments are clean: the weights a step started from were
-        # wrong, so the update went wrong; unless its gradients moved first, which clears the update
-        if gradients:
-            by_name["divergence"] = _gradients_first(by_name["divergence"])
-        return None if gradients else "optimizer"
+        # wrong, so the update went wrong; unless its gradients moved first, which clears the update, or the late
+        # window ran before the divergence and so cleared nothing
+        window = by_name.get(LATE_WINDOW)
+        return None if gradients or (window is not None and window.status != "clean") else "optimizer"
     return "kernel" if changed else None  # nothing convicted or cleared; changed kernels are the likeliest cause
+
+
+def divergence_start(comparison: Comparison, experiments: list[Experiment]) -> int | None:
+    """The step a divergence starts at where step 0 is cleared (equivalence and the oracle ran, both clean) and
+    the findings begin later; None otherwise."""
+    cleared = [e for e in experiments if e.name in ("equivalence", "oracle")]
+    first = min((f.step for f in comparison.findings if f.step is not None), default=None)
+    if len(cleared) < 2 or any(e.status != "clean" for e in cleared) or first is None or first == 0:
+        return None
+    return first
 
 
 def _gradients_first(divergence: Experiment) -> Experiment:

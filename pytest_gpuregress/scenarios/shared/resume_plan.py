@@ -47,6 +47,15 @@ def is_resume(case: Case) -> bool:
     return case.data.get("part") == PART
 
 
+def late_window_case(sc: Scenario, case: Case, setup: Setup) -> Case | None:
+    """The resume case that continues ``case``'s reference from its late checkpoint (same launch, same
+    reference), which judges a divergence of ``case`` that starts after step 0; None where it has none."""
+    if is_resume(case):
+        return None
+    return next((c for c in sc.cases(setup) if is_resume(c) and c.launch == case.launch
+                 and sc.reference_name(c) == sc.reference_name(case)), None)
+
+
 def case_label(sc: Scenario, case: Case) -> str:
     """The resume case's test id, as notes name it: fsdp-resume, lora-fully_shard-resume."""
     return f"{sc.name}-{case.id}"

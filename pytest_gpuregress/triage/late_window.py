@@ -1,0 +1,49 @@
+"""The late window: a divergence that starts after a clean step 0, judged where it starts.
+
+Step 0 matched and equivalence and the oracle cleared it, yet a later step differs. The norms a training
+record keeps after step 0 cannot tell an update that went wrong from gradients computed wrong. The
+reference carries its own checkpoint late in the run (step S, scenarios/shared/resume_plan.py) and the
+gradients of step S computed from it on the recording stack. This stack loads that state and computes
+step S's gradients again (the resume case's launch, which the session runs once for both):
+
+  differ       the gradients are computed wrong from the right weights: a collective that carries them
+               (few elements) or a backward kernel (most), as step 0's findings are named;
+  clean        right gradients from the right weights at S, where the run had already diverged: the
+               weights went wrong in the update: the optimizer;
+  before the divergence   S comes before the first differing step: the window clears nothing.
+
+torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..scenarios.shared.late_gradients import METRIC as LATE_GRAD
+from . import LATE_WINDOW as NAME
+from . import Experiment
+
+if TYPE_CHECKING:
+    from ..reference.compare import Comparison
+
+LOAD_METRICS = ("resume_load", "resume_state")
+
+
+def judged(first_step: int, saved_step: int, window: Comparison) -> Experiment:
+    """What the continuation from the reference's step-``saved_step`` checkpoint says of a divergence that
+    starts at ``first_step``."""
+    load = [f for f in window.findings if f.metric in LOAD_METRICS]
+    if load:  # the state is not the reference's: its gradients judge the load, not the divergence
+        return Experiment(NAME, "not applicable", f"the reference's checkpoint did not load as saved on this stack "
+                                                  f"({load[0].message}); the resume case judges the load")
+    late = [f for f in window.findings if f.metric == LATE_GRAD]
+    where = f"step {saved_step}'s gradients, computed on this stack from the reference's own state at step {saved_step}"
+    if late:
+        more = f" (and {len(late) - 1} more tensors)" if len(late) > 1 else ""
+        return Experiment(NAME, "differs", f"{where}, differ from the reference's: {late[0].message}{more}",
+                          component=late[0].component or None)
+    if saved_step < first_step:
+        return Experiment(NAME, "before the divergence", f"{where}, match the reference's, but the run diverges "
+                                                         f"only at step {first_step}: this clears nothing")
+    return Experiment(NAME, "clean", f"{where}, match the reference's (the run diverges from step {first_step}): "
+                                     "right gradients from right weights, so the weights went wrong in the update")

@@ -97,6 +97,27 @@ def test_a_gemm_error_after_drift_is_introduced_at_its_matmul_and_drift_is_infor
     assert component == "kernel" and f"first moved op differs: aten::mm in {DOWN_PROJ}" in line
 
 
+def test_a_gemm_error_at_one_shape_only_depends_on_the_shape_and_the_report_names_the_shapes(
+        reference: RunRecord) -> None:
+    gate = UP_PROJ.replace("up_proj", "gate_proj")  # the same shape as up_proj: [tokens, 64] x [64, 176]
+    comparison = compare_training(reference, traced(scaled(gate, 1e-3), scaled(UP_PROJ, 1e-3)), lane="tolerant")
+    note = comparison.shape_note
+    assert note is not None and note.startswith("depends on the shape: aten::mm introduced a difference at "), note
+    wrong, right = note.split(", and none at ")
+    assert "x f32[64, 176] (2 ops)" in wrong and "x f32[64, 64]" in right and "f32[64, 176]" not in right
+    assert f"    {note}" in report(comparison)
+    evidence = triage.first_moved_evidence(comparison)
+    assert evidence is not None and evidence.component == "kernel" and "depends on the shape" in evidence.detail
+
+
+def test_a_gemm_error_in_one_module_of_a_shape_others_share_does_not_depend_on_the_shape(
+        reference: RunRecord) -> None:
+    comparison = compare_training(reference, traced(scaled(UP_PROJ, 1e-3)), lane="tolerant")
+    assert comparison.culprit is not None and comparison.culprit.component == "kernel"
+    assert comparison.shape_note is None  # gate_proj has up_proj's shape and its inputs, and stayed right
+    assert "depends on the shape" not in report(comparison)
+
+
 def test_drift_alone_introduces_nothing_and_convicts_nothing(reference: RunRecord) -> None:
     comparison = compare_training(reference, traced(scaled(UP_PROJ, 1e-7)), lane="tolerant")
     assert not comparison.passed and comparison.first_moved is not None and comparison.culprit is None

@@ -73,6 +73,20 @@ def test_a_gemm_bug_of_the_per_rank_shape_is_a_kernel_not_a_collective(pytester:
     assert "[collective]" not in out and "FAILED ::test_scenario[triage-equivalence" not in out
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks, and the switch flips
+def test_a_gemm_bug_of_one_projection_width_is_a_kernel_that_depends_on_the_shape_with_the_flips(
+        pytester: pytest.Pytester, refs: Path) -> None:
+    # Only GEMMs with 176 output features (gate_proj, up_proj) go wrong, as a kernel picked by N would: the op trace
+    # sees the same op right at the other widths on unmoved inputs, and the world-size flip keeps each rank's shapes.
+    result = run(pytester, refs, "fsdp and not resume and not bf16", "--gpuregress-inject=linear_noise:rel=1e-4,features=176",
+                 "--gpuregress-triage")
+    out = result.stdout.str()
+    assert "triage verdict: kernel. Evidence: equivalence clean" in out, out[-5000:]
+    assert "    depends on the shape: aten::mm introduced a difference at f32[512, 64] x f32[64, 176]" in out
+    assert "f32[512, 64] x f32[64, 64]" in out.split("and none at", 1)[1].splitlines()[0]
+    assert "[collective]" not in out
+
+
 @pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_changed_learning_rate_is_convicted_as_optimizer(pytester: pytest.Pytester, refs: Path) -> None:
     result = run(pytester, refs, "fsdp and not resume and not bf16", "--gpuregress-inject=lr_scale:factor=1.01")

@@ -140,6 +140,8 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                   "rel": Param("number", "relative change (default 1e-7)"),
                   "rows": Param("int", "only outputs of this many rows (tokens): a GEMM kernel picked by shape, as "
                                        "cuBLAS and hipBLASLt pick them", minimum=1),
+                  "features": Param("int", "only outputs of this many features (a projection's width): a GEMM "
+                                           "kernel picked by N", minimum=1),
                   "ranks": _RANKS, "rank": _RANKS}),
     FaultKind("cast", ".casts:install_cast", "a conversion kernel with the wrong rounding", {
         "mode": Param("choice", "truncate_bf16: every fp32 -> bf16 cast (aten _to_copy) rounds toward zero instead "

@@ -38,19 +38,21 @@ def install_linear_noise(spec: FaultSpec, ctx: Any) -> Firing:
     Kernel drift differs per output (another summation order rounds each column differently); a
     uniform scale would be the wrong emulation, since RMSNorm divides it right back out. The
     pattern depends on the feature only, not on the batch, so every world size sees the same kernel; with ``rows``
-    only GEMMs of that many rows change, a bug in the one kernel a library picks for that shape."""
+    (or ``features``) only GEMMs of that many rows (output features) change, a bug in the one kernel a library
+    picks for that shape."""
     import torch
     import torch.nn.functional as F
 
     rel = spec.get("rel", 1e-7)
-    rows = spec.get("rows")  # None: every shape
+    rows, features = spec.get("rows"), spec.get("features")  # None: every shape
     original = F.linear
     patterns: dict[tuple[int, str, Any], Any] = {}
     firing = Firing(spec.text)  # linear outputs changed
 
     def linear(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
-        if rows is not None and out.numel() // max(out.shape[-1], 1) != rows:
+        if (rows is not None and out.numel() // max(out.shape[-1], 1) != rows) or \
+                (features is not None and out.shape[-1] != features):
             return out  # another shape: another kernel, which is right
         key = (out.shape[-1], str(out.device), out.dtype)
         with fault_region():  # the emulated drift's own arithmetic is not a kernel of the stack

@@ -25,7 +25,7 @@ from . import model_layout, step0
 from .envelope import METRICS, SERIES, MetricLimits, digest_deviation, floors_for, limit, rel, tensor_deviation
 from .envelope import PREFIX as ENVELOPE_PREFIX
 from .first_moved import FirstMoved, equal_traces, first_moved
-from .introduced import analysed, describe_thresholds, introduced_at
+from .introduced import analysed, describe_thresholds, introduced_at, shape_dependence
 from .record import RunRecord
 
 WORST_ROWS = 8
@@ -90,6 +90,9 @@ class Comparison:
     introduced: FirstMoved | None = None
     introduced_note: str | None = None
     introduced_rule: str = ""  # what "beyond drift" meant: the reference's thresholds, in words
+    # Where the culprit is a compute op that went wrong at some input shapes and not at others: the line that names
+    # them (introduced.shape_dependence); a kernel picked by shape.
+    shape_note: str | None = None
 
     @property
     def culprit(self) -> FirstMoved | None:
@@ -503,6 +506,8 @@ def compare_training(
             comparison.introduced_rule = describe_thresholds(reference)
         else:
             comparison.introduced_note = OLD_TRACE_NOTE
+    if comparison.culprit is not None and findings:
+        comparison.shape_note = shape_dependence(reference, run, comparison.culprit)
     return comparison
 
 

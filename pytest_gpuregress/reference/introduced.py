@@ -221,3 +221,40 @@ def introduced_at(reference: RunRecord, run: RunRecord) -> FirstMoved | None:
     before = sum(1 for i in range(index) if trace.entry(i).op != INPUT_OP)
     return FirstMoved(rank, "moved", entry, ref_ranks[rank].entry(index), before, moves[rank].relative(index),
                       len(common), same, label="introduced at", inputs_relative=inputs, ulps=moves[rank].ulps(index))
+
+
+def shape_dependence(reference: RunRecord, run: RunRecord, culprit: FirstMoved) -> str | None:
+    """Where ``culprit`` is a compute op: "depends on the shape: ..." when the same op introduced a difference at
+    some input shapes and, at others, ran on inputs that had not moved and kept within drift (cuBLAS, hipBLASLt
+    and oneDNN pick kernels by shape, so such a bug is the kernel's of those shapes). None otherwise, and where
+    the records cannot be analysed."""
+    if culprit.component != "kernel" or culprit.entry is None or not analysed(reference, run):
+        return None
+    thresholds = stored_thresholds(reference)
+    assert thresholds is not None
+    ref_ranks, run_ranks = ranks(reference), ranks(run)
+    common = sorted(set(ref_ranks) & set(run_ranks))
+    moves = {r: _Moves.of(ref_ranks[r], run_ranks[r]) for r in common}
+    trace, rank_moves = run_ranks[culprit.rank], moves[culprit.rank]
+    others = [(run_ranks[o], moves[o]) for o in common if o != culprit.rank]
+    wrong: dict[str, int] = {}
+    right: dict[str, int] = {}
+    for index in range(len(rank_moves)):
+        entry = trace.entry(index)
+        if entry.op != culprit.entry.op:
+            continue
+        inputs = _inputs_moved(index, trace, rank_moves, others)
+        if _introduces(index, inputs, rank_moves, thresholds) is not None:
+            wrong[entry.inputs] = wrong.get(entry.inputs, 0) + 1
+        elif rank_moves.ulps(index) < thresholds.floor_ulps and all(
+                explained(inputs, size) < thresholds.floor_ulps * eps
+                for size, eps in zip(rank_moves.sizes[index], rank_moves.epsilons[index])):
+            right[entry.inputs] = right.get(entry.inputs, 0) + 1  # a bug at this shape would have shown here
+    if not wrong or not right or set(wrong) & set(right):  # one shape both ways: the shape does not decide it
+        return None
+
+    def listed(shapes: dict[str, int]) -> str:
+        return "; ".join(f"{shape} ({n} op{'s' if n != 1 else ''})" for shape, n in shapes.items())
+
+    return f"depends on the shape: {culprit.entry.op} introduced a difference at {listed(wrong)}, and none at " \
+           f"{listed(right)}, whose inputs had not moved (rank {culprit.rank}, step-0 op trace)"

@@ -55,8 +55,9 @@ def op_lines(comparison: Comparison) -> list[str]:
     moved, culprit = comparison.first_moved, comparison.culprit
     if moved is None:
         return []
+    shape = [f"    {comparison.shape_note}"] if comparison.shape_note else []
     if comparison.lane == "exact":
-        return ["", *moved.lines()]
+        return ["", *moved.lines(), *shape]
     if comparison.introduced_note is not None:
         return ["", *moved.lines(), f"    ({comparison.introduced_note})"]
     drift = replace(moved, label="drift begins at", stack=[]).describe()
@@ -64,7 +65,7 @@ def op_lines(comparison: Comparison) -> list[str]:
         return ["", f"introduced at: no op of step 0 moved beyond drift ({comparison.introduced_rule}): the "
                 "difference starts later, or is per op too small to tell from drift", drift]
     same = (culprit.rank, culprit.entry_index) == (moved.rank, moved.entry_index)
-    return ["", *culprit.lines(), *([] if same else [drift])]
+    return ["", *culprit.lines(), *shape, *([] if same else [drift])]
 
 
 def format_finding(finding: Finding) -> list[str]:

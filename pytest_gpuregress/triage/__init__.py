@@ -189,7 +189,8 @@ def first_moved_evidence(comparison: Comparison | None) -> Experiment | None:
         drift = comparison.first_moved.describe().removeprefix("first difference: ")
         return Experiment("first moved op", "drift only", f"no op of step 0 moved beyond drift; it begins at {drift}")
     status = "differs" if moved.component else "sequence changed"
-    return Experiment("first moved op", status, moved.describe().removeprefix(f"{moved.label}: "),
+    shape = f"; {comparison.shape_note}" if comparison.shape_note else ""
+    return Experiment("first moved op", status, moved.describe().removeprefix(f"{moved.label}: ") + shape,
                       component=moved.component)
 
 

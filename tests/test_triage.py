@@ -88,6 +88,23 @@ def test_a_gemm_bug_of_one_projection_width_is_a_kernel_that_depends_on_the_shap
 
 
 @pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
+def test_the_collective_sweep_of_the_same_session_is_the_verdicts_evidence(pytester: pytest.Pytester,
+                                                                          refs: Path) -> None:
+    # The root group's reduce-scatter message only (131328 bytes): the sweep's messages (131072 bytes the nearest) stay right, so
+    # the verdict says the collective is convicted although the sweep passed, and what the sweep does not vary.
+    fault = "collective:op=reduce_scatter,min_bytes=131200,max_bytes=131400,mode=nudge,rel=1e-3"
+    result = run(pytester, refs, "(fsdp and not resume and not bf16 and not triage) or "
+                                 "(collectives and reduce_scatter and fp32)", f"--gpuregress-inject={fault}")
+    out = result.stdout.str()
+    assert "triage verdict: collective. Evidence: equivalence differs" in out, out[-5000:]
+    assert "collective sweep clean: its " in out and " cases passed in this session, so a bug in the collectives " \
+        "would need what they do not vary (this run's message sizes" in out
+    # The sweep's cases fail only for the fault that never fired in them: their own checks passed, and count so.
+    swept = int(out.split("collective sweep clean: its ")[1].split()[0])
+    assert swept > 0 and out.count("fired 0 times in this run") == swept
+
+
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
 def test_changed_learning_rate_is_convicted_as_optimizer(pytester: pytest.Pytester, refs: Path) -> None:
     result = run(pytester, refs, "fsdp and not resume and not bf16", "--gpuregress-inject=lr_scale:factor=1.01")
     result.assert_outcomes(failed=1, passed=2)  # equivalence and oracle stay clean: step 0 precedes the update

@@ -55,3 +55,17 @@ def test_shard_owner_follows_fsdp2_dim0_sharding_with_padding() -> None:
 def test_the_fp32_bound_on_the_cpu_model() -> None:
     assert abs(step0_bound("fp32", 16 * 64, 2) - 5.72e-6) < 1e-8
     assert step0_bound("bf16", 48 * 256, 8) > step0_bound("fp32", 48 * 256, 8)
+
+
+def test_the_collective_sweep_of_the_session_is_evidence_never_a_conviction() -> None:
+    from pytest_gpuregress.triage import session_checks
+
+    clean = session_checks("collective sweep", 12, [])
+    failing = session_checks("collective sweep", 10, ["collectives-reduce_scatter-single-sum-fp32-n1-outofplace"])
+    assert (clean.status, failing.status) == ("clean", "fails too") and not clean.convicts and not failing.convicts
+    assert "its 12 cases passed in this session" in clean.detail
+    assert "2 of 12 of its cases failed" not in failing.detail and "1 of 11 of its cases failed" in failing.detail
+    experiments = [Experiment("equivalence", "clean", "x"), Experiment("oracle", "clean", "y"), failing]
+    component, line = verdict(_late_divergence(), experiments)
+    assert component == "optimizer"  # a failing sweep beside it convicts nothing: the two may fail for causes of their own
+    assert "collective sweep fails too: 1 of 11 of its cases failed in this session, first collectives-" in line

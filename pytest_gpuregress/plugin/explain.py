@@ -3,6 +3,7 @@ heuristic's guess; on a recording, the float64 oracle's distance stored with the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import NotApplicable
@@ -17,11 +18,12 @@ if TYPE_CHECKING:
 
 def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, comparison: Comparison,
                     model: str | None, flips: bool, run_experiments: bool = True,
-                    case: Case | None = None) -> tuple[str | None, list[str]]:
+                    case: Case | None = None, checks: Sequence[Experiment] = ()) -> tuple[str | None, list[str]]:
     """(the component behind a failed comparison, report lines with the evidence): whether the model's code
     changed (the float64 oracle against the reference's), and for a scenario triage explains
     (``run_experiments``) equivalence and the oracle always, the late window of ``case`` where step 0 is cleared
-    and a later step differs (triage/late_window.py), switches flipped with ``flips`` (--gpuregress-triage).
+    and a later step differs (triage/late_window.py), switches flipped with ``flips`` (--gpuregress-triage), and
+    ``checks``: what check scenarios of this session say (the collective sweep), as evidence beside them.
     A code change is the verdict only where no experiment convicts this stack: a collective or kernel bug of an
     upgrade that also changed a library must not be buried under "record a reference of your own"."""
     from .. import triage
@@ -35,7 +37,7 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
     try:
         # Equivalence and the oracle need no reference: even where the model's code changed, they can
         # still convict a collective or a kernel of this stack, which re-recording must not bury.
-        experiments = triage.cheap_evidence(sc, setup, run, model)
+        experiments = [*triage.cheap_evidence(sc, setup, run, model), *checks]
         if model_changed and not any(e.convicts for e in experiments):
             return model_layout.COMPONENT, ["", "triage verdict: model. Evidence: the model's parameter layout "
                                             "differs from the reference's, so the runs start from other weights; "

@@ -92,11 +92,15 @@ class CheckPipeline:
         detail = "no reference" if isinstance(exc, MissingReference) else type(exc).__name__
         add_outcome(self.outcomes, Outcome(name, platform_key, "error", detail=detail, reproduce=loc.record_hint))
 
-    def check_without_reference(self, record: RunRecord, name: str, comparator: Comparator, extra: list[str]) -> None:
+    def check_without_reference(self, record: RunRecord, name: str, comparator: Comparator, extra: list[str],
+                                judged: Callable[[bool], None] = lambda passed: None) -> None:
         """Judge a case that has no reference (a check case). A failed run is kept, with the command that judges
-        it again; a passed one with --gpuregress-keep-runs."""
+        it again; a passed one with --gpuregress-keep-runs. ``judged`` hears whether the case's own checks passed
+        (``extra``, such as a fault that never fired, left out)."""
         __tracebackhide__ = True
-        problems = [*extra, *comparator.judge(None, record).problems]
+        own = comparator.judge(None, record).problems
+        judged(not own)
+        problems = [*extra, *own]
         if not problems and not self.keep_runs:
             return
         kept = self.artifacts.keep_run(name, with_identity(record, comparator))

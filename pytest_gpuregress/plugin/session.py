@@ -52,6 +52,8 @@ class GpuRegressSession:
         self.policy = policy_of(options)
         self.figures: dict[str, Any] = {}  # the current test's key figures, for JUnit properties and HTML extras
         self.outcomes: list[Outcome] = []
+        # Check cases that are evidence on other failures (the collective sweep): name -> (passed, failed ids).
+        self.checked: dict[str, tuple[int, list[str]]] = {}
         self.known_issues: list[Any] = []  # stack/known_issues.py: set at configure time, matched in the header
         self.selection = Selection(self.setup, self.platform, options.world_size, options.inject)
         self.places = ReferencePlaces(options, rootpath, self.selection)
@@ -133,7 +135,8 @@ class GpuRegressSession:
         if reference is None:
             if not record.platform_key:  # an experiment's own record (triage's): kept under this run's platform
                 record.platform_key = self.platform.key(sc.platform_tag(sc.default_config(self.setup)))
-            self.pipeline.check_without_reference(record, test_id(sc, case), comparator, unfired)
+            self.pipeline.check_without_reference(record, test_id(sc, case), comparator, unfired,
+                                                  judged=lambda passed: self._tally(sc, case, passed))
             return
         model = case.data.get("model")
         if self.places.recording(reference, record.platform_key) and not unfired and not comparator.own_checks(record):
@@ -145,9 +148,20 @@ class GpuRegressSession:
 
         def explain(ref: RunRecord, comparison: Comparison) -> tuple[str | None, list[str]]:
             return explain_failure(sc, self.setup, self.launches.cached, ref, comparison, model, self.options.triage,
-                                   run_experiments=sc.triage_explains(case), case=case)
+                                   run_experiments=sc.triage_explains(case), case=case, checks=self._checks_evidence())
 
         self.pipeline.check(record, reference, comparator, unfired, explain, kept_as=test_id(sc, case))
+
+    def _tally(self, sc: Scenario, case: Case, passed: bool) -> None:
+        """Count a check case whose results speak on other scenarios' failures (Scenario.evidence_for)."""
+        if sc.evidence_for:
+            passes, failures = self.checked.setdefault(sc.evidence_name, (0, []))
+            self.checked[sc.evidence_name] = (passes + passed, failures + ([] if passed else [test_id(sc, case)]))
+
+    def _checks_evidence(self) -> list[Any]:
+        from ..triage import session_checks
+
+        return [session_checks(name, passes, failures) for name, (passes, failures) in self.checked.items()]
 
     def _from_reference(self, sc: Scenario, case: Case, name: str | None, run: Runner) -> RunRecord | None:
         """The run of a case that starts from its stored reference (Scenario.from_reference); None when recording

@@ -206,6 +206,10 @@ class Scenario:
     # --- triage (training scenarios that support it; see pytest_gpuregress/triage) ---------------
 
     supports_triage: ClassVar[bool] = False
+    # A check scenario whose results in the same session are evidence on a failure of another scenario: the
+    # component they speak for (the collective sweep: "collective"), and what to call them in a verdict.
+    evidence_for: ClassVar[str | None] = None
+    evidence_name: ClassVar[str] = ""
 
     def step0_terms(self, config: dict[str, Any]) -> tuple[int, int]:
         """(tokens summed into each step-0 gradient, layers deep): the terms of triage's derived bound."""

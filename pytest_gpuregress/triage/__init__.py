@@ -176,6 +176,17 @@ def cheap_evidence(sc: Scenario, setup: Setup, run: Runner, model: str | None = 
     return [equivalence(sc, n, one, setup), oracle(sc, one, exact)]
 
 
+def session_checks(name: str, passed: int, failed: list[str]) -> Experiment:
+    """What a check scenario that ran in this session says on a failure elsewhere (the collective sweep, beside a
+    training failure): evidence only, never a conviction, since the two may fail for causes of their own."""
+    if failed:
+        return Experiment(name, "fails too", f"{len(failed)} of {passed + len(failed)} of its cases failed in this "
+                                             f"session, first {failed[0]}")
+    return Experiment(name, "clean", f"its {passed} cases passed in this session, so a bug in the collectives "
+                                     "would need what they do not vary (this run's message sizes, its process "
+                                     "groups, the copies around each collective)")
+
+
 def first_moved_evidence(comparison: Comparison | None) -> Experiment | None:
     """The op of step 0 that gave another answer (``Comparison.culprit``): in the exact lane the first that moved,
     every op before it (its inputs among them) bitwise equal; in the tolerant lane the first that introduced a

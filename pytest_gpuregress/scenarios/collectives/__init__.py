@@ -39,6 +39,8 @@ class CollectivesScenario(CheckScenario):
     name = "collectives"
     rank_entry = "pytest_gpuregress.scenarios.collectives.rank:run"
     options = SCENARIO_OPTIONS["collectives"]  # declared with the plugin's: pytest reads them without importing this
+    evidence_for = "collective"
+    evidence_name = "collective sweep"
 
     def groups(self, setup: Setup) -> dict[str, dict[str, str]]:
         return protocol_groups(setup.option("nccl-protos") or [], setup.option("nccl-algos") or [], setup.backend)

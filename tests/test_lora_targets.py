@@ -50,6 +50,18 @@ def mixtral(folder: Path) -> Path:
     return save(folder / "tiny-mixtral", MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2))
 
 
+def deepseek_v3(folder: Path) -> Path:
+    """One dense layer, then an MoE layer of 4 fused experts and a shared expert: peft moves gate_proj, up_proj
+    and down_proj onto the fused experts' parameters (ParamWrapper), off the dense and shared Linears."""
+    from transformers import DeepseekV3Config
+
+    return save(folder / "tiny-deepseek", DeepseekV3Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, n_group=1, topk_group=1, max_position_embeddings=64, use_cache=False))
+
+
 def setup_with(folder: Path, *models: Path, targets: list[str] | None = None) -> Setup:
     options = {"gpuregress_lora_targets": targets} if targets else {}
     return Setup("cpu", "gloo", 2, models=tuple(parse_model(str(m), folder) for m in models), options=options)
@@ -86,6 +98,26 @@ def test_a_mixtral_model_leaves_its_router_and_fused_experts_out_and_says_so(tmp
     assert SCENARIO.target_lines(setup, "tiny-mixtral")[1] == (
         f"gpuregress lora left out (tiny-mixtral): {NOT_LINEAR}: mlp.experts.gate_up_proj, mlp.experts.down_proj; "
         f"{ROUTER}: mlp.gate")
+
+
+def test_the_header_says_what_peft_did_where_it_moves_targets_onto_fused_experts(tmp_path: Path) -> None:
+    from pytest_gpuregress.training.projections import PEFT_MOVED, peft_targets
+
+    folder = deepseek_v3(tmp_path)
+    setup = setup_with(tmp_path, folder)
+    targets = SCENARIO.model_config(setup, "tiny-deepseek")["target_modules"]
+    assert {"gate_proj", "up_proj", "down_proj"} <= set(targets)
+    done = peft_targets(meta_model(folder), targets)
+    assert done.moved == ("gate_proj", "up_proj", "down_proj") and done.into == ("down_proj", "gate_up_proj")
+    assert done.parameters == {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"}
+    assert "model.layers.0.mlp.gate_proj" not in done.modules and "model.layers.0.self_attn.q_proj" in done.modules
+    lines = SCENARIO.target_lines(setup, "tiny-deepseek")
+    assert lines[1] == ("gpuregress lora peft moved (tiny-deepseek): gate_proj, up_proj, down_proj onto the fused "
+                        "expert parameters down_proj, gate_up_proj (target_parameters, transformers 5's MoE layout)")
+    assert lines[2] == (f"gpuregress lora left out (tiny-deepseek): {PEFT_MOVED}: mlp.gate_proj, mlp.up_proj, "
+                        "mlp.down_proj, mlp.shared_experts.gate_proj, mlp.shared_experts.up_proj, "
+                        f"mlp.shared_experts.down_proj; {ROUTER}: mlp.gate")
+    assert NOT_LINEAR not in lines[2]  # the fused experts are adapted: peft wrapped their parameters
 
 
 def test_a_router_that_is_a_linear_is_not_targeted(tmp_path: Path) -> None:

@@ -89,6 +89,37 @@ def test_an_unseen_config_records_passes_and_fails_on_a_corrupted_reduce_scatter
     failed.stdout.fnmatch_lines(["*[[]collective[]]*", "*triage verdict: collective*"])
 
 
+DEEPSEEK_V3 = {  # one dense layer, then 4 fused experts and a shared one: peft wraps the experts' parameters
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8, "v_head_dim": 16, "n_group": 1, "topk_group": 1, "max_position_embeddings": 128,
+    "tie_word_embeddings": False, "use_cache": False,
+}
+
+
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes
+@pytest.mark.slow
+def test_lora_on_fused_experts_that_peft_wraps_as_parameters_records_passes_and_fails_on_a_half_saved_adapter(
+        pytester: pytest.Pytester) -> None:
+    # peft 0.21 moves gate_proj, up_proj and down_proj onto DeepSeek-V3's fused experts (ParamWrapper, which has no
+    # weight and takes no dropout): the merge and dropout checks run on what peft really adapted.
+    write_config(pytester.path, "tiny-deepseek", DEEPSEEK_V3)
+    (pytester.path / "refs").mkdir()
+    common = ("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-model=tiny-deepseek.json",
+              f"--gpuregress-reference-dir={pytester.path / 'refs'}", "--gpuregress-steps=6",
+              "-k", "lora-fully_shard-tiny-deepseek")
+    recorded = pytester.runpytest(*common, "--gpuregress-record", "--gpuregress-replicas=0")
+    recorded.assert_outcomes(passed=1)
+    recorded.stdout.fnmatch_lines(["gpuregress lora peft moved (tiny-deepseek): gate_proj, up_proj, down_proj onto "
+                                   "the fused expert parameters down_proj, gate_up_proj *"])
+    pytester.runpytest(*common).assert_outcomes(passed=1)
+    failed = pytester.runpytest(*common, "--gpuregress-inject=lora:mode=rank0_slice")
+    failed.assert_outcomes(failed=1)
+    failed.stdout.fnmatch_lines(["*[[]checkpoint[]] lora check 'sharded-save'*"])
+
+
 def test_a_zoo_layout_folder_is_named_by_the_model_not_its_size(tmp_path: Path) -> None:
     from pytest_gpuregress.training.model_specs import parse_model
 

@@ -18,6 +18,7 @@ that names the file.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from ..reference.names import safe_component
 from ..resources import shipped_dir
 from .factory import is_factory
 from .models import config_path
-from .projections import BlockProjections, matches, survey
+from .projections import BlockProjections, PeftTargets, matches, peft_targets, survey
 
 # fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter, before activations. FSDP2 spreads
 # them over the ranks; the accelerate LoRA lane keeps a whole fp32 copy of the frozen base on every rank.
@@ -61,6 +62,11 @@ class ModelSpec:
 
             return factory_model(self.source).module_names
         return module_names(self.config_file(device_kind))
+
+    def peft_targets(self, device_kind: str, targets: Sequence[str]) -> PeftTargets | None:
+        """What peft adapts for ``targets``; None for a factory's model (not a transformers architecture peft
+        converts)."""
+        return None if self.factory else peft_targets_of(self.config_file(device_kind), tuple(targets))
 
     def projections(self, device_kind: str) -> BlockProjections:
         """The linear projections of its decoder layers: what the lora scenario targets by default."""
@@ -182,7 +188,12 @@ def available_memory(device_kind: str) -> int | None:
 
 @functools.lru_cache(maxsize=16)
 def _meta_model(source: str) -> Any:
-    """The model a config file describes, built on the meta device (no memory for its weights), once per file."""
+    """The model a config file describes, built on the meta device (no memory for its weights), once per file.
+    Read only: a wrap changes a model in place (``_built_on_meta`` gives one to change)."""
+    return _built_on_meta(source)
+
+
+def _built_on_meta(source: str) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -201,6 +212,12 @@ def module_names(source: str) -> frozenset[str]:
 def block_projections(source: str) -> BlockProjections:
     """The linear projections of the decoder layers of the model a config file describes (training/projections.py)."""
     return survey(_meta_model(source))
+
+
+@functools.lru_cache(maxsize=16)
+def peft_targets_of(source: str, targets: tuple[str, ...]) -> PeftTargets:
+    """What peft adapts for ``targets`` in the model a config file describes (training/projections.py)."""
+    return peft_targets(_built_on_meta(source), targets)  # peft wraps in place: never the cached model
 
 
 def targets_present(targets: list[str], names: frozenset[str]) -> list[str]:

@@ -23,6 +23,7 @@ NOT_ASKED = "not in --gpuregress-lora-targets"
 NOT_LINEAR = "not a Linear or Conv1D (target_modules cannot adapt one)"
 ROUTER = "routers and expert gates (an adapter on one changes which experts run, or how much of one)"
 CLASHING = "named like a module that must not be adapted (a router, or one outside the decoder layers)"
+PEFT_MOVED = "matched by a target peft moved onto fused expert parameters (so no adapter here)"
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,43 @@ class BlockProjections:
     routers: tuple[Projection, ...]  # never targeted by default
     not_linear: tuple[Projection, ...]  # weights of other modules (fused experts): no target_modules entry adapts them
     clashing: tuple[Projection, ...]  # Linear / Conv1D whose leaf name and path both name a module to leave alone
+
+
+@dataclass(frozen=True)
+class PeftTargets:
+    """What peft really adapted for a list of ``target_modules``: transformers 5 fuses an MoE's experts into 3-D
+    parameters, and peft then moves ``gate_proj``-style targets onto them (``target_parameters``), which takes
+    those names off every Linear they matched elsewhere (a dense MLP, a shared expert)."""
+
+    modules: frozenset[str]  # full names of the modules given an adapter
+    parameters: frozenset[str]  # full names of the parameters peft wrapped itself (ParamWrapper)
+    moved: tuple[str, ...]  # the targets peft took off target_modules
+    into: tuple[str, ...]  # the target_parameters it put in their place
+
+
+def peft_targets(model: Any, targets: Sequence[str]) -> PeftTargets:
+    """Wrap ``model`` (changed in place: pass a fresh one; the meta device will do) as the lora scenario does, and
+    read what peft adapted."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's notes on its own conversion: what this returns says it
+        wrapped = get_peft_model(model, LoraConfig(r=1, lora_alpha=1, target_modules=list(targets)))
+    modules: set[str] = set()
+    parameters: set[str] = set()
+    for name, module in wrapped.base_model.model.named_modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        if hasattr(module, "parameter_name"):  # nested wrappers: one per parameter, each a base_layer deeper
+            parameters.add(f"{name.replace('.base_layer', '')}.{module.parameter_name}")
+        else:
+            modules.add(name)
+    config = wrapped.peft_config["default"]
+    kept = set(config.target_modules or [])
+    return PeftTargets(frozenset(modules), frozenset(parameters), tuple(t for t in targets if t not in kept),
+                       tuple(sorted(config.target_parameters or [])))
 
 
 def matches(target: str, name: str) -> bool:
@@ -117,14 +155,24 @@ def survey(model: Any) -> BlockProjections:
                             not_linear=_grouped(not_linear), clashing=tuple(p for p, t in chosen if not t))
 
 
-def left_out(found: BlockProjections, targets: Sequence[str], asked: bool) -> dict[str, list[str]]:
+def left_out(found: BlockProjections, targets: Sequence[str], asked: bool,
+             peft: PeftTargets | None = None) -> dict[str, list[str]]:
     """What of the blocks ``targets`` leaves without an adapter, by why (the reasons above): block paths.
-    ``asked``: the targets are the user's, so a projection they miss is theirs to add."""
-    def covered(projection: Projection) -> bool:
-        return all(any(matches(t, n) for t in targets) for n in projection.names)
+    ``asked``: the targets are the user's, so a projection they miss is theirs to add. ``peft``: what peft really
+    adapted for them, where it was asked (its moves onto fused expert parameters count, both ways)."""
+    def named(projection: Projection, among: Sequence[str]) -> bool:
+        return all(any(matches(t, n) for t in among) for n in projection.names)
 
-    why = {NOT_ASKED if asked else CLASHING: [p.path for p in (*found.linear, *found.clashing) if not covered(p)],
-           NOT_LINEAR: [p.path for p in found.not_linear],
+    def covered(projection: Projection) -> bool:
+        return all(n in peft.modules for n in projection.names) if peft is not None else named(projection, targets)
+
+    moved = [p for p in (*found.linear, *found.clashing) if peft is not None and not covered(p)
+             and named(p, peft.moved)]
+    wrapped = peft.parameters if peft is not None else frozenset()
+    why = {NOT_ASKED if asked else CLASHING: [p.path for p in (*found.linear, *found.clashing)
+                                              if not covered(p) and p not in moved],
+           PEFT_MOVED: [p.path for p in moved],
+           NOT_LINEAR: [p.path for p in found.not_linear if not all(n in wrapped for n in p.names)],
            ROUTER: [p.path for p in found.routers if not covered(p)]}
     return {reason: paths for reason, paths in why.items() if paths}
 

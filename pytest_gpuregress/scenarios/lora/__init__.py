@@ -136,7 +136,11 @@ class LoraScenario(Scenario):
         # The user's targets are kept when the model has none of them: lora is then not applicable (experiment).
         present = targets_present(targets, _module_names(setup, model)) if targets else []
         lines = [f"gpuregress lora targets ({label}): {_describe_targets(targets, present)}"]
-        missed = left_out(_projections(setup, model), present, asked)
+        peft = setup.model(model).peft_targets(setup.device_kind, present) if model is not None and present else None
+        if peft is not None and peft.moved:
+            lines.append(f"gpuregress lora peft moved ({label}): {', '.join(peft.moved)} onto the fused expert "
+                         f"parameters {', '.join(peft.into)} (target_parameters, transformers 5's MoE layout)")
+        missed = left_out(_projections(setup, model), present, asked, peft)
         if missed:
             lines.append(f"gpuregress lora left out ({label}): "
                          + "; ".join(f"{why}: {', '.join(paths)}" for why, paths in missed.items()))

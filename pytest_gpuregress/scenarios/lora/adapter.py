@@ -23,6 +23,16 @@ def lora_config(cfg: dict[str, Any]) -> Any:
                       lora_dropout=float(cfg.get("lora_dropout", 0.0)), bias="none")
 
 
+def module_targets(model: Any) -> list[str] | None:
+    """The ``target_modules`` peft kept for a wrapped ``model`` where it turned others into ``target_parameters``
+    (transformers 5's fused MoE experts: ``gate_proj``, ``up_proj``, ``down_proj`` become the experts'
+    ``gate_up_proj`` and ``down_proj``); None where it wrapped no parameter."""
+    config = model.peft_config["default"]
+    if not getattr(config, "target_parameters", None):
+        return None
+    return sorted(config.target_modules or [])
+
+
 def scale(cfg: dict[str, Any]) -> float:
     """peft's LoRA scaling, alpha / r."""
     return int(cfg["lora_alpha"]) / int(cfg["lora_r"])

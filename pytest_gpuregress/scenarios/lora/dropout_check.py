@@ -11,7 +11,9 @@ or torch bug in dropout breaks is checked here instead, on the trained adapter w
   acts       in train mode the output differs from eval mode's (the dropout is applied at all)
   scale      the adapter's own dropout module, in train mode on ones: every kept value exactly 1 / (1 - p), and
              the share dropped within binomial noise of p (a missing rescale, or another p, fails)
-It draws from a forked RNG, so the rank's own random state is as training left it.
+It draws from a forked RNG, so the rank's own random state is as training left it. peft refuses dropout on the
+parameters it wraps itself (an MoE's fused experts, which it reaches from ``gate_proj``-style targets): there the
+check runs on the module adapters peft kept, the ones dropout applies to.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ def _checked(fresh_base: Callable[[], Any], trained: dict[str, np.ndarray], cfg:
             return adapter_io.to_numpy(model(input_ids=batch).logits.float())
 
     plain = _adapted(fresh_base(), trained, cfg, 0.0, batch.device).eval()
+    kept = adapter.module_targets(plain)
+    if kept is not None:  # peft refuses dropout on the parameters it wraps (fused experts): the others carry it
+        cfg = {**cfg, "target_modules": kept}
+        plain = _adapted(fresh_base(), trained, cfg, 0.0, batch.device).eval()
     dropping = _adapted(fresh_base(), trained, cfg, P, batch.device).eval()
     findings: list[checks.Finding] = []
     expected, in_eval = logits(plain), logits(dropping)
@@ -88,5 +94,6 @@ def _scale(model: Any, device: Any) -> list[checks.Finding]:
 
 def _adapted(base: Any, trained: dict[str, np.ndarray], cfg: dict[str, Any], dropout: float, device: Any) -> Any:
     model = adapter.wrap_with_lora(base, {**cfg, "lora_dropout": dropout})
-    adapter.load_adapter_tensors(model, trained)
+    names = {name for name, _ in model.named_parameters()}
+    adapter.load_adapter_tensors(model, {name: values for name, values in trained.items() if name in names})
     return model.to(device)

@@ -33,8 +33,9 @@ def check_merge(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, 
     for param in model.parameters():  # the compute dtype, as training's mixed-precision policy casts; buffers stay
         param.data = param.data.to(compute_dtype)
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[compute_dtype]
-    # W, A and B as the merge sees them: already in the compute dtype
-    layers = _lora_layers(model)
+    # W, A and B as the merge sees them: already in the compute dtype. Parameters peft wrapped itself (fused MoE
+    # experts: ParamWrapper) merge in a layout of peft's own; the merged logits below judge them.
+    layers = {module: layer for module, layer in _lora_layers(model).items() if not is_parameter_wrapper(layer)}
     # GPT-2's Conv1D stores its weight as [in, out] (peft's fan_in_fan_out): the checks read every weight as
     # [out, in], where the merge is W + s * B @ A.
     flipped = {module for module, layer in layers.items() if getattr(layer, "fan_in_fan_out", False)}
@@ -70,6 +71,12 @@ def check_merge(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, 
     findings += checks.check_logits("merge", "merged (merge_and_unload) against unmerged", unmerged, merged, bound)
     deviation = float(np.max(np.abs(unmerged.astype(np.float64) - merged)))
     return findings, {"logit_deviation": deviation, "logit_bound": bound, "weight_error_over_bound": worst_ratio}
+
+
+def is_parameter_wrapper(layer: Any) -> bool:
+    """peft's ParamWrapper: an adapter on one parameter of a module (``target_parameters``, or a fused MoE
+    experts module a model's target names reach), with no weight of its own."""
+    return hasattr(layer, "parameter_name")
 
 
 def _lora_layers(model: Any) -> dict[str, Any]:

@@ -46,6 +46,7 @@ def adapted(ctx: RankContext) -> Adapted:
     """The base model with the adapter on it, on the CPU; the kernel path and switches of the config applied."""
     from ...training.models import blueprint
     from ...training.noise import apply_kernel_path
+    from ...training.projections import matches
     from ...training.switches import apply_switches
 
     cfg = ctx.config
@@ -55,7 +56,11 @@ def adapted(ctx: RankContext) -> Adapted:
     apply_switches(cfg, ctx)
     base = build_base(cfg, model_config, perturbation)
     targeted = adapter.targeted_modules(base, list(cfg["target_modules"]))
-    return Adapted(adapter.wrap_with_lora(base, cfg), targeted, model_config, perturbation)
+    model = adapter.wrap_with_lora(base, cfg)
+    kept = adapter.module_targets(model)
+    if kept is not None:  # peft moved some targets onto fused expert parameters: those names adapt no module now
+        targeted = [name for name in targeted if any(matches(t, name) for t in kept)]
+    return Adapted(model, targeted, model_config, perturbation)
 
 
 @dataclass

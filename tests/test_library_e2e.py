@@ -49,3 +49,19 @@ def test_a_lora_scaling_change_in_peft_is_the_library_not_a_kernel(tmp_path_fact
     assert "triage verdict: library: peft. Evidence: the float64 oracle's step 0" in done.stdout
     assert "the model's code changed with peft: check its release notes" in done.stdout
     assert "record them as the reference" not in done.stdout
+
+
+def test_a_tied_model_built_untied_is_the_library_judged_against_its_config_never_a_re_record(tmp_path: Path) -> None:
+    # The zoo's tied model against its shipped reference: transformers' tie_weights ties nothing, so lm_head.weight
+    # is a tensor of its own. The config says tie_word_embeddings: the library, not a layout to re-record over.
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-model=tiny-llama-tied",
+           "-k", "fsdp-tiny-llama-tied", "--gpuregress-inject=library:mode=untied"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stdout[-4000:]
+    assert tags(done.stdout) == {"[library: transformers]"}, done.stdout[-4000:]
+    assert "[library: transformers] the model's config ties the input and output embeddings (tie_word_embeddings: " \
+           "true), but this stack built lm_head.weight as a tensor of its own" in done.stdout
+    assert "triage verdict: library: transformers. Evidence: this stack built another model than its config asks" \
+        in done.stdout
+    assert "record nothing: this stack built another model than its config asks" in done.stdout
+    assert "--gpuregress-record" not in done.stdout.split("what changed in the stack")[1].split("triage verdict")[0]

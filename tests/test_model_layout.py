@@ -129,3 +129,40 @@ def test_kernels_that_moved_with_other_stack_changes_are_not_blamed_on_the_model
     reference, run = moe_record(False, "5.24.0"), moe_record(False, "4.57.6")
     run.fingerprint["device"] = {"blas_library": "cublasLt 12.9"}  # a kernel library moved too
     assert model_code_cause(reference, run) == ""
+
+
+def tied_record(head: bool) -> RunRecord:
+    """The tied model's record: one embedding tensor, or (``head``) the output head as a tensor of its own."""
+    record = moe_record(False, "5.24.0")
+    record.arrays["step0_grad/model.embed_tokens.weight"] = np.full((16, 8), 0.2, dtype=np.float32)
+    if head:
+        record.arrays["step0_grad/lm_head.weight"] = np.full((16, 8), 0.3, dtype=np.float32)
+        record.series = {"loss": [5.7, 5.2]}
+    return record
+
+
+def test_a_head_untied_against_the_config_is_the_librarys_and_never_a_re_record() -> None:
+    from pytest_gpuregress.reference.report import format_comparison
+
+    comparison = compare_training(tied_record(False), tied_record(True), lane="exact", tied=True)
+    first = comparison.findings[0]
+    assert (first.metric, first.component) == ("model", model_layout.TIE_COMPONENT)
+    assert first.message.startswith("the model's config ties the input and output embeddings (tie_word_embeddings: "
+                                    "true), but this stack built lm_head.weight as a tensor of its own")
+    assert {f.component for f in comparison.findings} == {"library: transformers"}
+    text = format_comparison(comparison, scenario="fsdp", platform_key="cpu-gloo-w2-fp32", reference_path="REF",
+                             record_hint="OVERWRITE", record_elsewhere_hint="ELSEWHERE")
+    assert "record nothing" in text and "OVERWRITE" not in text and "ELSEWHERE" not in text
+    comparison.convict("collective")  # experiments convicting a fault keep the tie's own name
+    assert comparison.findings[0].component == model_layout.TIE_COMPONENT
+
+
+def test_a_tie_the_config_does_not_ask_for_or_a_run_that_follows_its_config_keeps_the_model_verdict() -> None:
+    untied_config = compare_training(tied_record(False), tied_record(True), lane="exact", tied=False)
+    assert untied_config.findings[0].component == model_layout.COMPONENT  # the run follows its config: the layout
+    unknown = compare_training(tied_record(False), tied_record(True), lane="exact", tied=None)
+    assert unknown.findings[0].component == model_layout.COMPONENT  # a factory's model: no config to judge by
+    retied = compare_training(tied_record(True), tied_record(False), lane="exact", tied=False)
+    assert retied.findings[0].component == model_layout.TIE_COMPONENT
+    assert "does not tie" in retied.findings[0].message and "sharing the input embeddings' tensor" in \
+        retied.findings[0].message

@@ -202,8 +202,9 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
               "parameters (docs/triage.md); it runs in every launch, the float64 oracle's too", {
                   "mode": Param("choice", "rope_interleaved: transformers' Llama rotate_half pairs neighbouring "
                                           "features instead of the two halves; lora_rslora: peft scales an adapter "
-                                          "by alpha / sqrt(r) instead of alpha / r",
-                                ("rope_interleaved", "lora_rslora")),
+                                          "by alpha / sqrt(r) instead of alpha / r; untied: transformers' "
+                                          "tie_weights ties nothing, so a tied model gets an output head of its own",
+                                ("rope_interleaved", "lora_rslora", "untied")),
               }, required=("mode",), installed_code=True),
     FaultKind("checkpoint", ".checkpoint:install", "a checkpoint bug of docs/faults.md section 3, for scenario checkpoint and "
               "the resume cases of fsdp and lora "

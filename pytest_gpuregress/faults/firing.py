@@ -87,6 +87,8 @@ PATHS: dict[str, str] = {
     "format:loader_e5m2_as_e4m3fn": "no e5m2 tensor loaded through the stack's {path} loader (the formats io cases)",
     "library:rope_interleaved": "no rotary embedding of transformers' Llama applied (modeling_llama.rotate_half)",
     "library:lora_rslora": "no LoRA adapter made by peft (LoraLayer.update_layer)",
+    "library:untied": "no model whose config ties its embeddings built (PreTrainedModel.tie_weights; the zoo's "
+                      "tiny-llama-tied is one: --gpuregress-model=tiny-llama-tied)",
     "lora:grad_leak": "no model wrapped with LoRA (adapter.wrap_with_lora)",
     "lora:rank0_slice": "no sharded adapter gathered for saving: adapter_io.gather_for_save under fully_shard, "
                         "Accelerator.get_state_dict of a sharded model under accelerate (on a CPU accelerate runs "

@@ -6,6 +6,8 @@ code installed on the machine, not a fault of the stack under test (FaultKind.in
   rope_interleaved  transformers' Llama ``rotate_half`` pairs neighbouring features (the GPT-J convention)
                     instead of the two halves
   lora_rslora       peft's ``LoraLayer.update_layer`` scales an adapter by alpha / sqrt(r) instead of alpha / r
+  untied            transformers' ``PreTrainedModel.tie_weights`` ties nothing: a model whose config ties its
+                    embeddings gets an output head of its own
 """
 
 from __future__ import annotations
@@ -50,12 +52,29 @@ def _rslora(firing: Firing) -> Any:
     return wrap
 
 
+def _not_tying(firing: Firing) -> Any:
+    def wrap(original: Any) -> Any:
+        def tie_weights(self: Any, *args: Any, **kwargs: Any) -> None:
+            if getattr(self.config.get_text_config(), "tie_word_embeddings", False):
+                firing.fire()  # only where the config asks for a tie: elsewhere the release changes nothing
+                return None
+            return original(self, *args, **kwargs)
+
+        return tie_weights
+
+    return wrap
+
+
 def install(spec: FaultSpec, ctx: Any) -> Firing:
     firing = Firing(spec.text)
     if spec.get("mode") == "rope_interleaved":
         from transformers.models.llama import modeling_llama
 
         _patch(ctx, modeling_llama, "rotate_half", _interleaved(firing))
+    elif spec.get("mode") == "untied":
+        from transformers import PreTrainedModel
+
+        _patch(ctx, PreTrainedModel, "tie_weights", _not_tying(firing))
     else:
         from peft.tuners.lora.layer import LoraLayer
 

@@ -30,7 +30,10 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
     from ..reference import model_layout
     from ..triage.flips import flip
 
-    model_changed = any(f.component == model_layout.COMPONENT for f in comparison.findings)
+    # The layout finding (reference/model_layout.py): the model's code changed, or (a tie against the model's
+    # config) the library built another model than the config asks. Either way the runs start from other weights.
+    layout = next((f for f in comparison.findings if f.metric == model_layout.COMPONENT), None)
+    model_changed = layout is not None
     library = None if model_changed else library_change(sc, setup, run, reference, model)
     if not run_experiments:
         return _library_alone(library, comparison)
@@ -38,11 +41,12 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
         # Equivalence and the oracle need no reference: even where the model's code changed, they can
         # still convict a collective or a kernel of this stack, which re-recording must not bury.
         experiments = [*triage.cheap_evidence(sc, setup, run, model), *checks]
-        if model_changed and not any(e.convicts for e in experiments):
-            return model_layout.COMPONENT, ["", "triage verdict: model. Evidence: the model's parameter layout "
-                                            "differs from the reference's, so the runs start from other weights; "
-                                            "equivalence and the oracle on this stack convict nothing",
-                                            *triage.report("", experiments)[2:]]
+        if layout is not None and not any(e.convicts for e in experiments):
+            why = "the model's parameter layout differs from the reference's" if layout.component == \
+                model_layout.COMPONENT else "this stack built another model than its config asks (the first finding)"
+            return layout.component, ["", f"triage verdict: {layout.component}. Evidence: {why}, so the runs start "
+                                      "from other weights; equivalence and the oracle on this stack convict nothing",
+                                      *triage.report("", experiments)[2:]]
         first = triage.divergence_start(comparison, experiments)
         if first is not None and case is not None:  # step 0 cleared, a later step differs: judge where it starts
             experiments += late_window(sc, setup, run, reference, case, comparison.lane, first)

@@ -467,11 +467,13 @@ def tolerant_limits(reference: RunRecord, tolerances: Tolerances | None = None) 
 
 
 def compare_training(
-    reference: RunRecord, run: RunRecord, *, lane: str = "auto", tolerances: Tolerances | None = None
+    reference: RunRecord, run: RunRecord, *, lane: str = "auto", tolerances: Tolerances | None = None,
+    tied: bool | None = None,
 ) -> Comparison:
     """Compare two training records (losses, gradient norms, step-0 gradients, final weights).
 
-    ``tolerances`` replaces the envelope and the fixed limits with explicit ones."""
+    ``tolerances`` replaces the envelope and the fixed limits with explicit ones. ``tied``: whether the model's
+    config ties its input and output embeddings, which a tie that differs from the reference's is judged by."""
     chosen, reason = choose_lane(reference, run, lane)
     limits, source = tolerant_limits(reference, tolerances)
     findings: list[Finding] = []
@@ -492,11 +494,13 @@ def compare_training(
         if found:
             findings.append(found)
     _suspect(findings, chosen)
-    changed = model_layout.verdict(reference, run)
-    if changed:  # the model's own code moved: every difference follows from it, none convicts a kernel
+    untied = model_layout.tie_verdict(reference, run, tied)
+    changed = None if untied else model_layout.verdict(reference, run)
+    if untied or changed:  # the model's own code moved: every difference follows from it, none convicts a kernel
+        component = model_layout.TIE_COMPONENT if untied else model_layout.COMPONENT
         for finding in findings:
-            finding.component = model_layout.COMPONENT
-        findings.insert(0, Finding("model", model_layout.COMPONENT, changed))
+            finding.component = component
+        findings.insert(0, Finding("model", component, untied or changed or ""))
     name_optimizer(findings, run.config)
     comparison = Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source,
                             first_moved=first_moved(reference, run), equal_trace=equal_traces(reference, run))

@@ -19,6 +19,7 @@ from . import step0
 from .record import RunRecord
 
 COMPONENT = "model"
+TIE_COMPONENT = "library: transformers"  # whose code ties a config's embeddings (PreTrainedModel.tie_weights)
 MODEL_LIBRARIES = ("transformers", "peft", "accelerate", "torch")  # whose releases change a model's code
 
 
@@ -103,3 +104,27 @@ def verdict(reference: RunRecord, run: RunRecord) -> str | None:
             "reference cannot judge its numbers (not a kernel or collective fault); record a reference for this "
             "stack with --gpuregress-record into a folder of its own (--gpuregress-reference-dir), and keep this "
             "one for the stack it was recorded on")
+
+
+def tie_verdict(reference: RunRecord, run: RunRecord, tied: bool | None) -> str | None:
+    """Where the layouts differ by one tensor only, the output head shared with the input embeddings on one side
+    and a tensor of its own on the other: judged against the model's config (``tied``: its tie_word_embeddings;
+    None where it has none, as a factory's model). A stack that builds against its config is the library's
+    fault, never a layout to re-record over. None where this run follows its config (the reference then did not:
+    the model finding says so), or the difference is another one."""
+    if tied is None:
+        return None
+    before, after = layout(reference), layout(run)
+    new, gone = sorted(set(after) - set(before)), sorted(set(before) - set(after))
+    reshaped = [n for n in set(before) & set(after) if before[n] != after[n]]
+    if reshaped or len(new) + len(gone) != 1:
+        return None
+    name, separate_here = (new or gone)[0], bool(new)
+    if separate_here != tied:
+        return None
+    libraries = ", ".join(library_changes(reference, run)) or "no model library changed"
+    built = "as a tensor of its own" if separate_here else "sharing the input embeddings' tensor"
+    return (f"the model's config {'ties' if tied else 'does not tie'} the input and output embeddings "
+            f"(tie_word_embeddings: {str(tied).lower()}), but this stack built {name} {built} ({libraries}): the "
+            "library did not build what the config asks, so every step trains another model. Not a change to "
+            "record over: check the library's release notes and report it, and keep this reference")

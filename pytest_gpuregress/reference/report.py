@@ -111,7 +111,11 @@ def format_comparison(
 def _record_advice(comparison: Comparison, record_hint: str, record_elsewhere_hint: str) -> str:
     """What to record: over the reference if the new numbers are right; where the model's code changed, a reference
     of this stack's own in another folder, as the model finding says (the old stack keeps its reference)."""
-    if record_elsewhere_hint and any(f.metric == model_layout.COMPONENT for f in comparison.findings):
+    layout = next((f for f in comparison.findings if f.metric == model_layout.COMPONENT), None)
+    if layout is not None and layout.component == model_layout.TIE_COMPONENT:
+        return ("record nothing: this stack built another model than its config asks (the first finding); report it "
+                "to transformers, with this reference and this run's record as the evidence")
+    if record_elsewhere_hint and layout is not None:
         return f"this stack needs a reference of its own: record it into another folder, keeping this one: {record_elsewhere_hint}"
     library = next((f.component for f in comparison.findings if f.component.startswith("library:")), None)
     if library is not None:  # not a kernel to re-record over: code that computes another function

@@ -294,8 +294,9 @@ class Scenario:
     def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
         """Compare ``record`` with its reference for ``case``. By default: losses, gradients and weights."""
         from ..reference.compare import compare_training
+        from ..training.models import ties_embeddings
 
-        return compare_training(reference, record, lane=lane)
+        return compare_training(reference, record, lane=lane, tied=ties_embeddings(record.config))
 
     def header(self, setup: Setup) -> list[str]:
         """Lines for the report header, e.g. a setting that does not apply on this platform."""

@@ -139,6 +139,21 @@ def blueprint(cfg: dict[str, Any]) -> Any:
     return load_config(model_source(cfg), cfg["model_size"])
 
 
+def ties_embeddings(cfg: dict[str, Any]) -> bool | None:
+    """Whether a scenario config's model ties its input and output embeddings, as its transformers config says
+    (``tie_word_embeddings``, the text config's in a multimodal one); None for a factory's model, or a config
+    that cannot be read here (the comparison then judges the layout alone)."""
+    if cfg.get("model_factory") or "model_size" not in cfg:
+        return None
+    try:
+        config = blueprint(cfg)
+    except Exception:  # noqa: BLE001 - a judgement aid: the run itself reported what it could not build
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tied = getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", None))
+    return bool(tied) if tied is not None else None
+
+
 def describe_model(cfg: dict[str, Any]) -> str:
     """Where a scenario config's model comes from, for messages: "the config <file>" or "the factory <entry>"."""
     if cfg.get("model_factory"):

@@ -66,11 +66,13 @@ def test_linear_layer_noise_is_convicted_as_kernel_by_the_oracle(pytester: pytes
 def test_a_gemm_bug_of_the_per_rank_shape_is_a_kernel_not_a_collective(pytester: pytest.Pytester, refs: Path) -> None:
     # Each rank's GEMMs have 8 x 64 = 512 rows. A one-rank run over the whole batch (1024 rows) would call another
     # kernel, stay clean, and equivalence would convict a collective; the one rank runs each rank's micro-batch.
-    result = run(pytester, refs, "fsdp and not resume and not bf16", "--gpuregress-inject=linear_noise:rel=1e-4,rows=512")
-    out = result.stdout.str()
-    assert "triage verdict: kernel. Evidence: equivalence clean" in out, out[-3000:]
-    assert "oracle differs: step 0 differs from float64" in out
-    assert "[collective]" not in out and "FAILED ::test_scenario[triage-equivalence" not in out
+    for flips in ((), ("--gpuregress-triage",)):  # the world-size flip runs each rank's micro-batch too
+        result = run(pytester, refs, "fsdp and not resume and not bf16", "--gpuregress-inject=linear_noise:rel=1e-4,rows=512",
+                     *flips)
+        out = result.stdout.str()
+        assert "triage verdict: kernel. Evidence: equivalence clean" in out, out[-3000:]
+        assert "oracle differs: step 0 differs from float64" in out
+        assert "[collective]" not in out and "FAILED ::test_scenario[triage-equivalence" not in out
 
 
 @pytest.mark.full_tier  # end to end with spawned ranks, and the switch flips

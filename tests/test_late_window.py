@@ -37,9 +37,15 @@ def test_gradients_computed_wrong_from_the_reference_state_convict_their_compone
     assert component == "collective" and "late window differs" in line
 
 
-def test_a_dense_late_gradient_error_is_a_kernel() -> None:
+def test_a_dense_late_gradient_error_is_a_kernel_or_a_collective_which_one_window_cannot_tell_apart() -> None:
     component, _ = verdict(late_divergence(), [*CLEARED, judged(2, 6, window(late_grad("kernel")))])
-    assert component == "kernel"
+    assert component == "kernel or collective"
+
+
+def test_a_reference_without_late_gradients_compares_nothing_and_clears_nothing() -> None:
+    experiment = judged(2, 6, window(), compared=False)  # its gradients were never kept: "clean" would be false
+    assert experiment.status == "not applicable" and "re-record it" in experiment.detail
+    assert verdict(late_divergence(), [*CLEARED, experiment])[0] is None
 
 
 def test_right_gradients_at_the_window_after_the_divergence_leave_the_update_convicted() -> None:

@@ -146,7 +146,7 @@ def test_a_head_untied_against_the_config_is_the_librarys_and_never_a_re_record(
 
     comparison = compare_training(tied_record(False), tied_record(True), lane="exact", tied=True)
     first = comparison.findings[0]
-    assert (first.metric, first.component) == ("model", model_layout.TIE_COMPONENT)
+    assert (first.metric, first.component) == ("model", "library: transformers")
     assert first.message.startswith("the model's config ties the input and output embeddings (tie_word_embeddings: "
                                     "true), but this stack built lm_head.weight as a tensor of its own")
     assert {f.component for f in comparison.findings} == {"library: transformers"}
@@ -154,7 +154,7 @@ def test_a_head_untied_against_the_config_is_the_librarys_and_never_a_re_record(
                              record_hint="OVERWRITE", record_elsewhere_hint="ELSEWHERE")
     assert "record nothing" in text and "OVERWRITE" not in text and "ELSEWHERE" not in text
     comparison.convict("collective")  # experiments convicting a fault keep the tie's own name
-    assert comparison.findings[0].component == model_layout.TIE_COMPONENT
+    assert comparison.findings[0].component == "library: transformers"
 
 
 def test_a_tie_the_config_does_not_ask_for_or_a_run_that_follows_its_config_keeps_the_model_verdict() -> None:
@@ -163,6 +163,23 @@ def test_a_tie_the_config_does_not_ask_for_or_a_run_that_follows_its_config_keep
     unknown = compare_training(tied_record(False), tied_record(True), lane="exact", tied=None)
     assert unknown.findings[0].component == model_layout.COMPONENT  # a factory's model: no config to judge by
     retied = compare_training(tied_record(True), tied_record(False), lane="exact", tied=False)
-    assert retied.findings[0].component == model_layout.TIE_COMPONENT
-    assert "does not tie" in retied.findings[0].message and "sharing the input embeddings' tensor" in \
+    assert retied.findings[0].component == "library: transformers"
+    assert "does not tie" in retied.findings[0].message and "sharing model.embed_tokens.weight's tensor" in \
         retied.findings[0].message
+
+
+def test_one_missing_gradient_or_a_new_parameter_is_no_tie() -> None:
+    reference, run = tied_record(False), tied_record(False)
+    del run.arrays[f"step0_grad/{FUSED}"]  # a stack fault left a parameter without its gradient
+    assert model_layout.tie_verdict(reference, run, tied=False) is None
+    assert model_layout.tie_verdict(reference, run, tied=True) is None
+    grown = tied_record(False)
+    grown.arrays["step0_grad/model.layers.0.mlp.gate.weight"] = np.full((4, 8), 0.1, dtype=np.float32)
+    assert model_layout.tie_verdict(reference, grown, tied=True) is None  # not the head: the model's code
+
+
+def test_the_tie_names_the_model_library_that_changed() -> None:
+    run = tied_record(True)
+    run.fingerprint["versions"]["torch"] = "2.14.1"
+    component, message = model_layout.tie_verdict(tied_record(False), run, tied=True)
+    assert component == "library: torch" and "(torch 2.13.0 -> 2.14.1)" in message

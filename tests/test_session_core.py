@@ -179,3 +179,18 @@ def test_the_late_window_runs_where_the_reference_keeps_a_late_checkpoint(tmp_pa
                       results={SAVED_KEY: {"step": 6}})
     (experiment,) = late_window(fsdp, core.setup, never, saved, case, "exact", 2)
     assert experiment.status == "not applicable" and "no resume checkpoint" in experiment.detail
+
+
+def test_a_late_window_that_fails_to_run_keeps_the_other_evidence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    core = session(tmp_path)
+    fsdp = get_scenario("fsdp")
+    case = next(c for c in fsdp.cases(core.setup) if c.id == "fsdp")
+    saved = RunRecord(scenario="fsdp", config={}, platform_key=PLATFORM, world_size=2, fingerprint={},
+                      results={SAVED_KEY: {"step": 6}})
+
+    def crashed(*_: Any) -> RunRecord:
+        raise RuntimeError("rank 1 raised OSError\nthe rest of its traceback")
+
+    monkeypatch.setattr(type(fsdp), "from_reference", crashed)
+    (experiment,) = late_window(fsdp, core.setup, crashed, saved, case, "exact", 2)
+    assert (experiment.status, experiment.detail) == ("failed to run", "RuntimeError: rank 1 raised OSError")

@@ -42,8 +42,8 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
         # still convict a collective or a kernel of this stack, which re-recording must not bury.
         experiments = [*triage.cheap_evidence(sc, setup, run, model), *checks]
         if layout is not None and not any(e.convicts for e in experiments):
-            why = "the model's parameter layout differs from the reference's" if layout.component == \
-                model_layout.COMPONENT else "this stack built another model than its config asks (the first finding)"
+            why = f"{model_layout.BUILT_OTHERWISE} (the first finding)" if model_layout.is_tie(
+                layout.metric, layout.component) else "the model's parameter layout differs from the reference's"
             return layout.component, ["", f"triage verdict: {layout.component}. Evidence: {why}, so the runs start "
                                       "from other weights; equivalence and the oracle on this stack convict nothing",
                                       *triage.report("", experiments)[2:]]
@@ -107,7 +107,7 @@ def late_window(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, c
     """The late window's experiment, where ``case`` has a resume case continuing its reference from the
     reference's late checkpoint; [] where it has none. Its launch is the resume case's own: run once per session
     for both."""
-    from ..scenarios.shared import resume_plan, resume_verdict
+    from ..scenarios.shared import late_gradients, resume_plan, resume_verdict
     from ..triage import Experiment
     from ..triage import late_window as window
 
@@ -117,11 +117,15 @@ def late_window(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, c
         return []
     try:
         record = sc.from_reference(resume, lambda: reference, run, setup)
+        if record is None:
+            return []
+        compared = late_gradients.has_late(reference) and late_gradients.has_late(record)
+        return [window.judged(first_step, int(saved["step"]), sc.compare(reference, record, resume, lane), compared)]
     except NotApplicable as exc:
         return [Experiment(window.NAME, "not applicable", str(exc))]
-    if record is None:
-        return []
-    return [window.judged(first_step, int(saved["step"]), sc.compare(reference, record, resume, lane))]
+    except Exception as exc:  # noqa: BLE001 - one experiment that failed must not take the others' evidence with it
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        return [Experiment(window.NAME, "failed to run", f"{type(exc).__name__}: {first}")]
 
 
 def keep_first_moved_stack(sc: Scenario, setup: Setup, run: Runner, comparison: Comparison, model: str | None,

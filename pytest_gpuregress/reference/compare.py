@@ -494,13 +494,13 @@ def compare_training(
         if found:
             findings.append(found)
     _suspect(findings, chosen)
-    untied = model_layout.tie_verdict(reference, run, tied)
-    changed = None if untied else model_layout.verdict(reference, run)
-    if untied or changed:  # the model's own code moved: every difference follows from it, none convicts a kernel
-        component = model_layout.TIE_COMPONENT if untied else model_layout.COMPONENT
+    layout = model_layout.tie_verdict(reference, run, tied)
+    if layout is None and (changed := model_layout.verdict(reference, run)):
+        layout = model_layout.COMPONENT, changed
+    if layout is not None:  # the model's own code moved: every difference follows from it, none convicts a kernel
         for finding in findings:
-            finding.component = component
-        findings.insert(0, Finding("model", component, untied or changed or ""))
+            finding.component = layout[0]
+        findings.insert(0, Finding("model", *layout))
     name_optimizer(findings, run.config)
     comparison = Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source,
                             first_moved=first_moved(reference, run), equal_trace=equal_traces(reference, run))

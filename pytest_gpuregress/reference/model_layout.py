@@ -19,7 +19,8 @@ from . import step0
 from .record import RunRecord
 
 COMPONENT = "model"
-TIE_COMPONENT = "library: transformers"  # whose code ties a config's embeddings (PreTrainedModel.tie_weights)
+# The tie judged against the config: what a stack did that builds another model than its config asks.
+BUILT_OTHERWISE = "the library did not build what the model's config asks"
 MODEL_LIBRARIES = ("transformers", "peft", "accelerate", "torch")  # whose releases change a model's code
 
 
@@ -106,12 +107,13 @@ def verdict(reference: RunRecord, run: RunRecord) -> str | None:
             "one for the stack it was recorded on")
 
 
-def tie_verdict(reference: RunRecord, run: RunRecord, tied: bool | None) -> str | None:
-    """Where the layouts differ by one tensor only, the output head shared with the input embeddings on one side
-    and a tensor of its own on the other: judged against the model's config (``tied``: its tie_word_embeddings;
-    None where it has none, as a factory's model). A stack that builds against its config is the library's
-    fault, never a layout to re-record over. None where this run follows its config (the reference then did not:
-    the model finding says so), or the difference is another one."""
+def tie_verdict(reference: RunRecord, run: RunRecord, tied: bool | None) -> tuple[str, str] | None:
+    """(component, message) where the layouts differ by the output head alone: a tensor of the input embeddings'
+    shape on one side only, shared with them on the other (``tied``: the model config's tie_word_embeddings;
+    None where it has none, as a factory's model). A stack that builds against its config is a library's fault,
+    never a layout to re-record over: the model library that changed since the reference, else transformers
+    (whose ``tie_weights`` ties a config's embeddings). None where this run follows its config (the reference then
+    did not: the model finding says so), or the difference is another one (a gradient missing, say)."""
     if tied is None:
         return None
     before, after = layout(reference), layout(run)
@@ -120,11 +122,33 @@ def tie_verdict(reference: RunRecord, run: RunRecord, tied: bool | None) -> str 
     if reshaped or len(new) + len(gone) != 1:
         return None
     name, separate_here = (new or gone)[0], bool(new)
-    if separate_here != tied:
+    shapes = after if separate_here else before
+    embeddings = [n for n in shapes if n != name and _is_input_embedding(n) and shapes[n] is not None
+                  and shapes[n] == shapes[name]]
+    if separate_here != tied or not embeddings or not _is_head(name):
         return None
-    libraries = ", ".join(library_changes(reference, run)) or "no model library changed"
-    built = "as a tensor of its own" if separate_here else "sharing the input embeddings' tensor"
-    return (f"the model's config {'ties' if tied else 'does not tie'} the input and output embeddings "
-            f"(tie_word_embeddings: {str(tied).lower()}), but this stack built {name} {built} ({libraries}): the "
-            "library did not build what the config asks, so every step trains another model. Not a change to "
-            "record over: check the library's release notes and report it, and keep this reference")
+    changed = library_changes(reference, run)
+    library = next((c.split()[0] for c in changed), "transformers")
+    built = "as a tensor of its own" if separate_here else f"sharing {embeddings[0]}'s tensor"
+    return f"library: {library}", (
+        f"the model's config {'ties' if tied else 'does not tie'} the input and output embeddings "
+        f"(tie_word_embeddings: {str(tied).lower()}), but this stack built {name} {built} "
+        f"({', '.join(changed) or 'no model library changed'}): {BUILT_OTHERWISE}, so every step trains another "
+        "model. Not a change to record over: check the library's release notes and report it, and keep this "
+        "reference")
+
+
+def is_tie(finding_metric: str, component: str) -> bool:
+    """Whether a layout finding is a tie judged against the config (a library's), not the model's code."""
+    return finding_metric == COMPONENT and component.startswith("library:")
+
+
+def _is_input_embedding(name: str) -> bool:
+    """An input embedding's parameter as architectures name it: embed_tokens, wte, word_embeddings, embed_in."""
+    return "embed" in name.removesuffix(".weight").rsplit(".", 1)[-1] or name.endswith("wte.weight")
+
+
+def _is_head(name: str) -> bool:
+    """An output head's parameter as architectures name it: lm_head, output, embed_out, the head's decoder."""
+    leaf = name.removesuffix(".weight").rsplit(".", 1)[-1]
+    return leaf in ("lm_head", "output", "embed_out", "decoder", "head") or name.startswith("lm_head")

@@ -112,9 +112,10 @@ def _record_advice(comparison: Comparison, record_hint: str, record_elsewhere_hi
     """What to record: over the reference if the new numbers are right; where the model's code changed, a reference
     of this stack's own in another folder, as the model finding says (the old stack keeps its reference)."""
     layout = next((f for f in comparison.findings if f.metric == model_layout.COMPONENT), None)
-    if layout is not None and layout.component == model_layout.TIE_COMPONENT:
-        return ("record nothing: this stack built another model than its config asks (the first finding); report it "
-                "to transformers, with this reference and this run's record as the evidence")
+    if layout is not None and model_layout.is_tie(layout.metric, layout.component):
+        package = layout.component.split(":", 1)[1].strip()
+        return (f"record nothing: {model_layout.BUILT_OTHERWISE} (the first finding); report it to {package}, with "
+                "this reference and this run's record as the evidence")
     if record_elsewhere_hint and layout is not None:
         return f"this stack needs a reference of its own: record it into another folder, keeping this one: {record_elsewhere_hint}"
     library = next((f.component for f in comparison.findings if f.component.startswith("library:")), None)

@@ -268,7 +268,10 @@ def _from_the_findings(comparison: Comparison, experiments: list[Experiment],
         # wrong, so the update went wrong; unless its gradients moved first, which clears the update, or the late
         # window ran before the divergence and so cleared nothing
         window = by_name.get(LATE_WINDOW)
-        return None if gradients or (window is not None and window.status != "clean") else "optimizer"
+        unsure = window is not None and window.status != "clean"
+        # A check of this session that failed too (the collective sweep): elimination no longer leaves the update.
+        failing = any(e.status == "fails too" for e in experiments)
+        return None if gradients or unsure or failing else "optimizer"
     return "kernel" if changed else None  # nothing convicted or cleared; changed kernels are the likeliest cause
 
 

@@ -7,7 +7,7 @@ gradients of step S computed from it on the recording stack. This stack loads th
 step S's gradients again (the resume case's launch, which the session runs once for both):
 
   differ       the gradients are computed wrong from the right weights: a collective that carries them
-               (few elements) or a backward kernel (most), as step 0's findings are named;
+               (few elements), or a backward kernel or a collective (most: the window cannot tell them apart);
   clean        right gradients from the right weights at S, where the run had already diverged: the
                weights went wrong in the update: the optimizer;
   before the divergence   S comes before the first differing step: the window clears nothing.
@@ -29,9 +29,13 @@ if TYPE_CHECKING:
 LOAD_METRICS = ("resume_load", "resume_state")
 
 
-def judged(first_step: int, saved_step: int, window: Comparison) -> Experiment:
+def judged(first_step: int, saved_step: int, window: Comparison, compared: bool = True) -> Experiment:
     """What the continuation from the reference's step-``saved_step`` checkpoint says of a divergence that
-    starts at ``first_step``."""
+    starts at ``first_step``. ``compared``: both sides kept step S's gradients (a reference recorded before
+    late gradients were kept has none, and then nothing was compared)."""
+    if not compared:
+        return Experiment(NAME, "not applicable", "the reference keeps no gradients of its checkpoint's step "
+                                                  "(recorded before they were kept): re-record it to have the window")
     load = [f for f in window.findings if f.metric in LOAD_METRICS]
     if load:  # the state is not the reference's: its gradients judge the load, not the divergence
         return Experiment(NAME, "not applicable", f"the reference's checkpoint did not load as saved on this stack "
@@ -41,9 +45,16 @@ def judged(first_step: int, saved_step: int, window: Comparison) -> Experiment:
     if late:
         more = f" (and {len(late) - 1} more tensors)" if len(late) > 1 else ""
         return Experiment(NAME, "differs", f"{where}, differ from the reference's: {late[0].message}{more}",
-                          component=late[0].component or None)
+                          component=convicted(late[0].component))
     if saved_step < first_step:
         return Experiment(NAME, "before the divergence", f"{where}, match the reference's, but the run diverges "
                                                          f"only at step {first_step}: this clears nothing")
     return Experiment(NAME, "clean", f"{where}, match the reference's (the run diverges from step {first_step}): "
                                      "right gradients from right weights, so the weights went wrong in the update")
+
+
+def convicted(named: str) -> str:
+    """What wrong late gradients convict. A few wrong elements are a collective's signature (a message's tail, one
+    protocol's slot), as step 0's findings are named; wrong nearly everywhere is a backward kernel or a collective
+    that scales all it carries, which one launch from the checkpoint cannot tell apart."""
+    return "collective" if named == "collective" else "kernel or collective"

@@ -187,6 +187,26 @@ def _first_in_rank(trace: RankTrace, moves: _Moves, others: list[tuple[RankTrace
     return None
 
 
+@dataclass
+class _Traced:
+    """Two records' step-0 traces set side by side: the reference's thresholds, each rank's trace, and how far each
+    entry moved on the ranks both traced."""
+
+    thresholds: Thresholds
+    reference: dict[int, RankTrace]
+    run: dict[int, RankTrace]
+    moves: dict[int, _Moves]
+
+    @classmethod
+    def of(cls, reference: RunRecord, run: RunRecord) -> _Traced | None:
+        thresholds = stored_thresholds(reference)
+        if thresholds is None or not analysed(reference, run):
+            return None
+        ref_ranks, run_ranks = ranks(reference), ranks(run)
+        common = sorted(set(ref_ranks) & set(run_ranks))
+        return cls(thresholds, ref_ranks, run_ranks, {r: _Moves.of(ref_ranks[r], run_ranks[r]) for r in common})
+
+
 def analysed(reference: RunRecord, run: RunRecord) -> bool:
     """Both records traced step 0 with sources on a rank they share, and the reference keeps its thresholds."""
     ref_ranks, run_ranks = ranks(reference), ranks(run)
@@ -198,13 +218,11 @@ def analysed(reference: RunRecord, run: RunRecord) -> bool:
 def introduced_at(reference: RunRecord, run: RunRecord) -> FirstMoved | None:
     """The first op of step 0 that introduced a difference beyond drift, over every rank (the earliest entry,
     the lowest rank on a tie); None where none did, or where ``analysed`` is false."""
-    if not analysed(reference, run):
+    traced = _Traced.of(reference, run)
+    if traced is None:
         return None
-    thresholds = stored_thresholds(reference)
-    assert thresholds is not None
-    ref_ranks, run_ranks = ranks(reference), ranks(run)
-    common = sorted(set(ref_ranks) & set(run_ranks))
-    moves = {r: _Moves.of(ref_ranks[r], run_ranks[r]) for r in common}
+    thresholds, ref_ranks, run_ranks, moves = traced.thresholds, traced.reference, traced.run, traced.moves
+    common = sorted(moves)
     found: dict[int, tuple[int, float]] = {}
     for r in common:
         others = [(run_ranks[o], moves[o]) for o in common if o != r]
@@ -228,20 +246,18 @@ def shape_dependence(reference: RunRecord, run: RunRecord, culprit: FirstMoved) 
     some input shapes and, at others, ran on inputs that had not moved and kept within drift (cuBLAS, hipBLASLt
     and oneDNN pick kernels by shape, so such a bug is the kernel's of those shapes). None otherwise, and where
     the records cannot be analysed."""
-    if culprit.component != "kernel" or culprit.entry is None or not analysed(reference, run):
+    traced = _Traced.of(reference, run) if culprit.component == "kernel" and culprit.entry is not None else None
+    if traced is None or culprit.entry is None:
         return None
-    thresholds = stored_thresholds(reference)
-    assert thresholds is not None
-    ref_ranks, run_ranks = ranks(reference), ranks(run)
-    common = sorted(set(ref_ranks) & set(run_ranks))
-    moves = {r: _Moves.of(ref_ranks[r], run_ranks[r]) for r in common}
-    trace, rank_moves = run_ranks[culprit.rank], moves[culprit.rank]
-    others = [(run_ranks[o], moves[o]) for o in common if o != culprit.rank]
+    thresholds, moves = traced.thresholds, traced.moves
+    trace, rank_moves = traced.run[culprit.rank], moves[culprit.rank]
+    others = [(traced.run[o], moves[o]) for o in sorted(moves) if o != culprit.rank]
     wrong: dict[str, int] = {}
     right: dict[str, int] = {}
     for index in range(len(rank_moves)):
         entry = trace.entry(index)
-        if entry.op != culprit.entry.op:
+        # The same op in the same pass: a backward-only bug must not read as one of the forward's shapes.
+        if entry.op != culprit.entry.op or entry.phase != culprit.entry.phase:
             continue
         inputs = _inputs_moved(index, trace, rank_moves, others)
         if _introduces(index, inputs, rank_moves, thresholds) is not None:

@@ -57,9 +57,15 @@ class PeftTargets:
     into: tuple[str, ...]  # the target_parameters it put in their place
 
 
+def is_parameter_wrapper(module: Any) -> bool:
+    """peft's ParamWrapper: an adapter on one parameter of a module (``target_parameters``, or a fused MoE experts
+    module that ``gate_proj``-style targets reach), with no weight of its own."""
+    return hasattr(module, "lora_A") and hasattr(module, "parameter_name")
+
+
 def peft_targets(model: Any, targets: Sequence[str]) -> PeftTargets:
     """Wrap ``model`` (changed in place: pass a fresh one; the meta device will do) as the lora scenario does, and
-    read what peft adapted."""
+    read what peft adapted. Raises what peft raises for targets it refuses."""
     import warnings
 
     from peft import LoraConfig, get_peft_model
@@ -70,16 +76,14 @@ def peft_targets(model: Any, targets: Sequence[str]) -> PeftTargets:
     modules: set[str] = set()
     parameters: set[str] = set()
     for name, module in wrapped.base_model.model.named_modules():
-        if not hasattr(module, "lora_A"):
-            continue
-        if hasattr(module, "parameter_name"):  # nested wrappers: one per parameter, each a base_layer deeper
+        if is_parameter_wrapper(module):  # nested wrappers: one per parameter, each a base_layer deeper
             parameters.add(f"{name.replace('.base_layer', '')}.{module.parameter_name}")
-        else:
+        elif hasattr(module, "lora_A"):
             modules.add(name)
     config = wrapped.peft_config["default"]
     kept = set(config.target_modules or [])
     return PeftTargets(frozenset(modules), frozenset(parameters), tuple(t for t in targets if t not in kept),
-                       tuple(sorted(config.target_parameters or [])))
+                       tuple(sorted(getattr(config, "target_parameters", None) or [])))
 
 
 def matches(target: str, name: str) -> bool:

@@ -136,7 +136,12 @@ class LoraScenario(Scenario):
         # The user's targets are kept when the model has none of them: lora is then not applicable (experiment).
         present = targets_present(targets, _module_names(setup, model)) if targets else []
         lines = [f"gpuregress lora targets ({label}): {_describe_targets(targets, present)}"]
-        peft = setup.model(model).peft_targets(setup.device_kind, present) if model is not None and present else None
+        try:
+            peft = setup.model(model).peft_targets(setup.device_kind, present) if model is not None and present else None
+        except Exception as exc:  # noqa: BLE001 - peft refuses these targets: the lora cases will say so when they run
+            lines.append(f"gpuregress lora peft ({label}): could not wrap the model with these targets "
+                         f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})")
+            peft = None
         if peft is not None and peft.moved:
             lines.append(f"gpuregress lora peft moved ({label}): {', '.join(peft.moved)} onto the fused expert "
                          f"parameters {', '.join(peft.into)} (target_parameters, transformers 5's MoE layout)")

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ...fault_points import fault_point
+from ...training.projections import is_parameter_wrapper
 from . import adapter, adapter_io, bounds, checks
 
 
@@ -35,7 +36,8 @@ def check_merge(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, 
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[compute_dtype]
     # W, A and B as the merge sees them: already in the compute dtype. Parameters peft wrapped itself (fused MoE
     # experts: ParamWrapper) merge in a layout of peft's own; the merged logits below judge them.
-    layers = {module: layer for module, layer in _lora_layers(model).items() if not is_parameter_wrapper(layer)}
+    every = _lora_layers(model)
+    layers = {module: layer for module, layer in every.items() if not is_parameter_wrapper(layer)}
     # GPT-2's Conv1D stores its weight as [in, out] (peft's fan_in_fan_out): the checks read every weight as
     # [out, in], where the merge is W + s * B @ A.
     flipped = {module for module, layer in layers.items() if getattr(layer, "fan_in_fan_out", False)}
@@ -66,17 +68,13 @@ def check_merge(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, 
         findings += checks.check_merged_weight(module, merged_w, base, lora_a, lora_b, scale, dtype)
         if merged_w.shape == base.shape:
             worst_ratio = max(worst_ratio, bounds.merge_excess(merged_w, base, lora_a, lora_b, scale, dtype).worst_ratio)
-    inner = [base.shape[1] for base in base_weights.values()]
+    # Every adapter's inner dimension bounds the merged logits, the wrapped parameters' too (their merge rounds alike).
+    inner = [base.shape[1] for base in base_weights.values()] + \
+        [int(layer.in_features) for layer in every.values() if is_parameter_wrapper(layer)]
     bound = bounds.logits_bound(float(np.max(np.abs(unmerged))), inner, int(cfg["lora_r"]), dtype)
     findings += checks.check_logits("merge", "merged (merge_and_unload) against unmerged", unmerged, merged, bound)
     deviation = float(np.max(np.abs(unmerged.astype(np.float64) - merged)))
     return findings, {"logit_deviation": deviation, "logit_bound": bound, "weight_error_over_bound": worst_ratio}
-
-
-def is_parameter_wrapper(layer: Any) -> bool:
-    """peft's ParamWrapper: an adapter on one parameter of a module (``target_parameters``, or a fused MoE
-    experts module a model's target names reach), with no weight of its own."""
-    return hasattr(layer, "parameter_name")
 
 
 def _lora_layers(model: Any) -> dict[str, Any]:

@@ -46,7 +46,7 @@ def adapted(ctx: RankContext) -> Adapted:
     """The base model with the adapter on it, on the CPU; the kernel path and switches of the config applied."""
     from ...training.models import blueprint
     from ...training.noise import apply_kernel_path
-    from ...training.projections import matches
+    from ...training.projections import is_parameter_wrapper, matches
     from ...training.switches import apply_switches
 
     cfg = ctx.config
@@ -58,8 +58,10 @@ def adapted(ctx: RankContext) -> Adapted:
     targeted = adapter.targeted_modules(base, list(cfg["target_modules"]))
     model = adapter.wrap_with_lora(base, cfg)
     kept = adapter.module_targets(model)
-    if kept is not None:  # peft moved some targets onto fused expert parameters: those names adapt no module now
+    if kept is not None:  # peft moved some targets onto fused expert parameters: those names adapt no module now,
+        # and the parameter wrappers it made in their place carry adapters the checks must see
         targeted = [name for name in targeted if any(matches(t, name) for t in kept)]
+        targeted += [name for name, module in model.base_model.model.named_modules() if is_parameter_wrapper(module)]
     return Adapted(model, targeted, model_config, perturbation)
 
 

@@ -125,6 +125,7 @@ class GpuRegressSession:
                 or self._from_reference(sc, case, reference, keeping(self.launches.cached, ran)) \
                 or self.launches.for_case(sc, case)
         except RankFailure as exc:  # a row in the closing table too, not only a failed test
+            self._tally(sc, case, passed=False)  # a sweep that crashed passed nothing
             launch = next((la for la in sc.launches([case], self.setup) if la.key == case.launch), None)
             key = self.platform.key(sc.platform_tag(launch.config if launch else sc.default_config(self.setup)))
             add_outcome(self.outcomes, Outcome(reference or sc.name, key, "error", detail=str(exc).splitlines()[0]))

@@ -108,6 +108,32 @@ class GpuRegressSession:
         unfired = [p for p in self._faults_unfired([record.results]) if p not in (extra or [])]
         return self.pipeline.check(record, name or record.scenario, Comparator(self.policy), [*(extra or []), *unfired])
 
+    def check_metrics(self, name: str, *, loss: Any, grad_norm: Any = None, clipped_grad_norm: Any = None,
+                      param_grad_norms: Any = None, tensors: Any = None, rtol: float | dict[str, float] | None = None,
+                      replicas: Any = (), platform: str = "metrics") -> Comparison | None:
+        """Record (with --gpuregress-record) or compare metrics a job of your own produced anywhere, as
+        ``num_regression.check`` does (reference/metrics.py says what each argument holds). ``rtol``: one relative
+        limit, or one per metric (loss, grad_norm, clipped_grad_norm, param_grad_norm, final_weights), which puts
+        the comparison in the tolerant lane; without it the lanes are as usual. ``replicas``: the same metrics
+        from reruns, as keyword dicts, whose spread is stored as the envelope when recording. ``platform``: the
+        reference's platform folder (one per machine kind the job runs on)."""
+        __tracebackhide__ = True
+        from dataclasses import replace
+
+        from ..reference import envelope
+        from ..reference.metrics import metrics_record, tolerances
+        from ..stack.fingerprint import collect
+
+        fingerprint = collect(self.platform.device_kind)
+        record = metrics_record(name, platform_key=platform, fingerprint=fingerprint, loss=loss, grad_norm=grad_norm,
+                                clipped_grad_norm=clipped_grad_norm, param_grad_norms=param_grad_norms, tensors=tensors)
+        limits = tolerances(rtol)
+        if replicas and self.places.recording(name, platform):
+            reruns = [metrics_record(name, platform_key=platform, fingerprint=fingerprint, **dict(r)) for r in replicas]
+            record.arrays.update(envelope.measure(record, reruns))
+        policy = replace(self.policy, lane="tolerant") if limits is not None else self.policy
+        return self.pipeline.check(record, name, Comparator(policy, tolerances=limits), [])
+
     # --- the built-in suite's one test -------------------------------------------------------------
 
     def run_case(self, scenario: str, case_id: str) -> None:

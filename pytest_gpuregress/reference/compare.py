@@ -478,8 +478,12 @@ def compare_training(
     limits, source = tolerant_limits(reference, tolerances)
     findings: list[Finding] = []
     margins: dict[str, float] = {}
-    step0, margins["step0_grad"] = _step0_grads(reference, run, chosen, limits["step0_grad"])
-    findings.extend(step0)
+    gradients, margin = _step0_grads(reference, run, chosen, limits["step0_grad"])
+    findings.extend(gradients)
+    kept = {"step0_grad": bool(step0.names(reference)), "param_grad_norm": "param_grad_norm" in reference.arrays,
+            "final_weights": bool(reference.digests)}  # a metric the reference never kept has no margin, not "0x"
+    if kept["step0_grad"]:
+        margins["step0_grad"] = margin
     for metric in SERIES:
         if metric in reference.series:
             found, margins[metric] = _series(metric, reference.series[metric], run.series.get(metric, []), chosen,
@@ -490,7 +494,8 @@ def compare_training(
         ("param_grad_norm", _param_grad_norms(reference, run, chosen, limits["param_grad_norm"])),
         ("final_weights", _final_weights(reference, run, chosen, limits["final_weights"])),
     ):
-        margins[metric] = margin
+        if kept[metric]:
+            margins[metric] = margin
         if found:
             findings.append(found)
     _suspect(findings, chosen)

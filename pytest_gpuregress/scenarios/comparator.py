@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import GpuRegressError
 from ..reference import failfast, kernels
+from ..reference.envelope import MetricLimits as Tolerances
 from ..reference.judgement import Judgement, JudgingPolicy
 from ..reference.observations import Observations
 from ..reference.record import RunRecord
@@ -37,6 +38,7 @@ class Comparator:
     scenario: Scenario | None = None
     case: Case | None = None
     setup: Setup | None = None
+    tolerances: Tolerances | None = None  # a user's explicit limits (gpuregress.check_metrics): the tolerant lane's
 
     def own_checks(self, run: RunRecord) -> list[str]:
         """Findings that need no reference: the scenario's verdict, and host ops of a GPU training run."""
@@ -58,7 +60,7 @@ class Comparator:
             return self.scenario.compare(reference, run, self.case, self.policy.lane)
         from ..reference.compare import compare_training
 
-        return compare_training(reference, run, lane=self.policy.lane)
+        return compare_training(reference, run, lane=self.policy.lane, tolerances=self.tolerances)
 
     def judge(self, reference: RunRecord | None, run: RunRecord) -> Judgement:
         """The verdict on ``run``: its own checks, then (given a reference) the comparison and observations."""
@@ -85,6 +87,8 @@ class Comparator:
     def describe(self) -> dict[str, Any]:
         """What a kept run stores to be judged again by ``gpuregress compare`` (see ``for_kept``)."""
         out: dict[str, Any] = {"policy": self.policy.to_json()}
+        if self.tolerances is not None:
+            out["tolerances"] = vars(self.tolerances)
         if self.scenario is not None and self.case is not None and self.setup is not None:
             setup = self.setup
             out.update(scenario=self.scenario.name, case=asdict(self.case),
@@ -116,7 +120,8 @@ def for_kept(run: RunRecord, lane: str | None = None) -> Comparator:
         policy = JudgingPolicy(**{**policy.to_json(), "lane": lane})
     name = described.get("scenario")
     if name is None:
-        return Comparator(policy)
+        limits = described.get("tolerances")
+        return Comparator(policy, tolerances=Tolerances(**limits) if limits else None)
     from pathlib import Path
 
     from ..training.model_specs import ModelSpec

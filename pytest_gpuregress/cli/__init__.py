@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import GpuRegressError
 from ..reference.report import format_comparison
 from ..reference.store import load_record
-from . import inspect_fp8, listing, plot, portability
+from . import inspect_fp8, listing, plot, portability, prune
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     portability.add_parser(sub)
     plot.add_parser(sub)
     listing.add_parser(sub)
+    prune.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

@@ -1,0 +1,69 @@
+"""``gpuregress prune FOLDER``: the references a folder holds that no case reads, as syrupy prunes unused snapshots.
+
+No case of the installed scenarios reads them, on any device, for the models given with ``--model`` (as
+``--gpuregress-model`` gives them): left over from a removed model or case, or from a reference name a release
+renamed. A reference read only by a user's own loop (``gpuregress.check(record, name=...)``) is not known here:
+name it with ``--keep``. Lists by default; ``--yes`` deletes. The shipped references are never pruned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..errors import GpuRegressError
+from .listing import MANIFEST
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("prune", help="list (or with --yes delete) the references of a folder no case reads")
+    parser.add_argument("folder", help="a reference folder (--gpuregress-reference-dir)")
+    parser.add_argument("--model", action="append", default=[], metavar="MODEL",
+                        help="a model whose cases read references too, as --gpuregress-model gives it (repeatable)")
+    parser.add_argument("--keep", action="append", default=[], metavar="NAME",
+                        help="a reference name to keep: one your own loop reads (repeatable)")
+    parser.add_argument("--yes", action="store_true", help="delete them (without it they are only listed)")
+    parser.set_defaults(func=run)
+
+
+def read_names(models: list[str], base: Path) -> set[str]:
+    """Every reference name a case of the installed scenarios reads, on the CPU and on GPUs, with ``models``."""
+    from ..scenarios import Setup, registry
+    from ..training.model_specs import parse_model
+
+    specs = tuple(parse_model(m, base) for m in models)
+    setups = [Setup("cpu", "gloo", 2, models=specs), Setup("cuda", "nccl", 2, models=specs)]
+    return {name for setup in setups for sc in registry().values() for case in sc.cases(setup)
+            if (name := sc.reference_name(case)) is not None}
+
+
+def unread(folder: Path, read: set[str]) -> list[Path]:
+    """The reference folders (``<name>/<platform>``) under ``folder`` whose name is not in ``read``."""
+    return [manifest.parent for manifest in sorted(folder.glob(f"*/*/{MANIFEST}")) if manifest.parent.parent.name not in read]
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..resources import shipped_dir
+
+    folder = Path(args.folder)
+    if not folder.is_dir():
+        raise GpuRegressError(f"{folder}: no such folder; give the folder references are recorded in "
+                              "(--gpuregress-reference-dir)")
+    if folder.resolve() == shipped_dir("reference_runs").resolve():
+        raise GpuRegressError(f"{folder}: the references shipped with the plugin are not yours to prune")
+    found = unread(folder, read_names(args.model, Path.cwd()) | set(args.keep))
+    if not found:
+        print(f"{folder}: every reference is read by a case")
+        return 0
+    for reference in found:
+        print(f"{'deleted' if args.yes else 'unread'}: {reference.parent.name}/{reference.name}")
+        if args.yes:
+            shutil.rmtree(reference)
+            if not any(reference.parent.iterdir()):
+                reference.parent.rmdir()
+    if not args.yes:
+        print(f"{len(found)} references no case reads; delete them with: gpuregress prune {folder} --yes"
+              + "".join(f" --model={m}" for m in args.model) + "".join(f" --keep={k}" for k in args.keep))
+    return 0

@@ -118,6 +118,19 @@ def records_passes_and_breaks(run: Callable[..., pytest.RunResult], args: list[s
     broken.stdout.fnmatch_lines([f"*scenario '{name}' on cpu-gloo-w2-fp32 differs from its reference*", *caught])
 
 
+def summary_of(output: str, prefix: str) -> str:
+    """A case's summary in the closing section: its line starting with ``prefix`` and the indented detail lines
+    under it, joined by " | "."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(prefix))
+    block = [lines[start]]
+    for line in lines[start + 1:]:
+        if not line.startswith("    "):
+            break
+        block.append(line.strip())
+    return " | ".join(block)
+
+
 def reproduced(output: str) -> list[int]:
     """Run every ``gpuregress compare`` command a pytester run printed to reproduce its verdicts (in this process);
     their exit codes, one per failure."""

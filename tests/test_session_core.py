@@ -194,3 +194,29 @@ def test_a_late_window_that_fails_to_run_keeps_the_other_evidence(tmp_path: Path
     monkeypatch.setattr(type(fsdp), "from_reference", crashed)
     (experiment,) = late_window(fsdp, core.setup, crashed, saved, case, "exact", 2)
     assert (experiment.status, experiment.detail) == ("failed to run", "RuntimeError: rank 1 raised OSError")
+
+
+# --- outcomes: the closing section's lines ------------------------------------------------------
+
+
+def test_a_cases_summary_is_one_short_line_then_its_details_one_per_line() -> None:
+    from pytest_gpuregress.plugin.outcomes import Outcome, outcome_lines
+
+    long_path = "/a/long/folder/of/references/that/would/push/the/line/past/the/terminal/fsdp/cpu-gloo-w2-fp32"
+    detail = (f"300 steps, loss 5.5571 -> 0.9426, clipping acted on 147 of 300 steps (max norm 0.5), reference "
+              f"{long_path}; worst/limit (K x envelope + floor): loss 0.4x, grad_norm 0.2x; perf vs reference: step "
+              "time 1.35x slower; kernels changed: 0; the stack changed (torch 2.12.0 -> 2.13.0), so results may move")
+    lines = outcome_lines([Outcome("fsdp", PLATFORM, "passed", "tolerant", detail, ["a note"])])
+    assert lines == [
+        "fsdp cpu-gloo-w2-fp32: PASSED [tolerant lane] 300 steps, loss 5.5571 -> 0.9426, clipping acted on 147 of 300 "
+        "steps (max norm 0.5)",
+        f"    reference {long_path}",
+        "    worst/limit (K x envelope + floor): loss 0.4x, grad_norm 0.2x",
+        "    perf vs reference: step time 1.35x slower",
+        "    kernels changed: 0",
+        "    the stack changed (torch 2.12.0 -> 2.13.0), so results may move",
+        "    note: a note",
+    ]
+    assert all(len(line) <= 160 for line in lines if not line.startswith("    reference"))
+    (error,) = outcome_lines([Outcome("fsdp", PLATFORM, "error", "", "rank 1 raised OSError")])
+    assert error == "fsdp cpu-gloo-w2-fp32: ERROR rank 1 raised OSError"

@@ -21,7 +21,7 @@ import pytest
 from pytest_gpuregress.reference.atomic import sha256_file, write_json
 from pytest_gpuregress.resources import shipped_dir
 
-from .conftest import FSDP_ONLY
+from .conftest import FSDP_ONLY, summary_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.full_tier, pytest.mark.cpu_sensitive]
 
@@ -63,8 +63,9 @@ def test_an_upgrade_with_kernel_drift_compares_in_the_tolerant_lane_passes_and_n
     done = gpuregress(tmp_path, f"--gpuregress-reference-dir={upgraded_refs}", "-k", FSDP_ONLY,
                       "--gpuregress-inject=linear_noise:rel=1e-7", f"--junitxml={junit}")
     assert done.returncode == 0, done.stdout[-4000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("fsdp cpu-gloo-w2-fp32:"))
+    line = summary_of(done.stdout, "fsdp cpu-gloo-w2-fp32:")
     assert "PASSED [tolerant lane]" in line and "worst/limit (K x envelope + floor)" in line, line
+    assert all(len(row) <= 160 for row in line.split(" | ")[:1]), line  # the head fits one terminal line
     # Every library change is on the summary line, whatever else changed on this machine (another CPU adds
     # device fields); the whole list, device fields included, is in JUnit.
     properties = {p.get("name"): p.get("value") for p in ET.parse(junit).iter("property")}

@@ -27,13 +27,24 @@ def add_outcome(outcomes: list[Outcome], outcome: Outcome) -> None:
 
 
 def outcome_lines(outcomes: list[Outcome]) -> list[str]:
-    """One line per outcome with its detail and notes."""
+    """Per outcome: one short line (the case, its verdict and lane, the steps and loss), then its details and notes
+    on indented lines, one each, so no line runs on for several terminal lines."""
     lines = []
     for outcome in outcomes:
         lane = f" [{outcome.lane} lane]" if outcome.lane else ""
-        lines.append(f"{outcome.scenario} {outcome.platform_key}: {outcome.verdict.upper()}{lane} {outcome.detail}")
+        head, *details = detail_parts(outcome.detail)
+        lines.append(f"{outcome.scenario} {outcome.platform_key}: {outcome.verdict.upper()}{lane} {head}".rstrip())
+        lines += [f"    {part}" for part in details]
         lines += [f"    note: {note}" for note in outcome.notes]
     return lines
+
+
+def detail_parts(detail: str) -> list[str]:
+    """An outcome's detail ("8 steps, loss a -> b, clipping ..., reference PATH; worst/limit ...; perf ...") as its
+    parts: what the run did first, then the reference, the margins, perf and the lane's reason each on its own."""
+    first, *rest = detail.split("; ")
+    did, _, reference = first.partition(", reference ")
+    return [did, *([f"reference {reference}"] if reference else []), *rest]
 
 
 def summary_table(outcomes: list[Outcome]) -> list[str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import summary_of
 from .test_shipped_references import CHECKPOINT, FSDP, SHIPPED, gpuregress
 
 pytestmark = [pytest.mark.slow, pytest.mark.full_tier, pytest.mark.cpu_sensitive]
@@ -28,7 +29,7 @@ def test_the_main_job_passes_against_the_shipped_references(tmp_path: Path) -> N
         assert f"{row}: PASSED" in done.stdout, done.stdout[-4000:]
     # The checkpoint scenario against its shipped reference, and the shipped bundle loaded on this stack. On the
     # CPU that recorded them the lane is exact; on any other CPU (or kernel path) it is tolerant, and says why.
-    line = next(x for x in done.stdout.splitlines() if x.startswith("checkpoint cpu-gloo-w2-fp32:"))
+    line = summary_of(done.stdout, "checkpoint cpu-gloo-w2-fp32:")
     assert str(SHIPPED / CHECKPOINT) in line, line
     exact = "PASSED [exact lane]" in line
     assert exact or ("PASSED [tolerant lane]" in line and "the stack changed (" in line), line

@@ -18,12 +18,14 @@ if TYPE_CHECKING:
 
 def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, comparison: Comparison,
                     model: str | None, flips: bool, run_experiments: bool = True,
-                    case: Case | None = None, checks: Sequence[Experiment] = ()) -> tuple[str | None, list[str]]:
+                    case: Case | None = None, checks: Sequence[Experiment] = (),
+                    whole_reference: RunRecord | None = None) -> tuple[str | None, list[str]]:
     """(the component behind a failed comparison, report lines with the evidence): whether the model's code
     changed (the float64 oracle against the reference's), and for a scenario triage explains
     (``run_experiments``) equivalence and the oracle always, the late window of ``case`` where step 0 is cleared
     and a later step differs (triage/late_window.py), switches flipped with ``flips`` (--gpuregress-triage), and
     ``checks``: what check scenarios of this session say (the collective sweep), as evidence beside them.
+    ``whole_reference``: the reference uncut where ``reference`` is cut to the steps a fail-fast run ran.
     A code change is the verdict only where no experiment convicts this stack: a collective or kernel bug of an
     upgrade that also changed a library must not be buried under "record a reference of your own"."""
     from .. import triage
@@ -49,7 +51,7 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
                                       *triage.report("", experiments)[2:]]
         first = triage.divergence_start(comparison, experiments)
         if first is not None and case is not None:  # step 0 cleared, a later step differs: judge where it starts
-            experiments += late_window(sc, setup, run, reference, case, comparison.lane, first)
+            experiments += late_window(sc, setup, run, whole_reference or reference, case, comparison.lane, first)
         if library is not None and not any(e.convicts for e in experiments):
             component, evidence = library
             return component, ["", f"triage verdict: {component}. Evidence: {evidence}",

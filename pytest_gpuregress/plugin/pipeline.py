@@ -23,7 +23,7 @@ from .artifacts import Artifacts, Kept, compare_command
 from .outcomes import Outcome, add_outcome
 from .places import ReferencePlaces
 
-Explain = Callable[[RunRecord, Comparison], tuple[str | None, list[str]]]
+Explain = Callable[[RunRecord, Comparison, RunRecord], tuple[str | None, list[str]]]
 
 
 class CheckPipeline:
@@ -71,7 +71,9 @@ class CheckPipeline:
                                                *kept.report_lines(loc.path)]))
         evidence: list[str] = []
         if explain is not None and comparison.findings:
-            component, evidence = explain(judgement.reference or reference, comparison)
+            # The reference as compared (cut to the steps a fail-fast run ran), and whole: the late window reads
+            # the reference's late steps.
+            component, evidence = explain(judgement.reference or reference, comparison, reference)
             if component:
                 comparison.convict(component)
             verdict = next((line for line in evidence if line.startswith("triage verdict:")), None)

@@ -173,9 +173,10 @@ class GpuRegressSession:
             measure_oracle_distance(sc, self.setup, self.launches.cached, record, model)
             record.attachments.update(sc.attachments(case, record, self.launches.cached, self.setup))
 
-        def explain(ref: RunRecord, comparison: Comparison) -> tuple[str | None, list[str]]:
+        def explain(ref: RunRecord, comparison: Comparison, whole: RunRecord) -> tuple[str | None, list[str]]:
             return explain_failure(sc, self.setup, self.launches.cached, ref, comparison, model, self.options.triage,
-                                   run_experiments=sc.triage_explains(case), case=case, checks=self._checks_evidence())
+                                   run_experiments=sc.triage_explains(case), case=case, checks=self._checks_evidence(),
+                                   whole_reference=whole)
 
         self.pipeline.check(record, reference, comparator, unfired, explain, kept_as=test_id(sc, case))
 

@@ -25,7 +25,7 @@ from . import model_layout, step0
 from .envelope import METRICS, SERIES, MetricLimits, digest_deviation, floors_for, limit, rel, tensor_deviation
 from .envelope import PREFIX as ENVELOPE_PREFIX
 from .first_moved import FirstMoved, equal_traces, first_moved
-from .introduced import analysed, describe_thresholds, introduced_at, shape_dependence
+from .introduced import Traced, describe_thresholds, introduced_at, shape_dependence
 from .record import RunRecord
 
 WORST_ROWS = 8
@@ -509,14 +509,16 @@ def compare_training(
     name_optimizer(findings, run.config)
     comparison = Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source,
                             first_moved=first_moved(reference, run), equal_trace=equal_traces(reference, run))
+    traced = None  # both records' traces side by side: set up once, for the introducing op and the shapes
     if chosen == "tolerant" and comparison.first_moved is not None:
-        if analysed(reference, run):
-            comparison.introduced = introduced_at(reference, run)
+        traced = Traced.of(reference, run)
+        if traced is not None:
+            comparison.introduced = introduced_at(reference, run, traced)
             comparison.introduced_rule = describe_thresholds(reference)
         else:
             comparison.introduced_note = OLD_TRACE_NOTE
     if comparison.culprit is not None and findings:
-        comparison.shape_note = shape_dependence(reference, run, comparison.culprit)
+        comparison.shape_note = shape_dependence(reference, run, comparison.culprit, traced)
     return comparison
 
 

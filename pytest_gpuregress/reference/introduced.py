@@ -188,7 +188,7 @@ def _first_in_rank(trace: RankTrace, moves: _Moves, others: list[tuple[RankTrace
 
 
 @dataclass
-class _Traced:
+class Traced:
     """Two records' step-0 traces set side by side: the reference's thresholds, each rank's trace, and how far each
     entry moved on the ranks both traced."""
 
@@ -198,7 +198,7 @@ class _Traced:
     moves: dict[int, _Moves]
 
     @classmethod
-    def of(cls, reference: RunRecord, run: RunRecord) -> _Traced | None:
+    def of(cls, reference: RunRecord, run: RunRecord) -> Traced | None:
         thresholds = stored_thresholds(reference)
         if thresholds is None or not analysed(reference, run):
             return None
@@ -215,10 +215,10 @@ def analysed(reference: RunRecord, run: RunRecord) -> bool:
         all(ref_ranks[r].has_sources and run_ranks[r].has_sources for r in common)
 
 
-def introduced_at(reference: RunRecord, run: RunRecord) -> FirstMoved | None:
+def introduced_at(reference: RunRecord, run: RunRecord, traced: Traced | None = None) -> FirstMoved | None:
     """The first op of step 0 that introduced a difference beyond drift, over every rank (the earliest entry,
     the lowest rank on a tie); None where none did, or where ``analysed`` is false."""
-    traced = _Traced.of(reference, run)
+    traced = traced or Traced.of(reference, run)  # ``traced``: set up already by the caller, who reuses it
     if traced is None:
         return None
     thresholds, ref_ranks, run_ranks, moves = traced.thresholds, traced.reference, traced.run, traced.moves
@@ -241,13 +241,16 @@ def introduced_at(reference: RunRecord, run: RunRecord) -> FirstMoved | None:
                       len(common), same, label="introduced at", inputs_relative=inputs, ulps=moves[rank].ulps(index))
 
 
-def shape_dependence(reference: RunRecord, run: RunRecord, culprit: FirstMoved) -> str | None:
+def shape_dependence(reference: RunRecord, run: RunRecord, culprit: FirstMoved,
+                     traced: Traced | None = None) -> str | None:
     """Where ``culprit`` is a compute op: "depends on the shape: ..." when the same op introduced a difference at
     some input shapes and, at others, ran on inputs that had not moved and kept within drift (cuBLAS, hipBLASLt
     and oneDNN pick kernels by shape, so such a bug is the kernel's of those shapes). None otherwise, and where
     the records cannot be analysed."""
-    traced = _Traced.of(reference, run) if culprit.component == "kernel" and culprit.entry is not None else None
-    if traced is None or culprit.entry is None:
+    if culprit.component != "kernel" or culprit.entry is None:
+        return None
+    traced = traced or Traced.of(reference, run)
+    if traced is None:
         return None
     thresholds, moves = traced.thresholds, traced.moves
     trace, rank_moves = traced.run[culprit.rank], moves[culprit.rank]

@@ -72,8 +72,8 @@ def compare(venv: Path, workdir: Path, *extra: str) -> dict[str, tuple[str, str]
     out: dict[str, tuple[str, str]] = {}
     for model in MODELS:
         line = next((x for x in done.stdout.splitlines() if x.startswith(model + " ")), "")
-        section = done.stdout.split(f"test_scenario[{model}]")[1] if f"test_scenario[{model}]" in done.stdout else ""
-        section = section.split("test_scenario[")[0]
+        section = done.stdout.split(f"gpuregress::{model}")[1] if f"gpuregress::{model}" in done.stdout else ""
+        section = section.split("gpuregress::")[0]
         if ": PASSED" in line:
             verdict = "pass"
         elif "[model]" in section:

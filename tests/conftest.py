@@ -27,6 +27,14 @@ import transformers.models.qwen2_moe.modeling_qwen2_moe  # noqa: F401,E402
 from pytest_gpuregress.reference.record import RunRecord
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """`pytest --gpuregress` in this checkout is the main job: the built-in suite against the shipped references.
+    The files here are the plugin's own tests, run without the flag; a project's tests would be collected too."""
+    if config.getoption("gpuregress", default=False) or config.getini("gpuregress"):
+        return True
+    return None
+
+
 def make_record(steps: int = 5, seed: int = 0, **overrides: object) -> RunRecord:
     """A small synthetic training record, as the fsdp scenario would produce it."""
     rng = np.random.default_rng(seed)
@@ -140,6 +148,27 @@ def reproduced(output: str) -> list[int]:
                 if line.startswith(("reproduce the verdict: gpuregress compare", "reproduce the comparison: gpuregress compare"))}
     assert commands, "no reproduce command printed"
     return [main(shlex.split(command)[1:]) for command in sorted(commands)]
+
+
+def printed_command(output: str, after: str) -> list[str]:
+    """The pytest command a run printed right after ``after`` (up to the line's end or a following ")"), split."""
+    line = next(line for line in output.splitlines() if after in line)
+    command = line.split(after, 1)[1].split(")", 1)[0]
+    assert command.startswith("pytest --gpuregress"), command
+    return shlex.split(command)
+
+
+def collected(pytester: pytest.Pytester, command: list[str]) -> list[str]:
+    """The node ids a printed ``pytest ...`` command selects, run with --collect-only where pytest ran."""
+    assert command[0] == "pytest"
+    result = pytester.runpytest(*command[1:], "--collect-only", "-q", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-2000:] + result.stderr.str()[-2000:]
+    return listed(result)
+
+
+def listed(result: pytest.RunResult) -> list[str]:
+    """The node ids a --collect-only -q run listed."""
+    return [line for line in result.outlines if "::" in line and " " not in line]
 
 
 def kept_run_passes(artifacts: Path, name: str, platform: str, reference: Path | None = None) -> int:

@@ -98,8 +98,10 @@ def test_list_shows_each_reference_of_a_folder_with_its_stack_and_a_damaged_one_
 
 def test_scenarios_lists_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["scenarios"]) == 0
-    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()}
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()}
     assert rows["fsdp"] == "training" and rows["collectives"] == "check"
+    assert "`" not in out and "Scenario fsdp:" not in out  # no doc markup, the name said once
 
 
 def test_plot_draws_the_comparison_of_two_stored_records(two_refs: tuple[Path, Path], tmp_path: Path,

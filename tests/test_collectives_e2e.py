@@ -23,7 +23,7 @@ def sweep(pytester: pytest.Pytester, selection: str, *faults: str, extra: tuple[
 
 
 def failed_ids(result: pytest.RunResult) -> list[str]:
-    return re.findall(r"FAILED \S*test_scenario\[collectives-([^\]]+)\]", result.stdout.str())
+    return re.findall(r"FAILED gpuregress::collectives-(\S+)", result.stdout.str())
 
 
 def band_table(result: pytest.RunResult) -> dict[str, dict[str, int]]:

@@ -80,7 +80,8 @@ def pytest_configure(config):
 
 
 def junit_properties(path: Path, test: str) -> dict[str, str]:
-    case = next(c for c in ET.parse(path).getroot().iter("testcase") if c.get("name") == f"test_scenario[{test}]")
+    case = next(c for c in ET.parse(path).getroot().iter("testcase") if c.get("name") == test)
+    assert case.get("classname") == "gpuregress"
     return {p.get("name", ""): p.get("value", "") for p in case.iter("property")}
 
 

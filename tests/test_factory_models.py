@@ -31,8 +31,8 @@ def test_a_factory_model_gets_its_own_cases_in_every_training_scenario(pytester:
                     "checkpoint-full-state-dict-tiny_mixer", "checkpoint-sharded-2to1-tiny_mixer",
                     "checkpoint-sharded-1to2-tiny_mixer", "checkpoint-resume-tiny_mixer",
                     "formats-quantized-per_tensor_e4m3fn-tiny_mixer", "formats-quantized-mx_fp4_e2m1fn-tiny_mixer"):
-        assert f"test_scenario[{test_id}]" in out, test_id
-    assert "test_scenario[fsdp]" in out and "test_scenario[checkpoint-tied]" in out
+        assert f"gpuregress::{test_id}" in out, test_id
+    assert "gpuregress::fsdp" in out and "gpuregress::checkpoint-tied" in out
 
 
 # A minimal valid factory model, for the refusals below that each break one rule.

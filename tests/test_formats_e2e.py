@@ -43,8 +43,9 @@ def test_a_cast_switched_from_saturating_to_nan_fails_by_name_and_nothing_else_d
         "*lane: *",
         "[[]format[]] overflow to e4m3fn now gives NaN; the reference saturated to 448",
         "[[]format[]] +inf to e4m3fn now gives NaN; the reference saturated to 448",
-        "*if the new numbers are right, record them as the reference: pytest --gpuregress --gpuregress-record -k formats*",
-        "FAILED *test_scenario[[]formats-behaviour-e4m3fn[]]*",
+        "*if the new numbers are right, record them as the reference: pytest --gpuregress --gpuregress-record "
+        "'gpuregress::formats[*]'*",
+        "FAILED gpuregress::formats-behaviour-e4m3fn*",
     ])
     out = result.stdout.str()
     assert "INTERNALERROR" not in out and "Traceback" not in out
@@ -74,7 +75,7 @@ def test_a_misread_inside_dcp_fails_its_io_case_by_name_on_two_spawned_ranks(pyt
         "*[[]checkpoint I/O[]] dcp (torch *): per_tensor_e4m3fn: dcp.load (rank 0 of 2): * tensors; first *: written "
         "as torch.float8_e4m3fn (F8_E4M3), read back as torch.float8_e4m3fnuz: the loader reads e4m3fn bytes as "
         "e4m3fnuz, every value 0.5x (factor 2)*",
-        "FAILED *test_scenario[[]formats-io-dcp[]]*",
+        "FAILED gpuregress::formats-io-dcp*",
     ])
     assert "fired 0 times" not in result.stdout.str()
     assert reproduced(result.stdout.str()) == [1]  # the kept run fails again through the printed command

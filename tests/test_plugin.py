@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import FSDP_ONLY
+from .conftest import FSDP_ONLY, listed
 
 USER_TESTS = """
 import sys
@@ -32,25 +32,65 @@ def test_without_the_flag_tests_are_skipped_and_torch_is_not_imported(pytester: 
     result.stdout.fnmatch_lines(["*pass --gpuregress to run it*"])
 
 
-def test_flag_runs_only_plugin_tests_from_user_paths_plus_the_builtin_suite(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_user=USER_TESTS)
-    result = pytester.runpytest("--gpuregress", "--collect-only", "-q", ".")
-    result.stdout.fnmatch_lines(["*test_user.py::test_uses_plugin*", "*test_user.py::test_marked*",
-                                 "*test_scenario[[]fsdp[]]*"])
-    assert "test_plain" not in result.stdout.str()
+PROJECT_TESTS = """
+def test_plain():
+    pass
+
+def test_fails():
+    assert 1 == 2
+
+def test_my_mlp(gpuregress):
+    assert gpuregress.options.enabled
+"""
+
+
+def test_the_flag_adds_the_builtin_suite_to_a_projects_own_tests(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ntestpaths = tests\n")
+    pytester.mkdir("tests")
+    pytester.makepyfile(**{"tests/test_mine": PROJECT_TESTS})
+    everything = listed(pytester.runpytest("--gpuregress", "--collect-only", "-q"))
+    assert everything[:3] == ["tests/test_mine.py::test_plain", "tests/test_mine.py::test_fails",
+                              "tests/test_mine.py::test_my_mlp"]
+    assert "gpuregress::fsdp" in everything and len(everything) > 1000
+    # -k and -m select either, in pytest's own terms
+    assert listed(pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "my_mlp")) == \
+        ["tests/test_mine.py::test_my_mlp"]
+    assert listed(pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "fsdp and resume")) == \
+        ["gpuregress::fsdp-resume"]
+    by_marker = listed(pytester.runpytest("--gpuregress", "--collect-only", "-q", "-m", "gpuregress"))
+    assert "tests/test_mine.py::test_my_mlp" in by_marker and "tests/test_mine.py::test_plain" not in by_marker
+    # --lf after a failing test of the project reruns that test only
+    pytester.runpytest("--gpuregress", "-k", "plain or fails").assert_outcomes(passed=1, failed=1)
+    assert listed(pytester.runpytest("--gpuregress", "--lf", "--collect-only", "-q")) == \
+        ["tests/test_mine.py::test_fails"]
+    # the built-in suite left out, by option or ini key; named among paths, it is there
+    mine = ["tests/test_mine.py::test_plain", "tests/test_mine.py::test_fails", "tests/test_mine.py::test_my_mlp"]
+    assert listed(pytester.runpytest("--gpuregress", "--gpuregress-no-builtin", "--collect-only", "-q")) == mine
+    assert listed(pytester.runpytest("--gpuregress", "--collect-only", "-q", "tests")) == mine  # paths narrow
+    assert listed(pytester.runpytest("--gpuregress", "--collect-only", "-q", "gpuregress::fsdp",
+                                     "tests/test_mine.py::test_my_mlp")) == \
+        ["tests/test_mine.py::test_my_mlp", "gpuregress::fsdp"]
+    pytester.makeini("[pytest]\ntestpaths = tests\ngpuregress_no_builtin = true\n")
+    assert listed(pytester.runpytest("--gpuregress", "--collect-only", "-q")) == mine
+
+
+def test_a_builtin_case_named_that_does_not_exist_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "gpuregress::fsdp-tiny-nothing")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*no built-in case gpuregress::fsdp-tiny-nothing in this configuration*"
+                                 "pytest --gpuregress --collect-only -q gpuregress"])
 
 
 def test_builtin_suite_runs_from_any_directory_and_selects_by_scenario(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "fsdp")
-    result.stdout.fnmatch_lines(["*test_scenario[[]fsdp[]]*", "*test_scenario[[]fsdp-resume[]]*",
-                                 "*test_scenario[[]fsdp-bf16[]]*",
-                                 "*test_scenario[[]triage-equivalence-fsdp[]]*", "*test_scenario[[]triage-oracle-fsdp[]]*",
+    result.stdout.fnmatch_lines(["gpuregress::fsdp", "gpuregress::fsdp-resume", "gpuregress::fsdp-bf16",
+                                 "gpuregress::triage-equivalence-fsdp", "gpuregress::triage-oracle-fsdp",
                                  "5/* tests collected (* deselected)*"])
     result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "equivalence")
-    result.stdout.fnmatch_lines(["*test_scenario[[]triage-equivalence-fsdp[]]*", "1/* tests collected (* deselected)*"])
+    result.stdout.fnmatch_lines(["gpuregress::triage-equivalence-fsdp", "1/* tests collected (* deselected)*"])
     result = pytester.runpytest("--gpuregress", "--collect-only", "-q", "-k", "all_reduce and bf16 and n1024")
-    result.stdout.fnmatch_lines(["*test_scenario[[]collectives-all_reduce-sum-bf16-n1024-inplace[]]*",
-                                 "*test_scenario[[]collectives-all_reduce-avg-bf16-n1024-inplace[]]*"])
+    result.stdout.fnmatch_lines(["gpuregress::collectives-all_reduce-sum-bf16-n1024-inplace",
+                                 "gpuregress::collectives-all_reduce-avg-bf16-n1024-inplace"])
     assert "fsdp" not in result.stdout.str()
 
 
@@ -123,7 +163,7 @@ def test_the_record_hint_carries_a_scenarios_own_options(pytester: pytest.Pytest
     options = Options(enabled=True, device="cpu", steps=8,
                       scenario_values={"gpuregress_lora_targets": ["q_proj", "v_proj"],
                                        "gpuregress_collectives_repeats": 3})
-    hint = GpuRegressSession(options, pytester.path).places.record_hint("lora")
+    hint = GpuRegressSession(options, pytester.path).places.record_hint(["gpuregress::lora-fully_shard"])
     assert "--gpuregress-steps=8" in hint and "--gpuregress-lora-targets=q_proj,v_proj" in hint
     assert "collectives-repeats" not in hint  # at its default
 
@@ -143,7 +183,7 @@ def test_printed_record_commands_never_write_into_the_shipped_references(pyteste
     assert f"--gpuregress-reference-dir={shipped}-recorded-this-stack" in elsewhere
     # A user's own folder is where the plain command records; a stack whose model changed gets a folder of its own.
     own = GpuRegressSession(Options(enabled=True, device="cpu"), pytester.path).places
-    assert f"--gpuregress-reference-dir={pytester.path / 'reference_runs'} " in own.record_hint("fsdp") + " "
+    assert f"--gpuregress-reference-dir={pytester.path / 'reference_runs'} " in own.record_hint(["gpuregress::fsdp"]) + " "
     assert f"--gpuregress-reference-dir={pytester.path / 'reference_runs-this-stack'}" in \
         own.location("fsdp", "cpu-gloo-w2-fp32").record_elsewhere_hint
 
@@ -156,7 +196,7 @@ def test_gpuregress_under_xdist_stops_with_the_fix_and_runs_with_n_0(pytester: p
     allowed = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpuregress", "--collect-only", "-q",
                                             "-n", "0", "-k", FSDP_ONLY)
     assert allowed.ret == pytest.ExitCode.OK
-    allowed.stdout.fnmatch_lines(["*test_scenario[[]fsdp[]]*"])
+    allowed.stdout.fnmatch_lines(["*gpuregress::fsdp*"])
     plain = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", "-q")  # no flag: untouched
     assert plain.ret in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
 

@@ -126,9 +126,9 @@ def test_a_plugin_warning_points_at_the_test_that_led_to_it() -> None:
 def test_the_built_in_suite_counts_as_the_test() -> None:
     from pytest_gpuregress.warn import SUITE, warn_at_test
 
-    code = compile("def run(warn, message):\n    warn(message)\n", str(SUITE / "test_gpuregress_suite.py"), "exec")
-    namespace: dict[str, object] = {"__name__": "test_gpuregress_suite"}
+    code = compile("def run(warn, message):\n    warn(message)\n", str(SUITE / "cases.py"), "exec")
+    namespace: dict[str, object] = {"__name__": "pytest_gpuregress.plugin.suite.cases"}
     exec(code, namespace)
     with pytest.warns(UserWarning) as caught:
         namespace["run"](warn_at_test, UserWarning("perf"))  # type: ignore[operator]
-    assert caught[0].filename == str(SUITE / "test_gpuregress_suite.py")
+    assert caught[0].filename == str(SUITE / "cases.py")

@@ -63,8 +63,8 @@ def test_an_explicit_folder_is_that_folder_only_and_printed_commands_never_recor
 
 def test_the_record_command_carries_this_runs_setup(tmp_path: Path) -> None:
     places = session(tmp_path, steps=8, world_size=2, reference_dir=tmp_path / "refs").places
-    command = shlex.split(places.record_hint("fsdp"))
-    assert command[:5] == ["pytest", "--gpuregress", "--gpuregress-record", "-k", "fsdp"]
+    command = shlex.split(places.record_hint(["gpuregress::fsdp"]))
+    assert command[:4] == ["pytest", "--gpuregress", "--gpuregress-record", "gpuregress::fsdp"]
     assert {f"--gpuregress-reference-dir={tmp_path / 'refs'}", "--gpuregress-steps=8",
             "--gpuregress-world-size=2"} <= set(command)
     assert "--gpuregress-device=cpu" in command  # the device asked for; auto, the default, is left out
@@ -90,15 +90,27 @@ def test_unused_references_are_the_users_leftovers_on_this_runs_platforms(tmp_pa
     assert session(SHIPPED.parent).places.unused({PLATFORM}) == []  # the shipped references are not the user's
 
 
-# --- selection: which cases, and the -k that selects a reference's cases -------------------------
+# --- selection: which cases, and the node ids that select a reference's cases ------------------
 
 
-def test_a_references_cases_are_selected_by_its_name_or_by_their_ids(tmp_path: Path) -> None:
+def test_a_references_cases_are_selected_by_their_node_ids(tmp_path: Path) -> None:
     selection = session(tmp_path).selection
-    assert selection.expression_for("fsdp") == "fsdp"  # a substring of every id stored under it
-    assert selection.expression_for("lora") == "lora"
+    assert selection.node_ids_for("fsdp") == ["gpuregress::fsdp*"]  # every id stored under it starts with it
+    assert selection.node_ids_for("lora") == ["gpuregress::lora*"]
     assert {"fsdp", "lora", "checkpoint"} <= selection.reference_names()
-    assert selection.expression_for("no-such-reference") == "no-such-reference"
+    assert selection.node_ids_for("no-such-reference") == []
+
+
+def test_a_projects_own_test_that_reads_a_reference_is_named_in_its_record_command(tmp_path: Path) -> None:
+    places = session(tmp_path, reference_dir=tmp_path / "refs").places
+    places.current_test = "tests/test_mine.py::test_my_mlp"
+    places.location("my-mlp", PLATFORM)
+    places.current_test = "gpuregress::triage-oracle-fsdp"  # a built-in case reading another's reference
+    places.location("fsdp", PLATFORM)
+    places.current_test = None  # between tests (the settings check before any runs)
+    assert places.tests_reading("my-mlp") == ["tests/test_mine.py::test_my_mlp"]
+    assert places.tests_reading("fsdp") == ["gpuregress::fsdp*"]
+    assert "tests/test_mine.py::test_my_mlp" in shlex.split(places.location("my-mlp", PLATFORM).record_hint)
 
 
 def test_selected_cases_carry_the_launches_and_a_case_is_looked_up_when_run_directly(tmp_path: Path) -> None:

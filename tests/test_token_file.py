@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pytest_gpuregress.errors import BadTokens
+from pytest_gpuregress.resources import shipped_dir
 from pytest_gpuregress.training.data import MarkovTokens, rank_slice, token_source
 from pytest_gpuregress.training.token_file import TokenFileBatches, describe, load_tokens
 
@@ -99,14 +100,18 @@ def test_the_option_without_a_model_of_yours_is_a_usage_error_before_anything_tr
 
 
 @pytest.mark.slow
-@pytest.mark.full_tier  # 68 s, three sessions: the file's reading and refusals are tested fast above
+@pytest.mark.full_tier  # about 70 s, three sessions: the file's reading and refusals are tested fast above
 def test_a_token_file_feeds_the_users_model_and_records_its_reference_and_a_bad_one_stops_the_session(
         tmp_path: Path, pytester: pytest.Pytester) -> None:
-    tokens = save_npy(tmp_path / "traffic.npy", (np.arange(50_000) * 7919 % 251).astype(np.int32))
-    model = ("--gpuregress-model=tiny-llama-tied",)  # a model of the user's, by the zoo's name
+    # A user's model with a real tokenizer's vocabulary (32k), next to the built-in 256-token model.
+    config = json.loads((shipped_dir("models") / "tiny-llama" / "cpu" / "config.json").read_text())
+    (tmp_path / "tiny-llama-32k").mkdir()
+    (tmp_path / "tiny-llama-32k" / "config.json").write_text(json.dumps({**config, "vocab_size": 32_000}))
+    tokens = save_npy(tmp_path / "traffic.npy", (np.arange(50_000) * 7919 % 32_000).astype(np.int32))
+    model = (f"--gpuregress-model={tmp_path / 'tiny-llama-32k'}",)
     selection = ("-k", FSDP_ONLY, "--gpuregress-steps=4", "--gpuregress-replicas=0", *model)
     refs = record_references(tmp_path, *selection, f"--gpuregress-tokens={tokens}")
-    stored = json.loads((refs / "fsdp-tiny-llama-tied" / "cpu-gloo-w2-fp32" / "record.json").read_text())
+    stored = json.loads((refs / "fsdp-tiny-llama-32k" / "cpu-gloo-w2-fp32" / "record.json").read_text())
     assert stored["config"]["tokens"]["count"] == 50_000
     builtin = json.loads((refs / "fsdp" / "cpu-gloo-w2-fp32" / "record.json").read_text())
     assert "tokens" not in builtin["config"]  # the built-in model keeps its synthetic data
@@ -119,8 +124,8 @@ def test_a_token_file_feeds_the_users_model_and_records_its_reference_and_a_bad_
         f"config tokens: reference {stored['config']['tokens']!r}, this run '<absent>'"]
     assert config_differences(stored["config"], {**stored["config"], "tokens": {**stored["config"]["tokens"],
                                                                         "file": "/elsewhere/traffic.npy"}}) == []
-    bad = save_npy(tmp_path / "wide.npy", np.arange(300))
+    bad = save_npy(tmp_path / "wide.npy", np.arange(32_100))
     refused = pytester.runpytest(*common, f"--gpuregress-tokens={bad}")
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
-    refused.stderr.fnmatch_lines([f"*--gpuregress-tokens {bad}: holds id 299, outside the vocabulary of 256 of model "
-                                  "'tiny-llama-tied'*"])
+    refused.stderr.fnmatch_lines([f"*--gpuregress-tokens {bad}: holds id 32099, outside the vocabulary of 32000 of "
+                                  "model 'tiny-llama-32k'*"])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import FSDP_ONLY, FSDP_STEPS
+from .conftest import FSDP_ONLY, FSDP_STEPS, collected, printed_command
 
 pytestmark = pytest.mark.slow
 
@@ -173,10 +173,13 @@ def test_missing_reference_fails_with_the_record_command(pytester: pytest.Pytest
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
         f"*MissingReference: {empty}/fsdp/cpu-gloo-w2-fp32: no reference recorded*",
-        f"*fix: record one on a known-good stack: pytest --gpuregress --gpuregress-record -k fsdp "
+        "*fix: record one on a known-good stack: pytest --gpuregress --gpuregress-record 'gpuregress::fsdp[*]' "
         f"--gpuregress-reference-dir={empty} --gpuregress-steps=8*",
     ])
     assert not any(empty.iterdir())  # a comparing run never writes
+    # The printed command selects the cases that record that reference, and nothing else.
+    command = printed_command(result.stdout.str(), "record one on a known-good stack: ")
+    assert collected(pytester, command) == ["gpuregress::fsdp", "gpuregress::fsdp-resume", "gpuregress::fsdp-bf16"]
 
 
 def test_a_reference_dir_that_does_not_exist_is_a_usage_error_when_comparing(pytester: pytest.Pytester,
@@ -209,10 +212,14 @@ def test_a_reference_of_other_steps_is_a_usage_error_before_any_rank_starts(pyte
     result.stderr.fnmatch_lines(["*recorded with other settings, so nothing was trained*",
                                  f"*{refs}*fsdp*record.json was recorded with steps 8 (this run 6): compare with it "
                                  "by adding --gpuregress-steps=8",
-                                 "*second choice*--gpuregress-record -k fsdp --gpuregress-reference-dir=*-this-stack "
-                                 "--gpuregress-steps=6*"])
+                                 "*second choice*--gpuregress-record 'gpuregress::fsdp[*]' "
+                                 "--gpuregress-reference-dir=*-this-stack --gpuregress-steps=6*"])
     output = result.stdout.str() + result.stderr.str()
     assert "process group ready" not in output and "gpuregress fsdp: step" not in output  # no rank started
+    # Both printed fixes select the case: the first adds the reference's settings, the second records elsewhere.
+    first = ["--gpuregress", "--gpuregress-steps=8", f"--gpuregress-reference-dir={refs}", "-k", FSDP_ONLY]
+    assert collected(pytester, ["pytest", *first]) == ["gpuregress::fsdp"]
+    assert "gpuregress::fsdp" in collected(pytester, printed_command(result.stderr.str(), "in a folder of their own: "))
 
 
 def test_a_reference_of_an_earlier_release_is_a_usage_error_that_says_so(pytester: pytest.Pytester,
@@ -330,11 +337,19 @@ def test_my_loop(gpuregress):
 def test_users_own_training_loop_through_the_fixture(pytester: pytest.Pytester, tmp_path: Path) -> None:
     pytester.makepyfile(user_scenario=USER_SCENARIO, test_user=USER_TEST)
     refs = tmp_path / "user-refs"
+    refs.mkdir()
     args = ["-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={refs}", "-k", "my_loop",
             "test_user.py"]
-    pytester.runpytest(*args, "--gpuregress-record").assert_outcomes(passed=1)
+    missing = pytester.runpytest(*args)
+    missing.assert_outcomes(failed=1)
+    # The printed command names this test by its node id, and records its reference when run as printed.
+    command = printed_command(missing.stdout.str(), "record one on a known-good stack: ")
+    assert "test_user.py::test_my_loop" in command and "-k" not in command
+    pytester.runpytest(*command[1:], "-p", "no:cacheprovider").assert_outcomes(passed=1)
     assert (refs / "user-linear" / "cpu-gloo-w2-fp32" / "manifest.json").is_file()
-    pytester.runpytest(*args).assert_outcomes(passed=1)
+    compared = pytester.runpytest(*args)
+    compared.assert_outcomes(passed=1)
+    assert "no case of this configuration reads" not in compared.stdout.str()  # the reference it just read
     broken = pytester.runpytest(*args, "--gpuregress-inject=collective:op=all_reduce,mode=zero_tail,count=1")
     broken.assert_outcomes(failed=1)
     # A user's loop records no step-0 gradients: no evidence separates a kernel from a collective.

@@ -48,7 +48,7 @@ def test_reduce_scatter_error_is_convicted_as_collective_by_equivalence_and_swit
     # The switches: one rank has no collective to corrupt, so the deviation vanishes there.
     assert "flip world size 1 vanished" in out
     assert "flip one thread per rank not applicable: ranks already run one thread each" in out
-    assert "FAILED ::test_scenario[[]triage-oracle" not in out
+    assert "FAILED gpuregress::triage-oracle" not in out
     print(f"--gpuregress-triage on one failing 8-step scenario: {elapsed:.0f}s")
 
 
@@ -59,7 +59,7 @@ def test_linear_layer_noise_is_convicted_as_kernel_by_the_oracle(pytester: pytes
     assert "triage verdict: kernel. Evidence: equivalence clean" in out, out[-3000:]
     assert "oracle differs: step 0 differs from float64" in out
     result.stdout.fnmatch_lines(["*[[]kernel[]] oracle of fsdp: step 0 differs from float64*"])
-    assert "FAILED ::test_scenario[[]triage-equivalence" not in out
+    assert "FAILED gpuregress::triage-equivalence" not in out
 
 
 @pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
@@ -72,7 +72,7 @@ def test_a_gemm_bug_of_the_per_rank_shape_is_a_kernel_not_a_collective(pytester:
         out = result.stdout.str()
         assert "triage verdict: kernel. Evidence: equivalence clean" in out, out[-3000:]
         assert "oracle differs: step 0 differs from float64" in out
-        assert "[collective]" not in out and "FAILED ::test_scenario[triage-equivalence" not in out
+        assert "[collective]" not in out and "FAILED gpuregress::triage-equivalence" not in out
 
 
 @pytest.mark.full_tier  # end to end with spawned ranks, and the switch flips

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import printed_command
+
 QWEN2 = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256, "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -35,10 +37,10 @@ def test_a_model_gets_its_own_cases_in_every_training_scenario(pytester: pytest.
                     "triage-equivalence-fsdp-tiny-qwen2", "triage-oracle-fsdp-tiny-qwen2",
                     "checkpoint-full-state-dict-tiny-qwen2", "checkpoint-sharded-2to1-tiny-qwen2",
                     "checkpoint-resume-tiny-qwen2", "formats-quantized-mx_fp8_e4m3fn-tiny-qwen2"):
-        assert f"test_scenario[{test_id}]" in out
-    assert "test_scenario[fsdp]" in out  # the built-in model keeps its ids and references
+        assert f"gpuregress::{test_id}" in out
+    assert "gpuregress::fsdp" in out  # the built-in model keeps its ids and references
     selected = collect(pytester, "-k", "tiny-qwen2 and fsdp and not triage").stdout.str()
-    assert "test_scenario[fsdp-tiny-qwen2]" in selected and "1/2000 tests collected" in selected  # 1986 built-in + 14 of the model
+    assert "gpuregress::fsdp-tiny-qwen2" in selected and "1/2000 tests collected" in selected  # 1986 built-in + 14 of the model
 
 
 @pytest.mark.parametrize(("config", "says"), [
@@ -76,8 +78,10 @@ def test_an_unseen_config_records_passes_and_fails_on_a_corrupted_reduce_scatter
     missing = pytester.runpytest(*common)
     missing.assert_outcomes(failed=1)  # the hint records this model: its option is part of the command
     missing.stdout.fnmatch_lines(["*fix: record one on a known-good stack: pytest --gpuregress --gpuregress-record "
-                                  "-k fsdp-tiny-qwen2 * --gpuregress-model=*tiny-qwen2.json*"])
-    pytester.runpytest(*common, "--gpuregress-record", "--gpuregress-replicas=0").assert_outcomes(passed=1)
+                                  "gpuregress::fsdp-tiny-qwen2 * --gpuregress-model=*tiny-qwen2.json*"])
+    # The printed command, run as printed, records exactly that case.
+    command = printed_command(missing.stdout.str(), "record one on a known-good stack: ")
+    pytester.runpytest(*command[1:], "-p", "no:cacheprovider", "--gpuregress-replicas=0").assert_outcomes(passed=1)
     stored = json.loads((pytester.path / "refs" / "fsdp-tiny-qwen2" / "cpu-gloo-w2-fp32" / "record.json").read_text())
     assert stored["config"]["model"] == "tiny-qwen2" and stored["config"]["model_file"].endswith("tiny-qwen2.json")
     passed = pytester.runpytest(*common)
@@ -173,10 +177,11 @@ def test_a_missing_references_hint_selects_the_cases_that_record_it(tmp_path: Pa
     spec = parse_model(str(write_config(tmp_path, "tiny-qwen2", QWEN2)), tmp_path)
     session = GpuRegressSession(Options(enabled=True, device="cpu", models=(spec,)), tmp_path)
     try:
-        assert session.selection.expression_for("fsdp-tiny-qwen2") == "fsdp-tiny-qwen2"
-        assert session.selection.expression_for("lora") == "lora"
-        # lora-tiny-qwen2 is a substring of no test id: the hint names the ids themselves
-        assert session.selection.expression_for("lora-tiny-qwen2") == "lora-fully_shard-tiny-qwen2 or lora-accelerate-tiny-qwen2"
+        assert session.selection.node_ids_for("fsdp-tiny-qwen2") == ["gpuregress::fsdp-tiny-qwen2"]  # its one case
+        assert session.selection.node_ids_for("lora") == ["gpuregress::lora*"]
+        # lora-tiny-qwen2 starts none of its cases' ids: the command names the ids themselves
+        assert session.selection.node_ids_for("lora-tiny-qwen2")[:2] == ["gpuregress::lora-fully_shard-tiny-qwen2",
+                                                                       "gpuregress::lora-accelerate-tiny-qwen2"]
         assert "--gpuregress-model=" + spec.source in session.places.location("lora-tiny-qwen2", "cpu-gloo-w2-fp32").record_hint
     finally:
         session.close()

@@ -30,7 +30,7 @@ def _collect(pytester: pytest.Pytester, *args: str) -> dict[str, str | None]:
     """Test id -> its skip reason (None: it would run), after -k, from an in-process --collect-only run."""
     recorder = pytester.inline_run("--collect-only", *args)
     items = recorder.getcall("pytest_collection_finish").session.items  # after -k deselected
-    return {item.callspec.id: _skip_reason(item) for item in items}
+    return {item.name: _skip_reason(item) for item in items}
 
 
 def _skip_reason(item: pytest.Item) -> str | None:

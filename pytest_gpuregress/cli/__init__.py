@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -104,6 +105,7 @@ def _scenarios(args: argparse.Namespace) -> int:
         module = type(scenario).__module__
         doc = (type(scenario).__doc__ or (__import__(module, fromlist=["_"]).__doc__ or "")).strip().splitlines()
         summary = doc[0].replace("``", "").replace("`", "") if doc else ""  # a terminal shows no doc markup
+        summary = re.sub(rf"^Scenario {re.escape(name)}:\s*", "", summary)  # the name is in the first column
         print(f"{name:<14} {scenario.kind:<9} {module}  {summary}")
     return 0
 
@@ -119,7 +121,7 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpuregress", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="gpuregress", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("env", help="print this machine's stack fingerprint, in words")

@@ -8,7 +8,6 @@ on; nothing here names one.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -17,11 +16,12 @@ from ..option_spec import OptionSpec
 from .options import BUILTIN_SCENARIO_OPTIONS, CORE_OPTIONS, ENABLED, Options, add_options, check_reference_dir_argument
 
 if TYPE_CHECKING:
+    from .collection import BuiltinRequest
     from .session import GpuRegressSession
 
 SESSION_KEY = pytest.StashKey["GpuRegressSession"]()
 OPTIONS_KEY = pytest.StashKey[Options]()
-SUITE_FILE = Path(__file__).resolve().parent / "suite" / "test_gpuregress_suite.py"
+BUILTIN_KEY: pytest.StashKey[BuiltinRequest] = pytest.StashKey()
 FIXTURES = {"gpuregress"}
 MARKERS = {
     "gpuregress": "a numerics regression test of pytest-gpuregress; runs only with --gpuregress",
@@ -77,11 +77,9 @@ def pytest_configure(config: pytest.Config) -> None:
         _plugin_option_specs()
     check_reference_dir_argument(config)
     refuse_xdist(config)
-    # The built-in suite always runs; tests the user named run beside it.
-    if config.option.file_or_dir:
-        config.args = [*config.args, str(SUITE_FILE)]
-    else:
-        config.args = [str(SUITE_FILE)]
+    from .collection import take_builtin_arguments
+
+    config.stash[BUILTIN_KEY] = take_builtin_arguments(config, options.no_builtin)
 
 
 def refuse_xdist(config: pytest.Config) -> None:
@@ -119,7 +117,11 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if SESSION_KEY in item.config.stash:
-        _session(item.config).figures.clear()
+        from .node_ids import typed_node_id
+
+        session = _session(item.config)
+        session.figures.clear()
+        session.places.current_test = typed_node_id(item)  # a user's check names its reference: this test reads it
 
 
 @pytest.hookimpl(wrapper=True)
@@ -156,24 +158,19 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     return header_lines(_session(config))
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "gpuregress_case" not in metafunc.fixturenames:
-        return
-    from .selection import test_id
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Any:
+    """The built-in suite joins what the session collected from its paths, so it is counted, selected with -k and
+    -m, and rerun with --lf like any test."""
+    report = yield
+    request = collector.config.stash.get(BUILTIN_KEY, None)
+    if isinstance(collector, pytest.Session) and request is not None and request.wanted and report.passed:
+        from .node_ids import ROOT
+        from .suite.cases import BuiltinSuite
 
-    session = metafunc.config.stash.get(SESSION_KEY, None)
-    if session is None:
-        metafunc.parametrize("gpuregress_case", [("", "")], ids=["gpuregress"])
-        return
-    params = []
-    for scenario, case in session.all_cases():
-        kind_mark = pytest.mark.gpuregress_training if scenario.kind == "training" else pytest.mark.gpuregress_check
-        marks = [kind_mark, *(getattr(pytest.mark, m) for m in case.marks)]
-        shortfall = session.rank_shortfall(case)
-        if shortfall:  # collected and skipped with the reason: never a silent pass or a missing test
-            marks.append(pytest.mark.skip(reason=shortfall))
-        params.append(pytest.param((scenario.name, case.id), id=test_id(scenario, case), marks=marks))
-    metafunc.parametrize("gpuregress_case", params)
+        report.result.append(BuiltinSuite.from_parent(collector, name=ROOT, nodeid=ROOT, request=request,
+                                                       session_of=lambda: _session(collector.config)))
+    return report
 
 
 def _wants_gpuregress(item: pytest.Item) -> bool:
@@ -181,29 +178,34 @@ def _wants_gpuregress(item: pytest.Item) -> bool:
     return bool(names & FIXTURES) or item.get_closest_marker("gpuregress") is not None
 
 
-@pytest.hookimpl(trylast=True)  # after -k and -m have deselected: launches carry what is left
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: `-m gpuregress` selects the project's tests that use it too
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    options = config.stash[OPTIONS_KEY]
-    if not options.enabled:
-        skip = pytest.mark.skip(reason="gpuregress test: pass --gpuregress to run it")
-        for item in items:
-            if _wants_gpuregress(item):
-                item.add_marker(skip)
-        return
-    # With --gpuregress, the user's paths contribute only tests that use the plugin.
-    keep = [i for i in items if _wants_gpuregress(i)]
-    dropped = [i for i in items if not _wants_gpuregress(i)]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = keep
-    chosen = {tuple(i.callspec.params["gpuregress_case"]) for i in items
-              if hasattr(i, "callspec") and "gpuregress_case" in i.callspec.params}
-    config.stash[SESSION_KEY].select(chosen)  # type: ignore[arg-type]
-    from .settings_check import missing_folder, usage_message
+    enabled = config.stash[OPTIONS_KEY].enabled
+    skip = pytest.mark.skip(reason="gpuregress test: pass --gpuregress to run it")
+    for item in items:
+        if _wants_gpuregress(item):
+            item.add_marker(pytest.mark.gpuregress if enabled else skip)
 
-    session = config.stash[SESSION_KEY]
-    mismatch = missing_folder(session) or (None if options.record else usage_message(session))
-    if mismatch:  # before any rank starts: a comparison with other settings could only fail, after training
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """After -k, -m and --lf have chosen: launches carry the built-in cases left, and settings are checked before
+    any rank starts (a comparison with other settings could only fail, after training)."""
+    config = session.config
+    if not config.stash[OPTIONS_KEY].enabled or getattr(config.option, "help", False):
+        return
+    from .collection import unknown_cases
+    from .selection import test_id
+    from .settings_check import missing_folder, usage_message
+    from .suite.cases import BuiltinCase
+
+    gpuregress = _session(config)
+    chosen = {item.case for item in session.items if isinstance(item, BuiltinCase)}
+    gpuregress.select(chosen)
+    request = config.stash[BUILTIN_KEY]
+    ids = {test_id(sc, case) for sc, case in gpuregress.all_cases()}
+    mismatch = unknown_cases(request, ids) or missing_folder(gpuregress) \
+        or (None if config.stash[OPTIONS_KEY].record else usage_message(gpuregress))
+    if mismatch:
         raise pytest.UsageError(mismatch)
 
 

@@ -77,8 +77,14 @@ class Options:
     docs'. ``Options(steps=8)`` sets some and leaves the rest at their defaults."""
 
     enabled: bool = option(OptionSpec(
-        "", "flag", False, "run the built-in suite and enable the `gpuregress` fixture",
-        details="Without it the plugin adds nothing, skips its tests and imports no torch."))
+        "", "flag", False, "add the built-in suite to the tests pytest collects and enable the `gpuregress` fixture",
+        details="The project's own tests are collected as always; the built-in cases join under the node id "
+        "`gpuregress` when no test path is given (`testpaths`, or the folder pytest runs in). Name them among "
+        "paths with `gpuregress` or `gpuregress::<case>`; select them with `-k`, `-m gpuregress_training`, "
+        "`--lf`. Without the flag the plugin adds nothing, skips its tests and imports no torch."))
+    no_builtin: bool = option(OptionSpec(
+        "no-builtin", "flag", False, "leave the built-in suite out: only the project's own tests run (its own loops "
+        "and metrics), unless `gpuregress` is named among the paths"))
     record: bool = option(OptionSpec(
         "record", "flag", False, "write (or overwrite) references from this run instead of comparing"))
     record_anyway: bool = option(OptionSpec(

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..reference import store
 from ..resources import shipped_dir
 from ..scenarios import registry
+from .node_ids import ROOT
 from .options import Options
 from .selection import Selection
 
@@ -19,6 +20,8 @@ class ReferencePlaces:
         self.rootpath = rootpath
         self.selection = selection
         self.used: set[str] = set()  # every reference this session looked for: a user's own loop names its own
+        self.current_test: str | None = None  # the running test's node id, as typed where pytest runs
+        self.readers: dict[str, list[str]] = {}  # reference -> the tests that looked for it, beside the built-in cases
 
     @property
     def user_root(self) -> Path:
@@ -41,11 +44,11 @@ class ReferencePlaces:
         root = self.recording_root
         return root.with_name(f"{root.name}-this-stack")
 
-    def record_hint(self, selection: str, folder: Path | None = None) -> str:
-        """The command that records the references ``selection`` (a -k expression) reads, with this run's setup,
-        into ``folder`` (default: the user's folder)."""
+    def record_hint(self, tests: list[str], folder: Path | None = None) -> str:
+        """The command that records the references ``tests`` (node ids) read, with this run's setup, into ``folder``
+        (default: the user's folder)."""
         options = self.options
-        parts = ["pytest", "--gpuregress", "--gpuregress-record", "-k", selection,
+        parts = ["pytest", "--gpuregress", "--gpuregress-record", *tests,
                  f"--gpuregress-reference-dir={folder or self.recording_root}"]
         if options.steps:
             parts.append(f"--gpuregress-steps={options.steps}")
@@ -69,8 +72,8 @@ class ReferencePlaces:
     def location(self, name: str, platform_key: str, *, for_writing: bool = False) -> store.ReferenceLocation:
         store.check_names(name, platform_key)  # a name or dtype such as '../x' must not leave the reference dir
         self.used.add(name)
-        selection = self.selection.expression_for(name)
-        hint, elsewhere = self.record_hint(selection), self.record_hint(selection, self.elsewhere_root)
+        tests = self.tests_reading(name)
+        hint, elsewhere = self.record_hint(tests), self.record_hint(tests, self.elsewhere_root)
         user = store.ReferenceLocation(self.user_root, name, platform_key, hint, elsewhere)
         # An explicit --gpuregress-reference-dir means that directory only; the shipped
         # references are the fallback of the default location.
@@ -80,6 +83,14 @@ class ReferencePlaces:
         if (shipped.path / store.MANIFEST).exists():
             return shipped
         return user
+
+    def tests_reading(self, name: str) -> list[str]:
+        """The node ids that select the tests reading ``name``: the built-in cases that do, and the project's tests
+        that looked for it in this session (noted here, while they run)."""
+        test = self.current_test
+        if test is not None and not test.startswith(f"{ROOT}::") and test not in self.readers.setdefault(name, []):
+            self.readers[name].append(test)
+        return list(dict.fromkeys([*self.selection.node_ids_for(name), *self.readers.get(name, [])]))
 
     def recording(self, name: str, platform_key: str) -> bool:
         """Whether this run writes the reference ``name``: --gpuregress-record, or --gpuregress-record-missing and

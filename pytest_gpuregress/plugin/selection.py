@@ -6,6 +6,7 @@ from ..errors import NotApplicable
 from ..faults import reach
 from ..scenarios import Case, Launch, Scenario, Setup, registry
 from ..stack.platforms import SINGLE_RANK_GAPS, Platform, rank_origin, too_few_ranks
+from .node_ids import builtin_node_id
 
 
 def test_id(scenario: Scenario, case: Case) -> str:
@@ -65,11 +66,15 @@ class Selection:
     def served_cases(self, sc: Scenario, launch_key: str) -> list[str]:
         return [c.id for c in self.selected.get(sc.name, []) if c.launch == launch_key]
 
-    def expression_for(self, reference: str) -> str:
-        """A -k expression that selects the cases stored under ``reference``: the name itself when it is a
-        substring of each of their ids (fsdp, lora), else their ids joined (lora-mymoe: lora-fully_shard-mymoe ...)."""
+    def node_ids_for(self, reference: str) -> list[str]:
+        """The node ids that select the built-in cases reading ``reference``: ``gpuregress::fsdp*`` where every id
+        starts with its name (with the cases beside them, which a recording may need: the formats reference
+        stores what its decode and encode cases found), else the ids (``gpuregress::lora-fully_shard-mymoe`` ...)."""
         ids = [test_id(sc, case) for sc, case in self.all_cases() if sc.reference_name(case) == reference]
-        return reference if not ids or all(reference in i for i in ids) else " or ".join(ids)
+        starting = [i for sc, case in self.all_cases() if (i := test_id(sc, case)).startswith(reference)]
+        if ids and all(i.startswith(reference) for i in ids) and len(starting) > 1:
+            return [builtin_node_id(f"{reference}*")]
+        return [builtin_node_id(i) for i in ids]
 
     def reference_names(self) -> set[str]:
         """Every reference some case of this configuration reads, selected or not."""

@@ -29,7 +29,7 @@ ADDED_KEYS = {"adamw": "clipping below the typical norm and a named AdamW implem
 
 def differing_settings(session: GpuRegressSession) -> tuple[list[str], list[str]]:
     """(one line per selected reference whose recorded settings differ from this run's, with the options to use;
-    the -k expressions that select those references' cases)."""
+    the node ids of those references' cases)."""
     lines: dict[str, str] = {}
     selections: list[str] = []
     for scenario, cases in session.selection.selected.items():
@@ -54,7 +54,7 @@ def differing_settings(session: GpuRegressSession) -> tuple[list[str], list[str]
                     what = ", ".join(f"{k} {ref!r} (this run {ours!r})" for k, ref, ours in differing)
                     options = " ".join(f"{SETTING_OPTIONS[k]}={ref}" for k, ref, _ in differing)
                     lines[str(path)] = f"{path} was recorded with {what}: compare with it by adding {options}"
-                selections.append(session.selection.expression_for(name))
+                selections += session.places.tests_reading(name)
     return list(lines.values()), selections
 
 
@@ -84,7 +84,7 @@ def usage_message(session: GpuRegressSession) -> str | None:
     if not lines:
         return None
     places = session.places
-    hint = places.record_hint(" or ".join(dict.fromkeys(selections)), places.elsewhere_root)
+    hint = places.record_hint(list(dict.fromkeys(selections)), places.elsewhere_root)
     return ("the references this run would compare with were recorded with other settings, so nothing was trained:\n  "
             + "\n  ".join(lines) + "\nor, second choice, record references for this run's settings in a folder of "
             f"their own: {hint}")

@@ -1,0 +1,57 @@
+"""What ``pytest --gpuregress`` collects: the project's own tests as pytest always does, and the built-in suite.
+
+The built-in cases join when no test path is given (``testpaths`` or the folder pytest runs in), unless
+``--gpuregress-no-builtin``; given paths narrow collection as in any pytest run, and ``gpuregress`` (all
+the cases) or ``gpuregress::<case>`` among them names the built-in ones (``<case>`` may hold ``*``:
+``gpuregress::formats*``). Those are taken off pytest's arguments here, since no file carries them.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from .node_ids import ROOT
+
+
+class BuiltinRequest(NamedTuple):
+    """Whether the built-in suite is collected, and which of its cases (None: all; else fnmatch patterns)."""
+
+    wanted: bool
+    only: frozenset[str] | None = None
+
+
+def _names_builtin(arg: str, invocation_dir: Path) -> bool:
+    head = arg.split("::", 1)[0]
+    return head == ROOT and not (invocation_dir / head).exists()  # a folder of that name is the user's
+
+
+def take_builtin_arguments(config: pytest.Config, leave_out: bool) -> BuiltinRequest:
+    """Read the built-in suite's node ids off ``config.args`` and say what the suite contributes.
+
+    ``leave_out``: --gpuregress-no-builtin (ini gpuregress_no_builtin), for a project that checks its own loops."""
+    invocation_dir = config.invocation_params.dir
+    named = [a for a in config.args if _names_builtin(a, invocation_dir)]
+    config.args = [a for a in config.args if a not in named]
+    if named:
+        ids = [a.split("::", 1)[1] for a in named if "::" in a]
+        return BuiltinRequest(True, None if len(ids) < len(named) else frozenset(ids))
+    if config.option.file_or_dir:  # paths the user gave: only those, as pytest always does
+        return BuiltinRequest(False)
+    return BuiltinRequest(not leave_out)
+
+
+def wanted(request: BuiltinRequest, case_id: str) -> bool:
+    return request.only is None or any(fnmatchcase(case_id, pattern) for pattern in request.only)
+
+
+def unknown_cases(request: BuiltinRequest, known: set[str]) -> str | None:
+    """The usage error for ``gpuregress::<case>`` arguments that name no case of this configuration."""
+    unknown = sorted(p for p in request.only or () if not any(fnmatchcase(case_id, p) for case_id in known))
+    if not unknown:
+        return None
+    return (f"no built-in case {', '.join(f'{ROOT}::{u}' for u in unknown)} in this configuration (a model's cases "
+            f"exist only with its --gpuregress-model); list them with: pytest --gpuregress --collect-only -q {ROOT}")

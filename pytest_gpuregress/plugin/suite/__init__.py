@@ -1,0 +1,1 @@
+"""The built-in suite that ``pytest --gpuregress`` adds to a project's own tests (cases.py)."""

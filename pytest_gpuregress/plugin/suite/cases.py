@@ -1,0 +1,73 @@
+"""The built-in suite: one pytest item per case of every registered scenario, under the node id ``gpuregress``.
+
+``pytest --gpuregress`` collects a project's own tests as pytest always does, and these beside them. Their node
+ids say what they are and can be typed: ``gpuregress::fsdp``, or ``gpuregress`` for all of them. Select with
+``-k`` (``-k fsdp``, ``-k "all_reduce and bf16"``), ``-m gpuregress_training`` or ``--lf`` as with any test.
+
+Warnings a case raises are shown at this module's ``runtest`` (warn.py): the test that ran is this one.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from ..collection import BuiltinRequest, wanted
+from ..node_ids import ROOT
+from ..selection import test_id
+
+if TYPE_CHECKING:
+    from ..session import GpuRegressSession
+
+def _source_of(scenario: object) -> str:
+    """The file of the scenario's module, else this one's (an inline pytest run may have unloaded the module)."""
+    return getattr(sys.modules.get(type(scenario).__module__), "__file__", None) or __file__
+
+
+class BuiltinSuite(pytest.Collector):
+    """The built-in cases; ``request``: which of them the command line named."""
+
+    def __init__(self, *, session_of: Callable[[], GpuRegressSession], request: BuiltinRequest, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.session_of = session_of  # the session is built at configure time, after this plugin's hooks load
+        self.request = request
+        self.add_marker(pytest.mark.gpuregress)
+
+    def collect(self) -> Iterator[BuiltinCase]:
+        session = self.session_of()
+        for scenario, case in session.all_cases():
+            case_id = test_id(scenario, case)
+            if not wanted(self.request, case_id):
+                continue
+            item = BuiltinCase.from_parent(self, name=case_id, scenario=scenario.name, case_id=case.id,
+                                           source=_source_of(scenario))
+            item.add_marker(pytest.mark.gpuregress_training if scenario.kind == "training" else pytest.mark.gpuregress_check)
+            for mark in case.marks:
+                item.add_marker(getattr(pytest.mark, mark))
+            shortfall = session.rank_shortfall(case)
+            if shortfall:  # collected and skipped with the reason: never a silent pass or a missing test
+                item.add_marker(pytest.mark.skip(reason=shortfall))
+            yield item
+
+    def reportinfo(self) -> tuple[str, int | None, str]:
+        return __file__, 0, ROOT
+
+
+class BuiltinCase(pytest.Item):
+    """One case of one scenario: a training run against its reference, or a check against its closed form."""
+
+    def __init__(self, *, scenario: str, case_id: str, source: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.case = (scenario, case_id)
+        self.source = source  # the scenario's module: where a skip or a failure of this case is shown
+
+    def runtest(self) -> None:
+        __tracebackhide__ = True
+        assert isinstance(self.parent, BuiltinSuite)
+        self.parent.session_of().run_case(*self.case)
+
+    def reportinfo(self) -> tuple[str, int | None, str]:
+        return self.source, 0, self.nodeid

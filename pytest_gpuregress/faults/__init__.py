@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import BadFaultSpec
 from ..fault_spec import FaultSpec
@@ -33,11 +33,14 @@ DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int32"
                "fp8e4m3": "float8_e4m3fn", "fp8e5m2": "float8_e5m2", "fp64": "float64"}
 
 
+ParamKind = Literal["number", "int", "choice", "choices", "ranks", "dtype"]
+
+
 @dataclass(frozen=True)
 class Param:
     """One key of a fault spec: its type and, for choices, the allowed values ('|' joins several)."""
 
-    kind: str  # number | int | choice | choices | ranks | dtype
+    kind: ParamKind
     help: str
     choices: tuple[str, ...] = ()
     minimum: float | None = None

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..kinds import Backend, DeviceKind
+
 
 @dataclass
 class Job:
@@ -33,8 +35,8 @@ class Job:
     scenario: str  # the rank entry, "package.module:function", run as function(ctx) -> RunRecord
     config: dict[str, Any]
     world_size: int
-    device_kind: str  # "cpu" or "cuda" (ROCm builds of torch report cuda too)
-    backend: str  # "gloo" or "nccl"
+    device_kind: DeviceKind
+    backend: Backend
     run_dir: str
     timeout_s: float  # per-collective timeout given to the process group
     faults: list[str] = field(default_factory=list)

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from ..errors import RankFailure
 from ..reference.record import RECORD_JSON, RunRecord
@@ -49,7 +50,7 @@ LOG_TAIL_LINES = 25
 @dataclass
 class RankOutcome:
     rank: int
-    status: str  # delivered | raised | died | hung | stopped
+    status: Literal["delivered", "raised", "died", "hung", "stopped"]
     returncode: int | None
     last_progress: str | None
     error: dict[str, str] | None = None

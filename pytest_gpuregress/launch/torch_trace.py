@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..reference import atomic
 from . import safe_pickle
@@ -241,7 +241,7 @@ class Entry:
     desc: str  # its description: default_pg, a mesh dimension
     seq: int  # collective_seq_id: the n-th collective of this group on this rank
     op: str  # profiling_name: nccl:all_reduce, nccl:_reduce_scatter_base
-    state: str  # scheduled | started | completed
+    state: Literal["scheduled", "started", "completed"]
     sizes: str
     created_ns: int
     origin: str  # the frame that asked for it, past the collective machinery

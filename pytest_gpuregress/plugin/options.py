@@ -26,10 +26,11 @@ import inspect
 from collections.abc import Callable, Iterable
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
 import pytest
 
+from ..kinds import DeviceKind, GateMode, KernelChanges, LaneChoice
 from ..option_spec import BadOptionValue, OptionSpec
 from ..scenario_options import BUILTIN_SCENARIO_OPTIONS, LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
 from ..training.noise import DEFAULT_REPLICAS, PERTURBATIONS
@@ -98,9 +99,9 @@ class Options:
         shown_default="`<rootdir>/reference_runs`, then the shipped references",
         details="Write it with `=`: pytest picks its rootdir before plugins load, and the plugin stops with a clear "
         "message if a two-word form moved it."))
-    device: str = option(OptionSpec(
+    device: DeviceKind | Literal["auto"] = option(OptionSpec(
         "device", "choice", "auto", "`cpu`, or `cuda` (which covers ROCm builds of torch too); `auto` takes `cuda` "
-        "when torch sees a GPU", choices=("auto", "cpu", "cuda")))
+        "when torch sees a GPU", choices=("auto", *get_args(DeviceKind))))
     world_size: int | None = option(OptionSpec(
         "world-size", "int", None, "number of ranks to spawn", minimum=1,
         shown_default="one rank per GPU, or 2 on the CPU"))
@@ -111,10 +112,10 @@ class Options:
         "timeout", "float", 600.0, "wall-clock seconds one group of ranks may take", minimum=1,
         details="A hang fails that test with the rank, its last completed step and its Python stack, and the "
         "session goes on."))
-    lane: str = option(OptionSpec(
+    lane: LaneChoice = option(OptionSpec(
         "lane", "choice", "auto", "the comparison lane: `exact` (bit for bit) or `tolerant` (within the recorded "
         "noise); `auto` takes `exact` when the stack's numerics fingerprint matches the reference's",
-        choices=("auto", "exact", "tolerant"), details="See [envelope.md](envelope.md)."))
+        choices=get_args(LaneChoice), details="See [envelope.md](envelope.md)."))
     inject: tuple[str, ...] = option(OptionSpec(
         "inject", "list", (), "inject a fault into every rank, to prove the detectors fire on your stack; "
         "repeatable", metavar="SPEC",
@@ -149,14 +150,14 @@ class Options:
     known_issues: Path | None = option(OptionSpec(
         "known-issues", "path", None, "a TOML file of your own known stack issues, matched against this stack like "
         "the shipped ones", metavar="FILE", ini_relative=True, details="See [known_issues.md](known_issues.md)."))
-    kernel_changes: str = option(OptionSpec(
+    kernel_changes: KernelChanges = option(OptionSpec(
         "kernel-changes", "choice", "report", "kernels that changed since the reference (profiled over a few steps "
         "of each training scenario): `report` them (a warning), `fail` on them, or take no inventory (`off`)",
-        choices=("report", "fail", "off"),
+        choices=get_args(KernelChanges),
         details="See [scenarios.md](scenarios.md#kernels-throughput-and-memory)."))
-    perf: str = option(OptionSpec(
+    perf: GateMode = option(OptionSpec(
         "perf", "choice", "warn", "step time, tokens/s, peak memory and bus bandwidth past their limits against "
-        "the reference: `warn`, `fail`, or do not compare (`off`)", choices=("warn", "fail", "off")))
+        "the reference: `warn`, `fail`, or do not compare (`off`)", choices=get_args(GateMode)))
     perf_slowdown: float = option(OptionSpec(
         "perf-slowdown", "float", 1.5, "how many times the reference's step time counts as a slowdown", minimum=1))
     perf_memory: float = option(OptionSpec(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+Verdict = Literal["passed", "failed", "recorded", "error"]
 
 
 @dataclass
@@ -11,7 +14,7 @@ class Outcome:
 
     scenario: str
     platform_key: str
-    verdict: str  # passed | failed | recorded | error
+    verdict: Verdict
     lane: str = ""
     detail: str = ""
     notes: list[str] = field(default_factory=list)

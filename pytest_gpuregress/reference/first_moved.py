@@ -19,6 +19,7 @@ shows as e; one element off by d in n shows as about d / (n mean |x|): small, an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -31,7 +32,7 @@ COLLECTIVE_NAMESPACES = ("c10d::", "_c10d_functional::", "c10d_functional::", "f
 @dataclass(frozen=True)
 class FirstMoved:
     rank: int
-    kind: str  # moved | sequence
+    kind: Literal["moved", "sequence"]  # an op's output moved, or the sequence of ops itself changed
     entry: TraceOp | None  # this run's entry; None where this run's trace ended first (a changed sequence)
     reference: TraceOp | None  # the reference's entry at that place
     equal_before: int  # ops before it, all bitwise equal (inputs not counted)

@@ -7,14 +7,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ..kinds import GateMode, KernelChanges, LaneChoice
+
 
 @dataclass(frozen=True)
 class JudgingPolicy:
     """--gpuregress-lane, -kernel-changes, -perf, -perf-slowdown and -perf-memory."""
 
-    lane: str = "auto"  # auto | exact | tolerant
-    kernel_changes: str = "report"  # report | fail | off
-    perf: str = "warn"  # warn | fail | off
+    lane: LaneChoice = "auto"
+    kernel_changes: KernelChanges = "report"
+    perf: GateMode = "warn"
     perf_slowdown: float = 1.5
     perf_memory: float = 1.3
 

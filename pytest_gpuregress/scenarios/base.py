@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..kinds import Backend, DeviceKind
 from ..reference.record import RunRecord
 
 if TYPE_CHECKING:
@@ -46,8 +47,8 @@ StepHook = Callable[[int, int], None]  # (rank, step) -> None; faults use it to 
 class Setup:
     """What a scenario may know of the session: where it runs, the steps asked for, faults, its options."""
 
-    device_kind: str  # cpu | cuda (ROCm builds of torch report cuda too)
-    backend: str  # gloo | nccl
+    device_kind: DeviceKind
+    backend: Backend
     world_size: int
     steps: int | None = None
     faults: tuple[FaultSpec, ...] = ()
@@ -101,8 +102,8 @@ class RankContext:
     rank: int
     world_size: int
     local_rank: int
-    device_kind: str  # "cpu" or "cuda"
-    backend: str
+    device_kind: DeviceKind
+    backend: Backend
     config: dict[str, Any]
     run_dir: Path
     fingerprint: dict[str, Any] = field(default_factory=dict)

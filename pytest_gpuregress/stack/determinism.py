@@ -36,6 +36,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from ..kinds import Vendor
+
 CUBLAS_DEFAULT = ":4096:8"
 CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")  # the only values with which torch calls cuBLAS deterministic
 ROCBLAS_ATOMICS_OFF = "0"
@@ -50,7 +52,7 @@ SDPA_ALLOWED: dict[str, tuple[str, ...]] = {"cpu": SDPA_BACKENDS, "cuda": ("math
 class Plan:
     """What ``set_determinism`` sets on a platform; ``reason`` says why it cannot be deterministic (None: it can)."""
 
-    platform: str  # "cpu", "cuda" (NVIDIA) or "rocm"
+    platform: Vendor
     sdpa_backends: tuple[str, ...]
     reason: str | None
 

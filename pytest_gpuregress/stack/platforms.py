@@ -7,15 +7,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UnsupportedPlatform
+from ..kinds import Backend, DeviceKind, Vendor
 
 
 @dataclass(frozen=True)
 class Platform:
-    device_kind: str  # cpu | cuda
-    backend: str  # gloo | nccl
+    device_kind: DeviceKind
+    backend: Backend
     world_size: int
-    arch: str  # cpu | sm_90 | gfx942 ...
-    vendor: str  # cpu | cuda | rocm
+    arch: str  # cpu | sm_90 | gfx942 ... (open: every new GPU adds one)
+    vendor: Vendor
     in_place: bool  # already launched by torchrun: this process is one rank
 
     def key(self, tag: str) -> str:

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from ..components import Component
 from ..reference import step0
 from ..reference.bounds import step0_bound
 from ..reference.compare import gradients_moved_first
@@ -42,12 +43,15 @@ ORACLE_ENTRY = "pytest_gpuregress.training.oracle:run"
 Runner = Callable[["Scenario", "Launch"], RunRecord]
 
 
+Status = Literal["clean", "differs", "vanished", "shrank", "stayed", "not applicable", "failed to run"]
+
+
 @dataclass
 class Experiment:
     name: str
-    status: str  # clean | differs | vanished | shrank | stayed | not applicable | failed to run
+    status: Status
     detail: str
-    component: str | None = None  # what this result convicts, when it convicts one
+    component: Component | None = None  # what this result convicts, when it convicts one
     lines: list[str] = field(default_factory=list)  # per-parameter detail
 
     @property

@@ -13,7 +13,7 @@ all-gather, reduce-scatter or all-to-all has ``world * n`` elements on its large
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ...units import human_bytes
 
@@ -51,11 +51,16 @@ TAIL = 16  # elements at the end of a buffer that are also checked on their own
 MOVE_ONLY = {"all_gather", "broadcast", "all_to_all"}
 
 
+Op = Literal["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all"]
+Variant = Literal["single", "list", ""]  # "": the op has one form
+ReduceOp = Literal["sum", "avg", "max", "min", "premul_sum", ""]  # "": the op moves data only
+
+
 @dataclass(frozen=True)
 class Case:
-    op: str  # all_reduce | reduce_scatter | all_gather | broadcast | all_to_all
-    variant: str  # single | list | ""
-    reduce_op: str  # sum | avg | max | min | premul_sum | ""
+    op: Op
+    variant: Variant
+    reduce_op: ReduceOp
     dtype: str
     n: int
     in_place: bool

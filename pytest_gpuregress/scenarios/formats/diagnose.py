@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -30,10 +31,13 @@ from .checkpoint import Entry
 SATURATED_BLOCKS_MIN = 16
 
 
+FindingKind = Literal["special_codes", "fnuz_0x80", "flavour", "fnuz_scale_448", "scale_mismatch", "mx_scale"]
+
+
 @dataclass(frozen=True)
 class Finding:
     tensor: str
-    kind: str  # special_codes | fnuz_0x80 | flavour | fnuz_scale_448 | scale_mismatch | mx_scale
+    kind: FindingKind
     message: str
     fix: str
 

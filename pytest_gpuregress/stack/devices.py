@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import smi_bindings
+from .fingerprint_fields import PROBED_FIELDS
 
 # nvidia-smi and amd-smi initialise every GPU when no daemon keeps them initialised (persistence mode off): several
 # seconds on an 8-GPU node, more while 8 ranks start at once. Each probe runs once per process (cached), so a
@@ -24,8 +25,8 @@ from . import smi_bindings
 SMI_TIMEOUT_S = 30.0
 # One nvidia-smi call for all three; a driver that predates MIG rejects the whole query (see _smi).
 NVIDIA_QUERY = ("driver_version", "vbios_version", "mig.mode.current")
-# Fields probe_device() adds to the fingerprint's device section (driver exists already).
-DEVICE_FIELDS = ("dnn", "blas_library", "mig", "firmware")
+# Fields probe_device() adds to the fingerprint's device section (driver exists already): declared probed there.
+DEVICE_FIELDS = PROBED_FIELDS
 
 _NOT_A_VALUE = {"", "n/a", "[n/a]", "not supported", "[not supported]", "unknown", "[unknown error]"}
 _TRUE = {"1", "true", "on", "yes", "y"}

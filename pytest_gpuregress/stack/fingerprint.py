@@ -13,58 +13,14 @@ import re
 from importlib import metadata
 from typing import Any
 
-from .devices import DEVICE_FIELDS, probe_device
+from . import fingerprint_fields as schema
+from .devices import probe_device
 
 Fingerprint = dict[str, dict[str, Any]]
 
-# Sections and fields that decide whether bitwise equality can be expected (the exact lane).
-# The rule: a field belongs when it can change a computed number on the same inputs: library
-# versions that compute (torch, transformers, peft, accelerate, numpy), the device and its kernel
-# set (GPU name, count and architecture, driver, the DNN library (cuDNN or MIOpen) and the BLAS
-# library GPU matmuls go to, CPU model and ATen capability), the CPU BLAS, the kernel switches, the
-# threads per rank, the backend, world size and collective settings.
-# Left out on purpose: timestamps, host names, the Python patch level, safetensors and our own
-# version (they store numbers, they do not compute them), and the machine's CPU core count (each
-# rank runs one thread, so the core count changes no number; it is recorded as device.cpu_count).
-# Recorded but left out too: device.mig, because a MIG slice's size already shows in device.name
-# (CUDA names it "<GPU> MIG 1g.10gb") while the instance id changes with every allocation; and
-# device.firmware, because firmware computes none of a step's numbers (its bugs are hangs and
-# crashes, docs/faults.md section 5) and nodes of one cluster often differ in it.
-# On a CPU run every GPU field is None, so references recorded before a field existed (where it
-# reads as None) keep their lane. None of these fields can make a reference foreign: they only
-# choose the lane.
-NUMERICS_FIELDS: dict[str, tuple[str, ...]] = {
-    "versions": ("torch", "transformers", "peft", "accelerate", "numpy"),
-    "device": (
-        "kind", "name", "count", "arch", "cuda", "hip", "driver", "dnn", "blas_library", "cpu_model", "cpu_capability",
-        "cpu_bf16",
-    ),
-    "numerics": (
-        "blas",
-        "sdpa_backends",
-        "tf32_matmul",
-        "tf32_cudnn",
-        "float32_matmul_precision",
-        "bf16_reduced_precision_reduction",
-        "fp16_reduced_precision_reduction",
-        "deterministic_algorithms",
-        "cudnn_deterministic",
-        "cudnn_benchmark",
-        "cublas_workspace_config",
-        "num_threads",
-    ),
-    "comm": ("backend", "world_size", "nccl_version", "env"),
-}
-
-_ENV_PREFIXES = ("NCCL_", "RCCL_", "HSA_", "GLOO_", "TORCH_NCCL_", "ATEN_CPU_CAPABILITY", "MKL_", "ONEDNN_", "DNNL_")
-# Settings that route sockets, log or handle errors but do not change a computed number. Thread
-# counts are recorded as numerics.num_threads, so OMP_NUM_THREADS is not needed here.
-_ENV_IGNORED = {
-    "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_DUMP_ON_TIMEOUT",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
-    "TORCH_NCCL_DESYNC_DEBUG", "ONEDNN_VERBOSE", "DNNL_VERBOSE", "ONEDNN_JIT_DUMP", "DNNL_JIT_DUMP",
-}
+# Which fields decide the exact lane, which are hardware or an upgrade: declared once, in fingerprint_fields.py.
+NUMERICS_FIELDS = schema.NUMERICS_FIELDS
+HARDWARE_FIELDS = schema.HARDWARE_FIELDS
 
 
 def installed_version(dist: str) -> str | None:
@@ -142,7 +98,7 @@ def _device_section(torch: Any, device_kind: str) -> dict[str, Any]:
         )
     else:
         # count: accelerators only; the GPU fields are None, as in references recorded before they existed
-        section.update(name="cpu", count=None, arch=platform.machine(), **dict.fromkeys(DEVICE_FIELDS))
+        section.update(name="cpu", count=None, arch=platform.machine(), **dict.fromkeys(schema.PROBED_FIELDS))
     return section
 
 
@@ -178,7 +134,7 @@ def comm_env() -> dict[str, str]:
     return {
         k: v
         for k, v in sorted(os.environ.items())
-        if k.startswith(_ENV_PREFIXES) and k not in _ENV_IGNORED
+        if k.startswith(schema.COMM_ENV_PREFIXES) and k not in schema.COMM_ENV_IGNORED
     }
 
 
@@ -262,16 +218,12 @@ def describe_change(name: str, old: Any, new: Any) -> str:
     return f"{name}: {_short(old)} -> {_short(new)}"
 
 
-# The software a platform team upgrades: libraries, the CUDA/HIP runtime, the driver, cuDNN/MIOpen, the BLAS and
-# NCCL/RCCL. A one-line summary never drops one of these.
-_SOFTWARE_FIELDS = ("device.cuda", "device.hip", "device.driver", "device.dnn", "device.blas_library", "comm.nccl_version")
-
-
 def summarize_changes(changes: list[tuple[str, Any, Any]], others_shown: int = 3) -> str:
     """One line for the closing table: every software change first (library versions, runtime, driver, cuDNN, BLAS,
     NCCL), never dropped, then at most ``others_shown`` of the rest (hardware, switches) and a count of what is left
     out. The whole list is in the failure report and in the JUnit property ``stack_changes``."""
-    software = [c for c in changes if c[0].startswith("versions.")] + [c for c in changes if c[0] in _SOFTWARE_FIELDS]
+    software = [c for c in changes if c[0].startswith("versions.")] + \
+        [c for c in changes if c[0] in schema.SOFTWARE_KEYS and not c[0].startswith("versions.")]
     others = [c for c in changes if c not in software]
     text = ", ".join(describe_change(*c) for c in software + others[:others_shown])
     hidden = len(others) - others_shown
@@ -283,10 +235,9 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-# The device fields that say which hardware ran: timings, memory and bandwidth are comparable only between
-# runs on the same. The CPU capability is here because one "AMD EPYC" model string covers AVX2 and AVX512
-# generations, and a kernel path forced lower (ATEN_CPU_CAPABILITY) changes speed by itself.
-HARDWARE_FIELDS = ("kind", "name", "count", "arch", "machine", "mig", "cpu_model", "cpu_capability")
+# Hardware fields (fingerprint_fields.py): timings, memory and bandwidth are comparable only between runs on the
+# same. The CPU capability is one: one "AMD EPYC" model string covers AVX2 and AVX512 generations, and a kernel
+# path forced lower (ATEN_CPU_CAPABILITY) changes speed by itself.
 FORCED_CPU_PATH = "ATEN_CPU_CAPABILITY"
 
 

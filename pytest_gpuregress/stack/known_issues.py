@@ -31,7 +31,8 @@ from packaging.version import InvalidVersion, Version
 
 from ..components import COMPONENTS
 from ..errors import BadKnownIssues
-from .fingerprint import _ENV_IGNORED, _ENV_PREFIXES, NUMERICS_FIELDS, Fingerprint
+from .fingerprint import Fingerprint
+from .fingerprint_fields import COMM_ENV_IGNORED, COMM_ENV_PREFIXES, MATCHABLE
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -47,12 +48,7 @@ _TEXT_KEYS = ("id", "component", "symptom", "workaround", "source", "hardware")
 
 # Every field collect() records, so that a misspelt condition is an error and not a silent no-match.
 # comm.env.NAME and numerics.determinism.NAME are checked separately.
-FIELDS: dict[str, frozenset[str]] = {
-    "versions": frozenset(NUMERICS_FIELDS["versions"]) | {"python", "safetensors", "pytest_gpuregress"},
-    "device": frozenset(NUMERICS_FIELDS["device"]) | {"cpu_count", "machine", "mig", "firmware"},
-    "numerics": frozenset(NUMERICS_FIELDS["numerics"]),
-    "comm": (frozenset(NUMERICS_FIELDS["comm"]) - {"env"}) | {"rccl"},
-}
+FIELDS: dict[str, frozenset[str]] = MATCHABLE
 
 _SPECIFIER_START = ("<", ">", "=", "!", "~")
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -323,9 +319,9 @@ def _field_problem(field: str) -> str | None:
         return f"unknown field {field!r}: the sections are {', '.join(FIELDS)}"
     if section == "comm" and name.startswith("env."):
         var = name[4:]
-        if not var.startswith(_ENV_PREFIXES) or var in _ENV_IGNORED:
+        if not var.startswith(COMM_ENV_PREFIXES) or var in COMM_ENV_IGNORED:
             return (f"{field}: {var or '(empty)'} is never recorded in the fingerprint (recorded: variables starting "
-                    f"with {', '.join(_ENV_PREFIXES)}, except logging and socket settings)")
+                    f"with {', '.join(COMM_ENV_PREFIXES)}, except logging and socket settings)")
         return None
     if section == "numerics" and name.startswith("determinism.") and len(name) > len("determinism."):
         return None

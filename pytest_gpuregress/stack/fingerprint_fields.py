@@ -1,0 +1,139 @@
+"""Every field of the stack fingerprint, declared once: its section, what it is, and which judgements read it.
+
+A field's flags say where it counts:
+  exact      a change can move a computed number on the same inputs: it leaves the exact lane (numerics_key)
+  hardware   it says which hardware ran: perf figures compare only where these agree (hardware_diff)
+  software   what a platform team upgrades (libraries, runtime, driver, cuDNN/MIOpen, BLAS, NCCL/RCCL): a
+             one-line summary of the changes never drops it
+  probed     read from the device's own tools (devices.probe_device); None on a CPU
+  matchable  a known issue may name it (known_issues.py); comm.env.NAME and numerics.determinism.NAME are
+             matched by prefix instead
+  on_cpu     recorded on a CPU run too (the GPU runtime's versions are not)
+
+Why some fields do not decide the lane: timestamps, host names, the Python patch level, safetensors and our own
+version store numbers but do not compute them; the CPU core count changes no number (each rank runs one thread;
+it is kept as device.cpu_count); device.mig, because a MIG slice's size already shows in device.name while the
+instance id changes with every allocation; device.firmware, because firmware computes none of a step's numbers
+(its bugs are hangs and crashes, docs/faults.md section 5) and nodes of one cluster often differ in it. On a CPU
+run every GPU field is None, so references recorded before a field existed keep their lane. No field can make a
+reference foreign: they only choose the lane.
+
+The table in docs/known_issues.md is ``markdown_table()``; tests/test_fingerprint_fields.py keeps it equal and
+checks that ``collect()`` records exactly the declared fields. Torch-free.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Section = Literal["versions", "device", "numerics", "comm"]
+SECTIONS: tuple[Section, ...] = ("versions", "device", "numerics", "comm")
+
+
+@dataclass(frozen=True)
+class Field:
+    section: Section
+    name: str
+    meaning: str = ""  # for the docs' table: values it takes, where that helps
+    exact: bool = False
+    hardware: bool = False
+    software: bool = False
+    probed: bool = False
+    matchable: bool = True
+    on_cpu: bool = True
+
+    @property
+    def key(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+def _versions(*names: str, exact: bool) -> tuple[Field, ...]:
+    return tuple(Field("versions", name, exact=exact, software=True) for name in names)
+
+
+FIELDS: tuple[Field, ...] = (
+    *_versions("torch", "transformers", "peft", "accelerate", "numpy", exact=True),
+    *_versions("safetensors", "python", "pytest_gpuregress", exact=False),
+    Field("device", "kind", "`cpu` / `cuda`, ROCm included", exact=True, hardware=True),
+    Field("device", "name", "e.g. `AMD Instinct MI355X`, `NVIDIA H100 80GB HBM3`", exact=True, hardware=True),
+    Field("device", "count", "accelerators; None on a CPU", exact=True, hardware=True),
+    Field("device", "arch", "`gfx950`, `sm_90`, or the CPU's machine", exact=True, hardware=True),
+    Field("device", "cuda", exact=True, software=True, on_cpu=False),
+    Field("device", "hip", exact=True, software=True, on_cpu=False),
+    Field("device", "driver", exact=True, software=True, on_cpu=False),
+    Field("device", "dnn", "`cuDNN 9.1.0` / `MIOpen 3.2.0`", exact=True, software=True, probed=True),
+    Field("device", "blas_library", "`cuBLAS`, `cuBLASLt`, `rocBLAS`, `hipBLASLt`, `CK`", exact=True,
+          software=True, probed=True),
+    Field("device", "mig", hardware=True, probed=True),
+    Field("device", "firmware", probed=True),
+    Field("device", "cpu_model", exact=True, hardware=True),
+    Field("device", "cpu_capability", "ATen's CPU kernel path: `AVX512`, `AVX2`, `DEFAULT`", exact=True, hardware=True),
+    Field("device", "cpu_bf16", "bf16 runs on a CPU (only): `amx_bf16`, `avx512_bf16` or `none`", exact=True),
+    Field("device", "cpu_count"),
+    Field("device", "machine", hardware=True),
+    *(Field("numerics", name, exact=True) for name in (
+        "blas", "sdpa_backends", "tf32_matmul", "tf32_cudnn", "float32_matmul_precision",
+        "bf16_reduced_precision_reduction", "fp16_reduced_precision_reduction", "deterministic_algorithms",
+        "cudnn_deterministic", "cudnn_benchmark", "cublas_workspace_config", "num_threads")),
+    Field("comm", "backend", "`nccl` / `gloo`", exact=True),
+    Field("comm", "world_size", exact=True),
+    Field("comm", "nccl_version", "RCCL's version on ROCm builds", exact=True, software=True),
+    Field("comm", "rccl", "whether torch is a ROCm build"),
+    Field("comm", "env", "the collective and kernel libraries' settings, matched as `env.NAME`", exact=True,
+          matchable=False),
+)
+
+# Environment variables recorded in comm.env: those that can change a collective's or a kernel's numbers.
+COMM_ENV_PREFIXES = ("NCCL_", "RCCL_", "HSA_", "GLOO_", "TORCH_NCCL_", "ATEN_CPU_CAPABILITY", "MKL_", "ONEDNN_",
+                     "DNNL_")
+# Settings that route sockets, log or handle errors but do not change a computed number. Thread counts are
+# recorded as numerics.num_threads, so OMP_NUM_THREADS is not needed here.
+COMM_ENV_IGNORED = frozenset({
+    "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
+    "TORCH_NCCL_DESYNC_DEBUG", "ONEDNN_VERBOSE", "DNNL_VERBOSE", "ONEDNN_JIT_DUMP", "DNNL_JIT_DUMP",
+})
+PREFIXED = {"numerics": "determinism.", "comm": "env."}  # fields whose names are open, matched by prefix
+
+
+def names(section: Section, **flags: bool) -> tuple[str, ...]:
+    """The names of ``section``'s fields whose flags are as given: ``names("device", exact=True)``."""
+    return tuple(f.name for f in FIELDS if f.section == section and all(getattr(f, k) == v for k, v in flags.items()))
+
+
+NUMERICS_FIELDS: dict[str, tuple[str, ...]] = {section: names(section, exact=True) for section in SECTIONS}
+HARDWARE_FIELDS = names("device", hardware=True)
+PROBED_FIELDS = names("device", probed=True)
+SOFTWARE_KEYS = tuple(f.key for f in FIELDS if f.software)
+MATCHABLE: dict[str, frozenset[str]] = {section: frozenset(names(section, matchable=True)) for section in SECTIONS}
+
+BEGIN, END = "<!-- fingerprint-fields:begin -->", "<!-- fingerprint-fields:end -->"
+
+
+def markdown_table() -> list[str]:
+    """docs/known_issues.md's table of fields: what each is and which judgements read it."""
+    def mark(on: bool) -> str:
+        return "yes" if on else ""
+
+    lines = ["| field | what it is | exact lane | perf hardware | upgrade |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| `{f.key}` | {f.meaning} | {mark(f.exact)} | {mark(f.hardware)} | {mark(f.software)} |" for f in FIELDS]
+    lines += [f"| `{section}.{prefix}NAME` | {'determinism settings' if section == 'numerics' else 'one setting'} "
+              f"| yes |  |  |" for section, prefix in PREFIXED.items()]
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    """Rewrite the table in the given markdown file: python -m pytest_gpuregress.stack.fingerprint_fields FILE."""
+    path = Path(argv[0])
+    text = path.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    path.write_text(text[:start] + "\n" + "\n".join(markdown_table()) + "\n" + text[end:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -92,7 +92,7 @@ def test_a_nan_oracle_loss_on_one_side_is_a_change_and_never_hides_the_gradients
 
 def test_the_failure_is_explained_by_the_library_from_the_oracle_launch_it_runs() -> None:
     launch = Launch("triage-oracle", {})
-    scenario = SimpleNamespace(oracle_launch=lambda setup, model: launch, supports_triage=False)
+    scenario = SimpleNamespace(triage=SimpleNamespace(oracle_launch=lambda setup, model: launch))
     reference = kept(make_record(), oracle())
     from importlib import metadata
 
@@ -109,7 +109,7 @@ def test_the_failure_is_explained_by_the_library_from_the_oracle_launch_it_runs(
     assert evidence.startswith("the float64 oracle's step 0 on this stack differs")
     assert "peft is at the reference's version" in evidence  # no version changed: the code on this machine did
     assert library_change(scenario, SimpleNamespace(), runner(oracle()), reference, None) is None  # type: ignore[arg-type]
-    no_oracle = SimpleNamespace(oracle_launch=lambda setup, model: None, supports_triage=False)
+    no_oracle = SimpleNamespace(triage=None)  # a scenario triage does not explain has no oracle
     assert library_change(no_oracle, SimpleNamespace(), runner(oracle(2.0)), reference, None) is None  # type: ignore[arg-type]
 
 

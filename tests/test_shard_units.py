@@ -67,29 +67,29 @@ def test_a_non_llama_layer_is_named_as_its_own_group_with_its_size(build: Any, l
     model = build()
     layer = model.get_submodule(f"{layers}.1")
     assert [path for path, _ in shard_units(model)] == [f"{layers}.0", f"{layers}.1", ""]
-    message = FSDP.message_of(param, shapes_of(model), WORLD, record_of(model))
+    message = FSDP.triage.message_of(param, shapes_of(model), WORLD, record_of(model))
     assert message == f"reduce-scatter of group {layers}.1, {human_bytes(fp32_bytes(layer))}"
     # The root carries what no layer holds: its own size, not the whole model's.
     root_bytes = fp32_bytes(model) - sum(fp32_bytes(model.get_submodule(f"{layers}.{i}")) for i in range(2))
-    assert FSDP.message_of(root_param, shapes_of(model), WORLD, record_of(model)) == \
+    assert FSDP.triage.message_of(root_param, shapes_of(model), WORLD, record_of(model)) == \
         f"reduce-scatter of the root group, {human_bytes(root_bytes)}"
 
 
 def test_a_record_without_units_falls_back_to_the_name_pattern() -> None:
     model = gpt2()
-    old = FSDP.message_of("transformer.h.1.attn.c_attn.weight", shapes_of(model), WORLD, record_of(model, with_units=False))
+    old = FSDP.triage.message_of("transformer.h.1.attn.c_attn.weight", shapes_of(model), WORLD, record_of(model, with_units=False))
     assert old == f"reduce-scatter of the root group, {human_bytes(fp32_bytes(model))}"  # what it said before #28
     llama = build_causal_lm(load_config("tiny-llama", "cpu"), seed=0)
-    assert FSDP.message_of("model.layers.1.mlp.up_proj.weight", shapes_of(llama), WORLD, None) == \
+    assert FSDP.triage.message_of("model.layers.1.mlp.up_proj.weight", shapes_of(llama), WORLD, None) == \
         "reduce-scatter of decoder layer 1, 180.5 KiB"
 
 
 def test_llama_layers_keep_their_names_and_sizes() -> None:
     model = build_causal_lm(load_config("tiny-llama", "cpu"), seed=0)
     shapes, record = shapes_of(model), record_of(model)
-    assert FSDP.message_of("model.layers.1.self_attn.q_proj.weight", shapes, WORLD, record) == \
+    assert FSDP.triage.message_of("model.layers.1.self_attn.q_proj.weight", shapes, WORLD, record) == \
         "reduce-scatter of group model.layers.1, 180.5 KiB"  # 184,832 bytes, as test_training_e2e's band says
-    assert FSDP.message_of("model.norm.weight", shapes, WORLD, record) == "reduce-scatter of the root group, 128.2 KiB"
+    assert FSDP.triage.message_of("model.norm.weight", shapes, WORLD, record) == "reduce-scatter of the root group, 128.2 KiB"
 
 
 def test_the_size_is_recounted_for_another_world_size() -> None:
@@ -99,7 +99,7 @@ def test_the_size_is_recounted_for_another_world_size() -> None:
     params = record.results[RESULT_KEY]["transformer.h.0"]["params"]
     padded = reduce_scatter_bytes(params, shapes, 3)
     assert padded > fp32_bytes(model.get_submodule("transformer.h.0"))  # 32 rows pad to 33 at 3 ranks
-    assert FSDP.message_of("transformer.h.0.mlp.c_fc.bias", shapes, 3, record) == \
+    assert FSDP.triage.message_of("transformer.h.0.mlp.c_fc.bias", shapes, 3, record) == \
         f"reduce-scatter of group transformer.h.0, {human_bytes(padded)}"
 
 

@@ -19,6 +19,11 @@ A scenario declares, on the session side (torch-free, imported at collection):
   from_reference  optional, comparing: a case's run that starts from its reference's stored state
   options         optional ``--gpuregress-<name>`` options of its own; a plug-in's exist only in runs with
                   --gpuregress (pytest then loads the scenarios), the built-ins' always (scenario_options.py)
+  triage          optional ``TriageSupport``: what triage needs to explain its failures (fsdp's)
+  experiment      optional: a case that runs several launches (or another scenario's) and returns one record
+  header          optional lines for the report header
+  properties      optional key figures of a case, for JUnit properties
+  evidence_for    optional, check scenarios: the component their results in a session speak for
 
 Rank-side code lives in its own module (``rank.py`` in each scenario folder) and is the only part
 that imports torch. A scenario knows nothing of pytest; the plugin drives it through this interface.
@@ -159,6 +164,33 @@ class RankContext:
         return float(value) > 0.5
 
 
+
+class TriageSupport:
+    """What triage (pytest_gpuregress/triage) needs of a training scenario, composed by one that supports it
+    (``triage = FsdpTriage()``), as torchtitan composes a model's spec: the scenario interface stays small, and
+    a scenario without it is simply not triaged."""
+
+    def step0_terms(self, config: dict[str, Any]) -> tuple[int, int]:
+        """(tokens summed into each step-0 gradient, layers deep): the terms of triage's derived bound."""
+        raise NotImplementedError
+
+    def message_of(self, param: str, shapes: dict[str, tuple[int, ...]], world_size: int,
+                   record: RunRecord | None = None) -> str:
+        """The collective message that carries ``param``'s gradient, e.g. "reduce-scatter of the root group, 128 KiB".
+
+        ``record``: a run of this scenario, whose results may say how it grouped its parameters (None: unknown)."""
+        return "an unknown collective"
+
+    def explains(self, case: Case) -> bool:
+        """Whether triage's experiments, which rerun training from step 0, may explain a failure of ``case``."""
+        return True
+
+    def oracle_launch(self, setup: Setup, model: str | None) -> Launch | None:
+        """The float64 oracle of step 0 whose distance a recording stores (reference/oracle_distance.py), for
+        ``model`` (a user's, by name; None: the scenario's own). None (the default): triage's own oracle."""
+        return None
+
+
 class Scenario:
     """Base class with the defaults of a one-case training scenario; see the module docstring."""
 
@@ -204,24 +236,14 @@ class Scenario:
         recorded; their spread is the noise envelope (training/noise.py). [] records no envelope."""
         return []
 
-    # --- triage (training scenarios that support it; see pytest_gpuregress/triage) ---------------
+    # --- evidence and triage ------------------------------------------------------------------------
 
-    supports_triage: ClassVar[bool] = False
+    # What triage needs of a training scenario it can explain (see TriageSupport); None: triage does not run.
+    triage: ClassVar[TriageSupport | None] = None
     # A check scenario whose results in the same session are evidence on a failure of another scenario: the
     # component they speak for (the collective sweep: "collective"), and what to call them in a verdict.
     evidence_for: ClassVar[str | None] = None
     evidence_name: ClassVar[str] = ""
-
-    def step0_terms(self, config: dict[str, Any]) -> tuple[int, int]:
-        """(tokens summed into each step-0 gradient, layers deep): the terms of triage's derived bound."""
-        raise NotImplementedError
-
-    def message_of(self, param: str, shapes: dict[str, tuple[int, ...]], world_size: int,
-                   record: RunRecord | None = None) -> str:
-        """The collective message that carries ``param``'s gradient, e.g. "reduce-scatter of the root group, 128 KiB".
-
-        ``record``: a run of this scenario, whose results may say how it grouped its parameters (None: unknown)."""
-        return "an unknown collective"
 
     def experiment(self, case: Case, run: Callable[[Scenario, Launch], RunRecord], setup: Setup) -> RunRecord | None:
         """Optional: run ``case``'s launches through ``run`` (cached per launch key) and return one record for
@@ -242,15 +264,9 @@ class Scenario:
         NotApplicable where the reference cannot serve. None (the default): the usual launch or ``experiment``."""
         return None
 
-    def oracle_launch(self, setup: Setup, model: str | None) -> Launch | None:
-        """The float64 oracle of step 0 whose distance a recording stores (reference/oracle_distance.py), for
-        ``model`` (a user's, by name; None: the scenario's own). None (the default): triage's oracle where the
-        scenario supports triage, else none."""
-        return None
-
     def triage_explains(self, case: Case) -> bool:
-        """Whether triage's experiments may explain a failure of ``case`` (they rerun its training from step 0)."""
-        return self.supports_triage
+        """Whether triage's experiments may explain a failure of ``case``: it supports triage, and the case agrees."""
+        return self.triage is not None and self.triage.explains(case)
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
         """Combine the per-rank records (index = rank). By default rank 0's, which holds global values;

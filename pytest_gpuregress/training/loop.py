@@ -142,3 +142,13 @@ def train(ctx: Any, parts: TrainStep, steps: Iterable[int], *, observer: StepObs
     finally:
         ctx.current_step = None  # after training (digests, saves) no step runs: a late fault does not act there
     return curves
+
+
+def train_observed(ctx: Any, parts: TrainStep, config: dict[str, Any]) -> tuple[Curves, StepObserver]:
+    """Every step of a training config (``steps``), timed and profiled (its tokens per step: global batch x
+    sequence length); the curves, and the observer finished across the ranks: what ``training_record`` takes."""
+    steps = int(config["steps"])
+    observer = StepObserver(ctx, steps, tokens_per_step=int(config["global_batch"]) * int(config["seq_len"]))
+    curves = train(ctx, parts, range(steps), observer=observer, progress="training")
+    observer.finish(ctx.world_size)
+    return curves, observer

@@ -35,7 +35,7 @@ from ..training.step import EMULATE_WORLD
 
 if TYPE_CHECKING:
     from ..reference.compare import Comparison
-    from ..scenarios.base import Launch, Scenario, Setup
+    from ..scenarios.base import Launch, Scenario, Setup, TriageSupport
 
 LATE_WINDOW = "late window"  # the experiment of late_window.py
 TRIAGE_STEPS = 3  # equivalence compares step 0's gradients and the losses of the first steps
@@ -76,8 +76,15 @@ def launches(sc: Scenario, setup: Setup, model: str | None = None) -> dict[str, 
     }
 
 
+def support_of(sc: Scenario) -> TriageSupport:
+    """What triage needs of ``sc``; only scenarios that compose it are ever triaged."""
+    if sc.triage is None:
+        raise TypeError(f"scenario {sc.name!r} composes no TriageSupport: triage cannot explain it")
+    return sc.triage
+
+
 def _bound(sc: Scenario, config: dict[str, Any]) -> float:
-    tokens, layers = sc.step0_terms(config)
+    tokens, layers = support_of(sc).step0_terms(config)
     return step0_bound(str(config.get("dtype", "fp32")), tokens, layers)
 
 
@@ -108,7 +115,7 @@ def equivalence(sc: Scenario, n: RunRecord, one: RunRecord, setup: Setup) -> Exp
         lines.append(
             f"{name} {list(shape)}: {len(wrong)} {unit} beyond {bound:.2g} (max {float(dev.max()):.3g}, "
             f"first at {first}), in the shard of rank {', '.join(map(str, owners))}; carried by "
-            f"{sc.message_of(name, shapes, setup.world_size, n)}"  # n: the run that sent these messages
+            f"{support_of(sc).message_of(name, shapes, setup.world_size, n)}"  # n: the run that sent these messages
         )
     losses = rel(np.asarray(n.series.get("loss", [])), np.asarray(one.series.get("loss", [])))
     late = [int(s) for s in np.nonzero(losses > bound)[0]]

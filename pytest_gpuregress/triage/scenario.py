@@ -32,7 +32,7 @@ class TriageScenario(CheckScenario):
             cases += [Case(f"{kind}-{sc.name}" + (f"-{model}" if model else ""),
                            data={"scenario": sc.name, "experiment": kind, "model": model},
                            min_ranks=2 if kind == "equivalence" else 1)
-                      for model in models for kind in ("equivalence", "oracle") if sc.supports_triage]
+                      for model in models for kind in ("equivalence", "oracle") if sc.triage is not None]
         return cases
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:

@@ -15,11 +15,11 @@ from ...errors import NotApplicable
 from ...reference.compare import Comparison
 from ...reference.record import RunRecord
 from ...scenario_options import SCENARIO_OPTIONS
-from ..base import Case, Launch, Scenario, Setup
+from ..base import Case, Launch, Scenario, Setup, TriageSupport
 from ..shared import resume_verdict
 from ..shared.replicas import perturbed_launches
 from ..shared.resume_plan import ResumeComparator, is_resume, merge_resume
-from ..shared.training_config import COMMON, dropout_off, training_config
+from ..shared.training_config import COMMON, dropout_off, per_device, training_config
 from .resume_plan import CASE as RESUME_CASE
 from .resume_plan import PLAN as RESUME
 
@@ -28,10 +28,8 @@ Runner = Callable[[Scenario, Launch], RunRecord]
 # Per-size defaults. The CPU size runs 300 steps in well under a minute on two cores. grad_clip 0.5: the tiny
 # Llama's median gradient norm on the CPU, so about half the steps clip (the GPU size: not yet measured; the
 # recording prints the share). AdamW's fused kernel: torchtitan's default with FSDP2.
-DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "cpu": {"model_size": "cpu", "dtype": "fp32", "global_batch": 16, "seq_len": 64, "lr": 3e-3, "grad_clip": 0.5},
-    "cuda": {"model_size": "gpu", "dtype": "bf16", "global_batch": 48, "seq_len": 256, "lr": 6e-4, "grad_clip": 0.5},
-}
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = per_device(cpu={"lr": 3e-3, "grad_clip": 0.5},
+                                                        cuda={"lr": 6e-4, "grad_clip": 0.5})
 TRAINING: dict[str, Any] = {**COMMON, "adamw": "fused"}
 # The CPU's bf16 lane (case ``bf16``, reference ``fsdp/<cpu>-bf16``): the CPU size with bf16 parameters over fp32
 # master weights and gradients reduce-scattered in bf16, so bf16 casts, bf16 matmuls and bf16 reductions run on
@@ -42,11 +40,29 @@ BF16: dict[str, Any] = {"dtype": "bf16", "reduce_dtype": "bf16", "bf16_checkpoin
 BF16_STEPS = 100
 
 
+class FsdpTriage(TriageSupport):
+    """Triage of fsdp's training (and of a user's model in it): its step-0 bound's terms and its messages."""
+
+    def step0_terms(self, config: dict[str, Any]) -> tuple[int, int]:
+        from ...training.models import blueprint
+
+        # Through transformers: a GPT-2 config says n_layer, and its config class maps num_hidden_layers to it.
+        layers = blueprint(config).num_hidden_layers
+        return int(config["global_batch"]) * int(config["seq_len"]), int(layers)
+
+    def message_of(self, param: str, shapes: dict[str, tuple[int, ...]], world_size: int,
+                   record: RunRecord | None = None) -> str:
+        return reduce_scatter_message(param, shapes, world_size, record)
+
+    def explains(self, case: Case) -> bool:
+        return not is_resume(case)  # triage reruns step 0, which a continuation never ran
+
+
 class FsdpScenario(Scenario):
     name = "fsdp"
     step0_sharded = True  # each rank records its shard (rank.py): merge() assembles the tensors
     rank_entry = "pytest_gpuregress.scenarios.fsdp.rank:run"
-    supports_triage = True
+    triage = FsdpTriage()
     trains_user_models = True
     options = SCENARIO_OPTIONS["fsdp"]  # declared with the plugin's: pytest reads them without importing this
     comparator_type = ResumeComparator
@@ -106,9 +122,6 @@ class FsdpScenario(Scenario):
             return ["[checkpoint] bf16 checkpoint of the trained weights: the round trip did not run"]
         return bf16_checkpoint.findings(result)
 
-    def triage_explains(self, case: Case) -> bool:
-        return not is_resume(case)  # triage reruns step 0, which a continuation never ran
-
     def merge(self, records: list[RunRecord]) -> RunRecord:
         """The default merge, and every rank's generator digests of a resume launch."""
         return merge_resume(super().merge(records), records)
@@ -131,21 +144,11 @@ class FsdpScenario(Scenario):
     def noise_replicas(self, launch: Launch, setup: Setup, count: int) -> list[Launch]:
         return perturbed_launches(launch, setup, count)
 
-    def step0_terms(self, config: dict[str, Any]) -> tuple[int, int]:
-        from ...training.models import blueprint
-
-        # Through transformers: a GPT-2 config says n_layer, and its config class maps num_hidden_layers to it.
-        layers = blueprint(config).num_hidden_layers
-        return int(config["global_batch"]) * int(config["seq_len"]), int(layers)
-
     def properties(self, case: Case, record: RunRecord, setup: Setup) -> dict[str, Any]:
         """An MoE model's expert load: the busiest expert's share of the routed token slots (1/experts when even)."""
         load = record.results.get("expert_load")
         return {"busiest_expert_share": round(max(max(row) for row in load), 4)} if load else {}
 
-    def message_of(self, param: str, shapes: dict[str, tuple[int, ...]], world_size: int,
-                   record: RunRecord | None = None) -> str:
-        return reduce_scatter_message(param, shapes, world_size, record)
 
 
 def _group(param: str) -> str:

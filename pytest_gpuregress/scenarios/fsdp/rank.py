@@ -13,7 +13,6 @@ from __future__ import annotations
 from ...reference import step0 as step0_arrays
 from ...reference.record import RunRecord, float_digest
 from ...training import bf16_checkpoint
-from ...training.observe import StepObserver
 from ...training.optimizer import AdamWSettings, Optimization, Schedule, adamw
 from ..base import RankContext
 from ..shared.gradient_capture import capture
@@ -25,7 +24,7 @@ def run(ctx: RankContext) -> RunRecord:
 
     from ...training.data import token_source
     from ...training.fsdp2 import mixed_precision, reduce_dtype_of, shard
-    from ...training.loop import TrainStep, clip_gradients, train
+    from ...training.loop import TrainStep, clip_gradients, train_observed
     from ...training.models import blueprint, build_causal_lm
     from ...training.moe import is_moe, mean_expert_load
     from ...training.noise import apply_kernel_path, apply_weight_perturbation
@@ -64,11 +63,7 @@ def run(ctx: RankContext) -> RunRecord:
         inspect=keep_step0,
         op_trace=op_tracer(ctx, model),
     )
-    steps = int(cfg["steps"])
-    observer = StepObserver(ctx, steps, tokens_per_step=int(cfg["global_batch"]) * int(cfg["seq_len"]))
-    curves = train(ctx, step, range(steps), observer=observer, progress="training")
-
-    observer.finish(ctx.world_size)
+    curves, observer = train_observed(ctx, step, cfg)
     results: dict[str, object] = {RESULT_KEY: unit_table}
     if is_moe(model_config):  # how evenly the trained routers spread step 0's tokens, averaged over ranks
         try:  # a diagnostic: a transformers release whose routers it cannot find must not lose the verdict

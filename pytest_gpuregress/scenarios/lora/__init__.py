@@ -25,7 +25,7 @@ from ..shared.replicas import perturbed_launches
 from ..shared.resume_plan import ResumeComparator, is_resume, merge_resume
 from ..shared.resume_roles import RESULT_KEY as RESUME_RESULTS
 from ..shared.training_config import COMMON as TRAINING_COMMON
-from ..shared.training_config import training_config
+from ..shared.training_config import per_device, training_config
 from .resume_plan import PLAN as RESUME
 from .resume_plan import resume_case
 
@@ -40,10 +40,8 @@ WRAPPERS = ("fsdp2", "accelerate")
 CASE_IDS = {"fsdp2": "fully_shard", "accelerate": "accelerate"}
 # LoRA trains few parameters from a zero lora_B: a larger learning rate than full fine-tuning, no decay.
 # grad_clip 0.2: below the adapter's median gradient norm on the CPU (0.22), so most steps clip.
-DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "cpu": {"model_size": "cpu", "dtype": "fp32", "global_batch": 16, "seq_len": 64, "lr": 1e-2, "grad_clip": 0.2},
-    "cuda": {"model_size": "gpu", "dtype": "bf16", "global_batch": 48, "seq_len": 256, "lr": 2e-3, "grad_clip": 0.2},
-}
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = per_device(cpu={"lr": 1e-2, "grad_clip": 0.2},
+                                                        cuda={"lr": 2e-3, "grad_clip": 0.2})
 # AdamW's implementation per wrapper, as their users run it: torch's default on GPUs (foreach) with fully_shard,
 # the HF Trainer's default (fused) with accelerate.
 ADAMW_OF_WRAPPER = {"fsdp2": "foreach", "accelerate": "fused"}

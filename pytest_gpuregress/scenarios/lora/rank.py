@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from ...reference.record import RunRecord, float_digest
-from ...training.observe import StepObserver
 from ..base import RankContext
 from . import adapter_io, checks, dropout_check, merging, trainer, wrappers
 from .trainer import build_base  # the round trip, the merge and the dropout check rebuild the base
@@ -31,7 +30,7 @@ def run(ctx: RankContext) -> RunRecord:
     import torch
 
     from ...training.data import MarkovTokens
-    from ...training.loop import train
+    from ...training.loop import train_observed
     from ...training.op_trace import for_rank as op_tracer
     from ...training.run_record import training_record
 
@@ -65,11 +64,7 @@ def run(ctx: RankContext) -> RunRecord:
         # the collectives are DDP's (c10d::broadcast_, c10d::allreduce_ per bucket).
         op_trace=op_tracer(ctx, wrapped.peft_model),
     )
-    steps = int(cfg["steps"])
-    observer = StepObserver(ctx, steps, tokens_per_step=int(cfg["global_batch"]) * int(cfg["seq_len"]))
-    curves = train(ctx, step, range(steps), observer=observer, progress="training")
-
-    observer.finish(ctx.world_size)
+    curves, observer = train_observed(ctx, step, cfg)
     ctx.progress("lora checks")
     trained = lora.weights()  # every rank's slice, gathered
     final_base = {n: _sha(named[n]) for n in base_names}

@@ -19,9 +19,21 @@ COMMON: dict[str, Any] = {
     "betas": [0.9, 0.95],
     "eps": 1e-8,
 }
+# The size every training scenario trains at, per device: the model's config folder (models/<model>/<size>), its
+# precision and its batch. Each scenario adds its lr and grad_clip (scenario_defaults).
+DEVICE_SIZES: dict[str, dict[str, Any]] = {
+    "cpu": {"model_size": "cpu", "dtype": "fp32", "global_batch": 16, "seq_len": 64},
+    "cuda": {"model_size": "gpu", "dtype": "bf16", "global_batch": 48, "seq_len": 256},
+}
 # grad_clip is each scenario's, per device: below the typical gradient norm of its model, so that clipping acts on a
 # real share of the steps (a clip that never acts leaves a wrong or skipped clip bit-identical). The recording says
 # how often it acted (reference/clipping.py).
+
+
+def per_device(**tuned: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each device's values: its size (DEVICE_SIZES) and what the scenario tunes for it, e.g.
+    ``per_device(cpu={"lr": 3e-3}, cuda={"lr": 6e-4})``."""
+    return {device: {**size, **tuned.get(device, {})} for device, size in DEVICE_SIZES.items()}
 
 
 def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, dict[str, Any]],

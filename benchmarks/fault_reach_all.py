@@ -9,5 +9,4 @@ from pytest_gpuregress.faults import reach
 
 
 def pytest_configure(config: Any) -> None:
-    for key in reach.REACH:
-        reach.REACH[key] = reach.COLUMNS
+    reach.reaches = lambda spec, case: True  # every lookup goes through the module: installed and run everywhere

@@ -163,6 +163,6 @@ def test_the_shipped_references_run_every_adamw_implementation_the_reach_table_s
     ran = {where: data["config"].get("adamw", "single") for where, data in _shipped("fsdp") + _shipped("lora")}
     assert set(ran.values()) == {"fused", "foreach"}  # the single-tensor loop: the checkpoint scenario's
     for where, implementation in ran.items():
-        column = "fsdp" if where.startswith("reference_runs/fsdp") else \
+        case = "fsdp" if where.startswith("reference_runs/fsdp") else \
             "lora-fully_shard" if where.endswith("fsdp2") else "lora-accelerate"
-        assert column in reach.REACH[f"adamw:{implementation}"], where
+        assert reach.reaches(faults.parse(f"adamw:mode={implementation}"), reach.catalogue("cpu")[case]), where

@@ -53,7 +53,7 @@ def four_devices(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     root = tmp_path_factory.mktemp("consensus")
     (root / "test_faulty_runs.py").write_text(FAULTY_RUNS)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "--gpuregress-consensus", WORLD,
-           "-k", "consensus or faulty", "-rfs", "--junitxml=junit.xml", "test_faulty_runs.py"]
+           "-k", "consensus or faulty", "-rfs", "--junitxml=junit.xml", "test_faulty_runs.py", "gpuregress"]
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     return root, done.stdout

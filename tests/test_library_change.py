@@ -92,7 +92,7 @@ def test_a_nan_oracle_loss_on_one_side_is_a_change_and_never_hides_the_gradients
 
 def test_the_failure_is_explained_by_the_library_from_the_oracle_launch_it_runs() -> None:
     launch = Launch("triage-oracle", {})
-    scenario = SimpleNamespace(triage=SimpleNamespace(oracle_launch=lambda setup, model: launch))
+    scenario = SimpleNamespace(oracle_launch=lambda setup, model: launch, triage=None)
     reference = kept(make_record(), oracle())
     from importlib import metadata
 
@@ -109,7 +109,7 @@ def test_the_failure_is_explained_by_the_library_from_the_oracle_launch_it_runs(
     assert evidence.startswith("the float64 oracle's step 0 on this stack differs")
     assert "peft is at the reference's version" in evidence  # no version changed: the code on this machine did
     assert library_change(scenario, SimpleNamespace(), runner(oracle()), reference, None) is None  # type: ignore[arg-type]
-    no_oracle = SimpleNamespace(triage=None)  # a scenario triage does not explain has no oracle
+    no_oracle = SimpleNamespace(oracle_launch=lambda setup, model: None, triage=None)
     assert library_change(no_oracle, SimpleNamespace(), runner(oracle(2.0)), reference, None) is None  # type: ignore[arg-type]
 
 
@@ -203,3 +203,16 @@ def test_an_experiment_that_convicts_this_stack_wins_over_a_library_change(monke
     assert component is None and lines == ["", f"also: {evidence}"]
     component, lines = explained([], run_experiments=False)
     assert component == "library: transformers"
+
+
+def test_every_built_in_training_scenario_has_a_float64_oracle_for_the_library_check() -> None:
+    """lora brings its own oracle (the base model with its adapter); fsdp's is triage's. Without one a library
+    release that changes the math could only be called a kernel."""
+    from pytest_gpuregress.plugin.explain import oracle_launch
+    from pytest_gpuregress.scenarios import Setup, registry
+
+    setup = Setup(device_kind="cpu", backend="gloo", world_size=2)
+    for name in ("fsdp", "lora"):
+        launch = oracle_launch(registry()[name], setup, None)
+        assert launch is not None, name
+    assert oracle_launch(registry()["collectives"], setup, None) is None  # a check scenario has none

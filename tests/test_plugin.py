@@ -219,3 +219,22 @@ def test_record_missing_records_only_what_is_missing_and_compares_the_rest(pytes
     assert "RECORDED" not in again.stdout.str() and manifest.read_text() == written  # compared, not overwritten
     plain = pytester.runpytest_subprocess(*args)
     plain.assert_outcomes(passed=3)
+
+
+def test_an_error_inside_a_built_in_case_shows_from_the_case_on(pytester: pytest.Pytester) -> None:
+    """An unexpected error (a bug of ours) in a built-in case: its traceback starts at the case, as a test
+    function's does, not in pytest's and pluggy's frames."""
+    pytester.makeconftest("""
+from pytest_gpuregress.plugin.session import GpuRegressSession
+
+def broken(self, scenario, case_id):
+    raise ValueError("a bug inside the plugin")
+
+GpuRegressSession.run_case = broken
+""")
+    # a process of its own: the conftest breaks the session class for the process that loads it
+    result = pytester.runpytest_subprocess("--gpuregress", "-p", "no:cacheprovider", "gpuregress::fsdp")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*ValueError: a bug inside the plugin", "FAILED gpuregress::fsdp - ValueError*"])
+    failures = result.stdout.str().split("= FAILURES =")[1].split("short test summary info")[0]
+    assert "pluggy" not in failures and "_pytest" not in failures

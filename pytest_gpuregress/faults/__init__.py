@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from .. import activities as act
 from ..errors import BadFaultSpec
 from ..fault_spec import FaultSpec
 
@@ -226,6 +227,72 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
         required=("mode",), needs_peers=("rank0_shard", "chunks_permuted")),
 )}
 
+
+# What each kind acts on (activities.py), by kind or "kind:mode": a case that runs none of it is not reached, and
+# is skipped when only such faults are injected (faults/reach.py). "{op}" and "{path}" take the spec's values
+# (each of a list; "*" when it gives none).
+ACTS_ON: dict[str, tuple[str, ...]] = {
+    "collective": (act.collective("{op}"),),
+    # bf16 SUM reductions only: the sweep's all-reduces and reduce-scatters, and bf16 gradient reduce-scatters
+    "collective:truncate_bf16": (act.bf16_reduction("{op}"),),
+    "emulate_premul_sum": (act.collective("all_reduce"),),  # gloo's all_reduce gains PREMUL_SUM
+    "lr_scale": (act.STEP,),
+    "slow_step": (act.STEP,),
+    "teardown_abort": (act.STEP,),
+    "hang": (act.FROM_STEP_0,),  # after a completed step: declared, not measured
+    "crash": (act.FROM_STEP_0,),
+    "clip": (act.CLIP,),
+    "adamw:fused": (act.adamw("fused"),),
+    "adamw:foreach": (act.adamw("foreach"),),
+    "adamw:single": (act.adamw("single"),),
+    "linear_noise": (act.FORWARD, act.LINEAR_ALGEBRA),
+    "matmul_ulp": (act.FORWARD, act.LINEAR_ALGEBRA),  # through F.linear too; consensus is where it is caught
+    "sdpa_backend": (act.FORWARD,),
+    "host_op": (act.FORWARD,),
+    "cast": (act.BF16_CAST,),
+    "format": (act.FP8_CODECS,),
+    "format:loader_fn_as_fnuz": (act.fp8_loader("{path}"),),
+    "format:loader_e5m2_as_e4m3fn": (act.e5m2_loader("{path}"),),
+    "format:loader_bf16_as_fp16": (act.BF16_READ_BACK,),
+    "library:rope_interleaved": (act.LLAMA_FORWARD,),
+    "library:lora_rslora": (act.PEFT_LORA,),
+    "library:untied": (act.TIED_CONFIG,),
+    "lora": (act.ADAPTER_SAVE,),
+    "lora:rank0_slice": (act.ADAPTER_SHARDS,),
+    "checkpoint:optimizer_dropped": (act.OPTIMIZER_STATE_LOAD,),
+    "checkpoint:rank0_shard": (act.FULL_STATE_DICT,),
+    "checkpoint:chunks_permuted": (act.SHARDED_LOAD,),
+    "checkpoint:tied_key_dropped": (act.TIED_SAVE,),
+    "checkpoint:untied": (act.TIED_SAVE,),
+    "checkpoint:rng_not_restored": (act.RESUME_RESTORE,),
+    "checkpoint:weights_late": (act.RESUME_RESTORE,),
+    "checkpoint:ulp_nudge": (act.CHECKPOINT_READ,),
+}
+
+
+def acts_on_key(spec: FaultSpec) -> str:
+    """The ACTS_ON entry of ``spec``: "kind:mode" where the mode has its own, else the kind's."""
+    mode = spec.get("mode")
+    return f"{spec.kind}:{mode}" if mode is not None and f"{spec.kind}:{mode}" in ACTS_ON else spec.kind
+
+
+def acted_on(spec: FaultSpec) -> frozenset[str]:
+    """The activities ``spec`` acts on, its ``op`` and ``path`` filled in."""
+    return activities_of(acts_on_key(spec), {key: spec.get(key) for key in ("op", "path")})
+
+
+def activities_of(key: str, values: dict[str, Any] | None = None) -> frozenset[str]:
+    """The activities of the ACTS_ON entry ``key``, with each "{op}" and "{path}" given its ``values`` (a list
+    gives one each; none gives "*", every one)."""
+    out: set[str] = set()
+    for template in ACTS_ON[key]:
+        filled = [template]
+        for name, value in (values or {}).items():
+            given = sorted(value) if isinstance(value, (list, tuple, set, frozenset)) else [value or act.ANY]
+            filled = [t.replace("{" + name + "}", str(v)) for t in filled for v in given] \
+                if "{" + name + "}" in template else filled
+        out.update(t.replace("{op}", act.ANY).replace("{path}", act.ANY) for t in filled)
+    return frozenset(out)
 
 def parse(text: str) -> FaultSpec:
     """Parse and validate one spec; BadFaultSpec says what is allowed."""

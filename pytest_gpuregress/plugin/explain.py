@@ -152,9 +152,10 @@ def oracle_launch(sc: Scenario, setup: Setup, model: str | None) -> Launch | Non
     """The float64 oracle of a scenario's step 0: its own, or triage's; None where it has none."""
     from .. import triage
 
-    if sc.triage is None:
-        return None
-    return sc.triage.oracle_launch(setup, model) or triage.launches(sc, setup, model)["oracle"]
+    own = sc.oracle_launch(setup, model)
+    if own is not None or sc.triage is None:
+        return own
+    return triage.launches(sc, setup, model)["oracle"]
 
 
 def measure_oracle_distance(sc: Scenario, setup: Setup, run: Runner, record: RunRecord, model: str | None) -> None:

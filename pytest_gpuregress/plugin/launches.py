@@ -68,8 +68,8 @@ class Launches:
             raise NotApplicable(f"launch {launch.key!r} of {sc.name!r} needs its own group of ranks "
                                 f"({launch.world_size or self.platform.world_size} ranks, environment {launch.env or 'as is'}), "
                                 "which cannot be started in place under torchrun; run it spawned locally")
-        injected = reach.reaching(self.options.inject, sc.name, self.selection.served_cases(sc, launch.key),
-                                  self.platform.device_kind) if launch.inject else reach.installed_code(self.options.inject)
+        injected = reach.reaching(self.options.inject, self.selection.served_cases(sc, launch.key)) \
+            if launch.inject else reach.installed_code(self.options.inject)
         job = Job(
             scenario=launch.entry or sc.rank_entry,
             config=launch.config,

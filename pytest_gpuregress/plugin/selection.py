@@ -5,13 +5,14 @@ from __future__ import annotations
 from ..errors import NotApplicable
 from ..faults import reach
 from ..scenarios import Case, Launch, Scenario, Setup, registry
+from ..scenarios import test_id as case_test_id
 from ..stack.platforms import SINGLE_RANK_GAPS, Platform, rank_origin, too_few_ranks
 from .node_ids import builtin_node_id
 
 
 def test_id(scenario: Scenario, case: Case) -> str:
     """The case's pytest id: the scenario's name, then the case's own id where it has one."""
-    return reach.test_id(scenario.name, case.id)
+    return case_test_id(scenario.name, case.id)
 
 
 class Selection:
@@ -53,7 +54,8 @@ class Selection:
         shortfall = self.rank_shortfall(case)
         if shortfall:  # a direct call; the built-in suite already skips such cases
             raise NotApplicable(shortfall)
-        unreached = reach.unreached_reason(self.inject, sc.name, case.id, self.platform.device_kind)
+        unreached = reach.unreached_reason(self.inject, case, test_id(sc, case),
+                                           [(test_id(other_sc, other), other) for other_sc, other in self.all_cases()])
         if unreached:  # it would run clean, proving nothing about the faults asked for
             raise NotApplicable(unreached)
         return sc, case
@@ -63,8 +65,11 @@ class Selection:
         cases = self.selected.get(sc.name) or [case]
         return next(la for la in sc.launches(cases, self.setup) if la.key == case.launch)
 
-    def served_cases(self, sc: Scenario, launch_key: str) -> list[str]:
-        return [c.id for c in self.selected.get(sc.name, []) if c.launch == launch_key]
+    def served_cases(self, sc: Scenario, launch_key: str) -> list[Case]:
+        """The selected cases ``launch_key`` carries; where none is (a launch another scenario's experiment runs,
+        triage's of fsdp), every case of the scenario it could carry."""
+        served = [c for c in self.selected.get(sc.name, []) if c.launch == launch_key]
+        return served or sc.cases(self.setup)
 
     def node_ids_for(self, reference: str) -> list[str]:
         """The node ids that select the built-in cases reading ``reference``: ``gpuregress::fsdp*`` where every id

@@ -17,7 +17,7 @@ from importlib import metadata
 from typing import Any
 
 from ..errors import ScenarioProblem
-from .base import Case, CheckScenario, Launch, RankContext, Scenario, Setup, TriageSupport
+from .base import Case, CheckScenario, Launch, RankContext, Scenario, Setup, TriageSupport, test_id
 from .function import FunctionScenario
 
 ENTRY_POINT_GROUP = "gpuregress.scenarios"
@@ -104,4 +104,4 @@ def get_scenario(name: str) -> Scenario:
 
 
 __all__ = ["Case", "CheckScenario", "FunctionScenario", "Launch", "RankContext", "Scenario", "Setup",
-           "TriageSupport", "get_scenario", "registry", "resolve_entry"]
+           "TriageSupport", "get_scenario", "registry", "resolve_entry", "test_id"]

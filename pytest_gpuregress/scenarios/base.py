@@ -4,7 +4,8 @@ A scenario declares, on the session side (torch-free, imported at collection):
   name            its name, used in test ids (``-k name``) and reference folders
   kind            "training": each case's record is compared with a stored reference;
                   "check": each case has a closed-form verdict and needs no reference
-  cases()         its test cases: ids and marks, and which launch carries each one
+  cases()         its test cases: ids and marks, which launch carries each one, and what each exercises
+                  (activities.py; a built-in case declares it, so injected faults that act on none of it skip it)
   default_config  its configuration per device; stored with references
   launches()      how the selected cases are grouped into launches of ranks
   rank_entry      "package.module:function", the code every rank runs: ``function(ctx) -> RunRecord``
@@ -20,6 +21,7 @@ A scenario declares, on the session side (torch-free, imported at collection):
   options         optional ``--gpuregress-<name>`` options of its own; a plug-in's exist only in runs with
                   --gpuregress (pytest then loads the scenarios), the built-ins' always (scenario_options.py)
   triage          optional ``TriageSupport``: what triage needs to explain its failures (fsdp's)
+  oracle_launch   optional: its own float64 oracle of step 0 (lora's); by default triage's, where it has triage
   experiment      optional: a case that runs several launches (or another scenario's) and returns one record
   header          optional lines for the report header
   properties      optional key figures of a case, for JUnit properties
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..activities import Exercises
 from ..kinds import Backend, DeviceKind
 from ..reference.record import RunRecord
 
@@ -47,6 +50,12 @@ if TYPE_CHECKING:
 
 StepHook = Callable[[int, int], None]  # (rank, step) -> None; faults use it to hang or crash
 
+
+
+def test_id(scenario: str, case_id: str) -> str:
+    """A case's test id (its pytest name, and its node id after ``gpuregress::``): ``fsdp``, ``formats-io-dcp``,
+    ``lora-fully_shard-tiny-qwen2``: the scenario's name, then the case's own id where it has one."""
+    return case_id if case_id == scenario else f"{scenario}-{case_id}" if case_id else scenario
 
 @dataclass(frozen=True)
 class Setup:
@@ -82,6 +91,16 @@ class Case:
     # Ranks the case needs to test anything: 2 for collectives, sharding and resharding. Below it the
     # case is still collected, and skipped with the reason, rather than passing or vanishing.
     min_ranks: int = 1
+    # What it runs (activities.py), so faults that act on none of it skip it (faults/reach.py). None: not declared
+    # (a plug-in's case): every fault counts as reaching it, and only the firing count can judge.
+    exercises: Exercises | None = field(default=None, compare=False)
+    # The column it shares in docs/faults.md's table with cases like it (the sweep's "collectives"); "": its id.
+    family: str = field(default="", compare=False)
+
+    def identity(self) -> dict[str, Any]:
+        """What names the case, as JSON (a kept run stores it to be judged again): not what it exercises."""
+        return {"id": self.id, "marks": list(self.marks), "launch": self.launch, "data": self.data,
+                "min_ranks": self.min_ranks}
 
 
 @dataclass(frozen=True)
@@ -185,11 +204,6 @@ class TriageSupport:
         """Whether triage's experiments, which rerun training from step 0, may explain a failure of ``case``."""
         return True
 
-    def oracle_launch(self, setup: Setup, model: str | None) -> Launch | None:
-        """The float64 oracle of step 0 whose distance a recording stores (reference/oracle_distance.py), for
-        ``model`` (a user's, by name; None: the scenario's own). None (the default): triage's own oracle."""
-        return None
-
 
 class Scenario:
     """Base class with the defaults of a one-case training scenario; see the module docstring."""
@@ -262,6 +276,12 @@ class Scenario:
         """Comparing only: the run of a case that starts from its reference's stored state (``reference()`` reads
         it, verified, with its attachments), e.g. a resume from the checkpoint ``attachments`` stored; raises
         NotApplicable where the reference cannot serve. None (the default): the usual launch or ``experiment``."""
+        return None
+
+    def oracle_launch(self, setup: Setup, model: str | None) -> Launch | None:
+        """The float64 oracle of step 0 whose distance a recording stores (reference/oracle_distance.py), for
+        ``model`` (a user's, by name; None: the scenario's own). None (the default): triage's oracle where the
+        scenario composes TriageSupport, else none (lora has its own: the base model with its adapter)."""
         return None
 
     def triage_explains(self, case: Case) -> bool:

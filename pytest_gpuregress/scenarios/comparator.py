@@ -91,7 +91,7 @@ class Comparator:
             out["tolerances"] = vars(self.tolerances)
         if self.scenario is not None and self.case is not None and self.setup is not None:
             setup = self.setup
-            out.update(scenario=self.scenario.name, case=asdict(self.case),
+            out.update(scenario=self.scenario.name, case=self.case.identity(),
                        setup={"device_kind": setup.device_kind, "backend": setup.backend, "world_size": setup.world_size,
                               "steps": setup.steps, "options": setup.options,
                               "tokens": None if setup.tokens is None else str(setup.tokens),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -71,3 +72,10 @@ class BuiltinCase(pytest.Item):
 
     def reportinfo(self) -> tuple[str, int | None, str]:
         return self.source, 0, self.nodeid
+
+    def _traceback_filter(self, excinfo: pytest.ExceptionInfo[BaseException]) -> Any:
+        """An error of ours shows from this case's runtest on, as a test function's does from the function: the
+        pytest and pluggy frames above it say nothing about the bug."""
+        if self.config.getoption("fulltrace", False):
+            return excinfo.traceback
+        return excinfo.traceback.cut(path=Path(__file__)).filter(excinfo)

@@ -10,8 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ... import activities as act
 from ...resources import shipped_dir
 from ..base import Case, Launch, Setup
+from ..shared.exercised import trained
 
 NAME = "checkpoint"
 REFERENCE = "checkpoint"  # the full-state-dict case's reference: the trained model's checkpoint and logits
@@ -101,20 +103,39 @@ def reshard_pairs(world_size: int) -> list[tuple[int, int]]:
 
 
 def cases(setup: Setup) -> list[Case]:
-    out = [Case("full-state-dict", launch="main", data={"part": "full_state_dict"}),
-           Case("tied", launch="main", data={"part": "tied"})]
+    out = [Case("full-state-dict", launch="main", data={"part": "full_state_dict"}, exercises=_round_trip(setup)),
+           Case("tied", launch="main", data={"part": "tied"}, exercises=_round_trip(setup))]
     # At one rank the 2-rank pairs are listed anyway: skipped with the reason, not silently absent.
     out += [Case(f"sharded-{n}to{m}", launch=f"sharded-{n}to{m}", data={"part": "sharded", "save": n, "load": m},
-                 min_ranks=2)
+                 min_ranks=2, exercises=_resharded(setup, n))
             for n, m in reshard_pairs(max(setup.world_size, 2))]
-    out.append(Case("resume", launch="resume", data={"part": "resume"}))
-    out.append(Case("portability", launch="portability", data={"part": "portability"}))
+    out.append(Case("resume", launch="resume", data={"part": "resume"}, exercises=_round_trip(
+        setup, act.OPTIMIZER_STATE_LOAD, act.RESUME_RESTORE)))
+    out.append(Case("portability", launch="portability", data={"part": "portability"}, exercises=act.exercises(
+        act.FORWARD, act.LLAMA_FORWARD, act.CHECKPOINT_READ,
+        summary="inference from the shipped bundle on 1 rank: no optimizer step, no collective")))
     # Each model of --gpuregress-model: the round trip (with a reference of its own), resharding and resume.
     for spec in setup.models:
         out += [Case(f"{c.id}-{spec.name}", launch=f"{c.launch}-{spec.name}", data={**c.data, "model": spec.name},
-                     min_ranks=c.min_ranks)
+                     min_ranks=c.min_ranks, exercises=c.exercises, family=f"checkpoint-{c.id}")
                 for c in out if c.data["part"] in ("full_state_dict", "sharded", "resume") and "model" not in c.data]
     return out
+
+
+def _round_trip(setup: Setup, *more: str) -> act.Exercises:
+    """Trained on this run's ranks with AdamW's single-tensor step, no clipping, fp32 on every device; the full
+    state dict gathered, saved and loaded, with the tied model's beside it."""
+    return trained(setup, adamw="single", clips=False, bf16=False,
+                   more=(act.FULL_STATE_DICT, act.TIED_SAVE, act.CHECKPOINT_READ, *more))
+
+
+def _resharded(setup: Setup, saved_on: int) -> act.Exercises:
+    """Trained and saved on ``saved_on`` ranks, loaded at another world size."""
+    alone = saved_on < 2
+    return trained(setup, adamw="single", clips=False, bf16=False, collectives=() if alone else (act.ANY,),
+                   more=(act.OPTIMIZER_STATE_LOAD, act.SHARDED_LOAD, act.CHECKPOINT_READ,
+                         *(() if alone else (act.FULL_STATE_DICT,))),
+                   summary="it trains and saves on 1 rank, then only loads on 2" if alone else "")
 
 
 def main_launch(setup: Setup, root: str, model: str | None = None) -> Launch:

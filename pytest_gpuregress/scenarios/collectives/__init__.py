@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ... import activities as act
 from ...fault_spec import emulated_ops
 from ...reference.names import safe_component
 from ...reference.record import RunRecord
@@ -35,6 +36,12 @@ def protocol_groups(protos: list[str], algos: list[str], backend: str) -> dict[s
     return groups
 
 
+
+def exercised(op: str) -> act.Exercises:
+    """A sweep case runs its one op; a bf16 rounding fault acts in the SUM reductions (faults/collective.py)."""
+    reduces = (act.bf16_reduction(op),) if op in ("all_reduce", "reduce_scatter") else ()
+    return act.exercises(act.collective(op), *reduces, summary="the sweep runs collectives only: no model, no step")
+
 class CollectivesScenario(CheckScenario):
     name = "collectives"
     rank_entry = "pytest_gpuregress.scenarios.collectives.rank:run"
@@ -56,7 +63,8 @@ class CollectivesScenario(CheckScenario):
 
     def cases(self, setup: Setup) -> list[Case]:
         # One rank moves no data: every case needs a peer to test anything.
-        return [Case(c.id, launch=c.protocol, data=c.to_json(), min_ranks=2) for c in self.planned(setup)]
+        return [Case(c.id, launch=c.protocol, data=c.to_json(), min_ranks=2, exercises=exercised(c.op),
+                     family=self.name) for c in self.planned(setup)]
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
         groups = self.groups(setup)

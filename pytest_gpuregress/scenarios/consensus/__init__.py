@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ... import activities as act
 from ...reference.record import RunRecord
 from ...scenario_options import SCENARIO_OPTIONS
 from ...warn import warn_at_test
@@ -33,6 +34,13 @@ WORKLOAD = {"seed": 0, "steps": 6, "width": 32, "hidden": 64, "classes": 10, "ba
 LINK_REPEATS = 3  # a stale-buffer fault (collective:mode=stale_chunk) shows from the second call of a shape on
 
 
+# The devices' workload: an MLP (nn.Linear) and a matmul battery, each device alone: no collective, no step hooks.
+DEVICES_EXERCISE = act.exercises(act.LINEAR_ALGEBRA, summary="one process per device, each alone: an MLP and a "
+                                 "matmul battery, no collective, no scenario step hooks")
+# The link sweep moves data only, with the ops whose every output element comes from one known rank (collectives/plan.py).
+LINKS_EXERCISE = act.exercises(*(act.collective(op) for op in ("all_gather", "broadcast", "all_to_all")),
+                               summary="a sweep of data-moving collectives (all-gather, broadcast, all-to-all): no model")
+
 class ConsensusScenario(CheckScenario):
     """Every device runs the same single-device workload; the odd one out is named."""
 
@@ -44,7 +52,8 @@ class ConsensusScenario(CheckScenario):
         if not setup.option("consensus"):
             return []
         # One device has nobody to vote with, one rank no link: below 2 ranks both are skipped, saying so.
-        return [Case("devices", launch="devices", min_ranks=2), Case("links", launch="links", min_ranks=2)]
+        return [Case("devices", launch="devices", min_ranks=2, exercises=DEVICES_EXERCISE),
+                Case("links", launch="links", min_ranks=2, exercises=LINKS_EXERCISE)]
 
     def default_config(self, setup: Setup) -> dict[str, Any]:
         return dict(WORKLOAD)  # its own few steps: --gpuregress-steps sizes the training scenarios

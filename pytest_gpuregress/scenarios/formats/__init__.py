@@ -22,8 +22,10 @@ docs/faults.md section 2; the faults that emulate them: faults/formats.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from ... import activities as act
 from ...reference.compare import Comparison, Finding, choose_lane
 from ...reference.record import RunRecord
 from ...scenario_options import SCENARIO_OPTIONS
@@ -34,6 +36,25 @@ from . import grid, judge, summary
 from .catalog import FORMATS, IO_PATHS, IO_SCHEMES, MX_BLOCK, SCHEMES
 
 REFERENCE = "formats"
+
+# Casts and checkpoint files on each device: no optimizer step and no collective. The io cases also read fp8
+# tensors back through the stack's own loaders: each the loaders its path calls (DCP reads its files with
+# torch.load; transformers 5.x with safetensors.safe_open). transformers' fine-grained fp8 layout is e4m3fn only.
+EXERCISED = act.exercises(act.FP8_CODECS, act.FORWARD,
+                          summary="no optimizer step and no collective: casts and checkpoint files on each device")
+LOADERS_OF_PATH = {"safetensors": ("safetensors",), "safe_open": ("safe_open",), "torch_load": ("torch_load",),
+                   "dcp": ("dcp", "torch_load"), "transformers": ("transformers", "safe_open")}
+NO_E5M2 = {"transformers": "transformers' fine-grained fp8 layout is e4m3fn only: no e5m2 tensor goes through it"}
+
+
+def io_exercised(path: str) -> act.Exercises:
+    """An io case: the formats' own checks, and fp8 (and e5m2) tensors read back through its path's loaders."""
+    loaders = LOADERS_OF_PATH[path]
+    does = {act.fp8_loader(loader) for loader in loaders}
+    if path not in NO_E5M2:
+        does |= {act.e5m2_loader(loader) for loader in loaders}
+    absent = {act.e5m2_loader(): NO_E5M2[path]} if path in NO_E5M2 else {}
+    return act.Exercises(EXERCISED.does | does, EXERCISED.summary, absent)
 
 
 class FormatsScenario(CheckScenario):
@@ -48,12 +69,12 @@ class FormatsScenario(CheckScenario):
                for f in FORMATS]
         out += [Case(f"quantized-{s}", data={"part": "quantized", "scheme": s}) for s in SCHEMES]
         out.append(Case("inspect", data={"part": "inspect"}))
-        out += [Case(f"io-{p}", data={"part": "io", "path": p}) for p in IO_PATHS]
+        out += [Case(f"io-{p}", data={"part": "io", "path": p}, exercises=io_exercised(p)) for p in IO_PATHS]
         if setup.device_kind == "cuda":
             out.append(Case("scaled_mm", data={"part": "scaled_mm"}))
         out += [Case(f"quantized-{s}-{m.name}", launch=f"quantized-{m.name}",
                      data={"part": "quantized", "scheme": s, "model": m.name}) for m in setup.models for s in SCHEMES]
-        return out
+        return [replace(c, exercises=c.exercises or EXERCISED, family=self.name) for c in out]
 
     def default_config(self, setup: Setup) -> dict[str, Any]:
         return self.launch_config(setup, [c for c in self.cases(setup) if c.launch == "default"])

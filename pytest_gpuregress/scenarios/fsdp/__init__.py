@@ -8,15 +8,18 @@ Session side: the configuration per device. The training loop itself is in ``ran
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ... import activities as act
 from ...errors import NotApplicable
 from ...reference.compare import Comparison
 from ...reference.record import RunRecord
 from ...scenario_options import SCENARIO_OPTIONS
 from ..base import Case, Launch, Scenario, Setup, TriageSupport
 from ..shared import resume_verdict
+from ..shared.exercised import resumed, trained
 from ..shared.replicas import perturbed_launches
 from ..shared.resume_plan import ResumeComparator, is_resume, merge_resume
 from ..shared.training_config import COMMON, dropout_off, per_device, training_config
@@ -85,9 +88,14 @@ class FsdpScenario(Scenario):
     def cases(self, setup: Setup) -> list[Case]:
         # The tiny Llama keeps the id and reference "fsdp"; each model of --gpuregress-model adds "fsdp-<model>";
         # the CPU adds its bf16 lane, "fsdp-bf16".
-        bf16 = [Case(BF16_LANE, launch=BF16_LANE)] if setup.device_kind == "cpu" else []
-        return [Case(self.name), RESUME_CASE, *bf16,
-                *(Case(m.name, launch=m.name, data={"model": m.name}) for m in setup.models)]
+        adamw = TRAINING["adamw"]
+        main = trained(setup, adamw=adamw, more=(act.TIED_CONFIG,))  # a user's model may tie its embeddings
+        bf16 = [Case(BF16_LANE, launch=BF16_LANE, exercises=trained(
+            setup, adamw=adamw, bf16=True, more=(act.bf16_reduction(), act.BF16_READ_BACK)))] \
+            if setup.device_kind == "cpu" else []
+        return [Case(self.name, exercises=main), replace(RESUME_CASE, exercises=resumed(trained(setup, adamw=adamw))),
+                *bf16, *(Case(m.name, launch=m.name, data={"model": m.name}, exercises=main, family=self.name)
+                         for m in setup.models)]
 
     def reference_name(self, case: Case) -> str | None:
         # The resume case judges the fsdp reference's continuation: it shares the reference, and records it. The

@@ -13,14 +13,17 @@ rank.py.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ... import activities as act
 from ...errors import NotApplicable
 from ...reference.record import RunRecord
 from ...scenario_options import LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
 from ..base import Case, Launch, Scenario, Setup
 from ..shared import resume_verdict
+from ..shared.exercised import resumed, trained
 from ..shared.replicas import perturbed_launches
 from ..shared.resume_plan import ResumeComparator, is_resume, merge_resume
 from ..shared.resume_roles import RESULT_KEY as RESUME_RESULTS
@@ -47,6 +50,18 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = per_device(cpu={"lr": 1e-2, "grad_c
 ADAMW_OF_WRAPPER = {"fsdp2": "foreach", "accelerate": "fused"}
 COMMON: dict[str, Any] = {**TRAINING_COMMON, "weight_decay": 0.0, "lora_r": 8, "lora_alpha": 16}
 
+# On a CPU accelerate wraps the model in DDP: its collectives are all_reduce and broadcast, and its state dict holds
+# whole tensors, so there is no shard to lose. On GPUs it runs FSDP2, as fully_shard does.
+CPU_DDP_OPS = ("all_reduce", "broadcast")
+NO_SHARDS_ON_CPU = "on a CPU accelerate runs DDP, whose state dict holds whole tensors: no slice to lose (FSDP2 on GPUs)"
+
+
+def exercised(setup: Setup, wrapper: str) -> act.Exercises:
+    """What a LoRA case trains through ``wrapper``: peft's layers, the adapter saved from its shards under FSDP2."""
+    ddp = wrapper == "accelerate" and setup.device_kind == "cpu"
+    return trained(setup, adamw=ADAMW_OF_WRAPPER[wrapper], collectives=CPU_DDP_OPS if ddp else (act.ANY,),
+                   more=(act.PEFT_LORA, act.ADAPTER_SAVE, *(() if ddp else (act.ADAPTER_SHARDS,))),
+                   absent={act.ADAPTER_SHARDS: NO_SHARDS_ON_CPU} if ddp else None)
 
 class LoraScenario(Scenario):
     name = "lora"
@@ -85,9 +100,11 @@ class LoraScenario(Scenario):
         # Ids name the API, not "fsdp2": `-k fsdp` selects the fsdp scenario, not this one. A user's model
         # adds its name: lora-fully_shard-mymoe. The tiny Llama's resume cases come last: lora-fully_shard-resume.
         return [*(Case(CASE_IDS[wrapper] + (f"-{model}" if model else ""), launch=wrapper + (f"-{model}" if model else ""),
-                       data={"wrapper": wrapper, "model": model})
+                       data={"wrapper": wrapper, "model": model}, exercises=exercised(setup, wrapper),
+                       family=f"{self.name}-{CASE_IDS[wrapper]}" if model else "")
                   for model in [None, *(m.name for m in setup.models)] for wrapper in WRAPPERS),
-                *(resume_case(CASE_IDS[wrapper], wrapper) for wrapper in WRAPPERS)]
+                *(replace(resume_case(CASE_IDS[wrapper], wrapper), exercises=resumed(exercised(setup, wrapper)))
+                  for wrapper in WRAPPERS)]
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
         # A resume case names its wrapper's launch: one launch per key.

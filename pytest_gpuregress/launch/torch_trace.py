@@ -306,6 +306,8 @@ def diagnose(dumps: Mapping[int, Mapping[str, Any]]) -> str | None:
 
 
 def _judge(ranks: dict[int, list[Entry]], expected: set[int], dumped: set[int]) -> str:
+    """The culprit line for one stuck group, in torch's order of cases (its error_analysis): a member that never
+    entered the collective, members that disagree on what it is, then how far each member got in it."""
     expected = expected or set(ranks)
     last = {r: max((e.seq for e in ranks.get(r, [])), default=0) for r in expected & dumped}
     oldest = {r: min((e for e in entries if e.state != COMPLETED), key=lambda e: e.seq)
@@ -313,38 +315,51 @@ def _judge(ranks: dict[int, list[Entry]], expected: set[int], dumped: set[int]) 
     waiting_seq = min(e.seq for e in oldest.values())
     missing = sorted(expected - dumped)
     tail = f"; no dump from {_ranks(missing)} (killed before it wrote one)" if missing else ""
-    # torch's first case: not every member entered the collective (error_analysis, "Not all ranks joining").
     behind = sorted(r for r, seq in last.items() if seq < waiting_seq)
     if behind:
-        waiters = sorted(r for r, e in oldest.items() if e.seq == waiting_seq)
-        parts = []
-        for r in behind:
-            prior = max(ranks.get(r, []), key=lambda e: e.seq, default=None)
-            before = f"its last: {prior.op} #{prior.seq}, {prior.state}" if prior else "no collective of this group"
-            parts.append(f"rank {r} never entered it ({before})")
-        verb = "waits" if len(waiters) == 1 else "wait"
-        return f"{_ranks(waiters)} {verb} in {oldest[waiters[0]].label} for {_ranks(behind)}: {'; '.join(parts)}{tail}"
+        return _never_entered(ranks, oldest, waiting_seq, behind) + tail
     present = ({r: e for r in sorted(last) for e in ranks.get(r, []) if e.seq == waiting_seq}
                or {r: e for r, e in sorted(oldest.items()) if e.seq == waiting_seq})
-    # Then: the members disagree on what the collective is (another op, other sizes).
-    if len({(e.op, e.sizes) for e in present.values()}) > 1:
-        what = ", ".join(f"rank {r} {e.op} ({e.sizes or 'no sizes'})" for r, e in present.items())
-        return f"the ranks' call sequences diverged at collective #{waiting_seq}: {what}{tail}"
-    # Then: its state differs between members.
+    return (_diverged(present, waiting_seq) or _how_far(present, bool(missing))) + tail
+
+
+def _never_entered(ranks: dict[int, list[Entry]], oldest: dict[int, Entry], waiting_seq: int,
+                   behind: list[int]) -> str:
+    """Not every member entered the collective (torch's "Not all ranks joining"): who waits, for whom."""
+    waiters = sorted(r for r, e in oldest.items() if e.seq == waiting_seq)
+    parts = []
+    for r in behind:
+        prior = max(ranks.get(r, []), key=lambda e: e.seq, default=None)
+        before = f"its last: {prior.op} #{prior.seq}, {prior.state}" if prior else "no collective of this group"
+        parts.append(f"rank {r} never entered it ({before})")
+    verb = "waits" if len(waiters) == 1 else "wait"
+    return f"{_ranks(waiters)} {verb} in {oldest[waiters[0]].label} for {_ranks(behind)}: {'; '.join(parts)}"
+
+
+def _diverged(present: dict[int, Entry], waiting_seq: int) -> str:
+    """The members disagree on what the collective is (another op, other sizes); "" when they agree."""
+    if len({(e.op, e.sizes) for e in present.values()}) <= 1:
+        return ""
+    what = ", ".join(f"rank {r} {e.op} ({e.sizes or 'no sizes'})" for r, e in present.items())
+    return f"the ranks' call sequences diverged at collective #{waiting_seq}: {what}"
+
+
+def _how_far(present: dict[int, Entry], some_missing: bool) -> str:
+    """Every member entered the same collective: which finished it, which run it, which only queued it."""
     entry = next(iter(present.values()))
     done = sorted(r for r, e in present.items() if e.state == COMPLETED)
     started = sorted(r for r, e in present.items() if e.state == "started")
     queued = sorted(r for r, e in present.items() if e.state not in ("started", COMPLETED))
     if done:
-        return f"{_ranks(started + queued)} did not finish {entry.label}, which {_ranks(done)} finished{tail}"
+        return f"{_ranks(started + queued)} did not finish {entry.label}, which {_ranks(done)} finished"
     if started and queued:
         return (f"{_ranks(started)} run {entry.label} on the GPU; {_ranks(queued)} queued it but never started "
-                f"it (earlier work on its GPU did not finish){tail}")
-    if missing:  # the ranks that dumped agree: the one that did not is the suspect
+                "it (earlier work on its GPU did not finish)")
+    if some_missing:  # the ranks that dumped agree: the one that did not is the suspect
         verb = "waits" if len(present) == 1 else "wait"
-        return f"{_ranks(sorted(present))} {verb} in {entry.label}{tail}"
+        return f"{_ranks(sorted(present))} {verb} in {entry.label}"
     return (f"every rank is in {entry.label}: the transport itself is stuck (network, NCCL/RCCL, driver) "
-            f"or a GPU stopped in it{tail}")
+            "or a GPU stopped in it")
 
 
 def _ranks(ranks: list[int]) -> str:

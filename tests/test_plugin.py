@@ -67,6 +67,9 @@ def test_the_flag_adds_the_builtin_suite_to_a_projects_own_tests(pytester: pytes
     mine = ["tests/test_mine.py::test_plain", "tests/test_mine.py::test_fails", "tests/test_mine.py::test_my_mlp"]
     assert listed(pytester.runpytest("--gpuregress", "--gpuregress-no-builtin", "--collect-only", "-q")) == mine
     assert listed(pytester.runpytest("--gpuregress", "--collect-only", "-q", "tests")) == mine  # paths narrow
+    pytester.runpytest("--gpuregress", "--collect-only", "tests").stdout.fnmatch_lines([
+        "gpuregress built-in cases: not collected: the paths given (tests) narrow collection; name gpuregress among "
+        "them to add the built-in cases"])
     assert listed(pytester.runpytest("--gpuregress", "--collect-only", "-q", "gpuregress::fsdp",
                                      "tests/test_mine.py::test_my_mlp")) == \
         ["tests/test_mine.py::test_my_mlp", "gpuregress::fsdp"]

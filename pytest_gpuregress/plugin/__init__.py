@@ -153,9 +153,10 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
     options = config.stash.get(OPTIONS_KEY, None)
     if options is None or not options.enabled:
         return None
+    from .collection import header_line
     from .reporting import header_lines
 
-    return header_lines(_session(config))
+    return header_lines(_session(config)) + header_line(config.stash[BUILTIN_KEY])
 
 
 @pytest.hookimpl(wrapper=True)

@@ -22,6 +22,7 @@ class BuiltinRequest(NamedTuple):
 
     wanted: bool
     only: frozenset[str] | None = None
+    left_out_by: str = ""  # why it is not collected, for the header: a CI job that narrowed its paths must see it
 
 
 def _names_builtin(arg: str, invocation_dir: Path) -> bool:
@@ -40,8 +41,15 @@ def take_builtin_arguments(config: pytest.Config, leave_out: bool) -> BuiltinReq
         ids = [a.split("::", 1)[1] for a in named if "::" in a]
         return BuiltinRequest(True, None if len(ids) < len(named) else frozenset(ids))
     if config.option.file_or_dir:  # paths the user gave: only those, as pytest always does
-        return BuiltinRequest(False)
-    return BuiltinRequest(not leave_out)
+        given = " ".join(config.option.file_or_dir)
+        return BuiltinRequest(False, left_out_by=f"the paths given ({given}) narrow collection; name {ROOT} among "
+                                                 "them to add the built-in cases")
+    return BuiltinRequest(not leave_out, left_out_by="--gpuregress-no-builtin" if leave_out else "")
+
+
+def header_line(request: BuiltinRequest) -> list[str]:
+    """The header's word on a built-in suite left out: a job that checks only its own tests says so."""
+    return [f"gpuregress built-in cases: not collected: {request.left_out_by}"] if not request.wanted else []
 
 
 def wanted(request: BuiltinRequest, case_id: str) -> bool:

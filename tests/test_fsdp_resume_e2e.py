@@ -121,7 +121,7 @@ def test_a_reference_without_a_checkpoint_skips_the_case_with_the_reason(pyteste
     result = run(pytester, refs)
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*not applicable: the reference has no resume checkpoint: re-record it: pytest "
-                                 "--gpuregress --gpuregress-record -k fsdp*"])
+                                 "--gpuregress --gpuregress-record 'gpuregress::fsdp[*]'*"])
 
 
 @pytest.mark.full_tier  # the fast tier keeps the clean resume and the optimizer fault

@@ -143,7 +143,7 @@ def test_the_case_is_skipped_with_the_reason_where_it_cannot_run(tmp_path: Path)
 
     without = make_record(steps=8)
     with pytest.raises(NotApplicable, match=r"the reference has no resume checkpoint: re-record it: pytest --gpuregress "
-                                            r"--gpuregress-record -k fsdp"):
+                                            r"--gpuregress-record 'gpuregress::fsdp\*'"):
         fsdp.from_reference(resume_plan.CASE, lambda: without, never, Setup("cpu", "gloo", 2))
     with pytest.raises(NotApplicable, match=r"on GPUs the resume checkpoint is optional .* about 1\.9 GB for the 156 "
                                             r"M-parameter model\): record and compare it with --gpuregress-resume-checkpoint"):

@@ -64,7 +64,7 @@ def test_the_resume_cases_share_their_wrappers_reference_and_are_skipped_where_t
         assert not lora.triage_explains(resume)
         assert lora.verdict(resume, make_record(results={resume_verdict.LOADED_KEY: {"step": 4}}), cpu) == []
         with pytest.raises(NotApplicable, match=r"the reference has no resume checkpoint: re-record it: pytest "
-                                                r"--gpuregress --gpuregress-record -k lora$"):
+                                                r"--gpuregress --gpuregress-record 'gpuregress::lora\*'$"):
             lora.from_reference(resume, lambda: without, never, cpu)
         with pytest.raises(NotApplicable, match=r"on GPUs the resume checkpoint is optional .* about 0\.64 GB for the "
                                                 r"156 M-parameter model\): record and compare it with "
@@ -142,4 +142,4 @@ def test_a_reference_without_a_checkpoint_skips_the_case_with_the_reason(pyteste
     result = run(pytester, refs, "fully_shard-resume")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*not applicable: the reference has no resume checkpoint: re-record it: pytest "
-                                 "--gpuregress --gpuregress-record -k lora*"])
+                                 "--gpuregress --gpuregress-record 'gpuregress::lora[*]'*"])

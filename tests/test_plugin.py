@@ -67,9 +67,12 @@ def test_the_flag_adds_the_builtin_suite_to_a_projects_own_tests(pytester: pytes
     mine = ["tests/test_mine.py::test_plain", "tests/test_mine.py::test_fails", "tests/test_mine.py::test_my_mlp"]
     assert listed(pytester.runpytest("--gpuregress", "--gpuregress-no-builtin", "--collect-only", "-q")) == mine
     assert listed(pytester.runpytest("--gpuregress", "--collect-only", "-q", "tests")) == mine  # paths narrow
-    pytester.runpytest("--gpuregress", "--collect-only", "tests").stdout.fnmatch_lines([
-        "gpuregress built-in cases: not collected: the paths given (tests) narrow collection; name gpuregress among "
-        "them to add the built-in cases"])
+    said = ("gpuregress built-in cases: not collected: the paths given (tests) narrow collection; name gpuregress "
+            "among them to add the built-in cases")
+    pytester.runpytest("--gpuregress", "--collect-only", "tests").stdout.fnmatch_lines([said])  # in the header
+    quiet = pytester.runpytest("--gpuregress", "-q", "-k", "plain", "tests")  # -q hides it: the summary says it
+    quiet.assert_outcomes(passed=1)
+    quiet.stdout.fnmatch_lines(["*= gpuregress =*", said])
     assert listed(pytester.runpytest("--gpuregress", "--collect-only", "-q", "gpuregress::fsdp",
                                      "tests/test_mine.py::test_my_mlp")) == \
         ["tests/test_mine.py::test_my_mlp", "gpuregress::fsdp"]
@@ -241,3 +244,11 @@ GpuRegressSession.run_case = broken
     result.stdout.fnmatch_lines(["*ValueError: a bug inside the plugin", "FAILED gpuregress::fsdp - ValueError*"])
     failures = result.stdout.str().split("= FAILURES =")[1].split("short test summary info")[0]
     assert "pluggy" not in failures and "_pytest" not in failures
+
+
+def test_a_path_that_does_not_exist_is_the_error_shown_not_a_later_check(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--gpuregress", f"--gpuregress-reference-dir={pytester.path / 'missing'}",
+                                "tests/tset_typo.py")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*file or directory not found: tests/tset_typo.py*"])
+    assert "does not exist, and a comparing run only reads references" not in result.stderr.str()

@@ -1,8 +1,10 @@
-"""Every command the plugin prints selects the cases it claims to (#37): the -k expressions written into advice.
+"""Every command the plugin prints selects the cases it claims to (#37): the advice written into the scenarios.
 
-The record commands built from this run's setup name node ids (tests/test_training_e2e.py runs them, for the
-built-in cases and for a project's own test); the gpuregress compare commands are run where they are printed
-(conftest.reproduced). The advice here is fixed text inside the scenarios, found in their source.
+The record commands built from this run's setup name node ids (tests/test_training_e2e.py and
+tests/test_user_models.py run them, for the built-in cases and for a project's own test); the gpuregress compare
+commands are run where they are printed (conftest.reproduced). The advice here is fixed text inside the
+scenarios, found in their source: it names built-in cases by node id, never by a -k that would also select a
+project's own tests (``-k checkpoint`` re-records every test of a ``test_checkpointing.py``).
 """
 
 from __future__ import annotations
@@ -17,28 +19,34 @@ import pytest_gpuregress
 from .conftest import collected
 
 PACKAGE = Path(pytest_gpuregress.__file__).parent
-# "pytest --gpuregress ... -k NAME" or "(-k NAME)" in a string the plugin prints; {sc.name} is a training scenario's.
-ADVICE = re.compile(r"""(?:pytest --gpuregress(?:[^"\n]|"\s*f?")*?|\()-k (\{sc\.name\}|\w+)""")  # over "..." f"..." too
+# 'gpuregress::NAME*' in a string the plugin prints; {sc.name} is a training scenario's.
+ADVICE = re.compile(r"'gpuregress::(\{sc\.name\}|[\w-]+)\*'")
+# "pytest --gpuregress ... -k NAME" or "(-k NAME)": a -k the plugin would print as advice (over "..." f"..." too)
+K_ADVICE = re.compile(r"""(?:pytest --gpuregress(?:[^"\n]|"\s*f?")*?|\()-k (\{sc\.name\}|\w+)""")
 OPTIONS_FOR = {"consensus": ["--gpuregress-consensus"]}  # cases that exist only with their option
 
 
-def printed_selections() -> dict[str, list[str]]:
-    """Each -k expression printed as advice, with the files that print it."""
+def printed_patterns() -> dict[str, list[str]]:
+    """Each node-id pattern printed as advice, with the files that print it."""
     found: dict[str, list[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        for expression in ADVICE.findall(path.read_text()):
-            for name in (["fsdp", "lora"] if expression == "{sc.name}" else [expression]):
-                found.setdefault(name, []).append(str(path.relative_to(PACKAGE)))
+        for name in ADVICE.findall(path.read_text()):
+            for each in (["fsdp", "lora"] if name == "{sc.name}" else [name]):
+                found.setdefault(each, []).append(str(path.relative_to(PACKAGE)))
     return found
 
 
-def test_the_advice_is_found_where_it_is_printed() -> None:
-    found = printed_selections()
+def test_the_advice_is_found_where_it_is_printed_and_none_of_it_is_a_k() -> None:
+    found = printed_patterns()
     assert {"checkpoint", "collectives", "consensus", "formats", "fsdp", "lora"} <= set(found), found
+    ks = {str(p.relative_to(PACKAGE)): K_ADVICE.findall(p.read_text()) for p in PACKAGE.rglob("*.py")}
+    assert {where: k for where, k in ks.items() if k} == {}
 
 
-@pytest.mark.parametrize("expression", sorted(printed_selections()))
-def test_each_printed_selection_selects_built_in_cases(pytester: pytest.Pytester, expression: str) -> None:
-    command = ["pytest", "--gpuregress", *OPTIONS_FOR.get(expression, []), "-k", expression]
-    ids = collected(pytester, command)
-    assert ids and all(i.startswith("gpuregress::") and expression in i for i in ids), (expression, ids)
+@pytest.mark.parametrize("name", sorted(printed_patterns()))
+def test_each_printed_pattern_selects_built_in_cases_and_no_project_test(pytester: pytest.Pytester,
+                                                                          name: str) -> None:
+    # a project test whose name holds the scenario's: a -k would have selected it
+    pytester.makepyfile(**{f"test_{name}_of_mine": f"def test_{name}_of_mine(gpuregress):\n    pass\n"})
+    ids = collected(pytester, ["pytest", "--gpuregress", *OPTIONS_FOR.get(name, []), f"gpuregress::{name}*"])
+    assert ids and all(i.startswith(f"gpuregress::{name}") for i in ids), (name, ids)

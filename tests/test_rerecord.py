@@ -69,14 +69,15 @@ def test_re_recording_is_refused_for_a_worse_stack_and_accepted_for_a_clean_othe
     assert first.returncode == 0, first.stdout[-2000:]
     manifest = refs / "fsdp" / "cpu-gloo-w2-fp32" / "manifest.json"
     before = manifest.read_bytes()
-    worse = record("--gpuregress-inject=linear_noise:rel=1e-5")
+    # The later recordings are judged against the first one's noise: they need no replicas of their own.
+    worse = record("--gpuregress-inject=linear_noise:rel=1e-5", "--gpuregress-replicas=0")
     assert worse.returncode == 1
     assert "not re-recording 'fsdp' on cpu-gloo-w2-fp32: 21 of 21 step-0 gradients moved further from float64" \
         in worse.stdout
     assert "--gpuregress-record-anyway" in worse.stdout and manifest.read_bytes() == before  # left as it was
-    other = record(env={"ATEN_CPU_CAPABILITY": "default"})  # another CPU kernel path: a clean, different stack
+    other = record("--gpuregress-replicas=0", env={"ATEN_CPU_CAPABILITY": "default"})  # a clean, different stack
     assert other.returncode == 0, other.stdout[-2000:]
     assert "re-recorded: no further from float64 within the measured noise" in other.stdout
-    forced = record("--gpuregress-inject=linear_noise:rel=1e-5", "--gpuregress-record-anyway")
+    forced = record("--gpuregress-inject=linear_noise:rel=1e-5", "--gpuregress-record-anyway", "--gpuregress-replicas=0")
     assert forced.returncode == 0, forced.stdout[-2000:]
     assert "(--gpuregress-record-anyway: recorded anyway)" in forced.stdout

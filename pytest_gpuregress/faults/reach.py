@@ -13,7 +13,7 @@ Torch-free: the session imports it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .. import activities as act
 from ..kinds import DeviceKind
@@ -41,15 +41,15 @@ def installed_code(texts: Iterable[str]) -> list[str]:
 
 
 def unreached_reason(texts: Iterable[str], case: Case, case_id: str,
-                     others: Iterable[tuple[str, Case]] = ()) -> str | None:
+                     others: Callable[[], Iterable[tuple[str, Case]]] = tuple) -> str | None:
     """Why ``case`` (test id ``case_id``) is skipped when faults are injected and none reaches it; None when one
-    does (or none is given). ``others``: (test id, case) of this configuration, to say where the faults do act."""
+    does (or none is given). ``others()``: (test id, case) of this configuration, to say where the faults act."""
     specs = [(t, parse(t)) for t in texts]
     if not specs or any(reaches(spec, case) for _, spec in specs):
         return None
     exercised = case.exercises or act.Exercises(frozenset())
     why = "; ".join(dict.fromkeys(filter(None, (act.reason_absent(acted_on(spec), exercised) for _, spec in specs))))
-    acts = sorted({other.family or other_id for other_id, other in others if other.exercises is not None
+    acts = sorted({other.family or other_id for other_id, other in others() if other.exercises is not None
                    and any(reaches(spec, other) for _, spec in specs)})
     return (f"--gpuregress-inject {'; '.join(t for t, _ in specs)}: no injected fault acts in {case_id}"
             + (f" ({why})" if why else "") + (f"; it acts in {', '.join(acts)}" if acts else "")

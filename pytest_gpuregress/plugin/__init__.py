@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 SESSION_KEY = pytest.StashKey["GpuRegressSession"]()
 OPTIONS_KEY = pytest.StashKey[Options]()
 BUILTIN_KEY: pytest.StashKey[BuiltinRequest] = pytest.StashKey()
+COLLECTED_KEY = pytest.StashKey[bool]()
 FIXTURES = {"gpuregress"}
 MARKERS = {
     "gpuregress": "a numerics regression test of pytest-gpuregress; runs only with --gpuregress",
@@ -182,6 +183,7 @@ def _wants_gpuregress(item: pytest.Item) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: `-m gpuregress` selects the project's tests that use it too
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     enabled = config.stash[OPTIONS_KEY].enabled
+    config.stash[COLLECTED_KEY] = True  # reached only when every path was collected
     skip = pytest.mark.skip(reason="gpuregress test: pass --gpuregress to run it")
     for item in items:
         if _wants_gpuregress(item):
@@ -192,7 +194,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """After -k, -m and --lf have chosen: launches carry the built-in cases left, and settings are checked before
     any rank starts (a comparison with other settings could only fail, after training)."""
     config = session.config
-    if not config.stash[OPTIONS_KEY].enabled or getattr(config.option, "help", False):
+    if not config.stash[OPTIONS_KEY].enabled or getattr(config.option, "help", False) \
+            or not config.stash.get(COLLECTED_KEY, False):  # collection failed: its own error says why
         return
     from .collection import unknown_cases
     from .selection import test_id
@@ -234,9 +237,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     if SESSION_KEY not in config.stash:
         return
+    from .collection import header_line
     from .reporting import closing_sections
 
-    for title, lines in closing_sections(config.stash[SESSION_KEY]):
+    sections = closing_sections(config.stash[SESSION_KEY])
+    left_out = header_line(config.stash[BUILTIN_KEY])  # said again at the end: -q and --no-header hide the header
+    if left_out:
+        own = next((lines for title, lines in sections if title == "gpuregress"), None)
+        own.extend(left_out) if own is not None else sections.insert(0, ("gpuregress", left_out))
+    for title, lines in sections:
         terminalreporter.section(title)
         for line in lines:
             terminalreporter.write_line(line)

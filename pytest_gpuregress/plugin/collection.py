@@ -25,9 +25,11 @@ class BuiltinRequest(NamedTuple):
     left_out_by: str = ""  # why it is not collected, for the header: a CI job that narrowed its paths must see it
 
 
-def _names_builtin(arg: str, invocation_dir: Path) -> bool:
-    head = arg.split("::", 1)[0]
-    return head == ROOT and not (invocation_dir / head).exists()  # a folder of that name is the user's
+def _names_builtin(arg: str, invocation_dir: Path, rootpath: Path) -> bool:
+    """``gpuregress[::case]``, or as pytest shows it from a folder below the rootdir (``../gpuregress::fsdp``);
+    a file or folder of that name is the user's."""
+    head = invocation_dir / arg.split("::", 1)[0]
+    return head.resolve() in (invocation_dir.resolve() / ROOT, rootpath.resolve() / ROOT) and not head.exists()
 
 
 def take_builtin_arguments(config: pytest.Config, leave_out: bool) -> BuiltinRequest:
@@ -35,7 +37,7 @@ def take_builtin_arguments(config: pytest.Config, leave_out: bool) -> BuiltinReq
 
     ``leave_out``: --gpuregress-no-builtin (ini gpuregress_no_builtin), for a project that checks its own loops."""
     invocation_dir = config.invocation_params.dir
-    named = [a for a in config.args if _names_builtin(a, invocation_dir)]
+    named = [a for a in config.args if _names_builtin(a, invocation_dir, config.rootpath)]
     config.args = [a for a in config.args if a not in named]
     if named:
         ids = [a.split("::", 1)[1] for a in named if "::" in a]

@@ -54,8 +54,8 @@ class Selection:
         shortfall = self.rank_shortfall(case)
         if shortfall:  # a direct call; the built-in suite already skips such cases
             raise NotApplicable(shortfall)
-        unreached = reach.unreached_reason(self.inject, case, test_id(sc, case),
-                                           [(test_id(other_sc, other), other) for other_sc, other in self.all_cases()])
+        unreached = reach.unreached_reason(self.inject, case, test_id(sc, case), self._all_by_id) \
+            if self.inject else None  # without faults every case runs: no need to list them
         if unreached:  # it would run clean, proving nothing about the faults asked for
             raise NotApplicable(unreached)
         return sc, case
@@ -65,6 +65,9 @@ class Selection:
         cases = self.selected.get(sc.name) or [case]
         return next(la for la in sc.launches(cases, self.setup) if la.key == case.launch)
 
+    def _all_by_id(self) -> list[tuple[str, Case]]:
+        return [(test_id(sc, case), case) for sc, case in self.all_cases()]
+
     def served_cases(self, sc: Scenario, launch_key: str) -> list[Case]:
         """The selected cases ``launch_key`` carries; where none is (a launch another scenario's experiment runs,
         triage's of fsdp), every case of the scenario it could carry."""
@@ -72,12 +75,14 @@ class Selection:
         return served or sc.cases(self.setup)
 
     def node_ids_for(self, reference: str) -> list[str]:
-        """The node ids that select the built-in cases reading ``reference``: ``gpuregress::fsdp*`` where every id
-        starts with its name (with the cases beside them, which a recording may need: the formats reference
-        stores what its decode and encode cases found), else the ids (``gpuregress::lora-fully_shard-mymoe`` ...)."""
-        ids = [test_id(sc, case) for sc, case in self.all_cases() if sc.reference_name(case) == reference]
-        starting = [i for sc, case in self.all_cases() if (i := test_id(sc, case)).startswith(reference)]
-        if ids and all(i.startswith(reference) for i in ids) and len(starting) > 1:
+        """The node ids that select the built-in cases a recording of ``reference`` runs: those that read it, and
+        the cases of their scenarios that read none (the formats reference stores what its decode and encode
+        cases found). ``gpuregress::fsdp*`` where that pattern selects exactly those, else their ids: a printed
+        record command never re-records another reference (a model's, say)."""
+        cases = [(sc.name, test_id(sc, case), sc.reference_name(case)) for sc, case in self.all_cases()]
+        scenarios = {name for name, _, read in cases if read == reference}
+        ids = [case_id for name, case_id, read in cases if read == reference or (read is None and name in scenarios)]
+        if len(ids) > 1 and [case_id for _, case_id, _ in cases if case_id.startswith(reference)] == ids:
             return [builtin_node_id(f"{reference}*")]
         return [builtin_node_id(i) for i in ids]
 

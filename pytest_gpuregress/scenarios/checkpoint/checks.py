@@ -40,7 +40,7 @@ def read_bundle(folder: Path) -> RunRecord:
     folder = Path(folder)
     if not (folder / MANIFEST).is_file():
         raise GpuRegressError(f"{folder}: no portable checkpoint here (no {MANIFEST})\n  fix: record one with "
-                              "pytest --gpuregress --gpuregress-record -k checkpoint, or point "
+                              "pytest --gpuregress --gpuregress-record 'gpuregress::checkpoint*', or point "
                               "--gpuregress-portable-checkpoint at a reference folder of the checkpoint scenario")
     record = read_reference(ReferenceLocation(folder.parent.parent, folder.parent.name, folder.name))
     if "logits" not in record.arrays or "bundle" not in record.results.get("full_state_dict", {}):

@@ -211,7 +211,8 @@ def run_portability(ctx: RankContext) -> RunRecord:
             raise GpuRegressError(f"{bundle}: a checkpoint for another architecture: recorded for {recorded['model']} "
                                   f"({recorded['model_size']}) with architecture {recorded.get('model_architecture')}, "
                                   f"and {label} now gives {now}\n"
-                                  "  fix: record the bundle again (pytest --gpuregress --gpuregress-record -k checkpoint)")
+                                  "  fix: record the bundle again (pytest --gpuregress --gpuregress-record "
+                                  "'gpuregress::checkpoint*')")
         evaluation = portable.evaluate(files.read(bundle), blueprint(recorded), label, ctx.device)
         exact = checks.same_numerics(reference.fingerprint, ctx.fingerprint)
         expected = reference.results["full_state_dict"]["bundle"]

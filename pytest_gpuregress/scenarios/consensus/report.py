@@ -14,7 +14,7 @@ from .group_key import describe_key, key_diff
 from .vote import AGREES, DISSENTS, Device, Difference, Group, Vote, first_difference
 
 PART_NAMES = {"train": "training", "gemm": "GEMM/reduction battery", "cast": "format casts"}
-RERUN = "pytest --gpuregress --gpuregress-consensus -k consensus"
+RERUN = "pytest --gpuregress --gpuregress-consensus 'gpuregress::consensus*'"
 
 
 class ConsensusStackSplit(UserWarning):

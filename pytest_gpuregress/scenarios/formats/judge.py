@@ -99,7 +99,7 @@ def behaviour_changes(fmt: Format, reference: RunRecord, record: RunRecord) -> l
     if now is None:
         return []  # the format is unavailable here; its decode and encode cases say so
     if before is None:
-        return [f"the reference holds no {fmt.id} encode results: record it with every formats case (-k formats)"]
+        return [f"the reference holds no {fmt.id} encode results: record it with every formats case ('gpuregress::formats*')"]
     return grid.behaviour_changes(before, now, fmt)
 
 
@@ -184,7 +184,7 @@ def quantized_findings(scheme: str, reference: RunRecord, record: RunRecord, lan
     if before is None or now is None or "error" in before:
         where = "the reference" if before is None or "error" in before else "this run"
         return [Finding("quantized", "quantization", f"{scheme}: {where} holds no results for this scheme; "
-                        "record the reference with every formats case (-k formats)")]
+                        "record the reference with every formats case ('gpuregress::formats*')")]
     findings = []
     differ = [name for name, sums in before["tensors"].items() if now["tensors"].get(name) != sums]
     if differ:

@@ -95,7 +95,7 @@ def findings(results: dict[str, dict[str, Any]], identities: list[dict[str, Any]
     cases = sorted({c for c, r in results.items() if any(r.get("links", {}).get(f"{s}->{d}") for s, d in pairs)})
     wrong = sum(counts.values())
     evidence = f"{wrong} wrong elements in {len(cases)} of {len(results)} cases (e.g. {cases[0]})"
-    drain = ("What to do: rerun the sweep (-k collectives) to see whether it repeats; drain the node(s) named and "
+    drain = ("What to do: rerun the sweep ('gpuregress::collectives*') to see whether it repeats; drain the node(s) named and "
              "run their link diagnostics (NVIDIA: dcgmi diag and nvidia-smi nvlink -e; AMD: the RVS xGMI/PEQT tests; "
              "between nodes: the NICs' counters and cables).")
     if verdict == "link":
@@ -113,7 +113,8 @@ def findings(results: dict[str, dict[str, Any]], identities: list[dict[str, Any]
                 f"path or memory, not one link. {drain}"]
     if verdict == "every":
         return [f"[collective] every pair of the {world} ranks delivers wrong data: {evidence}; the collective itself "
-                "(its library, protocol or algorithm), not one link: see the sweep's per-case failures (-k collectives)"]
+                "(its library, protocol or algorithm), not one link: see the sweep's per-case failures "
+                "('gpuregress::collectives*')"]
     listed = ", ".join(f"{s} -> {d}: {counts[(s, d)]}" for s, d in pairs)
     return [f"[collective] wrong data on {len(pairs)} links (sender -> receiver: wrong elements): {listed}; "
             f"{evidence}. {drain}"]

@@ -167,7 +167,7 @@ class ResumePlan:
         folder = stored.attachments.get(ATTACHMENT)
         if folder is None or not stored.results.get(resume_verdict.SAVED_KEY):
             raise NotApplicable("the reference has no resume checkpoint: re-record it: pytest --gpuregress "
-                                f"--gpuregress-record -k {sc.name}")
+                                f"--gpuregress-record 'gpuregress::{sc.name}*'")
         record = run(sc, Launch(launch_key("from-reference", case),
                                 {**config, ROLE: "continue", FOLDER: str(folder)}, entry=self.entry))
         resumed = record.results.get(RESULT_KEY, {})

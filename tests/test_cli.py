@@ -112,3 +112,15 @@ def test_plot_draws_the_comparison_of_two_stored_records(two_refs: tuple[Path, P
     assert out.read_bytes()[:4] == b"\x89PNG" and f"plot: {out}" in capsys.readouterr().out
     assert main(["plot", str(two_refs[0]), "-o", str(tmp_path / "ref.png")]) == 0  # a reference alone
     assert (tmp_path / "ref.png").is_file()
+
+
+def test_compare_advises_recording_only_the_judged_case() -> None:
+    """Not a bare --gpuregress-record, which now records every built-in case and every test of the project."""
+    from types import SimpleNamespace
+
+    from pytest_gpuregress.cli import _record_hint
+    from pytest_gpuregress.scenarios import Case, registry
+
+    judged = SimpleNamespace(scenario=registry()["fsdp"], case=Case("resume"))
+    assert _record_hint(judged) == "pytest --gpuregress --gpuregress-record gpuregress::fsdp-resume"
+    assert "<the test that checks this run>" in _record_hint(SimpleNamespace(scenario=None, case=None))

@@ -18,6 +18,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..errors import GpuRegressError
 from ..reference.report import format_comparison
@@ -94,8 +95,20 @@ def _compare(args: argparse.Namespace) -> int:
     if comparison is not None and not comparison.passed:
         print(format_comparison(comparison, scenario=reference.scenario if reference else run.scenario,
                                 platform_key=run.platform_key, reference_path=given[0],
-                                record_hint="pytest --gpuregress --gpuregress-record"))
+                                record_hint=_record_hint(comparator)))
     return 1
+
+
+def _record_hint(comparator: Any) -> str:
+    """The command that records the judged case's reference: its node id where a built-in scenario judged it."""
+    import shlex
+
+    from ..scenarios import test_id
+
+    if comparator.scenario is None or comparator.case is None:
+        return "pytest --gpuregress --gpuregress-record <the test that checks this run>"
+    return shlex.join(["pytest", "--gpuregress", "--gpuregress-record",
+                       f"gpuregress::{test_id(comparator.scenario.name, comparator.case.id)}"])
 
 
 def _scenarios(args: argparse.Namespace) -> int:

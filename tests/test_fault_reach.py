@@ -42,8 +42,15 @@ def test_every_fault_kind_and_mode_declares_what_it_acts_on() -> None:
         assert kind.name in ACTS_ON or any(k.startswith(kind.name + ":") for k in ACTS_ON), kind.name
     for mode in KINDS["checkpoint"].params["mode"].choices:
         assert f"checkpoint:{mode}" in ACTS_ON
-    # and every activity a fault acts on is run by some built-in case: a fault that reaches nothing is a typo
-    runs = {a for cases in CATALOGUE.values() for case in cases.values() for a in case.exercises.does}  # type: ignore[union-attr]
+    # and every activity a fault acts on is run by some built-in case (with a tied model of the zoo given): a fault
+    # that reaches nothing is a typo
+    from pytest_gpuregress.scenarios import Setup, registry
+    from pytest_gpuregress.training.model_specs import parse_model
+
+    tied = Setup("cpu", "gloo", 2, models=(parse_model("tiny-llama-tied", REPO),))
+    cases = [*(c for catalogue in CATALOGUE.values() for c in catalogue.values()),
+             *(c for sc in registry().values() for c in sc.cases(tied))]
+    runs = {a for case in cases if case.exercises is not None for a in case.exercises.does}
     for key in ACTS_ON:
         assert act.meets(reach.activities_of(key), runs), key
 
@@ -197,3 +204,22 @@ def test_a_new_built_in_scenario_brings_its_column_without_an_edit_here(monkeypa
     toy = reach.catalogue("cpu")["toy"]
     assert not reach.reaches(parse("collective:op=reduce_scatter"), toy)
     assert "a two-layer MLP's steps" in (reach.unreached_reason(["sdpa_backend"], toy, "toy") or "")
+
+
+def test_a_users_model_case_exercises_what_its_config_says() -> None:
+    """The Llama family's forward and tied embeddings come from the model, not from the tiny Llama's cases: a
+    transformers rope fault skips a Qwen2-MoE's cases instead of failing them 'fired 0 times'."""
+    from pytest_gpuregress.scenarios import Setup, registry
+    from pytest_gpuregress.training.model_specs import parse_model
+
+    models = tuple(parse_model(name, REPO) for name in ("tiny-moe", "tiny-llama-tied"))
+    setup = Setup("cpu", "gloo", 2, models=models)
+    cases = {f"{sc.name}-{c.id}": c for sc in registry().values() for c in sc.cases(setup)}
+    rope, untied = parse("library:mode=rope_interleaved"), parse("library:mode=untied")
+    assert not reach.reaches(rope, cases["fsdp-tiny-moe"]) and reach.reaches(rope, cases["fsdp-tiny-llama-tied"])
+    assert reach.reaches(untied, cases["fsdp-tiny-llama-tied"]) and not reach.reaches(untied, cases["fsdp-fsdp"])
+    assert not reach.reaches(untied, cases["fsdp-tiny-moe"])
+    tied_key = parse("checkpoint:mode=tied_key_dropped")
+    assert reach.reaches(tied_key, cases["checkpoint-full-state-dict-tiny-llama-tied"])
+    assert not reach.reaches(tied_key, cases["checkpoint-full-state-dict-tiny-moe"])
+    assert not reach.reaches(tied_key, cases["checkpoint-sharded-2to1-tiny-llama-tied"])

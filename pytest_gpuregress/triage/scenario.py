@@ -31,11 +31,11 @@ class TriageScenario(CheckScenario):
             models = [None, *(m.name for m in setup.models)] if sc.trains_user_models else [None]
             # Equivalence at one rank would compare one rank with one rank: it needs two.
             # Both rerun the scenario's training from step 0 in fp32 (the oracle's stack run on one rank).
-            exercised = trained(setup, adamw=str(sc.default_config(setup).get("adamw", "fused")), bf16=False) \
-                if sc.triage is not None else None
+            adamw = str(sc.default_config(setup).get("adamw", "fused")) if sc.triage is not None else ""
             cases += [Case(f"{kind}-{sc.name}" + (f"-{model}" if model else ""),
                            data={"scenario": sc.name, "experiment": kind, "model": model},
-                           min_ranks=2 if kind == "equivalence" else 1, exercises=exercised,
+                           min_ranks=2 if kind == "equivalence" else 1,
+                           exercises=trained(setup, adamw=adamw, bf16=False, model=model),
                            family=f"{self.name}-{kind}")
                       for model in models for kind in ("equivalence", "oracle") if sc.triage is not None]
         return cases

@@ -13,7 +13,7 @@ from typing import Any
 from ... import activities as act
 from ...resources import shipped_dir
 from ..base import Case, Launch, Setup
-from ..shared.exercised import trained
+from ..shared.exercised import runs_llama_code, ties_embeddings, trained
 
 NAME = "checkpoint"
 REFERENCE = "checkpoint"  # the full-state-dict case's reference: the trained model's checkpoint and logits
@@ -117,9 +117,20 @@ def cases(setup: Setup) -> list[Case]:
     # Each model of --gpuregress-model: the round trip (with a reference of its own), resharding and resume.
     for spec in setup.models:
         out += [Case(f"{c.id}-{spec.name}", launch=f"{c.launch}-{spec.name}", data={**c.data, "model": spec.name},
-                     min_ranks=c.min_ranks, exercises=c.exercises, family=f"checkpoint-{c.id}")
+                     min_ranks=c.min_ranks, exercises=_of_model(setup, c, spec.name), family=f"checkpoint-{c.id}")
                 for c in out if c.data["part"] in ("full_state_dict", "sharded", "resume") and "model" not in c.data]
     return out
+
+
+def _of_model(setup: Setup, case: Case, model: str) -> act.Exercises:
+    """The tiny Llama's case for a user's model: its own code, and tied weights only where its config ties them
+    (no tied model rides along: config() drops it)."""
+    assert case.exercises is not None
+    saves_tied = act.TIED_SAVE in case.exercises.does and ties_embeddings(setup, model)  # its full state dict's
+    does = set(case.exercises.does) - {act.LLAMA_FORWARD, act.TIED_SAVE}
+    does |= {act.LLAMA_FORWARD} if runs_llama_code(setup, model) else set()
+    does |= {act.TIED_SAVE} if saves_tied else set()
+    return act.Exercises(frozenset(does), case.exercises.summary, case.exercises.absent)
 
 
 def _round_trip(setup: Setup, *more: str) -> act.Exercises:

@@ -19,7 +19,7 @@ from ...reference.record import RunRecord
 from ...scenario_options import SCENARIO_OPTIONS
 from ..base import Case, Launch, Scenario, Setup, TriageSupport
 from ..shared import resume_verdict
-from ..shared.exercised import resumed, trained
+from ..shared.exercised import resumed, ties_embeddings, trained
 from ..shared.replicas import perturbed_launches
 from ..shared.resume_plan import ResumeComparator, is_resume, merge_resume
 from ..shared.training_config import COMMON, dropout_off, per_device, training_config
@@ -89,13 +89,18 @@ class FsdpScenario(Scenario):
         # The tiny Llama keeps the id and reference "fsdp"; each model of --gpuregress-model adds "fsdp-<model>";
         # the CPU adds its bf16 lane, "fsdp-bf16".
         adamw = TRAINING["adamw"]
-        main = trained(setup, adamw=adamw, more=(act.TIED_CONFIG,))  # a user's model may tie its embeddings
         bf16 = [Case(BF16_LANE, launch=BF16_LANE, exercises=trained(
             setup, adamw=adamw, bf16=True, more=(act.bf16_reduction(), act.BF16_READ_BACK)))] \
             if setup.device_kind == "cpu" else []
-        return [Case(self.name, exercises=main), replace(RESUME_CASE, exercises=resumed(trained(setup, adamw=adamw))),
-                *bf16, *(Case(m.name, launch=m.name, data={"model": m.name}, exercises=main, family=self.name)
-                         for m in setup.models)]
+        return [Case(self.name, exercises=self._exercised(setup, None)),
+                replace(RESUME_CASE, exercises=resumed(trained(setup, adamw=adamw))), *bf16,
+                *(Case(m.name, launch=m.name, data={"model": m.name}, exercises=self._exercised(setup, m.name),
+                       family=self.name) for m in setup.models)]
+
+    def _exercised(self, setup: Setup, model: str | None) -> act.Exercises:
+        """Its training of ``model``; a model whose config ties its embeddings runs transformers' tying too."""
+        tied = (act.TIED_CONFIG,) if ties_embeddings(setup, model) else ()
+        return trained(setup, adamw=TRAINING["adamw"], more=tied, model=model)
 
     def reference_name(self, case: Case) -> str | None:
         # The resume case judges the fsdp reference's continuation: it shares the reference, and records it. The

@@ -56,10 +56,10 @@ CPU_DDP_OPS = ("all_reduce", "broadcast")
 NO_SHARDS_ON_CPU = "on a CPU accelerate runs DDP, whose state dict holds whole tensors: no slice to lose (FSDP2 on GPUs)"
 
 
-def exercised(setup: Setup, wrapper: str) -> act.Exercises:
+def exercised(setup: Setup, wrapper: str, model: str | None = None) -> act.Exercises:
     """What a LoRA case trains through ``wrapper``: peft's layers, the adapter saved from its shards under FSDP2."""
     ddp = wrapper == "accelerate" and setup.device_kind == "cpu"
-    return trained(setup, adamw=ADAMW_OF_WRAPPER[wrapper], collectives=CPU_DDP_OPS if ddp else (act.ANY,),
+    return trained(setup, adamw=ADAMW_OF_WRAPPER[wrapper], collectives=CPU_DDP_OPS if ddp else (act.ANY,), model=model,
                    more=(act.PEFT_LORA, act.ADAPTER_SAVE, *(() if ddp else (act.ADAPTER_SHARDS,))),
                    absent={act.ADAPTER_SHARDS: NO_SHARDS_ON_CPU} if ddp else None)
 
@@ -100,7 +100,7 @@ class LoraScenario(Scenario):
         # Ids name the API, not "fsdp2": `-k fsdp` selects the fsdp scenario, not this one. A user's model
         # adds its name: lora-fully_shard-mymoe. The tiny Llama's resume cases come last: lora-fully_shard-resume.
         return [*(Case(CASE_IDS[wrapper] + (f"-{model}" if model else ""), launch=wrapper + (f"-{model}" if model else ""),
-                       data={"wrapper": wrapper, "model": model}, exercises=exercised(setup, wrapper),
+                       data={"wrapper": wrapper, "model": model}, exercises=exercised(setup, wrapper, model),
                        family=f"{self.name}-{CASE_IDS[wrapper]}" if model else "")
                   for model in [None, *(m.name for m in setup.models)] for wrapper in WRAPPERS),
                 *(replace(resume_case(CASE_IDS[wrapper], wrapper), exercises=resumed(exercised(setup, wrapper)))

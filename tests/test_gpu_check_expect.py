@@ -195,7 +195,12 @@ def test_the_budget_estimate_covers_every_step_of_the_script_and_one_gpu_fits() 
                for line in (expect.budget_lines(100, 3, one_gpu=True, budget_s=480)[0][0], one_more)]
     assert seconds[1] > seconds[0]
     assert not expect.budget_lines(100, 3, one_gpu=True, budget_s=60)[1]
-    # On one GPU nothing that needs peers runs: no sweep, no equivalence.
-    launched = expect.gpu_launches(100, 3, one_gpu=True)
-    assert launched["protocols"].sweeps == 0 and launched["triage"].models == 1  # the one-rank run, no N-rank one
+    # A lease of 15 minutes holds the machine's start, the transfers and one rerun beside it: at most 360 s.
+    assert budget <= 360
+    # Step 0's trace digests count for every launch that traces it: the recording's own run, not its replicas.
+    launched = expect.gpu_launches(steps, replicas, one_gpu=True)
+    assert launched["record"].traced == 1 and launched["compare"].traced == 1
+    assert expect.COSTS_S["trace_digests"] > 0
+    # On one GPU nothing that needs peers runs: no sweep, no equivalence (triage's one-rank run beside the recording).
+    assert launched["protocols"].sweeps == 0 and launched["record"].models == 1 + replicas + 1
     assert expect.gpu_launches(100, 3, one_gpu=False)["protocols"].sweeps == 3

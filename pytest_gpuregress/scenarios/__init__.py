@@ -1,7 +1,9 @@
 """The scenario registry: the built-in scenarios, plus those other packages add by entry point.
 
-A package adds scenarios under the entry-point group ``gpuregress.scenarios``; each entry point
-names a ``Scenario`` instance (or a class to instantiate)::
+The built-in scenarios are listed here (``BUILTIN``) and load from the package itself, so a copy of the tree
+that pip never installed (``PYTHONPATH=. pytest -p pytest_gpuregress.plugin``, as benchmarks/gpu_check.sh runs
+on a GPU machine without a package index) has them too. Another package adds scenarios under the entry-point
+group ``gpuregress.scenarios``; each entry point names a ``Scenario`` instance (or a class to instantiate)::
 
     [project.entry-points."gpuregress.scenarios"]
     toy = "mypkg.toy:SCENARIO"
@@ -21,7 +23,18 @@ from .base import Case, CheckScenario, Launch, RankContext, Scenario, Setup, Tri
 from .function import FunctionScenario
 
 ENTRY_POINT_GROUP = "gpuregress.scenarios"
-DISTRIBUTION = "pytest-gpuregress"  # whose entry points are the built-in scenarios (pyproject.toml)
+DISTRIBUTION = "pytest-gpuregress"  # this package: entry points it registered once (older releases) are skipped
+# The built-in scenarios by name, in the order of their cases, as entry strings: resolved when the registry is
+# first read, so importing this module imports no scenario.
+BUILTIN: dict[str, str] = {
+    "checkpoint": "pytest_gpuregress.scenarios.checkpoint:SCENARIO",
+    "collectives": "pytest_gpuregress.scenarios.collectives:SCENARIO",
+    "consensus": "pytest_gpuregress.scenarios.consensus:SCENARIO",
+    "formats": "pytest_gpuregress.scenarios.formats:SCENARIO",
+    "fsdp": "pytest_gpuregress.scenarios.fsdp:SCENARIO",
+    "lora": "pytest_gpuregress.scenarios.lora:SCENARIO",
+    "triage": "pytest_gpuregress.triage.scenario:SCENARIO",
+}
 
 
 def resolve_entry(entry: str) -> Any:
@@ -67,29 +80,33 @@ def _distribution(ep: metadata.EntryPoint) -> str:
     return dist.name if dist is not None else "unknown package"
 
 
-def _builtin(ep: metadata.EntryPoint) -> bool:
+def _ours(ep: metadata.EntryPoint) -> bool:
     return _distribution(ep).replace("_", "-").lower() == DISTRIBUTION
 
 
 @lru_cache(maxsize=1)
 def registry() -> dict[str, Scenario]:
-    """Every scenario by name: this package's own (the built-ins) first, then other packages', each in name
-    order. Both register the same way, by an entry point in the group ``gpuregress.scenarios``."""
-    points = metadata.entry_points(group=ENTRY_POINT_GROUP)
-    if not any(_builtin(ep) for ep in points):
-        raise ScenarioProblem(f"the built-in scenarios of {DISTRIBUTION} are not registered: its entry points are "
-                              "missing (a copy not installed with pip); install it with pip install -e . or a wheel")
+    """Every scenario by name: the built-ins first (``BUILTIN``, from the package itself), then other packages',
+    registered by an entry point in the group ``gpuregress.scenarios``, in name order. Entry points of this
+    package itself (an older release registered its built-ins so) are skipped: the built-ins come from the code."""
     found: dict[str, Scenario] = {}
     origins: dict[str, str] = {}
-    for ep in sorted(points, key=lambda e: (not _builtin(e), e.name)):
-        origin = f"entry point {ep.name} = {ep.value} ({_distribution(ep)})"
-        scenario = _load(ep.value, origin)
+
+    def add(scenario: Scenario, origin: str) -> None:
         if scenario.name in found:
-            if origins[scenario.name] == origin:
-                continue  # the same entry point seen twice (an editable install next to a build)
             raise ScenarioProblem(f"{origin}: scenario name {scenario.name!r} is taken by {origins[scenario.name]}")
         found[scenario.name] = scenario
         origins[scenario.name] = origin
+
+    for name, entry in BUILTIN.items():
+        add(_load(entry, entry), f"the built-in scenario {name} ({entry})")
+    seen: set[str] = set()
+    for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        if _ours(ep) or (ep.name, ep.value) in seen:  # the same entry point twice: an editable install beside a build
+            continue
+        seen.add((ep.name, ep.value))
+        origin = f"entry point {ep.name} = {ep.value} ({_distribution(ep)})"
+        add(_load(ep.value, origin), origin)
     return found
 
 

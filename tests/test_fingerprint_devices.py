@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -369,3 +370,44 @@ def test_a_bf16_run_on_a_cpu_reads_its_bf16_instructions_and_an_fp32_run_does_no
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     capped = fp.cpu_bf16()
     assert capped == "none" or capped.endswith("(max ISA AVX2)")
+
+
+def test_the_recorders_dump_locations_and_switches_are_never_recorded(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin arms torch's flight recorder for each launch in that launch's own run folder: a fingerprint that
+    recorded it would leave the exact lane between any two runs. What changes numbers stays recorded."""
+    from pytest_gpuregress.launch import torch_trace
+    from pytest_gpuregress.stack.fingerprint import collect
+
+    for name in (*torch_trace.FILE_VARS, *torch_trace.BUFFER_VARS, torch_trace.DUMP_VAR, torch_trace.ARMED_VAR,
+                 torch_trace.TIMING_VAR):  # what arm() sets in os.environ, put back by monkeypatch afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    for name in ("NCCL_PROTO", "NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG"):
+        monkeypatch.setenv(name, {"NCCL_PROTO": "Simple", "NCCL_ALGO": "Ring"}.get(name, ":4096:8"))
+    fingerprints = []
+    for run in ("run1", "run2"):
+        torch_trace.arm(tmp_path / run, "nccl")  # os.environ, as a rank's worker does
+        fingerprints.append(collect("cpu", "gloo", 2))
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith(str(tmp_path / "run2"))
+    assert fingerprints[0] == fingerprints[1]
+    env = fingerprints[0]["comm"]["env"]
+    assert env["NCCL_PROTO"] == "Simple" and env["NCCL_ALGO"] == "Ring"
+    assert fingerprints[0]["numerics"]["cublas_workspace_config"] == ":4096:8"
+    for name in ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_ENABLE_TIMING",
+                 "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_TRACE_BUFFER_SIZE", torch_trace.ARMED_VAR):
+        assert name not in env
+
+
+@pytest.mark.parametrize("name", ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE",
+                                  "TORCH_NCCL_ENABLE_TIMING", "TORCH_FR_BUFFER_SIZE", "NCCL_DEBUG_FILE",
+                                  "RCCL_MSCCL_LOG_PATH", "NCCL_SOME_FUTURE_TRACE_DIR"])
+def test_gpuregress_env_leaves_out_dump_trace_and_timing_variables(name: str, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from pytest_gpuregress.cli import main
+
+    monkeypatch.setenv(name, "/tmp/somewhere")
+    monkeypatch.setenv("RCCL_LL128_FORCE_ENABLE", "1")  # this one changes which protocol runs: recorded
+    assert main(["env", "--json"]) == 0
+    env = json.loads(capsys.readouterr().out)["comm"]["env"]
+    assert name not in env and env["RCCL_LL128_FORCE_ENABLE"] == "1"

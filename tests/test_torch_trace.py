@@ -386,3 +386,81 @@ def test_at_its_limit_the_launcher_asks_nccl_ranks_for_their_dumps_and_names_the
     assert ("torch's flight recorder (the ranks' dumps): rank 0 waits in nccl:all_reduce #6 (group default_pg, "
             "1 Float, from _get_total_norm") in message
     assert f"dumps: {run_dir}/torch_fr_trace_rank0, {run_dir}/torch_fr_trace_rank1" in message
+
+
+class _Recorders:
+    """torch._C._distributed_c10d as a CUDA build has it: both recorders' JSON dumps, each call counted."""
+
+    def __init__(self, *names: str) -> None:
+        self.calls: list[str] = []
+        for name in names:
+            setattr(self, name, self._dump(name))
+
+    def _dump(self, name: str) -> Any:
+        def dump(include_collectives: bool, only_active: bool) -> bytes:
+            self.calls.append(name)
+            return f'{{"from": "{name}"}}'.encode()
+
+        return dump
+
+
+@pytest.mark.parametrize(("backend", "asked"), [("nccl", "_dump_nccl_trace_json"), ("gloo", "_dump_fr_trace_json")])
+def test_each_backend_asks_for_its_own_recorder(backend: str, asked: str) -> None:
+    """NCCL's collectives are in NCCL's own recorder ("FlightRecorder NCCL"); the CPU recorder holds gloo's."""
+    c10d = _Recorders("_dump_nccl_trace_json", "_dump_fr_trace_json")
+    assert torch_trace.dump_json(backend, c10d) == f'{{"from": "{asked}"}}'.encode()
+    assert c10d.calls == [asked]
+    # A build without NCCL's recorder falls back to the CPU one; gloo never reads NCCL's.
+    assert torch_trace.dump_json("nccl", _Recorders("_dump_fr_trace_json")) == b'{"from": "_dump_fr_trace_json"}'
+    with pytest.raises(RuntimeError, match="_dump_fr_trace_json"):
+        torch_trace.dump_json("gloo", _Recorders("_dump_nccl_trace_json"))
+
+
+def test_the_requested_dump_of_an_nccl_rank_comes_from_nccls_recorder(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    c10d = _Recorders("_dump_nccl_trace_json", "_dump_fr_trace_json")
+    import torch
+
+    monkeypatch.setattr(torch._C, "_distributed_c10d", c10d)
+    env: dict[str, str] = {}
+    torch_trace.arm(tmp_path, "nccl", env)
+    hooks: list[Any] = []
+    responder = torch_trace.serve_requests(tmp_path, 0, "nccl", hooks, env)
+    assert responder is not None and responder.answer()
+    for hook in hooks:
+        hook()
+    assert responder.path.read_bytes() == b'{"from": "_dump_nccl_trace_json"}' and c10d.calls == ["_dump_nccl_trace_json"]
+
+
+def nccl_json_dump(rank: int, entries: list[tuple[int, str, str]]) -> bytes:
+    """A rank's dump in the JSON torch's ``_dump_nccl_trace_json`` writes (FlightRecorder's dump_json, version 2.10:
+    the keys a gloo rank's ``_dump_fr_trace_json`` gives, with NCCL's profiling names and communicator state)."""
+    import json
+
+    return json.dumps({
+        "version": "2.10", "comm_lib_version": "2.27.5",
+        "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
+        "pg_status": {"0": {"last_enqueued_collective": str(entries[-1][0]), "last_started_collective": "-1",
+                            "last_completed_collective": "-1"}},
+        "nccl_comm_state": {},
+        "entries": [{"record_id": i, "pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": seq,
+                     "p2p_seq_id": 0, "op_id": seq, "profiling_name": op, "time_created_ns": 1_000 + seq,
+                     "input_sizes": [[1024]], "input_dtypes": ["BFloat16"], "output_sizes": [[1024]],
+                     "output_dtypes": ["BFloat16"], "state": state, "time_discovered_started_ns": 0,
+                     "time_discovered_completed_ns": 0, "retired": state == "completed", "timeout_ms": 600000,
+                     "is_p2p": False, "thread_id": "1", "thread_name": "python"}
+                    for i, (seq, op, state) in enumerate(entries)],
+    }, separators=(",", ":")).encode()
+
+
+def test_nccls_json_dump_is_read_and_names_the_rank_that_never_entered(tmp_path: Path) -> None:
+    prefix = tmp_path / torch_trace.PREFIX
+    Path(f"{prefix}0").write_bytes(nccl_json_dump(0, [(1, "nccl:_reduce_scatter_base", "completed"),
+                                                      (2, "nccl:all_reduce", "started")]))
+    Path(f"{prefix}1").write_bytes(nccl_json_dump(1, [(1, "nccl:_reduce_scatter_base", "completed")]))
+    dumps = {r: torch_trace.read_dump(Path(f"{prefix}{r}")) for r in (0, 1)}
+    assert [(e.op, e.state, e.sizes) for e in torch_trace.entries_of(0, dumps[0])] == [
+        ("nccl:_reduce_scatter_base", "completed", "1024 BFloat16"), ("nccl:all_reduce", "started", "1024 BFloat16")]
+    line = torch_trace.diagnose(dumps)
+    assert line is not None and line.startswith("rank 0 waits in nccl:all_reduce #2 (group default_pg, 1024 BFloat16)"
+                                                " for rank 1: rank 1 never entered it"), line

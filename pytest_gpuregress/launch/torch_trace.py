@@ -64,8 +64,15 @@ COMPLETED = "completed"
 REQUEST = "torch_fr_dump_request"  # in the run folder: the launcher asks the ranks for their dumps (spawn.py)
 REQUEST_POLL_S = 0.2  # how often a rank looks for the request, and the launcher for the dumps
 REQUEST_WAIT_S = 10.0  # how long the launcher waits for the ranks' dumps before it kills them
-# torch's Python entry points for a JSON dump of the recorder: 2.6 and later, then the older name.
-_DUMP_FUNCTIONS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
+# torch's Python entry points for a JSON dump of a recorder, per backend, first choice first. torch keeps two
+# recorders: the CPU one ("FlightRecorder CPU" in torch.distributed.debug), which gloo and the functional
+# collectives' host side record into, and NCCL's own ("FlightRecorder NCCL"), which ProcessGroupNCCL (RCCL too)
+# records every collective of into, with its state on the GPU. On NCCL the CPU recorder holds none of them, so a
+# hang's dump must come from NCCL's; where a build lacks it, the CPU one is the fallback.
+_DUMP_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "nccl": ("_dump_nccl_trace_json", "_dump_fr_trace_json"),
+    "gloo": ("_dump_fr_trace_json",),
+}
 _DTENSOR_API = "/torch/distributed/tensor/_api.py"  # full_tensor() calls redistribute(): name full_tensor
 # Frames of the collective machinery between the code that asked for a collective and ProcessGroupNCCL.
 _PLUMBING = (
@@ -142,16 +149,24 @@ def _fresh(path: Path, since: float) -> bool:
         return False
 
 
-def dump_json() -> bytes:
-    """This process's flight recorder as JSON, every entry (the completed ones give each rank's sequence)."""
-    from torch._C import _distributed_c10d as c10d
+def dump_functions(backend: str) -> tuple[str, ...]:
+    """The names of torch's JSON dump functions to try for ``backend``, first choice first: NCCL's own recorder on
+    NCCL and RCCL ("nccl"), the CPU recorder on gloo."""
+    return _DUMP_FUNCTIONS["nccl" if queues_work(backend) else "gloo"]
 
-    for name in _DUMP_FUNCTIONS:
+
+def dump_json(backend: str = "nccl", c10d: Any = None) -> bytes:
+    """This process's flight recorder for ``backend`` as JSON, every entry (the completed ones give each rank's
+    sequence). ``c10d``: torch's ``torch._C._distributed_c10d``, or a stand-in."""
+    if c10d is None:
+        from torch._C import _distributed_c10d as c10d
+    names = dump_functions(backend)
+    for name in names:
         dump = getattr(c10d, name, None)
         if dump is not None:
             data = dump(True, False)  # includeCollectives, onlyActive
             return data.encode() if isinstance(data, str) else bytes(data)
-    raise RuntimeError(f"this torch has none of {', '.join(_DUMP_FUNCTIONS)}")
+    raise RuntimeError(f"this torch has none of {', '.join(names)}")
 
 
 class DumpResponder:
@@ -198,7 +213,7 @@ def serve_requests(run_dir: Path, rank: int, backend: str, cleanup_hooks: list[C
     prefix = dump_prefix(os.environ if environ is None else environ)
     if not queues_work(backend) or not prefix:
         return None
-    responder = DumpResponder(run_dir, Path(f"{prefix}{rank}"))
+    responder = DumpResponder(run_dir, Path(f"{prefix}{rank}"), dump=lambda: dump_json(backend))
     cleanup_hooks.append(responder.close)
     return responder
 
@@ -219,7 +234,8 @@ def request_dumps(run_dir: Path, prefix: str, live: Callable[[], list[int]], wai
 
 def read_dump(path: Path) -> dict[str, Any]:
     """One rank's dump as plain data. torch 2.13 writes a pickle on a timeout (``dump_fr_trace``); the dump a rank
-    writes on the launcher's request is JSON (``_dump_fr_trace_json``). Raises ``safe_pickle.UnreadablePickle``
+    writes on the launcher's request is JSON (``_dump_nccl_trace_json`` on NCCL, ``_dump_fr_trace_json`` on gloo):
+    the same schema from either recorder. Raises ``safe_pickle.UnreadablePickle``
     (``UnsafePickle`` for a file that names any Python code: nothing in it runs)."""
     data = path.read_bytes()
     if data.lstrip()[:1] == b"{":

@@ -134,7 +134,7 @@ def comm_env() -> dict[str, str]:
     return {
         k: v
         for k, v in sorted(os.environ.items())
-        if k.startswith(schema.COMM_ENV_PREFIXES) and k not in schema.COMM_ENV_IGNORED
+        if schema.recorded_env(k)
     }
 
 

@@ -87,16 +87,37 @@ FIELDS: tuple[Field, ...] = (
 )
 
 # Environment variables recorded in comm.env: those that can change a collective's or a kernel's numbers.
-COMM_ENV_PREFIXES = ("NCCL_", "RCCL_", "HSA_", "GLOO_", "TORCH_NCCL_", "ATEN_CPU_CAPABILITY", "MKL_", "ONEDNN_",
-                     "DNNL_")
-# Settings that route sockets, log or handle errors but do not change a computed number. Thread counts are
-# recorded as numerics.num_threads, so OMP_NUM_THREADS is not needed here.
+COMM_ENV_PREFIXES = ("NCCL_", "RCCL_", "HSA_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_", "ATEN_CPU_CAPABILITY", "MKL_",
+                     "ONEDNN_", "DNNL_")
+# Settings that route sockets, log, dump, time or handle errors but do not change a computed number, whoever set
+# them: the plugin arms torch's flight recorder itself (launch/torch_trace.py: a dump location in each launch's own
+# run folder, start events for timing, a trace ring), and a fingerprint that recorded those would never match
+# between two runs. Thread counts are recorded as numerics.num_threads, so OMP_NUM_THREADS is not needed here.
 COMM_ENV_IGNORED = frozenset({
     "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_DUMP_ON_TIMEOUT",
     "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
     "TORCH_NCCL_DESYNC_DEBUG", "ONEDNN_VERBOSE", "DNNL_VERBOSE", "ONEDNN_JIT_DUMP", "DNNL_JIT_DUMP",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_ENABLE_TIMING", "TORCH_FR_BUFFER_SIZE",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "TORCH_NCCL_COORD_CHECK_MILSEC", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",
+    "TORCH_NCCL_EXTRA_DUMP_ON_EXEC", "TORCH_NCCL_LOG_CPP_STACK_ON_UNCLEAN_SHUTDOWN", "TORCH_NCCL_RETHROW_CUDA_ERRORS",
+    "TORCH_NCCL_PROPAGATE_ERROR", "TORCH_NCCL_CUDA_EVENT_CACHE",
 })
+# The same kinds of setting by their names' parts, for the variables the lists above do not know yet: a file, a
+# folder, logging, tracing, dumps and timing. None of the settings that change numbers (NCCL_PROTO, NCCL_ALGO,
+# RCCL_LL128_FORCE_ENABLE, ATEN_CPU_CAPABILITY, MKL_CBWR...) has such a part. Timeouts stay recorded: they change
+# no number, but a known issue of a hang may name one (NCCL_IB_TIMEOUT), and no launch sets them itself.
+COMM_ENV_IGNORED_PARTS = ("_FILE", "_DIR", "_PATH", "DEBUG", "_LOG", "TRACE", "DUMP", "TIMING", "VERBOSE",
+                          "SOCKET_IFNAME", "MONITORING", "HEARTBEAT")
+
+
+def recorded_env(name: str) -> bool:
+    """Whether comm.env records the environment variable ``name``: one that can change a number (COMM_ENV_PREFIXES),
+    unless it only routes, logs, dumps or times (COMM_ENV_IGNORED, COMM_ENV_IGNORED_PARTS)."""
+    return name.startswith(COMM_ENV_PREFIXES) and name not in COMM_ENV_IGNORED \
+        and not any(part in name for part in COMM_ENV_IGNORED_PARTS)
+
+
 PREFIXED = {"numerics": "determinism.", "comm": "env."}  # fields whose names are open, matched by prefix
 
 

@@ -32,7 +32,7 @@ from packaging.version import InvalidVersion, Version
 from ..components import COMPONENTS
 from ..errors import BadKnownIssues
 from .fingerprint import Fingerprint
-from .fingerprint_fields import COMM_ENV_IGNORED, COMM_ENV_PREFIXES, MATCHABLE
+from .fingerprint_fields import COMM_ENV_PREFIXES, MATCHABLE, recorded_env
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -319,9 +319,9 @@ def _field_problem(field: str) -> str | None:
         return f"unknown field {field!r}: the sections are {', '.join(FIELDS)}"
     if section == "comm" and name.startswith("env."):
         var = name[4:]
-        if not var.startswith(COMM_ENV_PREFIXES) or var in COMM_ENV_IGNORED:
+        if not recorded_env(var):
             return (f"{field}: {var or '(empty)'} is never recorded in the fingerprint (recorded: variables starting "
-                    f"with {', '.join(COMM_ENV_PREFIXES)}, except logging and socket settings)")
+                    f"with {', '.join(COMM_ENV_PREFIXES)}, except logging, dump, timing and socket settings)")
         return None
     if section == "numerics" and name.startswith("determinism.") and len(name) > len("determinism."):
         return None

@@ -112,3 +112,37 @@ def test_a_wrong_element_of_a_large_gradient_is_caught_end_to_end(pytester: pyte
     broken = pytester.runpytest(*args, "--gpuregress-inject=collective:op=reduce_scatter,rel=1e-4,min_bytes=32768")
     broken.assert_outcomes(failed=1)
     broken.stdout.fnmatch_lines(["*[[]collective[]] step0_grad *blocks of 1024: * blocks differ*first at block *"])
+
+
+@pytest.mark.parametrize("values", ["uniform", "normal", "heavy-tailed"])
+def test_at_gpu_size_bf16_rounding_passes_the_oracle_bound_and_one_element_past_it_fails(values: str) -> None:
+    """The GPU model's gradients are compared in blocks of 1024, each a sum of 1024 rounding errors: held to the
+    per-element bound, a clean bf16 run of uniform-ish gradients would fail (their block sums drift to about 0.04
+    of the tensor's max against 0.035). Each block is held to the bound of its sum instead."""
+    from ml_dtypes import bfloat16
+
+    from pytest_gpuregress.reference.bounds import step0_bound
+    from pytest_gpuregress.reference.envelope import step0_deviation, step0_limit
+
+    rng = np.random.default_rng(7)
+    shape = (2816, 1024)  # the GPU model's MLP weights: 2.9 M elements, 2816 blocks
+    exact = {"uniform": rng.uniform(-1, 1, shape), "normal": rng.normal(size=shape),
+             "heavy-tailed": rng.standard_t(4, size=shape)}[values] * 1e-3
+    bound = step0_bound("bf16", tokens=12_288, layers=8)  # the GPU model's global batch and depth: 0.035
+
+    def record(grad: np.ndarray) -> object:
+        return make_record(arrays={"step0_blocks/w": step0.summarize(grad.reshape(-1))})
+
+    oracle = record(exact)
+    rounded = exact.astype(bfloat16).astype(np.float64)
+    deviation = step0_deviation(record(rounded), oracle, "w")
+    limit = step0_limit(oracle, "w", bound)
+    assert deviation is not None and np.all(deviation <= limit)
+    if values == "uniform":  # what the per-element bound alone would have said
+        assert deviation.max() > bound
+    # One element off by twice its block's derived bound (in units of the tensor's max |x|) fails, at its block.
+    block = 1234
+    broken = rounded.reshape(-1).copy()
+    broken[block * step0.BLOCK + 5] += 2 * float(np.asarray(limit)[block]) * np.abs(exact).max()
+    deviation = step0_deviation(record(broken), oracle, "w")
+    assert deviation is not None and list(np.nonzero(deviation > limit)[0]) == [block]

@@ -133,6 +133,17 @@ def step0_deviation(run: RunRecord, reference: RunRecord, name: str) -> np.ndarr
     return tensor_deviation(got, ref).reshape(-1) if got is not None and got.shape == ref.shape else None
 
 
+def step0_limit(reference: RunRecord, name: str, bound: float) -> np.ndarray | float:
+    """Where ``step0_deviation`` against ``reference`` must stay for two computations that differ only in rounding,
+    each element within ``bound`` (bounds.py): ``bound`` per element of a whole tensor, and per block of a large one
+    the bound of its sum (``step0.block_bound_scale``), so a GPU-size gradient compared in blocks is held to what
+    its elements are."""
+    found = step0.full_or_blocks(reference, name)
+    if found is None or found[0] != step0.BLOCK_PREFIX:
+        return bound
+    return bound * step0.block_bound_scale(found[1])
+
+
 def measure(base: RunRecord, replicas: list[RunRecord]) -> dict[str, np.ndarray]:
     """The envelope arrays: per metric, the largest deviation any replica reached.
 

@@ -157,6 +157,17 @@ def block_deviation(run: np.ndarray, ref: np.ndarray) -> np.ndarray:
     return np.where(broken, np.inf, np.nan_to_num(diff, nan=0.0))
 
 
+def block_bound_scale(ref: np.ndarray) -> np.ndarray:
+    """Per block: how many times an element's rounding bound its block's sum may differ by, in the same unit (the
+    tensor's max |x|). A block adds up the rounding errors of its elements: independent, each at most the element
+    bound, and, where they scale with their element (a bf16-rounded gradient), each proportional to |x_i|. Their sum
+    then grows like sqrt(sum x_i^2) (the probabilistic model of bounds.py), at most sqrt(max |x| x sum |x|) of the
+    block; errors of one size each (cancellation) give sqrt(count) x mean |x|, which that also bounds. Never below
+    1: a block of one element is that element."""
+    scale = max(float(ref[:, _MAX_ABS].max()) if ref.size else 0.0, float(np.finfo(np.float32).tiny))
+    return np.maximum(1.0, np.sqrt(np.abs(ref[:, _MAX_ABS] * ref[:, _ABS_SUM])) / scale)
+
+
 def same_layout(run: np.ndarray, ref: np.ndarray) -> bool:
     return run.shape == ref.shape and np.array_equal(run[:, :_SUM], ref[:, :_SUM])
 

@@ -31,8 +31,15 @@ STACKS: dict[str, list[str]] = {
     "transformers 4.57.6": ["transformers==4.57.6"],  # the last 4.x: experts as modules of their own
     "transformers 5.0.0": ["transformers==5.0.0"],
     "transformers 5.23.0": ["transformers==5.23.0"],
-    "torch 2.9.1": ["torch==2.9.1"],  # the registry's build is CUDA's; it runs on the CPU
-    "torch 2.14.1": ["torch==2.14.1"],  # the newest the registry allows here; its CUDA build runs on the CPU
+    "transformers 5.25.0": ["transformers==5.25.0"],  # the first that requires kernels, which wraps its RoPE
+    "torch 2.8.0": ["torch==2.8.0"],  # the oldest pyproject.toml allows; the registry's build is CUDA's, run on the CPU
+    "torch 2.9.1": ["torch==2.9.1"],
+    "torch 2.10.0": ["torch==2.10.0"],  # the first with torch.utils._debug_mode, with fewer switches than 2.11's
+    "torch 2.11.0": ["torch==2.11.0"],
+    "torch 2.12.1": ["torch==2.12.1"],
+    "torch 2.14.1": ["torch==2.14.1"],  # the newest the registry allows here
+    # The GPU machine's own stack (benchmarks/gpu_check.sh runs the plugin there from the tree), on the CPU.
+    "gpu machine": ["torch==2.11.0", "transformers==5.17.0", "accelerate==1.15.0"],
     "peft 0.20.0": ["peft==0.20.0"],  # one minor version back from 0.21
     "accelerate 1.14.0": ["accelerate==1.14.0"],  # one minor version back from 1.15
 }

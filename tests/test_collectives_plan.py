@@ -253,3 +253,26 @@ def test_rounding_cases_are_sums_of_two_reductions_at_a_few_sizes() -> None:
     assert all(c.n * 2 * 2 <= 16 << 10 for c in plan.plan("gloo", 2, 16 << 10) if c.dtype in plan.ROUNDING)
     case = plan.Case("all_reduce", "", "sum", "bf16r", 8, True)
     assert case.describe(2) == "all_reduce SUM bf16r n=8 (16 B) in place" and case.nbytes(2) == 16
+
+
+@pytest.mark.parametrize(("rccl", "arch", "env", "ran"), [
+    (True, "gfx942", {"NCCL_PROTO": "LL128"}, "Simple, not LL128: RCCL on gfx942 runs LL128 only with "
+                                              "RCCL_LL128_FORCE_ENABLE=1"),
+    (True, "gfx942", {"NCCL_PROTO": "LL128", "RCCL_LL128_FORCE_ENABLE": "1"}, "LL128 as pinned by NCCL_PROTO"),
+    (True, "gfx950", {"NCCL_PROTO": "LL128"}, "LL128 as pinned by NCCL_PROTO"),
+    (True, "gfx942", {"NCCL_PROTO": "LL"}, "LL as pinned by NCCL_PROTO"),
+    (False, "sm_90", {"NCCL_PROTO": "LL128"}, "LL128 as pinned by NCCL_PROTO"),
+    (False, "sm_90", {}, "the library's own choice"),
+])
+def test_the_protocol_that_ran_is_said_where_it_is_not_the_one_asked_for(rccl: bool, arch: str, env: dict[str, str],
+                                                                          ran: str) -> None:
+    """RCCL on MI300 (gfx942) silently runs Simple for NCCL_PROTO=LL128 unless forced: the sweep must not call
+    Simple's results LL128's."""
+    from pytest_gpuregress.scenarios.collectives import protocol_ran
+
+    from .conftest import make_record
+
+    record = make_record()
+    record.fingerprint = {"device": {"kind": "cuda", "arch": arch}, "comm": {"backend": "nccl", "rccl": rccl, "env": env}}
+    label = env.get("NCCL_PROTO", "default")
+    assert protocol_ran(label, record).startswith(ran)

@@ -334,3 +334,30 @@ def test_legitimate_drift_at_step_0_convicts_nothing_when_the_failure_starts_lat
     component, line = triage.verdict(comparison, experiments)
     assert component == "optimizer", line
     assert "first moved op drifts within the tolerance at step 0: aten::mm in model.layers.0.mlp.up_proj" in line
+
+
+def test_debug_mode_is_used_only_where_its_hooks_and_switches_are_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.10's DebugMode lacks switches 2.11 has; one without a pre-dispatch hook cannot serve the trace."""
+    import types
+
+    from pytest_gpuregress.training import op_trace_modes
+
+    class Older:  # as torch 2.10 has it: no profiler-context or local-tensor switch
+        def __init__(self, *, record_output: bool = True, record_stack_trace: bool = False) -> None: ...
+
+        @staticmethod
+        def dispatch_hooks(record_hook: object = None, log_hook: object = None, pre_log_hook: object = None) -> None: ...
+
+    class NoPreHook(Older):
+        @staticmethod
+        def dispatch_hooks(record_hook: object = None, log_hook: object = None) -> None: ...  # type: ignore[override]
+
+    assert op_trace_modes.debug_mode_switches(Older) == {"record_output": False}
+    for found, usable in ((Older, True), (NoPreHook, False)):
+        monkeypatch.setitem(__import__("sys").modules, "torch.utils._debug_mode", types.SimpleNamespace(DebugMode=found))
+        assert op_trace_modes.has_debug_mode() is usable
+    monkeypatch.undo()
+    if op_trace_modes.has_debug_mode():  # this torch's own: every switch the tracer turns off is there
+        from torch.utils._debug_mode import DebugMode
+
+        assert set(op_trace_modes.debug_mode_switches(DebugMode)) == set(op_trace_modes._DEBUG_MODE_OFF)

@@ -10,8 +10,14 @@ its result, and only reads. Torch is imported inside the functions: only the ran
 
 from __future__ import annotations
 
+import inspect
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
+
+# What DebugMode records of its own that the tracer does not need (it keeps what it needs): strings of outputs,
+# profiler regions, DTensors' local tensors. Passed only where this torch's DebugMode has the switch: torch 2.10's
+# lacks some that 2.11 has, and a switch it lacks records nothing anyway.
+_DEBUG_MODE_OFF = ("record_output", "record_profiler_context", "record_localtensor")
 
 
 class OpWatcher(Protocol):
@@ -28,11 +34,26 @@ def _faked() -> bool:
 
 
 def has_debug_mode() -> bool:
+    """Whether this torch's DebugMode can serve the trace: it exists and its dispatch hooks take a pre-dispatch
+    hook (``pre_log_hook``), which the tracer needs to see an op's inputs before a fault or the op writes them."""
     try:
-        from torch.utils._debug_mode import DebugMode  # noqa: F401
+        from torch.utils._debug_mode import DebugMode
     except ImportError:
         return False
-    return True
+    hooks = getattr(DebugMode, "dispatch_hooks", None)
+    try:
+        return hooks is not None and "pre_log_hook" in inspect.signature(hooks).parameters
+    except (TypeError, ValueError):  # a signature Python cannot read: do not guess
+        return False
+
+
+def debug_mode_switches(debug_mode: Any) -> dict[str, bool]:
+    """The recording switches to turn off (``_DEBUG_MODE_OFF``) that this torch's DebugMode takes."""
+    try:
+        accepted = inspect.signature(debug_mode.__init__).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {name: False for name in _DEBUG_MODE_OFF if name in accepted}
 
 
 class _DebugModeWatch:
@@ -45,7 +66,7 @@ class _DebugModeWatch:
 
         self._watcher = watcher
         # No strings of outputs, no stacks, no module tracking of its own: the tracer keeps what it needs.
-        self._mode = DebugMode(record_output=False, record_profiler_context=False, record_localtensor=False)
+        self._mode = DebugMode(**debug_mode_switches(DebugMode))
         self._hooks: AbstractContextManager[Any] | None = None
 
     def _before(self, func: Any, types: Any, args: Any, kwargs: Any, call: Any) -> None:

@@ -36,6 +36,28 @@ def protocol_groups(protos: list[str], algos: list[str], backend: str) -> dict[s
     return groups
 
 
+# RCCL enables LL128 only on the GPUs it validated it on: on MI300 (gfx942) NCCL_PROTO=LL128 silently runs Simple
+# unless RCCL_LL128_FORCE_ENABLE=1 (RCCL's docs and release notes). Neither library reports which protocol a call
+# used, so a pinned group's label is what was asked for; where that is known not to be what ran, the summary says so.
+RCCL_LL128_FORCE = "RCCL_LL128_FORCE_ENABLE"
+RCCL_LL128_VALIDATED = ("gfx90a", "gfx950")  # RCCL enables LL128 by default there; gfx942 needs the switch
+
+
+def protocol_ran(label: str, record: RunRecord) -> str:
+    """What can be said of the protocol a group of the sweep ran, from its record's fingerprint."""
+    env = {**(record.fingerprint.get("comm", {}).get("env") or {})}
+    rccl = bool(record.fingerprint.get("comm", {}).get("rccl"))
+    arch = str(record.fingerprint.get("device", {}).get("arch") or "")
+    proto = env.get("NCCL_PROTO") or ("" if label == "default" else label.split("+")[0])
+    if not proto:
+        return "the library's own choice by size and topology (not reported back)"
+    if rccl and "LL128" in proto.split(",") and env.get(RCCL_LL128_FORCE) != "1" \
+            and not arch.startswith(RCCL_LL128_VALIDATED):
+        return (f"Simple, not {proto}: RCCL on {arch or 'this GPU'} runs LL128 only with {RCCL_LL128_FORCE}=1, so "
+                f"these are Simple's results; set it to test LL128")
+    return f"{proto} as pinned by NCCL_PROTO (the library does not report it back; NCCL_DEBUG=INFO with " \
+           f"NCCL_DEBUG_SUBSYS=TUNING logs each choice)"
+
 
 def exercised(op: str) -> act.Exercises:
     """A sweep case runs its one op; a bf16 rounding fault acts in the SUM reductions (faults/collective.py)."""
@@ -107,8 +129,9 @@ class CollectivesScenario(CheckScenario):
             if record is None:
                 continue
             cases, _ = _cases_and_results(record)
+            ran = f"; ran {protocol_ran(protocol, record)}" if setup.backend == "nccl" else ""
             lines.append(f"protocol {protocol}: {len(cases)} cases on {setup.world_size} {setup.backend} ranks in "
-                         f"{record.timings.get('launch_wall_s', 0.0):.1f}s")
+                         f"{record.timings.get('launch_wall_s', 0.0):.1f}s{ran}")
             lines.append("  " + links.summary(record.results["cases"], record.results.get("identities", []),
                                               setup.world_size, setup.backend))
         if self.pinning_ignored(setup):

@@ -17,6 +17,7 @@ from pytest_gpuregress.reference.compare import OLD_TRACE_NOTE, compare_training
 from pytest_gpuregress.reference.op_trace import INPUT_OP, RankTrace, ranks
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.reference.report import format_comparison
+from pytest_gpuregress.reference.trace_pairs import pair
 
 from .conftest import make_record
 from .test_op_trace import UP_PROJ, traced_step0
@@ -202,7 +203,7 @@ def test_a_collective_weighs_every_ranks_inputs() -> None:
     found = introduced.introduced_at(ref, moved_upstream)
     assert found is not None and found.entry is not None and found.entry.op == "aten::mul" and found.rank == 1
     before, after = ranks(ref), ranks(moved_upstream)
-    moves = {r: introduced._Moves.of(before[r], after[r]) for r in (0, 1)}
+    moves = {r: introduced._Moves.of(before[r], after[r], pair(before[r], after[r])) for r in (0, 1)}
     alone = introduced._first_in_rank(after[0], moves[0], [], introduced.DEFAULT)
     assert alone is not None and alone[0] == 2  # rank 0 alone: its inputs are equal, its output moved
     assert introduced._first_in_rank(after[0], moves[0], [(after[1], moves[1])], introduced.DEFAULT) is None
@@ -266,20 +267,38 @@ def test_the_scale_mode_of_the_collective_fault_scales_every_element_and_only_fl
 
 
 
-def test_a_changed_op_sequence_is_named_as_such_in_the_tolerant_lane_never_as_drift() -> None:
+def test_a_changed_op_sequence_is_a_note_and_the_analysis_goes_on_past_it() -> None:
+    """The library wrote SiLU anew (aten::mul became aten::sigmoid): that op has no partner, so it is said as a
+    change of the sequence, and the reduce-scatter after it is still paired and judged, by its nearest paired
+    ancestor's move (the input, unmoved)."""
     ref = record_of(reduce_scatter([1.0, 2.0], 3.0))
-    changed = record_of(trace_of([(INPUT_OP, "f32[8]", [], [1.0, 8.0, 1.0]),
-                                  ("aten::sigmoid", "f32[8]", [0], [2.0, 8.0, 1.0]),  # the library wrote SiLU anew
-                                  ("c10d::_reduce_scatter_base_", "f32[4]", [1], [3.0, 4.0, 1.0])]))
-    changed.series = {k: [v * (1 + 1e-3) for v in vals] for k, vals in changed.series.items()}
-    comparison = compare_training(ref, changed, lane="tolerant")
-    assert comparison.introduced is None and comparison.culprit is comparison.first_moved
-    assert comparison.culprit is not None and comparison.culprit.kind == "sequence"
+
+    def rewritten(output: float) -> RunRecord:
+        record = record_of(trace_of([(INPUT_OP, "f32[8]", [], [1.0, 8.0, 1.0]),
+                                     ("aten::sigmoid", "f32[8]", [0], [2.0, 8.0, 1.0]),
+                                     ("c10d::_reduce_scatter_base_", "f32[4]", [1], [output, 4.0, 1.0])]))
+        record.series = {k: [v * (1 + 1e-3) for v in vals] for k, vals in record.series.items()}
+        return record
+
+    comparison = compare_training(ref, rewritten(3.0), lane="tolerant")
+    assert comparison.introduced is None and comparison.first_moved is None and comparison.culprit is None
+    note = "1 op differs at the same place: aten::mul in `m` (backward): op aten::mul -> aten::sigmoid"
+    assert comparison.sequence_notes[0] == note
     text = report(comparison)
-    assert "the op sequence changed at op 1" in text and "moved beyond drift" not in text
-    evidence = triage.first_moved_evidence(comparison)
-    assert evidence is not None and evidence.status == "sequence changed"
-    assert evidence.detail.startswith("the op sequence changed at op 1: the reference ran aten::mul")
+    assert f"    {note}" in text and "op sequence changed since the reference" in text
+    assert triage.first_moved_evidence(comparison) is None  # no op moved: nothing convicts
+    # The collective past the change moved, far beyond what its (paired) ancestor explains: introduced there.
+    comparison = compare_training(ref, rewritten(3.0 + 4e-3), lane="tolerant")
+    culprit = comparison.culprit
+    assert culprit is not None and culprit.entry is not None and culprit.entry.op == "c10d::_reduce_scatter_base_"
+    assert culprit.component == "collective" and comparison.sequence_notes[0] == note
+    assert comparison.sequence_notes[1] == ("only 2 of this run's 3 ops could be paired with the reference's: the "
+                                            "analysis covers those")
+    # In the exact lane a changed sequence is the first difference, named with the field that differs.
+    exact = compare_training(ref, rewritten(3.0), lane="exact")
+    assert exact.culprit is not None and exact.culprit.kind == "sequence"
+    assert exact.culprit.describe().startswith("the op sequence changed at op 1: aten::mul in m (backward): "
+                                               "op aten::mul -> aten::sigmoid")
 
 
 def test_a_collective_on_ranks_whose_traces_differ_weighs_only_the_ranks_that_ran_it() -> None:

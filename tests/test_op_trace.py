@@ -130,9 +130,11 @@ def test_a_device_output_is_digested_only_after_every_stream_of_its_device_is_do
     events: list[str] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(f"synchronize {device}"))
     monkeypatch.setattr(tensor_digest, "torch_digest", lambda tensor: events.append("read") or (0.0, 0.0, 0.0, 0))
-    on_gpu = SimpleNamespace(device=torch.device("cuda", 1), dtype=torch.bfloat16)
-    assert op_trace._digest_of(on_gpu) == (0.0, 0.0, 0.0, 0)
-    assert events == ["synchronize cuda:1", "read"]
+    monkeypatch.setattr(tensor_digest, "torch_sketch", lambda tensor: events.append("sketch") or None)
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 1), dtype=torch.bfloat16, is_floating_point=lambda: True,
+                             is_complex=lambda: False, numel=lambda: 1 << 20)
+    assert op_trace._digest_of(on_gpu) == ((0.0, 0.0, 0.0, 0), None)
+    assert events == ["synchronize cuda:1", "read", "sketch"]
     events.clear()
     tensor_digest.digest(torch.ones(4))  # a CPU tensor has no other stream to wait for
     assert events == []
@@ -245,7 +247,7 @@ def test_a_failure_of_the_tracer_stops_the_trace_and_never_the_training(clean: R
     def broken(tensor: Any) -> Any:
         raise ValueError("a digest that fails")
 
-    monkeypatch.setattr(op_trace, "digest", broken)
+    monkeypatch.setattr(op_trace, "digest_and_sketch", broken)
     record = traced_step0()  # the step ran to its end
     assert "ValueError: a digest that fails" in record.results["op_trace"]["ranks"]["0"]["error"]
     assert ranks(record) == {} and first_moved(clean, record) is None  # no evidence, and no false one
@@ -361,3 +363,30 @@ def test_debug_mode_is_used_only_where_its_hooks_and_switches_are_there(monkeypa
         from torch.utils._debug_mode import DebugMode
 
         assert set(op_trace_modes.debug_mode_switches(DebugMode)) == set(op_trace_modes._DEBUG_MODE_OFF)
+
+
+def test_a_sketch_sums_interleaved_buckets_the_same_on_the_host_and_on_a_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One wrong element moves one bucket by its whole error; a row or column that moved together spreads over
+    every bucket (127 is prime); the device path (chunked) and the host path agree; small or integer outputs keep
+    none."""
+    import torch
+
+    from pytest_gpuregress.training import tensor_digest
+    from pytest_gpuregress.training.tensor_digest import SKETCH_BUCKETS, digest_and_sketch, torch_sketch
+
+    values = torch.randn(128, 176, generator=torch.Generator().manual_seed(0))
+    _, sketch = digest_and_sketch(values)
+    flat = values.double().reshape(-1).numpy()
+    assert sketch is not None and len(sketch) == SKETCH_BUCKETS
+    assert np.allclose(sketch, [flat[b::SKETCH_BUCKETS].sum() for b in range(SKETCH_BUCKETS)], rtol=1e-12)
+    monkeypatch.setattr(tensor_digest, "CHUNK", 1000)  # the device path in chunks, each a multiple of 127 elements
+    assert np.allclose(torch_sketch(values), sketch, rtol=1e-12)
+    assert np.allclose(torch_sketch(values.bfloat16()), digest_and_sketch(values.bfloat16())[1], rtol=1e-12)
+    wrong = values.clone()
+    wrong.view(-1)[-1] *= 1 + 1e-3
+    moved = np.abs(digest_and_sketch(wrong)[1] - sketch)
+    assert np.count_nonzero(moved) == 1
+    column = values.clone()
+    column[:, 5] *= 1 + 1e-3
+    assert np.count_nonzero(np.abs(digest_and_sketch(column)[1] - sketch)) == SKETCH_BUCKETS
+    assert digest_and_sketch(torch.ones(100))[1] is None and digest_and_sketch(torch.arange(5000))[1] is None

@@ -5,6 +5,7 @@ path, a fake /proc for the RSS path, and the real RSS of this process with the r
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -119,14 +120,14 @@ def test_the_real_tracers_digests_are_not_in_this_processs_peak_rss(monkeypatch:
         observe._reset_rss_peak()
     except OSError:
         pytest.skip("no /proc/self/clear_refs here")
-    real = op_trace.digest
+    real = op_trace.digest_and_sketch
 
-    def heavy(tensor: torch.Tensor) -> tuple[float, float, float, int]:
+    def heavy(tensor: torch.Tensor) -> Any:
         scratch = np.ones(256 * MIB, dtype=np.uint8)  # touched: resident until freed (a mapping of its own)
         del scratch
         return real(tensor)
 
-    monkeypatch.setattr(op_trace, "digest", heavy)
+    monkeypatch.setattr(op_trace, "digest_and_sketch", heavy)
     layer = torch.nn.Linear(16, 16)
     tracer = op_trace.OpTracer(0, layer)
     observer = observe.StepObserver(ctx_on("cpu"), 8, tokens_per_step=64)

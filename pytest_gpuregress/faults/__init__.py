@@ -109,6 +109,8 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                       ("nudge", "zero_tail", "zeros", "stale_chunk", "truncate_bf16", "scale")),
         "rel": Param("number", "relative size of a nudge or a scale (default 1e-3)"),
         "add": Param("number", "a nudge adds this to the element instead (an absolute error, e.g. 1e-5)"),
+        "at": Param("choice", "which element a nudge changes: middle (default), first or last (the tail of a "
+                              "buffer, where NCCL left a bf16 AVG's last elements at zero)", ("middle", "first", "last")),
         "count": Param("int", "elements zeroed by zero_tail (default 8)", minimum=1),
         "chunk": Param("int", "which chunk stale_chunk restores (default -1, the last)"),
         "pieces": Param("int", "chunks a single-tensor output is cut into for stale_chunk (default 2)", minimum=2),
@@ -146,6 +148,9 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                                        "cuBLAS and hipBLASLt pick them", minimum=1),
                   "features": Param("int", "only outputs of this many features (a projection's width): a GEMM "
                                            "kernel picked by N", minimum=1),
+                  "elements": Param("choice", "all (default: each by its feature's sign) or last: only the last "
+                                              "element of each output, x (1 + rel), in place (one wrong element)",
+                                    ("all", "last")),
                   "ranks": _RANKS, "rank": _RANKS}),
     FaultKind("cast", ".casts:install_cast", "a conversion kernel with the wrong rounding", {
         "mode": Param("choice", "truncate_bf16: every fp32 -> bf16 cast (aten _to_copy) rounds toward zero instead "

@@ -162,8 +162,8 @@ class CollectiveFault:
                 return False
             for t in outputs:
                 t.mul_(1 + self.spec.get("rel", 1e-3))
-        else:  # nudge one element in the middle, where neither head nor tail checks would look first
-            i = flat.numel() // 2
+        else:  # nudge one element: by default in the middle, where neither head nor tail checks would look first
+            i = {"first": 0, "last": flat.numel() - 1}.get(self.spec.get("at", "middle"), flat.numel() // 2)
             if flat.is_floating_point() and self.spec.get("add") is not None:  # off by an absolute amount
                 flat[i] = (flat[i].to(torch.float64) + self.spec.get("add")).to(flat.dtype)
             elif flat.is_floating_point():

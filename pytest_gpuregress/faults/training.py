@@ -45,6 +45,7 @@ def install_linear_noise(spec: FaultSpec, ctx: Any) -> Firing:
 
     rel = spec.get("rel", 1e-7)
     rows, features = spec.get("rows"), spec.get("features")  # None: every shape
+    last_only = spec.get("elements", "all") == "last"
     original = F.linear
     patterns: dict[tuple[int, str, Any], Any] = {}
     firing = Firing(spec.text)  # linear outputs changed
@@ -55,6 +56,12 @@ def install_linear_noise(spec: FaultSpec, ctx: Any) -> Firing:
                 (features is not None and out.shape[-1] != features):
             return out  # another shape: another kernel, which is right
         key = (out.shape[-1], str(out.device), out.dtype)
+        if last_only:  # one wrong element, written through memory as a faulty kernel's store would be
+            with fault_region(), torch.no_grad():
+                flat = out.detach().view(-1)
+                flat[-1:] *= 1 + rel
+            firing.fire()
+            return out
         with fault_region():  # the emulated drift's own arithmetic is not a kernel of the stack
             if key not in patterns:
                 feature = torch.arange(out.shape[-1], device=out.device, dtype=torch.int64)

@@ -24,9 +24,10 @@ from ..stack.determinism import nondeterminism
 from . import model_layout, step0
 from .envelope import METRICS, SERIES, MetricLimits, digest_deviation, floors_for, limit, rel, tensor_deviation
 from .envelope import PREFIX as ENVELOPE_PREFIX
-from .first_moved import FirstMoved, equal_traces, first_moved
+from .first_moved import FirstMoved, equal_traces, first_moved, pairings
 from .introduced import Traced, describe_thresholds, introduced_at, shape_dependence
 from .record import RunRecord
+from .trace_pairs import notes as sequence_notes
 
 WORST_ROWS = 8
 # A step-0 gradient wrong in fewer than this share of its elements points at a collective.
@@ -93,15 +94,17 @@ class Comparison:
     # Where the culprit is a compute op that went wrong at some input shapes and not at others: the line that names
     # them (introduced.shape_dependence); a kernel picked by shape.
     shape_note: str | None = None
+    # What changed in step 0's op sequence (trace_pairs.notes): ops relabelled, inserted, removed or replaced, one
+    # note per kind and place, from the lowest rank whose sequence changed. The analysis pairs the ops around them.
+    sequence_notes: list[str] = field(default_factory=list)
 
     @property
     def culprit(self) -> FirstMoved | None:
         """The op a failure names and triage weighs: in the exact lane the first op that moved (no drift is
-        allowed there); in the tolerant lane the op that introduced a difference, never plain drift (for an
-        older reference, the first op that moved, with ``introduced_note``)."""
-        changed_sequence = self.first_moved is not None and self.first_moved.kind == "sequence"
-        if self.lane == "exact" or self.introduced_note is not None or (self.introduced is None and changed_sequence):
-            return self.first_moved  # a changed op sequence is no drift: the model's code or torch's dispatch changed
+        allowed there; a changed op sequence is a difference too); in the tolerant lane the op that introduced a
+        difference, never plain drift (for an older reference, the first op that moved, with ``introduced_note``)."""
+        if self.lane == "exact" or self.introduced_note is not None:
+            return self.first_moved
         return self.introduced
 
     @property
@@ -507,11 +510,15 @@ def compare_training(
             finding.component = layout[0]
         findings.insert(0, Finding("model", *layout))
     name_optimizer(findings, run.config)
+    paired = pairings(reference, run)  # both records' traces paired op by op: once, for every use below
     comparison = Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source,
-                            first_moved=first_moved(reference, run), equal_trace=equal_traces(reference, run))
+                            first_moved=first_moved(reference, run, sequence=chosen == "exact", paired=paired),
+                            equal_trace=equal_traces(reference, run, paired),
+                            sequence_notes=next((sequence_notes(p, ref, got) for ref, got, p in paired.values()
+                                                 if not p.complete), []))
     traced = None  # both records' traces side by side: set up once, for the introducing op and the shapes
     if chosen == "tolerant" and comparison.first_moved is not None:
-        traced = Traced.of(reference, run)
+        traced = Traced.of(reference, run, paired)
         if traced is not None:
             comparison.introduced = introduced_at(reference, run, traced)
             comparison.introduced_rule = describe_thresholds(reference)

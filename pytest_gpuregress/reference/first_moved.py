@@ -2,13 +2,15 @@
 In the exact lane it is what a failure names; in the tolerant lane it is where drift begins, and introduced.py
 names the op that introduced the difference.
 
-Per rank, the two traces are walked in order (op_trace.py). The first entry that differs is either
+Per rank, the two traces are paired op by op (trace_pairs.py: by what each op computes, across inserted, removed
+or relabelled stretches) and walked in this run's order. The first entry that differs is either
 
-  moved      the same op, in the same place, with the same shapes, whose outputs' bits differ: named with its
-             module path, phase, shapes and relative difference, and the count of ops before it that are
-             bitwise equal (its inputs among them: every tensor an op reads is in the trace);
-  sequence   another op, module, phase or shape at that place: the op sequence changed (the model's code, or
-             how torch dispatches it), so later values cannot be paired.
+  moved      a paired op, the same computation, whose outputs' bits differ: named with its module path, phase,
+             shapes and relative difference, and the count of ops before it that are bitwise equal (its inputs
+             among them: every tensor an op reads is in the trace);
+  sequence   an op without a partner, or under another module label: the op sequence changed (the model's code,
+             or how torch dispatches it). In the exact lane that is the first difference; in the tolerant lane
+             (``sequence=False``) the walk goes on over the pairs, and the changes are notes (trace_pairs.notes).
 
 Over ranks, the earliest entry is named (the lowest rank on a tie), with the other ranks where the same entry
 moved. The relative difference is the largest relative change of the output's digests: |d sum| and
@@ -25,6 +27,7 @@ import numpy as np
 
 from .op_trace import INPUT_OP, ROOT, RankTrace, TraceOp, ranks
 from .record import RunRecord
+from .trace_pairs import Pairing, differing_fields, pair
 
 COLLECTIVE_NAMESPACES = ("c10d::", "_c10d_functional::", "c10d_functional::", "fsdp::")
 
@@ -45,6 +48,8 @@ class FirstMoved:
     label: str = "first difference"
     inputs_relative: float | None = None  # "introduced at": the most its inputs moved
     ulps: float | None = None  # "introduced at": its move in units of its output dtype's rounding
+    # "introduced at" by its sketch (introduced.py): (the peak bucket's move in ulps, its ratio to the median's)
+    spike: tuple[float, float] | None = None
 
     @property
     def component(self) -> str | None:
@@ -66,6 +71,12 @@ class FirstMoved:
         where = f"on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} of {self.world}"
         before = f"the {self.equal_before} ops before it are bitwise equal" if self.equal_before != 1 else \
             "the op before it is bitwise equal"
+        if self.kind == "moved" and self.entry is not None and self.spike is not None:
+            peak, ratio = self.spike
+            median = f"{ratio:.3g}x the median bucket's" if ratio != float("inf") else "while most did not move"
+            return f"{self.label}: {_name(self.entry)}, {_shapes(self.entry)}, a few of its output's elements moved: " \
+                   f"one bucket of its sketch by {peak:.3g} ulps, {median}, and no input had such a bucket (the " \
+                   f"whole output moved {self.relative:.1e} relative; {where}, step-0 op trace)"
         if self.kind == "moved" and self.entry is not None and self.inputs_relative is not None:
             return f"{self.label}: {_name(self.entry)}, {_shapes(self.entry)}, its output moved {self.relative:.1e} " \
                    f"relative ({self.ulps or 0:.3g} ulps) against {self.inputs_relative:.1e} for its inputs " \
@@ -74,10 +85,14 @@ class FirstMoved:
             size = f"{self.relative:.1e} relative" if self.relative > 0 else "bits differ, digests' sums equal"
             return f"{self.label}: {_name(self.entry)}, {_shapes(self.entry)}, {size}; {before} " \
                    f"({where}, step-0 op trace)"
-        ref = _name(self.reference) if self.reference is not None else "the end of the reference's trace"
-        got = _name(self.entry) if self.entry is not None else "the end of this run's trace"
-        return f"the op sequence changed at op {self.entry_index}: the reference ran {ref}, this run {got} " \
-               f"(the model's code or how torch dispatches it changed); {before} ({where}, step-0 op trace)"
+        if self.reference is not None and self.entry is not None:  # the same place: name what differs, both values
+            what = f"{_name(self.reference)}: {'; '.join(differing_fields(self.reference, self.entry))}"
+        else:
+            ref = _name(self.reference) if self.reference is not None else "nothing more"
+            got = _name(self.entry) if self.entry is not None else "nothing more"
+            what = f"the reference ran {ref}, this run {got}"
+        return f"the op sequence changed at op {self.entry_index}: {what} (the model's code or how torch " \
+               f"dispatches it changed); {before} ({where}, step-0 op trace)"
 
     @property
     def entry_index(self) -> int:
@@ -137,44 +152,70 @@ def relative_difference(run: TraceOp, ref: TraceOp) -> float:
     return float(_changes(run, ref).max(initial=0.0))
 
 
-def first_in_rank(reference: RankTrace, run: RankTrace) -> tuple[str, int, float] | None:
-    """(kind, entry index, relative difference) of the first entry that differs, or None when all agree."""
+Event = tuple[str, int, int | None, float]  # (kind, this run's index, the reference's index or None, relative)
+
+
+def first_in_rank(reference: RankTrace, run: RankTrace, pairing: Pairing | None = None, *,
+                  sequence: bool = True) -> Event | None:
+    """The first entry, in this run's order, whose paired output's bits differ ("moved"), or, with ``sequence``,
+    where the op sequence changed first ("sequence"), if that comes earlier; None when all agree."""
+    pairing = pairing or pair(reference, run)
     compare_hashes = reference.hash_kind == run.hash_kind
-    for i in range(min(len(reference), len(run))):
-        ref, got = reference.entry(i), run.entry(i)
-        if ref.identity != got.identity:
-            return "sequence", i, 0.0
+    change = pairing.first_change() if sequence else None
+    for i, j in pairing.pairs:
+        if change is not None and j >= change:
+            break
+        ref, got = reference.entry(i), run.entry(j)
         if not bits_equal(ref, got, compare_hashes):
-            return "moved", i, relative_difference(got, ref)
-    if len(reference) != len(run):
-        return "sequence", min(len(reference), len(run)), 0.0
+            return "moved", j, i, relative_difference(got, ref)
+    if change is None:
+        return None
+    return "sequence", change, _reference_at(pairing, change), 0.0
+
+
+def _reference_at(pairing: Pairing, index: int) -> int | None:
+    """The reference's entry at this run's ``index``, where the sequence changed: its partner (a relabelled op), or
+    the first of the stretch there, or where the reference goes on past this run's end."""
+    if index in pairing.run_to_ref:
+        return pairing.run_to_ref[index]
+    for stretch in pairing.stretches:
+        if stretch.run.start == index or (not stretch.run and index == pairing.run_len):
+            return stretch.ref.start if stretch.ref else None
     return None
 
 
-def equal_traces(reference: RunRecord, run: RunRecord) -> tuple[int, int] | None:
+def pairings(reference: RunRecord, run: RunRecord) -> dict[int, tuple[RankTrace, RankTrace, Pairing]]:
+    """Per rank both records traced: (the reference's trace, this run's, their pairing)."""
+    ref_ranks, run_ranks = ranks(reference), ranks(run)
+    return {r: (ref_ranks[r], run_ranks[r], pair(ref_ranks[r], run_ranks[r])) for r in sorted(set(ref_ranks) & set(run_ranks))}
+
+
+def equal_traces(reference: RunRecord, run: RunRecord,
+                 paired: dict[int, tuple[RankTrace, RankTrace, Pairing]] | None = None) -> tuple[int, int] | None:
     """(ranks, ops per rank) where both records traced step 0 and every op is bitwise equal; None otherwise."""
-    ref_ranks, run_ranks = ranks(reference), ranks(run)
-    common = sorted(set(ref_ranks) & set(run_ranks))
-    if not common or any(first_in_rank(ref_ranks[r], run_ranks[r]) is not None for r in common):
+    paired = pairings(reference, run) if paired is None else paired
+    if not paired or any(not p.complete or first_in_rank(ref, got, p) is not None for ref, got, p in paired.values()):
         return None
-    return len(common), min(len(run_ranks[r]) for r in common)
+    return len(paired), min(len(got) for _, got, _ in paired.values())
 
 
-def first_moved(reference: RunRecord, run: RunRecord) -> FirstMoved | None:
-    """The first op of step 0 whose output moved, over every rank both records traced; None when every op is
-    bitwise equal, or when either record has no trace (older references have none)."""
-    ref_ranks, run_ranks = ranks(reference), ranks(run)
-    common = sorted(set(ref_ranks) & set(run_ranks))
-    found = {r: first_in_rank(ref_ranks[r], run_ranks[r]) for r in common}
+def first_moved(reference: RunRecord, run: RunRecord, *, sequence: bool = True,
+                paired: dict[int, tuple[RankTrace, RankTrace, Pairing]] | None = None) -> FirstMoved | None:
+    """The first op of step 0 whose output moved, over every rank both records traced; None when every paired op
+    is bitwise equal (and, with ``sequence``, the sequence did not change), or when either record has no trace
+    (older references have none). ``sequence``: a changed op sequence counts as the first difference (the exact
+    lane); without it, the first paired op that moved (the tolerant lane's drift)."""
+    paired = pairings(reference, run) if paired is None else paired
+    found = {r: first_in_rank(ref, got, p, sequence=sequence) for r, (ref, got, p) in paired.items()}
     moved = {r: f for r, f in found.items() if f is not None}
     if not moved:
         return None
     rank = min(moved, key=lambda r: (moved[r][1], r))
-    kind, index, relative = moved[rank]
-    ref_trace, run_trace = ref_ranks[rank], run_ranks[rank]
+    kind, index, ref_index, relative = moved[rank]
+    ref_trace, run_trace, _ = paired[rank]
     entry = run_trace.entry(index) if index < len(run_trace) else None
-    ref_entry = ref_trace.entry(index) if index < len(ref_trace) else None
+    ref_entry = ref_trace.entry(ref_index) if ref_index is not None else None
     same = tuple(r for r, f in moved.items() if r != rank and f[:2] == (kind, index) and entry is not None
-                 and index < len(run_ranks[r]) and run_ranks[r].entry(index).identity == entry.identity)
+                 and index < len(paired[r][1]) and paired[r][1].entry(index).identity == entry.identity)
     before = sum(1 for i in range(index) if run_trace.entry(i).op != INPUT_OP)
-    return FirstMoved(rank, kind, entry, ref_entry, before, relative, len(common), same)
+    return FirstMoved(rank, kind, entry, ref_entry, before, relative, len(paired), same)  # type: ignore[arg-type]

@@ -17,14 +17,15 @@ reference when it is recorded, so a later change of them never re-judges an olde
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .first_moved import FirstMoved, bits_equal, relative_per_output
-from .op_trace import INPUT_OP, RESULT_KEY, RankTrace, ranks
+from .first_moved import FirstMoved, bits_equal, pairings, relative_per_output
+from .op_trace import INPUT_OP, RESULT_KEY, RankTrace, TraceOp, ranks
 from .record import RunRecord
+from .trace_pairs import Pairing
 
 INTRODUCED_KEY = "introduced"  # under results["op_trace"]: the thresholds the reference was recorded with
 _CROSS_RANK = ("c10d::", "_c10d_functional::", "c10d_functional::")  # outputs that hold other ranks' inputs
@@ -38,13 +39,21 @@ _INTEGER_EPSILON = 1.0  # an integer output (indices, counts) that moved at all 
 class Thresholds:
     floor_ulps: float
     amplification: float
+    spike_ratio: float | None = None  # None: recorded before sketches were judged, so they are not
+    spike_floor_ulps: float = 0.0  # a sketch's bucket moved at least this far, in ulps of a bucket's share
 
     def to_json(self) -> dict[str, float]:
-        return {"floor_ulps": self.floor_ulps, "amplification": self.amplification}
+        out = {"floor_ulps": self.floor_ulps, "amplification": self.amplification}
+        return out if self.spike_ratio is None else \
+            {**out, "spike_ratio": self.spike_ratio, "spike_floor_ulps": self.spike_floor_ulps}
 
     def describe(self) -> str:
+        spike = "" if self.spike_ratio is None else \
+            f", or, for a collective, a matmul or a copy, one bucket of its sketch moved at least " \
+            f"{self.spike_floor_ulps:g} ulps and over {self.spike_ratio:g}x the median bucket's move while no " \
+            f"input's sketch had such a bucket"
         return f"an output moved at least {self.floor_ulps:g} ulps of its dtype and over " \
-               f"{self.amplification:g}x its inputs' move"
+               f"{self.amplification:g}x its inputs' move{spike}"
 
 
 # Measured (docs/envelope.md): on the other CPU kernel path a clean run moves no op of the fsdp and lora cases
@@ -53,7 +62,17 @@ class Thresholds:
 # heavy-tailed operands moves its digest 190x more than its inputs' when one of them carries a one-element error
 # (tests/test_introduced.py), and naming that op would convict the wrong component. A 1e-4 GEMM error whose
 # inputs are equal is 840 ulps against nothing; a 1e-3 reduce-scatter error after drift, 8400 ulps at 6000x.
-DEFAULT = Thresholds(floor_ulps=32.0, amplification=1000.0)
+# The sketch (training/tensor_digest.py) sees what the digests dilute: one wrong element of a 10k-element output
+# moves its bucket by about 1e-3 / 80 relative to a bucket's share of the output, while a new kernel path moves
+# every bucket alike. Judged only for ops whose output cannot turn dense drift of their inputs into one large move:
+# collectives, matmuls and copies (AdamW's first update can: a gradient near zero whose sign drift flips).
+# The ratio is measured in docs/envelope.md ("One wrong element through drift").
+DEFAULT = Thresholds(floor_ulps=32.0, amplification=1000.0, spike_ratio=32.0, spike_floor_ulps=4.0)
+FEW_BUCKETS = 8  # "a few elements": a bf16 AVG's 8-element tail (NVIDIA/nccl#1950) fills 8 buckets
+INPUT_RELAX = 0.25  # an input's floor, against its output's: a reduce-scatter's input holds N times its elements
+SPIKE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "aten::mv",
+             "aten::addmv", "aten::_grouped_mm", "aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat")
+SPIKE_NAMESPACES = ("c10d::", "_c10d_functional::", "c10d_functional::", "fsdp::")
 
 
 def stored_thresholds(reference: RunRecord) -> Thresholds | None:
@@ -63,7 +82,9 @@ def stored_thresholds(reference: RunRecord) -> Thresholds | None:
     if not isinstance(found, dict):
         return None
     try:
-        return Thresholds(float(found["floor_ulps"]), float(found["amplification"]))
+        spike = found.get("spike_ratio")
+        return Thresholds(float(found["floor_ulps"]), float(found["amplification"]),
+                          float(spike) if spike is not None else None, float(found.get("spike_floor_ulps", 0.0)))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -90,26 +111,37 @@ def epsilon(shape: str) -> float:
 
 @dataclass
 class _Moves:
-    """Per entry of one rank, over the entries both traces share: how far each output moved (relative), and
-    each output's size and unit of rounding: its dtype's, or the coarsest its inputs' values were rounded to
-    where that is coarser (values upcast from bf16 carry bf16's rounding into every float32 op they reach)."""
+    """Per entry of this run's trace of one rank, how far each output moved (relative) from its partner in the
+    reference's (trace_pairs.py), and each output's size and unit of rounding: its dtype's, or the coarsest its
+    inputs' values were rounded to where that is coarser (values upcast from bf16 carry bf16's rounding into every
+    float32 op they reach). An entry without a partner has no move of its own (None): what reads it is judged by
+    its nearest paired ancestors' moves (``moved_outputs``), the rule this module chose for a changed sequence."""
 
-    outputs: list[np.ndarray]  # per entry: each output's relative move (0 where its bits are equal)
+    run: RankTrace
+    outputs: list[np.ndarray | None]  # per entry: each output's relative move (0 where its bits are equal)
     sizes: list[np.ndarray]  # per entry: each output's elements
     epsilons: list[np.ndarray]  # per entry: each output's unit of rounding
+    # per entry: each output's sketch buckets' moves (relative to a bucket's share of the output), None where an
+    # output keeps no sketch in either trace or its bits are equal
+    buckets: list[list[np.ndarray | None]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, reference: RankTrace, run: RankTrace) -> _Moves:
+    def of(cls, reference: RankTrace, run: RankTrace, pairing: Pairing) -> _Moves:
         compare_hashes = reference.hash_kind == run.hash_kind
-        moves = cls([], [], [])
-        for i in range(min(len(reference), len(run))):
-            ref, got = reference.entry(i), run.entry(i)
-            if ref.identity != got.identity:
-                break  # a changed op sequence: later values cannot be paired
-            equal = bits_equal(ref, got, compare_hashes)
-            moves.outputs.append(np.zeros(len(got.outputs)) if equal else relative_per_output(got, ref))
+        moves = cls(run, [], [], [])
+        for j in range(len(run)):
+            got = run.entry(j)
+            i = pairing.run_to_ref.get(j)
+            if i is None:
+                moves.outputs.append(None)
+                moves.buckets.append([])
+            else:
+                ref = reference.entry(i)
+                equal = bits_equal(ref, got, compare_hashes)
+                moves.outputs.append(np.zeros(len(got.outputs)) if equal else relative_per_output(got, ref))
+                moves.buckets.append([] if equal else bucket_moves(ref, got))
             moves.sizes.append(np.array([numel((s,)) for s in got.outputs], dtype=np.float64))
-            inherited = max((float(e) for j in run.sources_of(i) if j < i for e in moves.epsilons[j] if e < 1.0),
+            inherited = max((float(e) for k in run.sources_of(j) if k < j for e in moves.epsilons[k] if e < 1.0),
                             default=0.0)  # floating inputs only: token ids round nothing
             moves.epsilons.append(np.array([max(epsilon(s), inherited) for s in got.outputs], dtype=np.float64))
         return moves
@@ -117,16 +149,82 @@ class _Moves:
     def __len__(self) -> int:
         return len(self.outputs)
 
+    def paired(self, index: int) -> bool:
+        return self.outputs[index] is not None
+
     def relative(self, index: int) -> float:
-        return float(self.outputs[index].max(initial=0.0))
+        found = self.outputs[index]
+        return float(found.max(initial=0.0)) if found is not None else 0.0
 
     def ulps(self, index: int) -> float:
-        found = self.outputs[index] / self.epsilons[index]
-        return float(found.max(initial=0.0))
+        found = self.outputs[index]
+        return float((found / self.epsilons[index]).max(initial=0.0)) if found is not None else 0.0
+
+    def spikes(self, index: int, thresholds: Thresholds, relax: float = 1.0) -> list[tuple[float, float]]:
+        """(peak bucket move, its ratio to the median bucket's) of each output of entry ``index`` whose sketch shows
+        a few elements wrong amid drift: a bucket moved at least the floor and ``spike_ratio`` times the median, and
+        at most FEW_BUCKETS did (a whole row or column that moved, as a gradient carries a one-token change, moves
+        many). ``relax`` scales the floor down, to ask of an input whether it carried such a change already (its
+        buckets hold more elements than its output's). An entry without a partner has its nearest paired
+        ancestors' spikes."""
+        if thresholds.spike_ratio is None:
+            return []
+        out = []
+        for k in self.ancestors(index):
+            for moved, eps in zip(self.buckets[k], self.epsilons[k]):
+                if moved is None or not moved.size:
+                    continue
+                peak, base = float(moved.max()), float(np.median(moved))
+                ratio = peak / base if base > 0 else float("inf")
+                bar = max(thresholds.spike_floor_ulps * eps * relax, thresholds.spike_ratio * base)
+                elevated = int(np.count_nonzero(moved >= bar / 2))
+                if peak >= bar and elevated <= FEW_BUCKETS:
+                    out.append((peak, ratio))
+        return out
+
+    def ancestors(self, index: int) -> list[int]:
+        """``index`` itself where it has a partner; else its nearest paired ancestors, through its sources."""
+        if self.outputs[index] is not None:
+            return [index]
+        found: list[int] = []
+        seen = {index}
+        todo = [k for k in self.run.sources_of(index) if k < index]
+        while todo:
+            k = todo.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            if self.outputs[k] is not None:
+                found.append(k)
+            else:
+                todo += [m for m in self.run.sources_of(k) if m < k]
+        return found
 
     def moved_outputs(self, index: int) -> list[tuple[float, float]]:
-        """(relative move, elements) of each output of entry ``index`` that moved."""
-        return [(float(r), float(n)) for r, n in zip(self.outputs[index], self.sizes[index]) if r > 0]
+        """(relative move, elements) of each output of entry ``index`` that moved; for an entry without a partner,
+        those of its nearest paired ancestors (followed through its sources)."""
+        out: list[tuple[float, float]] = []
+        for k in self.ancestors(index):
+            found = self.outputs[k]
+            assert found is not None
+            out += [(float(r), float(n)) for r, n in zip(found, self.sizes[k]) if r > 0]
+        return out
+
+
+def bucket_moves(ref: TraceOp, got: TraceOp) -> list[np.ndarray | None]:
+    """Per output, each sketch bucket's move over a bucket's share of the reference's sum of |x| (so a bucket is
+    measured as the whole output is, in units of its dtype's rounding); None where either trace keeps no sketch."""
+    out: list[np.ndarray | None] = []
+    for k in range(len(got.outputs)):
+        a = ref.sketches[k] if k < len(ref.sketches) else None
+        b = got.sketches[k] if k < len(got.sketches) else None
+        if a is None or b is None or a.shape != b.shape:
+            out.append(None)
+            continue
+        share = max(float(ref.digests[k, 1]), float(np.finfo(np.float64).tiny)) / len(a)
+        moved = np.abs(b - a) / share
+        out.append(np.where(np.isnan(moved), np.inf, moved))
+    return out
 
 
 def numel(shapes: tuple[str, ...]) -> int:
@@ -159,10 +257,27 @@ def explained(inputs: list[tuple[float, float]], size: float) -> float:
     return max((relative * max(1.0, elements / size) for relative, elements in inputs), default=0.0)
 
 
+def _spiked(index: int, trace: RankTrace, moves: _Moves, others: list[tuple[RankTrace, _Moves]],
+            thresholds: Thresholds) -> bool:
+    """Whether entry ``index`` introduced a few wrong elements amid drift: an op that cannot make one large move of
+    dense drift (SPIKE_OPS, collectives) whose sketch has a bucket far past the others, while no input's does (an
+    input that came with one passed it on). A collective's inputs are every rank's that ran it."""
+    entry = trace.entry(index)
+    if not (entry.op in SPIKE_OPS or entry.op.startswith(SPIKE_NAMESPACES)) or not moves.spikes(index, thresholds):
+        return False
+    pairs = [(trace, moves)]
+    if entry.op.startswith(_CROSS_RANK):
+        pairs += [(other, other_moves) for other, other_moves in others
+                  if index < len(other_moves) and other.entry(index).identity == entry.identity]
+    return not any(rank_moves.spikes(source, thresholds, relax=INPUT_RELAX) for rank_trace, rank_moves in pairs
+                   for source in rank_trace.sources_of(index) if source < len(rank_moves))
+
+
 def _introduces(index: int, inputs: list[tuple[float, float]], moves: _Moves, thresholds: Thresholds) -> float | None:
     """What its inputs explain, where an output of entry ``index`` moved past the floor and more than
     ``amplification`` times that; None where no output did."""
-    for relative, size, eps in zip(moves.outputs[index], moves.sizes[index], moves.epsilons[index]):
+    found = moves.outputs[index]
+    for relative, size, eps in zip(found if found is not None else (), moves.sizes[index], moves.epsilons[index]):
         allowed = explained(inputs, size)
         if relative / eps >= thresholds.floor_ulps and relative > thresholds.amplification * allowed:
             return allowed
@@ -174,6 +289,10 @@ def _first_in_rank(trace: RankTrace, moves: _Moves, others: list[tuple[RankTrace
     """(entry index, what its inputs explain) of the first entry that introduced a difference, or None."""
     drifted = False
     for index in range(len(moves)):
+        if not moves.paired(index):
+            continue  # no partner in the reference: nothing to measure; what reads it is judged by its ancestors
+        if _spiked(index, trace, moves, others, thresholds):  # a few elements wrong: the whole digest dilutes them
+            return index, explained(_inputs_moved(index, trace, moves, others), float(moves.sizes[index].max()))
         if moves.ulps(index) < thresholds.floor_ulps:
             drifted = drifted or moves.relative(index) > 0
             continue
@@ -196,15 +315,17 @@ class Traced:
     reference: dict[int, RankTrace]
     run: dict[int, RankTrace]
     moves: dict[int, _Moves]
+    partners: dict[int, dict[int, int]] = field(default_factory=dict)  # per rank: this run's index -> the reference's
 
     @classmethod
-    def of(cls, reference: RunRecord, run: RunRecord) -> Traced | None:
+    def of(cls, reference: RunRecord, run: RunRecord,
+           paired: dict[int, tuple[RankTrace, RankTrace, Pairing]] | None = None) -> Traced | None:
         thresholds = stored_thresholds(reference)
         if thresholds is None or not analysed(reference, run):
             return None
-        ref_ranks, run_ranks = ranks(reference), ranks(run)
-        common = sorted(set(ref_ranks) & set(run_ranks))
-        return cls(thresholds, ref_ranks, run_ranks, {r: _Moves.of(ref_ranks[r], run_ranks[r]) for r in common})
+        paired = pairings(reference, run) if paired is None else paired
+        return cls(thresholds, {r: p[0] for r, p in paired.items()}, {r: p[1] for r, p in paired.items()},
+                   {r: _Moves.of(*p) for r, p in paired.items()}, {r: p[2].run_to_ref for r, p in paired.items()})
 
 
 def analysed(reference: RunRecord, run: RunRecord) -> bool:
@@ -237,8 +358,12 @@ def introduced_at(reference: RunRecord, run: RunRecord, traced: Traced | None = 
     entry = trace.entry(index)
     same = tuple(r for r, (i, _) in found.items() if r != rank and i == index)
     before = sum(1 for i in range(index) if trace.entry(i).op != INPUT_OP)
-    return FirstMoved(rank, "moved", entry, ref_ranks[rank].entry(index), before, moves[rank].relative(index),
-                      len(common), same, label="introduced at", inputs_relative=inputs, ulps=moves[rank].ulps(index))
+    partner = traced.partners[rank][index]
+    spikes = moves[rank].spikes(index, thresholds)
+    spike = max(spikes) if spikes and moves[rank].ulps(index) < thresholds.floor_ulps else None
+    return FirstMoved(rank, "moved", entry, ref_ranks[rank].entry(partner), before, moves[rank].relative(index),
+                      len(common), same, label="introduced at", inputs_relative=inputs, ulps=moves[rank].ulps(index),
+                      spike=(spike[0] / float(moves[rank].epsilons[index].max()), spike[1]) if spike else None)
 
 
 def shape_dependence(reference: RunRecord, run: RunRecord, culprit: FirstMoved,
@@ -260,7 +385,7 @@ def shape_dependence(reference: RunRecord, run: RunRecord, culprit: FirstMoved,
     for index in range(len(rank_moves)):
         entry = trace.entry(index)
         # The same op in the same pass: a backward-only bug must not read as one of the forward's shapes.
-        if entry.op != culprit.entry.op or entry.phase != culprit.entry.phase:
+        if entry.op != culprit.entry.op or entry.phase != culprit.entry.phase or not rank_moves.paired(index):
             continue
         inputs = _inputs_moved(index, trace, rank_moves, others)
         if _introduces(index, inputs, rank_moves, thresholds) is not None:

@@ -11,7 +11,10 @@ and in ``arrays``, under ``op_trace/rank<r>/``: ``ops`` (int32, one row per op: 
 module, region, phase and inputs, and its count of outputs), ``outputs`` (int32, the string index of each
 output's shape, in op order), ``digest`` (float64, one row per output: sum, sum of |x|, max |x|), ``hash``
 (int64, per output) and, in traces recorded since sources were kept, ``source_counts`` (int32, per op) and
-``sources`` (int32, in op order: the entries whose values each op's inputs hold; introduced.py follows them).
+``sources`` (int32, in op order: the entries whose values each op's inputs hold; introduced.py follows them). In
+traces recorded since sketches were kept: ``sketch`` (float32, one row of SKETCH_BUCKETS signed bucket sums per
+floating output of 1024 elements or more: training/tensor_digest.py) and ``sketch_rows`` (int32, per output: its
+row there, -1 for none), which let one wrong element show through another kernel path's drift.
 Every rank's trace is kept: ``merge_ranks`` folds them into the merged record. An
 ``<input>`` entry is a tensor an op read that no traced op made (tokens, weights, buffers).
 """
@@ -51,6 +54,7 @@ class TraceOp:
     outputs: tuple[str, ...]
     digests: np.ndarray  # [outputs, 3]: sum, sum of |x|, max |x|
     hashes: np.ndarray  # [outputs]
+    sketches: tuple[np.ndarray | None, ...] = ()  # per output: its bucket sums (float64), or None where none is kept
 
     @property
     def identity(self) -> tuple[str, ...]:
@@ -71,6 +75,8 @@ class RankTrace:
     error: str | None = None  # why the rank side stopped tracing (a bug of the tracer): not compared
     source_counts: np.ndarray | None = None  # int32 [ops]; None in traces recorded before sources were kept
     sources: np.ndarray | None = None  # int32 [sum of source_counts]
+    sketch: np.ndarray | None = None  # float32 [sketched outputs, buckets]; None in traces recorded before sketches
+    sketch_rows: np.ndarray | None = None  # int32 [outputs]: each output's row of ``sketch``, -1 for none
 
     def __post_init__(self) -> None:
         self.ops = np.asarray(self.ops, dtype=np.int32).reshape(-1, 6)
@@ -82,6 +88,12 @@ class RankTrace:
             self._first_source = np.concatenate([[0], np.cumsum(self.source_counts, dtype=np.int64)])
         else:
             self.source_counts = self.sources = None
+        if self.sketch is not None and self.sketch_rows is not None and len(self.sketch_rows) == len(self.outputs):
+            sketch = np.asarray(self.sketch, dtype=np.float32)
+            self.sketch = sketch if sketch.ndim == 2 else sketch.reshape(len(sketch), -1 if sketch.size else 0)
+            self.sketch_rows = np.asarray(self.sketch_rows, dtype=np.int32).reshape(-1)
+        else:
+            self.sketch = self.sketch_rows = None
 
     @property
     def has_sources(self) -> bool:
@@ -97,25 +109,40 @@ class RankTrace:
     @classmethod
     def of_entries(cls, entries: Sequence[tuple[str, str, str, str, str, list[str]]],
                    digests: Sequence[Sequence[tuple[float, float, float, int]]], *, backend: str, hash_kind: str,
-                   seconds: float, error: str | None = None, sources: Sequence[Sequence[int]] | None = None) -> RankTrace:
-        """From the rank side's entries (op, module, region, phase, inputs, output shapes) and their digests."""
+                   seconds: float, error: str | None = None, sources: Sequence[Sequence[int]] | None = None,
+                   sketches: Sequence[Sequence[np.ndarray | None]] | None = None) -> RankTrace:
+        """From the rank side's entries (op, module, region, phase, inputs, output shapes), their digests and,
+        where kept, their outputs' sketches."""
         table: dict[str, int] = {}
 
         def at(text: str) -> int:
             return table.setdefault(text, len(table))
 
-        ops, outputs, rows, hashes = [], [], [], []
-        for (op, module, region, phase, inputs, shapes), found in zip(entries, digests):
+        ops, outputs, rows, hashes, sketch, sketch_rows = [], [], [], [], [], []
+        for index, ((op, module, region, phase, inputs, shapes), found) in enumerate(zip(entries, digests)):
             ops.append([at(op), at(module), at(region), at(phase), at(inputs), len(shapes)])
             outputs += [at(s) for s in shapes]
+            kept = sketches[index] if sketches is not None else ()
             for i in range(len(shapes)):  # an output never digested (its op raised) reads as NaN
                 total, abs_total, max_abs, hashed = found[i] if i < len(found) else (np.nan, np.nan, np.nan, 0)
                 rows.append((total, abs_total, max_abs))
                 hashes.append(hashed)
+                row = kept[i] if i < len(kept) else None
+                sketch_rows.append(len(sketch) if row is not None else -1)
+                if row is not None:
+                    sketch.append(row)
         counts = None if sources is None else np.array([len(s) for s in sources], dtype=np.int32)
         flat = None if sources is None else np.array([i for s in sources for i in s], dtype=np.int32)
+        width = len(sketch[0]) if sketch else 0
+        kept_sketch = None if sketches is None else np.array(sketch, dtype=np.float32).reshape(len(sketch), width)
+        kept_rows = None if sketches is None else np.array(sketch_rows, dtype=np.int32)
         return cls(list(table), np.array(ops), np.array(outputs), np.array(rows, dtype=np.float64).reshape(-1, 3),
-                   np.array(hashes, dtype=np.int64), backend, hash_kind, seconds, error, counts, flat)
+                   np.array(hashes, dtype=np.int64), backend, hash_kind, seconds, error, counts, flat, kept_sketch,
+                   kept_rows)
+
+    @property
+    def has_sketches(self) -> bool:
+        return self.sketch is not None
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -124,9 +151,13 @@ class RankTrace:
         row = [int(i) for i in self.ops[index]]
         first, last = int(self._first[index]), int(self._first[index + 1])
         text = self.strings
+        sketches: tuple[np.ndarray | None, ...] = ()
+        if self.sketch is not None and self.sketch_rows is not None:
+            sketches = tuple(self.sketch[r].astype(np.float64) if r >= 0 else None
+                             for r in self.sketch_rows[first:last])
         return TraceOp(index, text[row[_OP]], text[row[_MODULE]], text[row[_REGION]], text[row[_PHASE]],
                        text[row[_INPUTS]], tuple(text[int(i)] for i in self.outputs[first:last]),
-                       self.digests[first:last], self.hashes[first:last])
+                       self.digests[first:last], self.hashes[first:last], sketches)
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, "backend": self.backend, "hash": self.hash_kind, "seconds": round(self.seconds, 4),
@@ -139,6 +170,8 @@ class RankTrace:
                prefix + "hash": self.hashes}
         if self.has_sources:
             out.update({prefix + "source_counts": self.source_counts, prefix + "sources": self.sources})
+        if self.sketch is not None and self.sketch_rows is not None:
+            out.update({prefix + "sketch": self.sketch, prefix + "sketch_rows": self.sketch_rows})
         return out
 
     def store(self, rank: int, results: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
@@ -163,10 +196,12 @@ def ranks(record: RunRecord) -> dict[int, RankTrace]:
         if any(a is None for a in found) or data.get("format") != FORMAT or data.get("error"):
             continue  # a trace of another format, or one the rank could not finish: nothing to compare
         ops, outputs, digest, hashes = found
-        counts, sources = (record.arrays.get(f"{ARRAY_PREFIX}rank{key}/{name}") for name in ("source_counts", "sources"))
+        counts, sources, sketch, sketch_rows = (record.arrays.get(f"{ARRAY_PREFIX}rank{key}/{name}")
+                                                for name in ("source_counts", "sources", "sketch", "sketch_rows"))
         out[int(key)] = RankTrace(list(data["strings"]), ops, outputs, np.asarray(digest, dtype=np.float64).reshape(-1, 3),
                                   np.asarray(hashes, dtype=np.int64), str(data.get("backend", "")),
-                                  str(data.get("hash", "")), float(data.get("seconds", 0.0)), None, counts, sources)
+                                  str(data.get("hash", "")), float(data.get("seconds", 0.0)), None, counts, sources,
+                                  sketch, sketch_rows)
     return out
 
 

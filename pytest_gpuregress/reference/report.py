@@ -44,28 +44,47 @@ def format_drift(comparison: Comparison) -> str | None:
         ranks, ops = comparison.equal_trace
         return (f"no bitwise drift (information): all {ops} ops of step 0 equal the reference's on {ranks} "
                 f"rank{'s' if ranks != 1 else ''}")
+    notes = sequence_line(comparison)
     if moved is None:
+        return notes
+    drift = f"bitwise drift (information): {moved.describe()}"
+    return f"{drift}; {notes}" if notes else drift
+
+
+def sequence_line(comparison: Comparison) -> str | None:
+    """For a pass: what changed in step 0's op sequence, in one line (information), or None."""
+    if not comparison.sequence_notes:
         return None
-    return f"bitwise drift (information): {moved.describe()}"
+    return "op sequence changed (information, the ops around each change are paired): " + \
+        ", ".join(comparison.sequence_notes)
+
+
+def sequence_lines(comparison: Comparison) -> list[str]:
+    """For a failure: what changed in step 0's op sequence, a note a line; the analysis went on past each change."""
+    if not comparison.sequence_notes:
+        return []
+    return ["op sequence changed since the reference (the ops around each change are paired, and the analysis "
+            "goes on past it):", *(f"    {note}" for note in comparison.sequence_notes)]
 
 
 def op_lines(comparison: Comparison) -> list[str]:
     """Which op of step 0 gave another answer: what a bug report names. In the exact lane the first op that
     moved; in the tolerant lane the op that introduced a difference, and where legitimate drift began."""
     moved, culprit = comparison.first_moved, comparison.culprit
+    sequence = sequence_lines(comparison)
     if moved is None:
-        return []
+        return ["", *sequence] if sequence else []
     shape = [f"    {comparison.shape_note}"] if comparison.shape_note else []
     if comparison.lane == "exact":
-        return ["", *moved.lines(), *shape]
+        return ["", *moved.lines(), *shape, *sequence]
     if comparison.introduced_note is not None:
-        return ["", *moved.lines(), f"    ({comparison.introduced_note})"]
+        return ["", *moved.lines(), f"    ({comparison.introduced_note})", *sequence]
     drift = replace(moved, label="drift begins at", stack=[]).describe()
     if culprit is None:
         return ["", f"introduced at: no op of step 0 moved beyond drift ({comparison.introduced_rule}): the "
-                "difference starts later, or is per op too small to tell from drift", drift]
+                "difference starts later, or is per op too small to tell from drift", drift, *sequence]
     same = (culprit.rank, culprit.entry_index) == (moved.rank, moved.entry_index)
-    return ["", *culprit.lines(), *shape, *([] if same else [drift])]
+    return ["", *culprit.lines(), *shape, *([] if same else [drift]), *sequence]
 
 
 def format_finding(finding: Finding) -> list[str]:

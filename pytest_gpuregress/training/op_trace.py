@@ -44,7 +44,7 @@ from ..reference.op_trace import INPUT_OP, PHASES, STACK_CONFIG, STACK_KEY, TRAC
 from .kernels import FAULT_REGION
 from .op_trace_modes import op_watch
 from .op_trace_modules import ModulePaths, ParameterLineage, fsdp_unit, tensors_in
-from .tensor_digest import HASH_KIND, digest
+from .tensor_digest import HASH_KIND, digest_and_sketch
 
 _REGION_ENTER = "profiler::_record_function_enter_new"
 _REGION_EXIT = "profiler::_record_function_exit"
@@ -155,13 +155,17 @@ class _Storages:
         return found if found >= 0 else None
 
 
-def _digest_of(tensor: Any) -> tuple[float, float, float, int]:
-    """``digest``, or NaNs for an output whose storage was freed before it could be read (FSDP2 frees storages
-    by resizing them to 0, which no dispatched op shows): the same in every run, so never a difference."""
+Digested = tuple[tuple[float, float, float, int], Any]  # the digest, and the sketch (None where none is kept)
+
+
+def _digest_of(tensor: Any) -> Digested:
+    """``digest_and_sketch``, or NaNs and no sketch for an output whose storage was freed before it could be read
+    (FSDP2 frees storages by resizing them to 0, which no dispatched op shows): the same in every run, so never a
+    difference."""
     try:
-        return digest(tensor)
+        return digest_and_sketch(tensor)
     except RuntimeError:
-        return float("nan"), float("nan"), float("nan"), 0
+        return (float("nan"), float("nan"), float("nan"), 0), None
 
 
 def _written(func: Any, args: Any, kwargs: Any) -> list[Any]:
@@ -193,7 +197,7 @@ class OpTracer:
         self._regions: list[str] = []
         self._entries: list[tuple[str, str, str, str, str, list[str]]] = []  # op, module, region, phase, inputs, outputs
         self._sources: list[list[int]] = []  # per entry: the entries whose values its inputs hold
-        self._digests: list[list[tuple[float, float, float, int]]] = []
+        self._digests: list[list[Digested]] = []
         self._pending: tuple[int, list[Any]] | None = None  # the last op: digested before the next one runs
         self._in_flight: dict[int, tuple[int, list[Any]]] = {}  # collectives, by output storage: until read
         self.stack: dict[str, Any] | None = None
@@ -389,8 +393,10 @@ class OpTracer:
     def trace(self) -> RankTrace:
         self._guarded(self._settle)
         self._guarded(self._land, None)
-        return RankTrace.of_entries(self._entries, self._digests, backend=self.backend, hash_kind=HASH_KIND,
-                                    seconds=self.seconds, error=self.error, sources=self._sources)
+        digests = [[d for d, _ in found] for found in self._digests]
+        sketches = [[k for _, k in found] for found in self._digests]
+        return RankTrace.of_entries(self._entries, digests, backend=self.backend, hash_kind=HASH_KIND,
+                                    seconds=self.seconds, error=self.error, sources=self._sources, sketches=sketches)
 
     def store(self, results: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         """Put this rank's trace (and a kept stack) into a RunRecord's ``results`` and ``arrays``."""

@@ -1,7 +1,8 @@
 """Where an op of the step-0 trace ran: the module path, in forward and in backward, and the parameter an
 optimizer op works on.
 
-  forward    a stack kept by global module forward pre- and post-hooks: the innermost module running.
+  forward    a stack kept by global module forward pre- and post-hooks: the innermost module running; one the
+             model does not register is labelled under the module it ran in ("...self_attn.<Func>").
   backward   the autograd node the engine is running (``torch._C._current_autograd_node``), labelled at
              forward time: each module's forward post-hook walks the graph from its outputs back to its
              inputs and labels every node not yet labelled with the module's path. Inner modules finish
@@ -63,14 +64,16 @@ def label_graph(outputs: Iterable[Any], inputs: Iterable[Any], path: str) -> Non
 
     The walk stops at the inputs' nodes and at nodes labelled by a module outside this one (made before it
     ran): it never walks the graph of earlier layers."""
-    stop = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
+    # Nodes by identity, each kept alive for the walk: some torch releases (2.11) hand out a new Python wrapper of a
+    # node at every access, and a wrapper freed early lends its id to the next one, which would read as seen.
+    stop = {id(node): node for node in (t.grad_fn for t in inputs) if node is not None}
     todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen or id(node) in stop:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         label = node.metadata.get(LABEL)
         if label is None:
             node.metadata[LABEL] = path
@@ -88,7 +91,14 @@ class ModulePaths:
         self._handles: list[Any] = []
 
     def name_of(self, module: Any) -> str:
-        return self._names.get(id(module), type(module).__name__)
+        """The module's path in the model; a module the model does not register (a hub kernel's ``Func`` that
+        ``kernels`` wraps a function in, a functional wrapper, a hook's module) is labelled from where it ran:
+        ``model.layers.0.self_attn.<Func>``, never a bare class name that says nothing of where."""
+        found = self._names.get(id(module))
+        if found is not None:
+            return found
+        inside = self._stack[-1] if self._stack else ""
+        return f"{inside}.<{type(module).__name__}>" if inside else f"<{type(module).__name__}>"
 
     def install(self) -> None:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook

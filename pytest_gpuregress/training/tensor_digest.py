@@ -19,6 +19,14 @@ import functools
 from typing import Any
 
 HASH_KIND = "wsum64/1"  # stored with each trace: hashes of another kind are not compared bit for bit
+# The sketch: a floating output's signed sums over interleaved buckets, element i in bucket i mod SKETCH_BUCKETS.
+# A whole-tensor sum dilutes one wrong element among tens of thousands, where a clean run on another kernel path
+# moves every element by an ulp or so; in a bucket of n / 127 elements the one element stands out against the
+# others' drift, which mostly cancels (reference/introduced.py). 127 is prime, so no row length of a power of two
+# lines a bucket up with a column: a row or column that moved together spreads over every bucket. Outputs under
+# SKETCH_MIN_ELEMENTS keep no sketch (their buckets would hold a few elements each).
+SKETCH_BUCKETS = 127
+SKETCH_MIN_ELEMENTS = 1024
 CHUNK = 1 << 24  # elements digested at a time on a device: 512 MiB of float64 and int64 temporaries
 _K = 0x9E3779B97F4A7C15 - (1 << 64)  # the 64-bit golden ratio, odd, as a signed int64
 _INT_OF_WIDTH = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
@@ -48,6 +56,45 @@ def digest(tensor: Any) -> tuple[float, float, float, int]:
         # frees its unsharded parameters by resizing their storage to 0.
         return numpy_digest(tensor.detach().clone(memory_format=_contiguous()).numpy())
     return torch_digest(tensor)
+
+
+def digest_and_sketch(tensor: Any) -> tuple[tuple[float, float, float, int], Any]:
+    """``digest(tensor)`` and, for a floating tensor of SKETCH_MIN_ELEMENTS or more, its ``sketch`` (a float64
+    numpy array of SKETCH_BUCKETS signed sums); None otherwise. A CPU tensor numpy can read is copied once for
+    both; on a device both are computed there and only the numbers cross."""
+    floating = tensor.is_floating_point() and not tensor.is_complex()
+    wanted = floating and tensor.numel() >= SKETCH_MIN_ELEMENTS
+    if tensor.device.type not in ("cpu", "meta"):
+        wait_for_writers(tensor.device)
+    if tensor.device.type == "cpu" and tensor.dtype in _numpy_dtypes():
+        values = tensor.detach().clone(memory_format=_contiguous()).numpy()
+        return numpy_digest(values), numpy_sketch(values) if wanted else None
+    return torch_digest(tensor), torch_sketch(tensor) if wanted else None
+
+
+def numpy_sketch(values: Any) -> Any:
+    import numpy as np
+
+    flat = np.asarray(values, dtype=np.float64).reshape(-1)
+    padded = np.zeros(-(-flat.size // SKETCH_BUCKETS) * SKETCH_BUCKETS)
+    padded[:flat.size] = flat
+    return padded.reshape(-1, SKETCH_BUCKETS).sum(axis=0)
+
+
+def torch_sketch(tensor: Any) -> Any:
+    """The sketch by torch ops on the tensor's device, in chunks of a multiple of SKETCH_BUCKETS elements."""
+    import torch
+
+    with torch.no_grad():
+        flat = tensor.detach().contiguous().reshape(-1)
+        sums = torch.zeros(SKETCH_BUCKETS, dtype=torch.float64, device=flat.device)
+        step = CHUNK - CHUNK % SKETCH_BUCKETS
+        for start in range(0, flat.numel(), step):
+            part = flat[start:start + step].to(torch.float64)
+            whole = part.numel() - part.numel() % SKETCH_BUCKETS
+            sums += part[:whole].view(-1, SKETCH_BUCKETS).sum(dim=0)
+            sums[:part.numel() - whole] += part[whole:]
+        return sums.cpu().numpy()
 
 
 def wait_for_writers(device: Any) -> None:

@@ -1,0 +1,186 @@
+"""Two step-0 op traces of one rank paired op by op, across a changed op sequence. numpy only.
+
+A real upgrade changes more than numbers: a new package wraps a function in a module of its own (transformers 5.25
+with ``kernels`` runs RoPE in a ``Func`` that is no part of the model), a refactor moves a cast, a release fuses two
+ops. Pairing by position stops at the first such change, and everything after it (the backward pass, every
+collective, the optimizer) goes unjudged. So the ops are paired by what they compute:
+
+  1. by their whole identity (op, module, phase, input and output shapes and dtypes): the longest runs of equal
+     entries, as ``difflib`` aligns lines of text;
+  2. within what is left between those runs, by what they compute alone, the module being a soft key: an op
+     that now runs under another module label is the same op, relabelled.
+
+What neither pass pairs is a stretch: ops inserted, removed, or replaced by others (another shape, dtype or op).
+Each kind of change is said once, in one short note, with layer numbers folded ("model.layers.N.self_attn"),
+and the analysis goes on over the pairs past it (first_moved.py, introduced.py). An entry left unpaired has no
+move of its own; introduced.py judges what reads it by its nearest paired ancestors.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from difflib import SequenceMatcher
+from typing import Literal
+
+from .op_trace import INPUT_OP, ROOT, RankTrace, TraceOp
+
+# Above this share of a trace's entries unpaired, the note says the pairing covers only part of step 0.
+MOSTLY_UNPAIRED = 0.25
+_LAYER_NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")
+_NOTES_SHOWN = 6
+_OPS_NAMED = 3
+StretchKind = Literal["inserted", "removed", "replaced"]
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """Entries of the reference (``ref``) and of this run (``run``) that could not be paired one to one."""
+
+    kind: StretchKind
+    ref: range
+    run: range
+
+
+@dataclass
+class Pairing:
+    """One rank's two traces, op by op: the pairs (reference index, run index) in order, those pairs whose module
+    label differs, and the stretches no pair covers."""
+
+    pairs: list[tuple[int, int]]
+    relabelled: list[tuple[int, int]]
+    stretches: list[Stretch]
+    ref_len: int
+    run_len: int
+    run_to_ref: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.run_to_ref = {j: i for i, j in self.pairs}
+
+    @property
+    def complete(self) -> bool:
+        """Every entry of both traces is paired, under the same module label: the sequence did not change."""
+        return not self.stretches and not self.relabelled and len(self.pairs) == self.ref_len == self.run_len
+
+    @property
+    def unpaired(self) -> int:
+        """Entries of this run left without a partner."""
+        return self.run_len - len(self.pairs)
+
+    def first_change(self) -> int | None:
+        """This run's index where the sequence first departs from the reference's (a stretch or a relabelled pair);
+        the run's length where only the reference goes on; None where nothing changed."""
+        starts = [s.run.start for s in self.stretches] + [j for _, j in self.relabelled]
+        return min(starts) if starts else None
+
+
+def _key(entry: TraceOp, *, with_module: bool) -> tuple[str, ...]:
+    identity = entry.identity  # (op, module, phase, inputs, *outputs)
+    return identity if with_module else (identity[0], *identity[2:])
+
+
+def _keys(trace: RankTrace, with_module: bool) -> list[tuple[str, ...]]:
+    return [_key(trace.entry(i), with_module=with_module) for i in range(len(trace))]
+
+
+def _matched(a: list[tuple[str, ...]], b: list[tuple[str, ...]]) -> list[tuple[str, int, int, int, int]]:
+    """difflib's opcodes over two key lists (interned as ints: hashing tuples of strings once)."""
+    table: dict[tuple[str, ...], int] = {}
+    ints_a = [table.setdefault(k, len(table)) for k in a]
+    ints_b = [table.setdefault(k, len(table)) for k in b]
+    return SequenceMatcher(None, ints_a, ints_b, autojunk=False).get_opcodes()
+
+
+def pair(reference: RankTrace, run: RankTrace) -> Pairing:
+    """Pair two traces of one rank (see the module docstring)."""
+    full_ref, full_run = _keys(reference, True), _keys(run, True)
+    soft_ref, soft_run = _keys(reference, False), _keys(run, False)
+    pairs: list[tuple[int, int]] = []
+    relabelled: list[tuple[int, int]] = []
+    stretches: list[Stretch] = []
+    for tag, i1, i2, j1, j2 in _matched(full_ref, full_run):
+        if tag == "equal":
+            pairs += zip(range(i1, i2), range(j1, j2))
+            continue
+        for soft_tag, a1, a2, b1, b2 in _matched(soft_ref[i1:i2], soft_run[j1:j2]):
+            ref, got = range(i1 + a1, i1 + a2), range(j1 + b1, j1 + b2)
+            if soft_tag == "equal":
+                pairs += zip(ref, got)
+                relabelled += zip(ref, got)
+            else:
+                kind: StretchKind = "inserted" if not ref else "removed" if not got else "replaced"
+                stretches.append(Stretch(kind, ref, got))
+    pairs.sort(key=lambda p: p[1])
+    return Pairing(pairs, relabelled, stretches, len(reference), len(run))
+
+
+# --- the notes ---------------------------------------------------------------------------------------------------
+
+def folded(module: str) -> str:
+    """A module path with its layer numbers folded: model.layers.3.mlp -> model.layers.N.mlp."""
+    return _LAYER_NUMBER.sub("N", module)
+
+
+def _where(module: str) -> str:
+    if module == ROOT:
+        return "the root module"
+    return f"`{folded(module)}`" if module else "no module"
+
+
+def _ops(entries: list[TraceOp]) -> str:
+    counts = Counter("an input" if e.op == INPUT_OP else e.op for e in entries)
+    named = ", ".join(f"{op}" + (f" x{n}" if n > 1 else "") for op, n in counts.most_common(_OPS_NAMED))
+    more = len(counts) - _OPS_NAMED
+    return named + (f" and {more} other kinds" if more > 0 else "")
+
+
+def _plural(n: int, word: str = "op") -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+FIELDS = ("op", "module", "phase", "inputs", "outputs")
+
+
+def differing_fields(ref: TraceOp, got: TraceOp) -> list[str]:
+    """Each field that differs between two entries at one place, with both values: "outputs f32[8] -> f64[8]"."""
+    out = []
+    for name in FIELDS:
+        a, b = getattr(ref, name), getattr(got, name)
+        if a != b:
+            show = (", ".join(a), ", ".join(b)) if name == "outputs" else (a or "-", b or "-")
+            out.append(f"{name} {show[0]} -> {show[1]}")
+    return out
+
+
+def notes(pairing: Pairing, reference: RankTrace, run: RankTrace) -> list[str]:
+    """What changed in the op sequence, one short note per kind of change and place (layers folded), most frequent
+    first; empty where nothing did. The analysis pairs the ops around each change and goes on past it."""
+    # Each note as (singular, plural) of what follows the count, counted by the singular.
+    found: Counter[tuple[str, str]] = Counter()
+    for i, j in pairing.relabelled:
+        ref, got = reference.entry(i), run.entry(j)
+        where = f"in {_where(got.module)} ({_where(ref.module)} in the reference)"
+        found[(f"now runs {where}", f"now run {where}")] += 1
+    for stretch in pairing.stretches:
+        ref = [reference.entry(i) for i in stretch.ref]
+        got = [run.entry(j) for j in stretch.run]
+        if stretch.kind == "replaced" and len(ref) == len(got):
+            for a, b in zip(ref, got):
+                what = f"at the same place: {a.op} in {_where(a.module)} ({a.phase}): {'; '.join(differing_fields(a, b))}"
+                found[(f"differs {what}", f"differ {what}")] += 1
+            continue
+        if got:
+            what = f"new in {_where(got[0].module)} ({got[0].phase}): {_ops(got)}"
+            found[(f"is {what}", f"are {what}")] += len(got)
+        if ref:
+            what = f"of the reference no longer {{}} in {_where(ref[0].module)} ({ref[0].phase}): {_ops(ref)}"
+            found[(what.format("runs"), what.format("run"))] += len(ref)
+    lines = [f"{_plural(n)} {text[0] if n == 1 else text[1]}" for text, n in found.most_common(_NOTES_SHOWN)]
+    hidden = len(found) - _NOTES_SHOWN
+    if hidden > 0:
+        lines.append(f"and {hidden} other changes")
+    if pairing.run_len and pairing.unpaired / pairing.run_len > MOSTLY_UNPAIRED:
+        lines.append(f"only {len(pairing.pairs)} of this run's {pairing.run_len} ops could be paired with the "
+                     f"reference's: the analysis covers those")
+    return lines

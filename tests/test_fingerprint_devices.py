@@ -411,3 +411,47 @@ def test_gpuregress_env_leaves_out_dump_trace_and_timing_variables(name: str, mo
     assert main(["env", "--json"]) == 0
     env = json.loads(capsys.readouterr().out)["comm"]["env"]
     assert name not in env and env["RCCL_LL128_FORCE_ENABLE"] == "1"
+
+
+def test_the_whole_environment_is_recorded_and_what_changed_names_packages_by_name() -> None:
+    """transformers 5.25 brought a new package, kernels, which can replace a module's forward with a hub kernel:
+    what changed must name it as added. A new tokenizer keeps the exact lane; a package that computes leaves it."""
+    recorded = fp.collect("cpu", "gloo", 2)
+    packages = recorded["packages"]
+    assert packages["torch"].startswith("2.") and packages["numpy"] and len(packages) > 10
+    assert packages["pytest-gpuregress"].endswith("(editable)")  # this checkout's own install
+    before = copy.deepcopy(recorded)
+    after = copy.deepcopy(recorded)
+    after["versions"]["transformers"] = "5.25.0"
+    after["packages"].update(transformers="5.25.0", kernels="0.19.1", tokenizers="9.9.9")
+    after["packages"].pop("pyyaml", None)
+    described = [fp.describe_change(*c) for c in fp.diff(before, after)]
+    assert "kernels 0.19.1 added (can change computation)" in described
+    assert f"tokenizers {before['packages']['tokenizers']} -> 9.9.9" in described
+    assert "transformers 5.24.0 -> 5.25.0" in described or any(d.startswith("transformers ") for d in described)
+    assert sum(d.startswith("transformers ") for d in described) == 1  # said once, in the versions section
+    assert "kernels 0.19.1 added" in fp.summarize_changes(fp.diff(before, after), others_shown=0)
+    # The exact lane: a tokenizer or a logger that moved keeps it; a package that computes leaves it.
+    only_tokenizers = copy.deepcopy(before)
+    only_tokenizers["packages"]["tokenizers"] = "9.9.9"
+    assert fp.numerics_diff(before, only_tokenizers) == []
+    with_kernels = copy.deepcopy(before)
+    with_kernels["packages"]["kernels"] = "0.19.1"
+    assert fp.numerics_diff(before, with_kernels) == [("packages.kernels", None, "0.19.1")]
+    # A reference recorded before packages were kept: its lane does not move, and nothing is said of packages.
+    old = copy.deepcopy(before)
+    del old["packages"]
+    assert fp.numerics_diff(old, with_kernels) == [] and not any(c[0].startswith("packages.") for c in fp.diff(old, after))
+
+
+def test_an_older_reference_compares_with_a_note_that_it_names_no_added_package() -> None:
+    from pytest_gpuregress.reference.compare import compare_training
+
+    from .conftest import make_record
+
+    reference, run = make_record(), make_record()
+    run.fingerprint = {**run.fingerprint, "packages": {"torch": "2.13.0", "kernels": "0.19.1"}}
+    comparison = compare_training(reference, run)
+    assert any(note.startswith("the reference recorded 2 packages only") for note in comparison.notes)
+    reference.fingerprint = {**reference.fingerprint, "packages": {"torch": "2.13.0"}}
+    assert not compare_training(reference, run).notes

@@ -18,7 +18,7 @@ def test_collect_records_exactly_the_declared_fields() -> None:
     for section in schema.SECTIONS:
         declared = {f.name for f in schema.FIELDS if f.section == section and f.on_cpu}
         prefix = schema.PREFIXED.get(section)
-        assert {k for k in recorded[section] if not (prefix and k.startswith(prefix))} == declared, section
+        assert {k for k in recorded[section] if not (prefix is not None and k.startswith(prefix))} == declared, section
 
 
 def test_every_judgement_reads_the_one_declaration() -> None:

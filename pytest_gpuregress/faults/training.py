@@ -33,7 +33,8 @@ def install_lr_scale(spec: FaultSpec, ctx: Any) -> Firing:
 
 
 def install_linear_noise(spec: FaultSpec, ctx: Any) -> Firing:
-    """Every F.linear output x (1 + rel x s[j]), s a fixed +-1 pattern over the output features j.
+    """Every F.linear output x (1 + rel x s[j]), s a fixed +-1 pattern over the output features j, written into the
+    output in place (no op of its own, in the forward or in autograd's backward: a kernel's own rounding).
 
     Kernel drift differs per output (another summation order rounds each column differently); a
     uniform scale would be the wrong emulation, since RMSNorm divides it right back out. The
@@ -71,8 +72,10 @@ def install_linear_noise(spec: FaultSpec, ctx: Any) -> Firing:
                 patterns[key] = pattern if bool((pattern != 1).any()) else None
             if patterns[key] is None:
                 return out
+            with torch.no_grad():  # through memory, as a kernel writes its output: no op of autograd's
+                out.detach().mul_(patterns[key])
             firing.fire()
-            return out * patterns[key]
+            return out
 
     F.linear = linear
     ctx.cleanup_hooks.append(lambda: setattr(F, "linear", original))

@@ -160,7 +160,7 @@ class CheckPipeline:
             detail += f"; {drift}"
         worst = max(comparison.margins.values(), default=None)
         outcome = Outcome(name, record.platform_key, "passed" if passed else "failed", comparison.lane, detail,
-                          record.notes, worst, record.timings.get("launch_wall_s"),
+                          [*record.notes, *comparison.notes], worst, record.timings.get("launch_wall_s"),
                           compare_command(reference_path, kept.run) if kept.run and not passed else "")
         add_outcome(self.outcomes, outcome)
         self.figures.update(lane=comparison.lane, platform_key=record.platform_key,

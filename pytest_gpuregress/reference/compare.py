@@ -21,7 +21,7 @@ import numpy as np
 
 from ..stack import fingerprint as fp
 from ..stack.determinism import nondeterminism
-from . import model_layout, step0
+from . import by_name, model_layout, step0
 from .envelope import METRICS, SERIES, MetricLimits, digest_deviation, floors_for, limit, rel, tensor_deviation
 from .envelope import PREFIX as ENVELOPE_PREFIX
 from .first_moved import FirstMoved, equal_traces, first_moved, pairings
@@ -97,6 +97,7 @@ class Comparison:
     # What changed in step 0's op sequence (trace_pairs.notes): ops relabelled, inserted, removed or replaced, one
     # note per kind and place, from the lowest rank whose sequence changed. The analysis pairs the ops around them.
     sequence_notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # information about how the comparison was made
 
     @property
     def culprit(self) -> FirstMoved | None:
@@ -237,7 +238,7 @@ def _series(metric: str, ref: list[float], got: list[float], lane: str, limit: n
 
 
 def _param_grad_norms(ref: RunRecord, run: RunRecord, lane: str, limit: np.ndarray) -> tuple[Finding | None, float]:
-    r, g = ref.arrays.get("param_grad_norm"), run.arrays.get("param_grad_norm")
+    r, g = ref.arrays.get("param_grad_norm"), by_name.param_grad_norms(ref, run)[0]
     if r is None:
         return None, 0.0
     if g is None:
@@ -516,6 +517,8 @@ def compare_training(
                             equal_trace=equal_traces(reference, run, paired),
                             sequence_notes=next((sequence_notes(p, ref, got) for ref, got, p in paired.values()
                                                  if not p.complete), []))
+    comparison.notes += [note for note in (by_name.param_grad_norms(reference, run)[1], _environment_note(reference, run))
+                         if note]
     traced = None  # both records' traces side by side: set up once, for the introducing op and the shapes
     if chosen == "tolerant" and comparison.first_moved is not None:
         traced = Traced.of(reference, run, paired)
@@ -527,6 +530,15 @@ def compare_training(
     if comparison.culprit is not None and findings:
         comparison.shape_note = shape_dependence(reference, run, comparison.culprit, traced)
     return comparison
+
+
+def _environment_note(reference: RunRecord, run: RunRecord) -> str | None:
+    """Where the reference was recorded before the whole environment was kept: what changed lists its few packages."""
+    if "packages" in reference.fingerprint or "packages" not in run.fingerprint:
+        return None
+    named = len(reference.fingerprint.get("versions") or {})
+    return (f"the reference recorded {named} packages only (before the whole environment was kept), so what changed "
+            "names no package added or removed since; re-record it to have them named")
 
 
 OLD_TRACE_NOTE = ("the reference's op trace keeps no op sources (recorded before they were kept), so the op that "

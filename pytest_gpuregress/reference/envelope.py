@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GpuRegressError
-from . import step0
+from . import by_name, step0
 from .record import RunRecord
 
 
@@ -108,7 +108,7 @@ def deviations(reference: RunRecord, run: RunRecord) -> dict[str, np.ndarray]:
         r, g = reference.series.get(metric), run.series.get(metric)
         if r is not None and g is not None and len(r) == len(g):
             out[metric] = rel(np.asarray(g), np.asarray(r))
-    r, g = reference.arrays.get("param_grad_norm"), run.arrays.get("param_grad_norm")
+    r, g = reference.arrays.get("param_grad_norm"), by_name.param_grad_norms(reference, run)[0]
     if r is not None and g is not None and r.shape == g.shape:
         out["param_grad_norm"] = rel(g, r)
     names = step0.names(reference)

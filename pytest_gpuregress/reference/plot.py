@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import GpuRegressError
+from . import by_name
 from .compare import Comparison, compare_training, tolerant_limits
 from .envelope import rel
 from .record import RunRecord
@@ -108,12 +109,12 @@ def _deviation(ax, reference: RunRecord, run: RunRecord | None, limits: dict,  #
 
 
 def _worst_parameters(ax, reference: RunRecord, run: RunRecord | None, limits: dict) -> None:  # noqa: ANN001
-    ref, got = reference.arrays.get("param_grad_norm"), run.arrays.get("param_grad_norm") if run else None
+    ref, got = reference.arrays.get("param_grad_norm"), by_name.param_grad_norms(reference, run)[0] if run else None
     if ref is None or got is None:
         ax.set_title("gradient norms per parameter: no run to compare")
         ax.axis("off")
         return
-    if ref.shape[1:] != got.shape[1:] or (run is not None and run.param_names != reference.param_names):
+    if ref.shape[1:] != got.shape[1:] or (run is not None and sorted(run.param_names) != sorted(reference.param_names)):
         # the model's code changed its parameters (a [model] finding): there is no parameter to pair with its own
         ax.set_title(f"gradient norms per parameter: {ref.shape[1]} parameters in the reference, {got.shape[1]} "
                      "in this run: the model's layout changed", fontsize=9)

@@ -108,6 +108,7 @@ def format_comparison(
         f"scenario {scenario!r} on {platform_key} differs from its reference",
         f"  lane: {comparison.lane} ({comparison.lane_reason})",
         f"  reference: {reference_path}",
+        *(f"  note: {note}" for note in comparison.notes),
         "",
     ]
     body: list[str] = []

@@ -7,6 +7,7 @@ comparison side never needs torch. A fingerprint is a two-level dict: section ->
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -21,6 +22,36 @@ Fingerprint = dict[str, dict[str, Any]]
 # Which fields decide the exact lane, which are hardware or an upgrade: declared once, in fingerprint_fields.py.
 NUMERICS_FIELDS = schema.NUMERICS_FIELDS
 HARDWARE_FIELDS = schema.HARDWARE_FIELDS
+
+
+def canonical(name: str) -> str:
+    """A distribution's normalized name (PEP 503): "Flash_Attn" -> "flash-attn"."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed_packages() -> dict[str, str]:
+    """Every installed distribution, by normalized name, with its version, marked "(editable)" or "(local)" where
+    it was installed from a folder or a file (pip's direct_url.json) rather than from an index: those cannot be
+    fetched again by version (a bisect cannot overlay them). The first of a name on the path, as imports find it."""
+    found: dict[str, str] = {}
+    for dist in metadata.distributions():
+        name = dist.metadata["Name"]
+        if not name:
+            continue
+        found.setdefault(canonical(name), f"{dist.version}{_install_kind(dist)}")
+    return dict(sorted(found.items()))
+
+
+def _install_kind(dist: metadata.Distribution) -> str:
+    try:
+        direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    except (ValueError, OSError):
+        return ""
+    if (direct.get("dir_info") or {}).get("editable"):
+        return " (editable)"
+    if direct.get("vcs_info"):
+        return " (vcs)"
+    return " (local)" if str(direct.get("url", "")).startswith("file:") else ""
 
 
 def installed_version(dist: str) -> str | None:
@@ -192,13 +223,21 @@ def collect(
             "rccl": bool(getattr(torch.version, "hip", None)),
             "env": comm_env(),
         },
+        "packages": installed_packages(),
     }
 
 
 def diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
-    """Fields that differ, as (section.field, reference value, current value)."""
+    """Fields that differ, as (section.field, reference value, current value). A package the versions section names
+    (torch, transformers...) is said there once, not again among the packages; packages are compared only where the
+    reference recorded them (references recorded before the whole environment was kept list the versions alone)."""
     out: list[tuple[str, Any, Any]] = []
+    named = {canonical(k) for k in (reference.get("versions") or {})}
     for section in sorted(set(reference) | set(current)):
+        if section == "packages":
+            if isinstance(reference.get(section), dict):
+                out += [(f"packages.{k}", a, b) for k, a, b in _package_changes(reference, current) if k not in named]
+            continue
         ref_sec, cur_sec = reference.get(section, {}), current.get(section, {})
         if not isinstance(ref_sec, dict) or not isinstance(cur_sec, dict):
             if ref_sec != cur_sec:
@@ -211,10 +250,21 @@ def diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, A
     return out
 
 
+def _package_changes(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
+    ref, cur = reference.get("packages") or {}, current.get("packages") or {}
+    return [(k, ref.get(k), cur.get(k)) for k in sorted(set(ref) | set(cur)) if ref.get(k) != cur.get(k)]
+
+
 def describe_change(name: str, old: Any, new: Any) -> str:
-    """One change for a report: ``transformers 5.24.0 -> 5.23.0``, ``device.cpu_capability: AVX2 -> AVX512``."""
+    """One change for a report: ``transformers 5.24.0 -> 5.23.0``, ``device.cpu_capability: AVX2 -> AVX512``,
+    ``kernels 0.19.1 added (can change computation)``."""
     if name.startswith("versions."):
         return f"{name.split('.', 1)[1]} {old} -> {new}"
+    if name.startswith("packages."):
+        package = name.split(".", 1)[1]
+        what = f"{package} {new} added" if old is None else f"{package} {old} removed" if new is None else \
+            f"{package} {old} -> {new}"
+        return what + (" (can change computation)" if schema.computes(package) else "")
     return f"{name}: {_short(old)} -> {_short(new)}"
 
 
@@ -223,6 +273,7 @@ def summarize_changes(changes: list[tuple[str, Any, Any]], others_shown: int = 3
     NCCL), never dropped, then at most ``others_shown`` of the rest (hardware, switches) and a count of what is left
     out. The whole list is in the failure report and in the JUnit property ``stack_changes``."""
     software = [c for c in changes if c[0].startswith("versions.")] + \
+        [c for c in changes if c[0].startswith("packages.") and schema.computes(c[0].split(".", 1)[1])] + \
         [c for c in changes if c[0] in schema.SOFTWARE_KEYS and not c[0].startswith("versions.")]
     others = [c for c in changes if c not in software]
     text = ", ".join(describe_change(*c) for c in software + others[:others_shown])
@@ -266,15 +317,20 @@ def numerics_key(fp: Fingerprint) -> dict[str, Any]:
             key[f"{section}.{name}"] = sec.get(name)
         if section == "numerics":
             key.update({f"numerics.{k}": v for k, v in sec.items() if k.startswith("determinism.")})
+    key.update({f"packages.{k}": v for k, v in (fp.get("packages") or {}).items() if schema.computes(k)})
     return key
 
 
 def numerics_diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
     """Numerics fields that differ. A field the reference does not have at all was added to the fingerprint
-    after it was recorded (device.dnn, device.blas_library): unknown then, so it cannot have changed."""
+    after it was recorded (device.dnn, device.blas_library): unknown then, so it cannot have changed. A package
+    that computes counts once the reference recorded packages at all: one added since (kernels) is a change."""
     ref, cur = numerics_key(reference), numerics_key(current)
+    keys = set(ref) | ({k for k in cur if k.startswith("packages.")} if isinstance(reference.get("packages"), dict)
+                       else set())
     # cur.get: a determinism.* key the run lacks (a run set up without set_determinism) reads as None
-    return [(k, ref[k], cur.get(k)) for k in sorted(ref) if ref[k] != cur.get(k) and _recorded(reference, k)]
+    return [(k, ref.get(k), cur.get(k)) for k in sorted(keys)
+            if ref.get(k) != cur.get(k) and (k.startswith("packages.") or _recorded(reference, k))]
 
 
 def _recorded(fp: Fingerprint, key: str) -> bool:
@@ -306,4 +362,13 @@ def header_lines(fp: Fingerprint) -> list[str]:
         f"gpuregress device: {device}; {accel}; nccl {c.get('nccl_version') or '-'}",
         f"gpuregress numerics: blas {n['blas']}, tf32 {n['tf32_matmul']}, "
         f"deterministic {n['deterministic_algorithms']}, threads {n['num_threads']}; comm env: {env}",
+        *_packages_line(fp.get("packages")),
     ]
+
+
+def _packages_line(packages: dict[str, str] | None) -> list[str]:
+    """The header's line on the whole environment, where the fingerprint recorded it."""
+    if packages is None:
+        return []
+    computing = ", ".join(f"{k} {val}" for k, val in packages.items() if schema.computes(k)) or "none"
+    return [f"gpuregress packages: {len(packages)} installed; of those known to change computation: {computing}"]

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-Section = Literal["versions", "device", "numerics", "comm"]
-SECTIONS: tuple[Section, ...] = ("versions", "device", "numerics", "comm")
+Section = Literal["versions", "device", "numerics", "comm", "packages"]
+SECTIONS: tuple[Section, ...] = ("versions", "device", "numerics", "comm", "packages")
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,29 @@ def recorded_env(name: str) -> bool:
         and not any(part in name for part in COMM_ENV_IGNORED_PARTS)
 
 
-PREFIXED = {"numerics": "determinism.", "comm": "env."}  # fields whose names are open, matched by prefix
+# The whole environment (``packages``): every installed distribution by its normalized name, with its version, and
+# "(editable)" or "(local)" where it was installed from a folder or a file rather than an index. What changed lists
+# them all (added, removed, changed); the exact lane keys only on those that can change a computed number: the
+# model, training and array libraries (the versions section already), and the packages that bring kernels of their
+# own or replace the stack's (a tokenizer or a logger that moved keeps the lane).
+COMPUTE_PACKAGES = frozenset({
+    "kernels", "triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu", "flash-attn", "flash-attn-3",
+    "flashinfer-python", "liger-kernel", "xformers", "apex", "bitsandbytes", "torchao", "deepspeed", "megatron-core",
+    "mamba-ssm", "causal-conv1d", "unsloth", "unsloth-zoo", "cut-cross-entropy", "fbgemm-gpu", "fbgemm-gpu-genai",
+    "intel-extension-for-pytorch", "torch-tensorrt", "tensorrt", "aiter", "quack-kernels", "mkl", "intel-openmp",
+    "ml-dtypes", "torchtitan", "torchtune", "opt-einsum",
+})
+# And by a prefix: NVIDIA's CUDA libraries as wheels (nvidia-cublas-cu12, nvidia-cudnn-cu12, nvidia-nccl-cu12: a
+# pip-installed CUDA torch computes with them), Transformer Engine's parts, ROCm's wheels.
+COMPUTE_PREFIXES = ("nvidia-", "transformer-engine", "flash-attn", "rocm-", "triton-")
+
+
+def computes(package: str) -> bool:
+    """Whether a distribution (by its normalized name) can change a computed number, for the exact lane."""
+    return package in COMPUTE_PACKAGES or package.startswith(COMPUTE_PREFIXES)
+
+
+PREFIXED = {"numerics": "determinism.", "comm": "env.", "packages": ""}  # fields whose names are open, matched by prefix
 
 
 def names(section: Section, **flags: bool) -> tuple[str, ...]:
@@ -142,8 +164,10 @@ def markdown_table() -> list[str]:
 
     lines = ["| field | what it is | exact lane | perf hardware | upgrade |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| `{f.key}` | {f.meaning} | {mark(f.exact)} | {mark(f.hardware)} | {mark(f.software)} |" for f in FIELDS]
-    lines += [f"| `{section}.{prefix}NAME` | {'determinism settings' if section == 'numerics' else 'one setting'} "
-              f"| yes |  |  |" for section, prefix in PREFIXED.items()]
+    what = {"numerics": "determinism settings", "comm": "one setting",
+            "packages": "one installed distribution's version (every one; the exact lane: those that compute)"}
+    lines += [f"| `{section}.{prefix}NAME` | {what[section]} | yes |  | {'yes' if section == 'packages' else ''} |"
+              for section, prefix in PREFIXED.items()]
     return lines
 
 

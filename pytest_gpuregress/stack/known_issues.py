@@ -325,6 +325,8 @@ def _field_problem(field: str) -> str | None:
         return None
     if section == "numerics" and name.startswith("determinism.") and len(name) > len("determinism."):
         return None
+    if section == "packages" and name:  # any installed distribution, by its normalized name
+        return None
     if name not in FIELDS[section]:
         close = difflib.get_close_matches(name, sorted(FIELDS[section]), n=1)
         hint = f" (did you mean {section}.{close[0]}?)" if close else ""

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from ..components import Component
-from ..reference import step0
+from ..reference import by_name, step0
 from ..reference.bounds import step0_bound
 from ..reference.compare import gradients_moved_first
 from ..reference.envelope import rel, step0_deviation, step0_limit
@@ -140,7 +140,7 @@ def oracle(sc: Scenario, real: RunRecord, exact: RunRecord) -> Experiment:
         lines.append(f"step-0 loss: {real.series['loss'][0]!r} against float64 {exact.series['loss'][0]!r} "
                      f"(rel {loss:.3g} > {bound:.2g})")
     names = exact.param_names
-    norms = rel(real.arrays["param_grad_norm"][0], exact.arrays["param_grad_norm"][0])
+    norms = rel(by_name.param_grad_norms(exact, real)[0][0], exact.arrays["param_grad_norm"][0])  # type: ignore[index]
     for i in np.nonzero(norms > bound)[0]:
         lines.append(f"step-0 gradient norm of {names[int(i)]}: rel {float(norms[int(i)]):.3g} > {bound:.2g}")
     worst = 0.0

@@ -1,0 +1,31 @@
+"""Per-parameter series paired by parameter name, never by position. numpy only.
+
+A record keeps one gradient norm per parameter and step (``param_grad_norm`` [steps, params]) in the order of its
+``param_names``: the order in which the model registers its parameters. A refactor that registers a layer's
+submodules in another order (same names, same shapes, same numbers) reorders the columns; compared by position,
+every column would hold another parameter's norms. So the run's columns are put in the reference's order by name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .record import RunRecord
+
+KEY = "param_grad_norm"
+REORDERED = ("this run registers the model's parameters in another order than the reference (the same names and "
+             "shapes): the per-parameter series are compared by name (information)")
+
+
+def param_grad_norms(reference: RunRecord, run: RunRecord) -> tuple[np.ndarray | None, str | None]:
+    """``run``'s per-parameter gradient norms with its columns in ``reference``'s order of names, and a note where
+    that order differs from the run's own; the run's array as it is where the names cannot be paired (no names, or
+    other names: the model's layout changed, which the comparison says on its own)."""
+    got = run.arrays.get(KEY)
+    names, own = list(reference.param_names), list(run.param_names)
+    if got is None or not names or names == own:
+        return got, None
+    where = {name: i for i, name in enumerate(own)}
+    if len(where) != len(own) or sorted(own) != sorted(names) or got.ndim != 2 or got.shape[1] != len(own):
+        return got, None
+    return got[:, [where[name] for name in names]], REORDERED

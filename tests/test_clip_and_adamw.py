@@ -166,3 +166,29 @@ def test_the_shipped_references_run_every_adamw_implementation_the_reach_table_s
         case = "fsdp" if where.startswith("reference_runs/fsdp") else \
             "lora-fully_shard" if where.endswith("fsdp2") else "lora-accelerate"
         assert reach.reaches(faults.parse(f"adamw:mode={implementation}"), reach.catalogue("cpu")[case]), where
+
+
+def _clipped_record(reported_factor: float = 1.0, coefficient_factor: float = 1.0):  # type: ignore[no-untyped-def]
+    """A record whose clip (max_norm 0.5) reported its norm x ``reported_factor`` and scaled x ``coefficient_factor``."""
+    from .conftest import make_record
+
+    record = make_record(steps=6)
+    norms = np.full((6, 2), 0.6)  # each parameter's norm: the gradients' norm is 0.6 sqrt(2) = 0.85 > 0.5
+    before = np.sqrt((norms ** 2).sum(axis=1))
+    reported = before * reported_factor
+    record.config = {**record.config, "grad_clip": 0.5}
+    record.arrays = {**record.arrays, "param_grad_norm": norms}
+    record.series = {**record.series, "grad_norm": list(reported),
+                     "clipped_grad_norm": list(before * np.minimum(1, 0.5 / (before + 1e-6)) * coefficient_factor)}
+    return record
+
+
+def test_a_clip_is_held_to_its_own_norm() -> None:
+    """#46 item 6: a clip that takes the norm of its own rank's shard (a real torch issue class over DTensors), or
+    scales by a coefficient off by 1e-3, is [optimizer] on its own evidence; a right one says nothing."""
+    assert clipping.problems(_clipped_record()) == []
+    shard = clipping.problems(_clipped_record(reported_factor=2 ** -0.5))
+    assert len(shard) == 1 and shard[0].startswith("[optimizer] the clip (clip_grad_norm_) reported another norm")
+    assert "about 1/sqrt(2) of it, as a norm taken on one rank's shard is" in shard[0]
+    off = clipping.problems(_clipped_record(coefficient_factor=1 + 1e-3))
+    assert len(off) == 1 and off[0].startswith("[optimizer] the clip scaled the gradients by") and "off by 0.001" in off[0]

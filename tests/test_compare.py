@@ -148,13 +148,16 @@ def test_the_order_of_first_findings_proves_nothing_in_the_tolerant_lane_or_with
     assert {f.component for f in never.findings} == {"optimizer or collective"}
 
 
-def test_triage_calls_a_late_divergence_the_optimizer_only_when_the_loss_moves_first() -> None:
+def test_triage_calls_a_late_divergence_the_optimizer_only_where_it_recurs_and_the_loss_moves_first() -> None:
     from pytest_gpuregress.triage import Experiment, verdict
 
     clean = [Experiment("equivalence", "clean", "agree"), Experiment("oracle", "clean", "agree")]
     update = make_record()
     update.series["loss"] = update.series["loss"][:2] + [x * 1.01 for x in update.series["loss"][2:]]
     component, line = verdict(compare_training(make_record(), update, lane="exact"), clean)
+    assert component is None and "the first difference is at step 2" in line  # elimination convicts nothing
+    reproduced = Experiment("late window", "reproduced", "again in a fresh process", component="optimizer")
+    component, line = verdict(compare_training(make_record(), update, lane="exact"), [*clean, reproduced])
     assert component == "optimizer" and "the first difference is at step 2" in line
     component, line = verdict(compare_training(make_record(), _late_gradients(), lane="exact"), clean)
     assert component is None and "the gradients move before the loss" in line and "the update is not the cause" in line

@@ -48,11 +48,24 @@ def test_a_reference_without_late_gradients_compares_nothing_and_clears_nothing(
     assert verdict(late_divergence(), [*CLEARED, experiment])[0] is None
 
 
-def test_right_gradients_at_the_window_after_the_divergence_leave_the_update_convicted() -> None:
-    experiment = judged(2, 6, window())
-    assert experiment.status == "clean" and "went wrong in the update" in experiment.detail
+def test_right_gradients_and_a_divergence_that_recurs_in_a_fresh_process_convict_the_update() -> None:
+    again = Finding("loss", "optimizer", "loss: first differing step 7 of 8 ...", step=7)
+    experiment = judged(2, 6, window(again))
+    assert experiment.status == "reproduced" and "go wrong in the update" in experiment.detail
     component, line = verdict(late_divergence(), [*CLEARED, experiment])
-    assert component == "optimizer" and "late window clean" in line
+    assert component == "optimizer" and "late window reproduced" in line and "Decided by rule" in line
+
+
+def test_a_divergence_that_does_not_recur_in_a_fresh_process_is_no_proof_against_the_collectives() -> None:
+    """A bug that needs a warmed-up process (a buffer pool reused after 100 calls) is gone in a replay: right
+    gradients at S and a clean continuation clear nothing, so the verdict stays inconclusive, never [optimizer]."""
+    experiment = judged(2, 6, window())
+    assert experiment.status == "did not reproduce" and "does not recur in a fresh process" in experiment.detail
+    component, line = verdict(late_divergence(), [*CLEARED, experiment])
+    assert component is None and "inconclusive" in line and "late window did not reproduce" in line
+    # The run's own collective invariants decide where they broke: in-run evidence, no replay needed.
+    broke = Experiment("collective invariants", "broke", "step 4: all_gather call 9 ...", component="collective")
+    assert verdict(late_divergence(), [*CLEARED, experiment, broke])[0] == "collective"
 
 
 def test_a_window_before_the_divergence_clears_nothing() -> None:

@@ -325,17 +325,20 @@ def test_end_to_end_the_failure_names_the_reduce_scatter_and_triage_keeps_its_st
 
 def test_legitimate_drift_at_step_0_convicts_nothing_when_the_failure_starts_later(clean: RunRecord) -> None:
     """Another kernel path moves an op of step 0 within the tolerance; an optimizer fault then fails step 1. The
-    moved op is shown as drift, and the verdict is the optimizer's (step 0 matches), not that op's kernel."""
+    moved op is shown as drift, and the verdict is the optimizer's where the late window reproduced the divergence
+    (step 0 matches), never that op's kernel."""
     from pytest_gpuregress import triage
 
     drifted = traced_step0(hook=gemm_error(1e-7))
     drifted.series = {k: [vals[0], *(v * (1 + 1e-3) for v in vals[1:])] for k, vals in drifted.series.items()}
     comparison = compare_training(clean, drifted, lane="tolerant")
     assert not comparison.passed and comparison.first_moved is not None
-    experiments = [triage.Experiment("equivalence", "clean", ""), triage.Experiment("oracle", "clean", "")]
+    experiments = [triage.Experiment("equivalence", "clean", ""), triage.Experiment("oracle", "clean", ""),
+                   triage.Experiment("late window", "reproduced", "", component="optimizer")]
     component, line = triage.verdict(comparison, experiments)
     assert component == "optimizer", line
     assert "first moved op drifts within the tolerance at step 0: aten::mm in model.layers.0.mlp.up_proj" in line
+    assert triage.verdict(comparison, experiments[:2])[0] is None  # without the window: no kernel, no optimizer
 
 
 def test_debug_mode_is_used_only_where_its_hooks_and_switches_are_there(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,10 +27,12 @@ def test_equivalence_alone_convicts_a_collective() -> None:
     assert component == "collective" and line.startswith("triage verdict: collective. Evidence: equivalence differs")
 
 
-def test_both_clean_and_a_later_divergence_is_the_optimizer() -> None:
+def test_both_clean_and_a_later_divergence_without_a_window_is_inconclusive_not_the_optimizer() -> None:
+    """Elimination is no evidence: a collective that goes wrong late (a warmed-up buffer pool) leaves step 0 clean
+    too. Without the late window or the run's own invariants, the verdict says what is known."""
     experiments = [Experiment("equivalence", "clean", "x"), Experiment("oracle", "clean", "y")]
     component, line = verdict(_late_divergence(), experiments)
-    assert component == "optimizer" and "the first difference is at step 2" in line
+    assert component is None and "inconclusive" in line and "the first difference is at step 2" in line
 
 
 def test_both_clean_and_step_0_differing_is_inconclusive() -> None:
@@ -67,9 +69,6 @@ def test_the_collective_sweep_of_the_session_is_evidence_never_a_conviction() ->
     assert "2 of 12 of its cases failed" not in failing.detail and "1 of 11 of its cases failed" in failing.detail
     experiments = [Experiment("equivalence", "clean", "x"), Experiment("oracle", "clean", "y"), failing]
     component, line = verdict(_late_divergence(), experiments)
-    # A failing sweep beside it convicts nothing (the two may fail for causes of their own), but it leaves the update
-    # no longer the one thing elimination points at: inconclusive.
+    # A failing sweep beside it convicts nothing (the two may fail for causes of their own).
     assert component is None
-    clean = [*experiments[:2], session_checks("collective sweep", 12, [])]
-    assert verdict(_late_divergence(), clean)[0] == "optimizer"
     assert "collective sweep fails too: 1 of 11 of its cases failed in this session, first collectives-" in line

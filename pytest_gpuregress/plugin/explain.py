@@ -67,6 +67,24 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
     return component, [*triage.report(line, experiments), *also]
 
 
+def own_evidence(run: RunRecord) -> list[Experiment]:
+    """What the failing run says of itself, as evidence for the decision (triage/decision.py): its collectives
+    against their own invariants across the ranks, and its clip against its own norm; [] where both held."""
+    from ..reference import clipping, collective_invariants
+    from ..triage import Experiment
+    from ..triage.decision import CLIP, INVARIANTS
+
+    out = []
+    broken = collective_invariants.problems(run.results)
+    if broken:
+        out.append(Experiment(INVARIANTS, "broke", broken[0].removeprefix("[collective] "), component="collective",
+                              lines=[line.strip() for line in broken[1:]]))
+    clip = clipping.problems(run)
+    if clip:
+        out.append(Experiment(CLIP, "inconsistent", clip[0].removeprefix("[optimizer] "), component="optimizer"))
+    return out
+
+
 # Findings a changed library's numbers cannot explain away: round trips and formats are judged against themselves.
 _NOT_NUMERICS = ("checkpoint", "format")
 

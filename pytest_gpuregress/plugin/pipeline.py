@@ -23,7 +23,8 @@ from .artifacts import Artifacts, Kept, compare_command
 from .outcomes import Outcome, add_outcome
 from .places import ReferencePlaces
 
-Explain = Callable[[RunRecord, Comparison, RunRecord], tuple[str | None, list[str]]]
+# (the reference as compared, the comparison, the reference whole, the run) -> (component, report lines)
+Explain = Callable[[RunRecord, Comparison, RunRecord, RunRecord], tuple[str | None, list[str]]]
 
 
 class CheckPipeline:
@@ -73,7 +74,7 @@ class CheckPipeline:
         if explain is not None and comparison.findings:
             # The reference as compared (cut to the steps a fail-fast run ran), and whole: the late window reads
             # the reference's late steps.
-            component, evidence = explain(judgement.reference or reference, comparison, reference)
+            component, evidence = explain(judgement.reference or reference, comparison, reference, record)
             if component:
                 comparison.convict(component)
             verdict = next((line for line in evidence if line.startswith("triage verdict:")), None)

@@ -22,7 +22,7 @@ from ..scenarios import Case, Launch, Scenario, Setup, get_scenario
 from ..scenarios.comparator import Comparator, comparator_of
 from ..stack.platforms import Platform, rank_origin, resolve_platform
 from .artifacts import Artifacts
-from .explain import explain_failure, measure_oracle_distance
+from .explain import explain_failure, measure_oracle_distance, own_evidence
 from .launches import Launches, Runner, keeping
 from .options import Options
 from .outcomes import Outcome, add_outcome
@@ -173,10 +173,11 @@ class GpuRegressSession:
             measure_oracle_distance(sc, self.setup, self.launches.cached, record, model)
             record.attachments.update(sc.attachments(case, record, self.launches.cached, self.setup))
 
-        def explain(ref: RunRecord, comparison: Comparison, whole: RunRecord) -> tuple[str | None, list[str]]:
+        def explain(ref: RunRecord, comparison: Comparison, whole: RunRecord,
+                    failed: RunRecord) -> tuple[str | None, list[str]]:
             return explain_failure(sc, self.setup, self.launches.cached, ref, comparison, model, self.options.triage,
-                                   run_experiments=sc.triage_explains(case), case=case, checks=self._checks_evidence(),
-                                   whole_reference=whole)
+                                   run_experiments=sc.triage_explains(case), case=case,
+                                   checks=[*self._checks_evidence(), *own_evidence(failed)], whole_reference=whole)
 
         self.pipeline.check(record, reference, comparator, unfired, explain, kept_as=test_id(sc, case))
 

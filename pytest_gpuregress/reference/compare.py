@@ -21,7 +21,7 @@ import numpy as np
 
 from ..stack import fingerprint as fp
 from ..stack.determinism import nondeterminism
-from . import by_name, model_layout, step0
+from . import by_name, data_change, model_layout, step0
 from .envelope import METRICS, SERIES, MetricLimits, digest_deviation, floors_for, limit, rel, tensor_deviation
 from .envelope import PREFIX as ENVELOPE_PREFIX
 from .first_moved import FirstMoved, equal_traces, first_moved, pairings
@@ -117,7 +117,7 @@ class Comparison:
         The model-layout finding keeps its own name: it says what the library did to the model's code, which no
         experiment on this stack can overturn (the fault the experiments convict is another finding's cause)."""
         for finding in self.findings:
-            if finding.metric != model_layout.COMPONENT:
+            if finding.metric not in (model_layout.COMPONENT, "data"):
                 finding.component = component
             if "optimizer" not in finding.component:  # which AdamW ran says nothing of a component cleared of it
                 finding.message = finding.message.partition(ADAMW_NOTE)[0]
@@ -503,12 +503,19 @@ def compare_training(
         if found:
             findings.append(found)
     _suspect(findings, chosen)
+    changed_data = data_change.first_changed_step(reference, run)
+    if changed_data is not None:  # other tokens: every difference follows from them, none convicts a component
+        for finding in findings:
+            finding.component = "data"
+        findings.insert(0, Finding("data", "data", data_change.finding_text(reference, run, changed_data),
+                                   step=changed_data, tensor="the token batch"))
     layout = model_layout.tie_verdict(reference, run, tied)
     if layout is None and (changed := model_layout.verdict(reference, run)):
         layout = model_layout.COMPONENT, changed
     if layout is not None:  # the model's own code moved: every difference follows from it, none convicts a kernel
         for finding in findings:
-            finding.component = layout[0]
+            if finding.metric != "data":
+                finding.component = layout[0]
         findings.insert(0, Finding("model", *layout))
     name_optimizer(findings, run.config)
     paired = pairings(reference, run)  # both records' traces paired op by op: once, for every use below

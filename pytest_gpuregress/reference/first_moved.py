@@ -71,6 +71,10 @@ class FirstMoved:
         where = f"on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} of {self.world}"
         before = f"the {self.equal_before} ops before it are bitwise equal" if self.equal_before != 1 else \
             "the op before it is bitwise equal"
+        if self.kind == "moved" and self.entry is not None and self.entry.op == INPUT_OP and _integers(self.entry):
+            return f"{self.label}: {_name(self.entry)}, {_shapes(self.entry)}: integers the step read (its token " \
+                   f"batch) have other bits than the reference's, and integers do not drift: the data changed " \
+                   f"({where}, step-0 op trace)"
         if self.kind == "moved" and self.entry is not None and self.spike is not None:
             peak, ratio = self.spike
             median = f"{ratio:.3g}x the median bucket's" if ratio != float("inf") else "while most did not move"
@@ -101,6 +105,12 @@ class FirstMoved:
     def lines(self) -> list[str]:
         """The report's lines: the description, and the stack where the re-run kept one."""
         return [self.describe(), *(f"    {line}" for line in self.stack)]
+
+
+def _integers(entry: TraceOp) -> bool:
+    """Every output of the entry is of an integer or boolean dtype (its shape text starts "i", "u" or "b")."""
+    return bool(entry.outputs) and all(shape[:1] in ("i", "u", "b") and not shape.startswith("bf16")
+                                       for shape in entry.outputs)
 
 
 def _module(entry: TraceOp) -> str:

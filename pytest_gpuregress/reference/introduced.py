@@ -124,6 +124,7 @@ class _Moves:
     # per entry: each output's sketch buckets' moves (relative to a bucket's share of the output), None where an
     # output keeps no sketch in either trace or its bits are equal
     buckets: list[list[np.ndarray | None]] = field(default_factory=list)
+    changed: list[bool] = field(default_factory=list)  # per entry: its bits differ from its partner's
 
     @classmethod
     def of(cls, reference: RankTrace, run: RankTrace, pairing: Pairing) -> _Moves:
@@ -135,9 +136,11 @@ class _Moves:
             if i is None:
                 moves.outputs.append(None)
                 moves.buckets.append([])
+                moves.changed.append(False)
             else:
                 ref = reference.entry(i)
                 equal = bits_equal(ref, got, compare_hashes)
+                moves.changed.append(not equal)
                 moves.outputs.append(np.zeros(len(got.outputs)) if equal else relative_per_output(got, ref))
                 moves.buckets.append([] if equal else bucket_moves(ref, got))
             moves.sizes.append(np.array([numel((s,)) for s in got.outputs], dtype=np.float64))
@@ -291,6 +294,9 @@ def _first_in_rank(trace: RankTrace, moves: _Moves, others: list[tuple[RankTrace
     for index in range(len(moves)):
         if not moves.paired(index):
             continue  # no partner in the reference: nothing to measure; what reads it is judged by its ancestors
+        entry = trace.entry(index)
+        if entry.op == INPUT_OP and moves.changed[index] and all(epsilon(s) >= 1.0 for s in entry.outputs):
+            return index, 0.0  # integers read from outside the trace (tokens) that changed: they never drift
         if _spiked(index, trace, moves, others, thresholds):  # a few elements wrong: the whole digest dilutes them
             return index, explained(_inputs_moved(index, trace, moves, others), float(moves.sizes[index].max()))
         if moves.ulps(index) < thresholds.floor_ulps:

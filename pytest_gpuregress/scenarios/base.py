@@ -141,6 +141,9 @@ class RankContext:
     # The training step running now (training/loop.py sets it before each one); None outside training. Faults that
     # start late read it: a continuation from step S runs step S first, with no completed step before it.
     current_step: int | None = None
+    # The digest of the token batch this rank read last (training/step.py sets it): the step's figures carry every
+    # rank's, summed, so a record keeps one digest of each step's global batch (the data the run trained on).
+    batch_digest: float | None = None
 
     @property
     def device(self) -> str:

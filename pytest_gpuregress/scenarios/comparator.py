@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import GpuRegressError
-from ..reference import failfast, kernels
+from ..reference import clipping, collective_invariants, failfast, kernels
 from ..reference.envelope import MetricLimits as Tolerances
 from ..reference.judgement import Judgement, JudgingPolicy
 from ..reference.observations import Observations
@@ -41,12 +41,16 @@ class Comparator:
     tolerances: Tolerances | None = None  # a user's explicit limits (gpuregress.check_metrics): the tolerant lane's
 
     def own_checks(self, run: RunRecord) -> list[str]:
-        """Findings that need no reference: the scenario's verdict, and host ops of a GPU training run."""
+        """Findings that need no reference: the scenario's verdict, host ops of a GPU training run, and a training
+        run's collectives and clip held to their own invariants."""
         out: list[str] = []
         if self.scenario is not None and self.case is not None and self.setup is not None:
             out += self.scenario.verdict(self.case, run, self.setup)
         if self.scenario is None or self.scenario.kind == "training":
             out += kernels.host_op_problems(run)
+            # The run's own consistency, every step: its collectives against their invariants across the ranks, and
+            # its clip against its own norm (reference/collective_invariants.py, reference/clipping.py).
+            out += collective_invariants.problems(run.results) + clipping.problems(run)
         return out
 
     def row_label(self, reference_name: str) -> str:

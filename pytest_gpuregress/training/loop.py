@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from ..reference.data_change import BATCH_DIGEST
+from .collective_ledger import watching
 from .grad_norms import squared_norms
 from .observe import StepObserver
 from .op_trace import OpTracer, at_step
@@ -64,16 +66,20 @@ class StepResult:
     grad_norm: float  # the global norm, before clipping
     param_norms: np.ndarray  # each tracked parameter's global gradient norm, float64
     clipped_norm: float  # the tracked parameters' global gradient norm after clipping
+    batch_digest: float | None = None  # the sum of the ranks' token-batch digests (training/step.py); None: unknown
 
 
-def take_step(parts: TrainStep, step: int, world_size: int, device: Any) -> StepResult:
+def take_step(parts: TrainStep, step: int, world_size: int, device: Any, ctx: Any = None) -> StepResult:
     """One optimizer step. *Collective*: clipping and the all-reduce of the step's figures."""
     import torch
     import torch.distributed as dist
 
     trace = at_step(parts.op_trace, step)  # step 0's tracer; later steps: one that traces nothing
+    if ctx is not None:
+        ctx.batch_digest = None
     with trace.phase("forward"):
         loss = parts.loss(step)
+    read = getattr(ctx, "batch_digest", None)  # the batch the forward read, where it came through rank_tokens
     with trace.phase("backward"):
         parts.backward(loss)
     squares = squared_norms(parts.tracked, world_size, device)
@@ -82,15 +88,18 @@ def take_step(parts: TrainStep, step: int, world_size: int, device: Any) -> Step
     with trace.phase("clip"):
         grad_norm = parts.clip()
     clipped = torch.stack(squared_norms(parts.tracked, world_size, device)).sum() if squares else loss.new_zeros(())
-    # One float64 all-reduce per step carries the loss, every tracked parameter's squared norm and the clipped one.
-    stats = torch.stack([loss.detach().double(), *squares, clipped.double()])
+    # One float64 all-reduce per step carries the loss, every tracked parameter's squared norm, the clipped one and
+    # the ranks' batch digests (summed: exact, each fits 44 bits).
+    digest = loss.new_tensor(read if read is not None else float("nan"), dtype=torch.float64)
+    stats = torch.stack([loss.detach().double(), *squares, clipped.double(), digest])
     with trace.phase("optimizer"):
         parts.optimization.step()
     trace.finish()
     dist.all_reduce(stats)
     stats = stats.cpu()
-    return StepResult(loss=float(stats[0]) / world_size, grad_norm=grad_norm, param_norms=stats[1:-1].sqrt().numpy(),
-                      clipped_norm=float(stats[-1].sqrt()))
+    total = float(stats[-1])
+    return StepResult(loss=float(stats[0]) / world_size, grad_norm=grad_norm, param_norms=stats[1:-2].sqrt().numpy(),
+                      clipped_norm=float(stats[-2].sqrt()), batch_digest=total if total == total else None)
 
 
 @dataclass
@@ -102,16 +111,24 @@ class Curves:
     grad_norms: list[float] = field(default_factory=list)
     param_norm_rows: list[np.ndarray] = field(default_factory=list)
     clipped_norms: list[float] = field(default_factory=list)
+    # What the collectives of these steps said of themselves (collective_ledger.py), for the record's results.
+    collectives: dict[str, Any] = field(default_factory=dict)
+    batch_digests: list[float | None] = field(default_factory=list)
 
     def add(self, result: StepResult) -> None:
         self.losses.append(result.loss)
         self.grad_norms.append(result.grad_norm)
         self.param_norm_rows.append(result.param_norms)
         self.clipped_norms.append(result.clipped_norm)
+        self.batch_digests.append(result.batch_digest)
 
     def series(self) -> dict[str, list[float]]:
-        """The record's per-step series: the loss, the gradient norm before clipping and after it."""
-        return {"loss": self.losses, "grad_norm": self.grad_norms, "clipped_grad_norm": self.clipped_norms}
+        """The record's per-step series: the loss, the gradient norm before clipping and after it, and the digest
+        of each step's global token batch where every step's is known (reference/data_change.py)."""
+        out = {"loss": self.losses, "grad_norm": self.grad_norms, "clipped_grad_norm": self.clipped_norms}
+        if self.batch_digests and all(d is not None for d in self.batch_digests):
+            out[BATCH_DIGEST] = [float(d) for d in self.batch_digests if d is not None]
+        return out
 
     def param_norms(self, tracked: int) -> np.ndarray:
         """Steps x tracked parameters, float64 (the record's ``param_grad_norm``)."""
@@ -130,17 +147,22 @@ def train(ctx: Any, parts: TrainStep, steps: Iterable[int], *, observer: StepObs
     if progress is not None:
         ctx.progress(progress)
     curves = Curves()
+    # Every collective of every step, checked by its own invariants across the ranks (collective_ledger.py).
+    ledger = watching(ctx) if ctx.world_size > 1 else nullcontext()
     try:
-        for step in steps:
-            ctx.current_step = step  # what a fault that starts late reads (RankContext.current_step)
-            with observer.step(step) if observer is not None else nullcontext():
-                result = take_step(parts, step, ctx.world_size, ctx.device)
-            curves.add(result)
-            metrics = {"loss": result.loss, "grad_norm": result.grad_norm} if report_metrics else {}
-            if ctx.step_done(step, **metrics) and stop_when_told:
-                break
+        with ledger as watched:
+            for step in steps:
+                ctx.current_step = step  # what a fault that starts late reads (RankContext.current_step)
+                with observer.step(step) if observer is not None else nullcontext():
+                    result = take_step(parts, step, ctx.world_size, ctx.device, ctx)
+                curves.add(result)
+                metrics = {"loss": result.loss, "grad_norm": result.grad_norm} if report_metrics else {}
+                if ctx.step_done(step, **metrics) and stop_when_told:
+                    break
     finally:
         ctx.current_step = None  # after training (digests, saves) no step runs: a late fault does not act there
+    if watched is not None:
+        curves.collectives = watched.verdict()
     return curves
 
 

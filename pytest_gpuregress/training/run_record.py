@@ -22,6 +22,7 @@ def training_record(scenario: str, ctx: Any, step: TrainStep, curves: Curves, ob
                     results: dict[str, Any]) -> RunRecord:
     """``results`` gets the observer's results and step 0's op trace (op_trace.py) besides the scenario's own."""
     results.update(observer.results())
+    results.update(curves.collectives)
     traced = stored(step.op_trace, results)
     return RunRecord(
         scenario=scenario,

@@ -17,9 +17,22 @@ from .noise import apply_batch_order
 EMULATE_WORLD = "emulate_world"  # config key: the world a one-rank run stands in for
 
 
+BATCH_DIGEST_BITS = 44  # a rank's batch digest: summed over up to 512 ranks, still exact in a float64
+
+
 def rank_tokens(data: MarkovTokens, step: int, ctx: Any, perturbation: str, device: Any) -> Any:
-    """This rank's slice of the step's global batch, in the order a noise replica asks for, on ``device``."""
-    return _tokens(data, step, ctx.rank, ctx.world_size, perturbation, device)
+    """This rank's slice of the step's global batch, in the order a noise replica asks for, on ``device``; its
+    digest is kept as ``ctx.batch_digest`` for the step's figures (training/loop.py)."""
+    tokens = _tokens(data, step, ctx.rank, ctx.world_size, perturbation, device)
+    ctx.batch_digest = batch_digest(tokens)
+    return tokens
+
+
+def batch_digest(tokens: Any) -> float:
+    """The bits of a token batch as a number exact in float64 (tensor_digest's hash, cut to BATCH_DIGEST_BITS)."""
+    from .tensor_digest import digest
+
+    return float(digest(tokens)[3] & ((1 << BATCH_DIGEST_BITS) - 1))
 
 
 def _tokens(data: MarkovTokens, step: int, rank: int, world_size: int, perturbation: str, device: Any) -> Any:

@@ -43,7 +43,8 @@ ORACLE_ENTRY = "pytest_gpuregress.training.oracle:run"
 Runner = Callable[["Scenario", "Launch"], RunRecord]
 
 
-Status = Literal["clean", "differs", "vanished", "shrank", "stayed", "not applicable", "failed to run"]
+Status = Literal["clean", "differs", "vanished", "shrank", "stayed", "not applicable", "failed to run", "reproduced",
+                 "did not reproduce", "broke", "inconsistent", "named"]
 
 
 @dataclass
@@ -56,7 +57,7 @@ class Experiment:
 
     @property
     def convicts(self) -> bool:
-        return self.status in ("differs", "vanished")
+        return self.status in ("differs", "vanished", "reproduced", "broke", "inconsistent", "named")
 
 
 def launches(sc: Scenario, setup: Setup, model: str | None = None) -> dict[str, Launch]:
@@ -219,16 +220,23 @@ def first_moved_evidence(comparison: Comparison | None) -> Experiment | None:
 
 
 def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tuple[str | None, str]:
-    """(component, the one-line verdict with its evidence). The component is None when the experiments
-    convict nothing and cannot clear step 0: then the findings keep the heuristic's components."""
+    """(component, the one-line verdict with its evidence), decided by the first rule of decision.RULES whose
+    evidence is there. The component is None where no rule's is (inconclusive): the findings then keep their own
+    names, and the line says what is known."""
+    from .decision import RULES, Evidence, decide
+
     by_name = _evidence(comparison, experiments)
-    component = _convicted(experiments, by_name)
-    if component is None and comparison is not None and comparison.findings:
-        component = _from_the_findings(comparison, experiments, by_name)
+    if comparison is not None and comparison.findings:
+        _divergence(comparison, experiments, by_name)
+    found = decide(Evidence(comparison, by_name))
+    component = found[0][0] if found is not None else None
     evidence = "; ".join(f"{e.name} {e.status}: {e.detail}" for e in by_name.values())
-    named = component or "inconclusive (the experiments neither convict nor clear a component; the findings keep " \
-                         "the heuristic's guess)"
-    return component, f"triage verdict: {named}. Evidence: {evidence}"
+    if found is not None:
+        rule = found[1]
+        return component, f"triage verdict: {component}. Evidence: {evidence}. Decided by rule " \
+                          f"{RULES.index(rule) + 1} ({rule.evidence})"
+    return None, f"triage verdict: inconclusive (no rule's evidence is there: the experiments neither convict nor " \
+                 f"clear a component, and the findings keep their own names). Evidence: {evidence}"
 
 
 def _evidence(comparison: Comparison | None, experiments: list[Experiment]) -> dict[str, Experiment]:
@@ -245,47 +253,22 @@ def _evidence(comparison: Comparison | None, experiments: list[Experiment]) -> d
     return by_name
 
 
-def _convicted(experiments: list[Experiment], by_name: dict[str, Experiment]) -> str | None:
-    """The component an experiment convicts; the oracle first: it judges a run no collective touched."""
-    oracle_result = by_name.get("oracle")
-    if oracle_result is not None and oracle_result.convicts:
-        return "kernel"
-    return next((e.component for e in experiments if e.convicts and e.component), None)
-
-
-def _from_the_findings(comparison: Comparison, experiments: list[Experiment],
-                       by_name: dict[str, Experiment]) -> str | None:
-    """No experiment convicts: the component the findings' first step, the first moved op and the kernel changes
-    point at together, or None (inconclusive). Adds the divergence evidence to ``by_name``."""
-    changed = bool(comparison.kernel_changes)
-    moved = by_name.get("first moved op")
+def _divergence(comparison: Comparison, experiments: list[Experiment], by_name: dict[str, Experiment]) -> None:
+    """Where step 0 is cleared and the findings start later: say so, and whether a step's gradients moved while its
+    loss (the same weights) matched, which clears the update. A first moved op at step 0 that drifts within the
+    tolerance there is shown as drift, convicting nothing."""
     first = min((f.step for f in comparison.findings if f.step is not None), default=None)
-    late = divergence_start(comparison, experiments) is not None
-    # A step's gradients moved while its loss (the same weights) matched: the update is not the cause.
-    gradients = late and gradients_moved_first(comparison.findings, comparison.lane)
-    if late:
-        by_name["divergence"] = Experiment("divergence", "starts", f"step 0 matches the reference; the first "
-                                                                 f"difference is at step {first}")
-        if gradients:
-            by_name["divergence"] = _gradients_first(by_name["divergence"])
-    # The op that first gave another answer, its inputs equal, convicts where its effect is what failed: a
-    # forward or backward op when step 0 already differs, an optimizer op (its update shows from step 1).
-    if moved is not None and moved.convicts and (first == 0 or moved.component == "optimizer"):
-        return moved.component
-    if moved is not None and moved.convicts:
+    moved = by_name.get("first moved op")
+    if moved is not None and moved.convicts and first not in (0, None) and moved.component != "optimizer":
         # Step 0 is within the tolerance: that op's drift is the legitimate kind the envelope allows (another
         # kernel path), not what failed later; it is shown, and convicts nothing.
         by_name[moved.name] = Experiment(moved.name, "drifts within the tolerance at step 0", moved.detail)
-    if late:
-        # step 0 matches the reference and both experiments are clean: the weights a step started from were
-        # wrong, so the update went wrong; unless its gradients moved first, which clears the update, or the late
-        # window ran before the divergence and so cleared nothing
-        window = by_name.get(LATE_WINDOW)
-        unsure = window is not None and window.status != "clean"
-        # A check of this session that failed too (the collective sweep): elimination no longer leaves the update.
-        failing = any(e.status == "fails too" for e in experiments)
-        return None if gradients or unsure or failing else "optimizer"
-    return "kernel" if changed else None  # nothing convicted or cleared; changed kernels are the likeliest cause
+    if divergence_start(comparison, experiments) is None:
+        return
+    by_name["divergence"] = Experiment("divergence", "starts", f"step 0 matches the reference; the first difference "
+                                                               f"is at step {first}")
+    if gradients_moved_first(comparison.findings, comparison.lane):
+        by_name["divergence"] = _gradients_first(by_name["divergence"])
 
 
 def divergence_start(comparison: Comparison, experiments: list[Experiment]) -> int | None:

@@ -3,13 +3,19 @@
 Step 0 matched and equivalence and the oracle cleared it, yet a later step differs. The norms a training
 record keeps after step 0 cannot tell an update that went wrong from gradients computed wrong. The
 reference carries its own checkpoint late in the run (step S, scenarios/shared/resume_plan.py) and the
-gradients of step S computed from it on the recording stack. This stack loads that state and computes
-step S's gradients again (the resume case's launch, which the session runs once for both):
+gradients of step S computed from it on the recording stack. This stack loads that state in a fresh process,
+computes step S's gradients again and trains on to the end (the resume case's launch, which the session runs
+once for both):
 
-  differ       the gradients are computed wrong from the right weights: a collective that carries them
-               (few elements), or a backward kernel or a collective (most: the window cannot tell them apart);
-  clean        right gradients from the right weights at S, where the run had already diverged: the
-               weights went wrong in the update: the optimizer;
+  differs            the gradients are computed wrong from the right weights: a collective that carries them
+                     (few elements), or a backward kernel or a collective (most: the window cannot tell them apart);
+  reproduced         right gradients from the right weights at S, and the steps after S diverge from the
+                     reference's again: the update goes wrong from the reference's own state: the optimizer;
+  did not reproduce  right gradients at S, and the steps after it match the reference's: the divergence does not
+                     recur in a fresh process. A bug that needs a warmed-up process (a reused buffer pool, a
+                     counter, a protocol switch after N calls) behaves so, so this clears nothing: the collectives'
+                     own invariants, checked in the failing run itself (reference/collective_invariants.py), are
+                     the evidence for those;
   before the divergence   S comes before the first differing step: the window clears nothing.
 
 torch-free.
@@ -49,8 +55,15 @@ def judged(first_step: int, saved_step: int, window: Comparison, compared: bool 
     if saved_step < first_step:
         return Experiment(NAME, "before the divergence", f"{where}, match the reference's, but the run diverges "
                                                          f"only at step {first_step}: this clears nothing")
-    return Experiment(NAME, "clean", f"{where}, match the reference's (the run diverges from step {first_step}): "
-                                     "right gradients from right weights, so the weights went wrong in the update")
+    after = [f for f in window.findings if f.metric not in (*LOAD_METRICS, LATE_GRAD)]
+    if after:
+        return Experiment(NAME, "reproduced", f"{where}, match the reference's, and the steps after it diverge again "
+                                              f"in a fresh process ({after[0].message}): right gradients from right "
+                                              "weights, so the weights go wrong in the update", component="optimizer")
+    return Experiment(NAME, "did not reproduce", f"{where}, match the reference's, and so do the steps after it: the "
+                                                 f"divergence (from step {first_step}) does not recur in a fresh process "
+                                                 "resumed from the reference's state, as a bug that needs a warmed-up "
+                                                 "process does not; this clears nothing")
 
 
 def convicted(named: str) -> str:

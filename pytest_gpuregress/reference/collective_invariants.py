@@ -1,0 +1,177 @@
+"""Every collective of a training run checked by its own invariants, across its ranks, at every step. numpy only.
+
+A replay from a checkpoint starts a fresh process: a bug that needs a warmed-up one (a reused buffer pool, a
+counter, a protocol switch after N calls) does not recur there, and in the tolerant lane the order in which metrics
+first move proves little. So each rank keeps a few numbers per collective call as it runs (training/
+collective_ledger.py: float64 sums of its input and output, their sums of |x| and of x^2, and its output's bit
+hash), and after training the ranks' rows are set side by side, call by call within each process group:
+
+  all_gather, broadcast, all_reduce  every rank's output has the same bits (one hash)
+  all_gather, all_to_all             the outputs hold exactly the inputs: their sums agree over the group
+  all_reduce, reduce_scatter (SUM)   the outputs' sum over the group is the inputs', within rounding
+                         (AVG)       ... over the group size
+
+Rounding: each output element is the sum of N inputs, rounded up to N times in the reduction's dtype; the errors
+are independent, so their total over the tensor stays within LAMBDA x u x sqrt(rounds x N x the inputs' sum of
+x^2), u the dtype's unit roundoff (reference/bounds.py's probabilistic model, with a tail of 8 deviations). A
+one-element error of 1e-3 in a 20k-element fp32 output is about 30 times that.
+
+A broken invariant names the step, the collective, its process group, the call, and the rank that differs: a
+[collective] finding on the default run, with no replay.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+RESULT_KEY = "collective_invariants"
+LAMBDA = 8.0  # deviations of the rounding errors' sum: thousands of checks a run, none a false alarm
+# Columns of a rank's ledger rows (training/collective_ledger.py writes them in this order).
+COLUMNS = ("step", "group", "seq", "op", "reduce", "factor", "unit_roundoff", "size", "in_sum", "in_abs", "in_sq",
+           "out_sum", "out_abs", "out_sq", "out_hash")
+_COL = {name: i for i, name in enumerate(COLUMNS)}
+SAME_BITS = ("all_gather", "broadcast", "all_reduce")
+KEEPS_SUM = ("all_gather", "all_to_all")  # a permutation or a concatenation of the inputs: the same total
+REDUCES = ("all_reduce", "reduce_scatter")
+MAX_SHOWN = 8
+
+
+@dataclass(frozen=True)
+class Violation:
+    step: int
+    op: str
+    group: str
+    seq: int
+    ranks: tuple[int, ...]  # the ranks whose output is not what the invariant asks
+    what: str
+
+    def describe(self) -> str:
+        who = f"rank{'s' if len(self.ranks) != 1 else ''} {', '.join(map(str, self.ranks))}" if self.ranks else \
+            "the group"
+        return f"step {self.step}: {self.op} call {self.seq} of process group [{self.group}]: {self.what} ({who})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "op": self.op, "group": self.group, "seq": self.seq, "ranks": list(self.ranks),
+                "what": self.what}
+
+
+def check(rows: Mapping[int, np.ndarray], ops: list[str], groups: list[str], reductions: list[str]) -> tuple[int, list[Violation]]:
+    """(calls checked, violations), from each global rank's ledger rows; ``ops``, ``groups`` and ``reductions`` are
+    the string tables the rows index. Calls are paired across ranks by (group, seq): the n-th call on one group."""
+    by_call: dict[tuple[int, int], dict[int, np.ndarray]] = {}
+    for rank, table in rows.items():
+        for row in np.asarray(table, dtype=np.float64).reshape(-1, len(COLUMNS)):
+            by_call.setdefault((int(row[_COL["group"]]), int(row[_COL["seq"]])), {})[rank] = row
+    violations: list[Violation] = []
+    for (group, seq), members in sorted(by_call.items(), key=lambda kv: (min(int(r[0]) for r in kv[1].values()), kv[0])):
+        found = _judge(members, ops, reductions)
+        if found is not None:
+            what, ranks = found
+            first = next(iter(members.values()))
+            violations.append(Violation(int(first[_COL["step"]]), ops[int(first[_COL["op"]])], groups[group], seq,
+                                        ranks, what))
+    return len(by_call), violations
+
+
+def _judge(members: dict[int, np.ndarray], ops: list[str], reductions: list[str]) -> tuple[str, tuple[int, ...]] | None:
+    """What breaks in one call, seen from its ranks' rows; None where its invariants hold."""
+    ranks = sorted(members)
+    if len(ranks) < 2:
+        return None
+    rows = np.stack([members[r] for r in ranks])
+    op = ops[int(rows[0, _COL["op"]])]
+    if len({ops[int(r)] for r in rows[:, _COL["op"]]}) > 1:
+        return "the ranks called different collectives at this place", tuple(ranks)
+    hashes = np.ascontiguousarray(rows[:, _COL["out_hash"]]).view(np.int64)
+    inputs, outputs = rows[:, _COL["in_sum"]].sum(), rows[:, _COL["out_sum"]]
+    if op in SAME_BITS and len(set(hashes.tolist())) > 1:
+        # Which rank holds the wrong values: the one whose output does not sum to what the inputs give (an
+        # all-gather's every input, an all-reduce's reduction), else the one outvoted by the others' bits.
+        odd = _odd_ones(hashes.tolist(), ranks)
+        if op in ("all_gather", "all_reduce") and len(odd) > 1:
+            expected = inputs if op == "all_gather" else _reduced(rows, reductions, len(ranks), inputs)
+            if expected is not None:  # the ranks much further from it than the closest one
+                misses = np.abs(outputs - expected)
+                bar = 10 * float(misses.min()) + 1e-12 * float(rows[:, _COL["in_abs"]].sum())
+                off = [r for r, miss in zip(ranks, misses) if miss > bar]
+                odd = tuple(off) if 0 < len(off) < len(ranks) else odd
+        return "the ranks' outputs have different bits, where every rank must hold the same values", odd
+    scale = float(rows[:, _COL["in_abs"]].sum())
+    if op in KEEPS_SUM:
+        expected = inputs * (len(ranks) if op == "all_gather" else 1)  # every rank's output holds every input
+        total = float(outputs.sum()) if op == "all_to_all" else float(outputs.sum())
+        allowed = 1e-12 * max(scale * len(ranks), 1e-300)
+        if abs(total - expected) > allowed:
+            worst = _worst_rank(rows, ranks, inputs if op == "all_gather" else None)
+            return (f"its outputs sum to {total:.17g} where its inputs give {expected:.17g}: values were lost, "
+                    f"repeated or changed in transit", worst)
+        return None
+    if op in REDUCES:
+        reduction = reductions[int(rows[0, _COL["reduce"]])]
+        if reduction not in ("sum", "avg", "premul_sum"):
+            return None  # max, min, product: no sum invariant to hold them to
+        divisor = len(ranks) if reduction == "avg" else 1
+        factor = float(rows[0, _COL["factor"]])  # PREMUL_SUM's: each input times it, then summed
+        expected = inputs * factor / divisor
+        total = float(outputs.sum()) if op == "reduce_scatter" else float(outputs.mean())
+        rounds = len(ranks) - 1 + (1 if reduction != "sum" else 0)
+        unit = float(rows[0, _COL["unit_roundoff"]])
+        squares = float(rows[:, _COL["in_sq"]].sum())
+        allowed = LAMBDA * unit * math.sqrt(max(rounds, 1) * len(ranks) * squares) * abs(factor) / divisor
+        allowed += 1e-12 * scale  # the float64 sums' own rounding
+        if not abs(total - expected) <= allowed:
+            worst = _worst_rank(rows, ranks, expected if op == "all_reduce" else None)
+            return (f"its outputs sum to {total:.17g} where the {reduction.upper()} of its inputs gives "
+                    f"{expected:.17g}, {abs(total - expected) / max(allowed, 1e-300):.3g}x the rounding bound "
+                    f"{allowed:.3g}", worst)
+    return None
+
+
+def _reduced(rows: np.ndarray, reductions: list[str], world: int, inputs: float) -> float | None:
+    """The sum a reduction's output should have, from its inputs' (None for a reduction with no such sum)."""
+    reduction = reductions[int(rows[0, _COL["reduce"]])]
+    if reduction not in ("sum", "avg", "premul_sum"):
+        return None
+    return inputs * float(rows[0, _COL["factor"]]) / (world if reduction == "avg" else 1)
+
+
+def _odd_ones(hashes: list[int], ranks: list[int]) -> tuple[int, ...]:
+    """The ranks whose hash is not the most common one (with two ranks that disagree: both)."""
+    counts = {h: hashes.count(h) for h in hashes}
+    common = max(counts.values())
+    if list(counts.values()).count(common) > 1:
+        return tuple(ranks)
+    usual = max(counts, key=lambda h: counts[h])
+    return tuple(r for r, h in zip(ranks, hashes) if h != usual)
+
+
+def _worst_rank(rows: np.ndarray, ranks: list[int], expected_each: float | None) -> tuple[int, ...]:
+    """Where every rank's output should sum to one value (an all-gather's, an all-reduce's): the rank furthest from
+    it; otherwise (a reduce-scatter: each rank holds its own part) the group."""
+    if expected_each is None:
+        return ()
+    misses = np.abs(rows[:, _COL["out_sum"]] - expected_each)
+    return (ranks[int(np.argmax(misses))],)
+
+
+def summary(calls: int, violations: list[Violation]) -> dict[str, Any]:
+    """What a record keeps: the count of calls checked, and the first violations (each a few numbers)."""
+    return {"calls": calls, "violated": len(violations), "violations": [v.to_json() for v in violations[:MAX_SHOWN]]}
+
+
+def problems(record_results: Mapping[str, Any]) -> list[str]:
+    """The [collective] findings of a run whose collectives broke an invariant; [] where none did or none ran."""
+    kept = record_results.get(RESULT_KEY)
+    if not isinstance(kept, dict) or not kept.get("violated"):
+        return []
+    shown = [Violation(v["step"], v["op"], v["group"], v["seq"], tuple(v["ranks"]), v["what"]).describe()
+             for v in kept.get("violations", [])]
+    more = int(kept["violated"]) - len(shown)
+    first = f"[collective] a collective broke its own invariant in this run ({kept['violated']} of {kept['calls']} " \
+            f"calls, checked across the ranks at every step, no replay needed): {shown[0]}"
+    return [first, *(f"    also {line}" for line in shown[1:]), *([f"    and {more} more"] if more > 0 else [])]

@@ -1,0 +1,209 @@
+"""Rank side of the collective invariants (reference/collective_invariants.py): a few numbers per collective call.
+
+While training runs, every ``torch.distributed`` collective the step makes (FSDP2's all-gathers and
+reduce-scatters, the clip's all-reduce, the step's figures) passes through a wrapper that reads its input before
+the call and its output after it, as the training sees it (a fault installed before the ledger has acted): float64
+sums of x, |x| and x^2, and the output's bit hash (tensor_digest.py). No value is written. After the last step the
+ranks gather their rows (the plugin's own collective) and rank 0 checks them; the record keeps the verdict only.
+
+    with watching(ctx) as ledger:
+        ...train...
+    results.update(ledger.verdict())    # collective, on every rank
+
+The wrapper waits for an asynchronous call before it reads the output (FSDP2 overlaps its collectives): the
+values are those the program reads after its own wait; only the overlap is lost. Torch is imported inside the
+functions: only the ranks call them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from ..fault_points import in_plugin_own_collective, plugin_own_collectives
+from ..reference import collective_invariants as invariants
+from .tensor_digest import digest
+
+# torch.distributed's collectives by name: (the op family, the keyword of its output, that of its input). FSDP2 calls
+# all_gather_single and reduce_scatter_single on torch 2.13, all_gather_into_tensor and reduce_scatter_tensor before.
+COLLECTIVES: dict[str, tuple[str, str, str | None]] = {
+    "all_reduce": ("all_reduce", "tensor", None),
+    "reduce_scatter_single": ("reduce_scatter", "output", "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", "output", "input"),
+    "_reduce_scatter_base": ("reduce_scatter", "output", "input"),
+    "reduce_scatter": ("reduce_scatter", "output", "input_list"),
+    "all_gather_single": ("all_gather", "output_tensor", "input_tensor"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor", "input_tensor"),
+    "_all_gather_base": ("all_gather", "output_tensor", "input_tensor"),
+    "all_gather": ("all_gather", "tensor_list", "tensor"),
+    "broadcast": ("broadcast", "tensor", None),
+    "all_to_all_single": ("all_to_all", "output", "input"),
+    "all_to_all": ("all_to_all", "output_tensor_list", "input_tensor_list"),
+}
+_UNIT_ROUNDOFF = {"torch.float64": 2.0**-53, "torch.float32": 2.0**-24, "torch.bfloat16": 2.0**-8,
+                  "torch.float16": 2.0**-11}
+
+
+def _tensors(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return [t for t in value if t is not None] if isinstance(value, (list, tuple)) else [value]
+
+
+def _sums(tensors: list[Any]) -> tuple[float, float, float, int]:
+    """Float64 sum, sum of |x| and sum of x^2 over ``tensors``, and one hash of their bits in order (each tensor's
+    digest hash, tensor_digest.py, chained)."""
+    import torch
+
+    total = absolute = squares = 0.0
+    hashed = 0
+    for tensor in tensors:
+        with torch.no_grad():
+            found = digest(tensor)
+            total, absolute = total + found[0], absolute + found[1]
+            wide = tensor.detach().reshape(-1)
+            wide = (torch.view_as_real(wide).reshape(-1) if wide.is_complex() else wide).to(torch.float64)
+            squares += float((wide * wide).sum())
+        hashed = (hashed * 1000003 + found[3]) & ((1 << 64) - 1)
+    return total, absolute, squares, hashed - (1 << 64) if hashed >= 1 << 63 else hashed
+
+
+class Ledger:
+    """The rows of one rank (``invariants.COLUMNS``), and the string tables they index."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.rows: list[list[float]] = []
+        self.ops: list[str] = sorted({family for family, _, _ in COLLECTIVES.values()})
+        self.groups: list[str] = []
+        self.reductions: list[str] = ["none", "sum", "avg", "max", "min", "product", "premul_sum", "other"]
+        self._seq: dict[int, int] = {}
+        self._inside = False
+
+    def _group(self, group: Any) -> tuple[int, int]:
+        import torch.distributed as dist
+
+        ranks = ",".join(str(r) for r in dist.get_process_group_ranks(group or dist.group.WORLD))
+        if ranks not in self.groups:
+            self.groups.append(ranks)
+        index = self.groups.index(ranks)
+        self._seq[index] = self._seq.get(index, 0) + 1
+        return index, self._seq[index]
+
+    def _reduction(self, op: Any, family: str) -> tuple[int, float]:
+        """The reduction's index in the table, and PREMUL_SUM's factor (1 for the others)."""
+        if family not in ("all_reduce", "reduce_scatter"):
+            return 0, 1.0
+        text = str(getattr(op, "op", op)).lower() if op is not None else "sum"
+        index = next((i for i, name in enumerate(self.reductions) if name != "none" and name in text),
+                     len(self.reductions) - 1)
+        factor = 1.0
+        if self.reductions[index] == "premul_sum":
+            try:
+                factor = float(op.__getstate__()[1])  # a ReduceOp made by _make_nccl_premul_sum(factor)
+            except (AttributeError, IndexError, TypeError, ValueError):
+                index = len(self.reductions) - 1  # its factor unknown: no invariant to hold it to
+        return index, factor
+
+    def wrap(self, dist: Any, name: str) -> Callable[[], None]:
+        """Wrap ``dist.<name>``; return the undo."""
+        original = getattr(dist, name)
+        family, out_key, in_key = COLLECTIVES[name]
+        signature = inspect.signature(original)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self._inside or in_plugin_own_collective():
+                return original(*args, **kwargs)
+            try:
+                bound = signature.bind_partial(*args, **kwargs).arguments
+            except TypeError:
+                return original(*args, **kwargs)
+            self._inside = True
+            try:
+                outputs = _tensors(bound.get(out_key))
+                inputs = _tensors(bound.get(in_key)) if in_key else outputs
+                before = _sums(inputs)  # before the call: an in-place collective overwrites its input
+                work = original(*args, **kwargs)
+                if work is not None and hasattr(work, "wait"):
+                    work.wait()
+                after = _sums(outputs)
+                group, seq = self._group(bound.get("group"))
+                dtype = str(outputs[0].dtype) if outputs else "torch.float32"
+                reduction, factor = self._reduction(bound.get("op"), family)
+                self.rows.append([float(self.ctx.current_step if self.ctx.current_step is not None else -1), group,
+                                  seq, self.ops.index(family), reduction, factor, _UNIT_ROUNDOFF.get(dtype, 2.0**-24),
+                                  float(sum(t.numel() for t in outputs)), *before[:3], *after[:3],
+                                  float(np.int64(after[3]).view(np.float64))])
+                return work
+            finally:
+                self._inside = False
+
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(dist, name, wrapper)
+        return lambda: setattr(dist, name, original)
+
+    def verdict(self) -> dict[str, Any]:
+        """Gather every rank's rows (the plugin's own collectives) and judge them: on every rank the same summary,
+        for the record's results. Collective: every rank calls it after its last step."""
+        import torch
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+        mine = torch.tensor(np.array(self.rows, dtype=np.float64).reshape(-1, len(invariants.COLUMNS)))
+        with plugin_own_collectives():
+            counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(counts, torch.tensor([len(self.rows)], dtype=torch.int64))
+            longest = max(int(c) for c in counts)
+            padded = torch.zeros(longest, len(invariants.COLUMNS), dtype=torch.float64)
+            padded[:len(self.rows)] = mine
+            gathered = [torch.zeros_like(padded) for _ in range(world)]
+            dist.all_gather(gathered, padded)
+        # The string tables are the same on every rank but for the groups, which each rank met in its own order:
+        # gathered as their rank lists, they are mapped to one table.
+        tables = self._gather_groups(world)
+        groups: list[str] = []
+        rows: dict[int, np.ndarray] = {}
+        for rank, (table, count) in enumerate(zip(gathered, counts)):
+            found = table[:int(count)].numpy().copy()
+            for i, row in enumerate(found):
+                name = tables[rank][int(row[1])]
+                if name not in groups:
+                    groups.append(name)
+                found[i, 1] = groups.index(name)
+            rows[rank] = found
+        calls, violations = invariants.check(rows, self.ops, groups, self.reductions)
+        return {invariants.RESULT_KEY: invariants.summary(calls, violations)}
+
+    def _gather_groups(self, world: int) -> list[list[str]]:
+        """Every rank's table of groups, each a string of global ranks, gathered as padded int tensors."""
+        import torch
+        import torch.distributed as dist
+
+        encoded = ";".join(self.groups).encode()
+        with plugin_own_collectives():
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(sizes, torch.tensor([len(encoded)], dtype=torch.int64))
+            longest = max(int(s) for s in sizes)
+            mine = torch.zeros(longest, dtype=torch.uint8)
+            mine[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8) if encoded else mine[:0]
+            gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+            dist.all_gather(gathered, mine)
+        return [bytes(g[:int(s)].tolist()).decode().split(";") if int(s) else [] for g, s in zip(gathered, sizes)]
+
+
+@contextmanager
+def watching(ctx: Any) -> Iterator[Ledger]:
+    """Keep the ledger of every collective the body makes; the wrappers are removed after it."""
+    import torch.distributed as dist
+
+    ledger = Ledger(ctx)
+    undo = [ledger.wrap(dist, name) for name in COLLECTIVES if hasattr(dist, name)]
+    try:
+        yield ledger
+    finally:
+        for step in reversed(undo):
+            step()

@@ -1,0 +1,160 @@
+"""One decision from the evidence: the component a failure points at, by rules read top to bottom.
+
+The evidence of a failing case is gathered in one place (``Evidence``): the run's own checks (its collectives
+against their invariants, its clip against its own norm), the data it read, the op of step 0 that introduced the
+difference and on which ranks, the experiments (a bisect of the upgrade, equivalence, the float64 oracle, the late
+window), the collective sweep of the session, the kernels that changed. The first rule whose evidence is there
+decides, and the verdict quotes it. An experiment that was run outranks what the comparison infers, and a version
+number that changed decides nothing here: it only ever breaks a tie in the library a moved oracle names
+(plugin/explain.py). ``RULES`` is the table docs/triage.md shows.
+
+torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..reference.first_moved import COLLECTIVE_NAMESPACES, INPUT_OP
+
+if TYPE_CHECKING:
+    from ..reference.compare import Comparison
+
+Experiment = Any  # triage's Experiment (name, status, detail, component, convicts): typed there, read here
+
+# The names of the evidence the run itself gives (plugin/explain.py makes them from its own checks).
+INVARIANTS = "collective invariants"
+CLIP = "clip"
+BISECT = "bisect"
+
+
+@dataclass
+class Evidence:
+    """What a failing case shows, by name (``Experiment``s), with the comparison it came from."""
+
+    comparison: Comparison | None
+    by_name: dict[str, Experiment] = field(default_factory=dict)
+
+    def convicting(self, name: str) -> Experiment | None:
+        found = self.by_name.get(name)
+        return found if found is not None and found.convicts and found.component else None
+
+    @property
+    def first_step(self) -> int | None:
+        if self.comparison is None:
+            return None
+        return min((f.step for f in self.comparison.findings if f.step is not None), default=None)
+
+
+Decision = tuple[str, str]  # (component, the evidence quoted)
+
+
+@dataclass(frozen=True)
+class Rule:
+    evidence: str  # what must be there, in the docs' words
+    component: str  # what it convicts, in the docs' words
+    decide: Callable[[Evidence], Decision | None]
+
+
+def _experiment(name: str, status: str | None = None) -> Callable[[Evidence], Decision | None]:
+    """The rule of an experiment that convicts (with ``status``: only where it says that)."""
+    def decide(evidence: Evidence) -> Decision | None:
+        found = evidence.convicting(name)
+        if found is None or (status is not None and found.status != status):
+            return None
+        return str(found.component), f"{found.name} {found.status}: {found.detail}"
+
+    return decide
+
+
+def _data(evidence: Evidence) -> Decision | None:
+    comparison = evidence.comparison
+    if comparison is None:
+        return None
+    changed = next((f for f in comparison.findings if f.metric == "data"), None)
+    if changed is not None:
+        return "data", changed.message
+    culprit = comparison.culprit
+    if culprit is not None and culprit.component == "data" and culprit.entry is not None \
+            and all(s[:1] in ("i", "u") for s in culprit.entry.outputs):
+        return "data", culprit.describe()
+    return None
+
+
+def _one_rank(evidence: Evidence) -> Decision | None:
+    """The op that introduced the difference computes (no collective), on one rank only, while the same op of the
+    other ranks kept within drift: one device's own compute, whatever N ranks against one says."""
+    comparison = evidence.comparison
+    culprit = comparison.culprit if comparison is not None else None
+    if culprit is None or culprit.entry is None or culprit.world < 2 or culprit.also_on:
+        return None
+    if culprit.component != "kernel" or culprit.entry.op.startswith(COLLECTIVE_NAMESPACES) or \
+            culprit.entry.op == INPUT_OP:
+        return None
+    return "device", (f"rank {culprit.rank} alone: {culprit.describe()}; the same op of the other "
+                      f"{culprit.world - 1} rank{'s' if culprit.world > 2 else ''} kept within drift, and no "
+                      "collective had run on its inputs: one device's own compute (a kernel on that GPU, or the GPU)")
+
+
+def _culprit_at_step0(evidence: Evidence) -> Decision | None:
+    """The op of step 0 that introduced the difference convicts where its effect is what failed: a forward or
+    backward op when step 0 already differs, an optimizer op (its update shows from step 1)."""
+    moved = evidence.by_name.get("first moved op")
+    if moved is None or not moved.convicts or not moved.component:
+        return None
+    if evidence.first_step == 0 or moved.component == "optimizer":
+        return str(moved.component), f"{moved.name} {moved.status}: {moved.detail}"
+    return None
+
+
+def _kernels(evidence: Evidence) -> Decision | None:
+    found = evidence.by_name.get("kernels")
+    if found is None or evidence.first_step != 0:
+        return None
+    return "kernel", f"{found.name} {found.status}: {found.detail} (and step 0 differs)"
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("a bisect of the upgrade: reverting one package (or a group) restores step 0", "library: <that package>",
+         _experiment(BISECT)),
+    Rule("the token batches differ from the reference's (integers do not drift)", "data", _data),
+    Rule("a collective broke its own invariant in this run (bit-identical outputs, sums kept) at some step",
+         "collective", _experiment(INVARIANTS)),
+    Rule("the clip is inconsistent with its own norm (another norm than the gradients', or another coefficient)",
+         "optimizer", _experiment(CLIP)),
+    Rule("the op that introduced the difference computes, on one rank only; the others' same op kept within drift",
+         "device (the rank named)", _one_rank),
+    Rule("the float64 oracle on this stack (no collective) differs from this stack's own one-rank run",
+         "kernel", _experiment("oracle")),
+    Rule("N ranks differ from one rank on the same batch (equivalence)", "collective", _experiment("equivalence")),
+    Rule("the late window: step S's gradients, from the reference's own state, differ", "collective, or kernel or "
+         "collective", _experiment("late window", "differs")),
+    Rule("the op of step 0 that introduced the difference (step 0 differs, or an optimizer op)", "its component",
+         _culprit_at_step0),
+    Rule("the late window reproduced it: right gradients at S, and the update from the reference's state diverges "
+         "again in a fresh process", "optimizer", _experiment("late window", "reproduced")),
+    Rule("the ops of step 0 now run other kernels, and step 0 differs", "kernel", _kernels),
+)
+
+
+def decide(evidence: Evidence) -> tuple[Decision, Rule] | None:
+    """The first rule whose evidence is there: its decision, and the rule; None where none is (inconclusive)."""
+    for rule in RULES:
+        found = rule.decide(evidence)
+        if found is not None:
+            return found, rule
+    return None
+
+
+BEGIN, END = "<!-- decision-rules:begin -->", "<!-- decision-rules:end -->"
+
+
+def markdown_table() -> list[str]:
+    """docs/triage.md's table of the rules, in their order."""
+    lines = ["| # | when the evidence shows | the verdict |", "| --- | --- | --- |"]
+    lines += [f"| {i} | {rule.evidence} | `[{rule.component}]` |" for i, rule in enumerate(RULES, 1)]
+    lines.append(f"| {len(RULES) + 1} | none of these | inconclusive: what is known is said, and the findings keep "
+                 "their own names |")
+    return lines

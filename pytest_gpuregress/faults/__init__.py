@@ -212,8 +212,10 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                   "mode": Param("choice", "rope_interleaved: transformers' Llama rotate_half pairs neighbouring "
                                           "features instead of the two halves; lora_rslora: peft scales an adapter "
                                           "by alpha / sqrt(r) instead of alpha / r; untied: transformers' "
-                                          "tie_weights ties nothing, so a tied model gets an output head of its own",
-                                ("rope_interleaved", "lora_rslora", "untied")),
+                                          "tie_weights ties nothing, so a tied model gets an output head of its own; "
+                                          "numpy_searchsorted: numpy's searchsorted returns the next index for one "
+                                          "value in 64, so the synthetic token batches change",
+                                ("rope_interleaved", "lora_rslora", "untied", "numpy_searchsorted")),
               }, required=("mode",), installed_code=True),
     FaultKind("checkpoint", ".checkpoint:install", "a checkpoint bug of docs/faults.md section 3, for scenario checkpoint and "
               "the resume cases of fsdp and lora "
@@ -262,6 +264,7 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
     "library:rope_interleaved": (act.LLAMA_FORWARD,),
     "library:lora_rslora": (act.PEFT_LORA,),
     "library:untied": (act.TIED_CONFIG,),
+    "library:numpy_searchsorted": (act.SYNTHETIC_TOKENS,),
     "lora": (act.ADAPTER_SAVE,),
     "lora:rank0_slice": (act.ADAPTER_SHARDS,),
     "checkpoint:optimizer_dropped": (act.OPTIMIZER_STATE_LOAD,),

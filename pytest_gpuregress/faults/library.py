@@ -8,6 +8,8 @@ code installed on the machine, not a fault of the stack under test (FaultKind.in
   lora_rslora       peft's ``LoraLayer.update_layer`` scales an adapter by alpha / sqrt(r) instead of alpha / r
   untied            transformers' ``PreTrainedModel.tie_weights`` ties nothing: a model whose config ties its
                     embeddings gets an output head of its own
+  numpy_searchsorted  numpy's ``searchsorted`` returns the next index for one value in 64: the synthetic token
+                    batches (training/data.py draws each token through it) change, the model's code does not
 """
 
 from __future__ import annotations
@@ -65,9 +67,31 @@ def _not_tying(firing: Firing) -> Any:
     return wrap
 
 
+def _searchsorted_off(firing: Firing) -> Any:
+    def wrap(original: Any) -> Any:
+        def searchsorted(a: Any, v: Any, side: str = "left", sorter: Any = None) -> Any:
+            import numpy as np
+
+            found = original(a, v, side=side, sorter=sorter)
+            if np.ndim(found) == 0:
+                return found
+            found = np.array(found, copy=True)
+            found.reshape(-1)[::64] += 1  # through memory: one index in 64 is the next one
+            firing.fire()
+            return found
+
+        return searchsorted
+
+    return wrap
+
+
 def install(spec: FaultSpec, ctx: Any) -> Firing:
     firing = Firing(spec.text)
-    if spec.get("mode") == "rope_interleaved":
+    if spec.get("mode") == "numpy_searchsorted":
+        import numpy
+
+        _patch(ctx, numpy, "searchsorted", _searchsorted_off(firing))
+    elif spec.get("mode") == "rope_interleaved":
         from transformers.models.llama import modeling_llama
 
         _patch(ctx, modeling_llama, "rotate_half", _interleaved(firing))

@@ -52,10 +52,9 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
         first = triage.divergence_start(comparison, experiments)
         if first is not None and case is not None:  # step 0 cleared, a later step differs: judge where it starts
             experiments += late_window(sc, setup, run, whole_reference or reference, case, comparison.lane, first)
-        if library is not None and not any(e.convicts for e in experiments):
+        if library is not None:  # the float64 oracle moved: evidence the decision weighs (triage/decision.py)
             component, evidence = library
-            return component, ["", f"triage verdict: {component}. Evidence: {evidence}",
-                               *triage.report("", experiments)[2:]]
+            experiments.append(triage.Experiment(LIBRARY, "differs", evidence, component=component))
         if flips and not model_changed:  # flips compare with a reference that cannot judge
             experiments += flip(sc, setup, run, reference, comparison, model)
     except Exception as exc:  # noqa: BLE001 - triage must never hide the regression it explains
@@ -63,8 +62,7 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
         return None, ["", f"triage could not run ({type(exc).__name__}: {first}); components are the heuristic's"]
     component, line = triage.verdict(comparison, experiments)
     keep_first_moved_stack(sc, setup, run, comparison, model, rerun=flips)
-    also = [f"    also: {library[1]}"] if library is not None else []
-    return component, [*triage.report(line, experiments), *also]
+    return component, triage.report(line, experiments)
 
 
 def own_evidence(run: RunRecord) -> list[Experiment]:
@@ -83,6 +81,9 @@ def own_evidence(run: RunRecord) -> list[Experiment]:
     if clip:
         out.append(Experiment(CLIP, "inconsistent", clip[0].removeprefix("[optimizer] "), component="optimizer"))
     return out
+
+
+LIBRARY = "model code"  # the evidence of library_change: the float64 oracle's step 0 against the reference's
 
 
 # Findings a changed library's numbers cannot explain away: round trips and formats are judged against themselves.

@@ -28,6 +28,7 @@ Experiment = Any  # triage's Experiment (name, status, detail, component, convic
 INVARIANTS = "collective invariants"
 CLIP = "clip"
 BISECT = "bisect"
+MODEL_CODE = "model code"  # plugin/explain.py's library_change: the float64 oracle against the reference's
 
 
 @dataclass
@@ -131,6 +132,8 @@ RULES: tuple[Rule, ...] = (
     Rule("N ranks differ from one rank on the same batch (equivalence)", "collective", _experiment("equivalence")),
     Rule("the late window: step S's gradients, from the reference's own state, differ", "collective, or kernel or "
          "collective", _experiment("late window", "differs")),
+    Rule("the float64 oracle on this stack differs from the one recorded with the reference: the model's code computes "
+         "another function", "library: <the package whose code ran where it moved>", _experiment(MODEL_CODE)),
     Rule("the op of step 0 that introduced the difference (step 0 differs, or an optimizer op)", "its component",
          _culprit_at_step0),
     Rule("the late window reproduced it: right gradients at S, and the update from the reference's state diverges "

@@ -59,7 +59,7 @@ def trained(setup: Setup, *, adamw: str, clips: bool = True, from_step_0: bool =
     by default)."""
     casts = setup.device_kind == "cuda" if bf16 is None else bf16
     llama = (act.LLAMA_FORWARD,) if runs_llama_code(setup, model) else ()
-    does = [act.STEP, act.FORWARD, *llama, act.adamw(adamw), *(act.collective(op) for op in collectives),
+    does = [act.STEP, act.FORWARD, act.SYNTHETIC_TOKENS, *llama, act.adamw(adamw), *(act.collective(op) for op in collectives),
             *([act.CLIP] if clips else []), *([act.FROM_STEP_0] if from_step_0 else []),
             *([act.BF16_CAST] if casts else []), *more]
     why = dict(absent or {})

@@ -276,3 +276,34 @@ def test_the_protocol_that_ran_is_said_where_it_is_not_the_one_asked_for(rccl: b
     record.fingerprint = {"device": {"kind": "cuda", "arch": arch}, "comm": {"backend": "nccl", "rccl": rccl, "env": env}}
     label = env.get("NCCL_PROTO", "default")
     assert protocol_ran(label, record).startswith(ran)
+
+
+def test_a_cast_that_breaks_the_sweeps_own_inputs_is_a_kernel_not_the_collective() -> None:
+    """#46 item 11: a truncating fp32/fp64 -> bf16 cast makes a rounding case's expected values wrong before any
+    collective runs: the sweep reads back what it meant to send and names the conversion kernel."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pytest_gpuregress.faults import install_counted
+    from pytest_gpuregress.scenarios import Setup, registry
+    from pytest_gpuregress.scenarios.base import Case
+    from pytest_gpuregress.scenarios.collectives import rank
+
+    from .conftest import make_record
+
+    values = torch.tensor([16.1875, 3.0], dtype=torch.float64)  # 16.1875 rounds to 16.25 in bf16, cuts to 16.125
+    assert rank._cast(values, torch.bfloat16, torch).tolist() == [16.25, 3.0]
+    ctx = SimpleNamespace(rank=0, world_size=2, cleanup_hooks=[], config={})
+    install_counted(["cast:mode=truncate_bf16"], ctx)
+    try:
+        with pytest.raises(rank.CastMismatch, match=r"first 16.1875: 16.125 where 16.25: a conversion kernel"):
+            rank._cast(values, torch.bfloat16, torch)
+    finally:
+        for cleanup in ctx.cleanup_hooks:
+            cleanup()
+    case = plan.Case(op="all_reduce", variant="", reduce_op="sum", dtype="bf16r", n=8, in_place=True)
+    record = make_record()
+    record.results = {"cases": {case.id: {"cast_error": "rank 0: the cast float64 -> bfloat16 ...", "wrong": 3}}}
+    found = registry()["collectives"].verdict(Case(case.id, data=case.to_json()), record, Setup("cpu", "gloo", 2))
+    assert found == [f"[kernel] {case.describe(2)}: rank 0: the cast float64 -> bfloat16 ..."]

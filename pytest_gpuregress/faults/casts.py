@@ -1,9 +1,10 @@
-"""A conversion kernel that rounds wrongly, installed on a rank: fp32 -> bf16 casts that cut toward zero.
+"""A conversion kernel that rounds wrongly, installed on a rank: fp32 (and fp64) -> bf16 casts that cut toward zero.
 
-  truncate_bf16  every fp32 -> bf16 conversion (``Tensor.to``, ``.bfloat16()``: aten's ``_to_copy``) drops the
-                 low 16 bits instead of rounding to nearest even, as a conversion kernel with the wrong
+  truncate_bf16  every fp32 or fp64 -> bf16 conversion (``Tensor.to``, ``.bfloat16()``: aten's ``_to_copy``) drops
+                 the bits below bf16's instead of rounding to nearest even, as a conversion kernel with the wrong
                  rounding mode would. Under FSDP2 mixed precision that is the cast of every fp32 master
-                 weight to the bf16 the forward computes with.
+                 weight to the bf16 the forward computes with; in the collective sweep, the cast that makes a bf16
+                 case's inputs and expected values.
 
 It wraps the tensor methods that convert (``Tensor.to``, ``Tensor.bfloat16``), where FSDP2 casts: the real
 conversion runs, then its output is overwritten in place with the truncated value, so the op trace digests
@@ -44,12 +45,12 @@ def install_cast(spec: FaultSpec, ctx: Any) -> Firing:
             out = original(self, *args, **kwargs)
             if busy[0]:
                 return out
-            if (isinstance(out, torch.Tensor) and out is not self and self.dtype == torch.float32
+            if (isinstance(out, torch.Tensor) and out is not self and self.dtype in (torch.float32, torch.float64)
                     and out.dtype == torch.bfloat16 and out.numel() and not is_traceable_wrapper_subclass(out)):
                 busy[0] = True
                 try:
                     with fault_region(), torch.no_grad():
-                        cut = truncated_bf16(self.detach().to(out.device)).reshape(out.shape)
+                        cut = truncated_bf16(self.detach().to(out.device, torch.float32)).reshape(out.shape)
                         if not torch.equal(cut, out.detach()):
                             out.detach().copy_(cut)  # in place: the op's own output, as the op trace digests it
                             firing.fire()

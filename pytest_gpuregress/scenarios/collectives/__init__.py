@@ -59,10 +59,12 @@ def protocol_ran(label: str, record: RunRecord) -> str:
            f"NCCL_DEBUG_SUBSYS=TUNING logs each choice)"
 
 
-def exercised(op: str) -> act.Exercises:
-    """A sweep case runs its one op; a bf16 rounding fault acts in the SUM reductions (faults/collective.py)."""
+def exercised(op: str, dtype: str = "fp32") -> act.Exercises:
+    """A sweep case runs its one op; a bf16 rounding fault acts in the SUM reductions (faults/collective.py); a bf16
+    case makes its inputs and expected values by a cast to bf16 (rank.py checks it)."""
     reduces = (act.bf16_reduction(op),) if op in ("all_reduce", "reduce_scatter") else ()
-    return act.exercises(act.collective(op), *reduces, summary="the sweep runs collectives only: no model, no step")
+    casts = (act.BF16_CAST,) if dtype.startswith("bf16") else ()
+    return act.exercises(act.collective(op), *reduces, *casts, summary="the sweep runs collectives only: no model, no step")
 
 class CollectivesScenario(CheckScenario):
     name = "collectives"
@@ -85,7 +87,7 @@ class CollectivesScenario(CheckScenario):
 
     def cases(self, setup: Setup) -> list[Case]:
         # One rank moves no data: every case needs a peer to test anything.
-        return [Case(c.id, launch=c.protocol, data=c.to_json(), min_ranks=2, exercises=exercised(c.op),
+        return [Case(c.id, launch=c.protocol, data=c.to_json(), min_ranks=2, exercises=exercised(c.op, c.dtype),
                      family=self.name) for c in self.planned(setup)]
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
@@ -105,7 +107,10 @@ class CollectivesScenario(CheckScenario):
         return merged
 
     def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
-        problem = plan.verdict(plan.Case(**case.data), record.results["cases"][case.id], setup.world_size)
+        result = record.results["cases"][case.id]
+        if result.get("cast_error"):  # the case's own inputs are wrong: the kernel that made them, not the collective
+            return [f"[kernel] {plan.Case(**case.data).describe(setup.world_size)}: {result['cast_error']}"]
+        problem = plan.verdict(plan.Case(**case.data), result, setup.world_size)
         return [f"[collective] {problem}"] if problem else []
 
     def properties(self, case: Case, record: RunRecord, setup: Setup) -> dict[str, Any]:

@@ -329,6 +329,8 @@ def merge_rank_results(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, d
                 into["first"] = {**res["first"], "rank": rank}
             if res.get("error") and into["error"] is None:
                 into["error"] = f"rank {rank}: {res['error']}"
+            if res.get("cast_error") and into.get("cast_error") is None:
+                into["cast_error"] = f"rank {rank}: {res['cast_error']}"
     return merged
 
 

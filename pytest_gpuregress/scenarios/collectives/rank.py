@@ -5,6 +5,11 @@ builds its inputs from closed-form integers, runs the collective (``async_op=Tru
 ``wait()``, so an error is raised by the call that caused it), and compares its output with the
 expected bits. Each rank counts its own wrong elements; the launcher sums them over ranks from
 the per-rank records, so no collective is trusted to report on collectives.
+
+Before it convicts a collective, the sweep reads back what it meant to send: every input and expected value is
+made by a cast from float64 (the stack's own conversion kernel), and each cast is checked against ml_dtypes, the
+formats scenario's oracle. A cast that gave other bits (one that truncates instead of rounding to nearest even)
+is the case's finding, named a kernel: the collective never saw what the case meant it to.
 """
 
 from __future__ import annotations
@@ -27,15 +32,45 @@ def _reduce_op(dist: Any, name: str, world: int) -> Any:
             "min": dist.ReduceOp.MIN}[name]
 
 
+class CastMismatch(Exception):
+    """A cast the sweep made its inputs or expected values with gave other bits than the format's definition."""
+
+
 def _cast(values: Any, dtype: Any, torch: Any, unit: float = 1.0) -> Any:
     """int64 or float64 integers (worth ``unit`` each, a power of two) to ``dtype``, through float64 for floats
-    (int64 -> fp8 has no kernel).
+    (int64 -> fp8 has no kernel), checked against ml_dtypes' cast of the same float64 values (``CastMismatch``).
 
     The float cast rounds to nearest even, once where the value is exact in float32 (torch goes double -> float ->
     dtype): that is how a rounding case's exact sum becomes its expected value, independent of any collective."""
     if not dtype.is_floating_point:
         return values.to(dtype)
-    return (values.to(torch.float64) * unit).to(dtype)
+    wide = values.to(torch.float64) * unit
+    cast = wide.to(dtype)
+    _check_cast(wide, cast, torch)
+    return cast
+
+
+def _check_cast(wide: Any, cast: Any, torch: Any) -> None:
+    """Raise CastMismatch where ``cast`` (``wide`` float64 values cast by the stack) is not what the format's
+    round-to-nearest-even gives (ml_dtypes; numpy for float32 and float16)."""
+    import ml_dtypes
+    import numpy as np
+
+    name = str(cast.dtype).removeprefix("torch.")
+    target = {"float32": np.float32, "float16": np.float16}.get(name) or getattr(ml_dtypes, name, None)
+    if target is None:
+        return
+    exact = wide.detach().cpu().numpy().astype(np.float32).astype(target)  # torch's own path: double -> float -> T
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[np.dtype(target).itemsize]
+    got = cast.detach().cpu().contiguous().view(getattr(torch, _INT_VIEW[cast.element_size()])).numpy().view(width)
+    differ = np.nonzero(got != exact.view(width))[0]
+    if len(differ):
+        i = int(differ[0])
+        raise CastMismatch(f"the cast float64 -> {name} that made the case's inputs or expected values (aten "
+                           f"_to_copy) gave other bits than {name}'s round to nearest even in {len(differ)} of "
+                           f"{got.size} elements, first {float(wide.reshape(-1)[i])!r}: {float(cast.reshape(-1)[i].float())!r} "
+                           f"where {float(exact.reshape(-1)[i].astype(np.float64))!r}: a conversion kernel; the collective "
+                           "was never given what the case meant to send")
 
 
 def _expected_reduction(case: plan.Case, idx: Any, backend: str, world: int, salt: int, dtype: Any, reduce: Any,
@@ -145,6 +180,9 @@ def _run_case(case: plan.Case, ctx: RankContext, repeats: int, torch: Any) -> di
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
             got = read()
+        except CastMismatch as exc:  # what the case meant to send was never made: no collective to judge
+            result["cast_error"] = str(exc)
+            break
         except Exception as exc:  # noqa: BLE001 - a collective that raises is a finding, not a crash
             result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             break

@@ -4,12 +4,15 @@ heuristic's guess; on a recording, the float64 oracle's distance stored with the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..errors import NotApplicable
 from ..reference.compare import Comparison
 from ..reference.record import RunRecord
 from ..scenarios import Case, Launch, Scenario, Setup
+from ..training.float64_mode import CONFIG_KEY as ORACLE_MODE
+from ..training.float64_mode import MODE
 from .launches import Runner
 
 if TYPE_CHECKING:
@@ -110,8 +113,11 @@ def library_change(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
     from ..stack.fingerprint import installed_version
 
     launch = oracle_launch(sc, setup, model)
-    if launch is None or reference.results.get(oracle_step0.RESULT_KEY) is None:
+    mode = oracle_step0.recorded_mode(reference)
+    if launch is None or mode is None:
         return None
+    if mode != MODE:  # an older reference: judged against the oracle it was recorded with, never another one
+        launch = replace(launch, key=f"{launch.key}-legacy-oracle", config={**launch.config, ORACLE_MODE: mode})
     try:
         change = oracle_step0.code_change(reference, run(sc, launch))
     except Exception:  # noqa: BLE001 - the experiments run the oracle again, and say why it failed

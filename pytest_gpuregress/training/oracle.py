@@ -14,26 +14,31 @@ from typing import Any
 import numpy as np
 
 from ..reference import step0
+from ..reference.oracle_step0 import MODE_KEY
 from ..reference.record import RunRecord
 from .cpus import usable_cpus
 
 
-def float64_step0(model: Any, cfg: dict[str, Any], vocab_size: int) -> float:
+def float64_step0(model: Any, cfg: dict[str, Any], vocab_size: int) -> tuple[float, dict[str, Any]]:
     """``model`` in float64 (its experts by the eager loop): the loss of step 0's whole global batch, backward
-    done. Uses every core it may (usable_cpus): float64 on the GPU model is slow, and summation order barely
-    matters here."""
+    done, every op in float64 where the config's oracle mode asks (float64_mode.py; default: throughout); and what
+    the record keeps of the mode: its name and the ops that were not float64. Uses every core it may
+    (usable_cpus): float64 on the GPU model is slow, and summation order barely matters here."""
     import torch
 
     from .data import token_source
+    from .float64_mode import CONFIG_KEY, MODE, float64_throughout
     from .moe import in_float64
 
     torch.set_num_threads(usable_cpus())
     model = in_float64(model)
     tokens = torch.from_numpy(token_source(cfg, vocab_size).global_batch_at(0))
-    logits = model(input_ids=tokens[:, :-1]).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-    loss.backward()
-    return float(loss)
+    mode = str(cfg.get(CONFIG_KEY, MODE))
+    with float64_throughout(mode) as watching:
+        logits = model(input_ids=tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+    return float(loss.detach()), {"mode": mode, "not_float64": watching.not_float64}
 
 
 def run(ctx) -> RunRecord:  # type: ignore[no-untyped-def]
@@ -45,7 +50,7 @@ def run(ctx) -> RunRecord:  # type: ignore[no-untyped-def]
     cfg = ctx.config
     model_config = blueprint(cfg)
     model = build_causal_lm(model_config, seed=int(cfg["seed"]))
-    loss = float64_step0(model, cfg, model_config.vocab_size)
+    loss, mode = float64_step0(model, cfg, model_config.vocab_size)
     names = [n for n, _ in model.named_parameters()]
     # A parameter the loss does not use has no gradient: zero, as the scenario records it.
     whole = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
@@ -54,5 +59,5 @@ def run(ctx) -> RunRecord:  # type: ignore[no-untyped-def]
     for n, g in whole.items():
         grads.update(step0.shard_arrays(n, g.detach().numpy(), tuple(g.shape), 0, 1, step0.full_max_of(cfg)))
     return RunRecord(scenario="oracle", config=dict(cfg), platform_key="", world_size=1,
-                     series={"loss": [loss]}, param_names=names,
+                     series={"loss": [loss]}, param_names=names, results={MODE_KEY: mode},
                      arrays={"param_grad_norm": norms, **grads})

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...reference import step0
+from ...reference.oracle_step0 import MODE_KEY
 from ...reference.record import RunRecord
 from ..base import Launch
 from ..shared.training_config import COMMON
@@ -39,10 +40,10 @@ def run(ctx: Any) -> RunRecord:
     cfg = ctx.config
     model_config = blueprint(cfg)
     model = adapter.wrap_with_lora(build_base(cfg, model_config, ""), cfg)
-    loss = float64_step0(model, cfg, model_config.vocab_size)
+    loss, mode = float64_step0(model, cfg, model_config.vocab_size)
     # An adapter the loss does not reach has no gradient: zero, as rank.py's AdamW sees it.
     grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
              for n, p in model.named_parameters() if checks.is_adapter(n)}
     return RunRecord(scenario="lora-oracle", config=dict(cfg), platform_key="", world_size=1,
-                     series={"loss": [loss]}, param_names=list(grads),
+                     series={"loss": [loss]}, param_names=list(grads), results={MODE_KEY: mode},
                      arrays={step0.FULL_PREFIX + n: g.detach().numpy() for n, g in grads.items()})

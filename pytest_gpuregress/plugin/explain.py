@@ -13,6 +13,7 @@ from ..reference.record import RunRecord
 from ..scenarios import Case, Launch, Scenario, Setup
 from ..training.float64_mode import CONFIG_KEY as ORACLE_MODE
 from ..training.float64_mode import MODE
+from .bisecting import BisectRequest, bisect_failure
 from .launches import Runner
 
 if TYPE_CHECKING:
@@ -22,7 +23,8 @@ if TYPE_CHECKING:
 def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, comparison: Comparison,
                     model: str | None, flips: bool, run_experiments: bool = True,
                     case: Case | None = None, checks: Sequence[Experiment] = (),
-                    whole_reference: RunRecord | None = None) -> tuple[str | None, list[str]]:
+                    whole_reference: RunRecord | None = None,
+                    bisect: BisectRequest | None = None) -> tuple[str | None, list[str]]:
     """(the component behind a failed comparison, report lines with the evidence): whether the model's code
     changed (the float64 oracle against the reference's), and for a scenario triage explains
     (``run_experiments``) equivalence and the oracle always, the late window of ``case`` where step 0 is cleared
@@ -30,7 +32,9 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
     ``checks``: what check scenarios of this session say (the collective sweep), as evidence beside them.
     ``whole_reference``: the reference uncut where ``reference`` is cut to the steps a fail-fast run ran.
     A code change is the verdict only where no experiment convicts this stack: a collective or kernel bug of an
-    upgrade that also changed a library must not be buried under "record a reference of your own"."""
+    upgrade that also changed a library must not be buried under "record a reference of your own". ``bisect``
+    (--gpuregress-bisect): revert the packages that changed since the reference, in overlays, and rerun step 0
+    (plugin/bisecting.py); the package it names outranks every other evidence."""
     from .. import triage
     from ..reference import model_layout
     from ..triage.flips import flip
@@ -60,12 +64,17 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
             experiments.append(triage.Experiment(LIBRARY, "differs", evidence, component=component))
         if flips and not model_changed:  # flips compare with a reference that cannot judge
             experiments += flip(sc, setup, run, reference, comparison, model)
+        if bisect is not None and case is not None:
+            experiments.append(bisect_failure(sc, setup, run, whole_reference or reference, comparison, case, bisect))
     except Exception as exc:  # noqa: BLE001 - triage must never hide the regression it explains
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         return None, ["", f"triage could not run ({type(exc).__name__}: {first}); components are the heuristic's"]
     component, line = triage.verdict(comparison, experiments)
     keep_first_moved_stack(sc, setup, run, comparison, model, rerun=flips)
-    return component, triage.report(line, experiments)
+    bisected = next((e for e in experiments if e.name == "bisect"), None)
+    said = [f"bisect: {bisected.detail}" if bisected.status in ("named", "no revert restores")
+            else f"bisect {bisected.status}: {bisected.detail}"] if bisected is not None else []
+    return component, [*triage.report(line, experiments), *said]
 
 
 def own_evidence(run: RunRecord) -> list[Experiment]:

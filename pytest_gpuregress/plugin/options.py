@@ -168,6 +168,16 @@ class Options:
         "(NCCL protocol and algorithm, BLAS, SDPA backend, reduced precision; on the CPU its kernel set and the world "
         "size) to name the component",
         details="See [triage.md](triage.md#triage-which-component-with-evidence)."))
+    bisect: bool = option(OptionSpec(
+        "bisect", "flag", False, "on a failing training scenario, revert the packages that changed since the "
+        "reference (in overlays, never in your environment) and rerun step 0, halving the set each time, to name the "
+        "package whose revert restores step 0",
+        details="Torch and what is built against it, editable or local installs and versions with no wheel are not "
+        "tested, and the report says so. See [triage.md](triage.md#bisect-an-upgrade-to-the-package)."))
+    wheelhouse: Path | None = option(OptionSpec(
+        "wheelhouse", "path", None, "with --gpuregress-bisect: a folder of wheels the reference's versions are "
+        "installed from, first (for clusters without a package index); pip's configured index is the fallback",
+        metavar="DIR"))
     keep_runs: bool = option(OptionSpec(
         "keep-runs", "flag", False, "keep the rank logs and records of runs that passed too (those of failed runs "
         "are always kept)"))

@@ -80,6 +80,9 @@ class CheckPipeline:
             verdict = next((line for line in evidence if line.startswith("triage verdict:")), None)
             if verdict:
                 self.figures["triage_verdict"] = verdict
+            bisected = next((line for line in evidence if line.startswith("bisect")), None)
+            if bisected:
+                self.figures["bisect"] = bisected
         if comparison.findings:  # JUnit's component property: the findings' bracketed names, as the report prints them
             self.figures["component"] = ", ".join(dict.fromkeys(f.component for f in comparison.findings))
         report = format_comparison(comparison, scenario=name, platform_key=record.platform_key,

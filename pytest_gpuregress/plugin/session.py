@@ -22,6 +22,7 @@ from ..scenarios import Case, Launch, Scenario, Setup, get_scenario
 from ..scenarios.comparator import Comparator, comparator_of
 from ..stack.platforms import Platform, rank_origin, resolve_platform
 from .artifacts import Artifacts
+from .bisecting import BisectRequest
 from .explain import explain_failure, measure_oracle_distance, own_evidence
 from .launches import Launches, Runner, keeping
 from .options import Options
@@ -177,7 +178,9 @@ class GpuRegressSession:
                     failed: RunRecord) -> tuple[str | None, list[str]]:
             return explain_failure(sc, self.setup, self.launches.cached, ref, comparison, model, self.options.triage,
                                    run_experiments=sc.triage_explains(case), case=case,
-                                   checks=[*self._checks_evidence(), *own_evidence(failed)], whole_reference=whole)
+                                   checks=[*self._checks_evidence(), *own_evidence(failed)], whole_reference=whole,
+                                   bisect=BisectRequest(self.output_dir, self.options.wheelhouse)
+                                   if self.options.bisect else None)
 
         self.pipeline.check(record, reference, comparator, unfired, explain, kept_as=test_id(sc, case))
 

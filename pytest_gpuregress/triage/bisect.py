@@ -1,0 +1,212 @@
+"""Bisect an upgrade to the package: revert what changed since the reference, in overlays, and rerun step 0.
+
+A platform team upgrades several packages at once (a new transformers pulls in ``kernels``; accelerate and numpy
+move too). Which one to pin back, or file against, is answered by experiment, as ``git bisect`` answers it for
+commits:
+
+  1. the distributions that differ between the reference's fingerprint and this stack's: changed, added, removed
+     (stack/fingerprint.py keeps the whole environment with every reference);
+  2. those an overlay cannot replace are set aside, with the reason: torch and what is built against its ABI (a
+     CUDA or ROCm build, NCCL, extensions compiled for torch), editable or local installs, and this plugin; a
+     wheelhouse that holds torch's reference version lets the overlay replace torch too;
+  3. packages that must move together form one group: a package with the ones added since the reference that it
+     requires (transformers 5.25 with kernels), said in the report;
+  4. step 0 of the failing case reruns with every group reverted (overlays.py); where that does not restore it, no
+     revert does, and the report names what cannot be overlaid. Else the groups are halved: the half whose revert
+     restores step 0 is kept, until one group is left (or neither half alone restores it: then they act together).
+
+Restored means: bit for bit in the exact lane; in the tolerant lane, within the envelope with no op of step 0
+introducing a difference. Each experiment is one step-0 launch (``Experiment``), run by the caller.
+
+    found = bisect(plan(reference_fp, run_fp, requires), restores)
+    found.line()   # "bisect: transformers 5.25.0+regress1 -> 5.24.0 restores step 0 bit for bit; ..."
+
+torch-free.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..stack.fingerprint import canonical
+
+NAME = "bisect"  # the experiment's name in the verdict (triage/decision.py's first rule)
+# Packages built against torch's C++ ABI or shipping its native libraries: a wheel of another version on the path
+# beside this torch would load the wrong binaries, so an overlay never replaces them (but torch itself, where the
+# wheelhouse holds its reference version).
+TORCH_ABI = ("torch", "torchvision", "torchaudio", "torchtext", "pytorch-triton", "pytorch-triton-rocm",
+             "pytorch-triton-xpu", "triton", "flash-attn", "flash-attn-3", "xformers", "apex", "fbgemm-gpu",
+             "fbgemm-gpu-genai", "torchao", "transformer-engine", "transformer-engine-torch", "deepspeed",
+             "mamba-ssm", "causal-conv1d", "bitsandbytes", "torch-tensorrt")
+TORCH_ABI_PREFIXES = ("nvidia-", "rocm-", "transformer-engine", "flash-attn")
+OURS = "pytest-gpuregress"
+
+
+@dataclass(frozen=True)
+class Change:
+    """One distribution that differs: ``then`` the reference's version (None: added since), ``now`` this stack's
+    (None: removed since). Versions as the fingerprint keeps them ("1.2.0 (editable)")."""
+
+    package: str
+    then: str | None
+    now: str | None
+
+    @property
+    def kind(self) -> Literal["changed", "added", "removed"]:
+        return "added" if self.then is None else "removed" if self.now is None else "changed"
+
+    @property
+    def reference_version(self) -> str | None:
+        return self.then.split(" ", 1)[0] if self.then else None
+
+    def describe(self) -> str:
+        if self.kind == "added":
+            return f"{self.package} (added)"
+        if self.kind == "removed":
+            return f"{self.package} (removed)"
+        return f"{self.package} {self.now} -> {self.then}"  # the way a revert goes
+
+
+@dataclass(frozen=True)
+class Plan:
+    groups: list[list[Change]]  # what may be reverted, one group at a time
+    grouped: list[str]  # why packages went into one group
+    untested: list[tuple[Change, str]]  # what an overlay cannot replace, and why
+
+
+def changes(reference: dict[str, str], current: dict[str, str]) -> list[Change]:
+    """The distributions that differ between two fingerprints' ``packages`` sections."""
+    return [Change(p, reference.get(p), current.get(p)) for p in sorted(set(reference) | set(current))
+            if reference.get(p) != current.get(p)]
+
+
+def why_untestable(change: Change, wheelhouse_has: Callable[[str, str], bool] = lambda p, v: False) -> str | None:
+    """Why an overlay cannot revert ``change``; None where it can."""
+    if change.package == OURS:
+        return "the plugin running the experiment"
+    for version in (change.then, change.now):
+        if version and version.endswith(("(editable)", "(local)", "(vcs)")):
+            return f"installed from a folder or a file ({version}): there is no wheel of that version to fetch"
+    torch_built = change.package in TORCH_ABI or change.package.startswith(TORCH_ABI_PREFIXES)
+    if torch_built and not (change.package == "torch" and change.reference_version
+                            and wheelhouse_has("torch", change.reference_version)):
+        return ("torch itself (a wheelhouse holding its reference version lets an overlay replace it)"
+                if change.package == "torch" else "built against torch's ABI: it cannot be swapped beside this torch")
+    return None
+
+
+def plan(reference: dict[str, str], current: dict[str, str], requires: Callable[[str], Iterable[str]],
+         wheelhouse_has: Callable[[str, str], bool] = lambda p, v: False) -> Plan:
+    """What to revert, in groups (a package with the added ones it requires), and what cannot be."""
+    found = changes(reference, current)
+    untested = [(c, why) for c in found if (why := why_untestable(c, wheelhouse_has)) is not None]
+    testable = [c for c in found if why_untestable(c, wheelhouse_has) is None]
+    added = {c.package for c in testable if c.kind == "added"}
+    group_of = {c.package: c.package for c in testable}
+
+    def root(p: str) -> str:
+        while group_of[p] != p:
+            p = group_of[p]
+        return p
+
+    grouped = []
+    for change in testable:
+        if change.kind == "added":
+            continue
+        needs = sorted(added & {canonical(r) for r in requires(change.package)})
+        for need in needs:
+            group_of[root(need)] = root(change.package)
+        if needs:
+            grouped.append(f"{change.package} with {', '.join(needs)} (it requires {'it' if len(needs) == 1 else 'them'}, "
+                           "and the reference had none)")
+    by_root: dict[str, list[Change]] = {}
+    for change in testable:
+        by_root.setdefault(root(change.package), []).append(change)
+    return Plan(list(by_root.values()), grouped, untested)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    restored: bool
+    how: str  # "bit for bit", "within the envelope, with the introducing op gone", or what still differs
+
+
+@dataclass
+class Result:
+    plan: Plan
+    culprit: list[Change] | None  # the smallest group whose revert restores step 0; None where none does
+    how: str
+    experiments: int
+    seconds: float
+    log: list[str] = field(default_factory=list)  # one line per experiment
+
+    @property
+    def package(self) -> str | None:
+        """The package the verdict names: the culprit group's first changed (else added) package."""
+        if not self.culprit:
+            return None
+        first = next((c for c in self.culprit if c.kind == "changed"), self.culprit[0])
+        return first.package
+
+    def line(self) -> str:
+        """The report's ``bisect:`` line."""
+        tried = f"({self.experiments} experiment{'s' if self.experiments != 1 else ''}, {self.seconds:.0f} s)"
+        untested = "; not tested: " + ", ".join(f"{c.describe()} ({why})" for c, why in self.plan.untested) \
+            if self.plan.untested else ""
+        if not self.plan.groups:
+            return f"bisect: no changed package can be overlaid, so nothing was tried{untested}"
+        if self.culprit is None:
+            return (f"bisect: no revert restores step 0: with every package an overlay can revert reverted, step 0 "
+                    f"still differs ({self.how}); what remains is what cannot be overlaid (torch, the driver, the "
+                    f"hardware){untested} {tried}")
+        cleared = [c for g in self.plan.groups if g is not self.culprit for c in g]
+        named = " and ".join(c.describe() for c in self.culprit)
+        clear = f"; {' and '.join(c.describe() for c in cleared)} cleared" if cleared else ""
+        return f"bisect: {named} restores step 0 {self.how}{clear} {tried}{untested}"
+
+
+Restores = Callable[[list[Change]], Outcome]
+
+
+def bisect(found: Plan, restores: Restores) -> Result:
+    """Revert every group, then halves of the groups, as far as a smaller set still restores step 0."""
+    started = time.monotonic()
+    log: list[str] = []
+    count = 0
+
+    def tried(groups: list[list[Change]]) -> Outcome:
+        nonlocal count
+        count += 1
+        outcome = restores([c for g in groups for c in g])
+        reverted = ", ".join(c.describe() for g in groups for c in g)
+        log.append(f"experiment {count}: reverted {reverted}: "
+                   f"{'restores step 0 ' + outcome.how if outcome.restored else 'still differs: ' + outcome.how}")
+        return outcome
+
+    if not found.groups:
+        return Result(found, None, "", 0, 0.0, log)
+    everything = tried(found.groups)
+    if not everything.restored:
+        return Result(found, None, everything.how, count, time.monotonic() - started, log)
+    candidates, how = found.groups, everything.how
+    while len(candidates) > 1:
+        half, rest = candidates[:len(candidates) // 2], candidates[len(candidates) // 2:]
+        outcome = tried(half)
+        if outcome.restored:
+            candidates, how = half, outcome.how
+            continue
+        outcome = tried(rest)
+        if outcome.restored:
+            candidates, how = rest, outcome.how
+            continue
+        break  # neither half alone: the packages of both act together
+    culprit = [c for g in candidates for c in g]
+    result = Result(found, culprit, how, count, time.monotonic() - started, log)
+    # The culprit as one group, for the line: the groups it spans are named together.
+    result.plan = Plan([culprit, *[g for g in found.groups if not any(c in culprit for c in g)]], found.grouped,
+                       found.untested)
+    result.culprit = result.plan.groups[0]
+    return result

@@ -1,0 +1,167 @@
+"""Overlays: the reference's versions of some packages, put first on the ranks' path, never in the user's environment.
+
+A bisect (bisect.py) reverts packages by experiment. Each version it needs is installed once, with
+``pip install --no-deps --target <folder>``, into a folder of its own under the session's bisect folder: from the
+wheelhouse first (``--gpuregress-wheelhouse``, for clusters without an index), else from pip's configured index.
+A package added since the reference is reverted by hiding it: a folder holding a ``sitecustomize.py`` that refuses
+its modules' imports and leaves its distribution out of ``importlib.metadata`` (transformers asks both before it
+uses an optional package such as ``kernels``). An experiment's ranks start with ``PYTHONPATH`` = the hiding folder,
+then the installed versions, then the user's own ``PYTHONPATH``: site-packages stay as they were, and pooled
+ranks with the same overlay are reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from ..errors import GpuRegressError
+from ..stack.fingerprint import canonical
+
+PIP_TIMEOUT_S = 600.0
+
+# The sitecustomize of a hiding folder: the distributions and top-level modules it hides are in hidden.json beside
+# it. It chains to the next sitecustomize on the path, so one of the user's still runs.
+HIDER = '''"""Written by pytest-gpuregress's bisect: hides packages installed since a reference was recorded."""
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(_HERE, "hidden.json")) as _fh:
+    _HIDDEN = json.load(_fh)
+_DISTRIBUTIONS = set(_HIDDEN["distributions"])
+_MODULES = set(_HIDDEN["modules"])
+
+
+class _Refuse(importlib.abc.Loader):
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"No module named {spec.name!r} (hidden by gpuregress bisect: it was not installed "
+                                  "when the reference was recorded)", name=spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+class _Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in _MODULES:
+            return importlib.machinery.ModuleSpec(name, _Refuse())
+        return None
+
+
+sys.meta_path.insert(0, _Hide())
+_discover = importlib.metadata.Distribution.discover.__func__
+
+
+def _visible(cls, **kwargs):
+    for dist in _discover(cls, **kwargs):
+        if re.sub(r"[-_.]+", "-", str(dist.metadata["Name"] or "")).lower() not in _DISTRIBUTIONS:
+            yield dist
+
+
+importlib.metadata.Distribution.discover = classmethod(_visible)
+_next = importlib.machinery.PathFinder.find_spec("sitecustomize", [p for p in sys.path if os.path.abspath(p) != _HERE])
+if _next is not None and _next.loader is not None:
+    _module = importlib.util.module_from_spec(_next)
+    _next.loader.exec_module(_module)
+'''
+
+
+class BisectProblem(GpuRegressError):
+    """An overlay could not be built: a wheel that is nowhere to be had, or pip failing."""
+
+
+def top_level_modules(package: str) -> list[str]:
+    """The importable top-level names an installed distribution provides (its top_level.txt, else its files)."""
+    try:
+        dist = metadata.distribution(package)
+    except metadata.PackageNotFoundError:
+        return [package.replace("-", "_")]
+    listed = (dist.read_text("top_level.txt") or "").split()
+    if listed:
+        return listed
+    names = set()
+    for entry in dist.files or ():
+        first = entry.parts[0] if entry.parts else ""
+        if not first or first.endswith((".dist-info", ".data")) or first == "..":
+            continue
+        names.add(first.removesuffix(".py"))
+    return sorted(names) or [package.replace("-", "_")]
+
+
+@dataclass
+class Overlays:
+    """The overlay folders of one session, under ``root``; versions installed once and reused."""
+
+    root: Path
+    wheelhouse: Path | None = None
+    python: str = sys.executable
+    installs: dict[tuple[str, str], Path] = field(default_factory=dict)
+
+    def installed(self, package: str, version: str) -> Path:
+        """A folder holding ``package==version`` alone (no dependencies), installed on first use."""
+        key = (canonical(package), version)
+        if key in self.installs:
+            return self.installs[key]
+        target = self.root / "packages" / f"{key[0]}-{version}"
+        if not (target / ".complete").exists():
+            self._pip_install(package, version, target)
+        self.installs[key] = target
+        return target
+
+    def _pip_install(self, package: str, version: str, target: Path) -> None:
+        partial = target.with_name(target.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        base = [self.python, "-m", "pip", "install", "--no-deps", "--no-compile", "--disable-pip-version-check",
+                "--quiet", "--target", str(partial), f"{package}=={version}"]
+        attempts = []
+        if self.wheelhouse is not None:
+            attempts.append(("the wheelhouse", [*base, "--no-index", "--find-links", str(self.wheelhouse)]))
+        attempts.append(("pip's configured index", base))
+        said = []
+        for where, command in attempts:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+            if done.returncode == 0:
+                (partial / ".complete").write_text(f"{package}=={version} from {where}\n")
+                shutil.rmtree(target, ignore_errors=True)
+                partial.rename(target)
+                return
+            last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+            said.append(f"{where}: {last}")
+            shutil.rmtree(partial, ignore_errors=True)
+        option = f"--gpuregress-wheelhouse={self.wheelhouse}" if self.wheelhouse else "--gpuregress-wheelhouse=DIR"
+        raise BisectProblem(f"no wheel of {package}=={version} to revert it to ({'; '.join(said)}): put "
+                            f"{package.replace('-', '_')}-{version}-*.whl into the folder {option} names")
+
+    def hider(self, packages: Iterable[str]) -> Path | None:
+        """A folder whose sitecustomize hides ``packages`` (distributions and their modules); None for none."""
+        hidden = sorted({canonical(p) for p in packages})
+        if not hidden:
+            return None
+        folder = self.root / "hide" / "-".join(hidden)
+        folder.mkdir(parents=True, exist_ok=True)
+        modules = sorted({m for p in hidden for m in top_level_modules(p)})
+        (folder / "hidden.json").write_text(json.dumps({"distributions": hidden, "modules": modules}))
+        (folder / "sitecustomize.py").write_text(HIDER)
+        return folder
+
+    def environment(self, reverted: dict[str, str], hidden: Iterable[str]) -> dict[str, str]:
+        """The ranks' extra environment for an experiment: ``reverted`` (package -> the reference's version)
+        installed and first on the path, ``hidden`` hidden, the user's own PYTHONPATH after them."""
+        folders = [self.hider(hidden), *(self.installed(p, v) for p, v in sorted(reverted.items()))]
+        paths = [str(f) for f in folders if f is not None]
+        user = os.environ.get("PYTHONPATH")
+        return {"PYTHONPATH": os.pathsep.join([*paths, *([user] if user else [])])}

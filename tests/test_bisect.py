@@ -170,3 +170,15 @@ def test_the_bisect_names_the_package_that_changed_a_number_and_clears_the_other
     kept = subprocess.run([sys.executable, "-c", "import toyscale, importlib.metadata as m; print(m.version('toyscale'))"],
                           env={**os.environ, "PYTHONPATH": str(sites["2.0"])}, capture_output=True, text=True)
     assert kept.stdout.strip() == "2.0"
+
+
+def test_gpuregress_env_json_says_what_a_bisect_would_need(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from pytest_gpuregress.cli import main
+
+    assert main(["env", "--json", "--device", "cpu"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["bisect"]["packages_recorded"] == len(found["packages"]) > 10
+    assert found["bisect"]["not_overlayable"]["torch"].startswith("torch itself")
+    assert found["bisect"]["not_overlayable"]["pytest-gpuregress"] == "the plugin running the experiment"

@@ -32,8 +32,8 @@ def _env(args: argparse.Namespace) -> int:
 
     plat = resolve_platform(args.device)
     fingerprint = collect(plat.device_kind, plat.backend, plat.world_size)
-    if args.json:  # for machines: every field
-        print(json.dumps(fingerprint, indent=1, sort_keys=True))
+    if args.json:  # for machines: every field, and what a bisect of an upgrade would need (triage/bisect.py)
+        print(json.dumps({**fingerprint, "bisect": _bisect_needs(fingerprint)}, indent=1, sort_keys=True))
         return 0
     for line in header_lines(fingerprint):  # the report header's words
         print(line.removeprefix("gpuregress "))
@@ -41,6 +41,19 @@ def _env(args: argparse.Namespace) -> int:
     print(f"ranks: {comm.get('world_size')} on {comm.get('backend')}")
     print("every field, for machines: gpuregress env --json")
     return 0
+
+
+def _bisect_needs(fingerprint: dict) -> dict:
+    """What --gpuregress-bisect needs of this environment: the versions (the fingerprint's packages, which every
+    reference keeps), and the packages an overlay could not replace here, with the reason."""
+    from ..triage.bisect import Change, why_untestable
+
+    packages = fingerprint.get("packages") or {}
+    fixed = {name: why for name, version in packages.items()
+             if (why := why_untestable(Change(name, version, version))) is not None}
+    return {"packages_recorded": len(packages), "not_overlayable": fixed,
+            "how": "a reference keeps every package's version; --gpuregress-bisect reverts those that changed with "
+                   "pip install --no-deps --target, from --gpuregress-wheelhouse first, else pip's index"}
 
 
 def _show(args: argparse.Namespace) -> int:

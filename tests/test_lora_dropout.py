@@ -43,6 +43,7 @@ def test_peft_dropout_on_this_stack_passes(tiny: dict[str, Any]) -> None:
 @pytest.mark.parametrize("mode, expected", [
     ("dropout_in_eval", "in eval mode the adapter with lora_dropout=0.1 gives other logits than without dropout"),
     ("dropout_unseeded", "the masks do not follow torch's RNG"),
+    ("dropout_shared", "the adapter's dropout reaches the input the base path shares"),
 ])
 def test_a_dropout_bug_is_caught_by_name(tiny: dict[str, Any], mode: str, expected: str) -> None:
     ctx = SimpleNamespace(rank=0, world_size=1, device_kind="cpu", cleanup_hooks=[], step_hooks=[], teardown_hooks=[])

@@ -12,6 +12,8 @@ it through ``ctx.cleanup_hooks``:
   merge_ulp     lora.merge_and_unload leaves one layer's merged weight one ulp up
   dropout_in_eval   nn.Dropout, peft's lora_dropout, drops in eval mode too
   dropout_unseeded  nn.Dropout draws its masks from a generator torch.manual_seed does not reach
+  dropout_shared    peft's LoRA Linear applies its lora_dropout to the input before the frozen base layer reads it
+                    too (the dropped input reaches the base path)
 The affected module is model.layers.<layer>.<its block>.<proj> (default model.layers.1.self_attn.q_proj).
 """
 
@@ -110,10 +112,29 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
         _intercept(ctx, "lora.merge_and_unload", off_by_one_ulp)
     elif mode in ("dropout_in_eval", "dropout_unseeded"):
         _patch_stack(ctx, _dropout_class(), "forward", _broken_dropout(mode, firing))
+    elif mode == "dropout_shared":
+        from peft.tuners.lora.layer import Linear
+
+        _patch_stack(ctx, Linear, "forward", _shared_dropout(firing))
     else:
         raise ValueError(f"lora fault mode {mode!r}: expected grad_leak, rank0_slice, zero_lora_b, merge_ulp, "
-                         "dropout_in_eval or dropout_unseeded")
+                         "dropout_in_eval, dropout_unseeded or dropout_shared")
     return firing
+
+
+def _shared_dropout(firing: Firing) -> Any:
+    """peft's LoRA Linear forward with its active adapter's dropout applied to the input first: the base layer then
+    reads the dropped input too (in train mode with lora_dropout > 0, where the dropout check runs)."""
+    def wrap(original: Any) -> Any:
+        def forward(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+            active = [a for a in getattr(self, "active_adapters", []) if a in self.lora_dropout]
+            dropout = self.lora_dropout[active[0]] if active else None
+            if self.training and dropout is not None and getattr(dropout, "p", 0) > 0:
+                firing.fire()
+                x = dropout(x)
+            return original(self, x, *args, **kwargs)
+        return forward
+    return wrap
 
 
 def _dropout_class() -> Any:

@@ -11,6 +11,9 @@ or torch bug in dropout breaks is checked here instead, on the trained adapter w
   acts       in train mode the output differs from eval mode's (the dropout is applied at all)
   scale      the adapter's own dropout module, in train mode on ones: every kept value exactly 1 / (1 - p), and
              the share dropped within binomial noise of p (a missing rescale, or another p, fails)
+  placement  in train mode, a LoRA layer whose adapter adds nothing (lora_B zero) gives bit for bit what its
+             frozen base layer gives: the dropout acts on the adapter's input only, never on the input the base
+             path shares (a peft that dropped the shared input would change every base output in training)
 It draws from a forked RNG, so the rank's own random state is as training left it. peft refuses dropout on the
 parameters it wraps itself (an MoE's fused experts, which it reaches from ``gate_proj``-style targets): there the
 check runs on the module adapters peft kept, the ones dropout applies to.
@@ -73,7 +76,7 @@ def _checked(fresh_base: Callable[[], Any], trained: dict[str, np.ndarray], cfg:
     if np.array_equal(first, in_eval):
         findings.append(checks.finding("dropout", f"in train mode lora_dropout={P} changes nothing: the dropout is "
                                        "never applied"))
-    return findings + _scale(dropping, batch.device)
+    return findings + _scale(dropping, batch.device) + _placement(dropping, batch.device)
 
 
 def _scale(model: Any, device: Any) -> list[checks.Finding]:
@@ -92,6 +95,35 @@ def _scale(model: Any, device: Any) -> list[checks.Finding]:
     if abs(dropped - P) > SHARE_SLACK:
         findings.append(checks.finding("dropout", f"{dropped:.4f} of the inputs dropped with lora_dropout={P}"))
     return findings
+
+
+def _placement(model: Any, device: Any) -> list[checks.Finding]:
+    """The first LoRA layer in train mode with its lora_B zeroed: its output must be its base layer's, bit for bit."""
+    import torch
+
+    layer = next((m for _, m in model.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_B")
+                  and hasattr(m.base_layer, "in_features")), None)
+    if layer is None:
+        return []
+    torch.manual_seed(SEED)
+    x = torch.randn(4, layer.base_layer.in_features, device=device, dtype=layer.base_layer.weight.dtype)
+    saved = {name: b.weight.detach().clone() for name, b in layer.lora_B.items()}
+    try:
+        with torch.no_grad():
+            for b in layer.lora_B.values():
+                b.weight.zero_()
+            torch.manual_seed(SEED)
+            adapted = adapter_io.to_numpy(layer(x).float())
+            base = adapter_io.to_numpy(layer.base_layer(x).float())
+    finally:
+        with torch.no_grad():
+            for name, b in layer.lora_B.items():
+                b.weight.copy_(saved[name])
+    if np.array_equal(adapted, base):
+        return []
+    return [checks.finding("dropout", f"in train mode a LoRA layer whose adapter adds nothing gives other outputs "
+                                      f"than its frozen base layer ({checks.difference(base, adapted)}): the "
+                                      "adapter's dropout reaches the input the base path shares")]
 
 
 def _adapted(base: Any, trained: dict[str, np.ndarray], cfg: dict[str, Any], dropout: float, device: Any) -> Any:

@@ -45,7 +45,8 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
     model_changed = layout is not None
     library = None if model_changed else library_change(sc, setup, run, reference, model)
     if not run_experiments:
-        return _library_alone(library, comparison)
+        return _without_experiments(library, comparison, [*checks, *_bisected(sc, setup, run, whole_reference or
+                                                                              reference, comparison, case, bisect)])
     try:
         # Equivalence and the oracle need no reference: even where the model's code changed, they can
         # still convict a collective or a kernel of this stack, which re-recording must not bury.
@@ -64,17 +65,13 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
             experiments.append(triage.Experiment(LIBRARY, "differs", evidence, component=component))
         if flips and not model_changed:  # flips compare with a reference that cannot judge
             experiments += flip(sc, setup, run, reference, comparison, model)
-        if bisect is not None and case is not None:
-            experiments.append(bisect_failure(sc, setup, run, whole_reference or reference, comparison, case, bisect))
+        experiments += _bisected(sc, setup, run, whole_reference or reference, comparison, case, bisect)
     except Exception as exc:  # noqa: BLE001 - triage must never hide the regression it explains
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         return None, ["", f"triage could not run ({type(exc).__name__}: {first}); components are the heuristic's"]
     component, line = triage.verdict(comparison, experiments)
     keep_first_moved_stack(sc, setup, run, comparison, model, rerun=flips)
-    bisected = next((e for e in experiments if e.name == "bisect"), None)
-    said = [f"bisect: {bisected.detail}" if bisected.status in ("named", "no revert restores")
-            else f"bisect {bisected.status}: {bisected.detail}"] if bisected is not None else []
-    return component, [*triage.report(line, experiments), *said]
+    return component, [*triage.report(line, experiments), *_bisect_line(experiments)]
 
 
 def own_evidence(run: RunRecord) -> list[Experiment]:
@@ -102,15 +99,43 @@ LIBRARY = "model code"  # the evidence of library_change: the float64 oracle's s
 _NOT_NUMERICS = ("checkpoint", "format")
 
 
-def _library_alone(library: tuple[str, str] | None, comparison: Comparison) -> tuple[str | None, list[str]]:
-    """For a scenario triage does not explain: the code change is the verdict unless a finding is a round trip's
-    or a format's, which then keeps its name, with the code change as evidence beside it."""
-    if library is None:
-        return None, []
-    component, evidence = library
+def _bisected(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, comparison: Comparison,
+              case: Case | None, bisect: BisectRequest | None) -> list[Experiment]:
+    """The bisect's evidence where --gpuregress-bisect asks for it: [] otherwise."""
+    if bisect is None or case is None:
+        return []
+    return [bisect_failure(sc, setup, run, reference, comparison, case, bisect)]
+
+
+def _bisect_line(experiments: Sequence[Experiment]) -> list[str]:
+    """The report's ``bisect:`` line, where a bisect ran."""
+    found = next((e for e in experiments if e.name == "bisect"), None)
+    if found is None:
+        return []
+    return [f"bisect: {found.detail}" if found.status in ("named", "no revert restores")
+            else f"bisect {found.status}: {found.detail}"]
+
+
+def _without_experiments(library: tuple[str, str] | None, comparison: Comparison,
+                         evidence: list[Experiment]) -> tuple[str | None, list[str]]:
+    """For a scenario triage runs no experiments for (lora, a resume): the decision from what there is (the run's
+    own checks, the op of step 0 that introduced the difference, the model's code, a bisect). A round trip's or a
+    format's finding keeps its name, the code change evidence beside it. Where nothing decides, the sparsity of the
+    step-0 gradients is no evidence: their findings name both a kernel and a collective."""
+    from .. import triage
+
     if any(f.component in _NOT_NUMERICS for f in comparison.findings):
-        return None, ["", f"also: {evidence}"]
-    return component, ["", f"triage verdict: {component}. Evidence: {evidence}"]
+        return None, (["", f"also: {library[1]}"] if library is not None else [])
+    if library is not None:
+        evidence = [*evidence, triage.Experiment(LIBRARY, "differs", library[1], component=library[0])]
+    component, line = triage.verdict(comparison, evidence)
+    if component is None and any(f.metric == "step0_grad" and f.component in ("kernel", "collective")
+                                 for f in comparison.findings):
+        component = "kernel or collective"
+        line = line.replace("triage verdict: inconclusive", "triage verdict: kernel or collective: inconclusive", 1) + \
+            "; this scenario has no equivalence or oracle experiment to tell them apart, and which step-0 gradients " \
+            "moved is no evidence"
+    return component, [*triage.report(line, evidence), *_bisect_line(evidence)]
 
 
 def library_change(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord,

@@ -9,6 +9,7 @@ the lane the comparison chooses: restored bit for bit in the exact lane; within 
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, replace
 from importlib import metadata
@@ -70,18 +71,18 @@ def bisect_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
         return Experiment(bisection.NAME, "not applicable", f"step 0 of this run matches the reference (the first "
                                                             f"difference is at step {first}): a bisect of step 0 has "
                                                             "nothing to restore")
-    found = bisection.plan(recorded, installed_packages(), requires,
-                           lambda p, v: wheelhouse_has(request.wheelhouse, p, v))
     overlays = Overlays(request.root / "bisect", request.wheelhouse)
+    found = bisection.plan(recorded, installed_packages(), requires,
+                           lambda p, v: wheelhouse_has(request.wheelhouse, p, v), overlays.available)
     launch = next(launch for launch in sc.launches([case], setup) if launch.key == case.launch)
     cut = truncated_reference(reference, 1)
 
     def restores(reverted: list[bisection.Change]) -> bisection.Outcome:
         env = overlays.environment({c.package: str(c.reference_version) for c in reverted if c.kind != "added"},
                                    [c.package for c in reverted if c.kind == "added"])
-        key = "bisect-" + "-".join(sorted(c.package for c in reverted))[:80]
-        record = run(sc, replace(launch, key=re.sub(r"[^A-Za-z0-9._+-]", "_", key), env={**launch.env, **env},
-                                 config={**launch.config, "steps": 1}))
+        named = "-".join(sorted(f"{c.package}=={c.reference_version}" for c in reverted))
+        key = f"bisect-{hashlib.sha256(named.encode()).hexdigest()[:12]}"
+        record = run(sc, replace(launch, key=key, env={**launch.env, **env}, config={**launch.config, "steps": 1}))
         judged = sc.compare(cut, record, case, "auto")
         if judged.passed and (judged.lane == "exact" or judged.introduced is None):
             return bisection.Outcome(True, "bit for bit" if judged.lane == "exact"
@@ -94,6 +95,10 @@ def bisect_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
         result = bisection.bisect(found, restores)
     except BisectProblem as exc:
         return Experiment(bisection.NAME, "failed to run", str(exc))
+    except Exception as exc:  # noqa: BLE001 - an experiment that broke clears nothing, and must not hide the others
+        lines = [line for line in str(exc).splitlines() if line.strip()][:12]
+        return Experiment(bisection.NAME, "failed to run", f"{type(exc).__name__}: {lines[0] if lines else ''}",
+                          lines=lines[1:])
     lines = [*(f"grouped: {why}" for why in found.grouped), *result.log]
     if result.package is None:
         return Experiment(bisection.NAME, "no revert restores", result.line().removeprefix("bisect: "), lines=lines)

@@ -87,9 +87,10 @@ def why_untestable(change: Change, wheelhouse_has: Callable[[str, str], bool] = 
     """Why an overlay cannot revert ``change``; None where it can."""
     if change.package == OURS:
         return "the plugin running the experiment"
-    for version in (change.then, change.now):
-        if version and version.endswith(("(editable)", "(local)", "(vcs)")):
-            return f"installed from a folder or a file ({version}): there is no wheel of that version to fetch"
+    if change.then and change.then.endswith(("(editable)", "(local)", "(vcs)")):
+        return f"the reference's was installed from a folder or a file ({change.then}): there is no wheel of it to fetch"
+    if change.now and change.now.endswith("(editable)"):
+        return f"installed editable here ({change.now}): its import hook comes before any folder on the path"
     torch_built = change.package in TORCH_ABI or change.package.startswith(TORCH_ABI_PREFIXES)
     if torch_built and not (change.package == "torch" and change.reference_version
                             and wheelhouse_has("torch", change.reference_version)):
@@ -99,11 +100,17 @@ def why_untestable(change: Change, wheelhouse_has: Callable[[str, str], bool] = 
 
 
 def plan(reference: dict[str, str], current: dict[str, str], requires: Callable[[str], Iterable[str]],
-         wheelhouse_has: Callable[[str, str], bool] = lambda p, v: False) -> Plan:
-    """What to revert, in groups (a package with the added ones it requires), and what cannot be."""
+         wheelhouse_has: Callable[[str, str], bool] = lambda p, v: False,
+         fetch: Callable[[str, str], str | None] = lambda p, v: None) -> Plan:
+    """What to revert, in groups (a package with the added ones it requires), and what cannot be. ``fetch`` gets
+    the reference's version of a package ahead of the experiments, and says why it cannot be had (then that package
+    is not tested, with the reason), or None."""
     found = changes(reference, current)
     untested = [(c, why) for c in found if (why := why_untestable(c, wheelhouse_has)) is not None]
     testable = [c for c in found if why_untestable(c, wheelhouse_has) is None]
+    missing = [(c, why) for c in testable if c.kind != "added" and (why := fetch(c.package, str(c.reference_version)))]
+    untested += missing
+    testable = [c for c in testable if c not in {m for m, _ in missing}]
     added = {c.package for c in testable if c.kind == "added"}
     group_of = {c.package: c.package for c in testable}
 
@@ -114,9 +121,9 @@ def plan(reference: dict[str, str], current: dict[str, str], requires: Callable[
 
     grouped = []
     for change in testable:
-        if change.kind == "added":
+        if change.kind == "removed":
             continue
-        needs = sorted(added & {canonical(r) for r in requires(change.package)})
+        needs = sorted(added & {canonical(r) for r in requires(change.package)} - {change.package})
         for need in needs:
             group_of[root(need)] = root(change.package)
         if needs:

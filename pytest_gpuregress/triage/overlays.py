@@ -3,9 +3,9 @@
 A bisect (bisect.py) reverts packages by experiment. Each version it needs is installed once, with
 ``pip install --no-deps --target <folder>``, into a folder of its own under the session's bisect folder: from the
 wheelhouse first (``--gpuregress-wheelhouse``, for clusters without an index), else from pip's configured index.
-A package added since the reference is reverted by hiding it: a folder holding a ``sitecustomize.py`` that refuses
-its modules' imports and leaves its distribution out of ``importlib.metadata`` (transformers asks both before it
-uses an optional package such as ``kernels``). An experiment's ranks start with ``PYTHONPATH`` = the hiding folder,
+A package added since the reference is reverted by hiding it: a folder holding a ``sitecustomize.py`` that turns its
+modules into empty namespace packages (nothing can be imported from them) and leaves its distribution out of
+``importlib.metadata`` (transformers asks both before it uses an optional package such as ``kernels``). An experiment's ranks start with ``PYTHONPATH`` = the hiding folder,
 then the installed versions, then the user's own ``PYTHONPATH``: site-packages stay as they were, and pooled
 ranks with the same overlay are reused.
 """
@@ -46,19 +46,16 @@ _DISTRIBUTIONS = set(_HIDDEN["distributions"])
 _MODULES = set(_HIDDEN["modules"])
 
 
-class _Refuse(importlib.abc.Loader):
-    def create_module(self, spec):
-        raise ModuleNotFoundError(f"No module named {spec.name!r} (hidden by gpuregress bisect: it was not installed "
-                                  "when the reference was recorded)", name=spec.name)
-
-    def exec_module(self, module):
-        pass
-
-
 class _Hide(importlib.abc.MetaPathFinder):
+    """A hidden top-level module is found as an empty namespace package, as a stray folder on the path would be:
+    nothing can be imported from it, it has no file and no version, and libraries that probe for an optional
+    package (transformers' is_*_available) read that as not installed, where an import error would crash them."""
+
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in _MODULES:
-            return importlib.machinery.ModuleSpec(name, _Refuse())
+        if name in _MODULES:
+            spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            spec.submodule_search_locations = []
+            return spec
         return None
 
 
@@ -110,6 +107,15 @@ class Overlays:
     wheelhouse: Path | None = None
     python: str = sys.executable
     installs: dict[tuple[str, str], Path] = field(default_factory=dict)
+
+    def available(self, package: str, version: str) -> str | None:
+        """Install ``package==version`` ahead of the experiments; why it cannot be had (a message naming the package,
+        the version and the option), or None where it is installed."""
+        try:
+            self.installed(package, version)
+        except BisectProblem as exc:
+            return str(exc)
+        return None
 
     def installed(self, package: str, version: str) -> Path:
         """A folder holding ``package==version`` alone (no dependencies), installed on first use."""

@@ -72,3 +72,25 @@ def test_the_collective_sweep_of_the_session_is_evidence_never_a_conviction() ->
     # A failing sweep beside it convicts nothing (the two may fail for causes of their own).
     assert component is None
     assert "collective sweep fails too: 1 of 11 of its cases failed in this session, first collectives-" in line
+
+
+def test_the_docs_table_of_rules_is_the_decision_tables() -> None:
+    """docs/triage.md shows the rules triage/decision.py decides by, in their order, word for word."""
+    from pathlib import Path
+
+    from pytest_gpuregress.triage import decision
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "triage.md").read_text()
+    shown = text[text.index(decision.BEGIN) + len(decision.BEGIN):text.index(decision.END)].strip().splitlines()
+    assert shown == decision.markdown_table()
+
+
+def test_in_run_evidence_outranks_the_experiments_and_is_quoted() -> None:
+    """The run's own collective invariants decide before N ranks against one; a bisect before everything."""
+    broke = Experiment("collective invariants", "broke", "step 100: all_gather ...", component="collective")
+    oracle = Experiment("oracle", "differs", "y", component="kernel")
+    component, line = verdict(None, [oracle, broke])
+    assert component == "collective" and "Decided by rule 3 (a collective broke its own invariant" in line
+    named = Experiment("bisect", "named", "transformers 5.25.0 -> 5.24.0 restores step 0 ...",
+                       component="library: transformers")
+    assert verdict(None, [oracle, broke, named])[0] == "library: transformers"

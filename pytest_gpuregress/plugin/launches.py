@@ -84,7 +84,7 @@ class Launches:
             env=dict(launch.env),
             loopback_only=not self.platform.in_place,
             watch=self.watches.get((sc.name, launch.key), {}),
-            fresh_ranks=launch.fresh_ranks,
+            fresh_ranks=launch.fresh_ranks or (launch.cold and not self.platform.in_place),
             profile=self.options.kernel_changes != "off",
         )
         result = self.launcher.run(job, wall_timeout_s=self.options.timeout)

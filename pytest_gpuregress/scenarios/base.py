@@ -117,6 +117,10 @@ class Launch:
     entry: str | None = None
     inject: bool = True  # False: --gpuregress-inject does not apply (the float64 oracle is no stack under test)
     fresh_ranks: bool = False  # True: new processes, never pooled ones (a resume must prove nothing survives in memory)
+    # True: not a pooled process where the launcher pools (spawned runs), and in place under torchrun as it is. A
+    # triage replay: a bug that needs a warmed-up process (a buffer pool, a counter) must not ride into one side
+    # of a comparison and not the other.
+    cold: bool = False
 
 
 @dataclass

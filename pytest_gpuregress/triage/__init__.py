@@ -65,15 +65,17 @@ def launches(sc: Scenario, setup: Setup, model: str | None = None) -> dict[str, 
     of the scenario's own model, or of a user's (``model``, --gpuregress-model)."""
     from ..scenarios.base import Launch
 
-    # No step-0 op trace: these runs are compared with each other, never op by op with a reference.
+    # No step-0 op trace: these runs are compared with each other, never op by op with a reference. Every one
+    # starts cold: the N ranks that just trained are warmed up, the one rank is not, and a bug that needs a
+    # warmed-up process would read as "N ranks differ from one" (a collective) if the N-rank run reused them.
     config = {**sc.model_config(setup, model), "steps": TRIAGE_STEPS, TRACE_CONFIG: False}
     suffix = f"-{model}" if model else ""
     return {
-        "n": Launch(f"triage-n{suffix}", config),
+        "n": Launch(f"triage-n{suffix}", config, cold=True),
         # Each of the N ranks' micro-batches in turn, with their shapes: only the communication differs from "n".
-        "one": Launch(f"triage-1{suffix}", {**config, EMULATE_WORLD: setup.world_size}, world_size=1),
+        "one": Launch(f"triage-1{suffix}", {**config, EMULATE_WORLD: setup.world_size}, world_size=1, cold=True),
         # The oracle is the reference implementation: injected faults emulate the stack under test.
-        "oracle": Launch(f"triage-oracle{suffix}", config, world_size=1, entry=ORACLE_ENTRY, inject=False),
+        "oracle": Launch(f"triage-oracle{suffix}", config, world_size=1, entry=ORACLE_ENTRY, inject=False, cold=True),
     }
 
 
@@ -232,9 +234,12 @@ def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tup
     component = found[0][0] if found is not None else None
     evidence = "; ".join(f"{e.name} {e.status}: {e.detail}" for e in by_name.values())
     if found is not None:
-        rule = found[1]
+        (_, shown), rule = found
+        # A rule that reads the findings (a data change, one rank's op) quotes what it read; an experiment's quote
+        # is already among the evidence.
+        quote = "" if shown in evidence else f": {shown}"
         return component, f"triage verdict: {component}. Evidence: {evidence}. Decided by rule " \
-                          f"{RULES.index(rule) + 1} ({rule.evidence})"
+                          f"{RULES.index(rule) + 1} ({rule.evidence}){quote}"
     return None, f"triage verdict: inconclusive (no rule's evidence is there: the experiments neither convict nor " \
                  f"clear a component, and the findings keep their own names). Evidence: {evidence}"
 

@@ -168,8 +168,9 @@ class ResumePlan:
         if folder is None or not stored.results.get(resume_verdict.SAVED_KEY):
             raise NotApplicable("the reference has no resume checkpoint: re-record it: pytest --gpuregress "
                                 f"--gpuregress-record 'gpuregress::{sc.name}*'")
+        # Cold: the late window reads it as "in a fresh process".
         record = run(sc, Launch(launch_key("from-reference", case),
-                                {**config, ROLE: "continue", FOLDER: str(folder)}, entry=self.entry))
+                                {**config, ROLE: "continue", FOLDER: str(folder)}, entry=self.entry, cold=True))
         resumed = record.results.get(RESULT_KEY, {})
         if resumed.get("unavailable"):
             raise NotApplicable(f"the resume case is not available on this stack: {resumed['unavailable']}")

@@ -27,6 +27,7 @@ BF16_CAST = "bf16 cast"  # fp32 -> bf16 casts: training in bf16
 TIED_CONFIG = "tied embeddings"  # a model whose config ties its embeddings, built by transformers
 SYNTHETIC_TOKENS = "synthetic tokens"  # token batches drawn by training/data.py (numpy), not read from a token file
 PEFT_LORA = "peft lora"  # peft's LoRA layers, as installed
+ACCELERATE_BACKWARD = "accelerate backward"  # the loss's backward through accelerate's Accelerator.backward
 ADAPTER_SAVE = "adapter save"  # a trained LoRA adapter saved and loaded
 ADAPTER_SHARDS = "adapter shards"  # an adapter saved from shards (FSDP2): a slice can be lost
 

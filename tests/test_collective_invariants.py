@@ -21,9 +21,10 @@ REDUCTIONS = ["none", "sum", "avg", "max", "min", "product", "premul_sum", "othe
 
 
 def row(step: int, seq: int, op: str, *, reduce: str = "none", inputs: tuple[float, float, float],
-        outputs: tuple[float, float, float], bits: int, factor: float = 1.0) -> np.ndarray:
+        outputs: tuple[float, float, float], bits: int, factor: float = 1.0,
+        weighted: tuple[float, float] = (math.nan, math.nan)) -> np.ndarray:
     values = [step, 0, seq, OPS.index(op), REDUCTIONS.index(reduce), factor, 2.0**-24, 100, *inputs, *outputs,
-              float(np.int64(bits).view(np.float64))]
+              float(np.int64(bits).view(np.float64)), *weighted]
     return np.array(values, dtype=np.float64)
 
 
@@ -91,7 +92,39 @@ def _rank(rank: int, world: int, store: str, out: str, faults: list[str]) -> Non
     Path(out, f"rank{rank}.json").write_text(json.dumps(found))
 
 
-@pytest.mark.parametrize("faults", [[], ["collective:op=all_gather,mode=stale_chunk,from_step=3,ranks=0"]])
+def test_the_position_weighted_sum_sees_two_swapped_elements_and_follows_the_global_offset() -> None:
+    import torch
+
+    from pytest_gpuregress.training.collective_ledger import WEIGHT_PERIOD, weighted_sum
+
+    x = torch.randn(3 * WEIGHT_PERIOD + 17, generator=torch.Generator().manual_seed(0))
+    swapped = x.clone()
+    swapped[[10, 20]] = x[[20, 10]]
+    assert abs(weighted_sum([swapped]) - weighted_sum([x])) > 1e-3 * float(x.abs().max())
+    assert float(swapped.double().sum()) == pytest.approx(float(x.double().sum()), abs=1e-12)
+    head, tail = x[:1000], x[1000:]
+    assert weighted_sum([head, tail]) == pytest.approx(weighted_sum([x]), rel=1e-13)
+    assert weighted_sum([tail], 1000) == pytest.approx(weighted_sum([x]) - weighted_sum([head]), rel=1e-12)
+
+
+def test_a_permutation_alike_on_every_rank_breaks_the_weighted_sums_where_sums_and_hashes_hold() -> None:
+    """#46, the helper's fault 11b: an all-gather whose output has two elements swapped on every rank (one buffer
+    pool, one bug): the same bits everywhere, the same sums; only the position-weighted sums see it."""
+    gather = {r: row(150, 9, "all_gather", inputs=(1.0, 1.0, 1.0), outputs=(2.0, 2.0, 2.0), bits=7,
+                     weighted=(0.5 + r, 2.0)) for r in (0, 1)}
+    assert judge({r: [v] for r, v in gather.items()}) == []
+    swapped = {r: row(150, 9, "all_gather", inputs=(1.0, 1.0, 1.0), outputs=(2.0, 2.0, 2.0), bits=7,
+                      weighted=(0.5 + r, 2.25)) for r in (0, 1)}
+    found = judge({r: [v] for r, v in swapped.items()})
+    assert len(found) == 1 and found[0].ranks == (0, 1) and "not each in its place" in found[0].what
+    scatter = {r: row(150, 10, "reduce_scatter", reduce="sum", inputs=(1.0, 1000.0, 1000.0),
+                      outputs=(1.0, 1000.0, 1000.0), bits=r, weighted=(3.0, 3.0 + 0.4 * (r == 1))) for r in (0, 1)}
+    found = judge({r: [v] for r, v in scatter.items()})
+    assert len(found) == 1 and "position-weighted sum" in found[0].what
+
+
+@pytest.mark.parametrize("faults", [[], ["collective:op=all_gather,mode=stale_chunk,from_step=3,ranks=0"],
+                                    ["collective:op=reduce_scatter,mode=swap,from_step=4"]])
 def test_fsdp2s_collectives_through_the_ledger_name_a_late_one_rank_fault_at_its_step(tmp_path: Path,
                                                                                     faults: list[str]) -> None:
     import json
@@ -105,6 +138,9 @@ def test_fsdp2s_collectives_through_the_ledger_name_a_late_one_rank_fault_at_its
         assert verdicts[0]["violated"] == 0, verdicts[0]
         return
     first = verdicts[0]["violations"][0]
+    if "mode=swap" in faults[0]:  # the same swap on both ranks' outputs: only their places are wrong
+        assert (first["step"], first["op"]) == (4, "reduce_scatter") and "not each in its place" in first["what"]
+        return
     assert (first["step"], first["op"], first["ranks"]) == (3, "all_gather", [0]), verdicts[0]
     problem = inv.problems({inv.RESULT_KEY: verdicts[0]})[0]
     assert problem.startswith("[collective] a collective broke its own invariant in this run") and "step 3:" in problem

@@ -17,6 +17,8 @@ from pytest_gpuregress.faults.reach import installed_code
 from pytest_gpuregress.plugin.explain import library_change
 from pytest_gpuregress.reference import oracle_step0
 from pytest_gpuregress.reference.compare import Comparison, Finding
+from pytest_gpuregress.reference.first_moved import FirstMoved
+from pytest_gpuregress.reference.op_trace import TraceOp
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.reference.report import format_comparison
 from pytest_gpuregress.scenarios import Launch
@@ -55,7 +57,7 @@ def test_a_scaled_adapter_is_a_code_change_of_peft_and_a_moved_loss_of_the_model
     change = oracle_step0.code_change(reference, oracle(lora_b_scale=8 ** 0.5))  # alpha / sqrt(r) for alpha / r, r=8
     assert change is not None and change.tensor == LORA_B and change.moved == 1 and change.total == 2
     assert change.relative == pytest.approx(8 ** 0.5 - 1, rel=1e-9)
-    assert "the model's code computes another function" in change.describe()
+    assert "the code computes another function" in change.describe()
     rope = oracle_step0.code_change(reference, oracle(noise=1e-3, loss=5.6))
     assert rope is not None and rope.tensor == "loss"
     renamed = make_record()
@@ -69,19 +71,55 @@ def moved_at(tensor: str, loss_relative: float = 0.0) -> oracle_step0.CodeChange
 
 def test_the_package_is_the_one_that_changed_else_the_one_whose_code_runs_where_the_oracle_moved() -> None:
     same = {"torch": "2.13.0", "transformers": "5.24.0", "peft": "0.21.2", "accelerate": "1.16.0"}
-    assert oracle_step0.suspect(moved_at(LORA_B), same, same)[0] == "peft"
+    """Where the step-0 trace says nothing of which code moved: by the gradients that moved, a version breaking the tie."""
+    assert oracle_step0.suspect(moved_at(LORA_B), same, same)[0] == "library: peft"
     # lora's oracle keeps adapter gradients only: where its loss moved too, the model's forward changed
-    assert oracle_step0.suspect(moved_at(LORA_B, loss_relative=0.02), same, same)[0] == "transformers"
+    assert oracle_step0.suspect(moved_at(LORA_B, loss_relative=0.02), same, same)[0] == "library: transformers"
     package, why = oracle_step0.suspect(moved_at(Q_PROJ), same, same)
-    assert package == "transformers" and "its code on this machine was changed or patched" in why
+    assert package == "library: transformers" and "its code on this machine was changed or patched" in why
     newer = {**same, "transformers": "5.25.0"}
     package, why = oracle_step0.suspect(moved_at(LORA_B), same, newer)  # peft did not change; transformers did
-    assert package == "transformers" and why.startswith("transformers changed since the reference (5.24.0 -> 5.25.0)")
-    assert oracle_step0.suspect(moved_at(Q_PROJ), same, {**same, "torch": "2.14.1"})[0] == "torch"
+    assert package == "library: transformers" and why.startswith("transformers changed since the reference (5.24.0")
+    assert oracle_step0.suspect(moved_at(Q_PROJ), same, {**same, "torch": "2.14.1"})[0] == "library: torch"
     package, why = oracle_step0.suspect(moved_at(LORA_B), same, {**same, "peft": "0.22.0", "torch": "2.14.1"})
-    assert package == "peft" and why.endswith("(torch changed too: 2.13.0 -> 2.14.1)")
+    assert package == "library: peft" and why.endswith("(torch changed too: 2.13.0 -> 2.14.1)")
     # accelerate only wraps the training runs; the float64 oracle never runs it
-    assert oracle_step0.suspect(moved_at(Q_PROJ), same, {**same, "accelerate": "1.17.0"})[0] == "transformers"
+    assert oracle_step0.suspect(moved_at(Q_PROJ), same, {**same, "accelerate": "1.17.0"})[0] == "library: transformers"
+
+
+def traced_op(op: str, module: str, phase: str, arguments: str, package: str) -> TraceOp:
+    return TraceOp(7, op, module, "", phase, "f32[16, 64]", ("f32[16, 64]",), np.zeros((1, 3)), np.zeros(1),
+                   arguments=arguments, package=package)
+
+
+def test_what_moved_outranks_any_version_number() -> None:
+    """#46: the helper's peft bug on the newest releases was named transformers because transformers' version had
+    changed. The op that introduced the difference says whose code it was: called with other arguments, its
+    caller's package; the same inputs and arguments giving another answer, a kernel; ops inserted or replaced, the
+    package whose code runs them. Versions decide only where none of these is known."""
+    same = {"torch": "2.13.0", "transformers": "5.24.0", "peft": "0.21.2"}
+    newer = {**same, "transformers": "5.25.0"}
+    scale = "aten::mul"
+    called_otherwise = FirstMoved(0, "moved", traced_op(scale, "q_proj", "backward", "other=0.3535533905932738", "peft"),
+                                  traced_op(scale, "q_proj", "backward", "other=0.5", "peft"), 10, 0.4, 2)
+    component, why = oracle_step0.suspect(moved_at(LORA_B), same, newer, called_otherwise)
+    assert component == "library: peft" and "other=0.5 in the reference, other=0.3535533905932738 now: peft's " \
+        "code calls it otherwise" in why
+    kernel = FirstMoved(0, "moved", traced_op("aten::mm", "q_proj", "forward", "", "torch"),
+                        traced_op("aten::mm", "q_proj", "forward", "", "torch"), 10, 1e-4, 2)
+    component, why = oracle_step0.suspect(moved_at(Q_PROJ), same, newer, kernel)
+    assert component == "kernel" and "its kernel computes another function, in float64 too" in why
+    component, why = oracle_step0.suspect(moved_at(Q_PROJ), same, same, None, ["kernels", "transformers"])
+    assert component == "library: kernels" and "also in transformers" in why
+    # an optimizer op called otherwise is the optimizer's, whoever's code that is
+    adamw = FirstMoved(0, "moved", traced_op("aten::_foreach_mul_", "w", "optimizer", "scalar=0.9", "torch"),
+                       traced_op("aten::_foreach_mul_", "w", "optimizer", "scalar=0.99", "torch"), 10, 1e-4, 2)
+    assert adamw.arguments_changed and adamw.component == "optimizer"
+    # traces recorded before arguments were kept say nothing of them
+    older = FirstMoved(0, "moved", traced_op(scale, "q_proj", "backward", "other=0.35", "peft"),
+                       TraceOp(7, scale, "q_proj", "", "backward", "f32[16, 64]", ("f32[16, 64]",), np.zeros((1, 3)),
+                               np.zeros(1)), 10, 0.4, 2)
+    assert not older.arguments_changed and older.component == "kernel"
 
 
 def test_a_nan_oracle_loss_on_one_side_is_a_change_and_never_hides_the_gradients() -> None:

@@ -33,22 +33,48 @@ def test_a_rope_change_in_transformers_is_the_library_not_a_kernel(fsdp_referenc
     done = run(tmp_path, fsdp_reference, FSDP_ONLY, "library:mode=rope_interleaved")
     assert done.returncode == 1, done.stdout[-4000:]
     assert tags(done.stdout) == {"[library: transformers]"}, done.stdout[-4000:]
-    assert "triage verdict: library: transformers. Evidence: the float64 oracle's step 0 on this stack differs" \
-        in done.stdout
+    verdict = next((line for line in done.stdout.splitlines() if line.startswith("triage verdict:")), "")
+    assert verdict.startswith("triage verdict: library: transformers. "), done.stdout[-6000:]
+    assert "model code differs: the float64 oracle's step 0 on this stack differs" in verdict
+    # the first op that moved reads another view of the same tensor (the odd features): called otherwise
+    assert "it was called with other arguments" in verdict and "Decided by rule 5 (" in verdict
     assert "the model's code changed with transformers: check its release notes" in done.stdout
     assert "record them as the reference" not in done.stdout
 
 
-def test_a_lora_scaling_change_in_peft_is_the_library_not_a_kernel(tmp_path_factory: pytest.TempPathFactory,
-                                                                  tmp_path: Path) -> None:
-    refs = record_references(tmp_path_factory.mktemp("lora-library"), f"--gpuregress-steps={FSDP_STEPS}",
+@pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return record_references(tmp_path_factory.mktemp("lora-library"), f"--gpuregress-steps={FSDP_STEPS}",
                              "--gpuregress-replicas=0", "-k", LORA)
-    done = run(tmp_path, refs, LORA, "library:mode=lora_rslora")
+
+
+def test_a_lora_scaling_change_in_peft_is_the_library_not_a_kernel(lora_reference: Path, tmp_path: Path) -> None:
+    done = run(tmp_path, lora_reference, LORA, "library:mode=lora_rslora")
     assert done.returncode == 1, done.stdout[-4000:]
     assert tags(done.stdout) == {"[library: peft]"}, done.stdout[-4000:]  # the merge check agrees with the forward
-    assert "triage verdict: library: peft. Evidence: the float64 oracle's step 0" in done.stdout
+    verdict = next((line for line in done.stdout.splitlines() if line.startswith("triage verdict:")), "")
+    assert verdict.startswith("triage verdict: library: peft. Evidence: model code differs: the float64 oracle's "
+                              "step 0"), done.stdout[-6000:]
+    # the op says whose code it was: the oracle's move and the scale peft passed agree
+    assert "it was called with other arguments: other=2.0 in the reference, other=5.65685424949238 now: peft's " \
+           "code calls it otherwise" in verdict
     assert "the model's code changed with peft: check its release notes" in done.stdout
     assert "record them as the reference" not in done.stdout
+
+
+def test_a_library_that_calls_an_op_with_another_divisor_is_named_by_the_op_not_by_a_version(
+        lora_reference: Path, tmp_path: Path) -> None:
+    """#46: accelerate's backward dividing the loss by the number of processes too runs the same ops on the same
+    tensors; only the divisor of one aten::div differs. The step-0 trace keeps scalar arguments and whose code ran
+    each op, so the verdict is accelerate's (before: [kernel], from "div moved while its inputs did not")."""
+    done = run(tmp_path, lora_reference, LORA, "library:mode=accelerate_divisor")
+    assert done.returncode == 1, done.stdout[-4000:]
+    verdict = next((line for line in done.stdout.splitlines() if line.startswith("triage verdict:")), "")
+    assert verdict.startswith("triage verdict: library: accelerate. "), done.stdout[-6000:]
+    assert "Decided by rule 5 (the op that introduced the difference was called with other arguments" in verdict
+    assert "it was called with other arguments: other=1 in the reference, other=2 now: accelerate's code calls it " \
+           "otherwise" in done.stdout
+    assert "[kernel]" not in done.stdout
 
 
 def test_a_tied_model_built_untied_is_the_library_judged_against_its_config_never_a_re_record(tmp_path: Path) -> None:

@@ -191,6 +191,33 @@ def test_an_optimizer_fault_is_named_at_the_optimizer(clean: RunRecord) -> None:
     assert any(e.phase == "optimizer" for e in before)  # the optimizer's first ops (its step count) are equal
 
 
+def other_epsilon(model: Any) -> Any:
+    """A release that passes another epsilon to the first RMSNorm: no tensor changes, one scalar does."""
+    norm = model.get_submodule("model.layers.0.input_layernorm")
+    kept = norm.variance_epsilon
+    norm.variance_epsilon = kept * 10
+    return SimpleNamespace(remove=lambda: setattr(norm, "variance_epsilon", kept))
+
+
+def test_each_op_keeps_its_scalar_arguments_and_the_package_whose_code_ran_it(clean: RunRecord) -> None:
+    """#46 item 5: a library that calls an op otherwise (a divisor, a scale, an epsilon) moves no tensor input; the
+    trace keeps the scalars each op was called with and whose code called it, so the op is named with its caller."""
+    trace = ranks(clean)[0]
+    entries = [trace.entry(i) for i in range(len(trace))]
+    norm = next(e for e in entries if e.module == "model.layers.0.input_layernorm" and e.op == "aten::add")
+    assert norm.arguments == "other=1e-05" and norm.package == "transformers"
+    q_proj = next(e for e in entries if e.module == "model.layers.0.self_attn.q_proj" and e.op == "aten::mm")
+    assert q_proj.package == "torch"  # nn.Linear's code
+    assert {e.package for e in entries if e.phase == "optimizer" and e.op != INPUT_OP} == {"torch"}  # AdamW's, outside every module
+    assert {e.package for e in entries if e.op == INPUT_OP} == {""}
+    moved = first_moved(clean, traced_step0(hook=other_epsilon))
+    assert moved is not None and moved.entry is not None and moved.arguments_changed
+    assert (moved.entry.op, moved.entry.module) == ("aten::add", "model.layers.0.input_layernorm")
+    assert moved.component == "library: transformers"
+    assert moved.describe().endswith("; it was called with other arguments: other=1e-05 in the reference, "
+                                     "other=0.0001 now: transformers's code calls it otherwise")
+
+
 def test_changed_tokens_are_named_as_an_input_and_a_changed_op_sequence_as_such(clean: RunRecord) -> None:
     import torch
 

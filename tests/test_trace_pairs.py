@@ -79,6 +79,7 @@ def test_a_wrapper_module_is_one_note_and_the_ops_past_it_are_still_paired(refer
         f"{len(pairing.relabelled)} ops now run in `model.layers.N.self_attn.<Func>` (`model.layers.N.self_attn` in "
         "the reference)"]
     assert comparison.culprit is None  # drift only: no op is named, past the wrapper either
+    assert comparison.changed_code == []  # relabelled, not changed: no package's code runs other ops
     text = report(comparison)
     assert "introduced at: no op of step 0 moved beyond drift" in text
     assert "op sequence changed since the reference" in text
@@ -138,3 +139,16 @@ def test_a_layer_that_registers_its_submodules_in_another_order_is_compared_by_n
     renamed.param_names = ["x.weight", "y.weight"]
     assert by_name.param_grad_norms(reference, renamed) == (renamed.arrays["param_grad_norm"], None)
     assert np.array_equal(by_name.param_grad_norms(reference, reference)[0], reference.arrays["param_grad_norm"])
+
+
+def test_ops_inserted_or_replaced_name_the_package_whose_code_runs_them(reference: RunRecord) -> None:
+    """A RoPE convention changed in transformers' code: other ops in the rotary step. The package named is the one
+    whose code runs them (torch's own ops around them come last), which the moved float64 oracle then blames."""
+    run = traced_step0(faults=("library:mode=rope_interleaved",))
+    comparison = compare_training(reference, run, lane="tolerant")
+    assert comparison.changed_code[:1] == ["transformers"], comparison.sequence_notes
+    # In the exact lane the first op that moved is a negation that now reads the odd features of the same tensor:
+    # equal input digests, another view of them. The view's offset and strides are among its arguments.
+    exact = compare_training(reference, run, lane="exact").first_moved
+    assert exact is not None and exact.arguments_changed and exact.component == "library: transformers", \
+        exact and exact.describe()

@@ -105,8 +105,8 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                                 "by the wrong count or a PREMUL_SUM factor off; zero_tail: the last `count` elements; "
                                 "zeros; stale_chunk: chunk `chunk` keeps the previous call's value; truncate_bf16: a "
                                 "bf16 SUM or AVG all-reduce or reduce-scatter rounds toward zero instead of to nearest "
-                                "even",
-                      ("nudge", "zero_tail", "zeros", "stale_chunk", "truncate_bf16", "scale")),
+                                "even; swap: two elements of the output exchanged (at a third and two thirds)",
+                      ("nudge", "zero_tail", "zeros", "stale_chunk", "truncate_bf16", "scale", "swap")),
         "rel": Param("number", "relative size of a nudge or a scale (default 1e-3)"),
         "add": Param("number", "a nudge adds this to the element instead (an absolute error, e.g. 1e-5)"),
         "at": Param("choice", "which element a nudge changes: middle (default), first or last (the tail of a "
@@ -216,8 +216,10 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                                           "by alpha / sqrt(r) instead of alpha / r; untied: transformers' "
                                           "tie_weights ties nothing, so a tied model gets an output head of its own; "
                                           "numpy_searchsorted: numpy's searchsorted returns the next index for one "
-                                          "value in 64, so the synthetic token batches change",
-                                ("rope_interleaved", "lora_rslora", "untied", "numpy_searchsorted")),
+                                          "value in 64, so the synthetic token batches change; accelerate_divisor: "
+                                          "accelerate's backward divides the loss by the number of processes too",
+                                ("rope_interleaved", "lora_rslora", "untied", "numpy_searchsorted",
+                                 "accelerate_divisor")),
               }, required=("mode",), installed_code=True),
     FaultKind("checkpoint", ".checkpoint:install", "a checkpoint bug of docs/faults.md section 3, for scenario checkpoint and "
               "the resume cases of fsdp and lora "
@@ -267,6 +269,7 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
     "library:lora_rslora": (act.PEFT_LORA,),
     "library:untied": (act.TIED_CONFIG,),
     "library:numpy_searchsorted": (act.SYNTHETIC_TOKENS,),
+    "library:accelerate_divisor": (act.ACCELERATE_BACKWARD,),
     "lora": (act.ADAPTER_SAVE,),
     "lora:rank0_slice": (act.ADAPTER_SHARDS,),
     "checkpoint:optimizer_dropped": (act.OPTIMIZER_STATE_LOAD,),

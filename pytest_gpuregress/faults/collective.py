@@ -162,6 +162,11 @@ class CollectiveFault:
                 return False
             for t in outputs:
                 t.mul_(1 + self.spec.get("rel", 1e-3))
+        elif self.mode == "swap":  # two elements exchanged: every sum holds, and on every rank alike, every hash
+            if flat.numel() < 3:
+                return False
+            i, j = flat.numel() // 3, 2 * flat.numel() // 3
+            flat[[i, j]] = flat[[j, i]].clone()
         else:  # nudge one element: by default in the middle, where neither head nor tail checks would look first
             i = {"first": 0, "last": flat.numel() - 1}.get(self.spec.get("at", "middle"), flat.numel() // 2)
             if flat.is_floating_point() and self.spec.get("add") is not None:  # off by an absolute amount

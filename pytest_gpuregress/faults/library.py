@@ -10,6 +10,8 @@ code installed on the machine, not a fault of the stack under test (FaultKind.in
                     embeddings gets an output head of its own
   numpy_searchsorted  numpy's ``searchsorted`` returns the next index for one value in 64: the synthetic token
                     batches (training/data.py draws each token through it) change, the model's code does not
+  accelerate_divisor  accelerate's ``Accelerator.backward`` divides the loss by the number of processes as well as
+                    by the accumulation steps: the same ops, one called with another divisor
 """
 
 from __future__ import annotations
@@ -85,6 +87,23 @@ def _searchsorted_off(firing: Firing) -> Any:
     return wrap
 
 
+def _divides_by_processes(firing: Firing) -> Any:
+    def wrap(original: Any) -> Any:
+        def backward(self: Any, loss: Any, **kwargs: Any) -> Any:
+            steps = self.gradient_accumulation_steps
+            if self.num_processes > 1:
+                self.gradient_accumulation_steps = steps * self.num_processes
+                firing.fire()
+            try:
+                return original(self, loss, **kwargs)
+            finally:
+                self.gradient_accumulation_steps = steps
+
+        return backward
+
+    return wrap
+
+
 def install(spec: FaultSpec, ctx: Any) -> Firing:
     firing = Firing(spec.text)
     if spec.get("mode") == "numpy_searchsorted":
@@ -95,6 +114,10 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
         from transformers.models.llama import modeling_llama
 
         _patch(ctx, modeling_llama, "rotate_half", _interleaved(firing))
+    elif spec.get("mode") == "accelerate_divisor":
+        from accelerate import Accelerator
+
+        _patch(ctx, Accelerator, "backward", _divides_by_processes(firing))
     elif spec.get("mode") == "untied":
         from transformers import PreTrainedModel
 

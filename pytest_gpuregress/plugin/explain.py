@@ -43,7 +43,7 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
     # config) the library built another model than the config asks. Either way the runs start from other weights.
     layout = next((f for f in comparison.findings if f.metric == model_layout.COMPONENT), None)
     model_changed = layout is not None
-    library = None if model_changed else library_change(sc, setup, run, reference, model)
+    library = None if model_changed else library_change(sc, setup, run, reference, model, comparison)
     if not run_experiments:
         return _without_experiments(library, comparison, [*checks, *_bisected(sc, setup, run, whole_reference or
                                                                               reference, comparison, case, bisect)])
@@ -138,11 +138,13 @@ def _without_experiments(library: tuple[str, str] | None, comparison: Comparison
     return component, [*triage.report(line, evidence), *_bisect_line(evidence)]
 
 
-def library_change(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord,
-                   model: str | None) -> tuple[str, str] | None:
-    """``("library: <package>", evidence)`` where the float64 oracle on this stack computes another step 0 than
-    the one kept with the reference (reference/oracle_step0.py): the model's code changed, not a kernel under it.
-    None where it did not, or where either oracle is missing."""
+def library_change(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, model: str | None,
+                   comparison: Comparison | None = None) -> tuple[str, str] | None:
+    """``(component, evidence)`` where the float64 oracle on this stack computes another step 0 than the one kept
+    with the reference (reference/oracle_step0.py): the code computes another function. Which code is decided by
+    what moved in ``comparison``'s step-0 trace (oracle_step0.suspect): "library: <package>", or "kernel" where an
+    op with the reference's inputs and arguments computed another answer. None where the oracle did not move, or
+    where either oracle is missing."""
     from ..reference import oracle_step0
     from ..stack.fingerprint import installed_version
 
@@ -159,8 +161,11 @@ def library_change(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
     if change is None:
         return None
     recorded = reference.fingerprint.get("versions") or {}
-    package, why = oracle_step0.suspect(change, recorded, {p: installed_version(p) for p in recorded})
-    return f"library: {package}", f"{change.describe()}; {why}"
+    culprit = comparison.culprit if comparison is not None else None
+    changed_code = comparison.changed_code if comparison is not None else []
+    component, why = oracle_step0.suspect(change, recorded, {p: installed_version(p) for p in recorded}, culprit,
+                                          changed_code)
+    return component, f"{change.describe()}; {why}"
 
 
 def late_window(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, case: Case, lane: str,

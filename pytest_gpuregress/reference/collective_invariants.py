@@ -10,6 +10,9 @@ hash), and after training the ranks' rows are set side by side, call by call wit
   all_gather, all_to_all             the outputs hold exactly the inputs: their sums agree over the group
   all_reduce, reduce_scatter (SUM)   the outputs' sum over the group is the inputs', within rounding
                          (AVG)       ... over the group size
+  all_gather, all_reduce, reduce_scatter  the same with each element weighted by its position in the flat
+                         sequence (training/collective_ledger.py's weighted_sum): an element in the wrong place, two
+                         swapped, breaks it, where the plain sums hold and, done alike on every rank, the hashes agree
 
 Rounding: each output element is the sum of N inputs, rounded up to N times in the reduction's dtype; the errors
 are independent, so their total over the tensor stays within LAMBDA x u x sqrt(rounds x N x the inputs' sum of
@@ -33,7 +36,7 @@ RESULT_KEY = "collective_invariants"
 LAMBDA = 8.0  # deviations of the rounding errors' sum: thousands of checks a run, none a false alarm
 # Columns of a rank's ledger rows (training/collective_ledger.py writes them in this order).
 COLUMNS = ("step", "group", "seq", "op", "reduce", "factor", "unit_roundoff", "size", "in_sum", "in_abs", "in_sq",
-           "out_sum", "out_abs", "out_sq", "out_hash")
+           "out_sum", "out_abs", "out_sq", "out_hash", "in_wsum", "out_wsum")
 _COL = {name: i for i, name in enumerate(COLUMNS)}
 SAME_BITS = ("all_gather", "broadcast", "all_reduce")
 KEEPS_SUM = ("all_gather", "all_to_all")  # a permutation or a concatenation of the inputs: the same total
@@ -87,6 +90,15 @@ def _judge(members: dict[int, np.ndarray], ops: list[str], reductions: list[str]
     op = ops[int(rows[0, _COL["op"]])]
     if len({ops[int(r)] for r in rows[:, _COL["op"]]}) > 1:
         return "the ranks called different collectives at this place", tuple(ranks)
+    for invariant in (_same_bits, _sums_hold, _in_place):
+        broken = invariant(rows, ranks, op, reductions)
+        if broken is not None:
+            return broken
+    return None
+
+
+def _same_bits(rows: np.ndarray, ranks: list[int], op: str, reductions: list[str]) -> tuple[str, tuple[int, ...]] | None:
+    """Every rank's output has the same bits (all_gather, broadcast, all_reduce)."""
     hashes = np.ascontiguousarray(rows[:, _COL["out_hash"]]).view(np.int64)
     inputs, outputs = rows[:, _COL["in_sum"]].sum(), rows[:, _COL["out_sum"]]
     if op in SAME_BITS and len(set(hashes.tolist())) > 1:
@@ -101,6 +113,12 @@ def _judge(members: dict[int, np.ndarray], ops: list[str], reductions: list[str]
                 off = [r for r, miss in zip(ranks, misses) if miss > bar]
                 odd = tuple(off) if 0 < len(off) < len(ranks) else odd
         return "the ranks' outputs have different bits, where every rank must hold the same values", odd
+    return None
+
+
+def _sums_hold(rows: np.ndarray, ranks: list[int], op: str, reductions: list[str]) -> tuple[str, tuple[int, ...]] | None:
+    """The outputs' sums are the inputs' (a copy's exactly, a reduction's within rounding)."""
+    inputs, outputs = rows[:, _COL["in_sum"]].sum(), rows[:, _COL["out_sum"]]
     scale = float(rows[:, _COL["in_abs"]].sum())
     if op in KEEPS_SUM:
         expected = inputs * (len(ranks) if op == "all_gather" else 1)  # every rank's output holds every input
@@ -119,17 +137,54 @@ def _judge(members: dict[int, np.ndarray], ops: list[str], reductions: list[str]
         factor = float(rows[0, _COL["factor"]])  # PREMUL_SUM's: each input times it, then summed
         expected = inputs * factor / divisor
         total = float(outputs.sum()) if op == "reduce_scatter" else float(outputs.mean())
-        rounds = len(ranks) - 1 + (1 if reduction != "sum" else 0)
-        unit = float(rows[0, _COL["unit_roundoff"]])
-        squares = float(rows[:, _COL["in_sq"]].sum())
-        allowed = LAMBDA * unit * math.sqrt(max(rounds, 1) * len(ranks) * squares) * abs(factor) / divisor
-        allowed += 1e-12 * scale  # the float64 sums' own rounding
+        allowed = _rounding_bound(rows, ranks, reduction, factor, divisor) + 1e-12 * scale  # the float64 sums' own rounding
         if not abs(total - expected) <= allowed:
             worst = _worst_rank(rows, ranks, expected if op == "all_reduce" else None)
             return (f"its outputs sum to {total:.17g} where the {reduction.upper()} of its inputs gives "
                     f"{expected:.17g}, {abs(total - expected) / max(allowed, 1e-300):.3g}x the rounding bound "
                     f"{allowed:.3g}", worst)
     return None
+
+
+def _rounding_bound(rows: np.ndarray, ranks: list[int], reduction: str, factor: float, divisor: int) -> float:
+    """How far a reduction's output total may be from its inputs' by rounding alone (the module docstring)."""
+    rounds = len(ranks) - 1 + (1 if reduction != "sum" else 0)
+    unit = float(rows[0, _COL["unit_roundoff"]])
+    squares = float(rows[:, _COL["in_sq"]].sum())
+    return LAMBDA * unit * math.sqrt(max(rounds, 1) * len(ranks) * squares) * abs(factor) / divisor
+
+
+def _in_place(rows: np.ndarray, ranks: list[int], op: str, reductions: list[str]) -> tuple[str, tuple[int, ...]] | None:
+    """The position-weighted sums: every element in its place. An all-gather's output on each rank holds every
+    input at its rank's place (float64 rounding only); a reduction's weighted outputs total its weighted inputs
+    within the rounding bound (weights at most 1.5)."""
+    if op not in ("all_gather", *REDUCES):
+        return None
+    weighted_in, weighted_out = rows[:, _COL["in_wsum"]], rows[:, _COL["out_wsum"]]
+    if not (np.isfinite(weighted_in).all() and np.isfinite(weighted_out).all()):
+        return None  # rows of a ledger that kept no weighted sums
+    expected = float(weighted_in.sum())
+    scale = 1.5 * float(rows[:, _COL["in_abs"]].sum())
+    if op == "all_gather":
+        allowed = 1e-12 * max(scale, 1e-300)
+        off = tuple(r for r, got in zip(ranks, weighted_out) if abs(float(got) - expected) > allowed)
+        if off:
+            return (f"its output holds its inputs' values but not each in its place (position-weighted sums "
+                    f"{', '.join(f'{float(g):.17g}' for g in weighted_out)} where the inputs give {expected:.17g})", off)
+        return None
+    reduction = reductions[int(rows[0, _COL["reduce"]])]
+    if reduction not in ("sum", "avg", "premul_sum"):
+        return None
+    divisor = len(ranks) if reduction == "avg" else 1
+    factor = float(rows[0, _COL["factor"]])
+    expected = expected * factor / divisor
+    total = float(weighted_out.sum()) if op == "reduce_scatter" else float(weighted_out.mean())
+    allowed = 1.5 * _rounding_bound(rows, ranks, reduction, factor, divisor) + 1e-12 * scale
+    if abs(total - expected) <= allowed:
+        return None
+    return (f"its outputs hold the {reduction.upper()} of its inputs' values but not each in its place: their "
+            f"position-weighted sum is {total:.17g} where the inputs' gives {expected:.17g}, "
+            f"{abs(total - expected) / max(allowed, 1e-300):.3g}x the rounding bound", ())
 
 
 def _reduced(rows: np.ndarray, reductions: list[str], world: int, inputs: float) -> float | None:

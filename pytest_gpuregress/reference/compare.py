@@ -27,6 +27,7 @@ from .envelope import PREFIX as ENVELOPE_PREFIX
 from .first_moved import FirstMoved, equal_traces, first_moved, pairings
 from .introduced import Traced, describe_thresholds, introduced_at, shape_dependence
 from .record import RunRecord
+from .trace_pairs import changed_code
 from .trace_pairs import notes as sequence_notes
 
 WORST_ROWS = 8
@@ -97,6 +98,8 @@ class Comparison:
     # What changed in step 0's op sequence (trace_pairs.notes): ops relabelled, inserted, removed or replaced, one
     # note per kind and place, from the lowest rank whose sequence changed. The analysis pairs the ops around them.
     sequence_notes: list[str] = field(default_factory=list)
+    # The packages whose code runs the ops inserted, removed or replaced in step 0 (trace_pairs.changed_code).
+    changed_code: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # information about how the comparison was made
 
     @property
@@ -523,7 +526,9 @@ def compare_training(
                             first_moved=first_moved(reference, run, sequence=chosen == "exact", paired=paired),
                             equal_trace=equal_traces(reference, run, paired),
                             sequence_notes=next((sequence_notes(p, ref, got) for ref, got, p in paired.values()
-                                                 if not p.complete), []))
+                                                 if not p.complete), []),
+                            changed_code=next((changed_code(p, ref, got) for ref, got, p in paired.values()
+                                               if not p.complete), []))
     comparison.notes += [note for note in (by_name.param_grad_norms(reference, run)[1], _environment_note(reference, run))
                          if note]
     traced = None  # both records' traces side by side: set up once, for the introducing op and the shapes

@@ -52,9 +52,23 @@ class FirstMoved:
     spike: tuple[float, float] | None = None
 
     @property
+    def arguments_changed(self) -> bool:
+        """A moved op called with other non-tensor arguments than the reference's same op (both traces keep them):
+        the code that called it changed, not the kernel under it."""
+        if self.kind != "moved" or self.entry is None or self.reference is None:
+            return False
+        now, then = self.entry.arguments, self.reference.arguments
+        return now is not None and then is not None and now != then
+
+    @property
+    def caller(self) -> str:
+        """The package whose code ran the op ("" where the trace does not say)."""
+        return (self.entry.package or "") if self.entry is not None else ""
+
+    @property
     def component(self) -> str | None:
-        """What it points at: a collective, the optimizer, data (an input moved), a kernel; None for a changed
-        op sequence, which convicts nothing by itself."""
+        """What it points at: a collective, the optimizer, data (an input moved), a kernel, the library whose code
+        called it with other arguments; None for a changed op sequence, which convicts nothing by itself."""
         if self.kind != "moved" or self.entry is None:
             return None
         if self.entry.op == INPUT_OP:
@@ -63,10 +77,24 @@ class FirstMoved:
             return "collective"
         if self.entry.phase in ("clip", "optimizer"):  # gradient clipping is part of the update, as AdamW's step
             return "optimizer"
+        if self.arguments_changed:
+            return f"library: {self.caller or 'the code that calls it'}"
         return "kernel"
 
     def describe(self) -> str:
         """One line: "first difference: aten::mm in model.layers.0.mlp.up_proj (forward), ... bitwise equal"."""
+        called = self._called_otherwise()
+        return self._describe() + (f"; {called}" if called else "")
+
+    def _called_otherwise(self) -> str:
+        if not self.arguments_changed:
+            return ""
+        assert self.entry is not None and self.reference is not None
+        whose = f"{self.caller}'s code" if self.caller else "the code that calls it"
+        return f"it was called with other arguments: {self.reference.arguments or 'none'} in the reference, " \
+               f"{self.entry.arguments or 'none'} now: {whose} calls it otherwise"
+
+    def _describe(self) -> str:
         on = sorted((self.rank, *self.also_on))
         where = f"on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} of {self.world}"
         before = f"the {self.equal_before} ops before it are bitwise equal" if self.equal_before != 1 else \

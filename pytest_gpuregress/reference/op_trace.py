@@ -14,7 +14,9 @@ output's shape, in op order), ``digest`` (float64, one row per output: sum, sum 
 ``sources`` (int32, in op order: the entries whose values each op's inputs hold; introduced.py follows them). In
 traces recorded since sketches were kept: ``sketch`` (float32, one row of SKETCH_BUCKETS signed bucket sums per
 floating output of 1024 elements or more: training/tensor_digest.py) and ``sketch_rows`` (int32, per output: its
-row there, -1 for none), which let one wrong element show through another kernel path's drift.
+row there, -1 for none), which let one wrong element show through another kernel path's drift. In traces recorded
+since they were kept: ``arguments`` and ``packages`` (int32, per op: the string index of its non-tensor arguments,
+"other=0.5, alpha=1", and of the package whose code ran it: training/op_arguments.py).
 Every rank's trace is kept: ``merge_ranks`` folds them into the merged record. An
 ``<input>`` entry is a tensor an op read that no traced op made (tokens, weights, buffers).
 """
@@ -55,6 +57,8 @@ class TraceOp:
     digests: np.ndarray  # [outputs, 3]: sum, sum of |x|, max |x|
     hashes: np.ndarray  # [outputs]
     sketches: tuple[np.ndarray | None, ...] = ()  # per output: its bucket sums (float64), or None where none is kept
+    arguments: str | None = None  # its non-tensor arguments ("other=0.5"); None in traces recorded before they were
+    package: str | None = None  # the package whose code ran it ("peft", "accelerate", "torch"); None as above
 
     @property
     def identity(self) -> tuple[str, ...]:
@@ -77,6 +81,8 @@ class RankTrace:
     sources: np.ndarray | None = None  # int32 [sum of source_counts]
     sketch: np.ndarray | None = None  # float32 [sketched outputs, buckets]; None in traces recorded before sketches
     sketch_rows: np.ndarray | None = None  # int32 [outputs]: each output's row of ``sketch``, -1 for none
+    arguments: np.ndarray | None = None  # int32 [ops]: string index of each op's non-tensor arguments; None: not kept
+    packages: np.ndarray | None = None  # int32 [ops]: string index of the package whose code ran each op
 
     def __post_init__(self) -> None:
         self.ops = np.asarray(self.ops, dtype=np.int32).reshape(-1, 6)
@@ -94,6 +100,8 @@ class RankTrace:
             self.sketch_rows = np.asarray(self.sketch_rows, dtype=np.int32).reshape(-1)
         else:
             self.sketch = self.sketch_rows = None
+        self.arguments = _per_op(self.arguments, len(self.ops))
+        self.packages = _per_op(self.packages, len(self.ops))
 
     @property
     def has_sources(self) -> bool:
@@ -110,9 +118,10 @@ class RankTrace:
     def of_entries(cls, entries: Sequence[tuple[str, str, str, str, str, list[str]]],
                    digests: Sequence[Sequence[tuple[float, float, float, int]]], *, backend: str, hash_kind: str,
                    seconds: float, error: str | None = None, sources: Sequence[Sequence[int]] | None = None,
-                   sketches: Sequence[Sequence[np.ndarray | None]] | None = None) -> RankTrace:
+                   sketches: Sequence[Sequence[np.ndarray | None]] | None = None,
+                   arguments: Sequence[str] | None = None, packages: Sequence[str] | None = None) -> RankTrace:
         """From the rank side's entries (op, module, region, phase, inputs, output shapes), their digests and,
-        where kept, their outputs' sketches."""
+        where kept, their outputs' sketches and each op's arguments and package."""
         table: dict[str, int] = {}
 
         def at(text: str) -> int:
@@ -136,9 +145,11 @@ class RankTrace:
         width = len(sketch[0]) if sketch else 0
         kept_sketch = None if sketches is None else np.array(sketch, dtype=np.float32).reshape(len(sketch), width)
         kept_rows = None if sketches is None else np.array(sketch_rows, dtype=np.int32)
+        kept_arguments = None if arguments is None else np.array([at(a) for a in arguments], dtype=np.int32)
+        kept_packages = None if packages is None else np.array([at(p) for p in packages], dtype=np.int32)
         return cls(list(table), np.array(ops), np.array(outputs), np.array(rows, dtype=np.float64).reshape(-1, 3),
                    np.array(hashes, dtype=np.int64), backend, hash_kind, seconds, error, counts, flat, kept_sketch,
-                   kept_rows)
+                   kept_rows, kept_arguments, kept_packages)
 
     @property
     def has_sketches(self) -> bool:
@@ -155,9 +166,11 @@ class RankTrace:
         if self.sketch is not None and self.sketch_rows is not None:
             sketches = tuple(self.sketch[r].astype(np.float64) if r >= 0 else None
                              for r in self.sketch_rows[first:last])
+        arguments = text[int(self.arguments[index])] if self.arguments is not None else None
+        package = text[int(self.packages[index])] if self.packages is not None else None
         return TraceOp(index, text[row[_OP]], text[row[_MODULE]], text[row[_REGION]], text[row[_PHASE]],
                        text[row[_INPUTS]], tuple(text[int(i)] for i in self.outputs[first:last]),
-                       self.digests[first:last], self.hashes[first:last], sketches)
+                       self.digests[first:last], self.hashes[first:last], sketches, arguments, package)
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, "backend": self.backend, "hash": self.hash_kind, "seconds": round(self.seconds, 4),
@@ -172,6 +185,8 @@ class RankTrace:
             out.update({prefix + "source_counts": self.source_counts, prefix + "sources": self.sources})
         if self.sketch is not None and self.sketch_rows is not None:
             out.update({prefix + "sketch": self.sketch, prefix + "sketch_rows": self.sketch_rows})
+        if self.arguments is not None and self.packages is not None:
+            out.update({prefix + "arguments": self.arguments, prefix + "packages": self.packages})
         return out
 
     def store(self, rank: int, results: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
@@ -185,6 +200,14 @@ class RankTrace:
         return len(dump_json(self.to_json())) + sum(a.nbytes for a in self.arrays(0).values())
 
 
+def _per_op(indices: np.ndarray | None, ops: int) -> np.ndarray | None:
+    """A per-op column of string indices, or None where it is missing or does not fit (an older trace)."""
+    if indices is None:
+        return None
+    kept = np.asarray(indices, dtype=np.int32).reshape(-1)
+    return kept if len(kept) == ops else None
+
+
 def ranks(record: RunRecord) -> dict[int, RankTrace]:
     """Every rank's trace in ``record``; {} for a record without one (older, or of a scenario that keeps none)."""
     stored = record.results.get(RESULT_KEY)
@@ -196,12 +219,13 @@ def ranks(record: RunRecord) -> dict[int, RankTrace]:
         if any(a is None for a in found) or data.get("format") != FORMAT or data.get("error"):
             continue  # a trace of another format, or one the rank could not finish: nothing to compare
         ops, outputs, digest, hashes = found
-        counts, sources, sketch, sketch_rows = (record.arrays.get(f"{ARRAY_PREFIX}rank{key}/{name}")
-                                                for name in ("source_counts", "sources", "sketch", "sketch_rows"))
+        counts, sources, sketch, sketch_rows, arguments, packages = (
+            record.arrays.get(f"{ARRAY_PREFIX}rank{key}/{name}")
+            for name in ("source_counts", "sources", "sketch", "sketch_rows", "arguments", "packages"))
         out[int(key)] = RankTrace(list(data["strings"]), ops, outputs, np.asarray(digest, dtype=np.float64).reshape(-1, 3),
                                   np.asarray(hashes, dtype=np.int64), str(data.get("backend", "")),
                                   str(data.get("hash", "")), float(data.get("seconds", 0.0)), None, counts, sources,
-                                  sketch, sketch_rows)
+                                  sketch, sketch_rows, arguments, packages)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Whether the model's code computes another function: the float64 oracle's step 0, kept with the reference.
+"""Whether the code computes another function: the float64 oracle's step 0, kept with the reference.
 
 A reference recorded with a float64 oracle at hand (fsdp, lora and the models of --gpuregress-model) keeps the
 oracle's step-0 loss and, per parameter, its step-0 gradient's sum, sum of |x| and max |x|. On a failing run the
@@ -11,12 +11,14 @@ numpy only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from . import step0
+from .first_moved import FirstMoved
 from .model_layout import MODEL_LIBRARIES
 from .record import RunRecord
 
@@ -43,8 +45,7 @@ class CodeChange:
         where = "the loss" if self.tensor == "loss" else f"the gradient of {self.tensor}"
         return (f"the float64 oracle's step 0 on this stack differs from the one recorded with the reference: "
                 f"{where} by {self.relative:.2g} relative, {self.moved} of {self.total} gradients past "
-                f"{CODE_CHANGE:g}; float64 kernels move it by about 1e-15, so the model's code computes another "
-                f"function")
+                f"{CODE_CHANGE:g}; float64 kernels move it by about 1e-15, so the code computes another function")
 
 
 def digest(oracle: RunRecord) -> dict[str, Any]:
@@ -108,13 +109,34 @@ def _loss_move(now: float, then: float) -> float:
 ORACLE_LIBRARIES = ("transformers", "peft")
 
 
-def suspect(change: CodeChange, recorded: dict[str, str | None], installed: dict[str, str | None]) -> tuple[str, str]:
-    """(the package whose code changed, why), from what moved and the versions the reference was recorded with
-    against this stack's. By what moved: peft where only adapter gradients moved (the loss did not: LoRA's B is
-    zero at step 0, so only its scaling or its gradients changed), else transformers (the model's forward). A
-    library the oracle runs that changed version is preferred; torch where only torch changed (its ops compute
-    another function, or its float64 kernels broke: a torch bug either way). Where none changed, the code on
-    this machine did."""
+def suspect(change: CodeChange, recorded: dict[str, str | None], installed: dict[str, str | None],
+            culprit: FirstMoved | None = None, changed_code: Sequence[str] = ()) -> tuple[str, str]:
+    """(the component the moved oracle points at, why), from what moved first, then from versions.
+
+    What moved decides: the op of step 0 that introduced the difference, called with other arguments (a divisor,
+    a scale), names the package whose code called it; the same op with the same inputs and arguments computing
+    another answer is a kernel that computes another function, float64 too (torch's, not a library's); ops
+    inserted, removed or replaced in step 0 name the package whose code runs them. Only where none of these is
+    known do the gradients that moved (peft where only adapter gradients moved, else transformers) and the
+    versions that changed say which library: a version number then only breaks the tie."""
+    if culprit is not None and culprit.arguments_changed and culprit.component:
+        return str(culprit.component), f"{culprit.describe()}"
+    if culprit is not None and culprit.component == "kernel" and culprit.entry is not None:
+        return "kernel", f"the op that introduced it had the reference's inputs and arguments and gave another " \
+                         f"answer ({culprit.describe()}): its kernel computes another function, in float64 too"
+    code = [p for p in changed_code if p]
+    if code:
+        return f"library: {code[0]}", f"step 0's op sequence changed in {code[0]}'s code (ops inserted, removed or " \
+                                      f"replaced there{'; also in ' + ', '.join(code[1:]) if code[1:] else ''})"
+    package, why = _by_version(change, recorded, installed)
+    return f"library: {package}", why
+
+
+def _by_version(change: CodeChange, recorded: dict[str, str | None],
+                installed: dict[str, str | None]) -> tuple[str, str]:
+    """The library where no op says which: by the gradients that moved, a changed version breaking the tie; torch
+    where only torch changed (its ops compute another function, or its float64 kernels broke). Where none changed,
+    the code on this machine did."""
     changed = [p for p in MODEL_LIBRARIES if recorded.get(p) and installed.get(p) and recorded[p] != installed[p]]
     adapter_only = ".lora_" in change.tensor and not change.loss_relative > CODE_CHANGE
     by_code = "peft" if adapter_only else "transformers"

@@ -184,3 +184,17 @@ def notes(pairing: Pairing, reference: RankTrace, run: RankTrace) -> list[str]:
         lines.append(f"only {len(pairing.pairs)} of this run's {pairing.run_len} ops could be paired with the "
                      f"reference's: the analysis covers those")
     return lines
+
+
+def changed_code(pairing: Pairing, reference: RankTrace, run: RankTrace) -> list[str]:
+    """The packages whose code runs the ops that were inserted, removed or replaced (not merely relabelled), first
+    met first, torch last: where step 0's op sequence changed, whose code changed it. Torch's own ops (FSDP2's
+    copies, a module of torch.nn) change along with what calls them, so torch is named first only where it alone
+    changed. [] for traces that do not keep them."""
+    found: dict[str, None] = {}
+    for stretch in pairing.stretches:
+        entries = [run.entry(j) for j in stretch.run] + [reference.entry(i) for i in stretch.ref]
+        for entry in entries:
+            if entry.package and entry.op != INPUT_OP:
+                found.setdefault(entry.package)
+    return sorted(found, key=lambda package: package == "torch")

@@ -3,8 +3,10 @@
 While training runs, every ``torch.distributed`` collective the step makes (FSDP2's all-gathers and
 reduce-scatters, the clip's all-reduce, the step's figures) passes through a wrapper that reads its input before
 the call and its output after it, as the training sees it (a fault installed before the ledger has acted): float64
-sums of x, |x| and x^2, and the output's bit hash (tensor_digest.py). No value is written. After the last step the
-ranks gather their rows (the plugin's own collective) and rank 0 checks them; the record keeps the verdict only.
+sums of x, |x| and x^2, the output's bit hash (tensor_digest.py), and a position-weighted sum of each
+(``weighted_sum``: two elements swapped change it where no plain sum, and on every rank alike no hash, sees it). No
+value is written. After the last step the ranks gather their rows (the plugin's own collective) and rank 0 checks
+them; the record keeps the verdict only.
 
     with watching(ctx) as ledger:
         ...train...
@@ -72,6 +74,51 @@ def _sums(tensors: list[Any]) -> tuple[float, float, float, int]:
     return total, absolute, squares, hashed - (1 << 64) if hashed >= 1 << 63 else hashed
 
 
+# Position weights: w(j) = 0.5 + ((j * 40503) mod P) / P, periodic with the prime P. A tensor's weighted sum adds
+# its elements by column of a [rows, P] view (its first element at the column of its global offset), then dots the
+# columns' sums with the weights: one pass, no weight vector of the tensor's size. Two swapped elements go unseen
+# only where their positions are a multiple of P apart.
+WEIGHT_PERIOD = 65521
+_WEIGHTS: dict[str, Any] = {}
+
+
+def _weights(device: Any) -> Any:
+    import torch
+
+    key = str(device)
+    if key not in _WEIGHTS:
+        positions = torch.arange(WEIGHT_PERIOD, dtype=torch.int64, device=device)
+        _WEIGHTS[key] = 0.5 + ((positions * 40503) % WEIGHT_PERIOD).to(torch.float64) / WEIGHT_PERIOD
+    return _WEIGHTS[key]
+
+
+def weighted_sum(tensors: list[Any], offset: int = 0) -> float:
+    """Sum of w(offset + j) x_j over ``tensors`` taken as one flat sequence starting at global position ``offset``
+    (an all-gather's input sits at its rank's place in the output, a reduce-scatter's output at its rank's place in
+    the input)."""
+    import torch
+
+    total = 0.0
+    for tensor in tensors:
+        with torch.no_grad():
+            flat = tensor.detach().reshape(-1)
+            flat = (torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat).to(torch.float64)
+            lead = offset % WEIGHT_PERIOD
+            padded = torch.nn.functional.pad(flat, (lead, (-(lead + flat.numel())) % WEIGHT_PERIOD))
+            total += float(padded.view(-1, WEIGHT_PERIOD).sum(0) @ _weights(flat.device))
+        offset += tensor.numel()
+    return total
+
+
+def _offsets(family: str, group_rank: int, inputs: list[Any], outputs: list[Any]) -> tuple[int, int]:
+    """(the input's, the output's) global position in the flat sequence the weights run over."""
+    if family == "all_gather":
+        return group_rank * sum(t.numel() for t in inputs), 0
+    if family == "reduce_scatter":
+        return 0, group_rank * sum(t.numel() for t in outputs)
+    return 0, 0
+
+
 class Ledger:
     """The rows of one rank (``invariants.COLUMNS``), and the string tables they index."""
 
@@ -126,18 +173,21 @@ class Ledger:
             try:
                 outputs = _tensors(bound.get(out_key))
                 inputs = _tensors(bound.get(in_key)) if in_key else outputs
+                in_at, out_at = _offsets(family, _group_rank(bound.get("group")), inputs, outputs)
                 before = _sums(inputs)  # before the call: an in-place collective overwrites its input
+                weighted_in = weighted_sum(inputs, in_at)
                 work = original(*args, **kwargs)
                 if work is not None and hasattr(work, "wait"):
                     work.wait()
                 after = _sums(outputs)
+                weighted_out = weighted_sum(outputs, out_at)
                 group, seq = self._group(bound.get("group"))
                 dtype = str(outputs[0].dtype) if outputs else "torch.float32"
                 reduction, factor = self._reduction(bound.get("op"), family)
                 self.rows.append([float(self.ctx.current_step if self.ctx.current_step is not None else -1), group,
                                   seq, self.ops.index(family), reduction, factor, _UNIT_ROUNDOFF.get(dtype, 2.0**-24),
                                   float(sum(t.numel() for t in outputs)), *before[:3], *after[:3],
-                                  float(np.int64(after[3]).view(np.float64))])
+                                  float(np.int64(after[3]).view(np.float64)), weighted_in, weighted_out])
                 return work
             finally:
                 self._inside = False
@@ -193,6 +243,12 @@ class Ledger:
             gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
             dist.all_gather(gathered, mine)
         return [bytes(g[:int(s)].tolist()).decode().split(";") if int(s) else [] for g, s in zip(gathered, sizes)]
+
+
+def _group_rank(group: Any) -> int:
+    import torch.distributed as dist
+
+    return int(dist.get_rank(group or dist.group.WORLD))
 
 
 @contextmanager

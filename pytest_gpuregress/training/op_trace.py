@@ -42,6 +42,7 @@ import numpy as np
 
 from ..reference.op_trace import INPUT_OP, PHASES, STACK_CONFIG, STACK_KEY, TRACE_CONFIG, RankTrace
 from .kernels import FAULT_REGION
+from .op_arguments import arguments_text, calling_package
 from .op_trace_modes import op_watch
 from .op_trace_modules import ModulePaths, ParameterLineage, fsdp_unit, tensors_in
 from .tensor_digest import HASH_KIND, digest_and_sketch
@@ -197,6 +198,8 @@ class OpTracer:
         self._regions: list[str] = []
         self._entries: list[tuple[str, str, str, str, str, list[str]]] = []  # op, module, region, phase, inputs, outputs
         self._sources: list[list[int]] = []  # per entry: the entries whose values its inputs hold
+        self._arguments: list[str] = []  # per entry: its non-tensor arguments (op_arguments.py)
+        self._packages: list[str] = []  # per entry: the package whose code ran it
         self._digests: list[list[Digested]] = []
         self._pending: tuple[int, list[Any]] | None = None  # the last op: digested before the next one runs
         self._in_flight: dict[int, tuple[int, list[Any]]] = {}  # collectives, by output storage: until read
@@ -303,16 +306,21 @@ class OpTracer:
         filled = _FILLED_OUTPUTS.get(name)
         kept = [outputs[i] for i in filled if i < len(outputs)] if filled else outputs
         sources = sorted({i for i in map(self._storages.writer, inputs) if i is not None})  # before it writes
-        self._add(name, module, inputs_text(inputs), kept, sources, collective=name.startswith(_COLLECTIVES))
+        collective = name.startswith(_COLLECTIVES)
+        # A collective's arguments name its group, which another stack may number otherwise: not kept.
+        self._add(name, module, inputs_text(inputs), kept, sources, collective=collective,
+                  arguments="" if collective else arguments_text(func, args, kwargs), package=self._package(module))
 
     # --- the entries -------------------------------------------------------------------------------------
 
     def _add(self, name: str, module: str, inputs: str, tensors: list[Any], sources: list[int], *,
-             collective: bool = False, as_input: bool = False) -> None:
+             collective: bool = False, as_input: bool = False, arguments: str = "", package: str = "") -> None:
         index = len(self._entries)
         region = self._regions[-1] if self._regions else ""
         self._entries.append((name, module, region, str(self._phase), inputs, [shape_text(t) for t in tensors]))
         self._sources.append(sources)
+        self._arguments.append(arguments)
+        self._packages.append(package)
         self._digests.append([])
         for tensor in tensors:
             self._storages.wrote(tensor, index, as_input=as_input)
@@ -370,6 +378,14 @@ class OpTracer:
     def _skips(self, func: Any, name: str) -> bool:
         return self._aliases(func, name) or name in _ALLOCATIONS
 
+    def _package(self, module: str) -> str:
+        """Whose code ran the op now running: torch's in an FSDP2 region, the module's under a module label,
+        else the first frame past the dispatch plumbing (a loss division in accelerate, clipping, AdamW)."""
+        if fsdp_unit(self._regions) is not None:
+            return "torch"
+        found = self._paths.package_of(module) if self._phase in ("forward", "backward") else None
+        return found if found is not None else calling_package()
+
     def _where(self, inputs: list[Any]) -> str:
         unit = fsdp_unit(self._regions)
         if unit is not None:
@@ -396,7 +412,8 @@ class OpTracer:
         digests = [[d for d, _ in found] for found in self._digests]
         sketches = [[k for _, k in found] for found in self._digests]
         return RankTrace.of_entries(self._entries, digests, backend=self.backend, hash_kind=HASH_KIND,
-                                    seconds=self.seconds, error=self.error, sources=self._sources, sketches=sketches)
+                                    seconds=self.seconds, error=self.error, sources=self._sources, sketches=sketches,
+                                    arguments=self._arguments, packages=self._packages)
 
     def store(self, results: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         """Put this rank's trace (and a kept stack) into a RunRecord's ``results`` and ``arrays``."""

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..reference.op_trace import ROOT
+from .op_arguments import module_package
 
 LABEL = "gpuregress_module"  # the key of autograd node metadata that holds the module path
 _FSDP_REGION = re.compile(r"^FSDP::\S+(?: \((?P<fqn>[^)]*)\)| for (?P<target>\S+))?$")
@@ -87,6 +88,9 @@ class ModulePaths:
 
     def __init__(self, model: Any | None) -> None:
         self._names: dict[int, str] = {id(m): n or ROOT for n, m in model.named_modules()} if model is not None else {}
+        # Each label's package (op_arguments.module_package): whose code an op under it ran.
+        self._packages: dict[str, str] = {n or ROOT: module_package(m) for n, m in model.named_modules()} \
+            if model is not None else {}
         self._stack: list[str] = []
         self._handles: list[Any] = []
 
@@ -98,7 +102,13 @@ class ModulePaths:
         if found is not None:
             return found
         inside = self._stack[-1] if self._stack else ""
-        return f"{inside}.<{type(module).__name__}>" if inside else f"<{type(module).__name__}>"
+        label = f"{inside}.<{type(module).__name__}>" if inside else f"<{type(module).__name__}>"
+        self._packages.setdefault(label, module_package(module))
+        return label
+
+    def package_of(self, label: str) -> str | None:
+        """The package whose module ``label`` names (None for no module, or a label not met)."""
+        return self._packages.get(label) if label else None
 
     def install(self) -> None:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook

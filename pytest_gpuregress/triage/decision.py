@@ -84,6 +84,16 @@ def _data(evidence: Evidence) -> Decision | None:
     return None
 
 
+def _called_otherwise(evidence: Evidence) -> Decision | None:
+    """The op that introduced the difference was called with other non-tensor arguments than in the reference (a
+    divisor, a scale, an epsilon): the code that called it changed, whatever kernel ran under it."""
+    comparison = evidence.comparison
+    culprit = comparison.culprit if comparison is not None else None
+    if culprit is None or not culprit.arguments_changed or not str(culprit.component).startswith("library"):
+        return None
+    return str(culprit.component), culprit.describe()
+
+
 def _one_rank(evidence: Evidence) -> Decision | None:
     """The op that introduced the difference computes (no collective), on one rank only, while the same op of the
     other ranks kept within drift: one device's own compute, whatever N ranks against one says."""
@@ -125,6 +135,8 @@ RULES: tuple[Rule, ...] = (
          "collective", _experiment(INVARIANTS)),
     Rule("the clip is inconsistent with its own norm (another norm than the gradients', or another coefficient)",
          "optimizer", _experiment(CLIP)),
+    Rule("the op that introduced the difference was called with other arguments than the reference's (a divisor, a "
+         "scale, an epsilon)", "library: <the package whose code called it>", _called_otherwise),
     Rule("the op that introduced the difference computes, on one rank only; the others' same op kept within drift",
          "device (the rank named)", _one_rank),
     Rule("the float64 oracle on this stack (no collective) differs from this stack's own one-rank run",
@@ -133,7 +145,8 @@ RULES: tuple[Rule, ...] = (
     Rule("the late window: step S's gradients, from the reference's own state, differ", "collective, or kernel or "
          "collective", _experiment("late window", "differs")),
     Rule("the float64 oracle on this stack differs from the one recorded with the reference: the model's code computes "
-         "another function", "library: <the package whose code ran where it moved>", _experiment(MODEL_CODE)),
+         "another function", "library: <the package whose code called or ran the op that moved>; kernel where that op "
+         "had the reference's inputs and arguments", _experiment(MODEL_CODE)),
     Rule("the op of step 0 that introduced the difference (step 0 differs, or an optimizer op)", "its component",
          _culprit_at_step0),
     Rule("the late window reproduced it: right gradients at S, and the update from the reference's state diverges "

@@ -5,9 +5,9 @@ A bisect (bisect.py) reverts packages by experiment. Each version it needs is in
 wheelhouse first (``--gpuregress-wheelhouse``, for clusters without an index), else from pip's configured index.
 A package added since the reference is reverted by hiding it: a folder holding a ``sitecustomize.py`` that turns its
 modules into empty namespace packages (nothing can be imported from them) and leaves its distribution out of
-``importlib.metadata`` (transformers asks both before it uses an optional package such as ``kernels``). An experiment's ranks start with ``PYTHONPATH`` = the hiding folder,
-then the installed versions, then the user's own ``PYTHONPATH``: site-packages stay as they were, and pooled
-ranks with the same overlay are reused.
+``importlib.metadata`` (transformers asks both before it uses an optional package such as ``kernels``). An
+experiment's ranks start with ``PYTHONPATH`` = the hiding folder, then the installed versions, then the user's own
+``PYTHONPATH``: site-packages stay as they were, and pooled ranks with the same overlay are reused.
 """
 
 from __future__ import annotations

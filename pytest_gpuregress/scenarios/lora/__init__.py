@@ -60,7 +60,8 @@ def exercised(setup: Setup, wrapper: str, model: str | None = None) -> act.Exerc
     """What a LoRA case trains through ``wrapper``: peft's layers, the adapter saved from its shards under FSDP2."""
     ddp = wrapper == "accelerate" and setup.device_kind == "cpu"
     return trained(setup, adamw=ADAMW_OF_WRAPPER[wrapper], collectives=CPU_DDP_OPS if ddp else (act.ANY,), model=model,
-                   more=(act.PEFT_LORA, act.ADAPTER_SAVE, *(() if ddp else (act.ADAPTER_SHARDS,))),
+                   more=(act.PEFT_LORA, act.ADAPTER_SAVE, *(() if ddp else (act.ADAPTER_SHARDS,)),
+                         *((act.ACCELERATE_BACKWARD,) if wrapper == "accelerate" else ())),
                    absent={act.ADAPTER_SHARDS: NO_SHARDS_ON_CPU} if ddp else None)
 
 class LoraScenario(Scenario):

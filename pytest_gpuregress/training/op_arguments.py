@@ -1,0 +1,93 @@
+"""What an op of the step-0 trace was called with besides tensors, and whose code called it.
+
+  arguments  the scalars, flags, dtypes and int lists an op received ("other=0.5", "dim=-1", "eps=1e-05"), in
+             its schema's order, and where a tensor input is a strided view (not contiguous) which part of its
+             storage it reads ("self@4:[2048, 512, 8, 1]": offset and strides): an op whose tensor inputs are
+             equal and whose output moved was either computed otherwise (a kernel) or called otherwise (the code
+             above it). A library that divides a loss by 2 instead of 1, scales an adapter by alpha / sqrt(r) or
+             slices the odd features instead of the second half shows here, not in any tensor digest (views are
+             no entries of the trace: they make no new values).
+  package    the top-level package whose code ran the op: the innermost module's class (past FSDP2's wrapper
+             classes), or, outside every module (a loss division, clipping, the optimizer), the first Python
+             frame past torch's dispatch plumbing and the tracer.
+
+Torch is imported inside the functions: only the ranks call them.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+# Frames that only carry a call to the dispatcher: torch's, the tracer's own.
+_PLUMBING = ("torch/utils/_python_dispatch", "torch/utils/_debug_mode", "torch/_ops.py", "torch/overrides.py",
+             "torch/_tensor.py", "torch/_compile.py", "torch/_dynamo/", "pytest_gpuregress/training/op_trace",
+             "pytest_gpuregress/training/op_arguments", "pytest_gpuregress/training/tensor_digest")
+# Classes a module is wrapped in that run no code of the model's: FSDP2's FSDP<Class>, DDP's, checkpoint wrappers.
+_WRAPPERS = ("torch.distributed.",)
+
+
+def _scalar_text(value: Any) -> str | None:
+    """The text of a non-tensor argument; None for a tensor, a list holding one, or an object of no fixed value
+    (a process group, a generator)."""
+    import torch
+
+    if isinstance(value, (bool, int)):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return str(value)
+    if isinstance(value, (list, tuple)) and value:
+        texts = [_scalar_text(v) for v in value]
+        return None if any(t is None for t in texts) else f"[{', '.join(texts)}]"  # type: ignore[arg-type]
+    return None
+
+
+def arguments_text(func: Any, args: Any, kwargs: Any) -> str:
+    """"name=value, ..." of the non-tensor arguments passed (None and the defaults not passed are left out)."""
+    schema = getattr(func, "_schema", None)  # a higher-order operator has none
+    if schema is None:
+        return ""
+    parts = []
+    for i, argument in enumerate(schema.arguments):
+        if i < len(args):
+            value = args[i]
+        elif argument.name in kwargs:
+            value = kwargs[argument.name]
+        else:
+            continue
+        text = _scalar_text(value)
+        if text is not None:
+            parts.append(f"{argument.name}={text}")
+        elif _strided_view(value):
+            parts.append(f"{argument.name}@{value.storage_offset()}:{list(value.stride())}")
+    return ", ".join(parts)
+
+
+def _strided_view(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_contiguous()
+
+
+def module_package(module: Any) -> str:
+    """The top-level package of the code a module runs: its class's, past wrapper classes."""
+    for cls in type(module).__mro__:
+        name = str(getattr(cls, "__module__", "") or "")
+        if name and not name.startswith(_WRAPPERS):
+            return name.split(".")[0]
+    return ""
+
+
+def calling_package() -> str:
+    """The top-level package of the innermost Python frame that is not dispatch plumbing ("" where none is)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename.replace("\\", "/")
+        if not any(part in filename for part in _PLUMBING):
+            return str(frame.f_globals.get("__name__", "")).split(".")[0]
+        frame = frame.f_back  # type: ignore[assignment]
+    return ""

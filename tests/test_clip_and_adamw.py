@@ -192,3 +192,6 @@ def test_a_clip_is_held_to_its_own_norm() -> None:
     assert "about 1/sqrt(2) of it, as a norm taken on one rank's shard is" in shard[0]
     off = clipping.problems(_clipped_record(coefficient_factor=1 + 1e-3))
     assert len(off) == 1 and off[0].startswith("[optimizer] the clip scaled the gradients by") and "off by 0.001" in off[0]
+    # the helper's 11h: 5e-5 fails the clipped norm's tolerance (5.5e-7); clean runs agree to 2e-7
+    assert len(clipping.problems(_clipped_record(coefficient_factor=1 + 5e-5))) == 1
+    assert clipping.problems(_clipped_record(coefficient_factor=1 + 2e-7, reported_factor=1 - 2e-7)) == []

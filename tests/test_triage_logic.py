@@ -94,3 +94,28 @@ def test_in_run_evidence_outranks_the_experiments_and_is_quoted() -> None:
     named = Experiment("bisect", "named", "transformers 5.25.0 -> 5.24.0 restores step 0 ...",
                        component="library: transformers")
     assert verdict(None, [oracle, broke, named])[0] == "library: transformers"
+
+
+def test_a_collective_that_introduced_step_0s_difference_outranks_the_clip_that_read_its_output() -> None:
+    """The helper's 11i: DDP's all-reduce (the C++ reducer, which the ledger does not see) gives rank 1 the SUM. The
+    clip then reads gradients the ranks no longer agree on and looks inconsistent; the op of step 0 that introduced
+    the difference is the all-reduce itself, and that decides first."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from pytest_gpuregress.reference.first_moved import FirstMoved
+    from pytest_gpuregress.reference.op_trace import TraceOp
+    from pytest_gpuregress.triage.decision import Evidence, decide
+
+    def entry(op: str) -> TraceOp:
+        return TraceOp(40, op, "(root)", "", "backward", "f32[1024]", ("f32[1024]",), np.zeros((1, 3)), np.zeros(1))
+
+    allreduce = FirstMoved(1, "moved", entry("c10d::allreduce_"), entry("c10d::allreduce_"), 39, 1.0, 2)
+    comparison = SimpleNamespace(findings=[SimpleNamespace(step=0, metric="step0_grad")], culprit=allreduce)
+    clip = Experiment("clip", "inconsistent", "the clip reported another norm ...", component="optimizer")
+    first = Experiment("first moved op", "differs", allreduce.describe(), component="collective")
+    (component, quoted), rule = decide(Evidence(comparison, {"clip": clip, "first moved op": first}))  # type: ignore[arg-type]
+    assert component == "collective" and "c10d::allreduce_" in quoted and rule.component == "collective"
+    later = SimpleNamespace(findings=[SimpleNamespace(step=5, metric="loss")], culprit=None)
+    assert decide(Evidence(later, {"clip": clip}))[0][0] == "optimizer"  # type: ignore[index,arg-type]

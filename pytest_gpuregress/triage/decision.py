@@ -84,6 +84,16 @@ def _data(evidence: Evidence) -> Decision | None:
     return None
 
 
+def _collective_at_step0(evidence: Evidence) -> Decision | None:
+    """The op of step 0 that introduced the difference is a collective's output, its inputs within drift: what
+    follows from it (a clip that reads gradients the ranks no longer agree on) decides nothing before it."""
+    comparison = evidence.comparison
+    culprit = comparison.culprit if comparison is not None else None
+    if culprit is None or culprit.component != "collective" or evidence.first_step != 0:
+        return None
+    return "collective", culprit.describe()
+
+
 def _called_otherwise(evidence: Evidence) -> Decision | None:
     """The op that introduced the difference was called with other non-tensor arguments than in the reference (a
     divisor, a scale, an epsilon): the code that called it changed, whatever kernel ran under it."""
@@ -133,6 +143,8 @@ RULES: tuple[Rule, ...] = (
     Rule("the token batches differ from the reference's (integers do not drift)", "data", _data),
     Rule("a collective broke its own invariant in this run (bit-identical outputs, sums kept) at some step",
          "collective", _experiment(INVARIANTS)),
+    Rule("the op of step 0 that introduced the difference is a collective's output, its inputs within drift (step 0 "
+         "differs)", "collective", _collective_at_step0),
     Rule("the clip is inconsistent with its own norm (another norm than the gradients', or another coefficient)",
          "optimizer", _experiment(CLIP)),
     Rule("the op that introduced the difference was called with other arguments than the reference's (a divisor, a "

@@ -195,3 +195,21 @@ def test_a_clip_is_held_to_its_own_norm() -> None:
     # the helper's 11h: 5e-5 fails the clipped norm's tolerance (5.5e-7); clean runs agree to 2e-7
     assert len(clipping.problems(_clipped_record(coefficient_factor=1 + 5e-5))) == 1
     assert clipping.problems(_clipped_record(coefficient_factor=1 + 2e-7, reported_factor=1 - 2e-7)) == []
+
+
+def test_the_clips_limit_widens_with_the_largest_gradient_it_sums_in_float32() -> None:
+    """A 32k vocabulary's head (2M elements) put 4.5e-5 between a clean clip's float32 norm and the float64 one:
+    that model's limit is wider; the built-in models' stays 2e-5, which sees the helper's 5e-5 clip."""
+    small = _with_head(_clipped_record(reported_factor=1 - 4.5e-5), vocabulary=256)
+    assert clipping.consistency_limit(small) == clipping.CONSISTENCY
+    assert len(clipping.problems(small)) == 1
+    large = _with_head(_clipped_record(reported_factor=1 - 4.5e-5))
+    assert clipping.consistency_limit(large) == pytest.approx(clipping.CONSISTENCY * 32_000 * 64 / 65536)
+    assert clipping.problems(large) == []
+    assert len(clipping.problems(_with_head(_clipped_record(reported_factor=2 ** -0.5)))) == 1  # a shard's norm still is
+
+
+def _with_head(record: RunRecord, vocabulary: int = 32_000) -> RunRecord:
+    """``record`` with a step-0 gradient of an output head of ``vocabulary`` x 64."""
+    record.arrays = {**record.arrays, "step0_grad/lm_head.weight": np.zeros((vocabulary, 64), dtype=np.float32)}
+    return record

@@ -17,7 +17,7 @@ from pytest_gpuregress.plugin.launches import count_faults as _count_faults
 from .conftest import FSDP_ONLY, make_record
 
 NEVER = "collective:op=all_reduce,min_bytes=1e12"  # the fsdp case all-reduces nothing near a terabyte
-NUDGE = "collective:op=reduce_scatter,mode=nudge,rel=1e-3"  # every FSDP2 gradient reduce-scatter
+NUDGE = "linear_noise:rel=1e-6"  # every F.linear; the run's own checks (a collective's invariants) leave it be
 
 
 def test_a_counter_counts_and_a_rank_reports_only_what_it_can_count() -> None:

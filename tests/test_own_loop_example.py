@@ -34,7 +34,8 @@ def test_the_example_records_passes_and_fails_when_its_loss_moves(example: pytes
                               ["*loss: first differing step 1 of 20: expected *, got *",
                                "*param_grad_norm: first differing step 1: *",
                                "first difference: aten::* in 0.weight (optimizer), f32[[]32, 16[]]* relative; the * ops "
-                               "before it are bitwise equal (on ranks 0, 1 of 2, step-0 op trace)"])
+                               "before it are bitwise equal (on ranks 0, 1 of 2, step-0 op trace); it was called with other "
+                               "arguments: other=0.9999 in the reference, other=0.999899 now*"])
     # Recording ran the noise replicas, each perturbed by the loop's Recorder: their spread is the envelope.
     stored = json.loads((refs / "own-loop" / "cpu-gloo-w2-fp32" / "record.json").read_text())
     assert stored["results"]["envelope"]["replicas"] == ["replica-weights_ulp_up", "replica-reduction_order",

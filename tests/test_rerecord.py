@@ -6,6 +6,7 @@ kernel path (accepted)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,8 +73,10 @@ def test_re_recording_is_refused_for_a_worse_stack_and_accepted_for_a_clean_othe
     # The later recordings are judged against the first one's noise: they need no replicas of their own.
     worse = record("--gpuregress-inject=linear_noise:rel=1e-5", "--gpuregress-replicas=0")
     assert worse.returncode == 1
-    assert "not re-recording 'fsdp' on cpu-gloo-w2-fp32: 21 of 21 step-0 gradients moved further from float64" \
-        in worse.stdout
+    # Most step-0 gradients (the norms' weights may stay as close to float64: the noise is in F.linear's output)
+    moved = re.search(r"not re-recording 'fsdp' on cpu-gloo-w2-fp32: (\d+) of 21 step-0 gradients moved further from "
+                      r"float64", worse.stdout)
+    assert moved is not None and int(moved.group(1)) >= 15, worse.stdout[-2000:]
     assert "--gpuregress-record-anyway" in worse.stdout and manifest.read_bytes() == before  # left as it was
     other = record("--gpuregress-replicas=0", env={"ATEN_CPU_CAPABILITY": "default"})  # a clean, different stack
     assert other.returncode == 0, other.stdout[-2000:]

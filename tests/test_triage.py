@@ -114,8 +114,10 @@ def test_changed_learning_rate_is_convicted_as_optimizer(pytester: pytest.Pytest
     out = result.stdout.str()
     assert "triage verdict: optimizer. Evidence: equivalence clean" in out
     assert "divergence starts: step 0 matches the reference; the first difference is at step 1" in out
-    # step 6's gradients from the reference's own checkpoint are right: the update is what went wrong
-    assert "late window clean: step 6's gradients, computed on this stack from the reference's own state" in out
+    # step 6's gradients from the reference's own checkpoint are right, and the steps after it diverge again in a
+    # fresh process: the update is what went wrong
+    assert ("late window reproduced: step 6's gradients, computed on this stack from the reference's own state at "
+            "step 6, match the reference's, and the steps after it diverge again in a fresh process") in out
     result.stdout.fnmatch_lines(["*[[]optimizer[]] loss: first differing step 1 of 8*"])
     assert "] step0_grad" not in out  # step 0 ran before the first optimizer step
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..fault_points import in_plugin_own_collective, plugin_own_collectives
 from ..reference import collective_invariants as invariants
+from .op_trace_modes import unwatched
 from .tensor_digest import digest
 
 # torch.distributed's collectives by name: (the op family, the keyword of its output, that of its input). FSDP2 calls
@@ -174,13 +175,15 @@ class Ledger:
                 outputs = _tensors(bound.get(out_key))
                 inputs = _tensors(bound.get(in_key)) if in_key else outputs
                 in_at, out_at = _offsets(family, _group_rank(bound.get("group")), inputs, outputs)
-                before = _sums(inputs)  # before the call: an in-place collective overwrites its input
-                weighted_in = weighted_sum(inputs, in_at)
+                with unwatched():  # the ledger's reads are not ops of the step: the op trace must not see them
+                    before = _sums(inputs)  # before the call: an in-place collective overwrites its input
+                    weighted_in = weighted_sum(inputs, in_at)
                 work = original(*args, **kwargs)
                 if work is not None and hasattr(work, "wait"):
                     work.wait()
-                after = _sums(outputs)
-                weighted_out = weighted_sum(outputs, out_at)
+                with unwatched():
+                    after = _sums(outputs)
+                    weighted_out = weighted_sum(outputs, out_at)
                 group, seq = self._group(bound.get("group"))
                 dtype = str(outputs[0].dtype) if outputs else "torch.float32"
                 reduction, factor = self._reduction(bound.get("op"), family)

@@ -11,7 +11,8 @@ its result, and only reads. Torch is imported inside the functions: only the ran
 from __future__ import annotations
 
 import inspect
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 # What DebugMode records of its own that the tracer does not need (it keeps what it needs): strings of outputs,
@@ -31,6 +32,16 @@ def _faked() -> bool:
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     return isinstance(_get_current_dispatch_mode(), FakeTensorMode)
+
+
+@contextmanager
+def unwatched() -> Iterator[None]:
+    """Run the plugin's own reads of the step's tensors (the collective ledger's sums) with no dispatch mode on:
+    they are no ops of the step, and a trace that held them would change with what a process had cached."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
 
 
 def has_debug_mode() -> bool:

@@ -207,6 +207,12 @@ def test_the_clips_limit_widens_with_the_largest_gradient_it_sums_in_float32() -
     assert clipping.consistency_limit(large) == pytest.approx(clipping.CONSISTENCY * 32_000 * 64 / 65536)
     assert clipping.problems(large) == []
     assert len(clipping.problems(_with_head(_clipped_record(reported_factor=2 ** -0.5)))) == 1  # a shard's norm still is
+    # A gradient that large is kept as blocks (reference/step0.py): their element counts give its size.
+    from pytest_gpuregress.reference import step0
+
+    blocked = _clipped_record(reported_factor=1 - 4.5e-5)
+    blocked.arrays = {**blocked.arrays, "step0_blocks/lm_head.weight": step0.summarize(np.zeros(32_000 * 64))}
+    assert clipping.consistency_limit(blocked) == clipping.consistency_limit(large) and clipping.problems(blocked) == []
 
 
 def _with_head(record: RunRecord, vocabulary: int = 32_000) -> RunRecord:

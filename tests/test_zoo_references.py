@@ -10,7 +10,8 @@ import pytest
 
 from .test_shipped_references import gpuregress
 
-pytestmark = [pytest.mark.slow, pytest.mark.full_tier]
+# CPU-sensitive: against shipped references, so .ci/run runs it once, on the kernel path they were recorded on.
+pytestmark = [pytest.mark.slow, pytest.mark.full_tier, pytest.mark.cpu_sensitive]
 ZOO = ("tiny-moe", "tiny-llama-tied")
 SCENARIOS = ("fsdp", "lora", "checkpoint", "formats")
 

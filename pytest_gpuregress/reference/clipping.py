@@ -59,8 +59,13 @@ CONSISTENCY_SIZE = 65536
 
 def consistency_limit(record: RunRecord) -> float:
     """The relative disagreement allowed between the clip's norm and the gradients' (CONSISTENCY, widened by the
-    largest gradient's size where it is larger than CONSISTENCY_SIZE). Sizes from the step-0 gradients kept."""
-    sizes = [array.size for name, array in record.arrays.items() if name.startswith(("step0_grad/", "late_grad/"))]
+    largest gradient's size where it is larger than CONSISTENCY_SIZE). Sizes from the step-0 gradients kept: whole
+    tensors, or the element counts of a large one's blocks (step0.py)."""
+    from .step0 import BLOCK_PREFIX, FULL_PREFIX, LATE
+
+    sizes = [array.size for name, array in record.arrays.items() if name.startswith((FULL_PREFIX, LATE[0]))]
+    sizes += [int(array[:, 1].sum()) for name, array in record.arrays.items()
+              if name.startswith((BLOCK_PREFIX, LATE[1])) and array.ndim == 2 and array.shape[1] > 1]
     return CONSISTENCY * max(1.0, max(sizes, default=0) / CONSISTENCY_SIZE)
 
 

@@ -149,26 +149,6 @@ def test_a_path_named_like_a_zoo_model_is_refused_until_written_as_a_path(tmp_pa
     assert not mine.shipped and mine.source == str(tmp_path / "tiny-moe" / "config.json")
 
 
-@pytest.mark.slow
-@pytest.mark.full_tier  # the zoo's record-and-compare at 4 steps; its shipped references too
-def test_the_zoo_moe_model_passes_every_training_scenario(pytester: pytest.Pytester) -> None:
-    # (The tied model runs the same way; the checkpoint scenario's tied case covers what it adds, and the shipped
-    # references of both zoo models are checked against this code in test_shipped_references.py.)
-    common = ("-p", "no:cacheprovider", "--gpuregress", "--gpuregress-model=tiny-moe",
-              f"--gpuregress-reference-dir={pytester.path / 'refs'}", "--gpuregress-steps=4", "-k",
-              "tiny-moe and not accelerate")  # (the accelerate lane is the same model under DDP on the CPU)
-    recorded = pytester.runpytest(*common, "--gpuregress-record", "--gpuregress-replicas=0")
-    # fsdp, lora, triage equivalence and oracle, 4 checkpoint cases, 5 quantized checkpoints of formats
-    recorded.assert_outcomes(passed=13)
-    stored = json.loads((pytester.path / "refs" / "fsdp-tiny-moe" / "cpu-gloo-w2-fp32" / "record.json").read_text())
-    load = stored["results"]["expert_load"]
-    assert len(load) == 2 and all(abs(sum(row) - 1) < 1e-9 and min(row) > 0.05 for row in load)  # every expert used
-    compared = pytester.runpytest(*common)
-    compared.assert_outcomes(passed=13)
-    for name in ("fsdp-tiny-moe", "lora-tiny-moe", "checkpoint-tiny-moe"):
-        compared.stdout.fnmatch_lines([f"{name} cpu-gloo-w2-fp32*: PASSED [[]exact lane[]] 4 steps*"])
-
-
 def test_a_missing_references_hint_selects_the_cases_that_record_it(tmp_path: Path) -> None:
     from pytest_gpuregress.plugin.options import Options
     from pytest_gpuregress.plugin.session import GpuRegressSession

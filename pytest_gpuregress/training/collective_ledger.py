@@ -57,22 +57,32 @@ def _tensors(value: Any) -> list[Any]:
     return [t for t in value if t is not None] if isinstance(value, (list, tuple)) else [value]
 
 
-def _sums(tensors: list[Any]) -> tuple[float, float, float, int]:
-    """Float64 sum, sum of |x| and sum of x^2 over ``tensors``, and one hash of their bits in order (each tensor's
-    digest hash, tensor_digest.py, chained)."""
+def _float64(tensor: Any) -> Any:
+    """``tensor`` flat, in float64 (a complex one as its real and imaginary parts)."""
     import torch
 
-    total = absolute = squares = 0.0
+    flat = tensor.detach().reshape(-1)
+    return (torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat).to(torch.float64)
+
+
+def _sums(tensors: list[Any], offset: int = 0) -> tuple[float, float, float, int, float]:
+    """Float64 sum, sum of |x| and sum of x^2 over ``tensors``, one hash of their bits in order (each tensor's
+    digest hash, tensor_digest.py, chained), and their position-weighted sum from global position ``offset``
+    (``weighted_sum``): one float64 copy of each tensor serves both sums."""
+    import torch
+
+    total = absolute = squares = weighted = 0.0
     hashed = 0
     for tensor in tensors:
         with torch.no_grad():
             found = digest(tensor)
             total, absolute = total + found[0], absolute + found[1]
-            wide = tensor.detach().reshape(-1)
-            wide = (torch.view_as_real(wide).reshape(-1) if wide.is_complex() else wide).to(torch.float64)
+            wide = _float64(tensor)
             squares += float((wide * wide).sum())
+            weighted += _weighted(wide, offset)
+        offset += tensor.numel()
         hashed = (hashed * 1000003 + found[3]) & ((1 << 64) - 1)
-    return total, absolute, squares, hashed - (1 << 64) if hashed >= 1 << 63 else hashed
+    return total, absolute, squares, hashed - (1 << 64) if hashed >= 1 << 63 else hashed, weighted
 
 
 # Position weights: w(j) = 0.5 + ((j * 40503) mod P) / P, periodic with the prime P. A tensor's weighted sum adds
@@ -93,6 +103,15 @@ def _weights(device: Any) -> Any:
     return _WEIGHTS[key]
 
 
+def _weighted(flat: Any, offset: int) -> float:
+    """Sum of w(offset + j) x_j over the flat float64 tensor ``flat``."""
+    import torch
+
+    lead = offset % WEIGHT_PERIOD
+    padded = torch.nn.functional.pad(flat, (lead, (-(lead + flat.numel())) % WEIGHT_PERIOD))
+    return float(padded.view(-1, WEIGHT_PERIOD).sum(0) @ _weights(flat.device))
+
+
 def weighted_sum(tensors: list[Any], offset: int = 0) -> float:
     """Sum of w(offset + j) x_j over ``tensors`` taken as one flat sequence starting at global position ``offset``
     (an all-gather's input sits at its rank's place in the output, a reduce-scatter's output at its rank's place in
@@ -102,11 +121,7 @@ def weighted_sum(tensors: list[Any], offset: int = 0) -> float:
     total = 0.0
     for tensor in tensors:
         with torch.no_grad():
-            flat = tensor.detach().reshape(-1)
-            flat = (torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat).to(torch.float64)
-            lead = offset % WEIGHT_PERIOD
-            padded = torch.nn.functional.pad(flat, (lead, (-(lead + flat.numel())) % WEIGHT_PERIOD))
-            total += float(padded.view(-1, WEIGHT_PERIOD).sum(0) @ _weights(flat.device))
+            total += _weighted(_float64(tensor), offset)
         offset += tensor.numel()
     return total
 
@@ -176,21 +191,19 @@ class Ledger:
                 inputs = _tensors(bound.get(in_key)) if in_key else outputs
                 in_at, out_at = _offsets(family, _group_rank(bound.get("group")), inputs, outputs)
                 with unwatched():  # the ledger's reads are not ops of the step: the op trace must not see them
-                    before = _sums(inputs)  # before the call: an in-place collective overwrites its input
-                    weighted_in = weighted_sum(inputs, in_at)
+                    before = _sums(inputs, in_at)  # before the call: an in-place collective overwrites its input
                 work = original(*args, **kwargs)
                 if work is not None and hasattr(work, "wait"):
                     work.wait()
                 with unwatched():
-                    after = _sums(outputs)
-                    weighted_out = weighted_sum(outputs, out_at)
+                    after = _sums(outputs, out_at)
                 group, seq = self._group(bound.get("group"))
                 dtype = str(outputs[0].dtype) if outputs else "torch.float32"
                 reduction, factor = self._reduction(bound.get("op"), family)
                 self.rows.append([float(self.ctx.current_step if self.ctx.current_step is not None else -1), group,
                                   seq, self.ops.index(family), reduction, factor, _UNIT_ROUNDOFF.get(dtype, 2.0**-24),
                                   float(sum(t.numel() for t in outputs)), *before[:3], *after[:3],
-                                  float(np.int64(after[3]).view(np.float64)), weighted_in, weighted_out])
+                                  float(np.int64(after[3]).view(np.float64)), before[4], after[4]])
                 return work
             finally:
                 self._inside = False

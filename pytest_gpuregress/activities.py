@@ -26,6 +26,7 @@ LLAMA_FORWARD = "llama forward"  # the Llama family's forward code, as installed
 BF16_CAST = "bf16 cast"  # fp32 -> bf16 casts: training in bf16
 TIED_CONFIG = "tied embeddings"  # a model whose config ties its embeddings, built by transformers
 SYNTHETIC_TOKENS = "synthetic tokens"  # token batches drawn by training/data.py (numpy), not read from a token file
+RANDOM_STREAMS = "random streams"  # a data pipeline that draws from Python's, numpy's and torch's generators
 PEFT_LORA = "peft lora"  # peft's LoRA layers, as installed
 ACCELERATE_BACKWARD = "accelerate backward"  # the loss's backward through accelerate's Accelerator.backward
 ADAPTER_SAVE = "adapter save"  # a trained LoRA adapter saved and loaded

@@ -119,6 +119,25 @@ def test_a_one_ulp_nudge_after_load_is_named_by_the_round_trip_and_by_portabilit
     assert f"[checkpoint] portability: {NUDGED}: checksum differs" in out
 
 
+@pytest.mark.full_tier
+def test_a_shifted_random_stream_is_data_named_by_its_stream_not_the_checkpoint(pytester: pytest.Pytester,
+                                                                                refs: Path) -> None:
+    """torch's CPU generator one draw ahead (a release whose stream shifted): the pipeline replaces other tokens,
+    the loss curve moves from step 0, and the finding is [data], naming the stream, not [checkpoint]."""
+    result = run(pytester, refs, "full-state-dict", "--gpuregress-inject=library:mode=torch_rand_shift")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert ("[data] data: the token batch of step 0 differs from the reference's (its digest), 10 of 10 steps' "
+            "batches do") in out
+    # On the CPU the device's generator is the CPU's: both streams shifted.
+    assert ("the data pipeline's random streams drew other numbers: torch's CPU generator (which input tokens are "
+            "replaced, and by what) from step 0; torch's generator on the device (which labels are dropped) from "
+            "step 0") in out
+    assert "triage verdict: data. Decided by rule 2" in out
+    assert "[data] loss curve: this run differs from the reference from step 0" in out
+    assert "[checkpoint]" not in out and "Python's random generator" not in out
+
+
 def test_a_damaged_bundle_is_one_clear_error(pytester: pytest.Pytester, refs: Path) -> None:
     tensors = refs / "checkpoint" / PLATFORM / "tensors.safetensors"
     tensors.write_bytes(tensors.read_bytes()[:-100])

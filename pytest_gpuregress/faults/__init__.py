@@ -217,9 +217,11 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                                           "tie_weights ties nothing, so a tied model gets an output head of its own; "
                                           "numpy_searchsorted: numpy's searchsorted returns the next index for one "
                                           "value in 64, so the synthetic token batches change; accelerate_divisor: "
-                                          "accelerate's backward divides the loss by the number of processes too",
+                                          "accelerate's backward divides the loss by the number of processes too; "
+                                          "torch_rand_shift: torch's CPU generator draws one number more before each "
+                                          "torch.rand, so every random stream after it shifts",
                                 ("rope_interleaved", "lora_rslora", "untied", "numpy_searchsorted",
-                                 "accelerate_divisor")),
+                                 "accelerate_divisor", "torch_rand_shift")),
               }, required=("mode",), installed_code=True),
     FaultKind("checkpoint", ".checkpoint:install", "a checkpoint bug of docs/faults.md section 3, for scenario checkpoint and "
               "the resume cases of fsdp and lora "
@@ -270,6 +272,7 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
     "library:untied": (act.TIED_CONFIG,),
     "library:numpy_searchsorted": (act.SYNTHETIC_TOKENS,),
     "library:accelerate_divisor": (act.ACCELERATE_BACKWARD,),
+    "library:torch_rand_shift": (act.RANDOM_STREAMS,),
     "lora": (act.ADAPTER_SAVE,),
     "lora:rank0_slice": (act.ADAPTER_SHARDS,),
     "checkpoint:optimizer_dropped": (act.OPTIMIZER_STATE_LOAD,),

@@ -12,6 +12,8 @@ code installed on the machine, not a fault of the stack under test (FaultKind.in
                     batches (training/data.py draws each token through it) change, the model's code does not
   accelerate_divisor  accelerate's ``Accelerator.backward`` divides the loss by the number of processes as well as
                     by the accumulation steps: the same ops, one called with another divisor
+  torch_rand_shift  torch's CPU generator draws one number more before each ``torch.rand``: a release whose random
+                    stream shifted, so a data pipeline's replaced tokens change while every kernel is right
 """
 
 from __future__ import annotations
@@ -104,6 +106,22 @@ def _divides_by_processes(firing: Firing) -> Any:
     return wrap
 
 
+def _rand_shifted(firing: Firing) -> Any:
+    def wrap(original: Any) -> Any:
+        def rand(*size: Any, **kwargs: Any) -> Any:
+            import torch
+
+            device = kwargs.get("device")
+            if device is None or torch.device(device).type == "cpu":
+                original(1, generator=kwargs.get("generator"))  # one draw more: every later number shifts by one
+                firing.fire()
+            return original(*size, **kwargs)
+
+        return rand
+
+    return wrap
+
+
 def install(spec: FaultSpec, ctx: Any) -> Firing:
     firing = Firing(spec.text)
     if spec.get("mode") == "numpy_searchsorted":
@@ -118,6 +136,10 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
         from accelerate import Accelerator
 
         _patch(ctx, Accelerator, "backward", _divides_by_processes(firing))
+    elif spec.get("mode") == "torch_rand_shift":
+        import torch
+
+        _patch(ctx, torch, "rand", _rand_shifted(firing))
     elif spec.get("mode") == "untied":
         from transformers import PreTrainedModel
 

@@ -506,12 +506,7 @@ def compare_training(
         if found:
             findings.append(found)
     _suspect(findings, chosen)
-    changed_data = data_change.first_changed_step(reference, run)
-    if changed_data is not None:  # other tokens: every difference follows from them, none convicts a component
-        for finding in findings:
-            finding.component = "data"
-        findings.insert(0, Finding("data", "data", data_change.finding_text(reference, run, changed_data),
-                                   step=changed_data, tensor="the token batch"))
+    attribute_to_data(reference, run, findings)
     layout = model_layout.tie_verdict(reference, run, tied)
     if layout is None and (changed := model_layout.verdict(reference, run)):
         layout = model_layout.COMPONENT, changed
@@ -542,6 +537,20 @@ def compare_training(
     if comparison.culprit is not None and findings:
         comparison.shape_note = shape_dependence(reference, run, comparison.culprit, traced)
     return comparison
+
+
+def attribute_to_data(reference: RunRecord, run: RunRecord, findings: list[Finding]) -> bool:
+    """Where the run trained on other token batches than the reference: every finding is [data], since every
+    difference follows from them and none convicts a component, and a [data] finding naming what made them
+    (a random stream, numpy, the token file) leads. True where it did."""
+    changed = data_change.first_changed_step(reference, run)
+    if changed is None:
+        return False
+    for finding in findings:
+        finding.component = "data"
+    findings.insert(0, Finding("data", "data", data_change.finding_text(reference, run, changed), step=changed,
+                               tensor="the token batch"))
+    return True
 
 
 def _environment_note(reference: RunRecord, run: RunRecord) -> str | None:

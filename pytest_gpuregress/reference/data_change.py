@@ -6,6 +6,11 @@ path, so any step whose digest differs trained on other data, and every number a
 finding is [data], whatever else moved. What made the batches (the synthetic chain, drawn with numpy, or the
 user's token file) is named, with numpy's version where it moved, since a numpy routine that returns other
 indices (searchsorted, a random stream) changes the batches without touching the model.
+
+A data pipeline that draws random numbers (the checkpoint scenario's: rows shuffled, a crop, tokens replaced,
+labels dropped) also keeps, per step, a digest of what each random stream drew (``stream:<name>``). Where the
+batches differ, the streams that drew other numbers are named, with the step each first did: a shifted random
+stream is data, not the checkpoint or the kernel whose loss moved with it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,49 @@ from __future__ import annotations
 from .record import RunRecord
 
 BATCH_DIGEST = "batch_digest"
+STREAM_PREFIX = "stream:"
+# What each stream a data pipeline keeps a digest of is, and the package whose version it follows.
+STREAMS: dict[str, tuple[str, str]] = {
+    "tokens": ("the token source (the synthetic chain or the token file)", "numpy"),
+    "python": ("Python's random generator (the order of the batch's rows)", "python"),
+    "numpy": ("numpy's random generator (the crop's offset)", "numpy"),
+    "torch_cpu": ("torch's CPU generator (which input tokens are replaced, and by what)", "torch"),
+    "device": ("torch's generator on the device (which labels are dropped)", "torch"),
+}
+
+
+def stream_series(draws: list[dict[str, float]]) -> dict[str, list[float]]:
+    """Per-step stream digests (one dict per step) as the record's series ``stream:<name>``."""
+    names = list(draws[0]) if draws else []
+    return {STREAM_PREFIX + name: [float(step[name]) for step in draws] for name in names}
+
+
+def stream_changes(reference: RunRecord, run: RunRecord) -> list[tuple[str, int]]:
+    """(stream, first step it drew other numbers) for every stream both records keep, earliest first."""
+    out = []
+    for key, ref in reference.series.items():
+        got = run.series.get(key)
+        if key.startswith(STREAM_PREFIX) and got:
+            step = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+            if step is not None:
+                out.append((key[len(STREAM_PREFIX):], step))
+    order = list(STREAMS)  # at one step, in the order the pipeline draws them
+    return sorted(out, key=lambda change: (change[1], order.index(change[0]) if change[0] in order else len(order)))
+
+
+def _version_change(reference: RunRecord, run: RunRecord, package: str) -> str:
+    then = (reference.fingerprint.get("versions") or {}).get(package)
+    now = (run.fingerprint.get("versions") or {}).get(package)
+    return f", {package} {then} -> {now}" if then and now and then != now else ""
+
+
+def describe_streams(reference: RunRecord, run: RunRecord, changes: list[tuple[str, int]]) -> str:
+    """The streams that moved, in words: what each is, from which step, and its package's version change."""
+    parts = []
+    for name, step in changes:
+        what, package = STREAMS.get(name, (f"the stream {name!r}", ""))
+        parts.append(f"{what} from step {step}{_version_change(reference, run, package) if package else ''}")
+    return "; ".join(parts)
 
 
 def first_changed_step(reference: RunRecord, run: RunRecord) -> int | None:
@@ -38,6 +86,11 @@ def producer(run: RunRecord, reference: RunRecord | None = None) -> str:
 def finding_text(reference: RunRecord, run: RunRecord, step: int) -> str:
     total = len(run.series.get(BATCH_DIGEST, []))
     changed = sum(1 for a, b in zip(reference.series.get(BATCH_DIGEST, []), run.series.get(BATCH_DIGEST, [])) if a != b)
-    return (f"data: the token batch of step {step} differs from the reference's (its digest), {changed} of {total} "
-            f"steps' batches do: the run trained on other data, and every difference after it follows from that; "
-            f"the batches come from {producer(run, reference)}")
+    head = (f"data: the token batch of step {step} differs from the reference's (its digest), {changed} of {total} "
+            f"steps' batches do: the run trained on other data, and every difference after it follows from that")
+    streams = stream_changes(reference, run)
+    if streams:
+        return f"{head}; the data pipeline's random streams drew other numbers: {describe_streams(reference, run, streams)}"
+    if any(key.startswith(STREAM_PREFIX) for key in run.series):
+        return f"{head}; every random stream the pipeline keeps drew the same numbers, so its own code changed"
+    return f"{head}; the batches come from {producer(run, reference)}"

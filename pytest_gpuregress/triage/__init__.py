@@ -238,7 +238,8 @@ def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tup
         # A rule that reads the findings (a data change, one rank's op) quotes what it read; an experiment's quote
         # is already among the evidence.
         quote = "" if shown in evidence else f": {shown}"
-        return component, f"triage verdict: {component}. Evidence: {evidence}. Decided by rule " \
+        shown_evidence = f"Evidence: {evidence}. " if evidence else ""  # a case that runs no experiment
+        return component, f"triage verdict: {component}. {shown_evidence}Decided by rule " \
                           f"{RULES.index(rule) + 1} ({rule.evidence}){quote}"
     return None, f"triage verdict: inconclusive (no rule's evidence is there: the experiments neither convict nor " \
                  f"clear a component, and the findings keep their own names). Evidence: {evidence}"

@@ -134,17 +134,18 @@ def _of_model(setup: Setup, case: Case, model: str) -> act.Exercises:
 
 
 def _round_trip(setup: Setup, *more: str) -> act.Exercises:
-    """Trained on this run's ranks with AdamW's single-tensor step, no clipping, fp32 on every device; the full
-    state dict gathered, saved and loaded, with the tied model's beside it."""
+    """Trained on this run's ranks with AdamW's single-tensor step, no clipping, fp32 on every device, on batches
+    that draw from every random stream; the full state dict gathered, saved and loaded, with the tied model's
+    beside it."""
     return trained(setup, adamw="single", clips=False, bf16=False,
-                   more=(act.FULL_STATE_DICT, act.TIED_SAVE, act.CHECKPOINT_READ, *more))
+                   more=(act.FULL_STATE_DICT, act.TIED_SAVE, act.CHECKPOINT_READ, act.RANDOM_STREAMS, *more))
 
 
 def _resharded(setup: Setup, saved_on: int) -> act.Exercises:
     """Trained and saved on ``saved_on`` ranks, loaded at another world size."""
     alone = saved_on < 2
     return trained(setup, adamw="single", clips=False, bf16=False, collectives=() if alone else (act.ANY,),
-                   more=(act.OPTIMIZER_STATE_LOAD, act.SHARDED_LOAD, act.CHECKPOINT_READ,
+                   more=(act.OPTIMIZER_STATE_LOAD, act.SHARDED_LOAD, act.CHECKPOINT_READ, act.RANDOM_STREAMS,
                          *(() if alone else (act.FULL_STATE_DICT,))),
                    summary="it trains and saves on 1 rank, then only loads on 2" if alone else "")
 

@@ -101,9 +101,11 @@ def run_main(ctx: RankContext) -> RunRecord:
     k, steps = plan.resume_at(cfg), int(cfg["steps"])
     tr = trainer.build(cfg, ctx)
     ctx.progress("model built")
-    losses, norms = trainer.train(tr, range(k), ctx)
+    first = trainer.train(tr, range(k), ctx)
     boundary = state.boundary(tr, ctx.device_kind, ctx.rank)
-    more_losses, more_norms = trainer.train(tr, range(k, steps), ctx)
+    rest = trainer.train(tr, range(k, steps), ctx)
+    series = {"loss": first.losses + rest.losses, "grad_norm": first.grad_norms + rest.grad_norms,
+              **trainer.data_series(tr, first, rest)}
     ctx.progress("full state dict")
     main = _roundtrip(ctx, tr, cfg, with_bundle=True)
     tied_out: dict[str, Any] = {}
@@ -115,7 +117,7 @@ def run_main(ctx: RankContext) -> RunRecord:
         tied_out = _roundtrip(ctx, tied, tied_cfg, with_bundle=False)
     arrays = main.pop("bundle_arrays", {})
     digests = {n[len(files.BUNDLE_PREFIX):]: float_digest(v) for n, v in arrays.items() if n.startswith(files.BUNDLE_PREFIX)}
-    return _record(ctx, series={"loss": losses + more_losses, "grad_norm": norms + more_norms}, arrays=arrays,
+    return _record(ctx, series=series, arrays=arrays,
                    param_names=list(tr.names), digests=digests,
                    results={"boundary": boundary, "full_state_dict": main, "tied": tied_out,
                             "deterministic": _is_deterministic()})
@@ -141,7 +143,7 @@ def run_resume_first(ctx: RankContext) -> RunRecord:
     cfg = ctx.config
     k = plan.resume_at(cfg)
     tr = trainer.build(cfg, ctx)
-    losses, _ = trainer.train(tr, range(k), ctx)
+    losses = trainer.train(tr, range(k), ctx).losses
     folder = save(ctx, tr, "gpuregress-resume-", k)
     boundary = state.boundary(tr, ctx.device_kind, ctx.rank)  # after the save: a save that changes state shows
     return _record(ctx, series={"loss": losses}, results={"folder": str(folder), "boundary": boundary})
@@ -158,7 +160,7 @@ def run_resume_second(ctx: RankContext) -> RunRecord:
     except GpuRegressError as exc:
         return _record(ctx, results={"load_error": str(exc)})
     boundary = state.boundary(tr, ctx.device_kind, ctx.rank)  # what step k is about to see
-    losses, _ = trainer.train(tr, range(k, steps), ctx)
+    losses = trainer.train(tr, range(k, steps), ctx).losses
     return _record(ctx, series={"loss": losses}, results={"boundary": boundary})
 
 

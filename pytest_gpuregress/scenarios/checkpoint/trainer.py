@@ -15,12 +15,14 @@ from typing import Any
 
 import numpy as np
 
+from ...reference.data_change import BATCH_DIGEST, stream_series
 from ...training import loop
 from ...training.data import token_source
 from ...training.fsdp2 import shard
 from ...training.loop import TrainStep, clip_gradients
 from ...training.optimizer import AdamWSettings, Optimization, Optimized, Schedule, adamw
 from ...training.shard_units import shard_units
+from ...training.step import batch_digest
 
 IGNORE = -100  # cross_entropy's ignore_index: a dropped label
 
@@ -32,6 +34,9 @@ class StochasticBatches:
     source: Any  # training/data.py token_source: the synthetic chain or the user's token file
     config: dict[str, Any]
     position: int = 0
+    # Per batch drawn: what each random stream and the token source gave (reference/data_change.py's STREAMS),
+    # as digests, so a run on other data can name the stream that moved.
+    streams: list[dict[str, float]] = field(default_factory=list)
 
     def next(self, rank: int, world_size: int, device: Any) -> tuple[Any, Any]:
         """This rank's (input ids, labels) for the next global batch, on ``device``; advances the position."""
@@ -46,11 +51,18 @@ class StochasticBatches:
         mine = torch.from_numpy(np.array_split(window, world_size)[rank])
         inputs, labels = mine[:, :-1].clone(), mine[:, 1:].clone()
         vocab = self.source.vocab_size
-        replaced = torch.rand(inputs.shape) < float(self.config["token_dropout"])  # torch's CPU generator
-        inputs[replaced] = torch.randint(0, vocab, inputs.shape)[replaced]
+        draws = torch.rand(inputs.shape)  # torch's CPU generator: which input tokens are replaced, and by what
+        substitutes = torch.randint(0, vocab, inputs.shape)
+        replaced = draws < float(self.config["token_dropout"])
+        inputs[replaced] = substitutes[replaced]
         inputs, labels = inputs.to(device), labels.to(device)
-        dropped = torch.rand(labels.shape, device=device) < float(self.config["label_dropout"])  # the device's
-        return inputs, labels.masked_fill(dropped, IGNORE)
+        label_draws = torch.rand(labels.shape, device=device)  # the device's generator: which labels are dropped
+        self.streams.append({"tokens": batch_digest(torch.from_numpy(np.ascontiguousarray(tokens))),
+                             "python": batch_digest(torch.tensor(order)), "numpy": float(offset),
+                             "torch_cpu": batch_digest(torch.cat([draws.view(torch.int32).reshape(-1),
+                                                                  substitutes.reshape(-1).to(torch.int32)])),
+                             "device": batch_digest(label_draws)})
+        return inputs, labels.masked_fill(label_draws < float(self.config["label_dropout"]), IGNORE)
 
 
 @dataclass
@@ -63,19 +75,22 @@ class Trainer(Optimized):
     world_size: int
     names: list[str] = field(default_factory=list)
 
-    def loss(self) -> Any:
-        """This rank's loss on the next global batch; advances the data position."""
+    def loss(self, ctx: Any = None) -> Any:
+        """This rank's loss on the next global batch; advances the data position. The batch's digest goes to
+        ``ctx.batch_digest`` for the step's figures (training/loop.py): the series the reference compares."""
         import torch
 
         inputs, labels = self.data.next(self.rank, self.world_size, self.device)
+        if ctx is not None:
+            ctx.batch_digest = batch_digest(torch.cat([inputs.reshape(-1), labels.reshape(-1)]))
         logits = self.model(input_ids=inputs).logits
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                  ignore_index=IGNORE)
 
-    def train_step(self) -> TrainStep:
+    def train_step(self, ctx: Any = None) -> TrainStep:
         """The shared training step (training/loop.py) over this trainer: every parameter clipped, none tracked."""
         max_norm = float(self.data.config["grad_clip"])
-        return TrainStep(loss=lambda _step: self.loss(), optimization=self.optimization,
+        return TrainStep(loss=lambda _step: self.loss(ctx), optimization=self.optimization,
                          clip=lambda: clip_gradients(self.params, max_norm))
 
 
@@ -96,10 +111,17 @@ def build(cfg: dict[str, Any], ctx: Any) -> Trainer:
                    [n for n, _ in named])
 
 
-def train(trainer: Trainer, steps: range, ctx: Any) -> tuple[list[float], list[float]]:
-    """Run ``steps`` (their numbers are only for progress reports); return (losses, gradient norms).
+def train(trainer: Trainer, steps: range, ctx: Any) -> loop.Curves:
+    """Run ``steps`` (their numbers are only for progress reports); return their curves.
 
     ``ctx.step_done`` gets the step numbers only (progress lines, injected step faults): fail-fast does
     not stop a checkpoint run."""
-    curves = loop.train(ctx, trainer.train_step(), steps, report_metrics=False, stop_when_told=False)
-    return curves.losses, curves.grad_norms
+    return loop.train(ctx, trainer.train_step(ctx), steps, report_metrics=False, stop_when_told=False)
+
+
+def data_series(trainer: Trainer, *parts: loop.Curves) -> dict[str, list[float]]:
+    """The record's series of what the run trained on: the global batches' digests (every rank's, summed) and,
+    per random stream, this rank's draws (every rank draws the same numbers), over the curves of ``parts``."""
+    digests = [d for part in parts for d in part.batch_digests]
+    out = {BATCH_DIGEST: [float(d) for d in digests]} if digests and None not in digests else {}
+    return out | stream_series(trainer.data.streams)

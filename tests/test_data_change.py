@@ -4,8 +4,7 @@ trained on other data, and the per-stream digests name the random stream that dr
 from __future__ import annotations
 
 from pytest_gpuregress.reference.compare import Finding, attribute_to_data
-from pytest_gpuregress.reference.data_change import (BATCH_DIGEST, first_changed_step, finding_text, stream_changes,
-                                                      stream_series)
+from pytest_gpuregress.reference.data_change import BATCH_DIGEST, finding_text, first_changed_step, stream_changes, stream_series
 from pytest_gpuregress.reference.record import RunRecord
 
 STREAMS = ("tokens", "python", "numpy", "torch_cpu", "device")

@@ -204,8 +204,13 @@ def test_the_clips_limit_widens_with_the_largest_gradient_it_sums_in_float32() -
     assert clipping.consistency_limit(small) == clipping.CONSISTENCY
     assert len(clipping.problems(small)) == 1
     large = _with_head(_clipped_record(reported_factor=1 - 4.5e-5))
-    assert clipping.consistency_limit(large) == pytest.approx(clipping.CONSISTENCY * 32_000 * 64 / 65536)
+    assert clipping.consistency_limit(large) == pytest.approx(clipping.CONSISTENCY * (32_000 * 64 / 65536) ** 0.5)
     assert clipping.problems(large) == []
+    # A GPU-size head (128k x 4096) is held to CONSISTENCY_MAX: a clip off by a tenth of a percent still fails.
+    huge = _with_head(_clipped_record(coefficient_factor=1 + 2e-3), vocabulary=128_000)
+    huge.arrays = {**huge.arrays, "step0_grad/lm_head.weight": np.broadcast_to(np.float32(0), (128_000 * 64, 64))}
+    assert clipping.consistency_limit(huge) == clipping.CONSISTENCY_MAX
+    assert len(clipping.problems(huge)) == 1
     assert len(clipping.problems(_with_head(_clipped_record(reported_factor=2 ** -0.5)))) == 1  # a shard's norm still is
     # A gradient that large is kept as blocks (reference/step0.py): their element counts give its size.
     from pytest_gpuregress.reference import step0

@@ -53,7 +53,8 @@ def test_streams_are_listed_earliest_first() -> None:
 
 def test_other_batches_with_every_stream_the_same_blame_the_pipelines_own_code() -> None:
     text = finding_text(record([1.0, 2.0], draws(2)), record([1.0, 9.0], draws(2)), 1)
-    assert "every random stream the pipeline keeps drew the same numbers, so its own code changed" in text
+    assert ("every random stream rank 0 keeps drew the same numbers: the pipeline's own code changed, or another "
+            "rank's draws did") in text
 
 
 def test_a_pipeline_without_streams_names_what_made_the_batches() -> None:
@@ -64,3 +65,25 @@ def test_a_pipeline_without_streams_names_what_made_the_batches() -> None:
 def test_a_record_without_batch_digests_is_no_change() -> None:
     reference = RunRecord("checkpoint", {}, "cpu", 2, series={"loss": [1.0]})
     assert first_changed_step(reference, record([1.0])) is None
+
+
+def test_what_moved_before_the_batches_did_and_a_failed_round_trip_keep_their_components() -> None:
+    """A random draw in the step itself shifts only later batches: the finding of the step before keeps its name;
+    a checkpoint whose arrays are missing failed its round trip, whatever the data."""
+    from pytest_gpuregress.reference.compare import ROUND_TRIP
+
+    reference = record([1.0, 2.0, 3.0], draws(3))
+    run = record([1.0, 2.0, 6.0], draws(3, shifted_from=2))
+    findings = [Finding("loss", "kernel", "moved at step 1", step=1), Finding("loss", "kernel", "at 2", step=2),
+                Finding(ROUND_TRIP, "checkpoint", "2 of 9 arrays are missing"), Finding("final", "kernel", "weights")]
+    assert attribute_to_data(reference, run, findings)
+    assert [f.component for f in findings] == ["data", "kernel", "data", "checkpoint", "data"]
+
+
+def test_changed_tokens_are_named_by_what_made_them_not_as_a_random_stream() -> None:
+    reference = record([1.0, 2.0], draws(2))
+    run = record([1.0, 9.0], draws(2, shifted_from=1, stream="tokens"))
+    run.config["tokens"] = "/data/tokens.bin"
+    text = finding_text(reference, run, 1)
+    assert "the tokens themselves differ from step 1: they come from the token file /data/tokens.bin" in text
+    assert "random streams" not in text

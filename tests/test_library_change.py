@@ -285,3 +285,19 @@ def test_every_built_in_training_scenario_has_a_float64_oracle_for_the_library_c
         launch = oracle_launch(registry()[name], setup, None)
         assert launch is not None, name
     assert oracle_launch(registry()["collectives"], setup, None) is None  # a check scenario has none
+
+
+def test_a_view_with_other_strides_alone_is_no_call_with_other_arguments() -> None:
+    """An upstream kernel or backend that returns another layout (a transposed attention output) hands the next op
+    a view with other strides: that op is not 'called otherwise', and the verdict stays with the kernel. A view
+    that starts elsewhere in its storage (the odd features instead of the second half) is the caller's slicing."""
+    def moved(now: str, then: str) -> FirstMoved:
+        return FirstMoved(0, "moved", traced_op("aten::neg", "rotary", "forward", now, "transformers"),
+                          traced_op("aten::neg", "rotary", "forward", then, "transformers"), 10, 1e-4, 2)
+
+    restrided = moved("self@0:[64, 1, 2048]", "")
+    assert not restrided.arguments_changed and restrided.component == "kernel"
+    assert not moved("self@4:[8, 1], alpha=2", "self@4:[1, 8], alpha=2").arguments_changed
+    sliced = moved("self@1:[64, 2]", "self@32:[64, 1]")
+    assert sliced.arguments_changed and sliced.component == "library: transformers"
+    assert moved("alpha=3", "alpha=2").arguments_changed

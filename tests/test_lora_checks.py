@@ -39,9 +39,9 @@ def test_adapter_names_are_described_by_tensor_and_module() -> None:
 def test_frozen_base_names_the_leaking_and_the_changed_weight_and_what_moved_it() -> None:
     found = messages(checks.check_frozen({BASE_Q: 0}, {BASE_Q: "aa", "x.weight": "bb"}, {BASE_Q: "cc", "x.weight": "bb"}))
     assert found == [
-        f"[library] lora check 'frozen-base': frozen base weight {MODULE}.base_layer.weight received a gradient at "
+        f"[library: peft] lora check 'frozen-base': frozen base weight {MODULE}.base_layer.weight received a gradient at "
         "step 0 (only lora_A/lora_B may): the library left it trainable",
-        f"[library] lora check 'frozen-base': base weight {MODULE}.base_layer.weight changed during training: it is "
+        f"[library: peft] lora check 'frozen-base': base weight {MODULE}.base_layer.weight changed during training: it is "
         "no longer bit-identical to its initial digest, stepped with the gradient it received from step 0",
     ]
     written = messages(checks.check_frozen({}, {BASE_Q: "aa"}, {BASE_Q: "cc"}))  # no gradient, yet it moved

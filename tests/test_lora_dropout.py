@@ -55,7 +55,7 @@ def test_a_dropout_bug_is_caught_by_name(tiny: dict[str, Any], mode: str, expect
             undo()
     assert installed.count > 0
     assert any(expected in message for message in found), found
-    assert checks.CHECKS["dropout"] == "library"
+    assert checks.CHECKS["dropout"] == "library: peft"
 
 
 def test_a_dropout_never_applied_is_caught(tiny: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:

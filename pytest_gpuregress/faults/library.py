@@ -111,9 +111,10 @@ def _rand_shifted(firing: Firing) -> Any:
         def rand(*size: Any, **kwargs: Any) -> Any:
             import torch
 
-            device = kwargs.get("device")
-            if device is None or torch.device(device).type == "cpu":
-                original(1, generator=kwargs.get("generator"))  # one draw more: every later number shifts by one
+            generator = kwargs.get("generator")
+            device = generator.device if generator is not None else kwargs.get("device") or torch.get_default_device()
+            if torch.device(device).type == "cpu":
+                original(1, generator=generator)  # one draw more: every later number shifts by one
                 firing.fire()
             return original(*size, **kwargs)
 

@@ -51,22 +51,26 @@ def of(record: RunRecord) -> Clipping | None:
 # min(1, max_norm / (reported + 1e-6)). Clean runs agree to about 2e-7 (every shipped reference, bf16 lane included,
 # and 40 fault runs whose fault is not the clip's): the limit, 100 times that, sees a clip off by 5e-5, which fails
 # the run's clipped_grad_norm tolerance (5.5e-7) and at 1e-4 decided nothing. Those models' largest gradient has at
-# most CONSISTENCY_SIZE elements; the clip sums squares in float32, whose error grows with the count summed (a 32k
-# vocabulary's 2M-element head: 4.5e-5 clean), so a larger parameter widens the limit in proportion.
+# most CONSISTENCY_SIZE elements; the clip sums squares in float32, whose rounding error grows with the count
+# summed (a 32k vocabulary's 2M-element head: 4.5e-5 clean), so a larger parameter widens the limit with the square
+# root of its size (rounding errors add like a random walk: the 2M head's limit is 1.1e-4), up to CONSISTENCY_MAX,
+# so that on a GPU-size head a clip off by a tenth of a percent still fails.
 CONSISTENCY = 2e-5
 CONSISTENCY_SIZE = 65536
+CONSISTENCY_MAX = 1e-3
 
 
 def consistency_limit(record: RunRecord) -> float:
     """The relative disagreement allowed between the clip's norm and the gradients' (CONSISTENCY, widened by the
-    largest gradient's size where it is larger than CONSISTENCY_SIZE). Sizes from the step-0 gradients kept: whole
-    tensors, or the element counts of a large one's blocks (step0.py)."""
+    square root of the largest gradient's size where it is larger than CONSISTENCY_SIZE, at most CONSISTENCY_MAX).
+    Sizes from the step-0 gradients kept: whole tensors, or the element counts of a large one's blocks (step0.py)."""
     from .step0 import BLOCK_PREFIX, FULL_PREFIX, LATE
 
     sizes = [array.size for name, array in record.arrays.items() if name.startswith((FULL_PREFIX, LATE[0]))]
     sizes += [int(array[:, 1].sum()) for name, array in record.arrays.items()
               if name.startswith((BLOCK_PREFIX, LATE[1])) and array.ndim == 2 and array.shape[1] > 1]
-    return CONSISTENCY * max(1.0, max(sizes, default=0) / CONSISTENCY_SIZE)
+    widening = max(1.0, max(sizes, default=0) / CONSISTENCY_SIZE) ** 0.5
+    return min(CONSISTENCY * widening, CONSISTENCY_MAX)
 
 
 def problems(record: RunRecord) -> list[str]:

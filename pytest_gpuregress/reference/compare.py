@@ -539,15 +539,20 @@ def compare_training(
     return comparison
 
 
+ROUND_TRIP = "round trip"  # a finding's metric: a save or load that failed, whatever the data
+
+
 def attribute_to_data(reference: RunRecord, run: RunRecord, findings: list[Finding]) -> bool:
-    """Where the run trained on other token batches than the reference: every finding is [data], since every
-    difference follows from them and none convicts a component, and a [data] finding naming what made them
-    (a random stream, numpy, the token file) leads. True where it did."""
+    """Where the run trained on other token batches than the reference: every finding from that step on is [data],
+    since those differences follow from them and none convicts a component, and a [data] finding naming what made
+    them (a random stream, numpy, the token file) leads. A finding of an earlier step, or a round trip that failed,
+    keeps its component. True where the batches differ."""
     changed = data_change.first_changed_step(reference, run)
     if changed is None:
         return False
-    for finding in findings:
-        finding.component = "data"
+    for finding in findings:  # what moved before the batches did, or a round trip that failed, did not follow them
+        if finding.metric != ROUND_TRIP and (finding.step is None or finding.step >= changed):
+            finding.component = "data"
     findings.insert(0, Finding("data", "data", data_change.finding_text(reference, run, changed), step=changed,
                                tensor="the token batch"))
     return True

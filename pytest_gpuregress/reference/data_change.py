@@ -20,8 +20,9 @@ from .record import RunRecord
 BATCH_DIGEST = "batch_digest"
 STREAM_PREFIX = "stream:"
 # What each stream a data pipeline keeps a digest of is, and the package whose version it follows.
+TOKEN_SOURCE = "tokens"  # the stream of the tokens themselves, before any random draw: named by producer()
 STREAMS: dict[str, tuple[str, str]] = {
-    "tokens": ("the token source (the synthetic chain or the token file)", "numpy"),
+    TOKEN_SOURCE: ("the token source (the synthetic chain or the token file)", "numpy"),
     "python": ("Python's random generator (the order of the batch's rows)", "python"),
     "numpy": ("numpy's random generator (the crop's offset)", "numpy"),
     "torch_cpu": ("torch's CPU generator (which input tokens are replaced, and by what)", "torch"),
@@ -89,8 +90,15 @@ def finding_text(reference: RunRecord, run: RunRecord, step: int) -> str:
     head = (f"data: the token batch of step {step} differs from the reference's (its digest), {changed} of {total} "
             f"steps' batches do: the run trained on other data, and every difference after it follows from that")
     streams = stream_changes(reference, run)
-    if streams:
-        return f"{head}; the data pipeline's random streams drew other numbers: {describe_streams(reference, run, streams)}"
+    source = next((step for name, step in streams if name == TOKEN_SOURCE), None)
+    random = [(name, step) for name, step in streams if name != TOKEN_SOURCE]
+    parts = [f"the tokens themselves differ from step {source}: they come from {producer(run, reference)}"] \
+        if source is not None else []
+    if random:
+        parts.append(f"the data pipeline's random streams drew other numbers: {describe_streams(reference, run, random)}")
+    if parts:
+        return f"{head}; " + "; ".join(parts)
     if any(key.startswith(STREAM_PREFIX) for key in run.series):
-        return f"{head}; every random stream the pipeline keeps drew the same numbers, so its own code changed"
+        return (f"{head}; every random stream rank 0 keeps drew the same numbers: the pipeline's own code changed, or "
+                "another rank's draws did")
     return f"{head}; the batches come from {producer(run, reference)}"

@@ -20,6 +20,7 @@ shows as e; one element off by d in n shows as about d / (n mean |x|): small, an
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -54,11 +55,12 @@ class FirstMoved:
     @property
     def arguments_changed(self) -> bool:
         """A moved op called with other non-tensor arguments than the reference's same op (both traces keep them):
-        the code that called it changed, not the kernel under it."""
+        the code that called it changed, not the kernel under it. A view's strides alone do not count
+        (``scalar_arguments``): the kernel or backend upstream chooses them, not the calling library."""
         if self.kind != "moved" or self.entry is None or self.reference is None:
             return False
         now, then = self.entry.arguments, self.reference.arguments
-        return now is not None and then is not None and now != then
+        return now is not None and then is not None and scalar_arguments(now) != scalar_arguments(then)
 
     @property
     def caller(self) -> str:
@@ -257,3 +259,18 @@ def first_moved(reference: RunRecord, run: RunRecord, *, sequence: bool = True,
                  and index < len(paired[r][1]) and paired[r][1].entry(index).identity == entry.identity)
     before = sum(1 for i in range(index) if run_trace.entry(i).op != INPUT_OP)
     return FirstMoved(rank, kind, entry, ref_entry, before, relative, len(paired), same)  # type: ignore[arg-type]
+
+
+_VIEW_LAYOUT = re.compile(r"\b(\w+)@(\d+):\[[^\]]*\]")  # "self@4:[2048, 512, 8, 1]" (training/op_arguments.py)
+
+
+def scalar_arguments(text: str) -> str:
+    """An op's arguments as the calling code chose them: the scalars, flags and lists, and of each strided-view
+    input only where in its storage it starts. Strides alone, and a view from the start of its storage, are left
+    out: the kernel or backend upstream chooses a layout (a transposed SDPA output), while reading another part of
+    a tensor (the odd features instead of the second half) is the caller's slicing."""
+    def offset_only(found: re.Match[str]) -> str:
+        return f"{found[1]}@{found[2]}" if found[2] != "0" else ""
+
+    parts = (part.strip() for part in _VIEW_LAYOUT.sub(offset_only, text).split(", "))
+    return ", ".join(part for part in parts if part)

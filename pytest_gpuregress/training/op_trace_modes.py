@@ -38,8 +38,11 @@ def _faked() -> bool:
 def unwatched() -> Iterator[None]:
     """Run the plugin's own reads of the step's tensors (the collective ledger's sums) with no dispatch mode on:
     they are no ops of the step, and a trace that held them would change with what a process had cached."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+    except ImportError:  # a torch without it (private API): the reads are traced, which costs a note, not the run
+        yield
+        return
     with _disable_current_modes():
         yield
 

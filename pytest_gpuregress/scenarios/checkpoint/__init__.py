@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...reference.compare import Comparison, Finding, attribute_to_data, choose_lane
+from ...reference.compare import ROUND_TRIP, Comparison, Finding, attribute_to_data, choose_lane
 from ...reference.record import RunRecord
 from ...scenario_options import SCENARIO_OPTIONS
 from ...stack import fingerprint as fp
@@ -145,7 +145,8 @@ def _root(setup: Setup) -> str:
 def _curve(reference: RunRecord, record: RunRecord, lane: str) -> list[Finding]:
     expected, got = reference.series.get("loss", []), record.series.get("loss", [])
     lines = checks.curve_findings(expected, got, lane == "exact", what="this run differs from the reference")
-    return [Finding("loss", "checkpoint", line) for line in lines]
+    step = checks.first_curve_difference(expected, got, lane == "exact")
+    return [Finding("loss", "checkpoint", line, step=step) for line in lines]
 
 
 def _arrays(reference: RunRecord, record: RunRecord) -> list[Finding]:
@@ -156,7 +157,7 @@ def _arrays(reference: RunRecord, record: RunRecord) -> list[Finding]:
     keys = sorted(k for k in reference.arrays if not k.startswith("envelope/"))
     missing = [k for k in keys if k not in record.arrays]
     if missing:
-        out.append(Finding("checkpoint", "checkpoint", f"{len(missing)} of the reference's {len(keys)} arrays are "
+        out.append(Finding(ROUND_TRIP, "checkpoint", f"{len(missing)} of the reference's {len(keys)} arrays are "
                            f"missing from this run, first {missing[0]} (its round trip failed: see above)"))
     for key in (k for k in keys if k in record.arrays):
         expected, got = reference.arrays[key], record.arrays[key]

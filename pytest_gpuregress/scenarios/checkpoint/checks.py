@@ -106,6 +106,23 @@ def reshard_findings(saved: dict[str, Any], loaded: dict[str, Any], n: int, m: i
 LOSS_TOLERANCE = 1e-6  # the tolerant lane's fp32 loss limit without an envelope (reference/compare.py)
 
 
+def _curve_deviation(a: np.ndarray, b: np.ndarray, exact: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(relative deviation, where it is a difference) of the loss curve ``b`` from ``a`` of the same length."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        dev = np.abs(a - b) / np.maximum(np.abs(a), np.finfo(np.float64).tiny)
+    return dev, (a.view(np.int64) != b.view(np.int64)) if exact else ~(dev <= LOSS_TOLERANCE)
+
+
+def first_curve_difference(expected: list[float], got: list[float], exact: bool) -> int | None:
+    """The first step at which ``got`` differs from ``expected`` as curve_findings judges it; None: none does (or
+    the lengths differ)."""
+    a, b = np.asarray(expected, dtype=np.float64), np.asarray(got, dtype=np.float64)
+    if len(a) != len(b):
+        return None
+    bad = _curve_deviation(a, b, exact)[1]
+    return int(np.argmax(bad)) if bad.any() else None
+
+
 def curve_findings(expected: list[float], got: list[float], exact: bool, k: int | None = None,
                    what: str = "the resumed run differs from the straight run") -> list[str]:
     """A loss curve against the one it must equal: bitwise (``exact``) or within LOSS_TOLERANCE.
@@ -114,9 +131,7 @@ def curve_findings(expected: list[float], got: list[float], exact: bool, k: int 
     a, b = np.asarray(expected, dtype=np.float64), np.asarray(got, dtype=np.float64)
     if len(a) != len(b):
         return [f"loss curve: {len(a)} steps expected, {len(b)} run"]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        dev = np.abs(a - b) / np.maximum(np.abs(a), np.finfo(np.float64).tiny)
-    bad = (a.view(np.int64) != b.view(np.int64)) if exact else ~(dev <= LOSS_TOLERANCE)
+    dev, bad = _curve_deviation(a, b, exact)
     if not bad.any():
         return []
     step = int(np.argmax(bad))

@@ -15,6 +15,8 @@ import numpy as np
 
 from . import bounds
 
+PEFT = "library: peft"  # the LoRA layers, their freezing of the base and their dropout are peft's code
+
 # check name -> the component a failure points at (the plugin's vocabulary)
 CHECKS: dict[str, str] = {
     "frozen-base": "optimizer",  # only adapters get gradients; base weights never move (each finding names its cause)
@@ -22,7 +24,7 @@ CHECKS: dict[str, str] = {
     "sharded-save": "checkpoint",  # the saved adapter holds every rank's slice, full shapes
     "adapter-roundtrip": "checkpoint",  # save_pretrained -> from_pretrained gives the same tensors and logits
     "merge": "kernel",  # merge_and_unload agrees with the unmerged model within the dtype's bound
-    "dropout": "library",  # peft's lora_dropout: off in eval, masks from torch's seeded RNG, applied in train
+    "dropout": PEFT,  # peft's lora_dropout: off in eval, masks from torch's seeded RNG, applied in train
 }
 
 Finding = dict[str, str]
@@ -106,15 +108,15 @@ def check_frozen(leaked: Mapping[str, int], initial: Mapping[str, str], final: M
     doing its job on a weight it was handed. A change with no gradient ever was written by something else: the
     optimizer stepping a weight without a gradient, or a collective or load writing into it."""
     out = [finding("frozen-base", f"frozen base weight {describe(name)} received a gradient at step {step} "
-                                  "(only lora_A/lora_B may): the library left it trainable", "library")
+                                  "(only lora_A/lora_B may): the library left it trainable", PEFT)
            for name, step in leaked.items()]
     for name, digest in initial.items():
         if name not in final:
-            out.append(finding("frozen-base", f"base weight {describe(name)} is missing after training", "library"))
+            out.append(finding("frozen-base", f"base weight {describe(name)} is missing after training", PEFT))
         elif final[name] != digest and name in leaked:
             out.append(finding("frozen-base", f"base weight {describe(name)} changed during training: it is no longer "
                                               "bit-identical to its initial digest, stepped with the gradient it "
-                                              f"received from step {leaked[name]}", "library"))
+                                              f"received from step {leaked[name]}", PEFT))
         elif final[name] != digest:
             out.append(finding("frozen-base", f"base weight {describe(name)} changed during training without ever "
                                               "receiving a gradient: no longer bit-identical to its initial digest "

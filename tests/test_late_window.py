@@ -4,6 +4,9 @@ tests/test_fsdp_resume_e2e.py's."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from pytest_gpuregress.reference import collective_invariants
 from pytest_gpuregress.reference.compare import Comparison, Finding, compare_training
 from pytest_gpuregress.triage import Experiment, divergence_start, verdict
 from pytest_gpuregress.triage.late_window import judged
@@ -49,11 +52,23 @@ def test_a_reference_without_late_gradients_compares_nothing_and_clears_nothing(
 
 
 def test_right_gradients_and_a_divergence_that_recurs_in_a_fresh_process_convict_the_update() -> None:
-    again = Finding("loss", "optimizer", "loss: first differing step 7 of 8 ...", step=7)
+    again = Finding("loss", "optimizer", "loss: first differing step 1 of 8 ...", step=1)  # the window counts from S
     experiment = judged(2, 6, window(again))
     assert experiment.status == "reproduced" and "go wrong in the update" in experiment.detail
     component, line = verdict(late_divergence(), [*CLEARED, experiment])
     assert component == "optimizer" and "late window reproduced" in line and "Decided by rule" in line
+
+
+def test_a_loss_that_moves_only_steps_after_the_right_update_convicts_neither() -> None:
+    """The helper's N3: the backward of one class's target wrong from step 233 on, while S = 225's batch has none of
+    it. S's gradients are right and so is its update; the window's loss moves at its step 9, after gradients the
+    reference does not keep: a later batch's kernel as much as an update, so not the optimizer."""
+    later = Finding("loss", "optimizer", "loss: first differing step 9 of 75 ...", step=9)
+    experiment = judged(2, 6, window(later))
+    assert experiment.status == "reproduced" and experiment.component is None
+    assert "but the loss only from the window's step 9: the update of step 6 was right" in experiment.detail
+    component, line = verdict(late_divergence(), [*CLEARED, experiment])
+    assert component is None and line.startswith("triage verdict: inconclusive")
 
 
 def test_a_divergence_that_does_not_recur_in_a_fresh_process_is_no_proof_against_the_collectives() -> None:
@@ -89,3 +104,41 @@ def test_the_window_runs_only_where_step_0_is_cleared_and_a_later_step_differs()
     step0 = make_record()
     step0.arrays["step0_grad/a.weight"] = step0.arrays["step0_grad/a.weight"] * 1.01
     assert divergence_start(compare_training(make_record(), step0, lane="tolerant"), CLEARED) is None
+
+
+HELD = Experiment("collective invariants", "held", "40 calls (all_gather, reduce_scatter) checked across the ranks at "
+                                                   "every step, every one kept its invariants")
+
+
+def test_late_gradients_wrong_while_every_collective_kept_its_invariants_are_the_backwards() -> None:
+    """The helper's N2: embedding_dense_backward drops the last row (one token id) from step 14 on. A few wrong
+    elements read as a collective's signature, but the run's own ledger checked every reduce-scatter at every step
+    and each kept its sums: the gradients were computed wrong before any collective carried them."""
+    late = judged(2, 6, window(late_grad("collective")))
+    component, line = verdict(late_divergence(), [*CLEARED, late, HELD])
+    assert component == "kernel" and "late window differs" in line and "collective invariants held" in line
+    # where the ledger did not see the gradients' collectives (DDP's C++ reducer), nothing clears them
+    assert collective_invariants.held({collective_invariants.RESULT_KEY: {"calls": 9, "violated": 0,
+                                                                          "ops": ["all_reduce"]}}) is None
+    assert collective_invariants.held({collective_invariants.RESULT_KEY: {"calls": 9, "violated": 1,
+                                                                          "ops": ["reduce_scatter"]}}) is None
+    assert "9 calls (all_gather, reduce_scatter)" in str(collective_invariants.held(
+        {collective_invariants.RESULT_KEY: {"calls": 9, "violated": 0, "ops": ["all_gather", "reduce_scatter"]}}))
+    assert verdict(late_divergence(), [*CLEARED, late])[0] == "collective"  # without the ledger: as before
+
+
+def test_one_ranks_op_that_one_rank_replaying_every_micro_batch_also_computed_is_no_bad_device() -> None:
+    """The helper's N1: nll_loss's backward wrong for one target id, which only rank 1's micro-batch holds at step 0.
+    The op moved on rank 1 alone, but equivalence (one rank replaying each rank's micro-batch) computed the same:
+    it followed the data, not the device. Without equivalence, or where it differs, rule 7 names the device."""
+    from pytest_gpuregress.triage.decision import Evidence, _one_rank
+
+    entry = SimpleNamespace(op="aten::nll_loss_backward", outputs=("f32[512, 256]",))
+    culprit = SimpleNamespace(entry=entry, world=2, also_on=(), component="kernel", rank=1,
+                              describe=lambda: "introduced at: aten::nll_loss_backward")
+    comparison = SimpleNamespace(culprit=culprit, findings=[])
+    assert _one_rank(Evidence(comparison, {})) is not None  # type: ignore[arg-type]
+    differs = Experiment("equivalence", "differs", "rank 1's shard", component="collective")
+    assert _one_rank(Evidence(comparison, {"equivalence": differs}))[0] == "device"  # type: ignore[arg-type,index]
+    clean = Experiment("equivalence", "clean", "2 ranks and 1 rank agree")
+    assert _one_rank(Evidence(comparison, {"equivalence": clean})) is None  # type: ignore[arg-type]

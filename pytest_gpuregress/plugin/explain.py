@@ -76,7 +76,8 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
 
 def own_evidence(run: RunRecord) -> list[Experiment]:
     """What the failing run says of itself, as evidence for the decision (triage/decision.py): its collectives
-    against their own invariants across the ranks, and its clip against its own norm; [] where both held."""
+    against their own invariants across the ranks (broke, or held where the gradients' own were checked), and its
+    clip against its own norm where it is inconsistent."""
     from ..reference import clipping, collective_invariants
     from ..triage import Experiment
     from ..triage.decision import CLIP, INVARIANTS
@@ -86,6 +87,8 @@ def own_evidence(run: RunRecord) -> list[Experiment]:
     if broken:
         out.append(Experiment(INVARIANTS, "broke", broken[0].removeprefix("[collective] "), component="collective",
                               lines=[line.strip() for line in broken[1:]]))
+    elif (kept := collective_invariants.held(run.results)) is not None:  # clears the gradients' collectives
+        out.append(Experiment(INVARIANTS, "held", kept))
     clip = clipping.problems(run)
     if clip:
         out.append(Experiment(CLIP, "inconsistent", clip[0].removeprefix("[optimizer] "), component="optimizer"))

@@ -214,9 +214,30 @@ def _worst_rank(rows: np.ndarray, ranks: list[int], expected_each: float | None)
     return (ranks[int(np.argmax(misses))],)
 
 
-def summary(calls: int, violations: list[Violation]) -> dict[str, Any]:
-    """What a record keeps: the count of calls checked, and the first violations (each a few numbers)."""
-    return {"calls": calls, "violated": len(violations), "violations": [v.to_json() for v in violations[:MAX_SHOWN]]}
+def summary(calls: int, violations: list[Violation], ops: list[str] | None = None) -> dict[str, Any]:
+    """What a record keeps: the count of calls checked, the collectives they were, and the first violations (each a
+    few numbers)."""
+    return {"calls": calls, "violated": len(violations), "violations": [v.to_json() for v in violations[:MAX_SHOWN]],
+            "ops": list(ops or [])}
+
+
+# The collectives that carry gradients (FSDP2's reduce-scatter; DDP's all-reduce reaches the ledger only where it is
+# called from Python, and its C++ reducer's never does): only where the ledger checked one of them do its invariants
+# speak for the gradients a late window finds wrong.
+GRADIENT_COLLECTIVES = ("reduce_scatter",)
+
+
+def held(record_results: Mapping[str, Any]) -> str | None:
+    """Where every collective the run checked kept its invariants and the gradients' own collectives were among
+    them: what was checked, in words; None otherwise (a violation, no ledger, or no gradient collective seen)."""
+    kept = record_results.get(RESULT_KEY)
+    if not isinstance(kept, dict) or kept.get("violated") or not kept.get("calls"):
+        return None
+    ops = [str(op) for op in kept.get("ops", [])]
+    if not any(name in op for op in ops for name in GRADIENT_COLLECTIVES):
+        return None
+    return f"{kept['calls']} calls ({', '.join(ops)}) checked across the ranks at every step, every one kept its " \
+           "invariants"
 
 
 def problems(record_results: Mapping[str, Any]) -> list[str]:

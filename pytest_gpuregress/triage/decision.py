@@ -106,17 +106,35 @@ def _called_otherwise(evidence: Evidence) -> Decision | None:
 
 def _one_rank(evidence: Evidence) -> Decision | None:
     """The op that introduced the difference computes (no collective), on one rank only, while the same op of the
-    other ranks kept within drift: one device's own compute, whatever N ranks against one says."""
+    other ranks kept within drift: one device's own compute, whatever N ranks against one says; unless one rank
+    replaying every rank's micro-batch did the same (equivalence clean): then it followed that rank's data."""
     comparison = evidence.comparison
     culprit = comparison.culprit if comparison is not None else None
     if culprit is None or culprit.entry is None or culprit.world < 2 or culprit.also_on:
         return None
     if culprit.component != "kernel" or culprit.entry.op.startswith(COLLECTIVE_NAMESPACES) or \
-            culprit.entry.op == INPUT_OP:
+            culprit.entry.op == INPUT_OP or _follows_the_data(evidence):
         return None
     return "device", (f"rank {culprit.rank} alone: {culprit.describe()}; the same op of the other "
                       f"{culprit.world - 1} rank{'s' if culprit.world > 2 else ''} kept within drift, and no "
                       "collective had run on its inputs: one device's own compute (a kernel on that GPU, or the GPU)")
+
+
+def _follows_the_data(evidence: Evidence) -> bool:
+    """Equivalence ran and was clean: one rank that replays each rank's micro-batch in turn computed what the N ranks
+    did, so a difference on one rank followed that rank's data, not its device."""
+    found = evidence.by_name.get("equivalence")
+    return found is not None and found.status == "clean"
+
+
+def _late_gradients_past_checked_collectives(evidence: Evidence) -> Decision | None:
+    """Step S's gradients, recomputed in a fresh process from the reference's state, differ, while every collective
+    of the run kept its invariants, the gradients' reduce-scatters included: the backward computed them wrong."""
+    late = evidence.by_name.get("late window")
+    checked = evidence.by_name.get(INVARIANTS)
+    if late is None or late.status != "differs" or checked is None or checked.status != "held":
+        return None
+    return "kernel", f"{late.name} {late.status}: {late.detail}; {checked.name} {checked.status}: {checked.detail}"
 
 
 def _culprit_at_step0(evidence: Evidence) -> Decision | None:
@@ -149,11 +167,15 @@ RULES: tuple[Rule, ...] = (
          "optimizer", _experiment(CLIP)),
     Rule("the op that introduced the difference was called with other arguments than the reference's (a divisor, a "
          "scale, an epsilon)", "library: <the package whose code called it>", _called_otherwise),
-    Rule("the op that introduced the difference computes, on one rank only; the others' same op kept within drift",
+    Rule("the op that introduced the difference computes, on one rank only; the others' same op kept within drift; "
+         "one rank replaying every rank's micro-batch did not compute it (equivalence not clean)",
          "device (the rank named)", _one_rank),
     Rule("the float64 oracle on this stack (no collective) differs from this stack's own one-rank run",
          "kernel", _experiment("oracle")),
     Rule("N ranks differ from one rank on the same batch (equivalence)", "collective", _experiment("equivalence")),
+    Rule("the late window: step S's gradients, from the reference's own state, differ, while every collective of the "
+         "run kept its invariants, the gradients' reduce-scatters included", "kernel",
+         _late_gradients_past_checked_collectives),
     Rule("the late window: step S's gradients, from the reference's own state, differ", "collective, or kernel or "
          "collective", _experiment("late window", "differs")),
     Rule("the float64 oracle on this stack differs from the one recorded with the reference: the model's code computes "

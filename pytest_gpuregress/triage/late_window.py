@@ -10,7 +10,9 @@ once for both):
   differs            the gradients are computed wrong from the right weights: a collective that carries them
                      (few elements), or a backward kernel or a collective (most: the window cannot tell them apart);
   reproduced         right gradients from the right weights at S, and the steps after S diverge from the
-                     reference's again: the update goes wrong from the reference's own state: the optimizer;
+                     reference's again: where the loss moves right after S's update, the update goes wrong from
+                     the reference's own state: the optimizer; where it moves only steps later, a later batch's
+                     gradients may be what went wrong, and it convicts neither;
   did not reproduce  right gradients at S, and the steps after it match the reference's: the divergence does not
                      recur in a fresh process. A bug that needs a warmed-up process (a reused buffer pool, a
                      counter, a protocol switch after N calls) behaves so, so this clears nothing: the collectives'
@@ -33,6 +35,10 @@ if TYPE_CHECKING:
     from ..reference.compare import Comparison
 
 LOAD_METRICS = ("resume_load", "resume_state")
+# The window's step whose loss first shows the update of step S (the window counts from S: its step 0 is S's own
+# loss, from the reference's weights). A loss that first moves later follows a later step, whose gradients the
+# reference does not keep (a kernel wrong on one batch only), as much as an update.
+UPDATE_SHOWS = 1
 
 
 def judged(first_step: int, saved_step: int, window: Comparison, compared: bool = True) -> Experiment:
@@ -57,6 +63,14 @@ def judged(first_step: int, saved_step: int, window: Comparison, compared: bool 
                                                          f"only at step {first_step}: this clears nothing")
     after = [f for f in window.findings if f.metric not in (*LOAD_METRICS, LATE_GRAD)]
     if after:
+        loss_from = next((f.step for f in after if f.metric == "loss" and f.step is not None), None)
+        if loss_from is not None and loss_from > UPDATE_SHOWS:
+            return Experiment(NAME, "reproduced", f"{where}, match the reference's, and the steps after it diverge "
+                                                  f"again in a fresh process ({after[0].message}), but the loss only "
+                                                  f"from the window's step {loss_from}: the update of step "
+                                                  f"{saved_step} was right, so a later update or a later batch's "
+                                                  "gradients (which the reference does not keep) went wrong; this "
+                                                  "convicts neither")
         return Experiment(NAME, "reproduced", f"{where}, match the reference's, and the steps after it diverge again "
                                               f"in a fresh process ({after[0].message}): right gradients from right "
                                               "weights, so the weights go wrong in the update", component="optimizer")

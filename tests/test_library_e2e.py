@@ -53,8 +53,8 @@ def test_a_lora_scaling_change_in_peft_is_the_library_not_a_kernel(lora_referenc
     assert done.returncode == 1, done.stdout[-4000:]
     assert tags(done.stdout) == {"[library: peft]"}, done.stdout[-4000:]  # the merge check agrees with the forward
     verdict = next((line for line in done.stdout.splitlines() if line.startswith("triage verdict:")), "")
-    assert verdict.startswith("triage verdict: library: peft. Evidence: model code differs: the float64 oracle's "
-                              "step 0"), done.stdout[-6000:]
+    assert verdict.startswith("triage verdict: library: peft. Evidence: "), done.stdout[-6000:]
+    assert "model code differs: the float64 oracle's step 0" in verdict, verdict
     # the op says whose code it was: the oracle's move and the scale peft passed agree
     assert "it was called with other arguments: other=2.0 in the reference, other=5.65685424949238 now: peft's " \
            "code calls it otherwise" in verdict

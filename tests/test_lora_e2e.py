@@ -76,7 +76,7 @@ def test_a_bug_in_foreach_adamw_fails_only_the_case_that_runs_it_and_names_the_i
     # The foreach op it moved (tolerant lane) is an optimizer op: that decides, so the findings say [optimizer].
     result.stdout.fnmatch_lines(["*[[]optimizer[]] loss: first differing step * of 8*AdamW implementation: foreach*",
                                  "introduced at: aten::_foreach_* (optimizer)*",
-                                 "triage verdict: optimizer. Evidence: first moved op differs: aten::_foreach_*"])
+                                 "triage verdict: optimizer. Evidence: *first moved op differs: aten::_foreach_*"])
     result.stdout.fnmatch_lines(["*no injected fault acts in lora-accelerate*"])
 
 

@@ -100,9 +100,9 @@ def test_gradient_leaking_into_a_frozen_base_weight_is_caught(pytester: pytest.P
     result.assert_outcomes(failed=1)
     assert reproduced(result.stdout.str()) == [1]  # the lora checks fail again on the kept run
     result.stdout.fnmatch_lines([
-        f"*[[]library[]] lora check 'frozen-base': frozen base weight {MODULE}.base_layer.weight received a gradient "
+        f"*[[]library: peft[]] lora check 'frozen-base': frozen base weight {MODULE}.base_layer.weight received a gradient "
         "at step 0*the library left it trainable*",
-        f"*[[]library[]] lora check 'frozen-base': base weight {MODULE}.base_layer.weight changed during training*"
+        f"*[[]library: peft[]] lora check 'frozen-base': base weight {MODULE}.base_layer.weight changed during training*"
         "stepped with the gradient it received from step 0*"])
 
 

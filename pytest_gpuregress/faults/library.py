@@ -12,6 +12,8 @@ code installed on the machine, not a fault of the stack under test (FaultKind.in
                     batches (training/data.py draws each token through it) change, the model's code does not
   accelerate_divisor  accelerate's ``Accelerator.backward`` divides the loss by the number of processes as well as
                     by the accumulation steps: the same ops, one called with another divisor
+  rmsnorm_no_upcast  transformers' ``LlamaRMSNorm.forward`` normalises in the input's dtype, without its float32
+                    upcast: a bf16 model's norms lose precision (fp32 and float64 compute as before)
   torch_rand_shift  torch's CPU generator draws one number more before each ``torch.rand``: a release whose random
                     stream shifted, so a data pipeline's replaced tokens change while every kernel is right
 """
@@ -106,6 +108,22 @@ def _divides_by_processes(firing: Firing) -> Any:
     return wrap
 
 
+def _norm_without_upcast(firing: Firing) -> Any:
+    def wrap(original: Any) -> Any:
+        def forward(self: Any, hidden_states: Any) -> Any:
+            import torch
+
+            if hidden_states.dtype in (torch.float32, torch.float64):
+                return original(self, hidden_states)
+            firing.fire()
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+        return forward
+
+    return wrap
+
+
 def _rand_shifted(firing: Firing) -> Any:
     def wrap(original: Any) -> Any:
         def rand(*size: Any, **kwargs: Any) -> Any:
@@ -137,6 +155,10 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
         from accelerate import Accelerator
 
         _patch(ctx, Accelerator, "backward", _divides_by_processes(firing))
+    elif spec.get("mode") == "rmsnorm_no_upcast":
+        from transformers.models.llama import modeling_llama
+
+        _patch(ctx, modeling_llama.LlamaRMSNorm, "forward", _norm_without_upcast(firing))
     elif spec.get("mode") == "torch_rand_shift":
         import torch
 

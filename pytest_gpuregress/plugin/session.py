@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import RankFailure, ReferenceProblem
 from ..faults import check_ranks, firing
-from ..reference import store
+from ..reference import oracle_distance, store
 from ..reference.compare import Comparison
 from ..reference.judgement import JudgingPolicy
 from ..reference.record import RunRecord
@@ -173,6 +173,8 @@ class GpuRegressSession:
             # Where a float64 oracle is at hand, store how far step 0 is from it.
             measure_oracle_distance(sc, self.setup, self.launches.cached, record, model)
             record.attachments.update(sc.attachments(case, record, self.launches.cached, self.setup))
+        elif oracle_distance.judges_precision(record):  # a bf16 run: held to its reference's precision
+            measure_oracle_distance(sc, self.setup, self.launches.cached, record, model)
 
         def explain(ref: RunRecord, comparison: Comparison, whole: RunRecord,
                     failed: RunRecord) -> tuple[str | None, list[str]]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..stack import fingerprint as fp
 from ..stack.determinism import nondeterminism
-from . import by_name, data_change, model_layout, step0
+from . import by_name, data_change, model_layout, oracle_distance, step0
 from .envelope import METRICS, SERIES, MetricLimits, digest_deviation, floors_for, limit, rel, tensor_deviation
 from .envelope import PREFIX as ENVELOPE_PREFIX
 from .first_moved import FirstMoved, equal_traces, first_moved, pairings
@@ -507,6 +507,10 @@ def compare_training(
             findings.append(found)
     _suspect(findings, chosen)
     attribute_to_data(reference, run, findings)
+    less_precise = oracle_distance.precision_problem(reference, run)
+    if less_precise is not None:
+        findings.append(Finding(oracle_distance.PRECISION_METRIC, "kernel or library", less_precise, step=0,
+                                tensor="every step-0 gradient"))
     layout = model_layout.tie_verdict(reference, run, tied)
     if layout is None and (changed := model_layout.verdict(reference, run)):
         layout = model_layout.COMPONENT, changed

@@ -7,6 +7,12 @@ than the old one, tensor by tensor, within the measured noise: the old reference
 for that tensor (K x the noise replicas' spread plus the floor, reference/compare.py). A stack made worse
 (a GEMM that lost precision) is refused with both distances; ``--gpuregress-record-anyway`` overrides.
 A first recording stores the distance without judging it.
+
+The same distances judge a reduced-precision run against its reference (``precision_problem``): a bf16 run
+whose step 0 is computed with less precision than the reference's (a norm without its float32 upcast, a GEMM
+that accumulates in bf16) lands further from float64 on most tensors, while another kernel path of the same
+precision lands about as far. The tolerant lane's step-0 limits, from the replicas' spread, are 16% to 82% of
+a bf16 gradient's largest element and cannot see that; the median distance can.
 """
 
 from __future__ import annotations
@@ -78,3 +84,43 @@ def judge_rerecording(old: RunRecord, new: RunRecord, slack: dict[str, float]) -
                                   f"the measured noise allows ({summary})", worse)
     return Rerecording(True, f"no further from float64 within the measured noise ({summary})", [])
 
+
+
+# A bf16 run's median step-0 distance from float64 may grow to this multiple of its reference's before it fails.
+# Measured on the CPU's bf16 lane (docs/envelope.md), median over the 21 gradients against the shipped reference:
+# the same CPU on its AVX2 and AVX512 paths 1.000x, on ATen's default path 1.039x (per tensor 0.87x to 1.12x);
+# RMSNorm without its float32 upcast 1.28x, fp32 -> bf16 casts that truncate 1.39x. 1.15 sits 3.8x the clean
+# excess above it and catches both faults with 1.9x and 2.6x to spare.
+PRECISION_RATIO = 1.15
+PRECISION_DTYPES = ("bf16", "fp16")  # fp32 runs: the tolerant lane's own limits are tight enough
+PRECISION_METRIC = "step0_precision"  # the comparison's finding (triage/decision.py reads it by this name)
+
+
+def judges_precision(run: RunRecord) -> bool:
+    """Whether ``run`` is held to its reference's distance from float64 (a reduced-precision run): the session then
+    measures the run's distance, one float64 launch of step 0, which a reference that stores none leaves unused."""
+    return str(run.config.get("dtype", "fp32")) in PRECISION_DTYPES
+
+
+def precision_problem(reference: RunRecord, run: RunRecord) -> str | None:
+    """Where a reduced-precision run's step 0 is further from float64 than its reference's by more than
+    PRECISION_RATIO (medians over the step-0 gradients both measured): the finding's text; None otherwise (an
+    fp32 run, or a side that measured no distance)."""
+    if str(run.config.get("dtype", "fp32")) not in PRECISION_DTYPES:
+        return None
+    before = (reference.results.get(RESULT_KEY) or {}).get("per_tensor") or {}
+    after = (run.results.get(RESULT_KEY) or {}).get("per_tensor") or {}
+    names = [name for name in before if name in after and np.isfinite(after[name]) and before[name] > 0]
+    if not names:
+        return None
+    then = float(np.median([before[n] for n in names]))
+    now = float(np.median([after[n] for n in names]))
+    if now <= PRECISION_RATIO * then:
+        return None
+    ratios = sorted(((after[n] / before[n], n) for n in names), reverse=True)
+    further = sum(1 for ratio, _ in ratios if ratio > 1.0)
+    worst_ratio, worst = ratios[0]
+    return (f"step 0 is further from float64 than the reference's: median distance {then:.3g} -> {now:.3g} "
+            f"({now / then:.2f}x, allowed {PRECISION_RATIO:g}x), {further} of {len(names)} gradients further, most "
+            f"{worst} ({worst_ratio:.2f}x): this stack computes {run.config.get('dtype')} with less precision (a "
+            "missing float32 upcast, a lower-precision accumulation), which the replicas' spread cannot see")

@@ -28,6 +28,7 @@ Experiment = Any  # triage's Experiment (name, status, detail, component, convic
 INVARIANTS = "collective invariants"
 CLIP = "clip"
 BISECT = "bisect"
+PRECISION = "step0_precision"  # reference/oracle_distance.py PRECISION_METRIC: a reduced-precision step 0 further from float64
 MODEL_CODE = "model code"  # plugin/explain.py's library_change: the float64 oracle against the reference's
 
 
@@ -148,6 +149,29 @@ def _culprit_at_step0(evidence: Evidence) -> Decision | None:
     return None
 
 
+def _code_changed(evidence: Evidence) -> Decision | None:
+    """Ops of step 0 were inserted or removed (not merely relabelled) in one package's code, and step 0 differs: that
+    package's code computes otherwise (a norm that lost its float32 upcast runs one cast fewer), whatever kernels
+    its new ops now reach."""
+    comparison = evidence.comparison
+    if comparison is None or not comparison.changed_code or evidence.first_step != 0:
+        return None
+    package = comparison.changed_code[0]
+    where = "; ".join(comparison.sequence_notes[:2]) or "the op sequence of step 0 changed"
+    return f"library: {package}", f"ops of step 0 inserted or removed in {package}'s code: {where}"
+
+
+def _less_precise_same_code(evidence: Evidence) -> Decision | None:
+    """Step 0 is further from float64 than the reference's (a reduced-precision run), through the same ops with the
+    same arguments: the same code computed it less precisely, so a kernel under it (a cast that truncates, a GEMM
+    that accumulates in bf16)."""
+    comparison = evidence.comparison
+    if comparison is None or comparison.changed_code:
+        return None
+    found = next((f for f in comparison.findings if f.metric == PRECISION), None)
+    return ("kernel", f"{found.message}; the same ops ran, with the same arguments") if found is not None else None
+
+
 def _kernels(evidence: Evidence) -> Decision | None:
     found = evidence.by_name.get("kernels")
     if found is None or evidence.first_step != 0:
@@ -185,6 +209,10 @@ RULES: tuple[Rule, ...] = (
          _culprit_at_step0),
     Rule("the late window reproduced it: right gradients at S, and the update from the reference's state diverges "
          "again in a fresh process", "optimizer", _experiment("late window", "reproduced")),
+    Rule("ops of step 0 were inserted or removed in one package's code (not merely relabelled), and step 0 differs",
+         "library: <that package>", _code_changed),
+    Rule("a reduced-precision step 0 is further from float64 than the reference's, through the same ops", "kernel",
+         _less_precise_same_code),
     Rule("the ops of step 0 now run other kernels, and step 0 differs", "kernel", _kernels),
 )
 

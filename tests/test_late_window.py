@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from pytest_gpuregress.reference import collective_invariants
 from pytest_gpuregress.reference.compare import Comparison, Finding, compare_training
-from pytest_gpuregress.triage import Experiment, divergence_start, verdict
+from pytest_gpuregress.triage import Experiment, verdict
 from pytest_gpuregress.triage.late_window import judged
 
 from .conftest import make_record
@@ -59,51 +59,14 @@ def test_right_gradients_and_a_divergence_that_recurs_in_a_fresh_process_convict
     assert component == "optimizer" and "late window reproduced" in line and "Decided by rule" in line
 
 
-def test_a_loss_that_moves_only_steps_after_the_right_update_convicts_neither() -> None:
+def test_a_loss_that_moves_only_steps_after_the_right_update_says_what_else_could_do_it() -> None:
     """The helper's N3: the backward of one class's target wrong from step 233 on, while S = 225's batch has none of
-    it. S's gradients are right and so is its update; the window's loss moves at its step 9, after gradients the
-    reference does not keep: a later batch's kernel as much as an update, so not the optimizer."""
+    it: the window's loss moves at its step 9. A learning rate 0.1% off moves it at step 5, so the step does not
+    tell them apart: the verdict stays the optimizer's, and says that a later batch's gradients could do this too."""
     later = Finding("loss", "optimizer", "loss: first differing step 9 of 75 ...", step=9)
     experiment = judged(2, 6, window(later))
-    assert experiment.status == "reproduced" and experiment.component is None
-    assert "but the loss only from the window's step 9: the update of step 6 was right" in experiment.detail
-    component, line = verdict(late_divergence(), [*CLEARED, experiment])
-    assert component is None and line.startswith("triage verdict: inconclusive")
-
-
-def test_a_divergence_that_does_not_recur_in_a_fresh_process_is_no_proof_against_the_collectives() -> None:
-    """A bug that needs a warmed-up process (a buffer pool reused after 100 calls) is gone in a replay: right
-    gradients at S and a clean continuation clear nothing, so the verdict stays inconclusive, never [optimizer]."""
-    experiment = judged(2, 6, window())
-    assert experiment.status == "did not reproduce" and "does not recur in a fresh process" in experiment.detail
-    component, line = verdict(late_divergence(), [*CLEARED, experiment])
-    assert component is None and "inconclusive" in line and "late window did not reproduce" in line
-    # The run's own collective invariants decide where they broke: in-run evidence, no replay needed.
-    broke = Experiment("collective invariants", "broke", "step 4: all_gather call 9 ...", component="collective")
-    assert verdict(late_divergence(), [*CLEARED, experiment, broke])[0] == "collective"
-
-
-def test_a_window_before_the_divergence_clears_nothing() -> None:
-    experiment = judged(7, 6, window())
-    assert experiment.status == "before the divergence" and "only at step 7" in experiment.detail
-    component, line = verdict(late_divergence(), [*CLEARED, experiment])
-    assert component is None and "inconclusive" in line
-
-
-def test_a_checkpoint_that_did_not_load_judges_the_load_not_the_divergence() -> None:
-    broken = Finding("resume_state", "checkpoint", "resume: optimizer state after loading ... is not the saved one")
-    experiment = judged(2, 6, window(broken, late_grad("kernel")))
-    assert experiment.status == "not applicable" and "did not load as saved" in experiment.detail
-    assert verdict(late_divergence(), [*CLEARED, experiment])[0] is None
-
-
-def test_the_window_runs_only_where_step_0_is_cleared_and_a_later_step_differs() -> None:
-    assert divergence_start(late_divergence(), CLEARED) == 2
-    assert divergence_start(late_divergence(), [Experiment("equivalence", "not applicable", "x"), CLEARED[1]]) is None
-    assert divergence_start(late_divergence(), CLEARED[:1]) is None
-    step0 = make_record()
-    step0.arrays["step0_grad/a.weight"] = step0.arrays["step0_grad/a.weight"] * 1.01
-    assert divergence_start(compare_training(make_record(), step0, lane="tolerant"), CLEARED) is None
+    assert experiment.status == "reproduced" and experiment.component == "optimizer"
+    assert "the loss leaves its limit only at the window's step 9, so a later batch's gradients" in experiment.detail
 
 
 HELD = Experiment("collective invariants", "held", "40 calls (all_gather, reduce_scatter) checked across the ranks at "

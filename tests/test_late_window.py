@@ -69,6 +69,41 @@ def test_a_loss_that_moves_only_steps_after_the_right_update_says_what_else_coul
     assert "the loss leaves its limit only at the window's step 9, so a later batch's gradients" in experiment.detail
 
 
+def test_a_divergence_that_does_not_recur_in_a_fresh_process_is_no_proof_against_the_collectives() -> None:
+    """A bug that needs a warmed-up process (a buffer pool reused after 100 calls) is gone in a replay: right
+    gradients at S and a clean continuation clear nothing, so the verdict stays inconclusive, never [optimizer]."""
+    experiment = judged(2, 6, window())
+    assert experiment.status == "did not reproduce" and "does not recur in a fresh process" in experiment.detail
+    component, line = verdict(late_divergence(), [*CLEARED, experiment])
+    assert component is None and "inconclusive" in line and "late window did not reproduce" in line
+    # The run's own collective invariants decide where they broke: in-run evidence, no replay needed.
+    broke = Experiment("collective invariants", "broke", "step 4: all_gather call 9 ...", component="collective")
+    assert verdict(late_divergence(), [*CLEARED, experiment, broke])[0] == "collective"
+
+
+def test_a_window_before_the_divergence_clears_nothing() -> None:
+    experiment = judged(7, 6, window())
+    assert experiment.status == "before the divergence" and "only at step 7" in experiment.detail
+    component, line = verdict(late_divergence(), [*CLEARED, experiment])
+    assert component is None and "inconclusive" in line
+
+
+def test_a_checkpoint_that_did_not_load_judges_the_load_not_the_divergence() -> None:
+    broken = Finding("resume_state", "checkpoint", "resume: optimizer state after loading ... is not the saved one")
+    experiment = judged(2, 6, window(broken, late_grad("kernel")))
+    assert experiment.status == "not applicable" and "did not load as saved" in experiment.detail
+    assert verdict(late_divergence(), [*CLEARED, experiment])[0] is None
+
+
+def test_the_window_runs_only_where_step_0_is_cleared_and_a_later_step_differs() -> None:
+    assert divergence_start(late_divergence(), CLEARED) == 2
+    assert divergence_start(late_divergence(), [Experiment("equivalence", "not applicable", "x"), CLEARED[1]]) is None
+    assert divergence_start(late_divergence(), CLEARED[:1]) is None
+    step0 = make_record()
+    step0.arrays["step0_grad/a.weight"] = step0.arrays["step0_grad/a.weight"] * 1.01
+    assert divergence_start(compare_training(make_record(), step0, lane="tolerant"), CLEARED) is None
+
+
 HELD = Experiment("collective invariants", "held", "40 calls (all_gather, reduce_scatter) checked across the ranks at "
                                                    "every step, every one kept its invariants")
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from pytest_gpuregress.reference import collective_invariants
 from pytest_gpuregress.reference.compare import Comparison, Finding, compare_training
-from pytest_gpuregress.triage import Experiment, verdict
+from pytest_gpuregress.triage import Experiment, divergence_start, verdict
 from pytest_gpuregress.triage.late_window import judged
 
 from .conftest import make_record

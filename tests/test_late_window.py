@@ -140,3 +140,4 @@ def test_one_ranks_op_that_one_rank_replaying_every_micro_batch_also_computed_is
     assert _one_rank(Evidence(comparison, {"equivalence": differs}))[0] == "device"  # type: ignore[arg-type,index]
     clean = Experiment("equivalence", "clean", "2 ranks and 1 rank agree")
     assert _one_rank(Evidence(comparison, {"equivalence": clean})) is None  # type: ignore[arg-type]
+

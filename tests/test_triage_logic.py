@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from pytest_gpuregress.reference.bounds import step0_bound
 from pytest_gpuregress.reference.compare import compare_training
 from pytest_gpuregress.triage import Experiment, shard_owner, verdict
@@ -119,3 +121,23 @@ def test_a_collective_that_introduced_step_0s_difference_outranks_the_clip_that_
     assert component == "collective" and "c10d::allreduce_" in quoted and rule.component == "collective"
     later = SimpleNamespace(findings=[SimpleNamespace(step=5, metric="loss")], culprit=None)
     assert decide(Evidence(later, {"clip": clip}))[0][0] == "optimizer"  # type: ignore[index,arg-type]
+
+
+def test_ops_added_in_one_packages_code_name_it_unless_a_backend_of_torchs_was_swapped() -> None:
+    """A bf16 norm that lost its float32 upcast runs fewer ops in transformers' code: [library: transformers]. SDPA
+    forced onto its math backend also runs other ops in transformers' attention module, under the same call: that
+    is torch's dispatch, and the kernels' rule decides."""
+    from pytest_gpuregress.reference.compare import Finding as Found
+    from pytest_gpuregress.triage.decision import Evidence, _code_changed, _less_precise_same_code
+
+    def evidence(swapped: str | None) -> Evidence:
+        comparison = SimpleNamespace(changed_code=["transformers", "torch"], swapped_backend=swapped,
+                                     sequence_notes=["26 ops of the reference no longer run in `norm`"],
+                                     findings=[Found("step0_precision", "kernel or library", "further", step=0)])
+        return Evidence(comparison, {})  # type: ignore[arg-type]
+
+    assert _code_changed(evidence(None)) == ("library: transformers", "ops of step 0 inserted or removed in "
+                                             "transformers's code: 26 ops of the reference no longer run in `norm`")
+    assert _less_precise_same_code(evidence(None)) is None
+    swapped = evidence("aten::_scaled_dot_product_flash_attention_for_cpu")
+    assert _code_changed(swapped) is None and _less_precise_same_code(swapped)[0] == "kernel"  # type: ignore[index]

@@ -27,7 +27,7 @@ from .envelope import PREFIX as ENVELOPE_PREFIX
 from .first_moved import FirstMoved, equal_traces, first_moved, pairings
 from .introduced import Traced, describe_thresholds, introduced_at, shape_dependence
 from .record import RunRecord
-from .trace_pairs import changed_code
+from .trace_pairs import changed_code, swapped_backend
 from .trace_pairs import notes as sequence_notes
 
 WORST_ROWS = 8
@@ -100,6 +100,9 @@ class Comparison:
     sequence_notes: list[str] = field(default_factory=list)
     # The packages whose code runs the ops inserted, removed or replaced in step 0 (trace_pairs.changed_code).
     changed_code: list[str] = field(default_factory=list)
+    # An op of torch's backend choices among them (trace_pairs.swapped_backend): the sequence changed under the same
+    # call, so the changed code is no library's evidence.
+    swapped_backend: str | None = None
     notes: list[str] = field(default_factory=list)  # information about how the comparison was made
 
     @property
@@ -527,7 +530,9 @@ def compare_training(
                             sequence_notes=next((sequence_notes(p, ref, got) for ref, got, p in paired.values()
                                                  if not p.complete), []),
                             changed_code=next((changed_code(p, ref, got) for ref, got, p in paired.values()
-                                               if not p.complete), []))
+                                               if not p.complete), []),
+                            swapped_backend=next((swapped_backend(p, ref, got) for ref, got, p in paired.values()
+                                                  if not p.complete), None))
     comparison.notes += [note for note in (by_name.param_grad_norms(reference, run)[1], _environment_note(reference, run))
                          if note]
     traced = None  # both records' traces side by side: set up once, for the introducing op and the shapes

@@ -198,3 +198,19 @@ def changed_code(pairing: Pairing, reference: RankTrace, run: RankTrace) -> list
             if entry.package and entry.op != INPUT_OP:
                 found.setdefault(entry.package)
     return sorted(found, key=lambda package: package == "torch")
+
+
+# Ops that are one implementation torch's dispatch picks among several for the same call (scaled_dot_product_attention's
+# backends, cuDNN and oneDNN variants): where such an op came or went, the call above it may be unchanged.
+BACKEND_OPS = ("aten::_scaled_dot_product_", "aten::_flash_attention", "aten::_efficient_attention",
+               "aten::_cudnn_attention", "aten::cudnn_", "aten::miopen_", "aten::mkldnn_", "aten::_fused_sdp")
+
+
+def swapped_backend(pairing: Pairing, reference: RankTrace, run: RankTrace) -> str | None:
+    """The first op of BACKEND_OPS that was inserted, removed or replaced: torch chose another implementation of a
+    call (an SDPA backend), which changes the op sequence under unchanged library code. None where none was."""
+    for stretch in pairing.stretches:
+        for entry in [reference.entry(i) for i in stretch.ref] + [run.entry(j) for j in stretch.run]:
+            if entry.op.startswith(BACKEND_OPS):
+                return entry.op
+    return None

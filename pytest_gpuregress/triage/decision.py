@@ -152,9 +152,10 @@ def _culprit_at_step0(evidence: Evidence) -> Decision | None:
 def _code_changed(evidence: Evidence) -> Decision | None:
     """Ops of step 0 were inserted or removed (not merely relabelled) in one package's code, and step 0 differs: that
     package's code computes otherwise (a norm that lost its float32 upcast runs one cast fewer), whatever kernels
-    its new ops now reach."""
+    its new ops now reach. Not where an op of torch's backend choices came or went (an SDPA backend): the same call
+    then runs other ops, and the kernels' rule decides."""
     comparison = evidence.comparison
-    if comparison is None or not comparison.changed_code or evidence.first_step != 0:
+    if comparison is None or not comparison.changed_code or evidence.first_step != 0 or comparison.swapped_backend:
         return None
     package = comparison.changed_code[0]
     where = "; ".join(comparison.sequence_notes[:2]) or "the op sequence of step 0 changed"
@@ -166,7 +167,7 @@ def _less_precise_same_code(evidence: Evidence) -> Decision | None:
     same arguments: the same code computed it less precisely, so a kernel under it (a cast that truncates, a GEMM
     that accumulates in bf16)."""
     comparison = evidence.comparison
-    if comparison is None or comparison.changed_code:
+    if comparison is None or (comparison.changed_code and not comparison.swapped_backend):
         return None
     found = next((f for f in comparison.findings if f.metric == PRECISION), None)
     return ("kernel", f"{found.message}; the same ops ran, with the same arguments") if found is not None else None
@@ -209,8 +210,8 @@ RULES: tuple[Rule, ...] = (
          _culprit_at_step0),
     Rule("the late window reproduced it: right gradients at S, and the update from the reference's state diverges "
          "again in a fresh process", "optimizer", _experiment("late window", "reproduced")),
-    Rule("ops of step 0 were inserted or removed in one package's code (not merely relabelled), and step 0 differs",
-         "library: <that package>", _code_changed),
+    Rule("ops of step 0 were inserted or removed in one package's code (not merely relabelled, no backend of torch's "
+         "swapped), and step 0 differs", "library: <that package>", _code_changed),
     Rule("a reduced-precision step 0 is further from float64 than the reference's, through the same ops", "kernel",
          _less_precise_same_code),
     Rule("the ops of step 0 now run other kernels, and step 0 differs", "kernel", _kernels),

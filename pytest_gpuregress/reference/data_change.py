@@ -49,9 +49,14 @@ def stream_changes(reference: RunRecord, run: RunRecord) -> list[tuple[str, int]
     return sorted(out, key=lambda change: (change[1], order.index(change[0]) if change[0] in order else len(order)))
 
 
+def _versions(reference: RunRecord | None, run: RunRecord, package: str) -> tuple[str | None, str | None]:
+    """(the reference's, the run's) version of ``package``, from their fingerprints; None where unknown."""
+    then = (reference.fingerprint.get("versions") or {}).get(package) if reference is not None else None
+    return then, (run.fingerprint.get("versions") or {}).get(package)
+
+
 def _version_change(reference: RunRecord, run: RunRecord, package: str) -> str:
-    then = (reference.fingerprint.get("versions") or {}).get(package)
-    now = (run.fingerprint.get("versions") or {}).get(package)
+    then, now = _versions(reference, run, package)
     return f", {package} {then} -> {now}" if then and now and then != now else ""
 
 
@@ -77,8 +82,7 @@ def producer(run: RunRecord, reference: RunRecord | None = None) -> str:
     """What made the run's token batches, with the version of the library that drew them where it is known."""
     if run.config.get("tokens"):
         return f"the token file {run.config['tokens']}"
-    now = (run.fingerprint.get("versions") or {}).get("numpy")
-    then = ((reference.fingerprint.get("versions") or {}).get("numpy") if reference is not None else None)
+    then, now = _versions(reference, run, "numpy")
     numpy = f"numpy {then} -> {now}" if then and now and then != now else f"numpy {now or '(version unknown)'}"
     return f"the synthetic Markov chain of training/data.py, drawn with {numpy} (a counter-based hash, then " \
            f"numpy's searchsorted)"

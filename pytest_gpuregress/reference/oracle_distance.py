@@ -106,7 +106,7 @@ def precision_problem(reference: RunRecord, run: RunRecord) -> str | None:
     """Where a reduced-precision run's step 0 is further from float64 than its reference's by more than
     PRECISION_RATIO (medians over the step-0 gradients both measured): the finding's text; None otherwise (an
     fp32 run, or a side that measured no distance)."""
-    if str(run.config.get("dtype", "fp32")) not in PRECISION_DTYPES:
+    if not judges_precision(run):
         return None
     before = (reference.results.get(RESULT_KEY) or {}).get("per_tensor") or {}
     after = (run.results.get(RESULT_KEY) or {}).get("per_tensor") or {}

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..reference.first_moved import COLLECTIVE_NAMESPACES, INPUT_OP
+from ..reference.oracle_distance import PRECISION_METRIC as PRECISION
 
 if TYPE_CHECKING:
     from ..reference.compare import Comparison
@@ -28,7 +29,6 @@ Experiment = Any  # triage's Experiment (name, status, detail, component, convic
 INVARIANTS = "collective invariants"
 CLIP = "clip"
 BISECT = "bisect"
-PRECISION = "step0_precision"  # reference/oracle_distance.py PRECISION_METRIC: a reduced-precision step 0 further from float64
 MODEL_CODE = "model code"  # plugin/explain.py's library_change: the float64 oracle against the reference's
 
 

@@ -30,12 +30,17 @@ def main() -> None:
     started = time.monotonic()
     record = session.run("collectives", config={"cases": [c.to_json() for c in cases], "repeats": args.repeats})
     wall = time.monotonic() - started
-    failing = [c for c in cases if plan.verdict(c, record.results["cases"][c.id], platform.world_size)]
-    for line in plan.bandwidth_table(cases, record.results["cases"], platform.world_size, args.dtype):
+    results = record.results["cases"]
+    failing = [c for c in cases if plan.verdict(c, results[c.id], platform.world_size)]
+    # An op this stack's backend lacks computed nothing: counted apart, never as failing.
+    lacking = sorted({f"{c.op}({c.variant})" if c.variant else c.op for c in cases if results[c.id].get("unsupported")})
+    unsupported = sum(bool(results[c.id].get("unsupported")) for c in cases)
+    for line in plan.bandwidth_table(cases, results, platform.world_size, args.dtype):
         print(line)
     print(f"\nsweep: {len(cases)} cases x {args.repeats} repeats up to {human_bytes(max_bytes)} on "
           f"{platform.world_size} {platform.backend} ranks: {wall:.1f}s wall (start-up included), "
-          f"{len(failing)} failing")
+          f"{len(failing)} failing, {unsupported} not supported"
+          + (f" (this stack's {platform.backend} lacks {', '.join(lacking)})" if lacking else ""))
 
 
 if __name__ == "__main__":

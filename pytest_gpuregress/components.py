@@ -7,6 +7,7 @@ library with the package it suspects (``library: peft``). Neutral: every layer m
 
 from __future__ import annotations
 
+import re
 from typing import Literal, get_args
 
 Component = Literal[
@@ -47,3 +48,11 @@ def tag(name: str) -> str:
     if not known(name):
         raise ValueError(f"component {name!r} is not one of {', '.join(COMPONENTS)} (pytest_gpuregress/components.py)")
     return f"[{name}]"
+
+
+_TAG = re.compile(r"^(?:gpuregress [\w ]+: )?\s*\[([a-z][a-z :,]*)\]", re.MULTILINE)  # pytest's line: "gpuregress regression: "
+
+
+def named_in(report: str) -> set[str]:
+    """The components a failure report's finding lines begin with (``[collective] ...``, ``[library: peft] ...``)."""
+    return {part for name in _TAG.findall(report) if known(name) for part in parts(name)}

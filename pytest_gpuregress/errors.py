@@ -5,6 +5,8 @@ Every error a user can hit names the file or rank involved and says how to fix i
 
 from __future__ import annotations
 
+import re
+
 
 class GpuRegressError(Exception):
     """Base class for every error this plugin raises on purpose."""
@@ -62,6 +64,21 @@ class CallRejected(GpuRegressError):
 
 class NotApplicable(GpuRegressError):
     """What was asked cannot apply on this platform or launch mode; a test that needs it is skipped."""
+
+
+# What torch says where a backend lacks an op (gloo before torch 2.12: "Backend gloo does not support alltoall"), as
+# opposed to an op that ran and failed.
+_LACKS_OP = re.compile(r"does not support|not supported|unsupported|not implemented", re.IGNORECASE)
+
+
+class NotSupported(NotApplicable):
+    """This stack lacks an op a case needs: skipped, with the backend, the torch version and the op; never a
+    failure, since no number was wrong, and said in the closing summary as a capability this stack lacks."""
+
+    @staticmethod
+    def said_by(error: BaseException | str) -> bool:
+        """Whether ``error`` is a backend saying it lacks the op, rather than the op failing."""
+        return isinstance(error, NotImplementedError) or bool(_LACKS_OP.search(str(error)))
 
 
 class UnsafeName(GpuRegressError):

@@ -149,3 +149,53 @@ def test_sums_that_round_are_exact_on_gloo(pytester: pytest.Pytester, world: int
     outcomes = result.parseoutcomes()
     expected = len([c for c in plan.plan("gloo", world, 64 << 10) if c.dtype in plan.ROUNDING])
     assert outcomes.get("failed", 0) == 0 and outcomes["passed"] == expected, result.stdout.str()[-3000:]
+
+
+def test_an_op_the_backend_lacks_is_skipped_as_not_supported_never_failed(pytester: pytest.Pytester) -> None:
+    """gloo before torch 2.12 raises 'Backend gloo does not support alltoall': a capability, not a wrong number."""
+    result = sweep(pytester, "fp32 and all_to_all and n1-", "collective:op=all_to_all,mode=missing", extra=("-rs",))
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 0 and outcomes.get("passed", 0) == 0 and outcomes["skipped"] == 2, outcomes
+    result.stdout.fnmatch_lines([
+        "*links: no case that names its sender ran*",
+        "*not supported on this stack (gloo, torch *): all_to_all(list), 1 cases skipped*",
+        "*not supported: gloo on torch * lacks all_to_all(list) fp32 n=1 (8 B) out of place: rank 0: RuntimeError: "
+        "Backend gloo does not support alltoall. Nothing was computed*"])
+    assert "[collective]" not in result.stdout.str()
+    assert band_table(result)["default"] == dict.fromkeys(band_table(result)["default"], 0)
+
+
+KNOWN = """
+[[issue]]
+id = "this-gloo-sums"
+component = "collective"
+symptom = "gloo sums wrong"
+workaround = "none"
+source = "a test"
+[issue.affects]
+"comm.backend" = "gloo"
+
+[[issue]]
+id = "this-torch-fp8"
+component = "format"
+symptom = "fp8 differs"
+workaround = "none"
+source = "a test"
+[issue.affects]
+"comm.backend" = "gloo"
+"""
+
+
+def test_a_failed_case_cites_the_known_issue_of_the_component_it_names(pytester: pytest.Pytester) -> None:
+    """The header's KNOWN ISSUE lines match the stack; a failure cites the one of its own component only."""
+    pytester.makefile(".toml", known=KNOWN)
+    result = sweep(pytester, "fp32 and all_reduce and sum and (n1- or n2-)", "collective:op=all_reduce,mode=nudge,max_bytes=4",
+                   extra=("--gpuregress-known-issues=known.toml", "--junitxml=junit.xml"))
+    assert failed_ids(result) == ["all_reduce-sum-fp32-n1-inplace"], failed_ids(result)
+    out = result.stdout.str()
+    result.stdout.fnmatch_lines(["gpuregress KNOWN ISSUE this-gloo-sums (collective): gloo sums wrong",
+                                 "*gpuregress known issues*",
+                                 "this failure names the collective, and this-gloo-sums is a known collective issue*"])
+    assert "this-torch-fp8 is a known" not in out and out.count("is a known collective issue") == 1
+    junit = (pytester.path / "junit.xml").read_text()
+    assert '<property name="known_issues" value="this-gloo-sums" />' in junit

@@ -7,6 +7,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pytest_gpuregress.errors import NotSupported
+from pytest_gpuregress.reference.record import RunRecord
+from pytest_gpuregress.scenarios import Case, Setup, registry
 from pytest_gpuregress.scenarios.collectives import plan, protocol_groups
 from pytest_gpuregress.units import parse_bytes
 
@@ -146,6 +149,35 @@ def test_wrong_counts_are_summed_over_ranks() -> None:
                  "on 1 of 3 repeats (intermittent)", "first wrong index 1016 on rank 1", "expected 5.0, got 0.0"):
         assert part in message
     assert plan.verdict(case, plan.merge_rank_results([{case.id: clean}])[case.id], 2) is None
+
+
+@pytest.mark.parametrize(("error", "lacks"), [
+    (RuntimeError("Backend gloo does not support alltoall"), True),  # gloo before torch 2.12
+    (NotImplementedError("alltoall"), True),
+    (RuntimeError("ProcessGroup gloo does not support alltoall"), True),
+    (RuntimeError("Connection closed by peer [127.0.0.1]:1234"), False),  # a failed op is an error, never a skip
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+])
+def test_a_backend_that_lacks_an_op_is_told_from_an_op_that_failed(error: BaseException, lacks: bool) -> None:
+    assert NotSupported.said_by(error) is lacks
+
+
+def test_an_unsupported_case_is_neither_wrong_nor_an_error_and_is_counted_apart() -> None:
+    case = plan.Case("all_to_all", "list", "", "fp32", 1, False)
+    lacking = {"case": case.to_json(), "nbytes": 8, "wrong": 0, "tail_wrong": 0, "bad_repeats": 0, "repeats": 3,
+               "first": None, "error": None, "unsupported": "RuntimeError: Backend gloo does not support alltoall",
+               "time_s": 0.0}
+    merged = plan.merge_rank_results([{case.id: lacking}, {case.id: lacking}])
+    assert merged[case.id]["unsupported"] == "rank 0: RuntimeError: Backend gloo does not support alltoall"
+    assert merged[case.id]["error"] is None and plan.verdict(case, merged[case.id], 2) is None
+    assert plan.bandwidth_table([case], merged, 2) == plan.bandwidth_table([], merged, 2)  # no row: nothing was timed
+    record = RunRecord(scenario="collectives", config={}, platform_key="", world_size=2, results={"cases": merged},
+                       fingerprint={"versions": {"torch": "2.8.0"}})
+    sweep = registry()["collectives"]
+    setup = Setup("cpu", "gloo", 2)
+    said = sweep.unsupported(Case(case.id, data=case.to_json()), record, setup)
+    assert said is not None and said.startswith("gloo on torch 2.8.0 lacks all_to_all(list) fp32 n=1 (8 B)")
+    assert sweep.verdict(Case(case.id, data=case.to_json()), record, setup) == []
 
 
 def test_bus_bandwidth_factors_follow_nccl_tests() -> None:

@@ -135,6 +135,26 @@ def test_version_bound_issues_match_their_versions_only(shipped: list[KnownIssue
     assert "rocm-hipblaslt-fp16-subnormals" not in ids(matching(shipped, old_torch))
 
 
+@pytest.mark.parametrize(("torch", "backend", "expected"), [
+    ("2.8.0+cu128", "gloo", {"gloo-reduce-scatter-avg-sums", "torch-e4m3fn-overflow-nan"}),  # measured on the CPU
+    ("2.9.1+cu128", "gloo", {"torch-e4m3fn-overflow-nan"}),
+    ("2.10.0+cu128", "gloo", {"torch-e4m3fn-overflow-nan"}),
+    ("2.11.0+cu130", "gloo", {"torch-e4m3fn-overflow-nan"}),  # the GPU machine's torch, on its CPU
+    ("2.11.0+cu130", "nccl", {"torch-e4m3fn-overflow-nan"}),
+    ("2.8.0+cu128", "nccl", {"torch-e4m3fn-overflow-nan"}),  # NCCL's AVG is its own: not gloo's bug
+    ("2.12.1+cu130", "gloo", set()),
+    ("2.13.0+cpu", "gloo", set()),
+    ("2.14.1+cu130", "gloo", set()),
+    ("2.12.0.dev20260501", "gloo", set()),  # a nightly of 2.12 has the saturating cast
+])
+def test_the_issues_found_on_older_torch_match_the_releases_measured(shipped: list[KnownIssue], torch: str, backend: str,
+                                                                      expected: set[str]) -> None:
+    fp = cpu_fingerprint()
+    fp["versions"]["torch"] = torch
+    fp["comm"]["backend"] = backend
+    assert ids(matching(shipped, fp)) & {"gloo-reduce-scatter-avg-sums", "torch-e4m3fn-overflow-nan"} == expected
+
+
 def test_a_boolean_condition_matches_the_recorded_flag(shipped: list[KnownIssue]) -> None:
     tf32 = mi300x()
     assert "hipblaslt-tf32-gfx942" not in ids(matching(shipped, tf32))

@@ -105,8 +105,10 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                                 "by the wrong count or a PREMUL_SUM factor off; zero_tail: the last `count` elements; "
                                 "zeros; stale_chunk: chunk `chunk` keeps the previous call's value; truncate_bf16: a "
                                 "bf16 SUM or AVG all-reduce or reduce-scatter rounds toward zero instead of to nearest "
-                                "even; swap: two elements of the output exchanged (at a third and two thirds)",
-                      ("nudge", "zero_tail", "zeros", "stale_chunk", "truncate_bf16", "scale", "swap")),
+                                "even; swap: two elements of the output exchanged (at a third and two thirds); "
+                                "missing: the call raises 'Backend ... does not support ...' on every rank, as a backend "
+                                "that lacks the op does",
+                      ("nudge", "zero_tail", "zeros", "stale_chunk", "truncate_bf16", "scale", "swap", "missing")),
         "rel": Param("number", "relative size of a nudge or a scale (default 1e-3)"),
         "add": Param("number", "a nudge adds this to the element instead (an absolute error, e.g. 1e-5)"),
         "at": Param("choice", "which element a nudge changes: middle (default), first or last (the tail of a "

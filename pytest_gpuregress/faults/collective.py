@@ -4,6 +4,9 @@ Every public collective of ``torch.distributed`` (and the private single-tensor 
 releases call) is wrapped; the wrapper lets the real call finish, then corrupts its output when
 the spec's filters match: op family, message size, dtype, reduction, rank, and one call in N.
 
+Mode ``missing`` raises instead, as a backend that lacks the op does (gloo's all_to_all before torch 2.12): a
+capability that went missing, which the plugin must skip as not supported, never call wrong numbers.
+
 Mode ``truncate_bf16`` is a reduction with the wrong rounding rather than corrupt bytes: a bf16 SUM
 or AVG all-reduce or reduce-scatter recomputed from every rank's input, accumulated in float32 (AVG:
 then divided by the world size) and cut to bf16 toward zero (the low 16 bits dropped) instead of
@@ -94,7 +97,8 @@ class CollectiveFault:
             return False
         if family not in self.ops or not (self.min_bytes <= size <= self.max_bytes):
             return False
-        if self.target_ranks is not None and self.rank not in self.target_ranks:
+        # A missing op is missing on every rank: had one rank called it, that rank would wait for the others forever.
+        if self.target_ranks is not None and self.rank not in self.target_ranks and self.mode != "missing":
             return False
         if self.from_step is not None and not (self.current_step() or 0) >= self.from_step:
             return False
@@ -257,6 +261,9 @@ def _wrap_collective(dist: Any, name: str, fault: CollectiveFault) -> Callable[[
             except TypeError:  # a call the real function will refuse: let it say why
                 bound = kwargs
             op = bound.get("op")
+            if fault.mode == "missing" and fault.matches(family, size, out, op):
+                fault.firing.fire()  # as a backend without the op says it, before anything moves
+                raise RuntimeError(f"Backend {dist.get_backend(bound.get('group'))} does not support {name.replace('_', '')}")
             captured = None
             if fault.truncates(family, size, out, op):
                 with fault_region():

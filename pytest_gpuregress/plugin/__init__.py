@@ -99,19 +99,19 @@ def refuse_xdist(config: pytest.Config) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
     """Our own errors carry complete messages; show them without the plugin's internal traceback."""
-    from ..errors import GpuRegressError, NotApplicable, RegressionFailure
+    from ..errors import GpuRegressError, NotApplicable, NotSupported, RegressionFailure
 
     try:
         return (yield)
     except NotApplicable as exc:
-        message = str(exc)
+        message = f"{'not supported' if isinstance(exc, NotSupported) else 'not applicable'}: {exc}"
         skip = True
     except (GpuRegressError, RegressionFailure) as exc:
         kind = "regression" if isinstance(exc, RegressionFailure) else type(exc).__name__
         message = f"gpuregress {kind}: {exc}"
         skip = False
     if skip:
-        pytest.skip(f"not applicable: {message}")
+        pytest.skip(message)
     pytest.fail(message, pytrace=False)  # outside the except block: no chained traceback
 
 
@@ -129,9 +129,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     report = yield
     if report.when == "call" and SESSION_KEY in item.config.stash:
-        from .reporting import attach_figures
+        from .reporting import attach_figures, cite_known_issues
 
         attach_figures(item, report, _session(item.config).figures)
+        cite_known_issues(item, report, _session(item.config))
     return report
 
 

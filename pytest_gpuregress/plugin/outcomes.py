@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Verdict = Literal["passed", "failed", "recorded", "error"]
+Verdict = Literal["passed", "failed", "recorded", "error", "not supported"]
 
 
 @dataclass

@@ -33,7 +33,8 @@ def header_lines(session: GpuRegressSession) -> list[str]:
     fingerprint = collect(plat.device_kind, plat.backend, plat.world_size)
     lines = fingerprint_lines(fingerprint)
     lines += determinism_lines(plat.device_kind)  # on a GPU, or where determinism cannot be had: why
-    lines += known_issue_lines(matching(session.known_issues, fingerprint))
+    session.matched_issues = matching(session.known_issues, fingerprint)  # what a failed case cites
+    lines += known_issue_lines(session.matched_issues)
     mode = "in place under torchrun" if plat.in_place else "spawned locally"
     doing = "RECORDING" if options.record else "RECORDING missing and comparing" if options.record_missing else "comparing"
     lines.append(f"gpuregress run: {plat.world_size} {plat.backend} ranks on {plat.device_kind} ({mode}); {doing} "
@@ -70,6 +71,26 @@ def attach_figures(item: pytest.Item, report: pytest.TestReport, figures: dict[s
     if figures.get("stack_changes"):
         added.append(extras.text("\n".join(figures["stack_changes"]), name="stack changes since the reference"))
     report.extras = [*getattr(report, "extras", []), *added]
+
+
+def cite_known_issues(item: pytest.Item, report: pytest.TestReport, session: GpuRegressSession) -> None:
+    """A failed case cites the known issues of this stack (the header's KNOWN ISSUE lines) whose component its
+    findings name: the bug may be a known one, with a source and a workaround. The failure stands (a match is a
+    warning): the case's numbers say whether the bug hit this run."""
+    from ..components import named_in
+    from ..stack.fingerprint import collect
+    from ..stack.known_issues import cited_lines, matching
+
+    if not report.failed:
+        return
+    if session.matched_issues is None:  # no header was printed (--no-header): match now, once
+        plat = session.platform
+        session.matched_issues = matching(session.known_issues, collect(plat.device_kind, plat.backend, plat.world_size))
+    named = named_in(report.longreprtext)
+    cited = [issue for issue in session.matched_issues if issue.component in named]
+    if cited:
+        report.sections.append(("gpuregress known issues", "\n".join(cited_lines(cited))))
+        item.user_properties.append(("known_issues", ", ".join(issue.id for issue in cited)))  # JUnit, as the figures
 
 
 def _junit_value(value: Any) -> Any:

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import RankFailure, ReferenceProblem
+from ..errors import NotSupported, RankFailure, ReferenceProblem
 from ..faults import check_ranks, firing
 from ..reference import oracle_distance, store
 from ..reference.compare import Comparison
@@ -56,6 +56,7 @@ class GpuRegressSession:
         # Check cases that are evidence on other failures (the collective sweep): name -> (passed, failed ids).
         self.checked: dict[str, tuple[int, list[str]]] = {}
         self.known_issues: list[Any] = []  # stack/known_issues.py: set at configure time, matched in the header
+        self.matched_issues: list[Any] | None = None  # those of this stack (the header's): a failed case cites them
         self.selection = Selection(self.setup, self.platform, options.world_size, options.inject)
         self.places = ReferencePlaces(options, rootpath, self.selection)
         self.launches = Launches(options, self.platform, self.setup, self.selection, self.output_dir)
@@ -152,11 +153,19 @@ class GpuRegressSession:
                 or self._from_reference(sc, case, reference, keeping(self.launches.cached, ran)) \
                 or self.launches.for_case(sc, case)
         except RankFailure as exc:  # a row in the closing table too, not only a failed test
-            self._tally(sc, case, passed=False)  # a sweep that crashed passed nothing
             launch = next((la for la in sc.launches([case], self.setup) if la.key == case.launch), None)
             key = self.platform.key(sc.platform_tag(launch.config if launch else sc.default_config(self.setup)))
+            if NotSupported.said_by(exc):  # the stack lacks an op the run needs: a capability, not a wrong number
+                add_outcome(self.outcomes, Outcome(reference or sc.name, key, "not supported", detail=_first_error(exc)))
+                raise NotSupported(f"this stack ({self.platform.backend}, torch {_torch_version()}) lacks an op "
+                                   f"{reference or sc.name} needs, which the reference's stack ran: "
+                                   f"{_first_error(exc)}") from None
+            self._tally(sc, case, passed=False)  # a sweep that crashed passed nothing
             add_outcome(self.outcomes, Outcome(reference or sc.name, key, "error", detail=str(exc).splitlines()[0]))
             raise
+        lacking = sc.unsupported(case, record, self.setup)
+        if lacking:  # never judged: nothing was computed, so nothing is wrong (the scenario's summary counts these)
+            raise NotSupported(lacking)
         # A fault that never fired proves nothing; judged per launch (or per experiment), as counted.
         unfired = self._faults_unfired([r.results for r in ran or [record]])
         self.figures.update(sc.properties(case, record, self.setup))
@@ -228,3 +237,15 @@ class GpuRegressSession:
         except GpuRegressError:  # missing or unreadable: the comparison after the run says so
             reference = None
         self.launches.watches[(sc.name, launch.key)] = comparator.watch(reference)
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def _first_error(failure: RankFailure) -> str:
+    """The line of a rank failure that says what the backend lacks."""
+    lines = str(failure).splitlines()
+    return next((line.strip() for line in lines if NotSupported.said_by(line)), lines[0] if lines else "")

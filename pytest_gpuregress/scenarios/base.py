@@ -314,6 +314,11 @@ class Scenario:
             merged.arrays.update(step0.merge_ranks(records))
         return merged
 
+    def unsupported(self, case: Case, record: RunRecord, setup: Setup) -> str | None:
+        """Why this stack cannot run ``case`` (its backend lacks an op the case needs), or None: such a case is
+        skipped as not supported, never judged, since nothing was computed."""
+        return None
+
     def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
         """Reference-free findings for ``case``, each a complete message naming its component; [] when clean."""
         return []

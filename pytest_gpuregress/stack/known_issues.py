@@ -146,6 +146,12 @@ def header_lines(matches: Iterable[KnownIssue]) -> list[str]:
     return out
 
 
+def cited_lines(issues: Iterable[KnownIssue]) -> list[str]:
+    """What a failed case says of each known issue of a component it names: the entry, its source and its fix."""
+    return [f"this failure names the {issue.component}, and {issue.id} is a known {issue.component} issue of this "
+            f"stack: {issue.symptom} [source: {issue.source}]; workaround: {issue.workaround}" for issue in issues]
+
+
 # ---- loading --------------------------------------------------------------------------------
 
 

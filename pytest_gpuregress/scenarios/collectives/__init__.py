@@ -106,6 +106,14 @@ class CollectivesScenario(CheckScenario):
         merged.results["identities"] = [r.results.pop("identity", None) for r in records]  # to name a wrong link
         return merged
 
+    def unsupported(self, case: Case, record: RunRecord, setup: Setup) -> str | None:
+        said = record.results["cases"][case.id].get("unsupported")
+        if not said:
+            return None
+        return (f"{setup.backend} on torch {_torch_of(record)} lacks "
+                f"{plan.Case(**case.data).describe(setup.world_size)}: {said}. Nothing was computed, so no number is "
+                f"wrong; the sweep plans it because {plan.PLANNED_ON.get(setup.backend, 'the backend documents it')}")
+
     def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
         result = record.results["cases"][case.id]
         if result.get("cast_error"):  # the case's own inputs are wrong: the kernel that made them, not the collective
@@ -139,6 +147,7 @@ class CollectivesScenario(CheckScenario):
                          f"{record.timings.get('launch_wall_s', 0.0):.1f}s{ran}")
             lines.append("  " + links.summary(record.results["cases"], record.results.get("identities", []),
                                               setup.world_size, setup.backend))
+            lines += _lacking(record, setup)
         if self.pinning_ignored(setup):
             lines.append(f"NCCL protocol/algorithm pinning does not apply to {setup.backend}: ran the default sweep once")
         lines += self.protocol_table(records, setup)
@@ -171,6 +180,23 @@ class CollectivesScenario(CheckScenario):
             rows.append(f"  {protocol:<14} " + " ".join(f"{counts[lbl]:>9}" for _, lbl in SIZE_BANDS))
         return ["failing cases by protocol and size band:",
                 f"  {'protocol':<14} " + " ".join(f"{lbl:>9}" for _, lbl in SIZE_BANDS), *rows]
+
+
+def _torch_of(record: RunRecord) -> str:
+    return str(record.fingerprint.get("versions", {}).get("torch", "?"))
+
+
+def _lacking(record: RunRecord, setup: Setup) -> list[str]:
+    """The ops this stack's backend lacks, with the cases skipped for each: a capability, apart from failures."""
+    skipped: dict[str, list[str]] = {}
+    for result in record.results["cases"].values():
+        if result.get("unsupported"):
+            case = plan.Case(**result["case"])
+            op = f"{case.op}{'(' + case.variant + ')' if case.variant else ''}"
+            skipped.setdefault(op, []).append(result["unsupported"].split(": ", 1)[-1])
+    return [f"  not supported on this stack ({setup.backend}, torch {_torch_of(record)}): {op}, {len(said)} cases "
+            f"skipped ({said[0]}); {plan.PLANNED_ON.get(setup.backend, 'the backend documents it')}"
+            for op, said in skipped.items()]
 
 
 def _cases_and_results(record: RunRecord) -> tuple[list[plan.Case], dict[str, Any]]:

@@ -111,8 +111,13 @@ def sizes(max_bytes: int, elem_bytes: int, world: int, tail_base: int = 1024) ->
     return sorted(set(out))
 
 
+# Why ``supported`` plans an op for a backend: where it was measured to run (gloo's all_to_all came in torch 2.12).
+PLANNED_ON = {"gloo": "gloo runs every planned op on torch 2.12 and later", "nccl": "NCCL and RCCL run it"}
+
+
 def supported(backend: str, op: str, reduce_op: str, dtype: str, emulated: tuple[str, ...] = ()) -> bool:
-    """What each backend can run, as measured (gloo on torch 2.13: no PREMUL_SUM, no fp8, no int AVG).
+    """What each backend can run, as measured (gloo on torch 2.13: no PREMUL_SUM, no fp8, no int AVG). An older
+    backend that lacks a planned op says so when called: its cases are skipped as not supported (rank.py).
 
     ``emulated``: ops a fault shim provides (emulate_premul_sum), all-reduce only."""
     is_int = dtype == "int32"
@@ -327,16 +332,20 @@ def merge_rank_results(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, d
                 into.setdefault("links", {})[pair] = into.get("links", {}).get(pair, 0) + count
             if res.get("first") and into["first"] is None:
                 into["first"] = {**res["first"], "rank": rank}
-            if res.get("error") and into["error"] is None:
-                into["error"] = f"rank {rank}: {res['error']}"
+            for said in ("error", "unsupported"):
+                if res.get(said) and into.get(said) is None:
+                    into[said] = f"rank {rank}: {res[said]}"
             if res.get("cast_error") and into.get("cast_error") is None:
                 into["cast_error"] = f"rank {rank}: {res['cast_error']}"
     return merged
 
 
 def verdict(case: Case, result: dict[str, Any], world: int) -> str | None:
-    """None when the case is right; otherwise the failure message naming what a user needs."""
+    """None when the case is right, or when the backend lacks its op (``unsupported``: nothing computed, nothing
+    wrong); otherwise the failure message naming what a user needs."""
     what = case.describe(world)
+    if result.get("unsupported"):
+        return None
     if result.get("error"):
         return f"{what}: raised {result['error']}"
     if not result["wrong"]:
@@ -369,7 +378,7 @@ def bandwidth_table(cases: list[Case], results: dict[str, dict[str, Any]], world
         ):
             continue
         res = results.get(case.id)
-        if res is None or res.get("error"):
+        if res is None or res.get("error") or res.get("unsupported"):
             continue
         seconds = max(float(res["time_s"]), 1e-9)
         algbw = case.nbytes(world) / seconds / 1e9

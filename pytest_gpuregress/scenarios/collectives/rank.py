@@ -18,6 +18,7 @@ import statistics
 import time
 from typing import Any
 
+from ...errors import NotSupported
 from ...reference.record import RunRecord
 from ..base import RankContext
 from . import plan
@@ -165,7 +166,7 @@ def _wrong_by_sender(case: plan.Case, wrong: Any, world: int) -> dict[int, int]:
 def _run_case(case: plan.Case, ctx: RankContext, repeats: int, torch: Any) -> dict[str, Any]:
     result: dict[str, Any] = {"case": case.to_json(), "nbytes": case.nbytes(ctx.world_size), "wrong": 0,
                               "tail_wrong": 0, "bad_repeats": 0, "repeats": repeats, "first": None,
-                              "error": None, "time_s": 0.0, "links": {}}
+                              "error": None, "unsupported": None, "time_s": 0.0, "links": {}}
     times: list[float] = []
     for salt in range(repeats):
         try:
@@ -184,7 +185,9 @@ def _run_case(case: plan.Case, ctx: RankContext, repeats: int, torch: Any) -> di
             result["cast_error"] = str(exc)
             break
         except Exception as exc:  # noqa: BLE001 - a collective that raises is a finding, not a crash
-            result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            # A backend that lacks the op (gloo's all_to_all before torch 2.12) computed nothing wrong: kept apart.
+            said = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            result["unsupported" if NotSupported.said_by(exc) else "error"] = said
             break
         view = getattr(torch, _INT_VIEW[got.element_size()])
         wrong = got.reshape(-1).view(view) != expected.reshape(-1).view(view)

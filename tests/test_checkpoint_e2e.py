@@ -133,7 +133,7 @@ def test_a_shifted_random_stream_is_data_named_by_its_stream_not_the_checkpoint(
     assert ("the data pipeline's random streams drew other numbers: torch's CPU generator (which input tokens are "
             "replaced, and by what) from step 0; torch's generator on the device (which labels are dropped) from "
             "step 0") in out
-    assert "triage verdict: data. Decided by rule 2" in out
+    assert "triage verdict: data. Decided by rule data (" in out
     assert "[data] loss curve: this run differs from the reference from step 0" in out
     assert "[checkpoint]" not in out and "Python's random generator" not in out
 

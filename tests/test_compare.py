@@ -154,12 +154,15 @@ def test_triage_calls_a_late_divergence_the_optimizer_only_where_it_recurs_and_t
     clean = [Experiment("equivalence", "clean", "agree"), Experiment("oracle", "clean", "agree")]
     update = make_record()
     update.series["loss"] = update.series["loss"][:2] + [x * 1.01 for x in update.series["loss"][2:]]
-    component, line = verdict(compare_training(make_record(), update, lane="exact"), clean)
+    found = verdict(compare_training(make_record(), update, lane="exact"), clean)
+    component, line = found.component, found.line
     assert component is None and "the first difference is at step 2" in line  # elimination convicts nothing
     reproduced = Experiment("late window", "reproduced", "again in a fresh process", component="optimizer")
-    component, line = verdict(compare_training(make_record(), update, lane="exact"), [*clean, reproduced])
+    found = verdict(compare_training(make_record(), update, lane="exact"), [*clean, reproduced])
+    component, line = found.component, found.line
     assert component == "optimizer" and "the first difference is at step 2" in line
-    component, line = verdict(compare_training(make_record(), _late_gradients(), lane="exact"), clean)
+    found = verdict(compare_training(make_record(), _late_gradients(), lane="exact"), clean)
+    component, line = found.component, found.line
     assert component is None and "the gradients move before the loss" in line and "the update is not the cause" in line
 
 

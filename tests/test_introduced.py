@@ -94,7 +94,8 @@ def test_a_gemm_error_after_drift_is_introduced_at_its_matmul_and_drift_is_infor
     assert "its output moved 1.0e-03 relative (8.39e+03 ulps) against" in text, text
     assert f"drift begins at: aten::mm in {UP_PROJ} (forward)" in text
     run.series = {k: [v * (1 + 1e-3) for v in vals] for k, vals in run.series.items()}  # step 0 fails too
-    component, line = triage.verdict(compare_training(reference, run, lane="tolerant"), CLEAN_EXPERIMENTS)
+    found = triage.verdict(compare_training(reference, run, lane="tolerant"), CLEAN_EXPERIMENTS)
+    component, line = found.component, found.line
     assert component == "kernel" and f"first moved op differs: aten::mm in {DOWN_PROJ}" in line
 
 
@@ -127,7 +128,8 @@ def test_drift_alone_introduces_nothing_and_convicts_nothing(reference: RunRecor
     assert f"drift begins at: aten::mm in {UP_PROJ}" in text
     evidence = triage.first_moved_evidence(comparison)
     assert evidence is not None and evidence.status == "drift only" and not evidence.convicts
-    component, line = triage.verdict(comparison, CLEAN_EXPERIMENTS)
+    found = triage.verdict(comparison, CLEAN_EXPERIMENTS)
+    component, line = found.component, found.line
     assert component != "kernel" and "first moved op drift only: no op of step 0 moved beyond drift" in line
 
 

@@ -163,11 +163,12 @@ def test_kernel_changes_are_triage_evidence_and_decide_an_inconclusive_verdict()
     finding = Finding("step0_grad", "kernel", "step0_grad differs", step=0)
     comparison = Comparison("exact", "", [finding], [], kernel_changes=["aten::sdpa: flash -> math"])
     clean = [Experiment("equivalence", "clean", "agree"), Experiment("oracle", "clean", "matches float64")]
-    component, line = verdict(comparison, clean)
+    found = verdict(comparison, clean)
+    component, line = found.component, found.line
     assert component == "kernel"
     assert "kernels changed: 1 ops run other kernels than in the reference, first aten::sdpa: flash -> math" in line
     unchanged = dataclasses.replace(comparison, kernel_changes=[])
-    assert verdict(unchanged, clean)[0] is None  # step 0 differs, nothing convicted, nothing changed: inconclusive
+    assert verdict(unchanged, clean).component is None  # step 0 differs, nothing convicted, nothing changed: inconclusive
 
 
 def test_the_profile_window_is_steady_or_the_end_of_a_short_run() -> None:

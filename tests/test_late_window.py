@@ -36,26 +36,28 @@ def test_gradients_computed_wrong_from_the_reference_state_convict_their_compone
     assert (experiment.status, experiment.component) == ("differs", "collective")
     assert "step 6's gradients, computed on this stack from the reference's own state at step 6" in experiment.detail
     assert "(and 1 more tensors)" in experiment.detail
-    component, line = verdict(late_divergence(), [*CLEARED, experiment])
+    found = verdict(late_divergence(), [*CLEARED, experiment])
+    component, line = found.component, found.line
     assert component == "collective" and "late window differs" in line
 
 
 def test_a_dense_late_gradient_error_is_a_kernel_or_a_collective_which_one_window_cannot_tell_apart() -> None:
-    component, _ = verdict(late_divergence(), [*CLEARED, judged(2, 6, window(late_grad("kernel")))])
+    component = verdict(late_divergence(), [*CLEARED, judged(2, 6, window(late_grad("kernel")))]).component
     assert component == "kernel or collective"
 
 
 def test_a_reference_without_late_gradients_compares_nothing_and_clears_nothing() -> None:
     experiment = judged(2, 6, window(), compared=False)  # its gradients were never kept: "clean" would be false
     assert experiment.status == "not applicable" and "re-record it" in experiment.detail
-    assert verdict(late_divergence(), [*CLEARED, experiment])[0] is None
+    assert verdict(late_divergence(), [*CLEARED, experiment]).component is None
 
 
 def test_right_gradients_and_a_divergence_that_recurs_in_a_fresh_process_convict_the_update() -> None:
     again = Finding("loss", "optimizer", "loss: first differing step 1 of 8 ...", step=1)  # the window counts from S
     experiment = judged(2, 6, window(again))
     assert experiment.status == "reproduced" and "go wrong in the update" in experiment.detail
-    component, line = verdict(late_divergence(), [*CLEARED, experiment])
+    found = verdict(late_divergence(), [*CLEARED, experiment])
+    component, line = found.component, found.line
     assert component == "optimizer" and "late window reproduced" in line and "Decided by rule" in line
 
 
@@ -74,17 +76,19 @@ def test_a_divergence_that_does_not_recur_in_a_fresh_process_is_no_proof_against
     gradients at S and a clean continuation clear nothing, so the verdict stays inconclusive, never [optimizer]."""
     experiment = judged(2, 6, window())
     assert experiment.status == "did not reproduce" and "does not recur in a fresh process" in experiment.detail
-    component, line = verdict(late_divergence(), [*CLEARED, experiment])
+    found = verdict(late_divergence(), [*CLEARED, experiment])
+    component, line = found.component, found.line
     assert component is None and "inconclusive" in line and "late window did not reproduce" in line
     # The run's own collective invariants decide where they broke: in-run evidence, no replay needed.
     broke = Experiment("collective invariants", "broke", "step 4: all_gather call 9 ...", component="collective")
-    assert verdict(late_divergence(), [*CLEARED, experiment, broke])[0] == "collective"
+    assert verdict(late_divergence(), [*CLEARED, experiment, broke]).component == "collective"
 
 
 def test_a_window_before_the_divergence_clears_nothing() -> None:
     experiment = judged(7, 6, window())
     assert experiment.status == "before the divergence" and "only at step 7" in experiment.detail
-    component, line = verdict(late_divergence(), [*CLEARED, experiment])
+    found = verdict(late_divergence(), [*CLEARED, experiment])
+    component, line = found.component, found.line
     assert component is None and "inconclusive" in line
 
 
@@ -92,7 +96,7 @@ def test_a_checkpoint_that_did_not_load_judges_the_load_not_the_divergence() -> 
     broken = Finding("resume_state", "checkpoint", "resume: optimizer state after loading ... is not the saved one")
     experiment = judged(2, 6, window(broken, late_grad("kernel")))
     assert experiment.status == "not applicable" and "did not load as saved" in experiment.detail
-    assert verdict(late_divergence(), [*CLEARED, experiment])[0] is None
+    assert verdict(late_divergence(), [*CLEARED, experiment]).component is None
 
 
 def test_the_window_runs_only_where_step_0_is_cleared_and_a_later_step_differs() -> None:
@@ -113,7 +117,8 @@ def test_late_gradients_wrong_while_every_collective_kept_its_invariants_are_the
     elements read as a collective's signature, but the run's own ledger checked every reduce-scatter at every step
     and each kept its sums: the gradients were computed wrong before any collective carried them."""
     late = judged(2, 6, window(late_grad("collective")))
-    component, line = verdict(late_divergence(), [*CLEARED, late, HELD])
+    found = verdict(late_divergence(), [*CLEARED, late, HELD])
+    component, line = found.component, found.line
     assert component == "kernel" and "late window differs" in line and "collective invariants held" in line
     # where the ledger did not see the gradients' collectives (DDP's C++ reducer), nothing clears them
     assert collective_invariants.held({collective_invariants.RESULT_KEY: {"calls": 9, "violated": 0,
@@ -122,7 +127,7 @@ def test_late_gradients_wrong_while_every_collective_kept_its_invariants_are_the
                                                                           "ops": ["reduce_scatter"]}}) is None
     assert "9 calls (all_gather, reduce_scatter)" in str(collective_invariants.held(
         {collective_invariants.RESULT_KEY: {"calls": 9, "violated": 0, "ops": ["all_gather", "reduce_scatter"]}}))
-    assert verdict(late_divergence(), [*CLEARED, late])[0] == "collective"  # without the ledger: as before
+    assert verdict(late_divergence(), [*CLEARED, late]).component == "collective"  # without the ledger: as before
 
 
 def test_one_ranks_op_that_one_rank_replaying_every_micro_batch_also_computed_is_no_bad_device() -> None:
@@ -134,7 +139,7 @@ def test_one_ranks_op_that_one_rank_replaying_every_micro_batch_also_computed_is
     entry = SimpleNamespace(op="aten::nll_loss_backward", outputs=("f32[512, 256]",))
     culprit = SimpleNamespace(entry=entry, world=2, also_on=(), component="kernel", rank=1,
                               describe=lambda: "introduced at: aten::nll_loss_backward")
-    comparison = SimpleNamespace(culprit=culprit, findings=[])
+    comparison = SimpleNamespace(culprit=culprit, findings=[], paired_ops=None)
     assert _one_rank(Evidence(comparison, {})) is not None  # type: ignore[arg-type]
     differs = Experiment("equivalence", "differs", "rank 1's shard", component="collective")
     assert _one_rank(Evidence(comparison, {"equivalence": differs}))[0] == "device"  # type: ignore[arg-type,index]

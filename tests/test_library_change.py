@@ -255,8 +255,9 @@ def test_an_experiment_that_convicts_this_stack_wins_over_a_library_change(monke
                   findings: list[Finding] | None = None) -> tuple[Any, list[str]]:
         monkeypatch.setattr(triage, "cheap_evidence", lambda *args: list(experiments))
         comparison = Comparison("tolerant", "changed", findings or [finding], [])
-        return explain.explain_failure(SimpleNamespace(), SimpleNamespace(), None, make_record(), comparison,  # type: ignore[arg-type]
-                                       None, flips=False, run_experiments=run_experiments)
+        found = explain.explain_failure(SimpleNamespace(), SimpleNamespace(), None, make_record(), comparison,  # type: ignore[arg-type]
+                                        None, flips=False, run_experiments=run_experiments)
+        return (found.verdict.component if found.verdict else None), found.lines
 
     convicting = [triage.Experiment("equivalence", "differs", "2 ranks differ from 1", component="collective"),
                   triage.Experiment("oracle", "clean", "")]
@@ -265,7 +266,7 @@ def test_an_experiment_that_convicts_this_stack_wins_over_a_library_change(monke
     clean = [triage.Experiment("equivalence", "clean", ""), triage.Experiment("oracle", "clean", "")]
     component, lines = explained(clean)
     assert component == "library: transformers" and lines[1].startswith("triage verdict: library: transformers. ")
-    assert f"model code differs: {evidence}" in lines[1] and "Decided by rule" in lines[1]
+    assert f"model code differs: {evidence}" in lines[1] and "Decided by rule model-code (" in lines[1]
     # a scenario triage does not explain: a round trip's finding keeps its name, the code change is evidence
     round_trip = Finding("resume", "checkpoint", "resume ...")
     component, lines = explained([], run_experiments=False, findings=[round_trip])

@@ -246,12 +246,14 @@ def test_the_report_names_the_op_and_triage_convicts_its_component(clean: RunRec
                              record_hint="record it")
     assert f"first difference: aten::mm in {UP_PROJ} (forward)" in text
     clean_experiments = [triage.Experiment("equivalence", "clean", ""), triage.Experiment("oracle", "clean", "")]
-    component, line = triage.verdict(comparison, clean_experiments)
+    found = triage.verdict(comparison, clean_experiments)
+    component, line = found.component, found.line
     assert component == "kernel" and f"first moved op differs: aten::mm in {UP_PROJ}" in line
     lr_changed = traced_step0(faults=("lr_scale:factor=1.01",))
     lr_changed.series = {k: [vals[0], *(v * (1 + 1e-3) for v in vals[1:])] for k, vals in lr_changed.series.items()}
     optimizer = compare_training(clean, lr_changed, lane="exact")
-    component, line = triage.verdict(optimizer, clean_experiments)
+    found = triage.verdict(optimizer, clean_experiments)
+    component, line = found.component, found.line
     assert component == "optimizer" and "first moved op differs: aten::mul_ in model.embed_tokens.weight" in line
 
 
@@ -362,10 +364,11 @@ def test_legitimate_drift_at_step_0_convicts_nothing_when_the_failure_starts_lat
     assert not comparison.passed and comparison.first_moved is not None
     experiments = [triage.Experiment("equivalence", "clean", ""), triage.Experiment("oracle", "clean", ""),
                    triage.Experiment("late window", "reproduced", "", component="optimizer")]
-    component, line = triage.verdict(comparison, experiments)
+    found = triage.verdict(comparison, experiments)
+    component, line = found.component, found.line
     assert component == "optimizer", line
     assert "first moved op drifts within the tolerance at step 0: aten::mm in model.layers.0.mlp.up_proj" in line
-    assert triage.verdict(comparison, experiments[:2])[0] is None  # without the window: no kernel, no optimizer
+    assert triage.verdict(comparison, experiments[:2]).component is None  # without the window: no kernel, no optimizer
 
 
 def test_debug_mode_is_used_only_where_its_hooks_and_switches_are_there(monkeypatch: pytest.MonkeyPatch) -> None:

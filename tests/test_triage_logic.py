@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 from pytest_gpuregress.reference.bounds import step0_bound
@@ -20,12 +21,13 @@ def _late_divergence():  # type: ignore[no-untyped-def]
 def test_the_oracle_outranks_equivalence() -> None:
     experiments = [Experiment("equivalence", "differs", "x", component="collective"),
                    Experiment("oracle", "differs", "y", component="kernel")]
-    assert verdict(None, experiments)[0] == "kernel"
+    assert verdict(None, experiments).component == "kernel"
 
 
 def test_equivalence_alone_convicts_a_collective() -> None:
     experiments = [Experiment("equivalence", "differs", "x", component="collective"), Experiment("oracle", "clean", "y")]
-    component, line = verdict(None, experiments)
+    found = verdict(None, experiments)
+    component, line = found.component, found.line
     assert component == "collective" and line.startswith("triage verdict: collective. Evidence: equivalence differs")
 
 
@@ -33,7 +35,8 @@ def test_both_clean_and_a_later_divergence_without_a_window_is_inconclusive_not_
     """Elimination is no evidence: a collective that goes wrong late (a warmed-up buffer pool) leaves step 0 clean
     too. Without the late window or the run's own invariants, the verdict says what is known."""
     experiments = [Experiment("equivalence", "clean", "x"), Experiment("oracle", "clean", "y")]
-    component, line = verdict(_late_divergence(), experiments)
+    found = verdict(_late_divergence(), experiments)
+    component, line = found.component, found.line
     assert component is None and "inconclusive" in line and "the first difference is at step 2" in line
 
 
@@ -41,13 +44,14 @@ def test_both_clean_and_step_0_differing_is_inconclusive() -> None:
     run = make_record()
     run.arrays["step0_grad/a.weight"] = run.arrays["step0_grad/a.weight"] * 1.01
     experiments = [Experiment("equivalence", "clean", "x"), Experiment("oracle", "clean", "y")]
-    component, line = verdict(compare_training(make_record(), run, lane="tolerant"), experiments)
+    found = verdict(compare_training(make_record(), run, lane="tolerant"), experiments)
+    component, line = found.component, found.line
     assert component is None and "inconclusive" in line
 
 
 def test_experiments_that_could_not_run_clear_nothing() -> None:
     experiments = [Experiment("equivalence", "not applicable", "x"), Experiment("oracle", "clean", "y")]
-    assert verdict(_late_divergence(), experiments)[0] is None
+    assert verdict(_late_divergence(), experiments).component is None
 
 
 def test_shard_owner_follows_fsdp2_dim0_sharding_with_padding() -> None:
@@ -70,7 +74,8 @@ def test_the_collective_sweep_of_the_session_is_evidence_never_a_conviction() ->
     assert "its 12 cases passed in this session" in clean.detail
     assert "2 of 12 of its cases failed" not in failing.detail and "1 of 11 of its cases failed" in failing.detail
     experiments = [Experiment("equivalence", "clean", "x"), Experiment("oracle", "clean", "y"), failing]
-    component, line = verdict(_late_divergence(), experiments)
+    found = verdict(_late_divergence(), experiments)
+    component, line = found.component, found.line
     # A failing sweep beside it convicts nothing (the two may fail for causes of their own).
     assert component is None
     assert "collective sweep fails too: 1 of 11 of its cases failed in this session, first collectives-" in line
@@ -91,11 +96,13 @@ def test_in_run_evidence_outranks_the_experiments_and_is_quoted() -> None:
     """The run's own collective invariants decide before N ranks against one; a bisect before everything."""
     broke = Experiment("collective invariants", "broke", "step 100: all_gather ...", component="collective")
     oracle = Experiment("oracle", "differs", "y", component="kernel")
-    component, line = verdict(None, [oracle, broke])
-    assert component == "collective" and "Decided by rule 3 (a collective broke its own invariant" in line
+    found = verdict(None, [oracle, broke])
+    component, line = found.component, found.line
+    assert (component, found.rule) == ("collective", "collective-invariants")
+    assert "Decided by rule collective-invariants (a collective broke its own invariant" in line
     named = Experiment("bisect", "named", "transformers 5.25.0 -> 5.24.0 restores step 0 ...",
                        component="library: transformers")
-    assert verdict(None, [oracle, broke, named])[0] == "library: transformers"
+    assert verdict(None, [oracle, broke, named]).component == "library: transformers"
 
 
 def test_a_collective_that_introduced_step_0s_difference_outranks_the_clip_that_read_its_output() -> None:
@@ -114,13 +121,13 @@ def test_a_collective_that_introduced_step_0s_difference_outranks_the_clip_that_
         return TraceOp(40, op, "(root)", "", "backward", "f32[1024]", ("f32[1024]",), np.zeros((1, 3)), np.zeros(1))
 
     allreduce = FirstMoved(1, "moved", entry("c10d::allreduce_"), entry("c10d::allreduce_"), 39, 1.0, 2)
-    comparison = SimpleNamespace(findings=[SimpleNamespace(step=0, metric="step0_grad")], culprit=allreduce)
+    comparison = SimpleNamespace(findings=[SimpleNamespace(step=0, metric="step0_grad")], culprit=allreduce, paired_ops=None)
     clip = Experiment("clip", "inconsistent", "the clip reported another norm ...", component="optimizer")
     first = Experiment("first moved op", "differs", allreduce.describe(), component="collective")
-    (component, quoted), rule = decide(Evidence(comparison, {"clip": clip, "first moved op": first}))  # type: ignore[arg-type]
-    assert component == "collective" and "c10d::allreduce_" in quoted and rule.component == "collective"
-    later = SimpleNamespace(findings=[SimpleNamespace(step=5, metric="loss")], culprit=None)
-    assert decide(Evidence(later, {"clip": clip}))[0][0] == "optimizer"  # type: ignore[index,arg-type]
+    found = decide(Evidence(comparison, {"clip": clip, "first moved op": first}))  # type: ignore[arg-type]
+    assert (found.component, found.rule) == ("collective", "collective-at-step0") and "c10d::allreduce_" in found.quoted
+    later = SimpleNamespace(findings=[SimpleNamespace(step=5, metric="loss")], culprit=None, paired_ops=None)
+    assert decide(Evidence(later, {"clip": clip})).rule == "clip"  # type: ignore[arg-type]
 
 
 def test_ops_added_in_one_packages_code_name_it_unless_a_backend_of_torchs_was_swapped() -> None:
@@ -141,3 +148,51 @@ def test_ops_added_in_one_packages_code_name_it_unless_a_backend_of_torchs_was_s
     assert _less_precise_same_code(evidence(None)) is None
     swapped = evidence("aten::_scaled_dot_product_flash_attention_for_cpu")
     assert _code_changed(swapped) is None and _less_precise_same_code(swapped)[0] == "kernel"  # type: ignore[index]
+
+
+def test_rules_have_stable_unique_ids_that_verdicts_name() -> None:
+    """Tests, JUnit and the docs name a rule by its id, so inserting a rule renames none."""
+    from pytest_gpuregress.triage import decision
+
+    ids = [rule.id for rule in decision.RULES]
+    assert len(ids) == len(set(ids)) and all(re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", i) for i in ids)
+    assert {"bisect", "data", "collective-invariants", "clip", "oracle", "equivalence", "model-layout",
+            "step0-gradients-either"} <= set(ids)
+    inconclusive = decision.decide(decision.Evidence(None, {}))
+    assert (inconclusive.component, inconclusive.rule) == (None, None)
+    assert inconclusive.line.startswith("triage verdict: inconclusive")
+
+
+def test_an_op_found_among_too_few_paired_ops_decides_nothing_alone_and_the_verdict_says_so() -> None:
+    """Where less than half of step 0 could be paired (a wrapper inserted casts everywhere), the op named as
+    introducing the difference was looked for among too few ops: no rule reads it, and the verdict counts them."""
+    from types import SimpleNamespace
+
+    from pytest_gpuregress.triage.decision import Evidence, decide
+
+    kernel_op = SimpleNamespace(component="kernel", entry=None, world=2, also_on=(), arguments_changed=False)
+    first = Experiment("first moved op", "differs", "aten::mm in q_proj", component="kernel")
+    same = {"findings": [SimpleNamespace(step=0, metric="loss")], "culprit": kernel_op, "changed_code": [],
+            "swapped_backend": None}
+    paired = SimpleNamespace(**same, paired_ops=(400, 728))
+    assert decide(Evidence(paired, {"first moved op": first})).rule == "culprit-at-step0"  # type: ignore[arg-type]
+    unpaired = SimpleNamespace(**same, paired_ops=(314, 728))
+    found = decide(Evidence(unpaired, {"first moved op": first}))  # type: ignore[arg-type]
+    assert (found.component, found.rule) == (None, None)
+    assert "only 314 of this run's 728 ops of step 0 could be paired" in found.line
+
+
+def test_a_weight_that_arrives_at_an_op_is_no_data() -> None:
+    """Data is the token batch: integers the step read. A float input (a weight, a buffer) that moved names nothing."""
+    import numpy as np
+
+    from pytest_gpuregress.reference.first_moved import FirstMoved
+    from pytest_gpuregress.reference.op_trace import INPUT_OP, TraceOp
+
+    def moved_input(dtype: str) -> FirstMoved:
+        entry = TraceOp(3, INPUT_OP, "model.layers.0.q_proj.lora_B", "", "forward", "", (f"{dtype}[64, 8]",),
+                        np.zeros((1, 3)), np.zeros(1))
+        return FirstMoved(0, "moved", entry, entry, 3, 1.0, 2)
+
+    assert moved_input("i64").component == "data"
+    assert moved_input("f32").component is None

@@ -4,7 +4,7 @@ heuristic's guess; on a recording, the float64 oracle's distance stored with the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..errors import NotApplicable
@@ -18,14 +18,25 @@ from .launches import Runner
 
 if TYPE_CHECKING:
     from ..triage import Experiment
+    from ..triage.decision import Verdict
+
+
+@dataclass
+class Explanation:
+    """What triage made of a failed comparison: its verdict (None where triage could not run, or where a round trip's
+    or a format's finding keeps its own name), the report's lines, and the bisect's line where one ran."""
+
+    verdict: Verdict | None
+    lines: list[str]
+    bisect: str | None = None
 
 
 def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, comparison: Comparison,
                     model: str | None, flips: bool, run_experiments: bool = True,
                     case: Case | None = None, checks: Sequence[Experiment] = (),
                     whole_reference: RunRecord | None = None,
-                    bisect: BisectRequest | None = None) -> tuple[str | None, list[str]]:
-    """(the component behind a failed comparison, report lines with the evidence): whether the model's code
+                    bisect: BisectRequest | None = None) -> Explanation:
+    """The verdict on a failed comparison, with the report's lines of evidence: whether the model's code
     changed (the float64 oracle against the reference's), and for a scenario triage explains
     (``run_experiments``) equivalence and the oracle always, the late window of ``case`` where step 0 is cleared
     and a later step differs (triage/late_window.py), switches flipped with ``flips`` (--gpuregress-triage), and
@@ -37,6 +48,7 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
     (plugin/bisecting.py); the package it names outranks every other evidence."""
     from .. import triage
     from ..reference import model_layout
+    from ..triage.decision import RULE_BY_ID
     from ..triage.flips import flip
 
     # The layout finding (reference/model_layout.py): the model's code changed, or (a tie against the model's
@@ -52,11 +64,9 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
         # still convict a collective or a kernel of this stack, which re-recording must not bury.
         experiments = [*triage.cheap_evidence(sc, setup, run, model), *checks]
         if layout is not None and not any(e.convicts for e in experiments):
-            why = f"{model_layout.BUILT_OTHERWISE} (the first finding)" if model_layout.is_tie(
-                layout.metric, layout.component) else "the model's parameter layout differs from the reference's"
-            return layout.component, ["", f"triage verdict: {layout.component}. Evidence: {why}, so the runs start "
-                                      "from other weights; equivalence and the oracle on this stack convict nothing",
-                                      *triage.report("", experiments)[2:]]
+            # The cheap experiments convict nothing, so the costlier ones are not run: the layout's rule decides.
+            found = triage.verdict(comparison, experiments, rules=(RULE_BY_ID["model-layout"],))
+            return Explanation(found, triage.report(found.line, experiments))
         first = triage.divergence_start(comparison, experiments)
         if first is not None and case is not None:  # step 0 cleared, a later step differs: judge where it starts
             experiments += late_window(sc, setup, run, whole_reference or reference, case, comparison.lane, first)
@@ -68,10 +78,19 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
         experiments += _bisected(sc, setup, run, whole_reference or reference, comparison, case, bisect)
     except Exception as exc:  # noqa: BLE001 - triage must never hide the regression it explains
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        return None, ["", f"triage could not run ({type(exc).__name__}: {first}); components are the heuristic's"]
-    component, line = triage.verdict(comparison, experiments)
+        return Explanation(None, ["", f"triage could not run ({type(exc).__name__}: {first}); components are the "
+                                      "heuristic's"])
+    found = triage.verdict(comparison, experiments)
     keep_first_moved_stack(sc, setup, run, comparison, model, rerun=flips)
-    return component, [*triage.report(line, experiments), *_bisect_line(experiments)]
+    return _explained(found, experiments)
+
+
+def _explained(found: Verdict, experiments: Sequence[Experiment]) -> Explanation:
+    from .. import triage
+
+    bisected = _bisect_line(experiments)
+    return Explanation(found, [*triage.report(found.line, list(experiments)), *bisected],
+                       bisected[0] if bisected else None)
 
 
 def own_evidence(run: RunRecord) -> list[Experiment]:
@@ -120,7 +139,7 @@ def _bisect_line(experiments: Sequence[Experiment]) -> list[str]:
 
 
 def _without_experiments(library: tuple[str, str] | None, comparison: Comparison,
-                         evidence: list[Experiment]) -> tuple[str | None, list[str]]:
+                         evidence: list[Experiment]) -> Explanation:
     """For a scenario triage runs no experiments for (lora, a resume): the decision from what there is (the run's
     own checks, the op of step 0 that introduced the difference, the model's code, a bisect). A round trip's or a
     format's finding keeps its name, the code change evidence beside it. Where nothing decides, the sparsity of the
@@ -128,17 +147,10 @@ def _without_experiments(library: tuple[str, str] | None, comparison: Comparison
     from .. import triage
 
     if any(f.component in _NOT_NUMERICS for f in comparison.findings):
-        return None, (["", f"also: {library[1]}"] if library is not None else [])
+        return Explanation(None, ["", f"also: {library[1]}"] if library is not None else [])
     if library is not None:
         evidence = [*evidence, triage.Experiment(LIBRARY, "differs", library[1], component=library[0])]
-    component, line = triage.verdict(comparison, evidence)
-    if component is None and any(f.metric == "step0_grad" and f.component in ("kernel", "collective")
-                                 for f in comparison.findings):
-        component = "kernel or collective"
-        line = line.replace("triage verdict: inconclusive", "triage verdict: kernel or collective: inconclusive", 1) + \
-            "; this scenario has no equivalence or oracle experiment to tell them apart, and which step-0 gradients " \
-            "moved is no evidence"
-    return component, [*triage.report(line, evidence), *_bisect_line(evidence)]
+    return _explained(triage.verdict(comparison, evidence), evidence)
 
 
 def library_change(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, model: str | None,

@@ -20,11 +20,12 @@ from ..scenarios.comparator import Comparator, with_identity
 from ..stack.fingerprint import describe_change
 from ..warn import warn_at_test
 from .artifacts import Artifacts, Kept, compare_command
+from .explain import Explanation
 from .outcomes import Outcome, add_outcome
 from .places import ReferencePlaces
 
-# (the reference as compared, the comparison, the reference whole, the run) -> (component, report lines)
-Explain = Callable[[RunRecord, Comparison, RunRecord, RunRecord], tuple[str | None, list[str]]]
+# (the reference as compared, the comparison, the reference whole, the run) -> triage's verdict and report lines
+Explain = Callable[[RunRecord, Comparison, RunRecord, RunRecord], Explanation]
 
 
 class CheckPipeline:
@@ -74,15 +75,14 @@ class CheckPipeline:
         if explain is not None and comparison.findings:
             # The reference as compared (cut to the steps a fail-fast run ran), and whole: the late window reads
             # the reference's late steps.
-            component, evidence = explain(judgement.reference or reference, comparison, reference, record)
-            if component:
-                comparison.convict(component)
-            verdict = next((line for line in evidence if line.startswith("triage verdict:")), None)
-            if verdict:
-                self.figures["triage_verdict"] = verdict
-            bisected = next((line for line in evidence if line.startswith("bisect")), None)
-            if bisected:
-                self.figures["bisect"] = bisected
+            explained = explain(judgement.reference or reference, comparison, reference, record)
+            evidence = explained.lines
+            if explained.verdict is not None:
+                if explained.verdict.component:
+                    comparison.convict(explained.verdict.component)
+                self.figures["triage_verdict"] = explained.verdict.line
+                self.figures["triage_rule"] = explained.verdict.rule
+            self.figures["bisect"] = explained.bisect
         if comparison.findings:  # JUnit's component property: the findings' bracketed names, as the report prints them
             self.figures["component"] = ", ".join(dict.fromkeys(f.component for f in comparison.findings))
         report = format_comparison(comparison, scenario=name, platform_key=record.platform_key,

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from .session import GpuRegressSession
 
 # The key figures of a test, attached as JUnit properties (record_property's mechanism).
-JUNIT_FIGURES = ("lane", "component", "triage_verdict", "bisect", "first_differing_step", "worst_over_tolerance", "platform_key",
+JUNIT_FIGURES = ("lane", "component", "triage_verdict", "triage_rule", "bisect", "first_differing_step", "worst_over_tolerance",
+                 "platform_key",
                  "seconds", "wrong_elements",
                  "perf", "kernel_changes", "busiest_expert_share", "stack_changes", "faults_fired",
                  "consensus_verdict", "consensus_devices", "consensus_dissenters", "consensus_table", "consensus_links")

@@ -103,6 +103,9 @@ class Comparison:
     # An op of torch's backend choices among them (trace_pairs.swapped_backend): the sequence changed under the same
     # call, so the changed code is no library's evidence.
     swapped_backend: str | None = None
+    # (ops paired, ops of this run) of step 0's trace on the lowest rank whose sequence changed: where less than half
+    # is paired, the op that introduced the difference is no evidence on its own (triage/decision.py).
+    paired_ops: tuple[int, int] | None = None
     notes: list[str] = field(default_factory=list)  # information about how the comparison was made
 
     @property
@@ -532,7 +535,9 @@ def compare_training(
                             changed_code=next((changed_code(p, ref, got) for ref, got, p in paired.values()
                                                if not p.complete), []),
                             swapped_backend=next((swapped_backend(p, ref, got) for ref, got, p in paired.values()
-                                                  if not p.complete), None))
+                                                  if not p.complete), None),
+                            paired_ops=next(((len(p.pairs), p.run_len) for _, _, p in paired.values() if not p.complete),
+                                            None))
     comparison.notes += [note for note in (by_name.param_grad_norms(reference, run)[1], _environment_note(reference, run))
                          if note]
     traced = None  # both records' traces side by side: set up once, for the introducing op and the shapes

@@ -69,12 +69,13 @@ class FirstMoved:
 
     @property
     def component(self) -> str | None:
-        """What it points at: a collective, the optimizer, data (an input moved), a kernel, the library whose code
-        called it with other arguments; None for a changed op sequence, which convicts nothing by itself."""
+        """What it points at: a collective, the optimizer, data (integers the step read moved), a kernel, the library
+        whose code called it with other arguments; None for a changed op sequence, which convicts nothing by itself,
+        and for a float input (a weight or buffer no op of the step made): that is no token batch."""
         if self.kind != "moved" or self.entry is None:
             return None
         if self.entry.op == INPUT_OP:
-            return "data"
+            return "data" if _integers(self.entry) else None
         if self.entry.op.startswith(COLLECTIVE_NAMESPACES):
             return "collective"
         if self.entry.phase in ("clip", "optimizer"):  # gradient clipping is part of the update, as AdamW's step

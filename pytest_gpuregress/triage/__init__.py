@@ -36,6 +36,7 @@ from ..training.step import EMULATE_WORLD
 if TYPE_CHECKING:
     from ..reference.compare import Comparison
     from ..scenarios.base import Launch, Scenario, Setup, TriageSupport
+    from .decision import Rule, Verdict
 
 LATE_WINDOW = "late window"  # the experiment of late_window.py
 TRIAGE_STEPS = 3  # equivalence compares step 0's gradients and the losses of the first steps
@@ -221,28 +222,16 @@ def first_moved_evidence(comparison: Comparison | None) -> Experiment | None:
                       component=moved.component)
 
 
-def verdict(comparison: Comparison | None, experiments: list[Experiment]) -> tuple[str | None, str]:
-    """(component, the one-line verdict with its evidence), decided by the first rule of decision.RULES whose
-    evidence is there. The component is None where no rule's is (inconclusive): the findings then keep their own
-    names, and the line says what is known."""
+def verdict(comparison: Comparison | None, experiments: list[Experiment], rules: tuple[Rule, ...] | None = None) -> Verdict:
+    """The verdict of the first rule of decision.RULES (or ``rules``) whose evidence is there; inconclusive (its
+    component None) where none is: the findings then keep their own names, and the line says what is known."""
     from .decision import RULES, Evidence, decide
 
     by_name = _evidence(comparison, experiments)
     if comparison is not None and comparison.findings:
         _divergence(comparison, experiments, by_name)
-    found = decide(Evidence(comparison, by_name))
-    component = found[0][0] if found is not None else None
-    evidence = "; ".join(f"{e.name} {e.status}: {e.detail}" for e in by_name.values())
-    if found is not None:
-        (_, shown), rule = found
-        # A rule that reads the findings (a data change, one rank's op) quotes what it read; an experiment's quote
-        # is already among the evidence.
-        quote = "" if shown in evidence else f": {shown}"
-        shown_evidence = f"Evidence: {evidence}. " if evidence else ""  # a case that runs no experiment
-        return component, f"triage verdict: {component}. {shown_evidence}Decided by rule " \
-                          f"{RULES.index(rule) + 1} ({rule.evidence}){quote}"
-    return None, f"triage verdict: inconclusive (no rule's evidence is there: the experiments neither convict nor " \
-                 f"clear a component, and the findings keep their own names). Evidence: {evidence}"
+    summary = "; ".join(f"{e.name} {e.status}: {e.detail}" for e in by_name.values())
+    return decide(Evidence(comparison, by_name), summary, RULES if rules is None else rules)
 
 
 def _evidence(comparison: Comparison | None, experiments: list[Experiment]) -> dict[str, Experiment]:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..reference import model_layout
 from ..reference.first_moved import COLLECTIVE_NAMESPACES, INPUT_OP
 from ..reference.oracle_distance import PRECISION_METRIC as PRECISION
 
@@ -39,6 +40,23 @@ class Evidence:
     comparison: Comparison | None
     by_name: dict[str, Experiment] = field(default_factory=dict)
 
+    @property
+    def mostly_unpaired(self) -> str | None:
+        """Where less than half of step 0's ops could be paired with the reference's, how many were: the op that
+        introduced the difference was then looked for among too few ops to decide on its own."""
+        paired = self.comparison.paired_ops if self.comparison is not None else None
+        if paired is None or not paired[1] or paired[0] * 2 >= paired[1]:
+            return None
+        return f"only {paired[0]} of this run's {paired[1]} ops of step 0 could be paired with the reference's"
+
+    @property
+    def culprit(self) -> Any:
+        """The op of step 0 that introduced the difference (``Comparison.culprit``), as evidence: None where there
+        is none, or where too little of step 0 was paired to look for it (``mostly_unpaired``)."""
+        if self.comparison is None or self.mostly_unpaired:
+            return None
+        return self.comparison.culprit
+
     def convicting(self, name: str) -> Experiment | None:
         found = self.by_name.get(name)
         return found if found is not None and found.convicts and found.component else None
@@ -55,9 +73,33 @@ Decision = tuple[str, str]  # (component, the evidence quoted)
 
 @dataclass(frozen=True)
 class Rule:
+    id: str  # stable: the verdict, JUnit and the tests name the rule by it, so inserting a rule changes no other
     evidence: str  # what must be there, in the docs' words
     component: str  # what it convicts, in the docs' words
     decide: Callable[[Evidence], Decision | None]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What triage decided for a failing case. The pipeline, the summary, JUnit and the report read its fields;
+    nothing reads the component back out of the text."""
+
+    component: str | None  # None: inconclusive, and the findings keep their own names
+    rule: str | None  # the id of the rule that decided; None where none did
+    quoted: str  # what the deciding rule read
+    evidence: str = ""  # every experiment's result, one clause each
+
+    @property
+    def line(self) -> str:
+        """The report's verdict line."""
+        shown = f"Evidence: {self.evidence}. " if self.evidence else ""
+        if self.rule is None:
+            return (f"triage verdict: {self.component + ': ' if self.component else ''}inconclusive (no rule's evidence "
+                    f"is there: the experiments neither convict nor clear a component, and the findings keep their own "
+                    f"names). {shown}{self.quoted}".rstrip())
+        rule = RULE_BY_ID[self.rule]
+        quote = "" if not self.quoted or self.quoted in self.evidence else f": {self.quoted}"
+        return f"triage verdict: {self.component}. {shown}Decided by rule {rule.id} ({rule.evidence}){quote}"
 
 
 def _experiment(name: str, status: str | None = None) -> Callable[[Evidence], Decision | None]:
@@ -78,7 +120,7 @@ def _data(evidence: Evidence) -> Decision | None:
     changed = next((f for f in comparison.findings if f.metric == "data"), None)
     if changed is not None:
         return "data", changed.message
-    culprit = comparison.culprit
+    culprit = evidence.culprit
     if culprit is not None and culprit.component == "data" and culprit.entry is not None \
             and all(s[:1] in ("i", "u") for s in culprit.entry.outputs):
         return "data", culprit.describe()
@@ -88,8 +130,7 @@ def _data(evidence: Evidence) -> Decision | None:
 def _collective_at_step0(evidence: Evidence) -> Decision | None:
     """The op of step 0 that introduced the difference is a collective's output, its inputs within drift: what
     follows from it (a clip that reads gradients the ranks no longer agree on) decides nothing before it."""
-    comparison = evidence.comparison
-    culprit = comparison.culprit if comparison is not None else None
+    culprit = evidence.culprit
     if culprit is None or culprit.component != "collective" or evidence.first_step != 0:
         return None
     return "collective", culprit.describe()
@@ -98,8 +139,7 @@ def _collective_at_step0(evidence: Evidence) -> Decision | None:
 def _called_otherwise(evidence: Evidence) -> Decision | None:
     """The op that introduced the difference was called with other non-tensor arguments than in the reference (a
     divisor, a scale, an epsilon): the code that called it changed, whatever kernel ran under it."""
-    comparison = evidence.comparison
-    culprit = comparison.culprit if comparison is not None else None
+    culprit = evidence.culprit
     if culprit is None or not culprit.arguments_changed or not str(culprit.component).startswith("library"):
         return None
     return str(culprit.component), culprit.describe()
@@ -109,8 +149,7 @@ def _one_rank(evidence: Evidence) -> Decision | None:
     """The op that introduced the difference computes (no collective), on one rank only, while the same op of the
     other ranks kept within drift: one device's own compute, whatever N ranks against one says; unless one rank
     replaying every rank's micro-batch did the same (equivalence clean): then it followed that rank's data."""
-    comparison = evidence.comparison
-    culprit = comparison.culprit if comparison is not None else None
+    culprit = evidence.culprit
     if culprit is None or culprit.entry is None or culprit.world < 2 or culprit.also_on:
         return None
     if culprit.component != "kernel" or culprit.entry.op.startswith(COLLECTIVE_NAMESPACES) or \
@@ -142,7 +181,7 @@ def _culprit_at_step0(evidence: Evidence) -> Decision | None:
     """The op of step 0 that introduced the difference convicts where its effect is what failed: a forward or
     backward op when step 0 already differs, an optimizer op (its update shows from step 1)."""
     moved = evidence.by_name.get("first moved op")
-    if moved is None or not moved.convicts or not moved.component:
+    if moved is None or not moved.convicts or not moved.component or evidence.mostly_unpaired:
         return None
     if evidence.first_step == 0 or moved.component == "optimizer":
         return str(moved.component), f"{moved.name} {moved.status}: {moved.detail}"
@@ -180,51 +219,94 @@ def _kernels(evidence: Evidence) -> Decision | None:
     return "kernel", f"{found.name} {found.status}: {found.detail} (and step 0 differs)"
 
 
+def _model_layout(evidence: Evidence) -> Decision | None:
+    """The model's parameter layout differs from the reference's (its code changed), or the library built another
+    model than its config asks: the runs start from other weights, so no number of theirs can be compared."""
+    comparison = evidence.comparison
+    layout = next((f for f in comparison.findings if f.metric == model_layout.COMPONENT), None) if comparison else None
+    if layout is None:
+        return None
+    why = f"{model_layout.BUILT_OTHERWISE} (the first finding)" if model_layout.is_tie(layout.metric, layout.component) \
+        else "the model's parameter layout differs from the reference's"
+    return layout.component, f"{why}, so the runs start from other weights"
+
+
+def _step0_gradients_either(evidence: Evidence) -> Decision | None:
+    """Step-0 gradients moved in a scenario that ran neither equivalence nor the oracle (LoRA, a resume): nothing
+    tells a kernel from a collective, and which gradients moved (their sparsity) is no evidence."""
+    comparison = evidence.comparison
+    if comparison is None or {"equivalence", "oracle"} & set(evidence.by_name):
+        return None
+    if not any(f.metric == "step0_grad" and f.component in ("kernel", "collective") for f in comparison.findings):
+        return None
+    return "kernel or collective", ("step-0 gradients moved, and this scenario has no equivalence or oracle experiment "
+                                    "to tell a kernel from a collective; which step-0 gradients moved is no evidence")
+
+
 RULES: tuple[Rule, ...] = (
-    Rule("a bisect of the upgrade: reverting one package (or a group) restores step 0", "library: <that package>",
+    Rule("bisect", "a bisect of the upgrade: reverting one package (or a group) restores step 0", "library: <that package>",
          _experiment(BISECT)),
-    Rule("the token batches differ from the reference's (integers do not drift)", "data", _data),
-    Rule("a collective broke its own invariant in this run (bit-identical outputs, sums kept) at some step",
+    Rule("data", "the token batches differ from the reference's (integers do not drift)", "data", _data),
+    Rule("collective-invariants",
+         "a collective broke its own invariant in this run (bit-identical outputs, sums kept) at some step",
          "collective", _experiment(INVARIANTS)),
-    Rule("the op of step 0 that introduced the difference is a collective's output, its inputs within drift (step 0 "
+    Rule("collective-at-step0",
+         "the op of step 0 that introduced the difference is a collective's output, its inputs within drift (step 0 "
          "differs)", "collective", _collective_at_step0),
-    Rule("the clip is inconsistent with its own norm (another norm than the gradients', or another coefficient)",
+    Rule("clip", "the clip is inconsistent with its own norm (another norm than the gradients', or another coefficient)",
          "optimizer", _experiment(CLIP)),
-    Rule("the op that introduced the difference was called with other arguments than the reference's (a divisor, a "
+    Rule("called-otherwise",
+         "the op that introduced the difference was called with other arguments than the reference's (a divisor, a "
          "scale, an epsilon)", "library: <the package whose code called it>", _called_otherwise),
-    Rule("the op that introduced the difference computes, on one rank only; the others' same op kept within drift; "
+    Rule("one-rank", "the op that introduced the difference computes, on one rank only; the others' same op kept within drift; "
          "one rank replaying every rank's micro-batch did not compute it (equivalence not clean)",
          "device (the rank named)", _one_rank),
-    Rule("the float64 oracle on this stack (no collective) differs from this stack's own one-rank run",
+    Rule("oracle", "the float64 oracle on this stack (no collective) differs from this stack's own one-rank run",
          "kernel", _experiment("oracle")),
-    Rule("N ranks differ from one rank on the same batch (equivalence)", "collective", _experiment("equivalence")),
-    Rule("the late window: step S's gradients, from the reference's own state, differ, while every collective of the "
+    Rule("equivalence", "N ranks differ from one rank on the same batch (equivalence)", "collective", _experiment("equivalence")),
+    Rule("late-gradients-past-held-collectives",
+         "the late window: step S's gradients, from the reference's own state, differ, while every collective of the "
          "run kept its invariants, the gradients' reduce-scatters included", "kernel",
          _late_gradients_past_checked_collectives),
-    Rule("the late window: step S's gradients, from the reference's own state, differ", "collective, or kernel or "
+    Rule("late-window-differs",
+         "the late window: step S's gradients, from the reference's own state, differ", "collective, or kernel or "
          "collective", _experiment("late window", "differs")),
-    Rule("the float64 oracle on this stack differs from the one recorded with the reference: the model's code computes "
+    Rule("model-code",
+         "the float64 oracle on this stack differs from the one recorded with the reference: the model's code computes "
          "another function", "library: <the package whose code called or ran the op that moved>; kernel where that op "
          "had the reference's inputs and arguments", _experiment(MODEL_CODE)),
-    Rule("the op of step 0 that introduced the difference (step 0 differs, or an optimizer op)", "its component",
+    Rule("culprit-at-step0",
+         "the op of step 0 that introduced the difference (step 0 differs, or an optimizer op)", "its component",
          _culprit_at_step0),
-    Rule("the late window reproduced it: right gradients at S, and the update from the reference's state diverges "
+    Rule("late-window-reproduced",
+         "the late window reproduced it: right gradients at S, and the update from the reference's state diverges "
          "again in a fresh process", "optimizer", _experiment("late window", "reproduced")),
-    Rule("ops of step 0 were inserted or removed in one package's code (not merely relabelled, no backend of torch's "
+    Rule("code-changed",
+         "ops of step 0 were inserted or removed in one package's code (not merely relabelled, no backend of torch's "
          "swapped), and step 0 differs", "library: <that package>", _code_changed),
-    Rule("a reduced-precision step 0 is further from float64 than the reference's, through the same ops", "kernel",
+    Rule("less-precise-same-ops",
+         "a reduced-precision step 0 is further from float64 than the reference's, through the same ops", "kernel",
          _less_precise_same_code),
-    Rule("the ops of step 0 now run other kernels, and step 0 differs", "kernel", _kernels),
+    Rule("kernels-changed", "the ops of step 0 now run other kernels, and step 0 differs", "kernel", _kernels),
+    # Where no experiment and no op decided: what the findings themselves say.
+    Rule("model-layout", "the model's parameter layout differs from the reference's (its code changed, or the library "
+         "built another model than its config asks)", "model (or the library that built it)", _model_layout),
+    Rule("step0-gradients-either", "step-0 gradients moved in a scenario that runs no equivalence or oracle",
+         "kernel or collective", _step0_gradients_either),
 )
+RULE_BY_ID: dict[str, Rule] = {rule.id: rule for rule in RULES}
 
 
-def decide(evidence: Evidence) -> tuple[Decision, Rule] | None:
-    """The first rule whose evidence is there: its decision, and the rule; None where none is (inconclusive)."""
-    for rule in RULES:
+def decide(evidence: Evidence, summary: str = "", rules: tuple[Rule, ...] = RULES) -> Verdict:
+    """The verdict of the first rule (of ``rules``) whose evidence is there; inconclusive where none is. ``summary``:
+    every experiment's result, quoted by the verdict."""
+    for rule in rules:
         found = rule.decide(evidence)
         if found is not None:
-            return found, rule
-    return None
+            return Verdict(found[0], rule.id, found[1], summary)
+    unpaired = evidence.mostly_unpaired
+    return Verdict(None, None, f"{unpaired}, so the op that introduced the difference decides nothing alone" if unpaired
+                   else "", summary)
 
 
 BEGIN, END = "<!-- decision-rules:begin -->", "<!-- decision-rules:end -->"
@@ -232,8 +314,7 @@ BEGIN, END = "<!-- decision-rules:begin -->", "<!-- decision-rules:end -->"
 
 def markdown_table() -> list[str]:
     """docs/triage.md's table of the rules, in their order."""
-    lines = ["| # | when the evidence shows | the verdict |", "| --- | --- | --- |"]
-    lines += [f"| {i} | {rule.evidence} | `[{rule.component}]` |" for i, rule in enumerate(RULES, 1)]
-    lines.append(f"| {len(RULES) + 1} | none of these | inconclusive: what is known is said, and the findings keep "
-                 "their own names |")
+    lines = ["| rule | when the evidence shows | the verdict |", "| --- | --- | --- |"]
+    lines += [f"| `{rule.id}` | {rule.evidence} | `[{rule.component}]` |" for rule in RULES]
+    lines.append("| (none) | none of these | inconclusive: what is known is said, and the findings keep their own names |")
     return lines

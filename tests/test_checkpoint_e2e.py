@@ -146,3 +146,16 @@ def test_a_damaged_bundle_is_one_clear_error(pytester: pytest.Pytester, refs: Pa
     out = result.stdout.str()
     assert f"[checkpoint] portability: {tensors}: sha256 " in out and "does not match manifest.json" in out
     assert "fix: restore it from version control, or re-record it" in out and "Traceback" not in out
+
+
+@pytest.mark.full_tier
+def test_a_curve_that_moves_before_the_save_is_no_checkpoints_doing(pytester: pytest.Pytester, refs: Path) -> None:
+    """A collective nudged while training (every step runs before the save): the curve differs, and names nothing
+    yet; the round trip of the trained model still holds, so nothing says [checkpoint]."""
+    result = run(pytester, refs, "full-state-dict", "--gpuregress-lane=tolerant",
+                 "--gpuregress-inject=collective:op=reduce_scatter,mode=scale,rel=1e-2")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "[unknown] loss curve: this run differs from the reference from step " in out
+    assert "every step of it ran before the checkpoint was saved, so it is no checkpoint's doing" in out
+    assert "[checkpoint]" not in out and "triage verdict: checkpoint" not in out

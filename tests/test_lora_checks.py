@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 
 from pytest_gpuregress.faults import parse
+from pytest_gpuregress.findings import CheckFinding
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios import Setup, registry
 from pytest_gpuregress.scenarios.lora import DEFAULT_TARGETS, SCENARIO, bounds, checks
+from pytest_gpuregress.triage.scenario_checks import described, rule_for
 
 Q_B = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.default.weight"
 Q_A = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.default.weight"
@@ -19,7 +21,13 @@ CPU = Setup(device_kind="cpu", backend="gloo", world_size=2)
 
 
 def messages(findings: list[checks.Finding]) -> list[str]:
-    return [checks.format_finding(f) for f in findings]
+    """The report's lines, less the rule id they end with (``rules`` asserts those)."""
+    return [described(CheckFinding.of(f)).rpartition(" (rule ")[0] for f in findings]
+
+
+def rules(findings: list[checks.Finding]) -> list[tuple[str, str]]:
+    """(component, rule id) that triage names each finding by."""
+    return [(rule.component, rule.id) for rule in map(rule_for, map(CheckFinding.of, findings))]
 
 
 def trained(seed: int = 0) -> dict[str, np.ndarray]:
@@ -44,6 +52,9 @@ def test_frozen_base_names_the_leaking_and_the_changed_weight_and_what_moved_it(
         f"[library: peft] lora check 'frozen-base': base weight {MODULE}.base_layer.weight changed during training: it is "
         "no longer bit-identical to its initial digest, stepped with the gradient it received from step 0",
     ]
+    assert rules(checks.check_frozen({BASE_Q: 0}, {BASE_Q: "aa"}, {BASE_Q: "cc"})) == \
+        [("library: peft", "lora-base-left-trainable")] * 2
+    assert rules(checks.check_frozen({}, {BASE_Q: "aa"}, {BASE_Q: "cc"})) == [("optimizer or collective", "lora-base-moved")]
     written = messages(checks.check_frozen({}, {BASE_Q: "aa"}, {BASE_Q: "cc"}))  # no gradient, yet it moved
     assert written == [f"[optimizer or collective] lora check 'frozen-base': base weight {MODULE}.base_layer.weight "
                        "changed during training without ever receiving a gradient: no longer bit-identical to its "
@@ -116,8 +127,25 @@ def test_one_ulp_in_a_merged_layer_breaks_the_bound_while_the_delta_is_small() -
     lora_a = rng.normal(0, 0.07, (8, 64)).astype(np.float32)
     lora_b = rng.normal(0, 1e-3, (64, 8)).astype(np.float32)
     merged = np.nextafter(peft_merge_fp32(base, lora_a, lora_b, 2.0), np.float32(np.inf))
-    found = messages(checks.check_merged_weight(MODULE, merged, base, lora_a, lora_b, 2.0, "fp32"))
-    assert found and found[0].startswith(f"[kernel] lora check 'merge': merged weight of {MODULE} is off ")
+    off = checks.check_merged_weight(MODULE, merged, base, lora_a, lora_b, 2.0, "fp32")
+    assert messages(off)[0].startswith(f"[kernel] lora check 'merge': merged weight of {MODULE} is off ")
+    assert rules(off) == [("kernel", "lora-merge-rounding")]  # one ulp is no multiple of the adapter's product
+
+
+@pytest.mark.parametrize(("factor", "meaning"), [(2.0, "the adapter's scaling 2 applied twice"),
+                                                  (0.5, "the adapter's scaling 2 left out"),
+                                                  (0.0, "the adapter was not merged")])
+def test_a_merge_off_by_an_exact_factor_is_the_librarys_arithmetic_not_a_kernel(factor: float, meaning: str) -> None:
+    """A merged weight that is W + k * scale * B @ A within rounding (the scaling applied twice: k = scale) is no
+    kernel's rounding, however many rounding bounds off it is: peft's arithmetic, with k and what it means."""
+    rng = np.random.default_rng(3)
+    base = rng.normal(0, 0.02, (64, 64)).astype(np.float32)
+    lora_a = rng.normal(0, 0.07, (8, 64)).astype(np.float32)
+    lora_b = rng.normal(0, 0.01, (64, 8)).astype(np.float32)
+    merged = peft_merge_fp32(base, lora_a, lora_b, 2.0 * factor)
+    off = checks.check_merged_weight(MODULE, merged, base, lora_a, lora_b, 2.0, "fp32")
+    assert rules(off) == [("library: peft", "lora-merge-arithmetic")]
+    assert off[0]["facts"]["factor"] == pytest.approx(factor, abs=1e-5) and meaning in off[0]["message"]
 
 
 def test_ulp_matches_numpy_spacing_for_fp32() -> None:
@@ -142,8 +170,9 @@ def test_findings_of_other_ranks_are_kept_and_labelled() -> None:
 
 
 def test_repeated_findings_of_one_check_are_capped() -> None:
-    lines = checks.format_findings([checks.finding("sharded-save", f"t{i}") for i in range(6)], per_check=4)
-    assert len(lines) == 5 and lines[-1].endswith("... and 2 more findings like these")
+    shown = checks.shown_findings([checks.finding("sharded-save", f"t{i}") for i in range(6)], per_check=4)
+    assert len(shown) == 5 and shown[-1].message == "... and 2 more findings like these"
+    assert described(shown[-1]).startswith("[checkpoint] lora check 'sharded-save': ... and 2 more")
 
 
 def test_scenario_is_registered_with_one_case_and_reference_folder_per_wrapper() -> None:
@@ -173,9 +202,11 @@ def test_verdict_formats_findings_and_flags_checks_that_did_not_run() -> None:
                        results={"lora_checks": [checks.finding("adapter-roundtrip", f"lora_B of {MODULE} is all zeros "
                                                                                      "after reload")],
                                 "lora_checks_run": sorted(set(checks.CHECKS) - {"merge"})})
-    assert SCENARIO.verdict(SCENARIO.cases(CPU)[0], record, CPU) == [
-        f"[checkpoint] lora check 'adapter-roundtrip': lora_B of {MODULE} is all zeros after reload",
-        "[checkpoint] lora checks did not run: merge"]
+    problems = SCENARIO.verdict(SCENARIO.cases(CPU)[0], record, CPU)
+    assert problems == [CheckFinding("adapter-roundtrip", f"lora_B of {MODULE} is all zeros after reload"),
+                        "[checkpoint] lora checks did not run: merge"]
+    assert described(problems[0]) == (f"[checkpoint] lora check 'adapter-roundtrip': lora_B of {MODULE} is all zeros "
+                                      "after reload (rule lora-adapter-roundtrip)")
 
 
 def test_lora_fault_specs_are_validated() -> None:
@@ -187,3 +218,14 @@ def test_lora_fault_specs_are_validated() -> None:
     assert target_module(parse("lora:mode=grad_leak")) == MODULE
     with pytest.raises(Exception, match="mode"):
         parse("lora:mode=nonsense")
+
+
+def test_the_docs_table_of_check_rules_is_triages() -> None:
+    from pathlib import Path
+
+    from pytest_gpuregress.triage import scenario_checks
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "lora.md").read_text()
+    begin, end = "<!-- check-rules:begin -->", "<!-- check-rules:end -->"
+    assert text[text.index(begin) + len(begin):text.index(end)].strip().splitlines() == scenario_checks.markdown_table()
+    assert set(scenario_checks.CHECKS) == set(checks.CHECKS)  # every check a run makes has a rule that names it

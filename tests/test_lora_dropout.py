@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from pytest_gpuregress import faults
+from pytest_gpuregress.findings import CheckFinding
 from pytest_gpuregress.scenarios.lora import checks
 from pytest_gpuregress.scenarios.lora.dropout_check import check_dropout
+from pytest_gpuregress.triage.scenario_checks import rule_for
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def test_a_dropout_bug_is_caught_by_name(tiny: dict[str, Any], mode: str, expect
             undo()
     assert installed.count > 0
     assert any(expected in message for message in found), found
-    assert checks.CHECKS["dropout"] == "library: peft"
+    assert {rule_for(CheckFinding("dropout", message)).id for message in found} == {"lora-dropout"}
 
 
 def test_a_dropout_never_applied_is_caught(tiny: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:

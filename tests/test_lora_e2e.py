@@ -147,6 +147,18 @@ def test_merged_weight_one_ulp_off_in_one_layer_is_caught(pytester: pytest.Pytes
     assert "logits on the fixed batch" not in result.stdout.str()  # one ulp is far below any sound logit bound
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
+def test_a_merge_that_applies_the_scaling_twice_is_peft_not_a_kernel(pytester: pytest.Pytester, refs: Path) -> None:
+    """Millions of rounding bounds off, but exactly one more factor of the adapter's scaling: arithmetic, not rounding."""
+    result = run(pytester, refs, FSDP2, "--gpuregress-inject=lora:mode=merge_scaled_twice,layer=0,proj=down_proj")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*[[]library: peft[]] lora check 'merge': merged weight of model.layers.0.mlp.down_proj is off W + "
+        "scale*lora_B@lora_A in *; it is W + 2 x scale*lora_B@lora_A within rounding (the adapter's scaling 2 applied "
+        "twice) (rule lora-merge-arithmetic)"])
+    assert "[kernel] lora check 'merge'" not in result.stdout.str()
+
+
 def test_a_run_that_fails_its_lora_checks_is_never_recorded(pytester: pytest.Pytester, tmp_path: Path) -> None:
     target = tmp_path / "new-refs"
     result = run(pytester, target, FSDP2, "--gpuregress-record", "--gpuregress-replicas=0",

@@ -84,6 +84,7 @@ def _record_folder(given: str) -> Path:
 def _compare(args: argparse.Namespace) -> int:
     """Judge a kept run as the plugin did: its scenario's own checks, and against REF where given."""
     from ..scenarios.comparator import for_kept
+    from ..triage.scenario_checks import described
 
     if len(args.paths) > 2:
         raise GpuRegressError(f"compare takes [REF] RUN, not {len(args.paths)} paths")
@@ -103,8 +104,8 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"{what}: passed{lane}")
         return 0
     print(f"{what}: FAILED")
-    for line in judgement.problems:
-        print(line)
+    for problem in judgement.problems:
+        print(described(problem))
     if comparison is not None and not comparison.passed:
         print(format_comparison(comparison, scenario=reference.scenario if reference else run.scenario,
                                 platform_key=run.platform_key, reference_path=given[0],

@@ -202,11 +202,12 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("lora", ".lora:install", "a peft/accelerate LoRA bug, for scenario lora (docs/lora.md)", {
         "mode": Param("choice", "grad_leak: one base weight stays trainable; rank0_slice: the adapter is saved from "
                                 "each rank's shard; zero_lora_b: one lora_B saved as zeros; merge_ulp: one layer's "
-                                "merged weight one ulp up; dropout_in_eval: nn.Dropout (peft's lora_dropout) drops in "
+                                "merged weight one ulp up; merge_scaled_twice: one layer merged as W + s*s*B@A (the "
+                                "scaling applied twice); dropout_in_eval: nn.Dropout (peft's lora_dropout) drops in "
                                 "eval mode too; dropout_unseeded: its masks ignore torch.manual_seed; dropout_shared: "
                                 "peft's LoRA Linear drops the input the frozen base layer reads too",
-                      ("grad_leak", "rank0_slice", "zero_lora_b", "merge_ulp", "dropout_in_eval", "dropout_unseeded",
-                       "dropout_shared")),
+                      ("grad_leak", "rank0_slice", "zero_lora_b", "merge_ulp", "merge_scaled_twice", "dropout_in_eval",
+                       "dropout_unseeded", "dropout_shared")),
         "layer": Param("int", "decoder layer of the affected module (default 1)"),
         "proj": Param("choice", "projection of the affected module (default q_proj)",
                       ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),

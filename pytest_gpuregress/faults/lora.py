@@ -10,6 +10,7 @@ it through ``ctx.cleanup_hooks``:
                 cannot fire there and the case fails saying so)
   zero_lora_b   lora.write_adapter saves one lora_B as zeros
   merge_ulp     lora.merge_and_unload leaves one layer's merged weight one ulp up
+  merge_scaled_twice   lora.merge_and_unload applies the adapter's scaling twice in one layer: W + s*s*B@A
   dropout_in_eval   nn.Dropout, peft's lora_dropout, drops in eval mode too
   dropout_unseeded  nn.Dropout draws its masks from a generator torch.manual_seed does not reach
   dropout_shared    peft's LoRA Linear applies its lora_dropout to the input before the frozen base layer reads it
@@ -110,6 +111,23 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
                 return merged
             return merge_and_unload
         _intercept(ctx, "lora.merge_and_unload", off_by_one_ulp)
+    elif mode == "merge_scaled_twice":
+        def scaled_twice(original: Any) -> Any:
+            def merge_and_unload(peft_model: Any) -> Any:
+                import torch
+
+                layer = peft_model.get_submodule(f"base_model.model.{module}")
+                scale = layer.scaling["default"]
+                with torch.no_grad():  # what a merge that applies the scaling twice writes: W + s * s * B @ A
+                    wrong = layer.base_layer.weight.detach().clone() + scale * scale * (
+                        layer.lora_B["default"].weight @ layer.lora_A["default"].weight)
+                merged = original(peft_model)
+                with torch.no_grad():
+                    merged.get_parameter(f"{module}.weight").copy_(wrong)
+                firing.fire()
+                return merged
+            return merge_and_unload
+        _intercept(ctx, "lora.merge_and_unload", scaled_twice)
     elif mode in ("dropout_in_eval", "dropout_unseeded"):
         _patch_stack(ctx, _dropout_class(), "forward", _broken_dropout(mode, firing))
     elif mode == "dropout_shared":

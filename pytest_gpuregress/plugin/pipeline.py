@@ -18,6 +18,7 @@ from ..reference.record import RunRecord
 from ..reference.report import format_comparison, format_drift, format_margins
 from ..scenarios.comparator import Comparator, with_identity
 from ..stack.fingerprint import describe_change
+from ..triage.scenario_checks import described
 from ..warn import warn_at_test
 from .artifacts import Artifacts, Kept, compare_command
 from .explain import Explanation
@@ -49,7 +50,7 @@ class CheckPipeline:
         ``kept_as``: the name the run is kept under (default ``name``): the case's id, where cases share a reference."""
         __tracebackhide__ = True
         if self.places.recording(name, record.platform_key):
-            self._record(record, name, [*extra, *comparator.own_checks(record)])
+            self._record(record, name, [*extra, *map(described, comparator.own_checks(record))])
             return None
         loc = self.places.location(name, record.platform_key)
         try:
@@ -61,7 +62,7 @@ class CheckPipeline:
         judgement = comparator.judge(reference, record)
         comparison = judgement.comparison
         assert comparison is not None  # judged with a reference
-        problems = [*extra, *judgement.problems]
+        problems = [*extra, *map(described, judgement.problems)]
         passed = comparison.passed and not problems
         kept = self.artifacts.keep(kept_as or name, with_identity(record, comparator), judgement.reference or reference, comparison,
                                    keep_run=not passed or self.keep_runs, plot=not passed or self.plots)
@@ -104,7 +105,7 @@ class CheckPipeline:
         it again; a passed one with --gpuregress-keep-runs. ``judged`` hears whether the case's own checks passed
         (``extra``, such as a fault that never fired, left out)."""
         __tracebackhide__ = True
-        own = comparator.judge(None, record).problems
+        own = [described(problem) for problem in comparator.judge(None, record).problems]
         judged(not own)
         problems = [*extra, *own]
         if not problems and not self.keep_runs:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..findings import Problem
 from .policy import JudgingPolicy
 
 if TYPE_CHECKING:
@@ -22,12 +23,13 @@ class Judgement:
     """One run judged.
 
     ``comparison``: against its reference (None where the case has none: a check case).
-    ``problems``: complete messages that fail it besides the comparison's findings: the scenario's own checks
-    (LoRA, formats, checkpoint), ops on the host, a fail-fast stop, kernel or perf failures under the policy.
+    ``problems``: what fails it besides the comparison's findings: the scenario's own checks (LoRA, formats,
+    checkpoint: complete messages, or findings that triage names), ops on the host, a fail-fast stop, kernel or perf
+    failures under the policy.
     ``reference``: the reference as compared (cut to the steps a fail-fast run ran)."""
 
     comparison: Comparison | None
-    problems: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
     observed: Observations | None = None
     reference: RunRecord | None = None
 

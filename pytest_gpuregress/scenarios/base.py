@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..activities import Exercises
+from ..findings import Problem
 from ..kinds import Backend, DeviceKind
 from ..reference.record import RunRecord
 
@@ -319,8 +320,9 @@ class Scenario:
         skipped as not supported, never judged, since nothing was computed."""
         return None
 
-    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
-        """Reference-free findings for ``case``, each a complete message naming its component; [] when clean."""
+    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
+        """Reference-free findings for ``case``: a complete message, or a check's finding that triage names (a
+        ``CheckFinding``); [] when clean."""
         return []
 
     def properties(self, case: Case, record: RunRecord, setup: Setup) -> dict[str, Any]:

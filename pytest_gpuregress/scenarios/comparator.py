@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import GpuRegressError
+from ..findings import Problem
 from ..reference import clipping, collective_invariants, failfast, kernels
 from ..reference.envelope import MetricLimits as Tolerances
 from ..reference.judgement import Judgement, JudgingPolicy
@@ -40,10 +41,10 @@ class Comparator:
     setup: Setup | None = None
     tolerances: Tolerances | None = None  # a user's explicit limits (gpuregress.check_metrics): the tolerant lane's
 
-    def own_checks(self, run: RunRecord) -> list[str]:
+    def own_checks(self, run: RunRecord) -> list[Problem]:
         """Findings that need no reference: the scenario's verdict, host ops of a GPU training run, and a training
         run's collectives and clip held to their own invariants."""
-        out: list[str] = []
+        out: list[Problem] = []
         if self.scenario is not None and self.case is not None and self.setup is not None:
             out += self.scenario.verdict(self.case, run, self.setup)
         if self.scenario is None or self.scenario.kind == "training":

@@ -143,10 +143,13 @@ def _root(setup: Setup) -> str:
 
 
 def _curve(reference: RunRecord, record: RunRecord, lane: str) -> list[Finding]:
+    """The training curve against the reference's. It is trained before the checkpoint is saved, so a difference
+    in it convicts no checkpoint: it names nothing yet ("unknown"), and triage weighs the run's evidence."""
     expected, got = reference.series.get("loss", []), record.series.get("loss", [])
     lines = checks.curve_findings(expected, got, lane == "exact", what="this run differs from the reference")
     step = checks.first_curve_difference(expected, got, lane == "exact")
-    return [Finding("loss", "checkpoint", line, step=step) for line in lines]
+    return [Finding("loss", "unknown", f"{line}; every step of it ran before the checkpoint was saved, so it is no "
+                    "checkpoint's doing", step=step) for line in lines]
 
 
 def _arrays(reference: RunRecord, record: RunRecord) -> list[Finding]:

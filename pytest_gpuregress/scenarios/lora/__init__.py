@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import activities as act
 from ...errors import NotApplicable
+from ...findings import Problem
 from ...reference.record import RunRecord
 from ...scenario_options import LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
 from ..base import Case, Launch, Scenario, Setup
@@ -209,12 +210,12 @@ class LoraScenario(Scenario):
         merged.results["lora_checks"] = merge_findings(r.results.get("lora_checks", []) for r in records)
         return merged
 
-    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
-        from .checks import CHECKS, format_findings
+    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
+        from .checks import CHECKS, shown_findings
 
         if RESUME_RESULTS in record.results:  # a continuation is judged against the reference's last steps only
             return []
-        problems = format_findings(record.results.get("lora_checks", []))
+        problems: list[Problem] = [*shown_findings(record.results.get("lora_checks", []))]
         missing = sorted(set(CHECKS) - set(record.results.get("lora_checks_run", [])))
         if missing:  # each check runs in every run; one that did not run cannot have passed
             problems.append(f"[checkpoint] lora checks did not run: {', '.join(missing)}")

@@ -79,6 +79,22 @@ def merge_excess(merged: np.ndarray, base: np.ndarray, lora_a: np.ndarray, lora_
     )
 
 
+def merge_factor(merged: np.ndarray, base: np.ndarray, lora_a: np.ndarray, lora_b: np.ndarray, scale: float,
+                 dtype: str) -> float | None:
+    """k where the merged weight is W + k s B A within the rounding bound of that sum, k not 1: the merge computed
+    the adapter's product with other arithmetic (a scaling applied twice or left out). None where no single factor
+    explains it (a kernel's error is no multiple of the product), or where the product is zero."""
+    delta = merged.astype(np.float64) - base.astype(np.float64)
+    product = scale * (lora_b.astype(np.float64) @ lora_a.astype(np.float64))
+    norm = float(np.sum(product * product))
+    if norm == 0.0:
+        return None
+    factor = float(np.sum(delta * product) / norm)  # least squares: the one factor that fits best
+    if abs(factor - 1.0) <= 1e-6 or merge_excess(merged, base, lora_a, lora_b, scale * factor, dtype).count:
+        return None
+    return factor
+
+
 def logits_bound(max_abs_logit: float, inner_dims: list[int], rank: int, dtype: str) -> float:
     """First-order bound on |merged - unmerged logits|: (sum over targeted layers of (3 n + r + 3)) u max|logits|."""
     u = UNIT_ROUNDOFF[dtype]

@@ -1,62 +1,56 @@
 """The LoRA checks: pure functions from tensors (numpy) to findings. No torch, so they unit-test in milliseconds.
 
-A finding is a small dict (check name, component, message). Rank code collects them into the record;
-the scenario's ``verdict()`` formats them. Every message names the adapter tensor and the module it
-targets, e.g. "lora_B of model.layers.1.self_attn.q_proj is all zeros after reload".
+A finding is a small dict (check name, message, the facts measured). Rank code collects them into the record;
+the scenario's ``verdict()`` hands them on, and triage names the component each points at. Every message
+names the adapter tensor and the module it targets, e.g. "lora_B of model.layers.1.self_attn.q_proj is all zeros
+after reload".
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from ...findings import CheckFinding
 from . import bounds
 
-PEFT = "library: peft"  # the LoRA layers, their freezing of the base and their dropout are peft's code
+# The checks every LoRA run makes (what each one checks: docs/lora.md); triage/scenario_checks.py names what a
+# failed one points at, from the facts it measured.
+CHECKS: tuple[str, ...] = ("frozen-base", "adapter-nonzero", "sharded-save", "adapter-roundtrip", "merge", "dropout")
 
-# check name -> the component a failure points at (the plugin's vocabulary)
-CHECKS: dict[str, str] = {
-    "frozen-base": "optimizer",  # only adapters get gradients; base weights never move (each finding names its cause)
-    "adapter-nonzero": "optimizer",  # every targeted module has a non-empty lora_A/lora_B, lora_B trained away from 0
-    "sharded-save": "checkpoint",  # the saved adapter holds every rank's slice, full shapes
-    "adapter-roundtrip": "checkpoint",  # save_pretrained -> from_pretrained gives the same tensors and logits
-    "merge": "kernel",  # merge_and_unload agrees with the unmerged model within the dtype's bound
-    "dropout": PEFT,  # peft's lora_dropout: off in eval, masks from torch's seeded RNG, applied in train
-}
-
-Finding = dict[str, str]
+Finding = dict[str, Any]  # {"check": name, "message": one line, "facts": what was measured}: JSON in the record
 
 # "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight" (a parameter) or
 # "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" (a key of the saved file)
 _ADAPTER = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<which>lora_[AB])(?:\.[^.]+)?\.weight$")
 
 
-def finding(check: str, message: str, component: str | None = None) -> Finding:
-    """A check's finding; ``component``: what this finding points at, where the check's default would misname it."""
+def finding(check: str, message: str, **facts: Any) -> Finding:
+    """A check's finding: what failed, where, and the ``facts`` measured about it (triage names the component)."""
     if check not in CHECKS:
         raise ValueError(f"unknown lora check {check!r}; known: {', '.join(CHECKS)}")
-    return {"check": check, "component": component or CHECKS[check], "message": message}
+    return {"check": check, "message": message, "facts": facts}
 
 
-def format_finding(item: Mapping[str, str]) -> str:
-    return f"[{item['component']}] lora check '{item['check']}': {item['message']}"
-
-
-def format_findings(items: Iterable[Mapping[str, str]], per_check: int = 4) -> list[str]:
-    """One line per finding, at most ``per_check`` per check: a sliced save fails every tensor alike."""
-    lines: list[str] = []
-    shown: dict[str, int] = {}
+def shown_findings(items: Iterable[Mapping[str, Any]], per_check: int = 4) -> list[CheckFinding]:
+    """At most ``per_check`` findings per check, then one that counts the rest (a sliced save fails every tensor
+    alike), with the facts of the last one shown."""
+    shown: list[CheckFinding] = []
+    counts: dict[str, int] = {}
+    last: dict[str, CheckFinding] = {}
     for item in items:
-        shown[item["check"]] = shown.get(item["check"], 0) + 1
-        if shown[item["check"]] <= per_check:
-            lines.append(format_finding(item))
-    for check, count in shown.items():
+        counts[item["check"]] = counts.get(item["check"], 0) + 1
+        if counts[item["check"]] <= per_check:
+            last[item["check"]] = CheckFinding.of(item)
+            shown.append(last[item["check"]])
+    for check, count in counts.items():
         if count > per_check:
-            lines.append(f"[{CHECKS[check]}] lora check '{check}': ... and {count - per_check} more findings like these")
-    return lines
+            shown.append(replace(last[check], message=f"... and {count - per_check} more findings like these"))
+    return shown
 
 
 def split_adapter_name(name: str) -> tuple[str, str] | None:
@@ -108,20 +102,21 @@ def check_frozen(leaked: Mapping[str, int], initial: Mapping[str, str], final: M
     doing its job on a weight it was handed. A change with no gradient ever was written by something else: the
     optimizer stepping a weight without a gradient, or a collective or load writing into it."""
     out = [finding("frozen-base", f"frozen base weight {describe(name)} received a gradient at step {step} "
-                                  "(only lora_A/lora_B may): the library left it trainable", PEFT)
+                                  "(only lora_A/lora_B may): the library left it trainable", left_trainable=True)
            for name, step in leaked.items()]
     for name, digest in initial.items():
         if name not in final:
-            out.append(finding("frozen-base", f"base weight {describe(name)} is missing after training", PEFT))
+            out.append(finding("frozen-base", f"base weight {describe(name)} is missing after training",
+                               left_trainable=True))
         elif final[name] != digest and name in leaked:
             out.append(finding("frozen-base", f"base weight {describe(name)} changed during training: it is no longer "
                                               "bit-identical to its initial digest, stepped with the gradient it "
-                                              f"received from step {leaked[name]}", PEFT))
+                                              f"received from step {leaked[name]}", left_trainable=True))
         elif final[name] != digest:
             out.append(finding("frozen-base", f"base weight {describe(name)} changed during training without ever "
                                               "receiving a gradient: no longer bit-identical to its initial digest "
                                               "(an optimizer stepping it anyway, or a collective or load writing "
-                                              "into it)", "optimizer or collective"))
+                                              "into it)"))
     return out
 
 
@@ -212,11 +207,29 @@ def check_merged_weight(module: str, merged: np.ndarray, base: np.ndarray, lora_
         return [finding("merge", f"merged weight of {module} has shape {_shape(merged.shape)}, the base weight "
                                  f"{_shape(base.shape)}")]
     excess = bounds.merge_excess(merged, base, lora_a, lora_b, scale, dtype)
-    if excess.count:
-        return [finding("merge", f"merged weight of {module} is off W + scale*lora_B@lora_A in {excess.count} of "
-                                 f"{merged.size} elements, up to {excess.worst_ulps:.2f} ulps "
-                                 f"({excess.worst_ratio:.2f}x the rounding bound) at {list(excess.index)}")]
-    return []
+    if not excess.count:
+        return []
+    off = (f"merged weight of {module} is off W + scale*lora_B@lora_A in {excess.count} of {merged.size} elements, "
+           f"up to {excess.worst_ulps:.2f} ulps ({excess.worst_ratio:.2f}x the rounding bound) at {list(excess.index)}")
+    factor = bounds.merge_factor(merged, base, lora_a, lora_b, scale, dtype)
+    if factor is None:
+        return [finding("merge", off)]
+    return [finding("merge", f"{off}; it is W + {factor:.6g} x scale*lora_B@lora_A within rounding "
+                             f"({_factor_meaning(factor, scale)})", factor=factor, scale=scale)]
+
+
+def _factor_meaning(factor: float, scale: float) -> str:
+    """What an exact factor on the adapter's product says of the arithmetic that made it."""
+    close = lambda a, b: abs(a - b) <= 1e-3 * max(abs(b), 1e-12)  # noqa: E731
+    if close(factor, scale):
+        return f"the adapter's scaling {scale:g} applied twice"
+    if close(factor * scale, 1.0):
+        return f"the adapter's scaling {scale:g} left out"
+    if close(factor, 0.0):
+        return "the adapter was not merged"
+    if close(factor, -1.0):
+        return "the adapter's product subtracted"
+    return f"the product scaled by {factor:.6g} where the adapter's scaling is {scale:g}"
 
 
 def merge_findings(items: Iterable[Iterable[Mapping[str, Any]]]) -> list[Finding]:
@@ -230,5 +243,5 @@ def merge_findings(items: Iterable[Iterable[Mapping[str, Any]]]) -> list[Finding
                 continue
             seen.add(key)
             message = item["message"] if rank == 0 else f"{item['message']} (on rank {rank})"
-            out.append({"check": item["check"], "component": item["component"], "message": message})
+            out.append({"check": item["check"], "message": message, "facts": item.get("facts") or {}})
     return out

@@ -72,7 +72,13 @@ def check_merge(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, 
     inner = [base.shape[1] for base in base_weights.values()] + \
         [int(layer.in_features) for layer in every.values() if is_parameter_wrapper(layer)]
     bound = bounds.logits_bound(float(np.max(np.abs(unmerged))), inner, int(cfg["lora_r"]), dtype)
-    findings += checks.check_logits("merge", "merged (merge_and_unload) against unmerged", unmerged, merged, bound)
+    logits = checks.check_logits("merge", "merged (merge_and_unload) against unmerged", unmerged, merged, bound)
+    # Logits that follow a merged weight off by an exact factor are that weight's consequence: the same facts.
+    arithmetic = next((f for f in findings if f["facts"].get("factor") is not None), None)
+    if arithmetic is not None:
+        logits = [{**f, "message": f"{f['message']} (the merged weight above, off by an exact factor, explains it)",
+                   "facts": arithmetic["facts"]} for f in logits]
+    findings += logits
     deviation = float(np.max(np.abs(unmerged.astype(np.float64) - merged)))
     return findings, {"logit_deviation": deviation, "logit_bound": bound, "weight_error_over_bound": worst_ratio}
 

@@ -1,0 +1,24 @@
+"""What a scenario's own check saw, before anyone names a component: the check, where and how much, and the facts
+it measured. Triage names it (triage/scenario_checks.py); the report prints it. Neutral: every layer may use it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CheckFinding:
+    check: str  # the check that saw it ("merge", "adapter-roundtrip", ...), whose rules name it
+    message: str  # one line: what failed, where, by how much
+    facts: Mapping[str, Any] = field(default_factory=dict)  # what was measured about it ("factor": 2.0)
+    scope: str = "lora check"  # how the report introduces the check: "lora check 'merge': ..."
+
+    @classmethod
+    def of(cls, item: Mapping[str, Any], scope: str = "lora check") -> CheckFinding:
+        """From a record's JSON dict ({"check", "message", "facts"}); a component it may hold is not read."""
+        return cls(item["check"], item["message"], dict(item.get("facts") or {}), scope)
+
+
+Problem = str | CheckFinding  # what fails a run besides its comparison: a complete line, or a finding triage names

@@ -92,7 +92,9 @@ def build(venv: Path, pins: list[str], install_plugin: bool) -> str:
 
 
 def main_job(venv: Path, from_tree: bool, *extra: str) -> JobResult:
-    """``pytest --gpuregress`` in an empty folder, against the shipped references; read back from its JUnit XML."""
+    """``pytest --gpuregress`` in an empty folder, against the shipped references; read back from its JUnit XML. Its
+    output is kept beside the venv (``<venv>.log``; ``<venv>-with-options.log`` for a run given ``extra``), to read what
+    a failure said."""
     env = {**os.environ}
     plugin: list[str] = []
     if from_tree:  # as gpu_check.sh runs it: this tree on PYTHONPATH, no installed plugin
@@ -104,6 +106,7 @@ def main_job(venv: Path, from_tree: bool, *extra: str) -> JobResult:
         done = sh([str(venv / "bin" / "python"), "-m", "pytest", *plugin, "-p", "no:cacheprovider", "--gpuregress",
                    f"--junitxml={junit}", *extra], cwd=Path(work), env=env)
         result = JobResult(seconds=time.monotonic() - started)
+        venv.with_name(f"{venv.name}{'-with-options' if extra else ''}.log").write_text(done.stdout + done.stderr)
         result.known_issues = re.findall(r"^gpuregress KNOWN ISSUE (\S+) \(", done.stdout, re.M)
         result.known_issues = list(dict.fromkeys(result.known_issues))
         if not junit.exists():

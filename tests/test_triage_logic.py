@@ -196,3 +196,34 @@ def test_a_weight_that_arrives_at_an_op_is_no_data() -> None:
 
     assert moved_input("i64").component == "data"
     assert moved_input("f32").component is None
+
+
+def test_gradients_exactly_world_size_times_the_reference_are_a_divide_skipped() -> None:
+    """torch 2.8's gloo AVG reduce-scatter summed: every gradient came out 2x at 2 ranks. Without the run's
+    collective invariants nothing tells that AVG from a caller that did not divide; with them held, it is the caller."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from pytest_gpuregress.reference.compare import arithmetic_of, uniform_factor
+    from pytest_gpuregress.triage.decision import INVARIANTS, Evidence, decide
+
+    rng = np.random.default_rng(0)
+    expected = rng.normal(0, 1e-3, 4096)
+    assert uniform_factor(expected, 2 * expected) == 2.0 and arithmetic_of(2.0, 2) == "the world size 2"
+    assert arithmetic_of(0.25, 4) == "1 / the world size 4" and arithmetic_of(3.0, 2) is None
+    assert uniform_factor(expected, expected * (1 + rng.normal(0, 1e-2, 4096))) is None  # a kernel's error: no factor
+    assert uniform_factor(expected, expected * (1 + 1e-7)) is None  # drift is no factor
+
+    def gradients(factor_is: str | None) -> SimpleNamespace:
+        grad = SimpleNamespace(metric="late_grad", step=None, factor=2.0, factor_is=factor_is)
+        return SimpleNamespace(findings=[grad, grad], culprit=None, paired_ops=None, changed_code=[],
+                               swapped_backend=None)
+
+    alone = decide(Evidence(gradients("the world size 2"), {}))  # type: ignore[arg-type]
+    assert (alone.component, alone.rule) == ("collective or library", "world-size-factor")
+    assert "every element exactly 2x the reference's: the world size 2" in alone.quoted
+    held = Experiment(INVARIANTS, "held", "every reduce-scatter kept its invariants")
+    caller = decide(Evidence(gradients("the world size 2"), {INVARIANTS: held}))  # type: ignore[arg-type]
+    assert caller.component.startswith("library") and caller.rule == "world-size-factor"
+    assert decide(Evidence(gradients(None), {})).rule != "world-size-factor"  # type: ignore[arg-type]

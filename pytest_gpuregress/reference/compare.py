@@ -68,6 +68,10 @@ class Finding:
     fraction: float | None = None  # share of a tensor's elements (or blocks, see ``unit``) that differ
     unit: str = "elements"
     worst: list[tuple[str, float, float, float]] = field(default_factory=list)  # (where, expected, got, diff)
+    # Where every differing element is the same multiple of the reference's (a divide skipped or done twice): that
+    # factor, and what it equals in this run's arithmetic ("the world size 2"); None where no one factor fits.
+    factor: float | None = None
+    factor_is: str | None = None
 
 
 @dataclass
@@ -317,6 +321,8 @@ def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, fl
             continue
         flat_bad = np.nonzero(check.bad)[0]
         first = int(flat_bad[0])
+        factor = uniform_factor(rf[flat_bad], gf[flat_bad])
+        factor_is = arithmetic_of(factor, run.world_size)
         out.append(
             Finding(
                 metric="step0_grad",
@@ -327,6 +333,8 @@ def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, fl
                     f"{'block sum ' if blocked else ''}{float(rf[first])!r}, got {float(gf[first])!r} "
                     f"({check.measure(first, lane, ulp_distance(float(gf[first]), float(rf[first])))}); "
                     f"max |diff|/max|ref| {float(check.dev.max()):.3g}"
+                    + (f"; every one of them is exactly {factor:.6g}x the reference's"
+                       f"{f' ({factor_is})' if factor_is else ''}" if factor is not None else "")
                 ),
                 step=0,
                 tensor=name,
@@ -338,9 +346,38 @@ def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, fl
                 fraction=len(flat_bad) / len(dev),
                 unit=unit,
                 worst=_worst(where, rf, gf, check.dev),
+                factor=factor,
+                factor_is=factor_is,
             )
         )
     return out, margin
+
+
+def uniform_factor(expected: np.ndarray, got: np.ndarray, rel: float = 1e-3) -> float | None:
+    """The one factor k with got = k * expected in every element given (to ``rel`` of the tensor's largest value), k
+    not 1; None where none fits. A kernel's error is no common multiple of a whole tensor; arithmetic (a divide
+    skipped) is. The factor is read off the elements of some size, where drift cannot hide it."""
+    expected, got = expected.astype(np.float64), got.astype(np.float64)
+    if not (np.all(np.isfinite(got)) and np.all(np.isfinite(expected))) or not expected.size:
+        return None
+    sizable = np.abs(expected) >= 0.01 * np.abs(expected).max()
+    if sizable.sum() < 2 or not np.abs(expected).max():
+        return None
+    factor = float(np.median(got[sizable] / expected[sizable]))
+    if abs(factor - 1.0) <= rel or not np.all(np.abs(got - factor * expected) <= rel * np.abs(got).max()):
+        return None
+    return factor
+
+
+def arithmetic_of(factor: float | None, world_size: int) -> str | None:
+    """What a common factor equals in a run's arithmetic: the world size, or its inverse (a divide by the number of
+    ranks skipped, or done twice); None for any other factor."""
+    if factor is None or world_size < 2:
+        return None
+    for value, said in ((world_size, f"the world size {world_size}"), (1 / world_size, f"1 / the world size {world_size}")):
+        if abs(factor - value) <= 1e-3 * value:
+            return said
+    return None
 
 
 def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, float]) -> tuple[Finding | None, float]:

@@ -145,6 +145,23 @@ def _called_otherwise(evidence: Evidence) -> Decision | None:
     return str(culprit.component), culprit.describe()
 
 
+def _world_size_factor(evidence: Evidence) -> Decision | None:
+    """Every gradient that differs is exactly the world size times the reference's (or its inverse): a divide by the
+    number of ranks skipped or done twice. An AVG that summed (the collective) and a caller that did not divide
+    (the library) give the same numbers; where the run's collectives kept their invariants it is the caller."""
+    comparison = evidence.comparison
+    gradients = [f for f in comparison.findings if f.metric in ("step0_grad", "late_grad")] if comparison else []
+    if not gradients or any(f.factor_is is None for f in gradients) or len({f.factor_is for f in gradients}) > 1:
+        return None
+    held = evidence.by_name.get(INVARIANTS)
+    what = (f"{len(gradients)} gradient tensors differ, every element exactly {gradients[0].factor:.6g}x the "
+            f"reference's: {gradients[0].factor_is}, a divide by the number of ranks skipped or done twice")
+    if held is not None and held.status == "held":
+        return "library: <the code that divides by the world size>", f"{what}; every collective kept its invariants"
+    return "collective or library", (f"{what}, by an AVG that summed (the collective) or by the code that divides "
+                                     "(a library); the run's collective invariants would tell them apart")
+
+
 def _one_rank(evidence: Evidence) -> Decision | None:
     """The op that introduced the difference computes (no collective), on one rank only, while the same op of the
     other ranks kept within drift: one device's own compute, whatever N ranks against one says; unless one rank
@@ -258,6 +275,10 @@ RULES: tuple[Rule, ...] = (
     Rule("called-otherwise",
          "the op that introduced the difference was called with other arguments than the reference's (a divisor, a "
          "scale, an epsilon)", "library: <the package whose code called it>", _called_otherwise),
+    Rule("world-size-factor",
+         "every gradient that differs is exactly the world size times the reference's, or its inverse (a divide by the "
+         "number of ranks skipped or done twice)", "collective or library; library where the collectives kept their "
+         "invariants", _world_size_factor),
     Rule("one-rank", "the op that introduced the difference computes, on one rank only; the others' same op kept within drift; "
          "one rank replaying every rank's micro-batch did not compute it (equivalence not clean)",
          "device (the rank named)", _one_rank),

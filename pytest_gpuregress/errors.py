@@ -67,8 +67,10 @@ class NotApplicable(GpuRegressError):
 
 
 # What torch says where a backend lacks an op (gloo before torch 2.12: "Backend gloo does not support alltoall"), as
-# opposed to an op that ran and failed.
+# opposed to an op that ran and failed; said of one op's own exception. A whole rank's failure, whose tracebacks may
+# mention anything, counts only torch.distributed's own wording.
 _LACKS_OP = re.compile(r"does not support|not supported|unsupported|not implemented", re.IGNORECASE)
+_BACKEND_LACKS = re.compile(r"\b(backend|processgroup) \w+ does not support \w+", re.IGNORECASE)
 
 
 class NotSupported(NotApplicable):
@@ -77,8 +79,14 @@ class NotSupported(NotApplicable):
 
     @staticmethod
     def said_by(error: BaseException | str) -> bool:
-        """Whether ``error`` is a backend saying it lacks the op, rather than the op failing."""
+        """Whether ``error``, raised by one op, is a backend saying it lacks the op, rather than the op failing."""
         return isinstance(error, NotImplementedError) or bool(_LACKS_OP.search(str(error)))
+
+    @staticmethod
+    def backend_lacks(text: str) -> str | None:
+        """Where a rank's failure ``text`` has torch.distributed saying its backend lacks an op, that sentence."""
+        found = _BACKEND_LACKS.search(text)
+        return found.group(0) if found else None
 
 
 class UnsafeName(GpuRegressError):

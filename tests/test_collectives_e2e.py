@@ -199,3 +199,17 @@ def test_a_failed_case_cites_the_known_issue_of_the_component_it_names(pytester:
     assert "this-torch-fp8 is a known" not in out and out.count("is a known collective issue") == 1
     junit = (pytester.path / "junit.xml").read_text()
     assert '<property name="known_issues" value="this-gloo-sums" />' in junit
+
+
+def test_a_training_run_whose_backend_lacks_an_op_is_a_missing_capability_not_a_failure(pytester: pytest.Pytester) -> None:
+    """FSDP2's reduce-scatter raising as a backend without it would: the case is skipped as not supported, the
+    closing table says NOT SUPPORTED with the backend's words, and no component is blamed."""
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gpuregress", "-rs", "-k", "fsdp and not tiny and not triage "
+                                "and not resume and not bf16 and not lora",
+                                "--gpuregress-inject=collective:op=reduce_scatter,mode=missing")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines([
+        "*fsdp cpu-gloo-w2-fp32: NOT SUPPORTED Backend gloo does not support reducescatter*",
+        "*not supported: this stack (gloo, torch *) lacks an op fsdp needs, which the reference's stack ran: Backend "
+        "gloo does not support reducescatter*"])
+    assert "[collective]" not in result.stdout.str()

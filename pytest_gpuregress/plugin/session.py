@@ -155,11 +155,11 @@ class GpuRegressSession:
         except RankFailure as exc:  # a row in the closing table too, not only a failed test
             launch = next((la for la in sc.launches([case], self.setup) if la.key == case.launch), None)
             key = self.platform.key(sc.platform_tag(launch.config if launch else sc.default_config(self.setup)))
-            if NotSupported.said_by(exc):  # the stack lacks an op the run needs: a capability, not a wrong number
-                add_outcome(self.outcomes, Outcome(reference or sc.name, key, "not supported", detail=_first_error(exc)))
+            lacks = NotSupported.backend_lacks(str(exc))
+            if lacks:  # the stack lacks an op the run needs: a capability, not a wrong number
+                add_outcome(self.outcomes, Outcome(reference or sc.name, key, "not supported", detail=lacks))
                 raise NotSupported(f"this stack ({self.platform.backend}, torch {_torch_version()}) lacks an op "
-                                   f"{reference or sc.name} needs, which the reference's stack ran: "
-                                   f"{_first_error(exc)}") from None
+                                   f"{reference or sc.name} needs, which the reference's stack ran: {lacks}") from None
             self._tally(sc, case, passed=False)  # a sweep that crashed passed nothing
             add_outcome(self.outcomes, Outcome(reference or sc.name, key, "error", detail=str(exc).splitlines()[0]))
             raise
@@ -243,9 +243,3 @@ def _torch_version() -> str:
     import torch
 
     return str(torch.__version__)
-
-
-def _first_error(failure: RankFailure) -> str:
-    """The line of a rank failure that says what the backend lacks."""
-    lines = str(failure).splitlines()
-    return next((line.strip() for line in lines if NotSupported.said_by(line)), lines[0] if lines else "")

@@ -33,8 +33,8 @@ def main() -> None:
     results = record.results["cases"]
     failing = [c for c in cases if plan.verdict(c, results[c.id], platform.world_size)]
     # An op this stack's backend lacks computed nothing: counted apart, never as failing.
-    lacking = sorted({f"{c.op}({c.variant})" if c.variant else c.op for c in cases if results[c.id].get("unsupported")})
-    unsupported = sum(bool(results[c.id].get("unsupported")) for c in cases)
+    lacking = sorted({f"{c.op}({c.variant})" if c.variant else c.op for c in cases if plan.lacks_only(results[c.id])})
+    unsupported = sum(plan.lacks_only(results[c.id]) for c in cases)
     for line in plan.bandwidth_table(cases, results, platform.world_size, args.dtype):
         print(line)
     print(f"\nsweep: {len(cases)} cases x {args.repeats} repeats up to {human_bytes(max_bytes)} on "

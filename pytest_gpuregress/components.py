@@ -50,7 +50,8 @@ def tag(name: str) -> str:
     return f"[{name}]"
 
 
-_TAG = re.compile(r"^(?:gpuregress [\w ]+: )?\s*\[([a-z][a-z :,]*)\]", re.MULTILINE)  # pytest's line: "gpuregress regression: "
+# A finding line's tag, at the start of a line or after pytest's "gpuregress regression: "; known() filters the rest.
+_TAG = re.compile(r"^(?:gpuregress [\w ]+: )?\s*\[([a-z][^\]\n]*)\]", re.MULTILINE)
 
 
 def named_in(report: str) -> set[str]:

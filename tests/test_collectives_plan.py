@@ -152,14 +152,21 @@ def test_wrong_counts_are_summed_over_ranks() -> None:
 
 
 @pytest.mark.parametrize(("error", "lacks"), [
-    (RuntimeError("Backend gloo does not support alltoall"), True),  # gloo before torch 2.12
-    (NotImplementedError("alltoall"), True),
-    (RuntimeError("ProcessGroup gloo does not support alltoall"), True),
-    (RuntimeError("Connection closed by peer [127.0.0.1]:1234"), False),  # a failed op is an error, never a skip
-    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+    (RuntimeError("Backend gloo does not support alltoall"), "Backend gloo does not support alltoall"),  # gloo < 2.12
+    ("rank 1: RuntimeError: Backend gloo does not support reduce_scatter_tensor_coalesced",
+     "Backend gloo does not support reduce_scatter_tensor_coalesced"),
+    # an op that ran and failed is an error, never a skip, whatever words it uses
+    (RuntimeError("Connection closed by peer [127.0.0.1]:1234"), None),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), None),
+    (RuntimeError("NCCL error: unhandled cuda error, Last error: Cuda failure 801 'operation not supported'"), None),
+    (RuntimeError("\"addmm_impl_cpu_\" not implemented for 'Half'"), None),
+    (NotImplementedError("alltoall"), None),
+    (RuntimeError("unsupported operation: more than one element of the written-to tensor refers to a single memory "
+                  "location"), None),
+    (RuntimeError("Backend nccl does not support setting timeout"), None),  # not a collective
 ])
-def test_a_backend_that_lacks_an_op_is_told_from_an_op_that_failed(error: BaseException, lacks: bool) -> None:
-    assert NotSupported.said_by(error) is lacks
+def test_a_backend_that_lacks_an_op_is_told_from_an_op_that_failed(error: BaseException | str, lacks: str | None) -> None:
+    assert NotSupported.backend_lacks(error) == lacks
 
 
 def test_an_unsupported_case_is_neither_wrong_nor_an_error_and_is_counted_apart() -> None:
@@ -178,6 +185,10 @@ def test_an_unsupported_case_is_neither_wrong_nor_an_error_and_is_counted_apart(
     said = sweep.unsupported(Case(case.id, data=case.to_json()), record, setup)
     assert said is not None and said.startswith("gloo on torch 2.8.0 lacks all_to_all(list) fp32 n=1 (8 B)")
     assert sweep.verdict(Case(case.id, data=case.to_json()), record, setup) == []
+    # A rank that saw wrong elements, or raised otherwise, outranks another rank's missing op: judged, not skipped.
+    wrong = plan.merge_rank_results([{case.id: lacking}, {case.id: {**lacking, "unsupported": None, "wrong": 2,
+                                                                    "first": {"index": 0, "expected": 1.0, "got": 0.0}}}])
+    assert plan.verdict(case, wrong[case.id], 2) is not None and not plan.lacks_only(wrong[case.id])
 
 
 def test_bus_bandwidth_factors_follow_nccl_tests() -> None:

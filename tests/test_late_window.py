@@ -133,7 +133,7 @@ def test_late_gradients_wrong_while_every_collective_kept_its_invariants_are_the
 def test_one_ranks_op_that_one_rank_replaying_every_micro_batch_also_computed_is_no_bad_device() -> None:
     """The helper's N1: nll_loss's backward wrong for one target id, which only rank 1's micro-batch holds at step 0.
     The op moved on rank 1 alone, but equivalence (one rank replaying each rank's micro-batch) computed the same:
-    it followed the data, not the device. Without equivalence, or where it differs, rule 7 names the device."""
+    it followed the data, not the device. Without equivalence, or where it differs, rule one-rank names the device."""
     from pytest_gpuregress.triage.decision import Evidence, _one_rank
 
     entry = SimpleNamespace(op="aten::nll_loss_backward", outputs=("f32[512, 256]",))

@@ -172,6 +172,11 @@ def test_findings_of_other_ranks_are_kept_and_labelled() -> None:
 def test_repeated_findings_of_one_check_are_capped() -> None:
     shown = checks.shown_findings([checks.finding("sharded-save", f"t{i}") for i in range(6)], per_check=4)
     assert len(shown) == 5 and shown[-1].message == "... and 2 more findings like these"
+    # A finding of another kind (another rule of the same check) is never hidden behind a capped kind.
+    leaks = [checks.finding("frozen-base", f"leak {i}", left_trainable=True) for i in range(6)]
+    moved = checks.finding("frozen-base", "moved without a gradient")
+    assert [rule_for(f).id for f in checks.shown_findings([*leaks, moved])] == \
+        ["lora-base-left-trainable"] * 4 + ["lora-base-moved", "lora-base-left-trainable"]  # the last: "... and 2 more"
     assert described(shown[-1]).startswith("[checkpoint] lora check 'sharded-save': ... and 2 more")
 
 

@@ -175,8 +175,10 @@ def library_change(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
         return None
     if change is None:
         return None
+    from ..triage.decision import Evidence
+
     recorded = reference.fingerprint.get("versions") or {}
-    culprit = comparison.culprit if comparison is not None else None
+    culprit = Evidence(comparison).culprit  # none where too little of step 0 was paired to look for it
     changed_code = comparison.changed_code if comparison is not None else []
     component, why = oracle_step0.suspect(change, recorded, {p: installed_version(p) for p in recorded}, culprit,
                                           changed_code)

@@ -15,8 +15,7 @@ if TYPE_CHECKING:
 
 # The key figures of a test, attached as JUnit properties (record_property's mechanism).
 JUNIT_FIGURES = ("lane", "component", "triage_verdict", "triage_rule", "bisect", "first_differing_step", "worst_over_tolerance",
-                 "platform_key",
-                 "seconds", "wrong_elements",
+                 "platform_key", "seconds", "wrong_elements",
                  "perf", "kernel_changes", "busiest_expert_share", "stack_changes", "faults_fired",
                  "consensus_verdict", "consensus_devices", "consensus_dissenters", "consensus_table", "consensus_links")
 

@@ -23,7 +23,7 @@ from ..scenarios.comparator import Comparator, comparator_of
 from ..stack.platforms import Platform, rank_origin, resolve_platform
 from .artifacts import Artifacts
 from .bisecting import BisectRequest
-from .explain import explain_failure, measure_oracle_distance, own_evidence
+from .explain import Explanation, explain_failure, measure_oracle_distance, own_evidence
 from .launches import Launches, Runner, keeping
 from .options import Options
 from .outcomes import Outcome, add_outcome
@@ -155,11 +155,13 @@ class GpuRegressSession:
         except RankFailure as exc:  # a row in the closing table too, not only a failed test
             launch = next((la for la in sc.launches([case], self.setup) if la.key == case.launch), None)
             key = self.platform.key(sc.platform_tag(launch.config if launch else sc.default_config(self.setup)))
-            lacks = NotSupported.backend_lacks(str(exc))
+            lacks = NotSupported.backend_lacks(exc)
             if lacks:  # the stack lacks an op the run needs: a capability, not a wrong number
                 add_outcome(self.outcomes, Outcome(reference or sc.name, key, "not supported", detail=lacks))
+                ran = ", which the reference's stack ran" if reference is not None and not self.places.recording(
+                    reference, key) else ""
                 raise NotSupported(f"this stack ({self.platform.backend}, torch {_torch_version()}) lacks an op "
-                                   f"{reference or sc.name} needs, which the reference's stack ran: {lacks}") from None
+                                   f"{reference or sc.name} needs{ran}: {lacks}") from None
             self._tally(sc, case, passed=False)  # a sweep that crashed passed nothing
             add_outcome(self.outcomes, Outcome(reference or sc.name, key, "error", detail=str(exc).splitlines()[0]))
             raise
@@ -186,7 +188,7 @@ class GpuRegressSession:
             measure_oracle_distance(sc, self.setup, self.launches.cached, record, model)
 
         def explain(ref: RunRecord, comparison: Comparison, whole: RunRecord,
-                    failed: RunRecord) -> tuple[str | None, list[str]]:
+                    failed: RunRecord) -> Explanation:
             return explain_failure(sc, self.setup, self.launches.cached, ref, comparison, model, self.options.triage,
                                    run_experiments=sc.triage_explains(case), case=case,
                                    checks=[*self._checks_evidence(), *own_evidence(failed)], whole_reference=whole,

@@ -321,7 +321,7 @@ def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, fl
             continue
         flat_bad = np.nonzero(check.bad)[0]
         first = int(flat_bad[0])
-        factor = uniform_factor(rf[flat_bad], gf[flat_bad])
+        factor = uniform_factor(rf, gf)  # over the whole tensor: a divide skipped scales every element alike
         factor_is = arithmetic_of(factor, run.world_size)
         out.append(
             Finding(
@@ -354,9 +354,9 @@ def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, fl
 
 
 def uniform_factor(expected: np.ndarray, got: np.ndarray, rel: float = 1e-3) -> float | None:
-    """The one factor k with got = k * expected in every element given (to ``rel`` of the tensor's largest value), k
-    not 1; None where none fits. A kernel's error is no common multiple of a whole tensor; arithmetic (a divide
-    skipped) is. The factor is read off the elements of some size, where drift cannot hide it."""
+    """The one factor k with got = k * expected in every element of a tensor (to ``rel`` of its largest value), k not
+    1; None where none fits. A kernel's error is no common multiple of a whole tensor; arithmetic (a divide skipped)
+    is. The factor is read off the elements of some size, where drift cannot hide it."""
     expected, got = expected.astype(np.float64), got.astype(np.float64)
     if not (np.all(np.isfinite(got)) and np.all(np.isfinite(expected))) or not expected.size:
         return None

@@ -75,7 +75,7 @@ class FirstMoved:
         if self.kind != "moved" or self.entry is None:
             return None
         if self.entry.op == INPUT_OP:
-            return "data" if _integers(self.entry) else None
+            return "data" if holds_integers(self.entry) else None
         if self.entry.op.startswith(COLLECTIVE_NAMESPACES):
             return "collective"
         if self.entry.phase in ("clip", "optimizer"):  # gradient clipping is part of the update, as AdamW's step
@@ -102,7 +102,7 @@ class FirstMoved:
         where = f"on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} of {self.world}"
         before = f"the {self.equal_before} ops before it are bitwise equal" if self.equal_before != 1 else \
             "the op before it is bitwise equal"
-        if self.kind == "moved" and self.entry is not None and self.entry.op == INPUT_OP and _integers(self.entry):
+        if self.kind == "moved" and self.entry is not None and self.entry.op == INPUT_OP and holds_integers(self.entry):
             return f"{self.label}: {_name(self.entry)}, {_shapes(self.entry)}: integers the step read (its token " \
                    f"batch) have other bits than the reference's, and integers do not drift: the data changed " \
                    f"({where}, step-0 op trace)"
@@ -138,7 +138,7 @@ class FirstMoved:
         return [self.describe(), *(f"    {line}" for line in self.stack)]
 
 
-def _integers(entry: TraceOp) -> bool:
+def holds_integers(entry: TraceOp) -> bool:
     """Every output of the entry is of an integer or boolean dtype (its shape text starts "i", "u" or "b")."""
     return bool(entry.outputs) and all(shape[:1] in ("i", "u", "b") and not shape.startswith("bf16")
                                        for shape in entry.outputs)

@@ -209,14 +209,15 @@ def first_moved_evidence(comparison: Comparison | None) -> Experiment | None:
     every op before it (its inputs among them) bitwise equal; in the tolerant lane the first that introduced a
     difference beyond drift (reference/introduced.py), never plain drift. A collective op (or FSDP2's copies
     around one) convicts the collective, an optimizer op the optimizer, a compute op its kernel, an input no op
-    made (tokens, weights) the data. A changed op sequence, or drift alone, convicts nothing."""
+    made the data where it holds integers (a token batch; a moved weight names nothing). A changed op sequence, or
+    drift alone, convicts nothing."""
     if comparison is None or comparison.first_moved is None:
         return None
     moved = comparison.culprit
     if moved is None:  # the tolerant lane: ops moved, none beyond drift, so no op convicts anything
         drift = comparison.first_moved.describe().removeprefix("first difference: ")
         return Experiment("first moved op", "drift only", f"no op of step 0 moved beyond drift; it begins at {drift}")
-    status = "differs" if moved.component else "sequence changed"
+    status = "differs" if moved.kind == "moved" else "sequence changed"  # a moved weight differs, naming nothing
     shape = f"; {comparison.shape_note}" if comparison.shape_note else ""
     return Experiment("first moved op", status, moved.describe().removeprefix(f"{moved.label}: ") + shape,
                       component=moved.component)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..reference import model_layout
-from ..reference.first_moved import COLLECTIVE_NAMESPACES, INPUT_OP
+from ..reference.first_moved import COLLECTIVE_NAMESPACES, INPUT_OP, holds_integers
 from ..reference.oracle_distance import PRECISION_METRIC as PRECISION
 
 if TYPE_CHECKING:
@@ -94,9 +94,8 @@ class Verdict:
         """The report's verdict line."""
         shown = f"Evidence: {self.evidence}. " if self.evidence else ""
         if self.rule is None:
-            return (f"triage verdict: {self.component + ': ' if self.component else ''}inconclusive (no rule's evidence "
-                    f"is there: the experiments neither convict nor clear a component, and the findings keep their own "
-                    f"names). {shown}{self.quoted}".rstrip())
+            return (f"triage verdict: inconclusive (no rule's evidence is there: the experiments neither convict nor "
+                    f"clear a component, and the findings keep their own names). {shown}{self.quoted}".rstrip())
         rule = RULE_BY_ID[self.rule]
         quote = "" if not self.quoted or self.quoted in self.evidence else f": {self.quoted}"
         return f"triage verdict: {self.component}. {shown}Decided by rule {rule.id} ({rule.evidence}){quote}"
@@ -122,7 +121,7 @@ def _data(evidence: Evidence) -> Decision | None:
         return "data", changed.message
     culprit = evidence.culprit
     if culprit is not None and culprit.component == "data" and culprit.entry is not None \
-            and all(s[:1] in ("i", "u") for s in culprit.entry.outputs):
+            and holds_integers(culprit.entry):
         return "data", culprit.describe()
     return None
 

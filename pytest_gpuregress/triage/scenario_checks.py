@@ -68,9 +68,11 @@ def rule_for(finding: CheckFinding) -> CheckRule:
 
 def described(problem: Problem) -> str:
     """A problem as the report prints it: a check's finding with the component its rule names, and the rule's id;
-    a complete line as it is."""
+    a complete line as it is. A check no rule knows (a kept record of another version) is printed, naming nothing."""
     if isinstance(problem, str):
         return problem
+    if problem.check not in CHECKS:
+        return f"{tag('unknown')} {problem.scope} '{problem.check}': {problem.message} (no rule names this check)"
     rule = rule_for(problem)
     return f"{tag(rule.component)} {problem.scope} '{problem.check}': {problem.message} (rule {rule.id})"
 

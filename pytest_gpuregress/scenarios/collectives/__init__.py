@@ -107,12 +107,12 @@ class CollectivesScenario(CheckScenario):
         return merged
 
     def unsupported(self, case: Case, record: RunRecord, setup: Setup) -> str | None:
-        said = record.results["cases"][case.id].get("unsupported")
-        if not said:
+        result = record.results["cases"][case.id]
+        if not plan.lacks_only(result):
             return None
         return (f"{setup.backend} on torch {_torch_of(record)} lacks "
-                f"{plan.Case(**case.data).describe(setup.world_size)}: {said}. Nothing was computed, so no number is "
-                f"wrong; the sweep plans it because {plan.PLANNED_ON.get(setup.backend, 'the backend documents it')}")
+                f"{plan.Case(**case.data).describe(setup.world_size)}: {result['unsupported']}. Nothing was computed, "
+                f"so no number is wrong; the sweep plans it because {_planned_on(setup)}")
 
     def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
         result = record.results["cases"][case.id]
@@ -190,13 +190,16 @@ def _lacking(record: RunRecord, setup: Setup) -> list[str]:
     """The ops this stack's backend lacks, with the cases skipped for each: a capability, apart from failures."""
     skipped: dict[str, list[str]] = {}
     for result in record.results["cases"].values():
-        if result.get("unsupported"):
+        if plan.lacks_only(result):
             case = plan.Case(**result["case"])
             op = f"{case.op}{'(' + case.variant + ')' if case.variant else ''}"
             skipped.setdefault(op, []).append(result["unsupported"].split(": ", 1)[-1])
     return [f"  not supported on this stack ({setup.backend}, torch {_torch_of(record)}): {op}, {len(said)} cases "
-            f"skipped ({said[0]}); {plan.PLANNED_ON.get(setup.backend, 'the backend documents it')}"
-            for op, said in skipped.items()]
+            f"skipped ({said[0]}); {_planned_on(setup)}" for op, said in skipped.items()]
+
+
+def _planned_on(setup: Setup) -> str:
+    return plan.PLANNED_ON.get(setup.backend, "the backend documents it")
 
 
 def _cases_and_results(record: RunRecord) -> tuple[list[plan.Case], dict[str, Any]]:

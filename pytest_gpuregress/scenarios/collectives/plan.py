@@ -340,11 +340,17 @@ def merge_rank_results(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, d
     return merged
 
 
+def lacks_only(result: dict[str, Any]) -> bool:
+    """The backend lacks the case's op on some rank, and no rank raised otherwise or saw a wrong element: nothing was
+    computed wrong, so the case is not supported rather than failed. Wrong numbers or an error anywhere outrank it."""
+    return bool(result.get("unsupported")) and not result.get("error") and not result.get("wrong")
+
+
 def verdict(case: Case, result: dict[str, Any], world: int) -> str | None:
     """None when the case is right, or when the backend lacks its op (``unsupported``: nothing computed, nothing
     wrong); otherwise the failure message naming what a user needs."""
     what = case.describe(world)
-    if result.get("unsupported"):
+    if lacks_only(result):
         return None
     if result.get("error"):
         return f"{what}: raised {result['error']}"
@@ -378,7 +384,7 @@ def bandwidth_table(cases: list[Case], results: dict[str, dict[str, Any]], world
         ):
             continue
         res = results.get(case.id)
-        if res is None or res.get("error") or res.get("unsupported"):
+        if res is None or res.get("error") or lacks_only(res):
             continue
         seconds = max(float(res["time_s"]), 1e-9)
         algbw = case.nbytes(world) / seconds / 1e9

@@ -187,7 +187,7 @@ def _run_case(case: plan.Case, ctx: RankContext, repeats: int, torch: Any) -> di
         except Exception as exc:  # noqa: BLE001 - a collective that raises is a finding, not a crash
             # A backend that lacks the op (gloo's all_to_all before torch 2.12) computed nothing wrong: kept apart.
             said = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            result["unsupported" if NotSupported.said_by(exc) else "error"] = said
+            result["unsupported" if NotSupported.backend_lacks(exc) else "error"] = said
             break
         view = getattr(torch, _INT_VIEW[got.element_size()])
         wrong = got.reshape(-1).view(view) != expected.reshape(-1).view(view)

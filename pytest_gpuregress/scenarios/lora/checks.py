@@ -37,19 +37,21 @@ def finding(check: str, message: str, **facts: Any) -> Finding:
 
 
 def shown_findings(items: Iterable[Mapping[str, Any]], per_check: int = 4) -> list[CheckFinding]:
-    """At most ``per_check`` findings per check, then one that counts the rest (a sliced save fails every tensor
-    alike), with the facts of the last one shown."""
+    """At most ``per_check`` findings of each kind (a check, and which facts it measured), then one that counts the
+    rest of that kind (a sliced save fails every tensor alike): findings of another kind are never hidden behind it."""
     shown: list[CheckFinding] = []
-    counts: dict[str, int] = {}
-    last: dict[str, CheckFinding] = {}
+    counts: dict[tuple[str, tuple[str, ...]], int] = {}
+    last: dict[tuple[str, tuple[str, ...]], CheckFinding] = {}
     for item in items:
-        counts[item["check"]] = counts.get(item["check"], 0) + 1
-        if counts[item["check"]] <= per_check:
-            last[item["check"]] = CheckFinding.of(item)
-            shown.append(last[item["check"]])
-    for check, count in counts.items():
+        found = CheckFinding.of(item)
+        kind = (found.check, tuple(sorted(found.facts)))
+        counts[kind] = counts.get(kind, 0) + 1
+        if counts[kind] <= per_check:
+            last[kind] = found
+            shown.append(found)
+    for kind, count in counts.items():
         if count > per_check:
-            shown.append(replace(last[check], message=f"... and {count - per_check} more findings like these"))
+            shown.append(replace(last[kind], message=f"... and {count - per_check} more findings like these"))
     return shown
 
 

@@ -33,7 +33,7 @@ def main() -> None:
     results = record.results["cases"]
     failing = [c for c in cases if plan.verdict(c, results[c.id], platform.world_size)]
     # An op this stack's backend lacks computed nothing: counted apart, never as failing.
-    lacking = sorted({f"{c.op}({c.variant})" if c.variant else c.op for c in cases if plan.lacks_only(results[c.id])})
+    lacking = sorted({c.op_label for c in cases if plan.lacks_only(results[c.id])})
     unsupported = sum(plan.lacks_only(results[c.id]) for c in cases)
     for line in plan.bandwidth_table(cases, results, platform.world_size, args.dtype):
         print(line)

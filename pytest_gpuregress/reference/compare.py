@@ -564,17 +564,17 @@ def compare_training(
         findings.insert(0, Finding("model", *layout))
     name_optimizer(findings, run.config)
     paired = pairings(reference, run)  # both records' traces paired op by op: once, for every use below
+    # The lowest rank whose op sequence changed: what changed there, whose code changed it, and how much was paired.
+    departed = next(((ref, got, p) for ref, got, p in paired.values() if not p.complete), None)
     comparison = Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source,
                             first_moved=first_moved(reference, run, sequence=chosen == "exact", paired=paired),
-                            equal_trace=equal_traces(reference, run, paired),
-                            sequence_notes=next((sequence_notes(p, ref, got) for ref, got, p in paired.values()
-                                                 if not p.complete), []),
-                            changed_code=next((changed_code(p, ref, got) for ref, got, p in paired.values()
-                                               if not p.complete), []),
-                            swapped_backend=next((swapped_backend(p, ref, got) for ref, got, p in paired.values()
-                                                  if not p.complete), None),
-                            paired_ops=next(((len(p.pairs), p.run_len) for _, _, p in paired.values() if not p.complete),
-                                            None))
+                            equal_trace=equal_traces(reference, run, paired))
+    if departed is not None:
+        ref, got, pairing = departed
+        comparison.sequence_notes = sequence_notes(pairing, ref, got)
+        comparison.changed_code = changed_code(pairing, ref, got)
+        comparison.swapped_backend = swapped_backend(pairing, ref, got)
+        comparison.paired_ops = (len(pairing.pairs), pairing.run_len)
     comparison.notes += [note for note in (by_name.param_grad_norms(reference, run)[1], _environment_note(reference, run))
                          if note]
     traced = None  # both records' traces side by side: set up once, for the introducing op and the shapes

@@ -191,9 +191,7 @@ def _lacking(record: RunRecord, setup: Setup) -> list[str]:
     skipped: dict[str, list[str]] = {}
     for result in record.results["cases"].values():
         if plan.lacks_only(result):
-            case = plan.Case(**result["case"])
-            op = f"{case.op}{'(' + case.variant + ')' if case.variant else ''}"
-            skipped.setdefault(op, []).append(result["unsupported"].split(": ", 1)[-1])
+            skipped.setdefault(plan.Case(**result["case"]).op_label, []).append(result["unsupported"].split(": ", 1)[-1])
     return [f"  not supported on this stack ({setup.backend}, torch {_torch_of(record)}): {op}, {len(said)} cases "
             f"skipped ({said[0]}); {_planned_on(setup)}" for op, said in skipped.items()]
 

@@ -87,8 +87,13 @@ class Case:
             return 2 * (world - 1) / world
         return 1.0 if self.op == "broadcast" else (world - 1) / world
 
+    @property
+    def op_label(self) -> str:
+        """The op and its form: "all_to_all(list)", "broadcast"."""
+        return f"{self.op}({self.variant})" if self.variant else self.op
+
     def describe(self, world: int) -> str:
-        op = f"{self.op}{'(' + self.variant + ')' if self.variant else ''}"
+        op = self.op_label
         red = f" {self.reduce_op.upper()}" if self.reduce_op else ""
         where = "in place" if self.in_place else "out of place"
         proto = f", protocol {self.protocol}" if self.protocol != "default" else ""
@@ -388,7 +393,7 @@ def bandwidth_table(cases: list[Case], results: dict[str, dict[str, Any]], world
             continue
         seconds = max(float(res["time_s"]), 1e-9)
         algbw = case.nbytes(world) / seconds / 1e9
-        name = f"{case.op}{'(' + case.variant + ')' if case.variant else ''}{' inplace' if case.in_place else ''}"
+        name = f"{case.op_label}{' inplace' if case.in_place else ''}"
         lines.append(f"  {name:<28} {case.nbytes(world):>10} {case.n:>10} {case.dtype:>8} "
                      f"{case.reduce_op or '-':>10} {seconds * 1e6:>10.1f} {algbw:>11.3f} "
                      f"{algbw * case.bus_factor(world):>11.3f} {res['wrong']:>7}")

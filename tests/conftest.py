@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # pytester's inline runs restore sys.modules after each run, and torch's C extension cannot be
 # imported a second time in one process: import the heavy modules once, before any inline run.
@@ -24,7 +25,9 @@ import transformers  # noqa: F401,E402
 import transformers.models.qwen2.modeling_qwen2  # noqa: F401,E402 - the models tests build in-process
 import transformers.models.qwen2_moe.modeling_qwen2_moe  # noqa: F401,E402
 
+from pytest_gpuregress.reference.compare import Comparison, compare_training
 from pytest_gpuregress.reference.record import RunRecord
+from pytest_gpuregress.triage.naming import name_findings
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -33,6 +36,11 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if config.getoption("gpuregress", default=False) or config.getini("gpuregress"):
         return True
     return None
+
+
+def compare_named(*args: Any, **kwargs: Any) -> Comparison:
+    """compare_training with its findings named by triage (triage/naming.py), as the session reports them."""
+    return name_findings(compare_training(*args, **kwargs))
 
 
 def make_record(steps: int = 5, seed: int = 0, **overrides: object) -> RunRecord:

@@ -14,9 +14,11 @@ import pytest
 from pytest_gpuregress import faults
 from pytest_gpuregress.faults import firing, reach
 from pytest_gpuregress.reference import clipping
-from pytest_gpuregress.reference.compare import compare_training
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.training.optimizer import AdamWSettings, adamw
+from pytest_gpuregress.triage.naming import described, rule_for
+
+from .conftest import compare_named
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,7 +114,7 @@ REFERENCE_CLIPPED = [0.5, 0.5, 0.4, 0.5, 0.3]
 
 def test_a_clip_that_went_wrong_before_anything_else_is_named_the_optimizer_with_its_implementation() -> None:
     run = _record([0.5, 0.5005, 0.4, 0.5, 0.3], loss=[5.0, 4.9, 4.81, 4.7, 4.6])  # the loss moves one step later
-    comparison = compare_training(_record(REFERENCE_CLIPPED), run, lane="tolerant")
+    comparison = compare_named(_record(REFERENCE_CLIPPED), run, lane="tolerant")
     assert {f.metric: f.component for f in comparison.findings} == {"clipped_grad_norm": "optimizer", "loss": "optimizer"}
     clip = next(f for f in comparison.findings if f.metric == "clipped_grad_norm")
     assert clip.step == 1 and "the gradients before clipping match at step 1" in clip.message
@@ -121,14 +123,14 @@ def test_a_clip_that_went_wrong_before_anything_else_is_named_the_optimizer_with
 
 def test_a_loss_that_moved_at_the_clips_step_is_not_blamed_on_the_clip() -> None:
     run = _record([0.5, 0.5005, 0.4, 0.5, 0.3], loss=[5.0, 4.91, 4.8, 4.7, 4.6])  # wrong before the clip ran
-    comparison = compare_training(_record(REFERENCE_CLIPPED), run, lane="tolerant")
+    comparison = compare_named(_record(REFERENCE_CLIPPED), run, lane="tolerant")
     assert all("before clipping match" not in f.message for f in comparison.findings)
     assert {f.component for f in comparison.findings} == {"optimizer or collective"}
 
 
 def test_a_clean_run_passes_and_a_users_loop_is_not_told_an_implementation() -> None:
-    assert compare_training(_record(REFERENCE_CLIPPED), _record(list(REFERENCE_CLIPPED)), lane="exact").passed
-    users = compare_training(_record(REFERENCE_CLIPPED, adamw=None), _record([0.5, 0.6, 0.4, 0.5, 0.3], adamw=None),
+    assert compare_named(_record(REFERENCE_CLIPPED), _record(list(REFERENCE_CLIPPED)), lane="exact").passed
+    users = compare_named(_record(REFERENCE_CLIPPED, adamw=None), _record([0.5, 0.6, 0.4, 0.5, 0.3], adamw=None),
                              lane="tolerant")
     assert users.findings and all("AdamW implementation" not in f.message for f in users.findings)
 
@@ -188,10 +190,12 @@ def test_a_clip_is_held_to_its_own_norm() -> None:
     scales by a coefficient off by 1e-3, is [optimizer] on its own evidence; a right one says nothing."""
     assert clipping.problems(_clipped_record()) == []
     shard = clipping.problems(_clipped_record(reported_factor=2 ** -0.5))
-    assert len(shard) == 1 and shard[0].startswith("[optimizer] the clip (clip_grad_norm_) reported another norm")
-    assert "about 1/sqrt(2) of it, as a norm taken on one rank's shard is" in shard[0]
+    assert len(shard) == 1 and shard[0].message.startswith("the clip (clip_grad_norm_) reported another norm")
+    assert rule_for(shard[0]).id == "clip-inconsistent" and described(shard[0]).startswith("[optimizer] the clip")
+    assert "about 1/sqrt(2) of it, as a norm taken on one rank's shard is" in shard[0].message
     off = clipping.problems(_clipped_record(coefficient_factor=1 + 1e-3))
-    assert len(off) == 1 and off[0].startswith("[optimizer] the clip scaled the gradients by") and "off by 0.001" in off[0]
+    assert len(off) == 1 and off[0].message.startswith("the clip scaled the gradients by")
+    assert "off by 0.001" in off[0].message
     # the helper's 11h: 5e-5 fails the clipped norm's tolerance (5.5e-7); clean runs agree to 2e-7
     assert len(clipping.problems(_clipped_record(coefficient_factor=1 + 5e-5))) == 1
     assert clipping.problems(_clipped_record(coefficient_factor=1 + 2e-7, reported_factor=1 - 2e-7)) == []

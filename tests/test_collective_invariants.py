@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pytest_gpuregress.reference import collective_invariants as inv
+from pytest_gpuregress.triage.naming import described
 
 OPS = ["all_gather", "all_reduce", "all_to_all", "broadcast", "reduce_scatter"]
 REDUCTIONS = ["none", "sum", "avg", "max", "min", "product", "premul_sum", "other"]
@@ -144,5 +145,5 @@ def test_fsdp2s_collectives_through_the_ledger_name_a_late_one_rank_fault_at_its
         assert (first["step"], first["op"]) == (4, "reduce_scatter") and "not each in its place" in first["what"]
         return
     assert (first["step"], first["op"], first["ranks"]) == (3, "all_gather", [0]), verdicts[0]
-    problem = inv.problems({inv.RESULT_KEY: verdicts[0]})[0]
+    problem = described(inv.problems({inv.RESULT_KEY: verdicts[0]})[0])
     assert problem.startswith("[collective] a collective broke its own invariant in this run") and "step 3:" in problem

@@ -11,6 +11,7 @@ from pytest_gpuregress.errors import NotSupported
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios import Case, Setup, registry
 from pytest_gpuregress.scenarios.collectives import plan, protocol_groups
+from pytest_gpuregress.triage.naming import described
 from pytest_gpuregress.units import parse_bytes
 
 
@@ -349,4 +350,5 @@ def test_a_cast_that_breaks_the_sweeps_own_inputs_is_a_kernel_not_the_collective
     record = make_record()
     record.results = {"cases": {case.id: {"cast_error": "rank 0: the cast float64 -> bfloat16 ...", "wrong": 3}}}
     found = registry()["collectives"].verdict(Case(case.id, data=case.to_json()), record, Setup("cpu", "gloo", 2))
-    assert found == [f"[kernel] {case.describe(2)}: rank 0: the cast float64 -> bfloat16 ..."]
+    assert [described(f) for f in found] == [
+        f"[kernel] {case.describe(2)}: rank 0: the cast float64 -> bfloat16 ... (rule sweep-inputs)"]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from pytest_gpuregress.reference.compare import compare_training, ulp_distance, ulps32
+from pytest_gpuregress.reference.compare import ulp_distance, ulps32
 from pytest_gpuregress.reference.report import format_comparison
 
-from .conftest import make_record
+from .conftest import compare_named, make_record
 
 
 def _report(cmp) -> str:  # type: ignore[no-untyped-def]
@@ -16,7 +16,7 @@ def _report(cmp) -> str:  # type: ignore[no-untyped-def]
 
 
 def test_identical_runs_pass_in_the_exact_lane() -> None:
-    cmp = compare_training(make_record(), make_record())
+    cmp = compare_named(make_record(), make_record())
     assert cmp.lane == "exact" and cmp.passed
 
 
@@ -24,7 +24,7 @@ def test_one_ulp_in_the_loss_fails_the_exact_lane_at_its_step() -> None:
     run = make_record()
     loss = run.series["loss"]
     loss[3] = float(np.nextafter(np.float32(loss[3]), np.float32(10)))
-    cmp = compare_training(make_record(), run)
+    cmp = compare_named(make_record(), run)
     finding = next(f for f in cmp.findings if f.metric == "loss")
     assert finding.step == 3 and "first differing step 3" in finding.message and "ulp32" in finding.message
     assert "HINT" in _report(cmp)
@@ -34,7 +34,7 @@ def test_a_loss_below_one_float32_ulp_away_never_reads_as_zero_ulps() -> None:
     # Losses are float64: a difference float32 cannot see used to print "(0 ulp32)".
     run = make_record()
     run.series["loss"][2] = float(np.nextafter(run.series["loss"][2], 10.0))
-    finding = next(f for f in compare_training(make_record(), run).findings if f.metric == "loss")
+    finding = next(f for f in compare_named(make_record(), run).findings if f.metric == "loss")
     assert "(1 ulp64, within one float32 ulp)" in finding.message and "0 ulp32" not in finding.message
     assert ulp_distance(1.0, 1.0) == "0 ulp32" and ulp_distance(2.0, 1.0) == "8388608 ulp32"
     assert ulp_distance(-1.0, float(np.nextafter(-1.0, 0.0))) == "1 ulp64, within one float32 ulp"
@@ -44,7 +44,7 @@ def test_changed_stack_selects_the_tolerant_lane_and_reports_the_change() -> Non
     run = make_record()
     run.fingerprint = {**run.fingerprint, "versions": {"torch": "2.14.1", "python": "3.11.7"}}
     run.series["loss"] = [x * (1 + 1e-8) for x in run.series["loss"]]
-    cmp = compare_training(make_record(), run)
+    cmp = compare_named(make_record(), run)
     assert cmp.lane == "tolerant" and cmp.passed
     assert ("versions.torch", "2.13.0", "2.14.1") in cmp.stack_changes
 
@@ -60,7 +60,7 @@ def test_the_lane_reason_names_every_library_change_first_however_many_device_fi
     reference, run = make_record(), make_record()
     reference.fingerprint = {"versions": old_versions, "device": old_device}
     run.fingerprint = {"versions": new_versions, "device": new_device}
-    cmp = compare_training(reference, run)
+    cmp = compare_named(reference, run)
     reason = cmp.lane_reason
     assert cmp.lane == "tolerant"
     named = [f"{name} {old_versions[name]} -> {new}" for name, new in new_versions.items()]
@@ -81,7 +81,7 @@ def test_a_cuda_upgrade_keeps_its_runtime_driver_dnn_and_nccl_on_the_lane_line()
     reference, run = make_record(), make_record()
     reference.fingerprint = {"versions": {"torch": "2.6.0"}, "device": old_device, "comm": {"nccl_version": "2.21.5"}}
     run.fingerprint = {"versions": {"torch": "2.8.0"}, "device": new_device, "comm": {"nccl_version": "2.26.2"}}
-    reason = compare_training(reference, run).lane_reason
+    reason = compare_named(reference, run).lane_reason
     for text in ("torch 2.6.0 -> 2.8.0", "device.cuda: 12.4 -> 12.8", "device.driver: 550.54 -> 570.86",
                  "device.dnn: cudnn 9.1.0 -> cudnn 9.7.0", "device.blas_library: cublaslt -> cublas",
                  "comm.nccl_version: 2.21.5 -> 2.26.2"):
@@ -92,7 +92,7 @@ def test_a_cuda_upgrade_keeps_its_runtime_driver_dnn_and_nccl_on_the_lane_line()
 def test_python_patch_level_does_not_leave_the_exact_lane() -> None:
     run = make_record()
     run.fingerprint = {**run.fingerprint, "versions": {"torch": "2.13.0", "python": "3.11.9"}}
-    assert compare_training(make_record(), run).lane == "exact"
+    assert compare_named(make_record(), run).lane == "exact"
 
 
 def test_sparse_step0_gradient_error_points_at_a_collective() -> None:
@@ -100,7 +100,7 @@ def test_sparse_step0_gradient_error_points_at_a_collective() -> None:
     grad = run.arrays["step0_grad/a.weight"].copy()
     grad[5, 3] *= 1.001
     run.arrays["step0_grad/a.weight"] = grad
-    cmp = compare_training(make_record(), run, lane="tolerant")
+    cmp = compare_named(make_record(), run, lane="tolerant")
     finding = cmp.findings[0]
     assert finding.metric == "step0_grad" and finding.component == "collective"
     assert finding.tensor == "a.weight" and "(5, 3)" in finding.message and "[16, 8] = 128 elements" in finding.message
@@ -111,14 +111,14 @@ def test_sparse_step0_gradient_error_points_at_a_collective() -> None:
 def test_dense_step0_gradient_error_points_at_a_kernel() -> None:
     run = make_record()
     run.arrays["step0_grad/b.weight"] = run.arrays["step0_grad/b.weight"] * np.float32(1.001)
-    cmp = compare_training(make_record(), run, lane="tolerant")
+    cmp = compare_named(make_record(), run, lane="tolerant")
     assert cmp.findings[0].component == "kernel"
 
 
 def test_late_divergence_with_clean_step0_points_at_optimizer_or_collective() -> None:
     run = make_record()
     run.series["loss"] = run.series["loss"][:2] + [x * 1.01 for x in run.series["loss"][2:]]
-    cmp = compare_training(make_record(), run, lane="tolerant")
+    cmp = compare_named(make_record(), run, lane="tolerant")
     loss = next(f for f in cmp.findings if f.metric == "loss")
     assert loss.step == 2 and loss.component == "optimizer or collective"
 
@@ -135,16 +135,16 @@ def _late_gradients(loss_from: int | None = 4) -> object:
 
 
 def test_late_gradients_that_move_before_their_steps_loss_point_at_a_collective_or_kernel_not_the_update() -> None:
-    cmp = compare_training(make_record(), _late_gradients(), lane="exact")
+    cmp = compare_named(make_record(), _late_gradients(), lane="exact")
     assert {f.metric: (f.step, f.component) for f in cmp.findings if f.metric in ("loss", "param_grad_norm")} == {
         "param_grad_norm": (3, "collective or kernel"), "loss": (4, "collective or kernel")}
 
 
 def test_the_order_of_first_findings_proves_nothing_in_the_tolerant_lane_or_without_a_loss_finding() -> None:
     # Tolerant: each metric has its own limit, and one tensor's norm can cross its limit before the averaged loss.
-    tolerant = compare_training(make_record(), _late_gradients(), lane="tolerant")
+    tolerant = compare_named(make_record(), _late_gradients(), lane="tolerant")
     assert {f.component for f in tolerant.findings} == {"optimizer or collective"}
-    never = compare_training(make_record(), _late_gradients(loss_from=None), lane="exact")
+    never = compare_named(make_record(), _late_gradients(loss_from=None), lane="exact")
     assert {f.component for f in never.findings} == {"optimizer or collective"}
 
 
@@ -154,14 +154,14 @@ def test_triage_calls_a_late_divergence_the_optimizer_only_where_it_recurs_and_t
     clean = [Experiment("equivalence", "clean", "agree"), Experiment("oracle", "clean", "agree")]
     update = make_record()
     update.series["loss"] = update.series["loss"][:2] + [x * 1.01 for x in update.series["loss"][2:]]
-    found = verdict(compare_training(make_record(), update, lane="exact"), clean)
+    found = verdict(compare_named(make_record(), update, lane="exact"), clean)
     component, line = found.component, found.line
     assert component is None and "the first difference is at step 2" in line  # elimination convicts nothing
     reproduced = Experiment("late window", "reproduced", "again in a fresh process", component="optimizer")
-    found = verdict(compare_training(make_record(), update, lane="exact"), [*clean, reproduced])
+    found = verdict(compare_named(make_record(), update, lane="exact"), [*clean, reproduced])
     component, line = found.component, found.line
     assert component == "optimizer" and "the first difference is at step 2" in line
-    found = verdict(compare_training(make_record(), _late_gradients(), lane="exact"), clean)
+    found = verdict(compare_named(make_record(), _late_gradients(), lane="exact"), clean)
     component, line = found.component, found.line
     assert component is None and "the gradients move before the loss" in line and "the update is not the cause" in line
 
@@ -170,7 +170,7 @@ def test_nan_is_a_difference_in_both_lanes() -> None:
     run = make_record()
     run.series["loss"][1] = float("nan")
     for lane in ("exact", "tolerant"):
-        cmp = compare_training(make_record(), run, lane=lane)
+        cmp = compare_named(make_record(), run, lane=lane)
         loss = next(f for f in cmp.findings if f.metric == "loss")
         assert loss.step == 1, lane
         assert "got nan" in loss.message, loss.message
@@ -179,7 +179,7 @@ def test_nan_is_a_difference_in_both_lanes() -> None:
 def test_final_weights_compared_by_digest() -> None:
     run = make_record()
     run.digests = {**run.digests, "b.weight": {**run.digests["b.weight"], "sha256": "cc"}}
-    cmp = compare_training(make_record(), run)
+    cmp = compare_named(make_record(), run)
     assert [f.metric for f in cmp.findings] == ["final_weights"] and "b.weight" in cmp.findings[0].message
 
 

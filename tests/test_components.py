@@ -1,9 +1,10 @@
-"""One vocabulary of components (components.py): what every finding names, and what a report may print.
+"""One vocabulary of components (components.py), named in one place (triage/).
 
 The scan reads the package's source (AST, nothing imported): every string given as a finding's component
-(``component=...``, ``x.component = ...``, ``Finding(metric, "<component>", ...)``, a module's ``COMPONENT``)
-and every message that begins with a bracketed tag must use the vocabulary. A report refuses to print a name
-outside it, so a new name cannot reach a user without being added here first.
+(``component=...``, ``x.component = ...``, a module's ``COMPONENT``) and every message that begins with a
+bracketed tag must use the vocabulary, and only triage/ may name one at all: a check reports what it saw, and
+a check that named its own component would one day name the wrong one. A report refuses to print a name
+outside the vocabulary, so a new name cannot reach a user without being added here first.
 """
 
 from __future__ import annotations
@@ -23,15 +24,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "pytest_gpuregress"
 TAG = re.compile(r"^\[([a-z][a-z :_-]*)\] ")
 
 
-def _comparison_findings(tree: ast.AST) -> bool:
-    """Whether ``Finding`` in this module is the comparison's (formats/diagnose.py has a Finding of its own)."""
-    return any(isinstance(node, ast.ImportFrom) and (node.module or "").endswith("compare")
-               and any(alias.name == "Finding" for alias in node.names) for node in ast.walk(tree)) or any(
-        isinstance(node, ast.ClassDef) and node.name == "Comparison" for node in ast.walk(tree))
+TRIAGE = PACKAGE / "triage"
 
 
 def _named_components(tree: ast.AST) -> Iterator[tuple[int, str]]:
-    findings = _comparison_findings(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.keyword) and node.arg == "component" and isinstance(node.value, ast.Constant):
             yield node.value.lineno, node.value.value
@@ -40,9 +36,6 @@ def _named_components(tree: ast.AST) -> Iterator[tuple[int, str]]:
                 name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
                 if name in ("component", "COMPONENT"):
                     yield node.value.lineno, node.value.value
-        elif (findings and isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Finding"
-              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
-            yield node.args[1].lineno, node.args[1].value
 
 
 def _tags(tree: ast.AST) -> Iterator[tuple[int, str]]:
@@ -66,6 +59,29 @@ def test_every_component_the_package_names_is_in_the_vocabulary() -> None:
     assert not outside, "outside components.COMPONENTS:\n" + "\n".join(outside)
 
 
+def test_no_module_outside_triage_names_a_component() -> None:
+    """Checks, the comparator, scenarios and reports say what they saw; triage/naming.py and triage/decision.py
+    name the component. components.py defines the words; a known issue's component comes from its TOML entry."""
+    named = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if TRIAGE in path.parents or path.name == "components.py":
+            continue
+        tree = ast.parse(path.read_text())
+        named += [f"{path.relative_to(PACKAGE.parent)}:{line}: component {name!r}"
+                  for line, name in _named_components(tree) if name]
+        named += [f"{path.relative_to(PACKAGE.parent)}:{line}: tag [{name}]"
+                  for line, name in _tags(tree) if components.known(name)]
+    assert not named, "a component named outside triage/:\n" + "\n".join(named)
+
+
+def test_the_scan_sees_each_way_a_module_could_name_one() -> None:
+    source = ('f = Finding("loss", "x", component="kernel")\nx.component = "collective"\nCOMPONENT = "checkpoint"\n'
+              'line = f"[optimizer] the clip {x}"\n')
+    tree = ast.parse(source)
+    assert sorted(name for _, name in _named_components(tree)) == ["checkpoint", "collective", "kernel"]
+    assert [name for _, name in _tags(tree)] == ["optimizer"]
+
+
 def test_compound_and_library_names_are_made_of_the_vocabulary() -> None:
     assert components.known("collective or kernel") and components.known("optimizer or collective")
     assert components.known("library: peft") and components.parts("library: peft") == ["library"]
@@ -73,6 +89,9 @@ def test_compound_and_library_names_are_made_of_the_vocabulary() -> None:
 
 
 def test_a_report_refuses_a_component_outside_the_vocabulary() -> None:
-    assert format_finding(Finding("loss", "collective or kernel", "loss: ..."))[0] == "[collective or kernel] loss: ..."
+    named = Finding("loss", "loss: ...", component="collective or kernel")
+    assert format_finding(named)[0] == "[collective or kernel] loss: ..."
     with pytest.raises(ValueError, match="'network' is not one of collective, kernel"):
-        format_finding(Finding("loss", "network", "loss: ..."))
+        format_finding(Finding("loss", "loss: ...", component="network"))
+    with pytest.raises(ValueError, match="'' is not one of"):  # a finding triage never named is no report's to print
+        format_finding(Finding("loss", "loss: ..."))

@@ -4,11 +4,14 @@ one-ulp matmul fault (faults/matmul.py). Synthetic devices and recorded tool out
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from pytest_gpuregress.findings import CheckFinding
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios.consensus import SCENARIO, merge_devices, report, vote_of
 from pytest_gpuregress.scenarios.consensus.digest import Digests, entry_name, names_digest
@@ -16,6 +19,7 @@ from pytest_gpuregress.scenarios.consensus.group_key import group_key, key_diff
 from pytest_gpuregress.scenarios.consensus.vote import AGREES, DISSENTS, NO_MAJORITY, Device, first_difference, vote
 from pytest_gpuregress.scenarios.shared import links
 from pytest_gpuregress.stack import device_identity as identity
+from pytest_gpuregress.triage.naming import described
 
 NAMES = [entry_name("train", "loss", 0), entry_name("train", "grad 0.weight", 0), entry_name("train", "loss", 1),
          entry_name("train", "grad 0.weight", 1), entry_name("gemm", "matmul float32 127x253x61")]
@@ -23,6 +27,11 @@ KINDS = ["float32[]", "float32[64, 32]", "float32[]", "float32[64, 32]", "float3
 H100 = {"device.kind": "cuda", "device.name": "NVIDIA H100 80GB HBM3", "device.arch": "sm_90", "device.cuda": "12.8",
         "device.driver": "570.124.06", "versions.torch": "2.13.0"}
 CLEAN = (["a0", "b0", "a1", "b1", "c0"], [2.5, 10.0, 2.25, 9.0, 100.0])
+
+
+def printed(check: Callable[..., list[CheckFinding]], *args: Any) -> list[str]:
+    """A check's findings as the report prints them: named by triage (triage/naming.py)."""
+    return [described(found) for found in check(*args)]
 
 
 def gpu(rank: int, node: int = 0, local: int | None = None, hashes: list[str] | None = None,
@@ -43,7 +52,7 @@ def one_ulp_up(value: float) -> float:
 def test_devices_with_equal_digests_agree_and_nothing_fails() -> None:
     result = vote([gpu(r) for r in range(4)], NAMES, KINDS)
     assert result.verdict == AGREES and len(result.groups) == 1
-    assert report.failures(result) == []
+    assert printed(report.failures, result) == []
     assert [row[2] for row in report.rows(result)] == [AGREES] * 4
     assert report.properties(result)["consensus_verdict"] == "agree"
 
@@ -56,7 +65,7 @@ def test_a_dissenting_gpu_is_named_with_node_index_bus_uuid_and_its_first_differ
     assert result.verdict == DISSENTS
     group = result.groups[0]
     assert group.dissenters == [bad] and group.verdict_of(bad) == DISSENTS
-    [message] = report.failures(result)
+    [message] = printed(report.failures, result)
     assert message.startswith("[device] local 5 (cuda:5, smi GPU 5, bus 0000:1d:00.0, "
                               "uuid GPU-00000013-aaaa-bbbb-cccc-dddddddddddd) on node 12 (gpu-node-12) disagrees with "
                               "the other 13 devices of its model and stack (NVIDIA H100 80GB HBM3 (sm_90), CUDA 12.8, "
@@ -75,7 +84,7 @@ def test_a_dissenting_gpu_is_named_with_node_index_bus_uuid_and_its_first_differ
 def test_a_tensor_that_differs_says_by_how_much_relative_to_its_magnitude() -> None:
     result = vote([gpu(0), gpu(1), gpu(2, hashes=["a0", "b0x", "a1", "b1", "c0"], sums=[2.5, 10.001, 2.25, 9.0, 100.0])],
                   NAMES, KINDS)
-    [message] = report.failures(result)
+    [message] = printed(report.failures, result)
     assert "training step 0, grad 0.weight (float32[64, 32]): sum 10.001 vs 10 (2.5e-05 of its magnitude), 1 of 5" \
            in message
 
@@ -84,7 +93,7 @@ def test_two_devices_that_differ_have_no_majority_and_both_results_are_shown() -
     first, second = gpu(0), gpu(1, hashes=["a0", "b0", "a1", "b1", "c0x"], sums=[*CLEAN[1][:4], 100.5])
     result = vote([first, second], NAMES, KINDS)
     assert result.verdict == NO_MAJORITY and result.groups[0].majority is None
-    [message] = report.failures(result)
+    [message] = printed(report.failures, result)
     assert message.startswith("[device] no majority among the 2 devices of NVIDIA H100 80GB HBM3")
     assert "result 1 (1 device): local 0 (cuda:0" in message and "result 2 (1 device): local 1 (cuda:1" in message
     assert "differs from result 1 first at GEMM/reduction battery, matmul float32 127x253x61" in message
@@ -95,11 +104,11 @@ def test_two_devices_that_differ_have_no_majority_and_both_results_are_shown() -
 def test_an_even_split_along_two_nodes_says_the_split_follows_the_nodes() -> None:
     node0 = [gpu(r, node=0, local=r) for r in range(2)]
     node1 = [gpu(2 + r, node=1, local=r, hashes=["a0x", *CLEAN[0][1:]]) for r in range(2)]
-    [message] = report.failures(vote([*node0, *node1], NAMES, KINDS))
+    [message] = printed(report.failures, vote([*node0, *node1], NAMES, KINDS))
     assert message.startswith("[device] no majority among the 4 devices") and "result 2 (2 devices)" in message
     assert "the split follows the nodes" in message
     across = [node0[0], gpu(1, node=0, local=1, hashes=node1[0].hashes), node1[0], gpu(3, node=1, local=1)]
-    [mixed] = report.failures(vote(across, NAMES, KINDS))  # 2 against 2, each result on both nodes
+    [mixed] = printed(report.failures, vote(across, NAMES, KINDS))  # 2 against 2, each result on both nodes
     assert mixed.startswith("[device] no majority") and "split follows" not in mixed
 
 
@@ -109,7 +118,7 @@ def test_devices_of_another_stack_are_listed_apart_never_outvoted_and_the_split_
     missed = gpu(3, node=1, local=0, key=old, hashes=["z"] * 5)
     result = vote([gpu(0), gpu(1), gpu(2), missed], NAMES, KINDS)
     assert [len(g.devices) for g in result.groups] == [3, 1]
-    assert result.groups[1].verdict_of(missed) == "alone" and report.failures(result) == []
+    assert result.groups[1].verdict_of(missed) == "alone" and printed(report.failures, result) == []
     [split] = report.stack_splits(result)
     assert split.startswith("1 device(s) of NVIDIA H100 80GB HBM3 on node 1 (gpu-node-01) run another stack than "
                             "the other 3 of that model (device.driver: 570.124.06 -> 550.54.15)")
@@ -124,7 +133,7 @@ def test_a_dissenter_with_odd_firmware_says_so() -> None:
                       tuple(CLEAN[1]), "vbios 96.00.74.00.01") for r in range(3)]
     odd = Device(3, gpu(3).identity, dict(H100), names_digest(NAMES), ("a0x", *CLEAN[0][1:]), tuple(CLEAN[1]),
                  tuple(CLEAN[1]), "vbios 96.00.61.00.01")
-    [message] = report.failures(vote([*devices, odd], NAMES, KINDS))
+    [message] = printed(report.failures, vote([*devices, odd], NAMES, KINDS))
     assert "Its firmware (vbios 96.00.61.00.01) is none of the consensus devices' (vbios 96.00.74.00.01)." in message
     assert "training step 0, loss (float32[]): other bits, equal float64 sums, 1 of 5 tensors differ" in message
 
@@ -133,14 +142,14 @@ def test_a_device_that_ran_another_workload_is_told_apart() -> None:
     other = Device(2, gpu(2).identity, dict(H100), "another-list", ("x",), (1.0,), (1.0,))
     difference = first_difference(other, gpu(0))
     assert difference is not None and difference.index is None
-    [message] = report.failures(vote([gpu(0), gpu(1), other], NAMES, KINDS))
+    [message] = printed(report.failures, vote([gpu(0), gpu(1), other], NAMES, KINDS))
     assert "another workload: its list of tensors differs" in message
 
 
 def test_a_whole_node_that_dissents_is_suspected_as_a_node() -> None:
     devices = [gpu(r, node=r // 2, local=r % 2) for r in range(4)]
     devices += [gpu(4 + r, node=2, local=r, hashes=["a0", "b0x", "a1", "b1", "c0"]) for r in range(2)]
-    messages = report.failures(vote(devices, NAMES, KINDS))
+    messages = printed(report.failures, vote(devices, NAMES, KINDS))
     assert len(messages) == 2 and all("every device of node 2 (gpu-node-02) in this group dissents" in m
                                       for m in messages)
 
@@ -275,7 +284,7 @@ def cpu_rank(rank: int, node: int = 0) -> dict:
 
 
 def test_a_single_corrupted_peer_names_its_link() -> None:
-    [message] = links.findings(sweep_results({"1->0": 6}), [cpu_rank(0), cpu_rank(1)], 2, "gloo")
+    [message] = printed(links.findings, sweep_results({"1->0": 6}), [cpu_rank(0), cpu_rank(1)], 2, "gloo")
     assert message.startswith("[collective] link rank 1 (node 0 (vm), local 1) -> rank 0 (node 0 (vm), local 0) "
                               "(gloo over loopback) delivers wrong data: 6 wrong elements in 1 of 2 cases"), message
     assert "every other pair of the 2 ranks is clean" in message
@@ -377,7 +386,7 @@ def test_ranks_run_in_process_vote_and_the_one_with_a_one_ulp_matmul_is_named(tm
         assert [f.count > 0 for f in fired] == ([True] if rank == 2 else [])  # installed on rank 2 only, and fired
     merged = SCENARIO.merge(records)
     assert merged.results["consensus"]["devices"][0]["tensors"] == 13 + 20 + 12  # a step's loss, 6 grads, 6 weights
-    [message] = SCENARIO.verdict(Case("devices"), merged, Setup("cpu", "gloo", 3))
+    [message] = map(described, SCENARIO.verdict(Case("devices"), merged, Setup("cpu", "gloo", 3)))
     assert message.startswith("[device] local 2 (cpu process, rank 2) on node 0 (") and "2 of 3 hold" in message
     assert "differs first at training step 0, " in message
     differing = [row for row in report.rows(vote_of(merged)) if row[2] == DISSENTS]

@@ -3,9 +3,10 @@ trained on other data, and the per-stream digests name the random stream that dr
 
 from __future__ import annotations
 
-from pytest_gpuregress.reference.compare import Finding, attribute_to_data
+from pytest_gpuregress.reference.compare import Comparison, Finding, data_finding
 from pytest_gpuregress.reference.data_change import BATCH_DIGEST, finding_text, first_changed_step, stream_changes, stream_series
 from pytest_gpuregress.reference.record import RunRecord
+from pytest_gpuregress.triage.naming import name_findings
 
 STREAMS = ("tokens", "python", "numpy", "torch_cpu", "device")
 
@@ -16,6 +17,12 @@ def record(batches: list[float], draws: list[dict[str, float]] | None = None, to
                      fingerprint={"versions": {"torch": torch, "numpy": "2.4.6", "python": "3.12.3"}})
 
 
+def named(findings: list[Finding]) -> list[tuple[str, str]]:
+    """(component, rule) of each finding, as triage names them."""
+    name_findings(Comparison("exact", "", findings, []))
+    return [(f.component, f.rule) for f in findings]
+
+
 def draws(steps: int, shifted_from: int | None = None, stream: str = "torch_cpu") -> list[dict[str, float]]:
     return [{name: float(step * 10 + i + (1000 if name == stream and shifted_from is not None and step >= shifted_from
                                            else 0)) for i, name in enumerate(STREAMS)} for step in range(steps)]
@@ -24,9 +31,9 @@ def draws(steps: int, shifted_from: int | None = None, stream: str = "torch_cpu"
 def test_same_batches_are_no_change() -> None:
     reference = record([1.0, 2.0, 3.0], draws(3))
     assert first_changed_step(reference, record([1.0, 2.0, 3.0], draws(3))) is None
-    findings = [Finding("loss", "checkpoint", "loss moved")]
-    assert not attribute_to_data(reference, record([1.0, 2.0, 3.0], draws(3)), findings)
-    assert findings[0].component == "checkpoint"
+    findings = [Finding("loss", "loss moved", step=4)]
+    assert not data_finding(reference, record([1.0, 2.0, 3.0], draws(3)), findings)
+    assert named(findings) == [("optimizer or collective", "later-steps")]
 
 
 def test_a_shifted_random_stream_is_named_with_its_step_and_the_version_that_moved() -> None:
@@ -37,9 +44,9 @@ def test_a_shifted_random_stream_is_named_with_its_step_and_the_version_that_mov
     assert "token batch of step 1 differs" in text and "2 of 3 steps' batches" in text
     assert "torch's CPU generator (which input tokens are replaced, and by what) from step 1, torch 2.13.0 -> 2.14.1" \
         in text
-    findings = [Finding("loss", "checkpoint", "loss moved"), Finding("checkpoint", "checkpoint", "bundle differs")]
-    assert attribute_to_data(reference, run, findings)
-    assert [f.component for f in findings] == ["data", "data", "data"]
+    findings = [Finding("loss", "loss moved"), Finding("checkpoint", "bundle differs")]
+    assert data_finding(reference, run, findings)
+    assert named(findings) == [("data", "data-changed"), ("data", "follows-data"), ("data", "follows-data")]
     assert findings[0].step == 1 and findings[0].message == text
 
 
@@ -74,10 +81,11 @@ def test_what_moved_before_the_batches_did_and_a_failed_round_trip_keep_their_co
 
     reference = record([1.0, 2.0, 3.0], draws(3))
     run = record([1.0, 2.0, 6.0], draws(3, shifted_from=2))
-    findings = [Finding("loss", "kernel", "moved at step 1", step=1), Finding("loss", "kernel", "at 2", step=2),
-                Finding(ROUND_TRIP, "checkpoint", "2 of 9 arrays are missing"), Finding("final", "kernel", "weights")]
-    assert attribute_to_data(reference, run, findings)
-    assert [f.component for f in findings] == ["data", "kernel", "data", "checkpoint", "data"]
+    findings = [Finding("loss", "moved at step 1", step=1), Finding("loss", "at 2", step=2),
+                Finding(ROUND_TRIP, "2 of 9 arrays are missing"), Finding("final", "weights")]
+    assert data_finding(reference, run, findings)
+    assert [rule for _, rule in named(findings)] == ["data-changed", "later-steps", "follows-data", "round-trip",
+                                                     "follows-data"]
 
 
 def test_changed_tokens_are_named_by_what_made_them_not_as_a_random_stream() -> None:

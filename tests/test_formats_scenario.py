@@ -21,6 +21,7 @@ from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios.base import RankContext, Setup
 from pytest_gpuregress.scenarios.formats import SCENARIO, device, judge, oracle, rank, scaled_mm
 from pytest_gpuregress.scenarios.formats.catalog import FORMATS
+from pytest_gpuregress.triage.naming import described
 
 pytestmark = pytest.mark.cpu_sensitive  # .ci/run runs these again on a lower CPU kernel path
 
@@ -46,7 +47,7 @@ def judged(reference: RunRecord, record: RunRecord, setup: Setup = CPU, lane: st
     """Case id -> its failure messages, as the session would report them (closed form, then reference)."""
     out = {}
     for case in SCENARIO.cases(setup):
-        problems = SCENARIO.verdict(case, record, setup)
+        problems = [described(p) for p in SCENARIO.verdict(case, record, setup)]
         if SCENARIO.reference_name(case):
             problems += [f.message for f in SCENARIO.compare(reference, record, case, lane).findings]
         if problems:
@@ -160,9 +161,9 @@ def test_ranks_that_measure_differently_are_named(clean: RunRecord) -> None:
     merged = SCENARIO.merge([copy.deepcopy(clean), faulted("format:mode=mx_scale_off_by_one")])
     case = next(c for c in SCENARIO.cases(CPU) if c.id == "quantized-mx_fp4_e2m1fn")
     assert list(merged.results["rank_disagreements"]["quantized-mx_fp4_e2m1fn"]) == ["1"]
-    (problem,) = SCENARIO.verdict(case, merged, CPU)
+    (problem,) = map(described, SCENARIO.verdict(case, merged, CPU))
     assert problem.startswith("[format] quantized-mx_fp4_e2m1fn: rank 1 measured otherwise than rank 0: the devices "
-                              "of this machine disagree; its own findings: [quantization] mx_fp4_e2m1fn: e8m0 block scales")
+                              "of this machine disagree; its own findings: mx_fp4_e2m1fn: e8m0 block scales")
 
 
 def _linear_times(factor: float) -> Callable[[], None]:
@@ -190,7 +191,7 @@ def test_a_reference_that_fails_its_own_checks_vouches_for_nothing(clean: RunRec
     case = next(c for c in SCENARIO.cases(CPU) if c.id == "quantized-per_tensor_e4m3fnuz")
     bad_reference = faulted("format:mode=fnuz_max_448")
     messages = [f.message for f in SCENARIO.compare(bad_reference, clean, case, "auto").findings]
-    assert any(m.startswith("the reference itself fails: [quantization] per_tensor_e4m3fnuz") for m in messages)
+    assert any(m.startswith("the reference itself fails: per_tensor_e4m3fnuz") for m in messages)
 
 
 def test_summary_and_header_on_the_cpu(clean: RunRecord) -> None:
@@ -286,10 +287,12 @@ def test_a_kernel_that_raises_is_a_finding_of_its_case_not_a_crash(monkeypatch: 
     cases = [c for c in SCENARIO.cases(CPU) if "e8m0fnu" in c.id or c.id == "quantized-per_tensor_e4m3fn_to_fnuz"]
     ctx = RankContext(0, 1, 0, "cpu", "gloo", SCENARIO.launch_config(CPU, cases), Path(tempfile.mkdtemp()))
     record = SCENARIO.merge([rank.run(ctx)])
-    failures = {c.id: SCENARIO.verdict(c, record, CPU) for c in cases}
+    failures = {c.id: [described(p) for p in SCENARIO.verdict(c, record, CPU)] for c in cases}
     assert failures["decode-e8m0fnu"] == []
     assert failures["encode-e8m0fnu"] == failures["behaviour-e8m0fnu"] == [
-        '[format] encode e8m0fnu: raised on cpu: RuntimeError: "copy_kernel" not implemented for Float8_e8m0fnu']
+        '[format] encode e8m0fnu: raised on cpu: RuntimeError: "copy_kernel" not implemented for Float8_e8m0fnu '
+        '(rule format-codec)']
     assert failures["quantized-per_tensor_e4m3fn_to_fnuz"] == [
-        "[quantization] per_tensor_e4m3fn_to_fnuz: the round trip raised RuntimeError: no kernel for the conversion"]
+        "[quantization] per_tensor_e4m3fn_to_fnuz: the round trip raised RuntimeError: no kernel for the conversion "
+        "(rule quantized-roundtrip)"]
     assert set(record.results["quantized"]) == {"per_tensor_e4m3fn", "per_tensor_e4m3fn_to_fnuz"}  # and its source

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from pytest_gpuregress.errors import NotApplicable
+from pytest_gpuregress.reference.compare import Comparison
 from pytest_gpuregress.reference.continuation import from_step
 from pytest_gpuregress.reference.judgement import JudgingPolicy
 from pytest_gpuregress.reference.record import RunRecord
@@ -20,10 +23,16 @@ from pytest_gpuregress.scenarios.base import Launch, Setup
 from pytest_gpuregress.scenarios.comparator import comparator_of
 from pytest_gpuregress.scenarios.fsdp import resume_plan
 from pytest_gpuregress.scenarios.shared import late_gradients, resume_verdict
+from pytest_gpuregress.triage.naming import name_findings
 
 from .conftest import make_record
 
 START = 4
+
+
+def named(compare: Callable[..., Comparison], *args: Any) -> Comparison:
+    """A comparison with its findings named by triage, as the session reports it."""
+    return name_findings(compare(*args))
 
 
 def sha(text: str) -> str:
@@ -62,7 +71,7 @@ def continuation(ref: RunRecord, loaded: dict[str, dict[str, str]] | None = None
 
 def test_a_faithful_resume_passes_in_the_exact_lane() -> None:
     ref = reference()
-    comparison = resume_verdict.compare(ref, continuation(ref), "auto")
+    comparison = named(resume_verdict.compare, ref, continuation(ref), "auto")
     assert comparison.lane == "exact" and comparison.findings == []
 
 
@@ -83,7 +92,7 @@ def test_optimizer_state_dropped_on_load_is_named_piece_by_piece() -> None:
     loaded["optimizer.step"] = {"a.weight": "1.0", "b.weight": "1.0"}
     run = continuation(ref, loaded)
     run.series["loss"][1] *= 1.01  # what a wrong optimizer state does to the next steps
-    findings = resume_verdict.compare(ref, run, "auto").findings
+    findings = named(resume_verdict.compare, ref, run, "auto").findings
     assert [f.message for f in findings[:3]] == [
         "resume: optimizer.exp_avg after loading the reference's checkpoint is not the state it saved at step 4 "
         "(2 of 2 tensors differ, first a.weight)",
@@ -99,7 +108,7 @@ def test_a_generator_not_restored_is_named_with_its_rank() -> None:
     ref = reference()
     loaded = boundary()
     loaded["rng.numpy"] = {"rank0": "n0", "rank1": "scrambled"}
-    [finding] = resume_verdict.compare(ref, continuation(ref, loaded), "auto").findings
+    [finding] = named(resume_verdict.compare, ref, continuation(ref, loaded), "auto").findings
     assert finding.tensor == "rng.numpy" and "(1 of 2 ranks differ, first rank1: n1 -> scrambled)" in finding.message
 
 
@@ -107,10 +116,10 @@ def test_a_continuation_that_moved_on_a_sound_load_names_the_step_as_usual() -> 
     ref = reference()
     run = continuation(ref)
     run.series["loss"][2] *= 1 + 1e-9
-    [finding] = resume_verdict.compare(ref, run, "exact").findings
+    [finding] = named(resume_verdict.compare, ref, run, "exact").findings
     assert finding.metric == "loss" and finding.step == 2 and finding.component != "checkpoint"
     assert finding.message.startswith("resumed at step 4 (steps counted from there): loss: first differing step 2 of 4")
-    assert resume_verdict.compare(ref, run, "tolerant").findings == []  # 1e-9 is inside the envelope's limit
+    assert named(resume_verdict.compare, ref, run, "tolerant").findings == []  # 1e-9 is inside the envelope's limit
 
 
 def test_a_load_that_failed_is_the_finding() -> None:
@@ -118,7 +127,7 @@ def test_a_load_that_failed_is_the_finding() -> None:
     run = continuation(ref)
     run.series, run.arrays, run.digests = {}, {}, {}
     run.results = {resume_verdict.LOADED_KEY: {"load_error": "CheckpointProblem: /r/resume/trainer.json: not JSON"}}
-    [finding] = resume_verdict.compare(ref, run, "auto").findings
+    [finding] = named(resume_verdict.compare, ref, run, "auto").findings
     assert finding.component == "checkpoint" and finding.message == (
         "resume: loading the reference's checkpoint (step 4) on this stack failed: CheckpointProblem: "
         "/r/resume/trainer.json: not JSON")
@@ -184,10 +193,10 @@ def _with_late_gradients(ref: RunRecord) -> tuple[RunRecord, RunRecord]:
 
 def test_late_gradients_equal_pass_and_one_element_off_is_a_collective_named_at_the_checkpoints_step() -> None:
     ref, run = _with_late_gradients(reference())
-    clean = resume_verdict.compare(ref, run, "tolerant")
+    clean = named(resume_verdict.compare, ref, run, "tolerant")
     assert clean.passed and "late_grad" in clean.margins and "step0_grad" not in clean.margins
     run.arrays["late_grad/a.weight"][3, 5] += 1e-4  # one element of one tensor, as a corrupted reduce-scatter leaves it
-    broken = resume_verdict.compare(ref, run, "tolerant")
+    broken = named(resume_verdict.compare, ref, run, "tolerant")
     (finding,) = broken.findings
     assert (finding.metric, finding.component, finding.step, finding.tensor) == ("late_grad", "collective", START,
                                                                                  "a.weight")
@@ -198,10 +207,10 @@ def test_late_gradients_equal_pass_and_one_element_off_is_a_collective_named_at_
 def test_late_gradients_that_move_everywhere_are_a_kernel_and_a_reference_without_them_judges_the_curve_only() -> None:
     ref, run = _with_late_gradients(reference())
     run.arrays["late_grad/a.weight"] *= np.float32(1 + 1e-3)
-    (finding,) = resume_verdict.compare(ref, run, "tolerant").findings
+    (finding,) = named(resume_verdict.compare, ref, run, "tolerant").findings
     assert (finding.metric, finding.component) == ("late_grad", "kernel")
     older = reference()  # recorded before late gradients: no late_grad margin, no finding from them
-    assert "late_grad" not in resume_verdict.compare(older, continuation(older), "tolerant").margins
+    assert "late_grad" not in named(resume_verdict.compare, older, continuation(older), "tolerant").margins
 
 
 def test_a_late_replicas_spread_is_measured_as_step_0s_is() -> None:

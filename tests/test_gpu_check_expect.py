@@ -24,6 +24,7 @@ from pytest_gpuregress.scenarios.base import Setup
 from pytest_gpuregress.scenarios.collectives import plan
 from pytest_gpuregress.stack.platforms import resolve_platform
 from pytest_gpuregress.training.kernels import inventory_from_events
+from pytest_gpuregress.triage.naming import described
 
 from .conftest import make_record
 from .test_gpu_branches import as_gpu_build
@@ -120,7 +121,7 @@ def test_the_forced_flash_backend_on_a_gpu_is_a_kernel_change_the_step_sees() ->
 def test_a_gpu_host_fallback_report_names_the_op() -> None:
     record = make_record()
     record.results = gpu_record(host_ops={"aten::silu": {"calls": 12, "shape": [48, 256, 2048], "dtype": "bfloat16"}})["results"]
-    assert found(expect.text("host-op", "gpu"), "\n".join(kernels.host_op_problems(record)))
+    assert found(expect.text("host-op", "gpu"), "\n".join(map(described, kernels.host_op_problems(record))))
 
 
 def sweep_result(case: plan.Case, wrong: int = 0) -> dict[str, Any]:

@@ -13,13 +13,14 @@ import pytest
 
 from pytest_gpuregress import triage
 from pytest_gpuregress.reference import introduced
-from pytest_gpuregress.reference.compare import OLD_TRACE_NOTE, compare_training
+from pytest_gpuregress.reference.compare import OLD_TRACE_NOTE
 from pytest_gpuregress.reference.op_trace import INPUT_OP, RankTrace, ranks
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.reference.report import format_comparison
 from pytest_gpuregress.reference.trace_pairs import pair
+from pytest_gpuregress.triage.naming import op_component
 
-from .conftest import make_record
+from .conftest import compare_named, make_record
 from .test_op_trace import UP_PROJ, traced_step0
 
 DOWN_PROJ = "model.layers.1.mlp.down_proj"
@@ -84,17 +85,17 @@ def test_the_trace_keeps_the_entries_each_op_read(reference: RunRecord) -> None:
 
 def test_a_gemm_error_after_drift_is_introduced_at_its_matmul_and_drift_is_information(reference: RunRecord) -> None:
     run = traced(scaled(UP_PROJ, 1e-7), scaled(DOWN_PROJ, 1e-3))  # 1 ulp of drift in layer 0, the bug in layer 1
-    comparison = compare_training(reference, run, lane="tolerant")
+    comparison = compare_named(reference, run, lane="tolerant")
     culprit = comparison.culprit
     assert culprit is not None and culprit.entry is not None
-    assert (culprit.entry.op, culprit.entry.module, culprit.component) == ("aten::mm", DOWN_PROJ, "kernel")
+    assert (culprit.entry.op, culprit.entry.module, op_component(culprit)) == ("aten::mm", DOWN_PROJ, "kernel")
     assert comparison.first_moved is not None and comparison.first_moved.entry.module == UP_PROJ  # drift first
     text = report(comparison)
     assert f"introduced at: aten::mm in {DOWN_PROJ} (forward)" in text
     assert "its output moved 1.0e-03 relative (8.39e+03 ulps) against" in text, text
     assert f"drift begins at: aten::mm in {UP_PROJ} (forward)" in text
     run.series = {k: [v * (1 + 1e-3) for v in vals] for k, vals in run.series.items()}  # step 0 fails too
-    found = triage.verdict(compare_training(reference, run, lane="tolerant"), CLEAN_EXPERIMENTS)
+    found = triage.verdict(compare_named(reference, run, lane="tolerant"), CLEAN_EXPERIMENTS)
     component, line = found.component, found.line
     assert component == "kernel" and f"first moved op differs: aten::mm in {DOWN_PROJ}" in line
 
@@ -102,7 +103,7 @@ def test_a_gemm_error_after_drift_is_introduced_at_its_matmul_and_drift_is_infor
 def test_a_gemm_error_at_one_shape_only_depends_on_the_shape_and_the_report_names_the_shapes(
         reference: RunRecord) -> None:
     gate = UP_PROJ.replace("up_proj", "gate_proj")  # the same shape as up_proj: [tokens, 64] x [64, 176]
-    comparison = compare_training(reference, traced(scaled(gate, 1e-3), scaled(UP_PROJ, 1e-3)), lane="tolerant")
+    comparison = compare_named(reference, traced(scaled(gate, 1e-3), scaled(UP_PROJ, 1e-3)), lane="tolerant")
     note = comparison.shape_note
     assert note is not None and note.startswith("depends on the shape: aten::mm introduced a difference at "), note
     wrong, right = note.split(", and none at ")
@@ -114,14 +115,14 @@ def test_a_gemm_error_at_one_shape_only_depends_on_the_shape_and_the_report_name
 
 def test_a_gemm_error_in_one_module_of_a_shape_others_share_does_not_depend_on_the_shape(
         reference: RunRecord) -> None:
-    comparison = compare_training(reference, traced(scaled(UP_PROJ, 1e-3)), lane="tolerant")
-    assert comparison.culprit is not None and comparison.culprit.component == "kernel"
+    comparison = compare_named(reference, traced(scaled(UP_PROJ, 1e-3)), lane="tolerant")
+    assert comparison.culprit is not None and op_component(comparison.culprit) == "kernel"
     assert comparison.shape_note is None  # gate_proj has up_proj's shape and its inputs, and stayed right
     assert "depends on the shape" not in report(comparison)
 
 
 def test_drift_alone_introduces_nothing_and_convicts_nothing(reference: RunRecord) -> None:
-    comparison = compare_training(reference, traced(scaled(UP_PROJ, 1e-7)), lane="tolerant")
+    comparison = compare_named(reference, traced(scaled(UP_PROJ, 1e-7)), lane="tolerant")
     assert not comparison.passed and comparison.first_moved is not None and comparison.culprit is None
     text = report(comparison)
     assert "introduced at: no op of step 0 moved beyond drift (an output moved at least 32 ulps" in text
@@ -134,7 +135,7 @@ def test_drift_alone_introduces_nothing_and_convicts_nothing(reference: RunRecor
 
 
 def test_the_exact_lane_still_names_the_first_op_that_moved(reference: RunRecord) -> None:
-    comparison = compare_training(reference, traced(scaled(UP_PROJ, 1e-7)), lane="exact")
+    comparison = compare_named(reference, traced(scaled(UP_PROJ, 1e-7)), lane="exact")
     assert comparison.culprit is comparison.first_moved and comparison.introduced is None
     assert f"first difference: aten::mm in {UP_PROJ}" in report(comparison)
 
@@ -142,11 +143,11 @@ def test_the_exact_lane_still_names_the_first_op_that_moved(reference: RunRecord
 def test_a_reference_without_thresholds_shows_the_first_moved_op_and_says_why(reference: RunRecord) -> None:
     older = traced_step0()  # traced, but recorded before the thresholds (and sources) were kept
     run = traced(scaled(UP_PROJ, 1e-7), scaled(DOWN_PROJ, 1e-3))
-    comparison = compare_training(older, run, lane="tolerant")
+    comparison = compare_named(older, run, lane="tolerant")
     assert comparison.introduced_note == OLD_TRACE_NOTE and comparison.culprit is comparison.first_moved
     text = report(comparison)
     assert f"first difference: aten::mm in {UP_PROJ}" in text and "re-record the reference to have it named" in text
-    assert compare_training(make_record(), run, lane="tolerant").introduced_note is None  # no trace: nothing to say
+    assert compare_named(make_record(), run, lane="tolerant").introduced_note is None  # no trace: nothing to say
 
 
 def test_a_one_element_gradient_error_is_pinned_on_no_op_downstream(reference: RunRecord) -> None:
@@ -166,7 +167,7 @@ def test_a_one_element_gradient_error_is_pinned_on_no_op_downstream(reference: R
 
     run = traced_step0(hook=install)
     run.series = {k: [vals[0], *(v * (1 + 1e-3) for v in vals[1:])] for k, vals in run.series.items()}
-    comparison = compare_training(reference, run, lane="tolerant")
+    comparison = compare_named(reference, run, lane="tolerant")
     assert comparison.first_moved is not None and comparison.first_moved.entry.phase == "backward"
     culprit = comparison.culprit
     assert culprit is None, culprit.describe()  # RMSNorm's backward multiplies it 190x in digest terms: not named
@@ -212,7 +213,7 @@ def test_a_collective_weighs_every_ranks_inputs() -> None:
     # inputs as they were, the collective's output scaled: it introduced the difference
     scaled_output = record_of(reduce_scatter([1.0, 2.0], 3.0 + 4e-3), reduce_scatter([1.0, 2.0], 3.0 + 4e-3))
     found = introduced.introduced_at(ref, scaled_output)
-    assert found is not None and found.entry is not None and found.component == "collective"
+    assert found is not None and found.entry is not None and op_component(found) == "collective"
 
 
 def test_values_rounded_to_bf16_move_by_bf16_units_in_every_float32_op_they_reach() -> None:
@@ -282,7 +283,7 @@ def test_a_changed_op_sequence_is_a_note_and_the_analysis_goes_on_past_it() -> N
         record.series = {k: [v * (1 + 1e-3) for v in vals] for k, vals in record.series.items()}
         return record
 
-    comparison = compare_training(ref, rewritten(3.0), lane="tolerant")
+    comparison = compare_named(ref, rewritten(3.0), lane="tolerant")
     assert comparison.introduced is None and comparison.first_moved is None and comparison.culprit is None
     note = "1 op differs at the same place: aten::mul in `m` (backward): op aten::mul -> aten::sigmoid"
     assert comparison.sequence_notes[0] == note
@@ -290,14 +291,14 @@ def test_a_changed_op_sequence_is_a_note_and_the_analysis_goes_on_past_it() -> N
     assert f"    {note}" in text and "op sequence changed since the reference" in text
     assert triage.first_moved_evidence(comparison) is None  # no op moved: nothing convicts
     # The collective past the change moved, far beyond what its (paired) ancestor explains: introduced there.
-    comparison = compare_training(ref, rewritten(3.0 + 4e-3), lane="tolerant")
+    comparison = compare_named(ref, rewritten(3.0 + 4e-3), lane="tolerant")
     culprit = comparison.culprit
     assert culprit is not None and culprit.entry is not None and culprit.entry.op == "c10d::_reduce_scatter_base_"
-    assert culprit.component == "collective" and comparison.sequence_notes[0] == note
+    assert op_component(culprit) == "collective" and comparison.sequence_notes[0] == note
     assert comparison.sequence_notes[1] == ("only 2 of this run's 3 ops could be paired with the reference's: the "
                                             "analysis covers those")
     # In the exact lane a changed sequence is the first difference, named with the field that differs.
-    exact = compare_training(ref, rewritten(3.0), lane="exact")
+    exact = compare_named(ref, rewritten(3.0), lane="exact")
     assert exact.culprit is not None and exact.culprit.kind == "sequence"
     assert exact.culprit.describe().startswith("the op sequence changed at op 1: aten::mul in m (backward): "
                                                "op aten::mul -> aten::sigmoid")

@@ -12,6 +12,7 @@ from pytest_gpuregress.reference.judgement import JudgingPolicy
 from pytest_gpuregress.reference.observations import GpuRegressKernelWarning, GpuRegressPerfWarning, Observations
 from pytest_gpuregress.training import observe
 from pytest_gpuregress.triage import Experiment, verdict
+from pytest_gpuregress.triage.naming import described
 
 from .conftest import make_record
 
@@ -61,7 +62,7 @@ def test_report_lines_show_twelve_ops_and_count_the_rest() -> None:
 def test_host_ops_of_a_gpu_run_are_one_kernel_finding_naming_each_op() -> None:
     run = with_results(host_ops={"accelerator": "cuda", "ops": {
         "aten::silu": {"calls": 4, "shape": [8, 64, 176], "dtype": "float32"}}})
-    [finding] = kernels.host_op_problems(run)
+    [finding] = map(described, kernels.host_op_problems(run))
     assert finding.startswith("[kernel] 1 op(s) ran on the CPU while 'fsdp' runs on cuda: "
                               "aten::silu (4 calls, float32 [8, 64, 176])")
     assert kernels.host_op_problems(with_results(host_ops={"accelerator": "cuda", "ops": {}})) == []
@@ -79,9 +80,9 @@ def test_perf_ratios_say_worse_by_and_pass_limits_only_when_past_them() -> None:
     assert not by_name["all-reduce bus bandwidth"].over  # 1.11x worse, limit 1.5x
     problems = perf.problems(found, with_results(perf=slower))
     assert len(problems) == 2  # tokens/s and memory: the step time says the same as tokens/s
-    assert problems[0].startswith("[performance] tokens/s 3413 tokens/s vs 1.024e+04 tokens/s in the reference: "
+    assert problems[0].startswith("tokens/s 3413 tokens/s vs 1.024e+04 tokens/s in the reference: "
                                   "3.00x worse (limit 1.5x); medians over 290 steady steps")
-    assert "[performance] peak memory 560 MiB vs 400 MiB in the reference: 1.40x worse (limit 1.3x)" in problems[1]
+    assert "peak memory 560 MiB vs 400 MiB in the reference: 1.40x worse (limit 1.3x)" in problems[1]
     assert perf.problems(perf.ratios(with_results(perf=PERF), with_results(perf=PERF)), make_record()) == []
     assert perf.summary(found).startswith("step time 3.00x slower, tokens/s 3.00x slower, peak memory 1.40x larger")
     faster = perf.ratios(with_results(perf=slower), with_results(perf=PERF))
@@ -103,7 +104,8 @@ def test_observations_report_or_fail_kernel_changes_as_asked(mode: str) -> None:
     run = with_results(kernels={"aten::scaled_dot_product_attention": MATH}, perf=PERF)
     seen = Observations.of(ref, run, JudgingPolicy(kernel_changes=mode))
     if mode == "fail":
-        assert seen.failures()[0] == "[kernel] kernels changed since the reference (1 ops; --gpuregress-kernel-changes=fail):"
+        assert described(seen.failures()[0]).startswith(
+            "[kernel] kernels changed since the reference (1 ops; --gpuregress-kernel-changes=fail): (rule ")
         assert not seen.warnings()
     else:
         assert seen.failures() == []
@@ -119,7 +121,7 @@ def test_observations_warn_or_fail_on_a_slowdown_and_can_be_turned_off() -> None
     assert warned.failures() == [] and warned.warnings()[0][0] is GpuRegressPerfWarning
     assert "(--gpuregress-perf=fail to fail on it)" in warned.warnings()[0][1]
     failed = Observations.of(ref, run, JudgingPolicy(perf="fail"))
-    assert failed.failures()[0].endswith("(--gpuregress-perf=fail)")
+    assert failed.failures()[0].message.endswith("(--gpuregress-perf=fail)")
     off = Observations.of(ref, run, JudgingPolicy(perf="off", kernel_changes="off"))
     assert off.failures() == [] and off.warnings() == [] and off.detail() == ""
     assert off.evidence()[0].startswith("kernels: not compared (no inventory on one side")
@@ -139,7 +141,7 @@ def test_perf_is_not_judged_against_a_reference_timed_on_other_hardware(other: d
         assert seen.failures() == [] and seen.warnings() == [] and seen.perf_problems == []
         assert "bus bandwidth unchanged (not judged: the reference was timed on other hardware (device." in seen.detail()
     run.fingerprint = {**run.fingerprint, "device": device}  # the same hardware: judged
-    assert Observations.of(ref, run, JudgingPolicy(perf="fail")).failures()[0].startswith("[performance] tokens/s")
+    assert Observations.of(ref, run, JudgingPolicy(perf="fail")).failures()[0].message.startswith("tokens/s")
     # An AVX512 CPU forced down to AVX2 reads like the AVX2 machine that recorded: not judged either.
     run.fingerprint = {**run.fingerprint, "comm": {"env": {"ATEN_CPU_CAPABILITY": "avx2"}}}
     forced = Observations.of(ref, run, JudgingPolicy(perf="fail"))
@@ -152,7 +154,7 @@ def test_perf_on_the_same_gpus_is_judged_whatever_the_host_cpu() -> None:
     run = with_results(perf={**PERF, "median_step_s": 0.4, "tokens_per_s": 2560.0})
     ref.fingerprint = {**ref.fingerprint, "device": gpus}
     run.fingerprint = {**run.fingerprint, "device": {**gpus, "cpu_model": "AMD EPYC"}}
-    assert Observations.of(ref, run, JudgingPolicy(perf="fail")).failures()[0].startswith("[performance] tokens/s")
+    assert Observations.of(ref, run, JudgingPolicy(perf="fail")).failures()[0].message.startswith("tokens/s")
     run.fingerprint = {**run.fingerprint, "device": {**gpus, "count": 4}}  # half the GPUs: not comparable
     assert Observations.of(ref, run, JudgingPolicy(perf="fail")).failures() == []
 
@@ -160,7 +162,7 @@ def test_perf_on_the_same_gpus_is_judged_whatever_the_host_cpu() -> None:
 def test_kernel_changes_are_triage_evidence_and_decide_an_inconclusive_verdict() -> None:
     from pytest_gpuregress.reference.compare import Comparison, Finding
 
-    finding = Finding("step0_grad", "kernel", "step0_grad differs", step=0)
+    finding = Finding("step0_grad", "step0_grad differs", step=0, component="kernel")
     comparison = Comparison("exact", "", [finding], [], kernel_changes=["aten::sdpa: flash -> math"])
     clean = [Experiment("equivalence", "clean", "agree"), Experiment("oracle", "clean", "matches float64")]
     found = verdict(comparison, clean)

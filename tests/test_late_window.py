@@ -7,11 +7,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pytest_gpuregress.reference import collective_invariants
-from pytest_gpuregress.reference.compare import Comparison, Finding, compare_training
+from pytest_gpuregress.reference.compare import Comparison, Finding
 from pytest_gpuregress.triage import Experiment, divergence_start, verdict
 from pytest_gpuregress.triage.late_window import judged
 
-from .conftest import make_record
+from .conftest import compare_named, make_record
 
 CLEARED = [Experiment("equivalence", "clean", "x"), Experiment("oracle", "clean", "y")]
 
@@ -19,20 +19,21 @@ CLEARED = [Experiment("equivalence", "clean", "x"), Experiment("oracle", "clean"
 def late_divergence() -> Comparison:
     run = make_record()
     run.series["loss"] = run.series["loss"][:2] + [x * 1.01 for x in run.series["loss"][2:]]
-    return compare_training(make_record(), run, lane="tolerant")
+    return compare_named(make_record(), run, lane="tolerant")
 
 
 def window(*findings: Finding) -> Comparison:
     return Comparison("exact", "same stack", list(findings), {})
 
 
-def late_grad(component: str) -> Finding:
-    return Finding("late_grad", component, "late_grad (step 6's gradients, from the reference's state) w: 2 elements "
-                                           "differ", step=6)
+def late_grad(fraction: float) -> Finding:
+    """Step 6's gradients wrong in ``fraction`` of their elements (a few: a collective's signature)."""
+    return Finding("late_grad", "late_grad (step 6's gradients, from the reference's state) w: 2 elements "
+                                           "differ", step=6, fraction=fraction)
 
 
 def test_gradients_computed_wrong_from_the_reference_state_convict_their_component() -> None:
-    experiment = judged(2, 6, window(late_grad("collective"), late_grad("collective")))
+    experiment = judged(2, 6, window(late_grad(0.001), late_grad(0.001)))
     assert (experiment.status, experiment.component) == ("differs", "collective")
     assert "step 6's gradients, computed on this stack from the reference's own state at step 6" in experiment.detail
     assert "(and 1 more tensors)" in experiment.detail
@@ -42,7 +43,7 @@ def test_gradients_computed_wrong_from_the_reference_state_convict_their_compone
 
 
 def test_a_dense_late_gradient_error_is_a_kernel_or_a_collective_which_one_window_cannot_tell_apart() -> None:
-    component = verdict(late_divergence(), [*CLEARED, judged(2, 6, window(late_grad("kernel")))]).component
+    component = verdict(late_divergence(), [*CLEARED, judged(2, 6, window(late_grad(0.9)))]).component
     assert component == "kernel or collective"
 
 
@@ -53,7 +54,7 @@ def test_a_reference_without_late_gradients_compares_nothing_and_clears_nothing(
 
 
 def test_right_gradients_and_a_divergence_that_recurs_in_a_fresh_process_convict_the_update() -> None:
-    again = Finding("loss", "optimizer", "loss: first differing step 1 of 8 ...", step=1)  # the window counts from S
+    again = Finding("loss", "loss: first differing step 1 of 8 ...", step=1)  # the window counts from S
     experiment = judged(2, 6, window(again))
     assert experiment.status == "reproduced" and "go wrong in the update" in experiment.detail
     found = verdict(late_divergence(), [*CLEARED, experiment])
@@ -65,7 +66,7 @@ def test_a_loss_that_moves_only_steps_after_the_right_update_says_what_else_coul
     """The helper's N3: the backward of one class's target wrong from step 233 on, while S = 225's batch has none of
     it: the window's loss moves at its step 9. A learning rate 0.1% off moves it at step 5, so the step does not
     tell them apart: the verdict stays the optimizer's, and says that a later batch's gradients could do this too."""
-    later = Finding("loss", "optimizer", "loss: first differing step 9 of 75 ...", step=9)
+    later = Finding("loss", "loss: first differing step 9 of 75 ...", step=9)
     experiment = judged(2, 6, window(later))
     assert experiment.status == "reproduced" and experiment.component == "optimizer"
     assert "the loss leaves its limit only at the window's step 9, so a later batch's gradients" in experiment.detail
@@ -93,8 +94,8 @@ def test_a_window_before_the_divergence_clears_nothing() -> None:
 
 
 def test_a_checkpoint_that_did_not_load_judges_the_load_not_the_divergence() -> None:
-    broken = Finding("resume_state", "checkpoint", "resume: optimizer state after loading ... is not the saved one")
-    experiment = judged(2, 6, window(broken, late_grad("kernel")))
+    broken = Finding("resume_state", "resume: optimizer state after loading ... is not the saved one")
+    experiment = judged(2, 6, window(broken, late_grad(0.9)))
     assert experiment.status == "not applicable" and "did not load as saved" in experiment.detail
     assert verdict(late_divergence(), [*CLEARED, experiment]).component is None
 
@@ -105,7 +106,7 @@ def test_the_window_runs_only_where_step_0_is_cleared_and_a_later_step_differs()
     assert divergence_start(late_divergence(), CLEARED[:1]) is None
     step0 = make_record()
     step0.arrays["step0_grad/a.weight"] = step0.arrays["step0_grad/a.weight"] * 1.01
-    assert divergence_start(compare_training(make_record(), step0, lane="tolerant"), CLEARED) is None
+    assert divergence_start(compare_named(make_record(), step0, lane="tolerant"), CLEARED) is None
 
 
 HELD = Experiment("collective invariants", "held", "40 calls (all_gather, reduce_scatter) checked across the ranks at "
@@ -116,7 +117,7 @@ def test_late_gradients_wrong_while_every_collective_kept_its_invariants_are_the
     """The helper's N2: embedding_dense_backward drops the last row (one token id) from step 14 on. A few wrong
     elements read as a collective's signature, but the run's own ledger checked every reduce-scatter at every step
     and each kept its sums: the gradients were computed wrong before any collective carried them."""
-    late = judged(2, 6, window(late_grad("collective")))
+    late = judged(2, 6, window(late_grad(0.001)))
     found = verdict(late_divergence(), [*CLEARED, late, HELD])
     component, line = found.component, found.line
     assert component == "kernel" and "late window differs" in line and "collective invariants held" in line
@@ -137,7 +138,7 @@ def test_one_ranks_op_that_one_rank_replaying_every_micro_batch_also_computed_is
     from pytest_gpuregress.triage.decision import Evidence, _one_rank
 
     entry = SimpleNamespace(op="aten::nll_loss_backward", outputs=("f32[512, 256]",))
-    culprit = SimpleNamespace(entry=entry, world=2, also_on=(), component="kernel", rank=1,
+    culprit = SimpleNamespace(entry=entry, world=2, also_on=(), site="compute", rank=1,
                               describe=lambda: "introduced at: aten::nll_loss_backward")
     comparison = SimpleNamespace(culprit=culprit, findings=[], paired_ops=None)
     assert _one_rank(Evidence(comparison, {})) is not None  # type: ignore[arg-type]

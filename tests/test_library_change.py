@@ -14,7 +14,6 @@ import pytest
 
 from pytest_gpuregress.faults import KINDS, parse
 from pytest_gpuregress.faults.reach import installed_code
-from pytest_gpuregress.plugin.explain import library_change
 from pytest_gpuregress.reference import oracle_step0
 from pytest_gpuregress.reference.compare import Comparison, Finding
 from pytest_gpuregress.reference.first_moved import FirstMoved
@@ -22,6 +21,8 @@ from pytest_gpuregress.reference.op_trace import TraceOp
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.reference.report import format_comparison
 from pytest_gpuregress.scenarios import Launch
+from pytest_gpuregress.triage import model_code
+from pytest_gpuregress.triage.naming import op_component
 
 from .conftest import make_record
 
@@ -72,19 +73,19 @@ def moved_at(tensor: str, loss_relative: float = 0.0) -> oracle_step0.CodeChange
 def test_the_package_is_the_one_that_changed_else_the_one_whose_code_runs_where_the_oracle_moved() -> None:
     same = {"torch": "2.13.0", "transformers": "5.24.0", "peft": "0.21.2", "accelerate": "1.16.0"}
     """Where the step-0 trace says nothing of which code moved: by the gradients that moved, a version breaking the tie."""
-    assert oracle_step0.suspect(moved_at(LORA_B), same, same)[0] == "library: peft"
+    assert model_code.suspect(moved_at(LORA_B), same, same)[0] == "library: peft"
     # lora's oracle keeps adapter gradients only: where its loss moved too, the model's forward changed
-    assert oracle_step0.suspect(moved_at(LORA_B, loss_relative=0.02), same, same)[0] == "library: transformers"
-    package, why = oracle_step0.suspect(moved_at(Q_PROJ), same, same)
+    assert model_code.suspect(moved_at(LORA_B, loss_relative=0.02), same, same)[0] == "library: transformers"
+    package, why = model_code.suspect(moved_at(Q_PROJ), same, same)
     assert package == "library: transformers" and "its code on this machine was changed or patched" in why
     newer = {**same, "transformers": "5.25.0"}
-    package, why = oracle_step0.suspect(moved_at(LORA_B), same, newer)  # peft did not change; transformers did
+    package, why = model_code.suspect(moved_at(LORA_B), same, newer)  # peft did not change; transformers did
     assert package == "library: transformers" and why.startswith("transformers changed since the reference (5.24.0")
-    assert oracle_step0.suspect(moved_at(Q_PROJ), same, {**same, "torch": "2.14.1"})[0] == "library: torch"
-    package, why = oracle_step0.suspect(moved_at(LORA_B), same, {**same, "peft": "0.22.0", "torch": "2.14.1"})
+    assert model_code.suspect(moved_at(Q_PROJ), same, {**same, "torch": "2.14.1"})[0] == "library: torch"
+    package, why = model_code.suspect(moved_at(LORA_B), same, {**same, "peft": "0.22.0", "torch": "2.14.1"})
     assert package == "library: peft" and why.endswith("(torch changed too: 2.13.0 -> 2.14.1)")
     # accelerate only wraps the training runs; the float64 oracle never runs it
-    assert oracle_step0.suspect(moved_at(Q_PROJ), same, {**same, "accelerate": "1.17.0"})[0] == "library: transformers"
+    assert model_code.suspect(moved_at(Q_PROJ), same, {**same, "accelerate": "1.17.0"})[0] == "library: transformers"
 
 
 def traced_op(op: str, module: str, phase: str, arguments: str, package: str) -> TraceOp:
@@ -102,24 +103,24 @@ def test_what_moved_outranks_any_version_number() -> None:
     scale = "aten::mul"
     called_otherwise = FirstMoved(0, "moved", traced_op(scale, "q_proj", "backward", "other=0.3535533905932738", "peft"),
                                   traced_op(scale, "q_proj", "backward", "other=0.5", "peft"), 10, 0.4, 2)
-    component, why = oracle_step0.suspect(moved_at(LORA_B), same, newer, called_otherwise)
+    component, why = model_code.suspect(moved_at(LORA_B), same, newer, called_otherwise)
     assert component == "library: peft" and "other=0.5 in the reference, other=0.3535533905932738 now: peft's " \
         "code calls it otherwise" in why
     kernel = FirstMoved(0, "moved", traced_op("aten::mm", "q_proj", "forward", "", "torch"),
                         traced_op("aten::mm", "q_proj", "forward", "", "torch"), 10, 1e-4, 2)
-    component, why = oracle_step0.suspect(moved_at(Q_PROJ), same, newer, kernel)
+    component, why = model_code.suspect(moved_at(Q_PROJ), same, newer, kernel)
     assert component == "kernel" and "its kernel computes another function, in float64 too" in why
-    component, why = oracle_step0.suspect(moved_at(Q_PROJ), same, same, None, ["kernels", "transformers"])
+    component, why = model_code.suspect(moved_at(Q_PROJ), same, same, None, ["kernels", "transformers"])
     assert component == "library: kernels" and "also in transformers" in why
     # an optimizer op called otherwise is the optimizer's, whoever's code that is
     adamw = FirstMoved(0, "moved", traced_op("aten::_foreach_mul_", "w", "optimizer", "scalar=0.9", "torch"),
                        traced_op("aten::_foreach_mul_", "w", "optimizer", "scalar=0.99", "torch"), 10, 1e-4, 2)
-    assert adamw.arguments_changed and adamw.component == "optimizer"
+    assert adamw.arguments_changed and op_component(adamw) == "optimizer"
     # traces recorded before arguments were kept say nothing of them
     older = FirstMoved(0, "moved", traced_op(scale, "q_proj", "backward", "other=0.35", "peft"),
                        TraceOp(7, scale, "q_proj", "", "backward", "f32[16, 64]", ("f32[16, 64]",), np.zeros((1, 3)),
                                np.zeros(1)), 10, 0.4, 2)
-    assert not older.arguments_changed and older.component == "kernel"
+    assert not older.arguments_changed and op_component(older) == "kernel"
 
 
 def test_a_nan_oracle_loss_on_one_side_is_a_change_and_never_hides_the_gradients() -> None:
@@ -141,21 +142,21 @@ def test_the_failure_is_explained_by_the_library_from_the_oracle_launch_it_runs(
     def runner(changed: RunRecord) -> Any:
         return lambda sc, la: ran.append(la.key) or changed
 
-    found = library_change(scenario, SimpleNamespace(), runner(oracle(lora_b_scale=2.0)), reference, None)  # type: ignore[arg-type]
+    found = model_code.experiment(scenario, SimpleNamespace(), runner(oracle(lora_b_scale=2.0)), reference, None)  # type: ignore[arg-type]
     assert found is not None and ran == ["triage-oracle"]
-    component, evidence = found
+    component, evidence = found.component, found.detail
     assert component == "library: peft"
     assert evidence.startswith("the float64 oracle's step 0 on this stack differs")
     assert "peft is at the reference's version" in evidence  # no version changed: the code on this machine did
-    assert library_change(scenario, SimpleNamespace(), runner(oracle()), reference, None) is None  # type: ignore[arg-type]
+    assert model_code.experiment(scenario, SimpleNamespace(), runner(oracle()), reference, None) is None  # type: ignore[arg-type]
     no_oracle = SimpleNamespace(oracle_launch=lambda setup, model: None, triage=None)
-    assert library_change(no_oracle, SimpleNamespace(), runner(oracle(2.0)), reference, None) is None  # type: ignore[arg-type]
+    assert model_code.experiment(no_oracle, SimpleNamespace(), runner(oracle(2.0)), reference, None) is None  # type: ignore[arg-type]
     # A reference recorded before the oracle's mode was kept is judged against the oracle it was recorded with.
     older = kept(make_record(), oracle())
     older.results[oracle_step0.RESULT_KEY].pop("mode")
     older.fingerprint = reference.fingerprint
     ran.clear()
-    assert library_change(scenario, SimpleNamespace(), runner(oracle()), older, None) is None  # type: ignore[arg-type]
+    assert model_code.experiment(scenario, SimpleNamespace(), runner(oracle()), older, None) is None  # type: ignore[arg-type]
     assert ran == ["triage-oracle-legacy-oracle"]
 
 
@@ -182,7 +183,7 @@ def test_the_float64_oracle_is_float64_throughout_and_says_so() -> None:
 
 
 def test_a_library_finding_gives_release_notes_and_a_folder_of_its_own_never_a_re_record() -> None:
-    finding = Finding("step0_grad", "library: transformers", "step0_grad model.layers.0.self_attn.q_proj.weight ...")
+    finding = Finding("step0_grad", "step0_grad model.layers.0.self_attn.q_proj.weight ...", component="library: transformers")
     comparison = Comparison("tolerant", "the stack changed", [finding], [])
     text = format_comparison(comparison, scenario="fsdp", platform_key="cpu-gloo-w2-fp32", reference_path="ref",
                              record_hint="pytest --gpuregress --gpuregress-record -k fsdp",
@@ -248,8 +249,9 @@ def test_an_experiment_that_convicts_this_stack_wins_over_a_library_change(monke
     from pytest_gpuregress.plugin import explain
 
     evidence = "the float64 oracle's step 0 on this stack differs ..."
-    monkeypatch.setattr(explain, "library_change", lambda *args: ("library: transformers", evidence))
-    finding = Finding("step0_grad", "kernel", "step0_grad ...", step=0)
+    monkeypatch.setattr(model_code, "experiment", lambda *args: triage.Experiment(
+        "model code", "differs", evidence, component="library: transformers"))
+    finding = Finding("step0_grad", "step0_grad ...", step=0, component="kernel")
 
     def explained(experiments: list[Any], run_experiments: bool = True,
                   findings: list[Finding] | None = None) -> tuple[Any, list[str]]:
@@ -268,7 +270,7 @@ def test_an_experiment_that_convicts_this_stack_wins_over_a_library_change(monke
     assert component == "library: transformers" and lines[1].startswith("triage verdict: library: transformers. ")
     assert f"model code differs: {evidence}" in lines[1] and "Decided by rule model-code (" in lines[1]
     # a scenario triage does not explain: a round trip's finding keeps its name, the code change is evidence
-    round_trip = Finding("resume", "checkpoint", "resume ...")
+    round_trip = Finding("resume", "resume ...", component="checkpoint")
     component, lines = explained([], run_experiments=False, findings=[round_trip])
     assert component is None and lines == ["", f"also: {evidence}"]
     component, lines = explained([], run_experiments=False)
@@ -278,8 +280,8 @@ def test_an_experiment_that_convicts_this_stack_wins_over_a_library_change(monke
 def test_every_built_in_training_scenario_has_a_float64_oracle_for_the_library_check() -> None:
     """lora brings its own oracle (the base model with its adapter); fsdp's is triage's. Without one a library
     release that changes the math could only be called a kernel."""
-    from pytest_gpuregress.plugin.explain import oracle_launch
     from pytest_gpuregress.scenarios import Setup, registry
+    from pytest_gpuregress.triage.model_code import oracle_launch
 
     setup = Setup(device_kind="cpu", backend="gloo", world_size=2)
     for name in ("fsdp", "lora"):
@@ -297,8 +299,8 @@ def test_a_view_with_other_strides_alone_is_no_call_with_other_arguments() -> No
                           traced_op("aten::neg", "rotary", "forward", then, "transformers"), 10, 1e-4, 2)
 
     restrided = moved("self@0:[64, 1, 2048]", "")
-    assert not restrided.arguments_changed and restrided.component == "kernel"
+    assert not restrided.arguments_changed and op_component(restrided) == "kernel"
     assert not moved("self@4:[8, 1], alpha=2", "self@4:[1, 8], alpha=2").arguments_changed
     sliced = moved("self@1:[64, 2]", "self@32:[64, 1]")
-    assert sliced.arguments_changed and sliced.component == "library: transformers"
+    assert sliced.arguments_changed and op_component(sliced) == "library: transformers"
     assert moved("alpha=3", "alpha=2").arguments_changed

@@ -10,7 +10,7 @@ from pytest_gpuregress.findings import CheckFinding
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios import Setup, registry
 from pytest_gpuregress.scenarios.lora import DEFAULT_TARGETS, SCENARIO, bounds, checks
-from pytest_gpuregress.triage.scenario_checks import described, rule_for
+from pytest_gpuregress.triage.naming import described, rule_for
 
 Q_B = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.default.weight"
 Q_A = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.default.weight"
@@ -208,8 +208,9 @@ def test_verdict_formats_findings_and_flags_checks_that_did_not_run() -> None:
                                                                                      "after reload")],
                                 "lora_checks_run": sorted(set(checks.CHECKS) - {"merge"})})
     problems = SCENARIO.verdict(SCENARIO.cases(CPU)[0], record, CPU)
-    assert problems == [CheckFinding("adapter-roundtrip", f"lora_B of {MODULE} is all zeros after reload"),
-                        "[checkpoint] lora checks did not run: merge"]
+    assert problems == [CheckFinding("adapter-roundtrip", f"lora_B of {MODULE} is all zeros after reload", scope="lora check"),
+                        CheckFinding("lora-missing", "lora checks did not run: merge")]
+    assert described(problems[1]) == "[checkpoint] lora checks did not run: merge (rule lora-checks-missing)"
     assert described(problems[0]) == (f"[checkpoint] lora check 'adapter-roundtrip': lora_B of {MODULE} is all zeros "
                                       "after reload (rule lora-adapter-roundtrip)")
 
@@ -228,7 +229,7 @@ def test_lora_fault_specs_are_validated() -> None:
 def test_the_docs_table_of_check_rules_is_triages() -> None:
     from pathlib import Path
 
-    from pytest_gpuregress.triage import scenario_checks
+    from pytest_gpuregress.triage import naming as scenario_checks
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "lora.md").read_text()
     begin, end = "<!-- check-rules:begin -->", "<!-- check-rules:end -->"

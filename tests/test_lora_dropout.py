@@ -13,7 +13,7 @@ from pytest_gpuregress import faults
 from pytest_gpuregress.findings import CheckFinding
 from pytest_gpuregress.scenarios.lora import checks
 from pytest_gpuregress.scenarios.lora.dropout_check import check_dropout
-from pytest_gpuregress.triage.scenario_checks import rule_for
+from pytest_gpuregress.triage.naming import rule_for
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,11 @@ import copy
 import numpy as np
 
 from pytest_gpuregress.reference import model_layout, store
-from pytest_gpuregress.reference.compare import compare_training
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.resources import shipped_dir
+from pytest_gpuregress.triage.naming import convict
+
+from .conftest import compare_named
 
 FUSED = "model.layers.0.mlp.experts.gate_up_proj"
 
@@ -31,7 +33,7 @@ def moe_record(per_expert: bool, transformers: str) -> RunRecord:
 
 def test_a_fused_to_per_expert_layout_is_the_models_code_not_a_kernel() -> None:
     reference, run = moe_record(False, "5.24.0"), moe_record(True, "4.57.6")
-    comparison = compare_training(reference, run, lane="exact")
+    comparison = compare_named(reference, run, lane="exact")
     first = comparison.findings[0]
     assert first.component == "model" and first.metric == "model"
     assert first.message.startswith("the model's code changed with transformers 5.24.0 -> 4.57.6: 1 parameters "
@@ -44,8 +46,8 @@ def test_a_fused_to_per_expert_layout_is_the_models_code_not_a_kernel() -> None:
 def test_triage_convicting_a_fault_keeps_the_model_finding_named_model() -> None:
     # A fault on a stack whose model layout also changed: the experiments convict the fault's component for the
     # numbers, but the layout line says what the library did, "not a kernel or collective fault", and keeps it.
-    comparison = compare_training(moe_record(False, "5.24.0"), moe_record(True, "4.57.6"), lane="exact")
-    comparison.convict("collective")
+    comparison = compare_named(moe_record(False, "5.24.0"), moe_record(True, "4.57.6"), lane="exact")
+    convict(comparison, "collective", "equivalence")
     assert comparison.findings[0].metric == "model" and comparison.findings[0].component == "model"
     assert {f.component for f in comparison.findings[1:]} == {"collective"}
 
@@ -53,11 +55,11 @@ def test_triage_convicting_a_fault_keeps_the_model_finding_named_model() -> None
 def test_the_report_of_a_changed_model_advises_a_folder_of_its_own_not_overwriting() -> None:
     from pytest_gpuregress.reference.report import format_comparison
 
-    comparison = compare_training(moe_record(False, "5.24.0"), moe_record(True, "4.57.6"), lane="exact")
+    comparison = compare_named(moe_record(False, "5.24.0"), moe_record(True, "4.57.6"), lane="exact")
     text = format_comparison(comparison, scenario="fsdp", platform_key="cpu-gloo-w2-fp32", reference_path="REF",
                              record_hint="OVERWRITE", record_elsewhere_hint="ELSEWHERE")
     assert "record it into another folder, keeping this one: ELSEWHERE" in text and "OVERWRITE" not in text
-    plain = compare_training(moe_record(False, "5.24.0"), moe_record(False, "5.24.0"), lane="exact")
+    plain = compare_named(moe_record(False, "5.24.0"), moe_record(False, "5.24.0"), lane="exact")
     plain.findings = comparison.findings[1:]  # the same differences without a layout change
     text = format_comparison(plain, scenario="fsdp", platform_key="cpu-gloo-w2-fp32", reference_path="REF",
                              record_hint="OVERWRITE", record_elsewhere_hint="ELSEWHERE")
@@ -68,9 +70,9 @@ def test_an_unchanged_layout_gives_no_model_finding() -> None:
     reference, run = moe_record(False, "5.24.0"), moe_record(False, "5.24.0")
     run.arrays["step0_grad/model.layers.0.self_attn.q_proj.weight"] = run.arrays[
         "step0_grad/model.layers.0.self_attn.q_proj.weight"] * 1.001
-    comparison = compare_training(reference, run, lane="exact")
+    comparison = compare_named(reference, run, lane="exact")
     assert comparison.findings and all(f.component != "model" for f in comparison.findings)
-    assert model_layout.verdict(reference, run) is None
+    assert model_layout.layout_change(reference, run) is None
 
 
 def test_the_shipped_moe_reference_with_a_reshaped_parameter_gets_the_model_verdict() -> None:
@@ -82,7 +84,7 @@ def test_the_shipped_moe_reference_with_a_reshaped_parameter_gets_the_model_verd
     array = run.arrays.pop(name)
     run.arrays[name.replace("experts", "experts.0")] = array
     run.fingerprint.setdefault("versions", {})["transformers"] = "4.57.6"
-    comparison = compare_training(reference, run, lane="exact")
+    comparison = compare_named(reference, run, lane="exact")
     assert comparison.findings[0].component == "model"
     assert "transformers 5.24.0 -> 4.57.6" in comparison.findings[0].message
     assert all(f.component == "model" for f in comparison.findings)
@@ -108,7 +110,7 @@ def test_a_blocked_gradient_without_its_shape_on_one_side_is_no_layout_change() 
         record.arrays["step0_blocks/a.weight"] = np.ones((23, 5))
         if shape:
             record.digests["a.weight"] = {"shape": shape}
-    assert model_layout.verdict(reference, run) is None
+    assert model_layout.layout_change(reference, run) is None
 
 
 def test_gradients_only_missing_on_an_unchanged_library_stack_keep_the_usual_verdict() -> None:
@@ -116,11 +118,11 @@ def test_gradients_only_missing_on_an_unchanged_library_stack_keep_the_usual_ver
     name it. With a model library changed, the same is the model's code."""
     reference, run = moe_record(False, "5.24.0"), moe_record(False, "5.24.0")
     del run.arrays[f"step0_grad/{FUSED}"]
-    assert model_layout.verdict(reference, run) is None
-    comparison = compare_training(reference, run, lane="exact")
+    assert model_layout.layout_change(reference, run) is None
+    comparison = compare_named(reference, run, lane="exact")
     assert comparison.findings and all(f.component != "model" for f in comparison.findings)
     run.fingerprint["versions"]["transformers"] = "5.25.0"
-    assert model_layout.verdict(reference, run).startswith("the model's code changed with transformers 5.24.0 -> 5.25.0")
+    assert model_layout.layout_change(reference, run).startswith("the model's code changed with transformers 5.24.0 -> 5.25.0")
 
 
 def test_kernels_that_moved_with_other_stack_changes_are_not_blamed_on_the_model() -> None:
@@ -144,7 +146,7 @@ def tied_record(head: bool) -> RunRecord:
 def test_a_head_untied_against_the_config_is_the_librarys_and_never_a_re_record() -> None:
     from pytest_gpuregress.reference.report import format_comparison
 
-    comparison = compare_training(tied_record(False), tied_record(True), lane="exact", tied=True)
+    comparison = compare_named(tied_record(False), tied_record(True), lane="exact", tied=True)
     first = comparison.findings[0]
     assert (first.metric, first.component) == ("model", "library: transformers")
     assert first.message.startswith("the model's config ties the input and output embeddings (tie_word_embeddings: "
@@ -153,16 +155,16 @@ def test_a_head_untied_against_the_config_is_the_librarys_and_never_a_re_record(
     text = format_comparison(comparison, scenario="fsdp", platform_key="cpu-gloo-w2-fp32", reference_path="REF",
                              record_hint="OVERWRITE", record_elsewhere_hint="ELSEWHERE")
     assert "record nothing" in text and "OVERWRITE" not in text and "ELSEWHERE" not in text
-    comparison.convict("collective")  # experiments convicting a fault keep the tie's own name
+    convict(comparison, "collective", "equivalence")  # experiments convicting a fault keep the tie's own name
     assert comparison.findings[0].component == "library: transformers"
 
 
 def test_a_tie_the_config_does_not_ask_for_or_a_run_that_follows_its_config_keeps_the_model_verdict() -> None:
-    untied_config = compare_training(tied_record(False), tied_record(True), lane="exact", tied=False)
-    assert untied_config.findings[0].component == model_layout.COMPONENT  # the run follows its config: the layout
-    unknown = compare_training(tied_record(False), tied_record(True), lane="exact", tied=None)
-    assert unknown.findings[0].component == model_layout.COMPONENT  # a factory's model: no config to judge by
-    retied = compare_training(tied_record(True), tied_record(False), lane="exact", tied=False)
+    untied_config = compare_named(tied_record(False), tied_record(True), lane="exact", tied=False)
+    assert untied_config.findings[0].component == model_layout.METRIC  # the run follows its config: the layout
+    unknown = compare_named(tied_record(False), tied_record(True), lane="exact", tied=None)
+    assert unknown.findings[0].component == model_layout.METRIC  # a factory's model: no config to judge by
+    retied = compare_named(tied_record(True), tied_record(False), lane="exact", tied=False)
     assert retied.findings[0].component == "library: transformers"
     assert "does not tie" in retied.findings[0].message and "sharing model.embed_tokens.weight's tensor" in \
         retied.findings[0].message
@@ -171,15 +173,15 @@ def test_a_tie_the_config_does_not_ask_for_or_a_run_that_follows_its_config_keep
 def test_one_missing_gradient_or_a_new_parameter_is_no_tie() -> None:
     reference, run = tied_record(False), tied_record(False)
     del run.arrays[f"step0_grad/{FUSED}"]  # a stack fault left a parameter without its gradient
-    assert model_layout.tie_verdict(reference, run, tied=False) is None
-    assert model_layout.tie_verdict(reference, run, tied=True) is None
+    assert model_layout.tie_built_otherwise(reference, run, tied=False) is None
+    assert model_layout.tie_built_otherwise(reference, run, tied=True) is None
     grown = tied_record(False)
     grown.arrays["step0_grad/model.layers.0.mlp.gate.weight"] = np.full((4, 8), 0.1, dtype=np.float32)
-    assert model_layout.tie_verdict(reference, grown, tied=True) is None  # not the head: the model's code
+    assert model_layout.tie_built_otherwise(reference, grown, tied=True) is None  # not the head: the model's code
 
 
 def test_the_tie_names_the_model_library_that_changed() -> None:
     run = tied_record(True)
     run.fingerprint["versions"]["torch"] = "2.14.1"
-    component, message = model_layout.tie_verdict(tied_record(False), run, tied=True)
-    assert component == "library: torch" and "(torch 2.13.0 -> 2.14.1)" in message
+    library, message = model_layout.tie_built_otherwise(tied_record(False), run, tied=True)
+    assert library == "torch" and "(torch 2.13.0 -> 2.14.1)" in message

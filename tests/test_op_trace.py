@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pytest_gpuregress.reference.compare import compare_training
 from pytest_gpuregress.reference.first_moved import first_moved
 from pytest_gpuregress.reference.op_trace import INPUT_OP, ranks
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.reference.report import format_comparison, format_drift
+from pytest_gpuregress.triage.naming import op_component
 
-from .conftest import FSDP_ONLY, FSDP_STEPS, make_record
+from .conftest import FSDP_ONLY, FSDP_STEPS, compare_named, make_record
 
 UP_PROJ = "model.layers.0.mlp.up_proj"
 
@@ -147,7 +147,7 @@ def test_a_clean_rerun_reports_no_moved_op(clean: RunRecord) -> None:
     phases = {trace.entry(i).phase for i in range(len(trace))}
     assert phases == {"forward", "backward", "clip", "optimizer"} and len(trace) > 300
     # Tracing reads and never writes: the numbers of the traced step are the untraced step's.
-    assert compare_training(clean, again, lane="exact").passed
+    assert compare_named(clean, again, lane="exact").passed
 
 
 def test_debug_mode_and_a_dispatch_mode_of_ours_trace_the_same_ops_and_digests(clean: RunRecord) -> None:
@@ -167,7 +167,7 @@ def test_a_1e_4_error_in_a_float32_gemm_is_named_at_its_matmul_with_the_equal_op
     assert moved is not None and moved.kind == "moved" and moved.entry is not None
     assert (moved.entry.op, moved.entry.module, moved.entry.phase) == ("aten::mm", UP_PROJ, "forward")
     assert moved.entry.inputs == "f32[128, 64] x f32[64, 176]" and moved.entry.outputs == ("f32[128, 176]",)
-    assert moved.relative == pytest.approx(1e-4, rel=1e-2) and moved.component == "kernel"
+    assert moved.relative == pytest.approx(1e-4, rel=1e-2) and op_component(moved) == "kernel"
     trace = ranks(clean)[0]
     assert moved.equal_before == sum(trace.entry(i).op != INPUT_OP for i in range(moved.entry.index)) > 40
     assert moved.describe() == (
@@ -178,14 +178,14 @@ def test_a_1e_4_error_in_a_float32_gemm_is_named_at_its_matmul_with_the_equal_op
 def test_the_linear_noise_fault_which_returns_a_new_tensor_is_named_at_the_first_matmul(clean: RunRecord) -> None:
     moved = first_moved(clean, traced_step0(faults=("linear_noise:rel=1e-4",)))
     assert moved is not None and moved.entry is not None
-    assert (moved.entry.op, moved.entry.module, moved.component) == \
+    assert (moved.entry.op, moved.entry.module, op_component(moved)) == \
         ("aten::mm", "model.layers.0.self_attn.q_proj", "kernel")
 
 
 def test_an_optimizer_fault_is_named_at_the_optimizer(clean: RunRecord) -> None:
     moved = first_moved(clean, traced_step0(faults=("lr_scale:factor=1.01",)))
     assert moved is not None and moved.entry is not None
-    assert moved.entry.phase == "optimizer" and moved.component == "optimizer"
+    assert moved.entry.phase == "optimizer" and op_component(moved) == "optimizer"
     assert moved.entry.module == "model.embed_tokens.weight"  # AdamW's first parameter: its decay uses the lr
     before = [ranks(clean)[0].entry(i) for i in range(moved.entry.index)]
     assert any(e.phase == "optimizer" for e in before)  # the optimizer's first ops (its step count) are equal
@@ -213,7 +213,7 @@ def test_each_op_keeps_its_scalar_arguments_and_the_package_whose_code_ran_it(cl
     moved = first_moved(clean, traced_step0(hook=other_epsilon))
     assert moved is not None and moved.entry is not None and moved.arguments_changed
     assert (moved.entry.op, moved.entry.module) == ("aten::add", "model.layers.0.input_layernorm")
-    assert moved.component == "library: transformers"
+    assert op_component(moved) == "library: transformers"
     assert moved.describe().endswith("; it was called with other arguments: other=1e-05 in the reference, "
                                      "other=0.0001 now: transformers's code calls it otherwise")
 
@@ -223,14 +223,14 @@ def test_changed_tokens_are_named_as_an_input_and_a_changed_op_sequence_as_such(
 
     moved = first_moved(clean, traced_step0(tokens_changed=True))
     assert moved is not None and moved.entry is not None
-    assert (moved.entry.op, moved.entry.module, moved.component) == (INPUT_OP, "model.embed_tokens", "data")
+    assert (moved.entry.op, moved.entry.module, op_component(moved)) == (INPUT_OP, "model.embed_tokens", "data")
 
     def silu_by_hand(model: Any) -> Any:  # a library release that writes SiLU as x * sigmoid(x)
         act = model.get_submodule("model.layers.0.mlp.act_fn")
         return act.register_forward_hook(lambda module, args, out: args[0] * torch.sigmoid(args[0]))
 
     changed = first_moved(clean, traced_step0(hook=silu_by_hand))
-    assert changed is not None and changed.kind == "sequence" and changed.component is None
+    assert changed is not None and changed.kind == "sequence" and op_component(changed) is None
     assert changed.entry is not None and changed.entry.op == "aten::sigmoid"  # the reference read up_proj's weight
     assert "the op sequence changed at op" in changed.describe()
 
@@ -240,7 +240,7 @@ def test_the_report_names_the_op_and_triage_convicts_its_component(clean: RunRec
 
     faulty = traced_step0(hook=gemm_error(1e-4))
     faulty.series = {k: [v * (1 + 1e-3) for v in vals] for k, vals in faulty.series.items()}
-    comparison = compare_training(clean, faulty, lane="exact")
+    comparison = compare_named(clean, faulty, lane="exact")
     assert not comparison.passed and comparison.first_moved is not None
     text = format_comparison(comparison, scenario="fsdp", platform_key="cpu-gloo-w2-fp32", reference_path="ref",
                              record_hint="record it")
@@ -251,7 +251,7 @@ def test_the_report_names_the_op_and_triage_convicts_its_component(clean: RunRec
     assert component == "kernel" and f"first moved op differs: aten::mm in {UP_PROJ}" in line
     lr_changed = traced_step0(faults=("lr_scale:factor=1.01",))
     lr_changed.series = {k: [vals[0], *(v * (1 + 1e-3) for v in vals[1:])] for k, vals in lr_changed.series.items()}
-    optimizer = compare_training(clean, lr_changed, lane="exact")
+    optimizer = compare_named(clean, lr_changed, lane="exact")
     found = triage.verdict(optimizer, clean_experiments)
     component, line = found.component, found.line
     assert component == "optimizer" and "first moved op differs: aten::mul_ in model.embed_tokens.weight" in line
@@ -259,13 +259,13 @@ def test_the_report_names_the_op_and_triage_convicts_its_component(clean: RunRec
 
 def test_a_tolerant_pass_with_moved_ops_says_where_bitwise_drift_starts(clean: RunRecord) -> None:
     drifted = traced_step0(hook=gemm_error(1e-7))
-    comparison = compare_training(clean, drifted, lane="tolerant")
+    comparison = compare_named(clean, drifted, lane="tolerant")
     assert comparison.passed
     assert format_drift(comparison) is not None and "aten::mm in model.layers.0.mlp.up_proj" in format_drift(comparison)
-    same = format_drift(compare_training(clean, traced_step0(), lane="tolerant"))
+    same = format_drift(compare_named(clean, traced_step0(), lane="tolerant"))
     assert same is not None and same.startswith("no bitwise drift (information): all ")  # or that none did
     assert same.endswith("ops of step 0 equal the reference's on 1 rank")
-    assert format_drift(compare_training(clean, traced_step0(), lane="exact")) is None  # bitwise anyway
+    assert format_drift(compare_named(clean, traced_step0(), lane="exact")) is None  # bitwise anyway
     assert first_moved(make_record(), clean) is None  # a reference recorded before traces: nothing to say
 
 
@@ -328,7 +328,7 @@ def test_a_corrupted_reduce_scatter_is_named_at_the_collective_in_the_backward_o
               for name in ("clean", "faulty")}
     assert sorted(ranks(merged["faulty"])) == [0, 1]  # every rank's trace is kept
     moved = first_moved(merged["clean"], merged["faulty"])
-    assert moved is not None and moved.entry is not None and moved.component == "collective"
+    assert moved is not None and moved.entry is not None and op_component(moved) == "collective"
     assert (moved.entry.op, moved.entry.module, moved.entry.phase) == \
         ("c10d::_reduce_scatter_base_", "model.layers.1", "backward")
     assert (moved.rank, moved.also_on, moved.world) == (0, (1,), 2)
@@ -360,7 +360,7 @@ def test_legitimate_drift_at_step_0_convicts_nothing_when_the_failure_starts_lat
 
     drifted = traced_step0(hook=gemm_error(1e-7))
     drifted.series = {k: [vals[0], *(v * (1 + 1e-3) for v in vals[1:])] for k, vals in drifted.series.items()}
-    comparison = compare_training(clean, drifted, lane="tolerant")
+    comparison = compare_named(clean, drifted, lane="tolerant")
     assert not comparison.passed and comparison.first_moved is not None
     experiments = [triage.Experiment("equivalence", "clean", ""), triage.Experiment("oracle", "clean", ""),
                    triage.Experiment("late window", "reproduced", "", component="optimizer")]

@@ -6,10 +6,9 @@ see; another kernel path of the same precision lands about as far, and passes.""
 from __future__ import annotations
 
 from pytest_gpuregress.reference import oracle_distance
-from pytest_gpuregress.reference.compare import compare_training
 from pytest_gpuregress.reference.record import RunRecord
 
-from .conftest import make_record
+from .conftest import compare_named, make_record
 
 NAMES = [f"model.layers.{i}.w" for i in range(6)]
 
@@ -32,7 +31,7 @@ def test_a_run_further_from_float64_than_the_ratio_allows_fails_naming_the_dista
     text = oracle_distance.precision_problem(reference, with_distances(make_record(), 2.0))
     assert text is not None and "median distance 0.00625 -> 0.0125 (2.00x, allowed 1.15x)" in text
     assert "6 of 6 gradients further" in text and "less precision" in text
-    comparison = compare_training(reference, with_distances(make_record(), 2.0), lane="tolerant")
+    comparison = compare_named(reference, with_distances(make_record(), 2.0), lane="tolerant")
     found = [f for f in comparison.findings if f.metric == "step0_precision"]
     assert len(found) == 1 and found[0].component == "kernel or library" and not comparison.passed
 

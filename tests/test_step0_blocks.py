@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 
 from pytest_gpuregress.reference import step0
-from pytest_gpuregress.reference.compare import compare_training
 
-from .conftest import make_record
+from .conftest import compare_named, make_record
 
 SHAPE = (301, 77)  # rows not divisible by the world size, blocks cut by shard edges
 
@@ -84,9 +83,9 @@ def test_the_comparison_reports_a_block_and_a_collective(grad: np.ndarray) -> No
     run.digests["a.weight"]["shape"] = list(SHAPE)  # the same parameter: a record states its real shape
     same = make_record(arrays=dict(ref.arrays))
     same.digests["a.weight"]["shape"] = list(SHAPE)
-    clean = compare_training(ref, same, lane="exact")
+    clean = compare_named(ref, same, lane="exact")
     assert not [f for f in clean.findings if f.metric == "step0_grad"]
-    found = [f for f in compare_training(ref, run, lane="exact").findings if f.metric == "step0_grad"]
+    found = [f for f in compare_named(ref, run, lane="exact").findings if f.metric == "step0_grad"]
     assert len(found) == 1 and found[0].component == "collective"
     assert "1 blocks differ" in found[0].message and "block 11 (elements 11264..12287, from (146, 22))" in found[0].message
 

@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 
 from pytest_gpuregress.reference import introduced
-from pytest_gpuregress.reference.compare import compare_training
 from pytest_gpuregress.reference.op_trace import ranks
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.reference.trace_pairs import folded, pair
+from pytest_gpuregress.triage.naming import op_component
 
+from .conftest import compare_named
 from .test_introduced import report
 from .test_op_trace import UP_PROJ, traced_step0
 
@@ -74,7 +75,7 @@ def test_a_wrapper_module_is_one_note_and_the_ops_past_it_are_still_paired(refer
     ref_trace, run_trace = ranks(reference)[0], ranks(run)[0]
     pairing = pair(ref_trace, run_trace)
     assert pairing.unpaired == 0 and len(pairing.pairs) == len(run_trace)  # every op found its partner
-    comparison = compare_training(reference, run, lane="tolerant")
+    comparison = compare_named(reference, run, lane="tolerant")
     assert comparison.sequence_notes == [
         f"{len(pairing.relabelled)} ops now run in `model.layers.N.self_attn.<Func>` (`model.layers.N.self_attn` in "
         "the reference)"]
@@ -86,10 +87,10 @@ def test_a_wrapper_module_is_one_note_and_the_ops_past_it_are_still_paired(refer
 
 
 def test_past_the_wrapper_a_gemm_error_is_introduced_at_its_matmul(reference: RunRecord) -> None:
-    comparison = compare_training(reference, upgraded(DRIFT, "linear_noise:rel=1e-4,features=176"), lane="tolerant")
+    comparison = compare_named(reference, upgraded(DRIFT, "linear_noise:rel=1e-4,features=176"), lane="tolerant")
     culprit = comparison.culprit
     assert culprit is not None and culprit.entry is not None, report(comparison)
-    assert (culprit.entry.op, culprit.entry.phase, culprit.component) == ("aten::mm", "forward", "kernel")
+    assert (culprit.entry.op, culprit.entry.phase, op_component(culprit)) == ("aten::mm", "forward", "kernel")
     assert culprit.entry.module == UP_PROJ.replace("up_proj", "gate_proj")  # the first 176-wide projection
     assert comparison.sequence_notes and "<Func>" in comparison.sequence_notes[0]
 
@@ -98,7 +99,7 @@ def test_past_the_wrapper_a_gemm_error_is_introduced_at_its_matmul(reference: Ru
 def test_one_wrong_element_of_a_gemm_is_introduced_at_its_matmul_through_drift(reference: RunRecord, rel: float) -> None:
     """One element of each 176-wide projection's output off by ``rel``: the output's digests move like drift (1e-8
     relative and less), its sketch shows one bucket far past the others, which no input of it had."""
-    comparison = compare_training(reference, upgraded(DRIFT, f"linear_noise:rel={rel},features=176,elements=last"),
+    comparison = compare_named(reference, upgraded(DRIFT, f"linear_noise:rel={rel},features=176,elements=last"),
                                   lane="tolerant")
     culprit = comparison.culprit
     assert culprit is not None and culprit.entry is not None and culprit.spike is not None, report(comparison)
@@ -112,7 +113,7 @@ def test_a_one_token_gradient_change_propagating_through_a_gemm_is_not_pinned_on
     """A row a GEMM reads that moved (one token's gradient) makes a row of its output move: many buckets, not a
     few, so the sketch names no op for it (tests/test_introduced.py: one gradient element off by 1e-3)."""
     run = upgraded(DRIFT)
-    assert compare_training(reference, run, lane="tolerant").culprit is None
+    assert compare_named(reference, run, lane="tolerant").culprit is None
 
 
 def test_a_layer_that_registers_its_submodules_in_another_order_is_compared_by_name() -> None:
@@ -129,7 +130,7 @@ def test_a_layer_that_registers_its_submodules_in_another_order_is_compared_by_n
     run = make_record(steps=6)
     run.param_names = list(reversed(reference.param_names))
     run.arrays = {**run.arrays, "param_grad_norm": reference.arrays["param_grad_norm"][:, ::-1].copy()}
-    comparison = compare_training(reference, run, lane="tolerant")
+    comparison = compare_named(reference, run, lane="tolerant")
     assert comparison.passed and comparison.notes == [by_name.REORDERED]
     assert comparison.margins["param_grad_norm"] == 0.0
     assert deviations(reference, run)["param_grad_norm"].max() == 0.0  # the envelope pairs them by name too
@@ -145,10 +146,10 @@ def test_ops_inserted_or_replaced_name_the_package_whose_code_runs_them(referenc
     """A RoPE convention changed in transformers' code: other ops in the rotary step. The package named is the one
     whose code runs them (torch's own ops around them come last), which the moved float64 oracle then blames."""
     run = traced_step0(faults=("library:mode=rope_interleaved",))
-    comparison = compare_training(reference, run, lane="tolerant")
+    comparison = compare_named(reference, run, lane="tolerant")
     assert comparison.changed_code[:1] == ["transformers"], comparison.sequence_notes
     # In the exact lane the first op that moved is a negation that now reads the odd features of the same tensor:
     # equal input digests, another view of them. The view's offset and strides are among its arguments.
-    exact = compare_training(reference, run, lane="exact").first_moved
-    assert exact is not None and exact.arguments_changed and exact.component == "library: transformers", \
+    exact = compare_named(reference, run, lane="exact").first_moved
+    assert exact is not None and exact.arguments_changed and op_component(exact) == "library: transformers", \
         exact and exact.describe()

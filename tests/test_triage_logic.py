@@ -6,16 +6,15 @@ import re
 from types import SimpleNamespace
 
 from pytest_gpuregress.reference.bounds import step0_bound
-from pytest_gpuregress.reference.compare import compare_training
 from pytest_gpuregress.triage import Experiment, shard_owner, verdict
 
-from .conftest import make_record
+from .conftest import compare_named, make_record
 
 
 def _late_divergence():  # type: ignore[no-untyped-def]
     run = make_record()
     run.series["loss"] = run.series["loss"][:2] + [x * 1.01 for x in run.series["loss"][2:]]
-    return compare_training(make_record(), run, lane="tolerant")
+    return compare_named(make_record(), run, lane="tolerant")
 
 
 def test_the_oracle_outranks_equivalence() -> None:
@@ -44,7 +43,7 @@ def test_both_clean_and_step_0_differing_is_inconclusive() -> None:
     run = make_record()
     run.arrays["step0_grad/a.weight"] = run.arrays["step0_grad/a.weight"] * 1.01
     experiments = [Experiment("equivalence", "clean", "x"), Experiment("oracle", "clean", "y")]
-    found = verdict(compare_training(make_record(), run, lane="tolerant"), experiments)
+    found = verdict(compare_named(make_record(), run, lane="tolerant"), experiments)
     component, line = found.component, found.line
     assert component is None and "inconclusive" in line
 
@@ -90,6 +89,19 @@ def test_the_docs_table_of_rules_is_the_decision_tables() -> None:
     text = (Path(__file__).resolve().parents[1] / "docs" / "triage.md").read_text()
     shown = text[text.index(decision.BEGIN) + len(decision.BEGIN):text.index(decision.END)].strip().splitlines()
     assert shown == decision.markdown_table()
+
+
+def test_the_docs_tables_of_naming_rules_are_the_naming_tables() -> None:
+    """docs/triage.md shows the rules triage/naming.py names findings by, in their order, word for word."""
+    from pathlib import Path
+
+    from pytest_gpuregress.triage import naming
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "triage.md").read_text()
+    for marker, table in (("finding-rules", naming.finding_rules_table()),
+                          ("check-rules", naming.markdown_table(naming.CHECK_RULES))):
+        begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+        assert text[text.index(begin) + len(begin):text.index(end)].strip().splitlines() == table, marker
 
 
 def test_in_run_evidence_outranks_the_experiments_and_is_quoted() -> None:
@@ -140,7 +152,7 @@ def test_ops_added_in_one_packages_code_name_it_unless_a_backend_of_torchs_was_s
     def evidence(swapped: str | None) -> Evidence:
         comparison = SimpleNamespace(changed_code=["transformers", "torch"], swapped_backend=swapped,
                                      sequence_notes=["26 ops of the reference no longer run in `norm`"],
-                                     findings=[Found("step0_precision", "kernel or library", "further", step=0)])
+                                     findings=[Found("step0_precision", "further", step=0)])
         return Evidence(comparison, {})  # type: ignore[arg-type]
 
     assert _code_changed(evidence(None)) == ("library: transformers", "ops of step 0 inserted or removed in "
@@ -170,7 +182,7 @@ def test_an_op_found_among_too_few_paired_ops_decides_nothing_alone_and_the_verd
 
     from pytest_gpuregress.triage.decision import Evidence, decide
 
-    kernel_op = SimpleNamespace(component="kernel", entry=None, world=2, also_on=(), arguments_changed=False)
+    kernel_op = SimpleNamespace(site="compute", entry=None, world=2, also_on=(), arguments_changed=False)
     first = Experiment("first moved op", "differs", "aten::mm in q_proj", component="kernel")
     same = {"findings": [SimpleNamespace(step=0, metric="loss")], "culprit": kernel_op, "changed_code": [],
             "swapped_backend": None}
@@ -188,14 +200,15 @@ def test_a_weight_that_arrives_at_an_op_is_no_data() -> None:
 
     from pytest_gpuregress.reference.first_moved import FirstMoved
     from pytest_gpuregress.reference.op_trace import INPUT_OP, TraceOp
+    from pytest_gpuregress.triage.naming import op_component
 
     def moved_input(dtype: str) -> FirstMoved:
         entry = TraceOp(3, INPUT_OP, "model.layers.0.q_proj.lora_B", "", "forward", "", (f"{dtype}[64, 8]",),
                         np.zeros((1, 3)), np.zeros(1))
         return FirstMoved(0, "moved", entry, entry, 3, 1.0, 2)
 
-    assert moved_input("i64").component == "data"
-    assert moved_input("f32").component is None
+    assert op_component(moved_input("i64")) == "data"
+    assert op_component(moved_input("f32")) is None
 
 
 def test_gradients_exactly_world_size_times_the_reference_are_a_divide_skipped() -> None:

@@ -84,7 +84,7 @@ def _record_folder(given: str) -> Path:
 def _compare(args: argparse.Namespace) -> int:
     """Judge a kept run as the plugin did: its scenario's own checks, and against REF where given."""
     from ..scenarios.comparator import for_kept
-    from ..triage.scenario_checks import described
+    from ..triage.naming import described, name_findings
 
     if len(args.paths) > 2:
         raise GpuRegressError(f"compare takes [REF] RUN, not {len(args.paths)} paths")
@@ -107,6 +107,7 @@ def _compare(args: argparse.Namespace) -> int:
     for problem in judgement.problems:
         print(described(problem))
     if comparison is not None and not comparison.passed:
+        name_findings(comparison)
         print(format_comparison(comparison, scenario=reference.scenario if reference else run.scenario,
                                 platform_key=run.platform_key, reference_path=given[0],
                                 record_hint=_record_hint(comparator)))

@@ -99,8 +99,4 @@ def bisect_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
         lines = [line for line in str(exc).splitlines() if line.strip()][:12]
         return Experiment(bisection.NAME, "failed to run", f"{type(exc).__name__}: {lines[0] if lines else ''}",
                           lines=lines[1:])
-    lines = [*(f"grouped: {why}" for why in found.grouped), *result.log]
-    if result.package is None:
-        return Experiment(bisection.NAME, "no revert restores", result.line().removeprefix("bisect: "), lines=lines)
-    return Experiment(bisection.NAME, "named", result.line().removeprefix("bisect: "),
-                      component=f"library: {result.package}", lines=lines)
+    return bisection.experiment(result)

@@ -4,15 +4,15 @@ heuristic's guess; on a recording, the float64 oracle's distance stored with the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import NotApplicable
 from ..reference.compare import Comparison
 from ..reference.record import RunRecord
-from ..scenarios import Case, Launch, Scenario, Setup
-from ..training.float64_mode import CONFIG_KEY as ORACLE_MODE
-from ..training.float64_mode import MODE
+from ..scenarios import Case, Scenario, Setup
+from ..triage import model_code
+from ..triage.naming import judged_against_themselves
 from .bisecting import BisectRequest, bisect_failure
 from .launches import Runner
 
@@ -53,9 +53,9 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
 
     # The layout finding (reference/model_layout.py): the model's code changed, or (a tie against the model's
     # config) the library built another model than the config asks. Either way the runs start from other weights.
-    layout = next((f for f in comparison.findings if f.metric == model_layout.COMPONENT), None)
+    layout = next((f for f in comparison.findings if f.metric == model_layout.METRIC), None)
     model_changed = layout is not None
-    library = None if model_changed else library_change(sc, setup, run, reference, model, comparison)
+    library = None if model_changed else model_code.experiment(sc, setup, run, reference, model, comparison)
     if not run_experiments:
         return _without_experiments(library, comparison, [*checks, *_bisected(sc, setup, run, whole_reference or
                                                                               reference, comparison, case, bisect)])
@@ -71,8 +71,7 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
         if first is not None and case is not None:  # step 0 cleared, a later step differs: judge where it starts
             experiments += late_window(sc, setup, run, whole_reference or reference, case, comparison.lane, first)
         if library is not None:  # the float64 oracle moved: evidence the decision weighs (triage/decision.py)
-            component, evidence = library
-            experiments.append(triage.Experiment(LIBRARY, "differs", evidence, component=component))
+            experiments.append(library)
         if flips and not model_changed:  # flips compare with a reference that cannot judge
             experiments += flip(sc, setup, run, reference, comparison, model)
         experiments += _bisected(sc, setup, run, whole_reference or reference, comparison, case, bisect)
@@ -93,34 +92,6 @@ def _explained(found: Verdict, experiments: Sequence[Experiment]) -> Explanation
                        bisected[0] if bisected else None)
 
 
-def own_evidence(run: RunRecord) -> list[Experiment]:
-    """What the failing run says of itself, as evidence for the decision (triage/decision.py): its collectives
-    against their own invariants across the ranks (broke, or held where the gradients' own were checked), and its
-    clip against its own norm where it is inconsistent."""
-    from ..reference import clipping, collective_invariants
-    from ..triage import Experiment
-    from ..triage.decision import CLIP, INVARIANTS
-
-    out = []
-    broken = collective_invariants.problems(run.results)
-    if broken:
-        out.append(Experiment(INVARIANTS, "broke", broken[0].removeprefix("[collective] "), component="collective",
-                              lines=[line.strip() for line in broken[1:]]))
-    elif (kept := collective_invariants.held(run.results)) is not None:  # clears the gradients' collectives
-        out.append(Experiment(INVARIANTS, "held", kept))
-    clip = clipping.problems(run)
-    if clip:
-        out.append(Experiment(CLIP, "inconsistent", clip[0].removeprefix("[optimizer] "), component="optimizer"))
-    return out
-
-
-LIBRARY = "model code"  # the evidence of library_change: the float64 oracle's step 0 against the reference's
-
-
-# Findings a changed library's numbers cannot explain away: round trips and formats are judged against themselves.
-_NOT_NUMERICS = ("checkpoint", "format")
-
-
 def _bisected(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, comparison: Comparison,
               case: Case | None, bisect: BisectRequest | None) -> list[Experiment]:
     """The bisect's evidence where --gpuregress-bisect asks for it: [] otherwise."""
@@ -138,7 +109,7 @@ def _bisect_line(experiments: Sequence[Experiment]) -> list[str]:
             else f"bisect {found.status}: {found.detail}"]
 
 
-def _without_experiments(library: tuple[str, str] | None, comparison: Comparison,
+def _without_experiments(library: Experiment | None, comparison: Comparison,
                          evidence: list[Experiment]) -> Explanation:
     """For a scenario triage runs no experiments for (lora, a resume): the decision from what there is (the run's
     own checks, the op of step 0 that introduced the difference, the model's code, a bisect). A round trip's or a
@@ -146,43 +117,11 @@ def _without_experiments(library: tuple[str, str] | None, comparison: Comparison
     step-0 gradients is no evidence: their findings name both a kernel and a collective."""
     from .. import triage
 
-    if any(f.component in _NOT_NUMERICS for f in comparison.findings):
-        return Explanation(None, ["", f"also: {library[1]}"] if library is not None else [])
+    if judged_against_themselves(comparison):
+        return Explanation(None, ["", f"also: {library.detail}"] if library is not None else [])
     if library is not None:
-        evidence = [*evidence, triage.Experiment(LIBRARY, "differs", library[1], component=library[0])]
+        evidence = [*evidence, library]
     return _explained(triage.verdict(comparison, evidence), evidence)
-
-
-def library_change(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, model: str | None,
-                   comparison: Comparison | None = None) -> tuple[str, str] | None:
-    """``(component, evidence)`` where the float64 oracle on this stack computes another step 0 than the one kept
-    with the reference (reference/oracle_step0.py): the code computes another function. Which code is decided by
-    what moved in ``comparison``'s step-0 trace (oracle_step0.suspect): "library: <package>", or "kernel" where an
-    op with the reference's inputs and arguments computed another answer. None where the oracle did not move, or
-    where either oracle is missing."""
-    from ..reference import oracle_step0
-    from ..stack.fingerprint import installed_version
-
-    launch = oracle_launch(sc, setup, model)
-    mode = oracle_step0.recorded_mode(reference)
-    if launch is None or mode is None:
-        return None
-    if mode != MODE:  # an older reference: judged against the oracle it was recorded with, never another one
-        launch = replace(launch, key=f"{launch.key}-legacy-oracle", config={**launch.config, ORACLE_MODE: mode})
-    try:
-        change = oracle_step0.code_change(reference, run(sc, launch))
-    except Exception:  # noqa: BLE001 - the experiments run the oracle again, and say why it failed
-        return None
-    if change is None:
-        return None
-    from ..triage.decision import Evidence
-
-    recorded = reference.fingerprint.get("versions") or {}
-    culprit = Evidence(comparison).culprit  # none where too little of step 0 was paired to look for it
-    changed_code = comparison.changed_code if comparison is not None else []
-    component, why = oracle_step0.suspect(change, recorded, {p: installed_version(p) for p in recorded}, culprit,
-                                          changed_code)
-    return component, f"{change.describe()}; {why}"
 
 
 def late_window(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, case: Case, lane: str,
@@ -229,22 +168,12 @@ def keep_first_moved_stack(sc: Scenario, setup: Setup, run: Runner, comparison: 
         moved.stack.append(f"its Python stack: the re-run of step 0 failed ({type(exc).__name__}: {exc})")
 
 
-def oracle_launch(sc: Scenario, setup: Setup, model: str | None) -> Launch | None:
-    """The float64 oracle of a scenario's step 0: its own, or triage's; None where it has none."""
-    from .. import triage
-
-    own = sc.oracle_launch(setup, model)
-    if own is not None or sc.triage is None:
-        return own
-    return triage.launches(sc, setup, model)["oracle"]
-
-
 def measure_oracle_distance(sc: Scenario, setup: Setup, run: Runner, record: RunRecord, model: str | None) -> None:
     """Store in ``record`` its step-0 distance from the float64 oracle (reference/oracle_distance.py) and the
     oracle's own step 0 (reference/oracle_step0.py), which later runs hold theirs against."""
     from ..reference import oracle_distance, oracle_step0
 
-    oracle = oracle_launch(sc, setup, model)
+    oracle = model_code.oracle_launch(sc, setup, model)
     # Cases sharing one launch: measured once.
     if oracle is not None and record.results.get(oracle_distance.RESULT_KEY) is None:
         oracle_record = run(sc, oracle)

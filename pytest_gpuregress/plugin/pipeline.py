@@ -18,7 +18,7 @@ from ..reference.record import RunRecord
 from ..reference.report import format_comparison, format_drift, format_margins
 from ..scenarios.comparator import Comparator, with_identity
 from ..stack.fingerprint import describe_change
-from ..triage.scenario_checks import described
+from ..triage.naming import convict, described, name_findings
 from ..warn import warn_at_test
 from .artifacts import Artifacts, Kept, compare_command
 from .explain import Explanation
@@ -62,6 +62,7 @@ class CheckPipeline:
         judgement = comparator.judge(reference, record)
         comparison = judgement.comparison
         assert comparison is not None  # judged with a reference
+        name_findings(comparison)
         problems = [*extra, *map(described, judgement.problems)]
         passed = comparison.passed and not problems
         kept = self.artifacts.keep(kept_as or name, with_identity(record, comparator), judgement.reference or reference, comparison,
@@ -79,8 +80,8 @@ class CheckPipeline:
             explained = explain(judgement.reference or reference, comparison, reference, record)
             evidence = explained.lines
             if explained.verdict is not None:
-                if explained.verdict.component:
-                    comparison.convict(explained.verdict.component)
+                if explained.verdict.component and explained.verdict.rule:
+                    convict(comparison, explained.verdict.component, explained.verdict.rule)
                 self.figures["triage_verdict"] = explained.verdict.line
                 self.figures["triage_rule"] = explained.verdict.rule
             self.figures["bisect"] = explained.bisect

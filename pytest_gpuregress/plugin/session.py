@@ -21,9 +21,10 @@ from ..reference.record import RunRecord
 from ..scenarios import Case, Launch, Scenario, Setup, get_scenario
 from ..scenarios.comparator import Comparator, comparator_of
 from ..stack.platforms import Platform, rank_origin, resolve_platform
+from ..triage import own_evidence
 from .artifacts import Artifacts
 from .bisecting import BisectRequest
-from .explain import Explanation, explain_failure, measure_oracle_distance, own_evidence
+from .explain import Explanation, explain_failure, measure_oracle_distance
 from .launches import Launches, Runner, keeping
 from .options import Options
 from .outcomes import Outcome, add_outcome

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..findings import CheckFinding
 from .record import RunRecord
 
 # torch clips when max_norm / (total + 1e-6) < 1 (torch.nn.utils.clip_grad_norm_).
@@ -73,8 +74,8 @@ def consistency_limit(record: RunRecord) -> float:
     return min(CONSISTENCY * widening, CONSISTENCY_MAX)
 
 
-def problems(record: RunRecord) -> list[str]:
-    """[optimizer] findings where the clip of some step is inconsistent with its own norm: it reported another
+def problems(record: RunRecord) -> list[CheckFinding]:
+    """Findings where the clip of some step is inconsistent with its own norm: it reported another
     norm than the gradients have (one taken on a shard reports about 1/sqrt(ranks) of it), or scaled the gradients
     by another coefficient than its norm asks for. [] where the record keeps no clip or no per-parameter norms."""
     import numpy as np
@@ -99,13 +100,13 @@ def problems(record: RunRecord) -> list[str]:
         ratio = reported[s] / before[s]
         shard = f"; about 1/sqrt({round(1 / ratio ** 2)}) of it, as a norm taken on one rank's shard is" \
             if ratio < 0.95 and round(1 / ratio ** 2) >= 2 else ""
-        out.append(f"[optimizer] the clip (clip_grad_norm_) reported another norm than its gradients have: at step "
+        out.append(CheckFinding("clip", f"the clip (clip_grad_norm_) reported another norm than its gradients have: at step "
                    f"{s} {reported[s]:.9g}, where the gradients it clipped have {before[s]:.9g} (ratio {ratio:.6g}"
-                   f"{shard}); {len(wrong_norm)} of {len(before)} steps")
+                   f"{shard}); {len(wrong_norm)} of {len(before)} steps"))
     wrong_scale = np.nonzero(coefficient_off > limit)[0]
     if len(wrong_scale) and not len(wrong_norm):
         s = int(wrong_scale[0])
-        out.append(f"[optimizer] the clip scaled the gradients by {applied[s]:.9g} at step {s}, where its own norm "
+        out.append(CheckFinding("clip", f"the clip scaled the gradients by {applied[s]:.9g} at step {s}, where its own norm "
                    f"{reported[s]:.9g} and max_norm {clip.max_norm:g} ask for {asked[s]:.9g} (off by "
-                   f"{coefficient_off[s]:.2g}); {len(wrong_scale)} of {len(before)} steps")
+                   f"{coefficient_off[s]:.2g}); {len(wrong_scale)} of {len(before)} steps"))
     return out

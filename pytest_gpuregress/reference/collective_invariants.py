@@ -20,7 +20,7 @@ x^2), u the dtype's unit roundoff (reference/bounds.py's probabilistic model, wi
 one-element error of 1e-3 in a 20k-element fp32 output is about 30 times that.
 
 A broken invariant names the step, the collective, its process group, the call, and the rank that differs: a
-[collective] finding on the default run, with no replay.
+finding of the default run, with no replay.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from ..findings import CheckFinding
 
 RESULT_KEY = "collective_invariants"
 LAMBDA = 8.0  # deviations of the rounding errors' sum: thousands of checks a run, none a false alarm
@@ -240,14 +242,15 @@ def held(record_results: Mapping[str, Any]) -> str | None:
            "invariants"
 
 
-def problems(record_results: Mapping[str, Any]) -> list[str]:
-    """The [collective] findings of a run whose collectives broke an invariant; [] where none did or none ran."""
+def problems(record_results: Mapping[str, Any]) -> list[CheckFinding]:
+    """The finding of a run whose collectives broke an invariant; [] where none did or none ran."""
     kept = record_results.get(RESULT_KEY)
     if not isinstance(kept, dict) or not kept.get("violated"):
         return []
     shown = [Violation(v["step"], v["op"], v["group"], v["seq"], tuple(v["ranks"]), v["what"]).describe()
              for v in kept.get("violations", [])]
     more = int(kept["violated"]) - len(shown)
-    first = f"[collective] a collective broke its own invariant in this run ({kept['violated']} of {kept['calls']} " \
+    first = f"a collective broke its own invariant in this run ({kept['violated']} of {kept['calls']} " \
             f"calls, checked across the ranks at every step, no replay needed): {shown[0]}"
-    return [first, *(f"    also {line}" for line in shown[1:]), *([f"    and {more} more"] if more > 0 else [])]
+    lines = [first, *(f"    also {line}" for line in shown[1:]), *([f"    and {more} more"] if more > 0 else [])]
+    return [CheckFinding("collective-invariants", "\n".join(lines))]

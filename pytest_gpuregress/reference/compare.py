@@ -8,7 +8,7 @@ Two lanes:
             (envelope.py), or fixed per-dtype limits for a reference without an envelope.
 
 Every finding names the metric, the step, the tensor and its size, expected and got, how far
-past its tolerance it is, and the component it points to (see ``_suspect``).
+past its tolerance it is, and the facts measured about it; triage names the component (triage/naming.py).
 """
 
 from __future__ import annotations
@@ -31,11 +31,6 @@ from .trace_pairs import changed_code, swapped_backend
 from .trace_pairs import notes as sequence_notes
 
 WORST_ROWS = 8
-# A step-0 gradient wrong in fewer than this share of its elements points at a collective.
-SPARSE_FRACTION = 0.05
-# Of its blocks, for a large tensor kept as block sums: a kernel change moves nearly every element,
-# so nearly every block; a corrupted collective moves a few elements, so at most a few blocks.
-SPARSE_BLOCK_FRACTION = 0.5
 
 
 Tolerances = MetricLimits  # explicit limits, one per metric, for compare_training(tolerances=...)
@@ -55,8 +50,10 @@ DEFAULT_TOLERANCES: dict[str, Tolerances] = {
 
 @dataclass
 class Finding:
+    """What differs from the reference: the metric, where and how much, and the facts measured. The component it
+    points at is triage's to name (triage/naming.py), by the rule ``rule``."""
+
     metric: str
-    component: str
     message: str  # one line: where and how much
     step: int | None = None
     tensor: str | None = None
@@ -72,6 +69,9 @@ class Finding:
     # factor, and what it equals in this run's arithmetic ("the world size 2"); None where no one factor fits.
     factor: float | None = None
     factor_is: str | None = None
+    facts: dict[str, Any] = field(default_factory=dict)  # "missing", "before_save", "built_by", ...
+    component: str = ""  # named by triage/naming.py
+    rule: str = ""  # the id of the rule that named it
 
 
 @dataclass
@@ -110,6 +110,7 @@ class Comparison:
     # (ops paired, ops of this run) of step 0's trace on the lowest rank whose sequence changed: where less than half
     # is paired, the op that introduced the difference is no evidence on its own (triage/decision.py).
     paired_ops: tuple[int, int] | None = None
+    adamw: str | None = None  # the AdamW implementation the run used (training/optimizer.py), where it says
     notes: list[str] = field(default_factory=list)  # information about how the comparison was made
 
     @property
@@ -124,16 +125,6 @@ class Comparison:
     @property
     def passed(self) -> bool:
         return not self.findings
-
-    def convict(self, component: str) -> None:
-        """Name ``component`` on every finding, as triage's experiments found: they replace the heuristic's guess.
-        The model-layout finding keeps its own name: it says what the library did to the model's code, which no
-        experiment on this stack can overturn (the fault the experiments convict is another finding's cause)."""
-        for finding in self.findings:
-            if finding.metric not in (model_layout.COMPONENT, "data"):
-                finding.component = component
-            if "optimizer" not in finding.component:  # which AdamW ran says nothing of a component cleared of it
-                finding.message = finding.message.partition(ADAMW_NOTE)[0]
 
 
 def choose_lane(reference: RunRecord, run: RunRecord, requested: str = "auto") -> tuple[str, str]:
@@ -225,7 +216,8 @@ def _check(dev: np.ndarray, limit: np.ndarray, lane: str, ref: np.ndarray, got: 
 def _series(metric: str, ref: list[float], got: list[float], lane: str, limit: np.ndarray) -> tuple[Finding | None, float]:
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
     if len(r) != len(g):
-        return Finding(metric, "unknown", f"{metric}: reference has {len(r)} steps, this run {len(g)}"), float("inf")
+        return Finding(metric, f"{metric}: reference has {len(r)} steps, this run {len(g)}",
+                       facts={"missing": True}), float("inf")
     check = _check(rel(g, r), limit, lane, r, g)
     if not check.bad.any():
         return None, check.margin()
@@ -234,7 +226,6 @@ def _series(metric: str, ref: list[float], got: list[float], lane: str, limit: n
     ulp = ulps32(g, r)
     finding = Finding(
         metric=metric,
-        component="",
         message=(
             f"{metric}: first differing step {step} of {n}: expected {float(r[step])!r}, got {float(g[step])!r} "
             f"({check.measure(step, lane, ulp_distance(float(g[step]), float(r[step])))}); {int(check.bad.sum())} steps differ, "
@@ -256,9 +247,10 @@ def _param_grad_norms(ref: RunRecord, run: RunRecord, lane: str, limit: np.ndarr
         return None, 0.0
     if g is None:
         missing = "param_grad_norm: recorded in the reference, missing in this run"
-        return Finding("param_grad_norm", "unknown", missing), float("inf")
+        return Finding("param_grad_norm", missing, facts={"missing": True}), float("inf")
     if r.shape != g.shape:
-        return Finding("param_grad_norm", "unknown", f"param_grad_norm: shape {r.shape} vs {g.shape}"), float("inf")
+        return Finding("param_grad_norm", f"param_grad_norm: shape {r.shape} vs {g.shape}",
+                       facts={"missing": True}), float("inf")
     check = _check(rel(g, r), limit, lane, r, g)
     if not check.bad.any():
         return None, check.margin()
@@ -268,7 +260,6 @@ def _param_grad_norms(ref: RunRecord, run: RunRecord, lane: str, limit: np.ndarr
     first = int(params_bad[0])
     finding = Finding(
         metric="param_grad_norm",
-        component="",
         message=(
             f"param_grad_norm: first differing step {step}: {len(params_bad)} of {r.shape[1]} parameters, "
             f"first {names[first]}: expected {float(r[step, first])!r}, got {float(g[step, first])!r} "
@@ -296,8 +287,8 @@ def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, fl
         unit = "blocks" if blocked else "elements"
         size = (f"{list(shape)} in {len(r)} blocks of {step0.BLOCK}" if blocked else f"{list(r.shape)} = {r.size} elements")
         if g is None or (not step0.same_layout(g, r) if blocked else g.shape != r.shape):
-            out.append(Finding("step0_grad", "unknown", f"step0_grad {name}: missing or reshaped in this run",
-                               step=0, tensor=name, size=size))
+            out.append(Finding("step0_grad", f"step0_grad {name}: missing or reshaped in this run", step=0, tensor=name,
+                               size=size, facts={"missing": True}))
             continue
         if blocked:
             rf, gf = step0.block_sums(r), step0.block_sums(g)
@@ -326,8 +317,7 @@ def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, fl
         out.append(
             Finding(
                 metric="step0_grad",
-                component="",
-                message=(
+                        message=(
                     f"step0_grad {name} {size}: {len(flat_bad)} {unit} differ "
                     f"({100 * len(flat_bad) / len(dev):.3g}%), first at {where(first)}: expected "
                     f"{'block sum ' if blocked else ''}{float(rf[first])!r}, got {float(gf[first])!r} "
@@ -398,7 +388,6 @@ def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, 
     name = bad[0][0]
     finding = Finding(
         metric="final_weights",
-        component="",
         message=(
             f"final_weights: {len(bad)} of {len(ref.digests)} parameters differ after the last step "
             f"({'sha256' if lane == 'exact' else 'sum, |sum| and signed checksum'}); largest: {name} "
@@ -413,45 +402,6 @@ def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, 
     return finding, margin
 
 
-def _suspect(findings: list[Finding], lane: str) -> None:
-    """Point each finding at a component, from the order in which signals appear.
-
-    - step-0 gradients wrong in a few elements (or, for block sums, in under half the blocks): a
-      collective (reduce-scatter) corrupted them; wrong nearly everywhere: a kernel changed.
-    - loss wrong at step 0 with no step-0 gradients recorded: a kernel or a collective; without
-      the gradients there is no evidence to tell them apart, so both are named.
-    - step-0 numbers right but training diverges later: the optimizer, the schedule, or a collective
-      that carries weights (a stale all-gather). In the exact lane, where a step's per-parameter
-      gradients differ while its loss is bitwise equal, the weights were right and the gradients were
-      computed wrong: a collective that carries gradients (reduce-scatter, all-reduce) or a backward
-      kernel (``gradients_moved_first``).
-    - the norm after clipping wrong before anything else: the clipping (``_clip_moved_first``).
-    """
-    step0 = [f for f in findings if f.metric == "step0_grad"]
-    loss = next((f for f in findings if f.metric == "loss"), None)
-    clip = _clip_moved_first(findings)
-    if clip is not None:  # right before clipping, wrong after it: every later difference follows from the clip
-        clip.message += (f"; the gradients before clipping match at step {clip.step}, so the clipping itself scaled "
-                         "them wrongly (clip_grad_norm_, or the wrapper's)")
-        for f in findings:
-            f.component = "optimizer"
-        return
-    for f in step0:
-        sparse = f.fraction is not None and f.fraction < (SPARSE_FRACTION if f.unit == "elements" else SPARSE_BLOCK_FRACTION)
-        f.component = "collective" if sparse else "kernel"
-    for f in findings:
-        if f.component:
-            continue
-        if step0:
-            f.component = step0[0].component
-        elif loss is not None and loss.step == 0:
-            f.component = "kernel or collective"
-        elif gradients_moved_first(findings, lane):
-            f.component = "collective or kernel"
-        else:
-            f.component = "optimizer or collective"
-
-
 def gradients_moved_first(findings: list[Finding], lane: str) -> bool:
     """Whether a step's gradients differ while its loss (computed before them, from the same weights) is bitwise
     equal: then the weights were right and the gradients were computed wrong, which no optimizer step explains.
@@ -460,15 +410,15 @@ def gradients_moved_first(findings: list[Finding], lane: str) -> bool:
     has its own limit, and a per-parameter norm can cross its limit steps before the averaged loss does (an update
     wrong on one tensor), so the order of the first findings proves nothing. The gradients are the per-parameter
     norms, measured before clipping; ``grad_norm`` is what the clip itself computed, and a clip that moved first is
-    the clip's (``_clip_moved_first``)."""
-    if lane != "exact" or _clip_moved_first(findings) is not None:
+    the clip's (``clip_moved_first``)."""
+    if lane != "exact" or clip_moved_first(findings) is not None:
         return False
     gradient_step = next((f.step for f in findings if f.metric == "param_grad_norm" and f.step is not None), None)
     loss_step = next((f.step for f in findings if f.metric == "loss" and f.step is not None), None)
     return gradient_step is not None and loss_step is not None and gradient_step < loss_step
 
 
-def _clip_moved_first(findings: list[Finding]) -> Finding | None:
+def clip_moved_first(findings: list[Finding]) -> Finding | None:
     """The clipped-norm finding when it comes before every other: a step's loss and gradients (before clipping) are
     computed before its clip, so a clip that went wrong at step s moves them from step s + 1 on, never at s."""
     clip = next((f for f in findings if f.metric == "clipped_grad_norm"), None)
@@ -477,20 +427,6 @@ def _clip_moved_first(findings: list[Finding]) -> Finding | None:
     # Final weights carry no step: they follow from whatever moved first.
     others = [0 if f.metric == "step0_grad" else f.step for f in findings if f is not clip and f.metric != "final_weights"]
     return clip if all(step is not None and step > clip.step for step in others) else None
-
-
-ADAMW_NOTE = "; AdamW implementation: "
-
-
-def name_optimizer(findings: list[Finding], config: dict[str, Any]) -> None:
-    """Say which AdamW implementation ran where a finding points at the optimizer: a bug can live in one only, and
-    the other cases (another implementation each) say whether theirs is clean."""
-    implementation = config.get("adamw")  # training/optimizer.py: single, foreach or fused; a user's loop: not known
-    if implementation is None:
-        return
-    for finding in findings:
-        if "optimizer" in finding.component and ADAMW_NOTE not in finding.message:
-            finding.message += f"{ADAMW_NOTE}{implementation}"
 
 
 def tolerant_limits(reference: RunRecord, tolerances: Tolerances | None = None) -> tuple[dict[str, Any], str]:
@@ -548,27 +484,21 @@ def compare_training(
             margins[metric] = margin
         if found:
             findings.append(found)
-    _suspect(findings, chosen)
-    attribute_to_data(reference, run, findings)
+    data_finding(reference, run, findings)
     less_precise = oracle_distance.precision_problem(reference, run)
     if less_precise is not None:
-        findings.append(Finding(oracle_distance.PRECISION_METRIC, "kernel or library", less_precise, step=0,
-                                tensor="every step-0 gradient"))
-    layout = model_layout.tie_verdict(reference, run, tied)
-    if layout is None and (changed := model_layout.verdict(reference, run)):
-        layout = model_layout.COMPONENT, changed
-    if layout is not None:  # the model's own code moved: every difference follows from it, none convicts a kernel
-        for finding in findings:
-            if finding.metric != "data":
-                finding.component = layout[0]
-        findings.insert(0, Finding("model", *layout))
-    name_optimizer(findings, run.config)
+        findings.append(Finding(oracle_distance.PRECISION_METRIC, less_precise, step=0, tensor="every step-0 gradient"))
+    tie = model_layout.tie_built_otherwise(reference, run, tied)
+    if tie is not None:  # the model's own code moved: every difference follows from it, none convicts a kernel
+        findings.insert(0, Finding(model_layout.METRIC, tie[1], facts={"built_by": tie[0]}))
+    elif changed := model_layout.layout_change(reference, run):
+        findings.insert(0, Finding(model_layout.METRIC, changed))
     paired = pairings(reference, run)  # both records' traces paired op by op: once, for every use below
     # The lowest rank whose op sequence changed: what changed there, whose code changed it, and how much was paired.
     departed = next(((ref, got, p) for ref, got, p in paired.values() if not p.complete), None)
     comparison = Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source,
                             first_moved=first_moved(reference, run, sequence=chosen == "exact", paired=paired),
-                            equal_trace=equal_traces(reference, run, paired))
+                            equal_trace=equal_traces(reference, run, paired), adamw=run.config.get("adamw"))
     if departed is not None:
         ref, got, pairing = departed
         comparison.sequence_notes = sequence_notes(pairing, ref, got)
@@ -593,18 +523,14 @@ def compare_training(
 ROUND_TRIP = "round trip"  # a finding's metric: a save or load that failed, whatever the data
 
 
-def attribute_to_data(reference: RunRecord, run: RunRecord, findings: list[Finding]) -> bool:
-    """Where the run trained on other token batches than the reference: every finding from that step on is [data],
-    since those differences follow from them and none convicts a component, and a [data] finding naming what made
-    them (a random stream, numpy, the token file) leads. A finding of an earlier step, or a round trip that failed,
-    keeps its component. True where the batches differ."""
+def data_finding(reference: RunRecord, run: RunRecord, findings: list[Finding]) -> bool:
+    """Where the run trained on other token batches than the reference: a finding naming the step and what made them
+    (a random stream, numpy, the token file) leads, and triage names what follows from it (triage/naming.py). True
+    where the batches differ."""
     changed = data_change.first_changed_step(reference, run)
     if changed is None:
         return False
-    for finding in findings:  # what moved before the batches did, or a round trip that failed, did not follow them
-        if finding.metric != ROUND_TRIP and (finding.step is None or finding.step >= changed):
-            finding.component = "data"
-    findings.insert(0, Finding("data", "data", data_change.finding_text(reference, run, changed), step=changed,
+    findings.insert(0, Finding("data", data_change.finding_text(reference, run, changed), step=changed,
                                tensor="the token batch"))
     return True
 

@@ -68,21 +68,20 @@ class FirstMoved:
         return (self.entry.package or "") if self.entry is not None else ""
 
     @property
-    def component(self) -> str | None:
-        """What it points at: a collective, the optimizer, data (integers the step read moved), a kernel, the library
-        whose code called it with other arguments; None for a changed op sequence, which convicts nothing by itself,
-        and for a float input (a weight or buffer no op of the step made): that is no token batch."""
+    def site(self) -> str | None:
+        """Where the op that moved sits, as a fact (triage/naming.py names the component): ``tokens`` (integers a
+        step read), ``input`` (a float input: a weight or buffer), ``collective``, ``update`` (the clip and the
+        optimizer step), ``called otherwise`` (other non-tensor arguments than the reference's), ``compute``; None
+        for a changed op sequence."""
         if self.kind != "moved" or self.entry is None:
             return None
         if self.entry.op == INPUT_OP:
-            return "data" if holds_integers(self.entry) else None
+            return "tokens" if holds_integers(self.entry) else "input"
         if self.entry.op.startswith(COLLECTIVE_NAMESPACES):
             return "collective"
         if self.entry.phase in ("clip", "optimizer"):  # gradient clipping is part of the update, as AdamW's step
-            return "optimizer"
-        if self.arguments_changed:
-            return f"library: {self.caller or 'the code that calls it'}"
-        return "kernel"
+            return "update"
+        return "called otherwise" if self.arguments_changed else "compute"
 
     def describe(self) -> str:
         """One line: "first difference: aten::mm in model.layers.0.mlp.up_proj (forward), ... bitwise equal"."""

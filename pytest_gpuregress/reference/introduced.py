@@ -378,7 +378,7 @@ def shape_dependence(reference: RunRecord, run: RunRecord, culprit: FirstMoved,
     some input shapes and, at others, ran on inputs that had not moved and kept within drift (cuBLAS, hipBLASLt
     and oneDNN pick kernels by shape, so such a bug is the kernel's of those shapes). None otherwise, and where
     the records cannot be analysed."""
-    if culprit.component != "kernel" or culprit.entry is None:
+    if culprit.site != "compute" or culprit.entry is None:
         return None
     traced = traced or Traced.of(reference, run)
     if traced is None:

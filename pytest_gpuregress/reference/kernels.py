@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..findings import CheckFinding
 from .record import RunRecord
 
 INVENTORY = "kernels"
@@ -49,7 +50,7 @@ def _joined(names: list[str]) -> str:
     return ", ".join(names) if names else "its own kernel"
 
 
-def host_op_problems(record: RunRecord) -> list[str]:
+def host_op_problems(record: RunRecord) -> list[CheckFinding]:
     """One finding naming every op that ran on the host while the scenario runs on an accelerator."""
     host = record.results.get(HOST_OPS)
     if not isinstance(host, dict) or not host.get("ops"):
@@ -57,9 +58,10 @@ def host_op_problems(record: RunRecord) -> list[str]:
     ops = host["ops"]
     listed = "; ".join(f"{op} ({entry['calls']} calls, {entry['dtype']} {entry['shape']})"
                        for op, entry in sorted(ops.items()))
-    return [f"[kernel] {len(ops)} op(s) ran on the CPU while {record.scenario!r} runs on {host['accelerator']}: "
-            f"{listed}. A missing device kernel made them fall back to the host: the numbers may be right, "
-            "the throughput is not. Check the build of torch (and of the extension that should provide the op)"]
+    return [CheckFinding("host-ops", f"{len(ops)} op(s) ran on the CPU while {record.scenario!r} runs on "
+                         f"{host['accelerator']}: {listed}. A missing device kernel made them fall back to the host: "
+                         "the numbers may be right, the throughput is not. Check the build of torch (and of the "
+                         "extension that should provide the op)")]
 
 
 def report_lines(found: list[str] | None, why: str = "") -> list[str]:

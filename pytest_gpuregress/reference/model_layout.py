@@ -18,7 +18,7 @@ import numpy as np
 from . import step0
 from .record import RunRecord
 
-COMPONENT = "model"
+METRIC = "model"  # the metric of the finding that says the layout changed
 # The tie judged against the config: what a stack did that builds another model than its config asks.
 BUILT_OTHERWISE = "the library did not build what the model's config asks"
 MODEL_LIBRARIES = ("transformers", "peft", "accelerate", "torch")  # whose releases change a model's code
@@ -88,7 +88,7 @@ def library_changes(reference: RunRecord, run: RunRecord) -> list[str]:
     return out
 
 
-def verdict(reference: RunRecord, run: RunRecord) -> str | None:
+def layout_change(reference: RunRecord, run: RunRecord) -> str | None:
     """The model finding's message when the parameter layouts differ, else None. Gradients that are only
     missing, with no model library changed, are no model change: a stack fault can leave a parameter without
     a step-0 gradient, and the usual findings must name it."""
@@ -107,8 +107,8 @@ def verdict(reference: RunRecord, run: RunRecord) -> str | None:
             "one for the stack it was recorded on")
 
 
-def tie_verdict(reference: RunRecord, run: RunRecord, tied: bool | None) -> tuple[str, str] | None:
-    """(component, message) where the layouts differ by the output head alone: a tensor of the input embeddings'
+def tie_built_otherwise(reference: RunRecord, run: RunRecord, tied: bool | None) -> tuple[str, str] | None:
+    """(the library that built it, message) where the layouts differ by the output head alone: a tensor of the input embeddings'
     shape on one side only, shared with them on the other (``tied``: the model config's tie_word_embeddings;
     None where it has none, as a factory's model). A stack that builds against its config is a library's fault,
     never a layout to re-record over: the model library that changed since the reference, else transformers
@@ -130,7 +130,7 @@ def tie_verdict(reference: RunRecord, run: RunRecord, tied: bool | None) -> tupl
     changed = library_changes(reference, run)
     library = next((c.split()[0] for c in changed), "transformers")
     built = "as a tensor of its own" if separate_here else f"sharing {embeddings[0]}'s tensor"
-    return f"library: {library}", (
+    return library, (
         f"the model's config {'ties' if tied else 'does not tie'} the input and output embeddings "
         f"(tie_word_embeddings: {str(tied).lower()}), but this stack built {name} {built} "
         f"({', '.join(changed) or 'no model library changed'}): {BUILT_OTHERWISE}, so every step trains another "
@@ -138,9 +138,9 @@ def tie_verdict(reference: RunRecord, run: RunRecord, tied: bool | None) -> tupl
         "reference")
 
 
-def is_tie(finding_metric: str, component: str) -> bool:
-    """Whether a layout finding is a tie judged against the config (a library's), not the model's code."""
-    return finding_metric == COMPONENT and component.startswith("library:")
+def is_tie(metric: str, facts: Mapping[str, object]) -> bool:
+    """Whether a finding says the library built another model than its config asks (not a layout change)."""
+    return metric == METRIC and bool(facts.get("built_by"))
 
 
 def _is_input_embedding(name: str) -> bool:

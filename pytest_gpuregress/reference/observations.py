@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..findings import CheckFinding
 from ..stack import fingerprint as fp
 from . import kernels, perf
 from .policy import JudgingPolicy
@@ -50,15 +51,15 @@ class Observations:
             return cls(changes, ratios, [], policy, why, cause)
         return cls(changes, ratios, perf.problems(ratios, record, reference), policy, "", cause)
 
-    def failures(self) -> list[str]:
-        """Lines that fail the test under the policy."""
-        out: list[str] = []
+    def failures(self) -> list[CheckFinding]:
+        """Findings that fail the test under the policy."""
+        out: list[CheckFinding] = []
         if self.kernel_changes and self.policy.kernel_changes == "fail":
             lines = kernels.report_lines(self.kernel_changes, "; ".join(
                 filter(None, [self.kernel_cause, "--gpuregress-kernel-changes=fail"])))
-            out += ["[kernel] " + lines[0], *lines[1:]]
+            out.append(CheckFinding("kernel-changes", "\n".join(lines)))
         if self.perf_problems and self.policy.perf == "fail":
-            out += [f"{p} (--gpuregress-perf=fail)" for p in self.perf_problems]
+            out += [CheckFinding("performance", f"{p} (--gpuregress-perf=fail)") for p in self.perf_problems]
         return out
 
     def warnings(self) -> list[tuple[type[Warning], str]]:

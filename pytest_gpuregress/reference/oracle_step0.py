@@ -11,15 +11,12 @@ numpy only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from . import step0
-from .first_moved import FirstMoved
-from .model_layout import MODEL_LIBRARIES
 from .record import RunRecord
 
 RESULT_KEY = "oracle_step0"  # in RunRecord.results: {"loss": float, "grads": {name: [sum, sum |x|, max |x|]},
@@ -102,53 +99,3 @@ def _loss_move(now: float, then: float) -> float:
     if np.isnan(now) or np.isnan(then):
         return 0.0 if np.isnan(now) and np.isnan(then) else float("inf")
     return abs(now - then) / abs(then) if then else abs(now)
-
-
-
-# The libraries the float64 oracle runs: the model's code and LoRA's (accelerate only wraps the training runs).
-ORACLE_LIBRARIES = ("transformers", "peft")
-
-
-def suspect(change: CodeChange, recorded: dict[str, str | None], installed: dict[str, str | None],
-            culprit: FirstMoved | None = None, changed_code: Sequence[str] = ()) -> tuple[str, str]:
-    """(the component the moved oracle points at, why), from what moved first, then from versions.
-
-    What moved decides: the op of step 0 that introduced the difference, called with other arguments (a divisor,
-    a scale), names the package whose code called it; the same op with the same inputs and arguments computing
-    another answer is a kernel that computes another function, float64 too (torch's, not a library's); ops
-    inserted, removed or replaced in step 0 name the package whose code runs them. Only where none of these is
-    known do the gradients that moved (peft where only adapter gradients moved, else transformers) and the
-    versions that changed say which library: a version number then only breaks the tie."""
-    if culprit is not None and culprit.arguments_changed and culprit.component:
-        return str(culprit.component), f"{culprit.describe()}"
-    if culprit is not None and culprit.component == "kernel" and culprit.entry is not None:
-        return "kernel", f"the op that introduced it had the reference's inputs and arguments and gave another " \
-                         f"answer ({culprit.describe()}): its kernel computes another function, in float64 too"
-    code = [p for p in changed_code if p]
-    if code:
-        return f"library: {code[0]}", f"step 0's op sequence changed in {code[0]}'s code (ops inserted, removed or " \
-                                      f"replaced there{'; also in ' + ', '.join(code[1:]) if code[1:] else ''})"
-    package, why = _by_version(change, recorded, installed)
-    return f"library: {package}", why
-
-
-def _by_version(change: CodeChange, recorded: dict[str, str | None],
-                installed: dict[str, str | None]) -> tuple[str, str]:
-    """The library where no op says which: by the gradients that moved, a changed version breaking the tie; torch
-    where only torch changed (its ops compute another function, or its float64 kernels broke). Where none changed,
-    the code on this machine did."""
-    changed = [p for p in MODEL_LIBRARIES if recorded.get(p) and installed.get(p) and recorded[p] != installed[p]]
-    adapter_only = ".lora_" in change.tensor and not change.loss_relative > CODE_CHANGE
-    by_code = "peft" if adapter_only else "transformers"
-    models = [p for p in changed if p in ORACLE_LIBRARIES]
-    package = by_code if by_code in models or not models else models[0]
-    if not models and "torch" in changed:
-        package = "torch"
-    also = f" (torch changed too: {recorded['torch']} -> {installed['torch']})" \
-        if package != "torch" and "torch" in changed else ""
-    if package in changed:
-        return package, f"{package} changed since the reference ({recorded[package]} -> {installed[package]}): " \
-                        f"read its release notes{also}"
-    return package, f"{package} is at the reference's version ({installed.get(package) or 'unknown'}): its code on " \
-                    f"this machine was changed or patched, or torch's under it (the oracle runs both; no version " \
-                    f"says which){also}"

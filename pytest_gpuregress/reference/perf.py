@@ -101,7 +101,7 @@ def _number(value: Any) -> float | None:
 
 
 def problems(found: list[Ratio] | None, record: RunRecord, reference: RunRecord | None = None) -> list[str]:
-    """A finding per figure past its limit, naming the component it points to; none from a median of fewer
+    """A finding per figure past its limit; none from a median of fewer
     than ``MIN_STEADY_STEPS`` steps on either side (a short run on a busy machine says nothing)."""
     steady = record.results.get(PERF, {}).get("steady_steps") or 0
     before = reference.results.get(PERF, {}).get("steady_steps", steady) if reference is not None else steady
@@ -110,7 +110,7 @@ def problems(found: list[Ratio] | None, record: RunRecord, reference: RunRecord 
     over = [r for r in found or [] if r.over]
     if any(r.name == "tokens/s" for r in over):  # one slowdown, one line: tokens/s says it with the batch size
         over = [r for r in over if r.name != "step time"]
-    return [f"[performance] {r.describe()}; medians over {steady} steady steps" for r in over]
+    return [f"{r.describe()}; medians over {steady} steady steps" for r in over]
 
 
 def summary(found: list[Ratio] | None) -> str:

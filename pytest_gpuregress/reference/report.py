@@ -131,9 +131,9 @@ def format_comparison(
 def _record_advice(comparison: Comparison, record_hint: str, record_elsewhere_hint: str) -> str:
     """What to record: over the reference if the new numbers are right; where the model's code changed, a reference
     of this stack's own in another folder, as the model finding says (the old stack keeps its reference)."""
-    layout = next((f for f in comparison.findings if f.metric == model_layout.COMPONENT), None)
-    if layout is not None and model_layout.is_tie(layout.metric, layout.component):
-        package = layout.component.split(":", 1)[1].strip()
+    layout = next((f for f in comparison.findings if f.metric == model_layout.METRIC), None)
+    if layout is not None and model_layout.is_tie(layout.metric, layout.facts):
+        package = layout.facts["built_by"]
         return (f"record nothing: {model_layout.BUILT_OTHERWISE} (the first finding); report it to {package}, with "
                 "this reference and this run's record as the evidence")
     if record_elsewhere_hint and layout is not None:

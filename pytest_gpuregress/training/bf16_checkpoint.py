@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..findings import CheckFinding
+
 CONFIG_KEY = "bf16_checkpoint"  # a run's config: True where the run writes and reads its bf16 weights (the bf16 lane)
 RESULT_KEY = "bf16_checkpoint"  # a training record's results: what was written, and each problem found
 PATHS = ("safetensors", "safe_open", "torch_load")  # the readers, as faults/loaders.py names their paths
@@ -77,9 +79,9 @@ def differences(written: Mapping[str, Any], loaded: Mapping[str, Any]) -> list[s
     return out
 
 
-def findings(result: Mapping[str, Any] | None) -> list[str]:
-    """The reference-free findings of a record's round trip, each naming the checkpoint component."""
+def findings(result: Mapping[str, Any] | None) -> list[CheckFinding]:
+    """The reference-free findings of a record's round trip (triage names their component)."""
     if not result:
         return []
-    return [f"[checkpoint] bf16 checkpoint of the trained weights ({result['tensors']} tensors) through {problem}"
-            for problem in result.get("problems", [])]
+    return [CheckFinding("checkpoint", f"bf16 checkpoint of the trained weights ({result['tensors']} tensors) "
+                                       f"through {problem}") for problem in result.get("problems", [])]

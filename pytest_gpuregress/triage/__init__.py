@@ -25,13 +25,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from ..components import Component
-from ..reference import by_name, step0
+from ..reference import by_name, clipping, collective_invariants, step0
 from ..reference.bounds import step0_bound
 from ..reference.compare import gradients_moved_first
 from ..reference.envelope import rel, step0_deviation, step0_limit
 from ..reference.op_trace import TRACE_CONFIG
 from ..reference.record import RunRecord
 from ..training.step import EMULATE_WORLD
+from .decision import CLIP, INVARIANTS
+from .naming import op_component
 
 if TYPE_CHECKING:
     from ..reference.compare import Comparison
@@ -59,6 +61,23 @@ class Experiment:
     @property
     def convicts(self) -> bool:
         return self.status in ("differs", "vanished", "reproduced", "broke", "inconsistent", "named")
+
+
+def own_evidence(run: RunRecord) -> list[Experiment]:
+    """What the failing run says of itself: its collectives against their own invariants across the ranks (broke,
+    or held where the gradients' own were checked), and its clip against its own norm where it is inconsistent."""
+    out = []
+    broken = collective_invariants.problems(run.results)
+    if broken:
+        first, _, rest = broken[0].message.partition("\n")
+        out.append(Experiment(INVARIANTS, "broke", first, component="collective",
+                        lines=[line.strip() for line in rest.splitlines()]))
+    elif (kept := collective_invariants.held(run.results)) is not None:  # clears the gradients' collectives
+        out.append(Experiment(INVARIANTS, "held", kept))
+    clip = clipping.problems(run)
+    if clip:
+        out.append(Experiment(CLIP, "inconsistent", clip[0].message, component="optimizer"))
+    return out
 
 
 def launches(sc: Scenario, setup: Setup, model: str | None = None) -> dict[str, Launch]:
@@ -220,7 +239,7 @@ def first_moved_evidence(comparison: Comparison | None) -> Experiment | None:
     status = "differs" if moved.kind == "moved" else "sequence changed"  # a moved weight differs, naming nothing
     shape = f"; {comparison.shape_note}" if comparison.shape_note else ""
     return Experiment("first moved op", status, moved.describe().removeprefix(f"{moved.label}: ") + shape,
-                      component=moved.component)
+                      component=op_component(moved))
 
 
 def verdict(comparison: Comparison | None, experiments: list[Experiment], rules: tuple[Rule, ...] | None = None) -> Verdict:

@@ -29,9 +29,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..stack.fingerprint import canonical
+
+if TYPE_CHECKING:
+    from . import Experiment
 
 NAME = "bisect"  # the experiment's name in the verdict (triage/decision.py's first rule)
 # Packages built against torch's C++ ABI or shipping its native libraries: a wheel of another version on the path
@@ -217,3 +220,14 @@ def bisect(found: Plan, restores: Restores) -> Result:
                        found.untested)
     result.culprit = result.plan.groups[0]
     return result
+
+
+def experiment(result: Result) -> Experiment:
+    """The bisect's evidence for the verdict: the library whose revert restores step 0, or that none does."""
+    from . import Experiment
+
+    lines = [*(f"grouped: {why}" for why in result.plan.grouped), *result.log]
+    said = result.line().removeprefix("bisect: ")
+    if result.package is None:
+        return Experiment(NAME, "no revert restores", said, lines=lines)
+    return Experiment(NAME, "named", said, component=f"library: {result.package}", lines=lines)

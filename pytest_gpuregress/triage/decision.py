@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..reference import model_layout
-from ..reference.first_moved import COLLECTIVE_NAMESPACES, INPUT_OP, holds_integers
 from ..reference.oracle_distance import PRECISION_METRIC as PRECISION
+from .naming import op_component
 
 if TYPE_CHECKING:
     from ..reference.compare import Comparison
@@ -30,7 +30,7 @@ Experiment = Any  # triage's Experiment (name, status, detail, component, convic
 INVARIANTS = "collective invariants"
 CLIP = "clip"
 BISECT = "bisect"
-MODEL_CODE = "model code"  # plugin/explain.py's library_change: the float64 oracle against the reference's
+MODEL_CODE = "model code"  # triage/model_code.py: the float64 oracle against the reference's
 
 
 @dataclass
@@ -120,8 +120,7 @@ def _data(evidence: Evidence) -> Decision | None:
     if changed is not None:
         return "data", changed.message
     culprit = evidence.culprit
-    if culprit is not None and culprit.component == "data" and culprit.entry is not None \
-            and holds_integers(culprit.entry):
+    if op_component(culprit) == "data":
         return "data", culprit.describe()
     return None
 
@@ -130,7 +129,7 @@ def _collective_at_step0(evidence: Evidence) -> Decision | None:
     """The op of step 0 that introduced the difference is a collective's output, its inputs within drift: what
     follows from it (a clip that reads gradients the ranks no longer agree on) decides nothing before it."""
     culprit = evidence.culprit
-    if culprit is None or culprit.component != "collective" or evidence.first_step != 0:
+    if op_component(culprit) != "collective" or evidence.first_step != 0:
         return None
     return "collective", culprit.describe()
 
@@ -139,9 +138,9 @@ def _called_otherwise(evidence: Evidence) -> Decision | None:
     """The op that introduced the difference was called with other non-tensor arguments than in the reference (a
     divisor, a scale, an epsilon): the code that called it changed, whatever kernel ran under it."""
     culprit = evidence.culprit
-    if culprit is None or not culprit.arguments_changed or not str(culprit.component).startswith("library"):
+    if culprit is None or culprit.site != "called otherwise":
         return None
-    return str(culprit.component), culprit.describe()
+    return str(op_component(culprit)), culprit.describe()
 
 
 def _world_size_factor(evidence: Evidence) -> Decision | None:
@@ -168,8 +167,7 @@ def _one_rank(evidence: Evidence) -> Decision | None:
     culprit = evidence.culprit
     if culprit is None or culprit.entry is None or culprit.world < 2 or culprit.also_on:
         return None
-    if culprit.component != "kernel" or culprit.entry.op.startswith(COLLECTIVE_NAMESPACES) or \
-            culprit.entry.op == INPUT_OP or _follows_the_data(evidence):
+    if culprit.site != "compute" or _follows_the_data(evidence):
         return None
     return "device", (f"rank {culprit.rank} alone: {culprit.describe()}; the same op of the other "
                       f"{culprit.world - 1} rank{'s' if culprit.world > 2 else ''} kept within drift, and no "
@@ -239,10 +237,10 @@ def _model_layout(evidence: Evidence) -> Decision | None:
     """The model's parameter layout differs from the reference's (its code changed), or the library built another
     model than its config asks: the runs start from other weights, so no number of theirs can be compared."""
     comparison = evidence.comparison
-    layout = next((f for f in comparison.findings if f.metric == model_layout.COMPONENT), None) if comparison else None
+    layout = next((f for f in comparison.findings if f.metric == model_layout.METRIC), None) if comparison else None
     if layout is None:
         return None
-    why = f"{model_layout.BUILT_OTHERWISE} (the first finding)" if model_layout.is_tie(layout.metric, layout.component) \
+    why = f"{model_layout.BUILT_OTHERWISE} (the first finding)" if model_layout.is_tie(layout.metric, layout.facts) \
         else "the model's parameter layout differs from the reference's"
     return layout.component, f"{why}, so the runs start from other weights"
 

@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING
 from ..scenarios.shared.late_gradients import METRIC as LATE_GRAD
 from . import LATE_WINDOW as NAME
 from . import Experiment
+from .naming import sparse
 
 if TYPE_CHECKING:
-    from ..reference.compare import Comparison
+    from ..reference.compare import Comparison, Finding
 
 LOAD_METRICS = ("resume_load", "resume_state")
 # The window's step whose loss first shows the update of step S (the window counts from S: its step 0 is S's own
@@ -58,7 +59,7 @@ def judged(first_step: int, saved_step: int, window: Comparison, compared: bool 
     if late:
         more = f" (and {len(late) - 1} more tensors)" if len(late) > 1 else ""
         return Experiment(NAME, "differs", f"{where}, differ from the reference's: {late[0].message}{more}",
-                          component=convicted(late[0].component))
+                          component=convicted(late[0]))
     if saved_step < first_step:
         return Experiment(NAME, "before the divergence", f"{where}, match the reference's, but the run diverges "
                                                          f"only at step {first_step}: this clears nothing")
@@ -78,8 +79,8 @@ def judged(first_step: int, saved_step: int, window: Comparison, compared: bool 
                                                  "process does not; this clears nothing")
 
 
-def convicted(named: str) -> str:
+def convicted(late: Finding) -> str:
     """What wrong late gradients convict. A few wrong elements are a collective's signature (a message's tail, one
     protocol's slot), as step 0's findings are named; wrong nearly everywhere is a backward kernel or a collective
     that scales all it carries, which one launch from the checkpoint cannot tell apart."""
-    return "collective" if named == "collective" else "kernel or collective"
+    return "collective" if sparse(late) else "kernel or collective"

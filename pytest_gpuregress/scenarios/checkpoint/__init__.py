@@ -24,7 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...reference.compare import ROUND_TRIP, Comparison, Finding, attribute_to_data, choose_lane
+from ...findings import Problem
+from ...reference.compare import ROUND_TRIP, Comparison, Finding, choose_lane, data_finding
 from ...reference.record import RunRecord
 from ...scenario_options import SCENARIO_OPTIONS
 from ...stack import fingerprint as fp
@@ -106,7 +107,7 @@ class CheckpointScenario(CheckScenario):
         merged.results["pid"] = {k: v for r in records for k, v in r.results.get("pid", {}).items()}
         return merged
 
-    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
+    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
         part = case.data["part"]
         if part in ("resume", "sharded"):
             findings = checks.prefixed(case.id, record.results.get(part, ["did not run"]))
@@ -125,7 +126,7 @@ class CheckpointScenario(CheckScenario):
         findings = _curve(reference, record, chosen)
         if chosen == "exact":
             findings += _arrays(reference, record)
-        attribute_to_data(reference, record, findings)  # a random stream that moved: data, not the checkpoint
+        data_finding(reference, record, findings)  # a random stream that moved: data, not the checkpoint
         return Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, record.fingerprint))
 
     def summary(self, records: dict[str, RunRecord | None], setup: Setup) -> list[str]:
@@ -144,12 +145,12 @@ def _root(setup: Setup) -> str:
 
 def _curve(reference: RunRecord, record: RunRecord, lane: str) -> list[Finding]:
     """The training curve against the reference's. It is trained before the checkpoint is saved, so a difference
-    in it convicts no checkpoint: it names nothing yet ("unknown"), and triage weighs the run's evidence."""
+    in it is no checkpoint's doing: said as a fact (``before_save``), which triage names."""
     expected, got = reference.series.get("loss", []), record.series.get("loss", [])
     lines = checks.curve_findings(expected, got, lane == "exact", what="this run differs from the reference")
     step = checks.first_curve_difference(expected, got, lane == "exact")
-    return [Finding("loss", "unknown", f"{line}; every step of it ran before the checkpoint was saved, so it is no "
-                    "checkpoint's doing", step=step) for line in lines]
+    return [Finding("loss", f"{line}; every step of it ran before the checkpoint was saved, so it is no "
+                    "checkpoint's doing", step=step, facts={"before_save": True}) for line in lines]
 
 
 def _arrays(reference: RunRecord, record: RunRecord) -> list[Finding]:
@@ -160,12 +161,12 @@ def _arrays(reference: RunRecord, record: RunRecord) -> list[Finding]:
     keys = sorted(k for k in reference.arrays if not k.startswith("envelope/"))
     missing = [k for k in keys if k not in record.arrays]
     if missing:
-        out.append(Finding(ROUND_TRIP, "checkpoint", f"{len(missing)} of the reference's {len(keys)} arrays are "
+        out.append(Finding(ROUND_TRIP, f"{len(missing)} of the reference's {len(keys)} arrays are "
                            f"missing from this run, first {missing[0]} (its round trip failed: see above)"))
     for key in (k for k in keys if k in record.arrays):
         expected, got = reference.arrays[key], record.arrays[key]
         if got.dtype != expected.dtype or got.shape != expected.shape or got.tobytes() != expected.tobytes():
-            out.append(Finding("checkpoint", "checkpoint", f"{key}: {describe_difference(expected, got)} against the "
+            out.append(Finding("checkpoint", f"{key}: {describe_difference(expected, got)} against the "
                                "reference", tensor=key))
     return out
 

@@ -1,7 +1,7 @@
 """Verdicts of the checkpoint scenario, from launch records. torch-free: unit-tests run in milliseconds.
 
-Every finding is one line that starts with ``[checkpoint] <case>:`` and names the piece of state
-that differs (a parameter, ``optimizer.exp_avg`` of a parameter, ``rng.numpy``, ...).
+Every finding is one line that starts with ``<case>:`` and names the piece of state that differs (a
+parameter, ``optimizer.exp_avg`` of a parameter, ``rng.numpy``, ...); triage names its component.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import GpuRegressError
+from ...findings import CheckFinding, Problem
 from ...reference.record import RunRecord
 from ...reference.store import MANIFEST, ReferenceLocation, read_reference
 from ...stack import fingerprint as fp
@@ -21,11 +22,11 @@ from ..shared.state_pieces import order as piece_order
 SHOWN = 4  # findings shown per piece; the rest are counted
 
 
-def prefixed(case: str, messages: list[str]) -> list[str]:
-    return [f"[checkpoint] {case}: {m}" for m in messages]
+def prefixed(case: str, messages: list[str]) -> list[Problem]:
+    return [CheckFinding("checkpoint", f"{case}: {m}") for m in messages]
 
 
-def part_findings(case: str, part: dict[str, Any] | None) -> list[str]:
+def part_findings(case: str, part: dict[str, Any] | None) -> list[Problem]:
     """The findings a rank recorded for one part; a part that did not run cannot have passed."""
     if not part or not part.get("ran"):
         return prefixed(case, ["did not run on rank 0 (no result in the record)"])

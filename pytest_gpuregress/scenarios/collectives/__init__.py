@@ -12,6 +12,7 @@ from typing import Any
 
 from ... import activities as act
 from ...fault_spec import emulated_ops
+from ...findings import CheckFinding, Problem
 from ...reference.names import safe_component
 from ...reference.record import RunRecord
 from ...scenario_options import SCENARIO_OPTIONS
@@ -114,12 +115,13 @@ class CollectivesScenario(CheckScenario):
                 f"{plan.Case(**case.data).describe(setup.world_size)}: {result['unsupported']}. Nothing was computed, "
                 f"so no number is wrong; the sweep plans it because {_planned_on(setup)}")
 
-    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
+    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
         result = record.results["cases"][case.id]
-        if result.get("cast_error"):  # the case's own inputs are wrong: the kernel that made them, not the collective
-            return [f"[kernel] {plan.Case(**case.data).describe(setup.world_size)}: {result['cast_error']}"]
+        if result.get("cast_error"):  # the case's own inputs are wrong, before any collective ran
+            return [CheckFinding("collective-inputs",
+                                 f"{plan.Case(**case.data).describe(setup.world_size)}: {result['cast_error']}")]
         problem = plan.verdict(plan.Case(**case.data), result, setup.world_size)
-        return [f"[collective] {problem}"] if problem else []
+        return [CheckFinding("collective-case", problem)] if problem else []
 
     def properties(self, case: Case, record: RunRecord, setup: Setup) -> dict[str, Any]:
         return {"wrong_elements": int(record.results["cases"][case.id]["wrong"]),

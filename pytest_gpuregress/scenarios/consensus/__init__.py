@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ... import activities as act
+from ...findings import Problem
 from ...reference.record import RunRecord
 from ...scenario_options import SCENARIO_OPTIONS
 from ...warn import warn_at_test
@@ -72,7 +73,7 @@ class ConsensusScenario(CheckScenario):
             return merge_links(records)
         return merge_devices(records)
 
-    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
+    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
         if case.id == "links":
             return links.findings(*link_inputs(record), setup.backend)
         vote = vote_of(record)

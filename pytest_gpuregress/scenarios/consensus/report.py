@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ...findings import CheckFinding
 from ...stack.device_identity import node_label
 from ...stack.fingerprint import describe_change
 from .digest import BYTES_PER_TENSOR, split_name
@@ -119,7 +120,7 @@ def dissent_message(vote: Vote, group: Group, device: Device, whole_node: bool =
     majority = group.majority or []
     difference = first_difference(device, majority[0])
     assert difference is not None  # a dissenter differs from the consensus by definition
-    return (f"[device] {where(device)} disagrees with the other {len(group.devices) - 1} devices of its model and "
+    return (f"{where(device)} disagrees with the other {len(group.devices) - 1} devices of its model and "
             f"stack ({describe_key(group.key)}): {len(majority)} of {len(group.devices)} hold the consensus; it "
             f"differs first at {difference_text(vote, difference)}.{firmware_note(device, majority)} "
             f"{advice(device, group, whole_node)}")
@@ -134,7 +135,7 @@ def firmware_note(device: Device, majority: list[Device]) -> str:
 
 
 def no_majority_message(vote: Vote, group: Group) -> str:
-    lines = [f"[device] no majority among the {len(group.devices)} devices of {describe_key(group.key)}: "
+    lines = [f"no majority among the {len(group.devices)} devices of {describe_key(group.key)}: "
              f"{len(group.results)} different results, none held by more than half, so the vote cannot say which "
              "is wrong:"]
     anchor = group.results[0][0]
@@ -153,15 +154,16 @@ def no_majority_message(vote: Vote, group: Group) -> str:
     return "\n".join(lines)
 
 
-def failures(vote: Vote) -> list[str]:
-    """One message per dissenting device and per group without a majority; [] when every group agrees."""
-    out: list[str] = []
+def failures(vote: Vote) -> list[CheckFinding]:
+    """One finding per dissenting device and per group without a majority; [] when every group agrees."""
+    out: list[CheckFinding] = []
     for group in vote.groups:
         if group.verdict == DISSENTS:
             suspect_nodes = whole_nodes(group)
-            out += [dissent_message(vote, group, d, _node(d) in suspect_nodes) for d in group.dissenters]
+            out += [CheckFinding("consensus", dissent_message(vote, group, d, _node(d) in suspect_nodes))
+                    for d in group.dissenters]
         elif group.verdict not in (AGREES, "alone"):
-            out.append(no_majority_message(vote, group))
+            out.append(CheckFinding("consensus", no_majority_message(vote, group)))
     return out
 
 

@@ -26,6 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from ... import activities as act
+from ...findings import CheckFinding, Problem, text_of
 from ...reference.compare import Comparison, Finding, choose_lane
 from ...reference.record import RunRecord
 from ...scenario_options import SCENARIO_OPTIONS
@@ -122,11 +123,11 @@ class FormatsScenario(CheckScenario):
         for rank, other in enumerate(records[1:], start=1):
             for case_id in judge.rank_differences(merged, other):
                 part, _, key = case_id.partition("-")
-                disagree.setdefault(case_id, {})[str(rank)] = closed_form(part, key, other)
+                disagree.setdefault(case_id, {})[str(rank)] = [text_of(p) for p in closed_form(part, key, other)]
         merged.results["rank_disagreements"] = disagree
         return merged
 
-    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
+    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
         key = case_key(case)
         problems = closed_form(case.data["part"], key, record)
         if case.data["part"] == "io":
@@ -140,10 +141,10 @@ class FormatsScenario(CheckScenario):
         # Keyed by the case of the tiny Llama's launch: a user model's launch has the same parts, one per scheme.
         measured = case.id if "model" not in case.data else f"quantized-{key}"
         for rank, theirs in record.results.get("rank_disagreements", {}).get(measured, {}).items():
-            text = f"[format] {case.id}: rank {rank} measured otherwise than rank 0: the devices of this machine disagree"
+            text = f"{case.id}: rank {rank} measured otherwise than rank 0: the devices of this machine disagree"
             if theirs:
                 text += f"; its own findings: {theirs[0]}" + (f" (and {len(theirs) - 1} more)" if len(theirs) > 1 else "")
-            problems.append(text)
+            problems.append(CheckFinding("format", text))
         return problems
 
     def reference_name(self, case: Case) -> str | None:
@@ -160,14 +161,14 @@ class FormatsScenario(CheckScenario):
         else:
             findings = judge.quantized_findings(key, reference, record, chosen)
         # A reference recorded from a run that failed its own checks must not vouch for anything.
-        findings += [Finding("reference", "format", f"the reference itself fails: {p}")
+        findings += [Finding("reference", f"the reference itself fails: {text_of(p)}")
                      for p in judge.stale_reference(part, key, reference)]
         return Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, record.fingerprint))
 
     def _behaviour(self, changes: list[str], record: RunRecord) -> list[Finding]:
         """Findings, or in warn mode a warning and a summary line each (the case passes)."""
         if record.results.get("session", {}).get("format_changes") != "warn":
-            return [Finding("behaviour", "format", change) for change in changes]
+            return [Finding("behaviour", change) for change in changes]
         record.results.setdefault("warned", []).extend(changes)
         for change in changes:
             warn_at_test(judge.FormatBehaviourChanged(change))
@@ -189,7 +190,7 @@ def case_key(case: Case) -> str:
     return str(case.data.get("format") or case.data.get("scheme") or case.data.get("path", ""))
 
 
-def closed_form(part: str, key: str, record: RunRecord) -> list[str]:
+def closed_form(part: str, key: str, record: RunRecord) -> list[Problem]:
     """The reference-free findings of one case's part of ``record`` (``key``: its format or scheme)."""
     if part == "decode":
         return judge.decode_problems(FORMATS[key], record)

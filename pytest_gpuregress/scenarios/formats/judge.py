@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import CallRejected
+from ...findings import CheckFinding, Problem
 from ...reference.compare import Finding
 from ...reference.record import RunRecord
 from . import grid, oracle
@@ -43,24 +44,26 @@ def _num(v: float) -> str:
     return grid.number(float(v))
 
 
-def raised(case_id: str, record: RunRecord) -> list[str]:
+def raised(case_id: str, record: RunRecord) -> list[Problem]:
     """A cast or decode that raised on the device is a finding of its case, as a wrong value is."""
     error = record.results.get("errors", {}).get(case_id)
-    return [f"[format] {case_id.replace('-', ' ', 1)}: raised on {_where(record)}: {error}"] if error else []
+    return [CheckFinding("format", f"{case_id.replace('-', ' ', 1)}: raised on {_where(record)}: {error}")] if error \
+        else []
 
 
-def decode_problems(fmt: Format, record: RunRecord) -> list[str]:
+def decode_problems(fmt: Format, record: RunRecord) -> list[Problem]:
     errors = raised(f"decode-{fmt.id}", record)
     if errors:
         return errors
     codes, values = record.arrays.get(f"decode/{fmt.id}/codes"), record.arrays.get(f"decode/{fmt.id}")
     if codes is None or values is None:
-        return [] if fmt.id in record.results.get("unavailable", {}) else [f"[format] decode {fmt.id}: not in the record"]
+        return [] if fmt.id in record.results.get("unavailable", {}) else \
+            [CheckFinding("format", f"decode {fmt.id}: not in the record")]
     expected = oracle.decode(codes, fmt)
     wrong = ~oracle.same_values(expected, values)
     if not wrong.any():
         return []
-    text = (f"[format] decode {fmt.id}: {int(wrong.sum())} of {codes.size} codes decode on {_where(record)} unlike "
+    text = (f"decode {fmt.id}: {int(wrong.sum())} of {codes.size} codes decode on {_where(record)} unlike "
             f"the oracle (ml_dtypes.{fmt.oracle_name})")
     read_as = oracle.identify(codes, values, fmt)
     if read_as is not None:
@@ -70,23 +73,24 @@ def decode_problems(fmt: Format, record: RunRecord) -> list[str]:
             text += f", every value {ratio:g}x (factor {max(ratio, 1 / ratio):g})"
     shown = [f"0x{int(c):02X}: oracle {_num(e)}, device {_num(v)}"
              for c, e, v in zip(codes[wrong][:EXAMPLES], expected[wrong], values[wrong])]
-    return [text + "; " + "; ".join(shown)]
+    return [CheckFinding("format", text + "; " + "; ".join(shown))]
 
 
-def encode_problems(fmt: Format, record: RunRecord) -> list[str]:
+def encode_problems(fmt: Format, record: RunRecord) -> list[Problem]:
     errors = raised(f"encode-{fmt.id}", record)
     if errors:
         return errors
     codes = record.arrays.get(f"encode/{fmt.id}")
     if codes is None:
-        return [] if fmt.id in record.results.get("unavailable", {}) else [f"[format] encode {fmt.id}: not in the record"]
+        return [] if fmt.id in record.results.get("unavailable", {}) else \
+            [CheckFinding("format", f"encode {fmt.id}: not in the record")]
     compared, wrong = grid.in_range_mismatches(record.arrays["encode/grid"], codes, fmt)
     if not wrong:
         return []
     shown = [f"{_num(w['value'])} -> device 0x{w['device_code']:02X} ({_num(w['device'])}), oracle "
              f"0x{w['oracle_code']:02X} ({_num(w['oracle'])})" for w in wrong[:EXAMPLES]]
-    return [f"[format] encode {fmt.id}: {len(wrong)} of {compared} in-range grid values cast on {_where(record)} unlike "
-            f"the oracle's round-to-nearest-even: " + "; ".join(shown)]
+    return [CheckFinding("format", f"encode {fmt.id}: {len(wrong)} of {compared} in-range grid values cast on "
+                         f"{_where(record)} unlike the oracle's round-to-nearest-even: " + "; ".join(shown))]
 
 
 def behaviours(fmt: Format, record: RunRecord) -> dict[str, list[dict[str, Any]]] | None:
@@ -103,23 +107,23 @@ def behaviour_changes(fmt: Format, reference: RunRecord, record: RunRecord) -> l
     return grid.behaviour_changes(before, now, fmt)
 
 
-def quantized_problems(scheme: str, record: RunRecord) -> list[str]:
+def quantized_problems(scheme: str, record: RunRecord) -> list[Problem]:
     result = record.results.get("quantized", {}).get(scheme)
     if result is None:
-        return [f"[quantization] {scheme}: not in the record"]
+        return [CheckFinding("quantized", f"{scheme}: not in the record")]
     if "error" in result:
-        return [f"[quantization] {scheme}: the round trip raised {result['error']}"]
-    return [f"[quantization] {scheme}: {p}" for p in result["problems"]]
+        return [CheckFinding("quantized", f"{scheme}: the round trip raised {result['error']}")]
+    return [CheckFinding("quantized", f"{scheme}: {p}") for p in result["problems"]]
 
 
-def inspect_problems(record: RunRecord) -> list[str]:
-    out = []
+def inspect_problems(record: RunRecord) -> list[Problem]:
+    out: list[Problem] = []
     for scheme, report in record.results.get("inspect", {}).items():
-        out += [f"[checkpoint] {scheme}.safetensors: {text}" for text in report["findings"]]
+        out += [CheckFinding("inspect", f"{scheme}.safetensors: {text}") for text in report["findings"]]
     return out
 
 
-def io_problems(path: str, record: RunRecord) -> list[str]:
+def io_problems(path: str, record: RunRecord) -> list[Problem]:
     """The stack's I/O path ``path`` against the codec: every problem, or that the launch did not try it."""
     result = record.results.get("io", {}).get(path)
     if result is None:
@@ -136,7 +140,7 @@ def io_known_issues(path: str, record: RunRecord) -> list[str]:
     return [f"[checkpoint I/O] {path}: {text}" for text in result.get("known_issues", [])]
 
 
-def scaled_mm_problems(record: RunRecord) -> list[str]:
+def scaled_mm_problems(record: RunRecord) -> list[Problem]:
     result = record.results.get("scaled_mm") or {}
     if not result.get("applicable"):
         return []
@@ -168,7 +172,7 @@ def call_rejected(result: dict[str, Any]) -> str:
             "pytest-gpuregress (scenarios/formats/scaled_mm.py), not a finding about the stack: please report it")
 
 
-def stale_reference(part: str, key: str, reference: RunRecord) -> list[str]:
+def stale_reference(part: str, key: str, reference: RunRecord) -> list[Problem]:
     """The closed-form failures a reference carries for a behaviour (key: format id) or quantized case."""
     if part == "behaviour":
         fmt = FORMATS[key]
@@ -183,7 +187,7 @@ def quantized_findings(scheme: str, reference: RunRecord, record: RunRecord, lan
         return []  # the verdict reports it
     if before is None or now is None or "error" in before:
         where = "the reference" if before is None or "error" in before else "this run"
-        return [Finding("quantized", "quantization", f"{scheme}: {where} holds no results for this scheme; "
+        return [Finding("quantized", f"{scheme}: {where} holds no results for this scheme; "
                         "record the reference with every formats case ('gpuregress::formats*')")]
     findings = []
     differ = [name for name, sums in before["tensors"].items() if now["tensors"].get(name) != sums]
@@ -193,7 +197,7 @@ def quantized_findings(scheme: str, reference: RunRecord, record: RunRecord, lan
         a, b = before["tensors"][name], now["tensors"].get(name) or {}
         ratio = b.get("abs_sum", float("nan")) / a["abs_sum"] if a["abs_sum"] else float("nan")
         findings.append(Finding(
-            "checksums", "quantization",
+            "checksums",
             f"{scheme}: {len(differ)} of {len(before['tensors'])} tensors differ from the reference (codes, scales or "
             f"dequantized float64 sums, compared exactly: quantizing is exact arithmetic); first {name}: sum "
             f"{a['sum']!r} -> {b.get('sum')!r}, sum|w| ratio {ratio:.6g}", tensor=name, expected=a["sum"],
@@ -206,7 +210,7 @@ def _logits(scheme: str, reference: RunRecord, record: RunRecord, lane: str) -> 
     key = f"logits/{scheme}"
     ref, got = reference.arrays.get(key), record.arrays.get(key)
     if ref is None or got is None or ref.shape != got.shape:
-        return [Finding("logits", "quantization", f"{scheme}: logits missing or reshaped ({key})")]
+        return [Finding("logits", f"{scheme}: logits missing or reshaped ({key})")]
     if lane == "exact":
         bad = not oracle.same_values(ref, got).all()
         measure = "bitwise"
@@ -221,7 +225,7 @@ def _logits(scheme: str, reference: RunRecord, record: RunRecord, lane: str) -> 
         return []
     moved = ~oracle.same_values(ref, got)  # not empty: a NaN where the reference has one moves nothing
     first = tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(moved)[0]), ref.shape))
-    return [Finding("logits", "quantization",
+    return [Finding("logits",
                     f"{scheme}: logits on the fixed batch differ ({measure}): {int(moved.sum())} of {ref.size} values, "
                     f"first at {first}: expected {float(ref[first])!r}, got {float(got[first])!r}",
                     expected=float(ref[first]), got=float(got[first]))]

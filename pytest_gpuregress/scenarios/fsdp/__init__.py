@@ -14,6 +14,7 @@ from typing import Any
 
 from ... import activities as act
 from ...errors import NotApplicable
+from ...findings import CheckFinding, Problem
 from ...reference.compare import Comparison
 from ...reference.record import RunRecord
 from ...scenario_options import SCENARIO_OPTIONS
@@ -124,7 +125,7 @@ class FsdpScenario(Scenario):
             return None
         return RESUME.continue_from(self, case, self.default_config(setup), reference, run, setup)
 
-    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
+    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
         """The bf16 lane's checkpoint round trip (training/bf16_checkpoint.py); nothing for the other cases."""
         from ...training import bf16_checkpoint
 
@@ -132,7 +133,7 @@ class FsdpScenario(Scenario):
             return []
         result = record.results.get(bf16_checkpoint.RESULT_KEY)
         if result is None:  # asked for, so it must have run: one that did not cannot have passed
-            return ["[checkpoint] bf16 checkpoint of the trained weights: the round trip did not run"]
+            return [CheckFinding("checkpoint", "bf16 checkpoint of the trained weights: the round trip did not run")]
         return bf16_checkpoint.findings(result)
 
     def merge(self, records: list[RunRecord]) -> RunRecord:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import activities as act
 from ...errors import NotApplicable
-from ...findings import Problem
+from ...findings import CheckFinding, Problem
 from ...reference.record import RunRecord
 from ...scenario_options import LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
 from ..base import Case, Launch, Scenario, Setup
@@ -218,7 +218,7 @@ class LoraScenario(Scenario):
         problems: list[Problem] = [*shown_findings(record.results.get("lora_checks", []))]
         missing = sorted(set(CHECKS) - set(record.results.get("lora_checks_run", [])))
         if missing:  # each check runs in every run; one that did not run cannot have passed
-            problems.append(f"[checkpoint] lora checks did not run: {', '.join(missing)}")
+            problems.append(CheckFinding("lora-missing", f"lora checks did not run: {', '.join(missing)}"))
         return problems
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from ...findings import CheckFinding
 from . import bounds
 
-# The checks every LoRA run makes (what each one checks: docs/lora.md); triage/scenario_checks.py names what a
+# The checks every LoRA run makes (what each one checks: docs/lora.md); triage/naming.py names what a
 # failed one points at, from the facts it measured.
 CHECKS: tuple[str, ...] = ("frozen-base", "adapter-nonzero", "sharded-save", "adapter-roundtrip", "merge", "dropout")
 

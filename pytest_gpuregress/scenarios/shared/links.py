@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...findings import CheckFinding
 from ...stack.device_identity import describe_link_code, node_label
 
 ONE_SENDER_OPS = ("all_gather", "all_to_all", "broadcast")  # every output element comes from one known rank
@@ -86,7 +87,7 @@ def _rank(identities: list[dict[str, Any] | None], rank: int) -> str:
 
 
 def findings(results: dict[str, dict[str, Any]], identities: list[dict[str, Any] | None], world: int,
-             backend: str) -> list[str]:
+             backend: str) -> list[CheckFinding]:
     """The failure message for a sweep's merged case results; [] when every pair exchanged data bit for bit."""
     counts = pair_counts(results)
     verdict, pairs = attribute(counts, world)
@@ -100,24 +101,23 @@ def findings(results: dict[str, dict[str, Any]], identities: list[dict[str, Any]
              "between nodes: the NICs' counters and cables).")
     if verdict == "link":
         sender, receiver = pairs[0]
-        return [f"[collective] link {_rank(identities, sender)} -> {_rank(identities, receiver)} "
+        said = (f"link {_rank(identities, sender)} -> {_rank(identities, receiver)} "
                 f"({link_kind(identities, sender, receiver, backend)}) delivers wrong data: {evidence}; every other "
-                f"pair of the {world} ranks is clean. {drain}"]
-    if verdict == "sender":
-        sender = pairs[0][0]
-        return [f"[collective] {_rank(identities, sender)}'s data arrives wrong at every peer: {evidence}; the sender's "
-                f"device or send path, not one link. {drain}"]
-    if verdict == "receiver":
-        receiver = pairs[0][1]
-        return [f"[collective] {_rank(identities, receiver)} receives every peer's data wrong: {evidence}; its receive "
-                f"path or memory, not one link. {drain}"]
-    if verdict == "every":
-        return [f"[collective] every pair of the {world} ranks delivers wrong data: {evidence}; the collective itself "
+                f"pair of the {world} ranks is clean. {drain}")
+    elif verdict == "sender":
+        said = (f"{_rank(identities, pairs[0][0])}'s data arrives wrong at every peer: {evidence}; the sender's "
+                f"device or send path, not one link. {drain}")
+    elif verdict == "receiver":
+        said = (f"{_rank(identities, pairs[0][1])} receives every peer's data wrong: {evidence}; its receive "
+                f"path or memory, not one link. {drain}")
+    elif verdict == "every":
+        said = (f"every pair of the {world} ranks delivers wrong data: {evidence}; the collective itself "
                 "(its library, protocol or algorithm), not one link: see the sweep's per-case failures "
-                "('gpuregress::collectives*')"]
-    listed = ", ".join(f"{s} -> {d}: {counts[(s, d)]}" for s, d in pairs)
-    return [f"[collective] wrong data on {len(pairs)} links (sender -> receiver: wrong elements): {listed}; "
-            f"{evidence}. {drain}"]
+                "('gpuregress::collectives*')")
+    else:
+        listed = ", ".join(f"{s} -> {d}: {counts[(s, d)]}" for s, d in pairs)
+        said = f"wrong data on {len(pairs)} links (sender -> receiver: wrong elements): {listed}; {evidence}. {drain}"
+    return [CheckFinding("links", said, {"pattern": verdict})]
 
 
 def summary(results: dict[str, dict[str, Any]], identities: list[dict[str, Any] | None], world: int,
@@ -125,7 +125,7 @@ def summary(results: dict[str, dict[str, Any]], identities: list[dict[str, Any] 
     """One line for a report: the wrong link named, or every pair clean."""
     found = findings(results, identities, world, backend)
     if found:
-        return "links: " + found[0].split(" What to do")[0].removeprefix("[collective] ")
+        return "links: " + found[0].message.split(" What to do")[0]
     moving = sum(1 for r in results.values()  # an op the backend lacks moved nothing: it vouches for no link
                  if (r.get("case") or {}).get("op") in ONE_SENDER_OPS and not r.get("unsupported"))
     if not moving:

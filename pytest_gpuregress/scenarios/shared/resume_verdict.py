@@ -12,7 +12,7 @@ Two questions, in this order:
   the curve    the continuation, steps S to the end, against the reference's own steps S to the end
                (reference/continuation.py): bitwise in the exact lane (the recording stack), within the
                reference's envelope in the tolerant lane (another stack).
-Where the load broke, every deviation of the curve follows from it and points at the checkpoint.
+Where the load broke, every deviation of the curve follows from it (a fact triage names).
 """
 
 from __future__ import annotations
@@ -29,18 +29,17 @@ from .state_pieces import differing
 SAVED_KEY = "resume_checkpoint"  # the reference's results: the step, the digests of the state saved, its size
 LOADED_KEY = "resume"  # the continuation's results (rank side: resume_roles.RESULT_KEY)
 CONTINUES_FROM = "continues_from"  # a continuation_reference's results: the step it starts at
-COMPONENT = "checkpoint"
 
 
 def load_findings(saved: dict[str, Any], loaded: dict[str, Any]) -> list[Finding]:
     """Each piece of state that the load on this stack did not give back as the reference saved it."""
     if loaded.get("load_error"):
-        return [Finding("resume_load", COMPONENT, f"resume: loading the reference's checkpoint (step {saved['step']}) "
+        return [Finding("resume_load", f"resume: loading the reference's checkpoint (step {saved['step']}) "
                         f"on this stack failed: {loaded['load_error']}")]
     if int(loaded.get("step", -1)) != int(saved["step"]):
-        return [Finding("resume_load", COMPONENT, f"resume: the loaded checkpoint says step {loaded.get('step')}, the "
+        return [Finding("resume_load", f"resume: the loaded checkpoint says step {loaded.get('step')}, the "
                         f"reference saved it at step {saved['step']}")]
-    return [Finding("resume_state", COMPONENT, f"resume: {piece} after loading the reference's checkpoint is not the "
+    return [Finding("resume_state", f"resume: {piece} after loading the reference's checkpoint is not the "
                     f"state it saved at step {saved['step']} ({why})", step=int(saved["step"]), tensor=piece)
             for piece, why in differing(saved["boundary"], loaded.get("boundary", {}))]
 
@@ -66,7 +65,7 @@ def compare(reference: RunRecord, run: RunRecord, lane: str) -> Comparison:
     saved, loaded = reference.results.get(SAVED_KEY), run.results.get(LOADED_KEY, {})
     chosen, reason = choose_lane(reference, run, lane)
     if not saved:  # the session skips such a case; a kept run judged again by hand lands here
-        return Comparison(chosen, reason, [Finding("resume_load", COMPONENT, "resume: the reference has no resume "
+        return Comparison(chosen, reason, [Finding("resume_load", "resume: the reference has no resume "
                                                    "checkpoint to judge a continuation by: re-record it")],
                           fp.diff(reference.fingerprint, run.fingerprint))
     broken = load_findings(saved, loaded)
@@ -86,7 +85,7 @@ def compare(reference: RunRecord, run: RunRecord, lane: str) -> Comparison:
         else:
             finding.message = f"resumed at step {start} (steps counted from there): {finding.message}"
         if broken:  # the state the continuation started from was wrong: what follows is the load's doing
-            finding.component = COMPONENT
+            finding.facts["after_broken_load"] = True
     if broken:  # one tensor's gradients say the load moved them; the other tensors' say the same again
         late = [f for f in comparison.findings if f.metric == late_gradients.METRIC]
         comparison.findings = [f for f in comparison.findings if f.metric != late_gradients.METRIC or f is late[0]]

@@ -1,0 +1,112 @@
+"""The model's code as evidence: the float64 oracle on this stack against the one kept with the reference.
+
+The oracle runs step 0 in float64 in one process, with no collective: where it computes another step 0 than the
+reference's (reference/oracle_step0.py), the code computes another function. Which code is named from what moved
+in the comparison's step-0 trace, then from the versions that changed (``suspect``). torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from ..reference import oracle_step0
+from ..reference.model_layout import MODEL_LIBRARIES
+from ..reference.oracle_step0 import CODE_CHANGE, CodeChange
+from ..reference.record import RunRecord
+from ..training.float64_mode import CONFIG_KEY as ORACLE_MODE
+from ..training.float64_mode import MODE
+from . import Experiment, Runner
+from .decision import MODEL_CODE, Evidence
+from .naming import op_component
+
+if TYPE_CHECKING:
+    from ..reference.compare import Comparison
+    from ..reference.first_moved import FirstMoved
+    from ..scenarios.base import Launch, Scenario, Setup
+
+
+def experiment(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, model: str | None,
+               comparison: Comparison | None = None) -> Experiment | None:
+    """The oracle's evidence where it moved: the library (or kernel) ``suspect`` names. None where the oracle did
+    not move, or where either oracle is missing (a reference recorded before it was kept, a scenario without one)."""
+    from ..stack.fingerprint import installed_version
+
+    launch = oracle_launch(sc, setup, model)
+    mode = oracle_step0.recorded_mode(reference)
+    if launch is None or mode is None:
+        return None
+    if mode != MODE:  # an older reference: judged against the oracle it was recorded with, never another one
+        launch = replace(launch, key=f"{launch.key}-legacy-oracle", config={**launch.config, ORACLE_MODE: mode})
+    try:
+        change = oracle_step0.code_change(reference, run(sc, launch))
+    except Exception:  # noqa: BLE001 - the experiments run the oracle again, and say why it failed
+        return None
+    if change is None:
+        return None
+    recorded = reference.fingerprint.get("versions") or {}
+    culprit = Evidence(comparison).culprit  # none where too little of step 0 was paired to look for it
+    changed_code = comparison.changed_code if comparison is not None else []
+    component, why = suspect(change, recorded, {p: installed_version(p) for p in recorded}, culprit, changed_code)
+    return Experiment(MODEL_CODE, "differs", f"{change.describe()}; {why}", component=component)
+
+
+def oracle_launch(sc: Scenario, setup: Setup, model: str | None) -> Launch | None:
+    """The float64 oracle of a scenario's step 0: its own, or triage's; None where it has none."""
+    from . import launches
+
+    own = sc.oracle_launch(setup, model)
+    if own is not None or sc.triage is None:
+        return own
+    return launches(sc, setup, model)["oracle"]
+
+
+# The libraries the float64 oracle runs: the model's code and LoRA's (accelerate only wraps the training runs).
+ORACLE_LIBRARIES = ("transformers", "peft")
+
+
+def suspect(change: CodeChange, recorded: dict[str, str | None], installed: dict[str, str | None],
+            culprit: FirstMoved | None = None, changed_code: Sequence[str] = ()) -> tuple[str, str]:
+    """(the component the moved oracle points at, why), from what moved first, then from versions.
+
+    What moved decides: the op of step 0 that introduced the difference, called with other arguments (a divisor,
+    a scale), names the package whose code called it; the same op with the same inputs and arguments computing
+    another answer is a kernel that computes another function, float64 too (torch's, not a library's); ops
+    inserted, removed or replaced in step 0 name the package whose code runs them. Only where none of these is
+    known do the gradients that moved (peft where only adapter gradients moved, else transformers) and the
+    versions that changed say which library: a version number then only breaks the tie."""
+    site = culprit.site if culprit is not None else None
+    if culprit is not None and site == "called otherwise":
+        return str(op_component(culprit)), f"{culprit.describe()}"
+    if culprit is not None and site == "compute":
+        return "kernel", f"the op that introduced it had the reference's inputs and arguments and gave another " \
+                         f"answer ({culprit.describe()}): its kernel computes another function, in float64 too"
+    code = [p for p in changed_code if p]
+    if code:
+        return f"library: {code[0]}", f"step 0's op sequence changed in {code[0]}'s code (ops inserted, removed or " \
+                                      f"replaced there{'; also in ' + ', '.join(code[1:]) if code[1:] else ''})"
+    package, why = _by_version(change, recorded, installed)
+    return f"library: {package}", why
+
+
+def _by_version(change: CodeChange, recorded: dict[str, str | None],
+                installed: dict[str, str | None]) -> tuple[str, str]:
+    """The library where no op says which: by the gradients that moved, a changed version breaking the tie; torch
+    where only torch changed (its ops compute another function, or its float64 kernels broke). Where none changed,
+    the code on this machine did."""
+    changed = [p for p in MODEL_LIBRARIES if recorded.get(p) and installed.get(p) and recorded[p] != installed[p]]
+    adapter_only = ".lora_" in change.tensor and not change.loss_relative > CODE_CHANGE
+    by_code = "peft" if adapter_only else "transformers"
+    models = [p for p in changed if p in ORACLE_LIBRARIES]
+    package = by_code if by_code in models or not models else models[0]
+    if not models and "torch" in changed:
+        package = "torch"
+    also = f" (torch changed too: {recorded['torch']} -> {installed['torch']})" \
+        if package != "torch" and "torch" in changed else ""
+    if package in changed:
+        return package, f"{package} changed since the reference ({recorded[package]} -> {installed[package]}): " \
+                        f"read its release notes{also}"
+    return package, f"{package} is at the reference's version ({installed.get(package) or 'unknown'}): its code on " \
+                    f"this machine was changed or patched, or torch's under it (the oracle runs both; no version " \
+                    f"says which){also}"

@@ -7,7 +7,6 @@ library with the package it suspects (``library: peft``). Neutral: every layer m
 
 from __future__ import annotations
 
-import re
 from typing import Literal, get_args
 
 Component = Literal[
@@ -48,12 +47,3 @@ def tag(name: str) -> str:
     if not known(name):
         raise ValueError(f"component {name!r} is not one of {', '.join(COMPONENTS)} (pytest_gpuregress/components.py)")
     return f"[{name}]"
-
-
-# A finding line's tag, at the start of a line or after pytest's "gpuregress regression: "; known() filters the rest.
-_TAG = re.compile(r"^(?:gpuregress [\w ]+: )?\s*\[([a-z][^\]\n]*)\]", re.MULTILINE)
-
-
-def named_in(report: str) -> set[str]:
-    """The components a failure report's finding lines begin with (``[collective] ...``, ``[library: peft] ...``)."""
-    return {part for name in _TAG.findall(report) if known(name) for part in parts(name)}

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import MissingReference, ReferenceProblem, RegressionFailure
+from ..findings import Problem
 from ..reference import clipping, oracle_distance, perf, store
 from ..reference.compare import Comparison, tolerant_limits
 from ..reference.judgement import Judgement
@@ -18,7 +19,7 @@ from ..reference.record import RunRecord
 from ..reference.report import format_comparison, format_drift, format_margins
 from ..scenarios.comparator import Comparator, with_identity
 from ..stack.fingerprint import describe_change
-from ..triage.naming import convict, described, name_findings
+from ..triage.naming import component_of, convict, described, name_findings
 from ..warn import warn_at_test
 from .artifacts import Artifacts, Kept, compare_command
 from .explain import Explanation
@@ -64,6 +65,7 @@ class CheckPipeline:
         assert comparison is not None  # judged with a reference
         name_findings(comparison)
         problems = [*extra, *map(described, judgement.problems)]
+        self._named(judgement.problems, comparison)
         passed = comparison.passed and not problems
         kept = self.artifacts.keep(kept_as or name, with_identity(record, comparator), judgement.reference or reference, comparison,
                                    keep_run=not passed or self.keep_runs, plot=not passed or self.plots)
@@ -85,8 +87,7 @@ class CheckPipeline:
                 self.figures["triage_verdict"] = explained.verdict.line
                 self.figures["triage_rule"] = explained.verdict.rule
             self.figures["bisect"] = explained.bisect
-        if comparison.findings:  # JUnit's component property: the findings' bracketed names, as the report prints them
-            self.figures["component"] = ", ".join(dict.fromkeys(f.component for f in comparison.findings))
+        self._named(judgement.problems, comparison)  # the verdict may have convicted one component for every finding
         report = format_comparison(comparison, scenario=name, platform_key=record.platform_key,
                                    reference_path=str(loc.path), record_hint=loc.record_hint,
                                    record_elsewhere_hint=loc.record_elsewhere_hint) + "\n".join(evidence)
@@ -106,7 +107,9 @@ class CheckPipeline:
         it again; a passed one with --gpuregress-keep-runs. ``judged`` hears whether the case's own checks passed
         (``extra``, such as a fault that never fired, left out)."""
         __tracebackhide__ = True
-        own = [described(problem) for problem in comparator.judge(None, record).problems]
+        found = comparator.judge(None, record).problems
+        own = [described(problem) for problem in found]
+        self._named(found)
         judged(not own)
         problems = [*extra, *own]
         if not problems and not self.keep_runs:
@@ -116,6 +119,14 @@ class CheckPipeline:
             return
         raise RegressionFailure("\n".join([*problems, f"this run's record: {kept}",
                                            f"reproduce the verdict: {compare_command(None, kept)}"]))
+
+    def _named(self, problems: list[Problem], comparison: Comparison | None = None) -> None:
+        """The components a case's findings name, as triage named them: JUnit's ``component`` property, and what a
+        failed case's known issues are matched by (plugin/reporting.py)."""
+        findings = comparison.findings if comparison is not None else []
+        named = [*filter(None, map(component_of, problems)), *(f.component for f in findings)]
+        if named:
+            self.figures["component"] = ", ".join(dict.fromkeys(named))
 
     def _record(self, record: RunRecord, name: str, problems: list[str]) -> None:
         if problems:  # never store a reference that fails its own checks

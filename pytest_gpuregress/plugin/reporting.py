@@ -77,7 +77,7 @@ def cite_known_issues(item: pytest.Item, report: pytest.TestReport, session: Gpu
     """A failed case cites the known issues of this stack (the header's KNOWN ISSUE lines) whose component its
     findings name: the bug may be a known one, with a source and a workaround. The failure stands (a match is a
     warning): the case's numbers say whether the bug hit this run."""
-    from ..components import named_in
+    from ..components import parts
     from ..stack.fingerprint import collect
     from ..stack.known_issues import cited_lines, matching
 
@@ -86,7 +86,7 @@ def cite_known_issues(item: pytest.Item, report: pytest.TestReport, session: Gpu
     if session.matched_issues is None:  # no header was printed (--no-header): match now, once
         plat = session.platform
         session.matched_issues = matching(session.known_issues, collect(plat.device_kind, plat.backend, plat.world_size))
-    named = named_in(report.longreprtext)
+    named = {part for name in str(session.figures.get("component") or "").split(", ") for part in parts(name)}
     cited = [issue for issue in session.matched_issues if issue.component in named]
     if cited:
         report.sections.append(("gpuregress known issues", "\n".join(cited_lines(cited))))

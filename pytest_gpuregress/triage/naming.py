@@ -100,6 +100,13 @@ def rule_for(finding: CheckFinding) -> CheckRule:
     raise ValueError(f"no rule names a finding of check {finding.check!r}; known: {known}")
 
 
+def component_of(problem: Problem) -> str | None:
+    """The component a problem's rule names; None for a line that names nothing, or a check no rule knows."""
+    if isinstance(problem, str) or problem.check not in {rule.check for rule in CHECK_RULES}:
+        return None
+    return rule_for(problem).component
+
+
 def described(problem: Problem) -> str:
     """A problem as the report prints it: a check's finding with the component its rule names and the rule's id (at
     the end of its first line); a line that names nothing as it is. A check no rule knows (a kept record of another

@@ -159,6 +159,20 @@ def test_a_merge_that_applies_the_scaling_twice_is_peft_not_a_kernel(pytester: p
     assert "[kernel] lora check 'merge'" not in result.stdout.str()
 
 
+@pytest.mark.full_tier  # end to end with spawned ranks: the fast tier keeps to its 8 minutes (unit tests stay there)
+def test_a_wrapper_the_reload_does_not_keep_is_the_library_not_the_checkpoint(pytester: pytest.Pytester, refs: Path) -> None:
+    """#53: the trained model runs under an autocast a library set on it; the reloaded one does not. Every adapter
+    tensor comes back bit for bit, so the round trip clears the checkpoint and names the code, with the wrapper."""
+    result = run(pytester, refs, FSDP2, "--gpuregress-inject=lora:mode=forward_wrapped")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*[[]library[]] lora check 'adapter-roundtrip': reloaded against trained (every adapter tensor came back bit "
+        "for bit; the trained model's forward is *_autocast_forward.<locals>.*forward, the reloaded model's its "
+        "class's): logits on the fixed batch differ by up to * (rule lora-roundtrip-same-tensors)"])
+    assert "[checkpoint] lora check 'adapter-roundtrip'" not in result.stdout.str()
+    assert "triage verdict: data" not in result.stdout.str()
+
+
 def test_a_run_that_fails_its_lora_checks_is_never_recorded(pytester: pytest.Pytester, tmp_path: Path) -> None:
     target = tmp_path / "new-refs"
     result = run(pytester, target, FSDP2, "--gpuregress-record", "--gpuregress-replicas=0",

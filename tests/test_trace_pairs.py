@@ -81,9 +81,45 @@ def test_a_wrapper_module_is_one_note_and_the_ops_past_it_are_still_paired(refer
         "the reference)"]
     assert comparison.culprit is None  # drift only: no op is named, past the wrapper either
     assert comparison.changed_code == []  # relabelled, not changed: no package's code runs other ops
+    assert comparison.new_dtypes == []  # and nothing computes in another precision
     text = report(comparison)
     assert "introduced at: no op of step 0 moved beyond drift" in text
     assert "op sequence changed since the reference" in text
+
+
+class _Autocast:
+    """The model's forward run under an autocast to bfloat16, set on the instance as a library that prepares a model
+    for mixed precision sets it."""
+
+    def __init__(self, model: Any) -> None:
+        import types
+
+        import torch
+
+        plain = model.forward
+
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+                return plain(*args, **kwargs)
+        model.forward = types.MethodType(forward, model)
+        self.model = model
+
+    def remove(self) -> None:
+        del self.model.forward
+
+
+def test_an_autocast_a_library_set_on_the_model_is_another_precision_not_a_kernel(reference: RunRecord) -> None:
+    """#53: an fp32 model run under an autocast inserts casts everywhere and computes its matmuls in bf16, which no
+    op of the reference did: the library that prepared the model, not the kernels whose composition changed."""
+    from pytest_gpuregress.triage import verdict
+
+    run = traced_step0(hook=_Autocast)
+    run.series = {k: [v * (1 + 1e-3) for v in vals] for k, vals in run.series.items()}
+    comparison = compare_named(reference, run, lane="tolerant")
+    assert comparison.new_dtypes == ["bf16"], comparison.sequence_notes
+    found = verdict(comparison, [])
+    assert (found.component, found.rule) == ("library", "other-precision"), found.line
+    assert "ops of step 0 now compute in bf16, which no op of the reference did" in found.quoted
 
 
 def test_past_the_wrapper_a_gemm_error_is_introduced_at_its_matmul(reference: RunRecord) -> None:

@@ -205,9 +205,10 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                                 "merged weight one ulp up; merge_scaled_twice: one layer merged as W + s*s*B@A (the "
                                 "scaling applied twice); dropout_in_eval: nn.Dropout (peft's lora_dropout) drops in "
                                 "eval mode too; dropout_unseeded: its masks ignore torch.manual_seed; dropout_shared: "
-                                "peft's LoRA Linear drops the input the frozen base layer reads too",
+                                "peft's LoRA Linear drops the input the frozen base layer reads too; forward_wrapped: the "
+                                "peft model's forward runs under an autocast to bfloat16 that a reloaded model lacks",
                       ("grad_leak", "rank0_slice", "zero_lora_b", "merge_ulp", "merge_scaled_twice", "dropout_in_eval",
-                       "dropout_unseeded", "dropout_shared")),
+                       "dropout_unseeded", "dropout_shared", "forward_wrapped")),
         "layer": Param("int", "decoder layer of the affected module (default 1)"),
         "proj": Param("choice", "projection of the affected module (default q_proj)",
                       ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),

@@ -15,6 +15,8 @@ it through ``ctx.cleanup_hooks``:
   dropout_unseeded  nn.Dropout draws its masks from a generator torch.manual_seed does not reach
   dropout_shared    peft's LoRA Linear applies its lora_dropout to the input before the frozen base layer reads it
                     too (the dropped input reaches the base path)
+  forward_wrapped   lora.wrap leaves the peft model's forward replaced by an autocast to bfloat16 (what a library
+                    that prepares a model for mixed precision does), which a model reloaded from the adapter lacks
 The affected module is model.layers.<layer>.<its block>.<proj> (default model.layers.1.self_attn.q_proj).
 """
 
@@ -128,6 +130,8 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
                 return merged
             return merge_and_unload
         _intercept(ctx, "lora.merge_and_unload", scaled_twice)
+    elif mode == "forward_wrapped":
+        _intercept(ctx, "lora.wrap", _autocast_forward(firing))
     elif mode in ("dropout_in_eval", "dropout_unseeded"):
         _patch_stack(ctx, _dropout_class(), "forward", _broken_dropout(mode, firing))
     elif mode == "dropout_shared":
@@ -136,8 +140,31 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
         _patch_stack(ctx, Linear, "forward", _shared_dropout(firing))
     else:
         raise ValueError(f"lora fault mode {mode!r}: expected grad_leak, rank0_slice, zero_lora_b, merge_ulp, "
-                         "dropout_in_eval, dropout_unseeded or dropout_shared")
+                         "merge_scaled_twice, dropout_in_eval, dropout_unseeded, dropout_shared or forward_wrapped")
     return firing
+
+
+def _autocast_forward(firing: Firing) -> Any:
+    """lora.wrap whose peft model runs every forward under an autocast to bfloat16, set on the instance as a library
+    that prepares a model for mixed precision sets it: the trained model keeps it, a reloaded one has none."""
+    def wrap(original: Any) -> Any:
+        def wrap_with_lora(base: Any, cfg: dict[str, Any]) -> Any:
+            import types
+
+            import torch
+
+            model = original(base, cfg)
+            plain = model.forward
+
+            def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+                firing.fire()
+                device = next(self.parameters()).device.type
+                with torch.autocast(device_type=device, dtype=torch.bfloat16):
+                    return plain(*args, **kwargs)
+            model.forward = types.MethodType(forward, model)
+            return model
+        return wrap_with_lora
+    return wrap
 
 
 def _shared_dropout(firing: Firing) -> Any:

@@ -27,7 +27,7 @@ from .envelope import PREFIX as ENVELOPE_PREFIX
 from .first_moved import FirstMoved, equal_traces, first_moved, pairings
 from .introduced import Traced, describe_thresholds, introduced_at, shape_dependence
 from .record import RunRecord
-from .trace_pairs import changed_code, swapped_backend
+from .trace_pairs import changed_code, new_dtypes, swapped_backend
 from .trace_pairs import notes as sequence_notes
 
 WORST_ROWS = 8
@@ -110,6 +110,8 @@ class Comparison:
     # (ops paired, ops of this run) of step 0's trace on the lowest rank whose sequence changed: where less than half
     # is paired, the op that introduced the difference is no evidence on its own (triage/decision.py).
     paired_ops: tuple[int, int] | None = None
+    # Dtypes the inserted ops compute in that no op of the reference's step 0 did (trace_pairs.new_dtypes).
+    new_dtypes: list[str] = field(default_factory=list)
     adamw: str | None = None  # the AdamW implementation the run used (training/optimizer.py), where it says
     notes: list[str] = field(default_factory=list)  # information about how the comparison was made
 
@@ -505,6 +507,7 @@ def compare_training(
         comparison.changed_code = changed_code(pairing, ref, got)
         comparison.swapped_backend = swapped_backend(pairing, ref, got)
         comparison.paired_ops = (len(pairing.pairs), pairing.run_len)
+        comparison.new_dtypes = new_dtypes(pairing, ref, got)
     comparison.notes += [note for note in (by_name.param_grad_norms(reference, run)[1], _environment_note(reference, run))
                          if note]
     traced = None  # both records' traces side by side: set up once, for the introducing op and the shapes

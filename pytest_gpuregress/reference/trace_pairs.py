@@ -200,6 +200,21 @@ def changed_code(pairing: Pairing, reference: RankTrace, run: RankTrace) -> list
     return sorted(found, key=lambda package: package == "torch")
 
 
+def _float_dtypes(entry: TraceOp) -> set[str]:
+    """The floating dtypes an entry's outputs hold ("f32[8, 64]" -> "f32", "bf16"; an index's "i64" is none)."""
+    return {dtype for dtype in (output.split("[", 1)[0] for output in entry.outputs if "[" in output)
+            if dtype.startswith(("f", "bf", "tf"))}
+
+
+def new_dtypes(pairing: Pairing, reference: RankTrace, run: RankTrace) -> list[str]:
+    """The floating dtypes that ops inserted in step 0 compute in and that no op of the reference's step 0 did ("bf16" where an
+    autocast now runs an fp32 model's matmuls in bfloat16): the model runs in another precision than it was
+    recorded in, which no kernel's change does. [] where none."""
+    seen = set().union(*(_float_dtypes(reference.entry(i)) for i in range(len(reference))))
+    inserted = set().union(*(_float_dtypes(run.entry(j)) for stretch in pairing.stretches for j in stretch.run))
+    return sorted(inserted - seen)
+
+
 # Ops that are one implementation torch's dispatch picks among several for the same call (scaled_dot_product_attention's
 # backends, cuDNN and oneDNN variants): where such an op came or went, the call above it may be unchanged.
 BACKEND_OPS = ("aten::_scaled_dot_product_", "aten::_flash_attention", "aten::_efficient_attention",

@@ -215,6 +215,19 @@ def _code_changed(evidence: Evidence) -> Decision | None:
     return f"library: {package}", f"ops of step 0 inserted or removed in {package}'s code: {where}"
 
 
+def _other_precision(evidence: Evidence) -> Decision | None:
+    """Ops inserted in step 0 compute in a dtype no op of the reference's did (bf16 in an fp32 run), and step 0 differs:
+    the model runs in another precision than it was recorded in, as under an autocast or a casting wrapper that the
+    code preparing the model applied. A kernel that changed computes in the dtypes it is given."""
+    comparison = evidence.comparison
+    if comparison is None or not comparison.new_dtypes or evidence.first_step != 0:
+        return None
+    where = "; ".join(comparison.sequence_notes[:1]) or "the op sequence of step 0 changed"
+    return "library", (f"ops of step 0 now compute in {', '.join(comparison.new_dtypes)}, which no op of the "
+                       f"reference did ({where}): an autocast or a casting wrapper runs the model in another precision "
+                       "than it was recorded in, set by the code that prepared the model")
+
+
 def _less_precise_same_code(evidence: Evidence) -> Decision | None:
     """Step 0 is further from float64 than the reference's (a reduced-precision run), through the same ops with the
     same arguments: the same code computed it less precisely, so a kernel under it (a cast that truncates, a GEMM
@@ -299,6 +312,9 @@ RULES: tuple[Rule, ...] = (
     Rule("late-window-reproduced",
          "the late window reproduced it: right gradients at S, and the update from the reference's state diverges "
          "again in a fresh process", "optimizer", _experiment("late window", "reproduced")),
+    Rule("other-precision",
+         "ops inserted in step 0 compute in a dtype no op of the reference did (bf16 in an fp32 run), and step 0 "
+         "differs", "library (the code that prepared the model: an autocast or a casting wrapper)", _other_precision),
     Rule("code-changed",
          "ops of step 0 were inserted or removed in one package's code (not merely relabelled, no backend of torch's "
          "swapped), and step 0 differs", "library: <that package>", _code_changed),

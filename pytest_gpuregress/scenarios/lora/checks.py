@@ -188,15 +188,28 @@ def check_reloaded(reloaded: Mapping[str, np.ndarray], trained: Mapping[str, np.
     return out
 
 
-def check_logits(check: str, what: str, expected: np.ndarray, got: np.ndarray, bound: float) -> list[Finding]:
-    """Logits of two models on the fixed batch: equal within ``bound`` (0: bit for bit)."""
+def check_logits(check: str, what: str, expected: np.ndarray, got: np.ndarray, bound: float,
+                 **facts: Any) -> list[Finding]:
+    """Logits of two models on the fixed batch: equal within ``bound`` (0: bit for bit). ``facts``: what else was
+    measured about the two models, kept with a finding."""
     if expected.shape != got.shape:
         return [finding(check, f"{what}: logits have shape {_shape(got.shape)}, expected {_shape(expected.shape)}")]
     deviation = float(np.max(np.abs(expected.astype(np.float64) - got.astype(np.float64)))) if got.size else 0.0
     if not np.isfinite(deviation) or deviation > bound:
         limit = "bit for bit" if bound == 0 else f"the bound {bound:.3g}"
-        return [finding(check, f"{what}: logits on the fixed batch differ by up to {deviation:.3g}, beyond {limit}")]
+        return [finding(check, f"{what}: logits on the fixed batch differ by up to {deviation:.3g}, beyond {limit}",
+                        **facts)]
     return []
+
+
+def forward_replaced(model: Any) -> str | None:
+    """The function an instance's ``forward`` was replaced with (an autocast or output-casting wrapper a library puts
+    on the model it prepares), as ``module.qualname``; None where the model runs its class's own forward."""
+    forward = vars(model).get("forward") if hasattr(model, "__dict__") else None
+    if forward is None:
+        return None
+    function = getattr(forward, "__func__", forward)
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', type(function).__name__)}"
 
 
 # --- merge -------------------------------------------------------------------------------------------

@@ -105,6 +105,7 @@ def _roundtrip(wrapped: wrappers.Wrapped, state: dict[str, Any], trained: dict[s
         except Exception as exc:  # noqa: BLE001 - a failing save is a finding, not a crash
             return [checks.finding("adapter-roundtrip", f"save_pretrained failed: {type(exc).__name__}: {exc}")]
         findings += checks.check_saved(adapter_io.read_saved(folder), trained, world_size)
+        tensors_kept = not findings
         try:
             reloaded = adapter_io.reload(build_base(cfg, model_config, perturbation), folder)
         except Exception as exc:  # noqa: BLE001 - e.g. a size mismatch from a sliced save
@@ -112,12 +113,19 @@ def _roundtrip(wrapped: wrappers.Wrapped, state: dict[str, Any], trained: dict[s
             findings.append(checks.finding("adapter-roundtrip", f"PeftModel.from_pretrained failed on the saved "
                                                                 f"adapter: {type(exc).__name__}: {first}"))
             return findings
-    findings += checks.check_reloaded(
+    reloaded_tensors = checks.check_reloaded(
         {n: adapter_io.to_numpy(p) for n, p in reloaded.named_parameters() if checks.is_adapter(n)}, trained)
+    findings += reloaded_tensors
     reloaded.to(batch.device)
     for param in reloaded.parameters():
         param.data = param.data.to(compute_dtype)
     with torch.no_grad():
         logits = adapter_io.to_numpy(reloaded(input_ids=batch).logits.float())
-    findings += checks.check_logits("adapter-roundtrip", "reloaded against trained", trained_logits, logits, 0.0)
+    # Tensors that came back bit for bit clear the checkpoint: other logits are then the two models' own code.
+    kept = tensors_kept and not reloaded_tensors
+    wrapper = checks.forward_replaced(wrapped.model) or checks.forward_replaced(wrapped.peft_model)
+    said = "reloaded against trained" + ("" if not kept else " (every adapter tensor came back bit for bit" + (
+        f"; the trained model's forward is {wrapper}, the reloaded model's its class's)" if wrapper else ")"))
+    findings += checks.check_logits("adapter-roundtrip", said, trained_logits, logits, 0.0, tensors_kept=kept,
+                                    trained_forward=wrapper)
     return findings

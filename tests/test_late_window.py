@@ -80,6 +80,9 @@ def test_a_divergence_that_does_not_recur_in_a_fresh_process_is_no_proof_against
     found = verdict(late_divergence(), [*CLEARED, experiment])
     component, line = found.component, found.line
     assert component is None and "inconclusive" in line and "late window did not reproduce" in line
+    assert "what would settle it: the divergence needs a warmed-up process" in found.quoted  # the experiment named
+    flipped = Experiment("flip world size 1", "stayed", "worst deviation 30x -> 29x its limit")
+    assert "what would settle it" not in verdict(late_divergence(), [*CLEARED, experiment, flipped]).quoted
     # The run's own collective invariants decide where they broke: in-run evidence, no replay needed.
     broke = Experiment("collective invariants", "broke", "step 4: all_gather call 9 ...", component="collective")
     assert verdict(late_divergence(), [*CLEARED, experiment, broke]).component == "collective"

@@ -339,8 +339,19 @@ def decide(evidence: Evidence, summary: str = "", rules: tuple[Rule, ...] = RULE
         if found is not None:
             return Verdict(found[0], rule.id, found[1], summary)
     unpaired = evidence.mostly_unpaired
-    return Verdict(None, None, f"{unpaired}, so the op that introduced the difference decides nothing alone" if unpaired
-                   else "", summary)
+    known = f"{unpaired}, so the op that introduced the difference decides nothing alone" if unpaired else ""
+    return Verdict(None, None, "; ".join(filter(None, [known, _what_would_settle(evidence)])), summary)
+
+
+def _what_would_settle(evidence: Evidence) -> str:
+    """For an inconclusive verdict: the experiment that would settle it, where the evidence says which."""
+    late = evidence.by_name.get("late window")
+    flipped = any(name.startswith("flip ") for name in evidence.by_name)
+    if late is not None and late.status == "did not reproduce" and not flipped:
+        return ("what would settle it: the divergence needs a warmed-up process, which a replay from a checkpoint is "
+                "not; --gpuregress-triage reruns the whole training with one switch flipped at a time (world size 1 "
+                "clears or convicts the collectives, a lower CPU kernel path or the other BLAS the kernels)")
+    return ""
 
 
 BEGIN, END = "<!-- decision-rules:begin -->", "<!-- decision-rules:end -->"

@@ -246,7 +246,7 @@ def test_an_experiment_that_convicts_this_stack_wins_over_a_library_change(monke
     """An upgrade that changed transformers and broke a collective: equivalence convicts the collective, and the
     library's change is evidence beside it, never a verdict that buries the bug under "record your own"."""
     from pytest_gpuregress import triage
-    from pytest_gpuregress.plugin import explain
+    from pytest_gpuregress.triage import explain
 
     evidence = "the float64 oracle's step 0 on this stack differs ..."
     monkeypatch.setattr(model_code, "experiment", lambda *args: triage.Experiment(

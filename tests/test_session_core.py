@@ -1,7 +1,7 @@
 """The session core tested directly, without pytester runs (#38 item 5): where references are read and recorded
 (plugin/places.py), which cases are selected and which -k expression selects a reference's cases
 (plugin/selection.py), a check case's judgement and who hears of it (plugin/pipeline.py), and the late window an
-explanation runs (plugin/explain.py). No rank starts."""
+explanation runs (triage/explain.py). No rank starts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from pytest_gpuregress.errors import NotApplicable, RegressionFailure
-from pytest_gpuregress.plugin.explain import late_window
 from pytest_gpuregress.plugin.options import Options
 from pytest_gpuregress.plugin.session import GpuRegressSession
 from pytest_gpuregress.reference import store
@@ -22,6 +21,7 @@ from pytest_gpuregress.resources import shipped_dir
 from pytest_gpuregress.scenarios import get_scenario
 from pytest_gpuregress.scenarios.comparator import Comparator
 from pytest_gpuregress.scenarios.shared.resume_verdict import SAVED_KEY
+from pytest_gpuregress.triage.explain import late_window
 
 SHIPPED = shipped_dir("reference_runs")
 PLATFORM = "cpu-gloo-w2-fp32"

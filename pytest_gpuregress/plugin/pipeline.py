@@ -19,10 +19,10 @@ from ..reference.record import RunRecord
 from ..reference.report import format_comparison, format_drift, format_margins
 from ..scenarios.comparator import Comparator, with_identity
 from ..stack.fingerprint import describe_change
+from ..triage.explain import Explanation
 from ..triage.naming import component_of, convict, described, name_findings
 from ..warn import warn_at_test
 from .artifacts import Artifacts, Kept, compare_command
-from .explain import Explanation
 from .outcomes import Outcome, add_outcome
 from .places import ReferencePlaces
 

@@ -22,9 +22,9 @@ from ..scenarios import Case, Launch, Scenario, Setup, get_scenario
 from ..scenarios.comparator import Comparator, comparator_of
 from ..stack.platforms import Platform, rank_origin, resolve_platform
 from ..triage import own_evidence
+from ..triage.bisect import BisectRequest
+from ..triage.explain import Explanation, explain_failure, measure_oracle_distance
 from .artifacts import Artifacts
-from .bisecting import BisectRequest
-from .explain import Explanation, explain_failure, measure_oracle_distance
 from .launches import Launches, Runner, keeping
 from .options import Options
 from .outcomes import Outcome, add_outcome

@@ -6,7 +6,7 @@ difference and on which ranks, the experiments (a bisect of the upgrade, equival
 window), the collective sweep of the session, the kernels that changed. The first rule whose evidence is there
 decides, and the verdict quotes it. An experiment that was run outranks what the comparison infers, and a version
 number that changed decides nothing here: it only ever breaks a tie in the library a moved oracle names
-(plugin/explain.py). ``RULES`` is the table docs/triage.md shows.
+(triage/model_code.py). ``RULES`` is the table docs/triage.md shows.
 
 torch-free.
 """
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 Experiment = Any  # triage's Experiment (name, status, detail, component, convicts): typed there, read here
 
-# The names of the evidence the run itself gives (plugin/explain.py makes them from its own checks).
+# The names of the evidence the run itself gives (triage.own_evidence makes them from its own checks).
 INVARIANTS = "collective invariants"
 CLIP = "clip"
 BISECT = "bisect"

@@ -11,14 +11,13 @@ from ..errors import NotApplicable
 from ..reference.compare import Comparison
 from ..reference.record import RunRecord
 from ..scenarios import Case, Scenario, Setup
-from ..triage import model_code
-from ..triage.naming import judged_against_themselves
-from .bisecting import BisectRequest, bisect_failure
-from .launches import Runner
+from . import Runner, model_code
+from .bisect import BisectRequest, bisect_failure
+from .naming import judged_against_themselves
 
 if TYPE_CHECKING:
-    from ..triage import Experiment
-    from ..triage.decision import Verdict
+    from . import Experiment
+    from .decision import Verdict
 
 
 @dataclass
@@ -45,11 +44,11 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
     A code change is the verdict only where no experiment convicts this stack: a collective or kernel bug of an
     upgrade that also changed a library must not be buried under "record a reference of your own". ``bisect``
     (--gpuregress-bisect): revert the packages that changed since the reference, in overlays, and rerun step 0
-    (plugin/bisecting.py); the package it names outranks every other evidence."""
+    (triage/bisect.py); the package it names outranks every other evidence."""
     from .. import triage
     from ..reference import model_layout
-    from ..triage.decision import RULE_BY_ID
-    from ..triage.flips import flip
+    from .decision import RULE_BY_ID
+    from .flips import flip
 
     # The layout finding (reference/model_layout.py): the model's code changed, or (a tie against the model's
     # config) the library built another model than the config asks. Either way the runs start from other weights.
@@ -130,8 +129,8 @@ def late_window(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, c
     reference's late checkpoint; [] where it has none. Its launch is the resume case's own: run once per session
     for both."""
     from ..scenarios.shared import late_gradients, resume_plan, resume_verdict
-    from ..triage import Experiment
-    from ..triage import late_window as window
+    from . import Experiment
+    from . import late_window as window
 
     resume = resume_plan.late_window_case(sc, case, setup)
     saved = reference.results.get(resume_verdict.SAVED_KEY)
@@ -154,7 +153,7 @@ def keep_first_moved_stack(sc: Scenario, setup: Setup, run: Runner, comparison: 
                            rerun: bool) -> None:
     """The Python stack of the first op that moved, from step 0 re-run on this stack (``rerun``: with
     --gpuregress-triage, whose launches it joins), into the comparison's report; else how to get it."""
-    from ..triage.op_stack import keep_stack
+    from .op_stack import keep_stack
 
     moved = comparison.culprit
     if moved is None or moved.kind != "moved":

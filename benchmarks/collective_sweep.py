@@ -31,7 +31,7 @@ def main() -> None:
     record = session.run("collectives", config={"cases": [c.to_json() for c in cases], "repeats": args.repeats})
     wall = time.monotonic() - started
     results = record.results["cases"]
-    failing = [c for c in cases if plan.verdict(c, results[c.id], platform.world_size)]
+    failing = [c for c in cases if plan.problem(c, results[c.id], platform.world_size)]
     # An op this stack's backend lacks computed nothing: counted apart, never as failing.
     lacking = sorted({c.op_label for c in cases if plan.lacks_only(results[c.id])})
     unsupported = sum(plan.lacks_only(results[c.id]) for c in cases)

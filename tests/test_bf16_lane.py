@@ -107,11 +107,11 @@ def test_a_loader_that_hands_bf16_back_as_fp16_is_named_for_its_path_only(tmp_pa
     record = RunRecord(scenario="fsdp", config={"dtype": "bf16", "bf16_checkpoint": True}, platform_key="",
                        world_size=2, results={bf16_checkpoint.RESULT_KEY: result})
     lane = Case("bf16", launch="bf16")
-    assert [described(p) for p in SCENARIO.verdict(lane, record, _setup("cpu"))] == [
+    assert [described(p) for p in SCENARIO.own_findings(lane, record, _setup("cpu"))] == [
         "[checkpoint] bf16 checkpoint of the trained weights (1 tensors) through safetensors: w came back as "
         "torch.float16, written as torch.bfloat16 (rule checkpoint-part)"]
     record.results.pop(bf16_checkpoint.RESULT_KEY)
-    assert "did not run" in SCENARIO.verdict(lane, record, _setup("cpu"))[0].message  # asked for and missing: not a pass
+    assert "did not run" in SCENARIO.own_findings(lane, record, _setup("cpu"))[0].message  # asked for and missing: not a pass
 
 
 @pytest.fixture(scope="module")

@@ -87,7 +87,7 @@ def _rank(rank: int, world: int, store: str, out: str, faults: list[str]) -> Non
             ctx.current_step = step
             model(torch.randn(8, 64, generator=torch.Generator().manual_seed(step * 10 + rank))).sum().backward()
     ctx.current_step = None
-    found = ledger.verdict()
+    found = ledger.results()
     for cleanup in ctx.cleanup_hooks:
         cleanup()
     dist.destroy_process_group()

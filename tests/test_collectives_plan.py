@@ -144,12 +144,12 @@ def test_wrong_counts_are_summed_over_ranks() -> None:
            "first": {"index": 1016, "expected": 5.0, "got": 0.0, "repeat": 2}, "time_s": 2e-4}
     merged = plan.merge_rank_results([{case.id: clean}, {case.id: bad}])[case.id]
     assert merged["wrong"] == 8 and merged["first"]["rank"] == 1 and merged["time_s"] == 2e-4
-    message = plan.verdict(case, merged, 2)
+    message = plan.problem(case, merged, 2)
     assert message is not None
     for part in ("all_reduce AVG bf16 n=1024 (2 KiB) in place", "8 wrong elements", "8 of them in the last 16",
                  "on 1 of 3 repeats (intermittent)", "first wrong index 1016 on rank 1", "expected 5.0, got 0.0"):
         assert part in message
-    assert plan.verdict(case, plan.merge_rank_results([{case.id: clean}])[case.id], 2) is None
+    assert plan.problem(case, plan.merge_rank_results([{case.id: clean}])[case.id], 2) is None
 
 
 @pytest.mark.parametrize(("error", "lacks"), [
@@ -177,7 +177,7 @@ def test_an_unsupported_case_is_neither_wrong_nor_an_error_and_is_counted_apart(
                "time_s": 0.0}
     merged = plan.merge_rank_results([{case.id: lacking}, {case.id: lacking}])
     assert merged[case.id]["unsupported"] == "rank 0: RuntimeError: Backend gloo does not support alltoall"
-    assert merged[case.id]["error"] is None and plan.verdict(case, merged[case.id], 2) is None
+    assert merged[case.id]["error"] is None and plan.problem(case, merged[case.id], 2) is None
     assert plan.bandwidth_table([case], merged, 2) == plan.bandwidth_table([], merged, 2)  # no row: nothing was timed
     record = RunRecord(scenario="collectives", config={}, platform_key="", world_size=2, results={"cases": merged},
                        fingerprint={"versions": {"torch": "2.8.0"}})
@@ -185,11 +185,11 @@ def test_an_unsupported_case_is_neither_wrong_nor_an_error_and_is_counted_apart(
     setup = Setup("cpu", "gloo", 2)
     said = sweep.unsupported(Case(case.id, data=case.to_json()), record, setup)
     assert said is not None and said.startswith("gloo on torch 2.8.0 lacks all_to_all(list) fp32 n=1 (8 B)")
-    assert sweep.verdict(Case(case.id, data=case.to_json()), record, setup) == []
+    assert sweep.own_findings(Case(case.id, data=case.to_json()), record, setup) == []
     # A rank that saw wrong elements, or raised otherwise, outranks another rank's missing op: judged, not skipped.
     wrong = plan.merge_rank_results([{case.id: lacking}, {case.id: {**lacking, "unsupported": None, "wrong": 2,
                                                                     "first": {"index": 0, "expected": 1.0, "got": 0.0}}}])
-    assert plan.verdict(case, wrong[case.id], 2) is not None and not plan.lacks_only(wrong[case.id])
+    assert plan.problem(case, wrong[case.id], 2) is not None and not plan.lacks_only(wrong[case.id])
 
 
 def test_bus_bandwidth_factors_follow_nccl_tests() -> None:
@@ -349,6 +349,6 @@ def test_a_cast_that_breaks_the_sweeps_own_inputs_is_a_kernel_not_the_collective
     case = plan.Case(op="all_reduce", variant="", reduce_op="sum", dtype="bf16r", n=8, in_place=True)
     record = make_record()
     record.results = {"cases": {case.id: {"cast_error": "rank 0: the cast float64 -> bfloat16 ...", "wrong": 3}}}
-    found = registry()["collectives"].verdict(Case(case.id, data=case.to_json()), record, Setup("cpu", "gloo", 2))
+    found = registry()["collectives"].own_findings(Case(case.id, data=case.to_json()), record, Setup("cpu", "gloo", 2))
     assert [described(f) for f in found] == [
         f"[kernel] {case.describe(2)}: rank 0: the cast float64 -> bfloat16 ... (rule sweep-inputs)"]

@@ -322,7 +322,7 @@ def test_the_sweeps_own_failure_message_counts_wrong_elements_by_link() -> None:
         {case.id: {"case": case.to_json(), "nbytes": 56, "wrong": 0, "tail_wrong": 0, "bad_repeats": 0, "repeats": 3,
                    "first": None, "error": None, "time_s": 0.0, "links": {}}}])
     assert merged[case.id]["links"] == {"1->0": 6}
-    assert plan.verdict(case, merged[case.id], 2).endswith("; wrong elements by link (sender -> receiver): 1 -> 0: 6")
+    assert plan.problem(case, merged[case.id], 2).endswith("; wrong elements by link (sender -> receiver): 1 -> 0: 6")
 
 
 def test_the_sweep_counts_wrong_elements_by_their_sender() -> None:
@@ -386,7 +386,7 @@ def test_ranks_run_in_process_vote_and_the_one_with_a_one_ulp_matmul_is_named(tm
         assert [f.count > 0 for f in fired] == ([True] if rank == 2 else [])  # installed on rank 2 only, and fired
     merged = SCENARIO.merge(records)
     assert merged.results["consensus"]["devices"][0]["tensors"] == 13 + 20 + 12  # a step's loss, 6 grads, 6 weights
-    [message] = map(described, SCENARIO.verdict(Case("devices"), merged, Setup("cpu", "gloo", 3)))
+    [message] = map(described, SCENARIO.own_findings(Case("devices"), merged, Setup("cpu", "gloo", 3)))
     assert message.startswith("[device] local 2 (cpu process, rank 2) on node 0 (") and "2 of 3 hold" in message
     assert "differs first at training step 0, " in message
     differing = [row for row in report.rows(vote_of(merged)) if row[2] == DISSENTS]

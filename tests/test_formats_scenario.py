@@ -47,7 +47,7 @@ def judged(reference: RunRecord, record: RunRecord, setup: Setup = CPU, lane: st
     """Case id -> its failure messages, as the session would report them (closed form, then reference)."""
     out = {}
     for case in SCENARIO.cases(setup):
-        problems = [described(p) for p in SCENARIO.verdict(case, record, setup)]
+        problems = [described(p) for p in SCENARIO.own_findings(case, record, setup)]
         if SCENARIO.reference_name(case):
             problems += [f.message for f in SCENARIO.compare(reference, record, case, lane).findings]
         if problems:
@@ -161,7 +161,7 @@ def test_ranks_that_measure_differently_are_named(clean: RunRecord) -> None:
     merged = SCENARIO.merge([copy.deepcopy(clean), faulted("format:mode=mx_scale_off_by_one")])
     case = next(c for c in SCENARIO.cases(CPU) if c.id == "quantized-mx_fp4_e2m1fn")
     assert list(merged.results["rank_disagreements"]["quantized-mx_fp4_e2m1fn"]) == ["1"]
-    (problem,) = map(described, SCENARIO.verdict(case, merged, CPU))
+    (problem,) = map(described, SCENARIO.own_findings(case, merged, CPU))
     assert problem.startswith("[format] quantized-mx_fp4_e2m1fn: rank 1 measured otherwise than rank 0: the devices "
                               "of this machine disagree; its own findings: mx_fp4_e2m1fn: e8m0 block scales")
 
@@ -287,7 +287,7 @@ def test_a_kernel_that_raises_is_a_finding_of_its_case_not_a_crash(monkeypatch: 
     cases = [c for c in SCENARIO.cases(CPU) if "e8m0fnu" in c.id or c.id == "quantized-per_tensor_e4m3fn_to_fnuz"]
     ctx = RankContext(0, 1, 0, "cpu", "gloo", SCENARIO.launch_config(CPU, cases), Path(tempfile.mkdtemp()))
     record = SCENARIO.merge([rank.run(ctx)])
-    failures = {c.id: [described(p) for p in SCENARIO.verdict(c, record, CPU)] for c in cases}
+    failures = {c.id: [described(p) for p in SCENARIO.own_findings(c, record, CPU)] for c in cases}
     assert failures["decode-e8m0fnu"] == []
     assert failures["encode-e8m0fnu"] == failures["behaviour-e8m0fnu"] == [
         '[format] encode e8m0fnu: raised on cpu: RuntimeError: "copy_kernel" not implemented for Float8_e8m0fnu '

@@ -44,7 +44,7 @@ def io_results(paths: list[str], schemes: list[str] = E4M3FN, *specs: str) -> tu
 
 def verdict(path: str, io: dict[str, Any]) -> list[str]:
     record = RunRecord(scenario="formats", config={}, platform_key="", world_size=1, results={"io": io})
-    return SCENARIO.verdict(Case(f"io-{path}", data={"part": "io", "path": path}), record, Setup("cpu", "gloo", 1))
+    return SCENARIO.own_findings(Case(f"io-{path}", data={"part": "io", "path": path}), record, Setup("cpu", "gloo", 1))
 
 
 def test_every_path_reads_and_writes_every_scheme_byte_for_byte_on_a_clean_stack() -> None:

@@ -144,7 +144,7 @@ def test_the_nccl_protocol_summary_names_ll128() -> None:
 
 def test_a_wrong_collective_is_reported_in_the_words_the_fault_step_expects() -> None:
     case = plan.Case(op="all_reduce", variant="", reduce_op="avg", dtype="bf16", n=1024, in_place=True)
-    problem = plan.verdict(case, sweep_result(case, wrong=8), 8)
+    problem = plan.problem(case, sweep_result(case, wrong=8), 8)
     assert problem and found(expect.text("collective-fault", "gpu"), problem)
 
 

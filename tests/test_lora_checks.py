@@ -207,7 +207,7 @@ def test_verdict_formats_findings_and_flags_checks_that_did_not_run() -> None:
                        results={"lora_checks": [checks.finding("adapter-roundtrip", f"lora_B of {MODULE} is all zeros "
                                                                                      "after reload")],
                                 "lora_checks_run": sorted(set(checks.CHECKS) - {"merge"})})
-    problems = SCENARIO.verdict(SCENARIO.cases(CPU)[0], record, CPU)
+    problems = SCENARIO.own_findings(SCENARIO.cases(CPU)[0], record, CPU)
     assert problems == [CheckFinding("adapter-roundtrip", f"lora_B of {MODULE} is all zeros after reload", scope="lora check"),
                         CheckFinding("lora-missing", "lora checks did not run: merge")]
     assert described(problems[1]) == "[checkpoint] lora checks did not run: merge (rule lora-checks-missing)"

@@ -20,7 +20,7 @@ from pytest_gpuregress.errors import NotApplicable
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios import registry
 from pytest_gpuregress.scenarios.base import Launch, Setup
-from pytest_gpuregress.scenarios.shared import resume_verdict
+from pytest_gpuregress.scenarios.shared import resume_comparison
 
 from .conftest import make_record, record_references, reproduced
 
@@ -62,7 +62,7 @@ def test_the_resume_cases_share_their_wrappers_reference_and_are_skipped_where_t
         assert resume.launch == main.launch == wrapper
         assert lora.reference_name(resume) == lora.reference_name(main) == "lora"
         assert not lora.triage_explains(resume)
-        assert lora.verdict(resume, make_record(results={resume_verdict.LOADED_KEY: {"step": 4}}), cpu) == []
+        assert lora.own_findings(resume, make_record(results={resume_comparison.LOADED_KEY: {"step": 4}}), cpu) == []
         with pytest.raises(NotApplicable, match=r"the reference has no resume checkpoint: re-record it: pytest "
                                                 r"--gpuregress --gpuregress-record 'gpuregress::lora\*'$"):
             lora.from_reference(resume, lambda: without, never, cpu)

@@ -85,7 +85,7 @@ def test_torchs_argument_checks_are_the_plugins_error_not_a_finding(
     assert "refused" not in result and "error" not in result
     assert result["call_rejected"] == f"{kind.__name__}: {message}"
     with pytest.raises(CallRejected) as raised:
-        SCENARIO.verdict(CASE, record_of(result), CUDA)
+        SCENARIO.own_findings(CASE, record_of(result), CUDA)
     text = str(raised.value)
     assert text.startswith("the plugin called torch._scaled_mm wrongly for e4m3fnuz [64, 128, 48] on gfx942: ")
     assert message in text and "bug of pytest-gpuregress" in text and "[fp8 matmul]" not in text
@@ -97,7 +97,7 @@ def test_the_stack_refusing_the_format_or_the_device_is_a_finding(
         monkeypatch: pytest.MonkeyPatch, kind: type[Exception], message: str) -> None:
     result = run_on_gpu(monkeypatch, kind, message)
     assert result["refused"] == f"{kind.__name__}: {message}"
-    (finding,) = SCENARIO.verdict(CASE, record_of(result), CUDA)
+    (finding,) = SCENARIO.own_findings(CASE, record_of(result), CUDA)
     assert finding.startswith("[fp8 matmul] this stack's torch._scaled_mm does not accept e4m3fnuz on gfx942: ")
 
 
@@ -106,7 +106,7 @@ def test_a_failing_kernel_is_still_the_runs_error(monkeypatch: pytest.MonkeyPatc
                                                   message: str) -> None:
     result = run_on_gpu(monkeypatch, kind, message, "e4m3fn", "sm_90")
     assert result["error"] == f"{kind.__name__}: {message}" and "call_rejected" not in result
-    (finding,) = SCENARIO.verdict(CASE, record_of(result), CUDA)
+    (finding,) = SCENARIO.own_findings(CASE, record_of(result), CUDA)
     assert finding.startswith("[fp8 matmul] torch._scaled_mm e4m3fn on sm_90 raised ")
 
 

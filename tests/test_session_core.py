@@ -20,7 +20,7 @@ from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.resources import shipped_dir
 from pytest_gpuregress.scenarios import get_scenario
 from pytest_gpuregress.scenarios.comparator import Comparator
-from pytest_gpuregress.scenarios.shared.resume_verdict import SAVED_KEY
+from pytest_gpuregress.scenarios.shared.resume_comparison import SAVED_KEY
 from pytest_gpuregress.triage.explain import late_window
 
 SHIPPED = shipped_dir("reference_runs")

@@ -10,10 +10,10 @@ A scenario declares, on the session side (torch-free, imported at collection):
   launches()      how the selected cases are grouped into launches of ranks
   rank_entry      "package.module:function", the code every rank runs: ``function(ctx) -> RunRecord``
   merge()         how the per-rank records become one
-  verdict()       reference-free findings for one case (all a check scenario needs)
+  own_findings()  reference-free findings for one case (all a check scenario needs)
   reference_name  the stored reference a case is compared with (every training case; None for checks)
   compare()       how a case's record is compared with that reference (default: the training comparison)
-  comparator_type optional: its own Comparator class; by default one judges a case with verdict() and compare()
+  comparator_type optional: its own Comparator class; by default one judges a case with own_findings() and compare()
   summary()       optional lines for the terminal summary
   noise_replicas  optional perturbed launches whose spread becomes the tolerant lane's envelope
   attachments     optional, recording: folders stored inside a case's reference (the fsdp resume checkpoint)
@@ -269,7 +269,7 @@ class Scenario:
 
     def experiment(self, case: Case, run: Callable[[Scenario, Launch], RunRecord], setup: Setup) -> RunRecord | None:
         """Optional: run ``case``'s launches through ``run`` (cached per launch key) and return one record for
-        ``verdict``; for cases that need several launches, or another scenario's. None: the usual launch."""
+        ``own_findings``; for cases that need several launches, or another scenario's. None: the usual launch."""
         return None
 
     def attachments(self, case: Case, record: RunRecord, run: Callable[[Scenario, Launch], RunRecord],
@@ -320,7 +320,7 @@ class Scenario:
         skipped as not supported, never judged, since nothing was computed."""
         return None
 
-    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
+    def own_findings(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
         """Reference-free findings for ``case``: a complete message, or a check's finding that triage names (a
         ``CheckFinding``); [] when clean."""
         return []
@@ -338,7 +338,7 @@ class Scenario:
             return None
         return case.id if case.id == self.name else f"{self.name}-{case.id}"  # namespaced: never another scenario's
 
-    # A Comparator subclass of the scenario's own (scenarios/comparator.py), for a judgement that ``verdict`` and
+    # A Comparator subclass of the scenario's own (scenarios/comparator.py), for a judgement that ``own_findings`` and
     # ``compare`` cannot express; None: the default, which judges with those two.
     comparator_type: ClassVar[type | None] = None
 

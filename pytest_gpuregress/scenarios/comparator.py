@@ -46,7 +46,7 @@ class Comparator:
         run's collectives and clip held to their own invariants."""
         out: list[Problem] = []
         if self.scenario is not None and self.case is not None and self.setup is not None:
-            out += self.scenario.verdict(self.case, run, self.setup)
+            out += self.scenario.own_findings(self.case, run, self.setup)
         if self.scenario is None or self.scenario.kind == "training":
             out += kernels.host_op_problems(run)
             # The run's own consistency, every step: its collectives against their invariants across the ranks, and

@@ -10,7 +10,7 @@ them; the record keeps the verdict only.
 
     with watching(ctx) as ledger:
         ...train...
-    results.update(ledger.verdict())    # collective, on every rank
+    results.update(ledger.results())    # collective, on every rank
 
 The wrapper waits for an asynchronous call before it reads the output (FSDP2 overlaps its collectives): the
 values are those the program reads after its own wait; only the overlap is lost. Torch is imported inside the
@@ -212,7 +212,7 @@ class Ledger:
         setattr(dist, name, wrapper)
         return lambda: setattr(dist, name, original)
 
-    def verdict(self) -> dict[str, Any]:
+    def results(self) -> dict[str, Any]:
         """Gather every rank's rows (the plugin's own collectives) and judge them: on every rank the same summary,
         for the record's results. Collective: every rank calls it after its last step."""
         import torch

@@ -162,7 +162,7 @@ def train(ctx: Any, parts: TrainStep, steps: Iterable[int], *, observer: StepObs
     finally:
         ctx.current_step = None  # after training (digests, saves) no step runs: a late fault does not act there
     if watched is not None:
-        curves.collectives = watched.verdict()
+        curves.collectives = watched.results()
     return curves
 
 

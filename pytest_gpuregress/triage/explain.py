@@ -128,12 +128,12 @@ def late_window(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, c
     """The late window's experiment, where ``case`` has a resume case continuing its reference from the
     reference's late checkpoint; [] where it has none. Its launch is the resume case's own: run once per session
     for both."""
-    from ..scenarios.shared import late_gradients, resume_plan, resume_verdict
+    from ..scenarios.shared import late_gradients, resume_comparison, resume_plan
     from . import Experiment
     from . import late_window as window
 
     resume = resume_plan.late_window_case(sc, case, setup)
-    saved = reference.results.get(resume_verdict.SAVED_KEY)
+    saved = reference.results.get(resume_comparison.SAVED_KEY)
     if resume is None or not saved:
         return []
     try:

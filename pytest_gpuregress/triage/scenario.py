@@ -51,7 +51,7 @@ class TriageScenario(CheckScenario):
                          results={"status": found.status, "detail": found.detail, "lines": found.lines,
                                   "component": found.component})
 
-    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
+    def own_findings(self, case: Case, record: RunRecord, setup: Setup) -> list[str]:
         result = record.results
         if result["status"] == "clean":
             return []

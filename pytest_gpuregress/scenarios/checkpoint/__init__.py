@@ -107,7 +107,7 @@ class CheckpointScenario(CheckScenario):
         merged.results["pid"] = {k: v for r in records for k, v in r.results.get("pid", {}).items()}
         return merged
 
-    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
+    def own_findings(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
         part = case.data["part"]
         if part in ("resume", "sharded"):
             findings = checks.prefixed(case.id, record.results.get(part, ["did not run"]))

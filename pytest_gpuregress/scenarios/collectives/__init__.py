@@ -115,12 +115,12 @@ class CollectivesScenario(CheckScenario):
                 f"{plan.Case(**case.data).describe(setup.world_size)}: {result['unsupported']}. Nothing was computed, "
                 f"so no number is wrong; the sweep plans it because {_planned_on(setup)}")
 
-    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
+    def own_findings(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
         result = record.results["cases"][case.id]
         if result.get("cast_error"):  # the case's own inputs are wrong, before any collective ran
             return [CheckFinding("collective-inputs",
                                  f"{plan.Case(**case.data).describe(setup.world_size)}: {result['cast_error']}")]
-        problem = plan.verdict(plan.Case(**case.data), result, setup.world_size)
+        problem = plan.problem(plan.Case(**case.data), result, setup.world_size)
         return [CheckFinding("collective-case", problem)] if problem else []
 
     def properties(self, case: Case, record: RunRecord, setup: Setup) -> dict[str, Any]:
@@ -177,7 +177,7 @@ class CollectivesScenario(CheckScenario):
             counts = dict.fromkeys((label for _, label in SIZE_BANDS), 0)
             cases, results = _cases_and_results(record)
             for case in cases:
-                if plan.verdict(case, results[case.id], world):
+                if plan.problem(case, results[case.id], world):
                     counts[next(lbl for limit, lbl in SIZE_BANDS if case.nbytes(world) <= limit)] += 1
             rows.append(f"  {protocol:<14} " + " ".join(f"{counts[lbl]:>9}" for _, lbl in SIZE_BANDS))
         return ["failing cases by protocol and size band:",

@@ -351,7 +351,7 @@ def lacks_only(result: dict[str, Any]) -> bool:
     return bool(result.get("unsupported")) and not result.get("error") and not result.get("wrong")
 
 
-def verdict(case: Case, result: dict[str, Any], world: int) -> str | None:
+def problem(case: Case, result: dict[str, Any], world: int) -> str | None:
     """None when the case is right, or when the backend lacks its op (``unsupported``: nothing computed, nothing
     wrong); otherwise the failure message naming what a user needs."""
     what = case.describe(world)

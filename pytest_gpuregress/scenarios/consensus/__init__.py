@@ -73,7 +73,7 @@ class ConsensusScenario(CheckScenario):
             return merge_links(records)
         return merge_devices(records)
 
-    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
+    def own_findings(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
         if case.id == "links":
             return links.findings(*link_inputs(record), setup.backend)
         vote = vote_of(record)

@@ -127,7 +127,7 @@ class FormatsScenario(CheckScenario):
         merged.results["rank_disagreements"] = disagree
         return merged
 
-    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
+    def own_findings(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
         key = case_key(case)
         problems = closed_form(case.data["part"], key, record)
         if case.data["part"] == "io":

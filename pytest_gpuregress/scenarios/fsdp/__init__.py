@@ -19,7 +19,7 @@ from ...reference.compare import Comparison
 from ...reference.record import RunRecord
 from ...scenario_options import SCENARIO_OPTIONS
 from ..base import Case, Launch, Scenario, Setup, TriageSupport
-from ..shared import resume_verdict
+from ..shared import resume_comparison
 from ..shared.exercised import resumed, ties_embeddings, trained
 from ..shared.replicas import perturbed_launches
 from ..shared.resume_plan import ResumeComparator, is_resume, merge_resume
@@ -125,11 +125,11 @@ class FsdpScenario(Scenario):
             return None
         return RESUME.continue_from(self, case, self.default_config(setup), reference, run, setup)
 
-    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
+    def own_findings(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
         """The bf16 lane's checkpoint round trip (training/bf16_checkpoint.py); nothing for the other cases."""
         from ...training import bf16_checkpoint
 
-        if not record.config.get(bf16_checkpoint.CONFIG_KEY) or record.results.get(resume_verdict.LOADED_KEY):
+        if not record.config.get(bf16_checkpoint.CONFIG_KEY) or record.results.get(resume_comparison.LOADED_KEY):
             return []
         result = record.results.get(bf16_checkpoint.RESULT_KEY)
         if result is None:  # asked for, so it must have run: one that did not cannot have passed
@@ -142,7 +142,7 @@ class FsdpScenario(Scenario):
 
     def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
         if is_resume(case):
-            return resume_verdict.compare(reference, record, lane)
+            return resume_comparison.compare(reference, record, lane)
         return super().compare(reference, record, case, lane)
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:

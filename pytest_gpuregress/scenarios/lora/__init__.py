@@ -4,7 +4,7 @@ Two cases, each its own launch and reference (reference_runs/lora/<platform>-<wr
   lora-fully_shard the peft model under torch's FSDP2 (``fully_shard``), directly (wrapper "fsdp2")
   lora-accelerate  through ``Accelerator.prepare``: accelerate's FSDP2 plugin on GPUs, DDP on the CPU
 Both record what ``fsdp`` records (adapter parameters only) and run the LoRA checks of checks.py,
-which ``verdict()`` reports as findings of their own. Each has a resume case (``lora-fully_shard-resume``,
+which ``own_findings()`` reports as findings of their own. Each has a resume case (``lora-fully_shard-resume``,
 ``lora-accelerate-resume``): its reference's own checkpoint loaded on this stack and trained on, as
 ``fsdp-resume`` does (resume_plan.py, resume.py; docs/checkpoint.md). Session side, torch-free; training is
 rank.py.
@@ -23,7 +23,7 @@ from ...findings import CheckFinding, Problem
 from ...reference.record import RunRecord
 from ...scenario_options import LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
 from ..base import Case, Launch, Scenario, Setup
-from ..shared import resume_verdict
+from ..shared import resume_comparison
 from ..shared.exercised import resumed, trained
 from ..shared.replicas import perturbed_launches
 from ..shared.resume_plan import ResumeComparator, is_resume, merge_resume
@@ -188,7 +188,7 @@ class LoraScenario(Scenario):
 
     def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
         if is_resume(case):
-            return resume_verdict.compare(reference, record, lane)
+            return resume_comparison.compare(reference, record, lane)
         return super().compare(reference, record, case, lane)
 
     def oracle_launch(self, setup: Setup, model: str | None) -> Launch | None:
@@ -210,7 +210,7 @@ class LoraScenario(Scenario):
         merged.results["lora_checks"] = merge_findings(r.results.get("lora_checks", []) for r in records)
         return merged
 
-    def verdict(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
+    def own_findings(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
         from .checks import CHECKS, shown_findings
 
         if RESUME_RESULTS in record.results:  # a continuation is judged against the reference's last steps only

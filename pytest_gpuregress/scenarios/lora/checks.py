@@ -1,7 +1,7 @@
 """The LoRA checks: pure functions from tensors (numpy) to findings. No torch, so they unit-test in milliseconds.
 
 A finding is a small dict (check name, message, the facts measured). Rank code collects them into the record;
-the scenario's ``verdict()`` hands them on, and triage names the component each points at. Every message
+the scenario's ``own_findings()`` hands them on, and triage names the component each points at. Every message
 names the adapter tensor and the module it targets, e.g. "lora_B of model.layers.1.self_attn.q_proj is all zeros
 after reload".
 """

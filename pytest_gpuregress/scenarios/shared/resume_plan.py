@@ -9,7 +9,7 @@ every file in the manifest), the digests of the state it saved into the referenc
 launch is not touched, so the reference's numbers are those of a run without it.
 
 Comparing, the resume case runs a ``resume-from-reference`` launch: this stack loads the reference's
-checkpoint (written by the recording stack) and trains on to the end; resume_verdict.py judges the load
+checkpoint (written by the recording stack) and trains on to the end; resume_comparison.py judges the load
 piece by piece and the continuation within the reference's envelope. A scenario holds one ``ResumePlan``
 (its rank entry and what its checkpoint weighs on GPUs) and names its resume cases. torch-free.
 """
@@ -32,7 +32,7 @@ from ...stack.platforms import launched_by_torchrun
 from ...units import human_bytes
 from ..base import Case, Launch, Scenario, Setup
 from ..comparator import Comparator
-from . import late_gradients, resume_verdict
+from . import late_gradients, resume_comparison
 from .late_gradients import LATE_ONLY
 from .resume_roles import FOLDER, RESULT_KEY, ROLE, resume_step
 from .state_pieces import merge_boundaries
@@ -103,7 +103,7 @@ class ResumePlan:
     def attachments(self, sc: Scenario, case: Case, record: RunRecord, run: Runner, setup: Setup) -> dict[str, Path]:
         """Recording ``record``, the reference of the resume case ``case``: the checkpoint, saved after S steps of a
         run of its own. {} where another case of this reference saved it already, or it is off here."""
-        if ATTACHMENT in record.attachments or record.results.get(resume_verdict.SAVED_KEY):
+        if ATTACHMENT in record.attachments or record.results.get(resume_comparison.SAVED_KEY):
             return {}
         label = case_label(sc, case)
         off = self.off_here(setup)
@@ -131,7 +131,7 @@ class ResumePlan:
                                 f"step {step}): this stack is not deterministic, so the checkpoint is a neighbour of "
                                 f"the reference's state, and {label} judges from it within tolerances")
         size = folder_bytes(folder)
-        record.results[resume_verdict.SAVED_KEY] = {"step": start, "boundary": result["boundary"], "bytes": size}
+        record.results[resume_comparison.SAVED_KEY] = {"step": start, "boundary": result["boundary"], "bytes": size}
         record.notes.append(f"resume checkpoint at step {start}: {human_bytes(size)} in {ATTACHMENT}/")
         self._late_reference(sc, case, record, folder, run, setup)
         return {ATTACHMENT: folder}
@@ -165,7 +165,7 @@ class ResumePlan:
             raise NotApplicable(off)
         stored = reference()
         folder = stored.attachments.get(ATTACHMENT)
-        if folder is None or not stored.results.get(resume_verdict.SAVED_KEY):
+        if folder is None or not stored.results.get(resume_comparison.SAVED_KEY):
             raise NotApplicable("the reference has no resume checkpoint: re-record it: pytest --gpuregress "
                                 f"--gpuregress-record 'gpuregress::{sc.name}*'")
         # Cold: the late window reads it as "in a fresh process".
@@ -193,5 +193,5 @@ class ResumeComparator(Comparator):
 
     def judge(self, reference: RunRecord | None, run: RunRecord) -> Judgement:
         if reference is not None and self.case is not None and is_resume(self.case):
-            reference = resume_verdict.continuation_reference(reference)
+            reference = resume_comparison.continuation_reference(reference)
         return super().judge(reference, run)

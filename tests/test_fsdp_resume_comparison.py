@@ -1,4 +1,4 @@
-"""The fsdp-resume verdict without ranks (scenarios/shared/resume_verdict.py, reference/continuation.py): the load
+"""The fsdp-resume verdict without ranks (scenarios/shared/resume_comparison.py, reference/continuation.py): the load
 judged piece by piece against what the reference saved, the continuation against the reference's last steps,
 and the case's session side (skips with the reason, the comparator's view of the reference)."""
 
@@ -22,7 +22,7 @@ from pytest_gpuregress.scenarios import registry
 from pytest_gpuregress.scenarios.base import Launch, Setup
 from pytest_gpuregress.scenarios.comparator import comparator_of
 from pytest_gpuregress.scenarios.fsdp import resume_plan
-from pytest_gpuregress.scenarios.shared import late_gradients, resume_verdict
+from pytest_gpuregress.scenarios.shared import late_gradients, resume_comparison
 from pytest_gpuregress.triage.naming import name_findings
 
 from .conftest import make_record
@@ -56,7 +56,7 @@ def reference() -> RunRecord:
     ref.arrays["envelope/param_grad_norm"] = np.full((8, 2), 1e-7)
     ref.arrays["envelope/step0_grad"] = np.full(2, 1e-7)
     ref.arrays["envelope/final_weights"] = np.full(2, 1e-7)
-    ref.results = {resume_verdict.SAVED_KEY: {"step": START, "boundary": boundary(), "bytes": 1000}}
+    ref.results = {resume_comparison.SAVED_KEY: {"step": START, "boundary": boundary(), "bytes": 1000}}
     return ref
 
 
@@ -65,13 +65,13 @@ def continuation(ref: RunRecord, loaded: dict[str, dict[str, str]] | None = None
     run = copy.deepcopy(ref)
     run.series = {k: v[START:] for k, v in ref.series.items()}
     run.arrays = {"param_grad_norm": ref.arrays["param_grad_norm"][START:].copy()}
-    run.results = {resume_verdict.LOADED_KEY: {"step": START, "boundary": loaded or boundary()}}
+    run.results = {resume_comparison.LOADED_KEY: {"step": START, "boundary": loaded or boundary()}}
     return run
 
 
 def test_a_faithful_resume_passes_in_the_exact_lane() -> None:
     ref = reference()
-    comparison = named(resume_verdict.compare, ref, continuation(ref), "auto")
+    comparison = named(resume_comparison.compare, ref, continuation(ref), "auto")
     assert comparison.lane == "exact" and comparison.findings == []
 
 
@@ -92,7 +92,7 @@ def test_optimizer_state_dropped_on_load_is_named_piece_by_piece() -> None:
     loaded["optimizer.step"] = {"a.weight": "1.0", "b.weight": "1.0"}
     run = continuation(ref, loaded)
     run.series["loss"][1] *= 1.01  # what a wrong optimizer state does to the next steps
-    findings = named(resume_verdict.compare, ref, run, "auto").findings
+    findings = named(resume_comparison.compare, ref, run, "auto").findings
     assert [f.message for f in findings[:3]] == [
         "resume: optimizer.exp_avg after loading the reference's checkpoint is not the state it saved at step 4 "
         "(2 of 2 tensors differ, first a.weight)",
@@ -108,7 +108,7 @@ def test_a_generator_not_restored_is_named_with_its_rank() -> None:
     ref = reference()
     loaded = boundary()
     loaded["rng.numpy"] = {"rank0": "n0", "rank1": "scrambled"}
-    [finding] = named(resume_verdict.compare, ref, continuation(ref, loaded), "auto").findings
+    [finding] = named(resume_comparison.compare, ref, continuation(ref, loaded), "auto").findings
     assert finding.tensor == "rng.numpy" and "(1 of 2 ranks differ, first rank1: n1 -> scrambled)" in finding.message
 
 
@@ -116,18 +116,18 @@ def test_a_continuation_that_moved_on_a_sound_load_names_the_step_as_usual() -> 
     ref = reference()
     run = continuation(ref)
     run.series["loss"][2] *= 1 + 1e-9
-    [finding] = named(resume_verdict.compare, ref, run, "exact").findings
+    [finding] = named(resume_comparison.compare, ref, run, "exact").findings
     assert finding.metric == "loss" and finding.step == 2 and finding.component != "checkpoint"
     assert finding.message.startswith("resumed at step 4 (steps counted from there): loss: first differing step 2 of 4")
-    assert named(resume_verdict.compare, ref, run, "tolerant").findings == []  # 1e-9 is inside the envelope's limit
+    assert named(resume_comparison.compare, ref, run, "tolerant").findings == []  # 1e-9 is inside the envelope's limit
 
 
 def test_a_load_that_failed_is_the_finding() -> None:
     ref = reference()
     run = continuation(ref)
     run.series, run.arrays, run.digests = {}, {}, {}
-    run.results = {resume_verdict.LOADED_KEY: {"load_error": "CheckpointProblem: /r/resume/trainer.json: not JSON"}}
-    [finding] = named(resume_verdict.compare, ref, run, "auto").findings
+    run.results = {resume_comparison.LOADED_KEY: {"load_error": "CheckpointProblem: /r/resume/trainer.json: not JSON"}}
+    [finding] = named(resume_comparison.compare, ref, run, "auto").findings
     assert finding.component == "checkpoint" and finding.message == (
         "resume: loading the reference's checkpoint (step 4) on this stack failed: CheckpointProblem: "
         "/r/resume/trainer.json: not JSON")
@@ -193,10 +193,10 @@ def _with_late_gradients(ref: RunRecord) -> tuple[RunRecord, RunRecord]:
 
 def test_late_gradients_equal_pass_and_one_element_off_is_a_collective_named_at_the_checkpoints_step() -> None:
     ref, run = _with_late_gradients(reference())
-    clean = named(resume_verdict.compare, ref, run, "tolerant")
+    clean = named(resume_comparison.compare, ref, run, "tolerant")
     assert clean.passed and "late_grad" in clean.margins and "step0_grad" not in clean.margins
     run.arrays["late_grad/a.weight"][3, 5] += 1e-4  # one element of one tensor, as a corrupted reduce-scatter leaves it
-    broken = named(resume_verdict.compare, ref, run, "tolerant")
+    broken = named(resume_comparison.compare, ref, run, "tolerant")
     (finding,) = broken.findings
     assert (finding.metric, finding.component, finding.step, finding.tensor) == ("late_grad", "collective", START,
                                                                                  "a.weight")
@@ -207,10 +207,10 @@ def test_late_gradients_equal_pass_and_one_element_off_is_a_collective_named_at_
 def test_late_gradients_that_move_everywhere_are_a_kernel_and_a_reference_without_them_judges_the_curve_only() -> None:
     ref, run = _with_late_gradients(reference())
     run.arrays["late_grad/a.weight"] *= np.float32(1 + 1e-3)
-    (finding,) = named(resume_verdict.compare, ref, run, "tolerant").findings
+    (finding,) = named(resume_comparison.compare, ref, run, "tolerant").findings
     assert (finding.metric, finding.component) == ("late_grad", "kernel")
     older = reference()  # recorded before late gradients: no late_grad margin, no finding from them
-    assert "late_grad" not in named(resume_verdict.compare, older, continuation(older), "tolerant").margins
+    assert "late_grad" not in named(resume_comparison.compare, older, continuation(older), "tolerant").margins
 
 
 def test_a_late_replicas_spread_is_measured_as_step_0s_is() -> None:

@@ -72,7 +72,7 @@ def test_a_misread_inside_dcp_fails_its_io_case_by_name_on_two_spawned_ranks(pyt
     result = run(pytester, recorded, "formats and io-", "--gpuregress-inject=format:mode=loader_fn_as_fnuz,path=dcp")
     result.assert_outcomes(skipped=4, failed=1)
     result.stdout.fnmatch_lines([
-        "*[[]checkpoint I/O[]] dcp (torch *): per_tensor_e4m3fn: dcp.load (rank 0 of 2): * tensors; first *: written "
+        "*[[]checkpoint[]] dcp (torch *): per_tensor_e4m3fn: dcp.load (rank 0 of 2): * tensors; first *: written "
         "as torch.float8_e4m3fn (F8_E4M3), read back as torch.float8_e4m3fnuz: the loader reads e4m3fn bytes as "
         "e4m3fnuz, every value 0.5x (factor 2)*",
         "FAILED gpuregress::formats-io-dcp*",

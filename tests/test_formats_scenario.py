@@ -204,7 +204,7 @@ def test_summary_and_header_on_the_cpu(clean: RunRecord) -> None:
 
 
 def scaled_mm_findings(result: dict[str, object]) -> list[str]:
-    return judge.scaled_mm_problems(RunRecord("formats", {}, "", 1, results={"scaled_mm": result}))
+    return [described(p) for p in judge.scaled_mm_problems(RunRecord("formats", {}, "", 1, results={"scaled_mm": result}))]
 
 
 def test_the_gpu_scaled_mm_check_itself_runs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,7 +218,7 @@ def test_the_gpu_scaled_mm_check_itself_runs_on_the_cpu(monkeypatch: pytest.Monk
     fnuz = {**scaled_mm.check("cpu", FORMATS["e4m3fnuz"]), "arch": "cpu"}
     if "refused" in fnuz:
         (finding,) = scaled_mm_findings(fnuz)
-        assert finding.startswith("[fp8 matmul] this stack's torch._scaled_mm does not accept e4m3fnuz on cpu: ")
+        assert finding.startswith("[kernel] this stack's torch._scaled_mm does not accept e4m3fnuz on cpu: ")
     else:
         assert 0 < fnuz["worst_ratio"] <= 1e-3 and scaled_mm_findings(fnuz) == []
     real = torch._scaled_mm
@@ -242,10 +242,11 @@ def test_a_scaled_mm_that_refuses_the_devices_fp8_format_is_a_finding_not_a_cras
     result = scaled_mm.run("cpu")  # the rank's own entry, as on the GPU
     assert result["refused"].startswith("RuntimeError: itensor_view_from_dense expects")
     (finding,) = scaled_mm_findings(result)
-    assert finding.startswith("[fp8 matmul] this stack's torch._scaled_mm does not accept e4m3fnuz on gfx942: "
+    assert finding.startswith("[kernel] this stack's torch._scaled_mm does not accept e4m3fnuz on gfx942: "
                               "RuntimeError: itensor_view_from_dense"), finding
     record = RunRecord("formats", {}, "", 1, results={"scaled_mm": result})
-    assert summary.scaled_mm_lines(record, on_cpu=False) == ["  " + finding.removeprefix("[fp8 matmul] ")]
+    assert summary.scaled_mm_lines(record, on_cpu=False) == ["  " + judge.refusal(result)]
+    assert finding == f"[kernel] {judge.refusal(result)} (rule fp8-matmul)"
 
     def crashes(a: torch.Tensor, b: torch.Tensor, **kwargs: object) -> torch.Tensor:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -253,7 +254,7 @@ def test_a_scaled_mm_that_refuses_the_devices_fp8_format_is_a_finding_not_a_cras
     monkeypatch.setattr(torch, "_scaled_mm", crashes)  # a kernel that fails is an error, not the format refused
     failed = scaled_mm.run("cpu")
     assert "refused" not in failed and failed["error"].startswith("RuntimeError: CUDA error: an illegal memory access")
-    assert scaled_mm_findings(failed)[0].startswith("[fp8 matmul] torch._scaled_mm e4m3fnuz on gfx942 raised RuntimeError")
+    assert scaled_mm_findings(failed)[0].startswith("[kernel] torch._scaled_mm e4m3fnuz on gfx942 raised RuntimeError")
 
 
 def test_fp4_is_reported_as_going_through_the_scenario_codec() -> None:

@@ -21,6 +21,7 @@ from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios.base import Case, Setup
 from pytest_gpuregress.scenarios.formats import SCENARIO, judge, known_issues, roundtrip, stack_io
 from pytest_gpuregress.scenarios.formats.catalog import IO_PATHS, IO_SCHEMES, SCHEMES
+from pytest_gpuregress.triage.naming import described
 
 pytestmark = pytest.mark.cpu_sensitive  # .ci/run runs these again on a lower CPU kernel path
 
@@ -44,7 +45,8 @@ def io_results(paths: list[str], schemes: list[str] = E4M3FN, *specs: str) -> tu
 
 def verdict(path: str, io: dict[str, Any]) -> list[str]:
     record = RunRecord(scenario="formats", config={}, platform_key="", world_size=1, results={"io": io})
-    return SCENARIO.own_findings(Case(f"io-{path}", data={"part": "io", "path": path}), record, Setup("cpu", "gloo", 1))
+    found = SCENARIO.own_findings(Case(f"io-{path}", data={"part": "io", "path": path}), record, Setup("cpu", "gloo", 1))
+    return [described(problem) for problem in found]
 
 
 def test_every_path_reads_and_writes_every_scheme_byte_for_byte_on_a_clean_stack() -> None:
@@ -65,7 +67,7 @@ def test_a_fn_to_fnuz_misread_inside_each_real_loader_is_caught_and_named(path: 
     problems = verdict(path, io)
     assert problems, io[path]
     text = problems[0]
-    assert text.startswith(f"[checkpoint I/O] {path} (")
+    assert text.startswith(f"[checkpoint] {path} (")
     assert "e4m3fn" in text and "e4m3fnuz" in text and "factor 2" in text
     assert "0x80 -> 0x00 rewrite" in text  # the fix
 
@@ -77,7 +79,7 @@ def test_an_e5m2_as_e4m3fn_misread_inside_each_real_loader_is_caught_and_named(p
     problems = verdict(path, io)
     assert problems and all(": per_tensor_e5m2: " in p for p in problems)  # the e4m3fn and e5m2fnuz files read right
     problem = problems[0]
-    assert problem.startswith(f"[checkpoint I/O] {path} (")
+    assert problem.startswith(f"[checkpoint] {path} (")
     assert ": per_tensor_e5m2: " in problem and "first model.embed_tokens.weight: written as torch.float8_e5m2 " \
         "(F8_E5M2), read back as torch.float8_e4m3fn: the loader reads e5m2 bytes as e4m3fn, values change by no " \
         "single factor (code 0x" in problem
@@ -97,7 +99,7 @@ def test_a_load_file_that_hands_e5m2_back_as_e4m3fn_fails_io_safetensors(monkeyp
     monkeypatch.setattr(safetensors.torch, "load_file", e5m2_as_e4m3fn)
     io, _ = io_results(["safetensors"], E5M2)
     [problem] = verdict("safetensors", io)
-    assert problem.startswith("[checkpoint I/O] safetensors (safetensors ")
+    assert problem.startswith("[checkpoint] safetensors (safetensors ")
     assert "per_tensor_e5m2: load_file: 17 of 51 tensors; first model.embed_tokens.weight: written as " \
            "torch.float8_e5m2 (F8_E5M2), read back as torch.float8_e4m3fn: the loader reads e5m2 bytes as e4m3fn" \
            in problem
@@ -161,8 +163,8 @@ def test_an_unknown_failure_of_a_loader_fails_its_path(monkeypatch: pytest.Monke
     monkeypatch.setattr(torch, "load", broken)
     io, _ = io_results(["torch_load"])
     assert verdict("torch_load", io) == [
-        "[checkpoint I/O] torch_load (torch " + io["torch_load"]["library"].split()[-1] + "): per_tensor_e4m3fn: "
-        "torch.load raised RuntimeError: storage is corrupt"]
+        "[checkpoint] torch_load (torch " + io["torch_load"]["library"].split()[-1] + "): per_tensor_e4m3fn: "
+        "torch.load raised RuntimeError: storage is corrupt (rule checkpoint-io)"]
 
 
 def test_a_path_that_compared_nothing_fails_and_one_that_could_not_run_is_skipped_with_the_reason() -> None:

@@ -87,6 +87,11 @@ CHECK_RULES: tuple[CheckRule, ...] = (
               "format"),
     CheckRule("quantized-roundtrip", "quantized", "a quantized round trip's own checks failed or it raised",
               "quantization"),
+    CheckRule("checkpoint-io", "checkpoint-io", "the stack's own checkpoint I/O (safetensors, torch.load, DCP, "
+              "from_pretrained) gave back other fp8 or fp4 tensors than were written, or was not exercised",
+              "checkpoint"),
+    CheckRule("fp8-matmul", "scaled-mm", "torch._scaled_mm refused the device's fp8 format, raised, or is off the "
+              "float64 oracle beyond its derived error bound", "kernel"),
     CheckRule("checkpoint-inspect", "inspect", "a quantized checkpoint's safetensors file says another format than "
               "its tensors hold", "checkpoint"),
     CheckRule("checkpoint-part", "checkpoint", "a checkpoint round trip (a full or sharded state dict, a resume) gave "

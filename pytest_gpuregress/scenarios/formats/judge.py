@@ -127,17 +127,18 @@ def io_problems(path: str, record: RunRecord) -> list[Problem]:
     """The stack's I/O path ``path`` against the codec: every problem, or that the launch did not try it."""
     result = record.results.get("io", {}).get(path)
     if result is None:
-        return [f"[checkpoint I/O] {path}: not in the record (the quantized round trip raised for every scheme?)"]
+        return [CheckFinding("checkpoint-io", f"{path}: not in the record (the quantized round trip raised for every "
+                                              "scheme?)")]
     where = f"{path} ({result['library']})"
     if not result["checked"] and not result["problems"] and not result["skipped"]:
         why = " (every scheme ended in a known issue)" if result["known_issues"] else ""
-        return [f"[checkpoint I/O] {where}: compared no tensor{why}: the path was not exercised"]
-    return [f"[checkpoint I/O] {where}: {p}" for p in result["problems"]]
+        return [CheckFinding("checkpoint-io", f"{where}: compared no tensor{why}: the path was not exercised")]
+    return [CheckFinding("checkpoint-io", f"{where}: {p}") for p in result["problems"]]
 
 
 def io_known_issues(path: str, record: RunRecord) -> list[str]:
     result = record.results.get("io", {}).get(path) or {}
-    return [f"[checkpoint I/O] {path}: {text}" for text in result.get("known_issues", [])]
+    return [f"checkpoint I/O {path}: {text}" for text in result.get("known_issues", [])]
 
 
 def scaled_mm_problems(record: RunRecord) -> list[Problem]:
@@ -145,16 +146,17 @@ def scaled_mm_problems(record: RunRecord) -> list[Problem]:
     if not result.get("applicable"):
         return []
     if "error" in result:
-        return [f"[fp8 matmul] torch._scaled_mm {result['format']} on {result['arch']} raised {result['error']}"]
+        return [CheckFinding("scaled-mm", f"torch._scaled_mm {result['format']} on {result['arch']} raised "
+                                          f"{result['error']}")]
     if "call_rejected" in result:  # not a finding against the stack: the plugin's own call is wrong
         raise CallRejected(call_rejected(result))
     if "refused" in result:
-        return [f"[fp8 matmul] {refusal(result)}"]
+        return [CheckFinding("scaled-mm", refusal(result))]
     if result["non_finite"] or not result["worst_ratio"] <= 1.0:
-        return [f"[fp8 matmul] torch._scaled_mm {result['format']} {result['shape']} on {result['arch']}: at "
-                f"{tuple(result['worst_at'])} expected {result['expected']!r} (oracle, float64), got {result['got']!r}: "
-                f"{result['worst_ratio']:.3g}x the derived error bound {result['bound']:.3g}; "
-                f"{result['non_finite']} non-finite outputs"]
+        return [CheckFinding("scaled-mm", f"torch._scaled_mm {result['format']} {result['shape']} on {result['arch']}: "
+                             f"at {tuple(result['worst_at'])} expected {result['expected']!r} (oracle, float64), got "
+                             f"{result['got']!r}: {result['worst_ratio']:.3g}x the derived error bound "
+                             f"{result['bound']:.3g}; {result['non_finite']} non-finite outputs")]
     return []
 
 

@@ -464,43 +464,64 @@ def compare_training(
     config ties its input and output embeddings, which a tie that differs from the reference's is judged by."""
     chosen, reason = choose_lane(reference, run, lane)
     limits, source = tolerant_limits(reference, tolerances)
-    findings: list[Finding] = []
-    margins: dict[str, float] = {}
-    gradients, margin = _step0_grads(reference, run, chosen, limits["step0_grad"])
-    findings.extend(gradients)
-    kept = {"step0_grad": bool(step0.names(reference)), "param_grad_norm": "param_grad_norm" in reference.arrays,
-            "final_weights": bool(reference.digests)}  # a metric the reference never kept has no margin, not "0x"
-    if kept["step0_grad"]:
-        margins["step0_grad"] = margin
+    findings, margins = _metric_findings(reference, run, chosen, limits)
+    less_precise = oracle_distance.precision_problem(reference, run)  # step 0 further from float64 than the reference
+    precision = [] if less_precise is None else [
+        Finding(oracle_distance.PRECISION_METRIC, less_precise, step=0, tensor="every step-0 gradient")]
+    findings = [*_model_findings(reference, run, tied), *findings, *precision]
+    comparison = Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source,
+                            adamw=run.config.get("adamw"))
+    comparison.notes += [note for note in (by_name.param_grad_norms(reference, run)[1], _environment_note(reference, run))
+                         if note]
+    _trace_evidence(reference, run, comparison)
+    return comparison
+
+
+def _metric_findings(reference: RunRecord, run: RunRecord, lane: str,
+                     limits: dict[str, Any]) -> tuple[list[Finding], dict[str, float]]:
+    """What differs metric by metric (step-0 gradients, the series, per-parameter norms, final weights), and each
+    metric's margin: its largest deviation as a multiple of its limit. A metric the reference never kept has none."""
+    findings, margins = _step0_grads(reference, run, lane, limits["step0_grad"])
+    margin_of: dict[str, float] = {}
+    if step0.names(reference):
+        margin_of["step0_grad"] = margins
     for metric in SERIES:
         if metric in reference.series:
-            found, margins[metric] = _series(metric, reference.series[metric], run.series.get(metric, []), chosen,
-                                             limits[metric])
-            if found:
-                findings.append(found)
-    for metric, (found, margin) in (
-        ("param_grad_norm", _param_grad_norms(reference, run, chosen, limits["param_grad_norm"])),
-        ("final_weights", _final_weights(reference, run, chosen, limits["final_weights"])),
+            found, margin_of[metric] = _series(metric, reference.series[metric], run.series.get(metric, []), lane,
+                                               limits[metric])
+            findings += [found] if found else []
+    for metric, kept, (found, margin) in (
+        ("param_grad_norm", "param_grad_norm" in reference.arrays,
+         _param_grad_norms(reference, run, lane, limits["param_grad_norm"])),
+        ("final_weights", bool(reference.digests), _final_weights(reference, run, lane, limits["final_weights"])),
     ):
-        if kept[metric]:
-            margins[metric] = margin
-        if found:
-            findings.append(found)
-    data_finding(reference, run, findings)
-    less_precise = oracle_distance.precision_problem(reference, run)
-    if less_precise is not None:
-        findings.append(Finding(oracle_distance.PRECISION_METRIC, less_precise, step=0, tensor="every step-0 gradient"))
+        if kept:
+            margin_of[metric] = margin
+        findings += [found] if found else []
+    return findings, margin_of
+
+
+def _model_findings(reference: RunRecord, run: RunRecord, tied: bool | None) -> list[Finding]:
+    """What changed under the numbers, to lead the findings it explains: the model's layout (or a tie its config does
+    not ask for), then the token batches."""
+    out: list[Finding] = []
+    data_finding(reference, run, out)
     tie = model_layout.tie_built_otherwise(reference, run, tied)
-    if tie is not None:  # the model's own code moved: every difference follows from it, none convicts a kernel
-        findings.insert(0, Finding(model_layout.METRIC, tie[1], facts={"built_by": tie[0]}))
+    if tie is not None:
+        out.insert(0, Finding(model_layout.METRIC, tie[1], facts={"built_by": tie[0]}))
     elif changed := model_layout.layout_change(reference, run):
-        findings.insert(0, Finding(model_layout.METRIC, changed))
-    paired = pairings(reference, run)  # both records' traces paired op by op: once, for every use below
-    # The lowest rank whose op sequence changed: what changed there, whose code changed it, and how much was paired.
+        out.insert(0, Finding(model_layout.METRIC, changed))
+    return out
+
+
+def _trace_evidence(reference: RunRecord, run: RunRecord, comparison: Comparison) -> None:
+    """What step 0's op traces say, both records' traces paired op by op once: the first op that moved, what changed
+    in the op sequence of the lowest rank where it did (whose code, which backend, how much was paired, in which
+    dtypes), the op that introduced the difference beyond drift (the tolerant lane), and its shapes."""
+    paired = pairings(reference, run)
+    comparison.first_moved = first_moved(reference, run, sequence=comparison.lane == "exact", paired=paired)
+    comparison.equal_trace = equal_traces(reference, run, paired)
     departed = next(((ref, got, p) for ref, got, p in paired.values() if not p.complete), None)
-    comparison = Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source,
-                            first_moved=first_moved(reference, run, sequence=chosen == "exact", paired=paired),
-                            equal_trace=equal_traces(reference, run, paired), adamw=run.config.get("adamw"))
     if departed is not None:
         ref, got, pairing = departed
         comparison.sequence_notes = sequence_notes(pairing, ref, got)
@@ -508,19 +529,16 @@ def compare_training(
         comparison.swapped_backend = swapped_backend(pairing, ref, got)
         comparison.paired_ops = (len(pairing.pairs), pairing.run_len)
         comparison.new_dtypes = new_dtypes(pairing, ref, got)
-    comparison.notes += [note for note in (by_name.param_grad_norms(reference, run)[1], _environment_note(reference, run))
-                         if note]
     traced = None  # both records' traces side by side: set up once, for the introducing op and the shapes
-    if chosen == "tolerant" and comparison.first_moved is not None:
+    if comparison.lane == "tolerant" and comparison.first_moved is not None:
         traced = Traced.of(reference, run, paired)
         if traced is not None:
             comparison.introduced = introduced_at(reference, run, traced)
             comparison.introduced_rule = describe_thresholds(reference)
         else:
             comparison.introduced_note = OLD_TRACE_NOTE
-    if comparison.culprit is not None and findings:
+    if comparison.culprit is not None and comparison.findings:
         comparison.shape_note = shape_dependence(reference, run, comparison.culprit, traced)
-    return comparison
 
 
 ROUND_TRIP = "round trip"  # a finding's metric: a save or load that failed, whatever the data

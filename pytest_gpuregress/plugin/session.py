@@ -28,7 +28,7 @@ from .artifacts import Artifacts
 from .launches import Launches, Runner, keeping
 from .options import Options
 from .outcomes import Outcome, add_outcome
-from .pipeline import CheckPipeline
+from .pipeline import CheckPipeline, Explain
 from .places import ReferencePlaces
 from .selection import Selection, test_id
 
@@ -140,7 +140,8 @@ class GpuRegressSession:
     # --- the built-in suite's one test -------------------------------------------------------------
 
     def run_case(self, scenario: str, case_id: str) -> None:
-        """Run one case of a registered scenario and give its verdict."""
+        """Run one case of a registered scenario and judge it: its launch (or experiment), then its own checks, and
+        its reference where it has one, explained by triage where it fails."""
         __tracebackhide__ = True
         sc, case = self.selection.runnable_case(scenario, case_id)
         comparator = comparator_of(sc, case, self.setup, self.policy)
@@ -149,23 +150,7 @@ class GpuRegressSession:
                 and sc.kind == "training" and not self.launches.started(sc, case):
             self._watch(sc, self.selection.launch_of(sc, case), reference, comparator)
         ran: list[RunRecord] = []  # the launches an experiment ran, to count their faults' firings
-        try:
-            record = sc.experiment(case, keeping(self.launches.cached, ran), self.setup) \
-                or self._from_reference(sc, case, reference, keeping(self.launches.cached, ran)) \
-                or self.launches.for_case(sc, case)
-        except RankFailure as exc:  # a row in the closing table too, not only a failed test
-            launch = next((la for la in sc.launches([case], self.setup) if la.key == case.launch), None)
-            key = self.platform.key(sc.platform_tag(launch.config if launch else sc.default_config(self.setup)))
-            lacks = NotSupported.backend_lacks(exc)
-            if lacks:  # the stack lacks an op the run needs: a capability, not a wrong number
-                add_outcome(self.outcomes, Outcome(reference or sc.name, key, "not supported", detail=lacks))
-                ran = ", which the reference's stack ran" if reference is not None and not self.places.recording(
-                    reference, key) else ""
-                raise NotSupported(f"this stack ({self.platform.backend}, torch {_torch_version()}) lacks an op "
-                                   f"{reference or sc.name} needs{ran}: {lacks}") from None
-            self._tally(sc, case, passed=False)  # a sweep that crashed passed nothing
-            add_outcome(self.outcomes, Outcome(reference or sc.name, key, "error", detail=str(exc).splitlines()[0]))
-            raise
+        record = self._launched(sc, case, reference, ran)
         lacking = sc.unsupported(case, record, self.setup)
         if lacking:  # never judged: nothing was computed, so nothing is wrong (the scenario's summary counts these)
             raise NotSupported(lacking)
@@ -187,16 +172,42 @@ class GpuRegressSession:
             record.attachments.update(sc.attachments(case, record, self.launches.cached, self.setup))
         elif oracle_distance.judges_precision(record):  # a bf16 run: held to its reference's precision
             measure_oracle_distance(sc, self.setup, self.launches.cached, record, model)
+        self.pipeline.check(record, reference, comparator, unfired, self._explainer(sc, case),
+                            kept_as=test_id(sc, case))
 
-        def explain(ref: RunRecord, comparison: Comparison, whole: RunRecord,
-                    failed: RunRecord) -> Explanation:
-            return explain_failure(sc, self.setup, self.launches.cached, ref, comparison, model, self.options.triage,
-                                   run_experiments=sc.triage_explains(case), case=case,
+    def _launched(self, sc: Scenario, case: Case, reference: str | None, ran: list[RunRecord]) -> RunRecord:
+        """The case's record: from its experiment, from its stored reference (a resume), or its launch. A rank that
+        failed is a row in the closing table too; one whose backend lacks an op the run needs is not supported."""
+        __tracebackhide__ = True
+        try:
+            return sc.experiment(case, keeping(self.launches.cached, ran), self.setup) \
+                or self._from_reference(sc, case, reference, keeping(self.launches.cached, ran)) \
+                or self.launches.for_case(sc, case)
+        except RankFailure as exc:
+            launch = next((la for la in sc.launches([case], self.setup) if la.key == case.launch), None)
+            key = self.platform.key(sc.platform_tag(launch.config if launch else sc.default_config(self.setup)))
+            lacks = NotSupported.backend_lacks(exc)
+            if lacks:  # the stack lacks an op the run needs: a capability, not a wrong number
+                add_outcome(self.outcomes, Outcome(reference or sc.name, key, "not supported", detail=lacks))
+                also = ", which the reference's stack ran" if reference is not None and not self.places.recording(
+                    reference, key) else ""
+                raise NotSupported(f"this stack ({self.platform.backend}, torch {_torch_version()}) lacks an op "
+                                   f"{reference or sc.name} needs{also}: {lacks}") from None
+            self._tally(sc, case, passed=False)  # a sweep that crashed passed nothing
+            add_outcome(self.outcomes, Outcome(reference or sc.name, key, "error", detail=str(exc).splitlines()[0]))
+            raise
+
+    def _explainer(self, sc: Scenario, case: Case) -> Explain:
+        """What explains a failed comparison of ``case``: triage's experiments, the session's check scenarios and
+        the run's own evidence, the bisect where asked for."""
+        bisect = BisectRequest(self.output_dir, self.options.wheelhouse) if self.options.bisect else None
+
+        def explain(ref: RunRecord, comparison: Comparison, whole: RunRecord, failed: RunRecord) -> Explanation:
+            return explain_failure(sc, self.setup, self.launches.cached, ref, comparison, case.data.get("model"),
+                                   self.options.triage, run_experiments=sc.triage_explains(case), case=case,
                                    checks=[*self._checks_evidence(), *own_evidence(failed)], whole_reference=whole,
-                                   bisect=BisectRequest(self.output_dir, self.options.wheelhouse)
-                                   if self.options.bisect else None)
-
-        self.pipeline.check(record, reference, comparator, unfired, explain, kept_as=test_id(sc, case))
+                                   bisect=bisect)
+        return explain
 
     def _tally(self, sc: Scenario, case: Case, passed: bool) -> None:
         """Count a check case whose results speak on other scenarios' failures (Scenario.evidence_for)."""

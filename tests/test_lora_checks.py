@@ -69,6 +69,8 @@ def test_nonzero_finds_missing_empty_and_zero_adapters() -> None:
     tensors[Q_A] = np.zeros((0, 64), np.float32)
     found = messages(checks.check_nonzero(tensors, [MODULE, "model.layers.0.mlp.up_proj"]))
     assert "lora_A of model.layers.0.mlp.up_proj is missing: the module is a target but has no adapter" in found[0]
+    missing = CheckFinding.of(checks.check_nonzero(tensors, [MODULE, "model.layers.0.mlp.up_proj"])[0])
+    assert rule_for(missing).id == "lora-adapter-missing"  # no adapter built at all: peft's, not the optimizer's
     assert any(f"lora_A of {MODULE} is empty (shape [0, 64])" in m for m in found)
     assert any(f"lora_B of {MODULE} is all zeros after training" in m for m in found)
 

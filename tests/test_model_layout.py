@@ -104,6 +104,27 @@ def test_kernels_that_moved_with_a_model_library_alone_are_named_the_models_code
     assert model_code_cause(reference, run) == ""
 
 
+def test_a_parameter_the_model_no_longer_has_is_its_definition_and_a_lora_adapter_is_peft() -> None:
+    """A fresh-eyes fault: peft's LoraConfig lost one target module, so the model has no adapter there. No gradient
+    and no final weight: the parameter is gone, not a gradient a stack fault dropped; only adapters differ, so the
+    library that builds them is named, not the optimizer that no longer steps them."""
+    def lora_record(with_down_proj: bool) -> RunRecord:
+        names = ["q_proj.lora_A.default.weight", "q_proj.lora_B.default.weight"]
+        names += ["down_proj.lora_A.default.weight", "down_proj.lora_B.default.weight"] if with_down_proj else []
+        full = [f"base_model.model.model.layers.0.self_attn.{n}" for n in names]
+        return RunRecord(scenario="lora", config={}, platform_key="cpu-gloo-w2-fp32", world_size=2,
+                         fingerprint={"versions": {"peft": "0.21.2", "torch": "2.13.0"}}, series={"loss": [5.5, 5.4]},
+                         arrays={f"step0_grad/{n}": np.full((8, 8), 0.5, dtype=np.float32) for n in full},
+                         digests={n: {"sha256": "x", "sum": 1.0, "abs_sum": 2.0, "shape": [8, 8]} for n in full})
+    reference, run = lora_record(True), lora_record(False)
+    assert model_layout.layout_change(reference, run).startswith("the model's definition changed: 2 parameters only "
+                                                                 "in the reference")
+    assert model_layout.adapters_only(reference, run)
+    comparison = compare_named(reference, run, lane="exact")
+    assert (comparison.findings[0].component, comparison.findings[0].rule) == ("library: peft", "layout")
+    assert {f.component for f in comparison.findings} == {"library: peft"}  # what follows from it too
+
+
 def test_a_blocked_gradient_without_its_shape_on_one_side_is_no_layout_change() -> None:
     reference, run = moe_record(False, "5.24.0"), moe_record(False, "5.24.0")
     for record, shape in ((reference, [301, 77]), (run, None)):

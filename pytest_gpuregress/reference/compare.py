@@ -510,7 +510,8 @@ def _model_findings(reference: RunRecord, run: RunRecord, tied: bool | None) -> 
     if tie is not None:
         out.insert(0, Finding(model_layout.METRIC, tie[1], facts={"built_by": tie[0]}))
     elif changed := model_layout.layout_change(reference, run):
-        out.insert(0, Finding(model_layout.METRIC, changed))
+        out.insert(0, Finding(model_layout.METRIC, changed,
+                              facts={"adapters_only": model_layout.adapters_only(reference, run)}))
     return out
 
 

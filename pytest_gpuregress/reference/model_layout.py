@@ -91,13 +91,15 @@ def library_changes(reference: RunRecord, run: RunRecord) -> list[str]:
 def layout_change(reference: RunRecord, run: RunRecord) -> str | None:
     """The model finding's message when the parameter layouts differ, else None. Gradients that are only
     missing, with no model library changed, are no model change: a stack fault can leave a parameter without
-    a step-0 gradient, and the usual findings must name it."""
+    a step-0 gradient, and the usual findings must name it. A parameter the model no longer has at all (no final
+    weight either) is a change of the model's definition."""
     before, after = layout(reference), layout(run)
     change = what_changed(before, after)
     if change is None:
         return None
     libraries = library_changes(reference, run)
-    only_missing = not (set(after) - set(before)) and all(after[n] in (None, before[n]) for n in after)
+    absent = bool(run.digests) and any(name not in run.digests for name in set(before) - set(after))
+    only_missing = not absent and not (set(after) - set(before)) and all(after[n] in (None, before[n]) for n in after)
     if only_missing and not libraries:
         return None
     cause = f"the model's code changed with {', '.join(libraries)}" if libraries else "the model's definition changed"
@@ -105,6 +107,13 @@ def layout_change(reference: RunRecord, run: RunRecord) -> str | None:
             "reference cannot judge its numbers (not a kernel or collective fault); record a reference for this "
             "stack with --gpuregress-record into a folder of its own (--gpuregress-reference-dir), and keep this "
             "one for the stack it was recorded on")
+
+
+def adapters_only(reference: RunRecord, run: RunRecord) -> bool:
+    """Whether every parameter the layouts do not share is a LoRA adapter's (peft builds those, not the model)."""
+    before, after = layout(reference), layout(run)
+    changed = (set(before) ^ set(after)) | {n for n in set(before) & set(after) if before[n] != after[n]}
+    return bool(changed) and all(".lora_" in name for name in changed)
 
 
 def tie_built_otherwise(reference: RunRecord, run: RunRecord, tied: bool | None) -> tuple[str, str] | None:

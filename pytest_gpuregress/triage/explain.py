@@ -56,8 +56,11 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
     model_changed = layout is not None
     library = None if model_changed else model_code.experiment(sc, setup, run, reference, model, comparison)
     if not run_experiments:
-        return _without_experiments(library, comparison, [*checks, *_bisected(sc, setup, run, whole_reference or
-                                                                              reference, comparison, case, bisect)])
+        evidence = [*checks, *_bisected(sc, setup, run, whole_reference or reference, comparison, case, bisect)]
+        if layout is not None and not any(e.convicts for e in evidence):  # the runs start from other weights
+            found = triage.verdict(comparison, evidence, rules=(RULE_BY_ID["model-layout"],))
+            return Explanation(found, triage.report(found.line, evidence))
+        return _without_experiments(library, comparison, evidence)
     try:
         # Equivalence and the oracle need no reference: even where the model's code changed, they can
         # still convict a collective or a kernel of this stack, which re-recording must not bury.

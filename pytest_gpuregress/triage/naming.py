@@ -48,6 +48,8 @@ LORA_RULES: tuple[CheckRule, ...] = (
               "the library left it trainable or dropped it", PEFT, _fact("left_trainable")),
     CheckRule("lora-base-moved", "frozen-base", "a base weight changed without ever receiving a gradient: an "
               "optimizer stepped it anyway, or a collective or a load wrote into it", "optimizer or collective"),
+    CheckRule("lora-adapter-missing", "adapter-nonzero", "a module the config targets has no adapter at all: the "
+              "library built none", PEFT, _fact("missing")),
     CheckRule("lora-adapter-untrained", "adapter-nonzero", "an adapter is missing, empty or all zeros after training",
               "optimizer"),
     CheckRule("lora-sharded-save", "sharded-save", "the saved adapter lacks a rank's slice (another shape than the "
@@ -153,7 +155,7 @@ def _first(comparison: Comparison, metric: str) -> Finding | None:
 def _layout(finding: Finding, comparison: Comparison) -> str | None:
     if finding.metric != LAYOUT:
         return None
-    built_by = finding.facts.get("built_by")
+    built_by = finding.facts.get("built_by") or ("peft" if finding.facts.get("adapters_only") else None)
     return f"library: {built_by}" if built_by else "model"
 
 
@@ -221,7 +223,8 @@ FINDING_RULES: tuple[FindingRule, ...] = (
     FindingRule("follows-broken-load", "a resumed run's difference, where the load gave back other state",
                 "checkpoint", _has("after_broken_load", "checkpoint")),
     FindingRule("layout", "the model's parameter layout differs from the reference's; a tie the library built "
-                "against the model's config", "model; library: <the package that built it>", _layout),
+                "against the model's config; only LoRA adapters differ (peft builds them)",
+                "model; library: <the package that built it>; library: peft", _layout),
     FindingRule("data-changed", "the token batches differ from the reference's from some step", "data",
                 _metric(("data",), "data")),
     FindingRule("follows-layout", "any difference where the layout changed: the runs start from other weights",

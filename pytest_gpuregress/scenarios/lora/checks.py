@@ -133,7 +133,7 @@ def check_nonzero(adapters: Mapping[str, np.ndarray], targeted: Iterable[str]) -
         for which in ("lora_A", "lora_B"):
             if (module, which) not in present:
                 out.append(finding("adapter-nonzero", f"{which} of {module} is missing: the module is a target "
-                                                      "but has no adapter"))
+                                                      "but has no adapter", missing=True))
     for name, values in adapters.items():
         if values.size == 0:
             out.append(finding("adapter-nonzero", f"{describe(name)} is empty (shape {_shape(values.shape)})"))

@@ -238,5 +238,12 @@ def test_gradients_exactly_world_size_times_the_reference_are_a_divide_skipped()
     assert "every element exactly 2x the reference's: the world size 2" in alone.quoted
     held = Experiment(INVARIANTS, "held", "every reduce-scatter kept its invariants")
     caller = decide(Evidence(gradients("the world size 2"), {INVARIANTS: held}))  # type: ignore[arg-type]
-    assert caller.component.startswith("library") and caller.rule == "world-size-factor"
+    assert (caller.component, caller.rule) == ("library", "world-size-factor")  # no op says whose code: no package
+    seed = SimpleNamespace(site="compute", package="torch", entry=SimpleNamespace(package="torch"),
+                           describe=lambda: "aten::ones_like in no module (backward), f32[]")
+    seeded = gradients("1 / the world size 2")
+    seeded.culprit = seed  # a backward seed of 1/N, where autograd makes it
+    named = decide(Evidence(seeded, {INVARIANTS: held}))  # type: ignore[arg-type]
+    assert (named.component, named.rule) == ("library: torch", "world-size-factor")
+    assert "aten::ones_like in no module (backward)" in named.quoted
     assert decide(Evidence(gradients(None), {})).rule != "world-size-factor"  # type: ignore[arg-type]

@@ -155,7 +155,11 @@ def _world_size_factor(evidence: Evidence) -> Decision | None:
     what = (f"{len(gradients)} gradient tensors differ, every element exactly {gradients[0].factor:.6g}x the "
             f"reference's: {gradients[0].factor_is}, a divide by the number of ranks skipped or done twice")
     if held is not None and held.status == "held":
-        return "library: <the code that divides by the world size>", f"{what}; every collective kept its invariants"
+        culprit = evidence.culprit  # the op that introduced it: whose code scaled the gradients, where it says
+        package = culprit.entry.package if culprit is not None and culprit.entry is not None else None
+        where = f"; {culprit.describe()}" if culprit is not None else ""
+        return (f"library: {package}" if package else "library"), \
+            f"{what}; every collective kept its invariants, so the code that divides did it{where}"
     return "collective or library", (f"{what}, by an AVG that summed (the collective) or by the code that divides "
                                      "(a library); the run's collective invariants would tell them apart")
 
@@ -287,8 +291,8 @@ RULES: tuple[Rule, ...] = (
          "scale, an epsilon)", "library: <the package whose code called it>", _called_otherwise),
     Rule("world-size-factor",
          "every gradient that differs is exactly the world size times the reference's, or its inverse (a divide by the "
-         "number of ranks skipped or done twice)", "collective or library; library where the collectives kept their "
-         "invariants", _world_size_factor),
+         "number of ranks skipped or done twice)", "collective or library; library (the package whose code ran the op "
+         "that introduced it) where the collectives kept their invariants", _world_size_factor),
     Rule("one-rank", "the op that introduced the difference computes, on one rank only; the others' same op kept within drift; "
          "one rank replaying every rank's micro-batch did not compute it (equivalence not clean)",
          "device (the rank named)", _one_rank),

@@ -64,12 +64,15 @@ def test_right_gradients_and_a_divergence_that_recurs_in_a_fresh_process_convict
 
 def test_a_loss_that_moves_only_steps_after_the_right_update_says_what_else_could_do_it() -> None:
     """The helper's N3: the backward of one class's target wrong from step 233 on, while S = 225's batch has none of
-    it: the window's loss moves at its step 9. A learning rate 0.1% off moves it at step 5, so the step does not
-    tell them apart: the verdict stays the optimizer's, and says that a later batch's gradients could do this too."""
+    it: the window's loss moves at its step 9. A fresh-eyes fault, one device's silu after 40 calls, moves it at
+    step 20. Neither is the update, which shows from the window's first step: the window convicts nothing, and the
+    verdict says what would settle it (#53's known miss: such a late bug was named [optimizer])."""
     later = Finding("loss", "loss: first differing step 9 of 75 ...", step=9)
     experiment = judged(2, 6, window(later))
-    assert experiment.status == "reproduced" and experiment.component == "optimizer"
-    assert "the loss leaves its limit only at the window's step 9, so a later batch's gradients" in experiment.detail
+    assert experiment.status == "reproduced later" and experiment.component is None
+    assert "but only from the window's step 9: a later batch's gradients" in experiment.detail
+    found = verdict(late_divergence(), [*CLEARED, experiment])
+    assert found.component is None and "what would settle it: a run on the reference's own stack" in found.quoted
 
 
 def test_a_divergence_that_does_not_recur_in_a_fresh_process_is_no_proof_against_the_collectives() -> None:

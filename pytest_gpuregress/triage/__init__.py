@@ -47,7 +47,7 @@ Runner = Callable[["Scenario", "Launch"], RunRecord]
 
 
 Status = Literal["clean", "differs", "vanished", "shrank", "stayed", "not applicable", "failed to run", "reproduced",
-                 "did not reproduce", "broke", "held", "inconsistent", "named", "no revert restores"]
+                 "reproduced later", "did not reproduce", "broke", "held", "inconsistent", "named", "no revert restores"]
 
 
 @dataclass

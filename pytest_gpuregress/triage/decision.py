@@ -351,10 +351,16 @@ def _what_would_settle(evidence: Evidence) -> str:
     """For an inconclusive verdict: the experiment that would settle it, where the evidence says which."""
     late = evidence.by_name.get("late window")
     flipped = any(name.startswith("flip ") for name in evidence.by_name)
+    flips = ("--gpuregress-triage reruns the whole training with one switch flipped at a time (world size 1 clears or "
+             "convicts the collectives, a lower CPU kernel path or the other BLAS the kernels)")
     if late is not None and late.status == "did not reproduce" and not flipped:
-        return ("what would settle it: the divergence needs a warmed-up process, which a replay from a checkpoint is "
-                "not; --gpuregress-triage reruns the whole training with one switch flipped at a time (world size 1 "
-                "clears or convicts the collectives, a lower CPU kernel path or the other BLAS the kernels)")
+        return f"what would settle it: the divergence needs a warmed-up process, which a replay from a checkpoint is " \
+               f"not; {flips}"
+    if late is not None and late.status == "reproduced later":
+        lane = evidence.comparison.lane if evidence.comparison is not None else ""
+        exact = "" if lane == "exact" else ("a run on the reference's own stack, where the exact lane sees the step "
+                                            "whose bits move first (an update's move at the window's first step); ")
+        return f"what would settle it: {exact}{'' if flipped else flips}".rstrip("; ")
     return ""
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from pytest_gpuregress.reference import introduced
@@ -150,6 +151,29 @@ def test_a_one_token_gradient_change_propagating_through_a_gemm_is_not_pinned_on
     few, so the sketch names no op for it (tests/test_introduced.py: one gradient element off by 1e-3)."""
     run = upgraded(DRIFT)
     assert compare_named(reference, run, lane="tolerant").culprit is None
+
+
+def test_sums_over_parameters_registered_in_another_order_are_the_models_code_not_the_clip() -> None:
+    """A fresh-eyes change: transformers registering a layer's submodules in another order moves the clip's total
+    norm (a sum in registration order) by an ulp in the exact lane, and the training after it. That is the model's
+    code, never the clip or the update; step 0's gradients are bitwise the reference's."""
+    from pytest_gpuregress.triage import verdict
+
+    from .conftest import make_record
+
+    reference = make_record(steps=6)
+    reference.series["clipped_grad_norm"] = [0.5] * 6
+    run = make_record(steps=6)
+    run.param_names = list(reversed(reference.param_names))
+    run.arrays = {**run.arrays, "param_grad_norm": reference.arrays["param_grad_norm"][:, ::-1].copy()}
+    run.series["clipped_grad_norm"] = [0.5, float(np.nextafter(0.5, 1.0)), 0.5, 0.5, 0.5, 0.5]
+    run.series["loss"] = [*run.series["loss"][:3], *(v * (1 + 1e-6) for v in run.series["loss"][3:])]
+    comparison = compare_named(reference, run, lane="exact")
+    assert comparison.reordered and {(f.component, f.rule) for f in comparison.findings} == {
+        ("model", "registration-order")}
+    assert all("the clipping itself scaled them wrongly" not in f.message for f in comparison.findings)
+    found = verdict(comparison, [])
+    assert (found.component, found.rule) == ("model", "registration-order")
 
 
 def test_a_layer_that_registers_its_submodules_in_another_order_is_compared_by_name() -> None:

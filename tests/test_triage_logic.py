@@ -185,7 +185,7 @@ def test_an_op_found_among_too_few_paired_ops_decides_nothing_alone_and_the_verd
     kernel_op = SimpleNamespace(site="compute", entry=None, world=2, also_on=(), arguments_changed=False)
     first = Experiment("first moved op", "differs", "aten::mm in q_proj", component="kernel")
     same = {"findings": [SimpleNamespace(step=0, metric="loss")], "culprit": kernel_op, "changed_code": [],
-            "swapped_backend": None, "new_dtypes": []}
+            "swapped_backend": None, "new_dtypes": [], "reordered": False}
     paired = SimpleNamespace(**same, paired_ops=(400, 728))
     assert decide(Evidence(paired, {"first moved op": first})).rule == "culprit-at-step0"  # type: ignore[arg-type]
     unpaired = SimpleNamespace(**same, paired_ops=(314, 728))
@@ -231,7 +231,7 @@ def test_gradients_exactly_world_size_times_the_reference_are_a_divide_skipped()
     def gradients(factor_is: str | None) -> SimpleNamespace:
         grad = SimpleNamespace(metric="late_grad", step=None, factor=2.0, factor_is=factor_is)
         return SimpleNamespace(findings=[grad, grad], culprit=None, paired_ops=None, changed_code=[],
-                               swapped_backend=None, new_dtypes=[])
+                               swapped_backend=None, new_dtypes=[], reordered=False)
 
     alone = decide(Evidence(gradients("the world size 2"), {}))  # type: ignore[arg-type]
     assert (alone.component, alone.rule) == ("collective or library", "world-size-factor")

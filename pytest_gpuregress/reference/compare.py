@@ -113,6 +113,9 @@ class Comparison:
     # Dtypes the inserted ops compute in that no op of the reference's step 0 did (trace_pairs.new_dtypes).
     new_dtypes: list[str] = field(default_factory=list)
     adamw: str | None = None  # the AdamW implementation the run used (training/optimizer.py), where it says
+    # The run registers the model's parameters in another order than the reference (the same names and shapes):
+    # sums over parameters (the clip's norm, the recorded norms) follow that order, so their last bits may move.
+    reordered: bool = False
     notes: list[str] = field(default_factory=list)  # information about how the comparison was made
 
     @property
@@ -471,8 +474,9 @@ def compare_training(
     findings = [*_model_findings(reference, run, tied), *findings, *precision]
     comparison = Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source,
                             adamw=run.config.get("adamw"))
-    comparison.notes += [note for note in (by_name.param_grad_norms(reference, run)[1], _environment_note(reference, run))
-                         if note]
+    order_note = by_name.param_grad_norms(reference, run)[1]
+    comparison.reordered = order_note == by_name.REORDERED
+    comparison.notes += [note for note in (order_note, _environment_note(reference, run)) if note]
     _trace_evidence(reference, run, comparison)
     return comparison
 

@@ -243,6 +243,21 @@ def _less_precise_same_code(evidence: Evidence) -> Decision | None:
     return ("kernel", f"{found.message}; the same ops ran, with the same arguments") if found is not None else None
 
 
+def _registration_order(evidence: Evidence) -> Decision | None:
+    """The run registers the model's parameters in another order (the same names, shapes and initial values) and
+    step 0's gradients are bitwise the reference's: every sum over the parameters (the clip's total norm, the
+    recorded norms) follows the order of registration, so its last bits move, and the training with them. The
+    model's code changed; no kernel, collective or update did."""
+    comparison = evidence.comparison
+    if comparison is None or not comparison.reordered or comparison.lane != "exact":
+        return None
+    if any(f.metric == "step0_grad" for f in comparison.findings):
+        return None
+    return "model", ("this run registers the model's parameters in another order than the reference, and step 0's "
+                     "gradients are bitwise the reference's: sums over the parameters (the clip's total norm) follow "
+                     "that order, so their last bits move, and the training with them")
+
+
 def _kernels(evidence: Evidence) -> Decision | None:
     found = evidence.by_name.get("kernels")
     if found is None or evidence.first_step != 0:
@@ -313,6 +328,9 @@ RULES: tuple[Rule, ...] = (
     Rule("culprit-at-step0",
          "the op of step 0 that introduced the difference (step 0 differs, or an optimizer op)", "its component",
          _culprit_at_step0),
+    Rule("registration-order",
+         "the exact lane: the run registers the model's parameters in another order (the same names and shapes), and "
+         "step 0's gradients are bitwise the reference's", "model", _registration_order),
     Rule("late-window-reproduced",
          "the late window reproduced it: right gradients at S, and the update from the reference's state diverges "
          "again in a fresh process", "optimizer", _experiment("late window", "reproduced")),

@@ -199,6 +199,14 @@ def _later(finding: Finding, comparison: Comparison) -> str:
         else "optimizer or collective"
 
 
+def _reordered(finding: Finding, comparison: Comparison) -> str | None:
+    """Where the run registers its parameters in another order (the exact lane) and no step-0 gradient moved: sums
+    over the parameters (the clip's norm, the recorded norms) follow the order; the model's code changed."""
+    if not comparison.reordered or comparison.lane != "exact" or _first(comparison, "step0_grad") is not None:
+        return None
+    return "model"
+
+
 def _metric(names: tuple[str, ...], component: str) -> Callable[[Finding, Comparison], str | None]:
     return lambda finding, comparison: component if finding.metric in names else None
 
@@ -231,6 +239,8 @@ FINDING_RULES: tuple[FindingRule, ...] = (
                 "what the layout names", _follows_layout),
     FindingRule("follows-data", "a difference from the step the token batches changed on (a failed save or load "
                 "excepted)", "data", _follows_data),
+    FindingRule("registration-order", "the exact lane, parameters registered in another order and no step-0 gradient "
+                "moved: sums over the parameters follow the order", "model", _reordered),
     FindingRule("missing", "a metric or tensor missing, reshaped or of another length than the reference's",
                 "unknown", _has("missing", "unknown")),
     FindingRule("round-trip", "a checkpoint's round trip failed, or a tensor it gave back differs bit for bit",
@@ -260,15 +270,14 @@ CLIP_SAID = ", so the clipping itself scaled them wrongly (clip_grad_norm_, or t
 def name_findings(comparison: Comparison) -> Comparison:
     """Name every finding of ``comparison`` by the first rule that decides it; the finding keeps the rule's id. Where
     a finding points at the optimizer, which AdamW implementation ran is said (a bug can live in one only)."""
-    clip = clip_moved_first(comparison.findings)
-    if clip is not None and CLIP_SAID not in clip.message:  # what the clip rule read, said where it applies
-        clip.message += f"; the gradients before clipping match at step {clip.step}{CLIP_SAID}"
     for finding in comparison.findings:
         for rule in FINDING_RULES:
             component = rule.decide(finding, comparison)
             if component is not None:
                 finding.component, finding.rule = component, rule.id
                 break
+        if finding.rule == "clip-moved-first" and finding.metric == "clipped_grad_norm" and CLIP_SAID not in finding.message:
+            finding.message += f"; the gradients before clipping match at step {finding.step}{CLIP_SAID}"
         if "optimizer" in finding.component and comparison.adamw and ADAMW_NOTE not in finding.message:
             finding.message += f"{ADAMW_NOTE}{comparison.adamw}"
     return comparison

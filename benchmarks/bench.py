@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bare_fsdp import run_bare  # noqa: E402
 
+from pytest_gpuregress.launch import template  # noqa: E402
 from pytest_gpuregress.plugin.options import Options  # noqa: E402
 from pytest_gpuregress.plugin.session import GpuRegressSession  # noqa: E402
 from pytest_gpuregress.units import human_bytes  # noqa: E402
@@ -80,13 +81,16 @@ def start() -> None:
     try:
         cold = _noop_launch(pooled)
         warm = min(_noop_launch(pooled) for _ in range(3))
-        unpooled = min(_noop_launch(fresh) for _ in range(2))
+        forked = min(_noop_launch(fresh) for _ in range(2))  # fresh ranks forked from the template
+        os.environ[template.DISABLE] = "0"
+        unpooled = min(_noop_launch(fresh) for _ in range(2))  # fresh ranks that import torch themselves
     finally:
+        os.environ.pop(template.DISABLE, None)
         pooled.close()
         fresh.close()
     figures["start_cold_s"], figures["start_warm_s"] = cold, warm
     print(f"rank start-up per launch: pooled {warm:.2f}s warm ({cold:.1f}s for the session's first launch), "
-          f"fresh ranks {unpooled:.1f}s")
+          f"fresh ranks {forked:.2f}s forked from the template, {unpooled:.1f}s importing for themselves")
 
 
 def recording() -> None:

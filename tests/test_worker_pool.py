@@ -152,9 +152,9 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def _children_serving(parent: int) -> list[int]:
-    """Rank processes whose parent is ``parent`` (from /proc)."""
-    found = []
+def _processes() -> dict[int, tuple[int, bytes]]:
+    """Every process's parent and command line (from /proc)."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -163,9 +163,17 @@ def _children_serving(parent: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat.split(")")[-1].split()[1]) == parent and b"pytest_gpuregress.launch.worker" in cmdline:
-            found.append(int(entry.name))
+        found[int(entry.name)] = (int(stat.split(")")[-1].split()[1]), cmdline)
     return found
+
+
+def _children_serving(parent: int) -> list[int]:
+    """Rank processes of the launcher ``parent``: started by it, or forked by a template it started (template.py)."""
+    processes = _processes()
+    templates = {pid for pid, (ppid, cmd) in processes.items()
+                 if ppid == parent and b"pytest_gpuregress.launch.template" in cmd}
+    return [pid for pid, (ppid, cmd) in processes.items()
+            if (ppid == parent and b"pytest_gpuregress.launch.worker" in cmd) or ppid in templates]
 
 
 def _alive(pid: int) -> bool:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from .job import Job
 from .net import loopback_env
+from .template import ForkedRank, Templates
 
 # Environment variables that change per test without changing what a rank computes (pytester
 # gives every test its own HOME and temp root); ranks keep the values they started with.
@@ -45,6 +46,7 @@ MAX_IDLE_GROUPS = 2
 CLOSE_GRACE_S = 5.0
 
 EnvKey = tuple[int, str, bool, tuple[tuple[str, str], ...]]
+Rank = subprocess.Popen[bytes] | ForkedRank
 
 
 def rank_environment(job: Job) -> dict[str, str]:
@@ -66,7 +68,7 @@ def group_key(job: Job) -> EnvKey:
     return job.world_size, job.device_kind, job.loopback_only, tuple(sorted(env.items()))
 
 
-def kill_process_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+def kill_process_group(proc: Rank, sig: int = signal.SIGKILL) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -81,19 +83,19 @@ class RankGroup:
         self.world_size = job.world_size
         self.log_dir = Path(tempfile.mkdtemp(prefix="gpuregress-ranks-", dir=base_dir))
         env = rank_environment(job)
-        self.procs: list[subprocess.Popen[bytes]] = []
-        for rank in range(job.world_size):
-            with open(self.startup_log(rank), "wb") as log:
-                self.procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "pytest_gpuregress.launch.worker", "--serve", str(rank)],
-                        stdin=subprocess.PIPE,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-                        start_new_session=True,
-                    )
-                )
+        self.procs: list[Rank] = [self._start(rank, dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), job.device_kind)
+                                  for rank in range(job.world_size)]
+
+    def _start(self, rank: int, env: dict[str, str], device_kind: str) -> Rank:
+        """Forked from a template that has imported torch and the libraries (template.py), on the CPU; else a new
+        interpreter that imports them itself."""
+        forked = shared_templates().fork(rank, env, self.startup_log(rank)) if device_kind == "cpu" else None
+        if forked is not None:
+            return forked
+        with open(self.startup_log(rank), "wb") as log:
+            return subprocess.Popen([sys.executable, "-m", "pytest_gpuregress.launch.worker", "--serve", str(rank)],
+                                    stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
 
     def startup_log(self, rank: int) -> Path:
         """Where a rank writes before its first job and between jobs (import errors land here)."""
@@ -189,3 +191,16 @@ def shared_pool() -> WorkerPool:
         anchor._shared_worker_pool = pool  # type: ignore[attr-defined]
         atexit.register(pool.close)
     return pool
+
+
+def shared_templates() -> Templates:
+    """The process's rank templates (template.py), kept on the top-level package as the pool is, for the same
+    reason; closed at exit, and ranks still running die with their template."""
+    import pytest_gpuregress as anchor
+
+    templates = getattr(anchor, "_rank_templates", None)
+    if templates is None:
+        templates = Templates()
+        anchor._rank_templates = templates  # type: ignore[attr-defined]
+        atexit.register(templates.close)
+    return templates

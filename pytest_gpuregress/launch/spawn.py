@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from ..errors import RankFailure
 from ..reference.record import RECORD_JSON, RunRecord
 from . import device_errors, flight, torch_trace
 from .job import Job, RankFiles
-from .pool import RankGroup, WorkerPool, rank_environment, shared_pool
+from .pool import Rank, RankGroup, WorkerPool, rank_environment, shared_pool
 
 POLL_S = 0.05
 PROGRESS_EVERY_S = 1.0  # the launcher's side of "at most once a second"; the plugin may show fewer
@@ -247,7 +246,7 @@ class SpawnLauncher:
                     for rank, (proc, f) in enumerate(zip(group.procs, files))]
         return outcomes, notes
 
-    def _wait(self, job: Job, procs: list[subprocess.Popen[bytes]], files: list[RankFiles], deadline: float) -> bool:
+    def _wait(self, job: Job, procs: list[Rank], files: list[RankFiles], deadline: float) -> bool:
         """Until every rank is done (exited or released), a rank failed without delivering (after a grace), every
         rank delivered (after the teardown grace), or the deadline; True at the deadline. Shows progress."""
         first_failure: float | None = None
@@ -273,7 +272,7 @@ class SpawnLauncher:
                 return True
             time.sleep(POLL_S)
 
-    def _request_dumps(self, job: Job, procs: list[subprocess.Popen[bytes]], files: list[RankFiles]) -> None:
+    def _request_dumps(self, job: Job, procs: list[Rank], files: list[RankFiles]) -> None:
         """NCCL/RCCL at the limit: the ranks dump torch's flight recorder before the kill (its watchdog counts
         from when a collective was queued, so it rarely comes first)."""
         prefix = torch_trace.arm(Path(job.run_dir), job.backend, rank_environment(job))
@@ -316,7 +315,7 @@ class SpawnLauncher:
         return f"{head}\nlogs: {job.run_dir}\n\n{body}"
 
 
-def _ask_for_stacks(procs: list[subprocess.Popen[bytes]], files: list[RankFiles]) -> None:
+def _ask_for_stacks(procs: list[Rank], files: list[RankFiles]) -> None:
     """Ask ranks that are still working for their Python stacks before they are killed."""
     pending = [p for p, f in zip(procs, files) if p.poll() is None and not f.done.exists()]
     for proc in pending:
@@ -328,7 +327,7 @@ def _ask_for_stacks(procs: list[subprocess.Popen[bytes]], files: list[RankFiles]
         time.sleep(1.0)
 
 
-def _outcome(rank: int, proc: subprocess.Popen[bytes], files: RankFiles, group: RankGroup, timed_out: bool,
+def _outcome(rank: int, proc: Rank, files: RankFiles, group: RankGroup, timed_out: bool,
              notes: list[str]) -> RankOutcome:
     """What became of one rank, from its files and exit code; a note where it misbehaved after delivering."""
     code = proc.poll()

@@ -150,7 +150,7 @@ def run_rank(job: Job, rank: int) -> None:
         hook()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """SIGKILL this rank when the launcher dies, even by SIGKILL; a watchdog thread where prctl is missing."""
     parent = int(os.environ.get("GPUREGRESS_PARENT_PID", os.getppid()))
     try:
@@ -289,7 +289,7 @@ def _release_device_memory(job: Job) -> str | None:
 
 
 def serve(rank: int) -> None:
-    _die_with_parent()
+    die_with_parent()
     if sys.path and sys.path[0] == os.getcwd():  # `python -m` put the start-up directory first; jobs bring theirs
         sys.path.pop(0)
     faulthandler.enable(file=sys.stderr)

@@ -1,0 +1,233 @@
+"""Fresh ranks without fresh imports: a template process that has imported torch and the libraries forks them.
+
+A new rank spent about 4 CPU-seconds importing torch, transformers, accelerate and peft before its first job, and
+triage's cold replays start many. A template imports them once; each rank it forks starts with them imported and
+nothing else done (no job, no tensor, no thread), which is all that "cold" promises (multiprocessing's forkserver
+with preload does the same; this one keeps Popen's face for the pool: pid, poll, wait, stdin).
+
+Only on the CPU: a CUDA or HIP driver touched before a fork is unusable in the child. A template serves one
+import-time environment: only the variables in ``AFTER_IMPORT`` may differ between it and its ranks, so another
+PYTHONPATH (a bisect overlay), OMP_NUM_THREADS (libgomp reads it at load) or ATEN_CPU_CAPABILITY gets a template of
+its own, whose single import still serves every rank of every launch with that environment.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+# Read by a rank only after the imports, so ranks may differ from their template in them.
+AFTER_IMPORT = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "GPUREGRESS_PARENT_PID", "PYTEST_CURRENT_TEST", "HOME",
+                          "USERPROFILE", "PYTEST_DEBUG_TEMPROOT", "PY_COLORS"})
+# What every built-in scenario's rank imports; a user's scenario module is imported by its rank, as before.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint", "numpy",
+           "safetensors.torch", "transformers", "accelerate", "peft", "pytest_gpuregress.launch.worker",
+           "pytest_gpuregress.scenarios.fsdp.rank", "pytest_gpuregress.scenarios.lora.rank",
+           "pytest_gpuregress.scenarios.checkpoint.rank")
+MAX_TEMPLATES = 4  # each holds torch and the libraries (a few hundred MB); past this, ranks start as before
+DISABLE = "GPUREGRESS_RANK_TEMPLATE"  # =0: every rank imports for itself (to rule the template out)
+EnvKey = tuple[tuple[str, str], ...]
+
+
+def template_key(env: dict[str, str]) -> EnvKey:
+    return tuple(sorted((k, v) for k, v in env.items() if k not in AFTER_IMPORT))
+
+
+class ForkedRank:
+    """A rank forked by a template: the parts of ``subprocess.Popen`` the pool and the launcher use. Its template
+    reaps it and writes its exit status to ``exit_path`` (Popen's convention: minus the signal that killed it)."""
+
+    def __init__(self, pid: int, stdin: IO[bytes], exit_path: Path, template: subprocess.Popen[bytes]) -> None:
+        self.pid, self.stdin, self.exit_path, self.template = pid, stdin, exit_path, template
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            if self.exit_path.exists():
+                self.returncode = int(self.exit_path.read_text())
+            elif not _running(self.pid) and self.template.poll() is not None:
+                # Gone (or a zombie nobody reaps) and its template with it: no status will come.
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout or 0.0)
+            time.sleep(0.02)
+        return code
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class Template:
+    """The launcher's handle on one template process."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        # Its own folder: a template outlives the groups whose ranks it forks.
+        self.log = Path(tempfile.mkdtemp(prefix="gpuregress-template-")) / "template.log"
+        with open(self.log, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)
+        assert self.proc.stdout is not None
+        # Blocks for the imports; a template that failed them (or found threads it cannot fork past) says so.
+        self.ready = self.proc.stdout.readline() == b"ready\n"
+
+    def fork(self, rank: int, env: dict[str, str], log: Path) -> ForkedRank | None:
+        """A fresh rank with ``env``, its output in ``log``; None where the template cannot fork one."""
+        if not self.ready or self.proc.poll() is not None:
+            return None
+        jobs, exit_path = log.with_suffix(".jobs"), log.with_suffix(".exit")
+        os.mkfifo(jobs)
+        # Read and write: the open does not wait for the rank to open its end, and job paths wait in the pipe.
+        stdin = os.fdopen(os.open(jobs, os.O_RDWR), "wb", buffering=0)
+        request = {"rank": rank, "env": env, "log": str(log), "jobs": str(jobs), "exit": str(exit_path),
+                   "cwd": os.getcwd()}  # where a new interpreter would start: the launcher's directory now
+        try:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
+            answer = self.proc.stdout.readline().decode().strip()
+        except OSError:
+            answer = ""
+        if not answer.isdigit():
+            stdin.close()
+            self.ready = False
+            return None
+        return ForkedRank(int(answer), stdin, exit_path, self.proc)
+
+    def close(self) -> None:
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()  # at EOF the template leaves; ranks still running die with it (worker.py)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.log.parent, ignore_errors=True)
+
+
+class Templates:
+    """The process's templates, by import-time environment; started on first use, kept until the process exits."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[EnvKey, Template] = {}
+
+    def fork(self, rank: int, env: dict[str, str], log: Path) -> ForkedRank | None:
+        if env.get(DISABLE, os.environ.get(DISABLE)) == "0":
+            return None
+        key = template_key(env)
+        template = self.by_key.get(key)
+        if template is None:
+            if len(self.by_key) >= MAX_TEMPLATES:
+                return None
+            template = self.by_key[key] = Template(env)
+        return template.fork(rank, env, log)
+
+    def close(self) -> None:
+        while self.by_key:
+            self.by_key.popitem()[1].close()
+
+
+# The template process.
+
+def _single_threaded() -> bool:
+    """A fork copies only the calling thread: one that holds a lock elsewhere would leave it held forever."""
+    return len(os.listdir("/proc/self/task")) == 1 if os.path.isdir("/proc/self/task") else False
+
+
+def _write_exit(path: str, code: int) -> None:
+    partial = f"{path}.partial"
+    try:
+        Path(partial).write_text(f"{code}\n")
+        os.replace(partial, path)
+    except OSError as exc:  # the group's folder is gone: nobody waits for this rank any more
+        print(f"template: could not write {path}: {exc!r}", file=sys.stderr)
+
+
+def _reaper(exits: dict[int, str]) -> Any:
+    def reap(*_: object) -> None:
+        while True:
+            try:  # look without reaping, write the status, then reap: a rank never seems gone without one
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            if info is None or info.si_pid == 0:
+                return
+            code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+            if info.si_pid in exits:
+                _write_exit(exits.pop(info.si_pid), code)
+            os.waitpid(info.si_pid, 0)
+    return reap
+
+
+def _become_rank(request: dict[str, Any]) -> None:
+    """In the forked child: this request's environment and files, then the worker's serving loop; never returns."""
+    try:
+        os.setsid()  # a session of its own, as the pool's ranks have, so its whole tree can be killed
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"], GPUREGRESS_PARENT_PID=str(os.getppid()))
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.dup2(os.open(request["jobs"], os.O_RDONLY), 0)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the template's stdin object holds its own requests
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        from .worker import serve
+
+        serve(int(request["rank"]))
+    finally:
+        os._exit(1)
+
+
+def main() -> None:
+    # No parent-death signal here: it follows the thread that started the template, which may end long before the
+    # launcher does. The template leaves at EOF on stdin, which the launcher's exit closes; its ranks die with it.
+    if sys.path and sys.path[0] == os.getcwd():  # `python -m` put the start-up directory first, as in worker.py
+        sys.path.pop(0)
+    try:
+        for name in PRELOAD:
+            importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - a rank that imports for itself will report it properly
+        print(f"template: import failed: {exc!r}", file=sys.stderr)
+        print("failed", flush=True)
+        return
+    exits: dict[int, str] = {}
+    signal.signal(signal.SIGCHLD, _reaper(exits))
+    print("ready" if _single_threaded() else "threads", flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if not _single_threaded():
+            print("threads", flush=True)
+            continue
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # the reaper must know the pid before it ends
+        pid = os.fork()
+        if pid == 0:
+            _become_rank(request)
+        exits[pid] = request["exit"]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        print(pid, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -29,12 +29,13 @@ from pathlib import Path
 
 from pytest_gpuregress.scenarios.consensus import report, vote_of
 from pytest_gpuregress.scenarios.shared import links
+from pytest_gpuregress.triage.naming import described
 
 
 def test_one_ulp_in_one_processs_matmul(gpuregress):
     record = gpuregress.run("consensus", faults=["matmul_ulp:rank=2"])
     vote = vote_of(record)
-    Path("faulty_devices.json").write_text(json.dumps({"failures": report.failures(vote),
+    Path("faulty_devices.json").write_text(json.dumps({"failures": [described(f) for f in report.failures(vote)],
                                                        "table": report.table(vote)}))
 
 
@@ -43,7 +44,7 @@ def test_one_corrupted_peer(gpuregress):
     fault = "collective:op=all_gather|all_to_all,mode=stale_chunk,chunk=1,pieces=4,ranks=0"
     record = gpuregress.run("collectives", config={"link_sweep": True, "repeats": 3}, faults=[fault])
     found = links.findings(record.results["cases"], record.results["identities"], record.world_size, "gloo")
-    Path("faulty_links.json").write_text(json.dumps(found))
+    Path("faulty_links.json").write_text(json.dumps([described(f) for f in found]))
 '''
 
 

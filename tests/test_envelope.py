@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from pytest_gpuregress.reference import envelope
@@ -120,3 +122,41 @@ def test_one_flipped_element_of_a_large_tensor_fails_the_tolerant_lane() -> None
     reference.digests = {"w": float_digest(weights)}
     run.digests = {"w": float_digest(flipped)}
     assert not compare_training(reference, run, lane="tolerant").passed
+
+
+def test_a_kernel_path_this_stack_cannot_run_is_left_out_of_the_envelope_with_the_reason(tmp_path: Path) -> None:
+    """torch 2.13 on an AMX CPU forced to AVX2 raises in bf16 attention: that path is not the stack's own, so the
+    envelope comes from the other replicas; a replica without an environment of its own that fails still fails."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from pytest_gpuregress.errors import RankFailure
+    from pytest_gpuregress.plugin.launches import Launches
+    from pytest_gpuregress.plugin.options import Options
+    from pytest_gpuregress.scenarios import Launch, Setup, get_scenario
+    from pytest_gpuregress.stack.platforms import Platform
+    from pytest_gpuregress.training import noise
+
+    def launch(sc: object, replica: Launch, faults: list[str]) -> object:
+        if replica.env:
+            raise RankFailure("rank 0 raised RuntimeError\nTraceback ...\nRuntimeError: pack_vnni2 is only supported "
+                              "when avx512 is supported")
+        return make_record(seed=len(replica.key))
+
+    def every_launch_fails(sc: object, replica: Launch, faults: list[str]) -> object:
+        raise RankFailure("rank 1 died")
+
+    platform = Platform("cpu", "gloo", 2, "cpu", "cpu", False)
+    launches = Launches(Options(replicas=3), platform, Setup("cpu", "gloo", 2), SimpleNamespace(), tmp_path)  # type: ignore[arg-type]
+    launches.launch = launch  # type: ignore[method-assign]
+    reference = make_record()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(noise, "lower_cpu_capability", lambda: "avx2")
+        launches.add_envelope(get_scenario("fsdp"), Launch("main", {}), reference, [])
+    assert reference.results["envelope"]["replicas"] == ["replica-weights_ulp_up", "replica-reduction_order"]
+    (note,) = [n for n in reference.notes if "left out" in n]
+    assert "ATEN_CPU_CAPABILITY=avx2" in note and "RuntimeError: pack_vnni2" in note
+    launches.launch = every_launch_fails  # type: ignore[method-assign]
+    with pytest.raises(RankFailure, match="rank 1 died"):
+        launches.add_envelope(get_scenario("fsdp"), Launch("main", {}), make_record(), [])

@@ -89,7 +89,9 @@ def test_a_late_reduce_scatter_error_fails_the_fsdp_case_named_a_collective_by_t
     out = result.stdout.str()
     assert "triage verdict: collective. Evidence: equivalence clean" in out, out[-5000:]
     assert "late window differs: step 6's gradients, computed on this stack from the reference's own state" in out
-    result.stdout.fnmatch_lines(["[[]collective[]] grad_norm: first differing step 6 of 8*"])
+    # Which gradient metric moves first at step 6 depends on the CPU's rounding (a nudge can leave the fp32 total norm
+    # equal): any of them, named [collective], from step 6.
+    result.stdout.fnmatch_lines(["[[]collective[]] *: first differing step 6*"])
     assert "[optimizer]" not in out and "AdamW implementation" not in out
 
 

@@ -3,6 +3,7 @@ scenarios' records in the artifacts folder."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,7 @@ class Launches:
             replicas = [r for r in replicas if not r.env and r.world_size in (None, self.platform.world_size)]
         if not replicas or any(k.startswith(envelope.PREFIX) for k in record.arrays):
             return
-        perturbed = [self.launch(sc, replica, faults) for replica in replicas]
+        replicas, perturbed = self._replicas_that_ran(sc, replicas, faults, record)
         for replica, run in zip(replicas, perturbed):  # a user's loop that applied none of its perturbation
             missed = run.results.get("perturbation_not_applied")
             if missed:
@@ -147,6 +148,24 @@ class Launches:
         record.arrays.update(envelope.measure(record, perturbed))
         record.results["envelope"] = {"replicas": [r.key for r in replicas], "k": envelope.K,
                                       "floors": vars(envelope.floors_for(str(record.config.get("dtype", "fp32"))))}
+
+    def _replicas_that_ran(self, sc: Scenario, replicas: list[Launch], faults: list[str],
+                           record: RunRecord) -> tuple[list[Launch], list[RunRecord]]:
+        """Each replica's run. One that only moves the kernel path (an environment of its own) may fail where this
+        stack cannot run the case on the lower path at all (torch 2.13's bf16 attention on an AMX CPU forced to
+        AVX2): that path is not this stack's, so the envelope comes from the others and the record says why."""
+        kept: list[tuple[Launch, RunRecord]] = []
+        for replica in replicas:
+            try:
+                kept.append((replica, self.launch(sc, replica, faults)))
+            except RankFailure as exc:
+                if not replica.env:
+                    raise
+                setting = ", ".join(f"{k}={v}" for k, v in replica.env.items())
+                record.notes.append(f"noise replica {replica.key} left out: this stack cannot run the case with "
+                                    f"{setting} ({_first_error(str(exc))}); the envelope is measured from the other "
+                                    "replicas")
+        return [launch for launch, _ in kept], [run for _, run in kept]
 
     def _save_check_record(self, sc: Scenario, key: str, record: RunRecord) -> None:
         if sc.kind != "check":
@@ -173,3 +192,9 @@ def keeping(run: Runner, ran: list[RunRecord]) -> Runner:
         ran.append(run(sc, launch))
         return ran[-1]
     return keep
+
+
+def _first_error(text: str) -> str:
+    """The last exception line of a rank's traceback ('RuntimeError: ...'), else the message's first line."""
+    errors = [line.strip() for line in text.splitlines() if re.match(r"\s*\w+(Error|Exception): ", line)]
+    return errors[-1] if errors else text.strip().splitlines()[0]

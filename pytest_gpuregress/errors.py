@@ -73,6 +73,9 @@ _BACKEND_LACKS = re.compile(r"\bBackend \w+ does not support (all_?\w+|reduce_?s
                             r"scatter\w*|reduce\w*|send\w*|recv\w*|barrier)\b")
 
 
+_KERNEL_PATH_LACKS = re.compile(r"\b\w+ is only supported when (avx\w*|amx\w*|sve\w*|neon\w*) is supported\b", re.I)
+
+
 class NotSupported(NotApplicable):
     """This stack lacks an op a case needs: skipped, with the backend, the torch version and the op; never a
     failure, since no number was wrong, and said in the closing summary as a capability this stack lacks."""
@@ -82,6 +85,13 @@ class NotSupported(NotApplicable):
         """Where ``error`` (one op's exception, or a rank's whole failure) has torch.distributed saying its backend
         lacks a collective, that sentence; None otherwise."""
         found = _BACKEND_LACKS.search(str(error))
+        return found.group(0) if found else None
+
+    @staticmethod
+    def kernel_path_lacks(error: BaseException | str) -> str | None:
+        """Where ``error`` has a CPU kernel path refusing an op its instruction set lacks (torch 2.13's bf16 attention
+        on the AVX2 path of an AMX CPU: "pack_vnni2 is only supported when avx512 is supported"), that sentence."""
+        found = _KERNEL_PATH_LACKS.search(str(error))
         return found.group(0) if found else None
 
 

@@ -158,7 +158,10 @@ def test_against_the_shipped_reference_a_lost_upcast_and_a_truncating_cast_are_c
     refs = Path(__file__).resolve().parent.parent / "reference_runs"
     args = ("-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-reference-dir={refs}",
             "--gpuregress-lane=tolerant", "-k", "fsdp and bf16 and not triage")
-    pytester.runpytest(*args).assert_outcomes(passed=1)
+    clean = pytester.runpytest(*args, "-rs")
+    if "NOT SUPPORTED" in clean.stdout.str():  # bf16 attention on a kernel path this CPU cannot run it on
+        pytest.skip(next(line for line in clean.stdout.lines if "not supported:" in line))
+    clean.assert_outcomes(passed=1)
     upcast = pytester.runpytest(*args, "--gpuregress-inject=library:mode=rmsnorm_no_upcast")
     upcast.assert_outcomes(failed=1)
     upcast.stdout.fnmatch_lines(["[[]library: transformers[]] step 0 is further from float64 than the reference's: "

@@ -352,3 +352,13 @@ def test_a_cast_that_breaks_the_sweeps_own_inputs_is_a_kernel_not_the_collective
     found = registry()["collectives"].own_findings(Case(case.id, data=case.to_json()), record, Setup("cpu", "gloo", 2))
     assert [described(f) for f in found] == [
         f"[kernel] {case.describe(2)}: rank 0: the cast float64 -> bfloat16 ... (rule sweep-inputs)"]
+
+
+def test_a_cpu_kernel_path_that_lacks_an_instruction_set_is_not_supported_and_no_other_refusal_is() -> None:
+    """torch 2.13's bf16 attention on the AVX2 path of an AMX CPU: the path lacks the op (docs/found-on-real-stacks.md)."""
+    said = "pack_vnni2 is only supported when avx512 is supported"
+    assert NotSupported.kernel_path_lacks(RuntimeError(f"rank 0 raised RuntimeError: {said}")) == said
+    for other in ("FP8 is only supported when compute capability >= 8.9", "Backend gloo does not support alltoall",
+                  "mat1 and mat2 shapes cannot be multiplied"):
+        assert NotSupported.kernel_path_lacks(RuntimeError(other)) is None, other
+

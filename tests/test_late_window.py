@@ -75,6 +75,15 @@ def test_a_loss_that_moves_only_steps_after_the_right_update_says_what_else_coul
     assert found.component is None and "what would settle it: a run on the reference's own stack" in found.quoted
 
 
+def test_a_window_that_leaves_its_limits_late_convicts_the_update_where_the_run_diverged_from_its_first_update() -> None:
+    """A learning rate 0.1% off in the tolerant lane: the run diverges from step 1, right after a clean step 0, while
+    the window's loss crosses its tolerant limit only at its step 5: the update, as in the exact lane."""
+    experiment = judged(1, 6, window(Finding("loss", "loss: first differing step 5 of 75 ...", step=5)))
+    assert (experiment.status, experiment.component) == ("reproduced", "optimizer")
+    assert "the run itself diverged from its first update on (step 1" in experiment.detail
+    assert judged(2, 6, window(Finding("loss", "loss: ...", step=5))).component is None  # a later start: nothing
+
+
 def test_a_divergence_that_does_not_recur_in_a_fresh_process_is_no_proof_against_the_collectives() -> None:
     """A bug that needs a warmed-up process (a buffer pool reused after 100 calls) is gone in a replay: right
     gradients at S and a clean continuation clear nothing, so the verdict stays inconclusive, never [optimizer]."""

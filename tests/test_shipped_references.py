@@ -33,7 +33,9 @@ OLDER = {"torch": "2.12.0+cpu", "transformers": "5.23.0", "peft": "0.20.0", "acc
 
 def gpuregress(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpuregress", "-rf", *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900)
+    (cwd / "gpuregress-output.txt").write_text(done.stdout + done.stderr)  # whole, where an assertion shows a tail
+    return done
 
 
 def recorded_on_older_libraries(folder: Path) -> None:

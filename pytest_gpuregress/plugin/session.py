@@ -8,6 +8,7 @@ verdict is its scenario's comparator's (scenarios/comparator.py). Nothing here n
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -186,12 +187,14 @@ class GpuRegressSession:
         except RankFailure as exc:
             launch = next((la for la in sc.launches([case], self.setup) if la.key == case.launch), None)
             key = self.platform.key(sc.platform_tag(launch.config if launch else sc.default_config(self.setup)))
-            lacks = NotSupported.backend_lacks(exc)
+            lacks = NotSupported.backend_lacks(exc) or NotSupported.kernel_path_lacks(exc)
             if lacks:  # the stack lacks an op the run needs: a capability, not a wrong number
                 add_outcome(self.outcomes, Outcome(reference or sc.name, key, "not supported", detail=lacks))
                 also = ", which the reference's stack ran" if reference is not None and not self.places.recording(
                     reference, key) else ""
-                raise NotSupported(f"this stack ({self.platform.backend}, torch {_torch_version()}) lacks an op "
+                forced = os.environ.get("ATEN_CPU_CAPABILITY")
+                path = f", ATEN_CPU_CAPABILITY={forced}" if forced and NotSupported.kernel_path_lacks(exc) else ""
+                raise NotSupported(f"this stack ({self.platform.backend}, torch {_torch_version()}{path}) lacks an op "
                                    f"{reference or sc.name} needs{also}: {lacks}") from None
             self._tally(sc, case, passed=False)  # a sweep that crashed passed nothing
             add_outcome(self.outcomes, Outcome(reference or sc.name, key, "error", detail=str(exc).splitlines()[0]))

@@ -101,24 +101,8 @@ class FirstMoved:
         where = f"on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} of {self.world}"
         before = f"the {self.equal_before} ops before it are bitwise equal" if self.equal_before != 1 else \
             "the op before it is bitwise equal"
-        if self.kind == "moved" and self.entry is not None and self.entry.op == INPUT_OP and holds_integers(self.entry):
-            return f"{self.label}: {_name(self.entry)}, {_shapes(self.entry)}: integers the step read (its token " \
-                   f"batch) have other bits than the reference's, and integers do not drift: the data changed " \
-                   f"({where}, step-0 op trace)"
-        if self.kind == "moved" and self.entry is not None and self.spike is not None:
-            peak, ratio = self.spike
-            median = f"{ratio:.3g}x the median bucket's" if ratio != float("inf") else "while most did not move"
-            return f"{self.label}: {_name(self.entry)}, {_shapes(self.entry)}, a few of its output's elements moved: " \
-                   f"one bucket of its sketch by {peak:.3g} ulps, {median}, and no input had such a bucket (the " \
-                   f"whole output moved {self.relative:.1e} relative; {where}, step-0 op trace)"
-        if self.kind == "moved" and self.entry is not None and self.inputs_relative is not None:
-            return f"{self.label}: {_name(self.entry)}, {_shapes(self.entry)}, its output moved {self.relative:.1e} " \
-                   f"relative ({self.ulps or 0:.3g} ulps) against {self.inputs_relative:.1e} for its inputs " \
-                   f"({where}, step-0 op trace)"
         if self.kind == "moved" and self.entry is not None:
-            size = f"{self.relative:.1e} relative" if self.relative > 0 else "bits differ, digests' sums equal"
-            return f"{self.label}: {_name(self.entry)}, {_shapes(self.entry)}, {size}; {before} " \
-                   f"({where}, step-0 op trace)"
+            return f"{self.label}: {_name(self.entry)}, {_shapes(self.entry)}{self._how_it_moved(self.entry, before, where)}"
         if self.reference is not None and self.entry is not None:  # the same place: name what differs, both values
             what = f"{_name(self.reference)}: {'; '.join(differing_fields(self.reference, self.entry))}"
         else:
@@ -127,6 +111,23 @@ class FirstMoved:
             what = f"the reference ran {ref}, this run {got}"
         return f"the op sequence changed at op {self.entry_index}: {what} (the model's code or how torch " \
                f"dispatches it changed); {before} ({where}, step-0 op trace)"
+
+    def _how_it_moved(self, entry: TraceOp, before: str, where: str) -> str:
+        """How the op's output moved: integers (the data), a spike of a few elements, against its inputs, or alone."""
+        if entry.op == INPUT_OP and holds_integers(entry):
+            return ": integers the step read (its token batch) have other bits than the reference's, and integers " \
+                   f"do not drift: the data changed ({where}, step-0 op trace)"
+        if self.spike is not None:
+            peak, ratio = self.spike
+            median = f"{ratio:.3g}x the median bucket's" if ratio != float("inf") else "while most did not move"
+            return f", a few of its output's elements moved: one bucket of its sketch by {peak:.3g} ulps, {median}, " \
+                   f"and no input had such a bucket (the whole output moved {self.relative:.1e} relative; {where}, " \
+                   "step-0 op trace)"
+        if self.inputs_relative is not None:
+            return f", its output moved {self.relative:.1e} relative ({self.ulps or 0:.3g} ulps) against " \
+                   f"{self.inputs_relative:.1e} for its inputs ({where}, step-0 op trace)"
+        size = f"{self.relative:.1e} relative" if self.relative > 0 else "bits differ, digests' sums equal"
+        return f", {size}; {before} ({where}, step-0 op trace)"
 
     @property
     def entry_index(self) -> int:

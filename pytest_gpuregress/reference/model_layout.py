@@ -59,22 +59,32 @@ def what_changed(before: Mapping[str, tuple[int, ...] | None], after: Mapping[st
                       if before[n] is not None and after[n] is not None and before[n] != after[n])
     if not (gone or new or reshaped):
         return None
-    parts = []
-    if gone or new:
-        if gone and new and _count(before, gone) is not None and _count(before, gone) == _count(after, new):
-            direction = ("fused -> per-module" if _per_module(new) and not _per_module(gone) else
-                         "per-module -> fused" if _per_module(gone) and not _per_module(new) else "renamed or regrouped")
-            parts.append(f"{len(gone)} parameters {direction} as {len(new)} (the same {_count(after, new):,} values, "
-                         f"e.g. {gone[0]} {list(before[gone[0]] or [])} -> {new[0]} {list(after[new[0]] or [])})")
-        else:
-            if gone:
-                parts.append(f"{len(gone)} parameters only in the reference (e.g. {gone[0]} {list(before[gone[0]] or [])})")
-            if new:
-                parts.append(f"{len(new)} only in this run (e.g. {new[0]} {list(after[new[0]] or [])})")
+    parts = _regrouped(before, after, gone, new) or _added_and_removed(before, after, gone, new)
     if reshaped:
         parts.append(f"{len(reshaped)} reshaped (e.g. {reshaped[0]} {list(before[reshaped[0]])} -> "
                      f"{list(after[reshaped[0]])})")
     return "; ".join(parts)
+
+
+def _regrouped(before: Mapping[str, tuple[int, ...] | None], after: Mapping[str, tuple[int, ...] | None],
+               gone: list[str], new: list[str]) -> list[str]:
+    """The names that went and came hold the same number of values: fused, split or renamed; [] otherwise."""
+    if not (gone and new) or _count(before, gone) is None or _count(before, gone) != _count(after, new):
+        return []
+    direction = ("fused -> per-module" if _per_module(new) and not _per_module(gone) else
+                 "per-module -> fused" if _per_module(gone) and not _per_module(new) else "renamed or regrouped")
+    return [f"{len(gone)} parameters {direction} as {len(new)} (the same {_count(after, new):,} values, "
+            f"e.g. {gone[0]} {list(before[gone[0]] or [])} -> {new[0]} {list(after[new[0]] or [])})"]
+
+
+def _added_and_removed(before: Mapping[str, tuple[int, ...] | None], after: Mapping[str, tuple[int, ...] | None],
+                       gone: list[str], new: list[str]) -> list[str]:
+    parts = []
+    if gone:
+        parts.append(f"{len(gone)} parameters only in the reference (e.g. {gone[0]} {list(before[gone[0]] or [])})")
+    if new:
+        parts.append(f"{len(new)} only in this run (e.g. {new[0]} {list(after[new[0]] or [])})")
+    return parts
 
 
 def library_changes(reference: RunRecord, run: RunRecord) -> list[str]:

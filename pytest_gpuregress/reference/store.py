@@ -145,6 +145,16 @@ def read_reference(loc: ReferenceLocation) -> RunRecord:
             f"{what} for scenario {loc.scenario!r} on platform {loc.platform_key!r}{_beside(loc)}",
             f"record one on a known-good stack: {loc.record_hint}",
         )
+    folders = _verified_files(loc, manifest_path)
+    record = RunRecord.load(target)
+    record.attachments = {folder: target / folder for folder in folders}
+    return record
+
+
+def _verified_files(loc: ReferenceLocation, manifest_path: Path) -> list[str]:
+    """Check every file the manifest lists against its sha256, and that its kept folders hold nothing else; the
+    kept folders (a DCP checkpoint's) by name. Raises CorruptReference naming the file."""
+    target = loc.path
     manifest = read_json(manifest_path)
     if manifest.get("format") != STORE_FORMAT:
         raise CorruptReference(
@@ -171,14 +181,13 @@ def read_reference(loc: ReferenceLocation) -> RunRecord:
             )
     folders = sorted({folder for folder in attached.values() if folder is not None})
     for folder in folders:  # a file slipped into a kept folder would be read with it: DCP reads every shard there
-        unlisted = sorted(p for p in (target / folder).rglob("*") if p.relative_to(target).as_posix() not in files)
-        if any(p.is_file() or p.is_symlink() for p in unlisted):
-            path = next(p for p in unlisted if p.is_file() or p.is_symlink())
-            raise CorruptReference(path, "file not listed in manifest.json: the folder holds more than was recorded",
-                                   f"remove it, restore the folder from version control, or re-record it: {loc.record_hint}")
-    record = RunRecord.load(target)
-    record.attachments = {folder: target / folder for folder in folders}
-    return record
+        unlisted = [p for p in sorted((target / folder).rglob("*")) if p.relative_to(target).as_posix() not in files
+                    and (p.is_file() or p.is_symlink())]
+        if unlisted:
+            raise CorruptReference(unlisted[0], "file not listed in manifest.json: the folder holds more than was "
+                                   "recorded", f"remove it, restore the folder from version control, or re-record "
+                                   f"it: {loc.record_hint}")
+    return folders
 
 
 def _beside(loc: ReferenceLocation) -> str:

@@ -146,10 +146,8 @@ def survey(model: Any) -> BlockProjections:
             elif is_projection(module):
                 linear.setdefault(path, []).append(name)
             elif not isinstance(module, torch.nn.Embedding):  # embeddings are never a target, and no projection
-                for param, value in module.named_parameters(recurse=False):
-                    # A weight matrix, or stacked experts'; not norm gains, nor biases (stacked experts' are 2-D).
-                    if value.ndim >= 2 and not param.endswith("bias"):
-                        not_linear.setdefault(_join(path, param), []).append(f"{name}.{param}")
+                for param in _weight_matrices(module):
+                    not_linear.setdefault(_join(path, param), []).append(f"{name}.{param}")
     named = _grouped(linear)
     allowed = frozenset(n for p in named for n in p.names)
     every = [name for name, _ in model.named_modules() if name]
@@ -188,6 +186,12 @@ def _target_for(projection: Projection, allowed: frozenset[str], every: Sequence
         if all(n in allowed for n in every if matches(target, n)):
             return target
     return ""
+
+
+def _weight_matrices(module: Any) -> list[str]:
+    """The module's own weight matrices, or stacked experts'; not norm gains, nor biases (stacked experts' are 2-D)."""
+    return [param for param, value in module.named_parameters(recurse=False)
+            if value.ndim >= 2 and not param.endswith("bias")]
 
 
 def _grouped(found: dict[str, list[str]]) -> tuple[Projection, ...]:

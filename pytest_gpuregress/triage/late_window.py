@@ -13,7 +13,8 @@ once for both):
                      first update on: the update goes wrong from the reference's own state: the optimizer;
   reproduced later   the same, but only steps later: a later batch's gradients (which the reference does not keep),
                      or a bug that needs as many steps of warm-up in the fresh process, could do it as much as the
-                     update, so this convicts nothing;
+                     update, so this convicts nothing; unless the run itself diverged from its first update on (a
+                     small error of the update crosses a tolerant limit only steps later): then "reproduced";
   did not reproduce  right gradients at S, and the steps after it match the reference's: the divergence does not
                      recur in a fresh process. A bug that needs a warmed-up process (a reused buffer pool, a
                      counter, a protocol switch after N calls) behaves so, so this clears nothing: the collectives'
@@ -41,7 +42,8 @@ LOAD_METRICS = ("resume_load", "resume_state")
 # loss, from the reference's weights). A window that leaves its limits only later may follow a later step's gradients,
 # which the reference does not keep (a kernel wrong on one batch only), or a bug that needs a warmed-up process (one
 # device's core after N calls), as much as an update whose error grows over a few steps (a learning rate 0.1% off
-# crosses its tolerant limit at the window's step 5; in the exact lane its bits move at step 1): that convicts nothing.
+# crosses its tolerant limit at the window's step 5; in the exact lane its bits move at step 1): that convicts nothing,
+# unless the run itself diverged from its own first update on.
 UPDATE_SHOWS = 1
 
 
@@ -72,6 +74,12 @@ def judged(first_step: int, saved_step: int, window: Comparison, compared: bool 
         if shown <= UPDATE_SHOWS:
             return Experiment(NAME, "reproduced", f"{again}: right gradients from right weights, so the weights go "
                                                   "wrong in the update", component="optimizer")
+        if first_step <= UPDATE_SHOWS:  # in the tolerant lane a small error of the update crosses its limit late
+            return Experiment(NAME, "reproduced", f"{again}, from the window's step {shown}; the run itself diverged "
+                                                  f"from its first update on (step {first_step}, after a clean step 0): "
+                                                  "right gradients from right weights and a divergence from the first "
+                                                  "update, so the weights go wrong in the update",
+                              component="optimizer")
         return Experiment(NAME, "reproduced later", f"{again}, but only from the window's step {shown}: a later batch's "
                                                     "gradients (which the reference does not keep), or a bug that needs "
                                                     f"{shown} steps of warm-up in a process, could do this as much as "

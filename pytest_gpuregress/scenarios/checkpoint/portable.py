@@ -124,30 +124,34 @@ def match(ckpt: CheckpointFiles, model: Any, model_config: Any, config_label: st
                                 f"{config_label} builds does not have ({_examples(unexpected)})",
                                 "pass the config.json the checkpoint was saved with (--config)")
     declared = config_dtype(model_config)
-    out: dict[str, np.ndarray] = {}
-    for group in groups:
-        present = [n for n in group if n in ckpt.tensors]
-        name = present[0]
-        values, tag = ckpt.tensors[name], ckpt.tags[name]
-        if tuple(values.shape) != expected[name]:
-            wrong = sum(1 for n in ckpt.tensors if tuple(ckpt.tensors[n].shape) != expected.get(n))
-            raise CheckpointProblem(ckpt.file_of(name), name, f"shape {list(values.shape)}, but {config_label} builds "
-                                    f"{list(expected[name])} ({wrong} of {len(ckpt.tensors)} tensors differ in shape)",
-                                    "pass the config.json the checkpoint was saved with (its sizes differ from this one's)")
-        if tag not in FLOAT_TAGS:
-            raise CheckpointProblem(ckpt.file_of(name), name, f"dtype {tag}: a weight must be a float tensor",
-                                    "export the checkpoint again with float weights")
-        if declared is not None and TORCH_NAMES[tag] != declared:
-            raise CheckpointProblem(ckpt.file_of(name), name, f"dtype {TORCH_NAMES[tag]} ({tag}), but {config_label} "
-                                    f"says dtype {declared}",
-                                    f"convert the checkpoint to {declared}, or set the config's dtype to {TORCH_NAMES[tag]}")
-        for other in present[1:]:
-            if ckpt.tensors[other].tobytes() != values.tobytes():
-                raise CheckpointProblem(ckpt.file_of(other), other, f"tied to {name!r} in {config_label}, but the file "
-                                        "stores two different tensors under the two names",
-                                        "save the checkpoint again from the tied model, or pass an untied config")
-        out[group[0]] = values
-    return out
+    return {group[0]: _group_tensor(ckpt, group, expected, declared, config_label) for group in groups}
+
+
+def _group_tensor(ckpt: CheckpointFiles, group: list[str], expected: dict[str, tuple[int, ...]], declared: Any,
+                  config_label: str) -> np.ndarray:
+    """The tensor one tie group reads: of the expected shape, a float dtype the config declares, and equal under
+    every name of the group the file holds."""
+    present = [n for n in group if n in ckpt.tensors]
+    name = present[0]
+    values, tag = ckpt.tensors[name], ckpt.tags[name]
+    if tuple(values.shape) != expected[name]:
+        wrong = sum(1 for n in ckpt.tensors if tuple(ckpt.tensors[n].shape) != expected.get(n))
+        raise CheckpointProblem(ckpt.file_of(name), name, f"shape {list(values.shape)}, but {config_label} builds "
+                                f"{list(expected[name])} ({wrong} of {len(ckpt.tensors)} tensors differ in shape)",
+                                "pass the config.json the checkpoint was saved with (its sizes differ from this one's)")
+    if tag not in FLOAT_TAGS:
+        raise CheckpointProblem(ckpt.file_of(name), name, f"dtype {tag}: a weight must be a float tensor",
+                                "export the checkpoint again with float weights")
+    if declared is not None and TORCH_NAMES[tag] != declared:
+        raise CheckpointProblem(ckpt.file_of(name), name, f"dtype {TORCH_NAMES[tag]} ({tag}), but {config_label} "
+                                f"says dtype {declared}",
+                                f"convert the checkpoint to {declared}, or set the config's dtype to {TORCH_NAMES[tag]}")
+    for other in present[1:]:
+        if ckpt.tensors[other].tobytes() != values.tobytes():
+            raise CheckpointProblem(ckpt.file_of(other), other, f"tied to {name!r} in {config_label}, but the file "
+                                    "stores two different tensors under the two names",
+                                    "save the checkpoint again from the tied model, or pass an untied config")
+    return values
 
 
 def stack_state(ckpt: CheckpointFiles) -> dict[str, Any]:

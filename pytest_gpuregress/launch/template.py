@@ -46,7 +46,7 @@ class ForkedRank:
     """A rank forked by a template: the parts of ``subprocess.Popen`` the pool and the launcher use. Its template
     reaps it and writes its exit status to ``exit_path`` (Popen's convention: minus the signal that killed it)."""
 
-    def __init__(self, pid: int, stdin: IO[bytes], exit_path: Path, template: subprocess.Popen[bytes]) -> None:
+    def __init__(self, pid: int, stdin: IO[bytes], exit_path: Path, template: Template) -> None:
         self.pid, self.stdin, self.exit_path, self.template = pid, stdin, exit_path, template
         self.returncode: int | None = None
 
@@ -54,9 +54,12 @@ class ForkedRank:
         if self.returncode is None:
             if self.exit_path.exists():
                 self.returncode = int(self.exit_path.read_text())
-            elif not _running(self.pid) and self.template.poll() is not None:
-                # Gone (or a zombie nobody reaps) and its template with it: no status will come.
+            elif not _running(self.pid) and self.template.proc.poll() is not None:
+                # Gone (or a zombie nobody reaps) with its template: no status will come. Its log says why.
                 self.returncode = -signal.SIGKILL
+                with open(self.exit_path.with_suffix(".log"), "a") as log:
+                    log.write(f"\nthe template that forked this rank exited ({self.template.proc.returncode}), and "
+                              f"the rank with it; the template's log ends:\n{self.template.log_tail()}\n")
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -109,7 +112,13 @@ class Template:
             stdin.close()
             self.ready = False
             return None
-        return ForkedRank(int(answer), stdin, exit_path, self.proc)
+        return ForkedRank(int(answer), stdin, exit_path, self)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
 
     def close(self) -> None:
         for stream in (self.proc.stdin, self.proc.stdout):
@@ -216,17 +225,26 @@ def main() -> None:
     signal.signal(signal.SIGCHLD, _reaper(exits))
     print("ready" if _single_threaded() else "threads", flush=True)
     for line in sys.stdin:
-        request = json.loads(line)
-        if not _single_threaded():
-            print("threads", flush=True)
-            continue
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # the reaper must know the pid before it ends
+        print(_fork_rank(json.loads(line), exits), flush=True)
+
+
+def _fork_rank(request: dict[str, Any], exits: dict[int, str]) -> str:
+    """The forked rank's pid, or why there is none. Never raises: the template's ranks die with it, so a failed fork
+    (out of memory, a process limit) must leave the template serving; the launcher starts that rank itself."""
+    if not _single_threaded():
+        return "threads"
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # the reaper must know the pid before it ends
+    try:
         pid = os.fork()
-        if pid == 0:
-            _become_rank(request)
-        exits[pid] = request["exit"]
+    except OSError as exc:
+        print(f"template: fork failed: {exc!r}", file=sys.stderr, flush=True)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
-        print(pid, flush=True)
+        return "failed"
+    if pid == 0:
+        _become_rank(request)
+    exits[pid] = request["exit"]
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+    return str(pid)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from .job import Job
 from .net import loopback_env
@@ -47,6 +49,7 @@ CLOSE_GRACE_S = 5.0
 
 EnvKey = tuple[int, str, bool, tuple[tuple[str, str], ...]]
 Rank = subprocess.Popen[bytes] | ForkedRank
+Kept = TypeVar("Kept", "WorkerPool", Templates)
 
 
 def rank_environment(job: Job) -> dict[str, str]:
@@ -179,28 +182,23 @@ class WorkerPool:
 
 
 def shared_pool() -> WorkerPool:
-    """The process's pool: sessions come and go, ranks stay until the process exits.
-
-    Kept on the top-level package, not in this module: pytester's inline runs drop the modules a
-    run imported, and a pool held by a dropped module would keep its ranks alive, unreachable."""
-    import pytest_gpuregress as anchor
-
-    pool = getattr(anchor, "_shared_worker_pool", None)
-    if pool is None:
-        pool = WorkerPool()
-        anchor._shared_worker_pool = pool  # type: ignore[attr-defined]
-        atexit.register(pool.close)
-    return pool
+    """The process's pool: sessions come and go, ranks stay until the process exits."""
+    return _kept_on_package("_shared_worker_pool", WorkerPool)
 
 
 def shared_templates() -> Templates:
-    """The process's rank templates (template.py), kept on the top-level package as the pool is, for the same
-    reason; closed at exit, and ranks still running die with their template."""
+    """The process's rank templates (template.py); closed at exit, and ranks still running die with their template."""
+    return _kept_on_package("_rank_templates", Templates)
+
+
+def _kept_on_package(attribute: str, make: Callable[[], Kept]) -> Kept:
+    """One per process, closed at exit. Kept on the top-level package, not in this module: pytester's inline runs
+    drop the modules a run imported, and ranks held by a dropped module would stay alive, unreachable."""
     import pytest_gpuregress as anchor
 
-    templates = getattr(anchor, "_rank_templates", None)
-    if templates is None:
-        templates = Templates()
-        anchor._rank_templates = templates  # type: ignore[attr-defined]
-        atexit.register(templates.close)
-    return templates
+    kept = getattr(anchor, attribute, None)
+    if kept is None:
+        kept = make()
+        setattr(anchor, attribute, kept)
+        atexit.register(kept.close)
+    return kept

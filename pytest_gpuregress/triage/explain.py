@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import NotApplicable
-from ..reference.compare import Comparison
+from ..reference.compare import Comparison, Finding
 from ..reference.record import RunRecord
 from ..scenarios import Case, Scenario, Setup
 from . import Runner, model_code
@@ -35,48 +35,34 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
                     case: Case | None = None, checks: Sequence[Experiment] = (),
                     whole_reference: RunRecord | None = None,
                     bisect: BisectRequest | None = None) -> Explanation:
-    """The verdict on a failed comparison, with the report's lines of evidence: whether the model's code
-    changed (the float64 oracle against the reference's), and for a scenario triage explains
-    (``run_experiments``) equivalence and the oracle always, the late window of ``case`` where step 0 is cleared
-    and a later step differs (triage/late_window.py), switches flipped with ``flips`` (--gpuregress-triage), and
-    ``checks``: what check scenarios of this session say (the collective sweep), as evidence beside them.
-    ``whole_reference``: the reference uncut where ``reference`` is cut to the steps a fail-fast run ran.
-    A code change is the verdict only where no experiment convicts this stack: a collective or kernel bug of an
-    upgrade that also changed a library must not be buried under "record a reference of your own". ``bisect``
-    (--gpuregress-bisect): revert the packages that changed since the reference, in overlays, and rerun step 0
-    (triage/bisect.py); the package it names outranks every other evidence."""
+    """The verdict on a failed comparison, with the report's lines of evidence (docs/triage.md: the experiments, in
+    order). ``checks``: what the session's check scenarios say; ``whole_reference``: the reference uncut where a
+    fail-fast run cut ``reference``. A code change decides only where no experiment convicts this stack: a collective
+    or kernel bug of an upgrade that also changed a library must not be buried under "record a reference"."""
     from .. import triage
     from ..reference import model_layout
-    from .decision import RULE_BY_ID
     from .flips import flip
 
-    # The layout finding (reference/model_layout.py): the model's code changed, or (a tie against the model's
-    # config) the library built another model than the config asks. Either way the runs start from other weights.
+    # The layout finding: the model's code changed, or the library built another model than the config asks.
     layout = next((f for f in comparison.findings if f.metric == model_layout.METRIC), None)
-    model_changed = layout is not None
-    library = None if model_changed else model_code.experiment(sc, setup, run, reference, model, comparison)
+    library = None if layout is not None else model_code.experiment(sc, setup, run, reference, model, comparison)
+    full = whole_reference or reference
     if not run_experiments:
-        evidence = [*checks, *_bisected(sc, setup, run, whole_reference or reference, comparison, case, bisect)]
-        if layout is not None and not any(e.convicts for e in evidence):  # the runs start from other weights
-            found = triage.verdict(comparison, evidence, rules=(RULE_BY_ID["model-layout"],))
-            return Explanation(found, triage.report(found.line, evidence))
-        return _without_experiments(library, comparison, evidence)
+        evidence = [*checks, *_bisected(sc, setup, run, full, comparison, case, bisect)]
+        return _layout_decides(comparison, layout, evidence) or _without_experiments(library, comparison, evidence)
     try:
-        # Equivalence and the oracle need no reference: even where the model's code changed, they can
-        # still convict a collective or a kernel of this stack, which re-recording must not bury.
+        # Equivalence and the oracle need no reference: even where the model's code changed, they can still
+        # convict a collective or a kernel of this stack, which re-recording must not bury.
         experiments = [*triage.cheap_evidence(sc, setup, run, model), *checks]
-        if layout is not None and not any(e.convicts for e in experiments):
-            # The cheap experiments convict nothing, so the costlier ones are not run: the layout's rule decides.
-            found = triage.verdict(comparison, experiments, rules=(RULE_BY_ID["model-layout"],))
-            return Explanation(found, triage.report(found.line, experiments))
-        first = triage.divergence_start(comparison, experiments)
-        if first is not None and case is not None:  # step 0 cleared, a later step differs: judge where it starts
-            experiments += late_window(sc, setup, run, whole_reference or reference, case, comparison.lane, first)
+        decided = _layout_decides(comparison, layout, experiments)  # then the costlier experiments are not run
+        if decided is not None:
+            return decided
+        experiments += _late_window_of(sc, setup, run, full, comparison, case, experiments)
         if library is not None:  # the float64 oracle moved: evidence the decision weighs (triage/decision.py)
             experiments.append(library)
-        if flips and not model_changed:  # flips compare with a reference that cannot judge
+        if flips and layout is None:  # flips compare with a reference, which a changed layout cannot judge
             experiments += flip(sc, setup, run, reference, comparison, model)
-        experiments += _bisected(sc, setup, run, whole_reference or reference, comparison, case, bisect)
+        experiments += _bisected(sc, setup, run, full, comparison, case, bisect)
     except Exception as exc:  # noqa: BLE001 - triage must never hide the regression it explains
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         return Explanation(None, ["", f"triage could not run ({type(exc).__name__}: {first}); components are the "
@@ -84,6 +70,30 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
     found = triage.verdict(comparison, experiments)
     keep_first_moved_stack(sc, setup, run, comparison, model, rerun=flips)
     return _explained(found, experiments)
+
+
+def _layout_decides(comparison: Comparison, layout: Finding | None,
+                    evidence: list[Experiment]) -> Explanation | None:
+    """Where the parameter layout changed and no evidence convicts this stack, the layout's rule decides: the runs
+    start from other weights, so nothing after step 0 can be judged."""
+    from .. import triage
+    from .decision import RULE_BY_ID
+
+    if layout is None or any(e.convicts for e in evidence):
+        return None
+    found = triage.verdict(comparison, evidence, rules=(RULE_BY_ID["model-layout"],))
+    return Explanation(found, triage.report(found.line, evidence))
+
+
+def _late_window_of(sc: Scenario, setup: Setup, run: Runner, full: RunRecord, comparison: Comparison,
+                    case: Case | None, so_far: list[Experiment]) -> list[Experiment]:
+    """The late window of ``case`` where step 0 is cleared and a later step differs (triage/late_window.py)."""
+    from .. import triage
+
+    first = triage.divergence_start(comparison, so_far)
+    if first is None or case is None:
+        return []
+    return late_window(sc, setup, run, full, case, comparison.lane, first)
 
 
 def _explained(found: Verdict, experiments: Sequence[Experiment]) -> Explanation:

@@ -128,6 +128,14 @@ def plan(reference: dict[str, str], current: dict[str, str], requires: Callable[
     missing = [(c, why) for c in testable if c.kind != "added" and (why := fetch(c.package, str(c.reference_version)))]
     untested += missing
     testable = [c for c in testable if c not in {m for m, _ in missing}]
+    groups, grouped = _grouped_with_what_they_require(testable, requires)
+    return Plan(groups, grouped, untested)
+
+
+def _grouped_with_what_they_require(testable: list[Change], requires: Callable[[str], Iterable[str]]
+                                    ) -> tuple[list[list[Change]], list[str]]:
+    """The changes in groups: a package reverted together with the added packages it requires (the reference had
+    none, so its older version could not import without them), transitively; and a line per such grouping."""
     added = {c.package for c in testable if c.kind == "added"}
     group_of = {c.package: c.package for c in testable}
 
@@ -137,9 +145,7 @@ def plan(reference: dict[str, str], current: dict[str, str], requires: Callable[
         return p
 
     grouped = []
-    for change in testable:
-        if change.kind == "removed":
-            continue
+    for change in (c for c in testable if c.kind != "removed"):
         needs = sorted(added & {canonical(r) for r in requires(change.package)} - {change.package})
         for need in needs:
             group_of[root(need)] = root(change.package)
@@ -149,7 +155,7 @@ def plan(reference: dict[str, str], current: dict[str, str], requires: Callable[
     by_root: dict[str, list[Change]] = {}
     for change in testable:
         by_root.setdefault(root(change.package), []).append(change)
-    return Plan(list(by_root.values()), grouped, untested)
+    return list(by_root.values()), grouped
 
 
 @dataclass(frozen=True)

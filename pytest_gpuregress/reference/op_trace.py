@@ -23,7 +23,7 @@ Every rank's trace is kept: ``merge_ranks`` folds them into the merged record. A
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,16 +140,15 @@ class RankTrace:
                 sketch_rows.append(len(sketch) if row is not None else -1)
                 if row is not None:
                     sketch.append(row)
-        counts = None if sources is None else np.array([len(s) for s in sources], dtype=np.int32)
-        flat = None if sources is None else np.array([i for s in sources for i in s], dtype=np.int32)
         width = len(sketch[0]) if sketch else 0
-        kept_sketch = None if sketches is None else np.array(sketch, dtype=np.float32).reshape(len(sketch), width)
-        kept_rows = None if sketches is None else np.array(sketch_rows, dtype=np.int32)
-        kept_arguments = None if arguments is None else np.array([at(a) for a in arguments], dtype=np.int32)
-        kept_packages = None if packages is None else np.array([at(p) for p in packages], dtype=np.int32)
+        kept = (_kept(sources, lambda found: [len(s) for s in found]),
+                _kept(sources, lambda found: [i for s in found for i in s]),
+                _kept(sketches, lambda _: np.array(sketch, dtype=np.float32).reshape(len(sketch), width)),
+                _kept(sketches, lambda _: sketch_rows),
+                _kept(arguments, lambda found: [at(a) for a in found]),  # before the strings are read off the table
+                _kept(packages, lambda found: [at(p) for p in found]))
         return cls(list(table), np.array(ops), np.array(outputs), np.array(rows, dtype=np.float64).reshape(-1, 3),
-                   np.array(hashes, dtype=np.int64), backend, hash_kind, seconds, error, counts, flat, kept_sketch,
-                   kept_rows, kept_arguments, kept_packages)
+                   np.array(hashes, dtype=np.int64), backend, hash_kind, seconds, error, *kept)
 
     @property
     def has_sketches(self) -> bool:
@@ -244,3 +243,12 @@ def merge_ranks(records: list[RunRecord]) -> tuple[dict[str, Any], dict[str, np.
     if traces:
         results[RESULT_KEY] = {"ranks": dict(sorted(traces.items(), key=lambda kv: int(kv[0])))}
     return results, arrays
+
+
+def _kept(values: Sequence[Any] | None, rows: Callable[[Sequence[Any]], Any]) -> np.ndarray | None:
+    """``rows(values)`` as an int32 array (unless already an array), where the rank kept ``values``; else None."""
+    if values is None:
+        return None
+    found = rows(values)
+    return found if isinstance(found, np.ndarray) else np.array(found, dtype=np.int32)
+

@@ -326,17 +326,27 @@ def _judge(ranks: dict[int, list[Entry]], expected: set[int], dumped: set[int]) 
     entered the collective, members that disagree on what it is, then how far each member got in it."""
     expected = expected or set(ranks)
     last = {r: max((e.seq for e in ranks.get(r, [])), default=0) for r in expected & dumped}
-    oldest = {r: min((e for e in entries if e.state != COMPLETED), key=lambda e: e.seq)
-              for r, entries in ranks.items() if any(e.state != COMPLETED for e in entries)}
+    oldest = _oldest_unfinished(ranks)
     waiting_seq = min(e.seq for e in oldest.values())
     missing = sorted(expected - dumped)
     tail = f"; no dump from {_ranks(missing)} (killed before it wrote one)" if missing else ""
     behind = sorted(r for r, seq in last.items() if seq < waiting_seq)
     if behind:
         return _never_entered(ranks, oldest, waiting_seq, behind) + tail
-    present = ({r: e for r in sorted(last) for e in ranks.get(r, []) if e.seq == waiting_seq}
-               or {r: e for r, e in sorted(oldest.items()) if e.seq == waiting_seq})
+    present = _entries_at(ranks, sorted(last), waiting_seq) or \
+        {r: e for r, e in sorted(oldest.items()) if e.seq == waiting_seq}
     return (_diverged(present, waiting_seq) or _how_far(present, bool(missing))) + tail
+
+
+def _oldest_unfinished(ranks: dict[int, list[Entry]]) -> dict[int, Entry]:
+    """Each rank's oldest collective it did not complete, for the ranks that have one."""
+    unfinished = {r: [e for e in entries if e.state != COMPLETED] for r, entries in ranks.items()}
+    return {r: min(entries, key=lambda e: e.seq) for r, entries in unfinished.items() if entries}
+
+
+def _entries_at(ranks: dict[int, list[Entry]], members: list[int], seq: int) -> dict[int, Entry]:
+    """Each member's entry of collective number ``seq``, where its dump holds one."""
+    return {r: e for r in members for e in ranks.get(r, []) if e.seq == seq}
 
 
 def _never_entered(ranks: dict[int, list[Entry]], oldest: dict[int, Entry], waiting_seq: int,

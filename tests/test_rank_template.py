@@ -91,3 +91,21 @@ def test_ranks_on_a_gpu_never_come_from_a_template(monkeypatch: pytest.MonkeyPat
     gpu_job.device_kind = "cuda"
     pool.RankGroup(gpu_job, tmp_path)
     assert not asked and len(started) == 2 and started[0][-3:] == ["pytest_gpuregress.launch.worker", "--serve", "0"]
+
+
+def test_a_template_outlives_many_ranks_ending_at_once(tmp_path: Path) -> None:
+    """Ranks of a closed group leave together: their SIGCHLDs interrupt the template's reaper inside itself. The
+    template must reap them all, report each, and still fork (a template that died took the running ranks along).
+    Their job pipes close here before the ranks open them, as a launch that fails at once closes them: EOF, no hang."""
+    templates = Templates()
+    try:
+        ranks = [templates.fork(rank, _rank_env(), tmp_path / f"r{rank}.log") for rank in range(8)]
+        assert all(ranks), [t.log_tail() for t in templates.by_key.values()]
+        for rank in ranks:
+            rank.stdin.close()  # type: ignore[union-attr]
+        assert [rank.wait(timeout=60) for rank in ranks] == [0] * 8  # type: ignore[union-attr]
+        (template,) = templates.by_key.values()
+        assert template.proc.poll() is None, template.log_tail()
+        assert templates.fork(8, _rank_env(), tmp_path / "r8.log") is not None
+    finally:
+        templates.close()

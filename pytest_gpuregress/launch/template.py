@@ -54,7 +54,7 @@ class ForkedRank:
         if self.returncode is None:
             if self.exit_path.exists():
                 self.returncode = int(self.exit_path.read_text())
-            elif not _running(self.pid) and self.template.proc.poll() is not None:
+            elif not _running(self.pid) and self.template.proc.poll() is not None:  # else its status is coming
                 # Gone (or a zombie nobody reaps) with its template: no status will come. Its log says why.
                 self.returncode = -signal.SIGKILL
                 with open(self.exit_path.with_suffix(".log"), "a") as log:
@@ -171,18 +171,20 @@ def _write_exit(path: str, code: int) -> None:
 
 
 def _reaper(exits: dict[int, str]) -> Any:
+    """The SIGCHLD handler: reap every rank that ended and write its status. Ranks of a group end together, and
+    Python runs a handler again inside itself for each signal: each call reaps whole (one waitpid takes a child
+    exactly once) and writes what it took, so no status is lost, and nothing it meets may end the template."""
     def reap(*_: object) -> None:
         while True:
-            try:  # look without reaping, write the status, then reap: a rank never seems gone without one
-                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
-            if info is None or info.si_pid == 0:
+            if pid == 0:
                 return
-            code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-            if info.si_pid in exits:
-                _write_exit(exits.pop(info.si_pid), code)
-            os.waitpid(info.si_pid, 0)
+            path = exits.pop(pid, None)
+            if path is not None:
+                _write_exit(path, os.waitstatus_to_exitcode(status))
     return reap
 
 
@@ -198,7 +200,10 @@ def _become_rank(request: dict[str, Any]) -> None:
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        os.dup2(os.open(request["jobs"], os.O_RDONLY), 0)
+        # Not blocking in the open: a launcher that already closed its end leaves no writer, and the rank reads EOF.
+        jobs = os.open(request["jobs"], os.O_RDONLY | os.O_NONBLOCK)
+        os.set_blocking(jobs, True)
+        os.dup2(jobs, 0)
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the template's stdin object holds its own requests
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115

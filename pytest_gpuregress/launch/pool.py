@@ -38,11 +38,8 @@ from typing import TypeVar
 
 from .job import Job
 from .net import loopback_env
-from .template import ForkedRank, Templates
+from .template import VOLATILE_ENV, ForkedRank, Templates
 
-# Environment variables that change per test without changing what a rank computes (pytester
-# gives every test its own HOME and temp root); ranks keep the values they started with.
-_VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "HOME", "USERPROFILE", "PYTEST_DEBUG_TEMPROOT", "PY_COLORS")
 # Idle groups kept for reuse. Each rank holds torch and transformers (a few hundred MB on the CPU).
 MAX_IDLE_GROUPS = 2
 CLOSE_GRACE_S = 5.0
@@ -67,7 +64,7 @@ def rank_environment(job: Job) -> dict[str, str]:
 
 
 def group_key(job: Job) -> EnvKey:
-    env = {k: v for k, v in rank_environment(job).items() if k not in _VOLATILE_ENV}
+    env = {k: v for k, v in rank_environment(job).items() if k not in VOLATILE_ENV}
     return job.world_size, job.device_kind, job.loopback_only, tuple(sorted(env.items()))
 
 

@@ -25,9 +25,11 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+# Environment variables that change per test without changing what a rank computes (pytester gives every test its
+# own HOME and temp root): a pooled rank keeps the values it started with (pool.py), a template its own.
+VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST", "HOME", "USERPROFILE", "PYTEST_DEBUG_TEMPROOT", "PY_COLORS"})
 # Read by a rank only after the imports, so ranks may differ from their template in them.
-AFTER_IMPORT = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "GPUREGRESS_PARENT_PID", "PYTEST_CURRENT_TEST", "HOME",
-                          "USERPROFILE", "PYTEST_DEBUG_TEMPROOT", "PY_COLORS"})
+AFTER_IMPORT = VOLATILE_ENV | {"RANK", "LOCAL_RANK", "WORLD_SIZE", "GPUREGRESS_PARENT_PID"}
 # What every built-in scenario's rank imports; a user's scenario module is imported by its rank, as before.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint", "numpy",
            "safetensors.torch", "transformers", "accelerate", "peft", "pytest_gpuregress.launch.worker",

@@ -157,6 +157,14 @@ def test_a_kernel_path_this_stack_cannot_run_is_left_out_of_the_envelope_with_th
     assert reference.results["envelope"]["replicas"] == ["replica-weights_ulp_up", "replica-reduction_order"]
     (note,) = [n for n in reference.notes if "left out" in n]
     assert "ATEN_CPU_CAPABILITY=avx2" in note and "RuntimeError: pack_vnni2" in note
+    def kernel_path_crashes(sc: object, replica: Launch, faults: list[str]) -> object:
+        if replica.env:
+            raise RankFailure("rank 0 died with SIGSEGV before delivering results")
+        return make_record(seed=len(replica.key))
+
+    launches.launch = kernel_path_crashes  # type: ignore[method-assign]
+    with pytest.raises(RankFailure, match="SIGSEGV"):  # a crash on the lower path is no lacking instruction set
+        launches.add_envelope(get_scenario("fsdp"), Launch("main", {}), make_record(), [])
     launches.launch = every_launch_fails  # type: ignore[method-assign]
     with pytest.raises(RankFailure, match="rank 1 died"):
         launches.add_envelope(get_scenario("fsdp"), Launch("main", {}), make_record(), [])

@@ -71,7 +71,12 @@ def group_key(job: Job) -> EnvKey:
 def kill_process_group(proc: Rank, sig: int = signal.SIGKILL) -> None:
     try:
         os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
+    except ProcessLookupError:  # not yet a group of its own (a forked rank before its setsid): the rank alone
+        try:
+            os.kill(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    except PermissionError:
         pass
 
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import IO, Any
 
@@ -212,6 +213,8 @@ def _become_rank(request: dict[str, Any]) -> None:
         from .worker import serve
 
         serve(int(request["rank"]))
+    except BaseException:  # noqa: BLE001 - what stopped the rank before it served goes to its log (fd 2 where set)
+        traceback.print_exc()
     finally:
         os._exit(1)
 

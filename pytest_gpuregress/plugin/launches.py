@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import NotApplicable, RankFailure
+from ..errors import NotApplicable, NotSupported, RankFailure
 from ..faults import firing, reach
 from ..launch import torch_trace
 from ..launch.job import Job
@@ -159,7 +159,7 @@ class Launches:
             try:
                 kept.append((replica, self.launch(sc, replica, faults)))
             except RankFailure as exc:
-                if not replica.env:
+                if not replica.env or not NotSupported.kernel_path_lacks(exc):
                     raise
                 setting = ", ".join(f"{k}={v}" for k, v in replica.env.items())
                 record.notes.append(f"noise replica {replica.key} left out: this stack cannot run the case with "

@@ -61,8 +61,8 @@ def make_record(steps: int = 5, seed: int = 0, **overrides: object) -> RunRecord
             "step0_grad/a.weight": rng.normal(0, 1, (16, 8)).astype(np.float32),
             "step0_grad/b.weight": rng.normal(0, 1, (32,)).astype(np.float32),
         },
-        digests={"a.weight": {"sha256": "aa", "sum": 1.0, "abs_sum": 10.0, "shape": [16, 8], "dtype": "float32"},
-                 "b.weight": {"sha256": "bb", "sum": 2.0, "abs_sum": 20.0, "shape": [32], "dtype": "float32"}},
+        digests={"a.weight": {"sha256": "aa", "sum": 1.0, "abs_sum": 10.0, "l2": 2.0, "shape": [16, 8], "dtype": "float32"},
+                 "b.weight": {"sha256": "bb", "sum": 2.0, "abs_sum": 20.0, "l2": 4.0, "shape": [32], "dtype": "float32"}},
     )
     for key, value in overrides.items():
         setattr(record, key, value)

@@ -438,20 +438,3 @@ def test_the_whole_environment_is_recorded_and_what_changed_names_packages_by_na
     with_kernels = copy.deepcopy(before)
     with_kernels["packages"]["kernels"] = "0.19.1"
     assert fp.numerics_diff(before, with_kernels) == [("packages.kernels", None, "0.19.1")]
-    # A reference recorded before packages were kept: its lane does not move, and nothing is said of packages.
-    old = copy.deepcopy(before)
-    del old["packages"]
-    assert fp.numerics_diff(old, with_kernels) == [] and not any(c[0].startswith("packages.") for c in fp.diff(old, after))
-
-
-def test_an_older_reference_compares_with_a_note_that_it_names_no_added_package() -> None:
-    from pytest_gpuregress.reference.compare import compare_training
-
-    from .conftest import make_record
-
-    reference, run = make_record(), make_record()
-    run.fingerprint = {**run.fingerprint, "packages": {"torch": "2.13.0", "kernels": "0.19.1"}}
-    comparison = compare_training(reference, run)
-    assert any(note.startswith("the reference recorded 2 packages only") for note in comparison.notes)
-    reference.fingerprint = {**reference.fingerprint, "packages": {"torch": "2.13.0"}}
-    assert not compare_training(reference, run).notes

@@ -6,6 +6,7 @@ own functions (faults/library.py) and run in the oracle's launch too, as install
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -151,13 +152,6 @@ def test_the_failure_is_explained_by_the_library_from_the_oracle_launch_it_runs(
     assert model_code.experiment(scenario, SimpleNamespace(), runner(oracle()), reference, None) is None  # type: ignore[arg-type]
     no_oracle = SimpleNamespace(oracle_launch=lambda setup, model: None, triage=None)
     assert model_code.experiment(no_oracle, SimpleNamespace(), runner(oracle(2.0)), reference, None) is None  # type: ignore[arg-type]
-    # A reference recorded before the oracle's mode was kept is judged against the oracle it was recorded with.
-    older = kept(make_record(), oracle())
-    older.results[oracle_step0.RESULT_KEY].pop("mode")
-    older.fingerprint = reference.fingerprint
-    ran.clear()
-    assert model_code.experiment(scenario, SimpleNamespace(), runner(oracle()), older, None) is None  # type: ignore[arg-type]
-    assert ran == ["triage-oracle-legacy-oracle"]
 
 
 def test_the_float64_oracle_is_float64_throughout_and_says_so() -> None:
@@ -165,21 +159,22 @@ def test_the_float64_oracle_is_float64_throughout_and_says_so() -> None:
     ``.float()``: the oracle turns those into float64 and lists any op that still was not."""
     import torch
 
-    from pytest_gpuregress.training.float64_mode import LEGACY, MODE, float64_throughout
+    from pytest_gpuregress.training.float64_mode import float64_throughout
     from pytest_gpuregress.training.models import blueprint, build_causal_lm
     from pytest_gpuregress.training.moe import in_float64
 
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
-    found = {}
-    for mode in (MODE, LEGACY):
+    def step0(throughout: bool) -> float:
         model = in_float64(build_causal_lm(blueprint({"model": "tiny-llama", "model_size": "cpu", "dtype": "fp32"}), seed=0))
-        with float64_throughout(mode) as watching:
+        with float64_throughout() if throughout else contextlib.nullcontext() as watching:
             logits = model(input_ids=tokens[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
             loss.backward()
-        found[mode] = (float(loss.detach()), watching.not_float64)
-    assert found[MODE][1] == [] and "aten::_to_copy" in found[LEGACY][1]  # the model's own casts, listed
-    assert 0 < abs(found[MODE][0] - found[LEGACY][0]) / found[LEGACY][0] < 1e-7  # float32 norms: a small move
+        assert watching is None or watching.not_float64 == []  # every floating output float64
+        return float(loss.detach())
+
+    casts_kept, throughout = step0(False), step0(True)
+    assert 0 < abs(throughout - casts_kept) / casts_kept < 1e-7  # the model's own float32 norms: a small move
 
 
 def test_a_library_finding_gives_release_notes_and_a_folder_of_its_own_never_a_re_record() -> None:

@@ -115,7 +115,7 @@ def test_a_parameter_the_model_no_longer_has_is_its_definition_and_a_lora_adapte
         return RunRecord(scenario="lora", config={}, platform_key="cpu-gloo-w2-fp32", world_size=2,
                          fingerprint={"versions": {"peft": "0.21.2", "torch": "2.13.0"}}, series={"loss": [5.5, 5.4]},
                          arrays={f"step0_grad/{n}": np.full((8, 8), 0.5, dtype=np.float32) for n in full},
-                         digests={n: {"sha256": "x", "sum": 1.0, "abs_sum": 2.0, "shape": [8, 8]} for n in full})
+                         digests={n: {"sha256": "x", "sum": 1.0, "abs_sum": 2.0, "l2": 1.0, "shape": [8, 8]} for n in full})
     reference, run = lora_record(True), lora_record(False)
     assert model_layout.layout_change(reference, run).startswith("the model's definition changed: 2 parameters only "
                                                                  "in the reference")

@@ -72,7 +72,12 @@ def traced_step0(*, faults: tuple[str, ...] = (), backend: str = "auto", rank: i
 
 @pytest.fixture(scope="module")
 def clean() -> RunRecord:
-    return traced_step0()
+    """A reference as the store keeps it: its trace with the thresholds it was recorded with."""
+    from pytest_gpuregress.reference.introduced import attach_thresholds
+
+    record = traced_step0()
+    attach_thresholds(record.results)
+    return record
 
 
 def gemm_error(rel: float) -> Any:
@@ -367,7 +372,9 @@ def test_legitimate_drift_at_step_0_convicts_nothing_when_the_failure_starts_lat
     found = triage.verdict(comparison, experiments)
     component, line = found.component, found.line
     assert component == "optimizer", line
-    assert "first moved op drifts within the tolerance at step 0: aten::mm in model.layers.0.mlp.up_proj" in line
+    evidence = triage.first_moved_evidence(comparison)
+    assert evidence is not None and evidence.status == "drift only" and not evidence.convicts
+    assert "it begins at aten::mm in model.layers.0.mlp.up_proj" in line
     assert triage.verdict(comparison, experiments[:2]).component is None  # without the window: no kernel, no optimizer
 
 

@@ -75,13 +75,13 @@ def test_a_non_llama_layer_is_named_as_its_own_group_with_its_size(build: Any, l
         f"reduce-scatter of the root group, {human_bytes(root_bytes)}"
 
 
-def test_a_record_without_units_falls_back_to_the_name_pattern() -> None:
+def test_without_the_units_of_a_run_no_size_is_guessed() -> None:
     model = gpt2()
-    old = FSDP.triage.message_of("transformer.h.1.attn.c_attn.weight", shapes_of(model), WORLD, record_of(model, with_units=False))
-    assert old == f"reduce-scatter of the root group, {human_bytes(fp32_bytes(model))}"  # what it said before #28
-    llama = build_causal_lm(load_config("tiny-llama", "cpu"), seed=0)
-    assert FSDP.triage.message_of("model.layers.1.mlp.up_proj.weight", shapes_of(llama), WORLD, None) == \
-        "reduce-scatter of decoder layer 1, 180.5 KiB"
+    shapes = shapes_of(model)
+    unit = "reduce-scatter of the fully_shard unit that holds it"
+    assert FSDP.triage.message_of("transformer.h.1.attn.c_attn.weight", shapes, WORLD, None) == unit
+    assert FSDP.triage.message_of("transformer.h.1.attn.c_attn.weight", shapes, WORLD,
+                                  record_of(model, with_units=False)) == unit
 
 
 def test_llama_layers_keep_their_names_and_sizes() -> None:

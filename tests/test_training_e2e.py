@@ -226,13 +226,13 @@ def test_a_reference_of_an_earlier_release_is_a_usage_error_that_says_so(pyteste
                                                                          refs: Path) -> None:
     record = next(refs.glob("fsdp/*/record.json"))
     data = json.loads(record.read_text())
-    del data["config"]["adamw"]  # what every fsdp reference recorded before AdamW's implementation was named lacks
+    data["format"] = "gpuregress-record/1"  # an older schema is refused, never read with fallbacks
     _rewrite_with_manifest(record, data)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-steps={STEPS}",
                                            f"--gpuregress-reference-dir={refs}", "-k", FSDP_ONLY)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([f"*{record} was recorded by an earlier pytest-gpuregress (clipping below the typical "
-                                 "norm and a named AdamW implementation changed every fsdp and lora training config)*"])
+    result.stderr.fnmatch_lines([f"*{record} was recorded by an earlier pytest-gpuregress (format "
+                                 "'gpuregress-record/1', this one reads 'gpuregress-record/2')*--gpuregress-record*"])
 
 
 def test_a_reference_of_another_config_is_named_after_the_run(pytester: pytest.Pytester, refs: Path) -> None:

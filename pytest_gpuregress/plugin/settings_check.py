@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptReference
-from ..reference.record import RECORD_JSON, read_json
+from ..reference.record import RECORD_FORMAT, RECORD_JSON, RERECORD, read_json
 from ..scenarios import registry
 
 if TYPE_CHECKING:
@@ -22,9 +22,6 @@ if TYPE_CHECKING:
 
 # config key -> the option that sets it
 SETTING_OPTIONS = {"steps": "--gpuregress-steps"}
-# Keys a training config gained in a release, with what changed: a reference without one was recorded before.
-ADDED_KEYS = {"adamw": "clipping below the typical norm and a named AdamW implementation changed every fsdp and "
-                       "lora training config"}
 
 
 def differing_settings(session: GpuRegressSession) -> tuple[list[str], list[str]]:
@@ -41,15 +38,14 @@ def differing_settings(session: GpuRegressSession) -> tuple[list[str], list[str]
             if name is None or session.places.recording(name, key):
                 continue
             path = session.places.location(name, key).path / RECORD_JSON
-            recorded = _recorded_config(path)
+            recorded, fmt = _recorded_config(path)
             differing = [(k, recorded[k], launch.config[k]) for k in SETTING_OPTIONS
                          if k in recorded and k in launch.config and recorded[k] != launch.config[k]]
-            older = [why for k, why in ADDED_KEYS.items() if recorded and k in launch.config and k not in recorded]
+            older = fmt is not None and fmt != RECORD_FORMAT
             if (differing or older) and str(path) not in lines:
                 if older:
-                    lines[str(path)] = (f"{path} was recorded by an earlier pytest-gpuregress ({older[0]}): it cannot "
-                                        "be compared; record this stack's reference in a folder of its own, on a "
-                                        "known-good stack")
+                    lines[str(path)] = (f"{path} was recorded by an earlier pytest-gpuregress (format {fmt!r}, "
+                                        f"this one reads {RECORD_FORMAT!r}): it cannot be compared; {RERECORD}")
                 else:
                     what = ", ".join(f"{k} {ref!r} (this run {ours!r})" for k, ref, ours in differing)
                     options = " ".join(f"{SETTING_OPTIONS[k]}={ref}" for k, ref, _ in differing)
@@ -58,13 +54,15 @@ def differing_settings(session: GpuRegressSession) -> tuple[list[str], list[str]
     return list(lines.values()), selections
 
 
-def _recorded_config(path: Path) -> dict[str, Any]:
+def _recorded_config(path: Path) -> tuple[dict[str, Any], str | None]:
+    """(the recorded config, the record's format); ({}, None) where the file is missing or damaged: the full read
+    after the run names it."""
     try:
         data = read_json(path)
     except CorruptReference:
-        return {}  # missing or damaged: the full read after the run names it
+        return {}, None
     config = data.get("config")
-    return config if isinstance(config, dict) else {}
+    return (config if isinstance(config, dict) else {}), str(data.get("format"))
 
 
 def missing_folder(session: GpuRegressSession) -> str | None:

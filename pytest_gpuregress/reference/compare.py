@@ -92,9 +92,8 @@ class Comparison:
     # (ranks, ops per rank) where both records traced step 0 and no op moved: "no drift", said as information.
     equal_trace: tuple[int, int] | None = None
     # The tolerant lane's op of step 0 that introduced a difference beyond drift (introduced.py); None where none
-    # did. ``introduced_note``: why it could not be looked for (a reference recorded before op sources were kept).
+    # did.
     introduced: FirstMoved | None = None
-    introduced_note: str | None = None
     introduced_rule: str = ""  # what "beyond drift" meant: the reference's thresholds, in words
     # Where the culprit is a compute op that went wrong at some input shapes and not at others: the line that names
     # them (introduced.shape_dependence); a kernel picked by shape.
@@ -122,8 +121,8 @@ class Comparison:
     def culprit(self) -> FirstMoved | None:
         """The op a failure names and triage weighs: in the exact lane the first op that moved (no drift is
         allowed there; a changed op sequence is a difference too); in the tolerant lane the op that introduced a
-        difference, never plain drift (for an older reference, the first op that moved, with ``introduced_note``)."""
-        if self.lane == "exact" or self.introduced_note is not None:
+        difference, never plain drift."""
+        if self.lane == "exact":
             return self.first_moved
         return self.introduced
 
@@ -476,7 +475,7 @@ def compare_training(
                             adamw=run.config.get("adamw"))
     order_note = by_name.param_grad_norms(reference, run)[1]
     comparison.reordered = order_note == by_name.REORDERED
-    comparison.notes += [note for note in (order_note, _environment_note(reference, run)) if note]
+    comparison.notes += [order_note] if order_note else []
     _trace_evidence(reference, run, comparison)
     return comparison
 
@@ -540,8 +539,6 @@ def _trace_evidence(reference: RunRecord, run: RunRecord, comparison: Comparison
         if traced is not None:
             comparison.introduced = introduced_at(reference, run, traced)
             comparison.introduced_rule = describe_thresholds(reference)
-        else:
-            comparison.introduced_note = OLD_TRACE_NOTE
     if comparison.culprit is not None and comparison.findings:
         comparison.shape_note = shape_dependence(reference, run, comparison.culprit, traced)
 
@@ -559,17 +556,3 @@ def data_finding(reference: RunRecord, run: RunRecord, findings: list[Finding]) 
     findings.insert(0, Finding("data", data_change.finding_text(reference, run, changed), step=changed,
                                tensor="the token batch"))
     return True
-
-
-def _environment_note(reference: RunRecord, run: RunRecord) -> str | None:
-    """Where the reference was recorded before the whole environment was kept: what changed lists its few packages."""
-    if "packages" in reference.fingerprint or "packages" not in run.fingerprint:
-        return None
-    named = len(reference.fingerprint.get("versions") or {})
-    return (f"the reference recorded {named} packages only (before the whole environment was kept), so what changed "
-            "names no package added or removed since; re-record it to have them named")
-
-
-OLD_TRACE_NOTE = ("the reference's op trace keeps no op sources (recorded before they were kept), so the op that "
-                  "introduced the difference cannot be told from drift: the first op that moved is shown, which on "
-                  "another stack may be legitimate drift; re-record the reference to have it named")

@@ -93,9 +93,9 @@ def digest_deviation(run: dict, ref: dict) -> float:
 
     Signed sums are measured against the tensor's L2 norm, not its |sum|: a flipped sign moves them
     by about 2 x ||w||, which stays visible however large the tensor (|sum| grows like n, ||w|| like
-    sqrt(n)). Digests recorded before the norm was stored fall back to |sum|."""
+    sqrt(n))."""
     magnitude = float(rel(np.asarray(run["abs_sum"]), np.asarray(ref["abs_sum"])))
-    scale = max(abs(float(ref.get("l2", ref["abs_sum"]))), float(np.finfo(np.float64).tiny))
+    scale = max(abs(float(ref["l2"])), float(np.finfo(np.float64).tiny))
     signed = [abs(float(run[k]) - float(ref[k])) / scale for k in ("sum", "signed_dot") if k in run and k in ref]
     value = max([magnitude, *signed])
     return float("inf") if np.isnan(value) else value

@@ -22,7 +22,6 @@ from .record import RunRecord
 RESULT_KEY = "oracle_step0"  # in RunRecord.results: {"loss": float, "grads": {name: [sum, sum |x|, max |x|]},
 #                                                   "mode": {"mode": ..., "not_float64": [...]}}
 MODE_KEY = "oracle_mode"  # in an oracle's own record: which oracle it computed (training/float64_mode.py)
-LEGACY_MODE = "float64 with the model's own casts"  # the oracle of references recorded before the mode was kept
 # float64 step 0 moves ~1e-15 with the kernels; a library change that alters the math moves it past 1e-6 (an
 # RMSNorm epsilon of 1e-5 for 1e-6 moves it 5e-6). The oracle's gradients are kept in float32: 6e-8 per element.
 CODE_CHANGE = 1e-6
@@ -50,16 +49,7 @@ def digest(oracle: RunRecord) -> dict[str, Any]:
     reference keeps them."""
     grads = {name: step0.totals(prefix, values) for name, prefix, values in step0.each(oracle)}
     losses = oracle.series.get("loss") or [float("nan")]
-    return {"loss": float(losses[0]), "grads": grads, "mode": oracle.results.get(MODE_KEY) or {"mode": LEGACY_MODE}}
-
-
-def recorded_mode(reference: RunRecord) -> str | None:
-    """The oracle mode a reference's oracle step 0 was computed in: LEGACY_MODE for one recorded before the mode
-    was kept; None where it keeps no oracle step 0."""
-    kept = reference.results.get(RESULT_KEY)
-    if not isinstance(kept, dict):
-        return None
-    return str((kept.get("mode") or {}).get("mode", LEGACY_MODE))
+    return {"loss": float(losses[0]), "grads": grads, "mode": oracle.results.get(MODE_KEY)}
 
 
 def attach(record: RunRecord, oracle: RunRecord) -> None:

@@ -18,7 +18,10 @@ import numpy as np
 from ..errors import CorruptReference
 from . import atomic
 
-RECORD_FORMAT = "gpuregress-record/1"
+RECORD_FORMAT = "gpuregress-record/2"
+# An older format is refused, never read with fallbacks: the plugin is unreleased, so no user holds one.
+RERECORD = ("re-record it with this version of pytest-gpuregress, on a known-good stack: "
+            "pytest --gpuregress --gpuregress-record --gpuregress-reference-dir <this folder's root>")
 RECORD_JSON = "record.json"
 TENSORS_FILE = "tensors.safetensors"
 
@@ -108,8 +111,7 @@ class RunRecord:
         if data.get("format") != RECORD_FORMAT:
             raise CorruptReference(
                 json_path,
-                f"format is {data.get('format')!r}, expected {RECORD_FORMAT!r}",
-                "re-record it with this version of pytest-gpuregress (--gpuregress-record)",
+                f"format is {data.get('format')!r}, expected {RECORD_FORMAT!r}", RERECORD,
             )
         try:
             record = cls.from_json(data)

@@ -77,8 +77,6 @@ def op_lines(comparison: Comparison) -> list[str]:
     shape = [f"    {comparison.shape_note}"] if comparison.shape_note else []
     if comparison.lane == "exact":
         return ["", *moved.lines(), *shape, *sequence]
-    if comparison.introduced_note is not None:
-        return ["", *moved.lines(), f"    ({comparison.introduced_note})", *sequence]
     drift = replace(moved, label="drift begins at", stack=[]).describe()
     if culprit is None:
         return ["", f"introduced at: no op of step 0 moved beyond drift ({comparison.introduced_rule}): the "

@@ -229,14 +229,12 @@ def collect(
 
 def diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
     """Fields that differ, as (section.field, reference value, current value). A package the versions section names
-    (torch, transformers...) is said there once, not again among the packages; packages are compared only where the
-    reference recorded them (references recorded before the whole environment was kept list the versions alone)."""
+    (torch, transformers...) is said there once, not again among the packages."""
     out: list[tuple[str, Any, Any]] = []
     named = {canonical(k) for k in (reference.get("versions") or {})}
     for section in sorted(set(reference) | set(current)):
         if section == "packages":
-            if isinstance(reference.get(section), dict):
-                out += [(f"packages.{k}", a, b) for k, a, b in _package_changes(reference, current) if k not in named]
+            out += [(f"packages.{k}", a, b) for k, a, b in _package_changes(reference, current) if k not in named]
             continue
         ref_sec, cur_sec = reference.get(section, {}), current.get(section, {})
         if not isinstance(ref_sec, dict) or not isinstance(cur_sec, dict):

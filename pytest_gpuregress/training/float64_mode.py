@@ -11,9 +11,8 @@ oracle's record says which, if any, were not float64.
         loss = ...; loss.backward()
     mode.not_float64    # ["aten::..."], [] where every floating output was float64
 
-MODE is stored with a reference's oracle step 0 (reference/oracle_step0.py), as the introducing op's thresholds
-are, so an older reference is judged against the oracle it was recorded with (LEGACY: the model's own casts).
-Torch is imported inside the functions: only the ranks call them.
+MODE is stored with a reference's oracle step 0 (reference/oracle_step0.py). Torch is imported inside the
+functions: only the ranks call them.
 """
 
 from __future__ import annotations
@@ -22,17 +21,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..reference.oracle_step0 import LEGACY_MODE
-
-CONFIG_KEY = "oracle_mode"  # a launch config key: which oracle to compute
 MODE = "float64 throughout"
-LEGACY = LEGACY_MODE  # the model's own casts: references recorded before the mode was kept
 
 
 @contextmanager
-def float64_throughout(mode: str = MODE) -> Iterator[Any]:
-    """Run the body with every lower floating dtype an op asks for made float64 (``MODE``); ``LEGACY``: as the
-    model's code asks (nothing changed, the low ops still listed)."""
+def float64_throughout() -> Iterator[Any]:
+    """Run the body with every lower floating dtype an op asks for made float64."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -49,7 +43,7 @@ def float64_throughout(mode: str = MODE) -> Iterator[Any]:
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
-            if mode == MODE and kwargs.get("dtype") in low:
+            if kwargs.get("dtype") in low:
                 kwargs = {**kwargs, "dtype": torch.float64}
             out = func(*args, **kwargs)
             for tensor in out if isinstance(out, (list, tuple)) else (out,):

@@ -33,7 +33,7 @@ class AdamWSettings:
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> AdamWSettings:
         """The settings of a scenario config's ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``adamw`` (the
-        implementation; a config without it, as every reference recorded before it, ran the single-tensor loop)."""
+        implementation; a user's config without it runs the single-tensor loop)."""
         beta1, beta2 = cfg["betas"]
         implementation = str(cfg.get("adamw", "single"))
         if implementation not in IMPLEMENTATIONS:

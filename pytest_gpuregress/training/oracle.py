@@ -21,24 +21,23 @@ from .cpus import usable_cpus
 
 def float64_step0(model: Any, cfg: dict[str, Any], vocab_size: int) -> tuple[float, dict[str, Any]]:
     """``model`` in float64 (its experts by the eager loop): the loss of step 0's whole global batch, backward
-    done, every op in float64 where the config's oracle mode asks (float64_mode.py; default: throughout); and what
-    the record keeps of the mode: its name and the ops that were not float64. Uses every core it may
+    done, every op in float64 (float64_mode.py); and what the record keeps of the mode: its name and the ops that
+    were not float64. Uses every core it may
     (usable_cpus): float64 on the GPU model is slow, and summation order barely matters here."""
     import torch
 
     from .data import token_source
-    from .float64_mode import CONFIG_KEY, MODE, float64_throughout
+    from .float64_mode import MODE, float64_throughout
     from .moe import in_float64
 
     torch.set_num_threads(usable_cpus())
     model = in_float64(model)
     tokens = torch.from_numpy(token_source(cfg, vocab_size).global_batch_at(0))
-    mode = str(cfg.get(CONFIG_KEY, MODE))
-    with float64_throughout(mode) as watching:
+    with float64_throughout() as watching:
         logits = model(input_ids=tokens[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         loss.backward()
-    return float(loss.detach()), {"mode": mode, "not_float64": watching.not_float64}
+    return float(loss.detach()), {"mode": MODE, "not_float64": watching.not_float64}
 
 
 def run(ctx) -> RunRecord:  # type: ignore[no-untyped-def]

@@ -287,10 +287,7 @@ def bisect_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
                    case: Case, request: BisectRequest) -> Experiment:
     """The bisect's evidence for a failed comparison of ``case``: named (a package or group restores step 0), or
     why it named none."""
-    recorded = reference.fingerprint.get("packages")
-    if not isinstance(recorded, dict):
-        return Experiment(NAME, "not applicable", "the reference was recorded before the whole environment "
-                                                            "was kept: re-record it to have an upgrade bisected")
+    recorded = reference.fingerprint["packages"]
     first = min((f.step for f in comparison.findings if f.step is not None), default=None)
     if first not in (0, None):
         return Experiment(NAME, "not applicable", f"step 0 of this run matches the reference (the first "

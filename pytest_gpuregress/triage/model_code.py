@@ -8,15 +8,12 @@ in the comparison's step-0 trace, then from the versions that changed (``suspect
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..reference import oracle_step0
 from ..reference.model_layout import MODEL_LIBRARIES
 from ..reference.oracle_step0 import CODE_CHANGE, CodeChange
 from ..reference.record import RunRecord
-from ..training.float64_mode import CONFIG_KEY as ORACLE_MODE
-from ..training.float64_mode import MODE
 from . import Experiment, Runner
 from .decision import MODEL_CODE, Evidence
 from .naming import op_component
@@ -30,15 +27,12 @@ if TYPE_CHECKING:
 def experiment(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, model: str | None,
                comparison: Comparison | None = None) -> Experiment | None:
     """The oracle's evidence where it moved: the library (or kernel) ``suspect`` names. None where the oracle did
-    not move, or where either oracle is missing (a reference recorded before it was kept, a scenario without one)."""
+    not move, or where the scenario has no oracle."""
     from ..stack.fingerprint import installed_version
 
     launch = oracle_launch(sc, setup, model)
-    mode = oracle_step0.recorded_mode(reference)
-    if launch is None or mode is None:
+    if launch is None or oracle_step0.RESULT_KEY not in reference.results:
         return None
-    if mode != MODE:  # an older reference: judged against the oracle it was recorded with, never another one
-        launch = replace(launch, key=f"{launch.key}-legacy-oracle", config={**launch.config, ORACLE_MODE: mode})
     try:
         change = oracle_step0.code_change(reference, run(sc, launch))
     except Exception:  # noqa: BLE001 - the experiments run the oracle again, and say why it failed

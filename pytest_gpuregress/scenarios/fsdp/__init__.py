@@ -165,17 +165,8 @@ class FsdpScenario(Scenario):
 
 
 
-def _group(param: str) -> str:
-    """The name-pattern guess at a parameter's fully_shard group (Llama's ``model.layers.N``, else the root):
-    only for records that predate their units (``recorded_units``)."""
-    parts = param.split(".")
-    if parts[:2] == ["model", "layers"] and len(parts) > 2:
-        return f"decoder layer {parts[2]}"
-    return "the root group"
-
-
 def recorded_units(record: RunRecord | None) -> dict[str, dict[str, Any]] | None:
-    """The fully_shard units ``record`` kept (rank.py); None for an older record, which lacks them."""
+    """The fully_shard units ``record`` kept (rank.py); None where there is no record."""
     from ...training.shard_units import RESULT_KEY
 
     units = record.results.get(RESULT_KEY) if record is not None else None
@@ -184,29 +175,22 @@ def recorded_units(record: RunRecord | None) -> dict[str, dict[str, Any]] | None
 
 def reduce_scatter_message(param: str, shapes: dict[str, tuple[int, ...]], world_size: int,
                            record: RunRecord | None = None) -> str:
-    """The reduce-scatter that carries ``param``'s gradient: one per fully_shard unit, in the run's reduce dtype
-    (fp32, or bf16 in the CPU bf16 lane), each parameter padded on dim 0 to a multiple of the world size, as
-    FSDP2 shards it.
-
-    The unit is the one ``record``'s run really wrapped ``param`` in; a record without units (older than
-    them) falls back to the name pattern of ``_group``, which knows Llama's layers only."""
+    """The reduce-scatter that carries ``param``'s gradient: one per fully_shard unit ``record``'s run wrapped, in
+    the run's reduce dtype (fp32, or bf16 in the CPU bf16 lane), each parameter padded on dim 0 to a multiple of
+    the world size, as FSDP2 shards it."""
     from ...training.fsdp2 import reduce_dtype_of
     from ...training.shard_units import group_label, reduce_scatter_bytes, unit_of
     from ...units import human_bytes
 
     units = recorded_units(record)
     path = unit_of(param, units) if units else None
-    if units and record is not None and path is not None:  # a parameter the units do not list falls back too
-        unit = units[path]
-        # The recorded size holds at the record's world size; at another (triage's one rank), recount it.
-        size = unit["bytes"] if record.world_size == world_size else \
-            reduce_scatter_bytes(unit["params"], shapes, world_size, reduce_dtype_of(record.config))
-        return f"{_dtype_word(record)}reduce-scatter of {group_label(path)}, {human_bytes(int(size))}"
-    group = _group(param)
-    members = [name for name in shapes if _group(name) == group]
-    reduce = reduce_dtype_of(record.config) if record is not None else "fp32"
-    return (f"{_dtype_word(record)}reduce-scatter of {group}, "
-            f"{human_bytes(reduce_scatter_bytes(members, shapes, world_size, reduce))}")
+    if units is None or record is None or path is None:
+        return "reduce-scatter of the fully_shard unit that holds it"
+    unit = units[path]
+    # The recorded size holds at the record's world size; at another (triage's one rank), recount it.
+    size = unit["bytes"] if record.world_size == world_size else \
+        reduce_scatter_bytes(unit["params"], shapes, world_size, reduce_dtype_of(record.config))
+    return f"{_dtype_word(record)}reduce-scatter of {group_label(path)}, {human_bytes(int(size))}"
 
 
 def _dtype_word(record: RunRecord | None) -> str:

@@ -51,7 +51,7 @@ def one_ulp_up(value: float) -> float:
 
 def test_devices_with_equal_digests_agree_and_nothing_fails() -> None:
     result = vote([gpu(r) for r in range(4)], NAMES, KINDS)
-    assert result.verdict == AGREES and len(result.groups) == 1
+    assert result.outcome == AGREES and len(result.groups) == 1
     assert printed(report.failures, result) == []
     assert [row[2] for row in report.rows(result)] == [AGREES] * 4
     assert report.properties(result)["consensus_verdict"] == "agree"
@@ -62,9 +62,9 @@ def test_a_dissenting_gpu_is_named_with_node_index_bus_uuid_and_its_first_differ
     bad = gpu(13, node=12, local=5, hashes=["a0", "b0", "a1x", "b1x", "c0"],
               sums=[2.5, 10.0, one_ulp_up(2.25), 9.5, 100.0])
     result = vote([*(gpu(r, node=r // 8, local=r % 8) for r in range(13)), bad], NAMES, KINDS)
-    assert result.verdict == DISSENTS
+    assert result.outcome == DISSENTS
     group = result.groups[0]
-    assert group.dissenters == [bad] and group.verdict_of(bad) == DISSENTS
+    assert group.dissenters == [bad] and group.outcome_of(bad) == DISSENTS
     [message] = printed(report.failures, result)
     assert message.startswith("[device] local 5 (cuda:5, smi GPU 5, bus 0000:1d:00.0, "
                               "uuid GPU-00000013-aaaa-bbbb-cccc-dddddddddddd) on node 12 (gpu-node-12) disagrees with "
@@ -92,7 +92,7 @@ def test_a_tensor_that_differs_says_by_how_much_relative_to_its_magnitude() -> N
 def test_two_devices_that_differ_have_no_majority_and_both_results_are_shown() -> None:
     first, second = gpu(0), gpu(1, hashes=["a0", "b0", "a1", "b1", "c0x"], sums=[*CLEAN[1][:4], 100.5])
     result = vote([first, second], NAMES, KINDS)
-    assert result.verdict == NO_MAJORITY and result.groups[0].majority is None
+    assert result.outcome == NO_MAJORITY and result.groups[0].majority is None
     [message] = printed(report.failures, result)
     assert message.startswith("[device] no majority among the 2 devices of NVIDIA H100 80GB HBM3")
     assert "result 1 (1 device): local 0 (cuda:0" in message and "result 2 (1 device): local 1 (cuda:1" in message
@@ -118,7 +118,7 @@ def test_devices_of_another_stack_are_listed_apart_never_outvoted_and_the_split_
     missed = gpu(3, node=1, local=0, key=old, hashes=["z"] * 5)
     result = vote([gpu(0), gpu(1), gpu(2), missed], NAMES, KINDS)
     assert [len(g.devices) for g in result.groups] == [3, 1]
-    assert result.groups[1].verdict_of(missed) == "alone" and printed(report.failures, result) == []
+    assert result.groups[1].outcome_of(missed) == "alone" and printed(report.failures, result) == []
     [split] = report.stack_splits(result)
     assert split.startswith("1 device(s) of NVIDIA H100 80GB HBM3 on node 1 (gpu-node-01) run another stack than "
                             "the other 3 of that model (device.driver: 570.124.06 -> 550.54.15)")

@@ -113,7 +113,7 @@ def whole_nodes(group: Group) -> set[tuple[Any, Any]]:
     devices: dict[tuple[Any, Any], list[Device]] = {}
     for device in group.devices:
         devices.setdefault(_node(device), []).append(device)
-    return {node for node, ds in devices.items() if len(ds) > 1 and all(group.verdict_of(d) == DISSENTS for d in ds)}
+    return {node for node, ds in devices.items() if len(ds) > 1 and all(group.outcome_of(d) == DISSENTS for d in ds)}
 
 
 def dissent_message(vote: Vote, group: Group, device: Device, whole_node: bool = False) -> str:
@@ -158,11 +158,11 @@ def failures(vote: Vote) -> list[CheckFinding]:
     """One finding per dissenting device and per group without a majority; [] when every group agrees."""
     out: list[CheckFinding] = []
     for group in vote.groups:
-        if group.verdict == DISSENTS:
+        if group.outcome == DISSENTS:
             suspect_nodes = whole_nodes(group)
             out += [CheckFinding("consensus", dissent_message(vote, group, d, _node(d) in suspect_nodes))
                     for d in group.dissenters]
-        elif group.verdict not in (AGREES, "alone"):
+        elif group.outcome not in (AGREES, "alone"):
             out.append(CheckFinding("consensus", no_majority_message(vote, group)))
     return out
 
@@ -188,15 +188,15 @@ def stack_splits(vote: Vote) -> list[str]:
 
 
 def group_rows(vote: Vote, group: Group) -> list[tuple[str, str, str, str]]:
-    """(device, node, verdict, first difference) for each device of ``group``, by node and rank."""
+    """(device, node, outcome, first difference) for each device of ``group``, by node and rank."""
     out = []
     for device in sorted(group.devices, key=lambda d: (d.identity.get("node_rank", 0), d.rank)):
         against = group.compared_with(device)
         difference = None if against is None else first_difference(device, against)
         text = "-" if difference is None else difference_text(vote, difference)
-        if against is not None and difference is not None and group.verdict_of(device) != DISSENTS:
+        if against is not None and difference is not None and group.outcome_of(device) != DISSENTS:
             text = f"vs {device_label(against.identity)}: {text}"  # no consensus: against the largest result
-        out.append((device_label(device.identity), node_label(device.identity), group.verdict_of(device), text))
+        out.append((device_label(device.identity), node_label(device.identity), group.outcome_of(device), text))
     return out
 
 
@@ -205,7 +205,7 @@ def rows(vote: Vote) -> list[tuple[str, str, str, str]]:
 
 
 def table(vote: Vote) -> list[str]:
-    header = ("device", "node", "verdict", "first difference")
+    header = ("device", "node", "outcome", "first difference")
     widths = [max(len(r[i]) for r in [header, *rows(vote)]) for i in range(3)] + [0]
 
     def line(cells: tuple[str, ...]) -> str:
@@ -214,7 +214,7 @@ def table(vote: Vote) -> list[str]:
     lines = []
     for number, group in enumerate(vote.groups, start=1):
         apart = "" if number == 1 else "; listed apart, never outvoted"
-        lines.append(f"group {number} ({len(group.devices)} devices, {group.verdict}{apart}): {describe_key(group.key)}")
+        lines.append(f"group {number} ({len(group.devices)} devices, {group.outcome}{apart}): {describe_key(group.key)}")
         lines += [line(header), *(line(row) for row in group_rows(vote, group))]
     return lines
 
@@ -225,7 +225,7 @@ def by_node(vote: Vote) -> list[str]:
     for group in vote.groups:
         for device in group.devices:
             tally = counts.setdefault(node_label(device.identity), [0, 0])
-            tally[0] += group.verdict_of(device) == DISSENTS
+            tally[0] += group.outcome_of(device) == DISSENTS
             tally[1] += 1
     return [f"  {node}: {bad} of {total} devices dissent" for node, (bad, total) in sorted(counts.items()) if bad]
 
@@ -240,7 +240,7 @@ def figures(vote: Vote, consensus: dict[str, Any], wall_s: float | None) -> str:
     devices = vote.devices
     sent = max(bytes_per_device(d) for d in devices)
     slowest = max((float(d.get("seconds", 0.0)) for d in consensus.get("devices", [])), default=0.0)
-    counts = {v: sum(g.verdict_of(d) == v for g in vote.groups for d in g.devices) for v in (AGREES, DISSENTS)}
+    counts = {v: sum(g.outcome_of(d) == v for g in vote.groups for d in g.devices) for v in (AGREES, DISSENTS)}
     return (f"consensus over {len(devices)} devices in {len(vote.groups)} group(s): {counts[AGREES]} agree, "
             f"{counts[DISSENTS]} dissent; {len(vote.names)} tensors a device, {sent} bytes sent a device "
             f"({BYTES_PER_TENSOR} B a tensor, plus its identity); slowest device {slowest:.2f} s"
@@ -248,9 +248,9 @@ def figures(vote: Vote, consensus: dict[str, Any], wall_s: float | None) -> str:
 
 
 def properties(vote: Vote) -> dict[str, Any]:
-    """JUnit figures: the verdict, the dissenters, and the table one row a value."""
+    """JUnit figures: the outcome, the dissenters, and the table one row a value."""
     dissenters = [where(d) for g in vote.groups for d in g.dissenters]
-    return {"consensus_verdict": {AGREES: "agree", DISSENTS: "dissent"}.get(vote.verdict, vote.verdict),
+    return {"consensus_verdict": {AGREES: "agree", DISSENTS: "dissent"}.get(vote.outcome, vote.outcome),
             "consensus_devices": len(vote.devices),
             "consensus_dissenters": dissenters or None,
             "consensus_table": [" | ".join(row) for row in rows(vote)]}

@@ -92,14 +92,14 @@ class Group:
         return self.results[0]
 
     @property
-    def verdict(self) -> str:
+    def outcome(self) -> str:
         if len(self.devices) == 1:
             return ALONE
         if len(self.results) == 1:
             return AGREES
         return DISSENTS if self.majority is not None else NO_MAJORITY
 
-    def verdict_of(self, device: Device) -> str:
+    def outcome_of(self, device: Device) -> str:
         if len(self.devices) == 1:
             return ALONE
         if self.majority is None:
@@ -129,10 +129,10 @@ class Vote:
         return [d for g in self.groups for d in g.devices]
 
     @property
-    def verdict(self) -> str:
+    def outcome(self) -> str:
         """"no majority" if any group has none, else "DISSENTS" if any has a dissenter, else "agrees"."""
-        verdicts = {g.verdict for g in self.groups}
-        return next((v for v in (NO_MAJORITY, DISSENTS) if v in verdicts), AGREES)
+        outcomes = {g.outcome for g in self.groups}
+        return next((v for v in (NO_MAJORITY, DISSENTS) if v in outcomes), AGREES)
 
 
 def vote(devices: list[Device], names: list[str], kinds: list[str]) -> Vote:

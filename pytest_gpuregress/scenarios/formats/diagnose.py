@@ -31,13 +31,13 @@ from .checkpoint import Entry
 SATURATED_BLOCKS_MIN = 16
 
 
-FindingKind = Literal["special_codes", "fnuz_0x80", "flavour", "fnuz_scale_448", "scale_mismatch", "mx_scale"]
+DiagnosisKind = Literal["special_codes", "fnuz_0x80", "flavour", "fnuz_scale_448", "scale_mismatch", "mx_scale"]
 
 
 @dataclass(frozen=True)
-class Finding:
+class Diagnosis:
     tensor: str
-    kind: FindingKind
+    kind: DiagnosisKind
     message: str
     fix: str
 
@@ -49,7 +49,7 @@ class Finding:
 class Report:
     path: Path
     tags: Counter[str]
-    findings: list[Finding] = field(default_factory=list)
+    findings: list[Diagnosis] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -58,7 +58,7 @@ class Report:
 
     def grouped(self, names: int = 6) -> list[str]:
         """One text per kind of finding: the first tensor's in full, then which others have it too."""
-        kinds: dict[str, list[Finding]] = {}
+        kinds: dict[str, list[Diagnosis]] = {}
         for finding in self.findings:
             kinds.setdefault(finding.kind, []).append(finding)
         out = []
@@ -101,13 +101,13 @@ def _hex(codes: np.ndarray) -> str:
     return ", ".join(f"0x{int(c):02X}" for c in np.unique(codes)[:6])
 
 
-def special_codes(entry: Entry) -> list[Finding]:
+def special_codes(entry: Entry) -> list[Diagnosis]:
     fmt, codes = entry.fmt, entry.codes
     values = oracle.decode(codes, fmt)
     other = _counterpart(fmt)
     if fmt.fnuz and other is not None and (codes == 0x80).any():
         count = int((codes == 0x80).sum())
-        return [Finding(entry.name, "fnuz_0x80",
+        return [Diagnosis(entry.name, "fnuz_0x80",
                         f"{count} of {codes.size} codes are 0x80 in {fmt.id} data (tagged {entry.tag}): 0x80 is NaN in "
                         f"{fmt.id} and negative zero in {other.id}. Either {other.id} bytes were converted without "
                         f"rewriting 0x80, or values were cast past {fmt.id}'s maximum {oracle.limits(fmt).max:g}",
@@ -120,7 +120,7 @@ def special_codes(entry: Entry) -> list[Finding]:
     if other is not None:
         there = oracle.decode(np.unique(codes[bad])[:6], other)
         meaning = f"; in {other.id} these codes are {', '.join(f'{v:g}' for v in there)}"
-    return [Finding(entry.name, "special_codes",
+    return [Diagnosis(entry.name, "special_codes",
                     f"{int(bad.sum())} of {codes.size} codes ({_hex(codes[bad])}) are NaN or inf in {fmt.id} "
                     f"(tagged {entry.tag}){meaning}",
                     "quantize again, clamping to the format's maximum before the cast; if the codes are another "
@@ -139,7 +139,7 @@ def _matches(rebuilt: float | None, amax: float, fmt: Format) -> bool:
     return rebuilt is not None and abs(rebuilt - amax) <= amax * 2.0 ** -(oracle.limits(fmt).mantissa_bits + 1)
 
 
-def per_tensor_scale(entry: Entry) -> list[Finding]:
+def per_tensor_scale(entry: Entry) -> list[Diagnosis]:
     fmt, other = entry.fmt, _counterpart(entry.fmt)
     amax, scale = float(entry.amax or 0.0), float(entry.scale)
     if amax <= 0 or scale <= 0 or not np.isfinite(scale):
@@ -153,19 +153,19 @@ def per_tensor_scale(entry: Entry) -> list[Finding]:
             return [_flavour(entry, other, amax, rebuilt)]
         implied, other_max, own_max = amax / scale, oracle.limits(other).max, oracle.limits(fmt).max
         if fmt.fnuz and other_max != own_max and abs(implied - other_max) <= other_max * 1e-5:
-            return [Finding(entry.name, "fnuz_scale_448",
+            return [Diagnosis(entry.name, "fnuz_scale_448",
                             f"the scale is amax/{implied:.6g}: {other.id}'s maximum {other_max:g} was used where "
                             f"{fmt.id}'s maximum is {own_max:g}, so values come out {other_max / own_max:.4g}x too "
                             f"large ({other_max:g}/{own_max:g}) and overflow {fmt.id} past {own_max:g}",
                             f"compute the scale as amax/{own_max:g} (torch.finfo(torch.{fmt.torch_name}).max)")]
     shown = "nothing finite" if rebuilt is None else f"{rebuilt:.6g}"
-    return [Finding(entry.name, "scale_mismatch",
+    return [Diagnosis(entry.name, "scale_mismatch",
                     f"decoded as {fmt.id} and scaled, its largest value is {shown}, but the amax stored beside it is "
                     f"{amax:.6g}: the scale does not belong to this data",
                     "export the codes, the scale and the amax together from one quantization")]
 
 
-def _flavour(entry: Entry, written: Format, amax: float, rebuilt: float | None) -> Finding:
+def _flavour(entry: Entry, written: Format, amax: float, rebuilt: float | None) -> Diagnosis:
     tagged = entry.fmt
     factor = oracle.value_ratio(oracle.decode(entry.codes, written), oracle.decode(entry.codes, tagged)) or float("nan")
     as_tagged = "nothing finite" if rebuilt is None else f"{rebuilt:.6g}"
@@ -175,18 +175,18 @@ def _flavour(entry: Entry, written: Format, amax: float, rebuilt: float | None) 
                "and double the scale")
     else:
         fix = f"tag it {written.tag}; or quantize it again to {tagged.id} with the scale amax/{oracle.limits(tagged).max:g}"
-    return Finding(entry.name, "flavour",
+    return Diagnosis(entry.name, "flavour",
                    f"tagged {entry.tag} ({tagged.id}) but written as {written.id}: decoded as {written.id} and scaled "
                    f"its largest value is the stored amax {amax:.6g}, decoded as {tagged.id} it is {as_tagged}. Read "
                    f"as tagged, every value is {factor:g}x its true value (factor {max(factor, 1 / factor):g}){extra}",
                    fix)
 
 
-def mx_scales(entry: Entry) -> list[Finding]:
+def mx_scales(entry: Entry) -> list[Diagnosis]:
     fmt, lim, block = entry.fmt, oracle.limits(entry.fmt), int(entry.block or 0)
     scale_codes = np.asarray(entry.scale, dtype=np.uint8)
     if (scale_codes == 0xFF).any():
-        return [Finding(entry.name, "mx_scale", f"{int((scale_codes == 0xFF).sum())} e8m0 block scales are 0xFF, "
+        return [Diagnosis(entry.name, "mx_scale", f"{int((scale_codes == 0xFF).sum())} e8m0 block scales are 0xFF, "
                         "e8m0's NaN: every element of those blocks dequantizes to NaN",
                         "compute the shared exponent from a finite amax (OCP MX v1.0 section 6.3)")]
     if entry.scale_rule != checkpoint.SCALE_RULES["mx"]:
@@ -201,14 +201,14 @@ def mx_scales(entry: Entry) -> list[Finding]:
     low = judged & (largest < 2.0 ** lim.emax)
     if low.any():
         off = sorted({lim.emax - int(np.floor(np.log2(v))) for v in largest[low]})
-        return [Finding(entry.name, "mx_scale",
+        return [Diagnosis(entry.name, "mx_scale",
                         f"{int(low.sum())} of {int(judged.sum())} MX blocks have their largest {fmt.id} element below "
                         f"2^{lim.emax} = {2.0 ** lim.emax:g}, where the OCP floor rule puts it in "
                         f"[{2.0 ** lim.emax:g}, {lim.max:g}]: their e8m0 scale is {' or '.join(map(str, off))} exponent(s) "
                         f"too large, and each such block loses as many bits",
                         f"shared exponent = floor(log2(block amax)) - {lim.emax} (OCP MX v1.0 section 6.3)")]
     if judged.sum() >= SATURATED_BLOCKS_MIN and (largest[judged] == lim.max).all():
-        return [Finding(entry.name, "mx_scale",
+        return [Diagnosis(entry.name, "mx_scale",
                         f"all {int(judged.sum())} MX blocks saturate at {fmt.id}'s maximum {lim.max:g}: the e8m0 scales "
                         "are too small (a correct scale saturates a block only now and then)",
                         f"shared exponent = floor(log2(block amax)) - {lim.emax} (OCP MX v1.0 section 6.3)")]

@@ -1,23 +1,9 @@
-"""Fault points: the named places in this project's rank-side code where an injected fault may act.
+"""Fault points: named places in this project's rank-side code where an injected fault may act.
 
-The code that does the thing marks its function (the scenarios' stand-ins for a stack operation: a
-cast, a checkpoint load, an adapter save)::
-
-    @fault_point("checkpoint.apply_optimizer")
-    def apply_optimizer(trainer, optim_state): ...
-
-and a fault (pytest_gpuregress/faults/) intercepts it by name, without importing the module that
-defines it::
-
-    undo = intercept("checkpoint.apply_optimizer", lambda original: replacement)
-    ctx.cleanup_hooks.append(undo)  # ranks outlive a launch: no fault may outlive it
-
-With nothing intercepted a marked function runs as written. Faults that emulate a bug inside the
-stack's own code (torch.distributed, safetensors, torch.load, accelerate) wrap the stack's functions
-instead: faults/collective.py, faults/loaders.py, faults/lora.py.
-
-``plugin_own_collectives`` marks the other side: collectives the plugin makes for itself, where no
-fault acts. Neutral: imports nothing of the project, so every layer may use it.
+A function marked ``@fault_point("checkpoint.apply_optimizer")`` runs as written until a fault
+``intercept``s it by name (undone through ``ctx.cleanup_hooks``), so no fault patches this project's
+modules. ``plugin_own_collectives`` marks the collectives the plugin makes for itself, where no fault
+acts. Neutral; why: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """One ``--gpuregress-<name>`` option, declared once: flag, ini key, type, validation, help and docs text.
 
-A neutral module (no torch, no pytest, no plugin): scenarios declare their own options with it
-(``Scenario.options``) without an import back up into the plugin, and the plugin turns every
-declaration into a command-line option and an ini key (plugin/options.py), the docs table into
-docs/options.md (plugin/options_doc.py).
+Neutral (no torch, no pytest), so scenarios declare their options without importing the plugin.
 """
 
 from __future__ import annotations

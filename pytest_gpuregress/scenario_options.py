@@ -1,8 +1,7 @@
 """The built-in scenarios' own options, declared outside the scenarios package.
 
-Each built-in scenario reads its entry here (``options = SCENARIO_OPTIONS["lora"]``); pytest declares
-them all at start-up from this module alone, so a run without --gpuregress imports no scenario.
-Plug-in scenarios declare theirs on the scenario; those are read only with --gpuregress.
+pytest declares them all at start-up from this module alone, so a run without --gpuregress imports no
+scenario. Plug-in scenarios declare theirs on the scenario, read only with --gpuregress.
 """
 
 from __future__ import annotations

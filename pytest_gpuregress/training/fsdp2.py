@@ -1,7 +1,6 @@
-"""The FSDP2 wrapping every training scenario shares: ``fully_shard`` on each unit, in order.
+"""The FSDP2 wrapping every training scenario shares: ``fully_shard`` on each unit of shard_units.py, in order.
 
-The units come from shard_units.py (each decoder layer, then the root), so the wrapping and the
-failure report's account of which reduce-scatter carries a gradient never disagree.
+One source of units, so the wrapping and the failure report's reduce-scatter account never disagree.
 Torch is imported inside the functions: only the ranks call them.
 """
 

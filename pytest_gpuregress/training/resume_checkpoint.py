@@ -1,14 +1,7 @@
 """Rank side: a training run's whole state at a step, in a folder safe to ship, and back into a fresh trainer.
 
-Layout (what a reference keeps under ``resume/``, every file listed in its manifest):
-  tensors/            DCP in safetensors (dcp_safetensors.py): the model's parameters and the optimizer's
-                      exp_avg, exp_avg_sq and step, one shard file per rank
-  rng-rank<r>.json    rank r's generators (rng_state.py)
-  trainer.json        the step, the data position, the world size, the optimizer's param groups, the LR
-                      scheduler's state, and the torch that wrote it; written last, so its presence means
-                      the save finished
-Safetensors and JSON only: nothing here is unpickled. The load goes through the fault points every resume
-shares (state_apply.py, rng_state.restore), so the checkpoint faults act on it as on the checkpoint scenario's.
+Safetensors and JSON only (layout: docs/checkpoint.md); the file written last marks a finished save. The
+load passes the fault points every resume shares (state_apply.py, rng_state.restore).
 """
 
 from __future__ import annotations

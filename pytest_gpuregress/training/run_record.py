@@ -1,9 +1,4 @@
-"""The record a built-in training run hands back: one assembly for the fsdp and lora ranks.
-
-What the loop measured (the per-step series and every tracked parameter's gradient norms), the step-0
-gradients the scenario kept, its step-0 op trace, the final-weight digests, its results and the observer's
-timings. Torch-free.
-"""
+"""The record a built-in training run hands back: one assembly for the fsdp and lora ranks. Torch-free."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """The FSDP2 units of a training model: which modules ``fully_shard`` wraps, and which parameters each carries.
 
-FSDP2 reduce-scatters the gradients of one ``fully_shard`` unit in one message. A failure report names
-that message, so it needs the unit that actually wraps a parameter: found here from the module objects
-the scenario wraps (each decoder layer, then the root), never from a name pattern such as
-``model.layers.N``, which GPT-2 (``transformer.h.N``) or GPT-NeoX (``gpt_neox.layers.N``) do not follow.
-
-torch-free: it reads modules through their own methods, so the session side can import it.
+Found from the module objects the scenario wraps, never from a name pattern (GPT-2 and GPT-NeoX name their
+layers otherwise), so a failure report names the reduce-scatter that carried a gradient. Torch-free.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Rank side: loaded state applied to a freshly built trainer, at the two fault points every resume passes.
 
-``apply_model`` puts loaded weights into the model, ``apply_optimizer`` loaded state into the optimizer
-(``set_model_state_dict`` and ``set_optimizer_state_dict``, as FSDP2 users do). They are fault points
-(fault_points.py): faults/checkpoint.py drops the optimizer state or applies the weights a step late
-here, in the checkpoint scenario's resume and in the fsdp scenario's resume from its reference alike.
-Torch is imported inside the functions: only the ranks call them.
+``apply_model`` and ``apply_optimizer`` (``set_model_state_dict``, ``set_optimizer_state_dict``) are fault
+points. Torch is imported inside the functions: only the ranks call them.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """``gpuregress``: inspect the stack and stored references without running pytest.
 
-    gpuregress env [--json]             the stack fingerprint of this machine, in words (or as JSON)
-    gpuregress show DIR                 what a reference holds: scenario, platform, steps, loss, stack
-    gpuregress list FOLDER              the references a folder holds, by scenario and platform, and their stacks
-    gpuregress compare [REF] RUN        judge a kept run as the plugin did: its scenario's checks, against REF
-    gpuregress scenarios                the installed scenarios: built-in and from other packages
-    gpuregress inspect-fp8 FILE         do a safetensors file's fp8/fp4 codes match their tags and scales?
-    gpuregress plot REF [RUN]           the comparison plot of a reference and a run (needs [plots])
-    gpuregress portability CKPT --config CONFIG
-                                        a checkpoint's logits and checksums on this machine, against another's
+Subcommands: env, show, list, compare, scenarios, inspect-fp8, plot, portability, prune (``--help`` says each).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """``gpuregress inspect-fp8 FILE``: do a safetensors file's fp8 and fp4 codes mean what their tags say?
 
-It reads the file as safetensors only (never a pickle) and runs the formats scenario's diagnosis
-(``scenarios/formats/diagnose.py``): codes against tags and metadata, 0x80 in fnuz data, per-tensor
-scales against the stored amax (a tensor written as the other vendor's flavour, or scaled with 448
-where 240 applies), and MX block scales against the OCP rule. Exit 0 when clean, 1 on a finding,
-2 when the file cannot be read or understood (the message names the file and the tensor).
+Runs the formats scenario's diagnosis (scenarios/formats/diagnose.py) on the file, read as safetensors only.
+Exit 0 when clean, 1 on a finding, 2 when the file cannot be read or understood.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """``gpuregress prune FOLDER``: the references a folder holds that no case reads, as syrupy prunes unused snapshots.
 
-No case of the installed scenarios reads them, on any device, for the models given with ``--model`` (as
-``--gpuregress-model`` gives them): left over from a removed model or case, or from a reference name a release
-renamed. A reference read only by a user's own loop (``gpuregress.check(record, name=...)``) is not known here:
-name it with ``--keep``. Lists by default; ``--yes`` deletes. The shipped references are never pruned.
+A reference read only by a user's own loop is not known here: name it with ``--keep``. Lists by default;
+``--yes`` deletes. The shipped references are never pruned.
 """
 
 from __future__ import annotations

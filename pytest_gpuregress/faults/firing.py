@@ -1,11 +1,7 @@
 """How often each injected fault fired: a fault that never fired proves nothing about the case it ran with.
 
-Each installer returns a ``Firing`` and calls ``fire()`` where it really changes something (an output
-corrupted, a call rerouted, a step slowed), not merely where it is called. A rank reports its counts
-in ``record.results["faults_fired"]`` ({spec: count}); the session sums them over the ranks of a
-launch (a fault with a ``ranks`` filter fires on those ranks only) and over the launches of a case,
-and fails a case whose fault fired zero times, naming the path the run did not reach (``unfired``).
-Torch-free: the session imports it.
+Installers call ``fire()`` where they really change something. Counts go to ``results["faults_fired"]``, are
+summed over ranks and launches, and a case whose fault fired zero times fails (``unfired``). Torch-free.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The pytest plugin: options, header, the built-in suite, fixtures, markers and the summary.
 
-Without ``--gpuregress`` the plugin only registers its options and markers, skips tests that need
-it, and imports nothing heavy: no torch, numpy or scenario module (tests/test_startup.py checks).
-Scenarios come from the registry (``pytest_gpuregress.scenarios``), loaded only once the flag is
-on; nothing here names one.
+Without ``--gpuregress`` it registers options and markers only and imports no torch, numpy or scenario
+(tests/test_startup.py checks). Nothing here names a scenario.
 """
 
 from __future__ import annotations
@@ -218,11 +216,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def gpuregress(request: pytest.FixtureRequest) -> GpuRegressSession:
     """The gpuregress session: run scenarios on every rank and check them against references.
 
-    Example, a user's own training loop::
-
-        def test_my_model(gpuregress):
-            record = gpuregress.run("mypkg.regress:train", config={"steps": 50})
-            gpuregress.check(record, name="my-model")
+    ``record = gpuregress.run("mypkg.regress:train", config={"steps": 50}); gpuregress.check(record, name="my-model")``
     """
     options = request.config.stash[OPTIONS_KEY]
     if not options.enabled:

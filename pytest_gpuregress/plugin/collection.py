@@ -1,9 +1,7 @@
 """What ``pytest --gpuregress`` collects: the project's own tests as pytest always does, and the built-in suite.
 
-The built-in cases join when no test path is given (``testpaths`` or the folder pytest runs in), unless
-``--gpuregress-no-builtin``; given paths narrow collection as in any pytest run, and ``gpuregress`` (all
-the cases) or ``gpuregress::<case>`` among them names the built-in ones (``<case>`` may hold ``*``:
-``gpuregress::formats*``). Those are taken off pytest's arguments here, since no file carries them.
+The built-in cases join when no test path is given, unless ``--gpuregress-no-builtin``; ``gpuregress`` or
+``gpuregress::<case>`` (``*`` allowed) among the paths names them, and is taken off pytest's arguments here.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """docs/options.md's tables, generated from the option declarations (plugin/options.py, scenario_options.py).
 
-The block between the two markers below is this module's output; tests/test_docs_commands.py keeps it
-equal. After changing a declaration, regenerate it:
+Regenerate after changing a declaration (tests/test_docs_commands.py keeps it equal):
 
     python -m pytest_gpuregress.plugin.options_doc docs/options.md
-
-Never imported by the plugin at start-up.
 """
 
 from __future__ import annotations

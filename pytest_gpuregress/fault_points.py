@@ -1,9 +1,10 @@
-"""Fault points: named places in this project's rank-side code where an injected fault may act.
+"""What the layers below faults/ need of it: the validated spec a scenario reads, and the fault points.
 
-A function marked ``@fault_point("checkpoint.apply_optimizer")`` runs as written until a fault
-``intercept``s it by name (undone through ``ctx.cleanup_hooks``), so no fault patches this project's
-modules. ``plugin_own_collectives`` marks the collectives the plugin makes for itself, where no fault
-acts. Neutral; why: docs/architecture.md.
+``FaultSpec`` is a parsed ``--gpuregress-inject`` spec (faults/ parses and installs it). A function marked
+``@fault_point("checkpoint.apply_optimizer")`` runs as written until a fault ``intercept``s it by name
+(undone through ``ctx.cleanup_hooks``), so no fault patches this project's modules.
+``plugin_own_collectives`` marks the collectives the plugin makes for itself, where no fault acts.
+Neutral, so scenarios and training use it without an import up into faults/ (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -12,7 +13,30 @@ import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """A validated fault: its kind and typed parameters. ``text`` is what the user wrote."""
+
+    kind: str
+    params: dict[str, Any]
+    text: str
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.params.get(key, default)
+
+    @property
+    def ranks(self) -> frozenset[int] | None:
+        return self.params.get("ranks", self.params.get("rank"))
+
+
+def emulated_ops(specs: tuple[FaultSpec, ...] | list[FaultSpec]) -> tuple[str, ...]:
+    """Collective ops a fault shim provides on this backend (only ``premul_sum`` today)."""
+    return ("premul_sum",) if any(s.kind == "emulate_premul_sum" for s in specs) else ()
+
 
 Function = TypeVar("Function", bound=Callable[..., Any])
 Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]  # original -> the function called in its place

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .. import activities as act
 from ..errors import BadFaultSpec
-from ..fault_spec import FaultSpec
+from ..fault_points import FaultSpec
 
 if TYPE_CHECKING:
     from .fired import Firing

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from .. import activities as act
 from ..kinds import DeviceKind
-from ..scenario_options import BUILTIN_SCENARIO_OPTIONS
+from ..option_spec import BUILTIN_SCENARIO_OPTIONS
 from ..scenarios import Case, Setup, registry, test_id
 from . import ACTS_ON, FaultSpec, acted_on, activities_of, parse
 

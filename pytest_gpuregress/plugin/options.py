@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 import pytest
 
 from ..kinds import DeviceKind, GateMode, KernelChanges, LaneChoice
-from ..option_spec import BadOptionValue, OptionSpec
-from ..scenario_options import BUILTIN_SCENARIO_OPTIONS, LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
+from ..option_spec import BUILTIN_SCENARIO_OPTIONS, LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS, BadOptionValue, OptionSpec
 from ..training.noise import DEFAULT_REPLICAS, PERTURBATIONS
 
 if TYPE_CHECKING:  # read only with --gpuregress: model_specs imports numpy

@@ -44,7 +44,7 @@ from ..kinds import Backend, DeviceKind
 from ..reference.record import RunRecord
 
 if TYPE_CHECKING:
-    from ..fault_spec import FaultSpec
+    from ..fault_points import FaultSpec
     from ..option_spec import OptionSpec
     from ..reference.compare import Comparison
     from ..training.model_specs import ModelSpec

@@ -15,9 +15,9 @@ from typing import Any
 from ... import activities as act
 from ...errors import NotApplicable
 from ...findings import CheckFinding, Problem
+from ...option_spec import SCENARIO_OPTIONS
 from ...reference.compare import Comparison
 from ...reference.record import RunRecord
-from ...scenario_options import SCENARIO_OPTIONS
 from ..base import Case, Launch, Scenario, Setup, TriageSupport
 from ..shared import resume_comparison
 from ..shared.exercised import resumed, ties_embeddings, trained

@@ -100,7 +100,7 @@ class FactoryModel:
     def _facts(self) -> dict[str, Any]:
         """What the model is, from one call of the factory on the meta device (no memory for its weights), or on
         the CPU where the factory cannot run on meta."""
-        from .layers import decoder_layers
+        from .fsdp2 import decoder_layers
         from .projections import survey
 
         try:

@@ -12,7 +12,7 @@ import numpy as np
 from ..resources import shipped_dir
 
 # Below this module, so that factory.py uses them without importing it back; still found here by their callers.
-from .layers import decoder_layers as decoder_layers
+from .fsdp2 import decoder_layers as decoder_layers
 from .seeding import seed_parameters
 from .seeding import seeded_normal as seeded_normal
 

@@ -126,7 +126,7 @@ def survey(model: Any) -> BlockProjections:
     meta device."""
     import torch
 
-    from .layers import decoder_layers
+    from .fsdp2 import decoder_layers
 
     experts = expert_count(model)
     full_names = {id(module): name for name, module in model.named_modules()}

@@ -176,7 +176,7 @@ def _group(param: str) -> str:
 
 def recorded_units(record: RunRecord | None) -> dict[str, dict[str, Any]] | None:
     """The fully_shard units ``record`` kept (rank.py); None for an older record, which lacks them."""
-    from ...training.shard_units import RESULT_KEY
+    from ...training.fsdp2 import RESULT_KEY
 
     units = record.results.get(RESULT_KEY) if record is not None else None
     return units if isinstance(units, dict) else None
@@ -190,8 +190,7 @@ def reduce_scatter_message(param: str, shapes: dict[str, tuple[int, ...]], world
 
     The unit is the one ``record``'s run really wrapped ``param`` in; a record without units (older than
     them) falls back to the name pattern of ``_group``, which knows Llama's layers only."""
-    from ...training.fsdp2 import reduce_dtype_of
-    from ...training.shard_units import group_label, reduce_scatter_bytes, unit_of
+    from ...training.fsdp2 import group_label, reduce_dtype_of, reduce_scatter_bytes, unit_of
     from ...units import human_bytes
 
     units = recorded_units(record)

@@ -53,7 +53,7 @@ POINTS: dict[str, str] = {
     "checkpoint.stack_load": "the stack's loader filling a model from a saved file",
     "checkpoint.sharded_save": "a DCP save of every rank's shards (scenarios/checkpoint/sharded.py)",
     "checkpoint.sharded_load": "a DCP load, at this run's world size",
-    "checkpoint.apply_model": "loaded weights applied to a resumed trainer (training/state_apply.py)",
+    "checkpoint.apply_model": "loaded weights applied to a resumed trainer (training/resume_checkpoint.py)",
     "checkpoint.apply_optimizer": "loaded state applied to a resumed trainer's optimizer",
     "checkpoint.rng_restore": "every generator set from a saved state (training/rng_state.py)",
     "checkpoint.after_load": "every load's tensors, once they are in place (scenarios/checkpoint/hooks.py)",

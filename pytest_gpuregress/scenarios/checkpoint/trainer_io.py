@@ -17,8 +17,7 @@ from typing import Any
 from ...reference import atomic
 from ...training import resume_checkpoint
 from ...training import rng_state as rng
-from ...training.resume_checkpoint import detached_copies, read_json
-from ...training.state_apply import apply_model, apply_optimizer
+from ...training.resume_checkpoint import apply_model, apply_optimizer, detached_copies, read_json
 from . import hooks, sharded, state
 from .trainer import Trainer
 

@@ -116,7 +116,7 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if SESSION_KEY in item.config.stash:
-        from .node_ids import typed_node_id
+        from .collection import typed_node_id
 
         session = _session(item.config)
         session.figures.clear()
@@ -166,7 +166,7 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Any:
     report = yield
     request = collector.config.stash.get(BUILTIN_KEY, None)
     if isinstance(collector, pytest.Session) and request is not None and request.wanted and report.passed:
-        from .node_ids import ROOT
+        from .collection import ROOT
         from .suite.cases import BuiltinSuite
 
         report.result.append(BuiltinSuite.from_parent(collector, name=ROOT, nodeid=ROOT, request=request,

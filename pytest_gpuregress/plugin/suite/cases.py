@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ..collection import BuiltinRequest, wanted
-from ..node_ids import ROOT
+from ..collection import ROOT, BuiltinRequest, wanted
 from ..selection import test_id
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import GpuRegressError
 from ..reference.report import format_comparison
 from ..reference.store import load_record
-from . import listing, portability, prune
+from . import portability, references
 
 FP8_METADATA_SHOWN = ("quantization", "element_format", "scale_format", "block_size", "scale_rule")
 
@@ -209,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("run", nargs="?", help="a run to set against it; without it the reference and its band")
     plot.add_argument("-o", "--output", default="gpuregress-plot.png", help="PNG to write (default: %(default)s)")
     plot.set_defaults(func=_plot)
-    listing.add_parser(sub)
-    prune.add_parser(sub)
+    references.add_parsers(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

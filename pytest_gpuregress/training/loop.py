@@ -2,7 +2,8 @@
 
 One all-reduce per step carries the loss, every tracked parameter's squared norm and the clipped norm:
 the norm after clipping is what a wrong or skipped clip moves. Each step's figures go to ``ctx.step_done``
-(progress, step faults, fail-fast). Torch is imported inside the functions: only the ranks call them.
+(progress, step faults, fail-fast); ``training_record`` assembles what it measured into the run's record,
+one assembly for the fsdp and lora ranks. Torch is imported inside the functions: only the ranks call them.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Any
 import numpy as np
 
 from ..reference.data_change import BATCH_DIGEST
+from ..reference.record import RunRecord
 from .collective_ledger import watching
 from .grad_norms import squared_norms
 from .observe import StepObserver
-from .op_trace import OpTracer, at_step
+from .op_trace import OpTracer, at_step, stored
 from .optimizer import Optimization
 
 
@@ -162,3 +164,24 @@ def train_observed(ctx: Any, parts: TrainStep, config: dict[str, Any]) -> tuple[
     curves = train(ctx, parts, range(steps), observer=observer, progress="training")
     observer.finish(ctx.world_size)
     return curves, observer
+
+
+def training_record(scenario: str, ctx: Any, step: TrainStep, curves: Curves, observer: StepObserver,
+                    names: list[str], step0: dict[str, np.ndarray], digests: dict[str, Any],
+                    results: dict[str, Any]) -> RunRecord:
+    """``results`` gets the observer's results and step 0's op trace (op_trace.py) besides the scenario's own."""
+    results.update(observer.results())
+    results.update(curves.collectives)
+    traced = stored(step.op_trace, results)
+    return RunRecord(
+        scenario=scenario,
+        config=dict(ctx.config),
+        platform_key="",  # set by the plugin, which knows the platform
+        world_size=ctx.world_size,
+        series=curves.series(),
+        param_names=names,
+        arrays={"param_grad_norm": curves.param_norms(len(step.tracked)), **step0, **traced},
+        digests=digests,
+        results=results,
+        timings=observer.timings(),
+    )

@@ -48,12 +48,11 @@ def step0(size: str, batch: int, seq: int, backend: str | None, rank: int, world
     """Step 0 of a fresh model of ``size``; traced with ``backend`` (None: untraced). Seconds, and the trace."""
     import torch
 
-    from pytest_gpuregress.training.fsdp2 import shard
+    from pytest_gpuregress.training.fsdp2 import shard, shard_units
     from pytest_gpuregress.training.loop import TrainStep, clip_gradients, take_step
     from pytest_gpuregress.training.models import blueprint, build_causal_lm
     from pytest_gpuregress.training.op_trace import OpTracer
     from pytest_gpuregress.training.optimizer import AdamWSettings, Optimization, Schedule, adamw
-    from pytest_gpuregress.training.shard_units import shard_units
     from pytest_gpuregress.training.step import next_token_loss
 
     model = build_causal_lm(blueprint({"model": "tiny-llama", "model_size": size, "dtype": "fp32"}), seed=0)

@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from pytest_gpuregress.components import named_in  # noqa: E402 - the plugin's own reader of a report's components
 
 # name -> (pins, installs the plugin); every other package is the newest the registry serves.
 STACKS: dict[str, tuple[list[str], bool]] = {
@@ -122,7 +120,9 @@ def main_job(venv: Path, from_tree: bool, *extra: str) -> JobResult:
             skipped = case.find("skipped")
             if failure is not None:
                 result.failed_cases += 1
-                result.failed.update(named_in(failure.text or failure.get("message", "")) or {"unnamed"})
+                # The components the case's findings name: the JUnit property the pipeline writes, never report text.
+                named = [p.get("value", "") for p in case.iter("property") if p.get("name") == "component"]
+                result.failed.update({c.strip() for v in named for c in v.split(",") if c.strip()} or {"unnamed"})
             elif skipped is not None:
                 said = skipped.get("message", "")
                 lacks = re.search(r"not supported: \S+ on torch \S+ lacks (\S+)", said)

@@ -1,12 +1,8 @@
-"""What a test case exercises, and so which injected faults can act in it: one vocabulary for both sides.
+"""What a test case exercises and a fault acts on: one vocabulary for both sides.
 
-A built-in case declares the activities it runs (``Case.exercises``); a fault kind declares the activities it
-acts on (``FaultKind.acts_on``, faults/__init__.py). A fault reaches a case when one of its activities is one
-the case runs; faults/reach.py computes the rest (the skip of unreached cases, docs/faults.md's table) from the
-two declarations. An activity is ``"name"`` or ``"name:detail"`` (``collective:all_reduce``); ``*`` as the
-detail means any (a training step runs every collective; a fault without ``op=`` acts on every one).
-
-Neutral: the scenarios declare, the faults layer judges.
+An activity is ``"name"`` or ``"name:detail"`` (``collective:all_reduce``); ``*`` as the detail means any.
+Cases declare theirs (``Case.exercises``), fault kinds theirs (``FaultKind.acts_on``); faults/reach.py
+computes from the two which fault reaches which case.
 """
 
 from __future__ import annotations

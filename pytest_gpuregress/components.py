@@ -1,8 +1,7 @@
-"""The components a finding can point at: one vocabulary for the comparator, triage, known issues, scenario
-checks and reports. A report sends a bug to a vendor by this name, so a name outside it is a bug of ours.
+"""The components a finding can point at: one vocabulary for the comparator, triage, known issues and reports.
 
-A finding may name one component, two that the evidence cannot yet tell apart (``collective or kernel``), or a
-library with the package it suspects (``library: peft``). Neutral: every layer may use it.
+A report sends a bug to a vendor by this name, so a name outside it is a bug of ours. A finding names one
+component, two the evidence cannot yet tell apart (``collective or kernel``), or ``library: <package>``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
-"""Fault points: the named places in this project's rank-side code where an injected fault may act.
+"""What the layers below faults/ need of it: the validated spec a scenario reads, and the fault points.
 
-The code that does the thing marks its function (the scenarios' stand-ins for a stack operation: a
-cast, a checkpoint load, an adapter save)::
-
-    @fault_point("checkpoint.apply_optimizer")
-    def apply_optimizer(trainer, optim_state): ...
-
-and a fault (pytest_gpuregress/faults/) intercepts it by name, without importing the module that
-defines it::
-
-    undo = intercept("checkpoint.apply_optimizer", lambda original: replacement)
-    ctx.cleanup_hooks.append(undo)  # ranks outlive a launch: no fault may outlive it
-
-With nothing intercepted a marked function runs as written. Faults that emulate a bug inside the
-stack's own code (torch.distributed, safetensors, torch.load, accelerate) wrap the stack's functions
-instead: faults/collective.py, faults/loaders.py, faults/lora.py.
-
-``plugin_own_collectives`` marks the other side: collectives the plugin makes for itself, where no
-fault acts. Neutral: imports nothing of the project, so every layer may use it.
+``FaultSpec`` is a parsed ``--gpuregress-inject`` spec (faults/ parses and installs it). A function marked
+``@fault_point("checkpoint.apply_optimizer")`` runs as written until a fault ``intercept``s it by name
+(undone through ``ctx.cleanup_hooks``), so no fault patches this project's modules.
+``plugin_own_collectives`` marks the collectives the plugin makes for itself, where no fault acts.
+Neutral, so scenarios and training use it without an import up into faults/ (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -26,7 +13,30 @@ import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """A validated fault: its kind and typed parameters. ``text`` is what the user wrote."""
+
+    kind: str
+    params: dict[str, Any]
+    text: str
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.params.get(key, default)
+
+    @property
+    def ranks(self) -> frozenset[int] | None:
+        return self.params.get("ranks", self.params.get("rank"))
+
+
+def emulated_ops(specs: tuple[FaultSpec, ...] | list[FaultSpec]) -> tuple[str, ...]:
+    """Collective ops a fault shim provides on this backend (only ``premul_sum`` today)."""
+    return ("premul_sum",) if any(s.kind == "emulate_premul_sum" for s in specs) else ()
+
 
 Function = TypeVar("Function", bound=Callable[..., Any])
 Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]  # original -> the function called in its place
@@ -43,7 +53,7 @@ POINTS: dict[str, str] = {
     "checkpoint.stack_load": "the stack's loader filling a model from a saved file",
     "checkpoint.sharded_save": "a DCP save of every rank's shards (scenarios/checkpoint/sharded.py)",
     "checkpoint.sharded_load": "a DCP load, at this run's world size",
-    "checkpoint.apply_model": "loaded weights applied to a resumed trainer (training/state_apply.py)",
+    "checkpoint.apply_model": "loaded weights applied to a resumed trainer (training/resume_checkpoint.py)",
     "checkpoint.apply_optimizer": "loaded state applied to a resumed trainer's optimizer",
     "checkpoint.rng_restore": "every generator set from a saved state (training/rng_state.py)",
     "checkpoint.after_load": "every load's tensors, once they are in place (scenarios/checkpoint/hooks.py)",

@@ -1,41 +1,11 @@
 """Recorder: what a user's own training loop hands the plugin, without building a RunRecord by hand.
 
-    from pytest_gpuregress import Recorder
+It records what the built-in scenarios record, in the same form (series, per-parameter gradient norms,
+step-0 gradients, digests), reduced the way DDP replicas or FSDP2 shards need, so the same comparison,
+lanes, reports and plots apply. Usage: docs/own-models.md and examples/own_loop/.
 
-    def train(ctx):                                  # runs on every rank (gpuregress.run("mymod:train"))
-        ...                                          # model (plain, DDP or FSDP2), optimizer, data
-        rec = Recorder(ctx, "my-model")              # the reference's name
-        for step in range(ctx.config["steps"]):
-            with rec.phase("forward"):               # optional: step 0's op trace (below)
-                loss = loss_fn(model(x), y)
-            with rec.phase("backward"):
-                loss.backward()
-            rec.gradients(model)                     # per-parameter norms; full gradients at step 0
-            with rec.phase("clip"):                  # clipping scales gradients in place: trace it too
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            with rec.phase("optimizer"):
-                opt.step()
-            opt.zero_grad()
-            if rec.step(loss, grad_norm=grad_norm):  # True: --gpuregress-fail-fast says stop
-                break
-        rec.weights(model)                           # digests of the final weights
-        return rec.record()
-
-It records what the built-in scenarios record, in the same form, so the same comparison, lanes,
-reports and plots apply: the mean loss over ranks and the gradient norm per step (``series``), every
-parameter's gradient norm per step (``param_grad_norm``), the step-0 gradients (``step0_grad/<name>``,
-or block sums for large tensors: reference/step0.py), and digests of the final weights and of any
-named tensor. Gradients may be replicas (DDP, or gradients averaged by hand) or FSDP2 shards
-(DTensors); each is reduced the way its layout needs, so the numbers do not depend on how the
-model is split over ranks.
-
-``phase`` is optional: a loop that wraps the phases of its steps in it keeps step 0's op trace, as the built-in
-scenarios do, and a failed comparison names the first op whose output moved (its op, module path and
-shapes) and how many ops before it were bitwise equal (reference/first_moved.py).
-
-Methods marked *collective* must be called on every rank, in the same order, like any collective.
-Values are float64. Only ``step`` is required; what is not recorded is not compared.
-This module imports torch only inside its methods, on the ranks.
+Methods marked *collective* must be called on every rank, in the same order. Only ``step`` is required;
+what is not recorded is not compared. Imports torch only inside its methods, on the ranks.
 """
 
 from __future__ import annotations
@@ -66,13 +36,8 @@ class RecorderMisuse(RuntimeError):
 class Recorder:
     """Collects one rank's view of a training run; ``record()`` returns the RunRecord for ``gpuregress.check``.
 
-    ``name`` is the record's scenario name, the default reference name of ``gpuregress.check``.
-    Create the recorder right before the training loop: step times are measured from its creation.
-
-    Noise replicas (run with ``--gpuregress-record`` when ``gpuregress.run`` is given ``reference=``)
-    perturb a run the ways a healthy stack may: another kernel path, which needs nothing of the loop;
-    every weight one ulp up or down, applied here when ``model`` is given; and each rank's batch in
-    reverse row order, applied by ``batch()``. Their spread is the tolerant lane's envelope.
+    ``name`` is the record's scenario name. Create it right before the loop: step times count from here.
+    Noise replicas nudge every weight one ulp when ``model`` is given, and reverse batches in ``batch()``.
     """
 
     def __init__(self, ctx: RankContext, name: str, model: Named | None = None) -> None:
@@ -130,12 +95,9 @@ class Recorder:
     def gradients(self, params: Named) -> None:
         """Record every trainable parameter's gradient norm at this step, and at step 0 its gradient. *Collective.*
 
-        Call once per step, after ``backward()`` and before gradients are clipped, stepped or zeroed,
-        on every step or on none. ``params``: the model, or its ``named_parameters()``; parameters that
-        do not require a gradient are left out, and one without a gradient counts as zero.
-        Replicated gradients (DDP) are averaged over ranks, FSDP2 shards add up, so a rank whose
-        replica disagrees still moves the value. The norms are all-reduced in ``step``'s collective;
-        at step 0 the shards of the gradients are gathered to rank 0, which holds the record."""
+        Call after ``backward()`` and before clipping or zeroing, on every step or on none. Replicated
+        gradients are averaged over ranks and FSDP2 shards summed, so a rank whose replica disagrees still
+        moves the value; the norms are all-reduced in ``step``'s collective."""
         if self._pending is not None:
             raise RecorderMisuse(f"gradients() called twice in step {self.steps}: call it once per step, after backward()")
         import torch
@@ -159,12 +121,9 @@ class Recorder:
     def step(self, loss: Any, *, grad_norm: Any = None) -> bool:
         """Close one training step; return True when the run should stop here. *Collective* (one all-reduce).
 
-        ``loss``: this rank's loss, a float or a one-element tensor; the record keeps the mean over
-        ranks (for a loss already averaged over ranks, the same value). ``grad_norm``: the global
-        gradient norm, e.g. what ``clip_grad_norm_`` returns (an FSDP2 DTensor is fine); without it,
-        the norm of the gradients passed to ``gradients()`` this step. Give it on every step or on none.
-        Reports progress (named in hang and crash reports), lets injected step faults fire, and
-        returns True when ``--gpuregress-fail-fast`` found the step outside the reference's tolerance."""
+        ``loss``: this rank's loss (the record keeps the mean over ranks). ``grad_norm``: the global norm,
+        e.g. from ``clip_grad_norm_``; without it, the norm of this step's ``gradients()``. Give it on every
+        step or on none. True when ``--gpuregress-fail-fast`` found the step outside the reference's tolerance."""
         import torch
 
         with_gradients = self._pending is not None

@@ -1,9 +1,7 @@
 """Shipped data: the model configs in ``models/`` and the references in ``reference_runs/``.
 
-Both live at the repository's top level and are reached through ``importlib.resources`` as
-``pytest_gpuregress/_data/<name>``: in a checkout or editable install ``_data`` holds symbolic
-links to the top-level folders, and a built wheel carries the folders themselves there (hatchling
-follows the links). One lookup serves both.
+Reached as ``pytest_gpuregress/_data/<name>`` through ``importlib.resources``: symbolic links in a
+checkout, the folders themselves in a wheel (hatchling follows the links).
 """
 
 from __future__ import annotations

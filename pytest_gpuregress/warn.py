@@ -1,8 +1,7 @@
 """Warnings that point at the test, not at a line inside the plugin.
 
-A perf, kernel or format warning is about the test that ran: pytest shows a warning's file and line, so
-they are those of the innermost caller outside this package (a user's test that called
-``gpuregress.check``), or of the built-in suite's test function. Torch-free.
+The file and line shown are those of the innermost caller outside this package, or of the built-in
+suite's test function. Torch-free.
 """
 
 from __future__ import annotations

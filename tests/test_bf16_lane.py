@@ -19,8 +19,7 @@ from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios.base import Case, Setup
 from pytest_gpuregress.scenarios.fsdp import BF16_STEPS, SCENARIO
 from pytest_gpuregress.training import bf16_checkpoint
-from pytest_gpuregress.training.fsdp2 import mixed_precision, reduce_dtype_of
-from pytest_gpuregress.training.shard_units import reduce_scatter_bytes
+from pytest_gpuregress.training.fsdp2 import mixed_precision, reduce_dtype_of, reduce_scatter_bytes
 from pytest_gpuregress.triage.naming import described
 
 from .conftest import record_references

@@ -158,7 +158,7 @@ def test_docs_ci_shows_each_recipe() -> None:
 
 
 def test_the_options_tables_are_the_declarations() -> None:
-    """docs/options.md's tables are generated from the declarations (plugin/options.py, scenario_options.py): a
+    """docs/options.md's tables are generated from the declarations (plugin/options.py, option_spec.py): a
     new, changed or removed option changes them, word for word."""
     from pytest_gpuregress.plugin.options_doc import BEGIN, END, options_markdown
 

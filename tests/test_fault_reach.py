@@ -57,7 +57,7 @@ def test_every_fault_kind_and_mode_declares_what_it_acts_on() -> None:
 
 def test_every_built_in_case_declares_what_it_exercises() -> None:
     """A built-in case without a declaration would count as reached by every fault (a plug-in's does)."""
-    from pytest_gpuregress.scenario_options import BUILTIN_SCENARIO_OPTIONS
+    from pytest_gpuregress.option_spec import BUILTIN_SCENARIO_OPTIONS
     from pytest_gpuregress.scenarios import Setup, registry
     from pytest_gpuregress.training.model_specs import parse_model
 

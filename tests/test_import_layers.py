@@ -23,8 +23,8 @@ ROOT = "pytest_gpuregress"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / ROOT
 
 # The neutral modules at the bottom: leaves every layer may use, and which may use one another.
-NEUTRAL = ("errors", "units", "warn", "resources", "option_spec", "scenario_options", "fault_spec", "fault_points",
-           "components", "findings", "kinds", "activities")
+NEUTRAL = ("errors", "units", "warn", "resources", "option_spec", "fault_points", "components", "findings", "kinds",
+           "activities")
 # Top to bottom, as docs/architecture.md draws them. A module may import its own package and anything in a
 # lower layer; packages that share a layer may not import each other (but for the neutral modules).
 LAYERS: tuple[tuple[str, ...], ...] = (

@@ -292,10 +292,9 @@ def _collective_rank(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
     from pytest_gpuregress.faults import install_counted
-    from pytest_gpuregress.training.fsdp2 import shard
+    from pytest_gpuregress.training.fsdp2 import shard, shard_units
     from pytest_gpuregress.training.models import blueprint, build_causal_lm
     from pytest_gpuregress.training.op_trace import OpTracer
-    from pytest_gpuregress.training.shard_units import shard_units
     from pytest_gpuregress.training.step import next_token_loss
 
     torch.set_num_threads(1)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios.fsdp import SCENARIO as FSDP
+from pytest_gpuregress.training.fsdp2 import RESULT_KEY, describe_units, reduce_scatter_bytes, shard_units
 from pytest_gpuregress.training.models import build_causal_lm, load_config
-from pytest_gpuregress.training.shard_units import RESULT_KEY, describe_units, reduce_scatter_bytes, shard_units
 from pytest_gpuregress.units import human_bytes
 
 WORLD = 2

@@ -14,7 +14,7 @@ HEAVY = ("torch", "numpy", "ml_dtypes")
 # module more is read (and assertion-rewritten: pytest rewrites its plugins' packages) in every pytest run.
 STARTUP_MODULES = {
     "pytest_gpuregress", "pytest_gpuregress.plugin", "pytest_gpuregress.plugin.options",
-    "pytest_gpuregress.option_spec", "pytest_gpuregress.scenario_options", "pytest_gpuregress.kinds",
+    "pytest_gpuregress.option_spec", "pytest_gpuregress.kinds",
     "pytest_gpuregress.training", "pytest_gpuregress.training.noise",  # the replicas option's default and range
 }
 # Writes the modules a run imported, at its very end: what loading the plugin cost it.

@@ -1,14 +1,6 @@
 """``gpuregress``: inspect the stack and stored references without running pytest.
 
-    gpuregress env [--json]             the stack fingerprint of this machine, in words (or as JSON)
-    gpuregress show DIR                 what a reference holds: scenario, platform, steps, loss, stack
-    gpuregress list FOLDER              the references a folder holds, by scenario and platform, and their stacks
-    gpuregress compare [REF] RUN        judge a kept run as the plugin did: its scenario's checks, against REF
-    gpuregress scenarios                the installed scenarios: built-in and from other packages
-    gpuregress inspect-fp8 FILE         do a safetensors file's fp8/fp4 codes match their tags and scales?
-    gpuregress plot REF [RUN]           the comparison plot of a reference and a run (needs [plots])
-    gpuregress portability CKPT --config CONFIG
-                                        a checkpoint's logits and checksums on this machine, against another's
+Subcommands: env, show, list, compare, scenarios, inspect-fp8, plot, portability, prune (``--help`` says each).
 """
 
 from __future__ import annotations
@@ -23,7 +15,9 @@ from typing import Any
 from ..errors import GpuRegressError
 from ..reference.report import format_comparison
 from ..reference.store import load_record
-from . import inspect_fp8, listing, plot, portability, prune
+from . import portability, references
+
+FP8_METADATA_SHOWN = ("quantization", "element_format", "scale_format", "block_size", "scale_rule")
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -138,6 +132,42 @@ def _scenarios(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect_fp8(args: argparse.Namespace) -> int:
+    """Do a safetensors file's fp8 and fp4 codes mean what their tags say? The formats scenario's diagnosis
+    (scenarios/formats/diagnose.py), on the file read as safetensors only; exit 1 on a finding."""
+    from ..scenarios.formats import checkpoint, diagnose
+
+    ckpt = checkpoint.read(Path(args.file))
+    report = diagnose.diagnose(ckpt)
+    shown = ", ".join(f"{k}={ckpt.metadata[k]}" for k in FP8_METADATA_SHOWN if k in ckpt.metadata) or "none"
+    tags = ", ".join(f"{tag} x{count}" for tag, count in sorted(report.tags.items())) or "none"
+    print(f"{report.path}: {report.tensors} quantized tensors ({tags}); metadata: {shown}")
+    for note in report.notes:
+        print(f"  note: {note}")
+    if not report.tensors:
+        print("  nothing to check: no fp8 or fp4 tensor with a scale")
+        return 0
+    if not report.findings:
+        print("  clean: codes, tags, metadata and scales agree")
+        return 0
+    texts = [f.text() for f in report.findings] if args.all else report.grouped()
+    print(f"  {len(report.findings)} findings:")
+    for text in texts:
+        print("  " + text.replace("\n", "\n  "))
+    return 1
+
+
+def _plot(args: argparse.Namespace) -> int:
+    """The failure report's figure, drawn from stored records."""
+    from ..reference.plot import plot_comparison
+
+    reference = load_record(Path(args.reference))
+    other = load_record(Path(args.run)) if args.run else None
+    path = plot_comparison(reference, other, Path(args.output), title=reference.scenario)
+    print(f"plot: {path}")
+    return 0
+
+
 def _version() -> str:
     """The installed distribution's version (pyproject.toml), or "unknown" from a tree that is not installed."""
     from importlib.metadata import PackageNotFoundError, version
@@ -167,11 +197,19 @@ def main(argv: list[str] | None = None) -> int:
     cmp.set_defaults(func=_compare)
     scenarios = sub.add_parser("scenarios", help="list the installed scenarios")
     scenarios.set_defaults(func=_scenarios)
-    inspect_fp8.add_parser(sub)
+    fp8 = sub.add_parser("inspect-fp8", help="check the fp8/fp4 tensors of a safetensors file against their tags, "
+                                             "metadata and scales; exit 1 on a finding")
+    fp8.add_argument("file", help="a .safetensors file")
+    fp8.add_argument("--all", action="store_true", help="one finding per tensor instead of one per kind")
+    fp8.set_defaults(func=_inspect_fp8)
     portability.add_parser(sub)
-    plot.add_parser(sub)
-    listing.add_parser(sub)
-    prune.add_parser(sub)
+    plot = sub.add_parser("plot", help="draw the comparison plot of a reference and a run (needs "
+                                       "pytest-gpuregress[plots])")
+    plot.add_argument("reference", help="a reference folder (or a kept run's record)")
+    plot.add_argument("run", nargs="?", help="a run to set against it; without it the reference and its band")
+    plot.add_argument("-o", "--output", default="gpuregress-plot.png", help="PNG to write (default: %(default)s)")
+    plot.set_defaults(func=_plot)
+    references.add_parsers(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

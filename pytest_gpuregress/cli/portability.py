@@ -1,17 +1,8 @@
 """``gpuregress portability CHECKPOINT --config CONFIG``: does a checkpoint mean the same on this machine?
 
-It checks a safetensors checkpoint (a file, or a folder of shards) against the model its
-transformers config builds with the plugin's strict reader (every tensor present, tied tensors
-stored once, shapes and the config's dtype), loads it the stack's way
-(``safetensors.torch.load_file``, ``load_state_dict(strict=True)``), and prints the logits on a
-fixed batch, their deviation from float64 on this machine, and a checksum per tensor as loaded
-(against the strict reader's own). ``--out FILE`` writes that result (safetensors: the logits, with
-the rest as JSON metadata); ``--against FILE`` compares with the file another machine wrote:
-checksums equal, logits within twice the float32 bound. The same check as the checkpoint
-scenario's ``portability`` case (scenarios/checkpoint/portable.py). Never unpickles anything.
-
-Exit 0 when it agrees, 1 on a difference, 2 when the checkpoint, config or file cannot be used
-(one message naming the file and the fix).
+The checkpoint scenario's ``portability`` check (scenarios/checkpoint/portable.py) as a command: strict
+read, the stack's own load, logits against float64 and per-tensor checksums; ``--out``/``--against``
+compare two machines. Never unpickles. Exit 0 when it agrees, 1 on a difference, 2 when unusable.
 """
 
 from __future__ import annotations

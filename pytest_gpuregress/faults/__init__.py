@@ -1,16 +1,9 @@
-"""Fault injection: emulate the stack bugs this plugin exists to catch, on any machine.
+"""Fault injection: emulate the stack bugs this plugin exists to catch, on any machine (docs/faults.md).
 
-A fault is a spec string ``kind:key=value,key=value`` (``--gpuregress-inject``). Specs are parsed
-and validated once, at configure time, against the schema of their kind below: an unknown kind,
-key or value is a usage error that lists what is allowed, before any rank starts. The ranks then
-install the validated specs (``install``). This module is torch-free; each kind's installer lives
-in a module of its own and is imported only on the ranks. See docs/faults.md for the bug classes.
-
-To add a fault kind: write ``install(spec, ctx) -> Firing`` in a module here (it calls ``firing.fire()`` where
-it changes something: faults/firing.py) and add a ``FaultKind`` to ``KINDS``. A fault reaches this project's
-own code only through the fault points that code marks (fault_points.py), never by patching its modules;
-it wraps the stack's own functions (torch.distributed, torch.nn.functional, safetensors, torch.load, accelerate)
-where the bug it emulates sits.
+A spec ``kind:key=value,...`` (``--gpuregress-inject``) is validated at configure time against its kind's
+schema, before any rank starts; the ranks then ``install`` it. Torch-free: installers live in modules of
+their own, imported on the ranks. A new kind is an ``install(spec, ctx) -> Firing`` module plus a
+``FaultKind`` in ``KINDS``; it reaches this project's code only through fault points (fault_points.py).
 """
 
 from __future__ import annotations
@@ -22,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .. import activities as act
 from ..errors import BadFaultSpec
-from ..fault_spec import FaultSpec
+from ..fault_points import FaultSpec
 
 if TYPE_CHECKING:
     from .fired import Firing

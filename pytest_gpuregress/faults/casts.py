@@ -1,15 +1,7 @@
-"""A conversion kernel that rounds wrongly, installed on a rank: fp32 (and fp64) -> bf16 casts that cut toward zero.
+"""A conversion kernel that rounds wrongly: fp32 (and fp64) -> bf16 casts that cut toward zero (``truncate_bf16``).
 
-  truncate_bf16  every fp32 or fp64 -> bf16 conversion (``Tensor.to``, ``.bfloat16()``: aten's ``_to_copy``) drops
-                 the bits below bf16's instead of rounding to nearest even, as a conversion kernel with the wrong
-                 rounding mode would. Under FSDP2 mixed precision that is the cast of every fp32 master
-                 weight to the bf16 the forward computes with; in the collective sweep, the cast that makes a bf16
-                 case's inputs and expected values.
-
-It wraps the tensor methods that convert (``Tensor.to``, ``Tensor.bfloat16``), where FSDP2 casts: the real
-conversion runs, then its output is overwritten in place with the truncated value, so the op trace digests
-the same ``aten::_to_copy`` a broken build would run, and the kernel inventory sees nothing more (the
-fault's own arithmetic runs inside ``fault_region``).
+Wraps ``Tensor.to`` and ``Tensor.bfloat16``, where FSDP2 mixed precision casts: the real conversion runs and
+its output is overwritten in place, so the op trace sees the same ``aten::_to_copy`` a broken build would run.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Checkpoint faults, installed on a rank: the bug classes of docs/faults.md section 3, for scenario checkpoint.
 
-Each mode intercepts one fault point the scenario's rank-side code marks (fault_points.py) and
-registers the undo in ``ctx.cleanup_hooks``, so a reused rank process runs its next launch clean:
-  optimizer_dropped  checkpoint.apply_optimizer does nothing: the loaded optimizer state is dropped
-  rank0_shard        checkpoint.sharded_save: ranks other than 0 write their shards elsewhere (no shared
-                     storage); checkpoint.gather: rank 0's own shard saved as the whole tensor (accelerate
-                     PR #4206)
-  chunks_permuted    checkpoint.sharded_load: at another world size the chunks along dim 0 come back in
-                     reverse order (ROCm/Megatron-LM PR #63)
-  tied_key_dropped   checkpoint.tensors_to_save drops the name a tied tensor is stored under
-  untied             checkpoint.stack_load: after the stack's load every tied name has its own copy, as a
-                     loader that unties does (transformers#38870)
-  rng_not_restored   checkpoint.rng_restore does nothing: the generators keep whatever state they had
-  weights_late       checkpoint.apply_model takes effect after the next optimizer step, not before it
-  ulp_nudge          checkpoint.after_load moves one element of one tensor up by one ulp after every load
-The ulp_nudge tensor is model.layers.<layer>.<block>.<proj>.weight (default model.layers.1.self_attn.q_proj.weight).
+Each mode intercepts one ``checkpoint.*`` fault point and is undone through ``ctx.cleanup_hooks``:
+  optimizer_dropped  apply_optimizer does nothing
+  rank0_shard        ranks other than 0 save elsewhere; rank 0's shard saved as the whole tensor (accelerate #4206)
+  chunks_permuted    at another world size dim-0 chunks load in reverse order (ROCm/Megatron-LM #63)
+  tied_key_dropped   the name a tied tensor is stored under is not saved
+  untied             after the stack's load every tied name has its own copy (transformers#38870)
+  rng_not_restored   the generators are not restored
+  weights_late       apply_model takes effect after the next optimizer step
+  ulp_nudge          one element of one tensor (default model.layers.1.self_attn.q_proj.weight) one ulp up per load
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Collective faults, installed on a rank: corrupt the outputs of matching ``torch.distributed`` calls.
 
-Every public collective of ``torch.distributed`` (and the private single-tensor forms older FSDP
-releases call) is wrapped; the wrapper lets the real call finish, then corrupts its output when
-the spec's filters match: op family, message size, dtype, reduction, rank, and one call in N.
-
-Mode ``missing`` raises instead, as a backend that lacks the op does (gloo's all_to_all before torch 2.12): a
-capability that went missing, which the plugin must skip as not supported, never call wrong numbers.
-
-Mode ``truncate_bf16`` is a reduction with the wrong rounding rather than corrupt bytes: a bf16 SUM
-or AVG all-reduce or reduce-scatter recomputed from every rank's input, accumulated in float32 (AVG:
-then divided by the world size) and cut to bf16 toward zero (the low 16 bits dropped) instead of
-rounded to nearest even. FSDP2 reduce-scatters bf16 gradients with AVG.
+Every public collective (and the private forms older FSDP calls) is wrapped; the real call finishes, then
+its output is corrupted where the filters match (op, size, dtype, reduction, rank, one call in N). Mode
+``missing`` raises as a backend lacking the op does; ``truncate_bf16`` recomputes a bf16 SUM/AVG reduction
+in float32 and cuts it toward zero instead of rounding.
 """
 
 from __future__ import annotations

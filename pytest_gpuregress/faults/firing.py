@@ -1,11 +1,7 @@
 """How often each injected fault fired: a fault that never fired proves nothing about the case it ran with.
 
-Each installer returns a ``Firing`` and calls ``fire()`` where it really changes something (an output
-corrupted, a call rerouted, a step slowed), not merely where it is called. A rank reports its counts
-in ``record.results["faults_fired"]`` ({spec: count}); the session sums them over the ranks of a
-launch (a fault with a ``ranks`` filter fires on those ranks only) and over the launches of a case,
-and fails a case whose fault fired zero times, naming the path the run did not reach (``unfired``).
-Torch-free: the session imports it.
+Installers call ``fire()`` where they really change something. Counts go to ``results["faults_fired"]``, are
+summed over ranks and launches, and a case whose fault fired zero times fails (``unfired``). Torch-free.
 """
 
 from __future__ import annotations
@@ -95,14 +91,14 @@ PATHS: dict[str, str] = {
                         "DDP, whose whole tensors have no slice to lose: use lora-fully_shard there)",
     "lora:zero_lora_b": "no adapter written through adapter_io.write_adapter",
     "lora:merge_ulp": "no adapter merged (merging.merge_and_unload)",
-    "checkpoint:optimizer_dropped": "no optimizer state loaded (state_apply.apply_optimizer)",
+    "checkpoint:optimizer_dropped": "no optimizer state loaded (resume_checkpoint.apply_optimizer)",
     "checkpoint:rank0_shard": "no sharded save from a rank other than 0, and no full-state gather "
                               "(sharded.save, full_state.gather)",
     "checkpoint:chunks_permuted": "no sharded load at another world size (sharded.load)",
     "checkpoint:tied_key_dropped": "no save of a tied tensor (full_state.tensors_to_save)",
     "checkpoint:untied": "no reload of a model with tied weights through the stack (full_state.stack_load)",
     "checkpoint:rng_not_restored": "no generator state restored (rng_state.restore)",
-    "checkpoint:weights_late": "no loaded weights applied to a resumed trainer (state_apply.apply_model)",
+    "checkpoint:weights_late": "no loaded weights applied to a resumed trainer (resume_checkpoint.apply_model)",
     "checkpoint:ulp_nudge": "no load of model.layers.{layer}.*.{proj}.weight (hooks.after_load)",
 }
 _DEFAULTS = {"op": "silu", "step": 1, "format": "e4m3fn", "layer": 1, "proj": "q_proj",

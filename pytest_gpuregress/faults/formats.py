@@ -1,16 +1,12 @@
 """Number-format faults, installed on a rank: the bug classes of docs/faults.md section 2.
 
-Each mode intercepts one fault point of the formats scenario's device functions (fault_points.py:
-``formats.<function>``, marked in scenarios/formats/device.py) and registers the undo in
-``ctx.cleanup_hooks``:
+Each mode intercepts one ``formats.<function>`` fault point (scenarios/formats/device.py):
   fn_as_fnuz           e4m3fn bytes read as e4m3fnuz (an NVIDIA checkpoint loaded on MI300)
   keep_0x80            the e4m3fn -> e4m3fnuz conversion skips the 0x80 -> 0x00 rewrite
   fnuz_max_448         448, e4m3fn's maximum, used as e4m3fnuz's when computing scales
-  flip_overflow        a cast that saturated now gives NaN (or inf) on overflow, and the reverse
+  flip_overflow        a saturating cast gives NaN (or inf) on overflow, and the reverse
   mx_scale_off_by_one  the MX shared exponent is off by ``by`` (default +1)
-  loader_fn_as_fnuz    the stack's own checkpoint loader (safetensors, torch.load, DCP, transformers) hands
-                       e4m3fn tensors back as e4m3fnuz: faults/loaders.py
-  loader_e5m2_as_e4m3fn  the same loaders hand e5m2 tensors back as e4m3fn (the same bytes, the wrong dtype)
+The ``loader_*`` modes act in the stack's own loaders instead: faults/loaders.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Kernel and throughput faults, installed on a rank: what an upgrade does when a fused kernel goes missing.
 
-  sdpa_backend  attention runs on another SDPA backend (a flash kernel missing from the new build)
-  host_op       an op falls back to the CPU. On a GPU its work really moves to the host; on a CPU-only
-                build the GPU is emulated by a device tag (training/kernels.py): the op is marked as a
-                host op, every other op as the emulated accelerator's
+  sdpa_backend  attention runs on another SDPA backend
+  host_op       an op falls back to the CPU (on a CPU-only build, emulated by a device tag: training/kernels.py)
   slow_step     the optimizer step sleeps: a slowdown the throughput ratio must show
 """
 

@@ -1,21 +1,14 @@
-"""Library code that computes another function: a release of transformers or peft that changed what the model
-computes from the same parameters. Each mode replaces the library's own function where the library defines it,
-so the new code runs its own ops, as a new release would, and in every launch, the float64 oracle's too: it is
-code installed on the machine, not a fault of the stack under test (FaultKind.installed_code).
+"""A library release that computes another function: each mode replaces the library's function where it is defined.
 
-  rope_interleaved  transformers' Llama ``rotate_half`` pairs neighbouring features (the GPT-J convention)
-                    instead of the two halves
-  lora_rslora       peft's ``LoraLayer.update_layer`` scales an adapter by alpha / sqrt(r) instead of alpha / r
-  untied            transformers' ``PreTrainedModel.tie_weights`` ties nothing: a model whose config ties its
-                    embeddings gets an output head of its own
-  numpy_searchsorted  numpy's ``searchsorted`` returns the next index for one value in 64: the synthetic token
-                    batches (training/data.py draws each token through it) change, the model's code does not
-  accelerate_divisor  accelerate's ``Accelerator.backward`` divides the loss by the number of processes as well as
-                    by the accumulation steps: the same ops, one called with another divisor
-  rmsnorm_no_upcast  transformers' ``LlamaRMSNorm.forward`` normalises in the input's dtype, without its float32
-                    upcast: a bf16 model's norms lose precision (fp32 and float64 compute as before)
-  torch_rand_shift  torch's CPU generator draws one number more before each ``torch.rand``: a release whose random
-                    stream shifted, so a data pipeline's replaced tokens change while every kernel is right
+Installed in every launch, the float64 oracle's too: it is code on the machine, not a fault of the stack
+(``FaultKind.installed_code``).
+  rope_interleaved    Llama ``rotate_half`` pairs neighbouring features (GPT-J) instead of the two halves
+  lora_rslora         peft scales an adapter by alpha / sqrt(r) instead of alpha / r
+  untied              ``tie_weights`` ties nothing
+  numpy_searchsorted  returns the next index for one value in 64: the synthetic tokens change
+  accelerate_divisor  ``Accelerator.backward`` also divides the loss by the number of processes
+  rmsnorm_no_upcast   ``LlamaRMSNorm`` normalises in the input's dtype, without its float32 upcast
+  torch_rand_shift    torch's CPU generator draws one number more before each ``torch.rand``
 """
 
 from __future__ import annotations

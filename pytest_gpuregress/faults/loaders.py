@@ -1,16 +1,8 @@
-"""A misread placed inside the stack's own checkpoint loaders: fp8 bytes handed back as another fp8 format.
+"""A misread inside the stack's own checkpoint loaders: fp8 bytes handed back as another format's dtype.
 
-This is the NVIDIA-checkpoint-on-MI300 bug (docs/faults.md section 2) where it really sits: in the
-library that loads the file, not in the formats scenario's code. The loader modes of fault kind
-``format`` (MODES: ``loader_fn_as_fnuz``, ``loader_e5m2_as_e4m3fn``, ``loader_bf16_as_fp16``) wrap, for each chosen ``path`` of
-the formats scenario's io cases:
-  safetensors    safetensors.torch.load_file
-  safe_open      safetensors.safe_open (get_tensor and get_slice of the handle it opens)
-  torch_load     torch.load
-  dcp            torch.distributed.checkpoint.load (the state dict it fills)
-  transformers   the safe_open transformers.modeling_utils reads checkpoints with
-Every tensor of the mode's source dtype they hand back becomes a view of the same bytes as its target
-dtype; each tensor so misread counts as one firing.
+The NVIDIA-checkpoint-on-MI300 bug where it really sits, in the loading library. The ``format`` kind's
+``loader_*`` modes wrap the chosen ``path``'s loader (safetensors, safe_open, torch.load, DCP, transformers);
+each tensor of the source dtype comes back as a view in the target dtype and counts as one firing.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """LoRA faults, installed on a rank: the peft/accelerate bugs the lora scenario's checks exist to catch.
 
-Each mode intercepts one fault point the scenario's rank-side code marks (fault_points.py), and undoes
-it through ``ctx.cleanup_hooks``:
-  grad_leak     lora.wrap leaves one base weight trainable (a peft change that unfreezes it)
-  rank0_slice   each rank's local shard saved as the whole adapter (accelerate PR #4206): under fully_shard
-                through lora.gather_for_save, under accelerate inside accelerate's own
-                Accelerator.get_state_dict (the stack's function, wrapped), where it fires only on a sharded
-                model (FSDP2 on GPUs; on a CPU accelerate runs DDP, which holds whole tensors, so the fault
-                cannot fire there and the case fails saying so)
-  zero_lora_b   lora.write_adapter saves one lora_B as zeros
-  merge_ulp     lora.merge_and_unload leaves one layer's merged weight one ulp up
-  merge_scaled_twice   lora.merge_and_unload applies the adapter's scaling twice in one layer: W + s*s*B@A
-  dropout_in_eval   nn.Dropout, peft's lora_dropout, drops in eval mode too
-  dropout_unseeded  nn.Dropout draws its masks from a generator torch.manual_seed does not reach
-  dropout_shared    peft's LoRA Linear applies its lora_dropout to the input before the frozen base layer reads it
-                    too (the dropped input reaches the base path)
-  forward_wrapped   lora.wrap leaves the peft model's forward replaced by an autocast to bfloat16 (what a library
-                    that prepares a model for mixed precision does), which a model reloaded from the adapter lacks
-The affected module is model.layers.<layer>.<its block>.<proj> (default model.layers.1.self_attn.q_proj).
+Each mode intercepts one ``lora.*`` fault point (or a stack function) and is undone through ``ctx.cleanup_hooks``:
+  grad_leak          wrap leaves one base weight trainable
+  rank0_slice        each rank's shard saved as the whole adapter (accelerate #4206); fires only when sharded
+  zero_lora_b        write_adapter saves one lora_B as zeros
+  merge_ulp          merge_and_unload leaves one layer's merged weight one ulp up
+  merge_scaled_twice merge_and_unload applies the scaling twice in one layer
+  dropout_in_eval    dropout also drops in eval mode
+  dropout_unseeded   dropout masks come from a generator manual_seed does not reach
+  dropout_shared     lora_dropout is applied to the input the base layer reads too
+  forward_wrapped    wrap leaves the forward replaced by a bf16 autocast, which a reloaded model lacks
+The affected module defaults to model.layers.1.self_attn.q_proj.
 """
 
 from __future__ import annotations

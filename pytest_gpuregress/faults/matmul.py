@@ -1,9 +1,7 @@
 """A matmul that is one ulp off: one device with a failing part or a bad flag, as small as a fault can be.
 
-Wraps ``torch.matmul``, ``torch.mm``, ``torch.bmm`` and ``F.linear``: after ``after`` untouched calls, the first
-element of every floating-point output moves one unit in the last place away from zero (its bits, read as an
-integer, plus one). No tolerance can see it; only a bitwise comparison can, such as the consensus vote across
-devices (scenarios/consensus), where the rank it is installed on must be named.
+After ``after`` untouched calls, the first element of every floating output of matmul, mm, bmm and linear
+moves one ulp away from zero: only a bitwise comparison (the consensus vote) can see it.
 """
 
 from __future__ import annotations

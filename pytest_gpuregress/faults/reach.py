@@ -1,14 +1,8 @@
-"""Which cases each injected fault can act in: computed from what each case exercises (``Case.exercises``,
-declared by its scenario) and what each fault kind acts on (``ACTS_ON``, faults/__init__.py), in the words of
-activities.py.
+"""Which cases each injected fault can act in, from ``Case.exercises`` and ``ACTS_ON`` (activities.py).
 
-A fault is installed only in the launches of the cases it reaches; a case that none of the injected faults
-reaches is skipped as not applicable, with the reason, instead of running clean (which proves nothing) or
-failing because the fault never fired. A case a fault reaches must see it fire, or it fails (firing.py). A case
-that declares nothing (a plug-in's) is reached by every fault: only the firing count can say there.
-docs/faults.md's table is ``table_lines()``, over the built-in cases of a 2-rank CPU run and a 2-GPU run;
-tests/test_fault_reach.py keeps it equal and measures rows for real (benchmarks/fault_reach.py).
-Torch-free: the session imports it.
+A case no injected fault reaches is skipped as not applicable rather than run clean or failed as unfired;
+a case that declares nothing is reached by every fault. ``table_lines()`` is docs/faults.md's table
+(tests/test_fault_reach.py keeps it equal). Torch-free.
 """
 
 from __future__ import annotations
@@ -17,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from .. import activities as act
 from ..kinds import DeviceKind
-from ..scenario_options import BUILTIN_SCENARIO_OPTIONS
+from ..option_spec import BUILTIN_SCENARIO_OPTIONS
 from ..scenarios import Case, Setup, registry, test_id
 from . import ACTS_ON, FaultSpec, acted_on, activities_of, parse
 

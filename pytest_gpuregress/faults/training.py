@@ -33,14 +33,11 @@ def install_lr_scale(spec: FaultSpec, ctx: Any) -> Firing:
 
 
 def install_linear_noise(spec: FaultSpec, ctx: Any) -> Firing:
-    """Every F.linear output x (1 + rel x s[j]), s a fixed +-1 pattern over the output features j, written into the
-    output in place (no op of its own, in the forward or in autograd's backward: a kernel's own rounding).
+    """Every F.linear output x (1 + rel x s[j]), s a fixed +-1 pattern over output features, written in place.
 
-    Kernel drift differs per output (another summation order rounds each column differently); a
-    uniform scale would be the wrong emulation, since RMSNorm divides it right back out. The
-    pattern depends on the feature only, not on the batch, so every world size sees the same kernel; with ``rows``
-    (or ``features``) only GEMMs of that many rows (output features) change, a bug in the one kernel a library
-    picks for that shape."""
+    Per-feature, because kernel drift differs per column and RMSNorm would divide a uniform scale back out;
+    independent of the batch, so every world size sees the same kernel. ``rows``/``features`` restrict it
+    to GEMMs of that shape."""
     import torch
     import torch.nn.functional as F
 

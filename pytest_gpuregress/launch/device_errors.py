@@ -1,13 +1,7 @@
 """Device errors after which a rank's CUDA or HIP context is unusable: the rank must not serve another job.
 
-CUDA and HIP make some errors sticky: after an illegal memory access, a launch failure, a misaligned
-address, a device-side assert or an uncorrectable ECC error, every later call in the process fails with
-the same error, and only a new process gets a working context. Scenarios report some device errors as
-findings and carry on (a collective or a ``_scaled_mm`` that raises is a finding, not a crash), so the
-rank delivers its record; reused, it would fail every later case with an error that is not theirs. The
-launcher looks for these messages in what a rank reported (spawn.py) and retires its group.
-
-Pure: matched on message text, as torch, the CUDA runtime and HIP word them.
+These errors are sticky (every later call fails the same way), and a scenario may keep one as a finding and
+still deliver, so the launcher matches them in what a rank reported and retires its group. Pure text matching.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """A flight recorder of collectives, after NCCL's: which collective each rank is in, so a hang names its culprit.
 
-A hung group shows every rank "hung", but usually one rank stopped and the others wait for it in
-a collective. Each rank counts the collectives it enters (op, sequence number, bytes) and keeps
-its current state in a small memory-mapped file, ``rank<r>.flight``: a plain memory write per
-call, readable by the launcher while the rank is blocked in C++ (a Python signal handler would
-never run there). ``diagnose`` turns every rank's state into one line:
-
-    rank 0 waits in all_gather #57 (64 KiB) for rank 1; rank 1 stopped outside any collective
-    (last: all_gather #56), after step 2 done
-
-On gloo a collective is done when its call returns. NCCL and RCCL (which torch names "nccl") return
-as soon as the collective is queued on the GPU, so "returned" says nothing about a GPU that hangs in
-it. On those backends the call itself is left as the caller made it (the same stream, the same
-semantics, no Work held longer than the caller holds it); completion is read afterwards: from the
-caller's own ``Work`` when it asked for ``async_op``, else from a CUDA event recorded on the current
-stream right after the call, which the GPU reaches only once the collective has finished. A polling
-thread drops what has finished, and the state file names the oldest collective the GPU has not.
-Inside ``torch.compile`` the wrapper steps aside (its lock would break the graph).
-
-Not seen here: collectives that bypass ``torch.distributed``'s Python functions, such as the functional
-collectives of DTensor (``full_tensor()``, ``clip_grad_norm_`` over DTensors). For those, torch's own NCCL
-flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, dumped inside the hung rank on the launcher's request at
-its limit, or by torch on a watchdog timeout) is the source; the launcher sets it on NCCL/RCCL ranks unless
-the user did, and reads the dumps into the report (torch_trace.py).
+Each rank keeps its current collective (op, sequence number, bytes) in a memory-mapped ``rank<r>.flight``,
+readable while the rank is blocked in C++. On NCCL/RCCL a call returns once queued, so completion is read
+from the caller's ``Work`` or a CUDA event recorded after the call. DTensor's functional collectives bypass
+this wrapper: torch's own recorder covers them (torch_trace.py, docs/launching.md).
 """
 
 from __future__ import annotations

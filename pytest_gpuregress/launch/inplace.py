@@ -1,18 +1,8 @@
 """Run under torchrun/srun: this pytest process is one rank, and every rank runs the same tests.
 
-The process group is created once from torchrun's environment (its addresses, its store) and
-reused by every test. Per-rank records travel to all ranks as JSON bytes and their arrays as
-safetensors bytes, in uint8 tensors: never pickled, so ``all_gather_object`` is not used. Arrays
-are per-rank (a rank's step-0 gradient shard), and small: step-0 gradients of large tensors are
-block summaries (reference/step0.py). Every rank then compares, so every rank reaches the same
-verdict; only rank 0 writes references.
-
-As safe as spawned ranks: faults are installed per launch and undone after it (cleanup hooks);
-a rank that raises tells its peers through torchrun's store, then tears its process group down,
-so peers blocked in a collective fail at once with that rank's error, not at the group timeout
-(later launches of the session then fail at once too: the group cannot be rebuilt in place);
-and ``--gpuregress-timeout`` holds: past it, a rank prints where it is (its progress, its
-collective, every thread's stack) and exits, and torchrun stops the others.
+One process group per session, from torchrun's environment. Records travel between ranks as JSON and
+safetensors bytes in uint8 tensors, never pickled; every rank compares, only rank 0 writes references.
+A rank that raises tells its peers through the store and tears its group down, so they fail at once.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
-"""The job a group of ranks runs, and the files through which ranks report back.
+"""The job a group of ranks runs, and the files through which ranks report back (docs/launching.md).
 
-The launcher writes ``job.json``; every rank reads it, runs the scenario, and writes into the
-run directory:
-  rank<r>.progress    one line per completed phase or step (appended; the last line is the answer
-                      to "how far did it get" when a rank hangs)
-  rank<r>/            its RunRecord (record.json + tensors.safetensors)
-  rank<r>.done        written after the record: from here on the rank's work is delivered
-  rank<r>.released    written after teardown: the rank is ready for its next job (launch/pool.py)
-  rank<r>.error.json  the exception and traceback, when the scenario raised
-  rank<r>.stack       Python stacks of all threads, dumped on SIGUSR1 when the launcher times out
-  rank<r>.flight      the collective the rank is in or last left (flight.py), for hang diagnosis
-  rank<r>.log         the rank's stdout and stderr
-  rank<r>.device_error  the error a CUDA/HIP synchronize raised after the job: the rank is not reused
-  torch_fr_trace_rank<r>  torch's own flight-recorder dump, written by torch on an NCCL watchdog timeout
-                      (torch_trace.py); a pickle, the one file here that is not text or JSON, read
-                      without unpickling
-Apart from torch's dump, all of it is plain text or JSON: nothing that crosses a process boundary is pickled.
+Everything that crosses the process boundary is text or JSON; torch's own flight-recorder dump is the one
+pickle, read without unpickling.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Loopback-only networking for single-machine runs, and a check that it held.
 
-torch's TCPStore listens on every interface even when told 127.0.0.1, so ranks rendezvous
-through a FileStore instead, and gloo and NCCL's bootstrap are bound to the loopback device.
-``listening_addresses()`` reads which TCP sockets this process listens on, so a run can prove
-it exposed nothing beyond loopback.
+torch's TCPStore listens on every interface even when told 127.0.0.1, so ranks use a FileStore and bind
+gloo and NCCL to loopback; ``listening_addresses()`` proves nothing else was exposed.
 """
 
 from __future__ import annotations

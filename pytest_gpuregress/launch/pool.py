@@ -1,24 +1,8 @@
 """Rank processes that outlive one launch: started once, then fed one job after another.
 
-Importing torch and transformers costs a rank seconds; a session runs dozens of launches. A
-``RankGroup`` is ``world_size`` worker processes (``launch/worker.py --serve``) that read job paths
-from their stdin, one line per job, and answer through the job's run directory as before, plus a
-``released`` marker once the job's process group is torn down and the rank is ready for the next.
-
-The pool keeps groups per (world size, device, environment): a job whose environment differs
-(NCCL_PROTO, a triage switch) needs processes started with it. One pool serves the whole Python
-process (``shared_pool``), so pytest sessions run one after another in it (pytester's inline runs)
-reuse ranks too; each job carries its working directory, which the rank enters for the job, and
-modules imported from there are forgotten afterwards (worker.py). A group is used by one job at a
-time and reused only after a clean job: a rank that raised, died, hung or did not release, or that
-reported a sticky CUDA/HIP error (its device context is unusable: device_errors.py), is killed with its
-whole group, so the next test gets a fresh one. Between jobs each rank undoes its
-faults (``ctx.cleanup_hooks``) and reseeds everything (``set_determinism``), so a scenario gives the
-same bits alone or after others (tests/test_worker_pool.py proves it).
-
-Ranks die with the launcher: closing a group closes their stdin (they exit at EOF), and each rank
-also asks the kernel for SIGKILL when its parent dies (worker.py), for the SIGKILL that no
-``finally`` sees.
+Importing torch costs a rank seconds and a session runs dozens of launches. Groups are kept per (world
+size, device, environment) and reused only after a clean job; any other end kills the whole group.
+Ranks die with the launcher (stdin EOF, and a parent-death SIGKILL). docs/launching.md has the rest.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Read a pickle that may only hold plain data: dicts, lists, tuples, strings, bytes, numbers, booleans, None.
 
-torch writes its flight-recorder dump (``TORCH_NCCL_DUMP_ON_TIMEOUT``) as a pickle, and the dump read back
-may be a file a user was sent with a bug report. ``pickle.load`` runs whatever callable a pickle names, so
-this reader never imports or calls anything: it first walks the opcodes (``pickletools``, which parses
-without executing) and refuses any that names, builds or calls an object, then loads with an ``Unpickler``
-whose ``find_class`` raises, so even an opcode missed here cannot reach a global. torch's own dump needs
-none of that: it is written by torch's JIT pickler without type tags (``pickle_str`` in
-``torch/csrc/distributed/c10d/TraceUtils.h``), only containers and scalars.
+For torch's flight-recorder dump, which may come from a bug report. Opcodes that name, build or call an
+object are refused before loading, and the ``Unpickler``'s ``find_class`` raises, so nothing runs.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """Run a job on a group of ranks on this machine, watch them, and classify how each one ended.
 
-Ranks come from the worker pool (pool.py): interpreters in their own sessions (so a whole process
-tree can be killed) that serve one job after another, each job's stdout and stderr in its own log.
-With ``reuse=False`` every job gets a fresh group, closed afterwards. The launcher polls until every
-rank has released the job or exited, or one has failed, or the wall-clock limit passes. A rank
-ends a job in one of four ways:
-  delivered  wrote its record and done marker; whatever happens at teardown afterwards
-             (SIGABRT from gloo's threads, a hang in destroy) is noted, never a failure
-  raised     the scenario raised; its traceback comes back from rank<r>.error.json
-  died       exited or was killed by a signal before delivering
-  hung       still running at the limit; its Python stacks are dumped (SIGUSR1) before the kill
-On NCCL/RCCL the launcher first asks the ranks to dump torch's flight recorder (torch_trace.py:
-``request_dumps``, up to REQUEST_WAIT_S), then takes their stacks and kills them; torch's watchdog,
-which times a collective out from when it was queued, dumps too when a hang times out before the limit.
-The report then reads those dumps (torch_trace.py). A group is reused
-only after a clean job in which no rank reported a sticky CUDA/HIP error (device_errors.py).
+A rank ends a job delivered (record and done marker written: a teardown crash after that is noted, never
+a failure), raised, died, or hung (stacks dumped, and on NCCL/RCCL torch's flight recorder first).
 """
 
 from __future__ import annotations

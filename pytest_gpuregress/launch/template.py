@@ -1,14 +1,7 @@
 """Fresh ranks without fresh imports: a template process that has imported torch and the libraries forks them.
 
-A new rank spent about 4 CPU-seconds importing torch, transformers, accelerate and peft before its first job, and
-triage's cold replays start many. A template imports them once; each rank it forks starts with them imported and
-nothing else done (no job, no tensor, no thread), which is all that "cold" promises (multiprocessing's forkserver
-with preload does the same; this one keeps Popen's face for the pool: pid, poll, wait, stdin).
-
-Only on the CPU: a CUDA or HIP driver touched before a fork is unusable in the child. A template serves one
-import-time environment: only the variables in ``AFTER_IMPORT`` may differ between it and its ranks, so another
-PYTHONPATH (a bisect overlay), OMP_NUM_THREADS (libgomp reads it at load) or ATEN_CPU_CAPABILITY gets a template of
-its own, whose single import still serves every rank of every launch with that environment.
+CPU only (a GPU driver touched before a fork is unusable in the child). A template serves one import-time
+environment: only ``AFTER_IMPORT`` variables may differ from its ranks'. Keeps Popen's face for the pool.
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """torch's own flight recorder on NCCL/RCCL ranks: dumped on a hang, collected and read for the report.
 
-The plugin's recorder (flight.py) sees the ``torch.distributed`` calls it wraps; torch's recorder, inside
-ProcessGroupNCCL, sees every collective the group runs, DTensor's functional collectives included
-(``full_tensor()``, ``clip_grad_norm_`` over DTensors), with its state on the GPU (scheduled, started,
-completed) and the Python frames that issued it. On those backends a hung launch gets a dump from two sources:
-
-* at the launcher's limit, the launcher asks for it (``request_dumps``: a ``torch_fr_dump_request`` file in the
-  run folder) before it kills the ranks; a daemon thread on each rank (``serve_requests``, one per job) answers
-  with torch's recorder as JSON. This is the source that comes first: NCCL's watchdog counts a collective's
-  timeout from when it was queued, so a hang after minutes of training times out after the launcher's
-  deadline, which counts from the launch's start;
-* the NCCL watchdog's own dump on a timeout, for a hang early enough to time out before the limit, or a rank
-  whose Python thread cannot run (its main thread holds the GIL). The process group's timeout is set below
-  the launcher's limit (``group_timeout``); gloo keeps a timeout past the limit, so that the launcher names
-  hung gloo ranks with their stacks first (spawn.py). Each rank gets ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` and a
-  dump location in its job's run folder (``arm``), unless the user set them; torch 2.13 reads
-  ``TORCH_FR_DUMP_TEMP_FILE`` and, failing it, the older ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``
-  (``DebugInfoWriter::getWriter``), and appends the global rank. The requested dump goes to the same file.
-
-After a failed launch the dumps are read back (``read_dump``, a pickle never unpickled: safe_pickle.py) and
-``diagnose`` names the rank and the collective the others wait for, the way torch's ``fr_trace`` does
-(``torch/distributed/flight_recorder/components/utils.py: error_analysis``): the first collective of a
-group that not every member entered, or whose state differs between members.
-
-torch fixes the dump's file name at a process's first dump; a rank that dumped hung or lost its
-communicator, so it is never reused (spawn.py kills its group) and every job's dump lands in its own folder.
+Dumps come on the launcher's request at its limit (``request_dumps``/``serve_requests``) or from the
+watchdog on a timeout set below the limit (``group_timeout``, ``arm``); ``diagnose`` then names the culprit
+as torch's ``fr_trace`` does. Why two sources, and the variables set: docs/launching.md. A rank that dumped
+is never reused, since torch fixes the dump's file name at a process's first dump.
 """
 
 from __future__ import annotations

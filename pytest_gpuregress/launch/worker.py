@@ -1,16 +1,8 @@
 """One rank of a locally spawned group: ``python -m pytest_gpuregress.launch.worker --serve RANK``.
 
-The rank serves jobs: it reads one job path per line from stdin and runs each (launch/pool.py
-keeps it for the next launch). Per job, order matters, and it is what makes teardown crashes
-harmless:
-  1. run the scenario and write the record, then the ``done`` marker (results are delivered);
-  2. barrier, so no rank tears its transport down while a peer still talks to it;
-  3. destroy the process group, undo the job's faults and stdio redirection, write ``released``.
-A rank whose job failed, or whose teardown failed, leaves with ``os._exit``: that skips
-interpreter finalisation, where gloo's worker threads can still hold work objects that reference
-Python tensors and abort the process ("terminate called without an active exception"). Any abort
-that still happens after step 1 cannot lose results: the launcher only needs the marker. At EOF
-(the launcher is done with this group) the rank leaves the same way.
+Per job, in this order: write the record and ``done``; barrier; destroy the group, undo faults, write
+``released``. A failed rank leaves with ``os._exit``, skipping the finalisation where gloo's threads can
+abort the process; an abort after ``done`` loses nothing.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The pytest plugin: options, header, the built-in suite, fixtures, markers and the summary.
 
-Without ``--gpuregress`` the plugin only registers its options and markers, skips tests that need
-it, and imports nothing heavy: no torch, numpy or scenario module (tests/test_startup.py checks).
-Scenarios come from the registry (``pytest_gpuregress.scenarios``), loaded only once the flag is
-on; nothing here names one.
+Without ``--gpuregress`` it registers options and markers only and imports no torch, numpy or scenario
+(tests/test_startup.py checks). Nothing here names a scenario.
 """
 
 from __future__ import annotations
@@ -118,7 +116,7 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if SESSION_KEY in item.config.stash:
-        from .node_ids import typed_node_id
+        from .collection import typed_node_id
 
         session = _session(item.config)
         session.figures.clear()
@@ -168,7 +166,7 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Any:
     report = yield
     request = collector.config.stash.get(BUILTIN_KEY, None)
     if isinstance(collector, pytest.Session) and request is not None and request.wanted and report.passed:
-        from .node_ids import ROOT
+        from .collection import ROOT
         from .suite.cases import BuiltinSuite
 
         report.result.append(BuiltinSuite.from_parent(collector, name=ROOT, nodeid=ROOT, request=request,
@@ -218,11 +216,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def gpuregress(request: pytest.FixtureRequest) -> GpuRegressSession:
     """The gpuregress session: run scenarios on every rank and check them against references.
 
-    Example, a user's own training loop::
-
-        def test_my_model(gpuregress):
-            record = gpuregress.run("mypkg.regress:train", config={"steps": 50})
-            gpuregress.check(record, name="my-model")
+    ``record = gpuregress.run("mypkg.regress:train", config={"steps": 50}); gpuregress.check(record, name="my-model")``
     """
     options = request.config.stash[OPTIONS_KEY]
     if not options.enabled:

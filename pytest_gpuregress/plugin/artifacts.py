@@ -1,12 +1,8 @@
 """What a training comparison leaves behind to read later: the run's record, its plot, and their paths.
 
-Layout under the artifacts folder (``--gpuregress-artifacts``, named in the report header):
-  runs/<name>/<platform-key>/       the run, in the store's format: ``gpuregress compare <reference> <this>``
-                                    (a check case, which has no reference: ``gpuregress compare <this>``)
-  runs/<name>/<platform-key>.png    the comparison plot (reference/plot.py)
-  <scenario>/<platform-key>/<launch>/  check scenarios' launch records and files (plugin/launches.py)
-A failed run is always kept and plotted; a passed one only with --gpuregress-keep-runs (its
-record) or --gpuregress-plots (its plot). A kept run names what judged it (scenarios/comparator.py).
+``runs/<name>/<platform-key>/`` (the run, for ``gpuregress compare``) and its ``.png`` plot, and check
+scenarios' launch files under ``<scenario>/``. A failed run is always kept and plotted; a passed one only
+with --gpuregress-keep-runs or --gpuregress-plots.
 """
 
 from __future__ import annotations

@@ -1,20 +1,34 @@
 """What ``pytest --gpuregress`` collects: the project's own tests as pytest always does, and the built-in suite.
 
-The built-in cases join when no test path is given (``testpaths`` or the folder pytest runs in), unless
-``--gpuregress-no-builtin``; given paths narrow collection as in any pytest run, and ``gpuregress`` (all
-the cases) or ``gpuregress::<case>`` among them names the built-in ones (``<case>`` may hold ``*``:
-``gpuregress::formats*``). Those are taken off pytest's arguments here, since no file carries them.
+The built-in cases join when no test path is given, unless ``--gpuregress-no-builtin``; ``gpuregress`` or
+``gpuregress::<case>`` (``*`` allowed) among the paths names them, and is taken off pytest's arguments here.
+Node ids are printed as a user types them.
 """
 
 from __future__ import annotations
 
+import os
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
-from .node_ids import ROOT
+ROOT = "gpuregress"  # the built-in suite's node id, and the first part of every built-in case's
+
+
+def builtin_node_id(case_id: str) -> str:
+    """The node id of the built-in case ``case_id`` (a test id such as ``fsdp-bf16``)."""
+    return f"{ROOT}::{case_id}"
+
+
+def typed_node_id(item: pytest.Item) -> str:
+    """``item``'s node id with its file relative to the folder pytest runs in (pytest's node ids start at the
+    rootdir), so a printed command that names it runs from where the user ran pytest."""
+    head, sep, rest = item.nodeid.partition("::")
+    if head == ROOT or not sep:
+        return item.nodeid
+    return os.path.relpath(item.path, item.config.invocation_params.dir).replace(os.sep, "/") + sep + rest
 
 
 class BuiltinRequest(NamedTuple):

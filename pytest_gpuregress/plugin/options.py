@@ -1,23 +1,8 @@
-"""The plugin's options, each declared once: as a field of ``Options``.
+"""The plugin's options, each declared once as a field of ``Options`` with its ``OptionSpec``.
 
-A declaration is one field, e.g. ``steps: int | None = option(OptionSpec("steps", "int", None, "training
-steps", minimum=1))``. Its name is what the code reads (``options.steps``), its annotation the type of
-the value, and its ``OptionSpec`` (pytest_gpuregress/option_spec.py) all the rest: the flag
-(``--gpuregress-steps``) and ini key (``gpuregress_steps``; the command line wins), how a value is
-parsed and checked, the ``pytest --help`` text and the row of docs/options.md, which is generated from
-these fields and the built-in scenarios' options (plugin/options_doc.py; a test keeps it equal).
-``CORE_OPTIONS`` is read off the fields: a new option is one new field.
-
-Why typed class fields rather than a table behind ``__getattr__``: readers and type checkers see what
-``options.steps`` is, and tests build ``Options(steps=8)`` directly. The few fields whose value is
-computed from the option's (the models, the absolute paths) say how in the same declaration (``then``,
-the ``path`` kind); the fault specs are parsed from ``inject`` (``faults``). Why not a dataclass: one
-compiles its generated methods at import, which was a third of what the plugin cost every pytest start-up
-(benchmarks/startup.py); ``Options``' three methods read the declarations instead.
-
-A scenario may declare options of its own (``Scenario.options``); they join the same group and reach the
-scenario, validated, through ``Setup.option``. This module imports nothing heavy: pytest loads it in every
-run, with or without --gpuregress.
+The field's name is what the code reads, its annotation the value's type; the spec gives flag, ini key,
+parsing, help and the docs/options.md row. Typed fields rather than ``__getattr__`` so type checkers see
+them; not a dataclass, whose generated methods cost a third of pytest's start-up. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -31,8 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 import pytest
 
 from ..kinds import DeviceKind, GateMode, KernelChanges, LaneChoice
-from ..option_spec import BadOptionValue, OptionSpec
-from ..scenario_options import BUILTIN_SCENARIO_OPTIONS, LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
+from ..option_spec import BUILTIN_SCENARIO_OPTIONS, LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS, BadOptionValue, OptionSpec
 from ..training.noise import DEFAULT_REPLICAS, PERTURBATIONS
 
 if TYPE_CHECKING:  # read only with --gpuregress: model_specs imports numpy
@@ -306,10 +290,7 @@ def _base_of(config: pytest.Config, spec: OptionSpec) -> Path:
 def check_reference_dir_argument(config: pytest.Config) -> None:
     """Fail clearly when ``--gpuregress-reference-dir DIR`` (two words) moved pytest's rootdir.
 
-    pytest chooses its rootdir and ini file before plugins add their options, so it takes an
-    existing DIR after an option it does not know yet for a test path. ``--opt=DIR`` is one word
-    and is safe. Here we recompute the choice without DIR and stop if it differs.
-    """
+    pytest picks its rootdir before plugins add options, so it takes DIR for a test path; recompute without it."""
     args = list(config.invocation_params.args)
     if "--gpuregress-reference-dir" not in args[:-1]:
         return

@@ -1,11 +1,8 @@
-"""docs/options.md's tables, generated from the option declarations (plugin/options.py, scenario_options.py).
+"""docs/options.md's tables, generated from the option declarations (plugin/options.py, option_spec.py).
 
-The block between the two markers below is this module's output; tests/test_docs_commands.py keeps it
-equal. After changing a declaration, regenerate it:
+Regenerate after changing a declaration (tests/test_docs_commands.py keeps it equal):
 
     python -m pytest_gpuregress.plugin.options_doc docs/options.md
-
-Never imported by the plugin at start-up.
 """
 
 from __future__ import annotations
@@ -13,12 +10,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..option_spec import OptionSpec
-from ..scenario_options import SCENARIO_OPTIONS
+from ..option_spec import SCENARIO_OPTIONS, OptionSpec
 from .options import CORE_OPTIONS
 
 BEGIN = ("<!-- generated from the option declarations (pytest_gpuregress/plugin/options.py and "
-         "pytest_gpuregress/scenario_options.py): edit those, then run "
+         "pytest_gpuregress/option_spec.py): edit those, then run "
          "python -m pytest_gpuregress.plugin.options_doc docs/options.md -->")
 END = "<!-- end of the generated options -->"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..reference import store
 from ..resources import shipped_dir
 from ..scenarios import registry
-from .node_ids import ROOT
+from .collection import ROOT
 from .options import Options
 from .selection import Selection
 

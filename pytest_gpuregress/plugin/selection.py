@@ -7,7 +7,7 @@ from ..faults import reach
 from ..scenarios import Case, Launch, Scenario, Setup, registry
 from ..scenarios import test_id as case_test_id
 from ..stack.platforms import SINGLE_RANK_GAPS, Platform, rank_origin, too_few_ranks
-from .node_ids import builtin_node_id
+from .collection import builtin_node_id
 
 
 def test_id(scenario: Scenario, case: Case) -> str:

@@ -1,9 +1,7 @@
 """The ``gpuregress`` fixture's public face, and the one test of the built-in suite.
 
-A session holds the run's parts, each with one job: ``Selection`` (which cases, plugin/selection.py),
-``ReferencePlaces`` (where references live, plugin/places.py), ``Launches`` (groups of ranks and their cache,
-plugin/launches.py) and ``CheckPipeline`` (record or judge, then report; plugin/pipeline.py). A case's
-verdict is its scenario's comparator's (scenarios/comparator.py). Nothing here names a scenario.
+It holds ``Selection``, ``ReferencePlaces``, ``Launches`` and ``CheckPipeline`` (docs/architecture.md).
+Nothing here names a scenario.
 """
 
 from __future__ import annotations
@@ -115,12 +113,9 @@ class GpuRegressSession:
     def check_metrics(self, name: str, *, loss: Any, grad_norm: Any = None, clipped_grad_norm: Any = None,
                       param_grad_norms: Any = None, tensors: Any = None, rtol: float | dict[str, float] | None = None,
                       replicas: Any = (), platform: str = "metrics") -> Comparison | None:
-        """Record (with --gpuregress-record) or compare metrics a job of your own produced anywhere, as
-        ``num_regression.check`` does (reference/metrics.py says what each argument holds). ``rtol``: one relative
-        limit, or one per metric (loss, grad_norm, clipped_grad_norm, param_grad_norm, final_weights), which puts
-        the comparison in the tolerant lane; without it the lanes are as usual. ``replicas``: the same metrics
-        from reruns, as keyword dicts, whose spread is stored as the envelope when recording. ``platform``: the
-        reference's platform folder (one per machine kind the job runs on)."""
+        """Record (with --gpuregress-record) or compare metrics a job of your own produced, as ``num_regression.check``.
+
+        Arguments: reference/metrics.py and docs/own-models.md. ``rtol`` puts the comparison in the tolerant lane."""
         __tracebackhide__ = True
         from dataclasses import replace
 

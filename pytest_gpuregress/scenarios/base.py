@@ -19,7 +19,7 @@ A scenario declares, on the session side (torch-free, imported at collection):
   attachments     optional, recording: folders stored inside a case's reference (the fsdp resume checkpoint)
   from_reference  optional, comparing: a case's run that starts from its reference's stored state
   options         optional ``--gpuregress-<name>`` options of its own; a plug-in's exist only in runs with
-                  --gpuregress (pytest then loads the scenarios), the built-ins' always (scenario_options.py)
+                  --gpuregress (pytest then loads the scenarios), the built-ins' always (option_spec.py)
   triage          optional ``TriageSupport``: what triage needs to explain its failures (fsdp's)
   oracle_launch   optional: its own float64 oracle of step 0 (lora's); by default triage's, where it has triage
   experiment      optional: a case that runs several launches (or another scenario's) and returns one record
@@ -44,7 +44,7 @@ from ..kinds import Backend, DeviceKind
 from ..reference.record import RunRecord
 
 if TYPE_CHECKING:
-    from ..fault_spec import FaultSpec
+    from ..fault_points import FaultSpec
     from ..option_spec import OptionSpec
     from ..reference.compare import Comparison
     from ..training.model_specs import ModelSpec

@@ -1,11 +1,8 @@
 """The bf16 lane's checkpoint: its trained weights in bf16, written and read back through the stack's own I/O.
 
-Users save bf16 weights for inference and fine-tuning. Rank 0 casts the bf16 lane's trained weights to bf16 and
-writes them with ``safetensors.torch.save_file`` and ``torch.save``, then reads them back with
-``safetensors.torch.load_file``, ``safetensors.safe_open`` and ``torch.load(weights_only=True)``: every tensor
-must come back as bf16 with the same bits. A check with no reference: a file is a copy on every stack.
-The loaders are looked up in their modules at call time, so a fault placed in one (faults/loaders.py) is
-what runs. Torch is imported inside the functions: only the ranks call them.
+Every tensor must come back as bf16 with the same bits, through safetensors and ``torch.load``: a check with
+no reference, since a file is a copy on every stack. Loaders are looked up at call time so a fault placed in
+one (faults/loaders.py) is what runs. Torch is imported inside the functions: only the ranks call them.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Rank side of the collective invariants (reference/collective_invariants.py): a few numbers per collective call.
 
-While training runs, every ``torch.distributed`` collective the step makes (FSDP2's all-gathers and
-reduce-scatters, the clip's all-reduce, the step's figures) passes through a wrapper that reads its input before
-the call and its output after it, as the training sees it (a fault installed before the ledger has acted): float64
-sums of x, |x| and x^2, the output's bit hash (tensor_digest.py), and a position-weighted sum of each
-(``weighted_sum``: two elements swapped change it where no plain sum, and on every rank alike no hash, sees it). No
-value is written. After the last step the ranks gather their rows (the plugin's own collective) and rank 0 checks
-them; the record keeps the verdict only.
-
-    with watching(ctx) as ledger:
-        ...train...
-    results.update(ledger.results())    # collective, on every rank
-
-The wrapper waits for an asynchronous call before it reads the output (FSDP2 overlaps its collectives): the
-values are those the program reads after its own wait; only the overlap is lost. Torch is imported inside the
-functions: only the ranks call them.
+Every ``torch.distributed`` collective of the step passes through a wrapper that reads its input and output
+(float64 sums, a bit hash and a position-weighted sum, which sees two swapped elements), waiting for an
+asynchronous call first. After the last step rank 0 checks the gathered rows; the record keeps the verdict.
+Torch is imported inside the functions: only the ranks call them.
 """
 
 from __future__ import annotations

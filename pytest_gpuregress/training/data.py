@@ -1,10 +1,8 @@
 """Deterministic, learnable token data that is identical on every platform.
 
-Tokens come from a sparse Markov chain: each token has a few likely successors. The chain and the
-samples are derived from a counter-based hash (splitmix64) of (seed, step, sample, position), so
-they depend on no library's random stream and are the same on every machine and version. The
-global batch of a step is fixed; a rank takes a contiguous slice of it, so changing the world size
-changes who computes what, not what is computed.
+A sparse Markov chain sampled from a counter-based hash of (seed, step, sample, position), so no library's
+random stream is involved. A step's global batch is fixed and a rank takes a contiguous slice of it: the
+world size changes who computes what, not what is computed.
 """
 
 from __future__ import annotations

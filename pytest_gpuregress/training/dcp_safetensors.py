@@ -1,17 +1,8 @@
 """Rank side: torch.distributed.checkpoint (DCP) with torch's own safetensors storage, so nothing is pickled.
 
-DCP's default filesystem format keeps its metadata (``.metadata``) as a pickle: fine for a folder a run
-wrote moments before, never for one a user was sent. A checkpoint shipped inside a reference goes
-through ``HuggingFaceStorageWriter(save_distributed=True)`` instead: each rank writes its own shards to
-``shard-<rank+1>-model-00001-of-00001.safetensors``, their offsets in the file's JSON metadata
-(``DCP_SHARDING_INFO``), and no metadata file at all. ``HuggingFaceStorageReader`` rebuilds the
-metadata from those headers (``safe_open`` and ``json.loads``) and reads the tensors with
-``safe_open(...).get_slice``: no ``torch.load`` and no unpickling. The ranks' plans travel between
-them through torch.distributed's object collectives (in memory, this job's own ranks), not through a file.
-
-Only tensors are handed to DCP (``tensors_only``): it would pickle anything else. Torch 2.9 and 2.13
-were checked; a torch without these classes cannot write or read such a checkpoint (``unavailable``).
-Torch is imported inside the functions: only the ranks call them, but ``unavailable`` may run anywhere.
+DCP's default format pickles its metadata; a checkpoint shipped inside a reference uses the HuggingFace
+storage writer and reader instead (docs/checkpoint.md). Only tensors are handed to DCP (``tensors_only``).
+Torch is imported inside the functions, but ``unavailable`` may run anywhere.
 """
 
 from __future__ import annotations

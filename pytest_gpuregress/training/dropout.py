@@ -1,13 +1,8 @@
 """Stochastic layers are switched off for training, and recorded: dropout masks cannot be compared across stacks.
 
-A dropout mask comes from torch's generator. Its draws differ between one rank and two (each rank
-draws for its own shard of the batch), and with whatever a library consumed while building the
-model (transformers 4.x and 5.x initialise in another order), so a clean model with dropout would
-fail triage's equivalence as a "collective" and a transformers upgrade as anything at all. The
-training scenarios therefore train every model with its dropout probabilities (and MoE router
-jitter) at zero: config fields by name before the build, then any ``torch.nn.Dropout`` module left
-with p > 0. The session stores what was switched off in the scenario config (``dropout_off``) and
-says so in the header; a model without any keeps its config, and its references, unchanged.
+Masks differ between one rank and two and with the library's init order, so dropout would fail triage's
+equivalence and every transformers upgrade. Dropout probabilities and MoE router jitter are set to zero
+(config fields, then any ``nn.Dropout`` left with p > 0); the config's ``dropout_off`` says what was.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """A user's own model from a factory function: ``--gpuregress-model package.module:function``.
 
-The factory takes no arguments and returns a ``torch.nn.Module``, or ``(module, token_ids)`` where
-``token_ids`` is an integer array (numpy or torch, any shape) read as one stream like a
-``--gpuregress-tokens`` file. The module must:
-  - take ``input_ids`` (a [batch, seq] int64 tensor) as a keyword and return the logits
-    ([batch, seq, vocab]), or an object with ``.logits`` (a transformers model does);
-  - say its vocabulary size: ``module.config.vocab_size`` or ``module.vocab_size``;
-  - name its repeated blocks in ``_no_split_modules`` (the transformers convention): ``fully_shard``
-    wraps each of them;
-  - train every parameter (one the loss never reads counts as a zero gradient), and keep buffers
-    non-persistent (the checkpoint round trip saves and compares parameters).
-Its weights are re-initialised from the seed as the shipped models' are (training/models.py), so its
-own init code, and torch's random streams, cannot move the starting point. Its identity, stored with
-references, is its structure: every parameter's name, shape and dtype, and its module classes.
-
-The module is imported from the working directory (the session's, which ranks work in too), so a
-``conftest.py`` neighbour or an installed package both work.
+The factory returns a ``torch.nn.Module`` or ``(module, token_ids)``; what the module must provide is
+in docs/own-models.md. Its weights are re-seeded like the shipped models', and its identity is its
+structure (parameter names, shapes, dtypes and module classes). Imported from the working directory.
 """
 
 from __future__ import annotations
@@ -113,7 +100,7 @@ class FactoryModel:
     def _facts(self) -> dict[str, Any]:
         """What the model is, from one call of the factory on the meta device (no memory for its weights), or on
         the CPU where the factory cannot run on meta."""
-        from .layers import decoder_layers
+        from .fsdp2 import decoder_layers
         from .projections import survey
 
         try:

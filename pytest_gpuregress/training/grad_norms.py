@@ -1,9 +1,7 @@
 """A gradient's squared norm as this rank's share of the global one, whatever the gradient's layout.
 
-FSDP2 shards (DTensors sharded over every rank on a 1-D mesh) add up over ranks; replicas (DDP, or
-gradients averaged by hand) are divided by the world size, so that a sum over ranks averages them
-and a rank whose replica disagrees still moves the value. Any other DTensor is gathered whole (a
-collective) and counted as a replica. A missing gradient counts as zero, as AdamW sees it.
+FSDP2 shards add up over ranks; replicas are divided by the world size, so a rank whose replica disagrees
+still moves the sum. Other DTensors are gathered whole (a collective). A missing gradient counts as zero.
 Torch is imported inside the functions: only the ranks call them.
 """
 

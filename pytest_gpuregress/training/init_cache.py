@@ -1,19 +1,9 @@
 """A content-addressed cache of seeded initial weights on disk: a launch after the first reads them.
 
-Computing the GPU-size model's initial values (seeding.py) takes several seconds a launch, and a session
-launches the model many times; reading and checking them takes about one (docs/benchmarks.md). An entry is
-one parameter's values in its dtype, keyed by what they are computed from: the seed, the parameter's
-name, shape, std and dtype, and the identity of the code and maths library that computes them
-(``seeding.code_identity``). Its file is named by the sha256 of that key, under ``GPUREGRESS_INIT_CACHE``
-(a folder, or ``off``), else ``$XDG_CACHE_HOME/pytest-gpuregress/init``, else
-``~/.cache/pytest-gpuregress/init``.
-
-Files are safetensors (never pickles) written to a temporary sibling and renamed over the target, so
-ranks starting together never read a torn file. Each holds the sha256 of its values and its key; a
-file that does not parse, names another key, or whose values do not hash to the stored sum is
-recomputed and written again, never used. Ranks that miss the same entries share the work: each
-computes the entries no other rank holds the lock of, then reads the others' once they are written.
-Torch-free: values are numpy arrays.
+Keyed by the sha256 of what the values are computed from (seed, name, shape, std, dtype, code identity),
+under ``GPUREGRESS_INIT_CACHE`` (or ``off``), else the XDG cache folder. Files are safetensors, renamed
+into place and checked against their own hash; a bad one is recomputed, never used. Ranks that miss the
+same entries split the work through locks. Torch-free.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """The kernel inventory of a few steady training steps, taken on a rank with ``torch.profiler``.
 
-For each aten op called from Python (an op with no aten op above it) the inventory keeps:
-  dispatch  the aten ops it dispatched to, one level down: how SDPA picks its backend
-            (``_scaled_dot_product_flash_attention_for_cpu`` or ``_scaled_dot_product_attention_math``),
-            how ``linear`` picks ``addmm`` or ``matmul``
-  kernels   the device kernels launched under it (GPU only; template arguments cut off)
-  calls     how often it ran in the window
-A second watcher, a dispatch mode, sees every kernel-level op with its tensors: floating-point work
-on the host while the scenario runs on a GPU is a missing kernel that fell back to the CPU.
-
-On a CPU-only build a GPU run is emulated by a device tag (the ``host_op`` fault): ops inside a
-``host_fallback()`` region count as host ops, every other op as the emulated accelerator's.
+Per Python-level aten op: the aten ops it dispatched to (how SDPA or ``linear`` chose), the device kernels
+under it, and its call count. A dispatch mode also sees floating-point work on the host during a GPU run:
+a missing kernel that fell back to the CPU (emulated on CPU-only builds by ``host_fallback()``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The training step every built-in scenario runs, and the loop around it.
 
-    step = TrainStep(loss=..., optimization=Optimization.of(...), clip=lambda: clip_gradients(params, 1.0),
-                     tracked=params)
-    curves = train(ctx, step, range(steps), observer=observer, progress="training")
-
-One step: this rank's loss (forward), backward, each tracked parameter's gradient norm, the
-gradient clipping, the global norm after it, the optimizer and schedule step; then one float64
-all-reduce carries the loss, every tracked parameter's squared norm and the clipped squared norm.
-The norm after clipping is what a wrong or skipped clip moves while every gradient before it is
-right. The loop hands each step's loss and gradient norm to ``ctx.step_done`` (progress lines,
-injected step faults, --gpuregress-fail-fast) and stops when it says so. What differs between
-scenarios is a field or an argument, with no default that hides it.
-Torch is imported inside the functions: only the ranks call them.
+One all-reduce per step carries the loss, every tracked parameter's squared norm and the clipped norm:
+the norm after clipping is what a wrong or skipped clip moves. Each step's figures go to ``ctx.step_done``
+(progress, step faults, fail-fast); ``training_record`` assembles what it measured into the run's record,
+one assembly for the fsdp and lora ranks. Torch is imported inside the functions: only the ranks call them.
 """
 
 from __future__ import annotations
@@ -24,10 +16,11 @@ from typing import Any
 import numpy as np
 
 from ..reference.data_change import BATCH_DIGEST
+from ..reference.record import RunRecord
 from .collective_ledger import watching
 from .grad_norms import squared_norms
 from .observe import StepObserver
-from .op_trace import OpTracer, at_step
+from .op_trace import OpTracer, at_step, stored
 from .optimizer import Optimization
 
 
@@ -139,11 +132,8 @@ def train(ctx: Any, parts: TrainStep, steps: Iterable[int], *, observer: StepObs
           progress: str | None = None, report_metrics: bool = True, stop_when_told: bool = True) -> Curves:
     """Run ``steps`` (their numbers go to ``ctx.step_done`` and to ``parts``); return their curves.
 
-    ``observer``: times and profiles each step (observe.py); the caller finishes it.
-    ``progress``: a progress line before the first step (named in hang reports).
-    ``report_metrics``: hand each step's loss and gradient norm to ``ctx.step_done``, where progress lines
-    and --gpuregress-fail-fast read them; False: the step number only.
-    ``stop_when_told``: stop after the step ``ctx.step_done`` says fail-fast stopped the run at."""
+    ``report_metrics`` False: ``ctx.step_done`` gets the step number only. ``stop_when_told``: stop after
+    the step at which fail-fast stopped the run."""
     if progress is not None:
         ctx.progress(progress)
     curves = Curves()
@@ -174,3 +164,24 @@ def train_observed(ctx: Any, parts: TrainStep, config: dict[str, Any]) -> tuple[
     curves = train(ctx, parts, range(steps), observer=observer, progress="training")
     observer.finish(ctx.world_size)
     return curves, observer
+
+
+def training_record(scenario: str, ctx: Any, step: TrainStep, curves: Curves, observer: StepObserver,
+                    names: list[str], step0: dict[str, np.ndarray], digests: dict[str, Any],
+                    results: dict[str, Any]) -> RunRecord:
+    """``results`` gets the observer's results and step 0's op trace (op_trace.py) besides the scenario's own."""
+    results.update(observer.results())
+    results.update(curves.collectives)
+    traced = stored(step.op_trace, results)
+    return RunRecord(
+        scenario=scenario,
+        config=dict(ctx.config),
+        platform_key="",  # set by the plugin, which knows the platform
+        world_size=ctx.world_size,
+        series=curves.series(),
+        param_names=names,
+        arrays={"param_grad_norm": curves.param_norms(len(step.tracked)), **step0, **traced},
+        digests=digests,
+        results=results,
+        timings=observer.timings(),
+    )

@@ -1,13 +1,8 @@
 """Build a model without running its own weight initialisation: its parameters are made on the meta device.
 
-Every initial value is overwritten by seeding.py, so the library's init (5 s at GPU size) would be thrown
-away. While the model is constructed, each parameter registered with a module goes to the meta device,
-where its init code costs nothing; buffers (RoPE's ``inv_freq``, masks, position ids) are computed as usual,
-on the real device, by the module's own code, so they hold the values a plain build gives them. The
-parameters are then materialised, uninitialised, for the caller to fill.
-
-A module whose construction reads a parameter's values, or derives a buffer from one, cannot be built
-this way: ``without_init`` then builds it the plain way.
+seeding.py overwrites every initial value, so the library's init (5 s at GPU size) would be wasted. Buffers
+are still computed on the real device by the module's own code. A module whose construction reads a
+parameter falls back to the plain build (``without_init``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """The models a session trains besides the built-in one: ``--gpuregress-model`` (ini ``gpuregress_models``).
 
-A model is one of:
-  - a transformers config file (``.json``, or a folder holding ``config.json``), built offline with
-    the seeded initialisation of the shipped models (training/models.py), named by the file's stem
-    (the folder's name for ``config.json``);
-  - a model of the zoo in ``models/``, by name (``tiny-moe``);
-  - ``package.module:function``, a factory that returns the model (training/factory.py), named by
-    the function.
-The name goes into test ids (``fsdp-mymoe``, ``-k "mymoe and fsdp"``) and reference folders
-(``fsdp-mymoe/``).
-
-Torch-free except ``check_model``, which the session runs once at configure time: a config
-transformers cannot build, or a model too large for the device, stops the session with an error
-that names the file.
+A transformers config file or folder, a zoo model in ``models/`` by name, or a ``package.module:function``
+factory; its name goes into test ids and reference folders. Torch-free except ``check_model``, which stops
+the session at configure time when a model cannot be built or does not fit the device.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""Build tiny models from the config files in ``models/``, with platform-independent init (seeding.py).
-
-Initial weights come from a counter-based hash of (seed, parameter name) through Box-Muller in
-float64, never from torch's or transformers' random streams, so a new library version that
-reorders module construction or changes its init code cannot move the starting point.
-"""
+"""Build tiny models from the config files in ``models/``, with platform-independent init (seeding.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +12,7 @@ import numpy as np
 from ..resources import shipped_dir
 
 # Below this module, so that factory.py uses them without importing it back; still found here by their callers.
-from .layers import decoder_layers as decoder_layers
+from .fsdp2 import decoder_layers as decoder_layers
 from .seeding import seed_parameters
 from .seeding import seeded_normal as seeded_normal
 

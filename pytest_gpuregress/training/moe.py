@@ -1,10 +1,7 @@
 """Mixture-of-Experts helpers: is a config an MoE, and how evenly does its router spread the tokens.
 
-``expert_load`` records what each router actually chose with forward hooks on the router modules,
-so it works on a plain transformers model, on one wrapped with ``fully_shard`` (FSDP2 keeps the
-submodules and their hooks; the forward all-gathers as in training, so every rank must call it,
-each with its own tokens) and on a peft model (the routers sit unchanged inside it). torch is
-imported inside the functions only: the session side imports this module without torch.
+``expert_load`` reads the routers' choices with forward hooks, so it works on plain, FSDP2-wrapped (call on
+every rank) and peft models alike. Torch is imported inside the functions only.
 """
 
 from __future__ import annotations
@@ -106,11 +103,8 @@ def mean_expert_load(model: Any, input_ids: Any, device: Any) -> Any:
 def expert_load(model: Any, input_ids: Any) -> np.ndarray:
     """[MoE layers, experts] float64: the share of routed token-slots each expert receives on ``input_ids``.
 
-    Every token contributes top_k slots (one per expert it is sent to), so each row sums to 1 and a
-    perfectly even router gives 1/experts everywhere. Counted from the indices the routers return
-    in one forward pass under ``torch.no_grad()`` with every module in eval mode (no router
-    jitter); the modes are restored afterwards. ``model`` may be wrapped with FSDP2 (call on every
-    rank) or peft. Raises ValueError when the model has no routers."""
+    Each row sums to 1 (an even router gives 1/experts). One forward under ``no_grad`` in eval mode (no
+    router jitter), modes restored after. Raises ValueError when the model has no routers."""
     import torch
 
     routers = router_modules(model)

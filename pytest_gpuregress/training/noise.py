@@ -1,14 +1,8 @@
 """Noise replicas: the perturbations a healthy stack can legitimately produce, for the noise envelope.
 
-When a training reference is recorded, the scenario also runs replicas, each with one such
-perturbation. The spread they reach, per step and per metric, is stored with the reference and
-sets the tolerant lane's limits (reference/envelope.py). Session side: this module plans them;
-``apply_*`` below run on the ranks.
-
-  weights_ulp_up/down  every initial weight one ulp up (or down) in the compute dtype
-  reduction_order      each rank's batch in reverse order: the same sums, added in another order
-  kernel_path          another kernel path: the next lower ATEN_CPU_CAPABILITY on the CPU, the
-                       other BLAS library (cuBLAS <-> cuBLASLt, rocBLAS <-> hipBLASLt) on GPUs
+Their spread sets the tolerant lane's limits (reference/envelope.py, docs/envelope.md): weights one ulp up or
+down, each batch in reverse row order, another kernel path. Planned on the session side; ``apply_*`` run on
+the ranks.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """What a training loop measures besides its numbers: step times, a kernel inventory and peak memory.
 
-    observer = StepObserver(ctx, steps, tokens_per_step)
-    for step in range(steps):
-        with observer.step(step):
-            ...                                  # one training step
-    record.results.update(observer.results())    # "perf", "kernels" and, on GPUs, "host_ops"
-
-Steady steps are those after the first ``WARMUP_STEPS`` (allocation, lazy initialisation, cold
-caches) and outside the profiled window (the profiler slows the steps it watches). Their median
-is the step time: a median, because a shared CI machine stalls a step now and then.
+The step time is the median of the steady steps (after ``WARMUP_STEPS``, outside the profiled window):
+a median, because a shared CI machine stalls a step now and then.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """What an op of the step-0 trace was called with besides tensors, and whose code called it.
 
-  arguments  the scalars, flags, dtypes and int lists an op received ("other=0.5", "dim=-1", "eps=1e-05"), in
-             its schema's order, and where a tensor input is a strided view (not contiguous) which part of its
-             storage it reads ("self@4:[2048, 512, 8, 1]": offset and strides): an op whose tensor inputs are
-             equal and whose output moved was either computed otherwise (a kernel) or called otherwise (the code
-             above it). A library that divides a loss by 2 instead of 1, scales an adapter by alpha / sqrt(r) or
-             slices the odd features instead of the second half shows here, not in any tensor digest (views are
-             no entries of the trace: they make no new values).
-  package    the top-level package whose code ran the op: the innermost module's class (past FSDP2's wrapper
-             classes), or, outside every module (a loss division, clipping, the optimizer), the first Python
-             frame past torch's dispatch plumbing and the tracer.
-
-Torch is imported inside the functions: only the ranks call them.
+Scalars, flags, dtypes and a strided view's offset and strides show a library that calls an op otherwise
+(a loss divided by 2, an adapter scaled differently), which no tensor digest shows. ``package`` is the
+top-level package whose code ran the op. Torch is imported inside the functions: only the ranks call them.
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
-"""The op trace of step 0 on a rank: every op of forward, backward, clipping and the optimizer step, in order,
-with where it ran and a digest of each output. The session finds the first op whose output moved
-(reference/first_moved.py): which kernel, in which layer, with which shapes, first gave another answer.
+"""The step-0 op trace: every op dispatched in a traced phase, with where it ran and a digest of each output.
 
-    trace = OpTracer(ctx.rank, model)
-    with trace.phase("forward"): loss = ...        # training/loop.py does this at step 0
-    ...
-    trace.finish(); trace.store(results, arrays)   # into the rank's RunRecord
-
-Per op it keeps: the op ("aten::mm", "c10d::_reduce_scatter_base_"), the module path it ran under (or the
-parameter, in clipping and the optimizer: op_trace_modules.py), the innermost record_function region, the
-phase, its tensor inputs' shapes and dtypes, its outputs' shapes and dtypes, and per output the float64
-sum, sum of |x|, max |x| and a hash of the bits (tensor_digest.py). A tensor an op reads that no traced op
-made (the step's tokens, the weights, a buffer) enters the trace once, as an ``<input>`` entry before that
-op: so every op's inputs are in the trace, and an op that moved with equal inputs convicts its kernel. Each
-entry also keeps its sources: the entries whose values its inputs hold (the last op that wrote each input's
-storage, or the ``<input>`` entry of that view), which reference/introduced.py follows to tell the op that
-introduced a difference from the drift it propagates.
-
-Tracing reads and never writes, and never waits: views, allocations (uninitialised memory) and ops that
-make no new values are not entries. An op's outputs are digested just before the next traced op runs (or at
-the phase's end), so an injected fault that corrupts them in place (a matmul's) or hands back a changed copy
-(``linear_noise``) counts as the op's own output; the fault's own ops are not entries. Collectives dispatched
-through the dispatcher (c10d, functional collectives) are entries too, digested when the first traced op reads
-their output: the program has waited for them by then, and a fault on the collective has struck.
-
-``stack_at``: in the re-run that explains a failure, the entry whose Python stack to keep (with the forward
-stack of a backward op's autograd node, from anomaly mode's tracebacks during the forward).
-Torch is imported inside the functions: only the ranks call them.
+The session finds the first op whose output moved (reference/first_moved.py). An input no traced op made
+enters once as an ``<input>`` entry, and each entry keeps its sources, so an op that moved with equal inputs
+convicts its kernel (docs/triage.md). Tracing only reads: outputs are digested just before the next traced op,
+so a fault that changes them counts as the op's own output. Torch is imported inside the functions.
 """
 
 from __future__ import annotations

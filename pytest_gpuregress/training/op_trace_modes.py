@@ -1,11 +1,7 @@
-"""How the op trace sees each dispatched op: torch's own DebugMode where the installed torch has it
-(``torch.utils._debug_mode``, torch 2.10 on), a TorchDispatchMode of ours otherwise.
+"""How the op trace sees each dispatched op: torch's DebugMode where it exists (torch 2.10 on), ours otherwise.
 
-Both hand the tracer the same ops: those on plain tensors. A DTensor op is let through to DTensor, whose
-local ops come back as plain ones; ops on other subclasses (FakeTensor in DTensor's sharding propagation,
-AsyncCollectiveTensor) and under a FakeTensorMode are not traced: they compute nothing of the step, or
-their plain ops are traced where they run. Each mode calls ``before`` ahead of the op and ``after`` with
-its result, and only reads. Torch is imported inside the functions: only the ranks call them.
+Both hand the tracer ops on plain tensors only (DTensor's local ops come back as plain ones) and only read.
+Torch is imported inside the functions: only the ranks call them.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""Where an op of the step-0 trace ran: the module path, in forward and in backward, and the parameter an
-optimizer op works on.
+"""Where an op of the step-0 trace ran: its module path in forward and in backward, and FSDP2's unit.
 
-  forward    a stack kept by global module forward pre- and post-hooks: the innermost module running; one the
-             model does not register is labelled under the module it ran in ("...self_attn.<Func>").
-  backward   the autograd node the engine is running (``torch._C._current_autograd_node``), labelled at
-             forward time: each module's forward post-hook walks the graph from its outputs back to its
-             inputs and labels every node not yet labelled with the module's path. Inner modules finish
-             first, so each node keeps the innermost module that made it. This is exact per node, which
-             backward hooks are not: FSDP2 wraps module inputs and outputs in autograd functions of its
-             own, and the full backward hooks of parallel branches (q, k, v projections) overlap in time.
-  FSDP2      its record_function regions name the unit they work for ("FSDP::post_backward_reduce
-             (model.layers.1)"; no name: the root): all-gathers, reduce-scatters and their copies belong
-             to that unit, wherever the engine runs them.
-  optimizer  no module runs there: the parameter whose tensors (weight, gradient, optimizer state) an op
-  and clip   reads, followed from tensor to tensor by storage.
-
-Nothing here changes a value: hooks only read, and node labels live in the node's metadata dict.
+Forward: a stack kept by global module hooks. Backward: the autograd node being run, labelled at forward
+time by each module's post-hook (exact per node, which backward hooks are not under FSDP2). FSDP2's
+record_function regions name the unit a collective works for. Hooks only read.
 Torch is imported inside the functions: only the ranks call them.
 """
 

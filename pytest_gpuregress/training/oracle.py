@@ -1,10 +1,7 @@
 """The float64 oracle: step 0 of a training scenario's model and global batch, in float64 on the CPU.
 
-One process, no sharding, no faults: the loss and each parameter's gradient norm as exactly as
-float64 gives them. A real run's step 0 must agree within a bound set by its compute dtype
-(triage/scenario.py): on a GPU this convicts a kernel with no stored reference; on the CPU it
-separates a wrong fp32 kernel from a wrong collective. ``float64_step0`` is shared with the lora
-scenario's oracle (scenarios/lora/oracle.py), which trains the adapter only.
+One process, no sharding, no faults. A real run's step 0 must agree within a bound set by its compute
+dtype (triage/scenario.py). ``float64_step0`` is shared with the lora scenario's oracle.
 """
 
 from __future__ import annotations

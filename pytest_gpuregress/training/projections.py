@@ -1,11 +1,7 @@
 """The linear projections of a model's repeated blocks, and the LoRA targets that name them.
 
-Like peft's ``all-linear``: every ``torch.nn.Linear`` and transformers ``Conv1D`` (GPT-2's) in the
-decoder layers, fused ones included (Phi-3's ``qkv_proj``, ``gate_up_proj``), named by leaf name as
-``target_modules`` names them. Unlike it: only inside the blocks, so never the lm_head or the
-embeddings, and never a router. What the blocks hold that no target can adapt (an MoE's fused expert
-weights, 3-D parameters rather than modules) is listed, so the report can say what was left out.
-
+Like peft's ``all-linear`` but only inside the blocks (never lm_head, embeddings or a router). What the
+blocks hold that no target can adapt (fused MoE expert weights) is listed for the report.
 Torch is imported inside the functions: the session side imports this module without it.
 """
 
@@ -130,7 +126,7 @@ def survey(model: Any) -> BlockProjections:
     meta device."""
     import torch
 
-    from .layers import decoder_layers
+    from .fsdp2 import decoder_layers
 
     experts = expert_count(model)
     full_names = {id(module): name for name, module in model.named_modules()}

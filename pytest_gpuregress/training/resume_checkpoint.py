@@ -1,14 +1,8 @@
 """Rank side: a training run's whole state at a step, in a folder safe to ship, and back into a fresh trainer.
 
-Layout (what a reference keeps under ``resume/``, every file listed in its manifest):
-  tensors/            DCP in safetensors (dcp_safetensors.py): the model's parameters and the optimizer's
-                      exp_avg, exp_avg_sq and step, one shard file per rank
-  rng-rank<r>.json    rank r's generators (rng_state.py)
-  trainer.json        the step, the data position, the world size, the optimizer's param groups, the LR
-                      scheduler's state, and the torch that wrote it; written last, so its presence means
-                      the save finished
-Safetensors and JSON only: nothing here is unpickled. The load goes through the fault points every resume
-shares (state_apply.py, rng_state.restore), so the checkpoint faults act on it as on the checkpoint scenario's.
+Safetensors and JSON only (layout: docs/checkpoint.md); the file written last marks a finished save. The
+load passes the fault points every resume shares, the checkpoint scenario's too: ``apply_model``,
+``apply_optimizer`` (below) and ``rng_state.restore``.
 """
 
 from __future__ import annotations
@@ -18,13 +12,36 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import CheckpointProblem
+from ..fault_points import fault_point
 from ..reference import atomic
 from . import dcp_safetensors, rng_state, state_digests
-from .state_apply import apply_model, apply_optimizer
 
 FORMAT = "gpuregress-resume-checkpoint/1"
 TENSORS = "tensors"
 TRAINER_JSON = "trainer.json"
+
+
+class Trainable(Protocol):
+    """A model and its optimizer: what loaded state is applied to."""
+
+    model: Any
+
+    @property
+    def optimizer(self) -> Any: ...
+
+
+@fault_point("checkpoint.apply_model")
+def apply_model(trainer: Trainable, model_state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(trainer.model, model_state)
+
+
+@fault_point("checkpoint.apply_optimizer")
+def apply_optimizer(trainer: Trainable, optim_state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state)
 
 
 class Resumable(state_digests.TrainingState, Protocol):

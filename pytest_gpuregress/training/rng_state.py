@@ -1,9 +1,6 @@
-"""Rank side: every random generator's state as JSON, and back (a checkpoint's generators; the checkpoint
-scenario's resume and the fsdp scenario's resume from its reference both use it).
+"""Rank side: every random generator's state as JSON, and back, one file per rank.
 
-Python's ``random``, numpy's global generator, torch's CPU generator and, on GPUs, the generator of
-this rank's device. Each rank has its own states, saved to a file of its own. ``restore`` is a fault
-point (fault_points.py: faults/checkpoint.py leaves the generators unrestored).
+Python's, numpy's, torch's CPU and this rank's device generator. ``restore`` is a fault point.
 """
 
 from __future__ import annotations

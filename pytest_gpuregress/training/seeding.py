@@ -1,12 +1,7 @@
 """Platform-independent initial values: N(0, std^2) from a counter-based hash of (seed, parameter name).
 
-Through Box-Muller in float64, never torch's or transformers' random streams, so a new library version
-that reorders module construction or changes its init code cannot move the starting point. The shipped
-models (models.py) and a user's factory model (factory.py) are seeded alike.
-
-Computing them at GPU size costs seconds a launch, so parameters of ``MIN_CACHED`` elements
-or more are kept in an on-disk cache (init_cache.py) and read by the launches after the first; smaller
-ones, and every parameter of the CPU models, are computed each time.
+No library random stream, so a library that reorders construction or changes its init cannot move the
+starting point. Parameters of ``MIN_CACHED`` elements or more are cached on disk (init_cache.py).
 """
 
 from __future__ import annotations
@@ -31,10 +26,8 @@ CACHED_DTYPES = ("float32", "float64", "float16")  # those numpy (and so the cac
 def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> np.ndarray:
     """N(0, std^2) samples keyed by (seed, name), identical on every platform.
 
-    Box-Muller over pairs of counter hashes: with ``half`` pairs, element i is radius_i * cos(angle_i) and
-    element half + i is radius_i * sin(angle_i), the first ``count`` kept. Computed block by block of pairs
-    (in threads for a large array), each element through the same float64 operations one pass over the whole
-    array takes: test_init_cost.py keeps that pass and compares bit for bit."""
+    Box-Muller over pairs of counter hashes, block by block (threads for a large array), each element
+    through the same float64 operations as one whole-array pass: test_init_cost.py compares the two."""
     count = int(np.prod(shape)) if shape else 1
     key = zlib.crc32(name.encode())
     half = (count + 1) // 2

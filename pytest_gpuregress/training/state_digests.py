@@ -1,12 +1,7 @@
 """Rank side: digests of every piece of training state, so a difference can be named piece by piece.
 
-Pieces: ``model`` (every parameter), ``optimizer.exp_avg``, ``optimizer.exp_avg_sq`` and
-``optimizer.step`` (per parameter), ``optimizer.param_groups`` (the learning rate and the other
-hyperparameters), ``lr_scheduler`` (its own state), ``data.position``, and per rank ``rng.python``,
-``rng.numpy``, ``rng.torch_cpu`` and, on GPUs, ``rng.torch_device``. Sharded tensors are gathered
-whole (``full_tensor``, a collective: every rank calls these in the same order), so digests do not
-depend on the world size. The checkpoint scenario's resume and the fsdp scenario's resume from its
-reference take the same digests, so both name a broken piece the same way.
+Model, optimizer moments and step, param groups, scheduler, data position and each generator. Sharded
+tensors are gathered whole (a collective), so digests do not depend on the world size.
 """
 
 from __future__ import annotations

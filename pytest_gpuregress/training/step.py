@@ -1,10 +1,7 @@
 """What every training scenario's step shares on a rank: this rank's tokens, and the next-token loss.
 
-A one-rank run can stand in for N ranks (config ``emulate_world``: triage's equivalence and its world-size flip):
-it runs each of the N ranks' micro-batches in turn, each in its own forward with that rank's shapes, and averages
-their losses, so every GEMM sees the rows it sees on N ranks and only the communication differs. cuBLAS and
-hipBLASLt pick kernels by shape: a one-rank run over the whole batch would call other kernels, and a kernel bug
-of one shape would look like a collective's.
+With ``emulate_world`` one rank runs each of N ranks' micro-batches in its own forward, so every GEMM
+sees the shapes it sees on N ranks (kernels are picked by shape) and only communication differs.
 """
 
 from __future__ import annotations

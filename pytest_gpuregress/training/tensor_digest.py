@@ -1,16 +1,8 @@
 """A tensor's digest, computed where the tensor lives: float64 sum, sum of |x|, max |x|, and a hash of its bits.
 
-The op trace (op_trace.py) keeps one digest per op output. On a GPU the reductions and the hash run on the
-device and only four numbers cross to the host (one synchronisation per output): no output is copied.
-
-The hash is a position-weighted sum of the element bits modulo 2**64,
-
-    hash = sum_i bits(x_i) * (2 i + 1) * K   (mod 2**64),   K odd,
-
-in int64, whose arithmetic wraps on every torch backend. Integer addition is associative, so the result does
-not depend on how a device orders the reduction, and equal bits give an equal hash on any stack. Every weight
-is odd, hence invertible modulo 2**64: one element whose bits change always changes the hash. It also changes
-when elements trade places (a collective that returns chunks in the wrong order), which the sums miss.
+hash = sum_i bits(x_i) * (2 i + 1) * K (mod 2**64), K odd, in wrapping int64: independent of reduction
+order, changed by any one element's bits (odd weights are invertible) and by elements trading places.
+Only four numbers cross to the host per output.
 """
 
 from __future__ import annotations

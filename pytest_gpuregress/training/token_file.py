@@ -1,13 +1,8 @@
 """A user's own token sample (``--gpuregress-tokens FILE``) in place of the synthetic data.
 
-The file is a ``.npy`` array or a ``.safetensors`` file (one tensor, or one named ``input_ids`` or
-``tokens``) of integer token ids, any shape: it is read as one stream. Step s, sample i of the
-global batch reads the window of ``seq_len + 1`` tokens numbered ``s * global_batch + i``, wrapping
-around at the end. So, as with the synthetic data, the global batch of a step is fixed and a rank
-takes a contiguous slice of it: the world size changes who computes what, not what is computed.
-
-Nothing is unpickled: ``np.load(allow_pickle=False)`` and safetensors only. The session reads the
-file once to check it and hash it; each rank reads it again (it is a sample, not a corpus).
+A ``.npy`` or ``.safetensors`` array of token ids read as one stream; step s, sample i reads the window
+numbered ``s * global_batch + i``, wrapping around, so the global batch is fixed as with the synthetic
+data. Nothing is unpickled.
 """
 
 from __future__ import annotations

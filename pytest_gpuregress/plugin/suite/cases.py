@@ -1,10 +1,7 @@
 """The built-in suite: one pytest item per case of every registered scenario, under the node id ``gpuregress``.
 
-``pytest --gpuregress`` collects a project's own tests as pytest always does, and these beside them. Their node
-ids say what they are and can be typed: ``gpuregress::fsdp``, or ``gpuregress`` for all of them. Select with
-``-k`` (``-k fsdp``, ``-k "all_reduce and bf16"``), ``-m gpuregress_training`` or ``--lf`` as with any test.
-
-Warnings a case raises are shown at this module's ``runtest`` (warn.py): the test that ran is this one.
+Selected like any test (``gpuregress::fsdp``, ``-k``, ``-m``, ``--lf``). Warnings a case raises point at
+this module's ``runtest`` (warn.py).
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ..collection import BuiltinRequest, wanted
-from ..node_ids import ROOT
+from ..collection import ROOT, BuiltinRequest, wanted
 from ..selection import test_id
 
 if TYPE_CHECKING:

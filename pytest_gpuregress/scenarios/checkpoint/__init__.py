@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from ...findings import Problem
+from ...option_spec import SCENARIO_OPTIONS
 from ...reference.compare import ROUND_TRIP, Comparison, Finding, choose_lane, data_finding
 from ...reference.record import RunRecord
-from ...scenario_options import SCENARIO_OPTIONS
 from ...stack import fingerprint as fp
 from ..base import Case, CheckScenario, Launch, Scenario, Setup
 from ..shared.state_pieces import merge_boundaries

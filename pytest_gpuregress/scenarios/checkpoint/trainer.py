@@ -18,10 +18,9 @@ import numpy as np
 from ...reference.data_change import BATCH_DIGEST, stream_series
 from ...training import loop
 from ...training.data import token_source
-from ...training.fsdp2 import shard
+from ...training.fsdp2 import shard, shard_units
 from ...training.loop import TrainStep, clip_gradients
 from ...training.optimizer import AdamWSettings, Optimization, Optimized, Schedule, adamw
-from ...training.shard_units import shard_units
 from ...training.step import batch_digest
 
 IGNORE = -100  # cross_entropy's ignore_index: a dropped label

@@ -5,7 +5,7 @@ Layout (every file written atomically; ``trainer.json`` last, so its presence me
   rng-rank<r>.json    rank r's generators (training/rng_state.py)
   trainer.json        the optimizer's param groups, the LR scheduler, the data position, the step
                       and the world size that saved it
-Fault points (fault_points.py), shared with every resume (training/state_apply.py): ``apply_model``
+Fault points (fault_points.py), shared with every resume (training/resume_checkpoint.py): ``apply_model``
 (loaded weights into the model) and ``apply_optimizer`` (loaded state into the optimizer).
 """
 
@@ -17,8 +17,7 @@ from typing import Any
 from ...reference import atomic
 from ...training import resume_checkpoint
 from ...training import rng_state as rng
-from ...training.resume_checkpoint import detached_copies, read_json
-from ...training.state_apply import apply_model, apply_optimizer
+from ...training.resume_checkpoint import apply_model, apply_optimizer, detached_copies, read_json
 from . import hooks, sharded, state
 from .trainer import Trainer
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from ... import activities as act
-from ...fault_spec import emulated_ops
+from ...fault_points import emulated_ops
 from ...findings import CheckFinding, Problem
+from ...option_spec import SCENARIO_OPTIONS
 from ...reference.names import safe_component
 from ...reference.record import RunRecord
-from ...scenario_options import SCENARIO_OPTIONS
 from ..base import Case, CheckScenario, Launch, Setup
 from ..shared import links
 from . import plan

@@ -20,8 +20,8 @@ from typing import Any
 
 from ... import activities as act
 from ...findings import Problem
+from ...option_spec import SCENARIO_OPTIONS
 from ...reference.record import RunRecord
-from ...scenario_options import SCENARIO_OPTIONS
 from ...warn import warn_at_test
 from ..base import Case, CheckScenario, Launch, Setup
 from ..shared import links

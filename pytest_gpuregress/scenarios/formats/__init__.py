@@ -27,9 +27,9 @@ from typing import Any
 
 from ... import activities as act
 from ...findings import CheckFinding, Problem, text_of
+from ...option_spec import SCENARIO_OPTIONS
 from ...reference.compare import Comparison, Finding, choose_lane
 from ...reference.record import RunRecord
-from ...scenario_options import SCENARIO_OPTIONS
 from ...stack import fingerprint as fp
 from ...warn import warn_at_test
 from ..base import Case, CheckScenario, Launch, Setup

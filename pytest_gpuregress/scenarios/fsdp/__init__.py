@@ -15,9 +15,9 @@ from typing import Any
 from ... import activities as act
 from ...errors import NotApplicable
 from ...findings import CheckFinding, Problem
+from ...option_spec import SCENARIO_OPTIONS
 from ...reference.compare import Comparison
 from ...reference.record import RunRecord
-from ...scenario_options import SCENARIO_OPTIONS
 from ..base import Case, Launch, Scenario, Setup, TriageSupport
 from ..shared import resume_comparison
 from ..shared.exercised import resumed, ties_embeddings, trained
@@ -167,7 +167,7 @@ class FsdpScenario(Scenario):
 
 def recorded_units(record: RunRecord | None) -> dict[str, dict[str, Any]] | None:
     """The fully_shard units ``record`` kept (rank.py); None where there is no record."""
-    from ...training.shard_units import RESULT_KEY
+    from ...training.fsdp2 import RESULT_KEY
 
     units = record.results.get(RESULT_KEY) if record is not None else None
     return units if isinstance(units, dict) else None
@@ -178,8 +178,7 @@ def reduce_scatter_message(param: str, shapes: dict[str, tuple[int, ...]], world
     """The reduce-scatter that carries ``param``'s gradient: one per fully_shard unit ``record``'s run wrapped, in
     the run's reduce dtype (fp32, or bf16 in the CPU bf16 lane), each parameter padded on dim 0 to a multiple of
     the world size, as FSDP2 shards it."""
-    from ...training.fsdp2 import reduce_dtype_of
-    from ...training.shard_units import group_label, reduce_scatter_bytes, unit_of
+    from ...training.fsdp2 import group_label, reduce_dtype_of, reduce_scatter_bytes, unit_of
     from ...units import human_bytes
 
     units = recorded_units(record)

@@ -23,14 +23,12 @@ def run(ctx: RankContext) -> RunRecord:
     import torch
 
     from ...training.data import token_source
-    from ...training.fsdp2 import mixed_precision, reduce_dtype_of, shard
-    from ...training.loop import TrainStep, clip_gradients, train_observed
+    from ...training.fsdp2 import RESULT_KEY, describe_units, mixed_precision, reduce_dtype_of, shard, shard_units
+    from ...training.loop import TrainStep, clip_gradients, train_observed, training_record
     from ...training.models import blueprint, build_causal_lm
     from ...training.moe import is_moe, mean_expert_load
     from ...training.noise import apply_kernel_path, apply_weight_perturbation
     from ...training.op_trace import for_rank as op_tracer
-    from ...training.run_record import training_record
-    from ...training.shard_units import RESULT_KEY, describe_units, shard_units
     from ...training.step import rank_tokens, step_loss
     from ...training.switches import apply_switches
 

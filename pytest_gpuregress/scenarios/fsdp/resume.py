@@ -62,10 +62,9 @@ def build(ctx: RankContext) -> FsdpTrainer:
     import torch
 
     from ...training.data import token_source
-    from ...training.fsdp2 import mixed_precision, shard
+    from ...training.fsdp2 import mixed_precision, shard, shard_units
     from ...training.models import blueprint, build_causal_lm
     from ...training.noise import apply_kernel_path
-    from ...training.shard_units import shard_units
     from ...training.switches import apply_switches
 
     cfg = ctx.config

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from ... import activities as act
 from ...errors import NotApplicable
 from ...findings import CheckFinding, Problem
+from ...option_spec import LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
 from ...reference.record import RunRecord
-from ...scenario_options import LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
 from ..base import Case, Launch, Scenario, Setup
 from ..shared import resume_comparison
 from ..shared.exercised import resumed, trained

@@ -30,9 +30,8 @@ def run(ctx: RankContext) -> RunRecord:
     import torch
 
     from ...training.data import MarkovTokens
-    from ...training.loop import train_observed
+    from ...training.loop import train_observed, training_record
     from ...training.op_trace import for_rank as op_tracer
-    from ...training.run_record import training_record
 
     cfg = ctx.config
     built = trainer.adapted(ctx)

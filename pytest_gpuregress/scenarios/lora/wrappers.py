@@ -11,10 +11,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ...training.fsdp2 import mixed_precision, shard
+from ...training.fsdp2 import mixed_precision, shard, shard_units
 from ...training.loop import clip_gradients
 from ...training.optimizer import AdamWSettings, adamw
-from ...training.shard_units import shard_units
 from . import adapter_io
 
 

@@ -1,23 +1,28 @@
-"""``gpuregress prune FOLDER``: the references a folder holds that no case reads, as syrupy prunes unused snapshots.
+"""``gpuregress list`` and ``gpuregress prune``: the references a folder holds, and those no case reads.
 
-No case of the installed scenarios reads them, on any device, for the models given with ``--model`` (as
-``--gpuregress-model`` gives them): left over from a removed model or case, or from a reference name a release
-renamed. A reference read only by a user's own loop (``gpuregress.check(record, name=...)``) is not known here:
-name it with ``--keep``. Lists by default; ``--yes`` deletes. The shipped references are never pruned.
+``list`` reads each reference's two JSON files only (a damaged one is listed as such). ``prune`` is syrupy's
+pruning of unused snapshots: it lists by default and deletes with ``--yes``; a reference only a user's own loop
+reads is named with ``--keep``, and the shipped references are never pruned.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from ..errors import GpuRegressError
-from .listing import MANIFEST
+
+MANIFEST = "manifest.json"
+HEADER = ("scenario", "platform", "recorded", "steps", "stack")
 
 
-def add_parser(sub: Any) -> None:
+def add_parsers(sub: Any) -> None:
+    parser = sub.add_parser("list", help="list the references a folder holds, with the stack that recorded each")
+    parser.add_argument("folder", help="a reference folder (--gpuregress-reference-dir; the shipped reference_runs/)")
+    parser.set_defaults(func=list_references)
     parser = sub.add_parser("prune", help="list (or with --yes delete) the references of a folder no case reads")
     parser.add_argument("folder", help="a reference folder (--gpuregress-reference-dir)")
     parser.add_argument("--model", action="append", default=[], metavar="MODEL",
@@ -25,7 +30,38 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--keep", action="append", default=[], metavar="NAME",
                         help="a reference name to keep: one your own loop reads (repeatable)")
     parser.add_argument("--yes", action="store_true", help="delete them (without it they are only listed)")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=prune)
+
+
+def list_references(args: argparse.Namespace) -> int:
+    folder = Path(args.folder)
+    if not folder.is_dir():
+        raise GpuRegressError(f"{folder}: no such folder; give the folder references are recorded in "
+                              "(--gpuregress-reference-dir)")
+    rows = [_row(manifest.parent) for manifest in sorted(folder.glob(f"*/*/{MANIFEST}"))]
+    if not rows:
+        print(f"{folder}: holds no reference")
+        return 0
+    widths = [max(len(row[i]) for row in [HEADER, *rows]) for i in range(len(HEADER))]
+    for row in [HEADER, *rows]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0
+
+
+def _row(reference: Path) -> tuple[str, ...]:
+    try:
+        manifest = json.loads((reference / MANIFEST).read_text())
+        record = json.loads((reference / "record.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return (reference.parent.name, reference.name, "-", "-", f"damaged: {type(exc).__name__}")
+    fingerprint = record.get("fingerprint", {}) if isinstance(record, dict) else {}
+    versions, device = fingerprint.get("versions", {}), fingerprint.get("device", {})
+    cpu = device.get("kind") == "cpu"
+    where = (f"{device.get('cpu_model')} [{device.get('cpu_capability')}]" if cpu else device.get("name")) or "?"
+    stack = f"torch {versions.get('torch', '?')}, transformers {versions.get('transformers', '?')}; {where}"
+    steps = len(record.get("series", {}).get("loss", [])) if isinstance(record, dict) else 0
+    return (reference.parent.name, reference.name, str(manifest.get("recorded_at", "?"))[:16].replace("T", " "),
+            str(steps or "-"), stack)
 
 
 def read_names(models: list[str], base: Path) -> set[str]:
@@ -44,7 +80,7 @@ def unread(folder: Path, read: set[str]) -> list[Path]:
     return [manifest.parent for manifest in sorted(folder.glob(f"*/*/{MANIFEST}")) if manifest.parent.parent.name not in read]
 
 
-def run(args: argparse.Namespace) -> int:
+def prune(args: argparse.Namespace) -> int:
     from ..resources import shipped_dir
 
     folder = Path(args.folder)

@@ -8,7 +8,7 @@ each case's JUnit properties and outcome, and prints one table row per spec:
   skipped     the case was skipped for another reason (e.g. too few ranks)
   refused     the spec was refused for this run (a usage error)
 Usage: python benchmarks/fault_reach.py [--steps 4] [--only SUBSTRING] [--markdown]
-It takes about a minute per spec on 2 CPU cores; tests/test_fault_reach.py checks the shipped table
+It takes about a minute per spec on 2 CPU cores; tests/faults/test_fault_reach.py checks the shipped table
 against faults/reach.py, and the full tier runs a few rows of this matrix for real.
 """
 

@@ -6,7 +6,7 @@ meta_build.py that ran the library's own init) and the init (seed_parameters: co
 cache, every initial value). Per size, three launches:
 
   - old: the build with the library's init and the old seeding, one pass over each array, no cache (what every
-    launch cost before; the implementation tests/test_init_cost.py keeps as its reference);
+    launch cost before; the implementation tests/training/test_init_cost.py keeps as its reference);
   - first launch: an empty cache folder (GPUREGRESS_INIT_CACHE), so large parameters are computed and stored;
   - later launch: the same folder, warm.
 

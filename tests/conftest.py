@@ -85,8 +85,9 @@ def record_references(root: Path, *args: str) -> Path:
 
 
 FSDP_STEPS = "8"
-FSDP_ONLY = "fsdp and not triage and not resume and not bf16"  # the fsdp case alone: tests/test_triage.py runs the triage cases,
-# tests/test_fsdp_resume_e2e.py the resume case
+# The fsdp case alone: tests/triage/test_triage.py runs the triage cases, tests/scenarios/test_fsdp_resume_e2e.py the
+# resume case.
+FSDP_ONLY = "fsdp and not triage and not resume and not bf16"
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from pytest_gpuregress.training.kernels import inventory_from_events
 from pytest_gpuregress.triage.naming import described
 
 from .conftest import make_record
-from .test_gpu_branches import as_gpu_build
+from .stack.test_gpu_branches import as_gpu_build
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check_expect.py"
 _spec = importlib.util.spec_from_file_location("gpu_check_expect", SCRIPT)

@@ -1,7 +1,7 @@
 """Every command the plugin prints selects the cases it claims to (#37): the advice written into the scenarios.
 
-The record commands built from this run's setup name node ids (tests/test_training_e2e.py and
-tests/test_user_models.py run them, for the built-in cases and for a project's own test); the gpuregress compare
+The record commands built from this run's setup name node ids (tests/scenarios/test_training_e2e.py and
+tests/scenarios/test_user_models.py run them, for the built-in cases and for a project's own test); the gpuregress compare
 commands are run where they are printed (conftest.reproduced). The advice here is fixed text inside the
 scenarios, found in their source: it names built-in cases by node id, never by a -k that would also select a
 project's own tests (``-k checkpoint`` re-records every test of a ``test_checkpointing.py``).

@@ -2,7 +2,7 @@
 
 A case no injected fault reaches is skipped as not applicable rather than run clean or failed as unfired;
 a case that declares nothing is reached by every fault. ``table_lines()`` is docs/faults.md's table
-(tests/test_fault_reach.py keeps it equal). Torch-free.
+(tests/faults/test_fault_reach.py keeps it equal). Torch-free.
 """
 
 from __future__ import annotations

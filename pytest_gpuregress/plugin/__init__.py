@@ -1,7 +1,7 @@
 """The pytest plugin: options, header, the built-in suite, fixtures, markers and the summary.
 
 Without ``--gpuregress`` it registers options and markers only and imports no torch, numpy or scenario
-(tests/test_startup.py checks). Nothing here names a scenario.
+(tests/plugin/test_startup.py checks). Nothing here names a scenario.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ class Thresholds:
 # past 6 ulps but AdamW's first update (up to 89: a gradient near zero that drift flips the sign of), and no op
 # past 3 ulps more than 10x its inputs'. The amplification is set far above that: an elementwise product with
 # heavy-tailed operands moves its digest 190x more than its inputs' when one of them carries a one-element error
-# (tests/test_introduced.py), and naming that op would convict the wrong component. A 1e-4 GEMM error whose
+# (tests/reference/test_introduced.py), and naming that op would convict the wrong component. A 1e-4 GEMM error whose
 # inputs are equal is 840 ulps against nothing; a 1e-3 reduce-scatter error after drift, 8400 ulps at 6000x.
 # The sketch (training/tensor_digest.py) sees what the digests dilute: one wrong element of a 10k-element output
 # moves its bucket by about 1e-3 / 80 relative to a bucket's share of the output, while a new kernel path moves

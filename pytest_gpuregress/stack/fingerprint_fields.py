@@ -18,7 +18,7 @@ instance id changes with every allocation; device.firmware, because firmware com
 run every GPU field is None, so references recorded before a field existed keep their lane. No field can make a
 reference foreign: they only choose the lane.
 
-The table in docs/known_issues.md is ``markdown_table()``; tests/test_fingerprint_fields.py keeps it equal and
+The table in docs/known_issues.md is ``markdown_table()``; tests/stack/test_fingerprint_fields.py keeps it equal and
 checks that ``collect()`` records exactly the declared fields. Torch-free.
 """
 

@@ -13,7 +13,7 @@ package, because this codec is the independent oracle: it reads the bytes the st
 produced and writes the files the stack's loaders must read back exactly (stack_io.py, the ``io-*``
 cases, test the stack's own I/O paths with it). It also diagnoses files a given safetensors release
 cannot read (known_issues.py lists those measured). The reader checks every offset and size, and
-never unpickles anything. tests/test_formats_checkpoint.py reads the safetensors package's own files
+never unpickles anything. tests/scenarios/test_formats_checkpoint.py reads the safetensors package's own files
 with it.
 """
 

@@ -3,7 +3,7 @@
 Every decode and round-to-nearest-even encode here is ml_dtypes'; nothing is hand-written. The fp4
 nibble layout (two codes per byte, low nibble first) is packing, not decoding: the file codec's
 (scenarios/shared/safetensors_file.py), re-exported here.
-tests/test_formats_oracle.py pins codes from the OCP 8-bit floating point and MX specifications,
+tests/scenarios/test_formats_oracle.py pins codes from the OCP 8-bit floating point and MX specifications,
 so the oracle itself is checked.
 """
 

@@ -1,13 +1,8 @@
-"""The noise envelope: how far a healthy stack's legitimate perturbations move each metric.
+"""The noise envelope: how far a healthy stack's legitimate perturbations move each metric. numpy only.
 
-At record time a training scenario runs replicas (training/noise.py: initial weights one ulp off,
-sums in another order, another kernel path). ``measure`` turns their deviations from the base run
-into per-step, per-metric spreads, stored with the reference as ``envelope/<metric>`` arrays. The
-tolerant lane then allows ``K x spread + floor`` (``limit``), so its limits come from measured
-noise, not from guesses. numpy only.
-
-Deviation measures are the comparison's own (``deviations``), so the envelope and the check can
-never disagree on what is measured.
+``measure`` turns the record-time replicas' deviations (training/noise.py) into per-step spreads stored as
+``envelope/<metric>``; the tolerant lane allows ``K x spread + floor`` (``limit``). It uses the comparison's own
+``deviations``, so the envelope and the check never disagree on what is measured. See docs/envelope.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """The op that introduced a difference, apart from the drift a new kernel path brings. numpy only.
 
-In the tolerant lane (another stack than the reference's) dozens of kernels round differently, so the first op
-of step 0 that moved (first_moved.py) is nearly always that legitimate drift. Here each op's move is set against
-its inputs' moves: an op introduced a difference when its output moved
-
-  - at least ``floor_ulps`` units of its output dtype's rounding (drift is a few ulps at most), and
-  - more than ``amplification`` times the most any of its inputs moved (an op whose output moved about as much
-    as its inputs propagates what came before).
-
-A move is the largest relative change of an output's digests (first_moved.relative_per_output); its inputs are
-the entries whose values they hold (the trace's sources, kept since traces recorded them). A collective's output
-holds every rank's input, so its inputs' move is the largest over the ranks. The thresholds were measured on
-clean runs across kernel paths (docs/envelope.md, "The op that introduced a difference") and are stored with the
-reference when it is recorded, so a later change of them never re-judges an older reference silently.
+An op introduced a difference when its output moved at least ``floor_ulps`` of its dtype's rounding and more than
+``amplification`` times the most any of its inputs moved. The thresholds are measured (docs/envelope.md, "The op
+that introduced a difference") and stored with the reference, so changing them never re-judges an old one.
 """
 
 from __future__ import annotations
@@ -164,12 +154,11 @@ class _Moves:
         return float((found / self.epsilons[index]).max(initial=0.0)) if found is not None else 0.0
 
     def spikes(self, index: int, thresholds: Thresholds, relax: float = 1.0) -> list[tuple[float, float]]:
-        """(peak bucket move, its ratio to the median bucket's) of each output of entry ``index`` whose sketch shows
-        a few elements wrong amid drift: a bucket moved at least the floor and ``spike_ratio`` times the median, and
-        at most FEW_BUCKETS did (a whole row or column that moved, as a gradient carries a one-token change, moves
-        many). ``relax`` scales the floor down, to ask of an input whether it carried such a change already (its
-        buckets hold more elements than its output's). An entry without a partner has its nearest paired
-        ancestors' spikes."""
+        """(peak bucket move, its ratio to the median bucket's) per output of entry ``index`` whose sketch shows a few
+        elements wrong amid drift: at most FEW_BUCKETS moved past the floor and ``spike_ratio`` x the median (a whole
+        row moving, as a one-token change does, moves many). ``relax`` lowers the floor to ask it of an input. An
+        unpaired entry has its nearest paired ancestors' spikes.
+        """
         if thresholds.spike_ratio is None:
             return []
         out = []

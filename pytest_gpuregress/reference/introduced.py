@@ -46,17 +46,11 @@ class Thresholds:
                f"{self.amplification:g}x its inputs' move{spike}"
 
 
-# Measured (docs/envelope.md): on the other CPU kernel path a clean run moves no op of the fsdp and lora cases
-# past 6 ulps but AdamW's first update (up to 89: a gradient near zero that drift flips the sign of), and no op
-# past 3 ulps more than 10x its inputs'. The amplification is set far above that: an elementwise product with
-# heavy-tailed operands moves its digest 190x more than its inputs' when one of them carries a one-element error
-# (tests/reference/test_introduced.py), and naming that op would convict the wrong component. A 1e-4 GEMM error whose
-# inputs are equal is 840 ulps against nothing; a 1e-3 reduce-scatter error after drift, 8400 ulps at 6000x.
-# The sketch (training/tensor_digest.py) sees what the digests dilute: one wrong element of a 10k-element output
-# moves its bucket by about 1e-3 / 80 relative to a bucket's share of the output, while a new kernel path moves
-# every bucket alike. Judged only for ops whose output cannot turn dense drift of their inputs into one large move:
-# collectives, matmuls and copies (AdamW's first update can: a gradient near zero whose sign drift flips).
-# The ratio is measured in docs/envelope.md ("One wrong element through drift").
+# Measured in docs/envelope.md ("The op that introduced a difference", "One wrong element through drift"): clean
+# runs move no op past 6 ulps but AdamW's first update (89), nor past 3 ulps more than 10x its inputs'. The
+# amplification sits far above that, since a heavy-tailed elementwise product amplifies a one-element error 190x
+# and naming it would convict the wrong component. Spikes are judged only for ops that cannot turn dense input
+# drift into one large move: collectives, matmuls and copies.
 DEFAULT = Thresholds(floor_ulps=32.0, amplification=1000.0, spike_ratio=32.0, spike_floor_ulps=4.0)
 FEW_BUCKETS = 8  # "a few elements": a bf16 AVG's 8-element tail (NVIDIA/nccl#1950) fills 8 buckets
 INPUT_RELAX = 0.25  # an input's floor, against its output's: a reduce-scatter's input holds N times its elements

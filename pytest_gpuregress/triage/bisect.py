@@ -1,10 +1,8 @@
 """Bisect an upgrade to the package: revert what changed since the reference, in overlays, and rerun step 0.
 
-The changed distributions, less what an overlay cannot replace (torch and its ABI, editable installs, this
-plugin), are grouped with what they require that was added since, all reverted at once, then halved while a
-half restores step 0 (bit for bit in the exact lane; within the envelope with no op introducing a difference in
-the tolerant one). ``bisect_failure`` runs it for --gpuregress-bisect. docs/triage.md, "Bisect an upgrade to
-the package". torch-free.
+The changed distributions that an overlay can replace (not torch's ABI, editable installs, this plugin) are
+grouped with what they require, reverted together, then halved while a half restores step 0 (bit for bit, or
+within the envelope with no op introducing a difference). docs/triage.md, "Bisect an upgrade to the package". torch-free.
 """
 
 from __future__ import annotations

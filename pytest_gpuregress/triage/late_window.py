@@ -1,10 +1,8 @@
 """The late window: a divergence that starts after a clean step 0, judged where it starts.
 
 Later norms cannot tell a wrong update from wrong gradients, so this stack resumes from the reference's own late
-checkpoint (step S) in a fresh process, recomputes step S's gradients and trains on. The outcomes (differs,
-reproduced, reproduced later, did not reproduce, before the divergence) and what each convicts: docs/triage.md's
-late-window table. A bug needing a warmed-up process does not recur here: the collective invariants cover it.
-torch-free.
+checkpoint (step S) in a fresh process, recomputes step S's gradients and trains on; what each outcome convicts
+is docs/triage.md's late-window table. A bug needing a warmed-up process does not recur there. torch-free.
 """
 
 from __future__ import annotations

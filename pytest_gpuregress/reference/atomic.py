@@ -1,8 +1,7 @@
 """Crash-safe writes: a reader sees the old content or the new, never a torn file and never neither.
 
-Files go to a temporary sibling and are renamed over the target. Directories are staged beside
-the target and swapped in by ``replace_dir``. Leftovers of an interrupted write are named
-``.<name>.new-<id>``, ``.<name>.old-<id>`` and ``.<file>.<id>.tmp``; ``leftovers`` finds them.
+Leftovers of an interrupted write (``.<name>.new-<id>``, ``.<name>.old-<id>``, ``.<file>.<id>.tmp``)
+are found by ``leftovers``; docs/architecture.md, "The reference store", has the design.
 """
 
 from __future__ import annotations
@@ -67,11 +66,9 @@ def sha256_file(path: Path) -> str:
 
 
 def replace_dir(staged: Path, target: Path) -> None:
-    """Swap a fully written staging directory into place; a reader sees the old directory or the new one.
-
-    Where the kernel and filesystem can, the swap is one ``renameat2(RENAME_EXCHANGE)``: there is no
-    instant without ``target``. The old content then sits at ``staged`` and is removed; a crash before
-    that removal leaves it there as a ``.new-*`` leftover for the next write to clean.
+    """Swap a fully written staging directory into place, with one ``renameat2(RENAME_EXCHANGE)`` where
+    the kernel and filesystem can (no instant without ``target``). A crash before the old content at
+    ``staged`` is removed leaves it as a ``.new-*`` leftover for the next write to clean.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     if not target.exists():
@@ -86,13 +83,9 @@ def replace_dir(staged: Path, target: Path) -> None:
 
 
 def _swap_with_restore(staged: Path, target: Path) -> None:
-    """The fallback without RENAME_EXCHANGE: two renames, undone when the second fails.
-
-    What it guarantees: an error in the second rename puts the old directory back, so the target
-    is unchanged. A crash (SIGKILL, power loss) between the two renames leaves the old directory
-    whole under ``.<name>.old-<id>`` and no target; ``restore_orphan`` puts it back at the next read
-    or write of that target. A reader running at that very instant (microseconds) finds nothing:
-    only RENAME_EXCHANGE rules that out.
+    """The fallback without RENAME_EXCHANGE: two renames, the old directory put back if the second fails.
+    A crash between them leaves it whole under ``.<name>.old-<id>`` for ``restore_orphan``; a reader at
+    that instant finds nothing, which only RENAME_EXCHANGE rules out.
     """
     backup = target.with_name(f".{target.name}{OLD}{uuid.uuid4().hex}")
     os.rename(target, backup)

@@ -1,9 +1,7 @@
 """Per-parameter series paired by parameter name, never by position. numpy only.
 
-A record keeps one gradient norm per parameter and step (``param_grad_norm`` [steps, params]) in the order of its
-``param_names``: the order in which the model registers its parameters. A refactor that registers a layer's
-submodules in another order (same names, same shapes, same numbers) reorders the columns; compared by position,
-every column would hold another parameter's norms. So the run's columns are put in the reference's order by name.
+A refactor that registers a layer's submodules in another order (same names, shapes and numbers) reorders
+``param_grad_norm``'s columns; paired by position, every column would hold another parameter's norms.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""How often gradient clipping acted in a training record: read from its series and its config, never stored twice.
+"""How often gradient clipping acted in a training record, read from its series and config. numpy only.
 
-A clip that never acts leaves a wrong or skipped clip bit-identical, so a reference that clipped on almost no step
-says so when it is recorded: its scenario's ``grad_clip`` should sit near the typical norm.
-numpy only.
+A clip that never acts leaves a wrong or skipped clip bit-identical, so a reference that almost never clipped
+says so when it is recorded.
 """
 
 from __future__ import annotations

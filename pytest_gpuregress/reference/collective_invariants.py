@@ -1,26 +1,9 @@
 """Every collective of a training run checked by its own invariants, across its ranks, at every step. numpy only.
 
-A replay from a checkpoint starts a fresh process: a bug that needs a warmed-up one (a reused buffer pool, a
-counter, a protocol switch after N calls) does not recur there, and in the tolerant lane the order in which metrics
-first move proves little. So each rank keeps a few numbers per collective call as it runs (training/
-collective_ledger.py: float64 sums of its input and output, their sums of |x| and of x^2, and its output's bit
-hash), and after training the ranks' rows are set side by side, call by call within each process group:
-
-  all_gather, broadcast, all_reduce  every rank's output has the same bits (one hash)
-  all_gather, all_to_all             the outputs hold exactly the inputs: their sums agree over the group
-  all_reduce, reduce_scatter (SUM)   the outputs' sum over the group is the inputs', within rounding
-                         (AVG)       ... over the group size
-  all_gather, all_reduce, reduce_scatter  the same with each element weighted by its position in the flat
-                         sequence (training/collective_ledger.py's weighted_sum): an element in the wrong place, two
-                         swapped, breaks it, where the plain sums hold and, done alike on every rank, the hashes agree
-
-Rounding: each output element is the sum of N inputs, rounded up to N times in the reduction's dtype; the errors
-are independent, so their total over the tensor stays within LAMBDA x u x sqrt(rounds x N x the inputs' sum of
-x^2), u the dtype's unit roundoff (reference/bounds.py's probabilistic model, with a tail of 8 deviations). A
-one-element error of 1e-3 in a 20k-element fp32 output is about 30 times that.
-
-A broken invariant names the step, the collective, its process group, the call, and the rank that differs: a
-finding of the default run, with no replay.
+A replay starts a fresh process, where a bug needing a warmed-up one (a reused buffer pool, a counter) does not
+recur; so the ranks' per-call ledger rows (training/collective_ledger.py) are set side by side after training:
+equal output bits, sums kept exactly or within rounding, and position-weighted sums that catch swapped elements.
+The invariants and the rounding bound: docs/triage.md, "Collectives by their own invariants".
 """
 
 from __future__ import annotations
@@ -149,7 +132,8 @@ def _sums_hold(rows: np.ndarray, ranks: list[int], op: str, reductions: list[str
 
 
 def _rounding_bound(rows: np.ndarray, ranks: list[int], reduction: str, factor: float, divisor: int) -> float:
-    """How far a reduction's output total may be from its inputs' by rounding alone (the module docstring)."""
+    """How far a reduction's output total may be from its inputs' by rounding alone: LAMBDA x u x sqrt(rounds x N x
+    the inputs' sum of x^2), independent per-element errors (bounds.py's model) with a tail of LAMBDA deviations."""
     rounds = len(ranks) - 1 + (1 if reduction != "sum" else 0)
     unit = float(rows[0, _COL["unit_roundoff"]])
     squares = float(rows[:, _COL["in_sq"]].sum())

@@ -1,14 +1,8 @@
 """Compare a run with its reference. numpy only: this module knows nothing of torch.distributed.
 
-Two lanes:
-  exact     the numerics fingerprint matches, so every stored number must be bitwise equal.
-            Any difference is reported with its first step and its distance in float32 ulps.
-  tolerant  the stack changed (new torch, driver, CPU kernels...), so numbers may move within
-            per-metric limits: K x the noise envelope stored with the reference plus a floor
-            (envelope.py), or fixed per-dtype limits for a reference without an envelope.
-
-Every finding names the metric, the step, the tensor and its size, expected and got, how far
-past its tolerance it is, and the facts measured about it; triage names the component (triage/naming.py).
+Two lanes: exact (same numerics fingerprint: every number bitwise equal, differences in float32 ulps) and
+tolerant (the stack changed: K x the stored noise envelope plus a floor, or fixed per-dtype limits).
+Findings carry facts; triage names the component (triage/naming.py). docs/envelope.md has the lanes.
 """
 
 from __future__ import annotations
@@ -408,13 +402,11 @@ def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, 
 
 def gradients_moved_first(findings: list[Finding], lane: str) -> bool:
     """Whether a step's gradients differ while its loss (computed before them, from the same weights) is bitwise
-    equal: then the weights were right and the gradients were computed wrong, which no optimizer step explains.
+    equal: the gradients were computed wrong, which no optimizer step explains.
 
-    The exact lane only: there any change of the weights changes the loss's bits. In the tolerant lane each metric
-    has its own limit, and a per-parameter norm can cross its limit steps before the averaged loss does (an update
-    wrong on one tensor), so the order of the first findings proves nothing. The gradients are the per-parameter
-    norms, measured before clipping; ``grad_norm`` is what the clip itself computed, and a clip that moved first is
-    the clip's (``clip_moved_first``)."""
+    Exact lane only: in the tolerant lane a per-parameter norm can cross its own limit steps before the loss does,
+    so the order of first findings proves nothing. A clip that moved first is ``clip_moved_first``'s.
+    """
     if lane != "exact" or clip_moved_first(findings) is not None:
         return False
     gradient_step = next((f.step for f in findings if f.metric == "param_grad_norm" and f.step is not None), None)

@@ -1,10 +1,7 @@
 """A reference seen from a step on: what a run resumed there from the reference's own checkpoint must repeat.
 
-``from_step(reference, start)`` keeps the steps ``start`` to the end of the per-step series, the
-per-parameter gradient norms and their noise envelope, and the final weights with theirs; it drops
-what only a run from step 0 has (step-0 gradients, step 0's op trace). The ordinary comparison
-(compare.py) then judges the continuation, in the lane the stacks choose, with the reference's own
-limits for those steps. numpy only.
+``from_step`` keeps the per-step series, per-parameter norms, envelope and final weights from ``start`` on and
+drops what only a run from step 0 has; the ordinary comparison then judges the continuation. numpy only.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Data that changed under the model: the token batches a run trained on, against the reference's. numpy only.
 
-Each training step's figures carry a digest of the global token batch it read (training/step.py: every rank's
-batch digest, summed), kept as the series ``batch_digest``. Tokens are integers: they do not drift with a kernel
-path, so any step whose digest differs trained on other data, and every number after it follows from that: the
-finding is [data], whatever else moved. What made the batches (the synthetic chain, drawn with numpy, or the
-user's token file) is named, with numpy's version where it moved, since a numpy routine that returns other
-indices (searchsorted, a random stream) changes the batches without touching the model.
-
-A data pipeline that draws random numbers (the checkpoint scenario's: rows shuffled, a crop, tokens replaced,
-labels dropped) also keeps, per step, a digest of what each random stream drew (``stream:<name>``). Where the
-batches differ, the streams that drew other numbers are named, with the step each first did: a shifted random
-stream is data, not the checkpoint or the kernel whose loss moved with it.
+Tokens do not drift with a kernel path, so a step whose ``batch_digest`` differs trained on other data and the
+finding is [data], whatever else moved; per-stream digests (``stream:<name>``) name the random stream that
+shifted. numpy's version is named where it moved: its routines make the batches.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""The noise envelope: how far a healthy stack's legitimate perturbations move each metric.
+"""The noise envelope: how far a healthy stack's legitimate perturbations move each metric. numpy only.
 
-At record time a training scenario runs replicas (training/noise.py: initial weights one ulp off,
-sums in another order, another kernel path). ``measure`` turns their deviations from the base run
-into per-step, per-metric spreads, stored with the reference as ``envelope/<metric>`` arrays. The
-tolerant lane then allows ``K x spread + floor`` (``limit``), so its limits come from measured
-noise, not from guesses. numpy only.
-
-Deviation measures are the comparison's own (``deviations``), so the envelope and the check can
-never disagree on what is measured.
+``measure`` turns the record-time replicas' deviations (training/noise.py) into per-step spreads stored as
+``envelope/<metric>``; the tolerant lane allows ``K x spread + floor`` (``limit``). It uses the comparison's own
+``deviations``, so the envelope and the check never disagree on what is measured. See docs/envelope.md.
 """
 
 from __future__ import annotations
@@ -26,13 +21,8 @@ class NoisyReplica(GpuRegressError):
 
 PREFIX = "envelope/"
 
-# K and the floors were chosen from data: benchmarks/noise_margin.py, 300 steps, 2 gloo ranks, fp32,
-# three replicas (table in docs/envelope.md). As multiples of the replicas' spread,
-# legitimate changes reached at most 1.7x (linear layers x (1 +- 1e-7) per output feature:
-# param_grad_norm; 3.5x with a uniform 1 + 1e-7) and 1.0x (AVX2 -> no SIMD kernels). The faults
-# the tolerant lane must catch reached 100x (param_grad_norm) and 63x (step-0 gradients) for one
-# element of each small reduce-scatter off by 1e-4, and over 5000x on every trajectory metric for
-# lr x 1.001. K = 10 leaves 3x to 6x above the worst legitimate change and 6x below the weakest fault.
+# K and the floors from benchmarks/noise_margin.py (docs/envelope.md, "How K was chosen"): K = 10 sits 3x to 6x
+# above the worst legitimate change (1.7x the replicas' spread) and 6x below the weakest caught fault (63x).
 K = 10.0
 
 

@@ -1,15 +1,8 @@
-"""--gpuregress-fail-fast: compare each step with the reference while training, stop at the first miss.
+"""--gpuregress-fail-fast: compare each step with the reference while training, stop at the first miss. numpy only.
 
-A 300-step run that went wrong at step 3 need not run 297 more. Before the launch, the session
-turns the stored reference into a ``watch`` (per step: the reference's loss and gradient norm,
-and the tolerant lane's limit for each); ranks check every step against it and stop together
-(the values are global, so every rank reaches the same decision without a collective). The
-record then carries only the steps that ran, and ``truncated_reference`` cuts the reference to
-the same steps, so the ordinary comparison reports the step, the metric and the deviation.
-
-Stopping uses the tolerant lane's limits even when the exact lane applies: a bitwise difference
-within tolerance is still reported by the comparison after the run, it just does not stop it.
-numpy only.
+Ranks check each step against a ``watch`` made from the reference and stop together without a collective (the
+values are global). Stopping always uses the tolerant lane's limits; a bitwise difference within them is still
+reported by the comparison after the run, which ``truncated_reference`` cuts to the steps that ran.
 """
 
 from __future__ import annotations

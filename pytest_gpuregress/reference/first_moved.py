@@ -1,21 +1,8 @@
 """The first op that moved: where a run's step-0 op trace first departs from its reference's. numpy only.
-In the exact lane it is what a failure names; in the tolerant lane it is where drift begins, and introduced.py
-names the op that introduced the difference.
 
-Per rank, the two traces are paired op by op (trace_pairs.py: by what each op computes, across inserted, removed
-or relabelled stretches) and walked in this run's order. The first entry that differs is either
-
-  moved      a paired op, the same computation, whose outputs' bits differ: named with its module path, phase,
-             shapes and relative difference, and the count of ops before it that are bitwise equal (its inputs
-             among them: every tensor an op reads is in the trace);
-  sequence   an op without a partner, or under another module label: the op sequence changed (the model's code,
-             or how torch dispatches it). In the exact lane that is the first difference; in the tolerant lane
-             (``sequence=False``) the walk goes on over the pairs, and the changes are notes (trace_pairs.notes).
-
-Over ranks, the earliest entry is named (the lowest rank on a tie), with the other ranks where the same entry
-moved. The relative difference is the largest relative change of the output's digests: |d sum| and
-|d sum of |x|| over the reference's sum of |x|, and |d max |x|| over its max |x|. A uniform relative error e
-shows as e; one element off by d in n shows as about d / (n mean |x|): small, and still bits that differ.
+Per rank the traces are paired (trace_pairs.py) and walked in this run's order; the first difference is a paired
+op whose output bits differ (``moved``) or an unpaired or relabelled op (``sequence``: the exact lane stops there,
+the tolerant lane walks on). Over ranks the earliest is named. docs/triage.md, "The first op that moved".
 """
 
 from __future__ import annotations
@@ -180,8 +167,9 @@ def _changes(run: TraceOp, ref: TraceOp) -> np.ndarray:
 
 
 def relative_per_output(run: TraceOp, ref: TraceOp) -> np.ndarray:
-    """Per output, the largest relative change of its digests (see the module docstring); inf for an output
-    where NaN appears in one digest and not the other."""
+    """Per output, the largest relative change of its digests: |d sum| and |d sum of |x|| over the reference's
+    sum of |x|, |d max |x|| over its max |x| (a uniform relative error e shows as e; one element off by d in n as
+    about d / (n mean |x|)); inf where NaN appears in one digest and not the other."""
     nan_differs = np.isnan(run.digests).any(axis=1) != np.isnan(ref.digests).any(axis=1)
     return np.where(nan_differs, np.inf, _changes(run, ref))
 

@@ -1,18 +1,8 @@
 """The op that introduced a difference, apart from the drift a new kernel path brings. numpy only.
 
-In the tolerant lane (another stack than the reference's) dozens of kernels round differently, so the first op
-of step 0 that moved (first_moved.py) is nearly always that legitimate drift. Here each op's move is set against
-its inputs' moves: an op introduced a difference when its output moved
-
-  - at least ``floor_ulps`` units of its output dtype's rounding (drift is a few ulps at most), and
-  - more than ``amplification`` times the most any of its inputs moved (an op whose output moved about as much
-    as its inputs propagates what came before).
-
-A move is the largest relative change of an output's digests (first_moved.relative_per_output); its inputs are
-the entries whose values they hold (the trace's sources, kept since traces recorded them). A collective's output
-holds every rank's input, so its inputs' move is the largest over the ranks. The thresholds were measured on
-clean runs across kernel paths (docs/envelope.md, "The op that introduced a difference") and are stored with the
-reference when it is recorded, so a later change of them never re-judges an older reference silently.
+An op introduced a difference when its output moved at least ``floor_ulps`` of its dtype's rounding and more than
+``amplification`` times the most any of its inputs moved. The thresholds are measured (docs/envelope.md, "The op
+that introduced a difference") and stored with the reference, so changing them never re-judges an old one.
 """
 
 from __future__ import annotations
@@ -56,17 +46,11 @@ class Thresholds:
                f"{self.amplification:g}x its inputs' move{spike}"
 
 
-# Measured (docs/envelope.md): on the other CPU kernel path a clean run moves no op of the fsdp and lora cases
-# past 6 ulps but AdamW's first update (up to 89: a gradient near zero that drift flips the sign of), and no op
-# past 3 ulps more than 10x its inputs'. The amplification is set far above that: an elementwise product with
-# heavy-tailed operands moves its digest 190x more than its inputs' when one of them carries a one-element error
-# (tests/reference/test_introduced.py), and naming that op would convict the wrong component. A 1e-4 GEMM error whose
-# inputs are equal is 840 ulps against nothing; a 1e-3 reduce-scatter error after drift, 8400 ulps at 6000x.
-# The sketch (training/tensor_digest.py) sees what the digests dilute: one wrong element of a 10k-element output
-# moves its bucket by about 1e-3 / 80 relative to a bucket's share of the output, while a new kernel path moves
-# every bucket alike. Judged only for ops whose output cannot turn dense drift of their inputs into one large move:
-# collectives, matmuls and copies (AdamW's first update can: a gradient near zero whose sign drift flips).
-# The ratio is measured in docs/envelope.md ("One wrong element through drift").
+# Measured in docs/envelope.md ("The op that introduced a difference", "One wrong element through drift"): clean
+# runs move no op past 6 ulps but AdamW's first update (89), nor past 3 ulps more than 10x its inputs'. The
+# amplification sits far above that, since a heavy-tailed elementwise product amplifies a one-element error 190x
+# and naming it would convict the wrong component. Spikes are judged only for ops that cannot turn dense input
+# drift into one large move: collectives, matmuls and copies.
 DEFAULT = Thresholds(floor_ulps=32.0, amplification=1000.0, spike_ratio=32.0, spike_floor_ulps=4.0)
 FEW_BUCKETS = 8  # "a few elements": a bf16 AVG's 8-element tail (NVIDIA/nccl#1950) fills 8 buckets
 INPUT_RELAX = 0.25  # an input's floor, against its output's: a reduce-scatter's input holds N times its elements
@@ -164,12 +148,11 @@ class _Moves:
         return float((found / self.epsilons[index]).max(initial=0.0)) if found is not None else 0.0
 
     def spikes(self, index: int, thresholds: Thresholds, relax: float = 1.0) -> list[tuple[float, float]]:
-        """(peak bucket move, its ratio to the median bucket's) of each output of entry ``index`` whose sketch shows
-        a few elements wrong amid drift: a bucket moved at least the floor and ``spike_ratio`` times the median, and
-        at most FEW_BUCKETS did (a whole row or column that moved, as a gradient carries a one-token change, moves
-        many). ``relax`` scales the floor down, to ask of an input whether it carried such a change already (its
-        buckets hold more elements than its output's). An entry without a partner has its nearest paired
-        ancestors' spikes."""
+        """(peak bucket move, its ratio to the median bucket's) per output of entry ``index`` whose sketch shows a few
+        elements wrong amid drift: at most FEW_BUCKETS moved past the floor and ``spike_ratio`` x the median (a whole
+        row moving, as a one-token change does, moves many). ``relax`` lowers the floor to ask it of an input. An
+        unpaired entry has its nearest paired ancestors' spikes.
+        """
         if thresholds.spike_ratio is None:
             return []
         out = []

@@ -20,13 +20,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class Judgement:
-    """One run judged.
-
-    ``comparison``: against its reference (None where the case has none: a check case).
-    ``problems``: what fails it besides the comparison's findings: the scenario's own checks (LoRA, formats,
-    checkpoint: complete messages, or findings that triage names), ops on the host, a fail-fast stop, kernel or perf
-    failures under the policy.
-    ``reference``: the reference as compared (cut to the steps a fail-fast run ran)."""
+    """One run judged: ``comparison`` against its reference (None for a check case), ``problems`` that fail it
+    besides the comparison's findings (the scenario's own checks, host ops, a fail-fast stop, kernel or perf
+    failures under the policy), and ``reference`` as compared (cut to a fail-fast run's steps).
+    """
 
     comparison: Comparison | None
     problems: list[Problem] = field(default_factory=list)

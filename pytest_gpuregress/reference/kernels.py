@@ -1,9 +1,6 @@
-"""Kernel inventories compared: which ops dispatch to other kernels than in the reference, and which
-ops of a GPU run fell back to the host. numpy-free and torch-free; the inventory is taken on the
-ranks (training/kernels.py) and stored in a record's results.
-
-A changed kernel is reported, not failed (``--gpuregress-kernel-changes=fail`` fails it): upgrades
-change kernels legitimately. Floating-point work on the host during a GPU run always fails.
+"""Kernel inventories compared: ops on other kernels than in the reference, and GPU-run ops that fell back
+to the host. Torch- and numpy-free; training/kernels.py takes the inventory. A changed kernel is reported, not
+failed (upgrades change kernels legitimately); floating-point work on the host during a GPU run always fails.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""Metrics produced anywhere, as a record the plugin compares: ``gpuregress.check_metrics``.
+"""Metrics produced anywhere, as a record the plugin compares: ``gpuregress.check_metrics``. numpy only.
 
-A job the plugin does not launch (a Megatron or torchtitan log, a torchrun job of one's own) still has per-step
-losses and gradient norms, per-parameter gradient norms and final tensors. They go into a RunRecord of the same
-form the built-in scenarios record, so the same comparison, lanes, reports and plots judge them:
-
-  series        ``loss`` (required), ``grad_norm`` and ``clipped_grad_norm``: one value per step
-  per tensor    ``param_grad_norms``: name -> one gradient norm per step; ``tensors``: name -> final values,
-                kept as digests (sha256 for the exact lane, float64 sums for the tolerant one)
-  tolerances    ``rtol``: one relative limit for every metric, or one per metric; given, the comparison takes
-                the tolerant lane with those limits (as pytest-regressions' ``num_regression`` does). Not given:
-                the lanes as usual, with the spread of ``replicas`` (the same metrics from reruns the user made)
-                as the envelope when they were given at recording.
-
-numpy only.
+A job the plugin does not launch (a Megatron log, one's own torchrun job) gets a RunRecord of the built-in
+scenarios' form, so the same lanes, reports and plots judge it; ``rtol`` forces the tolerant lane with those
+limits. The accepted fields: docs/own-models.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The model's own definition, compared: a parameter layout that differs from the reference's is the model's
 code changing (a transformers release fusing or splitting modules), never a kernel or a collective.
 
-Weights are seeded per parameter name (training/models.py), so a layout change also changes the starting
-point: the reference then cannot judge this stack's numbers at all. The comparison says so, names what
-changed and with which library versions, and says how to record a reference for this stack. The layout
-is read from the step-0 gradients both records keep (names and shapes), so it needs no new field.
-Torch-free: the session imports it.
+Weights are seeded per parameter name, so the reference cannot judge such a run at all. The layout is read
+from the step-0 gradients' names and shapes. Torch-free: the session imports it.
 """
 
 from __future__ import annotations
@@ -127,12 +124,10 @@ def adapters_only(reference: RunRecord, run: RunRecord) -> bool:
 
 
 def tie_built_otherwise(reference: RunRecord, run: RunRecord, tied: bool | None) -> tuple[str, str] | None:
-    """(the library that built it, message) where the layouts differ by the output head alone: a tensor of the input embeddings'
-    shape on one side only, shared with them on the other (``tied``: the model config's tie_word_embeddings;
-    None where it has none, as a factory's model). A stack that builds against its config is a library's fault,
-    never a layout to re-record over: the model library that changed since the reference, else transformers
-    (whose ``tie_weights`` ties a config's embeddings). None where this run follows its config (the reference then
-    did not: the model finding says so), or the difference is another one (a gradient missing, say)."""
+    """(the library that built it, message) where the layouts differ by the output head alone: tied to the
+    input embeddings on one side only (``tied``: the config's tie_word_embeddings, None where it has none).
+    Building against the config is a library's fault, never a layout to re-record over; None otherwise.
+    """
     if tied is None:
         return None
     before, after = layout(reference), layout(run)

@@ -1,8 +1,7 @@
 """The one rule for names that become path components: reference names, platform keys, launch keys.
 
-A name is one folder or file name, never a path: ``[A-Za-z0-9._+-]+``, not ``.`` or ``..``, and not
-starting with ``.`` (hidden names are the store's own: ``.<name>.new-*`` and ``.<name>.old-*`` are
-interrupted writes, which the next write deletes).
+One folder or file name: ``[A-Za-z0-9._+-]+``, not ``.`` or ``..``, not starting with ``.`` (hidden names
+are the store's interrupted writes, which the next write deletes).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""What a training run shows of the stack besides its numbers, judged by the policy the options set:
-kernels that changed since the reference, and throughput and memory as ratios to it.
-
-By default a kernel change is reported and a slowdown warns: upgrades change kernels legitimately,
-and timings on a shared machine are noisy. ``--gpuregress-kernel-changes=fail`` and
-``--gpuregress-perf=fail`` make them failures. Ops that fell back to the host during a GPU run
-fail always; they are the scenario's own findings (``kernels.host_op_problems``), not judged here.
+"""What a training run shows of the stack besides its numbers, judged by the options' policy: kernel
+changes since the reference, and throughput and memory as ratios to it. By default a kernel change is
+reported and a slowdown warns (upgrades change kernels; shared machines are noisy). Host-op fallbacks
+are the scenario's own findings, not judged here.
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """The op trace of step 0 as a RunRecord keeps it, per rank: torch-free, numpy only.
 
-The rank side (training/op_trace.py) records it; first_moved.py compares two. Per rank, in ``results``:
-
-    results["op_trace"]["ranks"]["<rank>"] = {
-        "format": 1, "backend": "DebugMode" | "TorchDispatchMode", "hash": "wsum64/1", "seconds": traced time,
-        "strings": [...],     # every op, module path, region, phase and shape text, once
-    }
-
-and in ``arrays``, under ``op_trace/rank<r>/``: ``ops`` (int32, one row per op: the string indices of its op,
-module, region, phase and inputs, and its count of outputs), ``outputs`` (int32, the string index of each
-output's shape, in op order), ``digest`` (float64, one row per output: sum, sum of |x|, max |x|), ``hash``
-(int64, per output) and, in traces recorded since sources were kept, ``source_counts`` (int32, per op) and
-``sources`` (int32, in op order: the entries whose values each op's inputs hold; introduced.py follows them). In
-traces recorded since sketches were kept: ``sketch`` (float32, one row of SKETCH_BUCKETS signed bucket sums per
-floating output of 1024 elements or more: training/tensor_digest.py) and ``sketch_rows`` (int32, per output: its
-row there, -1 for none), which let one wrong element show through another kernel path's drift. In traces recorded
-since they were kept: ``arguments`` and ``packages`` (int32, per op: the string index of its non-tensor arguments,
-"other=0.5, alpha=1", and of the package whose code ran it: training/op_arguments.py).
-Every rank's trace is kept: ``merge_ranks`` folds them into the merged record. An
-``<input>`` entry is a tensor an op read that no traced op made (tokens, weights, buffers).
+training/op_trace.py records it, first_moved.py compares two; every rank's trace is kept (``merge_ranks``).
+The layout in ``results`` and ``arrays``: docs/architecture.md, "The op trace's layout".
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """How far a training run's step 0 is from float64, per tensor, and whether a new recording moves toward it.
 
-Every training reference recorded with triage's float64 oracle at hand stores, per step-0 gradient, its
-distance from the oracle's: max |diff| / max |float64|, the unit of the step-0 comparison. Re-recording
-over a reference (``--gpuregress-record``) is allowed only when the new run is no further from float64
-than the old one, tensor by tensor, within the measured noise: the old reference's tolerant-lane limit
-for that tensor (K x the noise replicas' spread plus the floor, reference/compare.py). A stack made worse
-(a GEMM that lost precision) is refused with both distances; ``--gpuregress-record-anyway`` overrides.
-A first recording stores the distance without judging it.
-
-The same distances judge a reduced-precision run against its reference (``precision_problem``): a bf16 run
-whose step 0 is computed with less precision than the reference's (a norm without its float32 upcast, a GEMM
-that accumulates in bf16) lands further from float64 on most tensors, while another kernel path of the same
-precision lands about as far. The tolerant lane's step-0 limits, from the replicas' spread, are 16% to 82% of
-a bf16 gradient's largest element and cannot see that; the median distance can.
+Re-recording is allowed only when no tensor moves further from float64 than the old reference's tolerant limit
+(``--gpuregress-record-anyway`` overrides); ``precision_problem`` judges a bf16 run computed with less precision
+by the median distance, which the replicas' wide step-0 limits cannot see. docs/envelope.md has both.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Whether the code computes another function: the float64 oracle's step 0, kept with the reference.
+"""Whether the code computes another function: the float64 oracle's step 0, kept with the reference. numpy only.
 
-A reference recorded with a float64 oracle at hand (fsdp, lora and the models of --gpuregress-model) keeps the
-oracle's step-0 loss and, per parameter, its step-0 gradient's sum, sum of |x| and max |x|. On a failing run the
-oracle runs again on this stack (it is triage's float64 one-rank run, with no fault of the stack under test). In
-float64 a new kernel path, a new BLAS or a collective moves these numbers by about 1e-15; a library that changed
-what the model computes (another RoPE convention, LoRA scaled by alpha / sqrt(r)) moves them by far more than
-``CODE_CHANGE``. So a moved oracle convicts the model's code (the library that runs it), not a kernel under it.
-numpy only.
+On a failing run the oracle runs again on this stack. In float64 a new kernel path or collective moves its
+numbers by about 1e-15; a library that changed what the model computes moves them past ``CODE_CHANGE``,
+which convicts the model's code, not a kernel under it (docs/triage.md, "The library component").
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Throughput and memory against the reference, as ratios.
-
-A training record's ``results["perf"]`` (training/observe.py) holds the median step time over the
-steady steps, tokens per second, the peak memory (device memory on GPUs, peak RSS on the CPU) and,
-with more than one rank, the bus bandwidth of a gradient-sized all-reduce. Each is compared with
-the reference's as a ratio "worse by": a step 1.6x as long, 0.6x the bandwidth (1.67x worse) and
-1.4x the memory are all past their limits by default. Timings are noisy, so only medians are compared.
+"""Throughput and memory against the reference, as ratios "worse by" (a step 1.6x as long, 0.6x the
+bandwidth). Timings are noisy, so only medians over the steady steps are compared
+(training/observe.py measures them).
 """
 
 from __future__ import annotations

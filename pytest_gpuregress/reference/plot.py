@@ -1,11 +1,6 @@
-"""One figure per comparison: the curves, how far apart they are against the tolerance, the worst parameters.
-
-matplotlib is optional (``pip install 'pytest-gpuregress[plots]'``); without it ``plot_comparison``
-raises ``PlotsUnavailable`` with that command, and nothing else changes. Panels:
-  loss and gradient norm   reference and run, the tolerant lane's band around the reference
-                           (the envelope where one was recorded), the first divergence marked
-  deviation per step       |run - ref| / |ref| on a log scale, against each metric's limit
-  worst parameters         each parameter's worst gradient-norm deviation as a multiple of its limit
+"""One figure per comparison: the curves with the tolerance band, deviation per step against each limit,
+and the worst parameters. matplotlib is optional: without it ``plot_comparison`` raises
+``PlotsUnavailable`` naming the install command.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""RunRecord: what one scenario run produced, in a torch-free form.
+"""RunRecord: what one scenario run produced, in a torch-free form: JSON plus one safetensors file.
 
-A record is JSON (scalars, per-step series, digests, config, fingerprint) plus one safetensors
-file (matrices and tensors, as numpy arrays). The same two files are what a worker hands back
-to the launcher and what the store keeps as a reference, so there is exactly one serializer.
+The same two files are what a worker hands back and what the store keeps, so there is one serializer.
 """
 
 from __future__ import annotations
@@ -28,15 +26,9 @@ TENSORS_FILE = "tensors.safetensors"
 
 @dataclass
 class RunRecord:
-    """Results of one scenario run.
-
-    series:   per-step scalars, e.g. ``loss`` and ``grad_norm`` (float64, stored with repr precision)
-    arrays:   named numpy arrays, e.g. ``param_grad_norm`` [steps, params] and ``step0_grad/<param>``
-    digests:  per-parameter digests of the final weights (sha256 of the bytes, float64 sums)
-    results:  scenario-specific structured results (e.g. collective cases), JSON-serialisable
-    attachments: folders a reference keeps beside its two files, by name (``resume``: the fsdp scenario's
-              resume checkpoint); not part of record.json. Recording, the store copies each into the
-              reference and lists its files in the manifest; reading, it points each at the verified copy.
+    """Results of one scenario run: per-step ``series`` (float64), named numpy ``arrays``, final-weight
+    ``digests``, JSON-serialisable ``results``, and ``attachments`` (folders a reference keeps beside its two
+    files, e.g. ``resume``; the store copies them and lists their files in the manifest).
     """
 
     scenario: str

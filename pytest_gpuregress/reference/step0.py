@@ -1,19 +1,8 @@
-"""Step-0 gradients in a form that scales: full tensors when small, block summaries when large.
+"""Step-0 gradients in a form that scales: full tensors up to ``FULL_MAX_ELEMENTS``, else one row per
+``BLOCK`` of [block index, count, sum, sum of |x|, max |x|] (float64). numpy only.
 
-Step-0 gradients are the sharpest signal (one wrong element of a reduce-scatter shows there), but
-on the GPU model they are ~150 M floats per rank. Tensors up to ``FULL_MAX_ELEMENTS`` are kept
-whole (``step0_grad/<param>``); larger ones as one row per block of ``BLOCK`` consecutive elements
-of the flattened tensor (``step0_blocks/<param>``):
-
-    [block index, element count, sum, sum of |x|, max |x|]   (float64)
-
-One element off by ``e`` moves its block's sum by exactly ``e``, so measured against the tensor's
-max |x| (the scale full tensors use too) a block shows the same deviation that element would, and
-the block locates it to 4 KiB. A GPU-size reference shrinks ~200x (5 float64 per 1024 float32).
-
-Each rank summarizes only its own FSDP2 shard, with blocks numbered in the full tensor, so the
-per-rank record is no larger than the shard and the merged summary does not depend on how many
-ranks produced it (``merge_ranks`` adds the partial blocks at shard edges). numpy only.
+One wrong element moves its block's sum by exactly its error, so it still shows, located to its block.
+Each rank summarizes its own shard with blocks numbered in the full tensor; ``merge_ranks`` joins them.
 """
 
 from __future__ import annotations
@@ -158,12 +147,10 @@ def block_deviation(run: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 
 def block_bound_scale(ref: np.ndarray) -> np.ndarray:
-    """Per block: how many times an element's rounding bound its block's sum may differ by, in the same unit (the
-    tensor's max |x|). A block adds up the rounding errors of its elements: independent, each at most the element
-    bound, and, where they scale with their element (a bf16-rounded gradient), each proportional to |x_i|. Their sum
-    then grows like sqrt(sum x_i^2) (the probabilistic model of bounds.py), at most sqrt(max |x| x sum |x|) of the
-    block; errors of one size each (cancellation) give sqrt(count) x mean |x|, which that also bounds. Never below
-    1: a block of one element is that element."""
+    """Per block: how many times an element's rounding bound its block's sum may differ by (unit: max |x|).
+    Independent errors grow like sqrt(sum x_i^2) (bounds.py's model), at most sqrt(max |x| x sum |x|);
+    never below 1, a one-element block being that element.
+    """
     scale = max(float(ref[:, _MAX_ABS].max()) if ref.size else 0.0, float(np.finfo(np.float32).tiny))
     return np.maximum(1.0, np.sqrt(np.abs(ref[:, _MAX_ABS] * ref[:, _ABS_SUM])) / scale)
 

@@ -1,17 +1,9 @@
-"""The reference store: ``<root>/<scenario>/<platform-key>/``.
+"""The reference store: ``<root>/<scenario>/<platform-key>/``, each reference record.json,
+tensors.safetensors and a sha256 manifest.json (attachments' files included).
 
-Each reference is record.json + tensors.safetensors (see record.py) and a manifest.json holding
-the sha256 of both, the store format and when and with what it was recorded. A reference may keep
-folders beside them (``RunRecord.attachments``, e.g. ``resume/``: the fsdp scenario's resume
-checkpoint, safetensors and JSON); the manifest lists each of their files with its sha256 too, and a
-folder holding a file the manifest does not list is refused like a damaged one. Writes go to a
-staging directory that is swapped in whole (atomic.replace_dir), and an existing reference is only
-replaced when the caller says so (the ``--gpuregress-record`` flag).
-
-Crash safety: a write holds a lock on the scenario folder, first puts back an old reference that a
-crash left moved aside (``.<key>.old-*`` with no ``<key>``), then deletes the leftovers of
-interrupted writes of that reference. A read ignores leftovers, and puts back a moved-aside
-reference too, with a warning. Scenario names and platform keys must pass names.safe_component.
+Writes are staged and swapped in whole (atomic.replace_dir) under a lock on the scenario folder, replace
+a reference only when told to (``--gpuregress-record``), and first restore or clean what a crash left.
+Reads ignore leftovers. docs/architecture.md, "The reference store".
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """Two step-0 op traces of one rank paired op by op, across a changed op sequence. numpy only.
 
-A real upgrade changes more than numbers: a new package wraps a function in a module of its own (transformers 5.25
-with ``kernels`` runs RoPE in a ``Func`` that is no part of the model), a refactor moves a cast, a release fuses two
-ops. Pairing by position stops at the first such change, and everything after it (the backward pass, every
-collective, the optimizer) goes unjudged. So the ops are paired by what they compute:
-
-  1. by their whole identity (op, module, phase, input and output shapes and dtypes): the longest runs of equal
-     entries, as ``difflib`` aligns lines of text;
-  2. within what is left between those runs, by what they compute alone, the module being a soft key: an op
-     that now runs under another module label is the same op, relabelled.
-
-What neither pass pairs is a stretch: ops inserted, removed, or replaced by others (another shape, dtype or op).
-Each kind of change is said once, in one short note, with layer numbers folded ("model.layers.N.self_attn"),
-and the analysis goes on over the pairs past it (first_moved.py, introduced.py). An entry left unpaired has no
-move of its own; introduced.py judges what reads it by its nearest paired ancestors.
+Upgrades insert, move and fuse ops; paired by position, everything after the first change would go unjudged.
+So ops pair first by whole identity (longest equal runs, as difflib aligns text), then by what they compute
+with the module as a soft key (a relabelled op). Unpaired stretches become one short note per kind of change.
 """
 
 from __future__ import annotations

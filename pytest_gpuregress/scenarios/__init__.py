@@ -1,14 +1,8 @@
 """The scenario registry: the built-in scenarios, plus those other packages add by entry point.
 
-The built-in scenarios are listed here (``BUILTIN``) and load from the package itself, so a copy of the tree
-that pip never installed (``PYTHONPATH=. pytest -p pytest_gpuregress.plugin``, as benchmarks/gpu_check.sh runs
-on a GPU machine without a package index) has them too. Another package adds scenarios under the entry-point
-group ``gpuregress.scenarios``; each entry point names a ``Scenario`` instance (or a class to instantiate)::
-
-    [project.entry-points."gpuregress.scenarios"]
-    toy = "mypkg.toy:SCENARIO"
-
-``gpuregress scenarios`` lists what is installed. Loading imports only session-side code: no torch.
+Built-ins (``BUILTIN``) load from the package itself, so an uninstalled tree (``PYTHONPATH=.``, as
+benchmarks/gpu_check.sh runs) has them too. Plug-ins: entry-point group ``gpuregress.scenarios``
+(docs/writing-a-scenario.md). Loading imports only session-side code: no torch.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """One object that judges a case's runs, in the shape of syrupy's extensions.
 
-A scenario hands out a ``Comparator`` per case (``Scenario.comparator``); given a reference (or None, for
-a case that has none) and a run, ``judge`` returns the findings and the verdict. The session, fail-fast,
-triage, plots and ``gpuregress compare`` all use this one object, so the command printed for a failure
-judges a kept run exactly as the test did: the scenario's own checks (LoRA, formats, checkpoint), the
-comparison with the reference, and the kernel and perf observations under the same policy.
-
-A kept run carries ``judged_as`` (``describe``): the scenario, the case and the setup the verdict needs.
+``judge(reference or None, run)`` returns the findings and the verdict. The session, fail-fast, triage, plots
+and ``gpuregress compare`` all use it, so a failure's printed command judges a kept run exactly as the test
+did; a kept run carries ``judged_as`` (``describe``) for that.
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
-"""Every determinism switch in one place (after torchtitan's ``set_determinism``).
+"""Every determinism switch in one place (after torchtitan's ``set_determinism``), set on every rank first.
 
-Called on every rank before a scenario builds anything. What it set is returned and stored in
-the fingerprint (``numerics.determinism.*``), so a reference says under which switches it was
-recorded, and the exact lane applies only where they match.
-
-Per platform (docs/gpu.md, "Determinism on GPUs"):
-  cpu   strict ``torch.use_deterministic_algorithms``; every SDPA backend stays allowed: the CPU
-        flash kernel (``_scaled_dot_product_flash_attention_for_cpu``) and math are deterministic.
-  cuda  strict mode too: in warn-only mode torch runs nondeterministic kernels (the flash and
-        memory-efficient SDPA backward) and only warns, while the exact lane demands equal bits.
-        SDPA goes to the math backend only: its backward is plain matmuls and softmax, deterministic
-        on every torch release. cuDNN attention's backward is not deterministic (recent torch skips
-        it in strict mode, older releases run it silently); flash and memory-efficient attention have
-        a deterministic backward in strict mode in recent torch only, so they are left out too.
-        cuBLAS gets ``CUBLAS_WORKSPACE_CONFIG=:4096:8``.
-  rocm  as cuda, plus ``ROCBLAS_DEFAULT_ATOMICS_MODE=0`` (no atomics in rocBLAS GEMMs). Math only
-        here as well: the CK memory-efficient backward ignores the deterministic flag, and AOTriton
-        flash attention has a deterministic backward only in recent releases.
-The cost: the math backend is slower than a fused kernel and holds the whole attention matrix
-(memory grows with the square of the sequence length), and the fused SDPA kernels are not what a GPU
-run exercises. An op without a deterministic kernel raises in strict mode (torch's message names it).
-
-Where a device cannot be made deterministic (a ``CUBLAS_WORKSPACE_CONFIG`` or
-``ROCBLAS_DEFAULT_ATOMICS_MODE`` set to a nondeterministic value before the run, a torch without the
-SDPA switches, or ``GPUREGRESS_DETERMINISM=warn`` for a model whose op raises in strict mode), the
-run is set up in warn-only mode and says so: ``deterministic`` False and
-``nondeterministic_reason``. The comparison then uses the tolerant lane and names the reason
-(reference/compare.py), and the report header prints it (``header_lines``).
+What it set goes into the fingerprint (``numerics.determinism.*``), so the exact lane applies only under the
+same switches. GPUs run strict mode with SDPA on the math backend alone (the fused backwards are not
+deterministic on every release); where a device cannot be made deterministic the run is warn-only, says why
+(``nondeterministic_reason``) and takes the tolerant lane. Per platform: docs/gpu.md, "Determinism on GPUs".
 """
 
 from __future__ import annotations

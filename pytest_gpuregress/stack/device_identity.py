@@ -1,12 +1,8 @@
 """Which device a rank ran on, named the way an operator finds it again: node, local index, PCI bus id, UUID, serial.
 
-Used by the consensus vote (scenarios/consensus) to name a device, and by the collective sweep to name a link.
-The parsers are pure: they take what ``nvidia-smi`` or ``amd-smi`` printed, so tests feed them recorded output.
-``probe`` reads the vendor's library on a rank where its binding is installed (stack/smi_bindings.py), else
-runs the tools through ``stack.devices.run_tool`` (a missing, hung or failing tool gives None, never a failed
-run), and matches the rank's torch device to the tool's row by UUID, then by PCI bus id, and only then by index
-(the order CUDA numbers devices in need not be the tool's). Torch-free: ``probe`` is
-handed torch by the rank.
+Names a dissenting device (consensus) or a link (collective sweep). Parsers are pure, fed recorded tool output;
+``probe`` matches the torch device to the tool's row by UUID, then PCI bus id, only then by index (CUDA's order
+need not be the tool's), and a missing or failing tool gives None, never a failed run. Torch-free.
 """
 
 from __future__ import annotations

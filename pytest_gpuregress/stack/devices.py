@@ -1,9 +1,7 @@
 """Device facts beyond torch's own: DNN and BLAS library, MIG, driver and firmware versions.
 
-The parse functions are pure: they take what a tool printed or torch returned, so tests feed them
-recorded outputs. The probes read the vendor's library in process where its binding is installed
-(smi_bindings.py: pynvml, amdsmi), else run ``nvidia-smi`` / ``amd-smi``, and give None for anything they
-cannot read: a missing, hung or failing tool never fails a test session.
+Parsers are pure (tests feed recorded output); probes prefer the vendor's library (smi_bindings.py), else run
+the SMI tool, and give None for what they cannot read: a missing or hung tool never fails a session.
 """
 
 from __future__ import annotations
@@ -143,10 +141,8 @@ def dnn_version(value: object, is_rocm: bool) -> str | None:
 
 def blas_library(preferred: object, is_rocm: bool, env: Mapping[str, str] | None = None) -> str | None:
     """The library GPU matmuls go to: cuBLAS / cuBLASLt on CUDA, rocBLAS / hipBLASLt / CK on ROCm.
-
-    ``preferred`` is ``torch.backends.cuda.preferred_blas_library()`` (an enum, or its name). Without
-    it, TORCH_BLAS_PREFER_HIPBLASLT / TORCH_BLAS_PREFER_CUBLASLT (which set torch's initial choice)
-    decide; None when neither says.
+    ``preferred`` is torch's ``preferred_blas_library()``; without it the TORCH_BLAS_PREFER_* variables
+    (torch's initial choice) decide; None when neither says.
     """
     name = getattr(preferred, "name", preferred)
     if isinstance(name, str) and name.lower() in _BLAS_NAMES:
@@ -224,11 +220,8 @@ def nvidia_query(fields: Sequence[str]) -> list[dict[str, str | None]] | None:
 
 @functools.lru_cache(maxsize=2)
 def smi_facts(is_rocm: bool) -> tuple[str | None, str | None, tuple[str | None, ...]]:
-    """(driver, firmware, per-GPU MIG modes) from the vendor's SMI tool.
-
-    Cached per process: the worker collects a fingerprint for every job, and none of these can change
-    while the process holds the GPU. ``smi_facts.cache_clear()`` forgets them. Read through the vendor's
-    library where its binding is installed (smi_bindings.py), in the tool's words; else from the tool.
+    """(driver, firmware, per-GPU MIG modes) from the vendor's library or SMI tool, in the tool's words.
+    Cached per process: none can change while it holds the GPU (``smi_facts.cache_clear()`` forgets them).
     """
     if is_rocm:
         facts = smi_bindings.amd_facts()

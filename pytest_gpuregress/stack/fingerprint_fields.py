@@ -1,25 +1,7 @@
 """Every field of the stack fingerprint, declared once: its section, what it is, and which judgements read it.
 
-A field's flags say where it counts:
-  exact      a change can move a computed number on the same inputs: it leaves the exact lane (numerics_key)
-  hardware   it says which hardware ran: perf figures compare only where these agree (hardware_diff)
-  software   what a platform team upgrades (libraries, runtime, driver, cuDNN/MIOpen, BLAS, NCCL/RCCL): a
-             one-line summary of the changes never drops it
-  probed     read from the device's own tools (devices.probe_device); None on a CPU
-  matchable  a known issue may name it (known_issues.py); comm.env.NAME and numerics.determinism.NAME are
-             matched by prefix instead
-  on_cpu     recorded on a CPU run too (the GPU runtime's versions are not)
-
-Why some fields do not decide the lane: timestamps, host names, the Python patch level, safetensors and our own
-version store numbers but do not compute them; the CPU core count changes no number (each rank runs one thread;
-it is kept as device.cpu_count); device.mig, because a MIG slice's size already shows in device.name while the
-instance id changes with every allocation; device.firmware, because firmware computes none of a step's numbers
-(its bugs are hangs and crashes, docs/faults.md section 5) and nodes of one cluster often differ in it. On a CPU
-run every GPU field is None, so references recorded before a field existed keep their lane. No field can make a
-reference foreign: they only choose the lane.
-
-The table in docs/known_issues.md is ``markdown_table()``; tests/stack/test_fingerprint_fields.py keeps it equal and
-checks that ``collect()`` records exactly the declared fields. Torch-free.
+No field can make a reference foreign; ``exact`` fields choose the lane (why some are not: docs/envelope.md).
+``markdown_table()`` is docs/known_issues.md's table, and tests keep it and ``collect()`` equal to FIELDS. Torch-free.
 """
 
 from __future__ import annotations
@@ -38,12 +20,12 @@ class Field:
     section: Section
     name: str
     meaning: str = ""  # for the docs' table: values it takes, where that helps
-    exact: bool = False
-    hardware: bool = False
-    software: bool = False
-    probed: bool = False
-    matchable: bool = True
-    on_cpu: bool = True
+    exact: bool = False  # a change can move a computed number on the same inputs: leaves the exact lane
+    hardware: bool = False  # which hardware ran: perf figures compare only where these agree
+    software: bool = False  # what a platform team upgrades: a one-line summary of changes never drops it
+    probed: bool = False  # read from the device's own tools (devices.probe_device); None on a CPU
+    matchable: bool = True  # a known issue may name it (comm.env.* and numerics.determinism.* by prefix)
+    on_cpu: bool = True  # recorded on a CPU run too (the GPU runtime's versions are not)
 
     @property
     def key(self) -> str:

@@ -1,17 +1,8 @@
 """Known bugs of ML training stacks, matched against a run's fingerprint.
 
-The shipped list is ``known_issues.toml`` beside this module; a user's file (ini key
-``gpuregress_known_issues``) has the same schema and adds entries, or replaces a shipped entry
-with the same id. docs/known_issues.md describes the schema and the condition grammar:
-
-- ``"section.field" = "<spec>"``: a value starting with one of ``< > = ! ~`` is a PEP 440 version
-  specifier set (``">=2.7"``, ``"==2.19.*"``, ``">=2.27,<2.28"``);
-- ``"set"`` / ``"unset"``: the field is recorded / missing (the only condition a missing field meets);
-- any other string is a case-insensitive glob (``"gfx950*"``, ``"*H100*"``);
-- ``true`` / ``false`` / an integer: equality; a list: any of its items.
-
-Conditions of one entry must all hold. ``comm.env.NAME`` tests one recorded collective-library
-variable, so ``"comm.env.NCCL_PROTO" = "unset"`` stops matching once the workaround is applied.
+The shipped ``known_issues.toml`` plus a user's file (ini ``gpuregress_known_issues``), which adds entries or
+replaces one by id. All of an entry's conditions must hold; the schema and condition grammar (versions, set /
+unset, globs, ``comm.env.NAME``): docs/known_issues.md.
 """
 
 from __future__ import annotations
@@ -78,13 +69,9 @@ class KnownIssue:
 
 
 def parse_version(value: object) -> Version | None:
-    """A comparable version from what tools report, or None.
-
-    Local and build suffixes are not PEP 440 (or mean something else there: ``7.1.1-12345`` would be
-    a post-release), so everything from the first ``+``, ``-`` or blank is dropped: ``2.13.0+cpu`` ->
-    2.13.0, ``7.1.1-12345`` -> 7.1.1, ``6.4.43482-0f2d60242`` -> 6.4.43482; and so are pre- and
-    dev-release markers (``2.8.0a0`` -> 2.8.0). A value with a name in front (``cuDNN 9.1.0``) gives
-    its first dotted number.
+    """A comparable version from what tools report, or None: everything from the first ``+``, ``-`` or blank
+    is dropped (``7.1.1-12345`` would be a PEP 440 post-release), as are pre- and dev-release markers
+    (``2.8.0a0`` -> 2.8.0); a name in front (``cuDNN 9.1.0``) gives its first dotted number.
     """
     if value is None or isinstance(value, bool):
         return None

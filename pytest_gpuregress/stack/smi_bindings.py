@@ -1,13 +1,8 @@
-"""The vendor's management library read in this process: NVML through ``pynvml`` (nvidia-ml-py), AMD SMI through
-``amdsmi``. The probes (devices.py, device_identity.py) prefer them to ``nvidia-smi`` / ``amd-smi``: no new
-process, and no tool that takes seconds to start on an 8-GPU node without persistence mode. Neither package is a
-dependency; where one is missing, or its library does not initialise, these give None and the probes run the tools.
+"""The vendor's management library read in this process: NVML through ``pynvml``, AMD SMI through ``amdsmi``.
 
-What they give is what the tools print, in the tools' own words, so a fingerprint or a device's identity is the
-same whichever path read it: NVIDIA rows keyed by ``--query-gpu`` field names ("00000000:18:00.0", "GPU-<uuid>",
-"Enabled"), AMD values as amd-smi's JSON holds them (firmware ids without ``AMDSMI_FW_ID_``). Each library is
-read once per process (nothing here changes while the process holds the GPU); a value the library cannot give is
-None, as the tools print N/A. Never raises.
+Preferred to the tools (no new process; ``nvidia-smi`` can take seconds without persistence mode); neither is a
+dependency. Values are the tools' own words, so a fingerprint is the same whichever path read it; each library
+is read once per process, a missing value is None. Never raises (callers then run the tools).
 """
 
 from __future__ import annotations

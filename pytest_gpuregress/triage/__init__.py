@@ -1,19 +1,9 @@
 """Triage: name the component behind a difference with experiments, each of which clears or convicts one.
 
-  equivalence  the scenario on N ranks and on one rank, same global batch, 3 steps: step-0 gradients
-               and the first losses must agree within a derived bound (reference/bounds.py). The one rank
-               runs each rank's micro-batch in turn with that rank's shapes (training/step.py), so every
-               GEMM sees the same rows on both sides and only the communication differs. A difference
-               convicts a collective, and names the parameters, the rank whose shard holds them and
-               the message that carried them. Needs no stored reference.
-  oracle       step 0 in float64 on the CPU in one process (training/oracle.py): the one-rank run's
-               step-0 loss, gradient norms and gradients must agree within the same bound. No
-               collective touches that run, so a difference convicts a kernel. Needs no reference.
-  flips        with --gpuregress-triage, the failing scenario again with one switch flipped at a time
-               (flips.py): a switch that makes the deviation vanish points at its component.
-
-The verdict line names one component (collective, kernel, optimizer, data or checkpoint) and the
-evidence. torch-free: experiments run through a launcher the session passes in.
+equivalence (N ranks against one on the same global batch: a difference convicts a collective), the float64
+oracle (one process, no collective: a difference convicts a kernel), and with --gpuregress-triage the switch
+flips (flips.py). The first two need no reference; docs/triage.md describes all three. torch-free:
+experiments run through a launcher the session passes in.
 """
 
 from __future__ import annotations
@@ -224,12 +214,11 @@ def session_checks(name: str, passed: int, failed: list[str]) -> Experiment:
 
 
 def first_moved_evidence(comparison: Comparison | None) -> Experiment | None:
-    """The op of step 0 that gave another answer (``Comparison.culprit``): in the exact lane the first that moved,
-    every op before it (its inputs among them) bitwise equal; in the tolerant lane the first that introduced a
-    difference beyond drift (reference/introduced.py), never plain drift. A collective op (or FSDP2's copies
-    around one) convicts the collective, an optimizer op the optimizer, a compute op its kernel, an input no op
-    made the data where it holds integers (a token batch; a moved weight names nothing). A changed op sequence, or
-    drift alone, convicts nothing."""
+    """The op of step 0 that gave another answer (``Comparison.culprit``): the first that moved in the exact lane,
+    the first that introduced a difference beyond drift in the tolerant one (never plain drift). It convicts by
+    what the op is: collective (or FSDP2's copies around one), optimizer, compute kernel, or data for an integer
+    input no op made. A changed op sequence, or drift alone, convicts nothing.
+    """
     if comparison is None or comparison.first_moved is None:
         return None
     moved = comparison.culprit

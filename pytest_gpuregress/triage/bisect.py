@@ -1,32 +1,8 @@
 """Bisect an upgrade to the package: revert what changed since the reference, in overlays, and rerun step 0.
 
-A platform team upgrades several packages at once (a new transformers pulls in ``kernels``; accelerate and numpy
-move too). Which one to pin back, or file against, is answered by experiment, as ``git bisect`` answers it for
-commits:
-
-  1. the distributions that differ between the reference's fingerprint and this stack's: changed, added, removed
-     (stack/fingerprint.py keeps the whole environment with every reference);
-  2. those an overlay cannot replace are set aside, with the reason: torch and what is built against its ABI (a
-     CUDA or ROCm build, NCCL, extensions compiled for torch), editable or local installs, and this plugin; a
-     wheelhouse that holds torch's reference version lets the overlay replace torch too;
-  3. packages that must move together form one group: a package with the ones added since the reference that it
-     requires (transformers 5.25 with kernels), said in the report;
-  4. step 0 of the failing case reruns with every group reverted (overlays.py); where that does not restore it, no
-     revert does, and the report names what cannot be overlaid. Else the groups are halved: the half whose revert
-     restores step 0 is kept, until one group is left (or neither half alone restores it: then they act together).
-
-Restored means: bit for bit in the exact lane; in the tolerant lane, within the envelope with no op of step 0
-introducing a difference. Each experiment is one step-0 launch (``Experiment``), run by the caller.
-
-    found = bisect(plan(reference_fp, run_fp, requires), restores)
-    found.line()   # "bisect: transformers 5.25.0+regress1 -> 5.24.0 restores step 0 bit for bit; ..."
-
-The session's side (``bisect_failure``, for --gpuregress-bisect): each experiment is one launch of the case's own
-config, one step, with the op trace, whose ranks start with an overlay's ``PYTHONPATH`` (overlays.py): the
-session's launcher pools them by their environment, so one overlay's ranks serve every launch that needs it. Its
-step 0 is judged against the reference cut to step 0, in the lane the comparison chooses: restored bit for bit in
-the exact lane; within the envelope, with no op of step 0 introducing a difference, in the tolerant lane.
-torch-free.
+The changed distributions that an overlay can replace (not torch's ABI, editable installs, this plugin) are
+grouped with what they require, reverted together, then halved while a half restores step 0 (bit for bit, or
+within the envelope with no op introducing a difference). docs/triage.md, "Bisect an upgrade to the package". torch-free.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """One decision from the evidence: the component a failure points at, by rules read top to bottom.
 
-The evidence of a failing case is gathered in one place (``Evidence``): the run's own checks (its collectives
-against their invariants, its clip against its own norm), the data it read, the op of step 0 that introduced the
-difference and on which ranks, the experiments (a bisect of the upgrade, equivalence, the float64 oracle, the late
-window), the collective sweep of the session, the kernels that changed. The first rule whose evidence is there
-decides, and the verdict quotes it. An experiment that was run outranks what the comparison infers, and a version
-number that changed decides nothing here: it only ever breaks a tie in the library a moved oracle names
-(triage/model_code.py). ``RULES`` is the table docs/triage.md shows.
-
-torch-free.
+All of a failing case's evidence is in ``Evidence``; the first rule whose evidence is there decides and the
+verdict quotes it. An experiment outranks what the comparison infers, and a version that changed only breaks a
+tie (triage/model_code.py). ``RULES`` is docs/triage.md's table. torch-free.
 """
 
 from __future__ import annotations

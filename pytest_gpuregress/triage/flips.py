@@ -1,9 +1,6 @@
-"""Switches flipped: re-run a failing training scenario with one switch changed at a time.
-
-For each switch the deviation from the reference is measured again (the largest margin of the
-tolerant lane, as a multiple of its limit) and compared with the failing run's: it vanished (the
-run passes), shrank (to under a third) or stayed. A switch that does not apply on this platform
-is listed as not applicable, with the reason.
+"""Switches flipped: re-run a failing training scenario with one switch changed at a time, and say whether
+the deviation (the tolerant lane's largest margin) vanished, shrank (to under a third) or stayed. A switch
+that does not apply on this platform is listed with the reason.
 """
 
 from __future__ import annotations

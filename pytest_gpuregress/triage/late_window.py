@@ -1,28 +1,8 @@
 """The late window: a divergence that starts after a clean step 0, judged where it starts.
 
-Step 0 matched and equivalence and the oracle cleared it, yet a later step differs. The norms a training
-record keeps after step 0 cannot tell an update that went wrong from gradients computed wrong. The
-reference carries its own checkpoint late in the run (step S, scenarios/shared/resume_plan.py) and the
-gradients of step S computed from it on the recording stack. This stack loads that state in a fresh process,
-computes step S's gradients again and trains on to the end (the resume case's launch, which the session runs
-once for both):
-
-  differs            the gradients are computed wrong from the right weights: a collective that carries them
-                     (few elements), or a backward kernel or a collective (most: the window cannot tell them apart);
-  reproduced         right gradients from the right weights at S, and the window leaves its limits again from its
-                     first update on: the update goes wrong from the reference's own state: the optimizer;
-  reproduced later   the same, but only steps later: a later batch's gradients (which the reference does not keep),
-                     or a bug that needs as many steps of warm-up in the fresh process, could do it as much as the
-                     update, so this convicts nothing; unless the run itself diverged from its first update on (a
-                     small error of the update crosses a tolerant limit only steps later): then "reproduced";
-  did not reproduce  right gradients at S, and the steps after it match the reference's: the divergence does not
-                     recur in a fresh process. A bug that needs a warmed-up process (a reused buffer pool, a
-                     counter, a protocol switch after N calls) behaves so, so this clears nothing: the collectives'
-                     own invariants, checked in the failing run itself (reference/collective_invariants.py), are
-                     the evidence for those;
-  before the divergence   S comes before the first differing step: the window clears nothing.
-
-torch-free.
+Later norms cannot tell a wrong update from wrong gradients, so this stack resumes from the reference's own late
+checkpoint (step S) in a fresh process, recomputes step S's gradients and trains on; what each outcome convicts
+is docs/triage.md's late-window table. A bug needing a warmed-up process does not recur there. torch-free.
 """
 
 from __future__ import annotations

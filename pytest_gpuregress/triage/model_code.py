@@ -1,8 +1,7 @@
 """The model's code as evidence: the float64 oracle on this stack against the one kept with the reference.
 
-The oracle runs step 0 in float64 in one process, with no collective: where it computes another step 0 than the
-reference's (reference/oracle_step0.py), the code computes another function. Which code is named from what moved
-in the comparison's step-0 trace, then from the versions that changed (``suspect``). torch-free.
+Where the oracle computes another step 0 (reference/oracle_step0.py), the code computes another function;
+which code is named from what moved in the step-0 trace, then from the versions that changed. torch-free.
 """
 
 from __future__ import annotations
@@ -62,14 +61,11 @@ ORACLE_LIBRARIES = ("transformers", "peft")
 
 def suspect(change: CodeChange, recorded: dict[str, str | None], installed: dict[str, str | None],
             culprit: FirstMoved | None = None, changed_code: Sequence[str] = ()) -> tuple[str, str]:
-    """(the component the moved oracle points at, why), from what moved first, then from versions.
-
-    What moved decides: the op of step 0 that introduced the difference, called with other arguments (a divisor,
-    a scale), names the package whose code called it; the same op with the same inputs and arguments computing
-    another answer is a kernel that computes another function, float64 too (torch's, not a library's); ops
-    inserted, removed or replaced in step 0 name the package whose code runs them. Only where none of these is
-    known do the gradients that moved (peft where only adapter gradients moved, else transformers) and the
-    versions that changed say which library: a version number then only breaks the tie."""
+    """(the component the moved oracle points at, why). What moved decides: an op called with other arguments
+    names the package that called it; the same op, inputs and arguments giving another answer is a kernel (torch's);
+    ops inserted or removed name the package that runs them. Only else do the gradients that moved (peft for
+    adapters alone, else transformers) and the changed versions say which library.
+    """
     site = culprit.site if culprit is not None else None
     if culprit is not None and site == "called otherwise":
         return str(op_component(culprit)), f"{culprit.describe()}"

@@ -1,9 +1,7 @@
-"""What each finding names: the component a check's finding or a comparison's finding points at, by rules with ids.
+"""What each finding names: the component a check's or a comparison's finding points at, by rules with ids.
 
-Checks report what they saw (``findings.CheckFinding``, ``compare.Finding``): the check or metric, a message and
-the facts measured. Which component that is, is decided here, in two tables read top to bottom, as the case's
-verdict is in ``decision.py``: a check that named its own component would one day name the wrong one. The
-verdict's experiments may then convict one component for every finding (``convict``). torch-free.
+Checks report only facts; naming is decided here, in two tables read top to bottom, because a check that named
+its own component would one day name the wrong one. ``convict`` lets the experiments convict one for all. torch-free.
 """
 
 from __future__ import annotations

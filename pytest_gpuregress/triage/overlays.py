@@ -1,13 +1,8 @@
 """Overlays: the reference's versions of some packages, put first on the ranks' path, never in the user's environment.
 
-A bisect (bisect.py) reverts packages by experiment. Each version it needs is installed once, with
-``pip install --no-deps --target <folder>``, into a folder of its own under the session's bisect folder: from the
-wheelhouse first (``--gpuregress-wheelhouse``, for clusters without an index), else from pip's configured index.
-A package added since the reference is reverted by hiding it: a folder holding a ``sitecustomize.py`` that turns its
-modules into empty namespace packages (nothing can be imported from them) and leaves its distribution out of
-``importlib.metadata`` (transformers asks both before it uses an optional package such as ``kernels``). An
-experiment's ranks start with ``PYTHONPATH`` = the hiding folder, then the installed versions, then the user's own
-``PYTHONPATH``: site-packages stay as they were, and pooled ranks with the same overlay are reused.
+Each version is installed once with ``pip install --no-deps --target`` (wheelhouse first, else pip's index); an
+added package is hidden by a ``sitecustomize.py`` that empties its modules and drops its metadata (transformers
+checks both). Ranks get ``PYTHONPATH`` = hiding folder, versions, the user's own; pooled ranks are reused.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Scenario ``triage``: the reference-free experiments of triage, as test cases of their own.
 
-For every training scenario that supports triage, two cases: ``equivalence-<scenario>`` (N ranks
-against one rank on the same global batch) and ``oracle-<scenario>`` (step 0 against float64), and
-two more per model of --gpuregress-model (``equivalence-<scenario>-<model>``).
-They need no stored reference, so they also catch bugs on a brand-new platform. Select with
-``-k equivalence`` or ``-k oracle``. The experiments themselves are in this package (__init__.py).
-
-It lives here, above the scenarios, because it runs the other scenarios: the registry names it by
-its entry string, as it does a plug-in's (scenarios/__init__.py, docs/architecture.md).
+Per training scenario ``equivalence-<scenario>`` and ``oracle-<scenario>`` (plus one per --gpuregress-model);
+they need no reference, so they also catch bugs on a brand-new platform. It lives above the scenarios because
+it runs them (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Scenario ``collectives``: every op, variant, dtype and size against its closed-form result, bit for bit.
 
-Session side. ``plan.py`` (torch-free) lists the cases and judges them; ``rank.py`` runs them on
-every rank. Launching ranks per case would take hours, so the selected cases of one protocol
-group (an ``NCCL_PROTO``/``NCCL_ALGO`` setting) share one launch, and each case reads its verdict
-from that launch's merged record.
+Session side; ``plan.py`` plans and judges, ``rank.py`` runs. One launch per protocol group (an
+``NCCL_PROTO``/``NCCL_ALGO`` setting) serves all its selected cases: a launch per case would take hours.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""The collective sweep's plan: cases, sizes, ids, inputs with exactly known results, verdicts.
+"""The collective sweep's plan: cases, sizes, ids, inputs with exactly known results, verdicts. torch-free.
 
-torch-free: the session plans and judges with it, and the ranks (``rank.py``) build inputs from
-it. Inputs are small integers that depend on rank and index and stay exact in bf16 (and so in
-every wider type), so every output element has a closed-form answer compared bit for bit (the
-nccl-tests method). The value formulas only use integer operators, so they run on numpy
-arrays here and on torch tensors inside the ranks.
-
-Size ``n`` is elements per rank per peer: an all-reduce or broadcast moves ``n`` elements; an
-all-gather, reduce-scatter or all-to-all has ``world * n`` elements on its large side.
+Inputs are small integers of rank and index, exact in bf16 and wider, so every output element has a
+closed-form answer compared bit for bit (the nccl-tests method); the formulas use integer operators only, so
+they run on numpy here and on torch in the ranks. Size ``n`` is elements per rank per peer.
 """
 
 from __future__ import annotations
@@ -195,15 +190,13 @@ def rank_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) -> A
 
 
 def avg_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0, premultiplied: bool = False) -> Any:
-    """Inputs whose sum over ranks is world x base, so AVG and PREMUL_SUM(1/world) are exact on a backend that
-    sums, then divides (gloo), or premultiplies by an exact 1/world (a power-of-two world size).
+    """Inputs whose sum over ranks is world x base, so AVG and PREMUL_SUM(1/world) are exact where the backend
+    sums then divides (gloo) or 1/world is exact.
 
-    ``premultiplied``: the backend averages as a sum of inputs each premultiplied by 1/world rounded to the dtype
-    (NCCL and RCCL, ``premultiplies_average``), where 1/world is inexact (3, 5, 6, 7 ranks, ...): how rounded
-    terms add up depends on the order the algorithm picks, one ulp either way, which no closed form knows. There
-    each element has two contributing ranks, in turn (element i: ranks i and i + 1 mod world), each holding the
-    same power of two 2^e, the others 0: each term 2^e x s is exact, and so is their sum 2^(e+1) x s in any order.
-    Two, not one: a reduction that keeps one rank's value (MAX, a lost peer) gives 2^e x s, and fails."""
+    ``premultiplied`` (NCCL, RCCL, with 1/world inexact): the rounded terms' sum depends on the algorithm's order,
+    so each element gets two ranks holding 2^e, the rest 0: exact in any order. Two, not one, so a reduction that
+    keeps one rank's value (MAX, a lost peer) fails.
+    """
     k = value_limit(world, dtype)
     if premultiplied:
         exponent = (idx * 7 + salt * 5) % max(1, k.bit_length() - 1)  # 2 x 2^e stays within the exact range
@@ -243,14 +236,11 @@ def unit(dtype: str) -> float:
 
 
 def rounding_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) -> Any:
-    """Inputs (integers in ``unit(dtype)``) whose sum over ranks is not representable in the dtype, so it must round.
-
-    Each element has exactly two nonzero terms, a on rank idx mod world and b on another rank (varying with idx),
-    the other ranks 0: adding 0 is exact, so any order a ring, a tree or gloo adds them in rounds once, a + b, and
-    the result is RNE(a + b) whatever the order. a and b and their exact sum need at most bits + 2 significant bits,
-    exact in float32 and float64. The pairs cover ties that round down and up to even (truncation and round-half-up
-    each miss one), non-ties, opposite signs, negatives and a binade crossing (``_rounding_pairs``); no sum is 0
-    (outputs start at 0). Every rank holds a or b of 2/world of the elements, so a lost contribution shows."""
+    """Inputs (integers in ``unit(dtype)``) whose sum over ranks must round: exactly two nonzero terms per element,
+    so any order rounds once, to RNE(a + b). The pairs (``_rounding_pairs``) cover ties to even both ways, which
+    truncation and round-half-up each miss, signs and a binade crossing; no sum is 0, and every rank holds a term
+    of 2/world of the elements, so a lost contribution shows.
+    """
     pairs = _rounding_pairs(ROUNDING[dtype])
     first = idx % world
     second = (first + 1 + (idx // world) % max(1, world - 1)) % world  # never ``first`` when world > 1

@@ -1,15 +1,9 @@
 """The collective sweep on one rank: every planned case run and checked bit for bit.
 
-The plan (``plan.py``) arrives in the config as a list of cases. Each rank
-builds its inputs from closed-form integers, runs the collective (``async_op=True`` then
-``wait()``, so an error is raised by the call that caused it), and compares its output with the
-expected bits. Each rank counts its own wrong elements; the launcher sums them over ranks from
-the per-rank records, so no collective is trusted to report on collectives.
-
-Before it convicts a collective, the sweep reads back what it meant to send: every input and expected value is
-made by a cast from float64 (the stack's own conversion kernel), and each cast is checked against ml_dtypes, the
-formats scenario's oracle. A cast that gave other bits (one that truncates instead of rounding to nearest even)
-is the case's finding, named a kernel: the collective never saw what the case meant it to.
+Each collective runs with ``async_op=True`` then ``wait()``, so the call that caused an error raises it. Ranks
+count their own wrong elements and the launcher sums the records: no collective reports on collectives. The
+inputs' casts from float64 are checked against ml_dtypes first, so a wrong cast is named a kernel, not the
+collective.
 """
 
 from __future__ import annotations

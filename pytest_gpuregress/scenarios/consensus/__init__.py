@@ -1,17 +1,8 @@
 """Scenario ``consensus``: find the one bad device or node, by a vote across devices (``--gpuregress-consensus``).
 
-Session side, torch-free. Its cases exist only with ``--gpuregress-consensus``:
-  devices   every rank stands for one device and runs the same single-device workload at once (workload.py:
-            a seeded training run, a GEMM and reduction battery, the format casts), with no collective in its
-            numbers; it hands back digests, 24 bytes a tensor, and who it is (stack/device_identity.py). Devices vote bit
-            for bit within each group of one device model and stack (group_key.py, vote.py): every device that
-            differs from its group's majority is named with its node, local index, PCI bus id and UUID or
-            serial, and the first step and tensor where it differs, and by how much (report.py). Devices of
-            another model or stack are listed apart, never outvoted.
-  links     the collective sweep's ops whose every element has one sender, on every pair of ranks, wrong elements
-            counted per sender and receiver: a single corrupted peer names its link (scenarios/shared/links.py)
-Under torchrun or srun every process is one device of one node; spawned locally, one per GPU (on the CPU,
-``--gpuregress-world-size`` processes emulate as many devices). How it scales: docs/consensus.md.
+Session side, torch-free. ``devices``: every rank runs the same single-device workload and its digests are voted
+on bit for bit within its group of device model and stack; a dissenter is named by node, index, bus id and
+UUID. ``links``: the collective sweep per pair of ranks names a corrupted link. docs/consensus.md.
 """
 
 from __future__ import annotations

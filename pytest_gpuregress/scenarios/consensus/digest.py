@@ -1,12 +1,8 @@
-"""What a device sends for the vote: per tensor, 24 bytes. Never the tensors themselves.
+"""What a device sends for the vote: per tensor, 24 bytes, never the tensors themselves.
 
-Each tensor the workload produces (a step's loss, gradients and weights, a GEMM's output, a cast's codes)
-becomes one digest: an 8-byte BLAKE2b hash of its bytes, which decides agreement bit for bit, and two float64
-figures, its sum and the sum of its magnitudes, which say by how much a differing tensor moved. The figures
-are computed on the host from the copied bytes, so the device under test does not compute its own result.
-
-Names are ``part|step|tensor`` (step empty where a part has no steps), identical on every device that ran the
-same workload; ``kinds`` (dtype and shape) too. Torch-free at import: ``Digests.add`` takes a torch tensor.
+An 8-byte BLAKE2b hash decides agreement; float64 sum and sum of |x|, computed on the host from the copied
+bytes (not by the device under test), say how far a differing tensor moved. Names are ``part|step|tensor``.
+Torch-free at import.
 """
 
 from __future__ import annotations

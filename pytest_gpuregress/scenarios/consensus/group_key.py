@@ -1,12 +1,8 @@
 """Which devices may be expected to compute the same bits: the same device model and the same stack.
 
-Devices vote only inside a group of equal keys; a device of another model or stack is listed apart, never
-outvoted. The key is the part of the stack fingerprint (stack/fingerprint.py) that can change what one device
-computes on its own: the device model and architecture, the runtime, driver, DNN and BLAS libraries, torch,
-the CPU kernel path, and the numerics switches. Left out on purpose: everything about collectives (the
-workload runs none), host names, the device count, and firmware, which computes none of a step's numbers
-(docs/faults.md section 5) and often differs between nodes of one cluster; it is shown beside a dissenter
-instead (``report.py``). Torch-free.
+The key is the part of the fingerprint that changes what one device computes alone. Left out on purpose:
+collectives (the workload runs none), host names, device count, and firmware (it computes none of a step's
+numbers and differs between nodes; report.py shows it beside a dissenter). Torch-free.
 """
 
 from __future__ import annotations

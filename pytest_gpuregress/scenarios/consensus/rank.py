@@ -1,11 +1,7 @@
 """The consensus workload on one rank, which stands for one device: run it, digest it, say who we are.
 
-The rank runs the single-device workload (workload.py) on its own device and makes no collective call: its
-numbers are those of a world size 1 run. It hands back only its digests (24 bytes a tensor, as arrays) and its
-identity (host, node, local index, bus id, UUID, serial) with its group key (device model and stack); the
-launcher gathers these from every rank (files when spawned, an all-gather of the records under torchrun) and
-the session votes (vote.py). Rank 0 alone also sends the tensor names, which every rank shares; the others
-send a hash of theirs, so a rank that ran another workload is told apart.
+No collective call: its numbers are a world-size-1 run's. It hands back digests, identity and group key; only
+rank 0 sends the tensor names, the others a hash of theirs, so a rank that ran another workload shows.
 """
 
 from __future__ import annotations

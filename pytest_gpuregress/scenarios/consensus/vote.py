@@ -1,11 +1,7 @@
 """The vote: group devices by model and stack, take each group's majority result, name every device that differs.
 
-A device's result is its whole list of digests. Inside one group (equal ``group_key``) the result held by more
-than half of the devices is the consensus: those devices agree, every other one dissents, with the first tensor
-where it differs from the consensus. No result held by more than half (two devices that differ, or three
-results among four) is "no majority": every result is shown, with its devices, and none is called wrong. A
-group of one device has nobody to vote with. Groups never vote against each other: a device of another model
-or stack is listed apart (report.py). Torch-free.
+A result held by more than half of a group is the consensus; every other device dissents. Without one, it is
+"no majority" and nobody is called wrong. Groups never vote against each other. Torch-free.
 """
 
 from __future__ import annotations

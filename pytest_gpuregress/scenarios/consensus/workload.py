@@ -1,16 +1,9 @@
 """The single-device workload every device runs: no collective touches its numbers (world size 1 semantics).
 
-Three parts, each digested tensor by tensor (digest.py):
-  train   a seeded tiny MLP (Linear, GELU, LayerNorm, Linear) trained a few AdamW steps on fixed data: per step
-          the loss, every gradient and every weight after the update
-  gemm    a GEMM and reduction battery: matmuls of odd and even shapes in fp32, bf16 and fp16, a batched
-          matmul, and the reductions training leans on (sums, norms, variance, softmax, logsumexp)
-  cast    the format casts: a fixed float32 grid (fp8 maxima, overflow ties, subnormals, specials, seeded values)
-          cast to bf16, fp16 and every fp8 format this torch has, and every fp8 code decoded
-Inputs and initial weights are drawn on the host from a seeded generator and then moved, so every device
-starts from the same bits and only its own arithmetic can make it differ. Every op is deterministic under
-``torch.use_deterministic_algorithms`` (no atomics: the loss is a one-hot product, not ``nll_loss``).
-Rank side: imports torch.
+Three parts, digested per tensor: ``train`` (a tiny MLP, a few AdamW steps), ``gemm`` (matmuls and reductions
+in fp32, bf16, fp16) and ``cast`` (a fixed grid to every float format). Inputs are drawn on the host and moved,
+so every device starts from the same bits; every op is deterministic (no atomics: the loss is a one-hot
+product, not ``nll_loss``). Rank side: imports torch.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Scenario ``formats``: FP8, FP4 and MX conformance, and quantized checkpoints across vendors.
 
-Session side, torch-free. One launch measures everything on every rank (``rank.py``); each case
-reads its part of the merged record:
-  decode-<format>       every code decoded on the device, bit for bit against ml_dtypes (oracle.py)
-  encode-<format>       the in-range values of a fixed float32 grid (grid.py), cast on the device,
-                        against the oracle's round-to-nearest-even
-  behaviour-<format>    what the device does with the rest (overflow, ±inf, NaN), against the
-                        stored reference; --gpuregress-format-changes=warn reports a change and passes
-  quantized-<scheme>    the tiny model quantized, saved, reloaded and dequantized (roundtrip.py): the
-                        device against the oracle's quantizer, then checksums and logits against the
-                        stored reference; ``quantized-<scheme>-<model>`` the same for each model of
-                        --gpuregress-model, in a launch and with a reference (``formats-<model>``) of its own
-  inspect               the diagnosis of every written checkpoint (diagnose.py; gpuregress inspect-fp8)
-  io-<path>             every written checkpoint through one of the stack's own I/O paths (stack_io.py):
-                        safetensors, safe_open, torch_load, dcp, transformers; byte for byte against the
-                        codec, which also reads what the stack wrote; known_issues.py names known failures
-  scaled_mm             GPUs with fp8 matrix multiply: torch._scaled_mm against the oracle
-The cases with a reference share one, ``formats``, written once per record. Bug classes:
-docs/faults.md section 2; the faults that emulate them: faults/formats.py.
+Session side, torch-free. One launch measures everything on every rank (``rank.py``); each case (decode, encode,
+behaviour, quantized, inspect, io, scaled_mm) reads its part of the merged record, and those with a reference
+share one, ``formats``. The cases: docs/formats.md; bug classes: docs/faults.md section 2.
 """
 
 from __future__ import annotations

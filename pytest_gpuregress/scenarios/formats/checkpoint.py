@@ -1,20 +1,8 @@
 """Quantized checkpoints as safetensors: the layout, a strict reader and a writer. torch-free.
 
-Layout, one file per scheme:
-  <name>          the codes, tagged with their format: F8_E4M3, F8_E4M3FNUZ, F8_E5M2, F4 ...
-  <name>_scale    per tensor: an F32 scalar, value = decode(code) * scale;
-                  MX: F8_E8M0 [rows, ceil(cols / block)], value = decode(code) * 2**(scale - 127)
-  <name>_amax     per tensor: the F32 amax the scale was computed from, so a reader can check the scale
-  metadata        quantization, element_format, scale_format, block_size, scale_rule, scheme
-
-The file format itself is read and written by the plugin's own strict codec
-(scenarios/shared/safetensors_file.py, re-exported here for the formats code), not by the safetensors
-package, because this codec is the independent oracle: it reads the bytes the stack's writers
-produced and writes the files the stack's loaders must read back exactly (stack_io.py, the ``io-*``
-cases, test the stack's own I/O paths with it). It also diagnoses files a given safetensors release
-cannot read (known_issues.py lists those measured). The reader checks every offset and size, and
-never unpickles anything. tests/scenarios/test_formats_checkpoint.py reads the safetensors package's own files
-with it.
+The file format goes through the plugin's own strict codec (scenarios/shared/safetensors_file.py), not the
+safetensors package, because it is the independent oracle for the stack's own I/O (stack_io.py) and must read
+files some safetensors releases cannot. It never unpickles. The layout: docs/formats.md, "gpuregress inspect-fp8".
 """
 
 from __future__ import annotations

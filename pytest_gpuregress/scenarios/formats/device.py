@@ -1,11 +1,8 @@
 """On the device: the casts, decodes and quantization steps that the checks exercise. Rank side.
 
-The functions marked ``@fault_point`` are where faults (``pytest_gpuregress/faults/formats.py``)
-act on a rank, to emulate the bug classes of docs/faults.md section 2 (fault_points.py).
-
-torch has no fp4 cast: torch 2.13 raises '"copy_kernel" not implemented for Float4_e2m1fn_x2'
-(measured); float4_e2m1fn_x2 only holds packed pairs. fp4 therefore goes through the torch-op codec
-below, the one the MX-fp4 checkpoint uses, and is checked against the oracle like torch's own casts.
+``@fault_point`` functions are where faults/formats.py acts. torch 2.13 has no fp4 cast ('"copy_kernel" not
+implemented for Float4_e2m1fn_x2', measured), so fp4 goes through the torch-op codec below, checked against
+the oracle like torch's own casts.
 """
 
 from __future__ import annotations

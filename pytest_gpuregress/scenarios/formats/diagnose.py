@@ -1,15 +1,8 @@
 """Mismatch diagnosis of a quantized safetensors file: do the codes mean what their tags say? torch-free.
 
-The checks, per quantized tensor (docs/faults.md section 2 has the bug classes):
-  special codes   NaN or inf codes in weights; in fnuz data, 0x80 (NaN) is what e4m3fn's negative
-                  zero becomes when a conversion skips the 0x80 -> 0x00 rewrite
-  flavour         with the amax stored beside a per-tensor scale: the largest value, decoded and
-                  scaled, must give back that amax. When it does only under the other vendor's
-                  flavour (fn vs fnuz), the data was written in that flavour: factor 2
-  448 for 240     a fnuz tensor whose scale is amax/448: e4m3fn's maximum used where 240 applies
-  MX scales       with the OCP floor rule each block's largest element lies in [2**emax, max];
-                  below it the e8m0 scale is too large, and when every block saturates it is too small
-A clean file gives no finding. Bad input raises CheckpointProblem (see checkpoint.py).
+Per tensor: NaN or inf codes, 0x80 in fnuz data, fn/fnuz flavour read from the stored amax (factor 2), 448
+used where 240 applies, and MX scales against the OCP floor rule (docs/formats.md). A clean file gives no
+finding; bad input raises CheckpointProblem.
 """
 
 from __future__ import annotations

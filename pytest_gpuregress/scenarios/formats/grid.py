@@ -1,11 +1,8 @@
 """The encode grid, and what the device does with the values outside a format's range. torch-free.
 
-One fixed float32 grid is cast to every format. A grid value that the oracle encodes to a finite
-value is *in range* and must encode bit for bit like the oracle's round-to-nearest-even. The others
-(overflow, ±inf, NaN, and for e8m0 zero and negatives) have no single right answer: OCP allows a
-saturating and a non-saturating conversion, and releases have switched between them
-(pytorch/ao#1912, jax-ml/ml_dtypes#260). What the device does with them is a *behaviour*, stored
-with the reference and compared by name.
+In-range grid values must encode like the oracle's round-to-nearest-even. The rest (overflow, ±inf, NaN) have
+no single right answer (OCP allows saturating or not, and releases switched: pytorch/ao#1912,
+jax-ml/ml_dtypes#260), so what the device does is a *behaviour*, compared with the reference by name.
 """
 
 from __future__ import annotations

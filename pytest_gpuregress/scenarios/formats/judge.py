@@ -1,9 +1,7 @@
 """Verdicts and reference comparisons of the formats scenario, from a launch's record. torch-free.
 
-Closed-form verdicts (decode, encode, the quantized round trip's own checks, inspect, scaled_mm)
-need no reference. Behaviours and quantized checksums and logits are compared with the stored
-reference: behaviours and checksums exactly in every lane (they are discrete, or exact arithmetic),
-logits exactly in the exact lane and within LOGITS_TOLERANCE in the tolerant one.
+Closed-form verdicts need no reference. Behaviours and checksums are discrete or exact, so they compare exactly
+in every lane; logits compare exactly in the exact lane and within LOGITS_TOLERANCE in the tolerant one.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Known failures of the stack's own checkpoint I/O with fp8 and fp4 tensors, with the versions they were seen in.
 
-A stack library that cannot do what it should is a finding about the stack, never a reason to route
-around it: the ``io-<path>`` cases report an error that matches an entry here as that entry, by name,
-with a warning (the other paths and schemes still run), and fail on any error that matches none.
-torch-free: the session imports it.
+A stack library that cannot do what it should is a finding, never a reason to route around it: an ``io-<path>``
+error matching an entry is reported by name with a warning, any other fails. torch-free: the session imports it.
 """
 
 from __future__ import annotations

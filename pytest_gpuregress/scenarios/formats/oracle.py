@@ -1,10 +1,7 @@
 """The independent oracle: ml_dtypes, the numpy dtype library maintained with JAX. torch-free.
 
-Every decode and round-to-nearest-even encode here is ml_dtypes'; nothing is hand-written. The fp4
-nibble layout (two codes per byte, low nibble first) is packing, not decoding: the file codec's
-(scenarios/shared/safetensors_file.py), re-exported here.
-tests/scenarios/test_formats_oracle.py pins codes from the OCP 8-bit floating point and MX specifications,
-so the oracle itself is checked.
+Every decode and round-to-nearest-even encode is ml_dtypes'; nothing is hand-written but the fp4 nibble
+packing (the file codec's). tests/scenarios/test_formats_oracle.py pins OCP spec codes, so the oracle is checked.
 """
 
 from __future__ import annotations

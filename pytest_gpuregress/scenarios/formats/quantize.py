@@ -1,9 +1,7 @@
 """The oracle's quantizers: per tensor, MX blocks, and the e4m3fn -> e4m3fnuz conversion. torch-free.
 
-These are the rules the device-side code (``device.py``) must reproduce bit for bit. Every step is
-exactly specified: amax is exact, ``amax / max`` and ``w / scale`` are one correctly rounded float32
-division, a power-of-two MX scale divides exactly, and the cast is ml_dtypes' round-to-nearest-even.
-So any correct device gives the same codes, and a difference is a bug, not noise.
+The rules device.py must reproduce bit for bit. Every step is exactly specified (exact amax, one correctly
+rounded division, power-of-two MX scales, round-to-nearest-even), so a difference is a bug, not noise.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""The formats scenario on one rank: measure what the device does; the session judges. Rank side.
-
-  decode      every code of every format decoded on the device (fp4: all 256 bytes of
-              float4_e2m1fn_x2, unpacked), into the record's arrays
-  encode      the fixed grid (grid.py) cast on the device, its codes into the arrays
-  quantized   the checkpoint round trip of roundtrip.py, and the diagnosis of its files
-  io          those files through the stack's own loaders and writers (stack_io.py)
-  scaled_mm   torch._scaled_mm against the oracle, where the GPU has fp8 matrix multiply
-No training, and no collectives but those of DCP's own sharded save and load: each rank checks its own
-device, and the session compares ranks.
+"""The formats scenario on one rank: measure what the device does (decode, encode, quantized round trip, io,
+scaled_mm); the session judges. Rank side. No training and no collectives but DCP's own: each rank checks its
+own device, and the session compares ranks.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """The quantized-checkpoint round trip on one rank. Rank side.
 
-The tiny model's 2-D weights (the 1-D norm weights stay float32, as in every fp8 checkpoint) and a
-probe tensor are quantized on the device by each scheme of ``catalog.SCHEMES``, written as
-safetensors, read back, dequantized on the device and put into the model for logits on a fixed
-batch. Per scheme the record gets
-  problems   closed-form findings: the device's codes and scales against the oracle's quantizer
-             (quantize.py), the device's reading of the file against the oracle's, and for the
-             converted checkpoint each value against its source's
-  tensors    per tensor, float64 sums of the dequantized weights (math.fsum: exactly rounded, so no
-             summation order can move them) and the sha256 of the stored codes and scale
-  logits     sha256 and float64 sums; the logits themselves go into the record's arrays
-  findings   what diagnose.py says about the written file (the ``inspect`` case)
-Files are written atomically into a temporary folder under the run directory, removed at the end.
+The tiny model's 2-D weights and a probe tensor are quantized on the device per scheme, written as safetensors,
+read back, dequantized and used for logits. The record gets closed-form problems against the oracle, float64
+checksums (math.fsum: no summation order moves them), logits and the file's diagnosis. Files are temporary.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""fp8 matrix multiply on GPUs that have it: torch._scaled_mm against the oracle. Rank side.
-
-Runs where the GPU multiplies fp8 natively: NVIDIA sm_89 and later (e4m3fn), AMD gfx942 (MI300,
-e4m3fnuz) and gfx950 and later (e4m3fn). Elsewhere, the CPU included, the check reports that it
-does not apply. The oracle dequantizes the same codes with ml_dtypes and multiplies in float64.
+"""fp8 matrix multiply on GPUs that have it (NVIDIA sm_89+, AMD gfx942+): torch._scaled_mm against the oracle,
+which dequantizes the same codes with ml_dtypes and multiplies in float64. Elsewhere it reports that it does
+not apply. Rank side.
 """
 
 from __future__ import annotations

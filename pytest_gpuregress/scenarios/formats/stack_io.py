@@ -1,23 +1,9 @@
 """The quantized checkpoints through the stack's own I/O, the paths users load fp8 and fp4 weights with. Rank side.
 
-For every scheme of catalog.SCHEMES and catalog.IO_SCHEMES (the e5m2 family: e4m3, e5m2 and e2m1 tensors in
-all), the file roundtrip.py wrote with the scenario's strict codec (checkpoint.py, the independent oracle) goes
-through each path:
-  safetensors    safetensors.torch.save_file writes the tensors: the codec reads the file back and checks
-                 every tag, shape and byte; load_file reads the codec's file: every dtype and byte
-  safe_open      safetensors.safe_open on the codec's file: get_tensor, get_slice whole and its first row
-  torch_load     torch.save, then torch.load(weights_only=True): every dtype and byte
-  dcp            torch.distributed.checkpoint save and load, each rank holding its rows (a DTensor sharded
-                 on dim 0 when there are several ranks): every rank checks the bytes of its rows
-  transformers   save_pretrained with the decoder layers' projections in transformers' fine-grained fp8 layout
-                 (e4m3fn codes, weight_scale_inv with one scale per 16 x 16 block, quantized by the oracle);
-                 the codec checks the written file, then from_pretrained loads it: fp8 parameters byte for
-                 byte, or, where transformers dequantizes (on a CPU), every value against code x its block's scale;
-                 that layout is e4m3fn only (its quantizer casts to float8_e4m3fn), so no e5m2 goes this way
-The functions are called through their modules at call time (``safetensors.torch.load_file``, ``torch.load``,
-``dcp.load``, ``transformers.modeling_utils.safe_open``), so a fault placed in the stack's loader
-(faults/loaders.py) is what runs. An error is a problem of its path, unless known_issues.py knows it:
-then it is reported by name and the path goes on with its other schemes.
+Each file the codec wrote goes through safetensors, safe_open, torch_load, dcp and transformers, checked byte
+for byte both ways (docs/formats.md). The stack's functions are looked up through their modules at call time,
+so a fault placed in a loader (faults/loaders.py) is what runs. An error known to known_issues.py is reported by
+name and the path goes on.
 """
 
 from __future__ import annotations

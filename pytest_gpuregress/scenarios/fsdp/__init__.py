@@ -2,7 +2,7 @@
 
 Session side: the configuration per device. The training loop itself is in ``rank.py``. The case
 ``resume`` (``fsdp-resume``) resumes the reference's own checkpoint on this stack and trains on
-(resume_plan.py, resume.py, and what lora's resume cases share with it: shared/resume_*.py; docs/checkpoint.md).
+(resume_plan.py, rank.py's ``resume``, and what lora's resume cases share with it: shared/resume_*.py; docs/checkpoint.md).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 (and from base.py and lower layers), never from another scenario's folder (docs/architecture.md).
 
   training_config  the config of a training scenario: shared defaults, the device's, a user's model
+  trainer          the one FSDP2 trainer build (a TrainingSpec of callables) and the trainer the loop drives
   replicas         the noise replicas of a training launch (training/noise.py applies them on the ranks)
   safetensors_file the strict, torch-free safetensors reader and writer (formats and checkpoint read with it)
   links            the collective sweep per link: wrong elements by sender and receiver (collectives and consensus)

@@ -18,7 +18,7 @@ from ...findings import CheckFinding, Problem
 from ...reference.compare import Comparison
 from ...reference.record import RunRecord
 from ...scenario_options import SCENARIO_OPTIONS
-from ..base import Case, Launch, Scenario, Setup, TriageSupport
+from ..base import Case, Launch, Runner, Scenario, Setup, TriageSupport
 from ..shared import resume_comparison
 from ..shared.exercised import resumed, ties_embeddings, trained
 from ..shared.replicas import perturbed_launches
@@ -26,8 +26,6 @@ from ..shared.resume_plan import ResumeComparator, is_resume, merge_resume
 from ..shared.training_config import COMMON, dropout_off, per_device, training_config
 from .resume_plan import CASE as RESUME_CASE
 from .resume_plan import PLAN as RESUME
-
-Runner = Callable[[Scenario, Launch], RunRecord]
 
 # Per-size defaults. The CPU size runs 300 steps in well under a minute on two cores. grad_clip 0.5: the tiny
 # Llama's median gradient norm on the CPU, so about half the steps clip (the GPU size: not yet measured; the

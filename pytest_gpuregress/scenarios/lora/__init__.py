@@ -22,7 +22,7 @@ from ...errors import NotApplicable
 from ...findings import CheckFinding, Problem
 from ...reference.record import RunRecord
 from ...scenario_options import LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
-from ..base import Case, Launch, Scenario, Setup
+from ..base import Case, Launch, Runner, Scenario, Setup
 from ..shared import resume_comparison
 from ..shared.exercised import resumed, trained
 from ..shared.replicas import perturbed_launches
@@ -36,8 +36,6 @@ from .resume_plan import resume_case
 if TYPE_CHECKING:  # for annotations only: the session side imports model code when it needs it
     from ...reference.compare import Comparison
     from ...training.projections import BlockProjections
-
-Runner = Callable[[Scenario, Launch], RunRecord]
 
 DEFAULT_TARGETS = LORA_DEFAULT_TARGETS
 WRAPPERS = ("fsdp2", "accelerate")
@@ -114,7 +112,7 @@ class LoraScenario(Scenario):
         return [Launch(key, {**self.model_config(setup, d["model"]), "wrapper": d["wrapper"],
                              "adamw": ADAMW_OF_WRAPPER[d["wrapper"]]}) for key, d in data.items()]
 
-    def experiment(self, case: Case, run: Any, setup: Setup) -> RunRecord | None:
+    def experiment(self, case: Case, run: Runner, setup: Setup) -> RunRecord | None:
         """None (the usual launch), after checking the model has modules the adapter can target; a resume case is
         skipped, recording or comparing, where the resume checkpoint is off (GPUs)."""
         from ...training.model_specs import targets_present

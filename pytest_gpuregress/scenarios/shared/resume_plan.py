@@ -30,14 +30,12 @@ from ...reference.judgement import Judgement
 from ...reference.record import RunRecord
 from ...stack.platforms import launched_by_torchrun
 from ...units import human_bytes
-from ..base import Case, Launch, Scenario, Setup
+from ..base import Case, Launch, Runner, Scenario, Setup
 from ..comparator import Comparator
 from . import late_gradients, resume_comparison
 from .late_gradients import LATE_ONLY
 from .resume_roles import FOLDER, RESULT_KEY, ROLE, resume_step
 from .state_pieces import merge_boundaries
-
-Runner = Callable[[Scenario, Launch], RunRecord]
 
 PART = "resume"  # a resume case's data["part"]
 ATTACHMENT = "resume"  # the folder inside the reference

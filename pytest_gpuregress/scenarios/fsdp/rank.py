@@ -45,8 +45,8 @@ ROLES = Roles("fsdp", SPEC.build)  # fsdp-resume's save and continue roles (shar
 
 
 def resume(ctx: RankContext) -> RunRecord:
-    """The rank entry of fsdp-resume's launches (resume_plan.py): on the recording stack the continuation repeats
-    the reference's last steps bit for bit, which the e2e test checks."""
+    """The rank entry of fsdp-resume's launches (the scenario's ``RESUME``): on the recording stack the continuation
+    repeats the reference's last steps bit for bit, which the e2e test checks."""
     return ROLES.run(ctx)
 
 

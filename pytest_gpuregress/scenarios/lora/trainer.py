@@ -1,5 +1,5 @@
-"""Rank side: the lora run's model and trainer, built one way for the training run (rank.py) and for the resume
-roles (resume.py), so a continuation trains exactly what the reference trained.
+"""Rank side: the lora run's model and trainer, built one way for the training run and for the resume roles
+(rank.py's ``run`` and ``resume``), so a continuation trains exactly what the reference trained.
 
   adapted     the base model (a noise replica's perturbation applied) with the LoRA adapter on it, not yet
               distributed: what the LoRA checks read before training

@@ -9,6 +9,7 @@
   links            the collective sweep's wrong elements per sender -> receiver link (collectives, consensus)
   state_pieces     a training state's digests compared piece by piece (checkpoint's resume, the resume cases)
   resume_roles     rank side of a resume from a reference's own checkpoint: its save and continue roles
-  resume_plan      session side of it: what a recording stores, the launch that continues, the comparator
+  resume_plan      session side of it, as one wrapper (with_resume): the resume cases, what a recording stores,
+                   the launch that continues, the comparator
   resume_comparison   the verdict on such a resume: the load piece by piece, then the continuation
 """

@@ -16,11 +16,10 @@ from ..reference import envelope
 from ..reference.names import safe_component
 from ..reference.record import RunRecord
 from ..scenarios import Case, Launch, Scenario, Setup
+from ..scenarios.base import Runner
 from ..stack.platforms import Platform
 from .options import Options
 from .selection import Selection
-
-Runner = Callable[[Scenario, Launch], RunRecord]
 
 
 class Launches:

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from ..training.model_specs import ModelSpec
 
 StepHook = Callable[[int, int], None]  # (rank, step) -> None; faults use it to hang or crash
+Runner = Callable[["Scenario", "Launch"], RunRecord]  # the session's run of a launch (cached), as a scenario calls it
 
 
 
@@ -267,20 +268,19 @@ class Scenario:
     evidence_for: ClassVar[str | None] = None
     evidence_name: ClassVar[str] = ""
 
-    def experiment(self, case: Case, run: Callable[[Scenario, Launch], RunRecord], setup: Setup) -> RunRecord | None:
+    def experiment(self, case: Case, run: Runner, setup: Setup) -> RunRecord | None:
         """Optional: run ``case``'s launches through ``run`` (cached per launch key) and return one record for
         ``own_findings``; for cases that need several launches, or another scenario's. None: the usual launch."""
         return None
 
-    def attachments(self, case: Case, record: RunRecord, run: Callable[[Scenario, Launch], RunRecord],
-                    setup: Setup) -> dict[str, Path]:
+    def attachments(self, case: Case, record: RunRecord, run: Runner, setup: Setup) -> dict[str, Path]:
         """Recording only: folders to store inside ``case``'s reference beside ``record`` (the run being recorded),
         by name, e.g. a checkpoint a later comparison resumes from (RunRecord.attachments). ``run`` runs any
         launches that takes. {} by default: nothing beside the record."""
         return {}
 
     def from_reference(self, case: Case, reference: Callable[[], RunRecord],
-                       run: Callable[[Scenario, Launch], RunRecord], setup: Setup) -> RunRecord | None:
+                       run: Runner, setup: Setup) -> RunRecord | None:
         """Comparing only: the run of a case that starts from its reference's stored state (``reference()`` reads
         it, verified, with its attachments), e.g. a resume from the checkpoint ``attachments`` stored; raises
         NotApplicable where the reference cannot serve. None (the default): the usual launch or ``experiment``."""

@@ -8,7 +8,6 @@ experiments run through a launcher the session passes in.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -21,6 +20,7 @@ from ..reference.compare import gradients_moved_first
 from ..reference.envelope import rel, step0_deviation, step0_limit
 from ..reference.op_trace import TRACE_CONFIG
 from ..reference.record import RunRecord
+from ..scenarios.base import Runner
 from ..training.step import EMULATE_WORLD
 from .decision import CLIP, INVARIANTS
 from .naming import op_component
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 LATE_WINDOW = "late window"  # the experiment of late_window.py
 TRIAGE_STEPS = 3  # equivalence compares step 0's gradients and the losses of the first steps
 ORACLE_ENTRY = "pytest_gpuregress.training.oracle:run"
-Runner = Callable[["Scenario", "Launch"], RunRecord]
 
 
 Status = Literal["clean", "differs", "vanished", "shrank", "stayed", "not applicable", "failed to run", "reproduced",

@@ -21,7 +21,6 @@ from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios import registry
 from pytest_gpuregress.scenarios.base import Launch, Setup
 from pytest_gpuregress.scenarios.comparator import comparator_of
-from pytest_gpuregress.scenarios.fsdp import resume_plan
 from pytest_gpuregress.scenarios.shared import late_gradients, resume_comparison
 from pytest_gpuregress.triage.naming import name_findings
 
@@ -136,7 +135,8 @@ def test_a_load_that_failed_is_the_finding() -> None:
 def test_the_comparator_judges_plots_and_keeps_against_the_references_last_steps() -> None:
     setup = Setup("cpu", "gloo", 2)
     fsdp = registry()["fsdp"]
-    comparator = comparator_of(fsdp, resume_plan.CASE, setup, JudgingPolicy())
+    resume = {c.id: c for c in fsdp.cases(setup)}["resume"]
+    comparator = comparator_of(fsdp, resume, setup, JudgingPolicy())
     ref = reference()
     judgement = comparator.judge(ref, continuation(ref))
     assert judgement.comparison is not None and judgement.comparison.passed
@@ -146,6 +146,7 @@ def test_the_comparator_judges_plots_and_keeps_against_the_references_last_steps
 
 def test_the_case_is_skipped_with_the_reason_where_it_cannot_run(tmp_path: Path) -> None:
     fsdp = registry()["fsdp"]
+    resume = {c.id: c for c in fsdp.cases(Setup("cpu", "gloo", 2))}["resume"]
 
     def never(sc: object, launch: Launch) -> RunRecord:
         raise AssertionError("no launch for a case that cannot run")
@@ -153,10 +154,10 @@ def test_the_case_is_skipped_with_the_reason_where_it_cannot_run(tmp_path: Path)
     without = make_record(steps=8)
     with pytest.raises(NotApplicable, match=r"the reference has no resume checkpoint: re-record it: pytest --gpuregress "
                                             r"--gpuregress-record 'gpuregress::fsdp\*'"):
-        fsdp.from_reference(resume_plan.CASE, lambda: without, never, Setup("cpu", "gloo", 2))
+        fsdp.from_reference(resume, lambda: without, never, Setup("cpu", "gloo", 2))
     with pytest.raises(NotApplicable, match=r"on GPUs the resume checkpoint is optional .* about 1\.9 GB for the 156 "
                                             r"M-parameter model\): record and compare it with --gpuregress-resume-checkpoint"):
-        fsdp.from_reference(resume_plan.CASE, lambda: without, never, Setup("cuda", "nccl", 8))
+        fsdp.from_reference(resume, lambda: without, never, Setup("cuda", "nccl", 8))
     assert fsdp.from_reference(fsdp.cases(Setup("cpu", "gloo", 2))[0], lambda: without, never,
                                Setup("cpu", "gloo", 2)) is None  # the fsdp case runs as it always has
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +28,9 @@ from ...option_spec import SCENARIO_OPTIONS
 from ...reference.compare import ROUND_TRIP, Comparison, Finding, choose_lane, data_finding
 from ...reference.record import RunRecord
 from ...stack import fingerprint as fp
-from ..base import Case, CheckScenario, Launch, Scenario, Setup
+from ..base import Case, CheckScenario, Launch, Runner, Setup
 from ..shared.state_pieces import merge_boundaries
 from . import checks, plan
-
-Runner = Callable[[Scenario, Launch], RunRecord]
 
 
 class CheckpointScenario(CheckScenario):

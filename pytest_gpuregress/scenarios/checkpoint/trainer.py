@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from ...reference.data_change import BATCH_DIGEST, stream_series
 from ...training import loop
 from ...training.data import token_source
-from ...training.fsdp2 import shard, shard_units
 from ...training.loop import TrainStep, clip_gradients
-from ...training.optimizer import AdamWSettings, Optimization, Optimized, Schedule, adamw
+from ...training.models import build_causal_lm
 from ...training.step import batch_digest
+from ..shared.trainer import FsdpTrainer, TrainingSpec
 
 IGNORE = -100  # cross_entropy's ignore_index: a dropped label
 
@@ -65,14 +65,8 @@ class StochasticBatches:
 
 
 @dataclass
-class Trainer(Optimized):
-    model: Any
-    optimization: Optimization  # AdamW and its schedule (training/optimizer.py)
-    data: StochasticBatches
-    device: Any
-    rank: int
-    world_size: int
-    names: list[str] = field(default_factory=list)
+class Trainer(FsdpTrainer):
+    """The shared FSDP2 trainer (shared/trainer.py) over ``StochasticBatches``, with this scenario's step."""
 
     def loss(self, ctx: Any = None) -> Any:
         """This rank's loss on the next global batch; advances the data position. The batch's digest goes to
@@ -86,28 +80,23 @@ class Trainer(Optimized):
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                  ignore_index=IGNORE)
 
-    def train_step(self, ctx: Any = None) -> TrainStep:
-        """The shared training step (training/loop.py) over this trainer: every parameter clipped, none tracked."""
+    def step(self, ctx: Any = None, batch_of: Any = int, **extra: Any) -> TrainStep:
+        """The shared training step (training/loop.py) over this trainer: every parameter clipped, none tracked; the
+        batch is the data's next, whatever the step's number."""
         max_norm = float(self.data.config["grad_clip"])
         return TrainStep(loss=lambda _step: self.loss(ctx), optimization=self.optimization,
-                         clip=lambda: clip_gradients(self.params, max_norm))
+                         clip=lambda: clip_gradients(self.params, max_norm), **extra)
+
+
+# No mixed precision: fp32 throughout, on every platform.
+SPEC = TrainingSpec(lambda ctx, cfg, model_config: build_causal_lm(model_config, seed=int(cfg["seed"])),
+                    mp_policy=lambda _cfg: None,
+                    data=lambda cfg, vocab: StochasticBatches(token_source(cfg, vocab), cfg), trainer=Trainer)
 
 
 def build(cfg: dict[str, Any], ctx: Any) -> Trainer:
     """A freshly initialised trainer of ``cfg``'s model at step 0, for ``cfg["steps"]`` steps in all."""
-    import torch
-
-    from ...training.models import blueprint, build_causal_lm
-
-    model_config = blueprint(cfg)
-    model = build_causal_lm(model_config, seed=int(cfg["seed"])).to(torch.device(ctx.device))
-    shard(shard_units(model), mp_policy=None)  # no mixed precision: fp32 throughout, on every platform
-    named = list(model.named_parameters())
-    optimization = Optimization.of(adamw([p for _, p in named], AdamWSettings.from_config(cfg)),
-                                   Schedule.from_config(cfg))
-    data = StochasticBatches(token_source(cfg, model_config.vocab_size), cfg)
-    return Trainer(model, optimization, data, torch.device(ctx.device), ctx.rank, ctx.world_size,
-                   [n for n, _ in named])
+    return cast(Trainer, SPEC.build(ctx, cfg))
 
 
 def train(trainer: Trainer, steps: range, ctx: Any) -> loop.Curves:
@@ -115,7 +104,7 @@ def train(trainer: Trainer, steps: range, ctx: Any) -> loop.Curves:
 
     ``ctx.step_done`` gets the step numbers only (progress lines, injected step faults): fail-fast does
     not stop a checkpoint run."""
-    return loop.train(ctx, trainer.train_step(ctx), steps, report_metrics=False, stop_when_told=False)
+    return loop.train(ctx, trainer.step(ctx), steps, report_metrics=False, stop_when_told=False)
 
 
 def data_series(trainer: Trainer, *parts: loop.Curves) -> dict[str, list[float]]:

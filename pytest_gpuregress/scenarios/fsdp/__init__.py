@@ -2,32 +2,25 @@
 
 Session side: the configuration per device. The training loop itself is in ``rank.py``. The case
 ``resume`` (``fsdp-resume``) resumes the reference's own checkpoint on this stack and trains on
-(resume_plan.py, resume.py, and what lora's resume cases share with it: shared/resume_*.py; docs/checkpoint.md).
+(``RESUME`` below, rank.py's ``resume``, and what lora's resume cases share with it: shared/resume_*.py;
+docs/checkpoint.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from ... import activities as act
-from ...errors import NotApplicable
 from ...findings import CheckFinding, Problem
 from ...option_spec import SCENARIO_OPTIONS
-from ...reference.compare import Comparison
 from ...reference.record import RunRecord
+from ...training.models import TINY_LLAMA_GPU_PARAMETERS
 from ..base import Case, Launch, Scenario, Setup, TriageSupport
 from ..shared import resume_comparison
-from ..shared.exercised import resumed, ties_embeddings, trained
+from ..shared.exercised import ties_embeddings, trained
 from ..shared.replicas import perturbed_launches
-from ..shared.resume_plan import ResumeComparator, is_resume, merge_resume
+from ..shared.resume_plan import ResumePlan, with_resume
 from ..shared.training_config import COMMON, dropout_off, per_device, training_config
-from .resume_plan import CASE as RESUME_CASE
-from .resume_plan import PLAN as RESUME
-
-Runner = Callable[[Scenario, Launch], RunRecord]
 
 # Per-size defaults. The CPU size runs 300 steps in well under a minute on two cores. grad_clip 0.5: the tiny
 # Llama's median gradient norm on the CPU, so about half the steps clip (the GPU size: not yet measured; the
@@ -42,6 +35,11 @@ TRAINING: dict[str, Any] = {**COMMON, "adamw": "fused"}
 BF16_LANE = "bf16"
 BF16: dict[str, Any] = {"dtype": "bf16", "reduce_dtype": "bf16", "bf16_checkpoint": True}  # training/bf16_checkpoint.py
 BF16_STEPS = 100
+# fsdp-resume: the tiny Llama's case (launch "default") continued from its reference's checkpoint (with_resume).
+GPU_BYTES_PER_PARAMETER = 12  # fp32 weights, exp_avg and exp_avg_sq (FSDP2 keeps fp32 shards under bf16 compute)
+RESUME = ResumePlan("pytest_gpuregress.scenarios.fsdp.rank:resume", "weights and AdamW's two moments, 12 bytes per "
+                    f"parameter: about {GPU_BYTES_PER_PARAMETER * TINY_LLAMA_GPU_PARAMETERS / 1e9:.1f} GB for the "
+                    "156 M-parameter model", resumes=lambda case: case.launch == "default")
 
 
 class FsdpTriage(TriageSupport):
@@ -58,9 +56,6 @@ class FsdpTriage(TriageSupport):
                    record: RunRecord | None = None) -> str:
         return reduce_scatter_message(param, shapes, world_size, record)
 
-    def explains(self, case: Case) -> bool:
-        return not is_resume(case)  # triage reruns step 0, which a continuation never ran
-
 
 class FsdpScenario(Scenario):
     name = "fsdp"
@@ -69,7 +64,6 @@ class FsdpScenario(Scenario):
     triage = FsdpTriage()
     trains_user_models = True
     options = SCENARIO_OPTIONS["fsdp"]  # declared with the plugin's: pytest reads them without importing this
-    comparator_type = ResumeComparator
 
     def default_config(self, setup: Setup) -> dict[str, Any]:
         return training_config(setup, TRAINING, DEVICE_DEFAULTS)
@@ -87,14 +81,13 @@ class FsdpScenario(Scenario):
                 for m in setup.models if (switched := dropout_off(setup, m.name))]
 
     def cases(self, setup: Setup) -> list[Case]:
-        # The tiny Llama keeps the id and reference "fsdp"; each model of --gpuregress-model adds "fsdp-<model>";
-        # the CPU adds its bf16 lane, "fsdp-bf16".
+        # The tiny Llama keeps the id and reference "fsdp" (and its resume case "fsdp-resume", with_resume's); each
+        # model of --gpuregress-model adds "fsdp-<model>"; the CPU adds its bf16 lane, "fsdp-bf16".
         adamw = TRAINING["adamw"]
         bf16 = [Case(BF16_LANE, launch=BF16_LANE, exercises=trained(
             setup, adamw=adamw, bf16=True, more=(act.bf16_reduction(), act.BF16_READ_BACK)))] \
             if setup.device_kind == "cpu" else []
-        return [Case(self.name, exercises=self._exercised(setup, None)),
-                replace(RESUME_CASE, exercises=resumed(trained(setup, adamw=adamw))), *bf16,
+        return [Case(self.name, exercises=self._exercised(setup, None)), *bf16,
                 *(Case(m.name, launch=m.name, data={"model": m.name}, exercises=self._exercised(setup, m.name),
                        family=self.name) for m in setup.models)]
 
@@ -104,26 +97,8 @@ class FsdpScenario(Scenario):
         return trained(setup, adamw=TRAINING["adamw"], more=tied, model=model)
 
     def reference_name(self, case: Case) -> str | None:
-        # The resume case judges the fsdp reference's continuation: it shares the reference, and records it. The
-        # bf16 lane is the fsdp reference in another dtype: its folder is fsdp/<platform>-bf16.
-        return self.name if is_resume(case) or case.launch == BF16_LANE else super().reference_name(case)
-
-    def attachments(self, case: Case, record: RunRecord, run: Runner, setup: Setup) -> dict[str, Path]:
-        # The tiny Llama's reference only: a user's model has no resume case (not yet).
-        return RESUME.attachments(self, RESUME_CASE, record, run, setup) if case.launch == "default" else {}
-
-    def experiment(self, case: Case, run: Runner, setup: Setup) -> RunRecord | None:
-        """None (the usual launch); the resume case is skipped, recording or comparing, where it is off (GPUs)."""
-        off = RESUME.off_here(setup) if is_resume(case) else None
-        if off:
-            raise NotApplicable(off)
-        return None
-
-    def from_reference(self, case: Case, reference: Callable[[], RunRecord], run: Runner,
-                       setup: Setup) -> RunRecord | None:
-        if not is_resume(case):
-            return None
-        return RESUME.continue_from(self, case, self.default_config(setup), reference, run, setup)
+        # The bf16 lane is the fsdp reference in another dtype: its folder is fsdp/<platform>-bf16.
+        return self.name if case.launch == BF16_LANE else super().reference_name(case)
 
     def own_findings(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
         """The bf16 lane's checkpoint round trip (training/bf16_checkpoint.py); nothing for the other cases."""
@@ -135,15 +110,6 @@ class FsdpScenario(Scenario):
         if result is None:  # asked for, so it must have run: one that did not cannot have passed
             return [CheckFinding("checkpoint", "bf16 checkpoint of the trained weights: the round trip did not run")]
         return bf16_checkpoint.findings(result)
-
-    def merge(self, records: list[RunRecord]) -> RunRecord:
-        """The default merge, and every rank's generator digests of a resume launch."""
-        return merge_resume(super().merge(records), records)
-
-    def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
-        if is_resume(case):
-            return resume_comparison.compare(reference, record, lane)
-        return super().compare(reference, record, case, lane)
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
         keys = dict.fromkeys(c.launch for c in cases)
@@ -199,4 +165,4 @@ def _dtype_word(record: RunRecord | None) -> str:
     return "bf16 " if record is not None and reduce_dtype_of(record.config) == "bf16" else ""
 
 
-SCENARIO = FsdpScenario()
+SCENARIO = with_resume(FsdpScenario, RESUME)()

@@ -10,63 +10,61 @@ element long before the loss curve moves (see docs/faults.md, section 1).
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...reference import step0 as step0_arrays
 from ...reference.record import RunRecord, float_digest
 from ...training import bf16_checkpoint
-from ...training.optimizer import AdamWSettings, Optimization, Schedule, adamw
+from ...training.fsdp2 import RESULT_KEY
+from ...training.loop import train_observed, training_record
+from ...training.models import build_causal_lm
+from ...training.moe import is_moe, mean_expert_load
+from ...training.noise import apply_kernel_path, apply_weight_perturbation
+from ...training.op_trace import for_rank as op_tracer
+from ...training.step import rank_tokens
+from ...training.switches import apply_switches
 from ..base import RankContext
 from ..shared.gradient_capture import capture
+from ..shared.resume_roles import Roles
+from ..shared.trainer import TrainingSpec
+
+
+def model(ctx: RankContext, cfg: dict[str, Any], model_config: Any) -> Any:
+    """The seeded model on the CPU, with a noise replica's perturbation and kernel path and triage's switches."""
+    built = build_causal_lm(model_config, seed=int(cfg["seed"]))
+    perturbation = str(cfg.get("perturbation", ""))  # set only in the noise replicas of a recording
+    apply_weight_perturbation(built, perturbation, cfg["dtype"])
+    apply_kernel_path(perturbation, ctx)  # GPUs; a CPU replica's kernel path is its environment
+    apply_switches(cfg, ctx)  # set by triage flips only
+    return built
+
+
+SPEC = TrainingSpec(model)  # the run below and its resume roles build the same trainer
+ROLES = Roles("fsdp", SPEC.build)  # fsdp-resume's save and continue roles (shared/resume_roles.py)
+
+
+def resume(ctx: RankContext) -> RunRecord:
+    """The rank entry of fsdp-resume's launches (the scenario's ``RESUME``): on the recording stack the continuation
+    repeats the reference's last steps bit for bit, which the e2e test checks."""
+    return ROLES.run(ctx)
 
 
 def run(ctx: RankContext) -> RunRecord:
     """Train on this rank and return what a regression moves."""
-    import torch
-
-    from ...training.data import token_source
-    from ...training.fsdp2 import RESULT_KEY, describe_units, mixed_precision, reduce_dtype_of, shard, shard_units
-    from ...training.loop import TrainStep, clip_gradients, train_observed, training_record
-    from ...training.models import blueprint, build_causal_lm
-    from ...training.moe import is_moe, mean_expert_load
-    from ...training.noise import apply_kernel_path, apply_weight_perturbation
-    from ...training.op_trace import for_rank as op_tracer
-    from ...training.step import rank_tokens, step_loss
-    from ...training.switches import apply_switches
-
     cfg = ctx.config
-    device = torch.device(ctx.device)
-    model_config = blueprint(cfg)
-    model = build_causal_lm(model_config, seed=int(cfg["seed"]))
-    perturbation = str(cfg.get("perturbation", ""))  # set only in the noise replicas of a recording
-    apply_weight_perturbation(model, perturbation, cfg["dtype"])
-    apply_kernel_path(perturbation, ctx)
-    apply_switches(cfg, ctx)  # set by triage flips only
-    model = model.to(device)
+    trainer = SPEC.build(ctx)
     ctx.progress("model built")
-
-    units = shard_units(model)  # each decoder layer, then the root
-    # Kept before wrapping, which replaces the parameters: a failure names the unit that carried a gradient.
-    unit_table = describe_units(model, units, ctx.world_size, reduce_dtype_of(cfg))
-    shard(units, mp_policy=mixed_precision(cfg))
-
-    names = [n for n, _ in model.named_parameters()]
-    params = [p for _, p in model.named_parameters()]
-    data = token_source(cfg, model_config.vocab_size)
+    names, params, model_config = trainer.names, trainer.params, trainer.model_config
     keep_step0, step0 = capture(names, params, ctx, 0, step0_arrays.STEP0)  # this rank's shards: merge() joins them
-
-    step = TrainStep(
-        loss=lambda s: step_loss(model, data, s, ctx, perturbation, device),
-        optimization=Optimization.of(adamw(params, AdamWSettings.from_config(cfg)), Schedule.from_config(cfg)),
-        clip=lambda: clip_gradients(params, float(cfg["grad_clip"])),
-        tracked=params,
-        inspect=keep_step0,
-        op_trace=op_tracer(ctx, model),
-    )
+    step = trainer.step(ctx, inspect=keep_step0, op_trace=op_tracer(ctx, trainer.model))
     curves, observer = train_observed(ctx, step, cfg)
-    results: dict[str, object] = {RESULT_KEY: unit_table}
+    # The units kept before wrapping: a failure names the unit that carried a gradient.
+    results: dict[str, object] = {RESULT_KEY: trainer.units}
     if is_moe(model_config):  # how evenly the trained routers spread step 0's tokens, averaged over ranks
         try:  # a diagnostic: a transformers release whose routers it cannot find must not lose the verdict
             # every rank gets here, or every rank raised above: the same model on each
-            results["expert_load"] = mean_expert_load(model, rank_tokens(data, 0, ctx, "", device)[:, :-1], device).cpu().tolist()
+            tokens = rank_tokens(trainer.data, 0, ctx, "", trainer.device)[:, :-1]
+            results["expert_load"] = mean_expert_load(trainer.model, tokens, trainer.device).cpu().tolist()
         except (RuntimeError, ValueError, LookupError) as exc:
             results["expert_load_error"] = f"{type(exc).__name__}: {exc}"
     whole = {name: p.detach().full_tensor() for name, p in zip(names, params)}  # collective: every rank gathers

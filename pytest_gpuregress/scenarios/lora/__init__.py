@@ -6,14 +6,12 @@ Two cases, each its own launch and reference (reference_runs/lora/<platform>-<wr
 Both record what ``fsdp`` records (adapter parameters only) and run the LoRA checks of checks.py,
 which ``own_findings()`` reports as findings of their own. Each has a resume case (``lora-fully_shard-resume``,
 ``lora-accelerate-resume``): its reference's own checkpoint loaded on this stack and trained on, as
-``fsdp-resume`` does (resume_plan.py, resume.py; docs/checkpoint.md). Session side, torch-free; training is
-rank.py.
+``fsdp-resume`` does (``RESUME`` below, rank.py's ``resume``; docs/checkpoint.md). Session side, torch-free;
+training is rank.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,22 +20,16 @@ from ...errors import NotApplicable
 from ...findings import CheckFinding, Problem
 from ...option_spec import LORA_DEFAULT_TARGETS, SCENARIO_OPTIONS
 from ...reference.record import RunRecord
-from ..base import Case, Launch, Scenario, Setup
-from ..shared import resume_comparison
-from ..shared.exercised import resumed, trained
+from ...training.models import TINY_LLAMA_GPU_PARAMETERS
+from ..base import Case, Launch, Runner, Scenario, Setup
+from ..shared.exercised import trained
 from ..shared.replicas import perturbed_launches
-from ..shared.resume_plan import ResumeComparator, is_resume, merge_resume
-from ..shared.resume_roles import RESULT_KEY as RESUME_RESULTS
+from ..shared.resume_plan import ResumePlan, with_resume
 from ..shared.training_config import COMMON as TRAINING_COMMON
 from ..shared.training_config import per_device, training_config
-from .resume_plan import PLAN as RESUME
-from .resume_plan import resume_case
 
 if TYPE_CHECKING:  # for annotations only: the session side imports model code when it needs it
-    from ...reference.compare import Comparison
     from ...training.projections import BlockProjections
-
-Runner = Callable[[Scenario, Launch], RunRecord]
 
 DEFAULT_TARGETS = LORA_DEFAULT_TARGETS
 WRAPPERS = ("fsdp2", "accelerate")
@@ -55,6 +47,14 @@ COMMON: dict[str, Any] = {**TRAINING_COMMON, "weight_decay": 0.0, "lora_r": 8, "
 # whole tensors, so there is no shard to lose. On GPUs it runs FSDP2, as fully_shard does.
 CPU_DDP_OPS = ("all_reduce", "broadcast")
 NO_SHARDS_ON_CPU = "on a CPU accelerate runs DDP, whose state dict holds whole tensors: no slice to lose (FSDP2 on GPUs)"
+# lora-<wrapper>-resume: the tiny Llama's cases (no user model) continued from their references' checkpoints, after
+# every other case (with_resume). On GPUs the checkpoint holds the frozen base in fp32 and the adapter (r 8 on its 7
+# projections in 8 layers: 8 x (in + out) per projection) with AdamW's two moments.
+GPU_ADAPTER_PARAMETERS = 1_163_264
+GPU_BYTES = 4 * TINY_LLAMA_GPU_PARAMETERS + 12 * GPU_ADAPTER_PARAMETERS
+RESUME = ResumePlan("pytest_gpuregress.scenarios.lora.rank:resume", "the frozen base weights, 4 bytes per parameter, "
+                    f"and the adapter with AdamW's two moments: about {GPU_BYTES / 1e9:.2f} GB for the 156 M-parameter "
+                    "model", resumes=lambda case: not case.data.get("model"), last=True)
 
 
 def exercised(setup: Setup, wrapper: str, model: str | None = None) -> act.Exercises:
@@ -69,7 +69,6 @@ class LoraScenario(Scenario):
     name = "lora"
     rank_entry = "pytest_gpuregress.scenarios.lora.rank:run"
     options = SCENARIO_OPTIONS["lora"]  # declared with the plugin's: pytest reads them without importing this
-    comparator_type = ResumeComparator
 
     trains_user_models = True
 
@@ -100,13 +99,12 @@ class LoraScenario(Scenario):
 
     def cases(self, setup: Setup) -> list[Case]:
         # Ids name the API, not "fsdp2": `-k fsdp` selects the fsdp scenario, not this one. A user's model
-        # adds its name: lora-fully_shard-mymoe. The tiny Llama's resume cases come last: lora-fully_shard-resume.
-        return [*(Case(CASE_IDS[wrapper] + (f"-{model}" if model else ""), launch=wrapper + (f"-{model}" if model else ""),
-                       data={"wrapper": wrapper, "model": model}, exercises=exercised(setup, wrapper, model),
-                       family=f"{self.name}-{CASE_IDS[wrapper]}" if model else "")
-                  for model in [None, *(m.name for m in setup.models)] for wrapper in WRAPPERS),
-                *(replace(resume_case(CASE_IDS[wrapper], wrapper), exercises=resumed(exercised(setup, wrapper)))
-                  for wrapper in WRAPPERS)]
+        # adds its name: lora-fully_shard-mymoe. The tiny Llama's resume cases come last (with_resume):
+        # lora-fully_shard-resume.
+        return [Case(CASE_IDS[wrapper] + (f"-{model}" if model else ""), launch=wrapper + (f"-{model}" if model else ""),
+                     data={"wrapper": wrapper, "model": model}, exercises=exercised(setup, wrapper, model),
+                     family=f"{self.name}-{CASE_IDS[wrapper]}" if model else "")
+                for model in [None, *(m.name for m in setup.models)] for wrapper in WRAPPERS]
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
         # A resume case names its wrapper's launch: one launch per key.
@@ -114,14 +112,10 @@ class LoraScenario(Scenario):
         return [Launch(key, {**self.model_config(setup, d["model"]), "wrapper": d["wrapper"],
                              "adamw": ADAMW_OF_WRAPPER[d["wrapper"]]}) for key, d in data.items()]
 
-    def experiment(self, case: Case, run: Any, setup: Setup) -> RunRecord | None:
-        """None (the usual launch), after checking the model has modules the adapter can target; a resume case is
-        skipped, recording or comparing, where the resume checkpoint is off (GPUs)."""
+    def experiment(self, case: Case, run: Runner, setup: Setup) -> RunRecord | None:
+        """None (the usual launch), after checking the model has modules the adapter can target."""
         from ...training.model_specs import targets_present
 
-        off = RESUME.off_here(setup) if is_resume(case) else None
-        if off:
-            raise NotApplicable(off)
         model = case.data.get("model")
         if model is None and not setup.option("lora-targets"):
             return None  # the defaults are the tiny Llama's own names
@@ -172,25 +166,6 @@ class LoraScenario(Scenario):
         # The wrapper is in the platform key, so `-k lora` records and finds both; a user's model has its own.
         return self.name if not case.data.get("model") else f"{self.name}-{case.data['model']}"
 
-    def attachments(self, case: Case, record: RunRecord, run: Runner, setup: Setup) -> dict[str, Path]:
-        # The tiny Llama's references only: a user's model has no resume case (not yet).
-        if case.data.get("model"):
-            return {}
-        return RESUME.attachments(self, resume_case(CASE_IDS[case.data["wrapper"]], case.data["wrapper"]), record, run,
-                                  setup)
-
-    def from_reference(self, case: Case, reference: Callable[[], RunRecord], run: Runner,
-                       setup: Setup) -> RunRecord | None:
-        if not is_resume(case):
-            return None
-        [launch] = self.launches([case], setup)
-        return RESUME.continue_from(self, case, launch.config, reference, run, setup)
-
-    def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
-        if is_resume(case):
-            return resume_comparison.compare(reference, record, lane)
-        return super().compare(reference, record, case, lane)
-
     def oracle_launch(self, setup: Setup, model: str | None) -> Launch | None:
         from .oracle import launch
 
@@ -200,21 +175,16 @@ class LoraScenario(Scenario):
         return perturbed_launches(launch, setup, count)
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
-        """Rank 0's record with every rank's LoRA findings: a problem on one rank only is not lost; a resume launch's
-        with every rank's generator digests."""
+        """Rank 0's record with every rank's LoRA findings: a problem on one rank only is not lost."""
         from .checks import merge_findings
 
         merged = super().merge(records)
-        if RESUME_RESULTS in merged.results:  # a resume launch: no LoRA check ran there
-            return merge_resume(merged, records)
         merged.results["lora_checks"] = merge_findings(r.results.get("lora_checks", []) for r in records)
         return merged
 
     def own_findings(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
         from .checks import CHECKS, shown_findings
 
-        if RESUME_RESULTS in record.results:  # a continuation is judged against the reference's last steps only
-            return []
         problems: list[Problem] = [*shown_findings(record.results.get("lora_checks", []))]
         missing = sorted(set(CHECKS) - set(record.results.get("lora_checks_run", [])))
         if missing:  # each check runs in every run; one that did not run cannot have passed
@@ -257,4 +227,4 @@ def _tiny_llama_config(setup: Setup) -> Path:
     return config_path(COMMON["model"], size)
 
 
-SCENARIO = LoraScenario()
+SCENARIO = with_resume(LoraScenario, RESUME)()

@@ -16,10 +16,15 @@ import numpy as np
 
 from ...reference.record import RunRecord, float_digest
 from ..base import RankContext
+from ..shared.resume_roles import Roles
 from . import adapter_io, checks, dropout_check, merging, trainer, wrappers
 from .trainer import build_base  # the round trip, the merge and the dropout check rebuild the base
 
 FIXED_BATCH_ROWS = 2  # sequences in the batch whose logits the round trip and the merge compare
+# The resume cases' save and continue roles over the trainer run() trains, under the case's wrapper. The checkpoint
+# is what DCP's get_state_dict gives of the PeftModel (the frozen base and the adapter) and of the torch AdamW under
+# accelerate's wrapper. No LoRA check runs there: a continuation is judged against the reference's last steps only.
+ROLES = Roles("lora", trainer.build)
 
 
 def _sha(tensor: Any) -> str:
@@ -89,6 +94,11 @@ def run(ctx: RankContext) -> RunRecord:
     digests = {name: float_digest(values) for name, values in trained.items()}
     results = {"lora_checks": findings, "lora_checks_run": sorted(checks.CHECKS), "lora_measured": measured}
     return training_record("lora", ctx, step, curves, observer, names, step0, digests, results)
+
+
+def resume(ctx: RankContext) -> RunRecord:
+    """The rank entry of the resume cases' launches (the lora scenario's ``RESUME``)."""
+    return ROLES.run(ctx)
 
 
 def _roundtrip(wrapped: wrappers.Wrapped, state: dict[str, Any], trained: dict[str, np.ndarray], trained_logits: np.ndarray,

@@ -1,5 +1,5 @@
-"""Rank side: the lora run's model and trainer, built one way for the training run (rank.py) and for the resume
-roles (resume.py), so a continuation trains exactly what the reference trained.
+"""Rank side: the lora run's model and trainer, built one way for the training run and for the resume roles
+(rank.py's ``run`` and ``resume``), so a continuation trains exactly what the reference trained.
 
   adapted     the base model (a noise replica's perturbation applied) with the LoRA adapter on it, not yet
               distributed: what the LoRA checks read before training
@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...training.optimizer import Optimization, Optimized, Schedule
+from ...training.optimizer import Optimization, Schedule
 from ..base import RankContext
+from ..shared.trainer import Trainer
 from . import adapter, adapter_io, checks, wrappers
 
 if TYPE_CHECKING:
-    from ...training.loop import Curves, TrainStep
+    from ...training.loop import TrainStep
 
 
 def build_base(cfg: dict[str, Any], model_config: Any, perturbation: str) -> Any:
@@ -66,7 +67,7 @@ def adapted(ctx: RankContext) -> Adapted:
 
 
 @dataclass
-class LoraTrainer(Optimized):
+class LoraTrainer(Trainer):
     """The peft model in its wrapper, the adapter's parameters by name, AdamW and the schedule, and the data (the
     batch of step s is batch s)."""
 
@@ -122,13 +123,6 @@ class LoraTrainer(Optimized):
             tracked=self.tracked,  # the adapters only; the optimizer and the clipping take whatever requires a gradient
             **extra,
         )
-
-    def train(self, ctx: RankContext, steps: range, first_batch: int, progress: str,
-              inspect: Callable[[int], None] | None = None) -> Curves:
-        from ...training.loop import train
-
-        step = self.step(ctx, lambda s: first_batch + s - steps.start, inspect=inspect)
-        return train(ctx, step, steps, progress=progress)
 
     def weights(self) -> dict[str, np.ndarray]:
         return {n: adapter_io.to_numpy(p) for n, p in zip(self.names, self.tracked)}  # every rank's slice, gathered

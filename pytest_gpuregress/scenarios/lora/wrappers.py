@@ -11,9 +11,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ...training.fsdp2 import mixed_precision, shard, shard_units
+from ...training.fsdp2 import mixed_precision
 from ...training.loop import clip_gradients
 from ...training.optimizer import AdamWSettings, adamw
+from ..shared.trainer import fully_sharded
 from . import adapter_io
 
 
@@ -55,10 +56,9 @@ def _trainable(model: Any) -> list[Any]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def fsdp2(peft_model: Any, cfg: dict[str, Any], device: Any) -> Wrapped:
-    peft_model = peft_model.to(device)
+def fsdp2(peft_model: Any, cfg: dict[str, Any], device: Any, world_size: int) -> Wrapped:
     # Each decoder layer of the wrapped model, then the peft model as the root.
-    shard(shard_units(peft_model), mp_policy=mixed_precision(cfg))
+    peft_model, _ = fully_sharded(peft_model, device, mixed_precision(cfg), world_size)
     return Wrapped(peft_model, peft_model, adamw(_trainable(peft_model), AdamWSettings.from_config(cfg)))
 
 
@@ -96,7 +96,7 @@ def build(peft_model: Any, cfg: dict[str, Any], device_kind: str, world_size: in
 
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if device_kind == "cuda" else "cpu")
     if cfg["wrapper"] == "fsdp2":
-        return fsdp2(peft_model, cfg, device)
+        return fsdp2(peft_model, cfg, device, world_size)
     if cfg["wrapper"] == "accelerate":
         return accelerate(peft_model, cfg, device_kind, world_size)
     raise ValueError(f"unknown lora wrapper {cfg['wrapper']!r}; known: fsdp2, accelerate")

@@ -10,8 +10,9 @@ launch is not touched, so the reference's numbers are those of a run without it.
 
 Comparing, the resume case runs a ``resume-from-reference`` launch: this stack loads the reference's
 checkpoint (written by the recording stack) and trains on to the end; resume_comparison.py judges the load
-piece by piece and the continuation within the reference's envelope. A scenario holds one ``ResumePlan``
-(its rank entry and what its checkpoint weighs on GPUs) and names its resume cases. torch-free.
+piece by piece and the continuation within the reference's envelope. All of it is one wrapper: a scenario is
+``with_resume(Scenario, ResumePlan(...))`` (its rank entry, what its checkpoint weighs on GPUs, which cases get
+``<case>-resume``), and ``ResumeFromReference`` does the rest, before the scenario's own code. torch-free.
 """
 
 from __future__ import annotations
@@ -20,24 +21,27 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ...errors import NotApplicable
+from ...findings import Problem
 from ...reference import step0
 from ...reference.judgement import Judgement
 from ...reference.record import RunRecord
 from ...stack.platforms import launched_by_torchrun
 from ...units import human_bytes
-from ..base import Case, Launch, Scenario, Setup
+from ..base import Case, Launch, Runner, Scenario, Setup
 from ..comparator import Comparator
 from . import late_gradients, resume_comparison
+from .exercised import resumed
 from .late_gradients import LATE_ONLY
 from .resume_roles import FOLDER, RESULT_KEY, ROLE, resume_step
 from .state_pieces import merge_boundaries
 
-Runner = Callable[[Scenario, Launch], RunRecord]
+if TYPE_CHECKING:
+    from ...reference.compare import Comparison
 
 PART = "resume"  # a resume case's data["part"]
 ATTACHMENT = "resume"  # the folder inside the reference
@@ -92,6 +96,8 @@ class ResumePlan:
 
     entry: str
     gpu_size: str  # e.g. "weights and AdamW's two moments, 12 bytes per parameter: about 1.9 GB for ..."
+    resumes: Callable[[Case], bool]  # the scenario's cases whose references keep a checkpoint and get ``<case>-resume``
+    last: bool = False  # the resume cases after every case (lora's); False: each after its case (fsdp's)
 
     def off_here(self, setup: Setup) -> str | None:
         """Why the resume checkpoint is neither recorded nor resumed on this device; None where it is."""
@@ -195,3 +201,78 @@ class ResumeComparator(Comparator):
         if reference is not None and self.case is not None and is_resume(self.case):
             reference = resume_comparison.continuation_reference(reference)
         return super().judge(reference, run)
+
+
+def with_resume(scenario: type[Scenario], plan: ResumePlan) -> type[Scenario]:
+    """``scenario`` with the resume from its references (``ResumeFromReference``) that ``plan`` describes."""
+    return type(scenario.__name__, (ResumeFromReference, scenario), {"resume": plan, "__doc__": scenario.__doc__,
+                                                                     "__module__": scenario.__module__})
+
+
+class ResumeFromReference(Scenario):
+    """The resume from a reference as one wrapper around a training scenario (``with_resume``): it adds
+    ``<case>-resume`` for each case ``resume.resumes`` picks, stores the checkpoint beside that case's reference,
+    skips the resume cases where the checkpoint is off, runs them from the reference, merges and judges them, and
+    keeps triage's reruns from step 0 away from them. Every other case goes on to the scenario's own code."""
+
+    resume: ClassVar[ResumePlan]
+    comparator_type = ResumeComparator
+
+    def cases(self, setup: Setup) -> list[Case]:
+        cases = super().cases(setup)
+        if self.resume.last:
+            return [*cases, *(self.resume_case(c) for c in cases if self.resume.resumes(c))]
+        return [x for c in cases for x in ((c, self.resume_case(c)) if self.resume.resumes(c) else (c,))]
+
+    def resume_case(self, case: Case) -> Case:
+        """``<case>-resume`` (``<name>-resume`` for the case named as the scenario): ``case``'s reference continued
+        from its checkpoint, on its launch."""
+        return replace(case, id="resume" if case.id == self.name else f"{case.id}-resume",
+                       data={**case.data, "part": PART}, exercises=None if case.exercises is None else resumed(case.exercises))
+
+    def resume_of(self, case: Case, setup: Setup) -> Case | None:
+        """The resume case on ``case``'s launch and reference (``case`` itself where it is one); None: it has none."""
+        return next((c for c in self.cases(setup) if is_resume(c) and c.launch == case.launch
+                     and self.reference_name(c) == self.reference_name(case)), None)
+
+    def reference_name(self, case: Case) -> str | None:
+        # A resume case judges its case's reference, and records it.
+        if is_resume(case):
+            case = replace(case, id=self.name if case.id == "resume" else case.id.removesuffix("-resume"))
+        return super().reference_name(case)
+
+    def attachments(self, case: Case, record: RunRecord, run: Runner, setup: Setup) -> dict[str, Path]:
+        resume = self.resume_of(case, setup)
+        return {} if resume is None else self.resume.attachments(self, resume, record, run, setup)
+
+    def experiment(self, case: Case, run: Runner, setup: Setup) -> RunRecord | None:
+        """A resume case is skipped, recording or comparing, where its checkpoint is off (GPUs)."""
+        off = self.resume.off_here(setup) if is_resume(case) else None
+        if off:
+            raise NotApplicable(off)
+        return super().experiment(case, run, setup)
+
+    def from_reference(self, case: Case, reference: Callable[[], RunRecord], run: Runner,
+                       setup: Setup) -> RunRecord | None:
+        if not is_resume(case):
+            return super().from_reference(case, reference, run, setup)
+        [launch] = self.launches([case], setup)
+        return self.resume.continue_from(self, case, launch.config, reference, run, setup)
+
+    def merge(self, records: list[RunRecord]) -> RunRecord:
+        """A resume launch's records: the default merge and every rank's generator digests and late gradients."""
+        if RESULT_KEY not in records[0].results:
+            return super().merge(records)
+        return merge_resume(Scenario.merge(self, records), records)
+
+    def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
+        if is_resume(case):
+            return resume_comparison.compare(reference, record, lane)
+        return super().compare(reference, record, case, lane)
+
+    def own_findings(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
+        # A continuation is judged against the reference's last steps only.
+        return [] if is_resume(case) else super().own_findings(case, record, setup)
+
+    def triage_explains(self, case: Case) -> bool:
+        return not is_resume(case) and super().triage_explains(case)  # triage reruns step 0, which it never ran

@@ -9,7 +9,7 @@
             to the end with the shared loop: the continuation the session judges against the
             reference's own last steps.
 A scenario supplies the trainer (``ResumableTrainer``: its model, optimizer, schedule and data, built as
-its rank.py builds them) and a rank entry that calls ``Roles.run``: fsdp/resume.py, lora/resume.py.
+its rank.py builds them) and a rank entry that calls ``Roles.run``: ``resume`` in fsdp/rank.py and lora/rank.py.
 Torch is imported inside the functions: the session imports this module for its config keys.
 """
 

@@ -184,15 +184,17 @@ def _reaper(exits: dict[int, str]) -> Any:
     return reap
 
 
-def _become_rank(request: dict[str, Any]) -> None:
-    """In the forked child: this request's environment and files, then the worker's serving loop; never returns."""
+def _become_rank(request: dict[str, Any], template: int) -> None:
+    """In the forked child: this request's environment and files, then the worker's serving loop; never returns.
+    ``template``: the parent's pid as the template knew it before the fork, never read back here, so a template
+    killed in between leaves a rank that sees its parent gone (worker.die_with_parent) instead of adopting init."""
     try:
         os.setsid()  # a session of its own, as the pool's ranks have, so its whole tree can be killed
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         os.chdir(request["cwd"])
         os.environ.clear()
-        os.environ.update(request["env"], GPUREGRESS_PARENT_PID=str(os.getppid()))
+        os.environ.update(request["env"], GPUREGRESS_PARENT_PID=str(template))
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -237,6 +239,7 @@ def _fork_rank(request: dict[str, Any], exits: dict[int, str]) -> str:
     if not _single_threaded():
         return "threads"
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # the reaper must know the pid before it ends
+    template = os.getpid()
     try:
         pid = os.fork()
     except OSError as exc:
@@ -244,7 +247,7 @@ def _fork_rank(request: dict[str, Any], exits: dict[int, str]) -> str:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
         return "failed"
     if pid == 0:
-        _become_rank(request)
+        _become_rank(request, template)
     exits[pid] = request["exit"]
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     return str(pid)

@@ -44,8 +44,8 @@ def differing_settings(session: GpuRegressSession) -> tuple[list[str], list[str]
             older = fmt is not None and fmt != RECORD_FORMAT
             if (differing or older) and str(path) not in lines:
                 if older:
-                    lines[str(path)] = (f"{path} was recorded by an earlier pytest-gpuregress (format {fmt!r}, "
-                                        f"this one reads {RECORD_FORMAT!r}): it cannot be compared; {RERECORD}")
+                    lines[str(path)] = (f"{path} was recorded in format {fmt!r}, and this pytest-gpuregress reads "
+                                        f"{RECORD_FORMAT!r}: it cannot be compared; {RERECORD}")
                 else:
                     what = ", ".join(f"{k} {ref!r} (this run {ours!r})" for k, ref, ours in differing)
                     options = " ".join(f"{SETTING_OPTIONS[k]}={ref}" for k, ref, _ in differing)

@@ -263,7 +263,9 @@ def bisect_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
                    case: Case, request: BisectRequest) -> Experiment:
     """The bisect's evidence for a failed comparison of ``case``: named (a package or group restores step 0), or
     why it named none."""
-    recorded = reference.fingerprint["packages"]
+    recorded = reference.fingerprint.get("packages")
+    if not isinstance(recorded, dict):  # a plug-in's rank that set a fingerprint of its own
+        return Experiment(NAME, "not applicable", "the reference keeps no list of installed packages to bisect")
     first = min((f.step for f in comparison.findings if f.step is not None), default=None)
     if first not in (0, None):
         return Experiment(NAME, "not applicable", f"step 0 of this run matches the reference (the first "

@@ -13,6 +13,7 @@ from ..reference import oracle_step0
 from ..reference.model_layout import MODEL_LIBRARIES
 from ..reference.oracle_step0 import CODE_CHANGE, CodeChange
 from ..reference.record import RunRecord
+from ..training.float64_mode import MODE
 from . import Experiment, Runner
 from .decision import MODEL_CODE, Evidence
 from .naming import op_component
@@ -30,8 +31,9 @@ def experiment(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, mo
     from ..stack.fingerprint import installed_version
 
     launch = oracle_launch(sc, setup, model)
-    if launch is None or oracle_step0.RESULT_KEY not in reference.results:
-        return None
+    kept = reference.results.get(oracle_step0.RESULT_KEY)
+    if launch is None or not isinstance(kept, dict) or (kept.get("mode") or {}).get("mode") != MODE:
+        return None  # no oracle, or another one than this plugin computes: its change would be the oracle's own
     try:
         change = oracle_step0.code_change(reference, run(sc, launch))
     except Exception:  # noqa: BLE001 - the experiments run the oracle again, and say why it failed

@@ -220,3 +220,39 @@ def test_a_late_replicas_spread_is_measured_as_step_0s_is() -> None:
     spread = late_gradients.spread(ref, [run])
     scale = float(np.abs(ref.arrays["late_grad/b.weight"]).max())
     assert spread[0] == 0.0 and spread[1] == pytest.approx(0.5 / scale, rel=1e-6)  # names in step0.names order
+
+
+def test_recording_a_resume_case_keeps_its_cases_own_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume case records its case's own run as the reference: that run's own checks refuse a broken one, as the
+    case's do. Only a continuation (a resume launch's record) skips them."""
+    from pytest_gpuregress.findings import CheckFinding
+    from pytest_gpuregress.scenarios.shared.resume_roles import RESULT_KEY
+
+    setup = Setup("cpu", "gloo", 2)
+    lora = registry()["lora"]
+    own = type(lora).__mro__[2]  # the scenario's own class, under the resume wrapper
+    broken = [CheckFinding("merge", "the merged model differs")]
+    monkeypatch.setattr(own, "own_findings", lambda self, case, record, setup: broken)
+    resume = next(c for c in lora.cases(setup) if c.id.endswith("-resume"))
+    assert lora.own_findings(resume, make_record(), setup) == broken
+    continued = make_record()
+    continued.results[RESULT_KEY] = {"role": "continue"}
+    assert lora.own_findings(resume, continued, setup) == []
+
+
+def test_a_scenarios_own_comparator_keeps_judging_under_the_resume_wrapper() -> None:
+    from pytest_gpuregress.scenarios.base import Scenario
+    from pytest_gpuregress.scenarios.comparator import Comparator
+    from pytest_gpuregress.scenarios.shared.resume_plan import ResumeComparator, ResumePlan, with_resume
+
+    class Mine(Comparator):
+        pass
+
+    class Plugin(Scenario):
+        name = "plugin"
+        comparator_type = Mine
+
+    plan = ResumePlan("plugin.rank:resume", "weights", resumes=lambda case: True)
+    wrapped = with_resume(Plugin, plan)
+    assert issubclass(wrapped.comparator_type, Mine) and issubclass(wrapped.comparator_type, ResumeComparator)
+    assert with_resume(Scenario, plan).comparator_type is ResumeComparator

@@ -231,8 +231,8 @@ def test_a_reference_of_an_earlier_release_is_a_usage_error_that_says_so(pyteste
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpuregress", f"--gpuregress-steps={STEPS}",
                                            f"--gpuregress-reference-dir={refs}", "-k", FSDP_ONLY)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([f"*{record} was recorded by an earlier pytest-gpuregress (format "
-                                 "'gpuregress-record/1', this one reads 'gpuregress-record/2')*--gpuregress-record*"])
+    result.stderr.fnmatch_lines([f"*{record} was recorded in format 'gpuregress-record/1', and this "
+                                 "pytest-gpuregress reads 'gpuregress-record/2'*--gpuregress-record*"])
 
 
 def test_a_reference_of_another_config_is_named_after_the_run(pytester: pytest.Pytester, refs: Path) -> None:

@@ -78,7 +78,7 @@ def test_a_non_llama_layer_is_named_as_its_own_group_with_its_size(build: Any, l
 def test_without_the_units_of_a_run_no_size_is_guessed() -> None:
     model = gpt2()
     shapes = shapes_of(model)
-    unit = "reduce-scatter of the fully_shard unit that holds it"
+    unit = "reduce-scatter of the fully_shard unit that holds it (the run recorded no units)"
     assert FSDP.triage.message_of("transformer.h.1.attn.c_attn.weight", shapes, WORLD, None) == unit
     assert FSDP.triage.message_of("transformer.h.1.attn.c_attn.weight", shapes, WORLD,
                                   record_of(model, with_units=False)) == unit

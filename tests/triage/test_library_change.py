@@ -152,6 +152,12 @@ def test_the_failure_is_explained_by_the_library_from_the_oracle_launch_it_runs(
     assert model_code.experiment(scenario, SimpleNamespace(), runner(oracle()), reference, None) is None  # type: ignore[arg-type]
     no_oracle = SimpleNamespace(oracle_launch=lambda setup, model: None, triage=None)
     assert model_code.experiment(no_oracle, SimpleNamespace(), runner(oracle(2.0)), reference, None) is None  # type: ignore[arg-type]
+    # A reference whose oracle was computed another way is no evidence on the code: the move would be the oracle's.
+    other = kept(make_record(), oracle())
+    other.results[oracle_step0.RESULT_KEY]["mode"] = {"mode": "float64 with the model's own casts"}
+    ran.clear()
+    assert model_code.experiment(scenario, SimpleNamespace(), runner(oracle(2.0)), other, None) is None  # type: ignore[arg-type]
+    assert ran == []
 
 
 def test_the_float64_oracle_is_float64_throughout_and_says_so() -> None:

@@ -149,8 +149,9 @@ def reduce_scatter_message(param: str, shapes: dict[str, tuple[int, ...]], world
 
     units = recorded_units(record)
     path = unit_of(param, units) if units else None
-    if units is None or record is None or path is None:
-        return "reduce-scatter of the fully_shard unit that holds it"
+    if units is None or record is None or path is None:  # no size guessed: a size is what triage reasons from
+        why = "the run recorded no units" if units is None else "not among the run's recorded units"
+        return f"reduce-scatter of the fully_shard unit that holds it ({why})"
     unit = units[path]
     # The recorded size holds at the record's world size; at another (triage's one rank), recount it.
     size = unit["bytes"] if record.world_size == world_size else \

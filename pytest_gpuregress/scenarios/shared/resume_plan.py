@@ -204,9 +204,13 @@ class ResumeComparator(Comparator):
 
 
 def with_resume(scenario: type[Scenario], plan: ResumePlan) -> type[Scenario]:
-    """``scenario`` with the resume from its references (``ResumeFromReference``) that ``plan`` describes."""
-    return type(scenario.__name__, (ResumeFromReference, scenario), {"resume": plan, "__doc__": scenario.__doc__,
-                                                                     "__module__": scenario.__module__})
+    """``scenario`` with the resume from its references (``ResumeFromReference``) that ``plan`` describes. A
+    comparator the scenario declares keeps judging: the resume's is laid over it, never in its place."""
+    own = scenario.comparator_type
+    comparator = ResumeComparator if own is None or issubclass(ResumeComparator, own) else \
+        type(f"Resume{own.__name__}", (ResumeComparator, own), {})
+    return type(scenario.__name__, (ResumeFromReference, scenario), {
+        "resume": plan, "comparator_type": comparator, "__doc__": scenario.__doc__, "__module__": scenario.__module__})
 
 
 class ResumeFromReference(Scenario):
@@ -271,8 +275,9 @@ class ResumeFromReference(Scenario):
         return super().compare(reference, record, case, lane)
 
     def own_findings(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
-        # A continuation is judged against the reference's last steps only.
-        return [] if is_resume(case) else super().own_findings(case, record, setup)
+        # A continuation is judged against the reference's last steps only. Recording, a resume case holds its
+        # case's own run, which is stored as the reference: that run's own checks decide whether it may be.
+        return [] if RESULT_KEY in record.results else super().own_findings(case, record, setup)
 
     def triage_explains(self, case: Case) -> bool:
         return not is_resume(case) and super().triage_explains(case)  # triage reruns step 0, which it never ran

@@ -1,34 +1,8 @@
 """What a scenario is: the one interface every built-in and plug-in scenario implements.
 
-A scenario declares, on the session side (torch-free, imported at collection):
-  name            its name, used in test ids (``-k name``) and reference folders
-  kind            "training": each case's record is compared with a stored reference;
-                  "check": each case has a closed-form verdict and needs no reference
-  cases()         its test cases: ids and marks, which launch carries each one, and what each exercises
-                  (activities.py; a built-in case declares it, so injected faults that act on none of it skip it)
-  default_config  its configuration per device; stored with references
-  launches()      how the selected cases are grouped into launches of ranks
-  rank_entry      "package.module:function", the code every rank runs: ``function(ctx) -> RunRecord``
-  merge()         how the per-rank records become one
-  own_findings()  reference-free findings for one case (all a check scenario needs)
-  reference_name  the stored reference a case is compared with (every training case; None for checks)
-  compare()       how a case's record is compared with that reference (default: the training comparison)
-  comparator_type optional: its own Comparator class; by default one judges a case with own_findings() and compare()
-  summary()       optional lines for the terminal summary
-  noise_replicas  optional perturbed launches whose spread becomes the tolerant lane's envelope
-  attachments     optional, recording: folders stored inside a case's reference (the fsdp resume checkpoint)
-  from_reference  optional, comparing: a case's run that starts from its reference's stored state
-  options         optional ``--gpuregress-<name>`` options of its own; a plug-in's exist only in runs with
-                  --gpuregress (pytest then loads the scenarios), the built-ins' always (option_spec.py)
-  triage          optional ``TriageSupport``: what triage needs to explain its failures (fsdp's)
-  oracle_launch   optional: its own float64 oracle of step 0 (lora's); by default triage's, where it has triage
-  experiment      optional: a case that runs several launches (or another scenario's) and returns one record
-  header          optional lines for the report header
-  properties      optional key figures of a case, for JUnit properties
-  evidence_for    optional, check scenarios: the component their results in a session speak for
-
-Rank-side code lives in its own module (``rank.py`` in each scenario folder) and is the only part
-that imports torch. A scenario knows nothing of pytest; the plugin drives it through this interface.
+The session side is torch-free (imported at collection) and knows nothing of pytest: the plugin drives it
+through ``Scenario``. Only the rank side (``rank.py`` in each scenario folder) imports torch. What each
+member is for: docs/writing-a-scenario.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Scenario ``lora``: peft LoRA training through accelerate, with the adapter round-tripped.
 
-Two cases, each its own launch and reference (reference_runs/lora/<platform>-<wrapper>/):
-  lora-fully_shard the peft model under torch's FSDP2 (``fully_shard``), directly (wrapper "fsdp2")
-  lora-accelerate  through ``Accelerator.prepare``: accelerate's FSDP2 plugin on GPUs, DDP on the CPU
-Both record what ``fsdp`` records (adapter parameters only) and run the LoRA checks of checks.py,
-which ``own_findings()`` reports as findings of their own. Each has a resume case (``lora-fully_shard-resume``,
-``lora-accelerate-resume``): its reference's own checkpoint loaded on this stack and trained on, as
-``fsdp-resume`` does (``RESUME`` below, rank.py's ``resume``; docs/checkpoint.md). Session side, torch-free;
-training is rank.py.
+Cases ``lora-fully_shard`` (torch's FSDP2 directly) and ``lora-accelerate`` (``Accelerator.prepare``), each with
+its own reference and a ``-resume`` case (``RESUME`` below); both run the LoRA checks of checks.py, reported by
+``own_findings()``. Session side, torch-free; training is rank.py. Details: docs/lora.md.
 """
 
 from __future__ import annotations

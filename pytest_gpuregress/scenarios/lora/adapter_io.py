@@ -1,8 +1,7 @@
 """Rank side: save the adapter as users do (save_pretrained, safetensors) and reload it into a fresh base model.
 
-Fault points (fault_points.py): ``gather_for_save`` (how the full state dict is collected) and
-``write_adapter`` (the save itself).
-The gathered full tensors the checks compare against come from ``full_tensor``, a separate path.
+Fault points: ``gather_for_save`` and ``write_adapter``. The full tensors the checks compare against come from
+``full_tensor``, a separate path.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Rounding bounds for the merge check, from the dtype's unit roundoff u (docs/lora.md derives them).
 
-Merged weight. peft computes ``W' = fl(W + fl(fl(B @ A) * s))`` in the weight's dtype (on the CPU a
-bf16 product is formed in fp32 and cast back: one more rounding). Standard error analysis
-(Higham, Accuracy and Stability of Numerical Algorithms, §3.1) gives, per element:
-
-    |fl(B @ A) - B @ A|                 <= gamma_r |B| @ |A|       (inner dimension r, gamma_n = n u / (1 - n u))
-    |fl(fl(BA) * fl(s)) - s B A|          <= gamma_{r+3} s |B| @ |A| (the scale's conversion, the product, a cast)
-    |W' - fl-free sum|                  <= ulp(W') / 2 + that       (round to nearest of the final addition)
-
-so ``|W' - (W + s B A)|`` computed in float64 must stay within ``ulp(W')/2 + gamma_{r+3} s (|B| @ |A|)``.
-A merged weight one ulp off breaks this wherever the delta's share is below half an ulp and the
-rounding went the same way, which is why the check compares weights, not logits: one ulp in one
-weight moves a logit by ~1e-9, far below any sound bound on logits.
-
-Logits. Merged and unmerged models differ only inside the targeted linear layers: per layer with
-inner dimension n, the two outputs differ by at most ``(2 gamma_n + gamma_{n+r+3})`` relative to their
-magnitude. Summed along the model's chain of targeted layers, assuming the other layers (norms,
-softmax, SiLU, the residual stream) pass a relative error on without gain (first order), the
-logits may differ by ``u_chain * max|logits|`` with ``u_chain = sum over targets (3 n + r + 3) u``.
+The merged weight must satisfy ``|W' - (W + s B A)| <= ulp(W')/2 + gamma_{r+3} s (|B| @ |A|)`` (float64 on
+the right). The check compares weights, not logits: one ulp in one weight moves a logit by ~1e-9, far below
+any sound logit bound; the logit bound ``u_chain * max|logits|`` is first order only.
 """
 
 from __future__ import annotations

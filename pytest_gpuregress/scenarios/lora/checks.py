@@ -1,9 +1,7 @@
 """The LoRA checks: pure functions from tensors (numpy) to findings. No torch, so they unit-test in milliseconds.
 
-A finding is a small dict (check name, message, the facts measured). Rank code collects them into the record;
-the scenario's ``own_findings()`` hands them on, and triage names the component each points at. Every message
-names the adapter tensor and the module it targets, e.g. "lora_B of model.layers.1.self_attn.q_proj is all zeros
-after reload".
+A finding is a small dict (check name, message, facts measured); every message names the adapter tensor and
+the module it targets, e.g. "lora_B of model.layers.1.self_attn.q_proj is all zeros after reload".
 """
 
 from __future__ import annotations
@@ -99,10 +97,8 @@ def difference(expected: np.ndarray, got: np.ndarray) -> str:
 def check_frozen(leaked: Mapping[str, int], initial: Mapping[str, str], final: Mapping[str, str]) -> list[Finding]:
     """``leaked``: base parameter -> first step its gradient was not None; ``initial``/``final``: sha256 per base weight.
 
-    Each finding names what moved the weight. A gradient on it means the library left it trainable (peft's
-    freezing, or a transformers module that re-enabled it): [library], and the change that follows is the optimizer
-    doing its job on a weight it was handed. A change with no gradient ever was written by something else: the
-    optimizer stepping a weight without a gradient, or a collective or load writing into it."""
+    A gradient on a base weight means the library left it trainable ([library]); a change with no gradient ever
+    was written by something else (the optimizer, a collective or a load)."""
     out = [finding("frozen-base", f"frozen base weight {describe(name)} received a gradient at step {step} "
                                   "(only lora_A/lora_B may): the library left it trainable", left_trainable=True)
            for name, step in leaked.items()]

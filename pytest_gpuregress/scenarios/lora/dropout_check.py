@@ -1,22 +1,8 @@
 """Rank side: peft's LoRA dropout, exercised after training (the ``dropout`` LoRA check).
 
-Training keeps ``lora_dropout`` at 0, so that a run is a pure function of the seed on every machine: torch draws a
-CPU dropout mask from MKL's generator on Intel CPUs and from its own elsewhere (``bernoulli_`` on the CPU), so masks
-are not equal across stacks, and a reference recorded with dropout on one CPU would fail on another. What a peft
-or torch bug in dropout breaks is checked here instead, on the trained adapter with ``lora_dropout`` > 0:
-
-  eval       in eval mode the adapter gives bit for bit what the same adapter without dropout gives
-  seeded     in train mode, two forwards after the same ``torch.manual_seed`` give the same bits (masks follow
-             torch's RNG, so a training run can be repeated)
-  acts       in train mode the output differs from eval mode's (the dropout is applied at all)
-  scale      the adapter's own dropout module, in train mode on ones: every kept value exactly 1 / (1 - p), and
-             the share dropped within binomial noise of p (a missing rescale, or another p, fails)
-  placement  in train mode, a LoRA layer whose adapter adds nothing (lora_B zero) gives bit for bit what its
-             frozen base layer gives: the dropout acts on the adapter's input only, never on the input the base
-             path shares (a peft that dropped the shared input would change every base output in training)
-It draws from a forked RNG, so the rank's own random state is as training left it. peft refuses dropout on the
-parameters it wraps itself (an MoE's fused experts, which it reaches from ``gate_proj``-style targets): there the
-check runs on the module adapters peft kept, the ones dropout applies to.
+Training keeps ``lora_dropout`` at 0 because CPU dropout masks differ across CPUs (MKL's generator on Intel),
+so dropout is checked here instead, within one stack, on the trained adapter: eval, seeded, acts, scale and
+placement (docs/lora.md). It draws from a forked RNG, so the rank's random state is as training left it.
 """
 
 from __future__ import annotations

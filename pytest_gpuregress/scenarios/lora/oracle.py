@@ -1,9 +1,7 @@
 """The lora scenario's float64 oracle, on one rank: step 0 of the adapter on the whole global batch in float64.
 
-The base model and the adapter are built as trainer.py builds them for rank.py (same seeds, the adapter's counter-based
-lora_A and zero lora_B); only the adapter's gradients are kept, whole, under the keys rank.py records them
-with. A recording stores each tensor's distance from these (reference/oracle_distance.py), so that
-re-recording over it is allowed only toward float64.
+Built as trainer.py builds the run's model (same seeds), keeping the adapter's gradients under rank.py's keys.
+A recording stores its distance from these, so re-recording over it is allowed only toward float64.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The lora scenario on one rank: peft LoRA training of the tiny Llama, then the LoRA checks.
 
-Training is the fsdp scenario's loop (training/loop.py: AdamW, warm-up and cosine decay, clipping,
-deterministic data) and records the same metrics, for the adapter parameters only: per-step loss,
-global gradient norm, per-parameter gradient norms, full step-0 gradients and final digests. After
-training every rank runs the LoRA checks (checks.py); their findings go into ``results["lora_checks"]``.
+Training is the fsdp scenario's loop (training/loop.py) and records the same metrics, for the adapter
+parameters only; the LoRA checks' findings go into ``results["lora_checks"]``.
 """
 
 from __future__ import annotations

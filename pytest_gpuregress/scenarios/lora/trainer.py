@@ -1,10 +1,8 @@
 """Rank side: the lora run's model and trainer, built one way for the training run and for the resume roles
 (rank.py's ``run`` and ``resume``), so a continuation trains exactly what the reference trained.
 
-  adapted     the base model (a noise replica's perturbation applied) with the LoRA adapter on it, not yet
-              distributed: what the LoRA checks read before training
-  distribute  that peft model in its distribution wrapper (wrappers.py), AdamW and the schedule, the data: a ``LoraTrainer``
-Torch is imported inside the functions: only the ranks call them.
+``adapted``: the peft model before distribution (what the LoRA checks read); ``distribute``: it wrapped
+(wrappers.py) with AdamW, schedule and data, a ``LoraTrainer``. Torch is imported inside the functions.
 """
 
 from __future__ import annotations

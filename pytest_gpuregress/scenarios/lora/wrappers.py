@@ -1,8 +1,7 @@
 """Rank side: the two ways the peft model is distributed, behind one small interface.
 
-fsdp2       ``fully_shard`` on every decoder layer and the root, directly (torch's FSDP2).
-accelerate  ``Accelerator.prepare``, as the HF Trainer and TRL do: on GPUs with accelerate's FSDP2
-            plugin; on the CPU accelerate offers DDP only, so that is what this wrapper runs there.
+``fsdp2``: ``fully_shard`` directly; ``accelerate``: ``Accelerator.prepare``, as the HF Trainer and TRL do
+(accelerate's FSDP2 plugin on GPUs; on the CPU accelerate offers DDP only, so that runs there).
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Scenario ``checkpoint``: round trips, resharding, exact resume and cross-platform portability.
 
-Session side, torch-free; every rank runs rank.py. Cases (``-k checkpoint``, or one by name):
-  full-state-dict   the FSDP2 model gathered to safetensors and reloaded into a fresh model:
-                    tensors and logits bit-identical; compared with the stored reference, which
-                    keeps the trained checkpoint and its logits (the portable bundle)
-  tied              the same for tiny-llama-tied: the tie intact after the reload (one storage)
-  sharded-<N>to<M>  torch.distributed.checkpoint saved at N ranks, loaded at M: the full-tensor
-                    hashes of the weights and the optimizer state unchanged
-  resume            2k steps straight against k steps, a save, and k more in new processes: the
-                    state at the boundary piece by piece, and the two loss curves
-  portability       the shipped (or a named) bundle loaded on this stack: checksums exact, logits
-                    within the cross-platform bound (exact on the recording stack)
-Checkpoints live in temporary folders under ``--gpuregress-checkpoint-dir`` (default: the system's
-temporary folder), removed once the case is done. Details: docs/checkpoint.md. Faults that emulate
-the bug classes: faults/checkpoint.py.
+Cases full-state-dict, tied, sharded-<N>to<M>, resume and portability (docs/checkpoint.md). Session side,
+torch-free; every rank runs rank.py. Checkpoints live in temporary folders under
+``--gpuregress-checkpoint-dir``, removed once the case is done; faults that emulate the bug classes:
+faults/checkpoint.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Reading a model checkpoint a user points to: safetensors only, strictly, torch-free.
 
-Accepted: one ``.safetensors`` file; a folder with ``model.safetensors``, or with shards listed in
-``model.safetensors.index.json`` (transformers' layout), or with ``*.safetensors`` files; or a
-gpuregress reference folder of the checkpoint scenario (its tensors under ``checkpoint/``).
-Each file goes through the plugin's strict reader (scenarios/shared/safetensors_file.py), which checks
-every header entry and offset, so a truncated shard is one error naming the file, not a deep
-traceback. Nothing is ever unpickled: ``.bin``, ``.pt`` and ``.pth`` files are refused by name.
+A file, a folder (transformers' layouts, sharded or not) or a checkpoint-scenario reference folder; each file
+goes through the strict reader (shared/safetensors_file.py), so a truncated shard is one error naming the file.
+Nothing is ever unpickled: ``.bin``, ``.pt`` and ``.pth`` files are refused by name.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Rank side: the full state dict gathered to one safetensors file, and reloaded into a freshly built model.
 
-The save goes the way FSDP2 users save: ``get_model_state_dict(full_state_dict=True,
-cpu_offload=True)`` gathers every rank's shard onto rank 0, which writes one safetensors file
-(atomically), each tied tensor once under the first of its names (safetensors refuses shared
-storage; transformers stores ties the same way). The reload builds a fresh model from the config,
-checks the file with the strict reader (files.py, ``portable.match``: clear errors), then loads it
-with the stack's loader, ``safetensors.torch.load_model``: what is compared afterwards (tensors, the
-tie, logits) is what the stack made of the file, not a copy of our own.
-
-Fault points (fault_points.py): ``gather`` (what the save collects), ``tensors_to_save`` (which
-names go into the file) and ``stack_load`` (the stack's file -> model).
+Saved as FSDP2 users save (each tied tensor once, as transformers does); reloaded with the stack's own
+``safetensors.torch.load_model`` after the strict reader's check, so what is compared is what the stack made of
+the file, not a copy of our own. Fault points: ``gather``, ``tensors_to_save``, ``stack_load``.
 """
 
 from __future__ import annotations

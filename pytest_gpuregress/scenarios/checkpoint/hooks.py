@@ -1,9 +1,7 @@
 """Rank side: the hook every load in this scenario calls once its tensors are in place.
 
-A no-op. It is a fault point (fault_points.py), so a fault can change what was loaded
-(faults/checkpoint.py: one tensor nudged by one ulp after load) at one point that every load path
-shares: the full-state-dict and tied reloads, the DCP loads of the sharded and resume cases, and the
-portability load.
+A no-op and a fault point: one place, shared by every load path, where a fault can change what was loaded
+(faults/checkpoint.py nudges one tensor by one ulp).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The checkpoint scenario's cases, configuration and launches. Session side, torch-free.
 
-One configuration serves every launch; each launch adds its ``role`` and the folders it works in.
-Those additions are session-only (``SESSION_ONLY``): they are kept out of the stored config, so a
-reference compares with any selection of cases and any temporary folder.
+Each launch adds its ``role`` and folders to the one configuration; those keys are ``SESSION_ONLY``, kept out
+of the stored config, so a reference compares with any selection of cases and any temporary folder.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Does a checkpoint mean the same on this machine? Load it strictly, then logits and checksums. Rank side and CLI.
 
-``evaluate`` builds the model from its transformers config, checks the checkpoint against it with
-the plugin's strict reader (every tensor present, tied tensors stored under one of their names,
-shapes and the config's dtype: errors that name the file and the fix), then loads it the way the
-stack does (``safetensors.torch.load_file`` and ``load_state_dict(strict=True)``), moves it to the
-device and reports:
-  checksums   per tensor: sha256 of its bytes as the model holds them after the stack's load, and
-              the file's own sha256 from the strict reader's independent parse; they must be equal
-              on every machine (loading is a copy)
-  logits      float32 logits on a fixed batch (``fixed_batch``), computed in float32 on the device
-  deviation   max |logits - float64 logits| / max |float64 logits|, the float64 ones computed on
-              this machine's CPU from the same tensors
-Two machines agree when every checksum is equal and their logits differ by at most
-``2 x logits_bound``: each is within ``logits_bound`` of float64 (see ``logits_bound``).
+``evaluate`` checks the checkpoint with the strict reader, loads it the stack's way and reports per-tensor
+checksums (exact on every machine: loading is a copy), float32 logits on ``fixed_batch`` and their deviation
+from float64 ones. Two machines agree when every checksum is equal and their logits differ by at most
+``2 x logits_bound`` (docs/checkpoint.md).
 """
 
 from __future__ import annotations
@@ -40,10 +31,8 @@ def fixed_batch(vocab_size: int, rows: int = BATCH[0], length: int = BATCH[1]) -
 def logits_bound(model_config: Any, length: int = BATCH[1]) -> float:
     """How far float32 logits may be from float64 ones, relative to the largest: u sqrt(n) (L + 1).
 
-    The bound of triage's experiments (reference/bounds.py): u = 2^-24, n the longest inner product
-    of the forward (the MLP's, the hidden size's or the sequence's), L + 1 the layers plus the head
-    at which a rounding difference can enter again. Two machines each within it of float64 differ
-    by at most twice it."""
+    Triage's bound (reference/bounds.py): u = 2^-24, n the forward's longest inner product, L + 1 the layers
+    plus the head. Two machines each within it of float64 differ by at most twice it."""
     n = max(int(getattr(model_config, "intermediate_size", 0) or 0), int(model_config.hidden_size), length)
     return step0_bound("fp32", n, int(model_config.num_hidden_layers))
 

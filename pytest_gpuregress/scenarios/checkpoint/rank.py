@@ -1,16 +1,8 @@
 """The checkpoint scenario on one rank: what each launch does, by its ``role``.
 
-  main           the straight run: 2k steps with state digests at step k; then the full state dict
-                 gathered, saved and reloaded (full_state.py), the result kept as the portable
-                 bundle (the trained checkpoint, its logits and checksums); then the tied model
-                 trained k steps and round-tripped the same way
-  resume-first   k steps, a save (trainer_io.py), state digests; then the processes exit
-  resume-second  new processes: a freshly built trainer, every generator scrambled, the load, state
-                 digests, k more steps
-  sharded-save   k steps at the save world size, a DCP save, full-tensor hashes
-  sharded-load   a freshly built trainer at the load world size, the DCP load, full-tensor hashes
-  portability    rank 0: a shipped or recorded bundle loaded on this stack (portable.py)
-A problem with a checkpoint is a finding in the record, never an exception: the verdict names it.
+Roles ``main``, ``resume-first``, ``resume-second``, ``sharded-save``, ``sharded-load``, ``portability``
+(docs/checkpoint.md). A problem with a checkpoint is a finding in the record, never an exception: the
+verdict names it.
 """
 
 from __future__ import annotations

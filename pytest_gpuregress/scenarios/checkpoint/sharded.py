@@ -1,17 +1,8 @@
 """Rank side: sharded checkpoints with torch.distributed.checkpoint (DCP), its default filesystem format.
 
-Every rank writes its own shards (``__<rank>_0.distcp``) and rank 0 the ``.metadata`` file. The save
-goes to a staging folder that rank 0 swaps in whole once every rank has written, so a reader sees a
-complete checkpoint or none. Only tensors are handed to DCP: it stores anything else with
-torch.save and reads it back with ``torch.load(weights_only=False)``, an unpickle; the rest of a
-trainer's state goes to JSON beside it (trainer_io.py).
-
-Unpickling: DCP's ``.metadata`` file is a pickle, written and read by torch itself. This scenario
-reads DCP checkpoints only from folders its own ranks wrote moments before, in a temporary folder
-it created; never a checkpoint a user points to (the portability path reads safetensors only).
-
-``save`` and ``load`` are fault points (fault_points.py: faults/checkpoint.py writes a shard from
-rank 0 only, or permutes chunks when resharding).
+Saved to a staging folder swapped in whole, so a reader sees a complete checkpoint or none. Only tensors go to
+DCP (it would torch.save anything else); DCP's own ``.metadata`` is a pickle, so this reads only checkpoints its
+ranks just wrote in its own temporary folder, never one a user points to. ``save`` and ``load`` are fault points.
 """
 
 from __future__ import annotations

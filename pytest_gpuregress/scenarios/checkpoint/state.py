@@ -1,9 +1,8 @@
 """Rank side: digests of a checkpoint trainer's state (training/state_digests.py), and the full-tensor
 hashes with their chunks that a reshard must preserve.
 
-The pieces and how they are digested are training/state_digests.py's, shared with the fsdp scenario's
-resume from its reference. Sharded tensors are gathered whole (``full_tensor``, a collective: every
-rank calls these in the same order), so digests do not depend on the world size.
+Sharded tensors are gathered whole (``full_tensor``, a collective: every rank calls these in the same order),
+so digests do not depend on the world size.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Rank side: the model under FSDP2, AdamW with warm-up and cosine decay, and a data stream with a position.
 
-The data pipeline is what a real training loop has, and it consumes every random generator a
-checkpoint must restore: the rows of each global batch are shuffled (Python's ``random``), each
-batch is cropped at a random offset (numpy), some input tokens are replaced (torch's CPU generator)
-and some labels are dropped (torch's generator on the device). So a resumed run whose generators or
-data position were not restored computes other numbers, not only other digests.
+The data pipeline consumes every generator a checkpoint must restore (Python, numpy, torch CPU and device;
+docs/checkpoint.md), so a resume that misses one computes other numbers, not only other digests.
 """
 
 from __future__ import annotations

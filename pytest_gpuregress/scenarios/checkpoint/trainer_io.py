@@ -1,12 +1,8 @@
 """Rank side: a trainer's whole state in a checkpoint folder, and back into a freshly built trainer.
 
-Layout (every file written atomically; ``trainer.json`` last, so its presence means complete):
-  tensors/            DCP: the model's parameters and the optimizer's exp_avg, exp_avg_sq and step
-  rng-rank<r>.json    rank r's generators (training/rng_state.py)
-  trainer.json        the optimizer's param groups, the LR scheduler, the data position, the step
-                      and the world size that saved it
-Fault points (fault_points.py), shared with every resume (training/resume_checkpoint.py): ``apply_model``
-(loaded weights into the model) and ``apply_optimizer`` (loaded state into the optimizer).
+Tensors via DCP, generators per rank and the rest as JSON (layout: docs/checkpoint.md); ``trainer.json`` is
+written last, so its presence means complete. Fault points ``apply_model`` and ``apply_optimizer`` are shared
+with every resume (training/resume_checkpoint.py).
 """
 
 from __future__ import annotations

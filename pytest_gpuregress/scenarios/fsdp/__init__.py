@@ -1,9 +1,7 @@
 """Scenario ``fsdp``: fixed-seed FSDP2 training of a tiny Llama, compared with its stored reference.
 
-Session side: the configuration per device. The training loop itself is in ``rank.py``. The case
-``resume`` (``fsdp-resume``) resumes the reference's own checkpoint on this stack and trains on
-(``RESUME`` below, rank.py's ``resume``, and what lora's resume cases share with it: shared/resume_*.py;
-docs/checkpoint.md).
+Session side: the configuration per device; training is rank.py. ``fsdp-resume`` resumes the reference's own
+checkpoint on this stack (``RESUME`` below, shared/resume_*.py; docs/checkpoint.md).
 """
 
 from __future__ import annotations

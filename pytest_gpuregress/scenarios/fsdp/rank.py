@@ -1,11 +1,8 @@
 """The fsdp scenario on one rank: FSDP2 training of a tiny Llama, recording what a regression moves.
 
-Each decoder layer and the root are wrapped with ``fully_shard``; AdamW with linear warm-up and
-cosine decay, gradient clipping. fp32 on the CPU; bf16 parameters with fp32 gradient reduction
-on GPUs. Per step the record keeps the global loss, the global gradient norm and every
-parameter's gradient norm; at step 0 the full gradients; at the end digests of every parameter.
-Step-0 gradients are the sharpest signal: a corrupted reduce-scatter shows there element by
-element long before the loss curve moves (see docs/faults.md, section 1).
+fp32 on the CPU, bf16 parameters with fp32 gradient reduction on GPUs. The record keeps per-step loss and
+gradient norms, full step-0 gradients and final parameter digests. Step-0 gradients are the sharpest signal:
+a corrupted reduce-scatter shows there element by element long before the loss moves (docs/faults.md, section 1).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """What the built-in training cases exercise (activities.py), shared by fsdp, lora, checkpoint and triage.
 
-Each case's declaration is built here from what it does: which AdamW it steps with, whether it clips, whether it
-trains from step 0 or resumes, which collectives its wrapper runs on this device, whether it trains in bf16.
-faults/reach.py judges injected faults against it. Session side, torch-free.
+Each declaration is built from what the case does (its AdamW, clipping, resume, collectives, bf16), so
+faults/reach.py can judge injected faults against it. Session side, torch-free.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """The gradients of a late step, judged as step 0's are: what catches a small fault that starts late.
 
-After step 0 a training record keeps norms only, and in the tolerant lane the envelope of a late step
-already holds the chaotic drift of hundreds of steps: one element off by 1e-5 from step 200 hides there.
-A resume case continues from the reference's own checkpoint (step S, late in the run), so its first step
-computes its gradients from exactly the state the reference had at step S. Those gradients are compared
-element by element, as step 0's: sharp, with no drift to hide in.
-
-  recording  after the resume checkpoint is saved, one ``late`` launch loads it and runs step S (the
-             reference's gradients), and one per noise replica does the same under the replica's
-             perturbation (the perturbation applied after the load). Their spread per tensor is the
-             late gradients' envelope (``envelope/late_grad``).
-  comparing  the continuation records its first step's gradients; the verdict judges them against the
-             reference's with the step-0 comparison (``as_step0``), and names them ``late_grad``.
-
-Arrays use step-0's form under their own prefixes (reference/step0.py ``LATE``): whole tensors when
-small, block sums when large, each rank its own FSDP2 shard; the ranks keep them with
-gradient_capture.capture. numpy only.
+A resume case's first step computes its gradients from exactly the reference's state at step S, so they are
+compared element by element (``as_step0``, ``late_grad``), with no drift to hide in; the envelope comes from
+``late`` launches per noise replica when recording (docs/envelope.md, "Late small faults"). Arrays use step 0's
+form under their own prefixes (reference/step0.py ``LATE``). numpy only.
 """
 
 from __future__ import annotations

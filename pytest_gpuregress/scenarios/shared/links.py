@@ -1,17 +1,8 @@
 """The collective sweep, per link: which sender -> receiver pair delivered wrong data, and over what.
 
-In an all-gather, an all-to-all or a broadcast every output element comes from one known peer (chunk q of an
-all-gather from rank q, the root's data in a broadcast), so the sweep's wrong elements on each receiving rank
-are counted per sender (scenarios/collectives/rank.py: each case result's ``links``, "sender->receiver" ->
-count). A reduction mixes every peer into each element and names no link. From those counts:
-  one pair                    that link corrupts data
-  one sender, every receiver  the sender's data is wrong wherever it arrives: its device or send path
-  one receiver, every sender  the receiver gets every peer's data wrong: its receive path or memory
-  every pair                  the collective itself (its library, protocol or algorithm), not a link
-  anything else               the pairs, as counted
-The link is described from the ranks' identities (stack/device_identity.py): gloo over loopback on one CPU
-host, the GPUs' NVLink or PCIe connection from ``nvidia-smi topo -m`` where it was read, the network between
-two nodes. Used by the sweep's own report (scenarios/collectives) and the consensus report. Torch-free.
+Wrong elements counted per sender (where each output element has one known peer) name one link, one sender,
+one receiver or the collective itself (docs/consensus.md, "Links"). Used by the sweep's report and the
+consensus report. Torch-free.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Session side: the verdict on a resume from a reference's own checkpoint (fsdp-resume, the lora resume
 cases). torch-free (numpy).
 
-Two questions, in this order:
-  the load     the state right after loading the reference's checkpoint on this stack, piece by piece,
-               against the digests the reference took when it saved: a checkpoint is a copy, so every
-               piece must be equal on every stack. A piece that differs is named (``optimizer.exp_avg``,
-               ``rng.numpy``, ...), as the checkpoint scenario's resume case names it.
-  the gradients of step S, the continuation's first, against the reference's (late_gradients.py): computed
-               from exactly the reference's state, so judged element by element as step 0's are
-               (``late_grad``), where the reference recorded them.
-  the curve    the continuation, steps S to the end, against the reference's own steps S to the end
-               (reference/continuation.py): bitwise in the exact lane (the recording stack), within the
-               reference's envelope in the tolerant lane (another stack).
-Where the load broke, every deviation of the curve follows from it (a fact triage names).
+In order: the load piece by piece (a checkpoint is a copy: equal on every stack), the late gradients
+(late_gradients.py), then the continuation's curve against the reference's last steps. Where the load broke,
+every deviation of the curve follows from it (a fact triage names).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Session side of a resume from a reference's own checkpoint (fsdp-resume, lora's resume cases): what a
-recording stores beside the reference, the launch that continues from it, and the comparator that judges a
-continuation against the reference's last steps.
+recording stores beside the reference, the launch that continues from it, and the comparator.
 
-Recording a reference that has a resume case (on the CPU always; on GPUs with --gpuregress-resume-checkpoint)
-also runs a ``resume-save`` launch: the run's first S = steps // 2 steps again, then the whole training
-state saved (resume_roles.py). Its folder goes into the reference as ``resume/`` (RunRecord.attachments:
-every file in the manifest), the digests of the state it saved into the reference's results. The main
-launch is not touched, so the reference's numbers are those of a run without it.
-
-Comparing, the resume case runs a ``resume-from-reference`` launch: this stack loads the reference's
-checkpoint (written by the recording stack) and trains on to the end; resume_comparison.py judges the load
-piece by piece and the continuation within the reference's envelope. All of it is one wrapper: a scenario is
-``with_resume(Scenario, ResumePlan(...))`` (its rank entry, what its checkpoint weighs on GPUs, which cases get
-``<case>-resume``), and ``ResumeFromReference`` does the rest, before the scenario's own code. torch-free.
+One wrapper: ``with_resume(Scenario, ResumePlan(...))``; ``ResumeFromReference`` runs before the scenario's own
+code. The ``resume-save`` launch is separate, so the reference's numbers are those of a run without it
+(docs/checkpoint.md). torch-free.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Rank side of a resume from a reference's own checkpoint: the two roles of its launches, for any trainer.
 
-  save      recording: the run's first S = 3/4 of its steps, trained as the scenario's rank.py trains them;
-            then the whole training state saved (training/resume_checkpoint.py: DCP in safetensors, JSON)
-            into the folder the session named, and its digests per piece (training/state_digests.py). The
-            reference keeps both: the folder as ``resume/``, the digests in its results.
-  continue  comparing: a freshly built trainer, every generator scrambled, the reference's checkpoint
-            loaded from its ``resume/`` folder (read only), the digests of what was loaded, then steps S
-            to the end with the shared loop: the continuation the session judges against the
-            reference's own last steps.
-A scenario supplies the trainer (``ResumableTrainer``: its model, optimizer, schedule and data, built as
-its rank.py builds them) and a rank entry that calls ``Roles.run``: ``resume`` in fsdp/rank.py and lora/rank.py.
-Torch is imported inside the functions: the session imports this module for its config keys.
+``save`` (recording: S = 3/4 of the steps, then the state and its digests) and ``continue`` (comparing: a fresh
+trainer, generators scrambled, the reference's checkpoint loaded read-only, steps S to the end). A scenario
+supplies a ``ResumableTrainer`` and a rank entry calling ``Roles.run``. Torch is imported inside the functions:
+the session imports this module for its config keys.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Safetensors files, read and written by the plugin's own strict codec. torch-free.
 
-The file format (an 8-byte little-endian header length, a JSON header, raw bytes) is read and written here
-rather than through the safetensors package, so the plugin holds an independent reader: it checks every
-header entry, offset and size, names the file and the tensor of each problem, and never unpickles anything.
-The formats scenario (quantized checkpoints: formats/checkpoint.py) and the checkpoint scenario (a model
-checkpoint a user points to: checkpoint/files.py) both read with it.
+Not the safetensors package, so the plugin holds an independent reader: it checks every header entry, offset
+and size, names the file and tensor of each problem, and never unpickles. The formats and checkpoint
+scenarios both read with it.
 """
 
 from __future__ import annotations

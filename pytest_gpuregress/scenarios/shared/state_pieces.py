@@ -1,10 +1,7 @@
 """Session side: the pieces of a training state's digests (training/state_digests.py), compared piece by piece.
 
-A resume names what broke by piece: ``model``, ``model.frozen`` (weights saved but never trained: a lora
-base), ``optimizer.exp_avg``, ``optimizer.exp_avg_sq``,
-``optimizer.step``, ``optimizer.param_groups``, ``lr_scheduler``, ``rng.<generator>`` (per rank) and
-``data.position``. The checkpoint scenario's resume case and the fsdp scenario's resume from its
-reference share this, so a broken piece reads the same in both. torch-free.
+A resume names what broke by piece (``optimizer.exp_avg``, ``rng.<generator>``, ...); the checkpoint
+scenario's resume case and the reference resumes share this, so a broken piece reads the same. torch-free.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Rank side: the one FSDP2 trainer build the training scenarios compose, and the trainer the loop drives.
 
-A ``TrainingSpec`` names what differs as callables, the way torchtitan's ModelSpec composes a model: the module on
-the CPU, the mixed-precision policy, the data, the trainer type (its ``step`` is the loss). ``build`` composes them
-in one order: the module on the rank's device, each decoder layer then the root under ``fully_shard``, AdamW over
-every parameter with the config's schedule, the data. Torch is imported inside the functions.
+A ``TrainingSpec`` names what differs as callables (as torchtitan's ModelSpec does); ``build`` composes them in
+one order (docs/writing-a-scenario.md). Torch is imported inside the functions.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Scenario ``checkpoint``: round trips, resharding, exact resume and cross-platform portability.
 
-Cases full-state-dict, tied, sharded-<N>to<M>, resume and portability (docs/checkpoint.md). Session side,
-torch-free; every rank runs rank.py. Checkpoints live in temporary folders under
-``--gpuregress-checkpoint-dir``, removed once the case is done; faults that emulate the bug classes:
-faults/checkpoint.py.
+Cases full-state-dict, tied, sharded-<N>to<M>, resume and portability (docs/checkpoint.md); session side,
+torch-free, every rank runs rank.py. Checkpoints live in temporary folders under ``--gpuregress-checkpoint-dir``,
+removed once the case is done; faults that emulate the bug classes: faults/checkpoint.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Does a checkpoint mean the same on this machine? Load it strictly, then logits and checksums. Rank side and CLI.
 
-``evaluate`` checks the checkpoint with the strict reader, loads it the stack's way and reports per-tensor
-checksums (exact on every machine: loading is a copy), float32 logits on ``fixed_batch`` and their deviation
-from float64 ones. Two machines agree when every checksum is equal and their logits differ by at most
-``2 x logits_bound`` (docs/checkpoint.md).
+``evaluate`` checks the file with the strict reader, loads it the stack's way and reports per-tensor checksums
+(exact everywhere: loading is a copy) and float32 logits on ``fixed_batch`` against float64. Two machines agree
+when every checksum is equal and their logits differ by at most ``2 x logits_bound`` (docs/checkpoint.md).
 """
 
 from __future__ import annotations

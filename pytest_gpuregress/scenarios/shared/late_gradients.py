@@ -1,9 +1,8 @@
 """The gradients of a late step, judged as step 0's are: what catches a small fault that starts late.
 
 A resume case's first step computes its gradients from exactly the reference's state at step S, so they are
-compared element by element (``as_step0``, ``late_grad``), with no drift to hide in; the envelope comes from
-``late`` launches per noise replica when recording (docs/envelope.md, "Late small faults"). Arrays use step 0's
-form under their own prefixes (reference/step0.py ``LATE``). numpy only.
+compared element by element (``as_step0``, ``late_grad``) with no drift to hide in (docs/envelope.md, "Late small
+faults"). Arrays use step 0's form under their own prefixes (reference/step0.py ``LATE``). numpy only.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Session side: the verdict on a resume from a reference's own checkpoint (fsdp-resume, the lora resume
-cases). torch-free (numpy).
+"""Session side: the verdict on a resume from a reference's own checkpoint (fsdp-resume, lora's resume cases).
 
 In order: the load piece by piece (a checkpoint is a copy: equal on every stack), the late gradients
-(late_gradients.py), then the continuation's curve against the reference's last steps. Where the load broke,
-every deviation of the curve follows from it (a fact triage names).
+(late_gradients.py), then the curve against the reference's last steps. Where the load broke, every deviation
+of the curve follows from it (a fact triage names). torch-free (numpy).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Session side of a resume from a reference's own checkpoint (fsdp-resume, lora's resume cases): what a
 recording stores beside the reference, the launch that continues from it, and the comparator.
 
-One wrapper: ``with_resume(Scenario, ResumePlan(...))``; ``ResumeFromReference`` runs before the scenario's own
-code. The ``resume-save`` launch is separate, so the reference's numbers are those of a run without it
-(docs/checkpoint.md). torch-free.
+One wrapper, ``with_resume(Scenario, ResumePlan(...))``: ``ResumeFromReference`` runs before the scenario's own
+code. The ``resume-save`` launch is separate, so the reference's numbers are those of a run without it. torch-free.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Rank side of a resume from a reference's own checkpoint: the two roles of its launches, for any trainer.
 
 ``save`` (recording: S = 3/4 of the steps, then the state and its digests) and ``continue`` (comparing: a fresh
-trainer, generators scrambled, the reference's checkpoint loaded read-only, steps S to the end). A scenario
-supplies a ``ResumableTrainer`` and a rank entry calling ``Roles.run``. Torch is imported inside the functions:
-the session imports this module for its config keys.
+trainer, generators scrambled, the reference's checkpoint loaded, steps S to the end), over a scenario's
+``ResumableTrainer``. Torch is imported inside the functions: the session imports this for its config keys.
 """
 
 from __future__ import annotations

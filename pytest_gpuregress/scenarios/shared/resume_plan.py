@@ -44,8 +44,11 @@ def is_resume(case: Case) -> bool:
 def late_window_case(sc: Scenario, case: Case, setup: Setup) -> Case | None:
     """The resume case that continues ``case``'s reference from its late checkpoint (same launch, same
     reference), which judges a divergence of ``case`` that starts after step 0; None where it has none."""
-    if is_resume(case):
-        return None
+    return None if is_resume(case) else resume_of(sc, case, setup)
+
+
+def resume_of(sc: Scenario, case: Case, setup: Setup) -> Case | None:
+    """The resume case on ``case``'s launch and reference (``case`` itself where it is one); None: it has none."""
     return next((c for c in sc.cases(setup) if is_resume(c) and c.launch == case.launch
                  and sc.reference_name(c) == sc.reference_name(case)), None)
 
@@ -224,11 +227,6 @@ class ResumeFromReference(Scenario):
         return replace(case, id="resume" if case.id == self.name else f"{case.id}-resume",
                        data={**case.data, "part": PART}, exercises=None if case.exercises is None else resumed(case.exercises))
 
-    def resume_of(self, case: Case, setup: Setup) -> Case | None:
-        """The resume case on ``case``'s launch and reference (``case`` itself where it is one); None: it has none."""
-        return next((c for c in self.cases(setup) if is_resume(c) and c.launch == case.launch
-                     and self.reference_name(c) == self.reference_name(case)), None)
-
     def reference_name(self, case: Case) -> str | None:
         # A resume case judges its case's reference, and records it.
         if is_resume(case):
@@ -236,7 +234,7 @@ class ResumeFromReference(Scenario):
         return super().reference_name(case)
 
     def attachments(self, case: Case, record: RunRecord, run: Runner, setup: Setup) -> dict[str, Path]:
-        resume = self.resume_of(case, setup)
+        resume = resume_of(self, case, setup)
         return {} if resume is None else self.resume.attachments(self, resume, record, run, setup)
 
     def experiment(self, case: Case, run: Runner, setup: Setup) -> RunRecord | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptReference
-from ..reference.record import RECORD_FORMAT, RECORD_JSON, RERECORD, read_json
+from ..reference.record import RECORD_FORMAT, RECORD_JSON, RERECORD, other_format, read_json
 from ..scenarios import registry
 
 if TYPE_CHECKING:
@@ -41,9 +41,8 @@ def differing_settings(session: GpuRegressSession) -> tuple[list[str], list[str]
             recorded, fmt = _recorded_config(path)
             differing = [(k, recorded[k], launch.config[k]) for k in SETTING_OPTIONS
                          if k in recorded and k in launch.config and recorded[k] != launch.config[k]]
-            older = fmt is not None and fmt != RECORD_FORMAT
-            if (differing or older) and str(path) not in lines:
-                if older:
+            if (differing or fmt) and str(path) not in lines:
+                if fmt:
                     lines[str(path)] = (f"{path} was recorded in format {fmt!r}, and this pytest-gpuregress reads "
                                         f"{RECORD_FORMAT!r}: it cannot be compared; {RERECORD}")
                 else:
@@ -55,14 +54,14 @@ def differing_settings(session: GpuRegressSession) -> tuple[list[str], list[str]
 
 
 def _recorded_config(path: Path) -> tuple[dict[str, Any], str | None]:
-    """(the recorded config, the record's format); ({}, None) where the file is missing or damaged: the full read
-    after the run names it."""
+    """(the recorded config, its format where this version does not read it, else None); ({}, None) where the file
+    is missing or damaged: the full read after the run names it."""
     try:
         data = read_json(path)
     except CorruptReference:
         return {}, None
     config = data.get("config")
-    return (config if isinstance(config, dict) else {}), str(data.get("format"))
+    return (config if isinstance(config, dict) else {}), other_format(data)
 
 
 def missing_folder(session: GpuRegressSession) -> str | None:

@@ -100,11 +100,9 @@ class RunRecord:
         json_path = directory / RECORD_JSON
         tensor_path = directory / TENSORS_FILE
         data = read_json(json_path)
-        if data.get("format") != RECORD_FORMAT:
-            raise CorruptReference(
-                json_path,
-                f"format is {data.get('format')!r}, expected {RECORD_FORMAT!r}", RERECORD,
-            )
+        found = other_format(data)
+        if found is not None:
+            raise CorruptReference(json_path, f"format is {found!r}, expected {RECORD_FORMAT!r}", RERECORD)
         try:
             record = cls.from_json(data)
         except (KeyError, TypeError, ValueError) as exc:
@@ -113,6 +111,12 @@ class RunRecord:
             ) from exc
         record.arrays = _read_tensors(tensor_path)
         return record
+
+
+def other_format(data: dict[str, Any]) -> str | None:
+    """The format a record.json's ``data`` names where it is not the one this version reads; None where it is."""
+    found = data.get("format")
+    return None if found == RECORD_FORMAT else str(found)
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 ``FaultSpec`` is a parsed ``--gpuregress-inject`` spec (faults/ parses and installs it). A function marked
 ``@fault_point("checkpoint.apply_optimizer")`` runs as written until a fault ``intercept``s it by name
 (undone through ``ctx.cleanup_hooks``), so no fault patches this project's modules.
-``plugin_own_collectives`` marks the collectives the plugin makes for itself, where no fault acts.
+``plugin_own_collectives`` marks the collectives the plugin makes for itself, where no fault acts; ``FAULT_REGION``
+names the profiler range of a fault's own tensor work, which the recorders leave out.
 Neutral, so scenarios and training use it without an import up into faults/ (docs/architecture.md).
 """
 
@@ -117,6 +118,11 @@ def intercepted() -> list[str]:
     """The points a fault intercepts now (tests check that every undo ran)."""
     return [name for name, wrappers in _wrappers.items() if wrappers]
 
+
+# The profiler range an injected fault does its own tensor work in (training/kernels.py's ``fault_region``): the
+# kernel inventory and the op trace leave it out, so a fault's arithmetic (a nudge's comparison, a chunk's copy)
+# never reads as a kernel or an op the stack changed.
+FAULT_REGION = "gpuregress::fault"
 
 _own = threading.local()  # per thread: how deep inside plugin_own_collectives
 

@@ -16,7 +16,7 @@ import numpy as np
 from ..stack import fingerprint as fp
 from ..stack.determinism import nondeterminism
 from . import by_name, data_change, model_layout, oracle_distance, step0
-from .envelope import METRICS, SERIES, MetricLimits, digest_deviation, floors_for, limit, rel, tensor_deviation
+from .envelope import METRICS, SERIES, MetricLimits, digest_deviation, floors_for, limit, rel
 from .envelope import PREFIX as ENVELOPE_PREFIX
 from .first_moved import FirstMoved, equal_traces, first_moved, pairings
 from .introduced import Traced, describe_thresholds, introduced_at, shape_dependence
@@ -297,7 +297,7 @@ def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, fl
                 return step0.block_label(rows, j, shape)
         else:
             rf, gf = r.reshape(-1), g.reshape(-1)
-            dev = tensor_deviation(gf, rf)
+            dev = step0.tensor_deviation(gf, rf)
             exact_bad = _bits_differ(rf, gf)
 
             def where(j: int, shape: tuple[int, ...] = r.shape) -> str:

@@ -71,13 +71,6 @@ def rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(a) != np.isnan(b), np.inf, np.nan_to_num(out, nan=0.0, posinf=np.inf))
 
 
-def tensor_deviation(run: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    """|run - ref| / max|ref| elementwise: the scale of the whole tensor, so near-zero entries do not explode."""
-    scale = max(float(np.abs(ref).max()) if ref.size else 0.0, float(np.finfo(np.float32).tiny))
-    diff = np.abs(run.astype(np.float64) - ref.astype(np.float64)) / scale
-    return np.where(np.isnan(run) != np.isnan(ref), np.inf, np.nan_to_num(diff, nan=0.0))
-
-
 def digest_deviation(run: dict, ref: dict) -> float:
     """How far final-weight digests moved: magnitude (abs_sum), sign (sum) and arrangement (signed_dot).
 
@@ -102,25 +95,13 @@ def deviations(reference: RunRecord, run: RunRecord) -> dict[str, np.ndarray]:
     if r is not None and g is not None and r.shape == g.shape:
         out["param_grad_norm"] = rel(g, r)
     names = step0.names(reference)
-    per_tensor = [step0_deviation(run, reference, n) for n in names]
+    per_tensor = [step0.step0_deviation(run, reference, n) for n in names]
     if names and all(d is not None for d in per_tensor):
         out["step0_grad"] = np.asarray([float(d.max()) if d.size else 0.0 for d in per_tensor])  # type: ignore[union-attr]
     if reference.digests and set(reference.digests) <= set(run.digests):
         out["final_weights"] = np.asarray([digest_deviation(run.digests[n], reference.digests[n])
                                            for n in sorted(reference.digests)])
     return out
-
-
-def step0_deviation(run: RunRecord, reference: RunRecord, name: str) -> np.ndarray | None:
-    """Per element (whole tensors) or per block (large ones) deviation; None when missing or reshaped."""
-    found = step0.full_or_blocks(reference, name)
-    if found is None:
-        return None
-    prefix, ref = found
-    got = run.arrays.get(prefix + name)
-    if prefix == step0.BLOCK_PREFIX:
-        return step0.block_deviation(got, ref) if got is not None and step0.same_layout(got, ref) else None
-    return tensor_deviation(got, ref).reshape(-1) if got is not None and got.shape == ref.shape else None
 
 
 def step0_limit(reference: RunRecord, name: str, bound: float) -> np.ndarray | float:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import step0
-from .envelope import step0_deviation
 from .record import RunRecord
 
 RESULT_KEY = "oracle_distance"  # in RunRecord.results: {"per_tensor": {name: distance}, "median": float}
@@ -23,7 +22,7 @@ def distances(run: RunRecord, oracle: RunRecord) -> dict[str, float]:
     """Per step-0 gradient of ``run``: its distance from the float64 ``oracle``'s (inf where it cannot be taken)."""
     out: dict[str, float] = {}
     for name in step0.names(oracle):
-        deviation = step0_deviation(run, oracle, name)
+        deviation = step0.step0_deviation(run, oracle, name)
         out[name] = float("inf") if deviation is None else float(deviation.max(initial=0.0))
     return out
 

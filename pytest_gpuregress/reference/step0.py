@@ -3,6 +3,7 @@
 
 One wrong element moves its block's sum by exactly its error, so it still shows, located to its block.
 Each rank summarizes its own shard with blocks numbered in the full tensor; ``merge_ranks`` joins them.
+``step0_deviation`` measures a run's against a reference's, per element or per block.
 """
 
 from __future__ import annotations
@@ -144,6 +145,25 @@ def block_deviation(run: np.ndarray, ref: np.ndarray) -> np.ndarray:
     diff = np.abs(run[:, _SUM:] - ref[:, _SUM:]).max(axis=1) / scale if ref.size else np.zeros(0)
     broken = np.isnan(run[:, _SUM:]).any(axis=1) != np.isnan(ref[:, _SUM:]).any(axis=1)
     return np.where(broken, np.inf, np.nan_to_num(diff, nan=0.0))
+
+
+def tensor_deviation(run: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """|run - ref| / max|ref| elementwise: the scale of the whole tensor, so near-zero entries do not explode."""
+    scale = max(float(np.abs(ref).max()) if ref.size else 0.0, float(np.finfo(np.float32).tiny))
+    diff = np.abs(run.astype(np.float64) - ref.astype(np.float64)) / scale
+    return np.where(np.isnan(run) != np.isnan(ref), np.inf, np.nan_to_num(diff, nan=0.0))
+
+
+def step0_deviation(run: RunRecord, reference: RunRecord, name: str) -> np.ndarray | None:
+    """Per element (whole tensors) or per block (large ones) deviation; None when missing or reshaped."""
+    found = full_or_blocks(reference, name)
+    if found is None:
+        return None
+    prefix, ref = found
+    got = run.arrays.get(prefix + name)
+    if prefix == BLOCK_PREFIX:
+        return block_deviation(got, ref) if got is not None and same_layout(got, ref) else None
+    return tensor_deviation(got, ref).reshape(-1) if got is not None and got.shape == ref.shape else None
 
 
 def block_bound_scale(ref: np.ndarray) -> np.ndarray:

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+from ..fault_points import FAULT_REGION
+
 # A host op smaller than this is bookkeeping (an optimizer's step counter, a scalar loss), not a kernel.
 HOST_OP_MIN_ELEMENTS = 64
 # Copies between devices are how data reaches the accelerator, and fills and random draws are how a loop
@@ -23,9 +25,6 @@ _NOT_COMPUTE = {"aten::_to_copy", "aten::copy_", "aten::to", "aten::_copy_from",
                 "aten::normal_", "aten::bernoulli_", "aten::random_", "aten::exponential_"}
 
 _emulation = threading.local()
-# The profiler range an injected fault does its own tensor work in: the inventory leaves it out, so a fault's
-# arithmetic (a nudge's comparison, a chunk's copy) never reads as a kernel the stack changed.
-FAULT_REGION = "gpuregress::fault"
 
 
 @contextmanager

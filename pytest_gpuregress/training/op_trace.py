@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from ..fault_points import FAULT_REGION
 from ..reference.op_trace import INPUT_OP, PHASES, STACK_CONFIG, STACK_KEY, TRACE_CONFIG, RankTrace
-from .kernels import FAULT_REGION
 from .op_arguments import arguments_text, calling_package
 from .op_trace_modes import op_watch
 from .op_trace_modules import ModulePaths, ParameterLineage, fsdp_unit, tensors_in

@@ -121,7 +121,8 @@ def test_at_gpu_size_bf16_rounding_passes_the_oracle_bound_and_one_element_past_
     from ml_dtypes import bfloat16
 
     from pytest_gpuregress.reference.bounds import step0_bound
-    from pytest_gpuregress.reference.envelope import step0_deviation, step0_limit
+    from pytest_gpuregress.reference.envelope import step0_limit
+    from pytest_gpuregress.reference.step0 import step0_deviation
 
     rng = np.random.default_rng(7)
     shape = (2816, 1024)  # the GPU model's MLP weights: 2.9 M elements, 2816 blocks

@@ -13,7 +13,7 @@ import numpy as np
 
 from ...reference import step0
 from ...reference.envelope import PREFIX as ENVELOPE_PREFIX
-from ...reference.envelope import NoisyReplica, step0_deviation
+from ...reference.envelope import NoisyReplica
 from ...reference.record import RunRecord
 
 LATE_ONLY = "resume_late_only"  # session-only config key: the launch runs the checkpoint's step only
@@ -46,7 +46,7 @@ def spread(reference: RunRecord, replicas: list[RunRecord]) -> np.ndarray:
     for replica in replicas:
         seen = as_step0(replica)
         for i, name in enumerate(names):
-            deviation = step0_deviation(seen, base, name)
+            deviation = step0.step0_deviation(seen, base, name)
             if deviation is None or not np.isfinite(deviation).all():
                 raise NoisyReplica(f"noise replica {replica.config.get('perturbation', '?')!r} gave late gradients "
                                    f"of {name} that are missing, reshaped or not finite")

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pytest_gpuregress.comparison import envelope
+from pytest_gpuregress.comparison.compare import compare_training
 from pytest_gpuregress.plugin.options import Options
 from pytest_gpuregress.plugin.session import GpuRegressSession
-from pytest_gpuregress.reference import envelope
-from pytest_gpuregress.reference.compare import compare_training
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios import Launch, get_scenario
 

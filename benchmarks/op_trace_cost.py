@@ -48,10 +48,10 @@ def step0(size: str, batch: int, seq: int, backend: str | None, rank: int, world
     """Step 0 of a fresh model of ``size``; traced with ``backend`` (None: untraced). Seconds, and the trace."""
     import torch
 
+    from pytest_gpuregress.evidence.op_tracer import OpTracer
     from pytest_gpuregress.training.fsdp2 import shard, shard_units
     from pytest_gpuregress.training.loop import TrainStep, clip_gradients, take_step
     from pytest_gpuregress.training.models import blueprint, build_causal_lm
-    from pytest_gpuregress.training.op_trace import OpTracer
     from pytest_gpuregress.training.optimizer import AdamWSettings, Optimization, Schedule, adamw
     from pytest_gpuregress.training.step import next_token_loss
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .reference import step0 as step0_arrays
+from .evidence import step0 as step0_arrays
 from .reference.names import safe_component
 from .reference.record import RunRecord, float_digest
 from .training.grad_norms import shard_dim_over_world, squared_norms
@@ -82,8 +82,8 @@ class Recorder:
         """``with rec.phase("forward"):`` around a part of each step: ``forward``, ``backward``, ``clip`` or
         ``optimizer``. At step 0 every op dispatched inside is traced with a digest of its outputs; later steps
         run untraced, at no cost. Module paths come from the ``model`` given to the Recorder."""
-        from .reference.op_trace import PHASES
-        from .training.op_trace import at_step, for_rank
+        from .evidence.op_trace import PHASES
+        from .evidence.op_tracer import at_step, for_rank
 
         if name not in PHASES:
             raise RecorderMisuse(f"phase({name!r}): the phases are {', '.join(PHASES)}")
@@ -183,8 +183,8 @@ class Recorder:
 
     def record(self) -> RunRecord:
         """The RunRecord of the steps so far, ready for ``gpuregress.check``. Not a collective."""
+        from .evidence.op_tracer import stored as stored_trace
         from .training.observe import WARMUP_STEPS
-        from .training.op_trace import stored as stored_trace
 
         if not self.steps:
             raise RecorderMisuse("record(): no step recorded; call rec.step(loss) once per training step")

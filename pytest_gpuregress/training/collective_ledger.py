@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from ..evidence import collective_invariants as invariants
+from ..evidence.op_trace_modes import unwatched
+from ..evidence.tensor_digest import digest
 from ..fault_points import in_plugin_own_collective, plugin_own_collectives
-from ..reference import collective_invariants as invariants
-from .op_trace_modes import unwatched
-from .tensor_digest import digest
 
 # torch.distributed's collectives by name: (the op family, the keyword of its output, that of its input). FSDP2 calls
 # all_gather_single and reduce_scatter_single on torch 2.13, all_gather_into_tensor and reduce_scatter_tensor before.

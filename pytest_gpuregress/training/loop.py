@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from ..reference.data_change import BATCH_DIGEST
+from ..evidence.data_change import BATCH_DIGEST
+from ..evidence.op_tracer import OpTracer, at_step, stored
 from ..reference.record import RunRecord
 from .collective_ledger import watching
 from .grad_norms import squared_norms
 from .observe import StepObserver
-from .op_trace import OpTracer, at_step, stored
 from .optimizer import Optimization
 
 

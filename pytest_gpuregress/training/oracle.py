@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ..reference import step0
-from ..reference.oracle_step0 import MODE_KEY
+from ..evidence import step0
+from ..evidence.oracle_step0 import MODE_KEY
 from ..reference.record import RunRecord
 from .cpus import usable_cpus
 

@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from ..comparison.bounds import step0_bound
+from ..comparison.compare import gradients_moved_first
+from ..comparison.envelope import rel, step0_limit
 from ..components import Component
-from ..reference import by_name, clipping, collective_invariants, step0
-from ..reference.bounds import step0_bound
-from ..reference.compare import gradients_moved_first
-from ..reference.envelope import rel, step0_limit
-from ..reference.op_trace import TRACE_CONFIG
+from ..evidence import clipping, collective_invariants, step0
+from ..evidence.op_trace import TRACE_CONFIG
+from ..reference import by_name
 from ..reference.record import RunRecord
 from ..scenarios.base import Runner
 from ..training.step import EMULATE_WORLD
@@ -26,7 +27,7 @@ from .decision import CLIP, INVARIANTS
 from .naming import op_component
 
 if TYPE_CHECKING:
-    from ..reference.compare import Comparison
+    from ..comparison.compare import Comparison
     from ..scenarios.base import Launch, Scenario, Setup, TriageSupport
     from .decision import Rule, Verdict
 

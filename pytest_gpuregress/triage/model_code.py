@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..reference import oracle_step0
-from ..reference.model_layout import MODEL_LIBRARIES
-from ..reference.oracle_step0 import CODE_CHANGE, CodeChange
+from ..evidence import oracle_step0
+from ..evidence.model_layout import MODEL_LIBRARIES
+from ..evidence.oracle_step0 import CODE_CHANGE, CodeChange
 from ..reference.record import RunRecord
 from ..training.float64_mode import MODE
 from . import Experiment, Runner
@@ -19,8 +19,8 @@ from .decision import MODEL_CODE, Evidence
 from .naming import op_component
 
 if TYPE_CHECKING:
-    from ..reference.compare import Comparison
-    from ..reference.first_moved import FirstMoved
+    from ..comparison.compare import Comparison
+    from ..evidence.first_moved import FirstMoved
     from ..scenarios.base import Launch, Scenario, Setup
 
 

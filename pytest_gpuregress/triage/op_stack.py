@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..reference.first_moved import FirstMoved
-from ..reference.op_trace import STACK_CONFIG, STACK_KEY
+from ..evidence.first_moved import FirstMoved
+from ..evidence.op_trace import STACK_CONFIG, STACK_KEY
 from . import Runner
 
 if TYPE_CHECKING:

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from pytest_gpuregress.comparison import envelope
+from pytest_gpuregress.comparison.compare import DEFAULT_TOLERANCES, compare_training, tolerant_limits
 from pytest_gpuregress.errors import BadModel, UnsupportedPlatform
-from pytest_gpuregress.reference import envelope
-from pytest_gpuregress.reference.compare import DEFAULT_TOLERANCES, compare_training, tolerant_limits
 from pytest_gpuregress.scenarios import registry
 from pytest_gpuregress.scenarios.base import Setup
 from pytest_gpuregress.scenarios.formats import SCENARIO as FORMATS_SCENARIO

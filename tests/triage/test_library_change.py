@@ -13,14 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pytest_gpuregress.comparison.compare import Comparison, Finding
+from pytest_gpuregress.comparison.report import format_comparison
+from pytest_gpuregress.evidence import oracle_step0
+from pytest_gpuregress.evidence.first_moved import FirstMoved
+from pytest_gpuregress.evidence.op_trace import TraceOp
 from pytest_gpuregress.faults import KINDS, parse
 from pytest_gpuregress.faults.reach import installed_code
-from pytest_gpuregress.reference import oracle_step0
-from pytest_gpuregress.reference.compare import Comparison, Finding
-from pytest_gpuregress.reference.first_moved import FirstMoved
-from pytest_gpuregress.reference.op_trace import TraceOp
 from pytest_gpuregress.reference.record import RunRecord
-from pytest_gpuregress.reference.report import format_comparison
 from pytest_gpuregress.scenarios import Launch
 from pytest_gpuregress.triage import model_code
 from pytest_gpuregress.triage.naming import op_component

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ...comparison.bounds import step0_bound
 from ...errors import CheckpointProblem
-from ...reference.bounds import step0_bound
 from . import hooks
 from .files import FLOAT_TAGS, TORCH_NAMES, CheckpointFiles
 

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ...reference.data_change import BATCH_DIGEST, stream_series
+from ...evidence.data_change import BATCH_DIGEST, stream_series
 from ...training import loop
 from ...training.data import token_source
 from ...training.loop import TrainStep, clip_gradients

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ...reference import step0
+from ...evidence import step0
 
 
 def capture(names: list[str], params: list[Any], ctx: Any, step: int,

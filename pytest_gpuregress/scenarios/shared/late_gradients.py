@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from ...reference import step0
-from ...reference.envelope import PREFIX as ENVELOPE_PREFIX
-from ...reference.envelope import NoisyReplica
+from ...comparison.envelope import PREFIX as ENVELOPE_PREFIX
+from ...comparison.envelope import NoisyReplica
+from ...evidence import step0
 from ...reference.record import RunRecord
 
 LATE_ONLY = "resume_late_only"  # session-only config key: the launch runs the checkpoint's step only

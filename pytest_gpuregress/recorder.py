@@ -57,7 +57,7 @@ class Recorder:
 
         self._memory = PeakMemory(ctx.device_kind, ctx.device)  # the built-in scenarios' measure, from here on
         self._model = model
-        self._tracer: Any = None  # step 0's op trace, made by the first phase() (training/op_trace.py)
+        self._tracer: Any = None  # step 0's op trace, made by the first phase() (evidence/op_tracer.py)
         self._perturbation = str(ctx.config.get("perturbation", ""))  # set only in a noise replica
         self._applied = self._perturb(model)
         self._last = time.perf_counter()

@@ -79,14 +79,14 @@ class Comparison:
     # this run came to failing on another stack (0 when bitwise equal).
     margins: dict[str, float] = field(default_factory=dict)
     limits_from: str = "fixed"  # "envelope" when the reference carries one
-    # Ops whose kernels changed since the reference (reference/kernels.py), set by the session; triage's evidence.
+    # Ops whose kernels changed since the reference (evidence/kernels.py), set by the session; triage's evidence.
     kernel_changes: list[str] | None = None
-    # The first op of step 0 whose output moved (first_moved.py): None where every op is bitwise equal or a
+    # The first op of step 0 whose output moved (evidence/first_moved.py): None where every op is bitwise equal or a
     # record has no op trace. Also set when the comparison passes: where bitwise drift starts, as information.
     first_moved: FirstMoved | None = None
     # (ranks, ops per rank) where both records traced step 0 and no op moved: "no drift", said as information.
     equal_trace: tuple[int, int] | None = None
-    # The tolerant lane's op of step 0 that introduced a difference beyond drift (introduced.py); None where none
+    # The tolerant lane's op of step 0 that introduced a difference beyond drift (evidence/introduced.py); None where none
     # did.
     introduced: FirstMoved | None = None
     introduced_rule: str = ""  # what "beyond drift" meant: the reference's thresholds, in words

@@ -133,7 +133,7 @@ def _sums_hold(rows: np.ndarray, ranks: list[int], op: str, reductions: list[str
 
 def _rounding_bound(rows: np.ndarray, ranks: list[int], reduction: str, factor: float, divisor: int) -> float:
     """How far a reduction's output total may be from its inputs' by rounding alone: LAMBDA x u x sqrt(rounds x N x
-    the inputs' sum of x^2), independent per-element errors (bounds.py's model) with a tail of LAMBDA deviations."""
+    the inputs' sum of x^2), independent per-element errors (comparison/bounds.py's model) with a tail of LAMBDA deviations."""
     rounds = len(ranks) - 1 + (1 if reduction != "sum" else 0)
     unit = float(rows[0, _COL["unit_roundoff"]])
     squares = float(rows[:, _COL["in_sq"]].sum())

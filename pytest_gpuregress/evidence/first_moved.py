@@ -250,7 +250,7 @@ def first_moved(reference: RunRecord, run: RunRecord, *, sequence: bool = True,
     return FirstMoved(rank, kind, entry, ref_entry, before, relative, len(paired), same)  # type: ignore[arg-type]
 
 
-_VIEW_LAYOUT = re.compile(r"\b(\w+)@(\d+):\[[^\]]*\]")  # "self@4:[2048, 512, 8, 1]" (training/op_arguments.py)
+_VIEW_LAYOUT = re.compile(r"\b(\w+)@(\d+):\[[^\]]*\]")  # "self@4:[2048, 512, 8, 1]" (evidence/op_arguments.py)
 
 
 def scalar_arguments(text: str) -> str:

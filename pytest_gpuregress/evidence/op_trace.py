@@ -1,6 +1,6 @@
 """The op trace of step 0 as a RunRecord keeps it, per rank: torch-free, numpy only.
 
-training/op_trace.py records it, first_moved.py compares two; every rank's trace is kept (``merge_ranks``).
+evidence/op_tracer.py records it, first_moved.py compares two; every rank's trace is kept (``merge_ranks``).
 The layout in ``results`` and ``arrays``: docs/architecture.md, "The op trace's layout".
 """
 

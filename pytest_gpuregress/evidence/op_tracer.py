@@ -1,6 +1,6 @@
 """The step-0 op trace: every op dispatched in a traced phase, with where it ran and a digest of each output.
 
-The session finds the first op whose output moved (reference/first_moved.py). An input no traced op made
+The session finds the first op whose output moved (evidence/first_moved.py). An input no traced op made
 enters once as an ``<input>`` entry, and each entry keeps its sources, so an op that moved with equal inputs
 convicts its kernel (docs/triage.md). Tracing only reads: outputs are digested just before the next traced op,
 so a fault that changes them counts as the op's own output. Torch is imported inside the functions.

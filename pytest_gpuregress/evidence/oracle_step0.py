@@ -64,7 +64,7 @@ def _relative(now: list[float], then: list[float]) -> float:
 def code_change(reference: RunRecord, oracle: RunRecord) -> CodeChange | None:
     """How the oracle's step 0 on this stack moved from the reference's, where it moved past ``CODE_CHANGE``;
     None where it did not, where the reference keeps none (recorded before it was kept), or where the
-    parameters differ (another layout: reference/model_layout.py names that)."""
+    parameters differ (another layout: evidence/model_layout.py names that)."""
     kept = reference.results.get(RESULT_KEY)
     if not isinstance(kept, dict) or not isinstance(kept.get("grads"), dict):
         return None

@@ -14,7 +14,7 @@ HASH_KIND = "wsum64/1"  # stored with each trace: hashes of another kind are not
 # The sketch: a floating output's signed sums over interleaved buckets, element i in bucket i mod SKETCH_BUCKETS.
 # A whole-tensor sum dilutes one wrong element among tens of thousands, where a clean run on another kernel path
 # moves every element by an ulp or so; in a bucket of n / 127 elements the one element stands out against the
-# others' drift, which mostly cancels (reference/introduced.py). 127 is prime, so no row length of a power of two
+# others' drift, which mostly cancels (evidence/introduced.py). 127 is prime, so no row length of a power of two
 # lines a bucket up with a column: a row or column that moved together spreads over every bucket. Outputs under
 # SKETCH_MIN_ELEMENTS keep no sketch (their buckets would hold a few elements each).
 SKETCH_BUCKETS = 127
@@ -40,7 +40,7 @@ def digest(tensor: Any) -> tuple[float, float, float, int]:
 
     A CPU tensor of a dtype numpy has is read in place through numpy: a few calls instead of a dozen torch
     ops (the trace digests hundreds of small outputs). The hash is the same either way; the float64 sums may
-    differ in their last bits, which is why equality is judged by the hash (reference/first_moved.py)."""
+    differ in their last bits, which is why equality is judged by the hash (evidence/first_moved.py)."""
     if tensor.device.type not in ("cpu", "meta"):
         wait_for_writers(tensor.device)
     if tensor.device.type == "cpu" and tensor.dtype in _numpy_dtypes():

@@ -29,7 +29,7 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)  # extra environment for this group only
     loopback_only: bool = True  # single-machine runs bind every socket to the loopback interface
     collect_fingerprint: bool = True
-    watch: dict[str, Any] = field(default_factory=dict)  # --gpuregress-fail-fast (reference/failfast.py)
+    watch: dict[str, Any] = field(default_factory=dict)  # --gpuregress-fail-fast (comparison/failfast.py)
     fresh_ranks: bool = False  # new processes for this job, not pooled ones
     profile: bool = True  # training loops take a kernel inventory of a few steps (training/observe.py)
     cwd: str = ""  # the launcher's working directory: ranks import a user's modules from it

@@ -144,7 +144,7 @@ class CheckPipeline:
         self.outcomes.append(Outcome(name, record.platform_key, "recorded", detail=str(path), notes=notes))
 
     def _toward_the_truth(self, loc: store.ReferenceLocation, name: str, record: RunRecord) -> list[str]:
-        """Refuse to replace a reference with a run further from float64 (reference/oracle_distance.py);
+        """Refuse to replace a reference with a run further from float64 (evidence/oracle_distance.py);
         notes for the recorded line otherwise."""
         if not (loc.path / store.MANIFEST).exists():
             return []  # a first recording stores its distance without judging it

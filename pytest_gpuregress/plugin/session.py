@@ -116,7 +116,7 @@ class GpuRegressSession:
                       replicas: Any = (), platform: str = "metrics") -> Comparison | None:
         """Record (with --gpuregress-record) or compare metrics a job of your own produced, as ``num_regression.check``.
 
-        Arguments: reference/metrics.py and docs/own-models.md. ``rtol`` puts the comparison in the tolerant lane."""
+        Arguments: comparison/metrics.py and docs/own-models.md. ``rtol`` puts the comparison in the tolerant lane."""
         __tracebackhide__ = True
         from dataclasses import replace
 

@@ -261,7 +261,7 @@ class Scenario:
         return None
 
     def oracle_launch(self, setup: Setup, model: str | None) -> Launch | None:
-        """The float64 oracle of step 0 whose distance a recording stores (reference/oracle_distance.py), for
+        """The float64 oracle of step 0 whose distance a recording stores (evidence/oracle_distance.py), for
         ``model`` (a user's, by name; None: the scenario's own). None (the default): triage's oracle where the
         scenario composes TriageSupport, else none (lora has its own: the base model with its adapter)."""
         return None
@@ -272,7 +272,7 @@ class Scenario:
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
         """Combine the per-rank records (index = rank). By default rank 0's, which holds global values;
-        with ``step0_sharded``, the step-0 gradients assembled from every rank's shard (reference/step0.py).
+        with ``step0_sharded``, the step-0 gradients assembled from every rank's shard (evidence/step0.py).
         Either way the largest peak memory, every rank's host ops (training/observe.py) and op trace."""
         from ..evidence import introduced, op_trace
         from ..training.observe import merge_ranks

@@ -47,7 +47,7 @@ class Comparator:
         if self.scenario is None or self.scenario.kind == "training":
             out += kernels.host_op_problems(run)
             # The run's own consistency, every step: its collectives against their invariants across the ranks, and
-            # its clip against its own norm (reference/collective_invariants.py, reference/clipping.py).
+            # its clip against its own norm (evidence/collective_invariants.py, evidence/clipping.py).
             out += collective_invariants.problems(run.results) + clipping.problems(run)
         return out
 

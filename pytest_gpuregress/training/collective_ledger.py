@@ -1,4 +1,4 @@
-"""Rank side of the collective invariants (reference/collective_invariants.py): a few numbers per collective call.
+"""Rank side of the collective invariants (evidence/collective_invariants.py): a few numbers per collective call.
 
 Every ``torch.distributed`` collective of the step passes through a wrapper that reads its input and output
 (float64 sums, a bit hash and a position-weighted sum, which sees two swapped elements), waiting for an

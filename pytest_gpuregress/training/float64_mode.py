@@ -11,7 +11,7 @@ oracle's record says which, if any, were not float64.
         loss = ...; loss.backward()
     mode.not_float64    # ["aten::..."], [] where every floating output was float64
 
-MODE is stored with a reference's oracle step 0 (reference/oracle_step0.py). Torch is imported inside the
+MODE is stored with a reference's oracle step 0 (evidence/oracle_step0.py). Torch is imported inside the
 functions: only the ranks call them.
 """
 

@@ -117,7 +117,7 @@ class Curves:
 
     def series(self) -> dict[str, list[float]]:
         """The record's per-step series: the loss, the gradient norm before clipping and after it, and the digest
-        of each step's global token batch where every step's is known (reference/data_change.py)."""
+        of each step's global token batch where every step's is known (evidence/data_change.py)."""
         out = {"loss": self.losses, "grad_norm": self.grad_norms, "clipped_grad_norm": self.clipped_norms}
         if self.batch_digests and all(d is not None for d in self.batch_digests):
             out[BATCH_DIGEST] = [float(d) for d in self.batch_digests if d is not None]

@@ -1,6 +1,6 @@
 """Noise replicas: the perturbations a healthy stack can legitimately produce, for the noise envelope.
 
-Their spread sets the tolerant lane's limits (reference/envelope.py, docs/envelope.md): weights one ulp up or
+Their spread sets the tolerant lane's limits (comparison/envelope.py, docs/envelope.md): weights one ulp up or
 down, each batch in reverse row order, another kernel path. Planned on the session side; ``apply_*`` run on
 the ranks.
 """

@@ -57,7 +57,7 @@ class StepObserver:
             yield
             self.times[step] = time.perf_counter() - started
         if step == 0:
-            # The peak is the training's from step 1 on. Step 0 is the op trace's (training/op_trace.py): its
+            # The peak is the training's from step 1 on. Step 0 is the op trace's (evidence/op_tracer.py): its
             # float64 digests and the outputs it holds until the next op would count as training memory, and
             # pausing the meter around the digests alone would miss the latter. Step 1 on holds all step 0
             # does (weights, gradients, the optimizer state step 0 made), so nothing of the training is lost,
@@ -73,7 +73,7 @@ class StepObserver:
         """After the last step, on every rank: read the peak memory, then time an all-reduce the size of a few
         gradient buckets (a collective, so every rank calls it; its buffer is not counted as training memory)."""
         self.peak_bytes = self._memory.peak()
-        # Only where the figures will be judged: a short run's ratios never are (reference/perf.py), and the
+        # Only where the figures will be judged: a short run's ratios never are (comparison/perf.py), and the
         # all-reduces would cost every short launch of a suite. Every rank ran the same steps, so all agree.
         if world_size > 1 and len(self.steady_times()) >= BANDWIDTH_MIN_STEADY_STEPS:
             self._ctx.progress("measuring the all-reduce bus bandwidth")

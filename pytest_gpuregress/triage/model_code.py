@@ -1,6 +1,6 @@
 """The model's code as evidence: the float64 oracle on this stack against the one kept with the reference.
 
-Where the oracle computes another step 0 (reference/oracle_step0.py), the code computes another function;
+Where the oracle computes another step 0 (evidence/oracle_step0.py), the code computes another function;
 which code is named from what moved in the step-0 trace, then from the versions that changed. torch-free.
 """
 

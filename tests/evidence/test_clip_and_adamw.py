@@ -216,7 +216,7 @@ def test_the_clips_limit_widens_with_the_largest_gradient_it_sums_in_float32() -
     assert clipping.consistency_limit(huge) == clipping.CONSISTENCY_MAX
     assert len(clipping.problems(huge)) == 1
     assert len(clipping.problems(_with_head(_clipped_record(reported_factor=2 ** -0.5)))) == 1  # a shard's norm still is
-    # A gradient that large is kept as blocks (reference/step0.py): their element counts give its size.
+    # A gradient that large is kept as blocks (evidence/step0.py): their element counts give its size.
     from pytest_gpuregress.evidence import step0
 
     blocked = _clipped_record(reported_factor=1 - 4.5e-5)

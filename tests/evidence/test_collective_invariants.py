@@ -1,7 +1,7 @@
 """Every collective of a training run held to its own invariants across its ranks, at every step (#46 item 2):
 a bug that needs a warmed-up process never recurs in a replay, so the run itself must show it.
 
-Unit tests on reference/collective_invariants.py's check, then two gloo ranks running FSDP2's own collectives
+Unit tests on evidence/collective_invariants.py's check, then two gloo ranks running FSDP2's own collectives
 through the ledger (training/collective_ledger.py) with a fault that starts late and acts on one rank only, as a
 reused buffer pool would: the step, the collective and the rank are named; a clean run names nothing."""
 

@@ -1,4 +1,4 @@
-"""Data that changed under the model (reference/data_change.py): the token batches' digests decide that the run
+"""Data that changed under the model (evidence/data_change.py): the token batches' digests decide that the run
 trained on other data, and the per-stream digests name the random stream that drew other numbers."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The op that introduced a difference (reference/introduced.py): in the tolerant lane, where a new kernel path
+"""The op that introduced a difference (evidence/introduced.py): in the tolerant lane, where a new kernel path
 moves many ops by a few ulps, the failure names the op whose output moved far more than its inputs explain, and
-where drift began only as information. Step 0 of the tiny Llama traced in this process (tests/training/test_op_trace.py),
+where drift began only as information. Step 0 of the tiny Llama traced in this process (tests/evidence/test_op_trace.py),
 and hand-made traces for what one process cannot show (a collective's other ranks, bf16 inputs).
 """
 

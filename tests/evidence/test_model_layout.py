@@ -1,4 +1,4 @@
-"""The model component (reference/model_layout.py): a parameter layout that differs from the reference's is
+"""The model component (evidence/model_layout.py): a parameter layout that differs from the reference's is
 named as the model's own code changing, with the library versions, and never blamed on a kernel or collective."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The step-0 op trace and the first op that moved (training/op_trace.py, reference/first_moved.py).
+"""The step-0 op trace and the first op that moved (evidence/op_tracer.py, evidence/first_moved.py).
 
 In-process: the tiny Llama's step 0 (forward, backward, clipping, AdamW) traced on one rank, clean and with a
 fault of each kind; a kernel, an optimizer, a data and a code change are each named at the op where they first

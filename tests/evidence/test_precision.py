@@ -1,4 +1,4 @@
-"""A bf16 run held to its reference's distance from float64 (reference/oracle_distance.py's precision_problem): a
+"""A bf16 run held to its reference's distance from float64 (evidence/oracle_distance.py's precision_problem): a
 stack that computes bf16 with less precision (RMSNorm without its float32 upcast) lands further from float64 on
 most step-0 gradients, which the tolerant lane's replica spread (16% to 82% of a gradient's largest element) cannot
 see; another kernel path of the same precision lands about as far, and passes."""

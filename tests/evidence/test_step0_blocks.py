@@ -1,6 +1,6 @@
 """Step-0 gradients of large tensors as block summaries: small, sharding-independent, and still sharp.
 
-Unit tests on reference/step0.py, then end to end: the fsdp scenario with the whole-tensor threshold
+Unit tests on evidence/step0.py, then end to end: the fsdp scenario with the whole-tensor threshold
 lowered so that its large tensors are summarized, a single element of one reduce-scatter nudged by
 1e-4, and the failure located to its block and named a collective.
 """

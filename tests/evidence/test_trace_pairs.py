@@ -1,7 +1,7 @@
 """A real upgrade changes more than numbers (#45): the step-0 traces are paired across a changed op sequence, an
 unregistered module is labelled from where it ran, and one wrong element shows through another kernel path's drift.
 
-In-process: the tiny Llama's step 0 traced on one rank (tests/training/test_op_trace.py). The upgrade transformers 5.25
+In-process: the tiny Llama's step 0 traced on one rank (tests/evidence/test_op_trace.py). The upgrade transformers 5.25
 brought, `kernels` running RoPE in a `Func` module the model does not register, is emulated by wrapping
 transformers' own ``apply_rotary_pos_emb`` in such a module; drift by every linear layer's output off by 1e-7.
 """
@@ -148,7 +148,7 @@ def test_one_wrong_element_of_a_gemm_is_introduced_at_its_matmul_through_drift(r
 
 def test_a_one_token_gradient_change_propagating_through_a_gemm_is_not_pinned_on_it(reference: RunRecord) -> None:
     """A row a GEMM reads that moved (one token's gradient) makes a row of its output move: many buckets, not a
-    few, so the sketch names no op for it (tests/reference/test_introduced.py: one gradient element off by 1e-3)."""
+    few, so the sketch names no op for it (tests/evidence/test_introduced.py: one gradient element off by 1e-3)."""
     run = upgraded(DRIFT)
     assert compare_named(reference, run, lane="tolerant").culprit is None
 

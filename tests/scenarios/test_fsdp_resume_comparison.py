@@ -1,4 +1,4 @@
-"""The fsdp-resume verdict without ranks (scenarios/shared/resume_comparison.py, reference/continuation.py): the load
+"""The fsdp-resume verdict without ranks (scenarios/shared/resume_comparison.py, comparison/continuation.py): the load
 judged piece by piece against what the reference saved, the continuation against the reference's last steps,
 and the case's session side (skips with the reason, the comparator's view of the reference)."""
 

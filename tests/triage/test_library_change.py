@@ -1,6 +1,6 @@
 """Library code that computes another function is named ``[library: <package>]``, never a kernel, and carries no
 advice to re-record over the reference (#34 item 4): the float64 oracle's step 0, kept with the reference, moves
-only when the model's code changed (reference/oracle_step0.py). The faults that emulate it replace the library's
+only when the model's code changed (evidence/oracle_step0.py). The faults that emulate it replace the library's
 own functions (faults/library.py) and run in the oracle's launch too, as installed code would.
 """
 
@@ -64,7 +64,7 @@ def test_a_scaled_adapter_is_a_code_change_of_peft_and_a_moved_loss_of_the_model
     assert rope is not None and rope.tensor == "loss"
     renamed = make_record()
     renamed.arrays = {"step0_grad/other": np.ones(3)}
-    assert oracle_step0.code_change(reference, renamed) is None  # another layout: reference/model_layout.py's
+    assert oracle_step0.code_change(reference, renamed) is None  # another layout: evidence/model_layout.py's
 
 
 def moved_at(tensor: str, loss_relative: float = 0.0) -> oracle_step0.CodeChange:

@@ -30,7 +30,7 @@ class StochasticBatches:
     source: Any  # training/data.py token_source: the synthetic chain or the user's token file
     config: dict[str, Any]
     position: int = 0
-    # Per batch drawn: what each random stream and the token source gave (reference/data_change.py's STREAMS),
+    # Per batch drawn: what each random stream and the token source gave (evidence/data_change.py's STREAMS),
     # as digests, so a run on other data can name the stream that moved.
     streams: list[dict[str, float]] = field(default_factory=list)
 

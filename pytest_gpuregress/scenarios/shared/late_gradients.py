@@ -2,7 +2,7 @@
 
 A resume case's first step computes its gradients from exactly the reference's state at step S, so they are
 compared element by element (``as_step0``, ``late_grad``) with no drift to hide in (docs/envelope.md, "Late small
-faults"). Arrays use step 0's form under their own prefixes (reference/step0.py ``LATE``). numpy only.
+faults"). Arrays use step 0's form under their own prefixes (evidence/step0.py ``LATE``). numpy only.
 """
 
 from __future__ import annotations

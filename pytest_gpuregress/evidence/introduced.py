@@ -7,6 +7,7 @@ that introduced a difference") and stored with the reference, so changing them n
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,18 +223,24 @@ def numel(shapes: tuple[str, ...]) -> int:
     return max(total, 1)
 
 
+def _input_sides(index: int, trace: RankTrace, moves: _Moves,
+                 others: list[tuple[RankTrace, _Moves]]) -> list[tuple[RankTrace, _Moves]]:
+    """The ranks whose inputs entry ``index`` read: its own; for a collective, also every rank whose trace holds the
+    same collective at that place (ranks whose traces differ, as MoE routing makes them, are left out rather than
+    paired with another op)."""
+    entry = trace.entry(index)
+    if not entry.op.startswith(_CROSS_RANK):
+        return [(trace, moves)]
+    return [(trace, moves), *((other, other_moves) for other, other_moves in others
+                              if index < len(other_moves) and other.entry(index).identity == entry.identity)]
+
+
 def _inputs_moved(index: int, trace: RankTrace, moves: _Moves,
                   others: list[tuple[RankTrace, _Moves]]) -> list[tuple[float, float]]:
-    """(relative move, elements) of every input of entry ``index`` that moved; for a collective, of every rank
-    whose trace holds the same collective at that place (ranks whose traces differ, as MoE routing makes them,
-    are left out rather than paired with another op)."""
-    entry = trace.entry(index)
-    pairs = [(trace, moves)]
-    if entry.op.startswith(_CROSS_RANK):
-        pairs += [(other, other_moves) for other, other_moves in others
-                  if index < len(other_moves) and other.entry(index).identity == entry.identity]
-    return [moved for rank_trace, rank_moves in pairs for source in rank_trace.sources_of(index)
-            if source < len(rank_moves) for moved in rank_moves.moved_outputs(source)]
+    """(relative move, elements) of every input of entry ``index`` that moved, on every rank it read from."""
+    return [moved for rank_trace, rank_moves in _input_sides(index, trace, moves, others)
+            for source in rank_trace.sources_of(index) if source < len(rank_moves)
+            for moved in rank_moves.moved_outputs(source)]
 
 
 def explained(inputs: list[tuple[float, float]], size: float) -> float:
@@ -248,14 +255,11 @@ def _spiked(index: int, trace: RankTrace, moves: _Moves, others: list[tuple[Rank
     """Whether entry ``index`` introduced a few wrong elements amid drift: an op that cannot make one large move of
     dense drift (SPIKE_OPS, collectives) whose sketch has a bucket far past the others, while no input's does (an
     input that came with one passed it on). A collective's inputs are every rank's that ran it."""
-    entry = trace.entry(index)
-    if not (entry.op in SPIKE_OPS or entry.op.startswith(SPIKE_NAMESPACES)) or not moves.spikes(index, thresholds):
+    op = trace.entry(index).op
+    if not (op in SPIKE_OPS or op.startswith(SPIKE_NAMESPACES)) or not moves.spikes(index, thresholds):
         return False
-    pairs = [(trace, moves)]
-    if entry.op.startswith(_CROSS_RANK):
-        pairs += [(other, other_moves) for other, other_moves in others
-                  if index < len(other_moves) and other.entry(index).identity == entry.identity]
-    return not any(rank_moves.spikes(source, thresholds, relax=INPUT_RELAX) for rank_trace, rank_moves in pairs
+    return not any(rank_moves.spikes(source, thresholds, relax=INPUT_RELAX)
+                   for rank_trace, rank_moves in _input_sides(index, trace, moves, others)
                    for source in rank_trace.sources_of(index) if source < len(rank_moves))
 
 
@@ -316,6 +320,10 @@ class Traced:
         return cls(thresholds, {r: p[0] for r, p in paired.items()}, {r: p[1] for r, p in paired.items()},
                    {r: _Moves.of(*p) for r, p in paired.items()}, {r: p[2].run_to_ref for r, p in paired.items()})
 
+    def others(self, rank: int) -> list[tuple[RankTrace, _Moves]]:
+        """This run's trace and moves on every other rank both traced, in rank order."""
+        return [(self.run[o], self.moves[o]) for o in sorted(self.moves) if o != rank]
+
 
 def analysed(reference: RunRecord, run: RunRecord) -> bool:
     """Both records traced step 0 with sources on a rank they share, and the reference keeps its thresholds."""
@@ -331,28 +339,39 @@ def introduced_at(reference: RunRecord, run: RunRecord, traced: Traced | None = 
     traced = traced or Traced.of(reference, run)  # ``traced``: set up already by the caller, who reuses it
     if traced is None:
         return None
-    thresholds, ref_ranks, run_ranks, moves = traced.thresholds, traced.reference, traced.run, traced.moves
-    common = sorted(moves)
-    found: dict[int, tuple[int, float]] = {}
-    for r in common:
-        others = [(run_ranks[o], moves[o]) for o in common if o != r]
-        hit = _first_in_rank(run_ranks[r], moves[r], others, thresholds)
-        if hit is not None:
-            found[r] = hit
+    found = _first_per_rank(traced)
     if not found:
         return None
     rank = min(found, key=lambda r: (found[r][0], r))
     index, inputs = found[rank]
-    trace = run_ranks[rank]
-    entry = trace.entry(index)
+    trace, moves = traced.run[rank], traced.moves[rank]
     same = tuple(r for r, (i, _) in found.items() if r != rank and i == index)
     before = sum(1 for i in range(index) if trace.entry(i).op != INPUT_OP)
-    partner = traced.partners[rank][index]
-    spikes = moves[rank].spikes(index, thresholds)
-    spike = max(spikes) if spikes and moves[rank].ulps(index) < thresholds.floor_ulps else None
-    return FirstMoved(rank, "moved", entry, ref_ranks[rank].entry(partner), before, moves[rank].relative(index),
-                      len(common), same, label="introduced at", inputs_relative=inputs, ulps=moves[rank].ulps(index),
-                      spike=(spike[0] / float(moves[rank].epsilons[index].max()), spike[1]) if spike else None)
+    partner = traced.reference[rank].entry(traced.partners[rank][index])
+    return FirstMoved(rank, "moved", trace.entry(index), partner, before, moves.relative(index), len(traced.moves),
+                      same, label="introduced at", inputs_relative=inputs, ulps=moves.ulps(index),
+                      spike=_spike(index, moves, traced.thresholds))
+
+
+def _first_per_rank(traced: Traced) -> dict[int, tuple[int, float]]:
+    """Per rank, in rank order: (entry index, what its inputs explain) of its first entry that introduced a
+    difference; ranks where none did are left out."""
+    found = {}
+    for rank in sorted(traced.moves):
+        hit = _first_in_rank(traced.run[rank], traced.moves[rank], traced.others(rank), traced.thresholds)
+        if hit is not None:
+            found[rank] = hit
+    return found
+
+
+def _spike(index: int, moves: _Moves, thresholds: Thresholds) -> tuple[float, float] | None:
+    """The largest spike of entry ``index``'s sketch, in units of its rounding, where its digest stayed within the
+    floor (a few elements amid drift); None otherwise."""
+    spikes = moves.spikes(index, thresholds)
+    if spikes and moves.ulps(index) < thresholds.floor_ulps:
+        peak, ratio = max(spikes)
+        return peak / float(moves.epsilons[index].max()), ratio
+    return None
 
 
 def shape_dependence(reference: RunRecord, run: RunRecord, culprit: FirstMoved,
@@ -366,28 +385,33 @@ def shape_dependence(reference: RunRecord, run: RunRecord, culprit: FirstMoved,
     traced = traced or Traced.of(reference, run)
     if traced is None:
         return None
-    thresholds, moves = traced.thresholds, traced.moves
-    trace, rank_moves = traced.run[culprit.rank], moves[culprit.rank]
-    others = [(traced.run[o], moves[o]) for o in sorted(moves) if o != culprit.rank]
-    wrong: dict[str, int] = {}
-    right: dict[str, int] = {}
-    for index in range(len(rank_moves)):
-        entry = trace.entry(index)
-        # The same op in the same pass: a backward-only bug must not read as one of the forward's shapes.
-        if entry.op != culprit.entry.op or entry.phase != culprit.entry.phase or not rank_moves.paired(index):
-            continue
-        inputs = _inputs_moved(index, trace, rank_moves, others)
-        if _introduces(index, inputs, rank_moves, thresholds) is not None:
-            wrong[entry.inputs] = wrong.get(entry.inputs, 0) + 1
-        elif rank_moves.ulps(index) < thresholds.floor_ulps and all(
-                explained(inputs, size) < thresholds.floor_ulps * eps
-                for size, eps in zip(rank_moves.sizes[index], rank_moves.epsilons[index])):
-            right[entry.inputs] = right.get(entry.inputs, 0) + 1  # a bug at this shape would have shown here
+    wrong, right = _shapes_both_ways(traced, culprit.rank, culprit.entry)
     if not wrong or not right or set(wrong) & set(right):  # one shape both ways: the shape does not decide it
         return None
+    return f"depends on the shape: {culprit.entry.op} introduced a difference at {_listed(wrong)}, and none at " \
+           f"{_listed(right)}, whose inputs had not moved (rank {culprit.rank}, step-0 op trace)"
 
-    def listed(shapes: dict[str, int]) -> str:
-        return "; ".join(f"{shape} ({n} op{'s' if n != 1 else ''})" for shape, n in shapes.items())
 
-    return f"depends on the shape: {culprit.entry.op} introduced a difference at {listed(wrong)}, and none at " \
-           f"{listed(right)}, whose inputs had not moved (rank {culprit.rank}, step-0 op trace)"
+def _shapes_both_ways(traced: Traced, rank: int, culprit: TraceOp) -> tuple[Counter[str], Counter[str]]:
+    """Per input shapes, how often ``culprit``'s op, in its pass, introduced a difference on ``rank``, and how often
+    it ran on inputs that had not moved and kept within drift (where a bug at that shape would have shown)."""
+    thresholds, trace, moves, others = traced.thresholds, traced.run[rank], traced.moves[rank], traced.others(rank)
+    wrong: Counter[str] = Counter()
+    right: Counter[str] = Counter()
+    for index in range(len(moves)):
+        entry = trace.entry(index)
+        # The same op in the same pass: a backward-only bug must not read as one of the forward's shapes.
+        if (entry.op, entry.phase) != (culprit.op, culprit.phase) or not moves.paired(index):
+            continue
+        inputs = _inputs_moved(index, trace, moves, others)
+        if _introduces(index, inputs, moves, thresholds) is not None:
+            wrong[entry.inputs] += 1
+        elif moves.ulps(index) < thresholds.floor_ulps and all(
+                explained(inputs, size) < thresholds.floor_ulps * eps
+                for size, eps in zip(moves.sizes[index], moves.epsilons[index])):
+            right[entry.inputs] += 1
+    return wrong, right
+
+
+def _listed(shapes: Counter[str]) -> str:
+    return "; ".join(f"{shape} ({n} op{'s' if n != 1 else ''})" for shape, n in shapes.items())

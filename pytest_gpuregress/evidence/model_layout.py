@@ -131,25 +131,38 @@ def tie_built_otherwise(reference: RunRecord, run: RunRecord, tied: bool | None)
     if tied is None:
         return None
     before, after = layout(reference), layout(run)
-    new, gone = sorted(set(after) - set(before)), sorted(set(before) - set(after))
-    reshaped = [n for n in set(before) & set(after) if before[n] != after[n]]
-    if reshaped or len(new) + len(gone) != 1:
+    apart = _one_apart(before, after)
+    if apart is None or apart[1] != tied:
         return None
-    name, separate_here = (new or gone)[0], bool(new)
-    shapes = after if separate_here else before
-    embeddings = [n for n in shapes if n != name and _is_input_embedding(n) and shapes[n] is not None
-                  and shapes[n] == shapes[name]]
-    if separate_here != tied or not embeddings or not _is_head(name):
+    name, separate_here = apart
+    embedding = _embedding_like(after if separate_here else before, name)
+    if embedding is None:
         return None
     changed = library_changes(reference, run)
     library = next((c.split()[0] for c in changed), "transformers")
-    built = "as a tensor of its own" if separate_here else f"sharing {embeddings[0]}'s tensor"
+    built = "as a tensor of its own" if separate_here else f"sharing {embedding}'s tensor"
     return library, (
         f"the model's config {'ties' if tied else 'does not tie'} the input and output embeddings "
         f"(tie_word_embeddings: {str(tied).lower()}), but this stack built {name} {built} "
         f"({', '.join(changed) or 'no model library changed'}): {BUILT_OTHERWISE}, so every step trains another "
         "model. Not a change to record over: check the library's release notes and report it, and keep this "
         "reference")
+
+
+def _one_apart(before: Mapping[str, tuple[int, ...] | None],
+               after: Mapping[str, tuple[int, ...] | None]) -> tuple[str, bool] | None:
+    """The one parameter the layouts do not share, and whether this run has it; None where more differ."""
+    new, gone = set(after) - set(before), set(before) - set(after)
+    if len(new) + len(gone) != 1 or any(before[n] != after[n] for n in set(before) & set(after)):
+        return None
+    return next(iter(new or gone)), bool(new)
+
+
+def _embedding_like(shapes: Mapping[str, tuple[int, ...] | None], head: str) -> str | None:
+    """The first input embedding in ``shapes`` of output head ``head``'s shape; None where ``head`` is no head."""
+    if not _is_head(head) or shapes[head] is None:
+        return None
+    return next((n for n in shapes if n != head and shapes[n] == shapes[head] and _is_input_embedding(n)), None)
 
 
 def is_tie(metric: str, facts: Mapping[str, object]) -> bool:

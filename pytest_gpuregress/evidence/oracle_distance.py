@@ -34,6 +34,11 @@ def attach(run: RunRecord, oracle: RunRecord) -> None:
                                "median": float(np.median(list(per_tensor.values()))) if per_tensor else 0.0}
 
 
+def _per_tensor(record: RunRecord) -> dict[str, float]:
+    """The per-tensor distances ``attach`` stored in ``record``; {} where it stores none."""
+    return (record.results.get(RESULT_KEY) or {}).get("per_tensor") or {}
+
+
 @dataclass
 class Rerecording:
     """The judgement of a recording over an existing reference."""
@@ -56,8 +61,7 @@ class Rerecording:
 
 def judge_rerecording(old: RunRecord, new: RunRecord, slack: dict[str, float]) -> Rerecording:
     """May ``new`` replace ``old``? ``slack``: per tensor, the old reference's tolerant-lane step-0 limit."""
-    before = (old.results.get(RESULT_KEY) or {}).get("per_tensor")
-    after = (new.results.get(RESULT_KEY) or {}).get("per_tensor")
+    before, after = _per_tensor(old), _per_tensor(new)
     if not before:
         return Rerecording(True, "the old reference stores no distance from float64: not judged", [])
     if not after:
@@ -91,15 +95,19 @@ def judges_precision(run: RunRecord) -> bool:
     return str(run.config.get("dtype", "fp32")) in PRECISION_DTYPES
 
 
+def _measured_both(before: dict[str, float], after: dict[str, float]) -> list[str]:
+    """The tensors whose distance both sides measured: finite in the run, above zero in the reference."""
+    return [name for name in before if name in after and np.isfinite(after[name]) and before[name] > 0]
+
+
 def precision_problem(reference: RunRecord, run: RunRecord) -> str | None:
     """Where a reduced-precision run's step 0 is further from float64 than its reference's by more than
     PRECISION_RATIO (medians over the step-0 gradients both measured): the finding's text; None otherwise (an
     fp32 run, or a side that measured no distance)."""
     if not judges_precision(run):
         return None
-    before = (reference.results.get(RESULT_KEY) or {}).get("per_tensor") or {}
-    after = (run.results.get(RESULT_KEY) or {}).get("per_tensor") or {}
-    names = [name for name in before if name in after and np.isfinite(after[name]) and before[name] > 0]
+    before, after = _per_tensor(reference), _per_tensor(run)
+    names = _measured_both(before, after)
     if not names:
         return None
     then = float(np.median([before[n] for n in names]))

@@ -244,10 +244,19 @@ def first_moved(reference: RunRecord, run: RunRecord, *, sequence: bool = True,
     ref_trace, run_trace, _ = paired[rank]
     entry = run_trace.entry(index) if index < len(run_trace) else None
     ref_entry = ref_trace.entry(ref_index) if ref_index is not None else None
-    same = tuple(r for r, f in moved.items() if r != rank and f[:2] == (kind, index) and entry is not None
-                 and index < len(paired[r][1]) and paired[r][1].entry(index).identity == entry.identity)
     before = sum(1 for i in range(index) if run_trace.entry(i).op != INPUT_OP)
-    return FirstMoved(rank, kind, entry, ref_entry, before, relative, len(paired), same)  # type: ignore[arg-type]
+    return FirstMoved(rank, kind, entry, ref_entry, before, relative, len(paired),  # type: ignore[arg-type]
+                      _same_elsewhere(rank, entry, moved, paired))
+
+
+def _same_elsewhere(rank: int, entry: TraceOp | None, moved: dict[int, Event],
+                    paired: dict[int, tuple[RankTrace, RankTrace, Pairing]]) -> tuple[int, ...]:
+    """The other ranks whose first difference is of the same kind at the same index, on the same op as ``entry``."""
+    if entry is None:
+        return ()
+    kind, index = moved[rank][:2]
+    return tuple(r for r, f in moved.items() if r != rank and f[:2] == (kind, index)
+                 and index < len(paired[r][1]) and paired[r][1].entry(index).identity == entry.identity)
 
 
 _VIEW_LAYOUT = re.compile(r"\b(\w+)@(\d+):\[[^\]]*\]")  # "self@4:[2048, 512, 8, 1]" (evidence/op_arguments.py)

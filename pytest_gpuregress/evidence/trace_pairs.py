@@ -145,26 +145,7 @@ def differing_fields(ref: TraceOp, got: TraceOp) -> list[str]:
 def notes(pairing: Pairing, reference: RankTrace, run: RankTrace) -> list[str]:
     """What changed in the op sequence, one short note per kind of change and place (layers folded), most frequent
     first; empty where nothing did. The analysis pairs the ops around each change and goes on past it."""
-    # Each note as (singular, plural) of what follows the count, counted by the singular.
-    found: Counter[tuple[str, str]] = Counter()
-    for i, j in pairing.relabelled:
-        ref, got = reference.entry(i), run.entry(j)
-        where = f"in {_where(got.module)} ({_where(ref.module)} in the reference)"
-        found[(f"now runs {where}", f"now run {where}")] += 1
-    for stretch in pairing.stretches:
-        ref = [reference.entry(i) for i in stretch.ref]
-        got = [run.entry(j) for j in stretch.run]
-        if stretch.kind == "replaced" and len(ref) == len(got):
-            for a, b in zip(ref, got):
-                what = f"at the same place: {a.op} in {_where(a.module)} ({a.phase}): {'; '.join(differing_fields(a, b))}"
-                found[(f"differs {what}", f"differ {what}")] += 1
-            continue
-        if got:
-            what = f"new in {_where(got[0].module)} ({got[0].phase}): {_ops(got)}"
-            found[(f"is {what}", f"are {what}")] += len(got)
-        if ref:
-            what = f"of the reference no longer {{}} in {_where(ref[0].module)} ({ref[0].phase}): {_ops(ref)}"
-            found[(what.format("runs"), what.format("run"))] += len(ref)
+    found = _changes(pairing, reference, run)
     lines = [f"{_plural(n)} {text[0] if n == 1 else text[1]}" for text, n in found.most_common(_NOTES_SHOWN)]
     hidden = len(found) - _NOTES_SHOWN
     if hidden > 0:
@@ -173,6 +154,37 @@ def notes(pairing: Pairing, reference: RankTrace, run: RankTrace) -> list[str]:
         lines.append(f"only {len(pairing.pairs)} of this run's {pairing.run_len} ops could be paired with the "
                      f"reference's: the analysis covers those")
     return lines
+
+
+def _changes(pairing: Pairing, reference: RankTrace, run: RankTrace) -> Counter[tuple[str, str]]:
+    """Each change as (singular, plural) of what follows its count, counted by the singular: relabelled ops first,
+    then each stretch's, in order."""
+    found: Counter[tuple[str, str]] = Counter()
+    for i, j in pairing.relabelled:
+        ref, got = reference.entry(i), run.entry(j)
+        where = f"in {_where(got.module)} ({_where(ref.module)} in the reference)"
+        found[(f"now runs {where}", f"now run {where}")] += 1
+    for stretch in pairing.stretches:
+        found.update(_stretch_changes([reference.entry(i) for i in stretch.ref], [run.entry(j) for j in stretch.run],
+                                      replaced=stretch.kind == "replaced"))
+    return found
+
+
+def _stretch_changes(ref: list[TraceOp], got: list[TraceOp], *, replaced: bool) -> Counter[tuple[str, str]]:
+    """One stretch's changes: op by op where as many ops replaced as many, else what is new and what is gone."""
+    found: Counter[tuple[str, str]] = Counter()
+    if replaced and len(ref) == len(got):
+        for a, b in zip(ref, got):
+            what = f"at the same place: {a.op} in {_where(a.module)} ({a.phase}): {'; '.join(differing_fields(a, b))}"
+            found[(f"differs {what}", f"differ {what}")] += 1
+        return found
+    if got:
+        what = f"new in {_where(got[0].module)} ({got[0].phase}): {_ops(got)}"
+        found[(f"is {what}", f"are {what}")] += len(got)
+    if ref:
+        what = f"of the reference no longer {{}} in {_where(ref[0].module)} ({ref[0].phase}): {_ops(ref)}"
+        found[(what.format("runs"), what.format("run"))] += len(ref)
+    return found
 
 
 def changed_code(pairing: Pairing, reference: RankTrace, run: RankTrace) -> list[str]:

@@ -261,12 +261,7 @@ class OpTracer:
 
     def _after(self, func: Any, args: Any, kwargs: Any, result: Any) -> None:
         name = op_name(func)
-        if name == _REGION_ENTER:
-            self._regions.append(str(args[0]))
-            return
-        if name == _REGION_EXIT:
-            if self._regions:
-                self._regions.pop()
+        if self._region_mark(name, args):
             return
         outputs = list(tensors_in(result)) or _written(func, args, kwargs)
         if not self._aliases(func, name):  # a view's storage is its base's: made here only if the base was
@@ -277,6 +272,18 @@ class OpTracer:
             return
         if self._skips(func, name) or not outputs or self._backend_copy(name, args):
             return
+        self._record(func, name, args, kwargs, outputs)
+
+    def _region_mark(self, name: str, args: Any) -> bool:
+        """Enter or leave a profiler region (``record_function``); True where op ``name`` is one of those marks."""
+        if name == _REGION_ENTER:
+            self._regions.append(str(args[0]))
+        elif name == _REGION_EXIT and self._regions:
+            self._regions.pop()
+        return name in (_REGION_ENTER, _REGION_EXIT)
+
+    def _record(self, func: Any, name: str, args: Any, kwargs: Any, outputs: list[Any]) -> None:
+        """The entry of op ``name``: where it ran, the outputs it fills, the entries its inputs' values came from."""
         inputs = list(tensors_in((args, kwargs)))
         module = self._where(inputs)
         self._lineage.inherit(module, outputs)

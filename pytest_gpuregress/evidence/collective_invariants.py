@@ -107,21 +107,18 @@ def _sums_hold(rows: np.ndarray, ranks: list[int], op: str, reductions: list[str
     scale = float(rows[:, _COL["in_abs"]].sum())
     if op in KEEPS_SUM:
         expected = inputs * (len(ranks) if op == "all_gather" else 1)  # every rank's output holds every input
-        total = float(outputs.sum()) if op == "all_to_all" else float(outputs.sum())
+        total = float(outputs.sum())
         allowed = 1e-12 * max(scale * len(ranks), 1e-300)
         if abs(total - expected) > allowed:
             worst = _worst_rank(rows, ranks, inputs if op == "all_gather" else None)
             return (f"its outputs sum to {total:.17g} where its inputs give {expected:.17g}: values were lost, "
                     f"repeated or changed in transit", worst)
         return None
-    if op in REDUCES:
-        reduction = reductions[int(rows[0, _COL["reduce"]])]
-        if reduction not in ("sum", "avg", "premul_sum"):
-            return None  # max, min, product: no sum invariant to hold them to
-        divisor = len(ranks) if reduction == "avg" else 1
-        factor = float(rows[0, _COL["factor"]])  # PREMUL_SUM's: each input times it, then summed
+    summed = _summed(rows, ranks, op, reductions)
+    if summed is not None:
+        reduction, factor, divisor = summed
         expected = inputs * factor / divisor
-        total = float(outputs.sum()) if op == "reduce_scatter" else float(outputs.mean())
+        total = _reduced_total(outputs, op)
         allowed = _rounding_bound(rows, ranks, reduction, factor, divisor) + 1e-12 * scale  # the float64 sums' own rounding
         if not abs(total - expected) <= allowed:
             worst = _worst_rank(rows, ranks, expected if op == "all_reduce" else None)
@@ -131,6 +128,22 @@ def _sums_hold(rows: np.ndarray, ranks: list[int], op: str, reductions: list[str
     return None
 
 
+def _summed(rows: np.ndarray, ranks: list[int], op: str, reductions: list[str]) -> tuple[str, float, int] | None:
+    """A reduction's (name, factor, divisor) where it sums; None for another op, and for max, min and product:
+    no sum invariant to hold them to. The factor is PREMUL_SUM's: each input times it, then summed."""
+    if op not in REDUCES:
+        return None
+    reduction = reductions[int(rows[0, _COL["reduce"]])]
+    if reduction not in ("sum", "avg", "premul_sum"):
+        return None
+    return reduction, float(rows[0, _COL["factor"]]), len(ranks) if reduction == "avg" else 1
+
+
+def _reduced_total(outputs: np.ndarray, op: str) -> float:
+    """What a reduction's outputs hold in total: a reduce-scatter's shards add up, an all-reduce's copies are one."""
+    return float(outputs.sum()) if op == "reduce_scatter" else float(outputs.mean())
+
+
 def _rounding_bound(rows: np.ndarray, ranks: list[int], reduction: str, factor: float, divisor: int) -> float:
     """How far a reduction's output total may be from its inputs' by rounding alone: LAMBDA x u x sqrt(rounds x N x
     the inputs' sum of x^2), independent per-element errors (comparison/bounds.py's model) with a tail of LAMBDA deviations."""
@@ -138,6 +151,17 @@ def _rounding_bound(rows: np.ndarray, ranks: list[int], reduction: str, factor: 
     unit = float(rows[0, _COL["unit_roundoff"]])
     squares = float(rows[:, _COL["in_sq"]].sum())
     return LAMBDA * unit * math.sqrt(max(rounds, 1) * len(ranks) * squares) * abs(factor) / divisor
+
+
+def _gathered_in_place(ranks: list[int], weighted_out: np.ndarray, expected: float,
+                       scale: float) -> tuple[str, tuple[int, ...]] | None:
+    """An all-gather's: each rank's output holds every input at its rank's place (float64 rounding only)."""
+    allowed = 1e-12 * max(scale, 1e-300)
+    off = tuple(r for r, got in zip(ranks, weighted_out) if abs(float(got) - expected) > allowed)
+    if not off:
+        return None
+    return (f"its output holds its inputs' values but not each in its place (position-weighted sums "
+            f"{', '.join(f'{float(g):.17g}' for g in weighted_out)} where the inputs give {expected:.17g})", off)
 
 
 def _in_place(rows: np.ndarray, ranks: list[int], op: str, reductions: list[str]) -> tuple[str, tuple[int, ...]] | None:
@@ -152,19 +176,13 @@ def _in_place(rows: np.ndarray, ranks: list[int], op: str, reductions: list[str]
     expected = float(weighted_in.sum())
     scale = 1.5 * float(rows[:, _COL["in_abs"]].sum())
     if op == "all_gather":
-        allowed = 1e-12 * max(scale, 1e-300)
-        off = tuple(r for r, got in zip(ranks, weighted_out) if abs(float(got) - expected) > allowed)
-        if off:
-            return (f"its output holds its inputs' values but not each in its place (position-weighted sums "
-                    f"{', '.join(f'{float(g):.17g}' for g in weighted_out)} where the inputs give {expected:.17g})", off)
+        return _gathered_in_place(ranks, weighted_out, expected, scale)
+    summed = _summed(rows, ranks, op, reductions)
+    if summed is None:
         return None
-    reduction = reductions[int(rows[0, _COL["reduce"]])]
-    if reduction not in ("sum", "avg", "premul_sum"):
-        return None
-    divisor = len(ranks) if reduction == "avg" else 1
-    factor = float(rows[0, _COL["factor"]])
+    reduction, factor, divisor = summed
     expected = expected * factor / divisor
-    total = float(weighted_out.sum()) if op == "reduce_scatter" else float(weighted_out.mean())
+    total = _reduced_total(weighted_out, op)
     allowed = 1.5 * _rounding_bound(rows, ranks, reduction, factor, divisor) + 1e-12 * scale
     if abs(total - expected) <= allowed:
         return None

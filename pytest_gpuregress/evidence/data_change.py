@@ -85,6 +85,11 @@ def finding_text(reference: RunRecord, run: RunRecord, step: int) -> str:
     changed = sum(1 for a, b in zip(reference.series.get(BATCH_DIGEST, []), run.series.get(BATCH_DIGEST, [])) if a != b)
     head = (f"data: the token batch of step {step} differs from the reference's (its digest), {changed} of {total} "
             f"steps' batches do: the run trained on other data, and every difference after it follows from that")
+    return f"{head}; {_cause(reference, run)}"
+
+
+def _cause(reference: RunRecord, run: RunRecord) -> str:
+    """What made the batches differ: the tokens themselves, the pipeline's random streams, or neither of those."""
     streams = stream_changes(reference, run)
     source = next((step for name, step in streams if name == TOKEN_SOURCE), None)
     random = [(name, step) for name, step in streams if name != TOKEN_SOURCE]
@@ -93,8 +98,8 @@ def finding_text(reference: RunRecord, run: RunRecord, step: int) -> str:
     if random:
         parts.append(f"the data pipeline's random streams drew other numbers: {describe_streams(reference, run, random)}")
     if parts:
-        return f"{head}; " + "; ".join(parts)
+        return "; ".join(parts)
     if any(key.startswith(STREAM_PREFIX) for key in run.series):
-        return (f"{head}; every random stream rank 0 keeps drew the same numbers: the pipeline's own code changed, or "
+        return ("every random stream rank 0 keeps drew the same numbers: the pipeline's own code changed, or "
                 "another rank's draws did")
-    return f"{head}; the batches come from {producer(run, reference)}"
+    return f"the batches come from {producer(run, reference)}"

@@ -28,19 +28,21 @@ def changes(reference: RunRecord, record: RunRecord) -> list[str] | None:
     old, new = reference.results.get(INVENTORY), record.results.get(INVENTORY)
     if not isinstance(old, dict) or not isinstance(new, dict):
         return None
-    lines: list[str] = []
-    for op in sorted(set(old) | set(new)):
-        if op not in new:
-            lines.append(f"{op}: no longer called (was {_joined(_implementation(old[op]))})")
-        elif op not in old:
-            lines.append(f"{op}: newly called, runs as {_joined(_implementation(new[op]))}")
-        else:
-            before, after = _implementation(old[op]), _implementation(new[op])
-            if before != after:
-                gone = [k for k in before if k not in after]
-                came = [k for k in after if k not in before]
-                lines.append(f"{op}: {_joined(gone)} -> {_joined(came)}")
-    return lines
+    return [line for op in sorted(set(old) | set(new)) if (line := _change(op, old, new)) is not None]
+
+
+def _change(op: str, old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """How ``op`` runs now against the reference's inventory ``old``; None where its kernels are the same."""
+    if op not in new:
+        return f"{op}: no longer called (was {_joined(_implementation(old[op]))})"
+    if op not in old:
+        return f"{op}: newly called, runs as {_joined(_implementation(new[op]))}"
+    before, after = _implementation(old[op]), _implementation(new[op])
+    if before == after:
+        return None
+    gone = [k for k in before if k not in after]
+    came = [k for k in after if k not in before]
+    return f"{op}: {_joined(gone)} -> {_joined(came)}"
 
 
 def _joined(names: list[str]) -> str:

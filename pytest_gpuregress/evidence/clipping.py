@@ -7,9 +7,13 @@ says so when it is recorded.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..findings import CheckFinding
 from ..reference.record import RunRecord
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # torch clips when max_norm / (total + 1e-6) < 1 (torch.nn.utils.clip_grad_norm_).
 TORCH_EPS = 1e-6
@@ -95,13 +99,7 @@ def problems(record: RunRecord) -> list[CheckFinding]:
     limit = consistency_limit(record)
     wrong_norm = np.nonzero(norm_off > limit)[0]
     if len(wrong_norm):
-        s = int(wrong_norm[0])
-        ratio = reported[s] / before[s]
-        shard = f"; about 1/sqrt({round(1 / ratio ** 2)}) of it, as a norm taken on one rank's shard is" \
-            if ratio < 0.95 and round(1 / ratio ** 2) >= 2 else ""
-        out.append(CheckFinding("clip", f"the clip (clip_grad_norm_) reported another norm than its gradients have: at step "
-                   f"{s} {reported[s]:.9g}, where the gradients it clipped have {before[s]:.9g} (ratio {ratio:.6g}"
-                   f"{shard}); {len(wrong_norm)} of {len(before)} steps"))
+        out.append(_another_norm(reported, before, wrong_norm))
     wrong_scale = np.nonzero(coefficient_off > limit)[0]
     if len(wrong_scale) and not len(wrong_norm):
         s = int(wrong_scale[0])
@@ -109,3 +107,15 @@ def problems(record: RunRecord) -> list[CheckFinding]:
                    f"{reported[s]:.9g} and max_norm {clip.max_norm:g} ask for {asked[s]:.9g} (off by "
                    f"{coefficient_off[s]:.2g}); {len(wrong_scale)} of {len(before)} steps"))
     return out
+
+
+def _another_norm(reported: np.ndarray, before: np.ndarray, wrong: np.ndarray) -> CheckFinding:
+    """The finding for the steps ``wrong`` whose clip ``reported`` another norm than the gradients had ``before`` it;
+    a shard's norm where the ratio says so."""
+    s = int(wrong[0])
+    ratio = reported[s] / before[s]
+    shard = f"; about 1/sqrt({round(1 / ratio ** 2)}) of it, as a norm taken on one rank's shard is" \
+        if ratio < 0.95 and round(1 / ratio ** 2) >= 2 else ""
+    return CheckFinding("clip", f"the clip (clip_grad_norm_) reported another norm than its gradients have: at step "
+                        f"{s} {reported[s]:.9g}, where the gradients it clipped have {before[s]:.9g} (ratio {ratio:.6g}"
+                        f"{shard}); {len(wrong)} of {len(before)} steps")

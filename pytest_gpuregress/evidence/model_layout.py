@@ -52,8 +52,7 @@ def what_changed(before: Mapping[str, tuple[int, ...] | None], after: Mapping[st
         return None
     gone = sorted(set(before) - set(after))
     new = sorted(set(after) - set(before))
-    reshaped = sorted(n for n in set(before) & set(after)
-                      if before[n] is not None and after[n] is not None and before[n] != after[n])
+    reshaped = _reshaped(before, after)
     if not (gone or new or reshaped):
         return None
     parts = _regrouped(before, after, gone, new) or _added_and_removed(before, after, gone, new)
@@ -63,14 +62,27 @@ def what_changed(before: Mapping[str, tuple[int, ...] | None], after: Mapping[st
     return "; ".join(parts)
 
 
+def _reshaped(before: Mapping[str, tuple[int, ...] | None], after: Mapping[str, tuple[int, ...] | None]) -> list[str]:
+    """The parameters both layouts have, with a known shape on each side, that changed shape; sorted."""
+    return sorted(n for n in set(before) & set(after)
+                  if before[n] is not None and after[n] is not None and before[n] != after[n])
+
+
+def _direction(gone: list[str], new: list[str]) -> str:
+    """How parameters holding the same values were regrouped, judged by their names."""
+    if _per_module(new) and not _per_module(gone):
+        return "fused -> per-module"
+    if _per_module(gone) and not _per_module(new):
+        return "per-module -> fused"
+    return "renamed or regrouped"
+
+
 def _regrouped(before: Mapping[str, tuple[int, ...] | None], after: Mapping[str, tuple[int, ...] | None],
                gone: list[str], new: list[str]) -> list[str]:
     """The names that went and came hold the same number of values: fused, split or renamed; [] otherwise."""
     if not (gone and new) or _count(before, gone) is None or _count(before, gone) != _count(after, new):
         return []
-    direction = ("fused -> per-module" if _per_module(new) and not _per_module(gone) else
-                 "per-module -> fused" if _per_module(gone) and not _per_module(new) else "renamed or regrouped")
-    return [f"{len(gone)} parameters {direction} as {len(new)} (the same {_count(after, new):,} values, "
+    return [f"{len(gone)} parameters {_direction(gone, new)} as {len(new)} (the same {_count(after, new):,} values, "
             f"e.g. {gone[0]} {list(before[gone[0]] or [])} -> {new[0]} {list(after[new[0]] or [])})"]
 
 

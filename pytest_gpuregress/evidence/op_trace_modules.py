@@ -47,6 +47,11 @@ def _inside(label: str, path: str) -> bool:
     return path == ROOT or label == path or label.startswith(path + ".")
 
 
+def _grad_fns(tensors: Iterable[Any]) -> list[Any]:
+    """The autograd nodes that made ``tensors``, leaving out those autograd did not make."""
+    return [node for node in (t.grad_fn for t in tensors) if node is not None]
+
+
 def label_graph(outputs: Iterable[Any], inputs: Iterable[Any], path: str) -> None:
     """Label the autograd nodes between a module's ``outputs`` and its ``inputs`` with ``path``, where unlabelled.
 
@@ -54,8 +59,8 @@ def label_graph(outputs: Iterable[Any], inputs: Iterable[Any], path: str) -> Non
     ran): it never walks the graph of earlier layers."""
     # Nodes by identity, each kept alive for the walk: some torch releases (2.11) hand out a new Python wrapper of a
     # node at every access, and a wrapper freed early lends its id to the next one, which would read as seen.
-    stop = {id(node): node for node in (t.grad_fn for t in inputs) if node is not None}
-    todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    stop = {id(node): node for node in _grad_fns(inputs)}
+    todo = _grad_fns(outputs)
     seen: dict[int, Any] = {}
     while todo:
         node = todo.pop()

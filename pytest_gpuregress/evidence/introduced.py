@@ -129,10 +129,14 @@ class _Moves:
                 moves.outputs.append(np.zeros(len(got.outputs)) if equal else relative_per_output(got, ref))
                 moves.buckets.append([] if equal else bucket_moves(ref, got))
             moves.sizes.append(np.array([numel((s,)) for s in got.outputs], dtype=np.float64))
-            inherited = max((float(e) for k in run.sources_of(j) if k < j for e in moves.epsilons[k] if e < 1.0),
-                            default=0.0)  # floating inputs only: token ids round nothing
-            moves.epsilons.append(np.array([max(epsilon(s), inherited) for s in got.outputs], dtype=np.float64))
+            moves.epsilons.append(moves._rounding(j, got))
         return moves
+
+    def _rounding(self, index: int, entry: TraceOp) -> np.ndarray:
+        """Each output's unit of rounding: its dtype's, or the coarsest its earlier inputs carry."""
+        inherited = max((float(e) for k in self.run.sources_of(index) if k < index for e in self.epsilons[k] if e < 1.0),
+                        default=0.0)  # floating inputs only: token ids round nothing
+        return np.array([max(epsilon(s), inherited) for s in entry.outputs], dtype=np.float64)
 
     def __len__(self) -> int:
         return len(self.outputs)

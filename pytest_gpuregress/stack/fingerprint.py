@@ -21,7 +21,6 @@ Fingerprint = dict[str, dict[str, Any]]
 
 # Which fields decide the exact lane, which are hardware or an upgrade: declared once, in fingerprint_fields.py.
 NUMERICS_FIELDS = schema.NUMERICS_FIELDS
-HARDWARE_FIELDS = schema.HARDWARE_FIELDS
 
 
 def canonical(name: str) -> str:
@@ -230,27 +229,20 @@ def collect(
 def diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
     """Fields that differ, as (section.field, reference value, current value). A package the versions section names
     (torch, transformers...) is said there once, not again among the packages."""
+    named = {f"packages.{canonical(k)}" for k in reference.get("versions") or {}}
     out: list[tuple[str, Any, Any]] = []
-    named = {canonical(k) for k in (reference.get("versions") or {})}
     for section in sorted(set(reference) | set(current)):
-        if section == "packages":
-            out += [(f"packages.{k}", a, b) for k, a, b in _package_changes(reference, current) if k not in named]
-            continue
-        ref_sec, cur_sec = reference.get(section, {}), current.get(section, {})
-        if not isinstance(ref_sec, dict) or not isinstance(cur_sec, dict):
-            if ref_sec != cur_sec:
-                out.append((section, ref_sec, cur_sec))
-            continue
-        for key in sorted(set(ref_sec) | set(cur_sec)):
-            a, b = ref_sec.get(key), cur_sec.get(key)
-            if a != b:
-                out.append((f"{section}.{key}", a, b))
-    return out
+        out += _section_changes(section, reference.get(section, {}), current.get(section, {}))
+    return [change for change in out if change[0] not in named]
 
 
-def _package_changes(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
-    ref, cur = reference.get("packages") or {}, current.get("packages") or {}
-    return [(k, ref.get(k), cur.get(k)) for k in sorted(set(ref) | set(cur)) if ref.get(k) != cur.get(k)]
+def _section_changes(section: str, ref: Any, cur: Any) -> list[tuple[str, Any, Any]]:
+    """One section's fields that differ, as (section.field, reference value, current value)."""
+    if section == "packages":  # None in a fingerprint recorded before the packages were read
+        ref, cur = ref or {}, cur or {}
+    if not (isinstance(ref, dict) and isinstance(cur, dict)):
+        return [] if ref == cur else [(section, ref, cur)]
+    return [(f"{section}.{k}", ref.get(k), cur.get(k)) for k in sorted(set(ref) | set(cur)) if ref.get(k) != cur.get(k)]
 
 
 def describe_change(name: str, old: Any, new: Any) -> str:
@@ -270,13 +262,22 @@ def summarize_changes(changes: list[tuple[str, Any, Any]], others_shown: int = 3
     """One line for the closing table: every software change first (library versions, runtime, driver, cuDNN, BLAS,
     NCCL), never dropped, then at most ``others_shown`` of the rest (hardware, switches) and a count of what is left
     out. The whole list is in the failure report and in the JUnit property ``stack_changes``."""
-    software = [c for c in changes if c[0].startswith("versions.")] + \
-        [c for c in changes if c[0].startswith("packages.") and schema.computes(c[0].split(".", 1)[1])] + \
-        [c for c in changes if c[0] in schema.SOFTWARE_KEYS and not c[0].startswith("versions.")]
-    others = [c for c in changes if c not in software]
+    software = sorted((c for c in changes if _software_rank(c[0]) is not None), key=lambda c: _software_rank(c[0]))
+    others = [c for c in changes if _software_rank(c[0]) is None]
     text = ", ".join(describe_change(*c) for c in software + others[:others_shown])
     hidden = len(others) - others_shown
     return text + (f", and {hidden} more (all in the failure report and JUnit's stack_changes)" if hidden > 0 else "")
+
+
+def _software_rank(name: str) -> int | None:
+    """Where a change stands among the software changes: library versions, then packages that compute, then the
+    runtime, driver and libraries of the device and collectives; None for the rest."""
+    section, _, rest = name.partition(".")
+    if section == "versions":
+        return 0
+    if section == "packages":
+        return 1 if schema.computes(rest) else None
+    return 2 if name in schema.SOFTWARE_KEYS else None
 
 
 def _short(value: Any) -> str:
@@ -295,15 +296,29 @@ def hardware_diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[st
     count: two hosts of the same GPUs with other CPUs time the same GPU work."""
     ref, cur = reference.get("device") or {}, current.get("device") or {}
     on_gpu = ref.get("kind") not in (None, "cpu") and ref.get("kind") == cur.get("kind")
-    fields = [k for k in HARDWARE_FIELDS if not (on_gpu and k.startswith("cpu_"))]
-    out = [(f"device.{k}", ref.get(k), cur.get(k)) for k in fields if k in ref and ref.get(k) != cur.get(k)]
-    # A forced CPU kernel path hides the CPU's own (one "AMD EPYC" with AVX512 forced to AVX2 reads like the AVX2
-    # machine that recorded): timings under another forcing than the reference's are not of the same hardware path.
-    forced = [((reference.get("comm") or {}).get("env") or {}).get(FORCED_CPU_PATH),
-              ((current.get("comm") or {}).get("env") or {}).get(FORCED_CPU_PATH)]
-    if not on_gpu and forced[0] != forced[1]:
-        out.append((f"comm.env.{FORCED_CPU_PATH}", *forced))
-    return out
+    fields = [k for k in schema.HARDWARE_FIELDS if k in ref and not (on_gpu and k.startswith("cpu_"))]
+    out = [(f"device.{k}", ref.get(k), cur.get(k)) for k in fields if ref.get(k) != cur.get(k)]
+    return out if on_gpu else out + _forced_cpu_path_change(reference, current)
+
+
+def _forced_cpu_path_change(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
+    """A forced CPU kernel path hides the CPU's own (one "AMD EPYC" with AVX512 forced to AVX2 reads like the AVX2
+    machine that recorded): timings under another forcing than the reference's are not of the same hardware path."""
+    key = f"comm.env.{FORCED_CPU_PATH}"
+    forced = (lookup(reference, key), lookup(current, key))
+    return [(key, *forced)] if forced[0] != forced[1] else []
+
+
+def lookup(fp: Fingerprint, field: str) -> Any:
+    """The fingerprint's value for ``section.field`` or ``comm.env.NAME``; None when not recorded."""
+    section, _, name = field.partition(".")
+    values = fp.get(section)
+    if not isinstance(values, dict):
+        return None
+    if section == "comm" and name.startswith("env."):
+        env = values.get("env")
+        return env.get(name[4:]) if isinstance(env, dict) else None
+    return values.get(name)
 
 
 def numerics_key(fp: Fingerprint) -> dict[str, Any]:
@@ -338,30 +353,28 @@ def _recorded(fp: Fingerprint, key: str) -> bool:
 
 def header_lines(fp: Fingerprint) -> list[str]:
     """A few lines for the pytest report header."""
-    v, d, n, c = fp["versions"], fp["device"], fp["numerics"], fp["comm"]
-    device = f"{d.get('name')} x{d.get('count')} ({d.get('arch')})" if d.get("kind") != "cpu" else (
-        f"cpu {d.get('cpu_model')} [{d.get('cpu_capability')}]"
-    )
-    accel = ", ".join(
-        f"{k} {d[k]}" for k in ("cuda", "hip", "driver") if d.get(k)
-    ) or "no accelerator runtime"
-    # Fields a GPU run adds, shown only where recorded: a CPU run's header stays as it was.
-    extra = [
-        f"{label}{_short(d[k])}"
-        for k, label in (("dnn", ""), ("blas_library", "blas "), ("mig", "MIG "), ("firmware", "firmware "))
-        if d.get(k) is not None
-    ]
-    if extra:
-        accel += ", " + ", ".join(extra)
+    v, n, c = fp["versions"], fp["numerics"], fp["comm"]
     env = " ".join(f"{k}={val}" for k, val in c.get("env", {}).items()) or "none"
     return [
         f"gpuregress stack: torch {v['torch']}, transformers {v['transformers']}, peft {v['peft']}, "
         f"accelerate {v['accelerate']}, safetensors {v['safetensors']}, python {v['python']}",
-        f"gpuregress device: {device}; {accel}; nccl {c.get('nccl_version') or '-'}",
+        f"gpuregress device: {_device_line(fp['device'])}; nccl {c.get('nccl_version') or '-'}",
         f"gpuregress numerics: blas {n['blas']}, tf32 {n['tf32_matmul']}, "
         f"deterministic {n['deterministic_algorithms']}, threads {n['num_threads']}; comm env: {env}",
         *_packages_line(fp.get("packages")),
     ]
+
+
+def _device_line(d: dict[str, Any]) -> str:
+    """The device, its runtime, and the fields a GPU run adds (shown only where recorded: a CPU run's header stays
+    as it was)."""
+    device = f"{d.get('name')} x{d.get('count')} ({d.get('arch')})" if d.get("kind") != "cpu" else (
+        f"cpu {d.get('cpu_model')} [{d.get('cpu_capability')}]"
+    )
+    accel = [f"{k} {d[k]}" for k in ("cuda", "hip", "driver") if d.get(k)] or ["no accelerator runtime"]
+    accel += [f"{label}{_short(d[k])}" for k, label in (("dnn", ""), ("blas_library", "blas "), ("mig", "MIG "),
+                                                        ("firmware", "firmware ")) if d.get(k) is not None]
+    return f"{device}; {', '.join(accel)}"
 
 
 def _packages_line(packages: dict[str, str] | None) -> list[str]:

@@ -22,7 +22,7 @@ from packaging.version import InvalidVersion, Version
 
 from ..components import COMPONENTS
 from ..errors import BadKnownIssues
-from .fingerprint import Fingerprint
+from .fingerprint import Fingerprint, lookup
 from .fingerprint_fields import COMM_ENV_PREFIXES, MATCHABLE, PREFIXED, recorded_env
 
 if sys.version_info >= (3, 11):
@@ -85,18 +85,6 @@ def parse_version(value: object) -> Version | None:
     # The release only: a source build or nightly of 2.7 (2.7.0a0+git..., 2.7.0.dev2025...) has 2.7's code,
     # and must meet ">=2.7" as 2.7.0 does (PEP 440 would order it before 2.7).
     return Version(".".join(str(part) for part in parsed.release))
-
-
-def lookup(fingerprint: Fingerprint, field: str) -> Any:
-    """The fingerprint's value for ``section.field`` or ``comm.env.NAME``; None when not recorded."""
-    section, _, name = field.partition(".")
-    values = fingerprint.get(section)
-    if not isinstance(values, dict):
-        return None
-    if section == "comm" and name.startswith("env."):
-        env = values.get("env")
-        return env.get(name[4:]) if isinstance(env, dict) else None
-    return values.get(name)
 
 
 def _holds(cond: Condition, actual: Any) -> bool:

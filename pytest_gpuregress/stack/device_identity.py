@@ -11,6 +11,7 @@ import functools
 import os
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,27 +83,28 @@ def parse_amd_list(text: str) -> list[SmiDevice]:
     data = _json_payload(text)
     if isinstance(data, dict):
         data = data.get("gpu_data", data.get("gpus", [data]))
-    if isinstance(data, list):
-        out = []
-        for entry in data:
-            if not isinstance(entry, dict) or not str(entry.get("gpu", "")).isdigit():
-                continue
-            bdf = entry.get("bdf", entry.get("gpu_bdf"))
-            uuid = _value(entry.get("uuid", entry.get("gpu_uuid")))
-            out.append(SmiDevice(int(entry["gpu"]), normal_bus_id(bdf), uuid))
-        return out
+    if not isinstance(data, list):
+        return _parse_amd_list_text(text)
+    return [SmiDevice(int(entry["gpu"]), normal_bus_id(entry.get("bdf", entry.get("gpu_bdf"))),
+                      _value(entry.get("uuid", entry.get("gpu_uuid"))))
+            for entry in data if isinstance(entry, dict) and str(entry.get("gpu", "")).isdigit()]
+
+
+def _parse_amd_list_text(text: str) -> list[SmiDevice]:
     devices: list[dict[str, Any]] = []
     for line in text.splitlines():
         label, sep, raw = (part.strip() for part in line.partition(":"))
-        if not sep:
-            continue
-        if label.upper() == "GPU" and raw.isdigit():
+        label = label.upper()
+        if sep and label == "GPU" and raw.isdigit():
             devices.append({"index": int(raw)})
-        elif devices and label.upper() == "BDF":
-            devices[-1]["bus_id"] = normal_bus_id(raw)
-        elif devices and label.upper() == "UUID":
-            devices[-1]["uuid"] = _value(raw)
+        elif sep and devices and label in _AMD_LIST_FIELDS:
+            name, read = _AMD_LIST_FIELDS[label]
+            devices[-1][name] = read(raw)
     return [SmiDevice(**d) for d in devices]
+
+
+# The text form's lines under each "GPU: N" line: SmiDevice's field, read as the JSON form's value is.
+_AMD_LIST_FIELDS = {"BDF": ("bus_id", normal_bus_id), "UUID": ("uuid", _value)}
 
 
 def parse_amd_serials(text: str) -> dict[int, str]:
@@ -158,16 +160,14 @@ def match(devices: list[SmiDevice], uuid: str | None, bus_id: str | None,
           visible_index: int | None) -> tuple[SmiDevice | None, str]:
     """The tool's row for a torch device, and how it was found: by UUID, by PCI bus id, or by index (the tool's
     numbering can differ from CUDA's; said so, since then the row is a guess)."""
-    want_uuid, want_bus = normal_uuid(uuid), normal_bus_id(bus_id)
-    for device in devices:
-        if want_uuid and normal_uuid(device.uuid) == want_uuid:
-            return device, "uuid"
-    for device in devices:
-        if want_bus and device.bus_id == want_bus:
-            return device, "pci bus id"
-    for device in devices:
-        if visible_index is not None and device.index == visible_index:
-            return device, "index (unverified: no UUID or bus id to match)"
+    keys: tuple[tuple[object, Callable[[SmiDevice], object], str], ...] = (
+        (normal_uuid(uuid) or None, lambda device: normal_uuid(device.uuid), "uuid"),
+        (normal_bus_id(bus_id), lambda device: device.bus_id, "pci bus id"),
+        (visible_index, lambda device: device.index, "index (unverified: no UUID or bus id to match)"))
+    for want, key, how in keys:
+        found = next((device for device in devices if want is not None and key(device) == want), None)
+        if found is not None:
+            return found, how
     return None, "not found in the vendor tool's list"
 
 
@@ -200,14 +200,16 @@ def node_rank(env: dict[str, str] | None = None) -> int:
 @functools.lru_cache(maxsize=2)
 def smi_devices(is_rocm: bool) -> tuple[SmiDevice, ...]:
     """Every GPU the vendor's tool lists, once per process (none of it changes while the process runs)."""
-    if is_rocm:
-        facts = smi_bindings.amd_facts()  # the AMD SMI library in process, where its binding is installed
-        if facts is not None:
-            return tuple(SmiDevice(d.index, normal_bus_id(d.bdf), _value(d.uuid), _value(d.serial)) for d in facts.devices)
-        listed = parse_amd_list(run_tool(("amd-smi", "list", "--json")) or "")
-        serials = parse_amd_serials(run_tool(("amd-smi", "static", "--asic", "--json")) or "")
-        return tuple(SmiDevice(d.index, d.bus_id, d.uuid, serials.get(d.index), d.name, d.firmware) for d in listed)
-    return tuple(nvidia_ids(nvidia_query(NVIDIA_ID_QUERY) or []))
+    return _amd_devices() if is_rocm else tuple(nvidia_ids(nvidia_query(NVIDIA_ID_QUERY) or []))
+
+
+def _amd_devices() -> tuple[SmiDevice, ...]:
+    facts = smi_bindings.amd_facts()  # the AMD SMI library in process, where its binding is installed
+    if facts is not None:
+        return tuple(SmiDevice(d.index, normal_bus_id(d.bdf), _value(d.uuid), _value(d.serial)) for d in facts.devices)
+    listed = parse_amd_list(run_tool(("amd-smi", "list", "--json")) or "")
+    serials = parse_amd_serials(run_tool(("amd-smi", "static", "--asic", "--json")) or "")
+    return tuple(SmiDevice(d.index, d.bus_id, d.uuid, serials.get(d.index), d.name, d.firmware) for d in listed)
 
 
 @functools.lru_cache(maxsize=1)

@@ -61,26 +61,25 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
-def _cpu_model() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line's value in /proc/cpuinfo; None where there is none (not Linux)."""
     try:
         with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            return next((line.split(":", 1)[1].strip() for line in fh if line.startswith(field)), None)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return None
+
+
+def _cpu_model() -> str:
+    model = _cpuinfo("model name")
+    return platform.processor() or platform.machine() if model is None else model
 
 
 def cpu_bf16() -> str:
     """The bf16 instructions oneDNN may use for a CPU's bf16 matmuls ("amx_bf16", "avx512_bf16" or "none"). oneDNN
     picks its ISA itself: ATEN_CPU_CAPABILITY does not reach it, so a bf16 run computes other bits on a CPU with
     other bf16 instructions even where cpu_capability reads the same. ONEDNN_MAX_CPU_ISA caps it (named with it)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
-    except OSError:
-        flags = []
+    flags = (_cpuinfo("flags") or "").split()
     found = next((isa for isa in ("amx_bf16", "avx512_bf16") if isa in flags), "none")
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
     return f"{found} (max ISA {cap})" if cap and found != "none" else found
@@ -95,13 +94,9 @@ def _blas_info(torch: Any) -> str:
 
 
 def _sdpa_backends(torch: Any) -> dict[str, bool]:
-    cuda = torch.backends.cuda
-    out: dict[str, bool] = {}
-    for name in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled", "cudnn_sdp_enabled"):
-        fn = getattr(cuda, name, None)
-        if fn is not None:
-            out[name.replace("_sdp_enabled", "")] = bool(fn())
-    return out
+    cuda = torch.backends.cuda  # a torch without a backend's switch has no such backend
+    return {name: bool(getattr(cuda, f"{name}_sdp_enabled")()) for name in ("flash", "mem_efficient", "math", "cudnn")
+            if hasattr(cuda, f"{name}_sdp_enabled")}
 
 
 def _device_section(torch: Any, device_kind: str) -> dict[str, Any]:
@@ -133,19 +128,17 @@ def _device_section(torch: Any, device_kind: str) -> dict[str, Any]:
 
 
 def _driver_version(torch: Any) -> str | None:
-    try:
-        if getattr(torch.version, "hip", None):
-            return _read_first("/sys/module/amdgpu/version")
-        return _read_first("/proc/driver/nvidia/version")
-    except OSError:
-        return None
+    return _read_first("/sys/module/amdgpu/version" if getattr(torch.version, "hip", None) else
+                       "/proc/driver/nvidia/version")
 
 
 def _read_first(path: str) -> str | None:
-    if not os.path.exists(path):
+    """The version number on a file's first line (the whole line where it has none); None without the file."""
+    try:
+        with open(path) as fh:
+            line = fh.readline().strip()
+    except OSError:
         return None
-    with open(path) as fh:
-        line = fh.readline().strip()
     found = re.search(r"(\d+\.\d+(?:\.\d+)?)", line)
     return found.group(1) if found else line or None
 
@@ -161,11 +154,7 @@ def _nccl_version(torch: Any) -> str | None:
 
 
 def comm_env() -> dict[str, str]:
-    return {
-        k: v
-        for k, v in sorted(os.environ.items())
-        if schema.recorded_env(k)
-    }
+    return {k: v for k, v in sorted(os.environ.items()) if schema.recorded_env(k)}
 
 
 def collect(
@@ -205,11 +194,7 @@ def collect(
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
-            "transformers": installed_version("transformers"),
-            "peft": installed_version("peft"),
-            "accelerate": installed_version("accelerate"),
-            "safetensors": installed_version("safetensors"),
-            "numpy": installed_version("numpy"),
+            **{dist: installed_version(dist) for dist in ("transformers", "peft", "accelerate", "safetensors", "numpy")},
             "pytest_gpuregress": installed_version("pytest-gpuregress"),
         },
         "device": {**_device_section(torch, device_kind),

@@ -12,28 +12,17 @@ import os
 import re
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 from . import smi_bindings
 from .devices import _json_payload, _value, nvidia_query, parse_nvidia_smi, run_tool
+from .smi_bindings import SmiDevice
 
 NVIDIA_ID_QUERY = ("index", "pci.bus_id", "uuid", "serial", "name", "vbios_version")
 # The environment variables that say which node a rank is on: torchrun's node rank, then Slurm's.
 NODE_RANK_VARIABLES = ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # nvidia-smi topo -m underlines its header, even into a pipe
-
-
-@dataclass(frozen=True)
-class SmiDevice:
-    """One GPU as the vendor's tool lists it."""
-
-    index: int
-    bus_id: str | None = None
-    uuid: str | None = None
-    serial: str | None = None
-    name: str | None = None
-    firmware: str | None = None  # NVIDIA: the VBIOS, per GPU (a node may mix them after a partial flash)
 
 
 def normal_bus_id(text: object) -> str | None:
@@ -206,7 +195,8 @@ def smi_devices(is_rocm: bool) -> tuple[SmiDevice, ...]:
 def _amd_devices() -> tuple[SmiDevice, ...]:
     facts = smi_bindings.amd_facts()  # the AMD SMI library in process, where its binding is installed
     if facts is not None:
-        return tuple(SmiDevice(d.index, normal_bus_id(d.bdf), _value(d.uuid), _value(d.serial)) for d in facts.devices)
+        return tuple(replace(d, bus_id=normal_bus_id(d.bus_id), uuid=_value(d.uuid), serial=_value(d.serial))
+                     for d in facts.devices)
     listed = parse_amd_list(run_tool(("amd-smi", "list", "--json")) or "")
     serials = parse_amd_serials(run_tool(("amd-smi", "static", "--asic", "--json")) or "")
     return tuple(SmiDevice(d.index, d.bus_id, d.uuid, serials.get(d.index), d.name, d.firmware) for d in listed)

@@ -169,19 +169,15 @@ def collect(
     keep their lane against references recorded before it was read)."""
     import torch
 
-    cuda_matmul = torch.backends.cuda.matmul
+    matmul = torch.backends.cuda.matmul
     numerics: dict[str, Any] = {
         "blas": _blas_info(torch),
         "sdpa_backends": _sdpa_backends(torch),
-        "tf32_matmul": bool(getattr(cuda_matmul, "allow_tf32", False)),
+        "tf32_matmul": bool(getattr(matmul, "allow_tf32", False)),
         "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "bf16_reduced_precision_reduction": bool(
-            getattr(cuda_matmul, "allow_bf16_reduced_precision_reduction", False)
-        ),
-        "fp16_reduced_precision_reduction": bool(
-            getattr(cuda_matmul, "allow_fp16_reduced_precision_reduction", False)
-        ),
+        "bf16_reduced_precision_reduction": bool(getattr(matmul, "allow_bf16_reduced_precision_reduction", False)),
+        "fp16_reduced_precision_reduction": bool(getattr(matmul, "allow_fp16_reduced_precision_reduction", False)),
         "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
         "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
@@ -308,13 +304,9 @@ def lookup(fp: Fingerprint, field: str) -> Any:
 
 def numerics_key(fp: Fingerprint) -> dict[str, Any]:
     """The subset of a fingerprint whose equality means bitwise-equal results are expected."""
-    key: dict[str, Any] = {}
-    for section, fields in NUMERICS_FIELDS.items():
-        sec = fp.get(section, {})
-        for name in fields:
-            key[f"{section}.{name}"] = sec.get(name)
-        if section == "numerics":
-            key.update({f"numerics.{k}": v for k, v in sec.items() if k.startswith("determinism.")})
+    key = {f"{section}.{name}": fp.get(section, {}).get(name) for section, names in NUMERICS_FIELDS.items()
+           for name in names}
+    key.update({f"numerics.{k}": v for k, v in fp.get("numerics", {}).items() if k.startswith("determinism.")})
     key.update({f"packages.{k}": v for k, v in (fp.get("packages") or {}).items() if schema.computes(k)})
     return key
 

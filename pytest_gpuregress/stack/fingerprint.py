@@ -270,15 +270,16 @@ def _short(value: Any) -> str:
 # same. The CPU capability is one: one "AMD EPYC" model string covers AVX2 and AVX512 generations, and a kernel
 # path forced lower (ATEN_CPU_CAPABILITY) changes speed by itself.
 FORCED_CPU_PATH = "ATEN_CPU_CAPABILITY"
+# On GPUs the host CPU's fields do not count: two hosts of the same GPUs with other CPUs time the same GPU work.
+GPU_HARDWARE_FIELDS = tuple(k for k in schema.HARDWARE_FIELDS if not k.startswith("cpu_"))
 
 
 def hardware_diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
-    """The hardware fields that differ (only those the reference recorded). On GPUs the host CPU's fields do not
-    count: two hosts of the same GPUs with other CPUs time the same GPU work."""
+    """The hardware fields that differ (only those the reference recorded; on GPUs, GPU_HARDWARE_FIELDS)."""
     ref, cur = reference.get("device") or {}, current.get("device") or {}
     on_gpu = ref.get("kind") not in (None, "cpu") and ref.get("kind") == cur.get("kind")
-    fields = [k for k in schema.HARDWARE_FIELDS if k in ref and not (on_gpu and k.startswith("cpu_"))]
-    out = [(f"device.{k}", ref.get(k), cur.get(k)) for k in fields if ref.get(k) != cur.get(k)]
+    fields = GPU_HARDWARE_FIELDS if on_gpu else schema.HARDWARE_FIELDS
+    out = [(f"device.{k}", ref.get(k), cur.get(k)) for k in fields if k in ref and ref.get(k) != cur.get(k)]
     return out if on_gpu else out + _forced_cpu_path_change(reference, current)
 
 

@@ -176,11 +176,7 @@ def visible_index(local_rank: int, env: dict[str, str] | None = None) -> int | N
 def node_rank(env: dict[str, str] | None = None) -> int:
     """This rank's node: torchrun's GROUP_RANK, else Slurm's SLURM_NODEID, else 0 (one machine)."""
     env = dict(os.environ) if env is None else env
-    for name in NODE_RANK_VARIABLES:
-        value = env.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+    return next((int(env[name]) for name in NODE_RANK_VARIABLES if env.get(name, "").isdigit()), 0)
 
 
 # ---- probes (on a rank) -------------------------------------------------------------------------

@@ -28,8 +28,9 @@ NVIDIA_QUERY = ("driver_version", "vbios_version", "mig.mode.current")
 DEVICE_FIELDS = PROBED_FIELDS
 
 _NOT_A_VALUE = {"", "n/a", "[n/a]", "not supported", "[not supported]", "unknown", "[unknown error]"}
-_TRUE = {"1", "true", "on", "yes", "y"}
-_FALSE = {"0", "false", "off", "no", "n"}
+# A TORCH_BLAS_PREFER_*LT value as torch reads it: true prefers the Lt library, false the classic one.
+_PREFER_LT = {**dict.fromkeys(("1", "true", "on", "yes", "y"), "cublaslt"),
+              **dict.fromkeys(("0", "false", "off", "no", "n"), "cublas")}
 # torch's BLAS backend names (torch._C._BlasBackend and the strings preferred_blas_library takes)
 # -> the library doing the work, on CUDA and on ROCm (where "Cublas" goes through hipBLAS to rocBLAS).
 _BLAS_NAMES = {
@@ -155,11 +156,9 @@ def blas_library(preferred: object, is_rocm: bool, env: Mapping[str, str] | None
         return _BLAS_NAMES[name.lower()][is_rocm]
     env = os.environ if env is None else env
     for var in ("TORCH_BLAS_PREFER_HIPBLASLT", "TORCH_BLAS_PREFER_CUBLASLT"):
-        setting = env.get(var, "").strip().lower()
-        if setting in _TRUE:
-            return _BLAS_NAMES["cublaslt"][is_rocm]
-        if setting in _FALSE:
-            return _BLAS_NAMES["cublas"][is_rocm]
+        choice = _PREFER_LT.get(env.get(var, "").strip().lower())
+        if choice:
+            return _BLAS_NAMES[choice][is_rocm]
     return None
 
 

@@ -195,7 +195,7 @@ def _amd_devices() -> tuple[SmiDevice, ...]:
                      for d in facts.devices)
     listed = parse_amd_list(run_tool(("amd-smi", "list", "--json")) or "")
     serials = parse_amd_serials(run_tool(("amd-smi", "static", "--asic", "--json")) or "")
-    return tuple(SmiDevice(d.index, d.bus_id, d.uuid, serials.get(d.index), d.name, d.firmware) for d in listed)
+    return tuple(replace(d, serial=serials.get(d.index)) for d in listed)
 
 
 @functools.lru_cache(maxsize=1)

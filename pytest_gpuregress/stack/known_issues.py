@@ -205,15 +205,12 @@ class _Entry:
     """Validates one [[issue]] table; every error names the file and the line of the offending key."""
 
     def __init__(self, path: str, lines: list[str], start: int, end: int, index: int) -> None:
-        self.path, self.lines, self.start, self.end, self.index = path, lines, start, end, index
+        self.path, self.lines, self.start, self.end = path, lines, start, end
         self.label = f"known issue #{index + 1}"
 
     def fail(self, key: str | None, problem: str, fix: str) -> BadKnownIssues:
-        line = (self._line(key) if key else 0) or self.start
+        line = (_key_line(self.lines, key, self.start, self.end) if key else 0) or self.start
         return BadKnownIssues(self.path, line, f"{self.label} (entry at line {self.start}): {problem}", fix)
-
-    def _line(self, key: str) -> int:
-        return _key_line(self.lines, key, self.start, self.end)
 
     def parse(self, entry: dict[str, Any]) -> KnownIssue:
         if isinstance(entry.get("id"), str) and entry["id"]:

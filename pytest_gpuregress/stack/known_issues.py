@@ -133,52 +133,51 @@ def load_known_issues(user_file: Path | str | None = None) -> list[KnownIssue]:
     if user_file is None:
         return issues
     path = Path(user_file)
+    user = parse_known_issues(_read_user_file(path), str(path))
+    replaced = {issue.id for issue in user}
+    return [issue for issue in issues if issue.id not in replaced] + user
+
+
+def _read_user_file(path: Path) -> str:
     fix = "point the gpuregress_known_issues ini setting at an existing TOML file (schema: docs/known_issues.md)"
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise BadKnownIssues(path, None, "known-issues file not found", fix) from None
     except UnicodeDecodeError as exc:
         raise BadKnownIssues(path, None, f"not UTF-8 text ({exc.reason})", "save the file as UTF-8") from None
     except OSError as exc:
         raise BadKnownIssues(path, None, f"cannot read the known-issues file: {exc.strerror}", fix) from None
-    user = parse_known_issues(text, str(path))
-    replaced = {issue.id for issue in user}
-    return [issue for issue in issues if issue.id not in replaced] + user
 
 
 def parse_known_issues(text: str, path: str) -> list[KnownIssue]:
     """Parse and validate one known-issues file; ``path`` names it in errors."""
     lines = text.splitlines()
     entries = _entries(text, lines, path)
-    starts = [n for n, line in enumerate(lines, 1) if _ENTRY_HEADER.match(line)]
-    if len(starts) != len(entries):  # the inline form, issue = [{...}], has no headers
-        starts = [_key_line(lines, "issue") or 1] * len(entries)
-    # An entry's keys lie between its header and the next one (to the file's end where there is no next header).
-    ends = [after if after > start else len(lines) + 1 for start, after in zip(starts, [*starts[1:], len(lines) + 1])]
     issues: list[KnownIssue] = []
     seen: dict[str, int] = {}
-    for n, entry in enumerate(entries):
-        issue = _Entry(path, lines, starts[n], ends[n], n).parse(entry)
+    for n, (entry, (start, end)) in enumerate(zip(entries, _entry_lines(lines, len(entries)))):
+        issue = _Entry(path, lines, start, end, n).parse(entry)
         if issue.id in seen:
-            raise BadKnownIssues(path, starts[n], f"known issue id {issue.id!r} is used twice (first at line {seen[issue.id]})",
+            raise BadKnownIssues(path, start, f"known issue id {issue.id!r} is used twice (first at line {seen[issue.id]})",
                                  "give each entry its own id")
-        seen[issue.id] = starts[n]
+        seen[issue.id] = start
         issues.append(issue)
     return issues
 
 
+def _entry_lines(lines: list[str], count: int) -> list[tuple[int, int]]:
+    """Each entry's [start, end) lines: from its [[issue]] header to the next one, or to the file's end."""
+    starts = [n for n, line in enumerate(lines, 1) if _ENTRY_HEADER.match(line)]
+    if len(starts) != count:  # the inline form, issue = [{...}], has no headers
+        starts = [_key_line(lines, "issue") or 1] * count
+    ends = [after if after > start else len(lines) + 1 for start, after in zip(starts, [*starts[1:], len(lines) + 1])]
+    return list(zip(starts, ends))
+
+
 def _entries(text: str, lines: list[str], path: str) -> list[dict[str, Any]]:
-    """The file's [[issue]] tables; an error for invalid TOML or anything else at the top level."""
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        found = re.search(r"at line (\d+)", str(exc))
-        raise BadKnownIssues(
-            path, int(found.group(1)) if found else None, f"not valid TOML: {exc}",
-            "correct the TOML syntax there: strings in double quotes, dotted condition names quoted "
-            "(\"device.arch\" = \"gfx950*\"), one [[issue]] header per entry",
-        ) from None
+    """The file's [[issue]] tables; an error for anything else at the top level."""
+    data = _load_toml(text, path)
     for key in data:
         if key != "issue":
             raise BadKnownIssues(path, _key_line(lines, key) or None, f"unknown top-level key {key!r}",
@@ -188,6 +187,18 @@ def _entries(text: str, lines: list[str], path: str) -> list[dict[str, Any]]:
         raise BadKnownIssues(path, _key_line(lines, "issue") or None, "'issue' is not an array of tables",
                              "start each entry with a [[issue]] line (two brackets)")
     return entries
+
+
+def _load_toml(text: str, path: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        found = re.search(r"at line (\d+)", str(exc))
+        raise BadKnownIssues(
+            path, int(found.group(1)) if found else None, f"not valid TOML: {exc}",
+            "correct the TOML syntax there: strings in double quotes, dotted condition names quoted "
+            "(\"device.arch\" = \"gfx950*\"), one [[issue]] header per entry",
+        ) from None
 
 
 def _key_line(lines: list[str], key: str, start: int = 1, end: int | None = None) -> int:

@@ -169,8 +169,31 @@ def collect(
     keep their lane against references recorded before it was read)."""
     import torch
 
+    return {
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            **{dist: installed_version(dist) for dist in ("transformers", "peft", "accelerate", "safetensors", "numpy")},
+            "pytest_gpuregress": installed_version("pytest-gpuregress"),
+        },
+        "device": {**_device_section(torch, device_kind),
+                   **({"cpu_bf16": cpu_bf16()} if bf16 and device_kind == "cpu" else {})},
+        "numerics": _numerics_section(torch, determinism or {}),
+        "comm": {
+            "backend": backend,
+            "world_size": world_size,
+            "nccl_version": _nccl_version(torch),
+            "rccl": bool(getattr(torch.version, "hip", None)),
+            "env": comm_env(),
+        },
+        "packages": installed_packages(),
+    }
+
+
+def _numerics_section(torch: Any, determinism: dict[str, Any]) -> dict[str, Any]:
+    """The process-wide switches that pick kernels and precision, and what set_determinism set."""
     matmul = torch.backends.cuda.matmul
-    numerics: dict[str, Any] = {
+    return {
         "blas": _blas_info(torch),
         "sdpa_backends": _sdpa_backends(torch),
         "tf32_matmul": bool(getattr(matmul, "allow_tf32", False)),
@@ -183,27 +206,7 @@ def collect(
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         "num_threads": torch.get_num_threads(),
-    }
-    if determinism:
-        numerics.update({f"determinism.{k}": v for k, v in determinism.items()})
-    return {
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            **{dist: installed_version(dist) for dist in ("transformers", "peft", "accelerate", "safetensors", "numpy")},
-            "pytest_gpuregress": installed_version("pytest-gpuregress"),
-        },
-        "device": {**_device_section(torch, device_kind),
-                   **({"cpu_bf16": cpu_bf16()} if bf16 and device_kind == "cpu" else {})},
-        "numerics": numerics,
-        "comm": {
-            "backend": backend,
-            "world_size": world_size,
-            "nccl_version": _nccl_version(torch),
-            "rccl": bool(getattr(torch.version, "hip", None)),
-            "env": comm_env(),
-        },
-        "packages": installed_packages(),
+        **{f"determinism.{k}": v for k, v in determinism.items()},
     }
 
 

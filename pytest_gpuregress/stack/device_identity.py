@@ -221,16 +221,20 @@ def probe(rank: int, local_rank: int, device_kind: str, torch: Any) -> dict[str,
 
         identity["model"] = _cpu_model()
         return identity
+    return {**identity, **_gpu_identity(local_rank, torch)}
+
+
+def _gpu_identity(local_rank: int, torch: Any) -> dict[str, Any]:
+    """The GPU's model and, from the vendor tool's row for it, its bus id, UUID, serial, index and firmware."""
     is_rocm = bool(getattr(torch.version, "hip", None))
     props = torch.cuda.get_device_properties(local_rank)
     own_uuid = str(getattr(props, "uuid", "") or "") or None
     own_bus = torch_bus_id(props)
     row, found_by = match(list(smi_devices(is_rocm)), own_uuid, own_bus, visible_index(local_rank))
     row = row or SmiDevice(-1)
-    identity.update(device=f"cuda:{local_rank}", model=props.name, bus_id=row.bus_id or own_bus,
-                    uuid=row.uuid or own_uuid, serial=row.serial, smi_index=None if row.index < 0 else row.index,
-                    firmware=row.firmware, found_by=found_by)
-    return identity
+    return dict(device=f"cuda:{local_rank}", model=props.name, bus_id=row.bus_id or own_bus,
+                uuid=row.uuid or own_uuid, serial=row.serial, smi_index=None if row.index < 0 else row.index,
+                firmware=row.firmware, found_by=found_by)
 
 
 def peer_links(identity: dict[str, Any]) -> dict[str, str]:

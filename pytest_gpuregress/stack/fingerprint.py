@@ -72,7 +72,9 @@ def _cpuinfo(field: str) -> str | None:
 
 def _cpu_model() -> str:
     model = _cpuinfo("model name")
-    return platform.processor() or platform.machine() if model is None else model
+    if model is None:  # not Linux
+        return platform.processor() or platform.machine()
+    return model
 
 
 def cpu_bf16() -> str:

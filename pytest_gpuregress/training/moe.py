@@ -23,9 +23,9 @@ def _field(config: Any, key: str) -> Any:
     return getattr(config, key, None)
 
 
-def num_experts(config: Any) -> int:
-    """The number of routed experts per MoE layer (0 for a dense model)."""
-    for key in _EXPERT_FIELDS:
+def num_experts(config: Any, fields: tuple[str, ...] = _EXPERT_FIELDS) -> int:
+    """The number of routed experts per MoE layer (0 for a dense model): the first of ``fields`` that holds one."""
+    for key in fields:
         value = _field(config, key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value

@@ -98,12 +98,9 @@ def is_projection(module: Any) -> bool:
 
 def expert_count(model: Any) -> int | None:
     """The number of routed experts the model's config declares, or None for a dense model."""
-    config = getattr(model, "config", None)
-    for field in EXPERT_COUNT_FIELDS:
-        value = getattr(config, field, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    from .moe import num_experts
+
+    return num_experts(getattr(model, "config", None), EXPERT_COUNT_FIELDS) or None
 
 
 def is_router(module: Any, experts: int | None) -> bool:

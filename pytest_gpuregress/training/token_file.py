@@ -85,13 +85,8 @@ def describe_for(cfg: dict[str, Any], tokens: Path | None) -> dict[str, Any] | N
     if tokens is not None:  # several models may read one file: a refusal names whose vocabulary it missed
         return describe(tokens, vocab, seq_len, whose=f"model {cfg.get('model')!r}")
 
-    own = model.tokens
-    return None if own is None else describe_factory_tokens(str(cfg["model_factory"]), own, vocab, seq_len)
-
-
-def describe_factory_tokens(entry: str, stream: np.ndarray, vocab_size: int, seq_len: int) -> dict[str, Any]:
-    """The same for the token ids a model factory returns with its model (training/factory.py)."""
-    return {"factory": entry, **identity(stream, vocab_size, seq_len, entry, option="--gpuregress-model")}
+    own, entry = model.tokens, str(cfg["model_factory"])  # the ids a model factory returns (training/factory.py)
+    return None if own is None else {"factory": entry, **identity(own, vocab, seq_len, entry, option="--gpuregress-model")}
 
 
 def identity(stream: np.ndarray, vocab_size: int, seq_len: int, where: object,

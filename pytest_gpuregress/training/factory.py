@@ -50,9 +50,26 @@ def resolve(entry: str) -> Any:
     return factory
 
 
+@dataclass(frozen=True)
+class Facts:
+    """What a factory's model is, from one sizing call: the fields the scenarios read of a transformers config
+    (the same names, so one code path serves both), and its identity."""
+
+    vocab_size: int
+    num_hidden_layers: int
+    # The longest inner product a weight matrix takes part in (its last dimension): what the float32 error bounds
+    # (checkpoint/portable.py) read a config's hidden and intermediate sizes for.
+    hidden_size: int
+    returns_tokens: bool
+    digest: str  # of its structure: parameter names, shapes, dtypes and module classes
+    parameters: int
+    module_names: frozenset[str]
+    projections: Any  # a BlockProjections (training/projections.py): the LoRA targets
+
+
 def _fact(name: str) -> Any:
-    """A read-only attribute of a FactoryModel: one of its facts (computed once, by ``_facts``)."""
-    return property(lambda self: self._facts[name])
+    """A read-only attribute of a FactoryModel: one of its ``Facts`` (computed once)."""
+    return property(lambda self: getattr(self._facts, name))
 
 
 @dataclass(frozen=True)
@@ -112,7 +129,7 @@ class FactoryModel:
             return self._call("cpu")
 
     @functools.cached_property
-    def _facts(self) -> dict[str, Any]:
+    def _facts(self) -> Facts:
         """What the model is, from one sizing call of the factory; BadModel where the scenarios cannot train it."""
         from .fsdp2 import decoder_layers
         from .projections import survey
@@ -126,12 +143,12 @@ class FactoryModel:
         self._check_trainable(model)
         structure = [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()]
         classes = sorted({type(m).__name__ for m in model.modules()})
-        return {"vocab_size": vocab, "num_hidden_layers": layers, "returns_tokens": extra is not None,
-                "digest": hashlib.sha256(json.dumps([structure, classes]).encode()).hexdigest()[:12],
-                "parameters": sum(p.numel() for p in model.parameters()),
-                "hidden_size": max((int(p.shape[-1]) for p in model.parameters() if p.ndim >= 2), default=1),
-                "module_names": frozenset(n for n, _ in model.named_modules() if n),
-                "projections": survey(model)}
+        return Facts(vocab_size=vocab, num_hidden_layers=layers,
+                     hidden_size=max((int(p.shape[-1]) for p in model.parameters() if p.ndim >= 2), default=1),
+                     returns_tokens=extra is not None,
+                     digest=hashlib.sha256(json.dumps([structure, classes]).encode()).hexdigest()[:12],
+                     parameters=sum(p.numel() for p in model.parameters()),
+                     module_names=frozenset(n for n, _ in model.named_modules() if n), projections=survey(model))
 
     def _vocab_size(self, model: Any) -> int:
         vocab = getattr(getattr(model, "config", None), "vocab_size", None) or getattr(model, "vocab_size", None)
@@ -158,7 +175,7 @@ class FactoryModel:
         made only for a factory that returns them."""
         import torch
 
-        if not self._facts["returns_tokens"]:
+        if not self._facts.returns_tokens:
             return None
         ids = self._call("cpu")[1]
         try:
@@ -171,11 +188,9 @@ class FactoryModel:
                            "return non-negative integer token ids with the model")
         return values.reshape(-1).astype(np.int64)
 
-    # What the scenarios read of a transformers config; the same names, so one code path serves both.
+    # What the scenarios read of a transformers config (Facts says what each is).
     vocab_size = _fact("vocab_size")
     num_hidden_layers = _fact("num_hidden_layers")
-    # The longest inner product a weight matrix takes part in (its last dimension): what the float32 error bounds
-    # (checkpoint/portable.py) read a config's hidden and intermediate sizes for.
     hidden_size = _fact("hidden_size")
     dtype = None  # the factory's model is trained in fp32 like every other
 
@@ -186,7 +201,7 @@ class FactoryModel:
     digest = _fact("digest")
     parameters = _fact("parameters")
     module_names = _fact("module_names")
-    projections = _fact("projections")  # a BlockProjections (training/projections.py): the LoRA targets
+    projections = _fact("projections")
 
 
 def factory_model(entry: str) -> FactoryModel:

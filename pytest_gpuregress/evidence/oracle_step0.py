@@ -17,7 +17,7 @@ from . import step0
 
 RESULT_KEY = "oracle_step0"  # in RunRecord.results: {"loss": float, "grads": {name: [sum, sum |x|, max |x|]},
 #                                                   "mode": {"mode": ..., "not_float64": [...]}}
-MODE_KEY = "oracle_mode"  # in an oracle's own record: which oracle it computed (training/float64_mode.py)
+MODE_KEY = "oracle_mode"  # in an oracle's own record: which oracle it computed (training/oracle.py MODE)
 # float64 step 0 moves ~1e-15 with the kernels; a library change that alters the math moves it past 1e-6 (an
 # RMSNorm epsilon of 1e-5 for 1e-6 moves it 5e-6). The oracle's gradients are kept in float32: 6e-8 per element.
 CODE_CHANGE = 1e-6

@@ -62,17 +62,18 @@ class StepResult:
     batch_digest: float | None = None  # the sum of the ranks' token-batch digests (training/step.py); None: unknown
 
 
-def take_step(parts: TrainStep, step: int, world_size: int, device: Any, ctx: Any = None) -> StepResult:
-    """One optimizer step. *Collective*: clipping and the all-reduce of the step's figures."""
+def take_step(parts: TrainStep, step: int, ctx: Any) -> StepResult:
+    """One optimizer step on the rank ``ctx`` describes. *Collective*: clipping and the all-reduce of the step's
+    figures."""
     import torch
     import torch.distributed as dist
 
+    world_size, device = ctx.world_size, ctx.device
     trace = at_step(parts.op_trace, step)  # step 0's tracer; later steps: one that traces nothing
-    if ctx is not None:
-        ctx.batch_digest = None
+    ctx.batch_digest = None
     with trace.phase("forward"):
         loss = parts.loss(step)
-    read = getattr(ctx, "batch_digest", None)  # the batch the forward read, where it came through rank_tokens
+    read = ctx.batch_digest  # the batch the forward read, where it came through rank_tokens
     with trace.phase("backward"):
         parts.backward(loss)
     squares = squared_norms(parts.tracked, world_size, device)
@@ -144,7 +145,7 @@ def train(ctx: Any, parts: TrainStep, steps: Iterable[int], *, observer: StepObs
             for step in steps:
                 ctx.current_step = step  # what a fault that starts late reads (RankContext.current_step)
                 with observer.step(step) if observer is not None else nullcontext():
-                    result = take_step(parts, step, ctx.world_size, ctx.device, ctx)
+                    result = take_step(parts, step, ctx)
                 curves.add(result)
                 metrics = {"loss": result.loss, "grad_norm": result.grad_norm} if report_metrics else {}
                 if ctx.step_done(step, **metrics) and stop_when_told:

@@ -7,7 +7,7 @@ a median, because a shared CI machine stalls a step now and then.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -189,19 +189,29 @@ def merge_ranks(records: list[Any]) -> dict[str, Any]:
     """Results of every rank folded into rank 0's: the largest peak memory, every rank's host ops, and every
     rank's kernels (a rank on another build, or with a fault of its own, must show in the inventory)."""
     merged: dict[str, Any] = {}
-    inventories = [r.results["kernels"] for r in records if "kernels" in r.results]
-    if inventories:
-        union: dict[str, dict[str, Any]] = {}
-        for inventory in inventories:
-            add_inventory(union, inventory, calls=max)
-        merged["kernels"] = dict(sorted(union.items()))
-    perfs = [r.results["perf"] for r in records if "perf" in r.results]
-    if perfs:
-        merged["perf"] = {**perfs[0], "peak_memory_bytes": max(p["peak_memory_bytes"] for p in perfs)}
-    hosts = [r.results["host_ops"] for r in records if "host_ops" in r.results]
-    if hosts:
-        ops: dict[str, Any] = {}
-        for host in hosts:
-            add_host_ops(ops, host["ops"])
-        merged["host_ops"] = {"accelerator": hosts[0]["accelerator"], "ops": ops}
+    for key, merge in _MERGES.items():
+        found = [r.results[key] for r in records if key in r.results]
+        if found:
+            merged[key] = merge(found)
     return merged
+
+
+def _merged_kernels(inventories: list[dict[str, Any]]) -> dict[str, Any]:
+    union: dict[str, dict[str, Any]] = {}
+    for inventory in inventories:
+        add_inventory(union, inventory, calls=max)
+    return dict(sorted(union.items()))
+
+
+def _merged_host_ops(hosts: list[dict[str, Any]]) -> dict[str, Any]:
+    ops: dict[str, Any] = {}
+    for host in hosts:
+        add_host_ops(ops, host["ops"])
+    return {"accelerator": hosts[0]["accelerator"], "ops": ops}
+
+
+_MERGES: dict[str, Callable[[list[Any]], dict[str, Any]]] = {
+    "kernels": _merged_kernels,
+    "perf": lambda perfs: {**perfs[0], "peak_memory_bytes": max(p["peak_memory_bytes"] for p in perfs)},
+    "host_ops": _merged_host_ops,
+}

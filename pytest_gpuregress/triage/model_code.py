@@ -13,7 +13,7 @@ from ..evidence import oracle_step0
 from ..evidence.model_layout import MODEL_LIBRARIES
 from ..evidence.oracle_step0 import CODE_CHANGE, CodeChange
 from ..reference.record import RunRecord
-from ..training.float64_mode import MODE
+from ..training.oracle import MODE
 from . import Experiment, Runner
 from .decision import MODEL_CODE, Evidence
 from .naming import op_component

@@ -23,7 +23,7 @@ from pytest_gpuregress.scenarios.formats import scaled_mm
 from pytest_gpuregress.stack import fingerprint as fp
 from pytest_gpuregress.stack.platforms import resolve_platform
 from pytest_gpuregress.training import model_specs, noise
-from pytest_gpuregress.training.switches import apply_switches
+from pytest_gpuregress.training.noise import apply_switches
 from pytest_gpuregress.triage.flips import switches
 
 from ..conftest import make_record

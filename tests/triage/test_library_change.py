@@ -165,9 +165,9 @@ def test_the_float64_oracle_is_float64_throughout_and_says_so() -> None:
     ``.float()``: the oracle turns those into float64 and lists any op that still was not."""
     import torch
 
-    from pytest_gpuregress.training.float64_mode import float64_throughout
     from pytest_gpuregress.training.models import blueprint, build_causal_lm
     from pytest_gpuregress.training.moe import in_float64
+    from pytest_gpuregress.training.oracle import float64_throughout
 
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
     def step0(throughout: bool) -> float:

@@ -17,9 +17,8 @@ from ...training.fsdp2 import RESULT_KEY
 from ...training.loop import train_observed, training_record
 from ...training.models import build_causal_lm
 from ...training.moe import is_moe, mean_expert_load
-from ...training.noise import apply_kernel_path, apply_weight_perturbation
+from ...training.noise import apply_kernel_path, apply_switches, apply_weight_perturbation
 from ...training.step import rank_tokens
-from ...training.switches import apply_switches
 from ..base import RankContext
 from ..shared.gradient_capture import capture
 from ..shared.resume_roles import Roles

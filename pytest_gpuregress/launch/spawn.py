@@ -169,8 +169,11 @@ class SpawnLauncher:
         if self.pool is not None and self.owns_pool:
             self.pool.close()
 
+    def _pooled(self, job: Job) -> bool:
+        return self.pool is not None and not job.fresh_ranks
+
     def _group_for(self, job: Job) -> RankGroup:
-        if self.pool is not None and not job.fresh_ranks:
+        if self._pooled(job):
             before = self.pool.started
             group = self.pool.acquire(job)
             self.groups_started += self.pool.started - before
@@ -188,23 +191,10 @@ class SpawnLauncher:
         started, since = time.monotonic(), time.time()
         group.submit(job_path)
         outcomes: list[RankOutcome] = []
-        sticky: dict[int, str] = {}
         try:
             outcomes, notes = self._watch(job, group, started + wall_timeout_s)
         finally:
-            clean = len(outcomes) == job.world_size and all(
-                o.status == "delivered" and RankFiles(run_dir, o.rank).released.exists() and o.returncode is None
-                for o in outcomes
-            )
-            # A rank whose device context is broken would fail the next job with an error that is not its own.
-            sticky = sticky_ranks(run_dir, job.world_size)
-            clean = clean and not sticky
-            if clean and self.pool is not None and not job.fresh_ranks:
-                self.pool.release(group)
-            elif clean:
-                group.close()
-            else:  # a rank that failed, hung or did not release: the next job gets a fresh group
-                group.kill()
+            sticky = self._give_back(job, group, outcomes)
         wall = time.monotonic() - started
         retired = "; ".join(f"rank {r}: {what}" for r, what in sorted(sticky.items()))
         failed = [o for o in outcomes if o.status != "delivered"]
@@ -221,6 +211,23 @@ class SpawnLauncher:
             shutil.rmtree(run_dir, ignore_errors=True)
         return LaunchResult(records=records, outcomes=outcomes, notes=notes, wall_s=wall)
 
+    def _give_back(self, job: Job, group: RankGroup, outcomes: list[RankOutcome]) -> dict[int, str]:
+        """Keep (or close) a group whose every rank delivered and released; kill any other, so the next job gets a
+        fresh group. The ranks with a sticky device error, which would fail the next job with an error not its own."""
+        run_dir = Path(job.run_dir)
+        sticky = sticky_ranks(run_dir, job.world_size)
+        clean = not sticky and len(outcomes) == job.world_size and all(
+            o.status == "delivered" and RankFiles(run_dir, o.rank).released.exists() and o.returncode is None
+            for o in outcomes
+        )
+        if not clean:  # a rank that failed, hung or did not release
+            group.kill()
+        elif self._pooled(job):
+            self.pool.release(group)
+        else:
+            group.close()
+        return sticky
+
     def _watch(self, job: Job, group: RankGroup, deadline: float) -> tuple[list[RankOutcome], list[str]]:
         """Wait for the ranks, then say what became of each: delivered, raised, hung, stopped or died."""
         files = [RankFiles(Path(job.run_dir), r) for r in range(job.world_size)]
@@ -236,25 +243,14 @@ class SpawnLauncher:
     def _wait(self, job: Job, procs: list[Rank], files: list[RankFiles], deadline: float) -> bool:
         """Until every rank is done (exited or released), a rank failed without delivering (after a grace), every
         rank delivered (after the teardown grace), or the deadline; True at the deadline. Shows progress."""
-        first_failure: float | None = None
-        all_delivered_at: float | None = None
+        since: dict[str, float] = {}  # when a rank first failed, when every rank had delivered
         shown, next_show = None, time.monotonic() + PROGRESS_EVERY_S
         while True:
             now = time.monotonic()
             if self.on_progress is not None and now >= next_show:
                 shown, next_show = self._show_progress(job, files[0], shown), now + PROGRESS_EVERY_S
-            codes = [p.poll() for p in procs]
-            delivered = [f.done.exists() for f in files]
-            if all(c is not None or f.released.exists() for c, f in zip(codes, files)):
+            if _settled(procs, files, since, now):
                 return False
-            if any(c not in (None, 0) and not d for c, d in zip(codes, delivered)):
-                first_failure = first_failure or now
-                if now - first_failure > FAILURE_GRACE_S:
-                    return False
-            if all(delivered):
-                all_delivered_at = all_delivered_at or now
-                if now - all_delivered_at > TEARDOWN_GRACE_S:
-                    return False
             if now > deadline:
                 return True
             time.sleep(POLL_S)
@@ -302,6 +298,24 @@ class SpawnLauncher:
         return f"{head}\nlogs: {job.run_dir}\n\n{body}"
 
 
+def _settled(procs: list[Rank], files: list[RankFiles], since: dict[str, float], now: float) -> bool:
+    """Whether the ranks are done with the job: every one exited or released; or one failed without delivering,
+    FAILURE_GRACE_S ago (its peers report their own errors meanwhile); or every one delivered, TEARDOWN_GRACE_S
+    ago. ``since`` keeps when each grace began."""
+    codes = [p.poll() for p in procs]
+    delivered = [f.done.exists() for f in files]
+    if all(c is not None or f.released.exists() for c, f in zip(codes, files)):
+        return True
+    failed = any(c not in (None, 0) and not d for c, d in zip(codes, delivered))
+    return _past(since, "failure", failed, now, FAILURE_GRACE_S) or \
+        _past(since, "teardown", all(delivered), now, TEARDOWN_GRACE_S)
+
+
+def _past(since: dict[str, float], what: str, began: bool, now: float, grace: float) -> bool:
+    """Whether ``what`` began (``since`` keeps when it first did) more than ``grace`` seconds ago."""
+    return began and now - since.setdefault(what, now) > grace
+
+
 def _ask_for_stacks(procs: list[Rank], files: list[RankFiles]) -> None:
     """Ask ranks that are still working for their Python stacks before they are killed."""
     pending = [p for p, f in zip(procs, files) if p.poll() is None and not f.done.exists()]
@@ -321,11 +335,7 @@ def _outcome(rank: int, proc: Rank, files: RankFiles, group: RankGroup, timed_ou
     outcome = RankOutcome(rank=rank, status="", returncode=code, last_progress=files.last_progress())
     if files.done.exists():
         outcome.status = "delivered"
-        if code is None and not files.released.exists():
-            notes.append(f"rank {rank} delivered its results but had not finished teardown; killed")
-        elif code not in (None, 0):
-            notes.append(f"rank {rank} delivered its results, then exited with {outcome.signal_name or code} during "
-                         "teardown (ignored)")
+        notes.extend(filter(None, [_teardown_note(outcome, files)]))
     elif files.error.exists():
         outcome.status = "raised"
         outcome.error = json.loads(files.error.read_text())
@@ -336,3 +346,13 @@ def _outcome(rank: int, proc: Rank, files: RankFiles, group: RankGroup, timed_ou
         outcome.status = "died"
     outcome.log_tail = _tail(files.log) or _tail(group.startup_log(rank))
     return outcome
+
+
+def _teardown_note(outcome: RankOutcome, files: RankFiles) -> str | None:
+    """What a rank that delivered did wrong in teardown (the launcher goes on without it), if anything."""
+    if outcome.returncode is None and not files.released.exists():
+        return f"rank {outcome.rank} delivered its results but had not finished teardown; killed"
+    if outcome.returncode not in (None, 0):
+        return (f"rank {outcome.rank} delivered its results, then exited with "
+                f"{outcome.signal_name or outcome.returncode} during teardown (ignored)")
+    return None

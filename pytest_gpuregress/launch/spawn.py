@@ -14,6 +14,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -54,7 +55,7 @@ class RankOutcome:
 
     def describe(self) -> str:
         where = f"last progress: {self.last_progress or 'none (died before the scenario started)'}"
-        if self.status == "raised" and self.error:
+        if self.status == "raised":
             return f"rank {self.rank} raised {self.error['type']} ({where})\n{self.error['traceback']}"
         if self.status in ("hung", "stopped"):
             stack = _main_thread_stack(self.stack) or "(no stack dumped)"
@@ -123,13 +124,7 @@ def sticky_ranks(run_dir: Path, world_size: int) -> dict[int, str]:
     found: dict[int, str] = {}
     for rank in range(world_size):
         files = RankFiles(run_dir, rank)
-        texts = []
-        for path in (files.device_error, files.error, files.record_dir / RECORD_JSON):
-            try:
-                texts.append(path.read_text(errors="replace"))
-            except OSError:
-                continue
-        what = device_errors.first_sticky(texts)
+        what = device_errors.first_sticky(_read(p) for p in (files.device_error, files.error, files.record_dir / RECORD_JSON))
         if what is None and files.device_error.exists():
             what = "device unusable after the job"  # the worker's synchronize failed with another error
         if what is not None:
@@ -137,12 +132,16 @@ def sticky_ranks(run_dir: Path, world_size: int) -> dict[int, str]:
     return found
 
 
-def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+def _read(path: Path) -> str:
+    """The file's text, "" where there is none."""
     try:
-        text = path.read_text(errors="replace").splitlines()
+        return path.read_text(errors="replace")
     except OSError:
         return ""
-    return "\n".join(text[-lines:])
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    return "\n".join(_read(path).splitlines()[-lines:])
 
 
 class SpawnLauncher:
@@ -261,8 +260,7 @@ class SpawnLauncher:
         prefix = torch_trace.arm(Path(job.run_dir), job.backend, rank_environment(job))
         if not prefix:
             return
-        torch_trace.request_dumps(Path(job.run_dir), prefix, lambda: [
-            r for r, (p, f) in enumerate(zip(procs, files)) if p.poll() is None and not f.done.exists()])
+        torch_trace.request_dumps(Path(job.run_dir), prefix, lambda: _working(procs, files))
 
     def _show_progress(self, job: Job, files: RankFiles, shown: str | None) -> str | None:
         line = files.last_progress()
@@ -272,30 +270,24 @@ class SpawnLauncher:
         return line
 
     def _failure_message(
-        self, job: Job, outcomes: list[RankOutcome], failed: list[RankOutcome], wall_timeout_s: float,
-        since: float = 0.0,
+        self, job: Job, outcomes: list[RankOutcome], failed: list[RankOutcome], wall_timeout_s: float, since: float,
     ) -> str:
-        hung = [o for o in failed if o.status == "hung"]
-        head = (
-            f"scenario {job.scenario!r} on {job.world_size} {job.backend} ranks: "
-            + ", ".join(f"rank {o.rank} {o.status}" for o in outcomes)
-        )
+        run_dir = Path(job.run_dir)
+        hung = any(o.status == "hung" for o in failed)
+        head = f"scenario {job.scenario!r} on {job.world_size} {job.backend} ranks: " + ", ".join(
+            f"rank {o.rank} {o.status}" for o in outcomes)
         if hung:
             head += f" (time limit {wall_timeout_s:.0f}s, --gpuregress-timeout)"
-            run_dir = Path(job.run_dir)
-            states = {o.rank: flight.read(RankFiles(run_dir, o.rank).flight, o.rank) for o in outcomes}
-            waits = flight.diagnose(states, {o.rank: o.last_progress for o in outcomes})
-            if waits:
-                head += f"\n{waits}"
+        # A hang: the collective each rank is in (our flight recorder), and whom the others wait for.
+        waits = flight.diagnose({o.rank: flight.read(RankFiles(run_dir, o.rank).flight, o.rank) for o in outcomes},
+                                {o.rank: o.last_progress for o in outcomes}) if hung else None
         # NCCL/RCCL: what torch's recorder saw (dumped on request or by its watchdog), DTensor's collectives included.
-        dumps = torch_trace.report(torch_trace.arm(Path(job.run_dir), job.backend, rank_environment(job)),
-                                   job.world_size, Path(job.run_dir), since)
-        if dumps:
-            head += f"\n{dumps}"
+        dumps = torch_trace.report(torch_trace.arm(run_dir, job.backend, rank_environment(job)), job.world_size,
+                                   run_dir, since)
         # The root cause first: a rank that raised or died, before peers that only noticed it.
         order = {"raised": 0, "died": 1, "hung": 2, "stopped": 3}
         body = "\n\n".join(o.describe() for o in sorted(failed, key=lambda o: (order[o.status], o.rank)))
-        return f"{head}\nlogs: {job.run_dir}\n\n{body}"
+        return "\n".join(filter(None, [head, waits, dumps, f"logs: {job.run_dir}"])) + f"\n\n{body}"
 
 
 def _settled(procs: list[Rank], files: list[RankFiles], since: dict[str, float], now: float) -> bool:
@@ -318,14 +310,17 @@ def _past(since: dict[str, float], what: str, began: bool, now: float, grace: fl
 
 def _ask_for_stacks(procs: list[Rank], files: list[RankFiles]) -> None:
     """Ask ranks that are still working for their Python stacks before they are killed."""
-    pending = [p for p, f in zip(procs, files) if p.poll() is None and not f.done.exists()]
-    for proc in pending:
-        try:
-            os.kill(proc.pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
+    pending = _working(procs, files)
+    for rank in pending:
+        with suppress(ProcessLookupError):
+            os.kill(procs[rank].pid, signal.SIGUSR1)
     if pending:
         time.sleep(1.0)
+
+
+def _working(procs: list[Rank], files: list[RankFiles]) -> list[int]:
+    """The ranks still running that have not delivered."""
+    return [r for r, (p, f) in enumerate(zip(procs, files)) if p.poll() is None and not f.done.exists()]
 
 
 def _outcome(rank: int, proc: Rank, files: RankFiles, group: RankGroup, timed_out: bool,
@@ -341,7 +336,7 @@ def _outcome(rank: int, proc: Rank, files: RankFiles, group: RankGroup, timed_ou
         outcome.error = json.loads(files.error.read_text())
     elif code is None:
         outcome.status = "hung" if timed_out else "stopped"
-        outcome.stack = files.stack.read_text(errors="replace") if files.stack.exists() else None
+        outcome.stack = _read(files.stack) or None
     else:
         outcome.status = "died"
     outcome.log_tail = _tail(files.log) or _tail(group.startup_log(rank))

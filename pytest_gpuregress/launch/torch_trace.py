@@ -197,18 +197,17 @@ def serve_requests(run_dir: Path, rank: int, backend: str, cleanup_hooks: list[C
     return responder
 
 
-def request_dumps(run_dir: Path, prefix: str, live: Callable[[], list[int]], wait_s: float = REQUEST_WAIT_S,
-                  poll_s: float = REQUEST_POLL_S) -> list[int]:
-    """Ask the ranks of a hung launch for their dumps, and wait up to ``wait_s`` for each rank still in ``live()``
-    to write one; the live ranks that did not."""
+def request_dumps(run_dir: Path, prefix: str, live: Callable[[], list[int]]) -> list[int]:
+    """Ask the ranks of a hung launch for their dumps, and wait up to REQUEST_WAIT_S for each rank still in
+    ``live()`` to write one; the live ranks that did not."""
     asked = time.time()
     atomic.write_bytes(run_dir / REQUEST, f"{asked}\n".encode())
-    end = time.monotonic() + wait_s
+    end = time.monotonic() + REQUEST_WAIT_S
     while True:
         missing = [r for r in live() if not _fresh(Path(f"{prefix}{r}"), asked)]
         if not missing or time.monotonic() >= end:
             return missing
-        time.sleep(poll_s)
+        time.sleep(REQUEST_POLL_S)
 
 
 def read_dump(path: Path) -> dict[str, Any]:

@@ -242,13 +242,13 @@ class SpawnLauncher:
     def _wait(self, job: Job, procs: list[Rank], files: list[RankFiles], deadline: float) -> bool:
         """Until every rank is done (exited or released), a rank failed without delivering (after a grace), every
         rank delivered (after the teardown grace), or the deadline; True at the deadline. Shows progress."""
-        since: dict[str, float] = {}  # when a rank first failed, when every rank had delivered
+        began: dict[str, float] = {}  # when a rank first failed, when every rank had delivered
         shown, next_show = None, time.monotonic() + PROGRESS_EVERY_S
         while True:
             now = time.monotonic()
             if self.on_progress is not None and now >= next_show:
                 shown, next_show = self._show_progress(job, files[0], shown), now + PROGRESS_EVERY_S
-            if _settled(procs, files, since, now):
+            if _settled(procs, files, began, now):
                 return False
             if now > deadline:
                 return True
@@ -290,22 +290,22 @@ class SpawnLauncher:
         return "\n".join(filter(None, [head, waits, dumps, f"logs: {job.run_dir}"])) + f"\n\n{body}"
 
 
-def _settled(procs: list[Rank], files: list[RankFiles], since: dict[str, float], now: float) -> bool:
+def _settled(procs: list[Rank], files: list[RankFiles], began: dict[str, float], now: float) -> bool:
     """Whether the ranks are done with the job: every one exited or released; or one failed without delivering,
     FAILURE_GRACE_S ago (its peers report their own errors meanwhile); or every one delivered, TEARDOWN_GRACE_S
-    ago. ``since`` keeps when each grace began."""
+    ago. ``began`` keeps when each grace began."""
     codes = [p.poll() for p in procs]
     delivered = [f.done.exists() for f in files]
     if all(c is not None or f.released.exists() for c, f in zip(codes, files)):
         return True
     failed = any(c not in (None, 0) and not d for c, d in zip(codes, delivered))
-    return _past(since, "failure", failed, now, FAILURE_GRACE_S) or \
-        _past(since, "teardown", all(delivered), now, TEARDOWN_GRACE_S)
+    return _past(began, "failure", failed, now, FAILURE_GRACE_S) or \
+        _past(began, "teardown", all(delivered), now, TEARDOWN_GRACE_S)
 
 
-def _past(since: dict[str, float], what: str, began: bool, now: float, grace: float) -> bool:
-    """Whether ``what`` began (``since`` keeps when it first did) more than ``grace`` seconds ago."""
-    return began and now - since.setdefault(what, now) > grace
+def _past(began: dict[str, float], what: str, holds: bool, now: float, grace: float) -> bool:
+    """Whether ``what`` holds now and first held more than ``grace`` seconds ago (``began`` keeps when)."""
+    return holds and now - began.setdefault(what, now) > grace
 
 
 def _ask_for_stacks(procs: list[Rank], files: list[RankFiles]) -> None:

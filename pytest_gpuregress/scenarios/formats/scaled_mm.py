@@ -83,11 +83,6 @@ def classify(exc: BaseException, fmt: Format) -> str:
     return "error"
 
 
-def refuses_format(exc: BaseException, fmt: Format) -> bool:
-    """Whether ``exc`` is the kernel library turning the format down, rather than the call or the kernel failing."""
-    return classify(exc, fmt) == "refused"
-
-
 def check(dev: str, fmt: Format) -> dict[str, Any]:
     """Run _scaled_mm once and compare it with the oracle; worst error as a share of the bound.
 

@@ -57,14 +57,12 @@ def attribute(counts: dict[tuple[int, int], int], world: int) -> tuple[str, list
 
 def link_kind(identities: list[dict[str, Any] | None], sender: int, receiver: int, backend: str) -> str:
     """What carries ``sender``'s data to ``receiver``, as far as the ranks' identities tell."""
-    a = identities[sender] if sender < len(identities) else None
-    b = identities[receiver] if receiver < len(identities) else None
+    a, b = _identity(identities, sender), _identity(identities, receiver)
     if not a or not b:
         return f"{backend}, path unknown"
     same_node = a.get("host") == b.get("host") and a.get("node_rank") == b.get("node_rank")
     if a.get("device", "cpu") == "cpu":
-        span = "" if same_node else f" between {node_label(a)} and {node_label(b)}"
-        return f"{backend} over loopback{span}" if a.get("host") == b.get("host") else f"{backend} over the network{span}"
+        return _cpu_link(a, b, same_node, backend)
     if not same_node:
         return f"{backend} over the network between {node_label(a)} and {node_label(b)}"
     code = (a.get("links") or {}).get(str(b.get("smi_index")))
@@ -72,8 +70,17 @@ def link_kind(identities: list[dict[str, Any] | None], sender: int, receiver: in
                                                      "(the topology was not read)")
 
 
+def _cpu_link(a: dict[str, Any], b: dict[str, Any], same_node: bool, backend: str) -> str:
+    span = "" if same_node else f" between {node_label(a)} and {node_label(b)}"
+    return f"{backend} over loopback{span}" if a.get("host") == b.get("host") else f"{backend} over the network{span}"
+
+
+def _identity(identities: list[dict[str, Any] | None], rank: int) -> dict[str, Any] | None:
+    return identities[rank] if rank < len(identities) else None
+
+
 def _rank(identities: list[dict[str, Any] | None], rank: int) -> str:
-    identity = identities[rank] if rank < len(identities) else None
+    identity = _identity(identities, rank)
     return f"rank {rank}" + (f" ({node_label(identity)}, local {identity.get('local_rank')})" if identity else "")
 
 

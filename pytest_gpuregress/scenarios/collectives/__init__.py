@@ -104,10 +104,7 @@ class CollectivesScenario(CheckScenario):
         ]
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
-        merged = records[0]
-        merged.results["cases"] = plan.merge_rank_results([r.results["cases"] for r in records])
-        merged.results["identities"] = [r.results.pop("identity", None) for r in records]  # to name a wrong link
-        return merged
+        return links.merge_sweep(records, plan.merge_rank_results)
 
     def unsupported(self, case: Case, record: RunRecord, setup: Setup) -> str | None:
         result = record.results["cases"][case.id]

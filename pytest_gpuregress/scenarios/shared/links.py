@@ -7,10 +7,14 @@ consensus report. Torch-free.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ...findings import CheckFinding
 from ...stack.device_identity import describe_link_code, node_label
+
+if TYPE_CHECKING:
+    from ...reference.record import RunRecord
 
 ONE_SENDER_OPS = ("all_gather", "all_to_all", "broadcast")  # every output element comes from one known rank
 
@@ -24,6 +28,15 @@ def merge_link_results(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, d
             into["wrong"] += int(result.get("wrong", 0))
             for pair, count in (result.get("links") or {}).items():
                 into["links"][pair] = into["links"].get(pair, 0) + int(count)
+    return merged
+
+
+def merge_sweep(records: list[RunRecord], merge_cases: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> RunRecord:
+    """Rank 0's record of a sweep launch, its case results merged over the ranks by ``merge_cases``, and every
+    rank's identity, to name a wrong link by."""
+    merged = records[0]
+    merged.results["cases"] = merge_cases([r.results["cases"] for r in records])
+    merged.results["identities"] = [r.results.pop("identity", None) for r in records]
     return merged
 
 

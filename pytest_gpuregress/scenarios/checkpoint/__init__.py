@@ -149,12 +149,14 @@ def _arrays(reference: RunRecord, record: RunRecord) -> list[Finding]:
     if missing:
         out.append(Finding(ROUND_TRIP, f"{len(missing)} of the reference's {len(keys)} arrays are "
                            f"missing from this run, first {missing[0]} (its round trip failed: see above)"))
-    for key in (k for k in keys if k in record.arrays):
-        expected, got = reference.arrays[key], record.arrays[key]
-        if got.dtype != expected.dtype or got.shape != expected.shape or got.tobytes() != expected.tobytes():
-            out.append(Finding("checkpoint", f"{key}: {describe_difference(expected, got)} against the "
-                               "reference", tensor=key))
+    out += [Finding("checkpoint", f"{key}: {describe_difference(reference.arrays[key], record.arrays[key])} against "
+                    "the reference", tensor=key)
+            for key in keys if key in record.arrays and not _same_array(reference.arrays[key], record.arrays[key])]
     return out
+
+
+def _same_array(expected: Any, got: Any) -> bool:
+    return got.dtype == expected.dtype and got.shape == expected.shape and got.tobytes() == expected.tobytes()
 
 
 SCENARIO = CheckpointScenario()

@@ -85,30 +85,34 @@ def _shards_of(index: Path) -> list[Path]:
     return [index.parent / name for name in files]
 
 
-def read(path: Path) -> CheckpointFiles:
-    """The checkpoint at ``path``; CheckpointProblem naming the file and the fix when it cannot be read."""
-    path = Path(path)
-    out = CheckpointFiles(path)
+def _files_of(path: Path) -> tuple[list[Path], str]:
+    """The safetensors files of the checkpoint at ``path`` and the prefix of its names: one file, a bundle, an
+    index's shards, model.safetensors, or a folder's shards; CheckpointProblem for a pickle or nothing to read."""
     if path.is_file():
         if path.suffix in PICKLES:
             raise CheckpointProblem(path, None, "a pickle: this tool never unpickles (loading it could run code)",
                                     "convert it to safetensors on a machine you trust, then pass the .safetensors file")
-        _add(out, path)
-    elif (path / BUNDLE_TENSORS).is_file() and (path / "record.json").is_file():
-        out.prefix = BUNDLE_PREFIX
-        _add(out, path / BUNDLE_TENSORS, BUNDLE_PREFIX)
-    elif (path / INDEX).is_file():
-        for shard in _shards_of(path / INDEX):
-            _add(out, shard)
-    elif (path / SINGLE).is_file():
-        _add(out, path / SINGLE)
-    elif path.is_dir() and sorted(path.glob("*.safetensors")):
-        for shard in sorted(path.glob("*.safetensors")):
-            _add(out, shard)
-    else:
-        what = "no such file or folder" if not path.exists() else "no .safetensors file in this folder"
-        raise CheckpointProblem(path, None, what, "pass a .safetensors file, or a folder holding model.safetensors "
-                                "or the shards of model.safetensors.index.json")
+        return [path], ""
+    if (path / BUNDLE_TENSORS).is_file() and (path / "record.json").is_file():
+        return [path / BUNDLE_TENSORS], BUNDLE_PREFIX
+    if (path / INDEX).is_file():
+        return _shards_of(path / INDEX), ""
+    if (path / SINGLE).is_file():
+        return [path / SINGLE], ""
+    if path.is_dir() and sorted(path.glob("*.safetensors")):
+        return sorted(path.glob("*.safetensors")), ""
+    what = "no such file or folder" if not path.exists() else "no .safetensors file in this folder"
+    raise CheckpointProblem(path, None, what, "pass a .safetensors file, or a folder holding model.safetensors "
+                            "or the shards of model.safetensors.index.json")
+
+
+def read(path: Path) -> CheckpointFiles:
+    """The checkpoint at ``path``; CheckpointProblem naming the file and the fix when it cannot be read."""
+    path = Path(path)
+    files, prefix = _files_of(path)
+    out = CheckpointFiles(path, prefix=prefix)
+    for file in files:
+        _add(out, file, prefix)
     if not out.tensors:
         raise CheckpointProblem(path, None, "holds no tensors", "check the path: this is not a model checkpoint")
     return out

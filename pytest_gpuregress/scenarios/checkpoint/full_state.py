@@ -120,23 +120,25 @@ def roundtrip(state: dict[str, Any], trained: dict[str, np.ndarray], trained_log
 
 def check_file(saved: files.CheckpointFiles, trained: dict[str, np.ndarray], groups: list[list[str]]) -> list[str]:
     """The written file against the gathered tensors: every tie group once, whole, bit for bit."""
-    findings: list[str] = []
-    for group in groups:
-        present = [n for n in group if n in saved.tensors]
-        if not present:
-            tied = f" (tied: {' = '.join(group)}; none of these names is in the file)" if len(group) > 1 else ""
-            findings.append(f"{group[0]} is missing from the saved file{tied}")
-            continue
-        name = present[0]
-        got, expected = saved.tensors[name], trained[name]
-        if got.shape != expected.shape:
-            why = ""
-            if got.ndim and got.shape[1:] == expected.shape[1:] and got.shape[0] < expected.shape[0]:
-                why = ": the file holds one rank's shard, not the whole tensor"
-            findings.append(f"{name} saved with shape {list(got.shape)}, the model's is {list(expected.shape)}{why}")
-        elif got.tobytes() != expected.tobytes():
-            findings.append(f"{name} in the saved file: {portable.describe_difference(expected, got)}")
-    return findings
+    return [finding for group in groups if (finding := _saved_group(saved, trained, group))]
+
+
+def _saved_group(saved: files.CheckpointFiles, trained: dict[str, np.ndarray], group: list[str]) -> str | None:
+    """What is wrong with one tie group in the written file: missing, a shard's shape, other bits; None if nothing."""
+    present = [n for n in group if n in saved.tensors]
+    if not present:
+        tied = f" (tied: {' = '.join(group)}; none of these names is in the file)" if len(group) > 1 else ""
+        return f"{group[0]} is missing from the saved file{tied}"
+    name = present[0]
+    got, expected = saved.tensors[name], trained[name]
+    if got.shape != expected.shape:
+        why = ""
+        if got.ndim and got.shape[1:] == expected.shape[1:] and got.shape[0] < expected.shape[0]:
+            why = ": the file holds one rank's shard, not the whole tensor"
+        return f"{name} saved with shape {list(got.shape)}, the model's is {list(expected.shape)}{why}"
+    if got.tobytes() != expected.tobytes():
+        return f"{name} in the saved file: {portable.describe_difference(expected, got)}"
+    return None
 
 
 def check_ties(model: Any, groups: list[list[str]]) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -90,6 +90,15 @@ def match(ckpt: CheckpointFiles, model: Any, model_config: Any, config_label: st
     naming the file and the fix for a missing key, another architecture, a shape or dtype mismatch."""
     groups = tie_groups(model)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    _check_names(ckpt, groups, expected, model, model_config, config_label)
+    declared = config_dtype(model_config)
+    return {group[0]: _group_tensor(ckpt, group, expected, declared, config_label) for group in groups}
+
+
+def _check_names(ckpt: CheckpointFiles, groups: list[list[str]], expected: dict[str, tuple[int, ...]], model: Any,
+                 model_config: Any, config_label: str) -> None:
+    """CheckpointProblem where the file's names are not the model's: another architecture, a missing tensor (tie
+    group) or tensors the model does not have."""
     unexpected = sorted(set(ckpt.tensors) - set(expected))
     missing = [g for g in groups if not any(n in ckpt.tensors for n in g)]
     architecture = getattr(model_config, "architectures", None) or [type(model).__name__]
@@ -100,19 +109,21 @@ def match(ckpt: CheckpointFiles, model: Any, model_config: Any, config_label: st
                                 f"the config expects {_examples([g[0] for g in missing])})",
                                 "pass the config.json the checkpoint was saved with (--config)")
     if missing:
-        first = missing[0]
-        tied = f" (tied: {' = '.join(first)}; the file holds none of these names)" if len(first) > 1 else ""
-        raise CheckpointProblem(ckpt.path, first[0], f"missing: {config_label} builds a model with this tensor"
-                                f"{tied}; {len(missing)} of {len(groups)} tensors are missing "
-                                f"({_examples([g[0] for g in missing])})",
-                                "save the checkpoint again with every tensor (a tied weight must be stored under one "
-                                "of its names), or pass the config it was saved with")
+        _missing(ckpt, missing, len(groups), config_label)
     if unexpected:
         raise CheckpointProblem(ckpt.file_of(unexpected[0]), unexpected[0], f"{len(unexpected)} tensors that the model "
                                 f"{config_label} builds does not have ({_examples(unexpected)})",
                                 "pass the config.json the checkpoint was saved with (--config)")
-    declared = config_dtype(model_config)
-    return {group[0]: _group_tensor(ckpt, group, expected, declared, config_label) for group in groups}
+
+
+def _missing(ckpt: CheckpointFiles, missing: list[list[str]], groups: int, config_label: str) -> NoReturn:
+    first = missing[0]
+    tied = f" (tied: {' = '.join(first)}; the file holds none of these names)" if len(first) > 1 else ""
+    raise CheckpointProblem(ckpt.path, first[0], f"missing: {config_label} builds a model with this tensor"
+                            f"{tied}; {len(missing)} of {groups} tensors are missing "
+                            f"({_examples([g[0] for g in missing])})",
+                            "save the checkpoint again with every tensor (a tied weight must be stored under one "
+                            "of its names), or pass the config it was saved with")
 
 
 def _group_tensor(ckpt: CheckpointFiles, group: list[str], expected: dict[str, tuple[int, ...]], declared: Any,
@@ -127,6 +138,17 @@ def _group_tensor(ckpt: CheckpointFiles, group: list[str], expected: dict[str, t
         raise CheckpointProblem(ckpt.file_of(name), name, f"shape {list(values.shape)}, but {config_label} builds "
                                 f"{list(expected[name])} ({wrong} of {len(ckpt.tensors)} tensors differ in shape)",
                                 "pass the config.json the checkpoint was saved with (its sizes differ from this one's)")
+    _check_dtype(ckpt, name, tag, declared, config_label)
+    for other in present[1:]:
+        if ckpt.tensors[other].tobytes() != values.tobytes():
+            raise CheckpointProblem(ckpt.file_of(other), other, f"tied to {name!r} in {config_label}, but the file "
+                                    "stores two different tensors under the two names",
+                                    "save the checkpoint again from the tied model, or pass an untied config")
+    return values
+
+
+def _check_dtype(ckpt: CheckpointFiles, name: str, tag: str, declared: Any, config_label: str) -> None:
+    """CheckpointProblem where a weight is no float tensor, or not of the dtype the config declares."""
     if tag not in FLOAT_TAGS:
         raise CheckpointProblem(ckpt.file_of(name), name, f"dtype {tag}: a weight must be a float tensor",
                                 "export the checkpoint again with float weights")
@@ -134,12 +156,6 @@ def _group_tensor(ckpt: CheckpointFiles, group: list[str], expected: dict[str, t
         raise CheckpointProblem(ckpt.file_of(name), name, f"dtype {TORCH_NAMES[tag]} ({tag}), but {config_label} "
                                 f"says dtype {declared}",
                                 f"convert the checkpoint to {declared}, or set the config's dtype to {TORCH_NAMES[tag]}")
-    for other in present[1:]:
-        if ckpt.tensors[other].tobytes() != values.tobytes():
-            raise CheckpointProblem(ckpt.file_of(other), other, f"tied to {name!r} in {config_label}, but the file "
-                                    "stores two different tensors under the two names",
-                                    "save the checkpoint again from the tied model, or pass an untied config")
-    return values
 
 
 def stack_state(ckpt: CheckpointFiles) -> dict[str, Any]:

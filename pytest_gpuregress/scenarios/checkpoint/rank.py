@@ -141,16 +141,24 @@ def run_resume_first(ctx: RankContext) -> RunRecord:
     return _record(ctx, series={"loss": losses}, results={"folder": str(folder), "boundary": boundary})
 
 
-def run_resume_second(ctx: RankContext) -> RunRecord:
-    cfg = ctx.config
-    k, steps = plan.resume_at(cfg), int(cfg["steps"])
-    tr = trainer.build(cfg, ctx)
+def _loaded(ctx: RankContext, with_rng: bool) -> trainer.Trainer | RunRecord:
+    """A new trainer, its generators scrambled, loaded from the launch's folder; the record of the load's error
+    where it failed."""
+    tr = trainer.build(ctx.config, ctx)
     rng.scramble(SCRAMBLE_SEED + ctx.rank, ctx.device_kind)
     ctx.progress("loading")
     try:
-        trainer_io.load(tr, Path(cfg["folder"]), with_rng=True, device_kind=ctx.device_kind)
+        trainer_io.load(tr, Path(ctx.config["folder"]), with_rng=with_rng, device_kind=ctx.device_kind)
     except GpuRegressError as exc:
         return _record(ctx, results={"load_error": str(exc)})
+    return tr
+
+
+def run_resume_second(ctx: RankContext) -> RunRecord:
+    k, steps = plan.resume_at(ctx.config), int(ctx.config["steps"])
+    tr = _loaded(ctx, with_rng=True)
+    if isinstance(tr, RunRecord):
+        return tr
     boundary = state.boundary(tr, ctx.device_kind, ctx.rank)  # what step k is about to see
     losses = trainer.train(tr, range(k, steps), ctx).losses
     return _record(ctx, series={"loss": losses}, results={"boundary": boundary})
@@ -172,15 +180,11 @@ def run_sharded_save(ctx: RankContext) -> RunRecord:
 
 
 def run_sharded_load(ctx: RankContext) -> RunRecord:
-    cfg = ctx.config
-    tr = trainer.build(cfg, ctx)
-    rng.scramble(SCRAMBLE_SEED + ctx.rank, ctx.device_kind)
-    try:
-        # Generators are per rank: at another world size there is no rank to give them to.
-        trainer_io.load(tr, Path(cfg["folder"]), with_rng=False, device_kind=ctx.device_kind)
-    except GpuRegressError as exc:
-        return _record(ctx, results={"load_error": str(exc)})
-    return _record(ctx, results={"hashes": state.tensor_hashes(tr, _chunks(cfg))})
+    # Generators are per rank: at another world size there is no rank to give them to.
+    tr = _loaded(ctx, with_rng=False)
+    if isinstance(tr, RunRecord):
+        return tr
+    return _record(ctx, results={"hashes": state.tensor_hashes(tr, _chunks(ctx.config))})
 
 
 # --- portability -----------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Session side; ``plan.py`` plans and judges, ``rank.py`` runs. One launch per pro
 
 from __future__ import annotations
 
+from itertools import product
 from typing import Any
 
 from ... import activities as act
@@ -28,10 +29,9 @@ def protocol_groups(protos: list[str], algos: list[str], backend: str) -> dict[s
     if backend != "nccl" or not (protos or algos):
         return {"default": {}}
     groups: dict[str, dict[str, str]] = {}
-    for proto in protos or [""]:
-        for algo in algos or [""]:
-            label = "+".join(p for p in (proto, algo) if p)
-            groups[label] = {k: v for k, v in (("NCCL_PROTO", proto), ("NCCL_ALGO", algo)) if v}
+    for proto, algo in product(protos or [""], algos or [""]):
+        env = {k: v for k, v in (("NCCL_PROTO", proto), ("NCCL_ALGO", algo)) if v}
+        groups["+".join(env.values())] = env
     return groups
 
 
@@ -44,18 +44,22 @@ RCCL_LL128_VALIDATED = ("gfx90a", "gfx950")  # RCCL enables LL128 by default the
 
 def protocol_ran(label: str, record: RunRecord) -> str:
     """What can be said of the protocol a group of the sweep ran, from its record's fingerprint."""
-    env = {**(record.fingerprint.get("comm", {}).get("env") or {})}
-    rccl = bool(record.fingerprint.get("comm", {}).get("rccl"))
-    arch = str(record.fingerprint.get("device", {}).get("arch") or "")
+    comm = record.fingerprint.get("comm", {})
+    env = comm.get("env") or {}
     proto = env.get("NCCL_PROTO") or ("" if label == "default" else label.split("+")[0])
     if not proto:
         return "the library's own choice by size and topology (not reported back)"
-    if rccl and "LL128" in proto.split(",") and env.get(RCCL_LL128_FORCE) != "1" \
-            and not arch.startswith(RCCL_LL128_VALIDATED):
+    arch = str(record.fingerprint.get("device", {}).get("arch") or "")
+    if comm.get("rccl") and _ll128_needs_force(proto, env, arch):
         return (f"Simple, not {proto}: RCCL on {arch or 'this GPU'} runs LL128 only with {RCCL_LL128_FORCE}=1, so "
                 f"these are Simple's results; set it to test LL128")
     return f"{proto} as pinned by NCCL_PROTO (the library does not report it back; NCCL_DEBUG=INFO with " \
            f"NCCL_DEBUG_SUBSYS=TUNING logs each choice)"
+
+
+def _ll128_needs_force(proto: str, env: dict[str, str], arch: str) -> bool:
+    """RCCL was asked for LL128 on a GPU where it runs Simple instead unless forced."""
+    return "LL128" in proto.split(",") and env.get(RCCL_LL128_FORCE) != "1" and not arch.startswith(RCCL_LL128_VALIDATED)
 
 
 def exercised(op: str, dtype: str = "fp32") -> act.Exercises:
@@ -100,10 +104,7 @@ class CollectivesScenario(CheckScenario):
         ]
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
-        merged = records[0]
-        merged.results["cases"] = plan.merge_rank_results([r.results["cases"] for r in records])
-        merged.results["identities"] = [r.results.pop("identity", None) for r in records]  # to name a wrong link
-        return merged
+        return links.merge_sweep(records, plan.merge_rank_results)
 
     def unsupported(self, case: Case, record: RunRecord, setup: Setup) -> str | None:
         result = record.results["cases"][case.id]
@@ -137,24 +138,13 @@ class CollectivesScenario(CheckScenario):
         return {"bandwidth.txt": "\n".join(table) + "\n"}
 
     def summary(self, records: dict[str, RunRecord | None], setup: Setup) -> list[str]:
-        lines: list[str] = []
-        for protocol, record in records.items():
-            if record is None:
-                continue
-            cases, _ = _cases_and_results(record)
-            ran = f"; ran {protocol_ran(protocol, record)}" if setup.backend == "nccl" else ""
-            lines.append(f"protocol {protocol}: {len(cases)} cases on {setup.world_size} {setup.backend} ranks in "
-                         f"{record.timings.get('launch_wall_s', 0.0):.1f}s{ran}")
-            lines.append("  " + links.summary(record.results["cases"], record.results.get("identities", []),
-                                              setup.world_size, setup.backend))
-            lines += _lacking(record, setup)
+        ran = {protocol: record for protocol, record in records.items() if record is not None}
+        lines = [line for protocol, record in ran.items() for line in _launch_lines(protocol, record, setup)]
         if self.pinning_ignored(setup):
             lines.append(f"NCCL protocol/algorithm pinning does not apply to {setup.backend}: ran the default sweep once")
         lines += self.protocol_table(records, setup)
         dtype = "bf16" if setup.device_kind == "cuda" else "fp32"
-        for protocol, record in records.items():
-            if record is None:
-                continue
+        for protocol, record in ran.items():
             cases, results = _cases_and_results(record)
             rows = plan.bandwidth_table(cases, results, setup.world_size, dtype, protocol, op="all_reduce",
                                         reduce_op="sum")
@@ -166,20 +156,36 @@ class CollectivesScenario(CheckScenario):
 
     def protocol_table(self, records: dict[str, RunRecord | None], setup: Setup) -> list[str]:
         """Which protocol fails at which size band: counts of failing cases; 'did not run' for a failed launch."""
-        world = setup.world_size
         rows = []
         for protocol, record in records.items():
             if record is None:
                 rows.append(f"  {protocol:<14} did not run")
                 continue
-            counts = dict.fromkeys((label for _, label in SIZE_BANDS), 0)
-            cases, results = _cases_and_results(record)
-            for case in cases:
-                if plan.problem(case, results[case.id], world):
-                    counts[next(lbl for limit, lbl in SIZE_BANDS if case.nbytes(world) <= limit)] += 1
+            counts = _failing_by_band(record, setup.world_size)
             rows.append(f"  {protocol:<14} " + " ".join(f"{counts[lbl]:>9}" for _, lbl in SIZE_BANDS))
         return ["failing cases by protocol and size band:",
                 f"  {'protocol':<14} " + " ".join(f"{lbl:>9}" for _, lbl in SIZE_BANDS), *rows]
+
+
+def _launch_lines(protocol: str, record: RunRecord, setup: Setup) -> list[str]:
+    """One protocol group's launch: its cases, time and protocol, its links, the ops its backend lacks."""
+    cases, _ = _cases_and_results(record)
+    ran = f"; ran {protocol_ran(protocol, record)}" if setup.backend == "nccl" else ""
+    return [f"protocol {protocol}: {len(cases)} cases on {setup.world_size} {setup.backend} ranks in "
+            f"{record.timings.get('launch_wall_s', 0.0):.1f}s{ran}",
+            "  " + links.summary(record.results["cases"], record.results.get("identities", []),
+                                 setup.world_size, setup.backend),
+            *_lacking(record, setup)]
+
+
+def _failing_by_band(record: RunRecord, world: int) -> dict[str, int]:
+    """Size band label -> how many of the launch's cases fail in it."""
+    counts = dict.fromkeys((label for _, label in SIZE_BANDS), 0)
+    cases, results = _cases_and_results(record)
+    for case in cases:
+        if plan.problem(case, results[case.id], world):
+            counts[next(lbl for limit, lbl in SIZE_BANDS if case.nbytes(world) <= limit)] += 1
+    return counts
 
 
 def _torch_of(record: RunRecord) -> str:

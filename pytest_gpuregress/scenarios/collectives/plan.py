@@ -126,12 +126,8 @@ def supported(backend: str, op: str, reduce_op: str, dtype: str, emulated: tuple
     if dtype.startswith("fp8"):
         return backend == "nccl" and op in MOVE_ONLY
     if reduce_op == "premul_sum":
-        if "premul_sum" in emulated and op == "all_reduce":
-            return not is_int
-        return backend == "nccl" and not is_int
-    if reduce_op == "avg" and is_int:
-        return False
-    return True
+        return not is_int and (backend == "nccl" or ("premul_sum" in emulated and op == "all_reduce"))
+    return not (reduce_op == "avg" and is_int)
 
 
 def plan(backend: str, world: int, max_bytes: int, dtypes: list[str] | None = None,
@@ -318,21 +314,22 @@ def merge_rank_results(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, d
             into = merged.setdefault(case_id, {"wrong": 0, "tail_wrong": 0, "bad_repeats": 0, "repeats": 0,
                                                "first": None, "error": None, "time_s": 0.0, "nbytes": res["nbytes"],
                                                "case": res["case"]})
-            into["wrong"] += res["wrong"]
-            into["tail_wrong"] += res["tail_wrong"]
-            into["bad_repeats"] = max(into["bad_repeats"], res["bad_repeats"])
-            into["repeats"] = max(into["repeats"], res["repeats"])
-            into["time_s"] = max(into["time_s"], res["time_s"])  # the slowest rank sets the pace
-            for pair, count in res.get("links", {}).items():  # sender -> receiver: wrong elements (rank.py)
-                into.setdefault("links", {})[pair] = into.get("links", {}).get(pair, 0) + count
-            if res.get("first") and into["first"] is None:
-                into["first"] = {**res["first"], "rank": rank}
-            for said in ("error", "unsupported"):
-                if res.get(said) and into.get(said) is None:
-                    into[said] = f"rank {rank}: {res[said]}"
-            if res.get("cast_error") and into.get("cast_error") is None:
-                into["cast_error"] = f"rank {rank}: {res['cast_error']}"
+            _merge_rank(into, res, rank)
     return merged
+
+
+def _merge_rank(into: dict[str, Any], res: dict[str, Any], rank: int) -> None:
+    for key in ("wrong", "tail_wrong"):
+        into[key] += res[key]
+    for key in ("bad_repeats", "repeats", "time_s"):  # the slowest rank sets the pace
+        into[key] = max(into[key], res[key])
+    for pair, count in res.get("links", {}).items():  # sender -> receiver: wrong elements (rank.py)
+        into.setdefault("links", {})[pair] = into.get("links", {}).get(pair, 0) + count
+    if res.get("first") and into["first"] is None:
+        into["first"] = {**res["first"], "rank": rank}
+    for said in ("error", "unsupported", "cast_error"):
+        if res.get(said) and into.get(said) is None:
+            into[said] = f"rank {rank}: {res[said]}"
 
 
 def lacks_only(result: dict[str, Any]) -> bool:
@@ -373,18 +370,23 @@ def bandwidth_table(cases: list[Case], results: dict[str, dict[str, Any]], world
     ``dtype``, ``op`` and ``reduce_op`` narrow the rows; the header is always the first line."""
     lines = [f"  {'op':<28} {'size':>10} {'count':>10} {'type':>8} {'redop':>10} {'time(us)':>10} "
              f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>7}"]
+    wanted = {"protocol": protocol, "dtype": dtype, "op": op, "reduce_op": reduce_op}
     for case in cases:
-        if case.protocol != protocol or any(
-            want and have != want for want, have in ((dtype, case.dtype), (op, case.op), (reduce_op, case.reduce_op))
-        ):
-            continue
         res = results.get(case.id)
-        if res is None or res.get("error") or lacks_only(res):
-            continue
-        seconds = max(float(res["time_s"]), 1e-9)
-        algbw = case.nbytes(world) / seconds / 1e9
-        name = f"{case.op_label}{' inplace' if case.in_place else ''}"
-        lines.append(f"  {name:<28} {case.nbytes(world):>10} {case.n:>10} {case.dtype:>8} "
-                     f"{case.reduce_op or '-':>10} {seconds * 1e6:>10.1f} {algbw:>11.3f} "
-                     f"{algbw * case.bus_factor(world):>11.3f} {res['wrong']:>7}")
+        if _timed(res) and all(not want or getattr(case, key) == want for key, want in wanted.items()):
+            lines.append(_bandwidth_row(case, res, world))
     return lines
+
+
+def _timed(result: dict[str, Any] | None) -> bool:
+    """The case ran its collective to the end on every rank: its time means something."""
+    return result is not None and not result.get("error") and not lacks_only(result)
+
+
+def _bandwidth_row(case: Case, res: dict[str, Any], world: int) -> str:
+    seconds = max(float(res["time_s"]), 1e-9)
+    algbw = case.nbytes(world) / seconds / 1e9
+    name = f"{case.op_label}{' inplace' if case.in_place else ''}"
+    return (f"  {name:<28} {case.nbytes(world):>10} {case.n:>10} {case.dtype:>8} "
+            f"{case.reduce_op or '-':>10} {seconds * 1e6:>10.1f} {algbw:>11.3f} "
+            f"{algbw * case.bus_factor(world):>11.3f} {res['wrong']:>7}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import Any, get_args
 
 from ...errors import NotSupported
 from ...reference.record import RunRecord
@@ -84,66 +84,88 @@ def _expected_reduction(case: plan.Case, idx: Any, backend: str, world: int, sal
     return total
 
 
-def _prepare(case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> tuple[Any, Any, Any]:
-    """(call, output reader, expected) for one repeat of ``case`` on this rank."""
-    import torch.distributed as dist
+class _Buffers:
+    """One repeat of one case on this rank: its inputs, blank outputs and expected values, built as the case's
+    op needs them. Each op's method returns (call, output reader, expected)."""
 
-    dtype = getattr(torch, plan.DTYPES[case.dtype][1])
-    w, r, n, dev = ctx.world_size, ctx.rank, case.n, ctx.device
-    idx = torch.arange(n, dtype=torch.int64, device=dev)
+    def __init__(self, case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> None:
+        import torch.distributed as dist
 
-    def values(offset: int, rank: int) -> Any:
-        return _cast(plan.inputs_for(case, idx + offset, rank, w, salt, ctx.backend), dtype, torch, plan.unit(case.dtype))
+        self.case, self.ctx, self.salt, self.torch, self.dist = case, ctx, salt, torch, dist
+        self.dtype = getattr(torch, plan.DTYPES[case.dtype][1])
+        self.w, self.r, self.n = ctx.world_size, ctx.rank, case.n
+        self.idx = torch.arange(case.n, dtype=torch.int64, device=ctx.device)
 
-    def chunks(rank: int) -> list[Any]:
-        return [values(q * n, rank) for q in range(w)]
+    def values(self, offset: int, rank: int) -> Any:
+        case = self.case
+        return _cast(plan.inputs_for(case, self.idx + offset, rank, self.w, self.salt, self.ctx.backend), self.dtype,
+                     self.torch, plan.unit(case.dtype))
 
-    def blank(count: int) -> Any:
-        return torch.zeros(count, dtype=dtype, device=dev)  # 0 is never an expected value
+    def chunks(self, rank: int) -> list[Any]:
+        return [self.values(q * self.n, rank) for q in range(self.w)]
 
-    def reduce(op: str, a: Any, b: Any) -> Any:
-        return torch.maximum(a, b) if op == "max" else torch.minimum(a, b)
+    def blank(self, count: int) -> Any:
+        return self.torch.zeros(count, dtype=self.dtype, device=self.ctx.device)  # 0 is never an expected value
 
-    get_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    if case.op == "all_reduce":
-        t = values(0, r)
-        expected = _expected_reduction(case, idx, ctx.backend, w, salt, dtype, reduce, torch)
-        return (lambda: dist.all_reduce(t, op=_reduce_op(dist, case.reduce_op, w), async_op=True)), (lambda: t), expected
-    if case.op == "broadcast":
-        root = w - 1  # not rank 0, so a root mix-up shows
-        t = values(0, r)
-        return (lambda: dist.broadcast(t, src=root, async_op=True)), (lambda: t), values(0, root)
-    if case.op == "all_gather":
-        expected = torch.cat([values(0, q) for q in range(w)])
-        mine = values(0, r)
-        if case.variant == "list":
-            outs = [blank(n) for _ in range(w)]
-            return (lambda: dist.all_gather(outs, mine, async_op=True)), (lambda: torch.cat(outs)), expected
-        out = blank(w * n)
-        if case.in_place:
+    def reduce(self, op: str, a: Any, b: Any) -> Any:
+        return self.torch.maximum(a, b) if op == "max" else self.torch.minimum(a, b)
+
+    def reduced(self, offset: int) -> Any:
+        return _expected_reduction(self.case, self.idx + offset, self.ctx.backend, self.w, self.salt, self.dtype,
+                                   self.reduce, self.torch)
+
+    def all_reduce(self) -> tuple[Any, Any, Any]:
+        t = self.values(0, self.r)
+        expected = self.reduced(0)
+        return (lambda: self.dist.all_reduce(t, op=_reduce_op(self.dist, self.case.reduce_op, self.w), async_op=True)), \
+            (lambda: t), expected
+
+    def broadcast(self) -> tuple[Any, Any, Any]:
+        root = self.w - 1  # not rank 0, so a root mix-up shows
+        t = self.values(0, self.r)
+        return (lambda: self.dist.broadcast(t, src=root, async_op=True)), (lambda: t), self.values(0, root)
+
+    def all_gather(self) -> tuple[Any, Any, Any]:
+        w, r, n, dist = self.w, self.r, self.n, self.dist
+        expected = self.torch.cat([self.values(0, q) for q in range(w)])
+        mine = self.values(0, r)
+        if self.case.variant == "list":
+            outs = [self.blank(n) for _ in range(w)]
+            return (lambda: dist.all_gather(outs, mine, async_op=True)), (lambda: self.torch.cat(outs)), expected
+        out = self.blank(w * n)
+        if self.case.in_place:
             out[r * n : (r + 1) * n] = mine
             mine = out[r * n : (r + 1) * n]
+        get_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return (lambda: get_single(out, mine, async_op=True)), (lambda: out), expected
-    if case.op == "reduce_scatter":
-        op = _reduce_op(dist, case.reduce_op, w)
-        expected = _expected_reduction(case, idx + r * n, ctx.backend, w, salt, dtype, reduce, torch)
-        if case.variant == "list":
-            out = blank(n)
-            ins = chunks(r)
+
+    def reduce_scatter(self) -> tuple[Any, Any, Any]:
+        r, n, dist = self.r, self.n, self.dist
+        op = _reduce_op(dist, self.case.reduce_op, self.w)
+        expected = self.reduced(r * n)
+        if self.case.variant == "list":
+            out, ins = self.blank(n), self.chunks(r)
             return (lambda: dist.reduce_scatter(out, ins, op=op, async_op=True)), (lambda: out), expected
-        full = torch.cat(chunks(r))
-        out = full[r * n : (r + 1) * n] if case.in_place else blank(n)
+        full = self.torch.cat(self.chunks(r))
+        out = full[r * n : (r + 1) * n] if self.case.in_place else self.blank(n)
+        scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return (lambda: scatter_single(out, full, op=op, async_op=True)), (lambda: out), expected
-    if case.op == "all_to_all":
-        expected = torch.cat([values(r * n, s) for s in range(w)])
-        if case.variant == "list":
-            outs = [blank(n) for _ in range(w)]
-            ins = chunks(r)
-            return (lambda: dist.all_to_all(outs, ins, async_op=True)), (lambda: torch.cat(outs)), expected
-        out, full = blank(w * n), torch.cat(chunks(r))
+
+    def all_to_all(self) -> tuple[Any, Any, Any]:
+        w, r, n, dist = self.w, self.r, self.n, self.dist
+        expected = self.torch.cat([self.values(r * n, s) for s in range(w)])
+        if self.case.variant == "list":
+            outs, ins = [self.blank(n) for _ in range(w)], self.chunks(r)
+            return (lambda: dist.all_to_all(outs, ins, async_op=True)), (lambda: self.torch.cat(outs)), expected
+        out, full = self.blank(w * n), self.torch.cat(self.chunks(r))
         return (lambda: dist.all_to_all_single(out, full, async_op=True)), (lambda: out), expected
-    raise ValueError(f"unknown collective {case.op!r}")
+
+
+def _prepare(case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> tuple[Any, Any, Any]:
+    """(call, output reader, expected) for one repeat of ``case`` on this rank."""
+    if case.op not in get_args(plan.Op):
+        raise ValueError(f"unknown collective {case.op!r}")
+    return getattr(_Buffers(case, ctx, salt, torch), case.op)()
 
 
 def _wrong_by_sender(case: plan.Case, wrong: Any, world: int) -> dict[int, int]:
@@ -157,6 +179,39 @@ def _wrong_by_sender(case: plan.Case, wrong: Any, world: int) -> dict[int, int]:
     return {sender: int(count) for sender, count in enumerate(per_sender) if count}
 
 
+def _timed(call: Any, ctx: RankContext, torch: Any) -> float:
+    """Seconds ``call`` and the wait on its work took, the device synchronized either side."""
+    if ctx.device_kind == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    work = call()
+    if work is not None:
+        work.wait()
+    if ctx.device_kind == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _tally(result: dict[str, Any], case: plan.Case, ctx: RankContext, got: Any, expected: Any, salt: int,
+           torch: Any) -> None:
+    """Add one repeat's wrong elements (bit for bit) to ``result``: the count, by link, in the tail, the first."""
+    view = getattr(torch, _INT_VIEW[got.element_size()])
+    wrong = got.reshape(-1).view(view) != expected.reshape(-1).view(view)
+    count = int(wrong.sum())
+    if not count:
+        return
+    result["wrong"] += count
+    for sender, wrong_from in _wrong_by_sender(case, wrong, ctx.world_size).items():
+        pair = f"{sender}->{ctx.rank}"
+        result["links"][pair] = result["links"].get(pair, 0) + wrong_from
+    result["tail_wrong"] += int(wrong[-plan.TAIL :].sum())
+    result["bad_repeats"] += 1
+    if result["first"] is None:
+        i = int(wrong.nonzero()[0])
+        result["first"] = {"index": i, "expected": float(expected.reshape(-1)[i].float()),
+                           "got": float(got.reshape(-1)[i].float()), "repeat": salt}
+
+
 def _run_case(case: plan.Case, ctx: RankContext, repeats: int, torch: Any) -> dict[str, Any]:
     result: dict[str, Any] = {"case": case.to_json(), "nbytes": case.nbytes(ctx.world_size), "wrong": 0,
                               "tail_wrong": 0, "bad_repeats": 0, "repeats": repeats, "first": None,
@@ -165,15 +220,7 @@ def _run_case(case: plan.Case, ctx: RankContext, repeats: int, torch: Any) -> di
     for salt in range(repeats):
         try:
             call, read, expected = _prepare(case, ctx, salt, torch)
-            if ctx.device_kind == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            work = call()
-            if work is not None:
-                work.wait()
-            if ctx.device_kind == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+            times.append(_timed(call, ctx, torch))
             got = read()
         except CastMismatch as exc:  # what the case meant to send was never made: no collective to judge
             result["cast_error"] = str(exc)
@@ -183,20 +230,7 @@ def _run_case(case: plan.Case, ctx: RankContext, repeats: int, torch: Any) -> di
             said = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             result["unsupported" if NotSupported.backend_lacks(exc) else "error"] = said
             break
-        view = getattr(torch, _INT_VIEW[got.element_size()])
-        wrong = got.reshape(-1).view(view) != expected.reshape(-1).view(view)
-        count = int(wrong.sum())
-        if count:
-            result["wrong"] += count
-            for sender, wrong_from in _wrong_by_sender(case, wrong, ctx.world_size).items():
-                pair = f"{sender}->{ctx.rank}"
-                result["links"][pair] = result["links"].get(pair, 0) + wrong_from
-            result["tail_wrong"] += int(wrong[-plan.TAIL :].sum())
-            result["bad_repeats"] += 1
-            if result["first"] is None:
-                i = int(wrong.nonzero()[0])
-                result["first"] = {"index": i, "expected": float(expected.reshape(-1)[i].float()),
-                                   "got": float(got.reshape(-1)[i].float()), "repeat": salt}
+        _tally(result, case, ctx, got, expected, salt, torch)
     result["time_s"] = statistics.median(times) if times else 0.0
     return result
 

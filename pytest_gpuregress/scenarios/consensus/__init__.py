@@ -61,7 +61,7 @@ class ConsensusScenario(CheckScenario):
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
         if records[0].scenario == "collectives":  # the links launch runs the sweep's rank code
-            return merge_links(records)
+            return links.merge_sweep(records, links.merge_link_results)
         return merge_devices(records)
 
     def own_findings(self, case: Case, record: RunRecord, setup: Setup) -> list[Problem]:
@@ -114,14 +114,6 @@ def merge_devices(records: list[RunRecord]) -> RunRecord:
     merged.results["consensus"] = {"names": first.get("names", []), "kinds": first.get("kinds", []),
                                    "devices": devices}
     merged.arrays = {}  # every device's digests are in the JSON now
-    return merged
-
-
-def merge_links(records: list[RunRecord]) -> RunRecord:
-    """Rank 0's record with the per-link counts of every rank, and every rank's identity to name a link by."""
-    merged = records[0]
-    merged.results["cases"] = links.merge_link_results([r.results["cases"] for r in records])
-    merged.results["identities"] = [r.results.pop("identity", None) for r in records]
     return merged
 
 

@@ -144,14 +144,19 @@ def no_majority_message(vote: Vote, group: Group) -> str:
         difference = first_difference(devices[0], anchor)
         against = "" if difference is None else f"; differs from result 1 first at {difference_text(vote, difference)}"
         lines.append(f"  result {number} ({len(devices)} device{'s' if len(devices) > 1 else ''}): {who}{against}")
-    nodes = [{_node(d) for d in devices} for devices in group.results]
-    if len(nodes) > 1 and all(a.isdisjoint(b) for i, a in enumerate(nodes) for b in nodes[i + 1:]):
+    if _split_by_node(group):
         lines.append("  the split follows the nodes: each result comes from its own nodes, so suspect a node (a missed "
                      "update, firmware) rather than a device")
     lines.append("What to do: run on more devices of this model and stack (more nodes under torchrun or srun), or "
                  "compare each device with a stored reference (pytest --gpuregress on each node); then drain the "
                  f"node of the device that loses and rerun its diagnostics ({diagnostics(group.key)}).")
     return "\n".join(lines)
+
+
+def _split_by_node(group: Group) -> bool:
+    """Each of the group's results comes from nodes of its own."""
+    nodes = [{_node(d) for d in devices} for devices in group.results]
+    return len(nodes) > 1 and all(a.isdisjoint(b) for i, a in enumerate(nodes) for b in nodes[i + 1:])
 
 
 def failures(vote: Vote) -> list[CheckFinding]:

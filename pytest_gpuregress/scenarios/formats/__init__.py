@@ -7,6 +7,7 @@ share one, ``formats``. The cases: docs/formats.md; bug classes: docs/faults.md 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -116,22 +117,8 @@ class FormatsScenario(CheckScenario):
         key = case_key(case)
         problems = closed_form(case.data["part"], key, record)
         if case.data["part"] == "io":
-            for issue in judge.io_known_issues(key, record):
-                warn_at_test(judge.KnownStackIssue(issue))
-            skipped = (record.results.get("io", {}).get(key) or {}).get("skipped")
-            if skipped and not problems:
-                from ...errors import NotApplicable
-
-                raise NotApplicable(f"io-{key}: {skipped}")
-        # Keyed by the case of the tiny Llama's launch: a user model's launch has the same parts, one per scheme.
-        measured = case.id if "model" not in case.data else f"quantized-{key}"
-        for rank, theirs in record.results.get("rank_disagreements", {}).get(measured, {}).items():
-            text = f"{case.id}: rank {rank} measured otherwise than rank 0: the devices of this machine disagree"
-            if theirs:
-                text += f"; its own findings: {theirs[0]}" + (f" (and {len(theirs) - 1} more)" if len(theirs) > 1 else "")
-            problems.append(CheckFinding("format", text))
-        return problems
-
+            _io_outcome(key, record, problems)
+        return problems + _disagreements(case, key, record)
     def reference_name(self, case: Case) -> str | None:
         if case.data["part"] not in ("behaviour", "quantized"):
             return None
@@ -170,6 +157,30 @@ class FormatsScenario(CheckScenario):
 SCENARIO = FormatsScenario()
 
 
+def _io_outcome(key: str, record: RunRecord, problems: list[Problem]) -> None:
+    """An io case's known stack issues warn; a path this rank could not try, with nothing wrong, is not applicable."""
+    for issue in judge.io_known_issues(key, record):
+        warn_at_test(judge.KnownStackIssue(issue))
+    skipped = (record.results.get("io", {}).get(key) or {}).get("skipped")
+    if skipped and not problems:
+        from ...errors import NotApplicable
+
+        raise NotApplicable(f"io-{key}: {skipped}")
+
+
+def _disagreements(case: Case, key: str, record: RunRecord) -> list[Problem]:
+    """A finding per other rank that measured the case otherwise than rank 0 (merge), with its own first finding."""
+    # Keyed by the case of the tiny Llama's launch: a user model's launch has the same parts, one per scheme.
+    measured = case.id if "model" not in case.data else f"quantized-{key}"
+    problems: list[Problem] = []
+    for rank, theirs in record.results.get("rank_disagreements", {}).get(measured, {}).items():
+        text = f"{case.id}: rank {rank} measured otherwise than rank 0: the devices of this machine disagree"
+        if theirs:
+            text += f"; its own findings: {theirs[0]}" + (f" (and {len(theirs) - 1} more)" if len(theirs) > 1 else "")
+        problems.append(CheckFinding("format", text))
+    return problems
+
+
 def case_key(case: Case) -> str:
     """What a case's part is about: its format, scheme or I/O path."""
     return str(case.data.get("format") or case.data.get("scheme") or case.data.get("path", ""))
@@ -177,16 +188,15 @@ def case_key(case: Case) -> str:
 
 def closed_form(part: str, key: str, record: RunRecord) -> list[Problem]:
     """The reference-free findings of one case's part of ``record`` (``key``: its format or scheme)."""
-    if part == "decode":
-        return judge.decode_problems(FORMATS[key], record)
-    if part == "encode":
-        return judge.encode_problems(FORMATS[key], record)
-    if part == "behaviour":  # judged against the reference, unless its cast raised
-        return judge.raised(f"encode-{key}", record)
-    if part == "quantized":
-        return judge.quantized_problems(key, record)
-    if part == "inspect":
-        return judge.inspect_problems(record)
-    if part == "io":
-        return judge.io_problems(key, record)
-    return judge.scaled_mm_problems(record)
+    return _CLOSED_FORM.get(part, lambda key, record: judge.scaled_mm_problems(record))(key, record)
+
+
+_CLOSED_FORM: dict[str, Callable[[str, RunRecord], list[Problem]]] = {
+    "decode": lambda key, record: judge.decode_problems(FORMATS[key], record),
+    "encode": lambda key, record: judge.encode_problems(FORMATS[key], record),
+    # behaviour: judged against the reference, unless its cast raised
+    "behaviour": lambda key, record: judge.raised(f"encode-{key}", record),
+    "quantized": judge.quantized_problems,
+    "inspect": lambda key, record: judge.inspect_problems(record),
+    "io": judge.io_problems,
+}

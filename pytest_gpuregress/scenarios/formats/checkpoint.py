@@ -84,14 +84,7 @@ def entries(ckpt: Checkpoint) -> list[Entry]:
         fmt = BY_TAG.get(t.tag)
         if fmt is None or fmt.id == "e8m0fnu" or is_auxiliary(name):
             continue  # not quantized data (e8m0 only ever holds scales)
-        if element is not None and element is not fmt:
-            raise CheckpointProblem(ckpt.path, name, f"tagged {t.tag} ({fmt.torch_name}) but the metadata says "
-                                    f"element_format {meta['element_format']}",
-                                    f"export it again: the tag and the metadata must name the same format "
-                                    f"(tag {element.tag} for {element.torch_name})")
-        if fmt.packed and t.shape and t.shape[-1] % 2:
-            raise CheckpointProblem(ckpt.path, name, f"F4 {list(t.shape)}: fp4 codes pack in pairs along the last "
-                                    "dimension", "pad the last dimension to an even size")
+        _check_data(ckpt, name, t, fmt, element)
         scale = ckpt.tensors.get(name + SCALE) or ckpt.tensors.get(name + "_scale_inv")
         if scale is None:
             raise CheckpointProblem(ckpt.path, name, f"no scale tensor: expected {name + SCALE} beside this "
@@ -103,6 +96,19 @@ def entries(ckpt: Checkpoint) -> list[Entry]:
                          float(amax.floats().reshape(-1)[0]) if amax is not None and amax.tag in FLOAT_TAGS else None,
                          meta.get("scale_rule")))
     return out
+
+
+def _check_data(ckpt: Checkpoint, name: str, t: Stored, fmt: Format, element: Format | None) -> None:
+    """CheckpointProblem where the data tensor's tag contradicts the metadata's element_format, or fp4 codes
+    cannot pair up along the last dimension."""
+    if element is not None and element is not fmt:
+        raise CheckpointProblem(ckpt.path, name, f"tagged {t.tag} ({fmt.torch_name}) but the metadata says "
+                                f"element_format {ckpt.metadata['element_format']}",
+                                f"export it again: the tag and the metadata must name the same format "
+                                f"(tag {element.tag} for {element.torch_name})")
+    if fmt.packed and t.shape and t.shape[-1] % 2:
+        raise CheckpointProblem(ckpt.path, name, f"F4 {list(t.shape)}: fp4 codes pack in pairs along the last "
+                                "dimension", "pad the last dimension to an even size")
 
 
 def _metadata_format(ckpt: Checkpoint, key: str) -> Format | None:
@@ -136,8 +142,14 @@ def _scale(ckpt: Checkpoint, data: Stored, scale: Stored) -> tuple[int | None, n
             raise CheckpointProblem(ckpt.path, scale.name, f"{scale.tag} {list(scale.shape)}: this reader takes one "
                                     "float scale per tensor, or F8_E8M0 block scales", "store one scale per tensor")
         return None, scale.floats().reshape(())
+    block = _block_size(ckpt, data, scale)
+    return block, scale.codes()
+
+
+def _block_size(ckpt: Checkpoint, data: Stored, scale: Stored) -> int:
+    """The metadata's MX block size, checked against the shapes of the data and its block scales."""
     try:
-        block = int(meta["block_size"])
+        block = int(ckpt.metadata["block_size"])
     except (KeyError, ValueError):
         raise CheckpointProblem(ckpt.path, scale.name, "F8_E8M0 block scales, but the metadata gives no integer "
                                 "block_size", "add block_size (32 for OCP MX) to the metadata") from None
@@ -147,4 +159,4 @@ def _scale(ckpt: Checkpoint, data: Stored, scale: Stored) -> tuple[int | None, n
         raise CheckpointProblem(ckpt.path, scale.name, f"shape {list(scale.shape)}; blocks of {block} over "
                                 f"{data.name} {list(data.shape)} need {list(expected)}",
                                 "export it again: one e8m0 scale per block along the last dimension")
-    return block, scale.codes()
+    return block

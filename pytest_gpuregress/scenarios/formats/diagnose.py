@@ -140,22 +140,32 @@ def per_tensor_scale(entry: Entry) -> list[Diagnosis]:
     rebuilt = _rebuilt_amax(entry.codes, scale, fmt)
     if _matches(rebuilt, amax, fmt):
         return []
-    if other is not None:
-        clean = bool(np.isfinite(oracle.decode(entry.codes, other)).all())
-        if clean and _matches(_rebuilt_amax(entry.codes, scale, other), amax, other):
-            return [_flavour(entry, other, amax, rebuilt)]
-        implied, other_max, own_max = amax / scale, oracle.limits(other).max, oracle.limits(fmt).max
-        if fmt.fnuz and other_max != own_max and abs(implied - other_max) <= other_max * 1e-5:
-            return [Diagnosis(entry.name, "fnuz_scale_448",
-                            f"the scale is amax/{implied:.6g}: {other.id}'s maximum {other_max:g} was used where "
-                            f"{fmt.id}'s maximum is {own_max:g}, so values come out {other_max / own_max:.4g}x too "
-                            f"large ({other_max:g}/{own_max:g}) and overflow {fmt.id} past {own_max:g}",
-                            f"compute the scale as amax/{own_max:g} (torch.finfo(torch.{fmt.torch_name}).max)")]
+    found = _counterpart_explains(entry, other, amax, scale, rebuilt) if other is not None else None
+    if found is not None:
+        return [found]
     shown = "nothing finite" if rebuilt is None else f"{rebuilt:.6g}"
     return [Diagnosis(entry.name, "scale_mismatch",
                     f"decoded as {fmt.id} and scaled, its largest value is {shown}, but the amax stored beside it is "
                     f"{amax:.6g}: the scale does not belong to this data",
                     "export the codes, the scale and the amax together from one quantization")]
+
+
+def _counterpart_explains(entry: Entry, other: Format, amax: float, scale: float,
+                          rebuilt: float | None) -> Diagnosis | None:
+    """The data written in ``other``, the tagged format's counterpart, or its scale computed with ``other``'s
+    maximum; None where neither explains the stored amax."""
+    fmt = entry.fmt
+    clean = bool(np.isfinite(oracle.decode(entry.codes, other)).all())
+    if clean and _matches(_rebuilt_amax(entry.codes, scale, other), amax, other):
+        return _flavour(entry, other, amax, rebuilt)
+    implied, other_max, own_max = amax / scale, oracle.limits(other).max, oracle.limits(fmt).max
+    if fmt.fnuz and other_max != own_max and abs(implied - other_max) <= other_max * 1e-5:
+        return Diagnosis(entry.name, "fnuz_scale_448",
+                         f"the scale is amax/{implied:.6g}: {other.id}'s maximum {other_max:g} was used where "
+                         f"{fmt.id}'s maximum is {own_max:g}, so values come out {other_max / own_max:.4g}x too "
+                         f"large ({other_max:g}/{own_max:g}) and overflow {fmt.id} past {own_max:g}",
+                         f"compute the scale as amax/{own_max:g} (torch.finfo(torch.{fmt.torch_name}).max)")
+    return None
 
 
 def _flavour(entry: Entry, written: Format, amax: float, rebuilt: float | None) -> Diagnosis:

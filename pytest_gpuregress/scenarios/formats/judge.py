@@ -49,14 +49,23 @@ def raised(case_id: str, record: RunRecord) -> list[Problem]:
         else []
 
 
-def decode_problems(fmt: Format, record: RunRecord) -> list[Problem]:
-    errors = raised(f"decode-{fmt.id}", record)
+def _unmeasured(kind: str, fmt: Format, record: RunRecord, *arrays: str) -> list[Problem] | None:
+    """The findings of a decode or encode case with nothing to judge: it raised, or its arrays are missing (no
+    finding where the format is unavailable here); None where its measurement is in the record."""
+    errors = raised(f"{kind}-{fmt.id}", record)
     if errors:
         return errors
-    codes, values = record.arrays.get(f"decode/{fmt.id}/codes"), record.arrays.get(f"decode/{fmt.id}")
-    if codes is None or values is None:
+    if any(record.arrays.get(key) is None for key in arrays):
         return [] if fmt.id in record.results.get("unavailable", {}) else \
-            [CheckFinding("format", f"decode {fmt.id}: not in the record")]
+            [CheckFinding("format", f"{kind} {fmt.id}: not in the record")]
+    return None
+
+
+def decode_problems(fmt: Format, record: RunRecord) -> list[Problem]:
+    unmeasured = _unmeasured("decode", fmt, record, f"decode/{fmt.id}/codes", f"decode/{fmt.id}")
+    if unmeasured is not None:
+        return unmeasured
+    codes, values = record.arrays[f"decode/{fmt.id}/codes"], record.arrays[f"decode/{fmt.id}"]
     expected = oracle.decode(codes, fmt)
     wrong = ~oracle.same_values(expected, values)
     if not wrong.any():
@@ -75,14 +84,10 @@ def decode_problems(fmt: Format, record: RunRecord) -> list[Problem]:
 
 
 def encode_problems(fmt: Format, record: RunRecord) -> list[Problem]:
-    errors = raised(f"encode-{fmt.id}", record)
-    if errors:
-        return errors
-    codes = record.arrays.get(f"encode/{fmt.id}")
-    if codes is None:
-        return [] if fmt.id in record.results.get("unavailable", {}) else \
-            [CheckFinding("format", f"encode {fmt.id}: not in the record")]
-    compared, wrong = grid.in_range_mismatches(record.arrays["encode/grid"], codes, fmt)
+    unmeasured = _unmeasured("encode", fmt, record, f"encode/{fmt.id}")
+    if unmeasured is not None:
+        return unmeasured
+    compared, wrong = grid.in_range_mismatches(record.arrays["encode/grid"], record.arrays[f"encode/{fmt.id}"], fmt)
     if not wrong:
         return []
     shown = [f"{_num(w['value'])} -> device 0x{w['device_code']:02X} ({_num(w['device'])}), oracle "
@@ -189,21 +194,24 @@ def quantized_findings(scheme: str, reference: RunRecord, record: RunRecord, lan
         where = "the reference" if before is None or "error" in before else "this run"
         return [Finding("quantized", f"{scheme}: {where} holds no results for this scheme; "
                         "record the reference with every formats case ('gpuregress::formats*')")]
-    findings = []
-    differ = [name for name, sums in before["tensors"].items() if now["tensors"].get(name) != sums]
-    if differ:
-        # Show a tensor whose sums stayed finite if there is one: its ratio says what happened.
-        name = next((n for n in differ if np.isfinite((now["tensors"].get(n) or {}).get("abs_sum", np.nan))), differ[0])
-        a, b = before["tensors"][name], now["tensors"].get(name) or {}
-        ratio = b.get("abs_sum", float("nan")) / a["abs_sum"] if a["abs_sum"] else float("nan")
-        findings.append(Finding(
-            "checksums",
-            f"{scheme}: {len(differ)} of {len(before['tensors'])} tensors differ from the reference (codes, scales or "
-            f"dequantized float64 sums, compared exactly: quantizing is exact arithmetic); first {name}: sum "
-            f"{a['sum']!r} -> {b.get('sum')!r}, sum|w| ratio {ratio:.6g}", tensor=name, expected=a["sum"],
-            got=b.get("sum")))
-    findings += _logits(scheme, reference, record, lane)
-    return findings
+    return _checksums(scheme, before["tensors"], now["tensors"]) + _logits(scheme, reference, record, lane)
+
+
+def _checksums(scheme: str, before: dict[str, Any], now: dict[str, Any]) -> list[Finding]:
+    """The tensors whose codes, scales or dequantized sums differ from the reference's, the first one shown."""
+    differ = [name for name, sums in before.items() if now.get(name) != sums]
+    if not differ:
+        return []
+    # Show a tensor whose sums stayed finite if there is one: its ratio says what happened.
+    name = next((n for n in differ if np.isfinite((now.get(n) or {}).get("abs_sum", np.nan))), differ[0])
+    a, b = before[name], now.get(name) or {}
+    ratio = b.get("abs_sum", float("nan")) / a["abs_sum"] if a["abs_sum"] else float("nan")
+    return [Finding(
+        "checksums",
+        f"{scheme}: {len(differ)} of {len(before)} tensors differ from the reference (codes, scales or "
+        f"dequantized float64 sums, compared exactly: quantizing is exact arithmetic); first {name}: sum "
+        f"{a['sum']!r} -> {b.get('sum')!r}, sum|w| ratio {ratio:.6g}", tensor=name, expected=a["sum"],
+        got=b.get("sum"))]
 
 
 def _logits(scheme: str, reference: RunRecord, record: RunRecord, lane: str) -> list[Finding]:
@@ -233,22 +241,35 @@ def _logits(scheme: str, reference: RunRecord, record: RunRecord, lane: str) -> 
 
 def rank_differences(first: RunRecord, other: RunRecord) -> list[str]:
     """Case ids whose measurements differ between two ranks' records."""
-    out = []
-    for key in sorted(k for k in first.arrays if k.startswith(("decode/", "encode/")) and k != "encode/grid"):
-        mine, theirs = first.arrays[key], other.arrays.get(key)
-        if theirs is None or mine.tobytes() != theirs.tobytes():
-            kind, fmt = key.split("/")[:2]
-            out += [f"{kind}-{fmt}"] + ([f"behaviour-{fmt}"] if kind == "encode" else [])
+    out = _array_differences(first, other)
     for scheme, result in first.results.get("quantized", {}).items():
         peer = other.results.get("quantized", {}).get(scheme) or {}
         if (result.get("tensors"), result.get("logits")) != (peer.get("tensors"), peer.get("logits")):
             out.append(f"quantized-{scheme}")
     if first.results.get("inspect") != other.results.get("inspect"):
         out.append("inspect")
+    out += _io_differences(first, other)
+    return sorted(set(out))
+
+
+def _array_differences(first: RunRecord, other: RunRecord) -> list[str]:
+    """The decode and encode cases (an encode's behaviour case with it) whose arrays differ between two ranks."""
+    out = []
+    for key in sorted(k for k in first.arrays if k.startswith(("decode/", "encode/")) and k != "encode/grid"):
+        mine, theirs = first.arrays[key], other.arrays.get(key)
+        if theirs is None or mine.tobytes() != theirs.tobytes():
+            kind, fmt = key.split("/")[:2]
+            out += [f"{kind}-{fmt}"] + ([f"behaviour-{fmt}"] if kind == "encode" else [])
+    return out
+
+
+def _io_differences(first: RunRecord, other: RunRecord) -> list[str]:
+    """The I/O paths whose problems or known issues differ between two ranks that both checked them."""
+    out = []
     for path, result in first.results.get("io", {}).items():
         peer = other.results.get("io", {}).get(path) or {}
         if peer.get("skipped") and not peer.get("checked"):
             continue  # a path only rank 0 checks (transformers' save_pretrained): the peer measured nothing
         if (result["problems"], result["known_issues"]) != (peer.get("problems"), peer.get("known_issues")):
             out.append(f"io-{path}")
-    return sorted(set(out))
+    return out

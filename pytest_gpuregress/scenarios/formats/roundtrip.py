@@ -88,18 +88,8 @@ def _grouped(problems: dict[str, list[str]], total: int) -> list[str]:
 def check_codes(name: str, got: quantize.Quantized, want: quantize.Quantized, scheme: Scheme,
                 problems: dict[str, list[str]]) -> None:
     """The device's codes and scales against the oracle's quantization of the same float32 weights."""
+    _check_scales(name, got, want, scheme, problems)
     fmt = FORMATS[scheme.element]
-    if scheme.block:
-        offsets = got.scale.astype(np.int64) - want.scale.astype(np.int64)
-        if offsets.any():
-            shown = ", ".join(f"{int(o):+d}" for o in np.unique(offsets[offsets != 0]))
-            problems.setdefault("e8m0 block scales off the oracle's OCP floor rule", []).append(
-                f"{name}: {int((offsets != 0).sum())} of {offsets.size} blocks off by {shown} exponent(s)")
-    elif got.scale.tobytes() != want.scale.tobytes():
-        amax = float(want.amax) if want.amax is not None else float("nan")
-        problems.setdefault("per-tensor scales differ from the oracle's", []).append(
-            f"{name}: scale {float(got.scale)!r}, the oracle's {float(want.scale)!r}; the device's is "
-            f"amax/{amax / float(got.scale):.6g}, the oracle's amax/{amax / float(want.scale):.6g}")
     wrong = ~oracle.same_codes(want.codes, got.codes, fmt)
     if wrong.any():
         i = int(np.flatnonzero(wrong)[0])
@@ -112,6 +102,22 @@ def check_codes(name: str, got: quantize.Quantized, want: quantize.Quantized, sc
         problems.setdefault("codes differ from the oracle's round-to-nearest-even", []).append(
             f"{name}: {int(wrong.sum())} of {wrong.size} codes, first at flat index {i}: oracle "
             f"0x{int(want.codes.reshape(-1)[i]):02X}, device 0x{int(got.codes.reshape(-1)[i]):02X}{why}")
+
+
+def _check_scales(name: str, got: quantize.Quantized, want: quantize.Quantized, scheme: Scheme,
+                  problems: dict[str, list[str]]) -> None:
+    """The device's block exponents (MX) or per-tensor scale against the oracle's."""
+    if scheme.block:
+        offsets = got.scale.astype(np.int64) - want.scale.astype(np.int64)
+        if offsets.any():
+            shown = ", ".join(f"{int(o):+d}" for o in np.unique(offsets[offsets != 0]))
+            problems.setdefault("e8m0 block scales off the oracle's OCP floor rule", []).append(
+                f"{name}: {int((offsets != 0).sum())} of {offsets.size} blocks off by {shown} exponent(s)")
+    elif got.scale.tobytes() != want.scale.tobytes():
+        amax = float(want.amax) if want.amax is not None else float("nan")
+        problems.setdefault("per-tensor scales differ from the oracle's", []).append(
+            f"{name}: scale {float(got.scale)!r}, the oracle's {float(want.scale)!r}; the device's is "
+            f"amax/{amax / float(got.scale):.6g}, the oracle's amax/{amax / float(want.scale):.6g}")
 
 
 def check_reading(entry: checkpoint.Entry, codes: torch.Tensor, values: np.ndarray,

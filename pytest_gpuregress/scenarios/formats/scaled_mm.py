@@ -30,16 +30,21 @@ def fp8_matmul_format(dev: str) -> tuple[Format | None, str]:
         return None, f"torch {torch.__version__} has no torch._scaled_mm"
     index = torch.device(dev).index or 0
     if getattr(torch.version, "hip", None):
-        arch = (torch.cuda.get_device_properties(index).gcnArchName or "").split(":")[0]
-        if arch in ("gfx940", "gfx941", "gfx942"):
-            return FORMATS["e4m3fnuz"], arch
-        if arch.startswith("gfx95") or arch.startswith("gfx12"):
-            return FORMATS["e4m3fn"], arch
-        return None, f"{arch} has no fp8 matrix multiply (gfx942 or later has)"
+        return _rocm_fp8_format(index)
     major, minor = torch.cuda.get_device_capability(index)
     if (major, minor) >= (8, 9):
         return FORMATS["e4m3fn"], f"sm_{major}{minor}"
     return None, f"sm_{major}{minor} has no fp8 matrix multiply (sm_89 or later has)"
+
+
+def _rocm_fp8_format(index: int) -> tuple[Format | None, str]:
+    """MI300 (gfx940-942) multiplies e4m3fnuz; gfx950 and RDNA4 (gfx12) the OCP e4m3fn."""
+    arch = (torch.cuda.get_device_properties(index).gcnArchName or "").split(":")[0]
+    if arch in ("gfx940", "gfx941", "gfx942"):
+        return FORMATS["e4m3fnuz"], arch
+    if arch.startswith("gfx95") or arch.startswith("gfx12"):
+        return FORMATS["e4m3fn"], arch
+    return None, f"{arch} has no fp8 matrix multiply (gfx942 or later has)"
 
 
 def finite_codes(count: int, fmt: Format, salt: int) -> np.ndarray:
@@ -81,11 +86,6 @@ def classify(exc: BaseException, fmt: Format) -> str:
     if fmt.torch_name.lower() in text or fmt.id in text or _ARCH.search(text):
         return "refused"
     return "error"
-
-
-def refuses_format(exc: BaseException, fmt: Format) -> bool:
-    """Whether ``exc`` is the kernel library turning the format down, rather than the call or the kernel failing."""
-    return classify(exc, fmt) == "refused"
 
 
 def check(dev: str, fmt: Format) -> dict[str, Any]:

@@ -402,25 +402,48 @@ def has_fp8_loader() -> bool:
 def via_transformers(model: Any, folder: Path, dev: str, out: PathResult) -> None:
     """The decoder layers' linear weights as transformers' fine-grained fp8 checkpoint (many blocks per weight,
     each with its own scale), written by save_pretrained and read back by from_pretrained."""
-    import torch.distributed as dist
-    import transformers
-
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        out.skipped = "under torch.distributed, save_pretrained writes on rank 0 only: rank 0 checks this path"
+    out.skipped = _transformers_skip()
+    if out.skipped:
         return
-    if not has_fp8_loader():
-        out.skipped = f"transformers {transformers.__version__} has no fine-grained fp8 loader (quant_method fp8)"
-        return
-    scheme = TRANSFORMERS_SCHEME
     state = {n: p.detach().clone() for n, p in model.state_dict().items()}
-    quantized = {n: block_quantize(n, state[n].numpy()) for n in state
-                 if ".layers." in n and n.endswith("proj.weight") and state[n].ndim == 2
-                 and all(d % BLOCK == 0 for d in state[n].shape)}
+    quantized = {n: block_quantize(n, t.numpy()) for n, t in state.items() if _block_quantizable(n, t)}
     want: dict[str, checkpoint.Stored] = {}
     for name, q in quantized.items():
         state[name], state[q.scales.name] = native(q.codes, "cpu"), native(q.scales, "cpu")
         want[name], want[q.scales.name] = q.codes, q.scales
     saved = folder / "transformers-fp8"
+    _save_pretrained(model, saved, state, want, out)
+    if not (saved / "model.safetensors").is_file():
+        return
+    loaded = _from_pretrained(model, saved, out)
+    if loaded is not None:
+        params = dict(loaded.named_parameters()) | dict(loaded.named_buffers())
+        out.report(TRANSFORMERS_SCHEME, "from_pretrained",
+                   {name: loaded_mismatch(name, q, params) for name, q in quantized.items()})
+
+
+def _transformers_skip() -> str | None:
+    """Why this rank cannot check the transformers path, or None."""
+    import torch.distributed as dist
+    import transformers
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return "under torch.distributed, save_pretrained writes on rank 0 only: rank 0 checks this path"
+    if not has_fp8_loader():
+        return f"transformers {transformers.__version__} has no fine-grained fp8 loader (quant_method fp8)"
+    return None
+
+
+def _block_quantizable(name: str, weight: torch.Tensor) -> bool:
+    """A decoder layer's linear weight whose sides are whole blocks."""
+    return ".layers." in name and name.endswith("proj.weight") and weight.ndim == 2 \
+        and all(d % BLOCK == 0 for d in weight.shape)
+
+
+def _save_pretrained(model: Any, saved: Path, state: dict[str, torch.Tensor], want: dict[str, checkpoint.Stored],
+                     out: PathResult) -> None:
+    """save_pretrained with the fp8 quantization config, the file it wrote checked against the oracle's tensors."""
+    scheme = TRANSFORMERS_SCHEME
     config = copy.deepcopy(model.config)
     config.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                   "weight_block_size": [BLOCK, BLOCK]}
@@ -434,20 +457,23 @@ def via_transformers(model: Any, folder: Path, dev: str, out: PathResult) -> Non
             out.compare_file(scheme, "save_pretrained", saved / "model.safetensors", want)
     finally:
         model.config = original
-    if not (saved / "model.safetensors").is_file():
-        return
+
+
+def _from_pretrained(model: Any, saved: Path, out: PathResult) -> Any:
+    """The model from_pretrained loads from ``saved``, or None where it raised (a problem, or the skip of a release
+    that loads fp8 only on an accelerator)."""
+    import transformers
+
     dtype_key = "dtype" if parse_version(transformers.__version__) >= parse_version("4.56") else "torch_dtype"
     try:
-        loaded = type(model).from_pretrained(str(saved), local_files_only=True, **{dtype_key: torch.float32})
+        return type(model).from_pretrained(str(saved), local_files_only=True, **{dtype_key: torch.float32})
     except Exception as exc:  # noqa: BLE001 - the stack's refusal is the finding, but for one it states plainly
         text = describe_error(exc)
         if "No GPU or XPU found" in text:  # releases that only dequantize on an accelerator
             out.skipped = f"transformers {transformers.__version__} loads fp8 checkpoints only on a GPU: {text}"
         else:
-            out.problems.append(f"{scheme}: from_pretrained raised {text}")
-        return
-    params = dict(loaded.named_parameters()) | dict(loaded.named_buffers())
-    out.report(scheme, "from_pretrained", {name: loaded_mismatch(name, q, params) for name, q in quantized.items()})
+            out.problems.append(f"{TRANSFORMERS_SCHEME}: from_pretrained raised {text}")
+        return None
 
 
 def loaded_mismatch(name: str, q: BlockQuantized, params: Mapping[str, torch.Tensor]) -> str | None:
@@ -461,7 +487,11 @@ def loaded_mismatch(name: str, q: BlockQuantized, params: Mapping[str, torch.Ten
         if scale is None or raw_bytes(scale) != q.scales.data:
             return "its weight_scale_inv is missing or differs from the one written"
         return mismatch(q.codes, got)
-    values = got.detach().float().cpu().numpy()
+    return _dequantized_mismatch(q, got.detach().float().cpu().numpy())
+
+
+def _dequantized_mismatch(q: BlockQuantized, values: np.ndarray) -> str | None:
+    """Dequantized weights against the oracle's code x block scale, naming the format the loader read, if one."""
     wrong = ~oracle.same_values(q.values, values)
     if not wrong.any():
         return None
@@ -491,17 +521,13 @@ def run(paths: list[str], sources: Mapping[str, checkpoint.Checkpoint], model: A
         run_dir: Path) -> dict[str, Any]:
     """{path: PathResult.as_dict()} for the selected ``paths``; ``sources``: the codec's file per scheme."""
     results: dict[str, Any] = {}
+    readers = {"safetensors": lambda out: via_safetensors(sources, folder, dev, out),
+               "safe_open": lambda out: via_safe_open(sources, folder, dev, out),
+               "torch_load": lambda out: via_torch_load(sources, folder, dev, out),
+               "dcp": lambda out: via_dcp(sources, run_dir, dev, out),
+               "transformers": lambda out: via_transformers(model, folder, dev, out)}
     for path in (p for p in PATHS if p in paths):
         out = PathResult(path)
-        if path == "safetensors":
-            via_safetensors(sources, folder, dev, out)
-        elif path == "safe_open":
-            via_safe_open(sources, folder, dev, out)
-        elif path == "torch_load":
-            via_torch_load(sources, folder, dev, out)
-        elif path == "dcp":
-            via_dcp(sources, run_dir, dev, out)
-        else:
-            via_transformers(model, folder, dev, out)
+        readers[path](out)
         results[path] = out.as_dict()
     return results

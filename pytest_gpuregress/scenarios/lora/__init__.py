@@ -142,15 +142,8 @@ class LoraScenario(Scenario):
         # The user's targets are kept when the model has none of them: lora is then not applicable (experiment).
         present = targets_present(targets, _module_names(setup, model)) if targets else []
         lines = [f"gpuregress lora targets ({label}): {_describe_targets(targets, present)}"]
-        try:
-            peft = setup.model(model).peft_targets(setup.device_kind, present) if model is not None and present else None
-        except Exception as exc:  # noqa: BLE001 - peft refuses these targets: the lora cases will say so when they run
-            lines.append(f"gpuregress lora peft ({label}): could not wrap the model with these targets "
-                         f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})")
-            peft = None
-        if peft is not None and peft.moved:
-            lines.append(f"gpuregress lora peft moved ({label}): {', '.join(peft.moved)} onto the fused expert "
-                         f"parameters {', '.join(peft.into)} (target_parameters, transformers 5's MoE layout)")
+        peft, said = _peft_layout(setup, model, present, label)
+        lines += said
         missed = left_out(_projections(setup, model), present, asked, peft)
         if missed:
             lines.append(f"gpuregress lora left out ({label}): "
@@ -194,6 +187,22 @@ def _module_names(setup: Setup, model: str | None) -> frozenset[str]:
     if model is None:
         return module_names(str(_tiny_llama_config(setup)))
     return setup.model(model).module_names(setup.device_kind)
+
+
+def _peft_layout(setup: Setup, model: str | None, present: list[str], label: str) -> tuple[Any, list[str]]:
+    """How peft wraps a user's model with these targets (None for the tiny Llama or no target), and the header lines
+    that say where it could not or where it moved them."""
+    if model is None or not present:
+        return None, []
+    try:
+        peft = setup.model(model).peft_targets(setup.device_kind, present)
+    except Exception as exc:  # noqa: BLE001 - peft refuses these targets: the lora cases will say so when they run
+        return None, [f"gpuregress lora peft ({label}): could not wrap the model with these targets "
+                      f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})"]
+    if peft is not None and peft.moved:
+        return peft, [f"gpuregress lora peft moved ({label}): {', '.join(peft.moved)} onto the fused expert "
+                      f"parameters {', '.join(peft.into)} (target_parameters, transformers 5's MoE layout)"]
+    return peft, []
 
 
 def _describe_targets(targets: list[str], present: list[str]) -> str:

@@ -150,21 +150,24 @@ def check_saved(saved: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarra
     for key in sorted(set(saved) - set(expected)):
         if is_adapter(key):
             out.append(finding("adapter-roundtrip", f"the saved adapter holds {describe(key)}, which was not trained"))
-    for key, name in expected.items():
-        if key not in saved:
-            continue
-        full, got = trained[name], saved[key]
-        if got.shape != full.shape:
-            slice_ = (len(full.shape) and got.shape[1:] == full.shape[1:]
-                      and -(-full.shape[0] // world_size) == got.shape[0])
-            why = ": the save holds one rank's slice, not every rank's" if slice_ else ""
-            out.append(finding("sharded-save", f"{describe(key)} saved with shape {_shape(got.shape)}, the full tensor "
-                                               f"is {_shape(full.shape)}{why}"))
-        elif got.dtype != full.dtype:
-            out.append(finding("adapter-roundtrip", f"{describe(key)} saved as {got.dtype}, trained as {full.dtype}"))
-        elif not np.array_equal(full.view(np.uint8), got.view(np.uint8)):
-            out.append(finding("adapter-roundtrip", f"{describe(key)} {difference(full, got)} in the saved file"))
+    out += [f for key, name in expected.items() if key in saved
+            for f in _saved_tensor(key, trained[name], saved[key], world_size)]
     return out
+
+
+def _saved_tensor(key: str, full: np.ndarray, got: np.ndarray, world_size: int) -> list[Finding]:
+    """One saved tensor against the gathered full one: its shape (one rank's slice?), dtype and bits."""
+    if got.shape != full.shape:
+        slice_ = (len(full.shape) and got.shape[1:] == full.shape[1:]
+                  and -(-full.shape[0] // world_size) == got.shape[0])
+        why = ": the save holds one rank's slice, not every rank's" if slice_ else ""
+        return [finding("sharded-save", f"{describe(key)} saved with shape {_shape(got.shape)}, the full tensor "
+                                        f"is {_shape(full.shape)}{why}")]
+    if got.dtype != full.dtype:
+        return [finding("adapter-roundtrip", f"{describe(key)} saved as {got.dtype}, trained as {full.dtype}")]
+    if not np.array_equal(full.view(np.uint8), got.view(np.uint8)):
+        return [finding("adapter-roundtrip", f"{describe(key)} {difference(full, got)} in the saved file")]
+    return []
 
 
 def check_reloaded(reloaded: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray]) -> list[Finding]:

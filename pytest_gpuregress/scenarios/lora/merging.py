@@ -28,11 +28,7 @@ def check_merge(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, 
     weight's error as a fraction of its bound), kept in the record to show the bounds are not vacuous."""
     import torch
 
-    model = adapter.wrap_with_lora(fresh_base, cfg)
-    adapter.load_adapter_tensors(model, trained)
-    model.to(batch.device)
-    for param in model.parameters():  # the compute dtype, as training's mixed-precision policy casts; buffers stay
-        param.data = param.data.to(compute_dtype)
+    model = _with_adapter(fresh_base, trained, cfg, batch.device, compute_dtype)
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[compute_dtype]
     # W, A and B as the merge sees them: already in the compute dtype. Parameters peft wrapped itself (fused MoE
     # experts: ParamWrapper) merge in a layout of peft's own; the merged logits below judge them.
@@ -52,6 +48,35 @@ def check_merge(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, 
     with torch.no_grad():
         merged = adapter_io.to_numpy(merged_model(input_ids=batch).logits.float())
 
+    findings, worst_ratio = _weight_findings(layers, base_weights, factors, merged_weights, flipped, dtype)
+    # Every adapter's inner dimension bounds the merged logits, the wrapped parameters' too (their merge rounds alike).
+    inner = [base.shape[1] for base in base_weights.values()] + _wrapped_inner(every)
+    bound = bounds.logits_bound(float(np.max(np.abs(unmerged))), inner, int(cfg["lora_r"]), dtype)
+    findings += _logit_findings(findings, unmerged, merged, bound)
+    deviation = float(np.max(np.abs(unmerged.astype(np.float64) - merged)))
+    return findings, {"logit_deviation": deviation, "logit_bound": bound, "weight_error_over_bound": worst_ratio}
+
+
+def _with_adapter(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, Any], device: Any,
+                  compute_dtype: Any) -> Any:
+    """A fresh base model carrying the trained adapter, its parameters in the compute dtype."""
+    model = adapter.wrap_with_lora(fresh_base, cfg)
+    adapter.load_adapter_tensors(model, trained)
+    model.to(device)
+    for param in model.parameters():  # the compute dtype, as training's mixed-precision policy casts; buffers stay
+        param.data = param.data.to(compute_dtype)
+    return model
+
+
+def _wrapped_inner(layers: dict[str, Any]) -> list[int]:
+    """The inner dimensions of the parameters peft wrapped itself (fused MoE experts)."""
+    return [int(layer.in_features) for layer in layers.values() if is_parameter_wrapper(layer)]
+
+
+def _weight_findings(layers: dict[str, Any], base_weights: dict[str, np.ndarray],
+                     factors: dict[str, tuple[np.ndarray, np.ndarray]], merged_weights: dict[str, np.ndarray],
+                     flipped: set[str], dtype: str) -> tuple[list[checks.Finding], float]:
+    """Each merged weight against W + s * B @ A within its bound, and the worst error as a fraction of the bound."""
     findings: list[checks.Finding] = []
     worst_ratio = 0.0
     for module, base in base_weights.items():
@@ -60,27 +85,26 @@ def check_merge(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, 
         # peft release that scales by alpha / sqrt(r) changes both, which the float64 oracle names as the library).
         scale = float(layers[module].scaling["default"])
         merged_w = merged_weights.get(module)
-        if merged_w is not None:
-            merged_w = _out_in(merged_w, module in flipped)
         if merged_w is None:
             findings.append(checks.finding("merge", f"merge_and_unload left no weight for {module}"))
             continue
+        merged_w = _out_in(merged_w, module in flipped)
         findings += checks.check_merged_weight(module, merged_w, base, lora_a, lora_b, scale, dtype)
         if merged_w.shape == base.shape:
             worst_ratio = max(worst_ratio, bounds.merge_excess(merged_w, base, lora_a, lora_b, scale, dtype).worst_ratio)
-    # Every adapter's inner dimension bounds the merged logits, the wrapped parameters' too (their merge rounds alike).
-    inner = [base.shape[1] for base in base_weights.values()] + \
-        [int(layer.in_features) for layer in every.values() if is_parameter_wrapper(layer)]
-    bound = bounds.logits_bound(float(np.max(np.abs(unmerged))), inner, int(cfg["lora_r"]), dtype)
+    return findings, worst_ratio
+
+
+def _logit_findings(weight_findings: list[checks.Finding], unmerged: np.ndarray, merged: np.ndarray,
+                    bound: float) -> list[checks.Finding]:
+    """Merged logits against unmerged within ``bound``; where a merged weight is off by an exact factor, the logits
+    that follow it are its consequence and carry its facts."""
     logits = checks.check_logits("merge", "merged (merge_and_unload) against unmerged", unmerged, merged, bound)
-    # Logits that follow a merged weight off by an exact factor are that weight's consequence: the same facts.
-    arithmetic = next((f for f in findings if f["facts"].get("factor") is not None), None)
+    arithmetic = next((f for f in weight_findings if f["facts"].get("factor") is not None), None)
     if arithmetic is not None:
         logits = [{**f, "message": f"{f['message']} (the merged weight above, off by an exact factor, explains it)",
                    "facts": arithmetic["facts"]} for f in logits]
-    findings += logits
-    deviation = float(np.max(np.abs(unmerged.astype(np.float64) - merged)))
-    return findings, {"logit_deviation": deviation, "logit_bound": bound, "weight_error_over_bound": worst_ratio}
+    return logits
 
 
 def _lora_layers(model: Any) -> dict[str, Any]:

@@ -103,8 +103,6 @@ def _roundtrip(wrapped: wrappers.Wrapped, state: dict[str, Any], trained: dict[s
                cfg: dict[str, Any], model_config: Any, perturbation: str, batch: Any, compute_dtype: Any,
                world_size: int) -> list[checks.Finding]:
     """Rank 0: save with save_pretrained, check the file, reload into a fresh base model, check tensors and logits."""
-    import torch
-
     findings: list[checks.Finding] = []
     with tempfile.TemporaryDirectory(prefix="gpuregress-lora-") as folder:
         try:
@@ -120,9 +118,16 @@ def _roundtrip(wrapped: wrappers.Wrapped, state: dict[str, Any], trained: dict[s
             findings.append(checks.finding("adapter-roundtrip", f"PeftModel.from_pretrained failed on the saved "
                                                                 f"adapter: {type(exc).__name__}: {first}"))
             return findings
+    return findings + _reloaded(wrapped, reloaded, trained, trained_logits, batch, compute_dtype, tensors_kept)
+
+
+def _reloaded(wrapped: wrappers.Wrapped, reloaded: Any, trained: dict[str, np.ndarray], trained_logits: np.ndarray,
+              batch: Any, compute_dtype: Any, tensors_kept: bool) -> list[checks.Finding]:
+    """The reloaded model's adapter tensors bit for bit against the trained ones, then its logits."""
+    import torch
+
     reloaded_tensors = checks.check_reloaded(
         {n: adapter_io.to_numpy(p) for n, p in reloaded.named_parameters() if checks.is_adapter(n)}, trained)
-    findings += reloaded_tensors
     reloaded.to(batch.device)
     for param in reloaded.parameters():
         param.data = param.data.to(compute_dtype)
@@ -133,6 +138,5 @@ def _roundtrip(wrapped: wrappers.Wrapped, state: dict[str, Any], trained: dict[s
     wrapper = checks.forward_replaced(wrapped.model) or checks.forward_replaced(wrapped.peft_model)
     said = "reloaded against trained" + ("" if not kept else " (every adapter tensor came back bit for bit" + (
         f"; the trained model's forward is {wrapper}, the reloaded model's its class's)" if wrapper else ")"))
-    findings += checks.check_logits("adapter-roundtrip", said, trained_logits, logits, 0.0, tensors_kept=kept,
-                                    trained_forward=wrapper)
-    return findings
+    return reloaded_tensors + checks.check_logits("adapter-roundtrip", said, trained_logits, logits, 0.0,
+                                                  tensors_kept=kept, trained_forward=wrapper)

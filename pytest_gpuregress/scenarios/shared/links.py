@@ -7,10 +7,14 @@ consensus report. Torch-free.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ...findings import CheckFinding
 from ...stack.device_identity import describe_link_code, node_label
+
+if TYPE_CHECKING:
+    from ...reference.record import RunRecord
 
 ONE_SENDER_OPS = ("all_gather", "all_to_all", "broadcast")  # every output element comes from one known rank
 
@@ -24,6 +28,15 @@ def merge_link_results(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, d
             into["wrong"] += int(result.get("wrong", 0))
             for pair, count in (result.get("links") or {}).items():
                 into["links"][pair] = into["links"].get(pair, 0) + int(count)
+    return merged
+
+
+def merge_sweep(records: list[RunRecord], merge_cases: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> RunRecord:
+    """Rank 0's record of a sweep launch, its case results merged over the ranks by ``merge_cases``, and every
+    rank's identity, to name a wrong link by."""
+    merged = records[0]
+    merged.results["cases"] = merge_cases([r.results["cases"] for r in records])
+    merged.results["identities"] = [r.results.pop("identity", None) for r in records]
     return merged
 
 
@@ -57,14 +70,12 @@ def attribute(counts: dict[tuple[int, int], int], world: int) -> tuple[str, list
 
 def link_kind(identities: list[dict[str, Any] | None], sender: int, receiver: int, backend: str) -> str:
     """What carries ``sender``'s data to ``receiver``, as far as the ranks' identities tell."""
-    a = identities[sender] if sender < len(identities) else None
-    b = identities[receiver] if receiver < len(identities) else None
+    a, b = _identity(identities, sender), _identity(identities, receiver)
     if not a or not b:
         return f"{backend}, path unknown"
     same_node = a.get("host") == b.get("host") and a.get("node_rank") == b.get("node_rank")
     if a.get("device", "cpu") == "cpu":
-        span = "" if same_node else f" between {node_label(a)} and {node_label(b)}"
-        return f"{backend} over loopback{span}" if a.get("host") == b.get("host") else f"{backend} over the network{span}"
+        return _cpu_link(a, b, same_node, backend)
     if not same_node:
         return f"{backend} over the network between {node_label(a)} and {node_label(b)}"
     code = (a.get("links") or {}).get(str(b.get("smi_index")))
@@ -72,8 +83,17 @@ def link_kind(identities: list[dict[str, Any] | None], sender: int, receiver: in
                                                      "(the topology was not read)")
 
 
+def _cpu_link(a: dict[str, Any], b: dict[str, Any], same_node: bool, backend: str) -> str:
+    span = "" if same_node else f" between {node_label(a)} and {node_label(b)}"
+    return f"{backend} over loopback{span}" if a.get("host") == b.get("host") else f"{backend} over the network{span}"
+
+
+def _identity(identities: list[dict[str, Any] | None], rank: int) -> dict[str, Any] | None:
+    return identities[rank] if rank < len(identities) else None
+
+
 def _rank(identities: list[dict[str, Any] | None], rank: int) -> str:
-    identity = identities[rank] if rank < len(identities) else None
+    identity = _identity(identities, rank)
     return f"rank {rank}" + (f" ({node_label(identity)}, local {identity.get('local_rank')})" if identity else "")
 
 

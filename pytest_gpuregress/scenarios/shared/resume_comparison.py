@@ -68,18 +68,29 @@ def compare(reference: RunRecord, run: RunRecord, lane: str) -> Comparison:
     if late_gradients.has_late(reference):
         comparison.margins = {late_gradients.METRIC: late_margin or 0.0, **comparison.margins}
     for finding in comparison.findings:
-        if finding.metric == "step0_grad":
-            finding.metric, finding.step = late_gradients.METRIC, start
-            finding.message = finding.message.replace(
-                "step0_grad ", f"{late_gradients.METRIC} (step {start}'s gradients, from the reference's state) ", 1)
-        else:
-            finding.message = f"resumed at step {start} (steps counted from there): {finding.message}"
-        if broken:  # the state the continuation started from was wrong: what follows is the load's doing
-            finding.facts["after_broken_load"] = True
+        _as_continuation(finding, start, bool(broken))
     if broken:  # one tensor's gradients say the load moved them; the other tensors' say the same again
-        late = [f for f in comparison.findings if f.metric == late_gradients.METRIC]
-        comparison.findings = [f for f in comparison.findings if f.metric != late_gradients.METRIC or f is late[0]]
-        if len(late) > 1:
-            late[0].message += f" (and {len(late) - 1} more tensors)"
+        _keep_first_late(comparison)
     comparison.findings[:0] = broken
     return comparison
+
+
+def _as_continuation(finding: Finding, start: int, after_broken_load: bool) -> None:
+    """Name a finding of the continuation by its steps: step S's gradients (judged as step 0's), or a step counted
+    from the resume."""
+    if finding.metric == "step0_grad":
+        finding.metric, finding.step = late_gradients.METRIC, start
+        finding.message = finding.message.replace(
+            "step0_grad ", f"{late_gradients.METRIC} (step {start}'s gradients, from the reference's state) ", 1)
+    else:
+        finding.message = f"resumed at step {start} (steps counted from there): {finding.message}"
+    if after_broken_load:  # the state the continuation started from was wrong: what follows is the load's doing
+        finding.facts["after_broken_load"] = True
+
+
+def _keep_first_late(comparison: Comparison) -> None:
+    """One late-gradient finding, counting the tensors of the others."""
+    late = [f for f in comparison.findings if f.metric == late_gradients.METRIC]
+    comparison.findings = [f for f in comparison.findings if f.metric != late_gradients.METRIC or f is late[0]]
+    if len(late) > 1:
+        late[0].message += f" (and {len(late) - 1} more tensors)"

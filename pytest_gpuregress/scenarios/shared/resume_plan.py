@@ -72,6 +72,17 @@ def _root(setup: Setup) -> Path:
     return Path(setup.option("checkpoint-dir") or tempfile.gettempdir()).resolve()
 
 
+def _note_nondeterminism(record: RunRecord, saved: RunRecord, start: int, label: str) -> None:
+    """A note where the checkpoint's own run did not repeat ``record``'s first ``start`` losses bit for bit."""
+    first, again = record.series.get("loss", [])[:start], saved.series.get("loss", [])
+    if [float(x).hex() for x in first] == [float(x).hex() for x in again]:
+        return
+    step = next((i for i, (a, b) in enumerate(zip(first, again)) if float(a).hex() != float(b).hex()), len(again))
+    record.notes.append(f"resume checkpoint: its run's first {start} steps are not bitwise this run's (from "
+                        f"step {step}): this stack is not deterministic, so the checkpoint is a neighbour of "
+                        f"the reference's state, and {label} judges from it within tolerances")
+
+
 def merge_resume(merged: RunRecord, records: list[RunRecord]) -> RunRecord:
     """Every rank's generator digests of a resume launch into ``merged`` (the other pieces are rank 0's), and its
     late gradients from every rank's shard."""
@@ -122,13 +133,7 @@ class ResumePlan:
             record.notes.append(f"no resume checkpoint recorded: {result['unavailable']}; {label} will be skipped")
             return {}
         start = resume_step(record.config)
-        first, again = record.series.get("loss", [])[:start], saved.series.get("loss", [])
-        if [float(x).hex() for x in first] != [float(x).hex() for x in again]:
-            step = next((i for i, (a, b) in enumerate(zip(first, again)) if float(a).hex() != float(b).hex()),
-                        len(again))
-            record.notes.append(f"resume checkpoint: its run's first {start} steps are not bitwise this run's (from "
-                                f"step {step}): this stack is not deterministic, so the checkpoint is a neighbour of "
-                                f"the reference's state, and {label} judges from it within tolerances")
+        _note_nondeterminism(record, saved, start, label)
         size = folder_bytes(folder)
         record.results[resume_comparison.SAVED_KEY] = {"step": start, "boundary": result["boundary"], "bytes": size}
         record.notes.append(f"resume checkpoint at step {start}: {human_bytes(size)} in {ATTACHMENT}/")

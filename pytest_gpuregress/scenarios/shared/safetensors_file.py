@@ -11,6 +11,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -97,6 +98,18 @@ def read(path: Path) -> Checkpoint:
 
 def parse(blob: bytes, path: Path) -> Checkpoint:
     """Validate and split a safetensors file; every problem names the file and, where known, the tensor."""
+    header, size = _header(blob, path)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointProblem(path, None, "__metadata__ must map names to strings", DAMAGED)
+    data = blob[8 + size :]
+    tensors = {name: _entry(path, name, entry, data) for name, entry in header.items()}
+    _check_coverage(path, header, tensors, len(data))
+    return Checkpoint(path, tensors, {str(k): v for k, v in metadata.items()})
+
+
+def _header(blob: bytes, path: Path) -> tuple[dict[str, Any], int]:
+    """The file's JSON header and its length in bytes, or CheckpointProblem where the file is no safetensors."""
     if len(blob) < 8:
         raise CheckpointProblem(path, None, f"not a safetensors file: {len(blob)} bytes, shorter than the 8-byte "
                                 "header length", NOT_SAFETENSORS)
@@ -111,21 +124,27 @@ def parse(blob: bytes, path: Path) -> Checkpoint:
                                 NOT_SAFETENSORS) from None
     if not isinstance(header, dict):
         raise CheckpointProblem(path, None, "not a safetensors file: the header is not a JSON object", NOT_SAFETENSORS)
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CheckpointProblem(path, None, "__metadata__ must map names to strings", DAMAGED)
-    data = blob[8 + size :]
-    tensors = {name: _entry(path, name, entry, data) for name, entry in header.items()}
+    return header, size
+
+
+def _check_coverage(path: Path, header: dict[str, Any], tensors: dict[str, Stored], data_size: int) -> None:
+    """The tensors' bytes follow one another with no overlap or gap and cover the data exactly."""
     covered = 0
     for begin, name in sorted((header[n]["data_offsets"][0], n) for n in tensors):
         if begin != covered:
             raise CheckpointProblem(path, name, f"data_offsets start at {begin}, where the previous tensor ends at "
                                     f"{covered}: tensors overlap or leave a gap", DAMAGED)
         covered = begin + len(tensors[name].data)
-    if covered != len(data):
-        raise CheckpointProblem(path, None, f"the tensors cover {covered} of the {len(data)} data bytes: the file "
+    if covered != data_size:
+        raise CheckpointProblem(path, None, f"the tensors cover {covered} of the {data_size} data bytes: the file "
                                 "is truncated or has trailing bytes", DAMAGED)
-    return Checkpoint(path, tensors, {str(k): v for k, v in metadata.items()})
+
+
+def _well_formed(shape: object, offsets: object, data_size: int) -> bool:
+    """A shape of non-negative ints, and two int data_offsets in order within the data."""
+    return (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_size)
 
 
 def _entry(path: Path, name: str, entry: object, data: bytes) -> Stored:
@@ -134,9 +153,7 @@ def _entry(path: Path, name: str, entry: object, data: bytes) -> Stored:
     tag, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if tag not in TAG_BITS:
         raise CheckpointProblem(path, name, f"unknown dtype tag {tag!r}; known: {', '.join(TAG_BITS)}", DAMAGED)
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-            and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1] <= len(data)):
+    if not _well_formed(shape, offsets, len(data)):
         raise CheckpointProblem(path, name, f"shape {shape!r} or data_offsets {offsets!r} is malformed or points past "
                                 "the end of the file", DAMAGED)
     size = nbytes(tag, int(np.prod(shape, dtype=np.int64)))

@@ -14,7 +14,7 @@ from typing import Any
 from ..reference import model_layout
 from ..reference.compare import Comparison, Finding
 from ..reference.oracle_distance import PRECISION_METRIC as PRECISION
-from .naming import GRADIENTS, op_component
+from .naming import GRADIENTS, finding_of, op_component
 
 Experiment = Any  # triage's Experiment (name, status, detail, component, convicts): typed there, read here
 
@@ -61,8 +61,7 @@ class Evidence:
         return first_step(self.compared)
 
     def finding(self, *metrics: str) -> Finding | None:
-        """The first finding of one of ``metrics``."""
-        return next((f for f in self.compared.findings if f.metric in metrics), None)
+        return finding_of(self.compared, *metrics)
 
     def status(self, name: str) -> str | None:
         found = self.by_name.get(name)

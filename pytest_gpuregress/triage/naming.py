@@ -146,8 +146,9 @@ SPARSE_FRACTION = {"elements": 0.05, "blocks": 0.5}
 GRADIENTS = ("step0_grad", "late_grad")  # gradients judged element by element: step 0's, and a resume's step S's
 
 
-def _first(comparison: Comparison, metric: str) -> Finding | None:
-    return next((f for f in comparison.findings if f.metric == metric), None)
+def finding_of(comparison: Comparison, *metrics: str) -> Finding | None:
+    """The first finding of ``comparison`` of one of ``metrics``."""
+    return next((f for f in comparison.findings if f.metric in metrics), None)
 
 
 def _layout(finding: Finding, comparison: Comparison) -> str | None:
@@ -158,12 +159,12 @@ def _layout(finding: Finding, comparison: Comparison) -> str | None:
 
 
 def _follows_layout(finding: Finding, comparison: Comparison) -> str | None:
-    layout = _first(comparison, LAYOUT)
+    layout = finding_of(comparison, LAYOUT)
     return None if layout is None or finding.metric == "data" else _layout(layout, comparison)
 
 
 def _follows_data(finding: Finding, comparison: Comparison) -> str | None:
-    changed = _first(comparison, "data")
+    changed = finding_of(comparison, "data")
     if changed is None or finding.metric == ROUND_TRIP or changed.step is None:
         return None
     return "data" if finding.step is None or finding.step >= changed.step else None
@@ -190,7 +191,7 @@ def _step0(finding: Finding, comparison: Comparison) -> str | None:
 def _later(finding: Finding, comparison: Comparison) -> str:
     """No step-0 gradient moved: a loss wrong at step 0 is a kernel or a collective; gradients wrong while the loss of
     their step is bitwise equal were computed wrong (exact lane); else the update or a collective carrying weights."""
-    loss = _first(comparison, "loss")
+    loss = finding_of(comparison, "loss")
     if loss is not None and loss.step == 0:
         return "kernel or collective"
     return "collective or kernel" if gradients_moved_first(comparison.findings, comparison.lane) \
@@ -200,7 +201,7 @@ def _later(finding: Finding, comparison: Comparison) -> str:
 def _reordered(finding: Finding, comparison: Comparison) -> str | None:
     """Where the run registers its parameters in another order (the exact lane) and no step-0 gradient moved: sums
     over the parameters (the clip's norm, the recorded norms) follow the order; the model's code changed."""
-    if not comparison.reordered or comparison.lane != "exact" or _first(comparison, "step0_grad") is not None:
+    if not comparison.reordered or comparison.lane != "exact" or finding_of(comparison, "step0_grad") is not None:
         return None
     return "model"
 

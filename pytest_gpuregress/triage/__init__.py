@@ -77,7 +77,7 @@ def launches(sc: Scenario, setup: Setup, model: str | None = None) -> dict[str, 
     # starts cold: the N ranks that just trained are warmed up, the one rank is not, and a bug that needs a
     # warmed-up process would read as "N ranks differ from one" (a collective) if the N-rank run reused them.
     config = {**sc.model_config(setup, model), "steps": TRIAGE_STEPS, TRACE_CONFIG: False}
-    suffix = f"-{model}" if model else ""
+    suffix = model_suffix(model)
     return {
         "n": Launch(f"triage-n{suffix}", config, cold=True),
         # Each of the N ranks' micro-batches in turn, with their shapes: only the communication differs from "n".
@@ -85,6 +85,11 @@ def launches(sc: Scenario, setup: Setup, model: str | None = None) -> dict[str, 
         # The oracle is the reference implementation: injected faults emulate the stack under test.
         "oracle": Launch(f"triage-oracle{suffix}", config, world_size=1, entry=ORACLE_ENTRY, inject=False, cold=True),
     }
+
+
+def model_suffix(model: str | None) -> str:
+    """What a launch's key (or a case's name) adds for a user's model (--gpuregress-model): nothing for the scenario's."""
+    return f"-{model}" if model else ""
 
 
 def support_of(sc: Scenario) -> TriageSupport:

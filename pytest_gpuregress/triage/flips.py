@@ -13,7 +13,7 @@ from ..reference.op_trace import TRACE_CONFIG
 from ..reference.record import RunRecord
 from ..scenarios.base import Launch, Scenario, Setup
 from ..training.step import EMULATE_WORLD
-from . import Experiment, Runner
+from . import Experiment, Runner, model_suffix
 
 SHRANK = 3.0  # a deviation at least this many times smaller counts as shrunk
 
@@ -57,7 +57,7 @@ def _worst(comparison: Comparison) -> float:
 def flip(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, failing: Comparison,
          model: str | None = None) -> list[Experiment]:
     base = {**sc.model_config(setup, model), TRACE_CONFIG: False}  # judged by its deviation, not op by op
-    suffix = f"-{model}" if model else ""
+    suffix = model_suffix(model)
     before = _worst(failing)
     if before <= 1.0:  # an exact-lane failure inside the tolerant limits: every flip would "vanish"
         return [Experiment("flips", "not applicable", f"the failure is {before:.3g}x its tolerant-lane limit, inside "

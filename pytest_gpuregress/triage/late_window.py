@@ -13,7 +13,7 @@ from ..scenarios.shared.late_gradients import METRIC as LATE_GRAD
 from . import LATE_WINDOW as NAME
 from . import Experiment
 from .decision import first_step as earliest
-from .naming import sparse
+from .naming import finding_of, sparse
 
 if TYPE_CHECKING:
     from ..reference.compare import Comparison, Finding
@@ -35,10 +35,10 @@ def judged(first_step: int, saved_step: int, window: Comparison, compared: bool 
     if not compared:
         return Experiment(NAME, "not applicable", "the reference keeps no gradients of its checkpoint's step "
                                                   "(recorded before they were kept): re-record it to have the window")
-    load = [f for f in window.findings if f.metric in LOAD_METRICS]
-    if load:  # the state is not the reference's: its gradients judge the load, not the divergence
+    load = finding_of(window, *LOAD_METRICS)
+    if load is not None:  # the state is not the reference's: its gradients judge the load, not the divergence
         return Experiment(NAME, "not applicable", f"the reference's checkpoint did not load as saved on this stack "
-                                                  f"({load[0].message}); the resume case judges the load")
+                                                  f"({load.message}); the resume case judges the load")
     late = [f for f in window.findings if f.metric == LATE_GRAD]
     where = f"step {saved_step}'s gradients, computed on this stack from the reference's own state at step {saved_step}"
     if late:

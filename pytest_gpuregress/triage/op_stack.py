@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..reference.first_moved import FirstMoved
 from ..reference.op_trace import STACK_CONFIG, STACK_KEY
-from . import Runner
+from . import Runner, model_suffix
 
 if TYPE_CHECKING:
     from ..scenarios.base import Scenario, Setup
@@ -19,8 +19,8 @@ def keep_stack(sc: Scenario, setup: Setup, run: Runner, moved: FirstMoved, model
     from ..scenarios.base import Launch
 
     config = {**sc.model_config(setup, model), "steps": 1, STACK_CONFIG: [moved.rank, moved.entry_index]}
-    suffix = f"-{model}" if model else ""
-    kept = run(sc, Launch(f"op-stack-{moved.rank}-{moved.entry_index}{suffix}", config)).results.get(STACK_KEY)
+    launch = Launch(f"op-stack-{moved.rank}-{moved.entry_index}{model_suffix(model)}", config)
+    kept = run(sc, launch).results.get(STACK_KEY)
     if not kept:
         return ["its Python stack: the re-run of step 0 kept none"]
     expected = moved.entry.op if moved.entry is not None else None

@@ -20,14 +20,14 @@ from ..reference.compare import gradients_moved_first
 from ..reference.envelope import rel, step0_deviation, step0_limit
 from ..reference.op_trace import TRACE_CONFIG
 from ..reference.record import RunRecord
-from ..scenarios.base import Runner
+from ..scenarios.base import Launch, Runner
 from ..training.step import EMULATE_WORLD
 from .decision import CLIP, INVARIANTS, RULES, Evidence, Rule, Verdict, decide, first_step
 from .naming import op_component
 
 if TYPE_CHECKING:
     from ..reference.compare import Comparison
-    from ..scenarios.base import Launch, Scenario, Setup, TriageSupport
+    from ..scenarios.base import Scenario, Setup, TriageSupport
 
 LATE_WINDOW = "late window"  # the experiment of late_window.py
 TRIAGE_STEPS = 3  # equivalence compares step 0's gradients and the losses of the first steps
@@ -71,8 +71,6 @@ def own_evidence(run: RunRecord) -> list[Experiment]:
 def launches(sc: Scenario, setup: Setup, model: str | None = None) -> dict[str, Launch]:
     """The three short launches of the cheap evidence: N ranks, one rank, and the float64 oracle;
     of the scenario's own model, or of a user's (``model``, --gpuregress-model)."""
-    from ..scenarios.base import Launch
-
     # No step-0 op trace: these runs are compared with each other, never op by op with a reference. Every one
     # starts cold: the N ranks that just trained are warmed up, the one rank is not, and a bug that needs a
     # warmed-up process would read as "N ranks differ from one" (a collective) if the N-rank run reused them.
@@ -161,18 +159,16 @@ def oracle(sc: Scenario, real: RunRecord, exact: RunRecord) -> Experiment:
     norms = rel(by_name.param_grad_norms(exact, real)[0][0], exact.arrays["param_grad_norm"][0])  # type: ignore[index]
     for i in np.nonzero(norms > bound)[0]:
         lines.append(f"step-0 gradient norm of {names[int(i)]}: rel {float(norms[int(i)]):.3g} > {bound:.2g}")
-    worst = 0.0
     for name in step0.names(exact):
         deviations = step0_deviation(real, exact, name)
-        dev = float("inf") if deviations is None else float(deviations.max(initial=0.0))
-        worst = max(worst, dev)
         allowed = step0_limit(exact, name, bound)
         if deviations is None or bool(np.any(deviations > allowed)):
+            dev = float("inf") if deviations is None else float(deviations.max(initial=0.0))
             blocks = "" if np.ndim(allowed) == 0 else " (in blocks, each held to the bound of its sum)"
             lines.append(f"step-0 gradient {name}: max |diff|/max|float64| {dev:.3g} > {bound:.2g}{blocks}")
-    if not lines:
+    if not lines:  # then every gradient was there to compare
         return Experiment("oracle", "clean", f"step 0 matches float64 within {bound:.2g} (loss rel {loss:.2g}, "
-                                              f"gradients {worst:.2g})")
+                                              f"gradients {_max_step0_deviation(real, exact):.2g})")
     return Experiment("oracle", "differs", f"step 0 differs from float64 beyond {bound:.2g} ({len(lines)} quantities)",
                       component="kernel", lines=lines)
 
@@ -180,7 +176,7 @@ def oracle(sc: Scenario, real: RunRecord, exact: RunRecord) -> Experiment:
 def shard_owner(flat_index: int, shape: tuple[int, ...], world: int) -> int:
     """The rank whose FSDP2 shard (dim 0, padded to a multiple of the world size) holds this element."""
     rows = shape[0] if shape else 1
-    per_row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    per_row = int(np.prod(shape[1:]))  # 1 for a vector
     return min(world - 1, (flat_index // per_row) // -(-rows // world))
 
 
@@ -198,13 +194,13 @@ def _shape(record: RunRecord, name: str) -> tuple[int, ...]:
 def cheap_evidence(sc: Scenario, setup: Setup, run: Runner, model: str | None = None) -> list[Experiment]:
     """Equivalence and oracle, from three short launches (cached by the runner)."""
     planned = launches(sc, setup, model)
-    if setup.world_size < 2:  # one rank against one rank would clear the collectives without testing them
-        one, exact = (run(sc, planned[key]) for key in ("one", "oracle"))
-        return [Experiment("equivalence", "not applicable", "needs 2 or more ranks: this run has 1"),
-                oracle(sc, one, exact)]
-    n, one, exact = (run(sc, planned[key]) for key in ("n", "one", "oracle"))
+    # One rank against one rank would clear the collectives without testing them.
+    n = run(sc, planned["n"]) if setup.world_size >= 2 else None
+    one, exact = run(sc, planned["one"]), run(sc, planned["oracle"])
+    same = equivalence(sc, n, one, setup) if n is not None else \
+        Experiment("equivalence", "not applicable", "needs 2 or more ranks: this run has 1")
     # The oracle judges the one-rank run: no collective touches it, so a difference there is the kernels'.
-    return [equivalence(sc, n, one, setup), oracle(sc, one, exact)]
+    return [same, oracle(sc, one, exact)]
 
 
 def session_checks(name: str, passed: int, failed: list[str]) -> Experiment:

@@ -117,26 +117,30 @@ def _grouped_with_what_they_require(testable: list[Change], requires: Callable[[
                                     ) -> tuple[list[list[Change]], list[str]]:
     """The changes in groups: a package reverted together with the added packages it requires (the reference had
     none, so its older version could not import without them), transitively; and a line per such grouping."""
-    added = {c.package for c in testable if c.kind == "added"}
-    group_of = {c.package: c.package for c in testable}
-
-    def root(p: str) -> str:
-        while group_of[p] != p:
-            p = group_of[p]
-        return p
-
-    grouped = []
-    for change in (c for c in testable if c.kind != "removed"):
-        needs = sorted(added & {canonical(r) for r in requires(change.package)} - {change.package})
-        for need in needs:
-            group_of[root(need)] = root(change.package)
-        if needs:
-            grouped.append(f"{change.package} with {', '.join(needs)} (it requires {'it' if len(needs) == 1 else 'them'}, "
-                           "and the reference had none)")
+    needs = _added_required(testable, requires)
+    group_of = {c.package: c.package for c in testable}  # a package -> one in its group, up to the group's root
+    for package, required in needs.items():
+        for need in required:
+            group_of[_root(group_of, need)] = _root(group_of, package)
+    grouped = [f"{package} with {', '.join(required)} (it requires {'it' if len(required) == 1 else 'them'}, and the "
+               "reference had none)" for package, required in needs.items() if required]
     by_root: dict[str, list[Change]] = {}
     for change in testable:
-        by_root.setdefault(root(change.package), []).append(change)
+        by_root.setdefault(_root(group_of, change.package), []).append(change)
     return list(by_root.values()), grouped
+
+
+def _added_required(testable: list[Change], requires: Callable[[str], Iterable[str]]) -> dict[str, list[str]]:
+    """Per package still installed, the added packages among ``testable`` that it requires."""
+    added = {c.package for c in testable if c.kind == "added"}
+    return {c.package: sorted(added & {canonical(r) for r in requires(c.package)} - {c.package})
+            for c in testable if c.kind != "removed"}
+
+
+def _root(group_of: dict[str, str], package: str) -> str:
+    while group_of[package] != package:
+        package = group_of[package]
+    return package
 
 
 @dataclass(frozen=True)

@@ -21,15 +21,14 @@ from ..evidence import clipping, collective_invariants, step0
 from ..evidence.op_trace import TRACE_CONFIG
 from ..reference import by_name
 from ..reference.record import RunRecord
-from ..scenarios.base import Runner
+from ..scenarios.base import Launch, Runner
 from ..training.step import EMULATE_WORLD
-from .decision import CLIP, INVARIANTS
+from .decision import CLIP, INVARIANTS, RULES, Evidence, Rule, Verdict, decide, first_step
 from .naming import op_component
 
 if TYPE_CHECKING:
     from ..comparison.compare import Comparison
-    from ..scenarios.base import Launch, Scenario, Setup, TriageSupport
-    from .decision import Rule, Verdict
+    from ..scenarios.base import Scenario, Setup, TriageSupport
 
 LATE_WINDOW = "late window"  # the experiment of late_window.py
 TRIAGE_STEPS = 3  # equivalence compares step 0's gradients and the losses of the first steps
@@ -73,13 +72,11 @@ def own_evidence(run: RunRecord) -> list[Experiment]:
 def launches(sc: Scenario, setup: Setup, model: str | None = None) -> dict[str, Launch]:
     """The three short launches of the cheap evidence: N ranks, one rank, and the float64 oracle;
     of the scenario's own model, or of a user's (``model``, --gpuregress-model)."""
-    from ..scenarios.base import Launch
-
     # No step-0 op trace: these runs are compared with each other, never op by op with a reference. Every one
     # starts cold: the N ranks that just trained are warmed up, the one rank is not, and a bug that needs a
     # warmed-up process would read as "N ranks differ from one" (a collective) if the N-rank run reused them.
     config = {**sc.model_config(setup, model), "steps": TRIAGE_STEPS, TRACE_CONFIG: False}
-    suffix = f"-{model}" if model else ""
+    suffix = model_suffix(model)
     return {
         "n": Launch(f"triage-n{suffix}", config, cold=True),
         # Each of the N ranks' micro-batches in turn, with their shapes: only the communication differs from "n".
@@ -87,6 +84,11 @@ def launches(sc: Scenario, setup: Setup, model: str | None = None) -> dict[str, 
         # The oracle is the reference implementation: injected faults emulate the stack under test.
         "oracle": Launch(f"triage-oracle{suffix}", config, world_size=1, entry=ORACLE_ENTRY, inject=False, cold=True),
     }
+
+
+def model_suffix(model: str | None) -> str:
+    """What a launch's key (or a case's name) adds for a user's model (--gpuregress-model): nothing for the scenario's."""
+    return f"-{model}" if model else ""
 
 
 def support_of(sc: Scenario) -> TriageSupport:
@@ -107,7 +109,7 @@ def equivalence(sc: Scenario, n: RunRecord, one: RunRecord, setup: Setup) -> Exp
     lines: list[str] = []
     ranks: set[int] = set()
     shapes = {name: _shape(one, name) for name in step0.names(one)}
-    for name in step0.names(one):
+    for name, shape in shapes.items():
         dev = step0.step0_deviation(n, one, name)
         if dev is None:
             lines.append(f"{name}: missing or reshaped in the {setup.world_size}-rank run")
@@ -115,14 +117,7 @@ def equivalence(sc: Scenario, n: RunRecord, one: RunRecord, setup: Setup) -> Exp
         wrong = np.nonzero(dev > step0_limit(one, name, bound))[0]
         if not len(wrong):
             continue
-        shape = shapes[name]
-        prefix, rows = step0.full_or_blocks(one, name)  # type: ignore[misc]
-        if prefix == step0.BLOCK_PREFIX:  # a block's first element stands for the block
-            flat, unit = [int(rows[i, 0]) * step0.BLOCK for i in wrong], "blocks"
-            first = step0.block_label(rows, int(wrong[0]), shape)
-        else:
-            flat, unit = [int(i) for i in wrong], "elements"
-            first = str(tuple(int(i) for i in np.unravel_index(int(wrong[0]), shape)))
+        flat, unit, first = _where_wrong(one, name, wrong, shape)
         owners = sorted({shard_owner(i, shape, setup.world_size) for i in flat})
         ranks.update(owners)
         lines.append(
@@ -131,8 +126,8 @@ def equivalence(sc: Scenario, n: RunRecord, one: RunRecord, setup: Setup) -> Exp
             f"{support_of(sc).message_of(name, shapes, setup.world_size, n)}"  # n: the run that sent these messages
         )
     losses = rel(np.asarray(n.series.get("loss", [])), np.asarray(one.series.get("loss", [])))
-    late = [int(s) for s in np.nonzero(losses > bound)[0]]
-    if late:
+    late = np.nonzero(losses > bound)[0]
+    if len(late):
         lines.append(f"loss: {len(late)} of the first {len(losses)} steps beyond {bound:.2g}, first at step {late[0]} "
                      f"(rel {float(losses[late[0]]):.3g})")
     if not lines:
@@ -142,6 +137,15 @@ def equivalence(sc: Scenario, n: RunRecord, one: RunRecord, setup: Setup) -> Exp
     return Experiment("equivalence", "differs",
                       f"{setup.world_size} ranks differ from 1 rank at step 0 beyond {bound:.2g}, in {where}",
                       component="collective", lines=lines)
+
+
+def _where_wrong(record: RunRecord, name: str, wrong: np.ndarray, shape: tuple[int, ...]) -> tuple[list[int], str, str]:
+    """The flat index of each wrong element (a block's first element stands for the block), their unit, and where
+    the first one is."""
+    prefix, rows = step0.full_or_blocks(record, name)  # type: ignore[misc]
+    if prefix == step0.BLOCK_PREFIX:
+        return [int(rows[i, 0]) * step0.BLOCK for i in wrong], "blocks", step0.block_label(rows, int(wrong[0]), shape)
+    return [int(i) for i in wrong], "elements", str(tuple(int(i) for i in np.unravel_index(int(wrong[0]), shape)))
 
 
 def oracle(sc: Scenario, real: RunRecord, exact: RunRecord) -> Experiment:
@@ -156,18 +160,16 @@ def oracle(sc: Scenario, real: RunRecord, exact: RunRecord) -> Experiment:
     norms = rel(by_name.param_grad_norms(exact, real)[0][0], exact.arrays["param_grad_norm"][0])  # type: ignore[index]
     for i in np.nonzero(norms > bound)[0]:
         lines.append(f"step-0 gradient norm of {names[int(i)]}: rel {float(norms[int(i)]):.3g} > {bound:.2g}")
-    worst = 0.0
     for name in step0.names(exact):
         deviations = step0.step0_deviation(real, exact, name)
-        dev = float("inf") if deviations is None else float(deviations.max(initial=0.0))
-        worst = max(worst, dev)
         allowed = step0_limit(exact, name, bound)
         if deviations is None or bool(np.any(deviations > allowed)):
+            dev = float("inf") if deviations is None else float(deviations.max(initial=0.0))
             blocks = "" if np.ndim(allowed) == 0 else " (in blocks, each held to the bound of its sum)"
             lines.append(f"step-0 gradient {name}: max |diff|/max|float64| {dev:.3g} > {bound:.2g}{blocks}")
-    if not lines:
+    if not lines:  # then every gradient was there to compare
         return Experiment("oracle", "clean", f"step 0 matches float64 within {bound:.2g} (loss rel {loss:.2g}, "
-                                              f"gradients {worst:.2g})")
+                                              f"gradients {_max_step0_deviation(real, exact):.2g})")
     return Experiment("oracle", "differs", f"step 0 differs from float64 beyond {bound:.2g} ({len(lines)} quantities)",
                       component="kernel", lines=lines)
 
@@ -175,7 +177,7 @@ def oracle(sc: Scenario, real: RunRecord, exact: RunRecord) -> Experiment:
 def shard_owner(flat_index: int, shape: tuple[int, ...], world: int) -> int:
     """The rank whose FSDP2 shard (dim 0, padded to a multiple of the world size) holds this element."""
     rows = shape[0] if shape else 1
-    per_row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    per_row = int(np.prod(shape[1:]))  # 1 for a vector
     return min(world - 1, (flat_index // per_row) // -(-rows // world))
 
 
@@ -193,13 +195,13 @@ def _shape(record: RunRecord, name: str) -> tuple[int, ...]:
 def cheap_evidence(sc: Scenario, setup: Setup, run: Runner, model: str | None = None) -> list[Experiment]:
     """Equivalence and oracle, from three short launches (cached by the runner)."""
     planned = launches(sc, setup, model)
-    if setup.world_size < 2:  # one rank against one rank would clear the collectives without testing them
-        one, exact = (run(sc, planned[key]) for key in ("one", "oracle"))
-        return [Experiment("equivalence", "not applicable", "needs 2 or more ranks: this run has 1"),
-                oracle(sc, one, exact)]
-    n, one, exact = (run(sc, planned[key]) for key in ("n", "one", "oracle"))
+    # One rank against one rank would clear the collectives without testing them.
+    n = run(sc, planned["n"]) if setup.world_size >= 2 else None
+    one, exact = run(sc, planned["one"]), run(sc, planned["oracle"])
+    same = equivalence(sc, n, one, setup) if n is not None else \
+        Experiment("equivalence", "not applicable", "needs 2 or more ranks: this run has 1")
     # The oracle judges the one-rank run: no collective touches it, so a difference there is the kernels'.
-    return [equivalence(sc, n, one, setup), oracle(sc, one, exact)]
+    return [same, oracle(sc, one, exact)]
 
 
 def session_checks(name: str, passed: int, failed: list[str]) -> Experiment:
@@ -213,13 +215,13 @@ def session_checks(name: str, passed: int, failed: list[str]) -> Experiment:
                                      "groups, the copies around each collective)")
 
 
-def first_moved_evidence(comparison: Comparison | None) -> Experiment | None:
+def first_moved_evidence(comparison: Comparison) -> Experiment | None:
     """The op of step 0 that gave another answer (``Comparison.culprit``): the first that moved in the exact lane,
     the first that introduced a difference beyond drift in the tolerant one (never plain drift). It convicts by
     what the op is: collective (or FSDP2's copies around one), optimizer, compute kernel, or data for an integer
     input no op made. A changed op sequence, or drift alone, convicts nothing.
     """
-    if comparison is None or comparison.first_moved is None:
+    if comparison.first_moved is None:
         return None
     moved = comparison.culprit
     if moved is None:  # the tolerant lane: ops moved, none beyond drift, so no op convicts anything
@@ -231,64 +233,52 @@ def first_moved_evidence(comparison: Comparison | None) -> Experiment | None:
                       component=op_component(moved))
 
 
-def verdict(comparison: Comparison | None, experiments: list[Experiment], rules: tuple[Rule, ...] | None = None) -> Verdict:
+def verdict(comparison: Comparison | None, experiments: list[Experiment], rules: tuple[Rule, ...] = RULES) -> Verdict:
     """The verdict of the first rule of decision.RULES (or ``rules``) whose evidence is there; inconclusive (its
     component None) where none is: the findings then keep their own names, and the line says what is known."""
-    from .decision import RULES, Evidence, decide
-
-    by_name = _evidence(comparison, experiments)
-    if comparison is not None and comparison.findings:
-        _divergence(comparison, experiments, by_name)
-    summary = "; ".join(f"{e.name} {e.status}: {e.detail}" for e in by_name.values())
-    return decide(Evidence(comparison, by_name), summary, RULES if rules is None else rules)
+    evidence = Evidence(comparison, {e.name: e for e in experiments})
+    _add_the_comparisons_own(evidence.compared, evidence.by_name)
+    _divergence(evidence.compared, experiments, evidence.by_name)
+    return decide(evidence, evidence.quote(*evidence.by_name), rules)
 
 
-def _evidence(comparison: Comparison | None, experiments: list[Experiment]) -> dict[str, Experiment]:
-    """The experiments by name, with what the comparison itself shows: the kernels that changed since the
-    reference, and the first op of step 0 that moved."""
-    by_name = {e.name: e for e in experiments}
-    changed = comparison.kernel_changes if comparison is not None else None
+def _add_the_comparisons_own(comparison: Comparison, by_name: dict[str, Experiment]) -> None:
+    """What the comparison itself shows, beside the experiments: the kernels that changed since the reference, and
+    the first op of step 0 that moved."""
+    changed = comparison.kernel_changes
     if changed:
         by_name["kernels"] = Experiment("kernels", "changed", f"{len(changed)} ops run other kernels than in the "
                                         f"reference, first {changed[0]}", component="kernel")
     moved = first_moved_evidence(comparison)
     if moved is not None:
         by_name[moved.name] = moved
-    return by_name
 
 
 def _divergence(comparison: Comparison, experiments: list[Experiment], by_name: dict[str, Experiment]) -> None:
     """Where step 0 is cleared and the findings start later: say so, and whether a step's gradients moved while its
     loss (the same weights) matched, which clears the update. A first moved op at step 0 that drifts within the
     tolerance there is shown as drift, convicting nothing."""
-    first = min((f.step for f in comparison.findings if f.step is not None), default=None)
+    first = first_step(comparison)
     moved = by_name.get("first moved op")
-    if moved is not None and moved.convicts and first not in (0, None) and moved.component != "optimizer":
+    if first and moved is not None and moved.convicts and moved.component != "optimizer":
         # Step 0 is within the tolerance: that op's drift is the legitimate kind the envelope allows (another
         # kernel path), not what failed later; it is shown, and convicts nothing.
         by_name[moved.name] = Experiment(moved.name, "drifts within the tolerance at step 0", moved.detail)
     if divergence_start(comparison, experiments) is None:
         return
-    by_name["divergence"] = Experiment("divergence", "starts", f"step 0 matches the reference; the first difference "
-                                                               f"is at step {first}")
-    if gradients_moved_first(comparison.findings, comparison.lane):
-        by_name["divergence"] = _gradients_first(by_name["divergence"])
+    update = "" if not gradients_moved_first(comparison.findings, comparison.lane) else (
+        "; the gradients move before the loss (which is bitwise equal at that step), so the update is not the cause (a "
+        "collective that carries gradients, or a backward kernel)")
+    by_name["divergence"] = Experiment("divergence", "starts", f"step 0 matches the reference; the first difference is "
+                                                               f"at step {first}{update}")
 
 
 def divergence_start(comparison: Comparison, experiments: list[Experiment]) -> int | None:
     """The step a divergence starts at where step 0 is cleared (equivalence and the oracle ran, both clean) and
     the findings begin later; None otherwise."""
-    cleared = [e for e in experiments if e.name in ("equivalence", "oracle")]
-    first = min((f.step for f in comparison.findings if f.step is not None), default=None)
-    if len(cleared) < 2 or any(e.status != "clean" for e in cleared) or first is None or first == 0:
-        return None
-    return first
-
-
-def _gradients_first(divergence: Experiment) -> Experiment:
-    return Experiment("divergence", "starts", divergence.detail + "; the gradients move before the loss (which is "
-                      "bitwise equal at that step), so the update is not the cause (a collective that carries "
-                      "gradients, or a backward kernel)")
+    cleared = [e.status for e in experiments if e.name in ("equivalence", "oracle")]
+    first = first_step(comparison)
+    return first if first and len(cleared) >= 2 and set(cleared) == {"clean"} else None
 
 
 def report(line: str, experiments: list[Experiment]) -> list[str]:

@@ -21,6 +21,7 @@ from ..comparison.failfast import truncated_reference
 from ..reference.record import RunRecord
 from ..stack.fingerprint import canonical, installed_packages
 from . import Experiment, Runner
+from .decision import first_step
 from .overlays import BisectProblem, Overlays
 
 if TYPE_CHECKING:
@@ -56,11 +57,9 @@ class Change:
         return self.then.split(" ", 1)[0] if self.then else None
 
     def describe(self) -> str:
-        if self.kind == "added":
-            return f"{self.package} (added)"
-        if self.kind == "removed":
-            return f"{self.package} (removed)"
-        return f"{self.package} {self.now} -> {self.then}"  # the way a revert goes
+        if self.kind == "changed":
+            return f"{self.package} {self.now} -> {self.then}"  # the way a revert goes
+        return f"{self.package} ({self.kind})"
 
 
 @dataclass(frozen=True)
@@ -78,17 +77,24 @@ def changes(reference: dict[str, str], current: dict[str, str]) -> list[Change]:
 
 def why_untestable(change: Change, wheelhouse_has: Callable[[str, str], bool] = lambda p, v: False) -> str | None:
     """Why an overlay cannot revert ``change``; None where it can."""
+    then, now = change.then or "", change.now or ""
     if change.package == OURS:
         return "the plugin running the experiment"
-    if change.then and change.then.endswith(("(editable)", "(local)", "(vcs)")):
-        return f"the reference's was installed from a folder or a file ({change.then}): there is no wheel of it to fetch"
-    if change.now and change.now.endswith("(editable)"):
-        return f"installed editable here ({change.now}): its import hook comes before any folder on the path"
-    torch_built = change.package in TORCH_ABI or change.package.startswith(TORCH_ABI_PREFIXES)
-    if torch_built and not (change.package == "torch" and change.reference_version
-                            and wheelhouse_has("torch", change.reference_version)):
-        return ("torch itself (a wheelhouse holding its reference version lets an overlay replace it)"
-                if change.package == "torch" else "built against torch's ABI: it cannot be swapped beside this torch")
+    if then.endswith(("(editable)", "(local)", "(vcs)")):
+        return f"the reference's was installed from a folder or a file ({then}): there is no wheel of it to fetch"
+    if now.endswith("(editable)"):
+        return f"installed editable here ({now}): its import hook comes before any folder on the path"
+    return _torch_built(change, wheelhouse_has)
+
+
+def _torch_built(change: Change, wheelhouse_has: Callable[[str, str], bool]) -> str | None:
+    """Why a package built against torch cannot be overlaid; torch itself can, from a wheelhouse holding its version."""
+    version = change.reference_version
+    if change.package == "torch":
+        return None if version and wheelhouse_has("torch", version) else \
+            "torch itself (a wheelhouse holding its reference version lets an overlay replace it)"
+    if change.package in TORCH_ABI or change.package.startswith(TORCH_ABI_PREFIXES):
+        return "built against torch's ABI: it cannot be swapped beside this torch"
     return None
 
 
@@ -99,39 +105,42 @@ def plan(reference: dict[str, str], current: dict[str, str], requires: Callable[
     the reference's version of a package ahead of the experiments, and says why it cannot be had (then that package
     is not tested, with the reason), or None."""
     found = changes(reference, current)
-    untested = [(c, why) for c in found if (why := why_untestable(c, wheelhouse_has)) is not None]
-    testable = [c for c in found if why_untestable(c, wheelhouse_has) is None]
-    missing = [(c, why) for c in testable if c.kind != "added" and (why := fetch(c.package, str(c.reference_version)))]
-    untested += missing
-    testable = [c for c in testable if c not in {m for m, _ in missing}]
+    untested = {c: why for c in found if (why := why_untestable(c, wheelhouse_has))}
+    missing = {c: why for c in found if c not in untested and c.kind != "added"
+               and (why := fetch(c.package, str(c.reference_version)))}
+    testable = [c for c in found if c not in untested and c not in missing]
     groups, grouped = _grouped_with_what_they_require(testable, requires)
-    return Plan(groups, grouped, untested)
+    return Plan(groups, grouped, [*untested.items(), *missing.items()])
 
 
 def _grouped_with_what_they_require(testable: list[Change], requires: Callable[[str], Iterable[str]]
                                     ) -> tuple[list[list[Change]], list[str]]:
     """The changes in groups: a package reverted together with the added packages it requires (the reference had
     none, so its older version could not import without them), transitively; and a line per such grouping."""
-    added = {c.package for c in testable if c.kind == "added"}
-    group_of = {c.package: c.package for c in testable}
-
-    def root(p: str) -> str:
-        while group_of[p] != p:
-            p = group_of[p]
-        return p
-
-    grouped = []
-    for change in (c for c in testable if c.kind != "removed"):
-        needs = sorted(added & {canonical(r) for r in requires(change.package)} - {change.package})
-        for need in needs:
-            group_of[root(need)] = root(change.package)
-        if needs:
-            grouped.append(f"{change.package} with {', '.join(needs)} (it requires {'it' if len(needs) == 1 else 'them'}, "
-                           "and the reference had none)")
+    needs = _added_required(testable, requires)
+    group_of = {c.package: c.package for c in testable}  # a package -> one in its group, up to the group's root
+    for package, required in needs.items():
+        for need in required:
+            group_of[_root(group_of, need)] = _root(group_of, package)
+    grouped = [f"{package} with {', '.join(required)} (it requires {'it' if len(required) == 1 else 'them'}, and the "
+               "reference had none)" for package, required in needs.items() if required]
     by_root: dict[str, list[Change]] = {}
     for change in testable:
-        by_root.setdefault(root(change.package), []).append(change)
+        by_root.setdefault(_root(group_of, change.package), []).append(change)
     return list(by_root.values()), grouped
+
+
+def _added_required(testable: list[Change], requires: Callable[[str], Iterable[str]]) -> dict[str, list[str]]:
+    """Per package still installed, the added packages among ``testable`` that it requires."""
+    added = {c.package for c in testable if c.kind == "added"}
+    return {c.package: sorted(added & {canonical(r) for r in requires(c.package)} - {c.package})
+            for c in testable if c.kind != "removed"}
+
+
+def _root(group_of: dict[str, str], package: str) -> str:
+    while group_of[package] != package:
+        package = group_of[package]
+    return package
 
 
 @dataclass(frozen=True)
@@ -143,7 +152,7 @@ class Outcome:
 @dataclass
 class Result:
     plan: Plan
-    culprit: list[Change] | None  # the smallest group whose revert restores step 0; None where none does
+    culprit: list[Change] | None  # the smallest group whose revert restores step 0 (plan's first); None where none does
     how: str
     experiments: int
     seconds: float
@@ -168,10 +177,13 @@ class Result:
             return (f"bisect: no revert restores step 0: with every package an overlay can revert reverted, step 0 "
                     f"still differs ({self.how}); what remains is what cannot be overlaid (torch, the driver, the "
                     f"hardware){untested} {tried}")
-        cleared = [c for g in self.plan.groups if g is not self.culprit for c in g]
-        named = " and ".join(c.describe() for c in self.culprit)
-        clear = f"; {' and '.join(c.describe() for c in cleared)} cleared" if cleared else ""
-        return f"bisect: {named} restores step 0 {self.how}{clear} {tried}{untested}"
+        cleared = [c for g in self.plan.groups[1:] for c in g]
+        clear = f"; {_named(cleared)} cleared" if cleared else ""
+        return f"bisect: {_named(self.culprit)} restores step 0 {self.how}{clear} {tried}{untested}"
+
+
+def _named(reverted: Iterable[Change]) -> str:
+    return " and ".join(c.describe() for c in reverted)
 
 
 Restores = Callable[[list[Change]], Outcome]
@@ -180,42 +192,40 @@ Restores = Callable[[list[Change]], Outcome]
 def bisect(found: Plan, restores: Restores) -> Result:
     """Revert every group, then halves of the groups, as far as a smaller set still restores step 0."""
     started = time.monotonic()
-    log: list[str] = []
-    count = 0
+    log: list[str] = []  # one line per experiment
 
     def tried(groups: list[list[Change]]) -> Outcome:
-        nonlocal count
-        count += 1
-        outcome = restores([c for g in groups for c in g])
-        reverted = ", ".join(c.describe() for g in groups for c in g)
-        log.append(f"experiment {count}: reverted {reverted}: "
-                   f"{'restores step 0 ' + outcome.how if outcome.restored else 'still differs: ' + outcome.how}")
+        reverted = [c for g in groups for c in g]
+        outcome = restores(reverted)
+        said = f"restores step 0 {outcome.how}" if outcome.restored else f"still differs: {outcome.how}"
+        log.append(f"experiment {len(log) + 1}: reverted {', '.join(map(Change.describe, reverted))}: {said}")
         return outcome
 
     if not found.groups:
         return Result(found, None, "", 0, 0.0, log)
     everything = tried(found.groups)
     if not everything.restored:
-        return Result(found, None, everything.how, count, time.monotonic() - started, log)
-    candidates, how = found.groups, everything.how
+        return Result(found, None, everything.how, len(log), time.monotonic() - started, log)
+    candidates, how = _narrowed(found.groups, everything.how, tried)
+    culprit = [c for g in candidates for c in g]
+    # The culprit as one group, first, for the line: the groups it spans are named together.
+    groups = [culprit, *[g for g in found.groups if not any(c in culprit for c in g)]]
+    return Result(replace(found, groups=groups), culprit, how, len(log), time.monotonic() - started, log)
+
+
+def _narrowed(candidates: list[list[Change]], how: str, tried: Callable[[list[list[Change]]], Outcome]
+              ) -> tuple[list[list[Change]], str]:
+    """Halve ``candidates`` (whose revert restores step 0, ``how``) while one half alone still does: the smallest such
+    set of groups, and how its revert restores step 0."""
     while len(candidates) > 1:
         half, rest = candidates[:len(candidates) // 2], candidates[len(candidates) // 2:]
         outcome = tried(half)
-        if outcome.restored:
-            candidates, how = half, outcome.how
-            continue
-        outcome = tried(rest)
-        if outcome.restored:
-            candidates, how = rest, outcome.how
-            continue
-        break  # neither half alone: the packages of both act together
-    culprit = [c for g in candidates for c in g]
-    result = Result(found, culprit, how, count, time.monotonic() - started, log)
-    # The culprit as one group, for the line: the groups it spans are named together.
-    result.plan = Plan([culprit, *[g for g in found.groups if not any(c in culprit for c in g)]], found.grouped,
-                       found.untested)
-    result.culprit = result.plan.groups[0]
-    return result
+        if not outcome.restored:
+            half, outcome = rest, tried(rest)
+        if not outcome.restored:
+            break  # neither half alone: the packages of both act together
+        candidates, how = half, outcome.how
+    return candidates, how
 
 
 def experiment(result: Result) -> Experiment:
@@ -266,14 +276,14 @@ def bisect_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
     recorded = reference.fingerprint.get("packages")
     if not isinstance(recorded, dict):  # a plug-in's rank that set a fingerprint of its own
         return Experiment(NAME, "not applicable", "the reference keeps no list of installed packages to bisect")
-    first = min((f.step for f in comparison.findings if f.step is not None), default=None)
-    if first not in (0, None):
+    first = first_step(comparison)
+    if first:
         return Experiment(NAME, "not applicable", f"step 0 of this run matches the reference (the first "
-                                                            f"difference is at step {first}): a bisect of step 0 has "
-                                                            "nothing to restore")
+                                                  f"difference is at step {first}): a bisect of step 0 has "
+                                                  "nothing to restore")
     overlays = Overlays(request.root / "bisect", request.wheelhouse)
-    found = plan(recorded, installed_packages(), requires,
-                           lambda p, v: wheelhouse_has(request.wheelhouse, p, v), overlays.available)
+    found = plan(recorded, installed_packages(), requires, lambda p, v: wheelhouse_has(request.wheelhouse, p, v),
+                 overlays.available)
     launch = next(launch for launch in sc.launches([case], setup) if launch.key == case.launch)
     cut = truncated_reference(reference, 1)
 
@@ -283,13 +293,7 @@ def bisect_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
         named = "-".join(sorted(f"{c.package}=={c.reference_version}" for c in reverted))
         key = f"bisect-{hashlib.sha256(named.encode()).hexdigest()[:12]}"
         record = run(sc, replace(launch, key=key, env={**launch.env, **env}, config={**launch.config, "steps": 1}))
-        judged = sc.compare(cut, record, case, "auto")
-        if judged.passed and (judged.lane == "exact" or judged.introduced is None):
-            return Outcome(True, "bit for bit" if judged.lane == "exact"
-                                     else "within the envelope, with no op of step 0 introducing a difference")
-        worst = judged.findings[0].message if judged.findings else (
-            judged.introduced.describe() if judged.introduced is not None else "the comparison failed")
-        return Outcome(False, worst.split(";")[0])
+        return _outcome(sc.compare(cut, record, case, "auto"))
 
     try:
         result = bisect(found, restores)
@@ -300,3 +304,14 @@ def bisect_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord
         return Experiment(NAME, "failed to run", f"{type(exc).__name__}: {lines[0] if lines else ''}",
                           lines=lines[1:])
     return experiment(result)
+
+
+def _outcome(judged: Comparison) -> Outcome:
+    """What step 0 with some packages reverted says: restored bit for bit (the exact lane), or within the envelope
+    with no op introducing a difference; else what still differs."""
+    if judged.passed and (judged.lane == "exact" or judged.introduced is None):
+        return Outcome(True, "bit for bit" if judged.lane == "exact"
+                             else "within the envelope, with no op of step 0 introducing a difference")
+    worst = judged.findings[0].message if judged.findings else (
+        judged.introduced.describe() if judged.introduced is not None else "the comparison failed")
+    return Outcome(False, worst.split(";")[0])

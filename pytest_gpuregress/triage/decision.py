@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..comparison.compare import Comparison, Finding
 from ..evidence import model_layout
 from ..evidence.oracle_distance import PRECISION_METRIC as PRECISION
-from .naming import op_component
-
-if TYPE_CHECKING:
-    from ..comparison.compare import Comparison
+from .naming import GRADIENTS, finding_of, op_component
 
 Experiment = Any  # triage's Experiment (name, status, detail, component, convicts): typed there, read here
 
@@ -27,6 +25,11 @@ BISECT = "bisect"
 MODEL_CODE = "model code"  # triage/model_code.py: the float64 oracle against the reference's
 
 
+def first_step(comparison: Comparison) -> int | None:
+    """The first step a finding of ``comparison`` is at; None where no finding has a step."""
+    return min((f.step for f in comparison.findings if f.step is not None), default=None)
+
+
 @dataclass
 class Evidence:
     """What a failing case shows, by name (``Experiment``s), with the comparison it came from."""
@@ -34,12 +37,16 @@ class Evidence:
     comparison: Comparison | None
     by_name: dict[str, Experiment] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # The rules read ``compared``: no comparison (an experiment's evidence alone) is one with no finding, no op.
+        self.compared: Comparison = self.comparison if self.comparison is not None else Comparison("", "", [], [])
+
     @property
     def mostly_unpaired(self) -> str | None:
         """Where less than half of step 0's ops could be paired with the reference's, how many were: the op that
         introduced the difference was then looked for among too few ops to decide on its own."""
-        paired = self.comparison.paired_ops if self.comparison is not None else None
-        if paired is None or not paired[1] or paired[0] * 2 >= paired[1]:
+        paired = self.compared.paired_ops
+        if paired is None or paired[0] * 2 >= paired[1]:
             return None
         return f"only {paired[0]} of this run's {paired[1]} ops of step 0 could be paired with the reference's"
 
@@ -47,19 +54,26 @@ class Evidence:
     def culprit(self) -> Any:
         """The op of step 0 that introduced the difference (``Comparison.culprit``), as evidence: None where there
         is none, or where too little of step 0 was paired to look for it (``mostly_unpaired``)."""
-        if self.comparison is None or self.mostly_unpaired:
-            return None
-        return self.comparison.culprit
+        return None if self.mostly_unpaired else self.compared.culprit
+
+    @property
+    def first_step(self) -> int | None:
+        return first_step(self.compared)
+
+    def finding(self, *metrics: str) -> Finding | None:
+        return finding_of(self.compared, *metrics)
+
+    def status(self, name: str) -> str | None:
+        found = self.by_name.get(name)
+        return found.status if found is not None else None
 
     def convicting(self, name: str) -> Experiment | None:
         found = self.by_name.get(name)
         return found if found is not None and found.convicts and found.component else None
 
-    @property
-    def first_step(self) -> int | None:
-        if self.comparison is None:
-            return None
-        return min((f.step for f in self.comparison.findings if f.step is not None), default=None)
+    def quote(self, *names: str) -> str:
+        """The named experiments' results, as a verdict quotes them."""
+        return "; ".join(f"{e.name} {e.status}: {e.detail}" for e in map(self.by_name.__getitem__, names))
 
 
 Decision = tuple[str, str]  # (component, the evidence quoted)
@@ -99,24 +113,19 @@ def _experiment(name: str, status: str | None = None) -> Callable[[Evidence], De
     """The rule of an experiment that convicts (with ``status``: only where it says that)."""
     def decide(evidence: Evidence) -> Decision | None:
         found = evidence.convicting(name)
-        if found is None or (status is not None and found.status != status):
+        if found is None or status not in (None, found.status):
             return None
-        return str(found.component), f"{found.name} {found.status}: {found.detail}"
+        return str(found.component), evidence.quote(name)
 
     return decide
 
 
 def _data(evidence: Evidence) -> Decision | None:
-    comparison = evidence.comparison
-    if comparison is None:
-        return None
-    changed = next((f for f in comparison.findings if f.metric == "data"), None)
+    changed = evidence.finding("data")
     if changed is not None:
         return "data", changed.message
     culprit = evidence.culprit
-    if op_component(culprit) == "data":
-        return "data", culprit.describe()
-    return None
+    return ("data", culprit.describe()) if op_component(culprit) == "data" else None
 
 
 def _collective_at_step0(evidence: Evidence) -> Decision | None:
@@ -141,21 +150,21 @@ def _world_size_factor(evidence: Evidence) -> Decision | None:
     """Every gradient that differs is exactly the world size times the reference's (or its inverse): a divide by the
     number of ranks skipped or done twice. An AVG that summed (the collective) and a caller that did not divide
     (the library) give the same numbers; where the run's collectives kept their invariants it is the caller."""
-    comparison = evidence.comparison
-    gradients = [f for f in comparison.findings if f.metric in ("step0_grad", "late_grad")] if comparison else []
-    if not gradients or any(f.factor_is is None for f in gradients) or len({f.factor_is for f in gradients}) > 1:
+    gradients = [f for f in evidence.compared.findings if f.metric in GRADIENTS]
+    factors = {f.factor_is for f in gradients}
+    if len(factors) != 1 or None in factors:
         return None
-    held = evidence.by_name.get(INVARIANTS)
     what = (f"{len(gradients)} gradient tensors differ, every element exactly {gradients[0].factor:.6g}x the "
             f"reference's: {gradients[0].factor_is}, a divide by the number of ranks skipped or done twice")
-    if held is not None and held.status == "held":
-        culprit = evidence.culprit  # the op that introduced it: whose code scaled the gradients, where it says
-        package = culprit.entry.package if culprit is not None and culprit.entry is not None else None
-        where = f"; {culprit.describe()}" if culprit is not None else ""
-        return (f"library: {package}" if package else "library"), \
-            f"{what}; every collective kept its invariants, so the code that divides did it{where}"
-    return "collective or library", (f"{what}, by an AVG that summed (the collective) or by the code that divides "
-                                     "(a library); the run's collective invariants would tell them apart")
+    if evidence.status(INVARIANTS) != "held":
+        return "collective or library", (f"{what}, by an AVG that summed (the collective) or by the code that "
+                                         "divides (a library); the run's collective invariants would tell them apart")
+    what += "; every collective kept its invariants, so the code that divides did it"
+    culprit = evidence.culprit  # the op that introduced it: whose code scaled the gradients, where it says
+    if culprit is None:
+        return "library", what
+    package = culprit.entry.package if culprit.entry is not None else None
+    return (f"library: {package}" if package else "library"), f"{what}; {culprit.describe()}"
 
 
 def _one_rank(evidence: Evidence) -> Decision | None:
@@ -175,29 +184,24 @@ def _one_rank(evidence: Evidence) -> Decision | None:
 def _follows_the_data(evidence: Evidence) -> bool:
     """Equivalence ran and was clean: one rank that replays each rank's micro-batch in turn computed what the N ranks
     did, so a difference on one rank followed that rank's data, not its device."""
-    found = evidence.by_name.get("equivalence")
-    return found is not None and found.status == "clean"
+    return evidence.status("equivalence") == "clean"
 
 
 def _late_gradients_past_checked_collectives(evidence: Evidence) -> Decision | None:
     """Step S's gradients, recomputed in a fresh process from the reference's state, differ, while every collective
     of the run kept its invariants, the gradients' reduce-scatters included: the backward computed them wrong."""
-    late = evidence.by_name.get("late window")
-    checked = evidence.by_name.get(INVARIANTS)
-    if late is None or late.status != "differs" or checked is None or checked.status != "held":
+    if evidence.status("late window") != "differs" or evidence.status(INVARIANTS) != "held":
         return None
-    return "kernel", f"{late.name} {late.status}: {late.detail}; {checked.name} {checked.status}: {checked.detail}"
+    return "kernel", evidence.quote("late window", INVARIANTS)
 
 
 def _culprit_at_step0(evidence: Evidence) -> Decision | None:
     """The op of step 0 that introduced the difference convicts where its effect is what failed: a forward or
     backward op when step 0 already differs, an optimizer op (its update shows from step 1)."""
-    moved = evidence.by_name.get("first moved op")
-    if moved is None or not moved.convicts or not moved.component or evidence.mostly_unpaired:
+    moved = evidence.convicting("first moved op")
+    if moved is None or evidence.mostly_unpaired or (evidence.first_step != 0 and moved.component != "optimizer"):
         return None
-    if evidence.first_step == 0 or moved.component == "optimizer":
-        return str(moved.component), f"{moved.name} {moved.status}: {moved.detail}"
-    return None
+    return str(moved.component), evidence.quote(moved.name)
 
 
 def _code_changed(evidence: Evidence) -> Decision | None:
@@ -205,8 +209,8 @@ def _code_changed(evidence: Evidence) -> Decision | None:
     package's code computes otherwise (a norm that lost its float32 upcast runs one cast fewer), whatever kernels
     its new ops now reach. Not where an op of torch's backend choices came or went (an SDPA backend): the same call
     then runs other ops, and the kernels' rule decides."""
-    comparison = evidence.comparison
-    if comparison is None or not comparison.changed_code or evidence.first_step != 0 or comparison.swapped_backend:
+    comparison = evidence.compared
+    if not comparison.changed_code or evidence.first_step != 0 or comparison.swapped_backend:
         return None
     package = comparison.changed_code[0]
     where = "; ".join(comparison.sequence_notes[:2]) or "the op sequence of step 0 changed"
@@ -217,8 +221,8 @@ def _other_precision(evidence: Evidence) -> Decision | None:
     """Ops inserted in step 0 compute in a dtype no op of the reference's did (bf16 in an fp32 run), and step 0 differs:
     the model runs in another precision than it was recorded in, as under an autocast or a casting wrapper that the
     code preparing the model applied. A kernel that changed computes in the dtypes it is given."""
-    comparison = evidence.comparison
-    if comparison is None or not comparison.new_dtypes or evidence.first_step != 0:
+    comparison = evidence.compared
+    if not comparison.new_dtypes or evidence.first_step != 0:
         return None
     where = "; ".join(comparison.sequence_notes[:1]) or "the op sequence of step 0 changed"
     return "library", (f"ops of step 0 now compute in {', '.join(comparison.new_dtypes)}, which no op of the "
@@ -230,11 +234,10 @@ def _less_precise_same_code(evidence: Evidence) -> Decision | None:
     """Step 0 is further from float64 than the reference's (a reduced-precision run), through the same ops with the
     same arguments: the same code computed it less precisely, so a kernel under it (a cast that truncates, a GEMM
     that accumulates in bf16)."""
-    comparison = evidence.comparison
-    if comparison is None or (comparison.changed_code and not comparison.swapped_backend):
+    found = evidence.finding(PRECISION)
+    if found is None or (evidence.compared.changed_code and not evidence.compared.swapped_backend):
         return None
-    found = next((f for f in comparison.findings if f.metric == PRECISION), None)
-    return ("kernel", f"{found.message}; the same ops ran, with the same arguments") if found is not None else None
+    return "kernel", f"{found.message}; the same ops ran, with the same arguments"
 
 
 def _registration_order(evidence: Evidence) -> Decision | None:
@@ -242,10 +245,8 @@ def _registration_order(evidence: Evidence) -> Decision | None:
     step 0's gradients are bitwise the reference's: every sum over the parameters (the clip's total norm, the
     recorded norms) follows the order of registration, so its last bits move, and the training with them. The
     model's code changed; no kernel, collective or update did."""
-    comparison = evidence.comparison
-    if comparison is None or not comparison.reordered or comparison.lane != "exact":
-        return None
-    if any(f.metric == "step0_grad" for f in comparison.findings):
+    comparison = evidence.compared
+    if not comparison.reordered or comparison.lane != "exact" or evidence.finding("step0_grad") is not None:
         return None
     return "model", ("this run registers the model's parameters in another order than the reference, and step 0's "
                      "gradients are bitwise the reference's: sums over the parameters (the clip's total norm) follow "
@@ -253,17 +254,15 @@ def _registration_order(evidence: Evidence) -> Decision | None:
 
 
 def _kernels(evidence: Evidence) -> Decision | None:
-    found = evidence.by_name.get("kernels")
-    if found is None or evidence.first_step != 0:
+    if "kernels" not in evidence.by_name or evidence.first_step != 0:
         return None
-    return "kernel", f"{found.name} {found.status}: {found.detail} (and step 0 differs)"
+    return "kernel", f"{evidence.quote('kernels')} (and step 0 differs)"
 
 
 def _model_layout(evidence: Evidence) -> Decision | None:
     """The model's parameter layout differs from the reference's (its code changed), or the library built another
     model than its config asks: the runs start from other weights, so no number of theirs can be compared."""
-    comparison = evidence.comparison
-    layout = next((f for f in comparison.findings if f.metric == model_layout.METRIC), None) if comparison else None
+    layout = evidence.finding(model_layout.METRIC)
     if layout is None:
         return None
     why = f"{model_layout.BUILT_OTHERWISE} (the first finding)" if model_layout.is_tie(layout.metric, layout.facts) \
@@ -274,10 +273,8 @@ def _model_layout(evidence: Evidence) -> Decision | None:
 def _step0_gradients_either(evidence: Evidence) -> Decision | None:
     """Step-0 gradients moved in a scenario that ran neither equivalence nor the oracle (LoRA, a resume): nothing
     tells a kernel from a collective, and which gradients moved (their sparsity) is no evidence."""
-    comparison = evidence.comparison
-    if comparison is None or {"equivalence", "oracle"} & set(evidence.by_name):
-        return None
-    if not any(f.metric == "step0_grad" and f.component in ("kernel", "collective") for f in comparison.findings):
+    if {"equivalence", "oracle"} & set(evidence.by_name) or not any(
+            f.metric == "step0_grad" and f.component in ("kernel", "collective") for f in evidence.compared.findings):
         return None
     return "kernel or collective", ("step-0 gradients moved, and this scenario has no equivalence or oracle experiment "
                                     "to tell a kernel from a collective; which step-0 gradients moved is no evidence")
@@ -361,18 +358,18 @@ def decide(evidence: Evidence, summary: str = "", rules: tuple[Rule, ...] = RULE
 
 def _what_would_settle(evidence: Evidence) -> str:
     """For an inconclusive verdict: the experiment that would settle it, where the evidence says which."""
-    late = evidence.by_name.get("late window")
-    flipped = any(name.startswith("flip ") for name in evidence.by_name)
-    flips = ("--gpuregress-triage reruns the whole training with one switch flipped at a time (world size 1 clears or "
-             "convicts the collectives, a lower CPU kernel path or the other BLAS the kernels)")
-    if late is not None and late.status == "did not reproduce" and not flipped:
+    late = evidence.status("late window")
+    flips = "" if any(name.startswith("flip ") for name in evidence.by_name) else (
+        "--gpuregress-triage reruns the whole training with one switch flipped at a time (world size 1 clears or "
+        "convicts the collectives, a lower CPU kernel path or the other BLAS the kernels)")
+    if late == "did not reproduce" and flips:
         return f"what would settle it: the divergence needs a warmed-up process, which a replay from a checkpoint is " \
                f"not; {flips}"
-    if late is not None and late.status == "reproduced later":
-        lane = evidence.comparison.lane if evidence.comparison is not None else ""
-        exact = "" if lane == "exact" else ("a run on the reference's own stack, where the exact lane sees the step "
-                                            "whose bits move first (an update's move at the window's first step); ")
-        return f"what would settle it: {exact}{'' if flipped else flips}".rstrip("; ")
+    if late == "reproduced later":
+        exact = "" if evidence.compared.lane == "exact" else ("a run on the reference's own stack, where the exact lane "
+                                                              "sees the step whose bits move first (an update's move at "
+                                                              "the window's first step); ")
+        return f"what would settle it: {exact}{flips}".rstrip("; ")
     return ""
 
 

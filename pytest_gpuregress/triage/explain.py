@@ -11,12 +11,15 @@ from ..comparison.compare import Comparison, Finding
 from ..errors import NotApplicable
 from ..reference.record import RunRecord
 from ..scenarios import Case, Scenario, Setup
-from . import Runner, model_code
+from . import Experiment, Runner, cheap_evidence, divergence_start, model_code, report, verdict
+from . import late_window as window
 from .bisect import BisectRequest, bisect_failure
-from .naming import judged_against_themselves
+from .decision import RULE_BY_ID
+from .flips import flip
+from .naming import finding_of, judged_against_themselves
+from .op_stack import keep_stack
 
 if TYPE_CHECKING:
-    from . import Experiment
     from .decision import Verdict
 
 
@@ -39,12 +42,10 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
     order). ``checks``: what the session's check scenarios say; ``whole_reference``: the reference uncut where a
     fail-fast run cut ``reference``. A code change decides only where no experiment convicts this stack: a collective
     or kernel bug of an upgrade that also changed a library must not be buried under "record a reference"."""
-    from .. import triage
     from ..evidence import model_layout
-    from .flips import flip
 
     # The layout finding: the model's code changed, or the library built another model than the config asks.
-    layout = next((f for f in comparison.findings if f.metric == model_layout.METRIC), None)
+    layout = finding_of(comparison, model_layout.METRIC)
     library = None if layout is not None else model_code.experiment(sc, setup, run, reference, model, comparison)
     full = whole_reference or reference
     if not run_experiments:
@@ -53,7 +54,7 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
     try:
         # Equivalence and the oracle need no reference: even where the model's code changed, they can still
         # convict a collective or a kernel of this stack, which re-recording must not bury.
-        experiments = [*triage.cheap_evidence(sc, setup, run, model), *checks]
+        experiments = [*cheap_evidence(sc, setup, run, model), *checks]
         decided = _layout_decides(comparison, layout, experiments)  # then the costlier experiments are not run
         if decided is not None:
             return decided
@@ -64,10 +65,8 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
             experiments += flip(sc, setup, run, reference, comparison, model)
         experiments += _bisected(sc, setup, run, full, comparison, case, bisect)
     except Exception as exc:  # noqa: BLE001 - triage must never hide the regression it explains
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        return Explanation(None, ["", f"triage could not run ({type(exc).__name__}: {first}); components are the "
-                                      "heuristic's"])
-    found = triage.verdict(comparison, experiments)
+        return Explanation(None, ["", f"triage could not run ({_first_line(exc)}); components are the heuristic's"])
+    found = verdict(comparison, experiments)
     keep_first_moved_stack(sc, setup, run, comparison, model, rerun=flips)
     return _explained(found, experiments)
 
@@ -76,31 +75,24 @@ def _layout_decides(comparison: Comparison, layout: Finding | None,
                     evidence: list[Experiment]) -> Explanation | None:
     """Where the parameter layout changed and no evidence convicts this stack, the layout's rule decides: the runs
     start from other weights, so nothing after step 0 can be judged."""
-    from .. import triage
-    from .decision import RULE_BY_ID
-
     if layout is None or any(e.convicts for e in evidence):
         return None
-    found = triage.verdict(comparison, evidence, rules=(RULE_BY_ID["model-layout"],))
-    return Explanation(found, triage.report(found.line, evidence))
+    found = verdict(comparison, evidence, rules=(RULE_BY_ID["model-layout"],))
+    return Explanation(found, report(found.line, evidence))
 
 
 def _late_window_of(sc: Scenario, setup: Setup, run: Runner, full: RunRecord, comparison: Comparison,
                     case: Case | None, so_far: list[Experiment]) -> list[Experiment]:
     """The late window of ``case`` where step 0 is cleared and a later step differs (triage/late_window.py)."""
-    from .. import triage
-
-    first = triage.divergence_start(comparison, so_far)
+    first = divergence_start(comparison, so_far)
     if first is None or case is None:
         return []
     return late_window(sc, setup, run, full, case, comparison.lane, first)
 
 
 def _explained(found: Verdict, experiments: Sequence[Experiment]) -> Explanation:
-    from .. import triage
-
     bisected = _bisect_line(experiments)
-    return Explanation(found, [*triage.report(found.line, list(experiments)), *bisected],
+    return Explanation(found, [*report(found.line, list(experiments)), *bisected],
                        bisected[0] if bisected else None)
 
 
@@ -127,13 +119,11 @@ def _without_experiments(library: Experiment | None, comparison: Comparison,
     own checks, the op of step 0 that introduced the difference, the model's code, a bisect). A round trip's or a
     format's finding keeps its name, the code change evidence beside it. Where nothing decides, the sparsity of the
     step-0 gradients is no evidence: their findings name both a kernel and a collective."""
-    from .. import triage
-
     if judged_against_themselves(comparison):
         return Explanation(None, ["", f"also: {library.detail}"] if library is not None else [])
     if library is not None:
         evidence = [*evidence, library]
-    return _explained(triage.verdict(comparison, evidence), evidence)
+    return _explained(verdict(comparison, evidence), evidence)
 
 
 def late_window(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, case: Case, lane: str,
@@ -142,8 +132,6 @@ def late_window(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, c
     reference's late checkpoint; [] where it has none. Its launch is the resume case's own: run once per session
     for both."""
     from ..scenarios.shared import late_gradients, resume_comparison, resume_plan
-    from . import Experiment
-    from . import late_window as window
 
     resume = resume_plan.late_window_case(sc, case, setup)
     saved = reference.results.get(resume_comparison.SAVED_KEY)
@@ -158,16 +146,13 @@ def late_window(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, c
     except NotApplicable as exc:
         return [Experiment(window.NAME, "not applicable", str(exc))]
     except Exception as exc:  # noqa: BLE001 - one experiment that failed must not take the others' evidence with it
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        return [Experiment(window.NAME, "failed to run", f"{type(exc).__name__}: {first}")]
+        return [Experiment(window.NAME, "failed to run", _first_line(exc))]
 
 
 def keep_first_moved_stack(sc: Scenario, setup: Setup, run: Runner, comparison: Comparison, model: str | None,
                            rerun: bool) -> None:
     """The Python stack of the first op that moved, from step 0 re-run on this stack (``rerun``: with
     --gpuregress-triage, whose launches it joins), into the comparison's report; else how to get it."""
-    from .op_stack import keep_stack
-
     moved = comparison.culprit
     if moved is None or moved.kind != "moved":
         return
@@ -181,8 +166,8 @@ def keep_first_moved_stack(sc: Scenario, setup: Setup, run: Runner, comparison: 
 
 
 def measure_oracle_distance(sc: Scenario, setup: Setup, run: Runner, record: RunRecord, model: str | None) -> None:
-    """Store in ``record`` its step-0 distance from the float64 oracle (evidence/oracle_distance.py) and the
-    oracle's own step 0 (evidence/oracle_step0.py), which later runs hold theirs against."""
+    """Store in ``record`` its step-0 distance from the float64 oracle (reference/oracle_distance.py) and the
+    oracle's own step 0 (reference/oracle_step0.py), which later runs hold theirs against."""
     from ..evidence import oracle_distance, oracle_step0
 
     oracle = model_code.oracle_launch(sc, setup, model)
@@ -191,3 +176,8 @@ def measure_oracle_distance(sc: Scenario, setup: Setup, run: Runner, record: Run
         oracle_record = run(sc, oracle)
         oracle_distance.attach(record, oracle_record)
         oracle_step0.attach(record, oracle_record)
+
+
+def _first_line(exc: Exception) -> str:
+    """An exception as an experiment that failed says it: its type and the first line of its message."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [type(exc).__name__])[0]}"

@@ -6,17 +6,14 @@ that does not apply on this platform is listed with the reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..comparison.compare import Comparison, compare_training
 from ..errors import NotApplicable
 from ..evidence.op_trace import TRACE_CONFIG
 from ..reference.record import RunRecord
+from ..scenarios.base import Launch, Scenario, Setup
 from ..training.step import EMULATE_WORLD
-from . import Experiment, Runner
-
-if TYPE_CHECKING:
-    from ..scenarios.base import Scenario, Setup
+from . import Experiment, Runner, model_suffix
 
 SHRANK = 3.0  # a deviation at least this many times smaller counts as shrunk
 
@@ -59,35 +56,13 @@ def _worst(comparison: Comparison) -> float:
 
 def flip(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, failing: Comparison,
          model: str | None = None) -> list[Experiment]:
-    from ..scenarios.base import Launch
-
-    base = sc.model_config(setup, model)
-    suffix = f"-{model}" if model else ""
+    base = {**sc.model_config(setup, model), TRACE_CONFIG: False}  # judged by its deviation, not op by op
+    suffix = model_suffix(model)
     before = _worst(failing)
     if before <= 1.0:  # an exact-lane failure inside the tolerant limits: every flip would "vanish"
         return [Experiment("flips", "not applicable", f"the failure is {before:.3g}x its tolerant-lane limit, inside "
                                                        "it, so a flipped switch cannot be measured against it")]
-    out: list[Experiment] = []
-    for switch in switches(setup):
-        if switch.not_applicable:
-            out.append(Experiment(f"flip {switch.label}", "not applicable", switch.not_applicable))
-            continue
-        config = {**base, **switch.config, TRACE_CONFIG: False}  # judged by its deviation, not op by op
-        launch = Launch(f"flip-{switch.label}{suffix}", config, dict(switch.env), world_size=switch.world_size,
-                        cold=True)
-        try:
-            flipped = run(sc, launch)
-        except NotApplicable as exc:
-            out.append(Experiment(f"flip {switch.label}", "not applicable", str(exc)))
-            continue
-        except Exception as exc:  # noqa: BLE001 - a switch that breaks the run is evidence too, not a crash
-            out.append(Experiment(f"flip {switch.label}", "failed to run", str(exc).splitlines()[0]))
-            continue
-        after_cmp = compare_training(reference, flipped, lane="tolerant")
-        after = _worst(after_cmp)
-        status = "vanished" if after_cmp.passed else ("shrank" if after * SHRANK < before else "stayed")
-        out.append(Experiment(f"flip {switch.label}", status, f"worst deviation {before:.3g}x -> {after:.3g}x its limit",
-                              component=switch.component if status == "vanished" else None))
+    out = [_flipped(sc, run, reference, switch, base, suffix, before) for switch in switches(setup)]
     # Only a flip that vanished convicts its switch: the control that can overrule it runs only then (a cold launch).
     if any(e.status == "vanished" for e in out):
         control = _cold_control(sc, run, reference, base, suffix)
@@ -96,15 +71,34 @@ def flip(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, failing:
     return out
 
 
+def _flipped(sc: Scenario, run: Runner, reference: RunRecord, switch: Switch, base: dict[str, object], suffix: str,
+             before: float) -> Experiment:
+    """One switch flipped: whether the deviation vanished, shrank or stayed; or why the flip did not run."""
+    name = f"flip {switch.label}"
+    if switch.not_applicable:
+        return Experiment(name, "not applicable", switch.not_applicable)
+    launch = Launch(f"flip-{switch.label}{suffix}", {**base, **switch.config}, dict(switch.env),
+                    world_size=switch.world_size, cold=True)
+    try:
+        flipped = run(sc, launch)
+    except NotApplicable as exc:
+        return Experiment(name, "not applicable", str(exc))
+    except Exception as exc:  # noqa: BLE001 - a switch that breaks the run is evidence too, not a crash
+        return Experiment(name, "failed to run", str(exc).splitlines()[0])
+    after_cmp = compare_training(reference, flipped, lane="tolerant")
+    after = _worst(after_cmp)
+    status = "vanished" if after_cmp.passed else ("shrank" if after * SHRANK < before else "stayed")
+    return Experiment(name, status, f"worst deviation {before:.3g}x -> {after:.3g}x its limit",
+                      component=switch.component if status == "vanished" else None)
+
+
 def _cold_control(sc: Scenario, run: Runner, reference: RunRecord, base: dict[str, object],
                   suffix: str) -> Experiment | None:
     """The same run in a fresh process with nothing flipped: where it passes, the failure needs a warmed-up process
     (a buffer pool, a counter), and every flipped run, as fresh, would "vanish" and convict its switch wrongly. The
     experiment then says so instead; None where the control still fails (the flips are measured) or did not run."""
-    from ..scenarios.base import Launch
-
     try:
-        plain = run(sc, Launch(f"flip-none{suffix}", {**base, TRACE_CONFIG: False}, cold=True))
+        plain = run(sc, Launch(f"flip-none{suffix}", base, cold=True))
     except Exception:  # noqa: BLE001 - without the control the flips are measured as before
         return None
     if not compare_training(reference, plain, lane="tolerant").passed:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from ..scenarios.shared.late_gradients import METRIC as LATE_GRAD
 from . import LATE_WINDOW as NAME
 from . import Experiment
-from .naming import sparse
+from .decision import first_step as earliest
+from .naming import finding_of, sparse
 
 if TYPE_CHECKING:
     from ..comparison.compare import Comparison, Finding
@@ -34,10 +35,10 @@ def judged(first_step: int, saved_step: int, window: Comparison, compared: bool 
     if not compared:
         return Experiment(NAME, "not applicable", "the reference keeps no gradients of its checkpoint's step "
                                                   "(recorded before they were kept): re-record it to have the window")
-    load = [f for f in window.findings if f.metric in LOAD_METRICS]
-    if load:  # the state is not the reference's: its gradients judge the load, not the divergence
+    load = finding_of(window, *LOAD_METRICS)
+    if load is not None:  # the state is not the reference's: its gradients judge the load, not the divergence
         return Experiment(NAME, "not applicable", f"the reference's checkpoint did not load as saved on this stack "
-                                                  f"({load[0].message}); the resume case judges the load")
+                                                  f"({load.message}); the resume case judges the load")
     late = [f for f in window.findings if f.metric == LATE_GRAD]
     where = f"step {saved_step}'s gradients, computed on this stack from the reference's own state at step {saved_step}"
     if late:
@@ -47,30 +48,35 @@ def judged(first_step: int, saved_step: int, window: Comparison, compared: bool 
     if saved_step < first_step:
         return Experiment(NAME, "before the divergence", f"{where}, match the reference's, but the run diverges "
                                                          f"only at step {first_step}: this clears nothing")
-    after = [f for f in window.findings if f.metric not in (*LOAD_METRICS, LATE_GRAD)]
-    if after:
-        shown = min((f.step for f in after if f.step is not None), default=UPDATE_SHOWS)
-        again = f"{where}, match the reference's, and the steps after it diverge again in a fresh process ({after[0].message})"
-        if shown <= UPDATE_SHOWS:
-            return Experiment(NAME, "reproduced", f"{again}: right gradients from right weights, so the weights go "
-                                                  "wrong in the update", component="optimizer")
-        # Only in the tolerant lane, where a small error of the update crosses its limit late; in the exact lane the
-        # update's bits move at the window's first step, and a run that moved at its step 1 may have had its gradients
-        # move first (the update is then ruled out: triage/__init__.py).
-        if first_step <= UPDATE_SHOWS and window.lane != "exact":
-            return Experiment(NAME, "reproduced", f"{again}, from the window's step {shown}; the run itself diverged "
-                                                  f"from its first update on (step {first_step}, after a clean step 0): "
-                                                  "right gradients from right weights and a divergence from the first "
-                                                  "update, so the weights go wrong in the update",
-                              component="optimizer")
-        return Experiment(NAME, "reproduced later", f"{again}, but only from the window's step {shown}: a later batch's "
-                                                    "gradients (which the reference does not keep), or a bug that needs "
-                                                    f"{shown} steps of warm-up in a process, could do this as much as "
-                                                    "an update a little off; this convicts nothing")
-    return Experiment(NAME, "did not reproduce", f"{where}, match the reference's, and so do the steps after it: the "
-                                                 f"divergence (from step {first_step}) does not recur in a fresh process "
-                                                 "resumed from the reference's state, as a bug that needs a warmed-up "
-                                                 "process does not; this clears nothing")
+    return _after(where, first_step, window)
+
+
+def _after(where: str, first_step: int, window: Comparison) -> Experiment:
+    """Step S's gradients match the reference's: what the window's steps after S say (its findings are theirs)."""
+    if not window.findings:
+        return Experiment(NAME, "did not reproduce", f"{where}, match the reference's, and so do the steps after it: "
+                                                     f"the divergence (from step {first_step}) does not recur in a fresh "
+                                                     "process resumed from the reference's state, as a bug that needs a "
+                                                     "warmed-up process does not; this clears nothing")
+    step = earliest(window)
+    shown = UPDATE_SHOWS if step is None else step
+    again = (f"{where}, match the reference's, and the steps after it diverge again in a fresh process "
+             f"({window.findings[0].message})")
+    if shown <= UPDATE_SHOWS:
+        return Experiment(NAME, "reproduced", f"{again}: right gradients from right weights, so the weights go "
+                                              "wrong in the update", component="optimizer")
+    # Only in the tolerant lane, where a small error of the update crosses its limit late; in the exact lane the
+    # update's bits move at the window's first step, and a run that moved at its step 1 may have had its gradients
+    # move first (the update is then ruled out: triage/__init__.py).
+    if first_step <= UPDATE_SHOWS and window.lane != "exact":
+        return Experiment(NAME, "reproduced", f"{again}, from the window's step {shown}; the run itself diverged "
+                                              f"from its first update on (step {first_step}, after a clean step 0): "
+                                              "right gradients from right weights and a divergence from the first "
+                                              "update, so the weights go wrong in the update", component="optimizer")
+    return Experiment(NAME, "reproduced later", f"{again}, but only from the window's step {shown}: a later batch's "
+                                                "gradients (which the reference does not keep), or a bug that needs "
+                                                f"{shown} steps of warm-up in a process, could do this as much as "
+                                                "an update a little off; this convicts nothing")
 
 
 def convicted(late: Finding) -> str:

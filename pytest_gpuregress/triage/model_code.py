@@ -41,9 +41,9 @@ def experiment(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, mo
     if change is None:
         return None
     recorded = reference.fingerprint.get("versions") or {}
-    culprit = Evidence(comparison).culprit  # none where too little of step 0 was paired to look for it
-    changed_code = comparison.changed_code if comparison is not None else []
-    component, why = suspect(change, recorded, {p: installed_version(p) for p in recorded}, culprit, changed_code)
+    evidence = Evidence(comparison)  # its culprit: none where too little of step 0 was paired to look for it
+    component, why = suspect(change, recorded, {p: installed_version(p) for p in recorded}, evidence.culprit,
+                             evidence.compared.changed_code)
     return Experiment(MODEL_CODE, "differs", f"{change.describe()}; {why}", component=component)
 
 
@@ -70,7 +70,7 @@ def suspect(change: CodeChange, recorded: dict[str, str | None], installed: dict
     """
     site = culprit.site if culprit is not None else None
     if culprit is not None and site == "called otherwise":
-        return str(op_component(culprit)), f"{culprit.describe()}"
+        return str(op_component(culprit)), culprit.describe()
     if culprit is not None and site == "compute":
         return "kernel", f"the op that introduced it had the reference's inputs and arguments and gave another " \
                          f"answer ({culprit.describe()}): its kernel computes another function, in float64 too"
@@ -87,13 +87,11 @@ def _by_version(change: CodeChange, recorded: dict[str, str | None],
     """The library where no op says which: by the gradients that moved, a changed version breaking the tie; torch
     where only torch changed (its ops compute another function, or its float64 kernels broke). Where none changed,
     the code on this machine did."""
-    changed = [p for p in MODEL_LIBRARIES if recorded.get(p) and installed.get(p) and recorded[p] != installed[p]]
+    changed = _changed(recorded, installed)
     adapter_only = ".lora_" in change.tensor and not change.loss_relative > CODE_CHANGE
     by_code = "peft" if adapter_only else "transformers"
-    models = [p for p in changed if p in ORACLE_LIBRARIES]
-    package = by_code if by_code in models or not models else models[0]
-    if not models and "torch" in changed:
-        package = "torch"
+    # The gradients' library where it changed, else the other library the oracle runs, else torch, where changed.
+    package = next((p for p in (by_code, *ORACLE_LIBRARIES, "torch") if p in changed), by_code)
     also = f" (torch changed too: {recorded['torch']} -> {installed['torch']})" \
         if package != "torch" and "torch" in changed else ""
     if package in changed:
@@ -102,3 +100,8 @@ def _by_version(change: CodeChange, recorded: dict[str, str | None],
     return package, f"{package} is at the reference's version ({installed.get(package) or 'unknown'}): its code on " \
                     f"this machine was changed or patched, or torch's under it (the oracle runs both; no version " \
                     f"says which){also}"
+
+
+def _changed(recorded: dict[str, str | None], installed: dict[str, str | None]) -> list[str]:
+    """The libraries of the model's code whose version is known on both sides and changed since the reference."""
+    return [p for p in MODEL_LIBRARIES if recorded.get(p) and installed.get(p) and recorded[p] != installed[p]]

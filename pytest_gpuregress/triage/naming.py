@@ -61,6 +61,7 @@ LORA_RULES: tuple[CheckRule, ...] = (
     CheckRule("lora-dropout", "dropout", "peft's lora_dropout is on in eval, off in train, or drops another share",
               PEFT),
 )
+CHECKS: tuple[str, ...] = tuple(dict.fromkeys(rule.check for rule in LORA_RULES))  # the LoRA checks a rule names
 # Every other check of a run, a scenario or a session; each names one component whatever its facts.
 CHECK_RULES: tuple[CheckRule, ...] = (
     *LORA_RULES,
@@ -97,7 +98,9 @@ CHECK_RULES: tuple[CheckRule, ...] = (
     CheckRule("checkpoint-part", "checkpoint", "a checkpoint round trip (a full or sharded state dict, a resume) gave "
               "back another piece of state than was saved", "checkpoint"),
 )
-CHECKS: tuple[str, ...] = tuple(dict.fromkeys(rule.check for rule in LORA_RULES))
+
+
+KNOWN_CHECKS: tuple[str, ...] = tuple(dict.fromkeys(rule.check for rule in CHECK_RULES))  # the checks a rule names
 
 
 def rule_for(finding: CheckFinding) -> CheckRule:
@@ -105,13 +108,12 @@ def rule_for(finding: CheckFinding) -> CheckRule:
     for rule in CHECK_RULES:
         if rule.check == finding.check and rule.applies(finding.facts):
             return rule
-    known = ", ".join(dict.fromkeys(rule.check for rule in CHECK_RULES))
-    raise ValueError(f"no rule names a finding of check {finding.check!r}; known: {known}")
+    raise ValueError(f"no rule names a finding of check {finding.check!r}; known: {', '.join(KNOWN_CHECKS)}")
 
 
 def component_of(problem: Problem) -> str | None:
     """The component a problem's rule names; None for a line that names nothing, or a check no rule knows."""
-    if isinstance(problem, str) or problem.check not in {rule.check for rule in CHECK_RULES}:
+    if isinstance(problem, str) or problem.check not in KNOWN_CHECKS:
         return None
     return rule_for(problem).component
 
@@ -124,7 +126,7 @@ def described(problem: Problem) -> str:
         return problem
     scoped = f"{problem.scope} '{problem.check}': " if problem.scope else ""
     first, newline, rest = problem.message.partition("\n")
-    if problem.check not in {rule.check for rule in CHECK_RULES}:
+    if problem.check not in KNOWN_CHECKS:
         return f"{tag('unknown')} {scoped}{first} (no rule names this check){newline}{rest}"
     rule = rule_for(problem)
     return f"{tag(rule.component)} {scoped}{first} (rule {rule.id}){newline}{rest}"
@@ -146,8 +148,9 @@ SPARSE_FRACTION = {"elements": 0.05, "blocks": 0.5}
 GRADIENTS = ("step0_grad", "late_grad")  # gradients judged element by element: step 0's, and a resume's step S's
 
 
-def _first(comparison: Comparison, metric: str) -> Finding | None:
-    return next((f for f in comparison.findings if f.metric == metric), None)
+def finding_of(comparison: Comparison, *metrics: str) -> Finding | None:
+    """The first finding of ``comparison`` of one of ``metrics``."""
+    return next((f for f in comparison.findings if f.metric in metrics), None)
 
 
 def _layout(finding: Finding, comparison: Comparison) -> str | None:
@@ -158,12 +161,12 @@ def _layout(finding: Finding, comparison: Comparison) -> str | None:
 
 
 def _follows_layout(finding: Finding, comparison: Comparison) -> str | None:
-    layout = _first(comparison, LAYOUT)
+    layout = finding_of(comparison, LAYOUT)
     return None if layout is None or finding.metric == "data" else _layout(layout, comparison)
 
 
 def _follows_data(finding: Finding, comparison: Comparison) -> str | None:
-    changed = _first(comparison, "data")
+    changed = finding_of(comparison, "data")
     if changed is None or finding.metric == ROUND_TRIP or changed.step is None:
         return None
     return "data" if finding.step is None or finding.step >= changed.step else None
@@ -182,15 +185,14 @@ def sparse(finding: Finding) -> bool:
 def _step0(finding: Finding, comparison: Comparison) -> str | None:
     """A step-0 gradient (or a resume's first gradients, judged as step 0's) names the collective where few of its
     elements moved, a kernel where nearly all did; every later finding follows from the first one that moved."""
-    moved = finding if finding.metric in GRADIENTS else next(
-        (f for f in comparison.findings if f.metric in GRADIENTS), None)
+    moved = finding if finding.metric in GRADIENTS else finding_of(comparison, *GRADIENTS)
     return None if moved is None else "collective" if sparse(moved) else "kernel"
 
 
 def _later(finding: Finding, comparison: Comparison) -> str:
     """No step-0 gradient moved: a loss wrong at step 0 is a kernel or a collective; gradients wrong while the loss of
     their step is bitwise equal were computed wrong (exact lane); else the update or a collective carrying weights."""
-    loss = _first(comparison, "loss")
+    loss = finding_of(comparison, "loss")
     if loss is not None and loss.step == 0:
         return "kernel or collective"
     return "collective or kernel" if gradients_moved_first(comparison.findings, comparison.lane) \
@@ -200,7 +202,7 @@ def _later(finding: Finding, comparison: Comparison) -> str:
 def _reordered(finding: Finding, comparison: Comparison) -> str | None:
     """Where the run registers its parameters in another order (the exact lane) and no step-0 gradient moved: sums
     over the parameters (the clip's norm, the recorded norms) follow the order; the model's code changed."""
-    if not comparison.reordered or comparison.lane != "exact" or _first(comparison, "step0_grad") is not None:
+    if not comparison.reordered or comparison.lane != "exact" or finding_of(comparison, "step0_grad") is not None:
         return None
     return "model"
 
@@ -260,7 +262,6 @@ FINDING_RULES: tuple[FindingRule, ...] = (
                 "equal loss (exact lane); else a later divergence", "kernel or collective; collective or kernel; "
                 "optimizer or collective", _later),
 )
-FINDING_RULE_BY_ID = {rule.id: rule for rule in FINDING_RULES}
 ADAMW_NOTE = "; AdamW implementation: "
 CLIP_SAID = ", so the clipping itself scaled them wrongly (clip_grad_norm_, or the wrapper's)"
 
@@ -269,16 +270,21 @@ def name_findings(comparison: Comparison) -> Comparison:
     """Name every finding of ``comparison`` by the first rule that decides it; the finding keeps the rule's id. Where
     a finding points at the optimizer, which AdamW implementation ran is said (a bug can live in one only)."""
     for finding in comparison.findings:
-        for rule in FINDING_RULES:
-            component = rule.decide(finding, comparison)
-            if component is not None:
-                finding.component, finding.rule = component, rule.id
-                break
+        finding.component, finding.rule = _named(finding, comparison)
         if finding.rule == "clip-moved-first" and finding.metric == "clipped_grad_norm" and CLIP_SAID not in finding.message:
             finding.message += f"; the gradients before clipping match at step {finding.step}{CLIP_SAID}"
         if "optimizer" in finding.component and comparison.adamw and ADAMW_NOTE not in finding.message:
             finding.message += f"{ADAMW_NOTE}{comparison.adamw}"
     return comparison
+
+
+def _named(finding: Finding, comparison: Comparison) -> tuple[str, str]:
+    """The component the first rule that decides names, and that rule's id."""
+    for rule in FINDING_RULES:
+        component = rule.decide(finding, comparison)
+        if component is not None:
+            return component, rule.id
+    raise AssertionError("the last rule, later-steps, names every finding")
 
 
 def convict(comparison: Comparison, component: str, rule: str) -> None:

@@ -1,5 +1,5 @@
-"""The Python stack of the first op that moved (evidence/first_moved.py): step 0 re-run on this stack, keeping
-the stack of that one op on its rank (evidence/op_tracer.py, config ``STACK_CONFIG``). With --gpuregress-triage,
+"""The Python stack of the first op that moved (reference/first_moved.py): step 0 re-run on this stack, keeping
+the stack of that one op on its rank (training/op_trace.py, config ``STACK_CONFIG``). With --gpuregress-triage,
 whose launches it joins: one more short launch of the failing scenario."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..evidence.first_moved import FirstMoved
 from ..evidence.op_trace import STACK_CONFIG, STACK_KEY
-from . import Runner
+from . import Runner, model_suffix
 
 if TYPE_CHECKING:
     from ..scenarios.base import Scenario, Setup
@@ -19,8 +19,8 @@ def keep_stack(sc: Scenario, setup: Setup, run: Runner, moved: FirstMoved, model
     from ..scenarios.base import Launch
 
     config = {**sc.model_config(setup, model), "steps": 1, STACK_CONFIG: [moved.rank, moved.entry_index]}
-    suffix = f"-{model}" if model else ""
-    kept = run(sc, Launch(f"op-stack-{moved.rank}-{moved.entry_index}{suffix}", config)).results.get(STACK_KEY)
+    launch = Launch(f"op-stack-{moved.rank}-{moved.entry_index}{model_suffix(model)}", config)
+    kept = run(sc, launch).results.get(STACK_KEY)
     if not kept:
         return ["its Python stack: the re-run of step 0 kept none"]
     expected = moved.entry.op if moved.entry is not None else None

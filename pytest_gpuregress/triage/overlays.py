@@ -85,12 +85,9 @@ def top_level_modules(package: str) -> list[str]:
     listed = (dist.read_text("top_level.txt") or "").split()
     if listed:
         return listed
-    names = set()
-    for entry in dist.files or ():
-        first = entry.parts[0] if entry.parts else ""
-        if not first or first.endswith((".dist-info", ".data")) or first == "..":
-            continue
-        names.add(first.removesuffix(".py"))
+    # Each file's first folder (or module), but its metadata, its data and what it installs outside site-packages.
+    names = {entry.parts[0].removesuffix(".py") for entry in dist.files or ()
+             if entry.parts and entry.parts[0] != ".." and not entry.parts[0].endswith((".dist-info", ".data"))}
     return sorted(names) or [package.replace("-", "_")]
 
 
@@ -100,7 +97,6 @@ class Overlays:
 
     root: Path
     wheelhouse: Path | None = None
-    python: str = sys.executable
     installs: dict[tuple[str, str], Path] = field(default_factory=dict)
 
     def available(self, package: str, version: str) -> str | None:
@@ -126,7 +122,7 @@ class Overlays:
     def _pip_install(self, package: str, version: str, target: Path) -> None:
         partial = target.with_name(target.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        base = [self.python, "-m", "pip", "install", "--no-deps", "--no-compile", "--disable-pip-version-check",
+        base = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--disable-pip-version-check",
                 "--quiet", "--target", str(partial), f"{package}=={version}"]
         attempts = []
         if self.wheelhouse is not None:
@@ -162,7 +158,6 @@ class Overlays:
     def environment(self, reverted: dict[str, str], hidden: Iterable[str]) -> dict[str, str]:
         """The ranks' extra environment for an experiment: ``reverted`` (package -> the reference's version)
         installed and first on the path, ``hidden`` hidden, the user's own PYTHONPATH after them."""
-        folders = [self.hider(hidden), *(self.installed(p, v) for p, v in sorted(reverted.items()))]
-        paths = [str(f) for f in folders if f is not None]
-        user = os.environ.get("PYTHONPATH")
-        return {"PYTHONPATH": os.pathsep.join([*paths, *([user] if user else [])])}
+        folders = [self.hider(hidden), *(self.installed(p, v) for p, v in sorted(reverted.items())),
+                   os.environ.get("PYTHONPATH")]
+        return {"PYTHONPATH": os.pathsep.join(str(f) for f in folders if f)}

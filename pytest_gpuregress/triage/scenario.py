@@ -13,7 +13,7 @@ from ..reference.record import RunRecord
 from ..scenarios import registry
 from ..scenarios.base import Case, CheckScenario, Launch, Scenario, Setup
 from ..scenarios.shared.exercised import trained
-from . import cheap_evidence
+from . import cheap_evidence, model_suffix
 
 
 class TriageScenario(CheckScenario):
@@ -22,17 +22,16 @@ class TriageScenario(CheckScenario):
 
     def cases(self, setup: Setup) -> list[Case]:
         cases = []
-        for sc in registry().values():
+        for sc in (sc for sc in registry().values() if sc.triage is not None):
             models = [None, *(m.name for m in setup.models)] if sc.trains_user_models else [None]
             # Equivalence at one rank would compare one rank with one rank: it needs two.
             # Both rerun the scenario's training from step 0 in fp32 (the oracle's stack run on one rank).
-            adamw = str(sc.default_config(setup).get("adamw", "fused")) if sc.triage is not None else ""
-            cases += [Case(f"{kind}-{sc.name}" + (f"-{model}" if model else ""),
-                           data={"scenario": sc.name, "experiment": kind, "model": model},
-                           min_ranks=2 if kind == "equivalence" else 1,
+            adamw = str(sc.default_config(setup).get("adamw", "fused"))
+            cases += [Case(f"{kind}-{sc.name}{model_suffix(model)}",
+                           data={"scenario": sc.name, "experiment": kind, "model": model}, min_ranks=min_ranks,
                            exercises=trained(setup, adamw=adamw, bf16=False, model=model),
                            family=f"{self.name}-{kind}")
-                      for model in models for kind in ("equivalence", "oracle") if sc.triage is not None]
+                      for model in models for kind, min_ranks in (("equivalence", 2), ("oracle", 1))]
         return cases
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:

@@ -256,7 +256,7 @@ def test_an_experiment_that_convicts_this_stack_wins_over_a_library_change(monke
 
     def explained(experiments: list[Any], run_experiments: bool = True,
                   findings: list[Finding] | None = None) -> tuple[Any, list[str]]:
-        monkeypatch.setattr(triage, "cheap_evidence", lambda *args: list(experiments))
+        monkeypatch.setattr(explain, "cheap_evidence", lambda *args: list(experiments))
         comparison = Comparison("tolerant", "changed", findings or [finding], [])
         found = explain.explain_failure(SimpleNamespace(), SimpleNamespace(), None, make_record(), comparison,  # type: ignore[arg-type]
                                         None, flips=False, run_experiments=run_experiments)

@@ -186,11 +186,22 @@ def _worst(
 
 @dataclass(frozen=True)
 class _Check:
-    """One metric's deviations and limits, shaped alike, and the lane's verdict per entry."""
+    """One metric's values, deviations and limits, shaped alike, and the lane's verdict per entry."""
 
+    ref: np.ndarray
+    got: np.ndarray
     dev: np.ndarray
     limit: np.ndarray
     bad: np.ndarray
+    lane: str
+
+    @classmethod
+    def of(cls, dev: np.ndarray, limit: np.ndarray, lane: str, ref: np.ndarray, got: np.ndarray,
+           bits: np.ndarray | None = None) -> _Check:
+        """``bits``: the exact lane's verdict where it is not ``ref`` against ``got`` (blocks: any element's bits)."""
+        # not (dev <= limit): a NaN deviation or limit fails, never passes
+        bad = (_bits_differ(ref, got) if bits is None else bits) if lane == "exact" else ~(dev <= limit)
+        return cls(ref, got, dev, np.broadcast_to(limit, dev.shape), bad, lane)
 
     def margin(self) -> float:
         if self.dev.size == 0:
@@ -199,43 +210,34 @@ class _Check:
             ratio = np.where(self.dev > 0, self.dev / self.limit, 0.0)
         return float(np.max(ratio))
 
-    def measure(self, index: Any, lane: str, ulps: str | None = None) -> str:
-        if lane == "exact":
-            return ulps if ulps is not None else "bits differ"
-        return f"{float(self.dev[index]):.3g} > tol {float(self.limit[index]):.3g}"
+    def finding(self, metric: str, at: Any, head: str, tail: str = "", expected_is: str = "", **fields: Any) -> Finding:
+        """The finding for entry ``at``: "<head>: expected <value>, got <value> (<how far>)<tail>", with the values,
+        the distance and the limit there."""
+        expected, got = float(self.ref[at]), float(self.got[at])
+        exact = self.lane == "exact"
+        measure = ulp_distance(got, expected) if exact else f"{float(self.dev[at]):.3g} > tol {float(self.limit[at]):.3g}"
+        return Finding(metric, f"{head}: expected {expected_is}{expected!r}, got {got!r} ({measure}){tail}",
+                       expected=expected, got=got, distance=float(self.dev[at]),
+                       tolerance=0.0 if exact else float(self.limit[at]), **fields)
 
 
-def _check(dev: np.ndarray, limit: np.ndarray, lane: str, ref: np.ndarray, got: np.ndarray) -> _Check:
-    # not (dev <= limit): a NaN deviation or limit fails, never passes
-    bad = _bits_differ(ref, got) if lane == "exact" else ~(dev <= limit)
-    return _Check(dev, np.broadcast_to(limit, dev.shape), bad)
+def _missing(metric: str, message: str, **fields: Any) -> Finding:
+    return Finding(metric, message, facts={"missing": True}, **fields)
 
 
 def _series(metric: str, ref: list[float], got: list[float], lane: str, limit: np.ndarray) -> tuple[Finding | None, float]:
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
     if len(r) != len(g):
-        return Finding(metric, f"{metric}: reference has {len(r)} steps, this run {len(g)}",
-                       facts={"missing": True}), float("inf")
-    check = _check(rel(g, r), limit, lane, r, g)
+        return _missing(metric, f"{metric}: reference has {len(r)} steps, this run {len(g)}"), float("inf")
+    check = _Check.of(rel(g, r), limit, lane, r, g)
     if not check.bad.any():
         return None, check.margin()
-    n = len(r)
     step = int(np.argmax(check.bad))
-    ulp = ulps32(g, r)
-    finding = Finding(
-        metric=metric,
-        message=(
-            f"{metric}: first differing step {step} of {n}: expected {float(r[step])!r}, got {float(g[step])!r} "
-            f"({check.measure(step, lane, ulp_distance(float(g[step]), float(r[step])))}); {int(check.bad.sum())} steps differ, "
-            f"max rel {float(check.dev.max()):.3g}"
-        ),
-        step=step,
-        expected=float(r[step]),
-        got=float(g[step]),
-        distance=float(ulp[step] if lane == "exact" else check.dev[step]),
-        tolerance=0.0 if lane == "exact" else float(check.limit[step]),
-        worst=_worst(lambda i: f"step {i}", r, g, check.dev),
-    )
+    finding = check.finding(metric, step, f"{metric}: first differing step {step} of {len(r)}",
+                            f"; {int(check.bad.sum())} steps differ, max rel {float(check.dev.max()):.3g}",
+                            step=step, worst=_worst(lambda i: f"step {i}", r, g, check.dev))
+    if lane == "exact":  # a loss or norm is measured in ulps there
+        finding.distance = float(ulps32(g, r)[step])
     return finding, check.margin()
 
 
@@ -244,31 +246,20 @@ def _param_grad_norms(ref: RunRecord, run: RunRecord, lane: str, limit: np.ndarr
     if r is None:
         return None, 0.0
     if g is None:
-        missing = "param_grad_norm: recorded in the reference, missing in this run"
-        return Finding("param_grad_norm", missing, facts={"missing": True}), float("inf")
+        return _missing("param_grad_norm", "param_grad_norm: recorded in the reference, missing in this run"), float("inf")
     if r.shape != g.shape:
-        return Finding("param_grad_norm", f"param_grad_norm: shape {r.shape} vs {g.shape}",
-                       facts={"missing": True}), float("inf")
-    check = _check(rel(g, r), limit, lane, r, g)
+        return _missing("param_grad_norm", f"param_grad_norm: shape {r.shape} vs {g.shape}"), float("inf")
+    check = _Check.of(rel(g, r), limit, lane, r, g)
     if not check.bad.any():
         return None, check.margin()
     step = int(np.nonzero(check.bad.any(axis=1))[0][0])
     params_bad = np.nonzero(check.bad[step])[0]
     names = ref.param_names or [f"param{i}" for i in range(r.shape[1])]
     first = int(params_bad[0])
-    finding = Finding(
-        metric="param_grad_norm",
-        message=(
-            f"param_grad_norm: first differing step {step}: {len(params_bad)} of {r.shape[1]} parameters, "
-            f"first {names[first]}: expected {float(r[step, first])!r}, got {float(g[step, first])!r} "
-            f"({check.measure((step, first), lane, ulp_distance(float(g[step, first]), float(r[step, first])))})"
-        ),
-        step=step,
-        tensor=names[first],
-        expected=float(r[step, first]),
-        got=float(g[step, first]),
-        distance=float(check.dev[step, first]),
-        tolerance=0.0 if lane == "exact" else float(check.limit[step, first]),
+    finding = check.finding(
+        "param_grad_norm", (step, first),
+        f"param_grad_norm: first differing step {step}: {len(params_bad)} of {r.shape[1]} parameters, first {names[first]}",
+        step=step, tensor=names[first],
         worst=_worst(lambda i: f"step {step} {names[i]}", r[step], g[step], check.dev[step]),
     )
     return finding, check.margin()
@@ -282,63 +273,47 @@ def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, fl
         g = run.arrays.get(prefix + name)
         blocked = prefix == step0.BLOCK_PREFIX
         shape = tuple(ref.digests.get(name, {}).get("shape", ())) if blocked else r.shape
-        unit = "blocks" if blocked else "elements"
         size = (f"{list(shape)} in {len(r)} blocks of {step0.BLOCK}" if blocked else f"{list(r.shape)} = {r.size} elements")
         if g is None or (not step0.same_layout(g, r) if blocked else g.shape != r.shape):
-            out.append(Finding("step0_grad", f"step0_grad {name}: missing or reshaped in this run", step=0, tensor=name,
-                               size=size, facts={"missing": True}))
+            out.append(_missing("step0_grad", f"step0_grad {name}: missing or reshaped in this run", step=0, tensor=name,
+                                size=size))
             continue
-        if blocked:
-            rf, gf = step0.block_sums(r), step0.block_sums(g)
-            dev = step0.block_deviation(g, r)
-            exact_bad = _bits_differ(r, g).any(axis=1)
-
-            def where(j: int, rows: np.ndarray = r, shape: tuple[int, ...] = shape) -> str:
-                return step0.block_label(rows, j, shape)
-        else:
-            rf, gf = r.reshape(-1), g.reshape(-1)
-            dev = tensor_deviation(gf, rf)
-            exact_bad = _bits_differ(rf, gf)
-
-            def where(j: int, shape: tuple[int, ...] = r.shape) -> str:
-                return str(tuple(int(i) for i in np.unravel_index(j, shape)))
-        check = _check(dev, np.asarray(limits[name]), lane, rf, gf)
-        if lane == "exact":
-            check = _Check(check.dev, check.limit, exact_bad)
+        check, where = _step0_check(r, g, shape, blocked, lane, np.asarray(limits[name]))
         margin = max(margin, check.margin())
-        if not check.bad.any():
-            continue
-        flat_bad = np.nonzero(check.bad)[0]
-        first = int(flat_bad[0])
-        factor = uniform_factor(rf, gf)  # over the whole tensor: a divide skipped scales every element alike
-        factor_is = arithmetic_of(factor, run.world_size)
-        out.append(
-            Finding(
-                metric="step0_grad",
-                        message=(
-                    f"step0_grad {name} {size}: {len(flat_bad)} {unit} differ "
-                    f"({100 * len(flat_bad) / len(dev):.3g}%), first at {where(first)}: expected "
-                    f"{'block sum ' if blocked else ''}{float(rf[first])!r}, got {float(gf[first])!r} "
-                    f"({check.measure(first, lane, ulp_distance(float(gf[first]), float(rf[first])))}); "
-                    f"max |diff|/max|ref| {float(check.dev.max()):.3g}"
-                    + (f"; every one of them is exactly {factor:.6g}x the reference's"
-                       f"{f' ({factor_is})' if factor_is else ''}" if factor is not None else "")
-                ),
-                step=0,
-                tensor=name,
-                size=size,
-                expected=float(rf[first]),
-                got=float(gf[first]),
-                distance=float(check.dev[first]),
-                tolerance=0.0 if lane == "exact" else float(check.limit[first]),
-                fraction=len(flat_bad) / len(dev),
-                unit=unit,
-                worst=_worst(where, rf, gf, check.dev),
-                factor=factor,
-                factor_is=factor_is,
-            )
-        )
+        if check.bad.any():
+            out.append(_step0_finding(name, size, "blocks" if blocked else "elements", check, where, run.world_size))
     return out, margin
+
+
+def _step0_check(r: np.ndarray, g: np.ndarray, shape: tuple[int, ...], blocked: bool, lane: str,
+                 limit: np.ndarray) -> tuple[_Check, Callable[[int], str]]:
+    """A step-0 gradient's check, per element of a whole tensor or per block sum of a large one, and how an entry
+    is named (an element's index, a block's range)."""
+    if blocked:
+        check = _Check.of(step0.block_deviation(g, r), limit, lane, step0.block_sums(r), step0.block_sums(g),
+                          bits=_bits_differ(r, g).any(axis=1))
+        return check, lambda j: step0.block_label(r, j, shape)
+    rf, gf = r.reshape(-1), g.reshape(-1)
+    return (_Check.of(tensor_deviation(gf, rf), limit, lane, rf, gf),
+            lambda j: str(tuple(int(i) for i in np.unravel_index(j, shape))))
+
+
+def _step0_finding(name: str, size: str, unit: str, check: _Check, where: Callable[[int], str],
+                   world_size: int) -> Finding:
+    flat_bad = np.nonzero(check.bad)[0]
+    first = int(flat_bad[0])
+    factor = uniform_factor(check.ref, check.got)  # over the whole tensor: a divide skipped scales every element alike
+    factor_is = arithmetic_of(factor, world_size)
+    scaled = "" if factor is None else (f"; every one of them is exactly {factor:.6g}x the reference's"
+                                        f"{f' ({factor_is})' if factor_is else ''}")
+    return check.finding(
+        "step0_grad", first,
+        f"step0_grad {name} {size}: {len(flat_bad)} {unit} differ ({100 * len(flat_bad) / len(check.dev):.3g}%), "
+        f"first at {where(first)}",
+        f"; max |diff|/max|ref| {float(check.dev.max()):.3g}{scaled}", "block sum " if unit == "blocks" else "",
+        step=0, tensor=name, size=size, fraction=len(flat_bad) / len(check.dev), unit=unit,
+        worst=_worst(where, check.ref, check.got, check.dev), factor=factor, factor_is=factor_is,
+    )
 
 
 def uniform_factor(expected: np.ndarray, got: np.ndarray, rel: float = 1e-3) -> float | None:
@@ -409,9 +384,15 @@ def gradients_moved_first(findings: list[Finding], lane: str) -> bool:
     """
     if lane != "exact" or clip_moved_first(findings) is not None:
         return False
-    gradient_step = next((f.step for f in findings if f.metric == "param_grad_norm" and f.step is not None), None)
-    loss_step = next((f.step for f in findings if f.metric == "loss" and f.step is not None), None)
-    return gradient_step is not None and loss_step is not None and gradient_step < loss_step
+    gradient_step, loss_step = _first_step(findings, "param_grad_norm"), _first_step(findings, "loss")
+    return gradient_step < loss_step < _NO_STEP
+
+
+_NO_STEP = float("inf")  # a metric with no finding at a step moved at no step
+
+
+def _first_step(findings: list[Finding], metric: str) -> float:
+    return next((f.step for f in findings if f.metric == metric and f.step is not None), _NO_STEP)
 
 
 def clip_moved_first(findings: list[Finding]) -> Finding | None:
@@ -421,8 +402,16 @@ def clip_moved_first(findings: list[Finding]) -> Finding | None:
     if clip is None or clip.step is None:
         return None
     # Final weights carry no step: they follow from whatever moved first.
-    others = [0 if f.metric == "step0_grad" else f.step for f in findings if f is not clip and f.metric != "final_weights"]
-    return clip if all(step is not None and step > clip.step for step in others) else None
+    others = [f for f in findings if f is not clip and f.metric != "final_weights"]
+    return clip if all(_moved_at(f) > clip.step for f in others) else None
+
+
+def _moved_at(finding: Finding) -> float:
+    """The step a finding moved at, to order findings: a step-0 gradient at 0; one that names no step before any
+    (nothing shows that it came later)."""
+    if finding.metric == "step0_grad":
+        return 0
+    return -_NO_STEP if finding.step is None else finding.step
 
 
 def tolerant_limits(reference: RunRecord, tolerances: Tolerances | None = None) -> tuple[dict[str, Any], str]:
@@ -430,19 +419,15 @@ def tolerant_limits(reference: RunRecord, tolerances: Tolerances | None = None) 
     dtype = str(reference.config.get("dtype", "fp32"))
     fixed = tolerances or DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["bf16"])
     floors = floors_for(dtype)
-    names = step0.names(reference)
-    digests = sorted(reference.digests)
+    names, digests = step0.names(reference), sorted(reference.digests)
     has_envelope = tolerances is None and any(k.startswith(ENVELOPE_PREFIX) for k in reference.arrays)
+    param = reference.arrays.get("param_grad_norm")
+    shapes = {"step0_grad": len(names), "final_weights": len(digests), "param_grad_norm": 0 if param is None else param.shape,
+              **{metric: len(reference.series.get(metric, [])) for metric in SERIES}}  # of the fixed limits
     out: dict[str, Any] = {}
     for metric in METRICS:
         enveloped = limit(reference, metric, floors.of(metric)) if has_envelope else None
-        if enveloped is None:
-            shape = {"step0_grad": len(names), "final_weights": len(digests)}.get(metric)
-            shape = len(reference.series.get(metric, [])) if metric in SERIES else shape
-            param = reference.arrays.get("param_grad_norm")
-            shape = param.shape if metric == "param_grad_norm" and param is not None else shape
-            enveloped = np.full(shape or 0, fixed.of(metric), dtype=np.float64)
-        out[metric] = enveloped
+        out[metric] = np.full(shapes[metric], fixed.of(metric), dtype=np.float64) if enveloped is None else enveloped
     out["step0_grad"] = dict(zip(names, out["step0_grad"].tolist()))
     out["final_weights"] = dict(zip(digests, out["final_weights"].tolist()))
     return out, "envelope" if has_envelope else "fixed"

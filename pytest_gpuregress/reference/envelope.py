@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -92,23 +93,34 @@ def digest_deviation(run: dict, ref: dict) -> float:
 
 
 def deviations(reference: RunRecord, run: RunRecord) -> dict[str, np.ndarray]:
-    """Per-metric deviation arrays of ``run`` from ``reference``, in the comparison's measures."""
-    out: dict[str, np.ndarray] = {}
-    for metric in SERIES:
-        r, g = reference.series.get(metric), run.series.get(metric)
-        if r is not None and g is not None and len(r) == len(g):
-            out[metric] = rel(np.asarray(g), np.asarray(r))
-    r, g = reference.arrays.get("param_grad_norm"), by_name.param_grad_norms(reference, run)[0]
-    if r is not None and g is not None and r.shape == g.shape:
-        out["param_grad_norm"] = rel(g, r)
-    names = step0.names(reference)
-    per_tensor = [step0_deviation(run, reference, n) for n in names]
-    if names and all(d is not None for d in per_tensor):
-        out["step0_grad"] = np.asarray([float(d.max()) if d.size else 0.0 for d in per_tensor])  # type: ignore[union-attr]
-    if reference.digests and set(reference.digests) <= set(run.digests):
-        out["final_weights"] = np.asarray([digest_deviation(run.digests[n], reference.digests[n])
-                                           for n in sorted(reference.digests)])
-    return out
+    """Per-metric deviation arrays of ``run`` from ``reference``, in the comparison's measures; a metric missing or
+    shaped otherwise on either side has none (the comparison reports it)."""
+    pairs = {metric: (reference.series.get(metric), run.series.get(metric)) for metric in SERIES}
+    pairs["param_grad_norm"] = (reference.arrays.get("param_grad_norm"), by_name.param_grad_norms(reference, run)[0])
+    found = {metric: _relative(ref, got) for metric, (ref, got) in pairs.items()}
+    found["step0_grad"] = _step0_largest(reference, run)
+    found["final_weights"] = _digest_deviations(reference, run)
+    return {metric: dev for metric, dev in found.items() if dev is not None}
+
+
+def _relative(ref: Any, got: Any) -> np.ndarray | None:
+    """``rel`` where both sides hold the metric, shaped alike."""
+    return rel(got, ref) if ref is not None and got is not None and np.shape(ref) == np.shape(got) else None
+
+
+def _step0_largest(reference: RunRecord, run: RunRecord) -> np.ndarray | None:
+    """Each step-0 gradient's largest deviation; None where one is missing or reshaped."""
+    per_tensor = [step0_deviation(run, reference, n) for n in step0.names(reference)]
+    if not per_tensor or any(d is None for d in per_tensor):
+        return None
+    return np.asarray([float(d.max()) if d.size else 0.0 for d in per_tensor])  # type: ignore[union-attr]
+
+
+def _digest_deviations(reference: RunRecord, run: RunRecord) -> np.ndarray | None:
+    """Each final weight's ``digest_deviation``, by name; None where the run lacks one."""
+    if not reference.digests or not set(reference.digests) <= set(run.digests):
+        return None
+    return np.asarray([digest_deviation(run.digests[n], reference.digests[n]) for n in sorted(reference.digests)])
 
 
 def step0_deviation(run: RunRecord, reference: RunRecord, name: str) -> np.ndarray | None:
@@ -118,9 +130,11 @@ def step0_deviation(run: RunRecord, reference: RunRecord, name: str) -> np.ndarr
         return None
     prefix, ref = found
     got = run.arrays.get(prefix + name)
+    if got is None:
+        return None
     if prefix == step0.BLOCK_PREFIX:
-        return step0.block_deviation(got, ref) if got is not None and step0.same_layout(got, ref) else None
-    return tensor_deviation(got, ref).reshape(-1) if got is not None and got.shape == ref.shape else None
+        return step0.block_deviation(got, ref) if step0.same_layout(got, ref) else None
+    return tensor_deviation(got, ref).reshape(-1) if got.shape == ref.shape else None
 
 
 def step0_limit(reference: RunRecord, name: str, bound: float) -> np.ndarray | float:

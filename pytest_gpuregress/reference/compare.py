@@ -225,33 +225,38 @@ def _missing(metric: str, message: str, **fields: Any) -> Finding:
     return Finding(metric, message, facts={"missing": True}, **fields)
 
 
-def _series(metric: str, ref: list[float], got: list[float], lane: str, limit: np.ndarray) -> tuple[Finding | None, float]:
+# Each metric's check gives its findings and its margin, the largest deviation as a multiple of its limit; a margin
+# of None where the reference keeps no such metric.
+Checked = tuple[list[Finding], float | None]
+
+
+def _series(metric: str, ref: list[float], got: list[float], lane: str, limit: np.ndarray) -> Checked:
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
     if len(r) != len(g):
-        return _missing(metric, f"{metric}: reference has {len(r)} steps, this run {len(g)}"), float("inf")
+        return [_missing(metric, f"{metric}: reference has {len(r)} steps, this run {len(g)}")], float("inf")
     check = _Check.of(rel(g, r), limit, lane, r, g)
     if not check.bad.any():
-        return None, check.margin()
+        return [], check.margin()
     step = int(np.argmax(check.bad))
     finding = check.finding(metric, step, f"{metric}: first differing step {step} of {len(r)}",
                             f"; {int(check.bad.sum())} steps differ, max rel {float(check.dev.max()):.3g}",
                             step=step, worst=_worst(lambda i: f"step {i}", r, g, check.dev))
     if lane == "exact":  # a loss or norm is measured in ulps there
         finding.distance = float(ulps32(g, r)[step])
-    return finding, check.margin()
+    return [finding], check.margin()
 
 
-def _param_grad_norms(ref: RunRecord, run: RunRecord, lane: str, limit: np.ndarray) -> tuple[Finding | None, float]:
+def _param_grad_norms(ref: RunRecord, run: RunRecord, lane: str, limit: np.ndarray) -> Checked:
     r, g = ref.arrays.get("param_grad_norm"), by_name.param_grad_norms(ref, run)[0]
     if r is None:
-        return None, 0.0
+        return [], None
     if g is None:
-        return _missing("param_grad_norm", "param_grad_norm: recorded in the reference, missing in this run"), float("inf")
+        return [_missing("param_grad_norm", "param_grad_norm: recorded in the reference, missing in this run")], float("inf")
     if r.shape != g.shape:
-        return _missing("param_grad_norm", f"param_grad_norm: shape {r.shape} vs {g.shape}"), float("inf")
+        return [_missing("param_grad_norm", f"param_grad_norm: shape {r.shape} vs {g.shape}")], float("inf")
     check = _Check.of(rel(g, r), limit, lane, r, g)
     if not check.bad.any():
-        return None, check.margin()
+        return [], check.margin()
     step = int(np.nonzero(check.bad.any(axis=1))[0][0])
     params_bad = np.nonzero(check.bad[step])[0]
     names = ref.param_names or [f"param{i}" for i in range(r.shape[1])]
@@ -262,13 +267,14 @@ def _param_grad_norms(ref: RunRecord, run: RunRecord, lane: str, limit: np.ndarr
         step=step, tensor=names[first],
         worst=_worst(lambda i: f"step {step} {names[i]}", r[step], g[step], check.dev[step]),
     )
-    return finding, check.margin()
+    return [finding], check.margin()
 
 
-def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, float]) -> tuple[list[Finding], float]:
+def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, float]) -> Checked:
     out: list[Finding] = []
     margin = 0.0
-    for name in step0.names(ref):
+    names = step0.names(ref)
+    for name in names:
         prefix, r = step0.full_or_blocks(ref, name)  # type: ignore[misc]
         g = run.arrays.get(prefix + name)
         blocked = prefix == step0.BLOCK_PREFIX
@@ -282,7 +288,7 @@ def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, fl
         margin = max(margin, check.margin())
         if check.bad.any():
             out.append(_step0_finding(name, size, "blocks" if blocked else "elements", check, where, run.world_size))
-    return out, margin
+    return out, margin if names else None
 
 
 def _step0_check(r: np.ndarray, g: np.ndarray, shape: tuple[int, ...], blocked: bool, lane: str,
@@ -343,7 +349,24 @@ def arithmetic_of(factor: float | None, world_size: int) -> str | None:
     return None
 
 
-def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, float]) -> tuple[Finding | None, float]:
+def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, float]) -> Checked:
+    if not ref.digests:
+        return [], None
+    bad, margin = _digests_differ(ref, run, lane, limits)
+    if not bad:
+        return [], margin
+    name, exact = bad[0][0], lane == "exact"
+    message = (f"final_weights: {len(bad)} of {len(ref.digests)} parameters differ after the last step "
+               f"({'sha256' if exact else 'sum, |sum| and signed checksum'}); largest: {name} "
+               f"(rel {bad[0][3]:.3g}" + ("" if exact else f" > tol {limits[name]:.3g}") + ")")
+    return [Finding("final_weights", message, tensor=name, size=str(ref.digests[name].get("shape")), distance=bad[0][3],
+                    tolerance=0.0 if exact else limits[name], worst=bad[:WORST_ROWS])], margin
+
+
+def _digests_differ(ref: RunRecord, run: RunRecord, lane: str,
+                    limits: dict[str, float]) -> tuple[list[tuple[str, float, float, float]], float]:
+    """The final weights that differ, as (name, |sum| expected, |sum| got, deviation) rows, the largest first (one the
+    run lacks: inf), and the margin of those it has."""
     bad: list[tuple[str, float, float, float]] = []
     margin = 0.0
     for name in sorted(ref.digests):
@@ -355,24 +378,7 @@ def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, 
         margin = max(margin, dev / limits[name] if dev > 0 else 0.0)
         if (rd["sha256"] != gd["sha256"]) if lane == "exact" else not dev <= limits[name]:
             bad.append((name, float(rd["abs_sum"]), float(gd["abs_sum"]), dev))
-    if not bad:
-        return None, margin
-    bad.sort(key=lambda row: -row[3])
-    name = bad[0][0]
-    finding = Finding(
-        metric="final_weights",
-        message=(
-            f"final_weights: {len(bad)} of {len(ref.digests)} parameters differ after the last step "
-            f"({'sha256' if lane == 'exact' else 'sum, |sum| and signed checksum'}); largest: {name} "
-            f"(rel {bad[0][3]:.3g}" + ("" if lane == "exact" else f" > tol {limits[name]:.3g}") + ")"
-        ),
-        tensor=name,
-        size=str(ref.digests[name].get("shape")),
-        distance=bad[0][3],
-        tolerance=0.0 if lane == "exact" else limits[name],
-        worst=bad[:WORST_ROWS],
-    )
-    return finding, margin
+    return sorted(bad, key=lambda row: -row[3]), margin
 
 
 def gradients_moved_first(findings: list[Finding], lane: str) -> bool:
@@ -461,24 +467,13 @@ def _metric_findings(reference: RunRecord, run: RunRecord, lane: str,
                      limits: dict[str, Any]) -> tuple[list[Finding], dict[str, float]]:
     """What differs metric by metric (step-0 gradients, the series, per-parameter norms, final weights), and each
     metric's margin: its largest deviation as a multiple of its limit. A metric the reference never kept has none."""
-    findings, margins = _step0_grads(reference, run, lane, limits["step0_grad"])
-    margin_of: dict[str, float] = {}
-    if step0.names(reference):
-        margin_of["step0_grad"] = margins
-    for metric in SERIES:
-        if metric in reference.series:
-            found, margin_of[metric] = _series(metric, reference.series[metric], run.series.get(metric, []), lane,
-                                               limits[metric])
-            findings += [found] if found else []
-    for metric, kept, (found, margin) in (
-        ("param_grad_norm", "param_grad_norm" in reference.arrays,
-         _param_grad_norms(reference, run, lane, limits["param_grad_norm"])),
-        ("final_weights", bool(reference.digests), _final_weights(reference, run, lane, limits["final_weights"])),
-    ):
-        if kept:
-            margin_of[metric] = margin
-        findings += [found] if found else []
-    return findings, margin_of
+    checked = {"step0_grad": _step0_grads(reference, run, lane, limits["step0_grad"])}
+    checked |= {metric: _series(metric, reference.series[metric], run.series.get(metric, []), lane, limits[metric])
+                for metric in SERIES if metric in reference.series}
+    checked["param_grad_norm"] = _param_grad_norms(reference, run, lane, limits["param_grad_norm"])
+    checked["final_weights"] = _final_weights(reference, run, lane, limits["final_weights"])
+    findings = [finding for found, _ in checked.values() for finding in found]
+    return findings, {metric: margin for metric, (_, margin) in checked.items() if margin is not None}
 
 
 def _model_findings(reference: RunRecord, run: RunRecord, tied: bool | None) -> list[Finding]:

@@ -160,10 +160,8 @@ def measure(base: RunRecord, replicas: list[RunRecord]) -> dict[str, np.ndarray]
                 raise NoisyReplica(f"noise replica {replica.config.get('perturbation', '?')!r} gave a non-finite "
                                    f"{metric} (NaN or inf): the stack is not healthy enough to record a reference")
             spread[metric] = np.maximum(spread[metric], dev) if metric in spread else dev
-    for metric in PER_STEP:
-        if metric in spread:
-            spread[metric] = np.maximum.accumulate(spread[metric], axis=0)
-    return {PREFIX + metric: values for metric, values in spread.items()}
+    return {PREFIX + metric: np.maximum.accumulate(values, axis=0) if metric in PER_STEP else values
+            for metric, values in spread.items()}
 
 
 def limit(reference: RunRecord, metric: str, floor: float) -> np.ndarray | None:

@@ -16,7 +16,6 @@ from .compare import DEFAULT_TOLERANCES, Tolerances
 from .names import safe_component
 from .record import RunRecord, float_digest
 
-SERIES = ("loss", "grad_norm", "clipped_grad_norm")
 TOLERANCE_KEYS = ("loss", "grad_norm", "clipped_grad_norm", "param_grad_norm", "final_weights")
 Values = Sequence[float] | np.ndarray
 

@@ -140,22 +140,20 @@ def choose_lane(reference: RunRecord, run: RunRecord, requested: str = "auto") -
 
 def ulps32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Distance in float32 units in the last place (monotone integer ordering of floats)."""
-
-    def ordinal(x: np.ndarray) -> np.ndarray:
-        i = np.asarray(x, dtype=np.float32).view(np.int32).astype(np.int64)
-        return np.where(i < 0, np.int64(-(2**31)) - i, i)
-
-    return np.abs(ordinal(a) - ordinal(b))
+    return np.abs(_ordinal(a, 32) - _ordinal(b, 32))
 
 
 def ulps64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Distance in float64 units in the last place: for values (losses, norms) that float32 cannot tell apart."""
+    return np.abs(_ordinal(a, 64) - _ordinal(b, 64))
 
-    def ordinal(x: np.ndarray) -> np.ndarray:
-        i = np.asarray(x, dtype=np.float64).view(np.int64).astype(object)  # exact: the ordinals span 2**64
-        return np.where(i < 0, -(2**63) - i, i)
 
-    return np.abs(ordinal(a) - ordinal(b))
+def _ordinal(x: np.ndarray, bits: int) -> np.ndarray:
+    """Floats of ``bits`` bits as integers in their order, in a type wide enough for their differences: int64 for
+    float32's, Python's own integers (exact: the ordinals span 2**64) for float64's."""
+    floats, ints, wide = (np.float32, np.int32, np.int64) if bits == 32 else (np.float64, np.int64, object)
+    i = np.asarray(x, dtype=floats).view(ints).astype(wide)
+    return np.where(i < 0, -(2 ** (bits - 1)) - i, i)
 
 
 def ulp_distance(got: float, expected: float) -> str:

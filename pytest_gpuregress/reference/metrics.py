@@ -48,7 +48,7 @@ def tolerances(rtol: float | Mapping[str, float] | None) -> Tolerances | None:
     """Explicit limits from ``rtol`` (None: none given); a metric not named keeps the fp32 default."""
     if rtol is None:
         return None
-    given = {key: rtol for key in TOLERANCE_KEYS} if isinstance(rtol, (int, float)) else dict(rtol)
+    given = dict.fromkeys(TOLERANCE_KEYS, rtol) if isinstance(rtol, (int, float)) else dict(rtol)
     unknown = sorted(set(given) - set(TOLERANCE_KEYS))
     if unknown:
         raise ValueError(f"check_metrics: rtol names {', '.join(unknown)}, which are not metrics; known: "

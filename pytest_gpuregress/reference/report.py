@@ -75,12 +75,11 @@ def op_lines(comparison: Comparison) -> list[str]:
     if moved is None:
         return ["", *sequence] if sequence else []
     shape = [f"    {comparison.shape_note}"] if comparison.shape_note else []
-    if comparison.lane == "exact":
-        return ["", *moved.lines(), *shape, *sequence]
     drift = replace(moved, label="drift begins at", stack=[]).describe()
     if culprit is None:
         return ["", f"introduced at: no op of step 0 moved beyond drift ({comparison.introduced_rule}): the "
                 "difference starts later, or is per op too small to tell from drift", drift, *sequence]
+    # in the exact lane the culprit is the op that moved: no drift is allowed there
     same = (culprit.rank, culprit.entry_index) == (moved.rank, moved.entry_index)
     return ["", *culprit.lines(), *shape, *([] if same else [drift]), *sequence]
 

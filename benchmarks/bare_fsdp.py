@@ -27,7 +27,7 @@ def rank_main(rank: int, world: int, store_path: str, steps: int, out: str) -> N
     from pytest_gpuregress.scenarios.fsdp import COMMON, DEVICE_DEFAULTS
     from pytest_gpuregress.training.data import MarkovTokens
     from pytest_gpuregress.training.models import build_causal_lm, load_config
-    from pytest_gpuregress.training.schedule import lr_factor
+    from pytest_gpuregress.training.optimizer import lr_factor
     from pytest_gpuregress.training.step import next_token_loss, rank_tokens
 
     torch.set_num_threads(1)

@@ -135,7 +135,7 @@ def _gpu_shapes() -> dict[str, tuple[int, ...]]:
 
 
 def _gpu_size_record(shapes: dict[str, tuple[int, ...]], rng: np.random.Generator, steps: int = 300):  # noqa: ANN202
-    from pytest_gpuregress.reference import step0
+    from pytest_gpuregress.evidence import step0
     from pytest_gpuregress.reference.record import RunRecord, float_digest
 
     arrays: dict[str, np.ndarray] = {"param_grad_norm": rng.uniform(0.1, 1, (steps, len(shapes)))}
@@ -150,7 +150,7 @@ def _gpu_size_record(shapes: dict[str, tuple[int, ...]], rng: np.random.Generato
 
 
 def sizes() -> None:
-    from pytest_gpuregress.reference.compare import compare_training
+    from pytest_gpuregress.comparison.compare import compare_training
 
     print("shipped references on disk:")
     for folder in sorted((ROOT / "reference_runs").glob("*/*")):

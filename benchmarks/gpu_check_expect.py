@@ -67,7 +67,7 @@ HOST_OPS_CLEAN: dict[str, dict[str, Any] | None] = {"gpu": {}, "dry": None}
 # training step of the GPU model on one H200 (6 x 156 M parameters x 12,288 tokens = 11.5 TFLOP in bf16, at a
 # third of the chip's 790 TFLOP/s, with math attention); the float64 oracle's step 0 on the host (11.5 TFLOP in
 # float64 on 16 cores, about 0.3 TFLOP/s); one NCCL sweep launch up to 64 MiB. Step 0's op trace digests each op's
-# outputs where they live (training/tensor_digest.py): on the GPU, about 1,100 outputs of up to 35 M bf16 elements
+# outputs where they live (evidence/tensor_digest.py): on the GPU, about 1,100 outputs of up to 35 M bf16 elements
 # (an MLP activation of 12,288 tokens x 2,816), each read once at a few TB/s, under a second a launch; counted at
 # 8 s, as if a quarter of them were read at host speed (1.1 s per 35 M bf16 elements on one thread, measured here).
 # Launches that trace step 0: the recording's own run (not its replicas), the comparing runs, and the host-op run;

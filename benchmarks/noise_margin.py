@@ -4,7 +4,7 @@ Runs the fsdp scenario clean, then its noise replicas (the envelope, as a record
 then emulated legitimate changes and emulated faults. For each it prints, per compared metric,
 the largest deviation from the clean run and that deviation as a multiple of the replicas' spread
 (at entries where the spread is not zero), plus the largest deviation where the spread is zero.
-The envelope's K and floors (pytest_gpuregress/reference/envelope.py) are chosen from this table:
+The envelope's K and floors (pytest_gpuregress/comparison/envelope.py) are chosen from this table:
 legitimate rows must sit below K x spread + floor, fault rows well above.
 
     python benchmarks/noise_margin.py --steps 300
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pytest_gpuregress.comparison import envelope
+from pytest_gpuregress.comparison.compare import compare_training
 from pytest_gpuregress.plugin.options import Options
 from pytest_gpuregress.plugin.session import GpuRegressSession
-from pytest_gpuregress.reference import envelope
-from pytest_gpuregress.reference.compare import compare_training
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios import Launch, get_scenario
 

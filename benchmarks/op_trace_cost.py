@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1, "b8": 1}
@@ -48,10 +49,10 @@ def step0(size: str, batch: int, seq: int, backend: str | None, rank: int, world
     """Step 0 of a fresh model of ``size``; traced with ``backend`` (None: untraced). Seconds, and the trace."""
     import torch
 
+    from pytest_gpuregress.evidence.op_tracer import OpTracer
     from pytest_gpuregress.training.fsdp2 import shard, shard_units
     from pytest_gpuregress.training.loop import TrainStep, clip_gradients, take_step
     from pytest_gpuregress.training.models import blueprint, build_causal_lm
-    from pytest_gpuregress.training.op_trace import OpTracer
     from pytest_gpuregress.training.optimizer import AdamWSettings, Optimization, Schedule, adamw
     from pytest_gpuregress.training.step import next_token_loss
 
@@ -67,7 +68,7 @@ def step0(size: str, batch: int, seq: int, backend: str | None, rank: int, world
                      clip=lambda: clip_gradients(params, 1.0), tracked=params, op_trace=tracer)
     torch.distributed.barrier()
     started, cpu_started = time.perf_counter(), time.process_time()
-    take_step(step, 0, world, "cpu")
+    take_step(step, 0, SimpleNamespace(world_size=world, device="cpu"))  # a rank's context: what the step reads
     # CPU time too: on a shared machine the wall time of a step says as much of the neighbours as of the trace.
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     if tracer is None:

@@ -12,14 +12,18 @@ class GpuRegressError(Exception):
     """Base class for every error this plugin raises on purpose."""
 
 
-class ReferenceProblem(GpuRegressError):
-    """A stored reference cannot be used: missing, corrupt or foreign."""
+class FileProblem(GpuRegressError):
+    """A file that cannot be used: its path (``where``: with a line or a tensor), the problem, and the fix."""
 
-    def __init__(self, path: object, problem: str, fix: str) -> None:
+    def __init__(self, path: object, problem: str, fix: str, where: str | None = None) -> None:
         self.path = str(path)
         self.problem = problem
         self.fix = fix
-        super().__init__(f"{self.path}: {problem}\n  fix: {fix}")
+        super().__init__(f"{where or self.path}: {problem}\n  fix: {fix}")
+
+
+class ReferenceProblem(FileProblem):
+    """A stored reference cannot be used: missing, corrupt or foreign."""
 
 
 class MissingReference(ReferenceProblem):
@@ -99,16 +103,12 @@ class UnsafeName(GpuRegressError):
     """A name that would become a folder or file name could leave its directory or hide in it."""
 
 
-class BadKnownIssues(GpuRegressError):
+class BadKnownIssues(FileProblem):
     """A known-issues file (the shipped one or gpuregress_known_issues) is missing, not TOML, or breaks the schema."""
 
     def __init__(self, path: object, line: int | None, problem: str, fix: str) -> None:
-        self.path = str(path)
         self.line = line
-        self.problem = problem
-        self.fix = fix
-        where = f"{self.path}:{line}" if line else self.path
-        super().__init__(f"{where}: {problem}\n  fix: {fix}")
+        super().__init__(path, problem, fix, f"{path}:{line}" if line else None)
 
 
 class BadTokens(GpuRegressError):
@@ -127,13 +127,9 @@ class BadModel(GpuRegressError):
         super().__init__(f"--gpuregress-model {self.source}: {problem}; {fix}")
 
 
-class CheckpointProblem(GpuRegressError):
+class CheckpointProblem(FileProblem):
     """A checkpoint (quantized or not) cannot be read or understood; names the file and, where known, the tensor."""
 
     def __init__(self, path: object, tensor: str | None, problem: str, fix: str) -> None:
-        self.path = str(path)
         self.tensor = tensor
-        self.problem = problem
-        self.fix = fix
-        where = f"{self.path}, tensor {tensor!r}" if tensor else self.path
-        super().__init__(f"{where}: {problem}\n  fix: {fix}")
+        super().__init__(path, problem, fix, f"{path}, tensor {tensor!r}" if tensor else None)

@@ -3,7 +3,9 @@
 ``FaultSpec`` is a parsed ``--gpuregress-inject`` spec (faults/ parses and installs it). A function marked
 ``@fault_point("checkpoint.apply_optimizer")`` runs as written until a fault ``intercept``s it by name
 (undone through ``ctx.cleanup_hooks``), so no fault patches this project's modules.
-``plugin_own_collectives`` marks the collectives the plugin makes for itself, where no fault acts.
+``plugin_own_collectives`` marks the collectives the plugin makes for itself, where no fault acts (a
+``ThreadRegion``, as training/kernels.py marks an emulated host fallback); ``FAULT_REGION`` names the
+profiler range of a fault's own tensor work, which the recorders leave out.
 Neutral, so scenarios and training use it without an import up into faults/ (docs/architecture.md).
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -118,20 +120,39 @@ def intercepted() -> list[str]:
     return [name for name, wrappers in _wrappers.items() if wrappers]
 
 
-_own = threading.local()  # per thread: how deep inside plugin_own_collectives
+# The profiler range an injected fault does its own tensor work in (training/kernels.py's ``fault_region``): the
+# kernel inventory and the op trace leave it out, so a fault's arithmetic (a nudge's comparison, a chunk's copy)
+# never reads as a kernel or an op the stack changed.
+FAULT_REGION = "gpuregress::fault"
 
 
-@contextmanager
-def plugin_own_collectives() -> Iterator[None]:
+class ThreadRegion:
+    """A nestable "inside this region" mark, per thread: what a context manager sets and a hook reads."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @contextmanager
+    def enter(self) -> Iterator[None]:
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+
+    def active(self) -> bool:
+        return getattr(self._local, "depth", 0) > 0
+
+
+_own = ThreadRegion()
+
+
+def plugin_own_collectives() -> AbstractContextManager[None]:
     """Collectives the plugin makes for itself (the bandwidth probe, fail-fast's vote): no fault corrupts or counts
     them, so a fault that matches only these does not read as having fired on the training."""
-    depth = getattr(_own, "depth", 0)
-    _own.depth = depth + 1
-    try:
-        yield
-    finally:
-        _own.depth = depth
+    return _own.enter()
 
 
 def in_plugin_own_collective() -> bool:
-    return getattr(_own, "depth", 0) > 0
+    return _own.active()

@@ -7,6 +7,7 @@ declare theirs on the scenario, read only with --gpuregress.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,12 @@ KINDS = ("flag", "str", "path", "int", "float", "bytes", "list", "csv", "choice"
 # What a number of each kind looks like, for the message about one that is not.
 _EXAMPLES = {"int": "an integer such as 300", "float": "a number such as 600",
              "bytes": "a size such as 4MiB, 512KiB or 65536"}
+
+# The kinds whose every value converts (the numbers and choices are checked in OptionSpec.convert).
+_CONVERT: dict[str, Callable[[Any], Any]] = {
+    "flag": bool, "list": list, "str": str, "path": lambda raw: Path(str(raw)),
+    "csv": lambda raw: [part.strip() for part in str(raw).split(",") if part.strip()],
+}
 
 
 class BadOptionValue(ValueError):
@@ -102,20 +109,12 @@ class OptionSpec:
         """
         if raw is None:
             return self.default
-        if self.kind == "flag":
-            return bool(raw)
-        if self.kind == "list":
-            return list(raw)
-        if self.kind == "csv":
-            return [part.strip() for part in str(raw).split(",") if part.strip()]
+        if self.kind in _CONVERT:
+            return _CONVERT[self.kind](raw)
         if self.kind == "choice":
             if raw not in self.choices:
                 raise BadOptionValue(f"{where} {raw!r}: must be one of {', '.join(self.choices)}")
             return raw
-        if self.kind == "str":
-            return str(raw)
-        if self.kind == "path":
-            return Path(str(raw))
         return self._number(str(raw).strip(), raw, where)
 
     def _number(self, text: str, raw: Any, where: str) -> float:

@@ -14,11 +14,12 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .reference import step0 as step0_arrays
+from .evidence import step0 as step0_arrays
 from .reference.names import safe_component
 from .reference.record import RunRecord, float_digest
 from .training.grad_norms import shard_dim_over_world, squared_norms
@@ -57,7 +58,7 @@ class Recorder:
 
         self._memory = PeakMemory(ctx.device_kind, ctx.device)  # the built-in scenarios' measure, from here on
         self._model = model
-        self._tracer: Any = None  # step 0's op trace, made by the first phase() (training/op_trace.py)
+        self._tracer: Any = None  # step 0's op trace, made by the first phase() (evidence/op_tracer.py)
         self._perturbation = str(ctx.config.get("perturbation", ""))  # set only in a noise replica
         self._applied = self._perturb(model)
         self._last = time.perf_counter()
@@ -82,8 +83,8 @@ class Recorder:
         """``with rec.phase("forward"):`` around a part of each step: ``forward``, ``backward``, ``clip`` or
         ``optimizer``. At step 0 every op dispatched inside is traced with a digest of its outputs; later steps
         run untraced, at no cost. Module paths come from the ``model`` given to the Recorder."""
-        from .reference.op_trace import PHASES
-        from .training.op_trace import at_step, for_rank
+        from .evidence.op_trace import PHASES
+        from .evidence.op_tracer import at_step, for_rank
 
         if name not in PHASES:
             raise RecorderMisuse(f"phase({name!r}): the phases are {', '.join(PHASES)}")
@@ -103,16 +104,7 @@ class Recorder:
         import torch
 
         named = [(n, p) for n, p in _named(params) if p.requires_grad]
-        names = [n for n, _ in named]
-        if self.steps == 0:
-            if not named:
-                raise RecorderMisuse("gradients(): no parameter requires a gradient")
-            self.param_names = names
-        elif not self._with_gradients:
-            raise RecorderMisuse(f"gradients() first called at step {self.steps}: call it on every step from step 0, or on none")
-        elif names != self.param_names:
-            raise RecorderMisuse(f"gradients() at step {self.steps}: other parameters than at step 0 "
-                                 f"({len(names)} vs {len(self.param_names)}); pass the same model every step")
+        self._check_parameters([n for n, _ in named])
         squares = squared_norms([p for _, p in named], self.ctx.world_size, self.ctx.device)  # as the scenarios
         self._pending = torch.stack(squares)
         if self.steps == 0:
@@ -124,44 +116,24 @@ class Recorder:
         ``loss``: this rank's loss (the record keeps the mean over ranks). ``grad_norm``: the global norm,
         e.g. from ``clip_grad_norm_``; without it, the norm of this step's ``gradients()``. Give it on every
         step or on none. True when ``--gpuregress-fail-fast`` found the step outside the reference's tolerance."""
-        import torch
-
         with_gradients = self._pending is not None
-        if self._with_gradients is None:
-            self._with_gradients = with_gradients
-        elif with_gradients != self._with_gradients:
-            said = "was called" if self._with_gradients else "was not called"
-            raise RecorderMisuse(f"step {self.steps}: gradients() {said} at step 0 but "
-                                 f"{'is' if with_gradients else 'not'} now: call it on every step or on none")
         with_norm = grad_norm is not None or with_gradients
-        if self._with_grad_norm is None:
-            self._with_grad_norm = with_norm
-        elif with_norm != self._with_grad_norm:
-            raise RecorderMisuse(f"step {self.steps}: grad_norm given on some steps and not on others")
-
+        # The one way they can differ here: gradients() itself refuses a first call after step 0.
+        self._with_gradients = self._same_as_step0(self._with_gradients, with_gradients,
+                                                   "gradients() was called at step 0 but not now: call it on every "
+                                                   "step or on none")
+        self._with_grad_norm = self._same_as_step0(self._with_grad_norm, with_norm,
+                                                   "grad_norm given on some steps and not on others")
         if self.steps == 0 and self._tracer is not None:
             self._tracer.finish()  # step 0 is over: its trace is complete
-        device = self.ctx.device
-        parts = [_scalar(loss, "loss", device)]
-        parts.append(_scalar(grad_norm, "grad_norm", device) if grad_norm is not None else parts[0].new_zeros(()))
-        # One float64 all-reduce per step carries the loss, the norm and every parameter's squared norm.
-        stats = torch.cat([torch.stack(parts), self._pending if with_gradients else parts[0].new_zeros(0)])
-        if self.ctx.world_size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(stats)
-            stats[:2] /= self.ctx.world_size
-        values = stats.cpu().numpy().astype(np.float64)
-        self._pending = None
-
-        self.losses.append(float(values[0]))
-        reported = {"loss": self.losses[-1]}
+        mean_loss, norm, squares = self._all_reduced(loss, grad_norm)
+        self.losses.append(mean_loss)
+        reported = {"loss": mean_loss}
         if with_norm:
-            norms = np.sqrt(values[2:])
-            self.grad_norms.append(float(values[1]) if grad_norm is not None else math.sqrt(float(values[2:].sum())))
-            reported["grad_norm"] = self.grad_norms[-1]
-            if with_gradients:
-                self.param_norms.append(norms)
+            self.grad_norms.append(norm)
+            reported["grad_norm"] = norm
+        if with_gradients:
+            self.param_norms.append(np.sqrt(squares))
         now = time.perf_counter()
         self._step_times.append(now - self._last)
         self._last = now
@@ -183,8 +155,7 @@ class Recorder:
 
     def record(self) -> RunRecord:
         """The RunRecord of the steps so far, ready for ``gpuregress.check``. Not a collective."""
-        from .training.observe import WARMUP_STEPS
-        from .training.op_trace import stored as stored_trace
+        from .evidence.op_tracer import stored as stored_trace
 
         if not self.steps:
             raise RecorderMisuse("record(): no step recorded; call rec.step(loss) once per training step")
@@ -194,17 +165,12 @@ class Recorder:
         arrays: dict[str, np.ndarray] = dict(self.step0)
         if self.param_norms:
             arrays["param_grad_norm"] = np.stack(self.param_norms).astype(np.float64)
-        # As the built-in scenarios: step times after the warm-up steps, none when a run stopped before them.
-        steady = self._step_times[WARMUP_STEPS:]
-        median = float(np.median(steady)) if steady else 0.0
         results: dict[str, Any] = {}
         missed = sorted(set(filter(None, self._perturbation.split("+"))) - self._applied)
         if missed:  # a replica this loop did not perturb equals the plain run: say so beside the envelope
             results["perturbation_not_applied"] = missed
         arrays.update(stored_trace(self._tracer, results))
-        if steady:
-            results["perf"] = {"median_step_s": median, "steady_steps": len(steady),
-                               "peak_memory_bytes": self._memory.peak(), "memory": self._memory.kind}
+        median = self._perf(results)
         return RunRecord(
             scenario=self.name,
             config=dict(self.ctx.config),
@@ -221,6 +187,19 @@ class Recorder:
 
     # --- internals ---------------------------------------------------------------------------------
 
+    def _perf(self, results: dict[str, Any]) -> float:
+        """The median step time after the warm-up steps, and ``results["perf"]``, as the built-in scenarios: no
+        "perf" and a median of 0 when a run stopped before any such step."""
+        from .training.observe import WARMUP_STEPS
+
+        steady = self._step_times[WARMUP_STEPS:]
+        if not steady:
+            return 0.0
+        median = float(np.median(steady))
+        results["perf"] = {"median_step_s": median, "steady_steps": len(steady),
+                           "peak_memory_bytes": self._memory.peak(), "memory": self._memory.kind}
+        return median
+
     def _perturb(self, model: Named | None) -> set[str]:
         """Apply what a noise replica asks of this loop at its start; the perturbations it applied."""
         from .training.noise import apply_kernel_path, perturb_weights
@@ -235,49 +214,76 @@ class Recorder:
                 applied.add("weights_ulp_up" if "weights_ulp_up" in self._perturbation else "weights_ulp_down")
         return applied
 
+    def _check_parameters(self, names: list[str]) -> None:
+        """Step 0 fixes the parameters ``gradients()`` records; every later step must give the same ones."""
+        if self.steps == 0:
+            if not names:
+                raise RecorderMisuse("gradients(): no parameter requires a gradient")
+            self.param_names = names
+        elif not self._with_gradients:
+            raise RecorderMisuse(f"gradients() first called at step {self.steps}: call it on every step from step 0, or on none")
+        elif names != self.param_names:
+            raise RecorderMisuse(f"gradients() at step {self.steps}: other parameters than at step 0 "
+                                 f"({len(names)} vs {len(self.param_names)}); pass the same model every step")
+
+    def _same_as_step0(self, fixed: bool | None, now: bool, misuse: str) -> bool:
+        """Step 0 fixes what every step does (``gradients()`` called, a norm given): a later step that differs is misuse."""
+        if fixed is not None and now != fixed:
+            raise RecorderMisuse(f"step {self.steps}: {misuse}")
+        return now
+
+    def _all_reduced(self, loss: Any, grad_norm: Any) -> tuple[float, float, np.ndarray]:
+        """The mean loss over ranks, the mean ``grad_norm`` (else the norm of this step's gradients) and each
+        parameter's squared gradient norm: one float64 all-reduce per step carries them all."""
+        import torch
+
+        device = self.ctx.device
+        loss = _scalar(loss, "loss", device)
+        norm = _scalar(grad_norm, "grad_norm", device) if grad_norm is not None else loss.new_zeros(())
+        squares = self._pending if self._pending is not None else loss.new_zeros(0)
+        self._pending = None
+        stats = torch.cat([torch.stack([loss, norm]), squares])
+        if self.ctx.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(stats)
+            stats[:2] /= self.ctx.world_size
+        values = stats.cpu().numpy().astype(np.float64)
+        norm = float(values[1]) if grad_norm is not None else math.sqrt(float(values[2:].sum()))
+        return float(values[0]), norm, values[2:]
+
     def _record_step0(self, named: list[tuple[str, Any]]) -> None:
         """Rank 0 keeps every step-0 gradient whole (or as block sums when large); shards are gathered to it."""
         full_max = step0_arrays.full_max_of(self.ctx.config)
-        mine: dict[str, np.ndarray] = {}
-        gathered = False
-        for name, p in named:
-            if p.grad is None:
-                continue
-            grad = p.grad
+        shards: dict[str, np.ndarray] = {}  # one entry per dim-0 shard: empty on every rank, or on none
+        for name, grad in ((n, p.grad) for n, p in named if p.grad is not None):
             if hasattr(grad, "to_local") and shard_dim_over_world(grad, self.ctx.world_size) == 0:
-                mine.update(step0_arrays.shard_arrays(name, _numpy(grad.to_local()), tuple(grad.shape),
-                                                      self.ctx.rank, self.ctx.world_size, full_max))
-                gathered = True
+                shards.update(step0_arrays.shard_arrays(name, _numpy(grad.to_local()), tuple(grad.shape),
+                                                        self.ctx.rank, self.ctx.world_size, full_max))
                 continue
-            whole = grad.full_tensor() if hasattr(grad, "full_tensor") else grad  # a replica, or gathered whole
+            whole = _whole(grad)  # a replica, or gathered whole
             if self.ctx.rank == 0:
                 self.step0.update(step0_arrays.shard_arrays(name, _numpy(whole), tuple(whole.shape), 0, 1, full_max))
-        if not gathered:
-            return
+        if shards:
+            self._gather_shards(shards)
+
+    def _gather_shards(self, mine: dict[str, np.ndarray]) -> None:
+        """Rank 0 merges every rank's step-0 shards. *Collective.*"""
         parts: list[Any] = [mine]
         if self.ctx.world_size > 1:
             import torch.distributed as dist
 
             # Our own ranks' numpy arrays: pickling them is safe here, and the shards are small
             # (large gradients travel as block sums, 5 float64 per 1024 elements).
-            parts = [None] * self.ctx.world_size if self.ctx.rank == 0 else []
+            parts = [None] * self.ctx.world_size
             dist.gather_object(mine, parts if self.ctx.rank == 0 else None, dst=0)
         if self.ctx.rank == 0:
-            self.step0.update(step0_arrays.merge_ranks([_Arrays(p) for p in parts]))
+            self.step0.update(step0_arrays.merge_ranks([SimpleNamespace(arrays=p) for p in parts]))
 
     def _digest(self, name: str, value: Any, what: str) -> None:
         if name in self.digests:
             raise RecorderMisuse(f"{what}: {name!r} is already recorded; give each tensor a name of its own")
-        if hasattr(value, "full_tensor"):
-            value = value.full_tensor()
-        self.digests[name] = float_digest(_numpy(value))
-
-
-class _Arrays:
-    """The one field of a RunRecord that step0.merge_ranks reads."""
-
-    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
-        self.arrays = arrays
+        self.digests[name] = float_digest(_numpy(_whole(value)))
 
 
 def _reversed_rows(rows: Any) -> Any:
@@ -310,8 +316,7 @@ def _scalar(value: Any, what: str, device: str) -> Any:
     import torch
 
     if isinstance(value, torch.Tensor):
-        if hasattr(value, "full_tensor"):
-            value = value.full_tensor()
+        value = _whole(value)
         if value.numel() != 1:
             raise RecorderMisuse(f"{what} must be a float or a one-element tensor, got shape {tuple(value.shape)}")
         return value.detach().reshape(()).to(device=device, dtype=torch.float64)
@@ -319,6 +324,11 @@ def _scalar(value: Any, what: str, device: str) -> Any:
         return torch.tensor(float(value), dtype=torch.float64, device=device)
     except (TypeError, ValueError):
         raise RecorderMisuse(f"{what} must be a float or a one-element tensor, got {type(value).__name__}") from None
+
+
+def _whole(tensor: Any) -> Any:
+    """A DTensor gathered whole (a collective), any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _numpy(tensor: Any) -> np.ndarray:

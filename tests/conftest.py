@@ -25,7 +25,7 @@ import transformers  # noqa: F401,E402
 import transformers.models.qwen2.modeling_qwen2  # noqa: F401,E402 - the models tests build in-process
 import transformers.models.qwen2_moe.modeling_qwen2_moe  # noqa: F401,E402
 
-from pytest_gpuregress.reference.compare import Comparison, compare_training
+from pytest_gpuregress.comparison.compare import Comparison, compare_training
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.triage.naming import name_findings
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuregress.reference import kernels
+from pytest_gpuregress.evidence import kernels
 from pytest_gpuregress.scenarios import registry
 from pytest_gpuregress.scenarios.base import Setup
 from pytest_gpuregress.scenarios.collectives import plan

@@ -34,7 +34,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("triage", "faults", "recorder"),  # each uses scenarios; none uses another
     ("scenarios",),
     ("training",),
-    ("reference",),
+    ("comparison",),  # judging a run against its reference
+    ("evidence",),  # what a run's data shows: op traces and their analyses, step 0, layout, data, kernels
+    ("reference",),  # storage: the RunRecord and the store
     ("stack",),
     NEUTRAL,
 )

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..comparison.report import format_comparison
 from ..errors import GpuRegressError
-from ..reference.report import format_comparison
 from ..reference.store import load_record
 from . import portability, references
 
@@ -159,7 +159,7 @@ def _inspect_fp8(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     """The failure report's figure, drawn from stored records."""
-    from ..reference.plot import plot_comparison
+    from ..comparison.plot import plot_comparison
 
     reference = load_record(Path(args.reference))
     other = load_record(Path(args.run)) if args.run else None

@@ -40,25 +40,11 @@ class Param:
     minimum: float | None = None
 
     def parse(self, value: str) -> Any:
-        if self.kind in ("number", "int"):
-            number = float(value) if self.kind == "number" else int(value)
-            if self.minimum is not None and number < self.minimum:
-                raise ValueError
-            return number
-        if self.kind == "ranks":
-            ranks = frozenset(int(r) for r in value.split("|"))
-            if min(ranks) < 0:
-                raise ValueError
-            return ranks
-        if self.kind == "dtype":
-            name = DTYPE_NAMES.get(value, value)
-            if name not in DTYPE_NAMES.values():
-                raise ValueError
-            return name
-        picked = tuple(value.split("|")) if self.kind == "choices" else (value,)
-        if not all(p in self.choices for p in picked):
+        """``value`` read as this key's kind; ValueError when it is not one the key allows."""
+        parsed, allowed = _READERS[self.kind](self, value)
+        if not allowed:
             raise ValueError
-        return frozenset(picked) if self.kind == "choices" else value
+        return parsed
 
     def describe(self) -> str:
         at_least = f" of at least {self.minimum:g}" if self.minimum is not None else ""
@@ -69,6 +55,33 @@ class Param:
             joined = "|".join(self.choices)
             return f"one of {joined}" + (" (several joined by '|')" if self.kind == "choices" else "")
         return allowed[self.kind]
+
+
+def _number(param: Param, value: str) -> tuple[float, bool]:
+    number = float(value) if param.kind == "number" else int(value)
+    return number, param.minimum is None or number >= param.minimum
+
+
+def _ranks(param: Param, value: str) -> tuple[frozenset[int], bool]:
+    ranks = frozenset(int(r) for r in value.split("|"))
+    return ranks, min(ranks) >= 0
+
+
+def _dtype(param: Param, value: str) -> tuple[str, bool]:
+    name = DTYPE_NAMES.get(value, value)
+    return name, name in DTYPE_NAMES.values()
+
+
+def _choices(param: Param, value: str) -> tuple[frozenset[str], bool]:
+    picked = frozenset(value.split("|"))
+    return picked, picked <= set(param.choices)
+
+
+# Each kind of key: its value read from the spec's text, and whether the key allows it.
+_READERS: dict[str, Callable[[Param, str], tuple[Any, bool]]] = {
+    "number": _number, "int": _number, "ranks": _ranks, "dtype": _dtype, "choices": _choices,
+    "choice": lambda param, value: (value, value in param.choices),
+}
 
 
 @dataclass(frozen=True)
@@ -316,24 +329,27 @@ def parse(text: str) -> FaultSpec:
     kind = KINDS.get(kind_name.strip())
     if kind is None:
         raise BadFaultSpec(f"{text!r}: unknown fault kind {kind_name.strip()!r}; known kinds: {', '.join(KINDS)}")
-    params: dict[str, Any] = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, value = (s.strip() for s in item.partition("="))
-        if not eq:
-            raise BadFaultSpec(f"{text!r}: {item!r} is not key=value")
-        param = kind.params.get(key)
-        if param is None:
-            allowed = ", ".join(kind.params) or "none"
-            raise BadFaultSpec(f"{text!r}: fault kind {kind.name!r} has no key {key!r}; its keys: {allowed}")
-        try:
-            params[key] = param.parse(value)
-        except ValueError:
-            raise BadFaultSpec(f"{text!r}: {key}={value!r} is not allowed; {key} takes {param.describe()}") from None
+    params = dict(_key_value(text, kind, item) for item in filter(None, (p.strip() for p in rest.split(","))))
     missing = [key for key in kind.required if key not in params]
     if missing:
         raise BadFaultSpec(f"{text!r}: fault kind {kind.name!r} needs {', '.join(f'{k}=' for k in missing)} "
                            f"({'; '.join(f'{k} takes {kind.params[k].describe()}' for k in missing)})")
     return FaultSpec(kind.name, params, text)
+
+
+def _key_value(text: str, kind: FaultKind, item: str) -> tuple[str, Any]:
+    """One ``key=value`` of the spec ``text``, read by its kind's schema."""
+    key, eq, value = (s.strip() for s in item.partition("="))
+    if not eq:
+        raise BadFaultSpec(f"{text!r}: {item!r} is not key=value")
+    param = kind.params.get(key)
+    if param is None:
+        allowed = ", ".join(kind.params) or "none"
+        raise BadFaultSpec(f"{text!r}: fault kind {kind.name!r} has no key {key!r}; its keys: {allowed}")
+    try:
+        return key, param.parse(value)
+    except ValueError:
+        raise BadFaultSpec(f"{text!r}: {key}={value!r} is not allowed; {key} takes {param.describe()}") from None
 
 
 def parse_all(texts: tuple[str, ...] | list[str]) -> list[FaultSpec]:

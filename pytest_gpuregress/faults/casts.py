@@ -10,7 +10,7 @@ from typing import Any
 
 from ..training.kernels import fault_region
 from . import FaultSpec
-from .firing import Firing
+from .fired import Firing, patch
 
 WRAPPED = ("to", "bfloat16")
 LOW_HALF = 0xFFFF0000 - (1 << 32)  # as a signed int32: keeps sign, exponent and the top 7 mantissa bits
@@ -28,8 +28,6 @@ def install_cast(spec: FaultSpec, ctx: Any) -> Firing:
     import torch
 
     firing = Firing(spec.text)  # conversions whose result changed
-    originals = {name: getattr(torch.Tensor, name) for name in WRAPPED}
-
     busy = [False]  # the fault's own conversions below go through these methods too
 
     def wrap(original: Any) -> Any:
@@ -55,7 +53,6 @@ def install_cast(spec: FaultSpec, ctx: Any) -> Firing:
 
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, wrap(original))
-    ctx.cleanup_hooks.append(lambda: [setattr(torch.Tensor, n, o) for n, o in originals.items()])
+    for name in WRAPPED:
+        patch(ctx, torch.Tensor, name, wrap)
     return firing

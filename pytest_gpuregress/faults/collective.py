@@ -86,19 +86,23 @@ class CollectiveFault:
         self.local = threading.local()
 
     def matches(self, family: str, size: int, out: Any, op: Any) -> bool:
-        if self.world_size == 1:  # a one-rank collective moves no data, so a transport bug cannot touch it
-            return False
-        if family not in self.ops or not (self.min_bytes <= size <= self.max_bytes):
-            return False
-        # A missing op is missing on every rank: had one rank called it, that rank would wait for the others forever.
-        if self.target_ranks is not None and self.rank not in self.target_ranks and self.mode != "missing":
-            return False
-        if self.from_step is not None and not (self.current_step() or 0) >= self.from_step:
+        """Whether the fault acts on this call: its rank, step, op and size (``_selects``), dtype and reduction."""
+        if not self._selects(family, size):
             return False
         first = _flat_outputs(out)[0]
         if self.dtype and str(first.dtype).replace("torch.", "") != self.dtype:
             return False
         return not (self.reduce_op and reduce_op_name(op) != self.reduce_op)
+
+    def _selects(self, family: str, size: int) -> bool:
+        """Whether a call of ``family`` moving ``size`` bytes, on this rank at this step, is one the spec names."""
+        # A one-rank collective moves no data, so a transport bug cannot touch it.
+        if self.world_size == 1 or family not in self.ops or not (self.min_bytes <= size <= self.max_bytes):
+            return False
+        # A missing op is missing on every rank: had one rank called it, that rank would wait for the others forever.
+        if self.target_ranks is not None and self.rank not in self.target_ranks and self.mode != "missing":
+            return False
+        return self.from_step is None or (self.current_step() or 0) >= self.from_step
 
     @property
     def fired(self) -> int:
@@ -122,13 +126,18 @@ class CollectiveFault:
                 _truncated_sum(family, outputs, *captured, average=reduce_op_name(op) == "avg")
                 self.firing.fire()  # the call was rerouted through the truncating sum, whatever its inputs
         elif self.mode == "stale_chunk":
-            key = (family, str(outputs[0].dtype), tuple(tuple(t.shape) for t in outputs))
-            previous = self.stale.get(key)
-            self.stale[key] = [t.detach().clone() for t in outputs]
-            if fire and previous is not None:
-                self._restore_chunk(outputs, previous)
-                self.firing.fire()
+            self._stale_chunk(family, outputs, fire)
         elif fire and self._corrupt(outputs):
+            self.firing.fire()
+
+    def _stale_chunk(self, family: str, outputs: list[Any], fire: bool) -> None:
+        """Keep this call's output for the next call of the same shape; where it fires, give one chunk back the
+        previous call's value."""
+        key = (family, str(outputs[0].dtype), tuple(tuple(t.shape) for t in outputs))
+        previous = self.stale.get(key)
+        self.stale[key] = [t.detach().clone() for t in outputs]
+        if fire and previous is not None:
+            self._restore_chunk(outputs, previous)
             self.firing.fire()
 
     def _restore_chunk(self, outputs: list[Any], previous: list[Any]) -> None:
@@ -143,38 +152,58 @@ class CollectiveFault:
         flat[index * n : (index + 1) * n].copy_(old[index * n : (index + 1) * n])
 
     def _corrupt(self, outputs: list[Any]) -> bool:
-        """Corrupt ``outputs``; False when there was nothing to corrupt (an empty output)."""
-        import torch
-
+        """Corrupt ``outputs`` as the mode says; False when there was nothing to corrupt (an empty output)."""
         flat = outputs[-1].view(-1)
         if flat.numel() == 0:
             return False
-        if self.mode == "zeros":
-            for t in outputs:
-                t.zero_()
-        elif self.mode == "zero_tail":
-            flat[-self.spec.get("count", 8) :] = 0
-        elif self.mode == "scale":
-            if not flat.is_floating_point():
-                return False
-            for t in outputs:
-                t.mul_(1 + self.spec.get("rel", 1e-3))
-        elif self.mode == "swap":  # two elements exchanged: every sum holds, and on every rank alike, every hash
-            if flat.numel() < 3:
-                return False
-            i, j = flat.numel() // 3, 2 * flat.numel() // 3
-            flat[[i, j]] = flat[[j, i]].clone()
-        else:  # nudge one element: by default in the middle, where neither head nor tail checks would look first
-            i = {"first": 0, "last": flat.numel() - 1}.get(self.spec.get("at", "middle"), flat.numel() // 2)
-            if flat.is_floating_point() and self.spec.get("add") is not None:  # off by an absolute amount
-                flat[i] = (flat[i].to(torch.float64) + self.spec.get("add")).to(flat.dtype)
-            elif flat.is_floating_point():
-                rel = self.spec.get("rel", 1e-3)
-                value = flat[i].to(torch.float64)
-                flat[i] = (value * (1 + rel) if value != 0 else torch.tensor(rel, dtype=torch.float64)).to(flat.dtype)
-            else:
-                flat[i] += 1
+        corrupt = {"zeros": _zeros, "zero_tail": _zero_tail, "scale": _scale, "swap": _swap}.get(self.mode, _nudge)
+        return corrupt(outputs, flat, self.spec)
+
+
+def _zeros(outputs: list[Any], flat: Any, spec: FaultSpec) -> bool:
+    for t in outputs:
+        t.zero_()
+    return True
+
+
+def _zero_tail(outputs: list[Any], flat: Any, spec: FaultSpec) -> bool:
+    flat[-spec.get("count", 8) :] = 0
+    return True
+
+
+def _scale(outputs: list[Any], flat: Any, spec: FaultSpec) -> bool:
+    if not flat.is_floating_point():
+        return False
+    for t in outputs:
+        t.mul_(1 + spec.get("rel", 1e-3))
+    return True
+
+
+def _swap(outputs: list[Any], flat: Any, spec: FaultSpec) -> bool:
+    """Two elements exchanged: every sum holds, and on every rank alike, every hash."""
+    if flat.numel() < 3:
+        return False
+    i, j = flat.numel() // 3, 2 * flat.numel() // 3
+    flat[[i, j]] = flat[[j, i]].clone()
+    return True
+
+
+def _nudge(outputs: list[Any], flat: Any, spec: FaultSpec) -> bool:
+    """One element off: by default the middle one, where neither head nor tail checks would look first."""
+    import torch
+
+    i = {"first": 0, "last": flat.numel() - 1}.get(spec.get("at", "middle"), flat.numel() // 2)
+    if not flat.is_floating_point():
+        flat[i] += 1
         return True
+    value = flat[i].to(torch.float64)
+    if spec.get("add") is not None:  # off by an absolute amount
+        value = value + spec.get("add")
+    else:
+        rel = spec.get("rel", 1e-3)
+        value = value * (1 + rel) if value != 0 else torch.tensor(rel, dtype=torch.float64)
+    flat[i] = value.to(flat.dtype)
+    return True
 
 
 def _float32_input(bound: dict[str, Any]) -> Any:

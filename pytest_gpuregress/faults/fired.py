@@ -1,9 +1,12 @@
-"""What an installed fault reports: how often it acted (``Firing``). A leaf: faults/__init__.py names it for the
-installers' type, and firing.py (which reads the fault kinds) sums it, without a circle between them."""
+"""What an installer uses: ``Firing``, how often its fault acted, and ``patch``, which wraps a function for the
+job. A leaf: faults/__init__.py names Firing for the installers' type, and firing.py (which reads the fault kinds)
+sums it, without a circle between them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -16,3 +19,11 @@ class Firing:
 
     def fire(self, times: int = 1) -> None:
         self.count += times
+
+
+def patch(ctx: Any, owner: Any, attr: str, wrapper: Callable[[Any], Any]) -> None:
+    """Set ``owner.attr`` to ``wrapper(original)`` until the rank's cleanup hooks put the original back: ranks
+    outlive a job."""
+    original = getattr(owner, attr)
+    setattr(owner, attr, wrapper(original))
+    ctx.cleanup_hooks.append(lambda: setattr(owner, attr, original))

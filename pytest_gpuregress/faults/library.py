@@ -17,13 +17,7 @@ import math
 from typing import Any
 
 from . import FaultSpec
-from .firing import Firing
-
-
-def _patch(ctx: Any, owner: Any, attr: str, replacement: Any) -> None:
-    original = getattr(owner, attr)
-    setattr(owner, attr, replacement(original))
-    ctx.cleanup_hooks.append(lambda: setattr(owner, attr, original))
+from .fired import Firing, patch
 
 
 def _interleaved(firing: Firing) -> Any:
@@ -139,29 +133,29 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
     if spec.get("mode") == "numpy_searchsorted":
         import numpy
 
-        _patch(ctx, numpy, "searchsorted", _searchsorted_off(firing))
+        patch(ctx, numpy, "searchsorted", _searchsorted_off(firing))
     elif spec.get("mode") == "rope_interleaved":
         from transformers.models.llama import modeling_llama
 
-        _patch(ctx, modeling_llama, "rotate_half", _interleaved(firing))
+        patch(ctx, modeling_llama, "rotate_half", _interleaved(firing))
     elif spec.get("mode") == "accelerate_divisor":
         from accelerate import Accelerator
 
-        _patch(ctx, Accelerator, "backward", _divides_by_processes(firing))
+        patch(ctx, Accelerator, "backward", _divides_by_processes(firing))
     elif spec.get("mode") == "rmsnorm_no_upcast":
         from transformers.models.llama import modeling_llama
 
-        _patch(ctx, modeling_llama.LlamaRMSNorm, "forward", _norm_without_upcast(firing))
+        patch(ctx, modeling_llama.LlamaRMSNorm, "forward", _norm_without_upcast(firing))
     elif spec.get("mode") == "torch_rand_shift":
         import torch
 
-        _patch(ctx, torch, "rand", _rand_shifted(firing))
+        patch(ctx, torch, "rand", _rand_shifted(firing))
     elif spec.get("mode") == "untied":
         from transformers import PreTrainedModel
 
-        _patch(ctx, PreTrainedModel, "tie_weights", _not_tying(firing))
+        patch(ctx, PreTrainedModel, "tie_weights", _not_tying(firing))
     else:
         from peft.tuners.lora.layer import LoraLayer
 
-        _patch(ctx, LoraLayer, "update_layer", _rslora(firing))
+        patch(ctx, LoraLayer, "update_layer", _rslora(firing))
     return firing

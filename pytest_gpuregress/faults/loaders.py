@@ -7,13 +7,14 @@ each tensor of the source dtype comes back as a view in the target dtype and cou
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from . import FaultSpec
-from .firing import Firing
+from .fired import Firing, patch
 
 # mode -> (the torch dtype the loader misreads, the one it hands the bytes back as)
 MODES: dict[str, tuple[str, str]] = {
@@ -32,10 +33,7 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
     paths = [spec.get("path")] if spec.get("path") else list(IO_PATHS)
     for path in paths:
         module_name, attribute, wrap = TARGETS[path]
-        module = importlib.import_module(module_name)
-        original = getattr(module, attribute)
-        setattr(module, attribute, wrap(original, wrong))
-        ctx.cleanup_hooks.append(lambda m=module, a=attribute, o=original: setattr(m, a, o))
+        patch(ctx, importlib.import_module(module_name), attribute, functools.partial(wrap, wrong))
     return firing
 
 
@@ -59,14 +57,14 @@ class Misread:
         return value
 
 
-def _returning(load: Callable[..., Any], misread: Misread) -> Callable[..., Any]:
+def _returning(misread: Misread, load: Callable[..., Any]) -> Callable[..., Any]:
     def misreading_load(*args: Any, **kwargs: Any) -> Any:
         return misread(load(*args, **kwargs))
 
     return misreading_load
 
 
-def _filling(load: Callable[..., Any], misread: Misread) -> Callable[..., Any]:
+def _filling(misread: Misread, load: Callable[..., Any]) -> Callable[..., Any]:
     """DCP loads in place: the state dict's misread entries are replaced after the real load."""
 
     def misreading_load(state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
@@ -111,7 +109,7 @@ class _Handle:
         return getattr(self._inner, name)
 
 
-def _opening(safe_open: Callable[..., Any], misread: Misread) -> Callable[..., Any]:
+def _opening(misread: Misread, safe_open: Callable[..., Any]) -> Callable[..., Any]:
     def misreading_open(*args: Any, **kwargs: Any) -> _Handle:
         return _Handle(safe_open(*args, **kwargs), misread)
 
@@ -119,7 +117,7 @@ def _opening(safe_open: Callable[..., Any], misread: Misread) -> Callable[..., A
 
 
 # path -> (module, attribute, wrapper)
-TARGETS: dict[str, tuple[str, str, Callable[[Callable[..., Any], Misread], Callable[..., Any]]]] = {
+TARGETS: dict[str, tuple[str, str, Callable[[Misread, Callable[..., Any]], Callable[..., Any]]]] = {
     "safetensors": ("safetensors.torch", "load_file", _returning),
     "safe_open": ("safetensors", "safe_open", _opening),
     "torch_load": ("torch", "load", _returning),

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..fault_points import intercept
 from . import FaultSpec
-from .firing import Firing
+from .fired import Firing, patch
 
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -32,13 +32,6 @@ def target_module(spec: FaultSpec) -> str:
 
 def _intercept(ctx: Any, point: str, replacement: Any) -> None:
     ctx.cleanup_hooks.append(intercept(point, replacement))
-
-
-def _patch_stack(ctx: Any, owner: Any, attr: str, replacement: Any) -> None:
-    """Wrap a function of the stack's own (accelerate), where the bug it emulates sits."""
-    original = getattr(owner, attr)
-    setattr(owner, attr, replacement(original))
-    ctx.cleanup_hooks.append(lambda: setattr(owner, attr, original))
 
 
 def _accelerator_class() -> Any:
@@ -83,7 +76,7 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
                         for name, value in model.state_dict().items()}
             return gather_for_save
         _intercept(ctx, "lora.gather_for_save", local_shards)
-        _patch_stack(ctx, _accelerator_class(), "get_state_dict", _sharded_only(firing))
+        patch(ctx, _accelerator_class(), "get_state_dict", _sharded_only(firing))
     elif mode == "zero_lora_b":
         def zeroing(original: Any) -> Any:
             def write_adapter(peft_model: Any, state_dict: dict[str, Any], folder: str) -> None:
@@ -126,11 +119,11 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
     elif mode == "forward_wrapped":
         _intercept(ctx, "lora.wrap", _autocast_forward(firing))
     elif mode in ("dropout_in_eval", "dropout_unseeded"):
-        _patch_stack(ctx, _dropout_class(), "forward", _broken_dropout(mode, firing))
+        patch(ctx, _dropout_class(), "forward", _broken_dropout(mode, firing))
     elif mode == "dropout_shared":
         from peft.tuners.lora.layer import Linear
 
-        _patch_stack(ctx, Linear, "forward", _shared_dropout(firing))
+        patch(ctx, Linear, "forward", _shared_dropout(firing))
     else:
         raise ValueError(f"lora fault mode {mode!r}: expected grad_leak, rank0_slice, zero_lora_b, merge_ulp, "
                          "merge_scaled_twice, dropout_in_eval, dropout_unseeded, dropout_shared or forward_wrapped")

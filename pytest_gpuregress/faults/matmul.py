@@ -10,7 +10,7 @@ from typing import Any
 
 from ..training.kernels import fault_region
 from . import FaultSpec
-from .firing import Firing
+from .fired import Firing, patch
 
 WRAPPED = (("torch", "matmul"), ("torch", "mm"), ("torch", "bmm"), ("torch.nn.functional", "linear"))
 _SAME_WIDTH_INT = {2: "int16", 4: "int32", 8: "int64"}
@@ -54,8 +54,5 @@ def install_matmul_ulp(spec: FaultSpec, ctx: Any) -> Firing:
         return wrapper
 
     for module_name, name in WRAPPED:
-        module = importlib.import_module(module_name)
-        original = getattr(module, name)
-        setattr(module, name, wrap(original))
-        ctx.cleanup_hooks.append(lambda m=module, n=name, o=original: setattr(m, n, o))  # ranks outlive a launch
+        patch(ctx, importlib.import_module(module_name), name, wrap)
     return firing

@@ -38,16 +38,25 @@ def unreached_reason(texts: Iterable[str], case: Case, case_id: str,
                      others: Callable[[], Iterable[tuple[str, Case]]] = tuple) -> str | None:
     """Why ``case`` (test id ``case_id``) is skipped when faults are injected and none reaches it; None when one
     does (or none is given). ``others()``: (test id, case) of this configuration, to say where the faults act."""
-    specs = [(t, parse(t)) for t in texts]
-    if not specs or any(reaches(spec, case) for _, spec in specs):
+    specs = [parse(t) for t in texts]
+    if not specs or any(reaches(spec, case) for spec in specs):
         return None
-    exercised = case.exercises or act.Exercises(frozenset())
-    why = "; ".join(dict.fromkeys(filter(None, (act.reason_absent(acted_on(spec), exercised) for _, spec in specs))))
-    acts = sorted({other.family or other_id for other_id, other in others() if other.exercises is not None
-                   and any(reaches(spec, other) for _, spec in specs)})
-    return (f"--gpuregress-inject {'; '.join(t for t, _ in specs)}: no injected fault acts in {case_id}"
+    why = _why_not(specs, case.exercises or act.Exercises(frozenset()))
+    acts = _acting_in(specs, others())
+    return (f"--gpuregress-inject {'; '.join(spec.text for spec in specs)}: no injected fault acts in {case_id}"
             + (f" ({why})" if why else "") + (f"; it acts in {', '.join(acts)}" if acts else "")
             + "; docs/faults.md lists where each fault acts")
+
+
+def _why_not(specs: list[FaultSpec], exercised: act.Exercises) -> str:
+    """What each of ``specs`` acts on that a case exercising ``exercised`` lacks, each reason once."""
+    return "; ".join(dict.fromkeys(filter(None, (act.reason_absent(acted_on(spec), exercised) for spec in specs))))
+
+
+def _acting_in(specs: list[FaultSpec], cases: Iterable[tuple[str, Case]]) -> list[str]:
+    """The families (or test ids) of the declared ``cases`` that one of ``specs`` reaches."""
+    return sorted({case.family or case_id for case_id, case in cases
+                   if case.exercises is not None and any(reaches(spec, case) for spec in specs)})
 
 
 def catalogue(device_kind: DeviceKind = "cpu") -> dict[str, Case]:

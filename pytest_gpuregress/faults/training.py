@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..reference.clipping import TORCH_EPS
+from ..evidence.clipping import TORCH_EPS
 from ..training.kernels import fault_region
 from . import FaultSpec
 from .firing import Firing

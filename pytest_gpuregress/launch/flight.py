@@ -262,27 +262,33 @@ def diagnose(states: dict[int, FlightState | None], progress: dict[int, str | No
     waiting = {r: s for r, s in states.items() if s is not None and s.inside}
     if not waiting:
         return None
+    behind = _waited_for(states, waiting)
+    if not behind:  # no one to name: the closing clause says what all of them wait in
+        return "; ".join([*(f"rank {r} waits in {waiting[r].label}" for r in sorted(waiting)), _all_waiting(waiting)])
+    culprits = ", ".join(map(str, behind))
+    parts = [f"rank {r} waits in {waiting[r].label} for rank {culprits}" for r in sorted(waiting) if r not in behind]
+    return "; ".join(parts + [_behind(r, states[r], progress.get(r)) for r in behind])
+
+
+def _waited_for(states: dict[int, FlightState | None], waiting: dict[int, FlightState]) -> list[int]:
+    """The ranks outside any collective, or in an earlier one than the furthest waiter."""
     furthest = max(s.seq for s in waiting.values())
-    # A rank is waited for when it is outside any collective, or has entered fewer than the waiters.
-    behind = sorted(r for r, s in states.items() if s is None or not s.inside or s.seq < furthest)
-    parts = []
-    for rank in sorted(waiting):
-        if rank not in behind:
-            # With no rank behind there is no one to name: the closing clause says what all of them wait in.
-            culprits = f" for rank {', '.join(map(str, behind))}" if behind else ""
-            parts.append(f"rank {rank} waits in {waiting[rank].label}{culprits}")
-    for rank in behind:
-        state = states[rank]
-        where = progress.get(rank) or "no progress"
-        if state is None:
-            parts.append(f"rank {rank} never entered a collective ({where})")
-        elif state.inside:
-            parts.append(f"rank {rank} is in an earlier collective, {state.label} ({where})")
-        else:
-            parts.append(f"rank {rank} stopped outside any collective (last: {state.label}), after {where}")
-    if not behind:
-        ops = {s.label for s in waiting.values()}
-        what = "the same collective: the transport itself is stuck (network, NCCL/RCCL, driver)" if len(ops) == 1 \
-            else "different collectives: the ranks' call sequences diverged"
-        parts.append(f"every rank waits in {what}")
-    return "; ".join(parts)
+    return sorted(r for r in states if r not in waiting or waiting[r].seq < furthest)
+
+
+def _behind(rank: int, state: FlightState | None, progress: str | None) -> str:
+    """Where a rank the others wait for is instead, and its last progress."""
+    where = progress or "no progress"
+    if state is None:
+        return f"rank {rank} never entered a collective ({where})"
+    if state.inside:
+        return f"rank {rank} is in an earlier collective, {state.label} ({where})"
+    return f"rank {rank} stopped outside any collective (last: {state.label}), after {where}"
+
+
+def _all_waiting(waiting: dict[int, FlightState]) -> str:
+    """Every rank waits in a collective: in the same one, the transport is stuck; in different ones, the ranks'
+    call sequences diverged."""
+    if len({s.label for s in waiting.values()}) == 1:
+        return "every rank waits in the same collective: the transport itself is stuck (network, NCCL/RCCL, driver)"
+    return "every rank waits in different collectives: the ranks' call sequences diverged"

@@ -16,6 +16,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -168,10 +169,8 @@ def _fail_together(store: object, key: str, rank: int, exc: BaseException) -> Ra
 
 def _time_out(job: Job, rank: int, limit_s: float, uncapture: Callable[[], None]) -> None:
     """Past --gpuregress-timeout in place: say where this rank is, with its stacks, and leave."""
-    try:
+    with suppress(Exception):  # leaving matters more than the console
         uncapture()
-    except Exception:  # noqa: BLE001 - leaving matters more than the console
-        pass
     files = RankFiles(Path(job.run_dir), rank)
     state = flight.read(files.flight, rank)
     where = (f"in {state.label}" if state.inside else f"outside any collective (last: {state.label})") if state \

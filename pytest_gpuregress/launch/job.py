@@ -29,7 +29,7 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)  # extra environment for this group only
     loopback_only: bool = True  # single-machine runs bind every socket to the loopback interface
     collect_fingerprint: bool = True
-    watch: dict[str, Any] = field(default_factory=dict)  # --gpuregress-fail-fast (reference/failfast.py)
+    watch: dict[str, Any] = field(default_factory=dict)  # --gpuregress-fail-fast (comparison/failfast.py)
     fresh_ranks: bool = False  # new processes for this job, not pooled ones
     profile: bool = True  # training loops take a kernel inventory of a few steps (training/observe.py)
     cwd: str = ""  # the launcher's working directory: ranks import a user's modules from it
@@ -42,48 +42,20 @@ class Job:
         return cls(**json.loads(path.read_text()))
 
 
-@dataclass(frozen=True)
 class RankFiles:
-    """Paths one rank writes, relative to the run directory."""
+    """Paths one rank writes in the run directory."""
 
-    run_dir: Path
-    rank: int
-
-    @property
-    def progress(self) -> Path:
-        return self.run_dir / f"rank{self.rank}.progress"
-
-    @property
-    def record_dir(self) -> Path:
-        return self.run_dir / f"rank{self.rank}"
-
-    @property
-    def done(self) -> Path:
-        return self.run_dir / f"rank{self.rank}.done"
-
-    @property
-    def released(self) -> Path:
-        return self.run_dir / f"rank{self.rank}.released"
-
-    @property
-    def error(self) -> Path:
-        return self.run_dir / f"rank{self.rank}.error.json"
-
-    @property
-    def stack(self) -> Path:
-        return self.run_dir / f"rank{self.rank}.stack"
-
-    @property
-    def flight(self) -> Path:
-        return self.run_dir / f"rank{self.rank}.flight"
-
-    @property
-    def device_error(self) -> Path:
-        return self.run_dir / f"rank{self.rank}.device_error"
-
-    @property
-    def log(self) -> Path:
-        return self.run_dir / f"rank{self.rank}.log"
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.run_dir, self.rank = run_dir, rank
+        self.record_dir = run_dir / f"rank{rank}"
+        self.progress = run_dir / f"rank{rank}.progress"
+        self.done = run_dir / f"rank{rank}.done"  # the record is written: a crash from here on loses nothing
+        self.released = run_dir / f"rank{rank}.released"  # torn down: the rank may serve another job
+        self.error = run_dir / f"rank{rank}.error.json"
+        self.stack = run_dir / f"rank{rank}.stack"
+        self.flight = run_dir / f"rank{rank}.flight"
+        self.device_error = run_dir / f"rank{rank}.device_error"
+        self.log = run_dir / f"rank{rank}.log"
 
     def last_progress(self) -> str | None:
         try:

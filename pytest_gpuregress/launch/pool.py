@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import TypeVar
 
@@ -53,15 +54,18 @@ def group_key(job: Job) -> EnvKey:
 
 
 def kill_process_group(proc: Rank, sig: int = signal.SIGKILL) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:  # not yet a group of its own (a forked rank before its setsid): the rank alone
+    with suppress(PermissionError):
         try:
-            os.kill(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-    except PermissionError:
-        pass
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # not yet a group of its own (a forked rank before its setsid): the rank alone
+            with suppress(ProcessLookupError):
+                os.kill(proc.pid, sig)
+
+
+def _close_stdin(proc: Rank) -> None:
+    if proc.stdin is not None:
+        with suppress(OSError):
+            proc.stdin.close()
 
 
 class RankGroup:
@@ -100,27 +104,19 @@ class RankGroup:
     def submit(self, job_path: Path) -> None:
         """Hand every rank the job; a rank that already died is left for the watcher to report."""
         for proc in self.procs:
-            try:
+            with suppress(OSError):  # a broken pipe too
                 assert proc.stdin is not None
                 proc.stdin.write(f"{job_path}\n".encode())
                 proc.stdin.flush()
-            except (BrokenPipeError, OSError):
-                pass
 
     def close(self) -> None:
         """Let idle ranks leave on their own (EOF on stdin), then kill whatever is left."""
         for proc in self.procs:
-            try:
-                if proc.stdin is not None:
-                    proc.stdin.close()
-            except OSError:
-                pass
+            _close_stdin(proc)
         deadline = time.monotonic() + CLOSE_GRACE_S
         for proc in self.procs:
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                pass
         self.kill()
 
     def kill(self) -> None:
@@ -128,20 +124,14 @@ class RankGroup:
             kill_process_group(proc)
         for proc in self.procs:
             proc.wait()
-            if proc.stdin is not None:
-                try:
-                    proc.stdin.close()
-                except OSError:
-                    pass
+            _close_stdin(proc)
         shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 class WorkerPool:
     """Idle rank groups by environment key, least recently used first out."""
 
-    def __init__(self, base_dir: Path | None = None, max_idle: int = MAX_IDLE_GROUPS) -> None:
-        self.base_dir = base_dir
-        self.max_idle = max_idle
+    def __init__(self) -> None:
         self.idle: OrderedDict[EnvKey, RankGroup] = OrderedDict()
         self.started = 0  # groups started this session, for the benchmark and the tests
 
@@ -152,12 +142,12 @@ class WorkerPool:
         if group is not None:
             group.kill()
         self.started += 1
-        return RankGroup(job, self.base_dir)
+        return RankGroup(job)
 
     def release(self, group: RankGroup) -> None:
         """Keep a group that finished a job cleanly for the next launch with its environment."""
         self.idle[group.key] = group
-        while len(self.idle) > self.max_idle:
+        while len(self.idle) > MAX_IDLE_GROUPS:
             _, oldest = self.idle.popitem(last=False)
             oldest.close()
 

@@ -14,6 +14,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -54,7 +55,7 @@ class RankOutcome:
 
     def describe(self) -> str:
         where = f"last progress: {self.last_progress or 'none (died before the scenario started)'}"
-        if self.status == "raised" and self.error:
+        if self.status == "raised":
             return f"rank {self.rank} raised {self.error['type']} ({where})\n{self.error['traceback']}"
         if self.status in ("hung", "stopped"):
             stack = _main_thread_stack(self.stack) or "(no stack dumped)"
@@ -123,13 +124,7 @@ def sticky_ranks(run_dir: Path, world_size: int) -> dict[int, str]:
     found: dict[int, str] = {}
     for rank in range(world_size):
         files = RankFiles(run_dir, rank)
-        texts = []
-        for path in (files.device_error, files.error, files.record_dir / RECORD_JSON):
-            try:
-                texts.append(path.read_text(errors="replace"))
-            except OSError:
-                continue
-        what = device_errors.first_sticky(texts)
+        what = device_errors.first_sticky(_read(p) for p in (files.device_error, files.error, files.record_dir / RECORD_JSON))
         if what is None and files.device_error.exists():
             what = "device unusable after the job"  # the worker's synchronize failed with another error
         if what is not None:
@@ -137,12 +132,16 @@ def sticky_ranks(run_dir: Path, world_size: int) -> dict[int, str]:
     return found
 
 
-def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+def _read(path: Path) -> str:
+    """The file's text, "" where there is none."""
     try:
-        text = path.read_text(errors="replace").splitlines()
+        return path.read_text(errors="replace")
     except OSError:
         return ""
-    return "\n".join(text[-lines:])
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    return "\n".join(_read(path).splitlines()[-lines:])
 
 
 class SpawnLauncher:
@@ -169,8 +168,11 @@ class SpawnLauncher:
         if self.pool is not None and self.owns_pool:
             self.pool.close()
 
+    def _pooled(self, job: Job) -> bool:
+        return self.pool is not None and not job.fresh_ranks
+
     def _group_for(self, job: Job) -> RankGroup:
-        if self.pool is not None and not job.fresh_ranks:
+        if self._pooled(job):
             before = self.pool.started
             group = self.pool.acquire(job)
             self.groups_started += self.pool.started - before
@@ -188,23 +190,10 @@ class SpawnLauncher:
         started, since = time.monotonic(), time.time()
         group.submit(job_path)
         outcomes: list[RankOutcome] = []
-        sticky: dict[int, str] = {}
         try:
             outcomes, notes = self._watch(job, group, started + wall_timeout_s)
         finally:
-            clean = len(outcomes) == job.world_size and all(
-                o.status == "delivered" and RankFiles(run_dir, o.rank).released.exists() and o.returncode is None
-                for o in outcomes
-            )
-            # A rank whose device context is broken would fail the next job with an error that is not its own.
-            sticky = sticky_ranks(run_dir, job.world_size)
-            clean = clean and not sticky
-            if clean and self.pool is not None and not job.fresh_ranks:
-                self.pool.release(group)
-            elif clean:
-                group.close()
-            else:  # a rank that failed, hung or did not release: the next job gets a fresh group
-                group.kill()
+            sticky = self._give_back(job, group, outcomes)
         wall = time.monotonic() - started
         retired = "; ".join(f"rank {r}: {what}" for r, what in sorted(sticky.items()))
         failed = [o for o in outcomes if o.status != "delivered"]
@@ -221,6 +210,23 @@ class SpawnLauncher:
             shutil.rmtree(run_dir, ignore_errors=True)
         return LaunchResult(records=records, outcomes=outcomes, notes=notes, wall_s=wall)
 
+    def _give_back(self, job: Job, group: RankGroup, outcomes: list[RankOutcome]) -> dict[int, str]:
+        """Keep (or close) a group whose every rank delivered and released; kill any other, so the next job gets a
+        fresh group. The ranks with a sticky device error, which would fail the next job with an error not its own."""
+        run_dir = Path(job.run_dir)
+        sticky = sticky_ranks(run_dir, job.world_size)
+        clean = not sticky and len(outcomes) == job.world_size and all(
+            o.status == "delivered" and RankFiles(run_dir, o.rank).released.exists() and o.returncode is None
+            for o in outcomes
+        )
+        if not clean:  # a rank that failed, hung or did not release
+            group.kill()
+        elif self._pooled(job):
+            self.pool.release(group)
+        else:
+            group.close()
+        return sticky
+
     def _watch(self, job: Job, group: RankGroup, deadline: float) -> tuple[list[RankOutcome], list[str]]:
         """Wait for the ranks, then say what became of each: delivered, raised, hung, stopped or died."""
         files = [RankFiles(Path(job.run_dir), r) for r in range(job.world_size)]
@@ -236,25 +242,14 @@ class SpawnLauncher:
     def _wait(self, job: Job, procs: list[Rank], files: list[RankFiles], deadline: float) -> bool:
         """Until every rank is done (exited or released), a rank failed without delivering (after a grace), every
         rank delivered (after the teardown grace), or the deadline; True at the deadline. Shows progress."""
-        first_failure: float | None = None
-        all_delivered_at: float | None = None
+        began: dict[str, float] = {}  # when a rank first failed, when every rank had delivered
         shown, next_show = None, time.monotonic() + PROGRESS_EVERY_S
         while True:
             now = time.monotonic()
             if self.on_progress is not None and now >= next_show:
                 shown, next_show = self._show_progress(job, files[0], shown), now + PROGRESS_EVERY_S
-            codes = [p.poll() for p in procs]
-            delivered = [f.done.exists() for f in files]
-            if all(c is not None or f.released.exists() for c, f in zip(codes, files)):
+            if _settled(procs, files, began, now):
                 return False
-            if any(c not in (None, 0) and not d for c, d in zip(codes, delivered)):
-                first_failure = first_failure or now
-                if now - first_failure > FAILURE_GRACE_S:
-                    return False
-            if all(delivered):
-                all_delivered_at = all_delivered_at or now
-                if now - all_delivered_at > TEARDOWN_GRACE_S:
-                    return False
             if now > deadline:
                 return True
             time.sleep(POLL_S)
@@ -265,8 +260,7 @@ class SpawnLauncher:
         prefix = torch_trace.arm(Path(job.run_dir), job.backend, rank_environment(job))
         if not prefix:
             return
-        torch_trace.request_dumps(Path(job.run_dir), prefix, lambda: [
-            r for r, (p, f) in enumerate(zip(procs, files)) if p.poll() is None and not f.done.exists()])
+        torch_trace.request_dumps(Path(job.run_dir), prefix, lambda: _working(procs, files))
 
     def _show_progress(self, job: Job, files: RankFiles, shown: str | None) -> str | None:
         line = files.last_progress()
@@ -276,42 +270,57 @@ class SpawnLauncher:
         return line
 
     def _failure_message(
-        self, job: Job, outcomes: list[RankOutcome], failed: list[RankOutcome], wall_timeout_s: float,
-        since: float = 0.0,
+        self, job: Job, outcomes: list[RankOutcome], failed: list[RankOutcome], wall_timeout_s: float, since: float,
     ) -> str:
-        hung = [o for o in failed if o.status == "hung"]
-        head = (
-            f"scenario {job.scenario!r} on {job.world_size} {job.backend} ranks: "
-            + ", ".join(f"rank {o.rank} {o.status}" for o in outcomes)
-        )
+        run_dir = Path(job.run_dir)
+        hung = any(o.status == "hung" for o in failed)
+        head = f"scenario {job.scenario!r} on {job.world_size} {job.backend} ranks: " + ", ".join(
+            f"rank {o.rank} {o.status}" for o in outcomes)
         if hung:
             head += f" (time limit {wall_timeout_s:.0f}s, --gpuregress-timeout)"
-            run_dir = Path(job.run_dir)
-            states = {o.rank: flight.read(RankFiles(run_dir, o.rank).flight, o.rank) for o in outcomes}
-            waits = flight.diagnose(states, {o.rank: o.last_progress for o in outcomes})
-            if waits:
-                head += f"\n{waits}"
+        # A hang: the collective each rank is in (our flight recorder), and whom the others wait for.
+        waits = flight.diagnose({o.rank: flight.read(RankFiles(run_dir, o.rank).flight, o.rank) for o in outcomes},
+                                {o.rank: o.last_progress for o in outcomes}) if hung else None
         # NCCL/RCCL: what torch's recorder saw (dumped on request or by its watchdog), DTensor's collectives included.
-        dumps = torch_trace.report(torch_trace.arm(Path(job.run_dir), job.backend, rank_environment(job)),
-                                   job.world_size, Path(job.run_dir), since)
-        if dumps:
-            head += f"\n{dumps}"
+        dumps = torch_trace.report(torch_trace.arm(run_dir, job.backend, rank_environment(job)), job.world_size,
+                                   run_dir, since)
         # The root cause first: a rank that raised or died, before peers that only noticed it.
         order = {"raised": 0, "died": 1, "hung": 2, "stopped": 3}
         body = "\n\n".join(o.describe() for o in sorted(failed, key=lambda o: (order[o.status], o.rank)))
-        return f"{head}\nlogs: {job.run_dir}\n\n{body}"
+        return "\n".join(filter(None, [head, waits, dumps, f"logs: {job.run_dir}"])) + f"\n\n{body}"
+
+
+def _settled(procs: list[Rank], files: list[RankFiles], began: dict[str, float], now: float) -> bool:
+    """Whether the ranks are done with the job: every one exited or released; or one failed without delivering,
+    FAILURE_GRACE_S ago (its peers report their own errors meanwhile); or every one delivered, TEARDOWN_GRACE_S
+    ago. ``began`` keeps when each grace began."""
+    codes = [p.poll() for p in procs]
+    delivered = [f.done.exists() for f in files]
+    if all(c is not None or f.released.exists() for c, f in zip(codes, files)):
+        return True
+    failed = any(c not in (None, 0) and not d for c, d in zip(codes, delivered))
+    return _past(began, "failure", failed, now, FAILURE_GRACE_S) or \
+        _past(began, "teardown", all(delivered), now, TEARDOWN_GRACE_S)
+
+
+def _past(began: dict[str, float], what: str, holds: bool, now: float, grace: float) -> bool:
+    """Whether ``what`` holds now and first held more than ``grace`` seconds ago (``began`` keeps when)."""
+    return holds and now - began.setdefault(what, now) > grace
 
 
 def _ask_for_stacks(procs: list[Rank], files: list[RankFiles]) -> None:
     """Ask ranks that are still working for their Python stacks before they are killed."""
-    pending = [p for p, f in zip(procs, files) if p.poll() is None and not f.done.exists()]
-    for proc in pending:
-        try:
-            os.kill(proc.pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
+    pending = _working(procs, files)
+    for rank in pending:
+        with suppress(ProcessLookupError):
+            os.kill(procs[rank].pid, signal.SIGUSR1)
     if pending:
         time.sleep(1.0)
+
+
+def _working(procs: list[Rank], files: list[RankFiles]) -> list[int]:
+    """The ranks still running that have not delivered."""
+    return [r for r, (p, f) in enumerate(zip(procs, files)) if p.poll() is None and not f.done.exists()]
 
 
 def _outcome(rank: int, proc: Rank, files: RankFiles, group: RankGroup, timed_out: bool,
@@ -321,18 +330,24 @@ def _outcome(rank: int, proc: Rank, files: RankFiles, group: RankGroup, timed_ou
     outcome = RankOutcome(rank=rank, status="", returncode=code, last_progress=files.last_progress())
     if files.done.exists():
         outcome.status = "delivered"
-        if code is None and not files.released.exists():
-            notes.append(f"rank {rank} delivered its results but had not finished teardown; killed")
-        elif code not in (None, 0):
-            notes.append(f"rank {rank} delivered its results, then exited with {outcome.signal_name or code} during "
-                         "teardown (ignored)")
+        notes.extend(filter(None, [_teardown_note(outcome, files)]))
     elif files.error.exists():
         outcome.status = "raised"
         outcome.error = json.loads(files.error.read_text())
     elif code is None:
         outcome.status = "hung" if timed_out else "stopped"
-        outcome.stack = files.stack.read_text(errors="replace") if files.stack.exists() else None
+        outcome.stack = _read(files.stack) or None
     else:
         outcome.status = "died"
     outcome.log_tail = _tail(files.log) or _tail(group.startup_log(rank))
     return outcome
+
+
+def _teardown_note(outcome: RankOutcome, files: RankFiles) -> str | None:
+    """What a rank that delivered did wrong in teardown (the launcher goes on without it), if anything."""
+    if outcome.returncode is None and not files.released.exists():
+        return f"rank {outcome.rank} delivered its results but had not finished teardown; killed"
+    if outcome.returncode not in (None, 0):
+        return (f"rank {outcome.rank} delivered its results, then exited with "
+                f"{outcome.signal_name or outcome.returncode} during teardown (ignored)")
+    return None

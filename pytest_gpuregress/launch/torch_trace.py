@@ -197,18 +197,17 @@ def serve_requests(run_dir: Path, rank: int, backend: str, cleanup_hooks: list[C
     return responder
 
 
-def request_dumps(run_dir: Path, prefix: str, live: Callable[[], list[int]], wait_s: float = REQUEST_WAIT_S,
-                  poll_s: float = REQUEST_POLL_S) -> list[int]:
-    """Ask the ranks of a hung launch for their dumps, and wait up to ``wait_s`` for each rank still in ``live()``
-    to write one; the live ranks that did not."""
+def request_dumps(run_dir: Path, prefix: str, live: Callable[[], list[int]]) -> list[int]:
+    """Ask the ranks of a hung launch for their dumps, and wait up to REQUEST_WAIT_S for each rank still in
+    ``live()`` to write one; the live ranks that did not."""
     asked = time.time()
     atomic.write_bytes(run_dir / REQUEST, f"{asked}\n".encode())
-    end = time.monotonic() + wait_s
+    end = time.monotonic() + REQUEST_WAIT_S
     while True:
         missing = [r for r in live() if not _fresh(Path(f"{prefix}{r}"), asked)]
         if not missing or time.monotonic() >= end:
             return missing
-        time.sleep(poll_s)
+        time.sleep(REQUEST_POLL_S)
 
 
 def read_dump(path: Path) -> dict[str, Any]:
@@ -250,16 +249,15 @@ class Entry:
 
 def entries_of(rank: int, dump: Mapping[str, Any]) -> list[Entry]:
     """The collectives (not point-to-point calls) in a rank's dump."""
-    out = []
-    for raw in dump.get("entries") or []:
-        if not isinstance(raw, dict) or raw.get("is_p2p"):
-            continue
-        group = raw.get("process_group") or ("", "")
-        out.append(Entry(rank=rank, group=str(group[0]), desc=str(group[1]) if len(group) > 1 else "",
-                         seq=int(raw.get("collective_seq_id") or 0), op=str(raw.get("profiling_name") or "?"),
-                         state=str(raw.get("state") or ""), sizes=_sizes(raw), created_ns=int(raw.get("time_created_ns") or 0),
-                         origin=_origin(raw.get("frames") or [])))
-    return out
+    return [_entry(rank, raw) for raw in dump.get("entries") or [] if isinstance(raw, dict) and not raw.get("is_p2p")]
+
+
+def _entry(rank: int, raw: Mapping[str, Any]) -> Entry:
+    group = raw.get("process_group") or ("", "")
+    return Entry(rank=rank, group=str(group[0]), desc=str(group[1]) if len(group) > 1 else "",
+                 seq=int(raw.get("collective_seq_id") or 0), op=str(raw.get("profiling_name") or "?"),
+                 state=str(raw.get("state") or ""), sizes=_sizes(raw), created_ns=int(raw.get("time_created_ns") or 0),
+                 origin=_origin(raw.get("frames") or []))
 
 
 def members(dumps: Mapping[int, Mapping[str, Any]], group: str, desc: str = "") -> set[int]:
@@ -267,14 +265,18 @@ def members(dumps: Mapping[int, Mapping[str, Any]], group: str, desc: str = "") 
     where the config names it otherwise (gloo's default group is "" there, "0" in its entries)."""
     ranks: set[int] = set()
     for dump in dumps.values():
-        configs = dump.get("pg_config") or {}
-        config = configs.get(group) or next((c for c in configs.values() if desc and c.get("desc") == desc), None) \
-            or (next(iter(configs.values())) if len(configs) == 1 else {})
+        config = _config_of(dump.get("pg_config") or {}, group, desc)
         try:
             ranks.update(int(r) for r in json.loads(str(config.get("ranks", "[]"))))
         except (ValueError, TypeError):
             continue
     return ranks
+
+
+def _config_of(configs: Mapping[str, Any], group: str, desc: str) -> Mapping[str, Any]:
+    """``group``'s entry in a dump's pg_config: by its name, else by its description, else the only one there."""
+    return configs.get(group) or next((c for c in configs.values() if desc and c.get("desc") == desc), None) \
+        or (next(iter(configs.values())) if len(configs) == 1 else {})
 
 
 def diagnose(dumps: Mapping[int, Mapping[str, Any]]) -> str | None:
@@ -284,20 +286,21 @@ def diagnose(dumps: Mapping[int, Mapping[str, Any]]) -> str | None:
     for rank, dump in dumps.items():
         for entry in entries_of(rank, dump):
             by_group.setdefault(entry.group, {}).setdefault(rank, []).append(entry)
-    stuck: list[tuple[int, str]] = []
-    for group, ranks in by_group.items():
-        pending = [e for entries in ranks.values() for e in entries if e.state != COMPLETED]
-        if pending:
-            stuck.append((min(e.created_ns for e in pending), group))
+    since = {group: _unfinished_since(ranks) for group, ranks in by_group.items()}
+    stuck = sorted((created, group) for group, created in since.items() if created is not None)
     if not stuck:
         return None
-    stuck.sort()
     group = stuck[0][1]
     desc = next(e.desc for entries in by_group[group].values() for e in entries)
     line = _judge(by_group[group], members(dumps, group, desc), set(dumps))
     if len(stuck) > 1:
         line += f"; {len(stuck) - 1} other process group(s) have unfinished collectives too"
     return line
+
+
+def _unfinished_since(ranks: dict[int, list[Entry]]) -> int | None:
+    """When a group's oldest unfinished collective was created (ns); None when every one completed."""
+    return min((e.created_ns for entries in ranks.values() for e in entries if e.state != COMPLETED), default=None)
 
 
 def _judge(ranks: dict[int, list[Entry]], expected: set[int], dumped: set[int]) -> str:
@@ -312,8 +315,7 @@ def _judge(ranks: dict[int, list[Entry]], expected: set[int], dumped: set[int]) 
     behind = sorted(r for r, seq in last.items() if seq < waiting_seq)
     if behind:
         return _never_entered(ranks, oldest, waiting_seq, behind) + tail
-    present = _entries_at(ranks, sorted(last), waiting_seq) or \
-        {r: e for r, e in sorted(oldest.items()) if e.seq == waiting_seq}
+    present = _entries_at(ranks, sorted(last), oldest, waiting_seq)
     return (_diverged(present, waiting_seq) or _how_far(present, bool(missing))) + tail
 
 
@@ -323,9 +325,12 @@ def _oldest_unfinished(ranks: dict[int, list[Entry]]) -> dict[int, Entry]:
     return {r: min(entries, key=lambda e: e.seq) for r, entries in unfinished.items() if entries}
 
 
-def _entries_at(ranks: dict[int, list[Entry]], members: list[int], seq: int) -> dict[int, Entry]:
-    """Each member's entry of collective number ``seq``, where its dump holds one."""
-    return {r: e for r in members for e in ranks.get(r, []) if e.seq == seq}
+def _entries_at(ranks: dict[int, list[Entry]], members: list[int], oldest: dict[int, Entry],
+                seq: int) -> dict[int, Entry]:
+    """Each member's entry of collective number ``seq``, where its dump holds one; else each rank's oldest
+    unfinished collective, where it is that one."""
+    found = {r: e for r in members for e in ranks.get(r, []) if e.seq == seq}
+    return found or {r: e for r, e in sorted(oldest.items()) if e.seq == seq}
 
 
 def _never_entered(ranks: dict[int, list[Entry]], oldest: dict[int, Entry], waiting_seq: int,
@@ -354,7 +359,7 @@ def _how_far(present: dict[int, Entry], some_missing: bool) -> str:
     entry = next(iter(present.values()))
     done = sorted(r for r, e in present.items() if e.state == COMPLETED)
     started = sorted(r for r, e in present.items() if e.state == "started")
-    queued = sorted(r for r, e in present.items() if e.state not in ("started", COMPLETED))
+    queued = sorted(set(present) - set(done) - set(started))  # scheduled: on the stream, not yet run
     if done:
         return f"{_ranks(started + queued)} did not finish {entry.label}, which {_ranks(done)} finished"
     if started and queued:

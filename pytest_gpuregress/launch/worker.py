@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -145,15 +146,13 @@ def run_rank(job: Job, rank: int) -> None:
 def die_with_parent() -> None:
     """SIGKILL this rank when the launcher dies, even by SIGKILL; a watchdog thread where prctl is missing."""
     parent = int(os.environ.get("GPUREGRESS_PARENT_PID", os.getppid()))
-    try:
+    with suppress(OSError, AttributeError):
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
         if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) == 0 and os.getppid() == parent:
             return
-    except (OSError, AttributeError):
-        pass
     if os.getppid() != parent:  # the launcher died before prctl took effect
         os._exit(1)
 

@@ -11,9 +11,9 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..comparison.compare import Comparison
+from ..comparison.plot import PlotsUnavailable, plot_comparison
 from ..reference import store
-from ..reference.compare import Comparison
-from ..reference.plot import PlotsUnavailable, plot_comparison
 from ..reference.record import RunRecord
 
 

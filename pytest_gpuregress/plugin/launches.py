@@ -8,11 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..comparison import envelope
 from ..errors import NotApplicable, NotSupported, RankFailure
 from ..faults import firing, reach
 from ..launch import torch_trace
 from ..launch.job import Job
-from ..reference import envelope
 from ..reference.names import safe_component
 from ..reference.record import RunRecord
 from ..scenarios import Case, Launch, Scenario, Setup

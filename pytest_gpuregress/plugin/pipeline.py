@@ -9,14 +9,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..comparison import perf
+from ..comparison.compare import Comparison, tolerant_limits
+from ..comparison.judgement import Judgement
+from ..comparison.plot import first_divergence
+from ..comparison.report import format_comparison, format_drift, format_margins
 from ..errors import MissingReference, ReferenceProblem, RegressionFailure
+from ..evidence import clipping, oracle_distance
 from ..findings import Problem
-from ..reference import clipping, oracle_distance, perf, store
-from ..reference.compare import Comparison, tolerant_limits
-from ..reference.judgement import Judgement
-from ..reference.plot import first_divergence
+from ..reference import store
 from ..reference.record import RunRecord
-from ..reference.report import format_comparison, format_drift, format_margins
 from ..scenarios.comparator import Comparator, with_identity
 from ..stack.fingerprint import describe_change
 from ..triage.explain import Explanation
@@ -142,7 +144,7 @@ class CheckPipeline:
         self.outcomes.append(Outcome(name, record.platform_key, "recorded", detail=str(path), notes=notes))
 
     def _toward_the_truth(self, loc: store.ReferenceLocation, name: str, record: RunRecord) -> list[str]:
-        """Refuse to replace a reference with a run further from float64 (reference/oracle_distance.py);
+        """Refuse to replace a reference with a run further from float64 (evidence/oracle_distance.py);
         notes for the recorded line otherwise."""
         if not (loc.path / store.MANIFEST).exists():
             return []  # a first recording stores its distance without judging it

@@ -11,11 +11,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..comparison.compare import Comparison
+from ..comparison.judgement import JudgingPolicy
 from ..errors import NotSupported, RankFailure, ReferenceProblem
+from ..evidence import oracle_distance
 from ..faults import check_ranks, firing
-from ..reference import oracle_distance, store
-from ..reference.compare import Comparison
-from ..reference.judgement import JudgingPolicy
+from ..reference import store
 from ..reference.record import RunRecord
 from ..scenarios import Case, Launch, Scenario, Setup, get_scenario
 from ..scenarios.comparator import Comparator, comparator_of
@@ -115,12 +116,12 @@ class GpuRegressSession:
                       replicas: Any = (), platform: str = "metrics") -> Comparison | None:
         """Record (with --gpuregress-record) or compare metrics a job of your own produced, as ``num_regression.check``.
 
-        Arguments: reference/metrics.py and docs/own-models.md. ``rtol`` puts the comparison in the tolerant lane."""
+        Arguments: comparison/metrics.py and docs/own-models.md. ``rtol`` puts the comparison in the tolerant lane."""
         __tracebackhide__ = True
         from dataclasses import replace
 
-        from ..reference import envelope
-        from ..reference.metrics import metrics_record, tolerances
+        from ..comparison import envelope
+        from ..comparison.metrics import metrics_record, tolerances
         from ..stack.fingerprint import collect
 
         fingerprint = collect(self.platform.device_kind)

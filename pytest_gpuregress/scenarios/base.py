@@ -18,9 +18,9 @@ from ..kinds import Backend, DeviceKind
 from ..reference.record import RunRecord
 
 if TYPE_CHECKING:
+    from ..comparison.compare import Comparison
     from ..fault_points import FaultSpec
     from ..option_spec import OptionSpec
-    from ..reference.compare import Comparison
     from ..training.model_specs import ModelSpec
 
 StepHook = Callable[[int, int], None]  # (rank, step) -> None; faults use it to hang or crash
@@ -144,7 +144,7 @@ class RankContext:
         for hook in self.step_hooks:
             hook(self.rank, step)
         if self.watch and self.stopped is None:
-            from ..reference.failfast import first_miss, peer_miss
+            from ..comparison.failfast import first_miss, peer_miss
 
             miss = first_miss(self.watch, step, values)
             # Ranks stop together or not at all: a faulty collective can give them different values,
@@ -261,7 +261,7 @@ class Scenario:
         return None
 
     def oracle_launch(self, setup: Setup, model: str | None) -> Launch | None:
-        """The float64 oracle of step 0 whose distance a recording stores (reference/oracle_distance.py), for
+        """The float64 oracle of step 0 whose distance a recording stores (evidence/oracle_distance.py), for
         ``model`` (a user's, by name; None: the scenario's own). None (the default): triage's oracle where the
         scenario composes TriageSupport, else none (lora has its own: the base model with its adapter)."""
         return None
@@ -272,9 +272,9 @@ class Scenario:
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
         """Combine the per-rank records (index = rank). By default rank 0's, which holds global values;
-        with ``step0_sharded``, the step-0 gradients assembled from every rank's shard (reference/step0.py).
+        with ``step0_sharded``, the step-0 gradients assembled from every rank's shard (evidence/step0.py).
         Either way the largest peak memory, every rank's host ops (training/observe.py) and op trace."""
-        from ..reference import introduced, op_trace
+        from ..evidence import introduced, op_trace
         from ..training.observe import merge_ranks
 
         merged = records[0]
@@ -284,7 +284,7 @@ class Scenario:
         merged.results.update(traced)
         merged.arrays.update(traced_arrays)
         if self.step0_sharded:
-            from ..reference import step0
+            from ..evidence import step0
 
             merged.arrays.update(step0.merge_ranks(records))
         return merged
@@ -318,7 +318,7 @@ class Scenario:
 
     def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
         """Compare ``record`` with its reference for ``case``. By default: losses, gradients and weights."""
-        from ..reference.compare import compare_training
+        from ..comparison.compare import compare_training
         from ..training.models import ties_embeddings
 
         return compare_training(reference, record, lane=lane, tied=ties_embeddings(record.config))

@@ -11,17 +11,18 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..comparison import failfast
+from ..comparison.envelope import MetricLimits as Tolerances
+from ..comparison.judgement import Judgement, JudgingPolicy
+from ..comparison.observations import Observations
 from ..errors import GpuRegressError
+from ..evidence import clipping, collective_invariants, kernels
 from ..findings import Problem
-from ..reference import clipping, collective_invariants, failfast, kernels
-from ..reference.envelope import MetricLimits as Tolerances
-from ..reference.judgement import Judgement, JudgingPolicy
-from ..reference.observations import Observations
 from ..reference.record import RunRecord
 from .base import Case, Scenario, Setup
 
 if TYPE_CHECKING:
-    from ..reference.compare import Comparison
+    from ..comparison.compare import Comparison
 
 JUDGED_AS = "judged_as"  # the key of a kept run's results that names what judged it
 
@@ -46,7 +47,7 @@ class Comparator:
         if self.scenario is None or self.scenario.kind == "training":
             out += kernels.host_op_problems(run)
             # The run's own consistency, every step: its collectives against their invariants across the ranks, and
-            # its clip against its own norm (reference/collective_invariants.py, reference/clipping.py).
+            # its clip against its own norm (evidence/collective_invariants.py, evidence/clipping.py).
             out += collective_invariants.problems(run.results) + clipping.problems(run)
         return out
 
@@ -59,7 +60,7 @@ class Comparator:
         """The numeric comparison only: what triage's experiments and plots are judged by."""
         if self.scenario is not None and self.case is not None:
             return self.scenario.compare(reference, run, self.case, self.policy.lane)
-        from ..reference.compare import compare_training
+        from ..comparison.compare import compare_training
 
         return compare_training(reference, run, lane=self.policy.lane, tolerances=self.tolerances)
 
@@ -81,7 +82,7 @@ class Comparator:
         """What --gpuregress-fail-fast hands the ranks: the reference's values per step and their limits."""
         if reference is None:
             return failfast.watch_from(None, {})
-        from ..reference.compare import tolerant_limits
+        from ..comparison.compare import tolerant_limits
 
         return failfast.watch_from(reference, tolerant_limits(reference)[0])
 

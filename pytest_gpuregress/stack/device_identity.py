@@ -11,28 +11,18 @@ import functools
 import os
 import re
 import socket
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from . import smi_bindings
 from .devices import _json_payload, _value, nvidia_query, parse_nvidia_smi, run_tool
+from .smi_bindings import SmiDevice
 
 NVIDIA_ID_QUERY = ("index", "pci.bus_id", "uuid", "serial", "name", "vbios_version")
 # The environment variables that say which node a rank is on: torchrun's node rank, then Slurm's.
 NODE_RANK_VARIABLES = ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # nvidia-smi topo -m underlines its header, even into a pipe
-
-
-@dataclass(frozen=True)
-class SmiDevice:
-    """One GPU as the vendor's tool lists it."""
-
-    index: int
-    bus_id: str | None = None
-    uuid: str | None = None
-    serial: str | None = None
-    name: str | None = None
-    firmware: str | None = None  # NVIDIA: the VBIOS, per GPU (a node may mix them after a partial flash)
 
 
 def normal_bus_id(text: object) -> str | None:
@@ -82,27 +72,28 @@ def parse_amd_list(text: str) -> list[SmiDevice]:
     data = _json_payload(text)
     if isinstance(data, dict):
         data = data.get("gpu_data", data.get("gpus", [data]))
-    if isinstance(data, list):
-        out = []
-        for entry in data:
-            if not isinstance(entry, dict) or not str(entry.get("gpu", "")).isdigit():
-                continue
-            bdf = entry.get("bdf", entry.get("gpu_bdf"))
-            uuid = _value(entry.get("uuid", entry.get("gpu_uuid")))
-            out.append(SmiDevice(int(entry["gpu"]), normal_bus_id(bdf), uuid))
-        return out
+    if not isinstance(data, list):
+        return _parse_amd_list_text(text)
+    return [SmiDevice(int(entry["gpu"]), normal_bus_id(entry.get("bdf", entry.get("gpu_bdf"))),
+                      _value(entry.get("uuid", entry.get("gpu_uuid"))))
+            for entry in data if isinstance(entry, dict) and str(entry.get("gpu", "")).isdigit()]
+
+
+def _parse_amd_list_text(text: str) -> list[SmiDevice]:
     devices: list[dict[str, Any]] = []
     for line in text.splitlines():
         label, sep, raw = (part.strip() for part in line.partition(":"))
-        if not sep:
-            continue
-        if label.upper() == "GPU" and raw.isdigit():
+        label = label.upper()
+        if sep and label == "GPU" and raw.isdigit():
             devices.append({"index": int(raw)})
-        elif devices and label.upper() == "BDF":
-            devices[-1]["bus_id"] = normal_bus_id(raw)
-        elif devices and label.upper() == "UUID":
-            devices[-1]["uuid"] = _value(raw)
+        elif sep and devices and label in _AMD_LIST_FIELDS:
+            name, read = _AMD_LIST_FIELDS[label]
+            devices[-1][name] = read(raw)
     return [SmiDevice(**d) for d in devices]
+
+
+# The text form's lines under each "GPU: N" line: SmiDevice's field, read as the JSON form's value is.
+_AMD_LIST_FIELDS = {"BDF": ("bus_id", normal_bus_id), "UUID": ("uuid", _value)}
 
 
 def parse_amd_serials(text: str) -> dict[int, str]:
@@ -158,16 +149,14 @@ def match(devices: list[SmiDevice], uuid: str | None, bus_id: str | None,
           visible_index: int | None) -> tuple[SmiDevice | None, str]:
     """The tool's row for a torch device, and how it was found: by UUID, by PCI bus id, or by index (the tool's
     numbering can differ from CUDA's; said so, since then the row is a guess)."""
-    want_uuid, want_bus = normal_uuid(uuid), normal_bus_id(bus_id)
-    for device in devices:
-        if want_uuid and normal_uuid(device.uuid) == want_uuid:
-            return device, "uuid"
-    for device in devices:
-        if want_bus and device.bus_id == want_bus:
-            return device, "pci bus id"
-    for device in devices:
-        if visible_index is not None and device.index == visible_index:
-            return device, "index (unverified: no UUID or bus id to match)"
+    keys: tuple[tuple[object, Callable[[SmiDevice], object], str], ...] = (
+        (normal_uuid(uuid) or None, lambda device: normal_uuid(device.uuid), "uuid"),
+        (normal_bus_id(bus_id), lambda device: device.bus_id, "pci bus id"),
+        (visible_index, lambda device: device.index, "index (unverified: no UUID or bus id to match)"))
+    for want, key, how in keys:
+        found = next((device for device in devices if want is not None and key(device) == want), None)
+        if found is not None:
+            return found, how
     return None, "not found in the vendor tool's list"
 
 
@@ -187,11 +176,7 @@ def visible_index(local_rank: int, env: dict[str, str] | None = None) -> int | N
 def node_rank(env: dict[str, str] | None = None) -> int:
     """This rank's node: torchrun's GROUP_RANK, else Slurm's SLURM_NODEID, else 0 (one machine)."""
     env = dict(os.environ) if env is None else env
-    for name in NODE_RANK_VARIABLES:
-        value = env.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+    return next((int(env[name]) for name in NODE_RANK_VARIABLES if env.get(name, "").isdigit()), 0)
 
 
 # ---- probes (on a rank) -------------------------------------------------------------------------
@@ -200,14 +185,17 @@ def node_rank(env: dict[str, str] | None = None) -> int:
 @functools.lru_cache(maxsize=2)
 def smi_devices(is_rocm: bool) -> tuple[SmiDevice, ...]:
     """Every GPU the vendor's tool lists, once per process (none of it changes while the process runs)."""
-    if is_rocm:
-        facts = smi_bindings.amd_facts()  # the AMD SMI library in process, where its binding is installed
-        if facts is not None:
-            return tuple(SmiDevice(d.index, normal_bus_id(d.bdf), _value(d.uuid), _value(d.serial)) for d in facts.devices)
-        listed = parse_amd_list(run_tool(("amd-smi", "list", "--json")) or "")
-        serials = parse_amd_serials(run_tool(("amd-smi", "static", "--asic", "--json")) or "")
-        return tuple(SmiDevice(d.index, d.bus_id, d.uuid, serials.get(d.index), d.name, d.firmware) for d in listed)
-    return tuple(nvidia_ids(nvidia_query(NVIDIA_ID_QUERY) or []))
+    return _amd_devices() if is_rocm else tuple(nvidia_ids(nvidia_query(NVIDIA_ID_QUERY) or []))
+
+
+def _amd_devices() -> tuple[SmiDevice, ...]:
+    facts = smi_bindings.amd_facts()  # the AMD SMI library in process, where its binding is installed
+    if facts is not None:
+        return tuple(replace(d, bus_id=normal_bus_id(d.bus_id), uuid=_value(d.uuid), serial=_value(d.serial))
+                     for d in facts.devices)
+    listed = parse_amd_list(run_tool(("amd-smi", "list", "--json")) or "")
+    serials = parse_amd_serials(run_tool(("amd-smi", "static", "--asic", "--json")) or "")
+    return tuple(replace(d, serial=serials.get(d.index)) for d in listed)
 
 
 @functools.lru_cache(maxsize=1)
@@ -233,16 +221,20 @@ def probe(rank: int, local_rank: int, device_kind: str, torch: Any) -> dict[str,
 
         identity["model"] = _cpu_model()
         return identity
+    return {**identity, **_gpu_identity(local_rank, torch)}
+
+
+def _gpu_identity(local_rank: int, torch: Any) -> dict[str, Any]:
+    """The GPU's model and, from the vendor tool's row for it, its bus id, UUID, serial, index and firmware."""
     is_rocm = bool(getattr(torch.version, "hip", None))
     props = torch.cuda.get_device_properties(local_rank)
     own_uuid = str(getattr(props, "uuid", "") or "") or None
     own_bus = torch_bus_id(props)
     row, found_by = match(list(smi_devices(is_rocm)), own_uuid, own_bus, visible_index(local_rank))
     row = row or SmiDevice(-1)
-    identity.update(device=f"cuda:{local_rank}", model=props.name, bus_id=row.bus_id or own_bus,
-                    uuid=row.uuid or own_uuid, serial=row.serial, smi_index=None if row.index < 0 else row.index,
-                    firmware=row.firmware, found_by=found_by)
-    return identity
+    return dict(device=f"cuda:{local_rank}", model=props.name, bus_id=row.bus_id or own_bus,
+                uuid=row.uuid or own_uuid, serial=row.serial, smi_index=None if row.index < 0 else row.index,
+                firmware=row.firmware, found_by=found_by)
 
 
 def peer_links(identity: dict[str, Any]) -> dict[str, str]:

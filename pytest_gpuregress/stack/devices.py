@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -27,8 +28,9 @@ NVIDIA_QUERY = ("driver_version", "vbios_version", "mig.mode.current")
 DEVICE_FIELDS = PROBED_FIELDS
 
 _NOT_A_VALUE = {"", "n/a", "[n/a]", "not supported", "[not supported]", "unknown", "[unknown error]"}
-_TRUE = {"1", "true", "on", "yes", "y"}
-_FALSE = {"0", "false", "off", "no", "n"}
+# A TORCH_BLAS_PREFER_*LT value as torch reads it: true prefers the Lt library, false the classic one.
+_PREFER_LT = {**dict.fromkeys(("1", "true", "on", "yes", "y"), "cublaslt"),
+              **dict.fromkeys(("0", "false", "off", "no", "n"), "cublas")}
 # torch's BLAS backend names (torch._C._BlasBackend and the strings preferred_blas_library takes)
 # -> the library doing the work, on CUDA and on ROCm (where "Cublas" goes through hipBLAS to rocBLAS).
 _BLAS_NAMES = {
@@ -72,23 +74,24 @@ def parse_amd_smi_version(text: str) -> dict[str, str]:
     amdgpu version: 6.16.6 | amd_hsmp version: N/A``. Values reading N/A are left out.
     """
     out: dict[str, str] = {}
-    data = _json_payload(text)
-    if isinstance(data, list):
-        data = data[0] if data and isinstance(data[0], dict) else None
-    pairs: list[tuple[str, object]] = []
-    if isinstance(data, dict):
-        pairs = [(str(k), v) for k, v in data.items() if k != "tool"]
-    else:
-        for line in text.splitlines():
-            if "|" in line:  # the one version line; amd-smi may print others around it
-                pairs += [(label, raw) for label, sep, raw in (p.partition(":") for p in line.split("|")) if sep]
-    for label, raw in pairs:
+    for label, raw in _amd_smi_version_pairs(text):
         key = "_".join(label.strip().lower().replace("-", " ").split())
         key = {"version": "amdsmi", "amdsmi_tool": "amdsmi"}.get(key, key.removesuffix("_version"))
         value = _value(raw)
         if key and value:
             out[key] = value
     return out
+
+
+def _amd_smi_version_pairs(text: str) -> list[tuple[str, object]]:
+    """(label, value) in ``amd-smi version``: the JSON object's keys but "tool", else the text's ``label: value``."""
+    data = _json_payload(text)
+    if isinstance(data, list):
+        data = data[0] if data and isinstance(data[0], dict) else None
+    if isinstance(data, dict):
+        return [(str(k), v) for k, v in data.items() if k != "tool"]
+    version_line = "\n".join(line for line in text.splitlines() if "|" in line)  # amd-smi may print others around it
+    return re.findall(r"([^|:\n]+):([^|\n]*)", version_line)
 
 
 def parse_amd_smi_firmware(json_text: str) -> dict[str, str]:
@@ -101,21 +104,25 @@ def parse_amd_smi_firmware(json_text: str) -> dict[str, str]:
     if isinstance(data, dict) and isinstance(data.get("gpu_data"), list):
         data = data["gpu_data"]
     for gpu in data if isinstance(data, list) else [data]:
-        if not isinstance(gpu, dict) or not isinstance(gpu.get("fw_list"), list):
-            continue
-        out: dict[str, str] = {}
-        for entry in gpu["fw_list"]:
-            if isinstance(entry, dict) and len(entry) == 1 and isinstance(next(iter(entry.values())), dict):
-                entry = next(iter(entry.values()))  # the {"FW 0": {...}} wrapping
-            if not isinstance(entry, dict):
-                continue
-            name = _value(entry.get("fw_id", entry.get("fw_name", entry.get("name"))))
-            version = _value(entry.get("fw_version", entry.get("version")))
-            if name and version:
-                out[name] = version
-        if out:
-            return out
+        found = _fw_versions(gpu.get("fw_list")) if isinstance(gpu, dict) else {}
+        if found:
+            return found
     return {}
+
+
+def _fw_versions(fw_list: object) -> dict[str, str]:
+    """One GPU's ``fw_list`` as {fw_id: version}: the entries that give both."""
+    out: dict[str, str] = {}
+    for entry in fw_list if isinstance(fw_list, list) else []:
+        if isinstance(entry, dict) and len(entry) == 1 and isinstance(next(iter(entry.values())), dict):
+            entry = next(iter(entry.values()))  # the {"FW 0": {...}} wrapping
+        if not isinstance(entry, dict):
+            continue
+        name = _value(entry.get("fw_id", entry.get("fw_name", entry.get("name"))))
+        version = _value(entry.get("fw_version", entry.get("version")))
+        if name and version:
+            out[name] = version
+    return out
 
 
 def firmware_summary(firmware: Mapping[str, str]) -> str | None:
@@ -149,11 +156,9 @@ def blas_library(preferred: object, is_rocm: bool, env: Mapping[str, str] | None
         return _BLAS_NAMES[name.lower()][is_rocm]
     env = os.environ if env is None else env
     for var in ("TORCH_BLAS_PREFER_HIPBLASLT", "TORCH_BLAS_PREFER_CUBLASLT"):
-        setting = env.get(var, "").strip().lower()
-        if setting in _TRUE:
-            return _BLAS_NAMES["cublaslt"][is_rocm]
-        if setting in _FALSE:
-            return _BLAS_NAMES["cublas"][is_rocm]
+        choice = _PREFER_LT.get(env.get(var, "").strip().lower())
+        if choice:
+            return _BLAS_NAMES[choice][is_rocm]
     return None
 
 
@@ -223,13 +228,19 @@ def smi_facts(is_rocm: bool) -> tuple[str | None, str | None, tuple[str | None, 
     """(driver, firmware, per-GPU MIG modes) from the vendor's library or SMI tool, in the tool's words.
     Cached per process: none can change while it holds the GPU (``smi_facts.cache_clear()`` forgets them).
     """
-    if is_rocm:
-        facts = smi_bindings.amd_facts()
-        if facts is not None:
-            return _value(facts.driver), firmware_summary({k: v for k, v in facts.firmware.items() if _value(v)}), ()
-        version = parse_amd_smi_version(run_tool(("amd-smi", "version")) or "")
-        firmware = parse_amd_smi_firmware(run_tool(("amd-smi", "firmware", "-g", "0", "--json")) or "")
-        return version.get("amdgpu"), firmware_summary(firmware), ()
+    return _amd_smi_facts() if is_rocm else _nvidia_smi_facts()
+
+
+def _amd_smi_facts() -> tuple[str | None, str | None, tuple[str | None, ...]]:
+    facts = smi_bindings.amd_facts()
+    if facts is not None:
+        return _value(facts.driver), firmware_summary({k: v for k, v in facts.firmware.items() if _value(v)}), ()
+    version = parse_amd_smi_version(run_tool(("amd-smi", "version")) or "")
+    firmware = parse_amd_smi_firmware(run_tool(("amd-smi", "firmware", "-g", "0", "--json")) or "")
+    return version.get("amdgpu"), firmware_summary(firmware), ()
+
+
+def _nvidia_smi_facts() -> tuple[str | None, str | None, tuple[str | None, ...]]:
     rows = nvidia_query(NVIDIA_QUERY)
     if rows is None:  # a driver without MIG support rejects the field; ask again without it
         rows = nvidia_query(NVIDIA_QUERY[:2]) or []

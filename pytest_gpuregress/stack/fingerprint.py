@@ -21,7 +21,6 @@ Fingerprint = dict[str, dict[str, Any]]
 
 # Which fields decide the exact lane, which are hardware or an upgrade: declared once, in fingerprint_fields.py.
 NUMERICS_FIELDS = schema.NUMERICS_FIELDS
-HARDWARE_FIELDS = schema.HARDWARE_FIELDS
 
 
 def canonical(name: str) -> str:
@@ -62,26 +61,27 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
-def _cpu_model() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line's value in /proc/cpuinfo; None where there is none (not Linux)."""
     try:
         with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            return next((line.split(":", 1)[1].strip() for line in fh if line.startswith(field)), None)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return None
+
+
+def _cpu_model() -> str:
+    model = _cpuinfo("model name")
+    if model is None:  # not Linux
+        return platform.processor() or platform.machine()
+    return model
 
 
 def cpu_bf16() -> str:
     """The bf16 instructions oneDNN may use for a CPU's bf16 matmuls ("amx_bf16", "avx512_bf16" or "none"). oneDNN
     picks its ISA itself: ATEN_CPU_CAPABILITY does not reach it, so a bf16 run computes other bits on a CPU with
     other bf16 instructions even where cpu_capability reads the same. ONEDNN_MAX_CPU_ISA caps it (named with it)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
-    except OSError:
-        flags = []
+    flags = (_cpuinfo("flags") or "").split()
     found = next((isa for isa in ("amx_bf16", "avx512_bf16") if isa in flags), "none")
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
     return f"{found} (max ISA {cap})" if cap and found != "none" else found
@@ -96,13 +96,9 @@ def _blas_info(torch: Any) -> str:
 
 
 def _sdpa_backends(torch: Any) -> dict[str, bool]:
-    cuda = torch.backends.cuda
-    out: dict[str, bool] = {}
-    for name in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled", "cudnn_sdp_enabled"):
-        fn = getattr(cuda, name, None)
-        if fn is not None:
-            out[name.replace("_sdp_enabled", "")] = bool(fn())
-    return out
+    cuda = torch.backends.cuda  # a torch without a backend's switch has no such backend
+    return {name: bool(getattr(cuda, f"{name}_sdp_enabled")()) for name in ("flash", "mem_efficient", "math", "cudnn")
+            if hasattr(cuda, f"{name}_sdp_enabled")}
 
 
 def _device_section(torch: Any, device_kind: str) -> dict[str, Any]:
@@ -134,19 +130,17 @@ def _device_section(torch: Any, device_kind: str) -> dict[str, Any]:
 
 
 def _driver_version(torch: Any) -> str | None:
-    try:
-        if getattr(torch.version, "hip", None):
-            return _read_first("/sys/module/amdgpu/version")
-        return _read_first("/proc/driver/nvidia/version")
-    except OSError:
-        return None
+    return _read_first("/sys/module/amdgpu/version" if getattr(torch.version, "hip", None) else
+                       "/proc/driver/nvidia/version")
 
 
 def _read_first(path: str) -> str | None:
-    if not os.path.exists(path):
+    """The version number on a file's first line (the whole line where it has none); None without the file."""
+    try:
+        with open(path) as fh:
+            line = fh.readline().strip()
+    except OSError:
         return None
-    with open(path) as fh:
-        line = fh.readline().strip()
     found = re.search(r"(\d+\.\d+(?:\.\d+)?)", line)
     return found.group(1) if found else line or None
 
@@ -162,11 +156,7 @@ def _nccl_version(torch: Any) -> str | None:
 
 
 def comm_env() -> dict[str, str]:
-    return {
-        k: v
-        for k, v in sorted(os.environ.items())
-        if schema.recorded_env(k)
-    }
+    return {k: v for k, v in sorted(os.environ.items()) if schema.recorded_env(k)}
 
 
 def collect(
@@ -181,41 +171,16 @@ def collect(
     keep their lane against references recorded before it was read)."""
     import torch
 
-    cuda_matmul = torch.backends.cuda.matmul
-    numerics: dict[str, Any] = {
-        "blas": _blas_info(torch),
-        "sdpa_backends": _sdpa_backends(torch),
-        "tf32_matmul": bool(getattr(cuda_matmul, "allow_tf32", False)),
-        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "bf16_reduced_precision_reduction": bool(
-            getattr(cuda_matmul, "allow_bf16_reduced_precision_reduction", False)
-        ),
-        "fp16_reduced_precision_reduction": bool(
-            getattr(cuda_matmul, "allow_fp16_reduced_precision_reduction", False)
-        ),
-        "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
-        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
-        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
-        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-        "num_threads": torch.get_num_threads(),
-    }
-    if determinism:
-        numerics.update({f"determinism.{k}": v for k, v in determinism.items()})
     return {
         "versions": {
             "python": platform.python_version(),
             "torch": torch.__version__,
-            "transformers": installed_version("transformers"),
-            "peft": installed_version("peft"),
-            "accelerate": installed_version("accelerate"),
-            "safetensors": installed_version("safetensors"),
-            "numpy": installed_version("numpy"),
+            **{dist: installed_version(dist) for dist in ("transformers", "peft", "accelerate", "safetensors", "numpy")},
             "pytest_gpuregress": installed_version("pytest-gpuregress"),
         },
         "device": {**_device_section(torch, device_kind),
                    **({"cpu_bf16": cpu_bf16()} if bf16 and device_kind == "cpu" else {})},
-        "numerics": numerics,
+        "numerics": _numerics_section(torch, determinism or {}),
         "comm": {
             "backend": backend,
             "world_size": world_size,
@@ -227,30 +192,43 @@ def collect(
     }
 
 
+def _numerics_section(torch: Any, determinism: dict[str, Any]) -> dict[str, Any]:
+    """The process-wide switches that pick kernels and precision, and what set_determinism set."""
+    matmul = torch.backends.cuda.matmul
+    return {
+        "blas": _blas_info(torch),
+        "sdpa_backends": _sdpa_backends(torch),
+        "tf32_matmul": bool(getattr(matmul, "allow_tf32", False)),
+        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "bf16_reduced_precision_reduction": bool(getattr(matmul, "allow_bf16_reduced_precision_reduction", False)),
+        "fp16_reduced_precision_reduction": bool(getattr(matmul, "allow_fp16_reduced_precision_reduction", False)),
+        "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "num_threads": torch.get_num_threads(),
+        **{f"determinism.{k}": v for k, v in determinism.items()},
+    }
+
+
 def diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
     """Fields that differ, as (section.field, reference value, current value). A package the versions section names
     (torch, transformers...) is said there once, not again among the packages."""
+    named = {f"packages.{canonical(k)}" for k in reference.get("versions") or {}}
     out: list[tuple[str, Any, Any]] = []
-    named = {canonical(k) for k in (reference.get("versions") or {})}
     for section in sorted(set(reference) | set(current)):
-        if section == "packages":
-            out += [(f"packages.{k}", a, b) for k, a, b in _package_changes(reference, current) if k not in named]
-            continue
-        ref_sec, cur_sec = reference.get(section, {}), current.get(section, {})
-        if not isinstance(ref_sec, dict) or not isinstance(cur_sec, dict):
-            if ref_sec != cur_sec:
-                out.append((section, ref_sec, cur_sec))
-            continue
-        for key in sorted(set(ref_sec) | set(cur_sec)):
-            a, b = ref_sec.get(key), cur_sec.get(key)
-            if a != b:
-                out.append((f"{section}.{key}", a, b))
-    return out
+        out += _section_changes(section, reference.get(section, {}), current.get(section, {}))
+    return [change for change in out if change[0] not in named]
 
 
-def _package_changes(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
-    ref, cur = reference.get("packages") or {}, current.get("packages") or {}
-    return [(k, ref.get(k), cur.get(k)) for k in sorted(set(ref) | set(cur)) if ref.get(k) != cur.get(k)]
+def _section_changes(section: str, ref: Any, cur: Any) -> list[tuple[str, Any, Any]]:
+    """One section's fields that differ, as (section.field, reference value, current value)."""
+    if section == "packages":  # None in a fingerprint recorded before the packages were read
+        ref, cur = ref or {}, cur or {}
+    if not (isinstance(ref, dict) and isinstance(cur, dict)):
+        return [] if ref == cur else [(section, ref, cur)]
+    return [(f"{section}.{k}", ref.get(k), cur.get(k)) for k in sorted(set(ref) | set(cur)) if ref.get(k) != cur.get(k)]
 
 
 def describe_change(name: str, old: Any, new: Any) -> str:
@@ -270,13 +248,22 @@ def summarize_changes(changes: list[tuple[str, Any, Any]], others_shown: int = 3
     """One line for the closing table: every software change first (library versions, runtime, driver, cuDNN, BLAS,
     NCCL), never dropped, then at most ``others_shown`` of the rest (hardware, switches) and a count of what is left
     out. The whole list is in the failure report and in the JUnit property ``stack_changes``."""
-    software = [c for c in changes if c[0].startswith("versions.")] + \
-        [c for c in changes if c[0].startswith("packages.") and schema.computes(c[0].split(".", 1)[1])] + \
-        [c for c in changes if c[0] in schema.SOFTWARE_KEYS and not c[0].startswith("versions.")]
-    others = [c for c in changes if c not in software]
+    software = sorted((c for c in changes if _software_rank(c[0]) is not None), key=lambda c: _software_rank(c[0]))
+    others = [c for c in changes if _software_rank(c[0]) is None]
     text = ", ".join(describe_change(*c) for c in software + others[:others_shown])
     hidden = len(others) - others_shown
     return text + (f", and {hidden} more (all in the failure report and JUnit's stack_changes)" if hidden > 0 else "")
+
+
+def _software_rank(name: str) -> int | None:
+    """Where a change stands among the software changes: library versions, then packages that compute, then the
+    runtime, driver and libraries of the device and collectives; None for the rest."""
+    section, _, rest = name.partition(".")
+    if section == "versions":
+        return 0
+    if section == "packages":
+        return 1 if schema.computes(rest) else None
+    return 2 if name in schema.SOFTWARE_KEYS else None
 
 
 def _short(value: Any) -> str:
@@ -288,33 +275,44 @@ def _short(value: Any) -> str:
 # same. The CPU capability is one: one "AMD EPYC" model string covers AVX2 and AVX512 generations, and a kernel
 # path forced lower (ATEN_CPU_CAPABILITY) changes speed by itself.
 FORCED_CPU_PATH = "ATEN_CPU_CAPABILITY"
+# On GPUs the host CPU's fields do not count: two hosts of the same GPUs with other CPUs time the same GPU work.
+GPU_HARDWARE_FIELDS = tuple(k for k in schema.HARDWARE_FIELDS if not k.startswith("cpu_"))
 
 
 def hardware_diff(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
-    """The hardware fields that differ (only those the reference recorded). On GPUs the host CPU's fields do not
-    count: two hosts of the same GPUs with other CPUs time the same GPU work."""
+    """The hardware fields that differ (only those the reference recorded; on GPUs, GPU_HARDWARE_FIELDS)."""
     ref, cur = reference.get("device") or {}, current.get("device") or {}
     on_gpu = ref.get("kind") not in (None, "cpu") and ref.get("kind") == cur.get("kind")
-    fields = [k for k in HARDWARE_FIELDS if not (on_gpu and k.startswith("cpu_"))]
+    fields = GPU_HARDWARE_FIELDS if on_gpu else schema.HARDWARE_FIELDS
     out = [(f"device.{k}", ref.get(k), cur.get(k)) for k in fields if k in ref and ref.get(k) != cur.get(k)]
-    # A forced CPU kernel path hides the CPU's own (one "AMD EPYC" with AVX512 forced to AVX2 reads like the AVX2
-    # machine that recorded): timings under another forcing than the reference's are not of the same hardware path.
-    forced = [((reference.get("comm") or {}).get("env") or {}).get(FORCED_CPU_PATH),
-              ((current.get("comm") or {}).get("env") or {}).get(FORCED_CPU_PATH)]
-    if not on_gpu and forced[0] != forced[1]:
-        out.append((f"comm.env.{FORCED_CPU_PATH}", *forced))
-    return out
+    return out if on_gpu else out + _forced_cpu_path_change(reference, current)
+
+
+def _forced_cpu_path_change(reference: Fingerprint, current: Fingerprint) -> list[tuple[str, Any, Any]]:
+    """A forced CPU kernel path hides the CPU's own (one "AMD EPYC" with AVX512 forced to AVX2 reads like the AVX2
+    machine that recorded): timings under another forcing than the reference's are not of the same hardware path."""
+    key = f"comm.env.{FORCED_CPU_PATH}"
+    forced = (lookup(reference, key), lookup(current, key))
+    return [(key, *forced)] if forced[0] != forced[1] else []
+
+
+def lookup(fp: Fingerprint, field: str) -> Any:
+    """The fingerprint's value for ``section.field`` or ``comm.env.NAME``; None when not recorded."""
+    section, _, name = field.partition(".")
+    values = fp.get(section)
+    if not isinstance(values, dict):
+        return None
+    if section == "comm" and name.startswith("env."):
+        env = values.get("env")
+        return env.get(name[4:]) if isinstance(env, dict) else None
+    return values.get(name)
 
 
 def numerics_key(fp: Fingerprint) -> dict[str, Any]:
     """The subset of a fingerprint whose equality means bitwise-equal results are expected."""
-    key: dict[str, Any] = {}
-    for section, fields in NUMERICS_FIELDS.items():
-        sec = fp.get(section, {})
-        for name in fields:
-            key[f"{section}.{name}"] = sec.get(name)
-        if section == "numerics":
-            key.update({f"numerics.{k}": v for k, v in sec.items() if k.startswith("determinism.")})
+    key = {f"{section}.{name}": fp.get(section, {}).get(name) for section, names in NUMERICS_FIELDS.items()
+           for name in names}
+    key.update({f"numerics.{k}": v for k, v in fp.get("numerics", {}).items() if k.startswith("determinism.")})
     key.update({f"packages.{k}": v for k, v in (fp.get("packages") or {}).items() if schema.computes(k)})
     return key
 
@@ -338,30 +336,28 @@ def _recorded(fp: Fingerprint, key: str) -> bool:
 
 def header_lines(fp: Fingerprint) -> list[str]:
     """A few lines for the pytest report header."""
-    v, d, n, c = fp["versions"], fp["device"], fp["numerics"], fp["comm"]
-    device = f"{d.get('name')} x{d.get('count')} ({d.get('arch')})" if d.get("kind") != "cpu" else (
-        f"cpu {d.get('cpu_model')} [{d.get('cpu_capability')}]"
-    )
-    accel = ", ".join(
-        f"{k} {d[k]}" for k in ("cuda", "hip", "driver") if d.get(k)
-    ) or "no accelerator runtime"
-    # Fields a GPU run adds, shown only where recorded: a CPU run's header stays as it was.
-    extra = [
-        f"{label}{_short(d[k])}"
-        for k, label in (("dnn", ""), ("blas_library", "blas "), ("mig", "MIG "), ("firmware", "firmware "))
-        if d.get(k) is not None
-    ]
-    if extra:
-        accel += ", " + ", ".join(extra)
+    v, n, c = fp["versions"], fp["numerics"], fp["comm"]
     env = " ".join(f"{k}={val}" for k, val in c.get("env", {}).items()) or "none"
     return [
         f"gpuregress stack: torch {v['torch']}, transformers {v['transformers']}, peft {v['peft']}, "
         f"accelerate {v['accelerate']}, safetensors {v['safetensors']}, python {v['python']}",
-        f"gpuregress device: {device}; {accel}; nccl {c.get('nccl_version') or '-'}",
+        f"gpuregress device: {_device_line(fp['device'])}; nccl {c.get('nccl_version') or '-'}",
         f"gpuregress numerics: blas {n['blas']}, tf32 {n['tf32_matmul']}, "
         f"deterministic {n['deterministic_algorithms']}, threads {n['num_threads']}; comm env: {env}",
         *_packages_line(fp.get("packages")),
     ]
+
+
+def _device_line(d: dict[str, Any]) -> str:
+    """The device, its runtime, and the fields a GPU run adds (shown only where recorded: a CPU run's header stays
+    as it was)."""
+    device = f"{d.get('name')} x{d.get('count')} ({d.get('arch')})" if d.get("kind") != "cpu" else (
+        f"cpu {d.get('cpu_model')} [{d.get('cpu_capability')}]"
+    )
+    accel = [f"{k} {d[k]}" for k in ("cuda", "hip", "driver") if d.get(k)] or ["no accelerator runtime"]
+    accel += [f"{label}{_short(d[k])}" for k, label in (("dnn", ""), ("blas_library", "blas "), ("mig", "MIG "),
+                                                        ("firmware", "firmware ")) if d.get(k) is not None]
+    return f"{device}; {', '.join(accel)}"
 
 
 def _packages_line(packages: dict[str, str] | None) -> list[str]:

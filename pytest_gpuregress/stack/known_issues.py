@@ -22,8 +22,8 @@ from packaging.version import InvalidVersion, Version
 
 from ..components import COMPONENTS
 from ..errors import BadKnownIssues
-from .fingerprint import Fingerprint
-from .fingerprint_fields import COMM_ENV_PREFIXES, MATCHABLE, recorded_env
+from .fingerprint import Fingerprint, lookup
+from .fingerprint_fields import COMM_ENV_PREFIXES, MATCHABLE, PREFIXED, recorded_env
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -87,31 +87,15 @@ def parse_version(value: object) -> Version | None:
     return Version(".".join(str(part) for part in parsed.release))
 
 
-def lookup(fingerprint: Fingerprint, field: str) -> Any:
-    """The fingerprint's value for ``section.field`` or ``comm.env.NAME``; None when not recorded."""
-    section, _, name = field.partition(".")
-    values = fingerprint.get(section)
-    if not isinstance(values, dict):
-        return None
-    if section == "comm" and name.startswith("env."):
-        env = values.get("env")
-        return env.get(name[4:]) if isinstance(env, dict) else None
-    return values.get(name)
-
-
 def _holds(cond: Condition, actual: Any) -> bool:
     if isinstance(cond, tuple):
         return any(_holds(c, actual) for c in cond)
-    if isinstance(cond, bool):
-        return isinstance(actual, bool) and actual is cond
-    if isinstance(cond, int):
-        return not isinstance(actual, bool) and actual == cond
-    if cond == "unset":
-        return actual is None
+    if isinstance(cond, bool | int):  # true/false match only booleans, an integer only a number that is not one
+        return isinstance(actual, bool) == isinstance(cond, bool) and actual == cond
+    if cond in ("set", "unset"):
+        return (actual is None) == (cond == "unset")
     if actual is None:
         return False
-    if cond == "set":
-        return True
     if cond.startswith(_SPECIFIER_START):
         version = parse_version(actual)
         return version is not None and SpecifierSet(cond).contains(version, prereleases=True)
@@ -149,24 +133,65 @@ def load_known_issues(user_file: Path | str | None = None) -> list[KnownIssue]:
     if user_file is None:
         return issues
     path = Path(user_file)
+    user = parse_known_issues(_read_user_file(path), str(path))
+    replaced = {issue.id for issue in user}
+    return [issue for issue in issues if issue.id not in replaced] + user
+
+
+def _read_user_file(path: Path) -> str:
     fix = "point the gpuregress_known_issues ini setting at an existing TOML file (schema: docs/known_issues.md)"
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise BadKnownIssues(path, None, "known-issues file not found", fix) from None
     except UnicodeDecodeError as exc:
         raise BadKnownIssues(path, None, f"not UTF-8 text ({exc.reason})", "save the file as UTF-8") from None
     except OSError as exc:
         raise BadKnownIssues(path, None, f"cannot read the known-issues file: {exc.strerror}", fix) from None
-    user = parse_known_issues(text, str(path))
-    replaced = {issue.id for issue in user}
-    return [issue for issue in issues if issue.id not in replaced] + user
 
 
 def parse_known_issues(text: str, path: str) -> list[KnownIssue]:
     """Parse and validate one known-issues file; ``path`` names it in errors."""
+    lines = text.splitlines()
+    entries = _entries(text, lines, path)
+    issues: list[KnownIssue] = []
+    seen: dict[str, int] = {}
+    for n, (entry, (start, end)) in enumerate(zip(entries, _entry_lines(lines, len(entries)))):
+        issue = _Entry(path, lines, start, end, n).parse(entry)
+        if issue.id in seen:
+            raise BadKnownIssues(path, start, f"known issue id {issue.id!r} is used twice (first at line {seen[issue.id]})",
+                                 "give each entry its own id")
+        seen[issue.id] = start
+        issues.append(issue)
+    return issues
+
+
+def _entry_lines(lines: list[str], count: int) -> list[tuple[int, int]]:
+    """Each entry's [start, end) lines: from its [[issue]] header to the next one, or to the file's end."""
+    starts = [n for n, line in enumerate(lines, 1) if _ENTRY_HEADER.match(line)]
+    if len(starts) != count:  # the inline form, issue = [{...}], has no headers
+        starts = [_key_line(lines, "issue") or 1] * count
+    ends = [after if after > start else len(lines) + 1 for start, after in zip(starts, [*starts[1:], len(lines) + 1])]
+    return list(zip(starts, ends))
+
+
+def _entries(text: str, lines: list[str], path: str) -> list[dict[str, Any]]:
+    """The file's [[issue]] tables; an error for anything else at the top level."""
+    data = _load_toml(text, path)
+    for key in data:
+        if key != "issue":
+            raise BadKnownIssues(path, _key_line(lines, key) or None, f"unknown top-level key {key!r}",
+                                 "put every entry under its own [[issue]] header; nothing else belongs at the top level")
+    entries = data.get("issue", [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise BadKnownIssues(path, _key_line(lines, "issue") or None, "'issue' is not an array of tables",
+                             "start each entry with a [[issue]] line (two brackets)")
+    return entries
+
+
+def _load_toml(text: str, path: str) -> dict[str, Any]:
     try:
-        data = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         found = re.search(r"at line (\d+)", str(exc))
         raise BadKnownIssues(
@@ -174,37 +199,14 @@ def parse_known_issues(text: str, path: str) -> list[KnownIssue]:
             "correct the TOML syntax there: strings in double quotes, dotted condition names quoted "
             "(\"device.arch\" = \"gfx950*\"), one [[issue]] header per entry",
         ) from None
-    lines = text.splitlines()
-    for key in data:
-        if key != "issue":
-            raise BadKnownIssues(path, _key_line(lines, 1, len(lines) + 1, key) or None, f"unknown top-level key {key!r}",
-                                 "put every entry under its own [[issue]] header; nothing else belongs at the top level")
-    entries = data.get("issue", [])
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise BadKnownIssues(path, _key_line(lines, 1, len(lines) + 1, "issue") or None, "'issue' is not an array of tables",
-                             "start each entry with a [[issue]] line (two brackets)")
-    starts = [n for n, line in enumerate(lines, 1) if _ENTRY_HEADER.match(line)]
-    if len(starts) != len(entries):  # the inline form, issue = [{...}], has no headers
-        starts = [_key_line(lines, 1, len(lines) + 1, "issue") or 1] * len(entries)
-    issues: list[KnownIssue] = []
-    seen: dict[str, int] = {}
-    for n, entry in enumerate(entries):
-        end = starts[n + 1] if n + 1 < len(starts) and starts[n + 1] > starts[n] else len(lines) + 1
-        issue = _Entry(path, lines, starts[n], end, n).parse(entry)
-        if issue.id in seen:
-            raise BadKnownIssues(path, starts[n], f"known issue id {issue.id!r} is used twice (first at line {seen[issue.id]})",
-                                 "give each entry its own id")
-        seen[issue.id] = starts[n]
-        issues.append(issue)
-    return issues
 
 
-def _key_line(lines: list[str], start: int, end: int, key: str) -> int:
+def _key_line(lines: list[str], key: str, start: int = 1, end: int | None = None) -> int:
     """The line (1-based) of ``key =`` within [start, end), trying the full key then its last part; 0 if absent."""
-    names = [key] if "." not in key else [key, key.rsplit(".", 1)[1]]
-    for name in names:
+    last = len(lines) + 1 if end is None else min(end, len(lines) + 1)
+    for name in dict.fromkeys([key, key.rsplit(".", 1)[-1]]):
         pattern = re.compile(rf"""^\s*(?:"{re.escape(name)}"|'{re.escape(name)}'|{re.escape(name)})\s*=""")
-        for number in range(start, min(end, len(lines) + 1)):
+        for number in range(start, last):
             if pattern.match(lines[number - 1]):
                 return number
     return 0
@@ -214,36 +216,18 @@ class _Entry:
     """Validates one [[issue]] table; every error names the file and the line of the offending key."""
 
     def __init__(self, path: str, lines: list[str], start: int, end: int, index: int) -> None:
-        self.path, self.lines, self.start, self.end, self.index = path, lines, start, end, index
+        self.path, self.lines, self.start, self.end = path, lines, start, end
         self.label = f"known issue #{index + 1}"
 
     def fail(self, key: str | None, problem: str, fix: str) -> BadKnownIssues:
-        line = (self._line(key) if key else 0) or self.start
+        line = (_key_line(self.lines, key, self.start, self.end) if key else 0) or self.start
         return BadKnownIssues(self.path, line, f"{self.label} (entry at line {self.start}): {problem}", fix)
-
-    def _line(self, key: str) -> int:
-        return _key_line(self.lines, self.start, self.end, key)
 
     def parse(self, entry: dict[str, Any]) -> KnownIssue:
         if isinstance(entry.get("id"), str) and entry["id"]:
             self.label = f"known issue {entry['id']!r}"
-        allowed = REQUIRED_KEYS + OPTIONAL_KEYS
-        for key in entry:
-            if key not in allowed:
-                close = difflib.get_close_matches(key, allowed, n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
-                raise self.fail(key, f"unknown key {key!r}", f"{hint}an entry has only the keys {', '.join(allowed)}")
-        for key in REQUIRED_KEYS:
-            if key not in entry:
-                raise self.fail(None, f"missing required key {key!r}",
-                                f"add {key} = ... to this entry (every entry needs {', '.join(REQUIRED_KEYS)})")
-        text: dict[str, str] = {}
-        for key in _TEXT_KEYS:
-            value = entry.get(key, "")
-            if not isinstance(value, str) or (key in REQUIRED_KEYS and not value.strip()):
-                raise self.fail(key, f"{key!r} must be a non-empty string, not {_describe(value)}",
-                                f'write it as {key} = "..."')
-            text[key] = " ".join(value.split())  # multi-line TOML strings become one header line
+        self._check_keys(entry)
+        text = {key: self._text(key, entry.get(key, "")) for key in _TEXT_KEYS}
         if not _ID.match(text["id"]):
             raise self.fail("id", f"id {text['id']!r} has characters other than letters, digits, '.', '_' and '-'",
                             'use a short slug such as "rccl-ll-allreduce-mi350"')
@@ -255,6 +239,23 @@ class _Entry:
             symptom=text["symptom"], workaround=text["workaround"], source=text["source"],
             hardware=text["hardware"], origin=f"{self.path}:{self.start}",
         )
+
+    def _check_keys(self, entry: dict[str, Any]) -> None:
+        allowed = REQUIRED_KEYS + OPTIONAL_KEYS
+        for key in entry:
+            if key not in allowed:
+                close = difflib.get_close_matches(key, allowed, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise self.fail(key, f"unknown key {key!r}", f"{hint}an entry has only the keys {', '.join(allowed)}")
+        for key in REQUIRED_KEYS:
+            if key not in entry:
+                raise self.fail(None, f"missing required key {key!r}",
+                                f"add {key} = ... to this entry (every entry needs {', '.join(REQUIRED_KEYS)})")
+
+    def _text(self, key: str, value: Any) -> str:
+        if not isinstance(value, str) or (key in REQUIRED_KEYS and not value.strip()):
+            raise self.fail(key, f"{key!r} must be a non-empty string, not {_describe(value)}", f'write it as {key} = "..."')
+        return " ".join(value.split())  # multi-line TOML strings become one header line
 
     def _affects(self, table: Any) -> tuple[tuple[str, Condition], ...]:
         if not isinstance(table, dict) or not table:
@@ -268,16 +269,17 @@ class _Entry:
                        if field.startswith("comm.env.") else
                        "name a recorded field as \"section.field\" (docs/known_issues.md lists them)")
                 raise self.fail(field, problem, fix)
-            out.append((field, self._condition(field, cond)))
+            out.append((field, self._alternatives(field, cond) if isinstance(cond, list) else self._condition(field, cond)))
         return tuple(out)
 
-    def _condition(self, field: str, cond: Any) -> Condition:
-        if isinstance(cond, list):
-            if not cond:
-                raise self.fail(field, f"condition on {field} is an empty list", "list at least one alternative")
-            if any(isinstance(c, list) for c in cond):
-                raise self.fail(field, f"condition on {field} nests a list in a list", "use one flat list of alternatives")
-            return tuple(self._condition(field, c) for c in cond)  # type: ignore[return-value]
+    def _alternatives(self, field: str, conds: list[Any]) -> Condition:
+        if not conds:
+            raise self.fail(field, f"condition on {field} is an empty list", "list at least one alternative")
+        if any(isinstance(c, list) for c in conds):
+            raise self.fail(field, f"condition on {field} nests a list in a list", "use one flat list of alternatives")
+        return tuple(self._condition(field, c) for c in conds)  # type: ignore[misc]
+
+    def _condition(self, field: str, cond: Any) -> str | bool | int:
         if isinstance(cond, bool | int):
             return cond
         if not isinstance(cond, str) or not cond.strip():
@@ -311,20 +313,21 @@ def _field_problem(field: str) -> str | None:
     if section not in FIELDS:
         return f"unknown field {field!r}: the sections are {', '.join(FIELDS)}"
     if section == "comm" and name.startswith("env."):
-        var = name[4:]
-        if not recorded_env(var):
-            return (f"{field}: {var or '(empty)'} is never recorded in the fingerprint (recorded: variables starting "
-                    f"with {', '.join(COMM_ENV_PREFIXES)}, except logging, dump, timing and socket settings)")
+        return _env_problem(field, name[4:])
+    # An open name: numerics.determinism.NAME, or packages.NAME for any installed distribution.
+    prefix = PREFIXED.get(section)
+    if name in FIELDS[section] or (prefix is not None and name.startswith(prefix) and name != prefix):
         return None
-    if section == "numerics" and name.startswith("determinism.") and len(name) > len("determinism."):
+    close = difflib.get_close_matches(name, sorted(FIELDS[section]), n=1)
+    hint = f" (did you mean {section}.{close[0]}?)" if close else ""
+    return f"unknown field {field!r}{hint}; {section} has {', '.join(sorted(FIELDS[section]))}"
+
+
+def _env_problem(field: str, var: str) -> str | None:
+    if recorded_env(var):
         return None
-    if section == "packages" and name:  # any installed distribution, by its normalized name
-        return None
-    if name not in FIELDS[section]:
-        close = difflib.get_close_matches(name, sorted(FIELDS[section]), n=1)
-        hint = f" (did you mean {section}.{close[0]}?)" if close else ""
-        return f"unknown field {field!r}{hint}; {section} has {', '.join(sorted(FIELDS[section]))}"
-    return None
+    return (f"{field}: {var or '(empty)'} is never recorded in the fingerprint (recorded: variables starting "
+            f"with {', '.join(COMM_ENV_PREFIXES)}, except logging, dump, timing and socket settings)")
 
 
 def _describe(value: Any) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,14 @@ def adopt_srun_environment(env: dict[str, str] | None = None) -> None:
     tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1)
     if tasks < 2 or "RANK" in env or "SLURM_PROCID" not in env or env.get("GPUREGRESS_SPAWNED"):
         return
+    _require_rendezvous(env, tasks)
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_NTASKS_PER_NODE", "")).split("(")[0]
+    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=str(tasks), LOCAL_RANK=_srun_local_rank(env))
+    if per_node.isdigit():
+        env["LOCAL_WORLD_SIZE"] = per_node
+
+
+def _require_rendezvous(env: Mapping[str, str], tasks: int) -> None:
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
     if missing:
         raise UnsupportedPlatform(
@@ -72,19 +81,32 @@ def adopt_srun_environment(env: dict[str, str] | None = None) -> None:
             "node's address (e.g. $(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)) and MASTER_PORT "
             "to a free port before srun, as for torchrun"
         )
-    # With --gpus-per-task 1 Slurm shows each task its one GPU as device 0: the local rank is then 0.
+
+
+def _srun_local_rank(env: Mapping[str, str]) -> str:
+    """With --gpus-per-task 1 Slurm shows each task its one GPU as device 0: the local rank is then 0."""
     visible = env.get("CUDA_VISIBLE_DEVICES") or env.get("ROCR_VISIBLE_DEVICES") or env.get("HIP_VISIBLE_DEVICES")
-    one_gpu = visible is not None and len([d for d in visible.split(",") if d.strip()]) == 1
-    per_node = env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_NTASKS_PER_NODE", "")).split("(")[0]
-    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=str(tasks),
-               LOCAL_RANK="0" if one_gpu else env.get("SLURM_LOCALID", "0"))
-    if per_node.isdigit():
-        env["LOCAL_WORLD_SIZE"] = per_node
+    one_gpu = len([d for d in (visible or "").split(",") if d.strip()]) == 1
+    return "0" if one_gpu else env.get("SLURM_LOCALID", "0")
 
 
 def resolve_platform(device: str = "auto", world_size: int | None = None) -> Platform:
     import torch
 
+    kind = _device_kind(device, torch)
+    in_place = launched_by_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if in_place else _spawned_world(kind, world_size, torch)
+    if world < 1:
+        raise UnsupportedPlatform(f"world size {world}: need at least one rank")
+    if kind == "cpu":
+        return Platform("cpu", "gloo", world, "cpu", "cpu", in_place)
+    rocm = bool(getattr(torch.version, "hip", None))
+    return Platform("cuda", "nccl", world, gpu_arch(torch), "rocm" if rocm else "cuda", in_place)
+
+
+def _device_kind(device: str, torch: Any) -> str:
+    """"cuda" where asked, or for "auto" where a GPU is visible; asking for one that torch cannot see is an error
+    naming torch's build."""
     has_gpu = torch.cuda.is_available()
     if device == "cuda" and not has_gpu:
         build = "ROCm" if getattr(torch.version, "hip", None) else ("CUDA" if torch.version.cuda else "CPU-only")
@@ -92,26 +114,20 @@ def resolve_platform(device: str = "auto", world_size: int | None = None) -> Pla
             f"--gpuregress-device cuda: torch {torch.__version__} ({build} build) sees no GPU. "
             "Use --gpuregress-device cpu, or install the CUDA/ROCm build of torch for this machine."
         )
-    kind = "cuda" if device == "cuda" or (device == "auto" and has_gpu) else "cpu"
-    in_place = launched_by_torchrun()
-    if in_place:
-        world = int(os.environ["WORLD_SIZE"])
-    elif kind == "cuda":
-        available = torch.cuda.device_count()
-        world = world_size or available
-        if world > available:
-            raise UnsupportedPlatform(
-                f"--gpuregress-world-size {world}: only {available} GPUs are visible on this machine. "
-                "Lower the world size, or launch under torchrun across nodes."
-            )
-    else:
-        world = world_size or 2
-    if world < 1:
-        raise UnsupportedPlatform(f"world size {world}: need at least one rank")
-    if kind == "cpu":
-        return Platform("cpu", "gloo", world, "cpu", "cpu", in_place)
-    rocm = bool(getattr(torch.version, "hip", None))
-    return Platform("cuda", "nccl", world, gpu_arch(torch), "rocm" if rocm else "cuda", in_place)
+    return "cuda" if device == "cuda" or (device == "auto" and has_gpu) else "cpu"
+
+
+def _spawned_world(kind: str, asked: int | None, torch: Any) -> int:
+    """The ranks this process spawns: as asked, else one per visible GPU (two gloo ranks on a CPU)."""
+    if kind != "cuda":
+        return asked or 2
+    available = torch.cuda.device_count()
+    if (asked or available) > available:
+        raise UnsupportedPlatform(
+            f"--gpuregress-world-size {asked}: only {available} GPUs are visible on this machine. "
+            "Lower the world size, or launch under torchrun across nodes."
+        )
+    return asked or available
 
 
 def gpu_arch(torch: Any, index: int = 0) -> str:

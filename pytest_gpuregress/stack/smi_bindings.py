@@ -97,13 +97,15 @@ def nvidia_rows(fields: Sequence[str]) -> list[dict[str, str | None]] | None:
 
 
 @dataclass(frozen=True)
-class AmdDevice:
-    """One GPU as ``amd-smi list`` and ``amd-smi static --asic`` give it."""
+class SmiDevice:
+    """One GPU as the vendor's tool lists it (device_identity normalizes the bus id and UUID)."""
 
     index: int
-    bdf: str | None = None
+    bus_id: str | None = None
     uuid: str | None = None
-    serial: str | None = None  # "0x<16 hex digits>", amdsmi's own formatting
+    serial: str | None = None  # AMD: "0x<16 hex digits>", amdsmi's own formatting
+    name: str | None = None
+    firmware: str | None = None  # NVIDIA: the VBIOS, per GPU (a node may mix them after a partial flash)
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ class AmdFacts:
 
     driver: str | None
     firmware: dict[str, str] = field(default_factory=dict)  # fw id -> version, in listed order
-    devices: tuple[AmdDevice, ...] = ()
+    devices: tuple[SmiDevice, ...] = ()
 
 
 def _firmware(amdsmi: Any, handle: Any) -> dict[str, str]:
@@ -130,7 +132,7 @@ def _firmware(amdsmi: Any, handle: Any) -> dict[str, str]:
 
 def _amd_facts(amdsmi: Any) -> AmdFacts:
     handles = list(amdsmi.amdsmi_get_processor_handles())
-    devices = tuple(AmdDevice(i, _read(functools.partial(amdsmi.amdsmi_get_gpu_device_bdf, h)),
+    devices = tuple(SmiDevice(i, _read(functools.partial(amdsmi.amdsmi_get_gpu_device_bdf, h)),
                               _read(functools.partial(amdsmi.amdsmi_get_gpu_device_uuid, h)),
                               _read(lambda h=h: amdsmi.amdsmi_get_gpu_asic_info(h)["asic_serial"]))
                     for i, h in enumerate(handles))  # amd-smi's GPU index is the handle's position

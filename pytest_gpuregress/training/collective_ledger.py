@@ -1,4 +1,4 @@
-"""Rank side of the collective invariants (reference/collective_invariants.py): a few numbers per collective call.
+"""Rank side of the collective invariants (evidence/collective_invariants.py): a few numbers per collective call.
 
 Every ``torch.distributed`` collective of the step passes through a wrapper that reads its input and output
 (float64 sums, a bit hash and a position-weighted sum, which sees two swapped elements), waiting for an
@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from ..evidence import collective_invariants as invariants
+from ..evidence.op_trace_modes import unwatched
+from ..evidence.tensor_digest import digest
 from ..fault_points import in_plugin_own_collective, plugin_own_collectives
-from ..reference import collective_invariants as invariants
-from .op_trace_modes import unwatched
-from .tensor_digest import digest
 
 # torch.distributed's collectives by name: (the op family, the keyword of its output, that of its input). FSDP2 calls
 # all_gather_single and reduce_scatter_single on torch 2.13, all_gather_into_tensor and reduce_scatter_tensor before.
@@ -209,21 +209,14 @@ class Ledger:
 
         world = dist.get_world_size()
         mine = torch.tensor(np.array(self.rows, dtype=np.float64).reshape(-1, len(invariants.COLUMNS)))
-        with plugin_own_collectives():
-            counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-            dist.all_gather(counts, torch.tensor([len(self.rows)], dtype=torch.int64))
-            longest = max(int(c) for c in counts)
-            padded = torch.zeros(longest, len(invariants.COLUMNS), dtype=torch.float64)
-            padded[:len(self.rows)] = mine
-            gathered = [torch.zeros_like(padded) for _ in range(world)]
-            dist.all_gather(gathered, padded)
+        gathered = _gather_rows(mine, world)
         # The string tables are the same on every rank but for the groups, which each rank met in its own order:
         # gathered as their rank lists, they are mapped to one table.
         tables = self._gather_groups(world)
         groups: list[str] = []
         rows: dict[int, np.ndarray] = {}
-        for rank, (table, count) in enumerate(zip(gathered, counts)):
-            found = table[:int(count)].numpy().copy()
+        for rank, table in enumerate(gathered):
+            found = table.numpy().copy()
             for i, row in enumerate(found):
                 name = tables[rank][int(row[1])]
                 if name not in groups:
@@ -234,20 +227,28 @@ class Ledger:
         return {invariants.RESULT_KEY: invariants.summary(calls, violations, sorted(set(self.ops)))}
 
     def _gather_groups(self, world: int) -> list[list[str]]:
-        """Every rank's table of groups, each a string of global ranks, gathered as padded int tensors."""
+        """Every rank's table of groups, each a string of global ranks, gathered as uint8 tensors."""
         import torch
-        import torch.distributed as dist
 
         encoded = ";".join(self.groups).encode()
-        with plugin_own_collectives():
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-            dist.all_gather(sizes, torch.tensor([len(encoded)], dtype=torch.int64))
-            longest = max(int(s) for s in sizes)
-            mine = torch.zeros(longest, dtype=torch.uint8)
-            mine[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8) if encoded else mine[:0]
-            gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
-            dist.all_gather(gathered, mine)
-        return [bytes(g[:int(s)].tolist()).decode().split(";") if int(s) else [] for g, s in zip(gathered, sizes)]
+        mine = torch.frombuffer(bytearray(encoded), dtype=torch.uint8) if encoded else torch.zeros(0, dtype=torch.uint8)
+        return [bytes(g.tolist()).decode().split(";") if len(g) else [] for g in _gather_rows(mine, world)]
+
+
+def _gather_rows(values: Any, world: int) -> list[Any]:
+    """Every rank's ``values`` (a CPU tensor whose first dimension differs between ranks), in rank order, padded for
+    the all-gather and cut back. Collective, through the plugin's own collectives."""
+    import torch
+    import torch.distributed as dist
+
+    with plugin_own_collectives():
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([len(values)], dtype=torch.int64))
+        padded = torch.zeros(max(int(s) for s in sizes), *values.shape[1:], dtype=values.dtype)
+        padded[:len(values)] = values
+        gathered = [torch.zeros_like(padded) for _ in range(world)]
+        dist.all_gather(gathered, padded)
+    return [g[:int(s)] for g, s in zip(gathered, sizes)]
 
 
 def _group_rank(group: Any) -> int:

@@ -2,18 +2,33 @@
 
 A sparse Markov chain sampled from a counter-based hash of (seed, step, sample, position), so no library's
 random stream is involved. A step's global batch is fixed and a rank takes a contiguous slice of it: the
-world size changes who computes what, not what is computed.
+world size changes who computes what, not what is computed. A user's token file (token_file.py) or a
+factory's ids give the same interface: ``global_batch_at(step)`` and ``rank_batch(step, rank, world)``.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..errors import BadTokens
 from .counter_rng import hash_words, unit_float
-from .slicing import rank_slice
+from .token_file import load_tokens
+
+
+def rank_slice(batch: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """This rank's contiguous slice of a step's global batch."""
+    if len(batch) % world_size:
+        raise ValueError(
+            f"global batch {len(batch)} is not divisible by world size {world_size}; "
+            "choose a world size that divides it or change the model's global_batch"
+        )
+    per_rank = len(batch) // world_size
+    return batch[rank * per_rank : (rank + 1) * per_rank]
 
 
 @dataclass(frozen=True)
@@ -58,12 +73,54 @@ class MarkovTokens:
         return float(-(w * np.log(w)).sum())
 
 
+@dataclass
+class TokenFileBatches:
+    """Global batches of windows from a token stream (a user's file, or a factory's ids), with the synthetic data's
+    interface: step s, sample i reads the window numbered ``s * global_batch + i``, wrapping around, so the
+    global batch is fixed as with the synthetic data."""
+
+    stream: np.ndarray
+    vocab_size: int
+    seq_len: int
+    global_batch: int
+
+    @property
+    def windows(self) -> int:
+        return max(1, (self.stream.size - 1) // self.seq_len)
+
+    def global_batch_at(self, step: int) -> np.ndarray:
+        """[global_batch, seq_len + 1] ids; consecutive windows overlap by one token (the next-token label)."""
+        index = (step * self.global_batch + np.arange(self.global_batch)) % self.windows
+        offsets = index[:, None] * self.seq_len + np.arange(self.seq_len + 1)[None, :]
+        return self.stream[offsets % self.stream.size]
+
+    def rank_batch(self, step: int, rank: int, world_size: int) -> np.ndarray:
+        return rank_slice(self.global_batch_at(step), rank, world_size)
+
+
+def open_tokens(described: dict[str, Any], vocab_size: int, seq_len: int, global_batch: int) -> TokenFileBatches:
+    """On a rank: the batches of the file (or factory) a config describes; refuses data that changed since the
+    session read it (or another file at that path on another node): its reference would not be this data's."""
+    if described.get("factory"):
+        from .factory import factory_model
+
+        where: object = described["factory"]
+        stream = factory_model(str(where)).tokens
+        fix = "return the same token ids from every call of the factory"
+    else:
+        where = Path(described["file"])
+        stream = load_tokens(where)
+        fix = "keep the file unchanged during a run; on several nodes, give each the same file"
+    if stream is None or hashlib.sha256(stream.tobytes()).hexdigest() != described["sha256"]:
+        raise BadTokens(where, "changed since the session read it (its sha256 differs)", fix,
+                        "--gpuregress-model" if described.get("factory") else "--gpuregress-tokens")
+    return TokenFileBatches(stream, vocab_size, seq_len, global_batch)
+
+
 def token_source(cfg: dict[str, Any], vocab_size: int) -> Any:
     """A training scenario's data: the user's token file where the config names one (training/token_file.py),
     else the synthetic Markov chain. Either has ``global_batch_at(step)`` and ``rank_batch(step, rank, world)``."""
     if cfg.get("tokens"):
-        from .token_file import open_tokens
-
         return open_tokens(cfg["tokens"], vocab_size, int(cfg["seq_len"]), int(cfg["global_batch"]))
     return MarkovTokens(vocab_size=vocab_size, seq_len=int(cfg["seq_len"]), global_batch=int(cfg["global_batch"]),
                         seed=int(cfg["data_seed"]))

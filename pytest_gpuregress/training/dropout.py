@@ -65,5 +65,4 @@ def config_file_dropout(path: str) -> tuple[tuple[str, float], ...]:
 
 
 def describe(switched: dict[str, float] | tuple[tuple[str, float], ...]) -> str:
-    items = dict(switched)
-    return ", ".join(f"{name} {value:g}" for name, value in items.items())
+    return ", ".join(f"{name} {value:g}" for name, value in dict(switched).items())

@@ -51,6 +51,28 @@ def resolve(entry: str) -> Any:
 
 
 @dataclass(frozen=True)
+class Facts:
+    """What a factory's model is, from one sizing call: the fields the scenarios read of a transformers config
+    (the same names, so one code path serves both), and its identity."""
+
+    vocab_size: int
+    num_hidden_layers: int
+    # The longest inner product a weight matrix takes part in (its last dimension): what the float32 error bounds
+    # (checkpoint/portable.py) read a config's hidden and intermediate sizes for.
+    hidden_size: int
+    returns_tokens: bool
+    digest: str  # of its structure: parameter names, shapes, dtypes and module classes
+    parameters: int
+    module_names: frozenset[str]
+    projections: Any  # a BlockProjections (training/projections.py): the LoRA targets
+
+
+def _fact(name: str) -> Any:
+    """A read-only attribute of a FactoryModel: one of its ``Facts`` (computed once)."""
+    return property(lambda self: getattr(self._facts, name))
+
+
+@dataclass(frozen=True)
 class FactoryModel:
     """The model a factory builds, with what the training scenarios ask of a transformers config."""
 
@@ -96,27 +118,47 @@ class FactoryModel:
         seed_parameters(model, seed, float(std) if isinstance(std, (int, float)) else DEFAULT_STD)
         return model
 
-    @functools.cached_property
-    def _facts(self) -> dict[str, Any]:
-        """What the model is, from one call of the factory on the meta device (no memory for its weights), or on
-        the CPU where the factory cannot run on meta."""
-        from .fsdp2 import decoder_layers
-        from .projections import survey
-
+    def _sizing_call(self) -> tuple[Any, Any]:
+        """One call of the factory on the meta device (no memory for its weights), or on the CPU where the factory
+        cannot run on meta."""
         try:
-            model, extra = self._call("meta")
+            return self._call("meta")
         except BadModel as exc:
             if "meta device" not in str(exc):
                 raise
-            model, extra = self._call("cpu")
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None) or getattr(model, "vocab_size", None)
-        if not isinstance(vocab, int) or vocab <= 0:
-            raise BadModel(self.entry, "the model says no vocabulary size",
-                           "give the module a vocab_size attribute (or a config with vocab_size)")
+            return self._call("cpu")
+
+    @functools.cached_property
+    def _facts(self) -> Facts:
+        """What the model is, from one sizing call of the factory; BadModel where the scenarios cannot train it."""
+        from .fsdp2 import decoder_layers
+        from .projections import survey
+
+        model, extra = self._sizing_call()
+        vocab = self._vocab_size(model)
         try:
             layers = len(decoder_layers(model))
         except ValueError as exc:
             raise BadModel(self.entry, str(exc), "set _no_split_modules = ['YourBlock'] on the module's class") from None
+        self._check_trainable(model)
+        structure = [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()]
+        classes = sorted({type(m).__name__ for m in model.modules()})
+        return Facts(vocab_size=vocab, num_hidden_layers=layers,
+                     hidden_size=max((int(p.shape[-1]) for p in model.parameters() if p.ndim >= 2), default=1),
+                     returns_tokens=extra is not None,
+                     digest=hashlib.sha256(json.dumps([structure, classes]).encode()).hexdigest()[:12],
+                     parameters=sum(p.numel() for p in model.parameters()),
+                     module_names=frozenset(n for n, _ in model.named_modules() if n), projections=survey(model))
+
+    def _vocab_size(self, model: Any) -> int:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None) or getattr(model, "vocab_size", None)
+        if not isinstance(vocab, int) or vocab <= 0:
+            raise BadModel(self.entry, "the model says no vocabulary size",
+                           "give the module a vocab_size attribute (or a config with vocab_size)")
+        return vocab
+
+    def _check_trainable(self, model: Any) -> None:
+        """BadModel for what the scenarios cannot train and round-trip: frozen parameters, persistent buffers."""
         frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
         if frozen:
             raise BadModel(self.entry, f"has parameters that do not train ({', '.join(frozen[:3])})",
@@ -126,14 +168,6 @@ class FactoryModel:
             raise BadModel(self.entry, f"has persistent buffers ({', '.join(buffers[:3])})",
                            "register them with persistent=False: they are rebuilt by the model's code, "
                            "as transformers models do")
-        structure = [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()]
-        classes = sorted({type(m).__name__ for m in model.modules()})
-        return {"vocab_size": int(vocab), "layers": layers, "returns_tokens": extra is not None,
-                "digest": hashlib.sha256(json.dumps([structure, classes]).encode()).hexdigest()[:12],
-                "parameters": sum(p.numel() for p in model.parameters()),
-                "inner": max((int(p.shape[-1]) for p in model.parameters() if p.ndim >= 2), default=1),
-                "module_names": frozenset(n for n, _ in model.named_modules() if n),
-                "projections": survey(model)}
 
     @functools.cached_property
     def tokens(self) -> np.ndarray | None:
@@ -141,7 +175,7 @@ class FactoryModel:
         made only for a factory that returns them."""
         import torch
 
-        if not self._facts["returns_tokens"]:
+        if not self._facts.returns_tokens:
             return None
         ids = self._call("cpu")[1]
         try:
@@ -154,43 +188,20 @@ class FactoryModel:
                            "return non-negative integer token ids with the model")
         return values.reshape(-1).astype(np.int64)
 
-    # What the scenarios read of a transformers config; the same names, so one code path serves both.
-    @property
-    def vocab_size(self) -> int:
-        return int(self._facts["vocab_size"])
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return int(self._facts["layers"])
-
-    @property
-    def hidden_size(self) -> int:
-        """The longest inner product a weight matrix takes part in (its last dimension): what the float32
-        error bounds (checkpoint/portable.py) read a config's hidden and intermediate sizes for."""
-        return int(self._facts["inner"])
+    # What the scenarios read of a transformers config (Facts says what each is).
+    vocab_size = _fact("vocab_size")
+    num_hidden_layers = _fact("num_hidden_layers")
+    hidden_size = _fact("hidden_size")
+    dtype = None  # the factory's model is trained in fp32 like every other
 
     @property
     def architectures(self) -> list[str]:
         return [self.entry]
 
-    dtype = None  # the factory's model is trained in fp32 like every other
-
-    @property
-    def digest(self) -> str:
-        return str(self._facts["digest"])
-
-    @property
-    def parameters(self) -> int:
-        return int(self._facts["parameters"])
-
-    @property
-    def module_names(self) -> frozenset[str]:
-        return frozenset(self._facts["module_names"])
-
-    @property
-    def projections(self) -> Any:
-        """The linear projections of its blocks (a BlockProjections, training/projections.py): the LoRA targets."""
-        return self._facts["projections"]
+    digest = _fact("digest")
+    parameters = _fact("parameters")
+    module_names = _fact("module_names")
+    projections = _fact("projections")
 
 
 def factory_model(entry: str) -> FactoryModel:

@@ -7,6 +7,7 @@ account of which reduce-scatter carried a gradient never disagree. Torch is impo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,12 +58,8 @@ def reduce_scatter_bytes(names: list[str], shapes: dict[str, tuple[int, ...]], w
     elements = 0
     for name in names:
         shape = shapes.get(name, ())
-        if not shape:
-            continue
-        rest = 1
-        for d in shape[1:]:
-            rest *= d
-        elements += -(-shape[0] // world_size) * world_size * rest
+        if shape:
+            elements += -(-shape[0] // world_size) * world_size * math.prod(shape[1:])
     return elements * REDUCE_BYTES[reduce_dtype]
 
 

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+from ..fault_points import FAULT_REGION, ThreadRegion
+
 # A host op smaller than this is bookkeeping (an optimizer's step counter, a scalar loss), not a kernel.
 HOST_OP_MIN_ELEMENTS = 64
 # Copies between devices are how data reaches the accelerator, and fills and random draws are how a loop
@@ -23,9 +25,6 @@ _NOT_COMPUTE = {"aten::_to_copy", "aten::copy_", "aten::to", "aten::_copy_from",
                 "aten::normal_", "aten::bernoulli_", "aten::random_", "aten::exponential_"}
 
 _emulation = threading.local()
-# The profiler range an injected fault does its own tensor work in: the inventory leaves it out, so a fault's
-# arithmetic (a nudge's comparison, a chunk's copy) never reads as a kernel the stack changed.
-FAULT_REGION = "gpuregress::fault"
 
 
 @contextmanager
@@ -46,35 +45,12 @@ def set_emulated_accelerator(device: str | None) -> None:
     _emulation.device = device
 
 
-class ThreadRegion:
-    """A nestable "inside this region" mark, per thread: what a context manager sets and a hook reads."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    @contextmanager
-    def enter(self) -> Iterator[None]:
-        depth = getattr(self._local, "depth", 0)
-        self._local.depth = depth + 1
-        try:
-            yield
-        finally:
-            self._local.depth = depth
-
-    def active(self) -> bool:
-        return getattr(self._local, "depth", 0) > 0
-
-
 _host_region = ThreadRegion()
 
 
 def host_fallback() -> AbstractContextManager[None]:
     """Mark the ops run inside as host ops: the device tag of the emulation (a no-op on a real GPU run)."""
     return _host_region.enter()
-
-
-def _in_host_region() -> bool:
-    return _host_region.active()
 
 
 def short_kernel(name: str) -> str:
@@ -169,7 +145,7 @@ def _host_watcher() -> Any:
                        and t.numel() >= HOST_OP_MIN_ELEMENTS]
             if not tensors:
                 return
-            on_host = _in_host_region() if emulated else all(t.device.type == "cpu" for t in tensors)
+            on_host = _host_region.active() if emulated else all(t.device.type == "cpu" for t in tensors)
             if not on_host:
                 return
             largest = max(tensors, key=lambda t: t.numel())

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from ..reference.data_change import BATCH_DIGEST
+from ..evidence.data_change import BATCH_DIGEST
+from ..evidence.op_tracer import OpTracer, at_step, stored
 from ..reference.record import RunRecord
 from .collective_ledger import watching
 from .grad_norms import squared_norms
 from .observe import StepObserver
-from .op_trace import OpTracer, at_step, stored
 from .optimizer import Optimization
 
 
@@ -62,17 +62,18 @@ class StepResult:
     batch_digest: float | None = None  # the sum of the ranks' token-batch digests (training/step.py); None: unknown
 
 
-def take_step(parts: TrainStep, step: int, world_size: int, device: Any, ctx: Any = None) -> StepResult:
-    """One optimizer step. *Collective*: clipping and the all-reduce of the step's figures."""
+def take_step(parts: TrainStep, step: int, ctx: Any) -> StepResult:
+    """One optimizer step on the rank ``ctx`` describes. *Collective*: clipping and the all-reduce of the step's
+    figures."""
     import torch
     import torch.distributed as dist
 
+    world_size, device = ctx.world_size, ctx.device
     trace = at_step(parts.op_trace, step)  # step 0's tracer; later steps: one that traces nothing
-    if ctx is not None:
-        ctx.batch_digest = None
+    ctx.batch_digest = None
     with trace.phase("forward"):
         loss = parts.loss(step)
-    read = getattr(ctx, "batch_digest", None)  # the batch the forward read, where it came through rank_tokens
+    read = ctx.batch_digest  # the batch the forward read, where it came through rank_tokens
     with trace.phase("backward"):
         parts.backward(loss)
     squares = squared_norms(parts.tracked, world_size, device)
@@ -117,7 +118,7 @@ class Curves:
 
     def series(self) -> dict[str, list[float]]:
         """The record's per-step series: the loss, the gradient norm before clipping and after it, and the digest
-        of each step's global token batch where every step's is known (reference/data_change.py)."""
+        of each step's global token batch where every step's is known (evidence/data_change.py)."""
         out = {"loss": self.losses, "grad_norm": self.grad_norms, "clipped_grad_norm": self.clipped_norms}
         if self.batch_digests and all(d is not None for d in self.batch_digests):
             out[BATCH_DIGEST] = [float(d) for d in self.batch_digests if d is not None]
@@ -144,7 +145,7 @@ def train(ctx: Any, parts: TrainStep, steps: Iterable[int], *, observer: StepObs
             for step in steps:
                 ctx.current_step = step  # what a fault that starts late reads (RankContext.current_step)
                 with observer.step(step) if observer is not None else nullcontext():
-                    result = take_step(parts, step, ctx.world_size, ctx.device, ctx)
+                    result = take_step(parts, step, ctx)
                 curves.add(result)
                 metrics = {"loss": result.loss, "grad_norm": result.grad_norm} if report_metrics else {}
                 if ctx.step_done(step, **metrics) and stop_when_told:

@@ -79,6 +79,11 @@ def parse_model(value: str, base: Path) -> ModelSpec:
             raise BadModel(text, f"is both a model of the zoo and a path in {base}",
                            f"write ./{text} for the path, or rename it")
         return ModelSpec(_named(text, str(shipped)), str(shipped), shipped=True)
+    return _config_file(text, base)
+
+
+def _config_file(text: str, base: Path) -> ModelSpec:
+    """A user's config file, or the folder holding its config.json, relative to ``base``."""
     path = (base / text).resolve()
     if path.is_dir():
         path = path / "config.json"

@@ -23,12 +23,9 @@ TINY_LLAMA_GPU_PARAMETERS = 155_730_944
 def config_path(name: str, size: str) -> Path:
     """The config file of model ``name`` at ``size`` (cpu or gpu): a shipped model's, or ``name`` itself when
     it is a user's config file (``--gpuregress-model``) or a folder holding a ``config.json``."""
-    candidate = Path(name)
-    if candidate.is_absolute() or "/" in name or candidate.suffix == ".json":  # a path; a bare name is the zoo's
-        if candidate.suffix == ".json" and candidate.is_file():
-            return candidate
-        if candidate.is_dir() and (candidate / "config.json").is_file():
-            return candidate / "config.json"
+    users = _user_config(name)
+    if users is not None:
+        return users
     root = shipped_dir("models")
     path = root / name / size / "config.json"
     if not path.is_file():
@@ -38,6 +35,19 @@ def config_path(name: str, size: str) -> Path:
             "Pass a transformers config file (or a folder containing config.json) instead."
         )
     return path
+
+
+def _user_config(name: str) -> Path | None:
+    """The config file a path names (the file, or the config.json of a folder); None for a bare name (the zoo's) or
+    a path that holds none."""
+    candidate = Path(name)
+    if not (candidate.is_absolute() or "/" in name or candidate.suffix == ".json"):
+        return None
+    if candidate.suffix == ".json" and candidate.is_file():
+        return candidate
+    if candidate.is_dir() and (candidate / "config.json").is_file():
+        return candidate / "config.json"
+    return None
 
 
 def model_source(cfg: dict[str, Any]) -> str:

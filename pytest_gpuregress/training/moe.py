@@ -23,9 +23,9 @@ def _field(config: Any, key: str) -> Any:
     return getattr(config, key, None)
 
 
-def num_experts(config: Any) -> int:
-    """The number of routed experts per MoE layer (0 for a dense model)."""
-    for key in _EXPERT_FIELDS:
+def num_experts(config: Any, fields: tuple[str, ...] = _EXPERT_FIELDS) -> int:
+    """The number of routed experts per MoE layer (0 for a dense model): the first of ``fields`` that holds one."""
+    for key in fields:
         value = _field(config, key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
@@ -105,26 +105,51 @@ def expert_load(model: Any, input_ids: Any) -> np.ndarray:
 
     Each row sums to 1 (an even router gives 1/experts). One forward under ``no_grad`` in eval mode (no
     router jitter), modes restored after. Raises ValueError when the model has no routers."""
-    import torch
-
     routers = router_modules(model)
     if not routers:
         raise ValueError(f"{type(model).__name__} has no MoE router modules: expert_load needs a Mixture-of-Experts model")
     config = getattr(model, "config", None)
     default_k = _field(config, "num_experts_per_tok") if config is not None else None
     counts: dict[int, Any] = {}
-    handles = []
-    for layer, router in routers:
-        top_k = int(getattr(router, "top_k", None) or default_k or 1)
-        experts = int(getattr(router, "num_experts", None) or router.weight.shape[0])
+    handles = [router.register_forward_hook(_tally(counts, layer, router, default_k)) for layer, router in routers]
+    try:
+        _eval_forward(model, input_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [layer for layer, _ in routers if layer not in counts]
+    if missing:
+        raise RuntimeError(f"the routers of layers {missing} did not run in the forward pass")
+    return _shares([counts[layer].numpy() for layer, _ in routers])
 
-        def hook(_module: Any, _args: Any, output: Any, layer: int = layer, top_k: int = top_k,
-                 experts: int = experts) -> None:
-            chosen = _selected(output, top_k).reshape(-1).long()
-            tally = torch.bincount(chosen.cpu(), minlength=experts).double()
-            counts[layer] = tally if layer not in counts else counts[layer] + tally
 
-        handles.append(router.register_forward_hook(hook))
+def _shares(rows: list[np.ndarray]) -> np.ndarray:
+    """The rows as one float64 array, each divided by its sum; zeros pad a row narrower than the widest."""
+    load = np.zeros((len(rows), max(len(r) for r in rows)), dtype=np.float64)
+    for i, row in enumerate(rows):
+        load[i, : len(row)] = row / row.sum()
+    return load
+
+
+def _tally(counts: dict[int, Any], layer: int, router: Any, default_k: Any) -> Any:
+    """A forward hook adding the experts ``router`` chose to ``counts[layer]`` (a float64 bincount)."""
+    import torch
+
+    top_k = int(getattr(router, "top_k", None) or default_k or 1)
+    experts = int(getattr(router, "num_experts", None) or router.weight.shape[0])
+
+    def hook(_module: Any, _args: Any, output: Any) -> None:
+        chosen = _selected(output, top_k).reshape(-1).long()
+        tally = torch.bincount(chosen.cpu(), minlength=experts).double()
+        counts[layer] = tally if layer not in counts else counts[layer] + tally
+
+    return hook
+
+
+def _eval_forward(model: Any, input_ids: Any) -> None:
+    """One forward of ``input_ids`` (a batch, or one sequence) on the model's device, in eval mode under
+    ``no_grad``; every module's mode restored after."""
+    import torch
 
     tokens = input_ids if torch.is_tensor(input_ids) else torch.as_tensor(np.asarray(input_ids))
     if tokens.dim() == 1:
@@ -138,16 +163,5 @@ def expert_load(model: Any, input_ids: Any) -> np.ndarray:
         with torch.no_grad():
             model(input_ids=tokens)
     finally:
-        for handle in handles:
-            handle.remove()
         for module, training in modes:
             module.training = training
-    missing = [layer for layer, _ in routers if layer not in counts]
-    if missing:
-        raise RuntimeError(f"the routers of layers {missing} did not run in the forward pass")
-    rows = [counts[layer].numpy() for layer, _ in routers]
-    width = max(len(r) for r in rows)
-    load = np.zeros((len(rows), width), dtype=np.float64)
-    for i, row in enumerate(rows):
-        load[i, : len(row)] = row / row.sum()
-    return load

@@ -1,8 +1,8 @@
 """Noise replicas: the perturbations a healthy stack can legitimately produce, for the noise envelope.
 
-Their spread sets the tolerant lane's limits (reference/envelope.py, docs/envelope.md): weights one ulp up or
+Their spread sets the tolerant lane's limits (comparison/envelope.py, docs/envelope.md): weights one ulp up or
 down, each batch in reverse row order, another kernel path. Planned on the session side; ``apply_*`` run on
-the ranks.
+the ranks, as do the kernel switches a triage flip sets in a training config (``apply_switches``).
 """
 
 from __future__ import annotations
@@ -82,7 +82,43 @@ def apply_kernel_path(perturbation: str, ctx: Any) -> str | None:
     import torch
 
     current = torch.backends.cuda.preferred_blas_library()
-    other = "cublas" if "lt" in str(current).lower() else "cublaslt"
+    other = _other_blas(current)
     torch.backends.cuda.preferred_blas_library(other)
     ctx.cleanup_hooks.append(lambda: torch.backends.cuda.preferred_blas_library(current))
     return other
+
+
+def _other_blas(current: object) -> str:
+    """cuBLAS for cuBLASLt (hipBLASLt), and the other way round."""
+    return "cublas" if "lt" in str(current).lower() else "cublaslt"
+
+
+SDPA_BACKENDS = ("flash", "mem_efficient", "cudnn", "math")  # torch.backends.cuda.<name>_sdp_enabled
+
+
+def apply_switches(config: dict[str, Any], ctx: Any) -> None:
+    """Set the kernel switches a triage flip asks for in ``config`` (GPUs only); register their undo, since in
+    place the process runs on."""
+    if ctx.device_kind != "cuda":
+        return
+    import torch
+
+    cuda = torch.backends.cuda
+    blas = cuda.preferred_blas_library()
+    sdpa = {name: getattr(cuda, f"{name}_sdp_enabled")() for name in SDPA_BACKENDS}
+    reduced = (cuda.matmul.allow_bf16_reduced_precision_reduction, cuda.matmul.allow_fp16_reduced_precision_reduction)
+
+    def restore() -> None:
+        cuda.preferred_blas_library(blas)
+        for name, on in sdpa.items():
+            getattr(cuda, f"enable_{name}_sdp")(on)
+        cuda.matmul.allow_bf16_reduced_precision_reduction, cuda.matmul.allow_fp16_reduced_precision_reduction = reduced
+
+    ctx.cleanup_hooks.append(restore)
+    if config.get("blas_library") == "other":
+        cuda.preferred_blas_library(_other_blas(cuda.preferred_blas_library()))
+    if config.get("sdpa_backend") == "math":
+        for name in SDPA_BACKENDS:
+            getattr(cuda, f"enable_{name}_sdp")(name == "math")
+    if config.get("reduced_precision_reduction") is False:
+        cuda.matmul.allow_bf16_reduced_precision_reduction = cuda.matmul.allow_fp16_reduced_precision_reduction = False

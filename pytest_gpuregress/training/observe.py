@@ -7,7 +7,7 @@ a median, because a shared CI machine stalls a step now and then.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -57,7 +57,7 @@ class StepObserver:
             yield
             self.times[step] = time.perf_counter() - started
         if step == 0:
-            # The peak is the training's from step 1 on. Step 0 is the op trace's (training/op_trace.py): its
+            # The peak is the training's from step 1 on. Step 0 is the op trace's (evidence/op_tracer.py): its
             # float64 digests and the outputs it holds until the next op would count as training memory, and
             # pausing the meter around the digests alone would miss the latter. Step 1 on holds all step 0
             # does (weights, gradients, the optimizer state step 0 made), so nothing of the training is lost,
@@ -73,7 +73,7 @@ class StepObserver:
         """After the last step, on every rank: read the peak memory, then time an all-reduce the size of a few
         gradient buckets (a collective, so every rank calls it; its buffer is not counted as training memory)."""
         self.peak_bytes = self._memory.peak()
-        # Only where the figures will be judged: a short run's ratios never are (reference/perf.py), and the
+        # Only where the figures will be judged: a short run's ratios never are (comparison/perf.py), and the
         # all-reduces would cost every short launch of a suite. Every rank ran the same steps, so all agree.
         if world_size > 1 and len(self.steady_times()) >= BANDWIDTH_MIN_STEADY_STEPS:
             self._ctx.progress("measuring the all-reduce bus bandwidth")
@@ -189,19 +189,29 @@ def merge_ranks(records: list[Any]) -> dict[str, Any]:
     """Results of every rank folded into rank 0's: the largest peak memory, every rank's host ops, and every
     rank's kernels (a rank on another build, or with a fault of its own, must show in the inventory)."""
     merged: dict[str, Any] = {}
-    inventories = [r.results["kernels"] for r in records if "kernels" in r.results]
-    if inventories:
-        union: dict[str, dict[str, Any]] = {}
-        for inventory in inventories:
-            add_inventory(union, inventory, calls=max)
-        merged["kernels"] = dict(sorted(union.items()))
-    perfs = [r.results["perf"] for r in records if "perf" in r.results]
-    if perfs:
-        merged["perf"] = {**perfs[0], "peak_memory_bytes": max(p["peak_memory_bytes"] for p in perfs)}
-    hosts = [r.results["host_ops"] for r in records if "host_ops" in r.results]
-    if hosts:
-        ops: dict[str, Any] = {}
-        for host in hosts:
-            add_host_ops(ops, host["ops"])
-        merged["host_ops"] = {"accelerator": hosts[0]["accelerator"], "ops": ops}
+    for key, merge in _MERGES.items():
+        found = [r.results[key] for r in records if key in r.results]
+        if found:
+            merged[key] = merge(found)
     return merged
+
+
+def _merged_kernels(inventories: list[dict[str, Any]]) -> dict[str, Any]:
+    union: dict[str, dict[str, Any]] = {}
+    for inventory in inventories:
+        add_inventory(union, inventory, calls=max)
+    return dict(sorted(union.items()))
+
+
+def _merged_host_ops(hosts: list[dict[str, Any]]) -> dict[str, Any]:
+    ops: dict[str, Any] = {}
+    for host in hosts:
+        add_host_ops(ops, host["ops"])
+    return {"accelerator": hosts[0]["accelerator"], "ops": ops}
+
+
+_MERGES: dict[str, Callable[[list[Any]], dict[str, Any]]] = {
+    "kernels": _merged_kernels,
+    "perf": lambda perfs: {**perfs[0], "peak_memory_bytes": max(p["peak_memory_bytes"] for p in perfs)},
+    "host_ops": _merged_host_ops,
+}

@@ -1,4 +1,4 @@
-"""The optimizer every training scenario shares: AdamW, with linear warm-up and cosine decay (schedule.py).
+"""The optimizer every training scenario shares: AdamW, with linear warm-up and cosine decay (``lr_factor``).
 
     settings = AdamWSettings.from_config(cfg)
     optimization = Optimization.of(adamw(params, settings), Schedule.from_config(cfg))
@@ -10,10 +10,9 @@ Torch is imported inside the functions: only the ranks call them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
-
-from .schedule import lr_factor
 
 # torch's three AdamW implementations, as a config names them (``adamw``): each rounds differently, and a bug can
 # live in one only. "single": the per-parameter loop; "foreach": the multi-tensor path, torch's default on GPUs;
@@ -53,6 +52,14 @@ class Schedule:
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Schedule:
         return cls(steps=int(cfg["steps"]), warmup=int(cfg["warmup_steps"]), min_ratio=float(cfg["min_lr_ratio"]))
+
+
+def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine decay to ``min_ratio``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def adamw(params: list[Any], settings: AdamWSettings) -> Any:

@@ -98,12 +98,9 @@ def is_projection(module: Any) -> bool:
 
 def expert_count(model: Any) -> int | None:
     """The number of routed experts the model's config declares, or None for a dense model."""
-    config = getattr(model, "config", None)
-    for field in EXPERT_COUNT_FIELDS:
-        value = getattr(config, field, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    from .moe import num_experts
+
+    return num_experts(getattr(model, "config", None), EXPERT_COUNT_FIELDS) or None
 
 
 def is_router(module: Any, experts: int | None) -> bool:
@@ -124,6 +121,22 @@ def is_router(module: Any, experts: int | None) -> bool:
 def survey(model: Any) -> BlockProjections:
     """What LoRA can adapt in ``model``'s decoder layers (training/models.py ``decoder_layers``); works on the
     meta device."""
+    linear, routers, not_linear = (_grouped(found) for found in _block_weights(model))
+    targeted, clashing = _targeted(linear, [name for name, _ in model.named_modules() if name])
+    return BlockProjections(targets=tuple(dict.fromkeys(targeted.values())), linear=tuple(targeted), routers=routers,
+                            not_linear=not_linear, clashing=clashing)
+
+
+def _targeted(linear: tuple[Projection, ...], every: list[str]) -> tuple[dict[Projection, str], tuple[Projection, ...]]:
+    """Each projection with the target that selects it alone (``_target_for``), and those none does (clashing)."""
+    allowed = frozenset(n for p in linear for n in p.names)
+    chosen = {p: _target_for(p, allowed, every) for p in linear}
+    return {p: t for p, t in chosen.items() if t}, tuple(p for p, t in chosen.items() if not t)
+
+
+def _block_weights(model: Any) -> tuple[dict[str, list[str]], ...]:
+    """The weights of the decoder layers, each group by path in a block -> every layer's full name: (projections,
+    routers, weight matrices of other modules)."""
     import torch
 
     from .fsdp2 import decoder_layers
@@ -144,13 +157,7 @@ def survey(model: Any) -> BlockProjections:
             elif not isinstance(module, torch.nn.Embedding):  # embeddings are never a target, and no projection
                 for param in _weight_matrices(module):
                     not_linear.setdefault(_join(path, param), []).append(f"{name}.{param}")
-    named = _grouped(linear)
-    allowed = frozenset(n for p in named for n in p.names)
-    every = [name for name, _ in model.named_modules() if name]
-    chosen = [(p, _target_for(p, allowed, every)) for p in named]
-    return BlockProjections(targets=tuple(dict.fromkeys(t for _, t in chosen if t)),
-                            linear=tuple(p for p, t in chosen if t), routers=_grouped(routers),
-                            not_linear=_grouped(not_linear), clashing=tuple(p for p, t in chosen if not t))
+    return linear, routers, not_linear
 
 
 def left_out(found: BlockProjections, targets: Sequence[str], asked: bool,
@@ -158,21 +165,33 @@ def left_out(found: BlockProjections, targets: Sequence[str], asked: bool,
     """What of the blocks ``targets`` leaves without an adapter, by why (the reasons above): block paths.
     ``asked``: the targets are the user's, so a projection they miss is theirs to add. ``peft``: what peft really
     adapted for them, where it was asked (its moves onto fused expert parameters count, both ways)."""
-    def named(projection: Projection, among: Sequence[str]) -> bool:
-        return all(any(matches(t, n) for t in among) for n in projection.names)
-
-    def covered(projection: Projection) -> bool:
-        return all(n in peft.modules for n in projection.names) if peft is not None else named(projection, targets)
-
-    moved = [p for p in (*found.linear, *found.clashing) if peft is not None and not covered(p)
-             and named(p, peft.moved)]
+    missed, moved = _unadapted(found, targets, peft)
     wrapped = peft.parameters if peft is not None else frozenset()
-    why = {NOT_ASKED if asked else CLASHING: [p.path for p in (*found.linear, *found.clashing)
-                                              if not covered(p) and p not in moved],
-           PEFT_MOVED: [p.path for p in moved],
-           NOT_LINEAR: [p.path for p in found.not_linear if not all(n in wrapped for n in p.names)],
-           ROUTER: [p.path for p in found.routers if not covered(p)]}
-    return {reason: paths for reason, paths in why.items() if paths}
+    why = {NOT_ASKED if asked else CLASHING: missed, PEFT_MOVED: moved,
+           NOT_LINEAR: [p for p in found.not_linear if not wrapped.issuperset(p.names)],
+           ROUTER: [p for p in found.routers if not _covered(p, targets, peft)]}
+    return {reason: [p.path for p in projections] for reason, projections in why.items() if projections}
+
+
+def _unadapted(found: BlockProjections, targets: Sequence[str],
+               peft: PeftTargets | None) -> tuple[list[Projection], list[Projection]]:
+    """The projections left without an adapter: (those ``targets`` misses, those peft moved it off, onto fused
+    expert parameters)."""
+    missed = [p for p in (*found.linear, *found.clashing) if not _covered(p, targets, peft)]
+    if peft is None:
+        return missed, []
+    moved = [p for p in missed if _named(p, peft.moved)]
+    return [p for p in missed if p not in moved], moved
+
+
+def _named(projection: Projection, among: Sequence[str]) -> bool:
+    """Whether the targets ``among`` select the projection in every layer."""
+    return all(any(matches(t, n) for t in among) for n in projection.names)
+
+
+def _covered(projection: Projection, targets: Sequence[str], peft: PeftTargets | None) -> bool:
+    """Whether every layer's projection has an adapter: as peft wrapped them where known, else as targets name them."""
+    return peft.modules.issuperset(projection.names) if peft is not None else _named(projection, targets)
 
 
 def _target_for(projection: Projection, allowed: frozenset[str], every: Sequence[str]) -> str:

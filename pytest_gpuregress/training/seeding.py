@@ -7,6 +7,7 @@ starting point. Parameters of ``MIN_CACHED`` elements or more are cached on disk
 from __future__ import annotations
 
 import functools
+import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -14,8 +15,18 @@ from typing import Any, Literal
 import numpy as np
 
 from .counter_rng import hash_words, splitmix64, unit_float
-from .cpus import usable_cpus
 from .init_cache import Entry, InitCache, default_root, fetch
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS has one (taskset, a batch scheduler's
+    cpuset, a launcher's binding), else every CPU. More threads than that would only take turns on them; this
+    sizes the host-side thread pools (seeding, the float64 oracle)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # macOS and Windows have no sched_getaffinity
+        return os.cpu_count() or 1
+
 
 BLOCK = 1 << 15  # pairs a block: its temporaries (a few MiB) stay in the CPU's caches
 THREADS = min(8, usable_cpus())

@@ -27,7 +27,7 @@ def rank_tokens(data: MarkovTokens, step: int, ctx: Any, perturbation: str, devi
 
 def batch_digest(tokens: Any) -> float:
     """The bits of a token batch as a number exact in float64 (tensor_digest's hash, cut to BATCH_DIGEST_BITS)."""
-    from .tensor_digest import digest
+    from ..evidence.tensor_digest import digest
 
     return float(digest(tokens)[3] & ((1 << BATCH_DIGEST_BITS) - 1))
 

@@ -1,22 +1,19 @@
-"""A user's own token sample (``--gpuregress-tokens FILE``) in place of the synthetic data.
+"""A user's own token sample (``--gpuregress-tokens FILE``) in place of the synthetic data: read, checked, described.
 
-A ``.npy`` or ``.safetensors`` array of token ids read as one stream; step s, sample i reads the window
-numbered ``s * global_batch + i``, wrapping around, so the global batch is fixed as with the synthetic
-data. Nothing is unpickled.
+A ``.npy`` or ``.safetensors`` array of token ids read as one stream (data.py ``TokenFileBatches`` cuts its
+windows). Nothing is unpickled.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import BadTokens
-from .slicing import rank_slice
 
 TENSOR_NAMES = ("input_ids", "tokens")
 
@@ -88,13 +85,8 @@ def describe_for(cfg: dict[str, Any], tokens: Path | None) -> dict[str, Any] | N
     if tokens is not None:  # several models may read one file: a refusal names whose vocabulary it missed
         return describe(tokens, vocab, seq_len, whose=f"model {cfg.get('model')!r}")
 
-    own = model.tokens
-    return None if own is None else describe_factory_tokens(str(cfg["model_factory"]), own, vocab, seq_len)
-
-
-def describe_factory_tokens(entry: str, stream: np.ndarray, vocab_size: int, seq_len: int) -> dict[str, Any]:
-    """The same for the token ids a model factory returns with its model (training/factory.py)."""
-    return {"factory": entry, **identity(stream, vocab_size, seq_len, entry, option="--gpuregress-model")}
+    own, entry = model.tokens, str(cfg["model_factory"])  # the ids a model factory returns (training/factory.py)
+    return None if own is None else {"factory": entry, **identity(own, vocab, seq_len, entry, option="--gpuregress-model")}
 
 
 def identity(stream: np.ndarray, vocab_size: int, seq_len: int, where: object,
@@ -108,45 +100,3 @@ def identity(stream: np.ndarray, vocab_size: int, seq_len: int, where: object,
         raise BadTokens(where, f"holds id {largest}, outside the vocabulary of {vocab_size} of {whose}",
                         f"use ids below {vocab_size}, the vocab_size of the model the scenario trains", option)
     return {"sha256": hashlib.sha256(stream.tobytes()).hexdigest(), "count": int(stream.size)}
-
-
-@dataclass
-class TokenFileBatches:
-    """Global batches of windows from a token stream, with the synthetic data's interface."""
-
-    stream: np.ndarray
-    vocab_size: int
-    seq_len: int
-    global_batch: int
-
-    @property
-    def windows(self) -> int:
-        return max(1, (self.stream.size - 1) // self.seq_len)
-
-    def global_batch_at(self, step: int) -> np.ndarray:
-        """[global_batch, seq_len + 1] ids; consecutive windows overlap by one token (the next-token label)."""
-        index = (step * self.global_batch + np.arange(self.global_batch)) % self.windows
-        offsets = index[:, None] * self.seq_len + np.arange(self.seq_len + 1)[None, :]
-        return self.stream[offsets % self.stream.size]
-
-    def rank_batch(self, step: int, rank: int, world_size: int) -> np.ndarray:
-        return rank_slice(self.global_batch_at(step), rank, world_size)
-
-
-def open_tokens(described: dict[str, Any], vocab_size: int, seq_len: int, global_batch: int) -> TokenFileBatches:
-    """On a rank: the batches of the file (or factory) a config describes; refuses data that changed since the
-    session read it (or another file at that path on another node): its reference would not be this data's."""
-    if described.get("factory"):
-        from .factory import factory_model
-
-        where: object = described["factory"]
-        stream = factory_model(str(where)).tokens
-        fix = "return the same token ids from every call of the factory"
-    else:
-        where = Path(described["file"])
-        stream = load_tokens(where)
-        fix = "keep the file unchanged during a run; on several nodes, give each the same file"
-    if stream is None or hashlib.sha256(stream.tobytes()).hexdigest() != described["sha256"]:
-        raise BadTokens(where, "changed since the session read it (its sha256 differs)", fix,
-                        "--gpuregress-model" if described.get("factory") else "--gpuregress-tokens")
-    return TokenFileBatches(stream, vocab_size, seq_len, global_batch)

@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from ..comparison.bounds import step0_bound
+from ..comparison.compare import gradients_moved_first
+from ..comparison.envelope import rel, step0_limit
 from ..components import Component
-from ..reference import by_name, clipping, collective_invariants, step0
-from ..reference.bounds import step0_bound
-from ..reference.compare import gradients_moved_first
-from ..reference.envelope import rel, step0_deviation, step0_limit
-from ..reference.op_trace import TRACE_CONFIG
+from ..evidence import clipping, collective_invariants, step0
+from ..evidence.op_trace import TRACE_CONFIG
+from ..reference import by_name
 from ..reference.record import RunRecord
 from ..scenarios.base import Runner
 from ..training.step import EMULATE_WORLD
@@ -26,7 +27,7 @@ from .decision import CLIP, INVARIANTS
 from .naming import op_component
 
 if TYPE_CHECKING:
-    from ..reference.compare import Comparison
+    from ..comparison.compare import Comparison
     from ..scenarios.base import Launch, Scenario, Setup, TriageSupport
     from .decision import Rule, Verdict
 
@@ -107,7 +108,7 @@ def equivalence(sc: Scenario, n: RunRecord, one: RunRecord, setup: Setup) -> Exp
     ranks: set[int] = set()
     shapes = {name: _shape(one, name) for name in step0.names(one)}
     for name in step0.names(one):
-        dev = step0_deviation(n, one, name)
+        dev = step0.step0_deviation(n, one, name)
         if dev is None:
             lines.append(f"{name}: missing or reshaped in the {setup.world_size}-rank run")
             continue
@@ -157,7 +158,7 @@ def oracle(sc: Scenario, real: RunRecord, exact: RunRecord) -> Experiment:
         lines.append(f"step-0 gradient norm of {names[int(i)]}: rel {float(norms[int(i)]):.3g} > {bound:.2g}")
     worst = 0.0
     for name in step0.names(exact):
-        deviations = step0_deviation(real, exact, name)
+        deviations = step0.step0_deviation(real, exact, name)
         dev = float("inf") if deviations is None else float(deviations.max(initial=0.0))
         worst = max(worst, dev)
         allowed = step0_limit(exact, name, bound)
@@ -179,7 +180,7 @@ def shard_owner(flat_index: int, shape: tuple[int, ...], world: int) -> int:
 
 
 def _max_step0_deviation(a: RunRecord, b: RunRecord) -> float:
-    found = (step0_deviation(a, b, name) for name in step0.names(b))
+    found = (step0.step0_deviation(a, b, name) for name in step0.names(b))
     return max((float(d.max(initial=0.0)) for d in found if d is not None), default=0.0)
 
 

@@ -16,8 +16,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from ..reference.compare import Comparison
-from ..reference.failfast import truncated_reference
+from ..comparison.compare import Comparison
+from ..comparison.failfast import truncated_reference
 from ..reference.record import RunRecord
 from ..stack.fingerprint import canonical, installed_packages
 from . import Experiment, Runner

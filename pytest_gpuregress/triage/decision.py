@@ -11,12 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..reference import model_layout
-from ..reference.oracle_distance import PRECISION_METRIC as PRECISION
+from ..evidence import model_layout
+from ..evidence.oracle_distance import PRECISION_METRIC as PRECISION
 from .naming import op_component
 
 if TYPE_CHECKING:
-    from ..reference.compare import Comparison
+    from ..comparison.compare import Comparison
 
 Experiment = Any  # triage's Experiment (name, status, detail, component, convicts): typed there, read here
 

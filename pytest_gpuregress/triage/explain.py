@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..comparison.compare import Comparison, Finding
 from ..errors import NotApplicable
-from ..reference.compare import Comparison, Finding
 from ..reference.record import RunRecord
 from ..scenarios import Case, Scenario, Setup
 from . import Runner, model_code
@@ -40,7 +40,7 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
     fail-fast run cut ``reference``. A code change decides only where no experiment convicts this stack: a collective
     or kernel bug of an upgrade that also changed a library must not be buried under "record a reference"."""
     from .. import triage
-    from ..reference import model_layout
+    from ..evidence import model_layout
     from .flips import flip
 
     # The layout finding: the model's code changed, or the library built another model than the config asks.
@@ -181,9 +181,9 @@ def keep_first_moved_stack(sc: Scenario, setup: Setup, run: Runner, comparison: 
 
 
 def measure_oracle_distance(sc: Scenario, setup: Setup, run: Runner, record: RunRecord, model: str | None) -> None:
-    """Store in ``record`` its step-0 distance from the float64 oracle (reference/oracle_distance.py) and the
-    oracle's own step 0 (reference/oracle_step0.py), which later runs hold theirs against."""
-    from ..reference import oracle_distance, oracle_step0
+    """Store in ``record`` its step-0 distance from the float64 oracle (evidence/oracle_distance.py) and the
+    oracle's own step 0 (evidence/oracle_step0.py), which later runs hold theirs against."""
+    from ..evidence import oracle_distance, oracle_step0
 
     oracle = model_code.oracle_launch(sc, setup, model)
     # Cases sharing one launch: measured once.

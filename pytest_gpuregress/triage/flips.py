@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..comparison.compare import Comparison, compare_training
 from ..errors import NotApplicable
-from ..reference.compare import Comparison, compare_training
-from ..reference.op_trace import TRACE_CONFIG
+from ..evidence.op_trace import TRACE_CONFIG
 from ..reference.record import RunRecord
 from ..training.step import EMULATE_WORLD
 from . import Experiment, Runner

@@ -15,7 +15,7 @@ from . import Experiment
 from .naming import sparse
 
 if TYPE_CHECKING:
-    from ..reference.compare import Comparison, Finding
+    from ..comparison.compare import Comparison, Finding
 
 LOAD_METRICS = ("resume_load", "resume_state")
 # The window's step whose loss first shows the update of step S (the window counts from S: its step 0 is S's own

@@ -1,6 +1,6 @@
 """The model's code as evidence: the float64 oracle on this stack against the one kept with the reference.
 
-Where the oracle computes another step 0 (reference/oracle_step0.py), the code computes another function;
+Where the oracle computes another step 0 (evidence/oracle_step0.py), the code computes another function;
 which code is named from what moved in the step-0 trace, then from the versions that changed. torch-free.
 """
 
@@ -9,18 +9,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..reference import oracle_step0
-from ..reference.model_layout import MODEL_LIBRARIES
-from ..reference.oracle_step0 import CODE_CHANGE, CodeChange
+from ..evidence import oracle_step0
+from ..evidence.model_layout import MODEL_LIBRARIES
+from ..evidence.oracle_step0 import CODE_CHANGE, CodeChange
 from ..reference.record import RunRecord
-from ..training.float64_mode import MODE
+from ..training.oracle import MODE
 from . import Experiment, Runner
 from .decision import MODEL_CODE, Evidence
 from .naming import op_component
 
 if TYPE_CHECKING:
-    from ..reference.compare import Comparison
-    from ..reference.first_moved import FirstMoved
+    from ..comparison.compare import Comparison
+    from ..evidence.first_moved import FirstMoved
     from ..scenarios.base import Launch, Scenario, Setup
 
 

@@ -10,15 +10,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..comparison.compare import ROUND_TRIP, clip_moved_first, gradients_moved_first
 from ..components import tag
+from ..evidence.model_layout import METRIC as LAYOUT
+from ..evidence.oracle_distance import PRECISION_METRIC as PRECISION
 from ..findings import CheckFinding, Problem
-from ..reference.compare import ROUND_TRIP, clip_moved_first, gradients_moved_first
-from ..reference.model_layout import METRIC as LAYOUT
-from ..reference.oracle_distance import PRECISION_METRIC as PRECISION
 
 if TYPE_CHECKING:
-    from ..reference.compare import Comparison, Finding
-    from ..reference.first_moved import FirstMoved
+    from ..comparison.compare import Comparison, Finding
+    from ..evidence.first_moved import FirstMoved
 
 PEFT = "library: peft"  # the LoRA layers, their freezing of the base, their merge and their dropout are peft's code
 

@@ -1,13 +1,13 @@
-"""The Python stack of the first op that moved (reference/first_moved.py): step 0 re-run on this stack, keeping
-the stack of that one op on its rank (training/op_trace.py, config ``STACK_CONFIG``). With --gpuregress-triage,
+"""The Python stack of the first op that moved (evidence/first_moved.py): step 0 re-run on this stack, keeping
+the stack of that one op on its rank (evidence/op_tracer.py, config ``STACK_CONFIG``). With --gpuregress-triage,
 whose launches it joins: one more short launch of the failing scenario."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..reference.first_moved import FirstMoved
-from ..reference.op_trace import STACK_CONFIG, STACK_KEY
+from ..evidence.first_moved import FirstMoved
+from ..evidence.op_trace import STACK_CONFIG, STACK_KEY
 from . import Runner
 
 if TYPE_CHECKING:

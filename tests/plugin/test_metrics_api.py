@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuregress.reference.compare import compare_training
-from pytest_gpuregress.reference.metrics import metrics_record, tolerances
-from pytest_gpuregress.reference.report import format_margins
+from pytest_gpuregress.comparison.compare import compare_training
+from pytest_gpuregress.comparison.metrics import metrics_record, tolerances
+from pytest_gpuregress.comparison.report import format_margins
 
 USER_TEST = '''
 import json

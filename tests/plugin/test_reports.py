@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pytest_gpuregress.comparison.compare import compare_training
+from pytest_gpuregress.comparison.plot import PlotsUnavailable, plot_comparison
 from pytest_gpuregress.launch.job import Job
 from pytest_gpuregress.launch.spawn import describe_progress, scenario_label
 from pytest_gpuregress.plugin.outcomes import Outcome, summary_table
-from pytest_gpuregress.reference.compare import compare_training
-from pytest_gpuregress.reference.plot import PlotsUnavailable, plot_comparison
 
 from ..conftest import make_record
 

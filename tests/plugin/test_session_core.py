@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
+from pytest_gpuregress.comparison.judgement import Judgement, JudgingPolicy
 from pytest_gpuregress.errors import NotApplicable, RegressionFailure
 from pytest_gpuregress.plugin.options import Options
 from pytest_gpuregress.plugin.session import GpuRegressSession
 from pytest_gpuregress.reference import store
-from pytest_gpuregress.reference.judgement import Judgement, JudgingPolicy
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.resources import shipped_dir
 from pytest_gpuregress.scenarios import get_scenario

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuregress.cli import main
+from pytest_gpuregress.comparison.judgement import JudgingPolicy
 from pytest_gpuregress.errors import GpuRegressError
 from pytest_gpuregress.plugin.options import Options
 from pytest_gpuregress.plugin.session import GpuRegressSession
 from pytest_gpuregress.reference import store
-from pytest_gpuregress.reference.judgement import JudgingPolicy
 from pytest_gpuregress.scenarios import registry
 from pytest_gpuregress.scenarios.comparator import JUDGED_AS, Comparator, comparator_of, for_kept, with_identity
 

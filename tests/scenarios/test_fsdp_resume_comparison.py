@@ -1,4 +1,4 @@
-"""The fsdp-resume verdict without ranks (scenarios/shared/resume_comparison.py, reference/continuation.py): the load
+"""The fsdp-resume verdict without ranks (scenarios/shared/resume_comparison.py, comparison/continuation.py): the load
 judged piece by piece against what the reference saved, the continuation against the reference's last steps,
 and the case's session side (skips with the reason, the comparator's view of the reference)."""
 
@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pytest_gpuregress.comparison.compare import Comparison
+from pytest_gpuregress.comparison.continuation import from_step
+from pytest_gpuregress.comparison.judgement import JudgingPolicy
 from pytest_gpuregress.errors import NotApplicable
-from pytest_gpuregress.reference.compare import Comparison
-from pytest_gpuregress.reference.continuation import from_step
-from pytest_gpuregress.reference.judgement import JudgingPolicy
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios import registry
 from pytest_gpuregress.scenarios.base import Launch, Setup

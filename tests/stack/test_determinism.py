@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from pytest_gpuregress.reference.compare import choose_lane, compare_training
+from pytest_gpuregress.comparison.compare import choose_lane, compare_training
 from pytest_gpuregress.stack import determinism
 from pytest_gpuregress.stack.determinism import set_determinism
 from pytest_gpuregress.stack.fingerprint import collect, numerics_diff

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from pytest_gpuregress.comparison import envelope
+from pytest_gpuregress.comparison.compare import DEFAULT_TOLERANCES, compare_training, tolerant_limits
 from pytest_gpuregress.errors import BadModel, UnsupportedPlatform
-from pytest_gpuregress.reference import envelope
-from pytest_gpuregress.reference.compare import DEFAULT_TOLERANCES, compare_training, tolerant_limits
 from pytest_gpuregress.scenarios import registry
 from pytest_gpuregress.scenarios.base import Setup
 from pytest_gpuregress.scenarios.formats import SCENARIO as FORMATS_SCENARIO
@@ -23,7 +23,7 @@ from pytest_gpuregress.scenarios.formats import scaled_mm
 from pytest_gpuregress.stack import fingerprint as fp
 from pytest_gpuregress.stack.platforms import resolve_platform
 from pytest_gpuregress.training import model_specs, noise
-from pytest_gpuregress.training.switches import apply_switches
+from pytest_gpuregress.training.noise import apply_switches
 from pytest_gpuregress.triage.flips import switches
 
 from ..conftest import make_record

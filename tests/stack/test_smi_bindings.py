@@ -218,3 +218,29 @@ def test_a_tool_that_hung_is_not_asked_again(monkeypatch: pytest.MonkeyPatch) ->
     assert devices.smi_facts(False) == (None, None, ())
     assert identity.smi_devices(False) == () and identity.nvidia_topology() == ()
     assert timeouts == [devices.SMI_TIMEOUT_S]
+
+
+@pytest.mark.parametrize("is_rocm", [False, True])
+def test_a_rank_finds_its_gpu_in_the_tools_list(monkeypatch: pytest.MonkeyPatch, is_rocm: bool) -> None:
+    """identity.probe on a GPU rank: torch's UUID finds the tool's row (the first GPU); a device torch gives no
+    UUID for is found by its PCI bus id (the second); the row adds the serial, the tool's index and the VBIOS."""
+    tools(monkeypatch)
+    absent(monkeypatch, "pynvml", "amdsmi")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    first = ("28ff74a1-0000-1000-803c-3b7a6ea8fd0d" if is_rocm else "5e2b1a8c-1111-2222-3333-444455556666")
+    props = [SimpleNamespace(name="GPU 0", uuid=first),
+             SimpleNamespace(name="GPU 1", uuid=None, pci_domain_id=0, pci_bus_id=0x22 if is_rocm else 0x2A,
+                             pci_device_id=0)]
+    torch = SimpleNamespace(version=SimpleNamespace(hip="6.4" if is_rocm else None),
+                            cuda=SimpleNamespace(get_device_properties=lambda index: props[index]))
+    zero, one = identity.probe(4, 0, "cuda", torch), identity.probe(5, 1, "cuda", torch)
+    assert (zero["rank"], zero["device"], zero["model"], zero["smi_index"], zero["found_by"]) == (4, "cuda:0", "GPU 0",
+                                                                                                   0, "uuid")
+    assert (one["smi_index"], one["found_by"], one["uuid"]) == (1, "pci bus id", identity.smi_devices(is_rocm)[1].uuid)
+    if is_rocm:
+        assert (zero["bus_id"], zero["serial"], one["serial"], zero["firmware"]) == (
+            "0000:0c:00.0", "0x9D4C2F1A0B3E5D71", None, None)
+    else:
+        assert (zero["bus_id"], zero["serial"], one["serial"], zero["firmware"]) == (
+            "0000:18:00.0", "1652823045678", None, "vbios 92.00.45.00.06")
+        assert zero["uuid"] == "GPU-5e2b1a8c-1111-2222-3333-444455556666"  # the tool's form

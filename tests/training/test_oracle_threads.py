@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pytest_gpuregress.training import oracle
-from pytest_gpuregress.training.cpus import usable_cpus
+from pytest_gpuregress.training.seeding import usable_cpus
 
 
 class Stop(Exception):

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from pytest_gpuregress.training import observe, op_trace
+from pytest_gpuregress.evidence import op_tracer
+from pytest_gpuregress.training import observe
 
 MIB = 1 << 20
 
@@ -120,23 +121,23 @@ def test_the_real_tracers_digests_are_not_in_this_processs_peak_rss(monkeypatch:
         observe._reset_rss_peak()
     except OSError:
         pytest.skip("no /proc/self/clear_refs here")
-    real = op_trace.digest_and_sketch
+    real = op_tracer.digest_and_sketch
 
     def heavy(tensor: torch.Tensor) -> Any:
         scratch = np.ones(256 * MIB, dtype=np.uint8)  # touched: resident until freed (a mapping of its own)
         del scratch
         return real(tensor)
 
-    monkeypatch.setattr(op_trace, "digest_and_sketch", heavy)
+    monkeypatch.setattr(op_tracer, "digest_and_sketch", heavy)
     layer = torch.nn.Linear(16, 16)
-    tracer = op_trace.OpTracer(0, layer)
+    tracer = op_tracer.OpTracer(0, layer)
     observer = observe.StepObserver(ctx_on("cpu"), 8, tokens_per_step=64)
     for step in range(8):
         with observer.step(step):
             activations = np.ones(32 * MIB, dtype=np.uint8)
-            with op_trace.at_step(tracer, step).phase("forward"):
+            with op_tracer.at_step(tracer, step).phase("forward"):
                 layer(torch.ones(4, 16)).sum()
-            op_trace.at_step(tracer, step).finish()
+            op_tracer.at_step(tracer, step).finish()
             del activations
     observer.finish(world_size=1)
     assert tracer.error is None and tracer.finished

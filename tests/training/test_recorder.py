@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from pytest_gpuregress import Recorder
+from pytest_gpuregress.comparison import failfast
+from pytest_gpuregress.comparison.compare import compare_training, tolerant_limits
 from pytest_gpuregress.errors import UnsafeName
 from pytest_gpuregress.recorder import RecorderMisuse
-from pytest_gpuregress.reference import failfast
-from pytest_gpuregress.reference.compare import compare_training, tolerant_limits
 from pytest_gpuregress.reference.record import RunRecord, float_digest
 from pytest_gpuregress.scenarios import RankContext
 from pytest_gpuregress.training.fsdp2 import shard
@@ -236,7 +236,7 @@ def test_misuse_is_refused_with_a_message(tmp_path: Path) -> None:
 
 
 def test_phases_trace_step_0_only_with_module_paths_and_a_wrong_phase_is_refused(tmp_path: Path) -> None:
-    from pytest_gpuregress.reference.op_trace import ranks
+    from pytest_gpuregress.evidence.op_trace import ranks
 
     model = tiny_model()
     opt = adamw(list(model.parameters()), TINY_ADAMW)

@@ -11,8 +11,8 @@ import pytest
 
 from pytest_gpuregress.errors import BadTokens
 from pytest_gpuregress.resources import shipped_dir
-from pytest_gpuregress.training.data import MarkovTokens, rank_slice, token_source
-from pytest_gpuregress.training.token_file import TokenFileBatches, describe, load_tokens
+from pytest_gpuregress.training.data import MarkovTokens, TokenFileBatches, rank_slice, token_source
+from pytest_gpuregress.training.token_file import describe, load_tokens
 
 from ..conftest import FSDP_ONLY, record_references
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuregress import components
-from pytest_gpuregress.reference.compare import Finding
-from pytest_gpuregress.reference.report import format_finding
+from pytest_gpuregress.comparison.compare import Finding
+from pytest_gpuregress.comparison.report import format_finding
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pytest_gpuregress"
 TAG = re.compile(r"^\[([a-z][a-z :_-]*)\] ")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pytest_gpuregress.reference import collective_invariants
-from pytest_gpuregress.reference.compare import Comparison, Finding
+from pytest_gpuregress.comparison.compare import Comparison, Finding
+from pytest_gpuregress.evidence import collective_invariants
 from pytest_gpuregress.triage import Experiment, divergence_start, verdict
 from pytest_gpuregress.triage.late_window import judged
 

@@ -1,6 +1,6 @@
 """Library code that computes another function is named ``[library: <package>]``, never a kernel, and carries no
 advice to re-record over the reference (#34 item 4): the float64 oracle's step 0, kept with the reference, moves
-only when the model's code changed (reference/oracle_step0.py). The faults that emulate it replace the library's
+only when the model's code changed (evidence/oracle_step0.py). The faults that emulate it replace the library's
 own functions (faults/library.py) and run in the oracle's launch too, as installed code would.
 """
 
@@ -13,14 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pytest_gpuregress.comparison.compare import Comparison, Finding
+from pytest_gpuregress.comparison.report import format_comparison
+from pytest_gpuregress.evidence import oracle_step0
+from pytest_gpuregress.evidence.first_moved import FirstMoved
+from pytest_gpuregress.evidence.op_trace import TraceOp
 from pytest_gpuregress.faults import KINDS, parse
 from pytest_gpuregress.faults.reach import installed_code
-from pytest_gpuregress.reference import oracle_step0
-from pytest_gpuregress.reference.compare import Comparison, Finding
-from pytest_gpuregress.reference.first_moved import FirstMoved
-from pytest_gpuregress.reference.op_trace import TraceOp
 from pytest_gpuregress.reference.record import RunRecord
-from pytest_gpuregress.reference.report import format_comparison
 from pytest_gpuregress.scenarios import Launch
 from pytest_gpuregress.triage import model_code
 from pytest_gpuregress.triage.naming import op_component
@@ -64,7 +64,7 @@ def test_a_scaled_adapter_is_a_code_change_of_peft_and_a_moved_loss_of_the_model
     assert rope is not None and rope.tensor == "loss"
     renamed = make_record()
     renamed.arrays = {"step0_grad/other": np.ones(3)}
-    assert oracle_step0.code_change(reference, renamed) is None  # another layout: reference/model_layout.py's
+    assert oracle_step0.code_change(reference, renamed) is None  # another layout: evidence/model_layout.py's
 
 
 def moved_at(tensor: str, loss_relative: float = 0.0) -> oracle_step0.CodeChange:
@@ -165,9 +165,9 @@ def test_the_float64_oracle_is_float64_throughout_and_says_so() -> None:
     ``.float()``: the oracle turns those into float64 and lists any op that still was not."""
     import torch
 
-    from pytest_gpuregress.training.float64_mode import float64_throughout
     from pytest_gpuregress.training.models import blueprint, build_causal_lm
     from pytest_gpuregress.training.moe import in_float64
+    from pytest_gpuregress.training.oracle import float64_throughout
 
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
     def step0(throughout: bool) -> float:

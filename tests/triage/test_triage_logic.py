@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
-from pytest_gpuregress.reference.bounds import step0_bound
+from pytest_gpuregress.comparison.bounds import step0_bound
 from pytest_gpuregress.triage import Experiment, shard_owner, verdict
 
 from ..conftest import compare_named, make_record
@@ -125,8 +125,8 @@ def test_a_collective_that_introduced_step_0s_difference_outranks_the_clip_that_
 
     import numpy as np
 
-    from pytest_gpuregress.reference.first_moved import FirstMoved
-    from pytest_gpuregress.reference.op_trace import TraceOp
+    from pytest_gpuregress.evidence.first_moved import FirstMoved
+    from pytest_gpuregress.evidence.op_trace import TraceOp
     from pytest_gpuregress.triage.decision import Evidence, decide
 
     def entry(op: str) -> TraceOp:
@@ -146,7 +146,7 @@ def test_ops_added_in_one_packages_code_name_it_unless_a_backend_of_torchs_was_s
     """A bf16 norm that lost its float32 upcast runs fewer ops in transformers' code: [library: transformers]. SDPA
     forced onto its math backend also runs other ops in transformers' attention module, under the same call: that
     is torch's dispatch, and the kernels' rule decides."""
-    from pytest_gpuregress.reference.compare import Finding as Found
+    from pytest_gpuregress.comparison.compare import Finding as Found
     from pytest_gpuregress.triage.decision import Evidence, _code_changed, _less_precise_same_code
 
     def evidence(swapped: str | None) -> Evidence:
@@ -198,8 +198,8 @@ def test_a_weight_that_arrives_at_an_op_is_no_data() -> None:
     """Data is the token batch: integers the step read. A float input (a weight, a buffer) that moved names nothing."""
     import numpy as np
 
-    from pytest_gpuregress.reference.first_moved import FirstMoved
-    from pytest_gpuregress.reference.op_trace import INPUT_OP, TraceOp
+    from pytest_gpuregress.evidence.first_moved import FirstMoved
+    from pytest_gpuregress.evidence.op_trace import INPUT_OP, TraceOp
     from pytest_gpuregress.triage.naming import op_component
 
     def moved_input(dtype: str) -> FirstMoved:
@@ -218,7 +218,7 @@ def test_gradients_exactly_world_size_times_the_reference_are_a_divide_skipped()
 
     import numpy as np
 
-    from pytest_gpuregress.reference.compare import arithmetic_of, uniform_factor
+    from pytest_gpuregress.comparison.compare import arithmetic_of, uniform_factor
     from pytest_gpuregress.triage.decision import INVARIANTS, Evidence, decide
 
     rng = np.random.default_rng(0)

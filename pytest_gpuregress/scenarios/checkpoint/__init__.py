@@ -12,9 +12,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ...comparison.compare import ROUND_TRIP, Comparison, Finding, choose_lane, data_finding
 from ...findings import Problem
 from ...option_spec import SCENARIO_OPTIONS
-from ...reference.compare import ROUND_TRIP, Comparison, Finding, choose_lane, data_finding
 from ...reference.record import RunRecord
 from ...stack import fingerprint as fp
 from ..base import Case, CheckScenario, Launch, Runner, Setup

@@ -104,7 +104,7 @@ def reshard_findings(saved: dict[str, Any], loaded: dict[str, Any], n: int, m: i
 # --- resume: the loss curves and the state at the resume boundary ---------------------------------------
 
 
-LOSS_TOLERANCE = 1e-6  # the tolerant lane's fp32 loss limit without an envelope (reference/compare.py)
+LOSS_TOLERANCE = 1e-6  # the tolerant lane's fp32 loss limit without an envelope (comparison/compare.py)
 
 
 def _curve_deviation(a: np.ndarray, b: np.ndarray, exact: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ...comparison.bounds import step0_bound
 from ...errors import CheckpointProblem
-from ...reference.bounds import step0_bound
 from . import hooks
 from .files import FLOAT_TAGS, TORCH_NAMES, CheckpointFiles
 
@@ -30,7 +30,7 @@ def fixed_batch(vocab_size: int, rows: int = BATCH[0], length: int = BATCH[1]) -
 def logits_bound(model_config: Any, length: int = BATCH[1]) -> float:
     """How far float32 logits may be from float64 ones, relative to the largest: u sqrt(n) (L + 1).
 
-    Triage's bound (reference/bounds.py): u = 2^-24, n the forward's longest inner product, L + 1 the layers
+    Triage's bound (comparison/bounds.py): u = 2^-24, n the forward's longest inner product, L + 1 the layers
     plus the head. Two machines each within it of float64 differ by at most twice it."""
     n = max(int(getattr(model_config, "intermediate_size", 0) or 0), int(model_config.hidden_size), length)
     return step0_bound("fp32", n, int(model_config.num_hidden_layers))

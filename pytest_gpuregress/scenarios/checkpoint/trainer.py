@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ...reference.data_change import BATCH_DIGEST, stream_series
+from ...evidence.data_change import BATCH_DIGEST, stream_series
 from ...training import loop
 from ...training.data import token_source
 from ...training.loop import TrainStep, clip_gradients
@@ -30,7 +30,7 @@ class StochasticBatches:
     source: Any  # training/data.py token_source: the synthetic chain or the user's token file
     config: dict[str, Any]
     position: int = 0
-    # Per batch drawn: what each random stream and the token source gave (reference/data_change.py's STREAMS),
+    # Per batch drawn: what each random stream and the token source gave (evidence/data_change.py's STREAMS),
     # as digests, so a run on other data can name the stream that moved.
     streams: list[dict[str, float]] = field(default_factory=list)
 

@@ -11,9 +11,9 @@ from dataclasses import replace
 from typing import Any
 
 from ... import activities as act
+from ...comparison.compare import Comparison, Finding, choose_lane
 from ...findings import CheckFinding, Problem, text_of
 from ...option_spec import SCENARIO_OPTIONS
-from ...reference.compare import Comparison, Finding, choose_lane
 from ...reference.record import RunRecord
 from ...stack import fingerprint as fp
 from ...warn import warn_at_test

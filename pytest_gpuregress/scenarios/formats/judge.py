@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from ...comparison.compare import Finding
 from ...errors import CallRejected
 from ...findings import CheckFinding, Problem
-from ...reference.compare import Finding
 from ...reference.record import RunRecord
 from . import grid, oracle
 from .catalog import FORMATS, Format

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...reference import step0 as step0_arrays
+from ...evidence import step0 as step0_arrays
+from ...evidence.op_tracer import for_rank as op_tracer
 from ...reference.record import RunRecord, float_digest
 from ...training import bf16_checkpoint
 from ...training.fsdp2 import RESULT_KEY
 from ...training.loop import train_observed, training_record
 from ...training.models import build_causal_lm
 from ...training.moe import is_moe, mean_expert_load
-from ...training.noise import apply_kernel_path, apply_weight_perturbation
-from ...training.op_trace import for_rank as op_tracer
+from ...training.noise import apply_kernel_path, apply_switches, apply_weight_perturbation
 from ...training.step import rank_tokens
-from ...training.switches import apply_switches
 from ..base import RankContext
 from ..shared.gradient_capture import capture
 from ..shared.resume_roles import Roles

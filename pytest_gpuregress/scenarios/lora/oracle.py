@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...reference import step0
-from ...reference.oracle_step0 import MODE_KEY
+from ...evidence import step0
+from ...evidence.oracle_step0 import MODE_KEY
 from ...reference.record import RunRecord
 from ..base import Launch
 from ..shared.training_config import COMMON
@@ -20,7 +20,7 @@ ENTRY = "pytest_gpuregress.scenarios.lora.oracle:run"
 def launch(config: dict[str, Any]) -> Launch:
     """The oracle of a model's lora ``config`` (no wrapper: float64 on one rank has none, so one oracle serves
     both of a model's cases): one rank, no faults (it is no stack under test)."""
-    from ...reference.op_trace import TRACE_CONFIG
+    from ...evidence.op_trace import TRACE_CONFIG
 
     # "wrapper" names the launch's platform (LoraScenario.platform_tag): none here.
     return Launch(f"lora-oracle-{config.get('model', COMMON['model'])}",

@@ -32,9 +32,9 @@ def _sha(tensor: Any) -> str:
 def run(ctx: RankContext) -> RunRecord:
     import torch
 
+    from ...evidence.op_tracer import for_rank as op_tracer
     from ...training.data import MarkovTokens
     from ...training.loop import train_observed, training_record
-    from ...training.op_trace import for_rank as op_tracer
 
     cfg = ctx.config
     built = trainer.adapted(ctx)

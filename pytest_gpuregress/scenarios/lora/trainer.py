@@ -44,9 +44,8 @@ class Adapted:
 def adapted(ctx: RankContext) -> Adapted:
     """The base model with the adapter on it, on the CPU; the kernel path and switches of the config applied."""
     from ...training.models import blueprint
-    from ...training.noise import apply_kernel_path
+    from ...training.noise import apply_kernel_path, apply_switches
     from ...training.projections import is_parameter_wrapper, matches
-    from ...training.switches import apply_switches
 
     cfg = ctx.config
     model_config = blueprint(cfg)

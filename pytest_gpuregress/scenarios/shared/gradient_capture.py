@@ -1,4 +1,4 @@
-"""Rank side: one step's gradients in step 0's array form (reference/step0.py), for the step-0 gradients of the
+"""Rank side: one step's gradients in step 0's array form (evidence/step0.py), for the step-0 gradients of the
 fsdp run and the late gradients of a resume launch. Torch is imported inside the functions: only the ranks call
 them.
 """
@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ...reference import step0
+from ...evidence import step0
 
 
 def capture(names: list[str], params: list[Any], ctx: Any, step: int,

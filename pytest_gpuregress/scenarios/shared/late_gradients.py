@@ -2,7 +2,7 @@
 
 A resume case's first step computes its gradients from exactly the reference's state at step S, so they are
 compared element by element (``as_step0``, ``late_grad``) with no drift to hide in (docs/envelope.md, "Late small
-faults"). Arrays use step 0's form under their own prefixes (reference/step0.py ``LATE``). numpy only.
+faults"). Arrays use step 0's form under their own prefixes (evidence/step0.py ``LATE``). numpy only.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from ...reference import step0
-from ...reference.envelope import PREFIX as ENVELOPE_PREFIX
-from ...reference.envelope import NoisyReplica, step0_deviation
+from ...comparison.envelope import PREFIX as ENVELOPE_PREFIX
+from ...comparison.envelope import NoisyReplica
+from ...evidence import step0
 from ...reference.record import RunRecord
 
 LATE_ONLY = "resume_late_only"  # session-only config key: the launch runs the checkpoint's step only
@@ -46,7 +46,7 @@ def spread(reference: RunRecord, replicas: list[RunRecord]) -> np.ndarray:
     for replica in replicas:
         seen = as_step0(replica)
         for i, name in enumerate(names):
-            deviation = step0_deviation(seen, base, name)
+            deviation = step0.step0_deviation(seen, base, name)
             if deviation is None or not np.isfinite(deviation).all():
                 raise NoisyReplica(f"noise replica {replica.config.get('perturbation', '?')!r} gave late gradients "
                                    f"of {name} that are missing, reshaped or not finite")

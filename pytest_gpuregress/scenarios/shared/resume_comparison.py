@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...reference.compare import Comparison, Finding, choose_lane, compare_training
-from ...reference.continuation import from_step
+from ...comparison.compare import Comparison, Finding, choose_lane, compare_training
+from ...comparison.continuation import from_step
 from ...reference.record import RunRecord
 from ...stack import fingerprint as fp
 from . import late_gradients

@@ -15,10 +15,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ...comparison.judgement import Judgement
 from ...errors import NotApplicable
+from ...evidence import step0
 from ...findings import Problem
-from ...reference import step0
-from ...reference.judgement import Judgement
 from ...reference.record import RunRecord
 from ...stack.platforms import launched_by_torchrun
 from ...units import human_bytes
@@ -31,7 +31,7 @@ from .resume_roles import FOLDER, RESULT_KEY, ROLE, resume_step
 from .state_pieces import merge_boundaries
 
 if TYPE_CHECKING:
-    from ...reference.compare import Comparison
+    from ...comparison.compare import Comparison
 
 PART = "resume"  # a resume case's data["part"]
 ATTACHMENT = "resume"  # the folder inside the reference

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ...reference import step0
+from ...evidence import step0
 from ...reference.record import RunRecord, float_digest
 from ...training.resume_checkpoint import Resumable
 from ..base import RankContext

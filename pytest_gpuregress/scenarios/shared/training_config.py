@@ -27,7 +27,7 @@ DEVICE_SIZES: dict[str, dict[str, Any]] = {
 }
 # grad_clip is each scenario's, per device: below the typical gradient norm of its model, so that clipping acts on a
 # real share of the steps (a clip that never acts leaves a wrong or skipped clip bit-identical). The recording says
-# how often it acted (reference/clipping.py).
+# how often it acted (evidence/clipping.py).
 
 
 def per_device(**tuned: dict[str, Any]) -> dict[str, dict[str, Any]]:

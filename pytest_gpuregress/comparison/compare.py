@@ -141,22 +141,20 @@ def choose_lane(reference: RunRecord, run: RunRecord, requested: str = "auto") -
 
 def ulps32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Distance in float32 units in the last place (monotone integer ordering of floats)."""
-
-    def ordinal(x: np.ndarray) -> np.ndarray:
-        i = np.asarray(x, dtype=np.float32).view(np.int32).astype(np.int64)
-        return np.where(i < 0, np.int64(-(2**31)) - i, i)
-
-    return np.abs(ordinal(a) - ordinal(b))
+    return np.abs(_ordinal(a, 32) - _ordinal(b, 32))
 
 
 def ulps64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Distance in float64 units in the last place: for values (losses, norms) that float32 cannot tell apart."""
+    return np.abs(_ordinal(a, 64) - _ordinal(b, 64))
 
-    def ordinal(x: np.ndarray) -> np.ndarray:
-        i = np.asarray(x, dtype=np.float64).view(np.int64).astype(object)  # exact: the ordinals span 2**64
-        return np.where(i < 0, -(2**63) - i, i)
 
-    return np.abs(ordinal(a) - ordinal(b))
+def _ordinal(x: np.ndarray, bits: int) -> np.ndarray:
+    """Floats of ``bits`` bits as integers in their order, in a type wide enough for their differences: int64 for
+    float32's, Python's own integers (exact: the ordinals span 2**64) for float64's."""
+    floats, ints, wide = (np.float32, np.int32, np.int64) if bits == 32 else (np.float64, np.int64, object)
+    i = np.asarray(x, dtype=floats).view(ints).astype(wide)
+    return np.where(i < 0, -(2 ** (bits - 1)) - i, i)
 
 
 def ulp_distance(got: float, expected: float) -> str:
@@ -187,11 +185,22 @@ def _worst(
 
 @dataclass(frozen=True)
 class _Check:
-    """One metric's deviations and limits, shaped alike, and the lane's verdict per entry."""
+    """One metric's values, deviations and limits, shaped alike, and the lane's verdict per entry."""
 
+    ref: np.ndarray
+    got: np.ndarray
     dev: np.ndarray
     limit: np.ndarray
     bad: np.ndarray
+    lane: str
+
+    @classmethod
+    def of(cls, dev: np.ndarray, limit: np.ndarray, lane: str, ref: np.ndarray, got: np.ndarray,
+           bits: np.ndarray | None = None) -> _Check:
+        """``bits``: the exact lane's verdict where it is not ``ref`` against ``got`` (blocks: any element's bits)."""
+        # not (dev <= limit): a NaN deviation or limit fails, never passes
+        bad = (_bits_differ(ref, got) if bits is None else bits) if lane == "exact" else ~(dev <= limit)
+        return cls(ref, got, dev, np.broadcast_to(limit, dev.shape), bad, lane)
 
     def margin(self) -> float:
         if self.dev.size == 0:
@@ -200,146 +209,116 @@ class _Check:
             ratio = np.where(self.dev > 0, self.dev / self.limit, 0.0)
         return float(np.max(ratio))
 
-    def measure(self, index: Any, lane: str, ulps: str | None = None) -> str:
-        if lane == "exact":
-            return ulps if ulps is not None else "bits differ"
-        return f"{float(self.dev[index]):.3g} > tol {float(self.limit[index]):.3g}"
+    def finding(self, metric: str, at: Any, head: str, tail: str = "", expected_is: str = "", **fields: Any) -> Finding:
+        """The finding for entry ``at``: "<head>: expected <value>, got <value> (<how far>)<tail>", with the values,
+        the distance and the limit there."""
+        expected, got = float(self.ref[at]), float(self.got[at])
+        exact = self.lane == "exact"
+        measure = ulp_distance(got, expected) if exact else f"{float(self.dev[at]):.3g} > tol {float(self.limit[at]):.3g}"
+        return Finding(metric, f"{head}: expected {expected_is}{expected!r}, got {got!r} ({measure}){tail}",
+                       expected=expected, got=got, distance=float(self.dev[at]),
+                       tolerance=0.0 if exact else float(self.limit[at]), **fields)
 
 
-def _check(dev: np.ndarray, limit: np.ndarray, lane: str, ref: np.ndarray, got: np.ndarray) -> _Check:
-    # not (dev <= limit): a NaN deviation or limit fails, never passes
-    bad = _bits_differ(ref, got) if lane == "exact" else ~(dev <= limit)
-    return _Check(dev, np.broadcast_to(limit, dev.shape), bad)
+def _missing(metric: str, message: str, **fields: Any) -> Finding:
+    return Finding(metric, message, facts={"missing": True}, **fields)
 
 
-def _series(metric: str, ref: list[float], got: list[float], lane: str, limit: np.ndarray) -> tuple[Finding | None, float]:
+# Each metric's check gives its findings and its margin, the largest deviation as a multiple of its limit; a margin
+# of None where the reference keeps no such metric.
+Checked = tuple[list[Finding], float | None]
+
+
+def _series(metric: str, ref: list[float], got: list[float], lane: str, limit: np.ndarray) -> Checked:
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
     if len(r) != len(g):
-        return Finding(metric, f"{metric}: reference has {len(r)} steps, this run {len(g)}",
-                       facts={"missing": True}), float("inf")
-    check = _check(rel(g, r), limit, lane, r, g)
+        return [_missing(metric, f"{metric}: reference has {len(r)} steps, this run {len(g)}")], float("inf")
+    check = _Check.of(rel(g, r), limit, lane, r, g)
     if not check.bad.any():
-        return None, check.margin()
-    n = len(r)
+        return [], check.margin()
     step = int(np.argmax(check.bad))
-    ulp = ulps32(g, r)
-    finding = Finding(
-        metric=metric,
-        message=(
-            f"{metric}: first differing step {step} of {n}: expected {float(r[step])!r}, got {float(g[step])!r} "
-            f"({check.measure(step, lane, ulp_distance(float(g[step]), float(r[step])))}); {int(check.bad.sum())} steps differ, "
-            f"max rel {float(check.dev.max()):.3g}"
-        ),
-        step=step,
-        expected=float(r[step]),
-        got=float(g[step]),
-        distance=float(ulp[step] if lane == "exact" else check.dev[step]),
-        tolerance=0.0 if lane == "exact" else float(check.limit[step]),
-        worst=_worst(lambda i: f"step {i}", r, g, check.dev),
-    )
-    return finding, check.margin()
+    finding = check.finding(metric, step, f"{metric}: first differing step {step} of {len(r)}",
+                            f"; {int(check.bad.sum())} steps differ, max rel {float(check.dev.max()):.3g}",
+                            step=step, worst=_worst(lambda i: f"step {i}", r, g, check.dev))
+    if lane == "exact":  # a loss or norm is measured in ulps there
+        finding.distance = float(ulps32(g, r)[step])
+    return [finding], check.margin()
 
 
-def _param_grad_norms(ref: RunRecord, run: RunRecord, lane: str, limit: np.ndarray) -> tuple[Finding | None, float]:
+def _param_grad_norms(ref: RunRecord, run: RunRecord, lane: str, limit: np.ndarray) -> Checked:
     r, g = ref.arrays.get("param_grad_norm"), by_name.param_grad_norms(ref, run)[0]
     if r is None:
-        return None, 0.0
+        return [], None
     if g is None:
-        missing = "param_grad_norm: recorded in the reference, missing in this run"
-        return Finding("param_grad_norm", missing, facts={"missing": True}), float("inf")
+        return [_missing("param_grad_norm", "param_grad_norm: recorded in the reference, missing in this run")], float("inf")
     if r.shape != g.shape:
-        return Finding("param_grad_norm", f"param_grad_norm: shape {r.shape} vs {g.shape}",
-                       facts={"missing": True}), float("inf")
-    check = _check(rel(g, r), limit, lane, r, g)
+        return [_missing("param_grad_norm", f"param_grad_norm: shape {r.shape} vs {g.shape}")], float("inf")
+    check = _Check.of(rel(g, r), limit, lane, r, g)
     if not check.bad.any():
-        return None, check.margin()
+        return [], check.margin()
     step = int(np.nonzero(check.bad.any(axis=1))[0][0])
     params_bad = np.nonzero(check.bad[step])[0]
     names = ref.param_names or [f"param{i}" for i in range(r.shape[1])]
     first = int(params_bad[0])
-    finding = Finding(
-        metric="param_grad_norm",
-        message=(
-            f"param_grad_norm: first differing step {step}: {len(params_bad)} of {r.shape[1]} parameters, "
-            f"first {names[first]}: expected {float(r[step, first])!r}, got {float(g[step, first])!r} "
-            f"({check.measure((step, first), lane, ulp_distance(float(g[step, first]), float(r[step, first])))})"
-        ),
-        step=step,
-        tensor=names[first],
-        expected=float(r[step, first]),
-        got=float(g[step, first]),
-        distance=float(check.dev[step, first]),
-        tolerance=0.0 if lane == "exact" else float(check.limit[step, first]),
+    finding = check.finding(
+        "param_grad_norm", (step, first),
+        f"param_grad_norm: first differing step {step}: {len(params_bad)} of {r.shape[1]} parameters, first {names[first]}",
+        step=step, tensor=names[first],
         worst=_worst(lambda i: f"step {step} {names[i]}", r[step], g[step], check.dev[step]),
     )
-    return finding, check.margin()
+    return [finding], check.margin()
 
 
-def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, float]) -> tuple[list[Finding], float]:
+def _step0_grads(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, float]) -> Checked:
     out: list[Finding] = []
     margin = 0.0
-    for name in step0.names(ref):
+    names = step0.names(ref)
+    for name in names:
         prefix, r = step0.full_or_blocks(ref, name)  # type: ignore[misc]
         g = run.arrays.get(prefix + name)
         blocked = prefix == step0.BLOCK_PREFIX
         shape = tuple(ref.digests.get(name, {}).get("shape", ())) if blocked else r.shape
-        unit = "blocks" if blocked else "elements"
         size = (f"{list(shape)} in {len(r)} blocks of {step0.BLOCK}" if blocked else f"{list(r.shape)} = {r.size} elements")
         if g is None or (not step0.same_layout(g, r) if blocked else g.shape != r.shape):
-            out.append(Finding("step0_grad", f"step0_grad {name}: missing or reshaped in this run", step=0, tensor=name,
-                               size=size, facts={"missing": True}))
+            out.append(_missing("step0_grad", f"step0_grad {name}: missing or reshaped in this run", step=0, tensor=name,
+                                size=size))
             continue
-        if blocked:
-            rf, gf = step0.block_sums(r), step0.block_sums(g)
-            dev = step0.block_deviation(g, r)
-            exact_bad = _bits_differ(r, g).any(axis=1)
-
-            def where(j: int, rows: np.ndarray = r, shape: tuple[int, ...] = shape) -> str:
-                return step0.block_label(rows, j, shape)
-        else:
-            rf, gf = r.reshape(-1), g.reshape(-1)
-            dev = step0.tensor_deviation(gf, rf)
-            exact_bad = _bits_differ(rf, gf)
-
-            def where(j: int, shape: tuple[int, ...] = r.shape) -> str:
-                return str(tuple(int(i) for i in np.unravel_index(j, shape)))
-        check = _check(dev, np.asarray(limits[name]), lane, rf, gf)
-        if lane == "exact":
-            check = _Check(check.dev, check.limit, exact_bad)
+        check, where = _step0_check(r, g, shape, blocked, lane, np.asarray(limits[name]))
         margin = max(margin, check.margin())
-        if not check.bad.any():
-            continue
-        flat_bad = np.nonzero(check.bad)[0]
-        first = int(flat_bad[0])
-        factor = uniform_factor(rf, gf)  # over the whole tensor: a divide skipped scales every element alike
-        factor_is = arithmetic_of(factor, run.world_size)
-        out.append(
-            Finding(
-                metric="step0_grad",
-                        message=(
-                    f"step0_grad {name} {size}: {len(flat_bad)} {unit} differ "
-                    f"({100 * len(flat_bad) / len(dev):.3g}%), first at {where(first)}: expected "
-                    f"{'block sum ' if blocked else ''}{float(rf[first])!r}, got {float(gf[first])!r} "
-                    f"({check.measure(first, lane, ulp_distance(float(gf[first]), float(rf[first])))}); "
-                    f"max |diff|/max|ref| {float(check.dev.max()):.3g}"
-                    + (f"; every one of them is exactly {factor:.6g}x the reference's"
-                       f"{f' ({factor_is})' if factor_is else ''}" if factor is not None else "")
-                ),
-                step=0,
-                tensor=name,
-                size=size,
-                expected=float(rf[first]),
-                got=float(gf[first]),
-                distance=float(check.dev[first]),
-                tolerance=0.0 if lane == "exact" else float(check.limit[first]),
-                fraction=len(flat_bad) / len(dev),
-                unit=unit,
-                worst=_worst(where, rf, gf, check.dev),
-                factor=factor,
-                factor_is=factor_is,
-            )
-        )
-    return out, margin
+        if check.bad.any():
+            out.append(_step0_finding(name, size, "blocks" if blocked else "elements", check, where, run.world_size))
+    return out, margin if names else None
+
+
+def _step0_check(r: np.ndarray, g: np.ndarray, shape: tuple[int, ...], blocked: bool, lane: str,
+                 limit: np.ndarray) -> tuple[_Check, Callable[[int], str]]:
+    """A step-0 gradient's check, per element of a whole tensor or per block sum of a large one, and how an entry
+    is named (an element's index, a block's range)."""
+    if blocked:
+        check = _Check.of(step0.block_deviation(g, r), limit, lane, step0.block_sums(r), step0.block_sums(g),
+                          bits=_bits_differ(r, g).any(axis=1))
+        return check, lambda j: step0.block_label(r, j, shape)
+    rf, gf = r.reshape(-1), g.reshape(-1)
+    return (_Check.of(step0.tensor_deviation(gf, rf), limit, lane, rf, gf),
+            lambda j: str(tuple(int(i) for i in np.unravel_index(j, shape))))
+
+
+def _step0_finding(name: str, size: str, unit: str, check: _Check, where: Callable[[int], str],
+                   world_size: int) -> Finding:
+    flat_bad = np.nonzero(check.bad)[0]
+    first = int(flat_bad[0])
+    factor = uniform_factor(check.ref, check.got)  # over the whole tensor: a divide skipped scales every element alike
+    factor_is = arithmetic_of(factor, world_size)
+    scaled = "" if factor is None else (f"; every one of them is exactly {factor:.6g}x the reference's"
+                                        f"{f' ({factor_is})' if factor_is else ''}")
+    return check.finding(
+        "step0_grad", first,
+        f"step0_grad {name} {size}: {len(flat_bad)} {unit} differ ({100 * len(flat_bad) / len(check.dev):.3g}%), "
+        f"first at {where(first)}",
+        f"; max |diff|/max|ref| {float(check.dev.max()):.3g}{scaled}", "block sum " if unit == "blocks" else "",
+        step=0, tensor=name, size=size, fraction=len(flat_bad) / len(check.dev), unit=unit,
+        worst=_worst(where, check.ref, check.got, check.dev), factor=factor, factor_is=factor_is,
+    )
 
 
 def uniform_factor(expected: np.ndarray, got: np.ndarray, rel: float = 1e-3) -> float | None:
@@ -369,7 +348,24 @@ def arithmetic_of(factor: float | None, world_size: int) -> str | None:
     return None
 
 
-def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, float]) -> tuple[Finding | None, float]:
+def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, float]) -> Checked:
+    if not ref.digests:
+        return [], None
+    bad, margin = _digests_differ(ref, run, lane, limits)
+    if not bad:
+        return [], margin
+    name, exact = bad[0][0], lane == "exact"
+    message = (f"final_weights: {len(bad)} of {len(ref.digests)} parameters differ after the last step "
+               f"({'sha256' if exact else 'sum, |sum| and signed checksum'}); largest: {name} "
+               f"(rel {bad[0][3]:.3g}" + ("" if exact else f" > tol {limits[name]:.3g}") + ")")
+    return [Finding("final_weights", message, tensor=name, size=str(ref.digests[name].get("shape")), distance=bad[0][3],
+                    tolerance=0.0 if exact else limits[name], worst=bad[:WORST_ROWS])], margin
+
+
+def _digests_differ(ref: RunRecord, run: RunRecord, lane: str,
+                    limits: dict[str, float]) -> tuple[list[tuple[str, float, float, float]], float]:
+    """The final weights that differ, as (name, |sum| expected, |sum| got, deviation) rows, the largest first (one the
+    run lacks: inf), and the margin of those it has."""
     bad: list[tuple[str, float, float, float]] = []
     margin = 0.0
     for name in sorted(ref.digests):
@@ -381,24 +377,7 @@ def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, 
         margin = max(margin, dev / limits[name] if dev > 0 else 0.0)
         if (rd["sha256"] != gd["sha256"]) if lane == "exact" else not dev <= limits[name]:
             bad.append((name, float(rd["abs_sum"]), float(gd["abs_sum"]), dev))
-    if not bad:
-        return None, margin
-    bad.sort(key=lambda row: -row[3])
-    name = bad[0][0]
-    finding = Finding(
-        metric="final_weights",
-        message=(
-            f"final_weights: {len(bad)} of {len(ref.digests)} parameters differ after the last step "
-            f"({'sha256' if lane == 'exact' else 'sum, |sum| and signed checksum'}); largest: {name} "
-            f"(rel {bad[0][3]:.3g}" + ("" if lane == "exact" else f" > tol {limits[name]:.3g}") + ")"
-        ),
-        tensor=name,
-        size=str(ref.digests[name].get("shape")),
-        distance=bad[0][3],
-        tolerance=0.0 if lane == "exact" else limits[name],
-        worst=bad[:WORST_ROWS],
-    )
-    return finding, margin
+    return sorted(bad, key=lambda row: -row[3]), margin
 
 
 def gradients_moved_first(findings: list[Finding], lane: str) -> bool:
@@ -410,9 +389,15 @@ def gradients_moved_first(findings: list[Finding], lane: str) -> bool:
     """
     if lane != "exact" or clip_moved_first(findings) is not None:
         return False
-    gradient_step = next((f.step for f in findings if f.metric == "param_grad_norm" and f.step is not None), None)
-    loss_step = next((f.step for f in findings if f.metric == "loss" and f.step is not None), None)
-    return gradient_step is not None and loss_step is not None and gradient_step < loss_step
+    gradient_step, loss_step = _first_step(findings, "param_grad_norm"), _first_step(findings, "loss")
+    return gradient_step < loss_step < _NO_STEP
+
+
+_NO_STEP = float("inf")  # a metric with no finding at a step moved at no step
+
+
+def _first_step(findings: list[Finding], metric: str) -> float:
+    return next((f.step for f in findings if f.metric == metric and f.step is not None), _NO_STEP)
 
 
 def clip_moved_first(findings: list[Finding]) -> Finding | None:
@@ -422,8 +407,16 @@ def clip_moved_first(findings: list[Finding]) -> Finding | None:
     if clip is None or clip.step is None:
         return None
     # Final weights carry no step: they follow from whatever moved first.
-    others = [0 if f.metric == "step0_grad" else f.step for f in findings if f is not clip and f.metric != "final_weights"]
-    return clip if all(step is not None and step > clip.step for step in others) else None
+    others = [f for f in findings if f is not clip and f.metric != "final_weights"]
+    return clip if all(_moved_at(f) > clip.step for f in others) else None
+
+
+def _moved_at(finding: Finding) -> float:
+    """The step a finding moved at, to order findings: a step-0 gradient at 0; one that names no step before any
+    (nothing shows that it came later)."""
+    if finding.metric == "step0_grad":
+        return 0
+    return -_NO_STEP if finding.step is None else finding.step
 
 
 def tolerant_limits(reference: RunRecord, tolerances: Tolerances | None = None) -> tuple[dict[str, Any], str]:
@@ -431,19 +424,15 @@ def tolerant_limits(reference: RunRecord, tolerances: Tolerances | None = None) 
     dtype = str(reference.config.get("dtype", "fp32"))
     fixed = tolerances or DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["bf16"])
     floors = floors_for(dtype)
-    names = step0.names(reference)
-    digests = sorted(reference.digests)
+    names, digests = step0.names(reference), sorted(reference.digests)
     has_envelope = tolerances is None and any(k.startswith(ENVELOPE_PREFIX) for k in reference.arrays)
+    param = reference.arrays.get("param_grad_norm")
+    shapes = {"step0_grad": len(names), "final_weights": len(digests), "param_grad_norm": 0 if param is None else param.shape,
+              **{metric: len(reference.series.get(metric, [])) for metric in SERIES}}  # of the fixed limits
     out: dict[str, Any] = {}
     for metric in METRICS:
         enveloped = limit(reference, metric, floors.of(metric)) if has_envelope else None
-        if enveloped is None:
-            shape = {"step0_grad": len(names), "final_weights": len(digests)}.get(metric)
-            shape = len(reference.series.get(metric, [])) if metric in SERIES else shape
-            param = reference.arrays.get("param_grad_norm")
-            shape = param.shape if metric == "param_grad_norm" and param is not None else shape
-            enveloped = np.full(shape or 0, fixed.of(metric), dtype=np.float64)
-        out[metric] = enveloped
+        out[metric] = np.full(shapes[metric], fixed.of(metric), dtype=np.float64) if enveloped is None else enveloped
     out["step0_grad"] = dict(zip(names, out["step0_grad"].tolist()))
     out["final_weights"] = dict(zip(digests, out["final_weights"].tolist()))
     return out, "envelope" if has_envelope else "fixed"
@@ -477,24 +466,13 @@ def _metric_findings(reference: RunRecord, run: RunRecord, lane: str,
                      limits: dict[str, Any]) -> tuple[list[Finding], dict[str, float]]:
     """What differs metric by metric (step-0 gradients, the series, per-parameter norms, final weights), and each
     metric's margin: its largest deviation as a multiple of its limit. A metric the reference never kept has none."""
-    findings, margins = _step0_grads(reference, run, lane, limits["step0_grad"])
-    margin_of: dict[str, float] = {}
-    if step0.names(reference):
-        margin_of["step0_grad"] = margins
-    for metric in SERIES:
-        if metric in reference.series:
-            found, margin_of[metric] = _series(metric, reference.series[metric], run.series.get(metric, []), lane,
-                                               limits[metric])
-            findings += [found] if found else []
-    for metric, kept, (found, margin) in (
-        ("param_grad_norm", "param_grad_norm" in reference.arrays,
-         _param_grad_norms(reference, run, lane, limits["param_grad_norm"])),
-        ("final_weights", bool(reference.digests), _final_weights(reference, run, lane, limits["final_weights"])),
-    ):
-        if kept:
-            margin_of[metric] = margin
-        findings += [found] if found else []
-    return findings, margin_of
+    checked = {"step0_grad": _step0_grads(reference, run, lane, limits["step0_grad"])}
+    checked |= {metric: _series(metric, reference.series[metric], run.series.get(metric, []), lane, limits[metric])
+                for metric in SERIES if metric in reference.series}
+    checked["param_grad_norm"] = _param_grad_norms(reference, run, lane, limits["param_grad_norm"])
+    checked["final_weights"] = _final_weights(reference, run, lane, limits["final_weights"])
+    findings = [finding for found, _ in checked.values() for finding in found]
+    return findings, {metric: margin for metric, (_, margin) in checked.items() if margin is not None}
 
 
 def _model_findings(reference: RunRecord, run: RunRecord, tied: bool | None) -> list[Finding]:

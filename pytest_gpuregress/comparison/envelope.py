@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -86,23 +87,34 @@ def digest_deviation(run: dict, ref: dict) -> float:
 
 
 def deviations(reference: RunRecord, run: RunRecord) -> dict[str, np.ndarray]:
-    """Per-metric deviation arrays of ``run`` from ``reference``, in the comparison's measures."""
-    out: dict[str, np.ndarray] = {}
-    for metric in SERIES:
-        r, g = reference.series.get(metric), run.series.get(metric)
-        if r is not None and g is not None and len(r) == len(g):
-            out[metric] = rel(np.asarray(g), np.asarray(r))
-    r, g = reference.arrays.get("param_grad_norm"), by_name.param_grad_norms(reference, run)[0]
-    if r is not None and g is not None and r.shape == g.shape:
-        out["param_grad_norm"] = rel(g, r)
-    names = step0.names(reference)
-    per_tensor = [step0.step0_deviation(run, reference, n) for n in names]
-    if names and all(d is not None for d in per_tensor):
-        out["step0_grad"] = np.asarray([float(d.max()) if d.size else 0.0 for d in per_tensor])  # type: ignore[union-attr]
-    if reference.digests and set(reference.digests) <= set(run.digests):
-        out["final_weights"] = np.asarray([digest_deviation(run.digests[n], reference.digests[n])
-                                           for n in sorted(reference.digests)])
-    return out
+    """Per-metric deviation arrays of ``run`` from ``reference``, in the comparison's measures; a metric missing or
+    shaped otherwise on either side has none (the comparison reports it)."""
+    pairs = {metric: (reference.series.get(metric), run.series.get(metric)) for metric in SERIES}
+    pairs["param_grad_norm"] = (reference.arrays.get("param_grad_norm"), by_name.param_grad_norms(reference, run)[0])
+    found = {metric: _relative(ref, got) for metric, (ref, got) in pairs.items()}
+    found["step0_grad"] = _step0_largest(reference, run)
+    found["final_weights"] = _digest_deviations(reference, run)
+    return {metric: dev for metric, dev in found.items() if dev is not None}
+
+
+def _relative(ref: Any, got: Any) -> np.ndarray | None:
+    """``rel`` where both sides hold the metric, shaped alike."""
+    return rel(got, ref) if ref is not None and got is not None and np.shape(ref) == np.shape(got) else None
+
+
+def _step0_largest(reference: RunRecord, run: RunRecord) -> np.ndarray | None:
+    """Each step-0 gradient's largest deviation; None where one is missing or reshaped."""
+    per_tensor = [step0.step0_deviation(run, reference, n) for n in step0.names(reference)]
+    if not per_tensor or any(d is None for d in per_tensor):
+        return None
+    return np.asarray([float(d.max()) if d.size else 0.0 for d in per_tensor])  # type: ignore[union-attr]
+
+
+def _digest_deviations(reference: RunRecord, run: RunRecord) -> np.ndarray | None:
+    """Each final weight's ``digest_deviation``, by name; None where the run lacks one."""
+    if not reference.digests or not set(reference.digests) <= set(run.digests):
+        return None
+    return np.asarray([digest_deviation(run.digests[n], reference.digests[n]) for n in sorted(reference.digests)])
 
 
 def step0_limit(reference: RunRecord, name: str, bound: float) -> np.ndarray | float:
@@ -128,10 +140,8 @@ def measure(base: RunRecord, replicas: list[RunRecord]) -> dict[str, np.ndarray]
                 raise NoisyReplica(f"noise replica {replica.config.get('perturbation', '?')!r} gave a non-finite "
                                    f"{metric} (NaN or inf): the stack is not healthy enough to record a reference")
             spread[metric] = np.maximum(spread[metric], dev) if metric in spread else dev
-    for metric in PER_STEP:
-        if metric in spread:
-            spread[metric] = np.maximum.accumulate(spread[metric], axis=0)
-    return {PREFIX + metric: values for metric, values in spread.items()}
+    return {PREFIX + metric: np.maximum.accumulate(values, axis=0) if metric in PER_STEP else values
+            for metric, values in spread.items()}
 
 
 def limit(reference: RunRecord, metric: str, floor: float) -> np.ndarray | None:

@@ -67,9 +67,7 @@ def truncated_reference(reference: RunRecord, steps: int) -> RunRecord:
     """The reference cut to the first ``steps`` steps; final weights dropped (the run never reached them)."""
     cut = copy(reference)
     cut.series = {k: list(v[:steps]) for k, v in reference.series.items()}
-    cut.arrays = {}
-    for key, value in reference.arrays.items():
-        metric = key[len(ENVELOPE_PREFIX):] if key.startswith(ENVELOPE_PREFIX) else key
-        cut.arrays[key] = value[:steps] if metric in PER_STEP else value
+    cut.arrays = {key: value[:steps] if key.removeprefix(ENVELOPE_PREFIX) in PER_STEP else value
+                  for key, value in reference.arrays.items()}
     cut.digests = {}
     return cut

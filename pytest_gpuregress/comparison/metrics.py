@@ -16,7 +16,6 @@ from ..reference.names import safe_component
 from ..reference.record import RunRecord, float_digest
 from .compare import DEFAULT_TOLERANCES, Tolerances
 
-SERIES = ("loss", "grad_norm", "clipped_grad_norm")
 TOLERANCE_KEYS = ("loss", "grad_norm", "clipped_grad_norm", "param_grad_norm", "final_weights")
 Values = Sequence[float] | np.ndarray
 
@@ -49,7 +48,7 @@ def tolerances(rtol: float | Mapping[str, float] | None) -> Tolerances | None:
     """Explicit limits from ``rtol`` (None: none given); a metric not named keeps the fp32 default."""
     if rtol is None:
         return None
-    given = {key: rtol for key in TOLERANCE_KEYS} if isinstance(rtol, (int, float)) else dict(rtol)
+    given = dict.fromkeys(TOLERANCE_KEYS, rtol) if isinstance(rtol, (int, float)) else dict(rtol)
     unknown = sorted(set(given) - set(TOLERANCE_KEYS))
     if unknown:
         raise ValueError(f"check_metrics: rtol names {', '.join(unknown)}, which are not metrics; known: "

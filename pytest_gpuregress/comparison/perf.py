@@ -71,6 +71,7 @@ _FIGURES = (
     ("peak_memory_bytes", "peak memory", "bytes", False, "memory"),
     ("bus_bandwidth_gbps", "all-reduce bus bandwidth", "GB/s", True, "slowdown"),
 )
+_FLOORS = {"memory": MEMORY_FLOOR_BYTES}  # per limit; none elsewhere
 
 
 def ratios(reference: RunRecord, record: RunRecord, *, slowdown: float = SLOWDOWN_LIMIT,
@@ -84,16 +85,18 @@ def ratios(reference: RunRecord, record: RunRecord, *, slowdown: float = SLOWDOW
     limits = {"slowdown": slowdown, "memory": memory}
     out: list[Ratio] = []
     for key, name, unit, higher_is_better, limit in _FIGURES:
-        a, b = _number(old.get(key)), _number(new.get(key))
-        if a is None or b is None or a <= 0 or b <= 0:
-            continue
-        floor = MEMORY_FLOOR_BYTES if limit == "memory" else 0.0
-        out.append(Ratio(name, a, b, a / b if higher_is_better else b / a, limits[limit], unit, floor))
+        a, b = _figure(old, key), _figure(new, key)
+        if a is not None and b is not None:
+            out.append(Ratio(name, a, b, a / b if higher_is_better else b / a, limits[limit], unit, _FLOORS.get(limit, 0.0)))
     return out
 
 
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+def _figure(figures: dict[str, Any], key: str) -> float | None:
+    """A figure that can be compared: a number (a bool is none) not at or below 0."""
+    value = figures.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        return None
+    return float(value)
 
 
 def problems(found: list[Ratio] | None, record: RunRecord, reference: RunRecord | None = None) -> list[str]:
@@ -103,10 +106,16 @@ def problems(found: list[Ratio] | None, record: RunRecord, reference: RunRecord 
     before = reference.results.get(PERF, {}).get("steady_steps", steady) if reference is not None else steady
     if min(steady, before or 0) < MIN_STEADY_STEPS:
         return []
-    over = [r for r in found or [] if r.over]
-    if any(r.name == "tokens/s" for r in over):  # one slowdown, one line: tokens/s says it with the batch size
-        over = [r for r in over if r.name != "step time"]
-    return [f"{r.describe()}; medians over {steady} steady steps" for r in over]
+    return [f"{r.describe()}; medians over {steady} steady steps" for r in _past_limits(found or [])]
+
+
+def _past_limits(found: list[Ratio]) -> list[Ratio]:
+    """The figures past their limits, one line per slowdown: tokens/s says it with the batch size, so the step
+    time goes where both are past."""
+    over = [r for r in found if r.over]
+    if any(r.name == "tokens/s" for r in over):
+        return [r for r in over if r.name != "step time"]
+    return over
 
 
 def summary(found: list[Ratio] | None) -> str:

@@ -106,19 +106,19 @@ def _deviation(ax, reference: RunRecord, run: RunRecord | None, limits: dict,  #
 def _worst_parameters(ax, reference: RunRecord, run: RunRecord | None, limits: dict) -> None:  # noqa: ANN001
     ref, got = reference.arrays.get("param_grad_norm"), by_name.param_grad_norms(reference, run)[0] if run else None
     if ref is None or got is None:
-        ax.set_title("gradient norms per parameter: no run to compare")
-        ax.axis("off")
-        return
-    if ref.shape[1:] != got.shape[1:] or (run is not None and sorted(run.param_names) != sorted(reference.param_names)):
+        return _no_bars(ax, "gradient norms per parameter: no run to compare")
+    if ref.shape[1:] != got.shape[1:] or sorted(run.param_names) != sorted(reference.param_names):  # type: ignore[union-attr]
         # the model's code changed its parameters (a [model] finding): there is no parameter to pair with its own
-        ax.set_title(f"gradient norms per parameter: {ref.shape[1]} parameters in the reference, {got.shape[1]} "
-                     "in this run: the model's layout changed", fontsize=9)
-        ax.axis("off")
-        return
+        return _no_bars(ax, f"gradient norms per parameter: {ref.shape[1]} parameters in the reference, {got.shape[1]} "
+                        "in this run: the model's layout changed", fontsize=9)
     steps = min(len(ref), len(got))
     ratio = rel(got[:steps], ref[:steps]) / np.asarray(limits["param_grad_norm"], dtype=np.float64)[:steps]
     worst = np.nanmax(ratio, axis=0) if steps else np.zeros(ref.shape[1])
-    names = reference.param_names or [f"param{i}" for i in range(len(worst))]
+    _bars(ax, reference.param_names or [f"param{i}" for i in range(len(worst))], worst)
+
+
+def _bars(ax, names: list[str], worst: np.ndarray) -> None:  # noqa: ANN001
+    """The parameters' worst deviations as multiples of their limits, the largest WORST_PARAMETERS: red past 1."""
     order = np.argsort(-worst)[:WORST_PARAMETERS][::-1]
     ax.barh([names[i] for i in order], np.maximum(worst[order], 1e-6),
             color=["tab:red" if worst[i] > 1 else "tab:green" for i in order])
@@ -126,3 +126,8 @@ def _worst_parameters(ax, reference: RunRecord, run: RunRecord | None, limits: d
     ax.set_xscale("log")
     ax.set_title("worst gradient-norm deviation (x limit; > 1 fails)")
     ax.tick_params(axis="y", labelsize=7)
+
+
+def _no_bars(ax, title: str, **font: float) -> None:  # noqa: ANN001
+    ax.set_title(title, **font)
+    ax.axis("off")

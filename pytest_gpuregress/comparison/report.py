@@ -75,12 +75,11 @@ def op_lines(comparison: Comparison) -> list[str]:
     if moved is None:
         return ["", *sequence] if sequence else []
     shape = [f"    {comparison.shape_note}"] if comparison.shape_note else []
-    if comparison.lane == "exact":
-        return ["", *moved.lines(), *shape, *sequence]
     drift = replace(moved, label="drift begins at", stack=[]).describe()
     if culprit is None:
         return ["", f"introduced at: no op of step 0 moved beyond drift ({comparison.introduced_rule}): the "
                 "difference starts later, or is per op too small to tell from drift", drift, *sequence]
+    # in the exact lane the culprit is the op that moved: no drift is allowed there
     same = (culprit.rank, culprit.entry_index) == (moved.rank, moved.entry_index)
     return ["", *culprit.lines(), *shape, *([] if same else [drift]), *sequence]
 
@@ -130,12 +129,13 @@ def _record_advice(comparison: Comparison, record_hint: str, record_elsewhere_hi
     """What to record: over the reference if the new numbers are right; where the model's code changed, a reference
     of this stack's own in another folder, as the model finding says (the old stack keeps its reference)."""
     layout = next((f for f in comparison.findings if f.metric == model_layout.METRIC), None)
-    if layout is not None and model_layout.is_tie(layout.metric, layout.facts):
-        package = layout.facts["built_by"]
-        return (f"record nothing: {model_layout.BUILT_OTHERWISE} (the first finding); report it to {package}, with "
-                "this reference and this run's record as the evidence")
-    if record_elsewhere_hint and layout is not None:
-        return f"this stack needs a reference of its own: record it into another folder, keeping this one: {record_elsewhere_hint}"
+    if layout is not None:
+        if model_layout.is_tie(layout.metric, layout.facts):
+            return (f"record nothing: {model_layout.BUILT_OTHERWISE} (the first finding); report it to "
+                    f"{layout.facts['built_by']}, with this reference and this run's record as the evidence")
+        if record_elsewhere_hint:
+            return ("this stack needs a reference of its own: record it into another folder, keeping this one: "
+                    f"{record_elsewhere_hint}")
     library = next((f.component for f in comparison.findings if f.component.startswith("library:")), None)
     if library is not None:  # not a kernel to re-record over: code that computes another function
         package = library.split(":", 1)[1].strip()

@@ -146,7 +146,36 @@ def read_reference(loc: ReferenceLocation) -> RunRecord:
 def _verified_files(loc: ReferenceLocation, manifest_path: Path) -> list[str]:
     """Check every file the manifest lists against its sha256, and that its kept folders hold nothing else; the
     kept folders (a DCP checkpoint's) by name. Raises CorruptReference naming the file."""
-    target = loc.path
+    files = _listed_files(loc, manifest_path)
+    for name, expected in files.items():
+        _check_sha256(loc, loc.path / name, expected)
+    folders = sorted({folder for name in files if (folder := _attachment_of(name)) is not None})
+    for folder in folders:  # a file slipped into a kept folder would be read with it: DCP reads every shard there
+        unlisted = [p for p in sorted((loc.path / folder).rglob("*"))
+                    if p.relative_to(loc.path).as_posix() not in files and (p.is_file() or p.is_symlink())]
+        if unlisted:
+            raise CorruptReference(unlisted[0], "file not listed in manifest.json: the folder holds more than was "
+                                   "recorded", f"remove it, restore the folder from version control, or re-record "
+                                   f"it: {loc.record_hint}")
+    return folders
+
+
+def _check_sha256(loc: ReferenceLocation, path: Path, expected: Any) -> None:
+    if not path.is_file():
+        raise CorruptReference(path, "file listed in manifest.json is missing", f"re-record it: {loc.record_hint}")
+    actual = atomic.sha256_file(path)
+    if actual != expected:
+        raise CorruptReference(
+            path,
+            f"sha256 {actual[:12]}… does not match manifest.json ({str(expected)[:12]}…): "
+            "the file was truncated, edited or partly copied",
+            f"restore it from version control, or re-record it: {loc.record_hint}",
+        )
+
+
+def _listed_files(loc: ReferenceLocation, manifest_path: Path) -> dict[str, Any]:
+    """The manifest's files and their sha256: the record's two files, and others only inside an attachment
+    folder. Raises CorruptReference where the manifest is not a reference's or lists any other file."""
     manifest = read_json(manifest_path)
     if manifest.get("format") != STORE_FORMAT:
         raise CorruptReference(
@@ -155,31 +184,10 @@ def _verified_files(loc: ReferenceLocation, manifest_path: Path) -> list[str]:
             f"remove the directory or re-record it: {loc.record_hint}",
         )
     files = manifest.get("files")
-    attached = {name: _attachment_of(name) for name in files} if isinstance(files, dict) else {}
     own = {RECORD_JSON, TENSORS_FILE}
-    if not isinstance(files, dict) or not own <= set(files) or any(attached[n] is None for n in set(files) - own):
+    if not isinstance(files, dict) or not own <= set(files) or any(_attachment_of(n) is None for n in set(files) - own):
         raise CorruptReference(manifest_path, "manifest lists the wrong files", f"re-record it: {loc.record_hint}")
-    for name, expected in files.items():
-        path = target / name
-        if not path.is_file():
-            raise CorruptReference(path, "file listed in manifest.json is missing", f"re-record it: {loc.record_hint}")
-        actual = atomic.sha256_file(path)
-        if actual != expected:
-            raise CorruptReference(
-                path,
-                f"sha256 {actual[:12]}… does not match manifest.json ({str(expected)[:12]}…): "
-                "the file was truncated, edited or partly copied",
-                f"restore it from version control, or re-record it: {loc.record_hint}",
-            )
-    folders = sorted({folder for folder in attached.values() if folder is not None})
-    for folder in folders:  # a file slipped into a kept folder would be read with it: DCP reads every shard there
-        unlisted = [p for p in sorted((target / folder).rglob("*")) if p.relative_to(target).as_posix() not in files
-                    and (p.is_file() or p.is_symlink())]
-        if unlisted:
-            raise CorruptReference(unlisted[0], "file not listed in manifest.json: the folder holds more than was "
-                                   "recorded", f"remove it, restore the folder from version control, or re-record "
-                                   f"it: {loc.record_hint}")
-    return folders
+    return files
 
 
 def _beside(loc: ReferenceLocation) -> str:

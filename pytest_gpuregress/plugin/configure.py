@@ -20,23 +20,20 @@ def build_session(config: pytest.Config, options: Options) -> GpuRegressSession:
     output = cache.mkdir("gpuregress-runs") if cache is not None else None
     try:
         session = GpuRegressSession(options, config.rootpath, output)
-    except UnsupportedPlatform as exc:
+        # The shipped known issues and the user's (gpuregress_known_issues), read once and judged now.
+        session.known_issues = load_known_issues(options.known_issues)
+        _check_models_and_tokens(session)
+    except (UnsupportedPlatform, BadModel, BadTokens) as exc:
         raise pytest.UsageError(str(exc)) from None
     except BadFaultSpec as exc:
         raise pytest.UsageError(f"--gpuregress-inject: {exc}") from None
-    try:  # the shipped known issues and the user's (gpuregress_known_issues), read once and judged now
-        session.known_issues = load_known_issues(options.known_issues)
     except BadKnownIssues as exc:
         raise pytest.UsageError(f"gpuregress_known_issues: {exc}") from None
-    try:
-        _check_models_and_tokens(session)
-    except (BadModel, BadTokens) as exc:
-        raise pytest.UsageError(str(exc)) from None
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
         session.launches.uncapture = lambda: capture.suspend_global_capture(in_=False)
     session.launches.progress = progress_printer(config)
-    for mark in sorted({m for _, case in session.all_cases() for m in case.marks}):
+    for mark in sorted({m for _, case in session.selection.all_cases() for m in case.marks}):
         config.addinivalue_line("markers", f"{mark}: a mark of a gpuregress scenario case")
     return session
 

@@ -57,8 +57,9 @@ class Launches:
 
     def close(self) -> None:
         """Stop pooled rank processes; called once at the end of the pytest session."""
-        if self._launcher is not None and hasattr(self._launcher, "close"):
-            self._launcher.close()
+        close = getattr(self._launcher, "close", None)  # none before the first launch, nor in place
+        if close is not None:
+            close()
 
     def launch(self, sc: Scenario, launch: Launch, faults: list[str]) -> RunRecord:
         """Run ``launch`` of ``sc`` on its ranks now; the merged record, with fault counts and the launch time."""
@@ -67,7 +68,11 @@ class Launches:
                                 f"({launch.world_size or self.platform.world_size} ranks, environment {launch.env or 'as is'}), "
                                 "which cannot be started in place under torchrun; run it spawned locally")
         job = self._job(sc, launch, faults)
-        result = self.launcher.run(job, wall_timeout_s=self.options.timeout)
+        return self._merged(sc, launch, job, self.launcher.run(job, wall_timeout_s=self.options.timeout))
+
+    def _merged(self, sc: Scenario, launch: Launch, job: Job, result: Any) -> RunRecord:
+        """The ranks' records as one: with its platform key, the launch's time, what listened beyond loopback,
+        the faults' firing counts and the launcher's notes."""
         record = sc.merge(result.records)
         record.platform_key = self.platform.key(sc.platform_tag(launch.config))
         record.timings["launch_wall_s"] = result.wall_s
@@ -143,12 +148,7 @@ class Launches:
         if not replicas or any(k.startswith(envelope.PREFIX) for k in record.arrays):
             return
         ran = self._replicas_that_ran(sc, replicas, faults, record)
-        for replica, run in ran:  # a user's loop that applied none of its perturbation
-            missed = run.results.get("perturbation_not_applied")
-            if missed:
-                record.notes.append(f"noise replica {replica.key}: the loop did not apply {', '.join(missed)}, so it "
-                                    "adds no spread; give Recorder the model (model=) and pass batches through "
-                                    "rec.batch()")
+        record.notes.extend(_unperturbed(ran))
         record.arrays.update(envelope.measure(record, [run for _, run in ran]))
         record.results["envelope"] = {"replicas": [replica.key for replica, _ in ran], "k": envelope.K,
                                       "floors": vars(envelope.floors_for(str(record.config.get("dtype", "fp32"))))}
@@ -188,6 +188,13 @@ def count_faults(record: RunRecord, texts: list[str], per_rank: list[RunRecord])
     counts = firing.by_rank(texts, [r.results.get(firing.RESULT_KEY, {}) for r in per_rank])
     record.results[firing.RESULT_KEY] = {spec: sum(ranks) for spec, ranks in counts.items()}
     record.notes.extend(firing.notes(texts, counts))
+
+
+def _unperturbed(ran: list[tuple[Launch, RunRecord]]) -> list[str]:
+    """A note for each replica whose loop (a user's) applied none of its perturbation: it adds no spread."""
+    return [f"noise replica {replica.key}: the loop did not apply {', '.join(missed)}, so it adds no spread; give "
+            "Recorder the model (model=) and pass batches through rec.batch()"
+            for replica, run in ran if (missed := run.results.get("perturbation_not_applied"))]
 
 
 def keeping(run: Runner, ran: list[RunRecord]) -> Runner:

@@ -175,14 +175,10 @@ class CheckPipeline:
         """The closing table's row, the test's figures, and the observations' warnings."""
         comparison, observed = judgement.comparison, judgement.observed
         assert comparison is not None and observed is not None
-        detail = _detail(record, reference_path, comparison, observed.detail(), passed)
-        worst = max(comparison.margins.values(), default=None)
-        outcome = Outcome(name, record.platform_key, "passed" if passed else "failed", comparison.lane, detail,
-                          [*record.notes, *comparison.notes], worst, record.timings.get("launch_wall_s"),
-                          compare_command(reference_path, kept.run) if kept.run and not passed else "")
+        outcome = _outcome(name, record, reference_path, comparison, observed.detail(), kept, passed)
         add_outcome(self.outcomes, outcome)
         self.figures.update(lane=comparison.lane, platform_key=record.platform_key,
-                            first_differing_step=first_divergence(comparison), worst_over_tolerance=worst,
+                            first_differing_step=first_divergence(comparison), worst_over_tolerance=outcome.worst,
                             seconds=outcome.seconds, plot=kept.plot,
                             stack_changes=[describe_change(*c) for c in comparison.stack_changes] or ["none"],
                             perf=perf.summary(observed.ratios) or None,
@@ -190,6 +186,15 @@ class CheckPipeline:
         # Warned once the outcome is kept: under -W error a warning raises, and must not lose the summary row.
         for category, message in observed.warnings():
             warn_at_test(category(f"{name} {record.platform_key}: {message}"))
+
+
+def _outcome(name: str, record: RunRecord, reference_path: Any, comparison: Comparison, observed: str, kept: Kept,
+             passed: bool) -> Outcome:
+    """The closing table's row of a judged run, with the command that judges a failed one again."""
+    return Outcome(name, record.platform_key, "passed" if passed else "failed", comparison.lane,
+                   _detail(record, reference_path, comparison, observed, passed), [*record.notes, *comparison.notes],
+                   max(comparison.margins.values(), default=None), record.timings.get("launch_wall_s"),
+                   compare_command(reference_path, kept.run) if kept.run and not passed else "")
 
 
 def _detail(record: RunRecord, reference_path: Any, comparison: Comparison, observed: str, passed: bool) -> str:

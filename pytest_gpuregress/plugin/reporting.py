@@ -82,7 +82,6 @@ def cite_known_issues(item: pytest.Item, report: pytest.TestReport, session: Gpu
     """A failed case cites the known issues of this stack (the header's KNOWN ISSUE lines) whose component its
     findings name: the bug may be a known one, with a source and a workaround. The failure stands (a match is a
     warning): the case's numbers say whether the bug hit this run."""
-    from ..components import parts
     from ..stack.fingerprint import collect
     from ..stack.known_issues import cited_lines, matching
 
@@ -91,7 +90,7 @@ def cite_known_issues(item: pytest.Item, report: pytest.TestReport, session: Gpu
     if session.matched_issues is None:  # no header was printed (--no-header): match now, once
         plat = session.platform
         session.matched_issues = matching(session.known_issues, collect(plat.device_kind, plat.backend, plat.world_size))
-    named = {part for name in str(session.figures.get("component") or "").split(", ") for part in parts(name)}
+    named = _components_named(session.figures)
     cited = [issue for issue in session.matched_issues if issue.component in named]
     if cited:
         report.sections.append(("gpuregress known issues", "\n".join(cited_lines(cited))))
@@ -110,6 +109,13 @@ def _outcome_lines(session: GpuRegressSession) -> list[str]:
     return lines
 
 
+def _components_named(figures: dict[str, Any]) -> set[str]:
+    """The components a case's findings name (its ``component`` figure), each with the parts it is made of."""
+    from ..components import parts
+
+    return {part for name in str(figures.get("component") or "").split(", ") for part in parts(name)}
+
+
 def _junit_value(value: Any) -> Any:
     """A list (the stack's changes) as one attribute value: "torch 2.12.0 -> 2.13.0; device.cpu_model: ..."."""
     return "; ".join(map(str, value)) if isinstance(value, list) else value
@@ -118,15 +124,17 @@ def _junit_value(value: Any) -> Any:
 def closing_sections(session: GpuRegressSession, left_out: list[str]) -> list[tuple[str, list[str]]]:
     """(section title, lines) of the closing summary: the outcomes and their table and the header's word on a
     built-in suite ``left_out``, then each scenario's own."""
+    own = [*(_outcome_lines(session) if session.outcomes else []), *left_out]
+    scenarios = [(f"gpuregress {name}", lines) for name in session.launches.launched
+                 if (lines := _scenario_lines(session, name))]
+    return [("gpuregress", own), *scenarios] if own else scenarios
+
+
+def _scenario_lines(session: GpuRegressSession, name: str) -> list[str]:
+    """Scenario ``name``'s own summary of its launches (a failed one as None), and where its records were kept."""
     from ..scenarios import registry
 
-    own = [*(_outcome_lines(session) if session.outcomes else []), *left_out]
-    sections = [("gpuregress", own)] if own else []
     launches = session.launches
-    for name, launched in launches.launched.items():
-        records = {key: (None if isinstance(r, Exception) else r) for key, r in launched.items()}
-        lines = registry()[name].summary(records, session.setup)
-        lines += [f"{key}: record in {path}" for (sc, key), path in launches.saved.items() if sc == name]
-        if lines:
-            sections.append((f"gpuregress {name}", lines))
-    return sections
+    records = {key: (None if isinstance(r, Exception) else r) for key, r in launches.launched[name].items()}
+    lines = registry()[name].summary(records, session.setup)
+    return lines + [f"{key}: record in {path}" for (sc, key), path in launches.saved.items() if sc == name]

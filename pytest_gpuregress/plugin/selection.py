@@ -48,9 +48,7 @@ class Selection:
     def runnable_case(self, scenario: str, case_id: str) -> tuple[Scenario, Case]:
         """The case to run, or NotApplicable (a skip) when this run's ranks or faults cannot test it."""
         sc = registry()[scenario]
-        # Cases skipped for want of ranks are not in ``selected``: look them up among all the scenario's cases.
-        case = next((c for c in self.selected.get(scenario, []) if c.id == case_id), None) \
-            or next(c for c in sc.cases(self.setup) if c.id == case_id)
+        case = self._case(sc, case_id)
         shortfall = self.rank_shortfall(case)
         if shortfall:  # a direct call; the built-in suite already skips such cases
             raise NotApplicable(shortfall)
@@ -59,6 +57,11 @@ class Selection:
         if unreached:  # it would run clean, proving nothing about the faults asked for
             raise NotApplicable(unreached)
         return sc, case
+
+    def _case(self, sc: Scenario, case_id: str) -> Case:
+        """The case ``case_id`` of ``sc``: a selected one, else (skipped for want of ranks, so not selected) any."""
+        return next((c for c in self.selected.get(sc.name, []) if c.id == case_id), None) \
+            or next(c for c in sc.cases(self.setup) if c.id == case_id)
 
     def launch_of(self, sc: Scenario, case: Case) -> Launch:
         """The launch that carries ``case``, planned with the cases selected beside it."""

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import NotSupported, RankFailure, ReferenceProblem
+from ..errors import GpuRegressError, NotSupported, RankFailure, ReferenceProblem
 from ..faults import check_ranks, firing
 from ..reference import oracle_distance, store
 from ..reference.compare import Comparison
@@ -20,7 +21,7 @@ from ..reference.record import RunRecord
 from ..scenarios import Case, Launch, Scenario, Setup, get_scenario
 from ..scenarios.comparator import Comparator, comparator_of
 from ..stack.platforms import Platform, rank_origin, resolve_platform
-from ..triage import own_evidence
+from ..triage import own_evidence, session_checks
 from ..triage.bisect import BisectRequest
 from ..triage.explain import Explanation, explain_failure, measure_oracle_distance
 from .artifacts import Artifacts
@@ -106,8 +107,6 @@ class GpuRegressSession:
 
         Arguments: reference/metrics.py and docs/own-models.md. ``rtol`` puts the comparison in the tolerant lane."""
         __tracebackhide__ = True
-        from dataclasses import replace
-
         from ..reference import envelope
         from ..reference.metrics import metrics_record, tolerances
         from ..stack.fingerprint import collect
@@ -192,8 +191,7 @@ class GpuRegressSession:
     def _failed(self, sc: Scenario, case: Case, reference: str | None, exc: RankFailure) -> NotSupported | None:
         """A failed launch's row in the closing table; the skip to raise instead where the stack lacks an op the run
         needs (a capability, not a wrong number)."""
-        launch = next((la for la in sc.launches([case], self.setup) if la.key == case.launch), None)
-        key = self.platform.key(sc.platform_tag(launch.config if launch else sc.default_config(self.setup)))
+        key = self._key_alone(sc, case)
         lacks = NotSupported.backend_lacks(exc) or NotSupported.kernel_path_lacks(exc)
         if lacks:
             add_outcome(self.outcomes, Outcome(reference or sc.name, key, "not supported", detail=lacks))
@@ -201,6 +199,11 @@ class GpuRegressSession:
         self._tally(sc, case, passed=False)  # a sweep that crashed passed nothing
         add_outcome(self.outcomes, Outcome(reference or sc.name, key, "error", detail=str(exc).splitlines()[0]))
         return None
+
+    def _key_alone(self, sc: Scenario, case: Case) -> str:
+        """The platform key of ``case``'s launch planned for it alone, else of the scenario's default config."""
+        launch = next((la for la in sc.launches([case], self.setup) if la.key == case.launch), None)
+        return self.platform.key(sc.platform_tag(launch.config if launch else sc.default_config(self.setup)))
 
     def _lacking(self, sc: Scenario, reference: str | None, key: str, lacks: str, exc: RankFailure) -> NotSupported:
         """The skip for a stack that lacks an op the case needs, saying whether its reference's stack ran it."""
@@ -230,8 +233,6 @@ class GpuRegressSession:
             self.checked[sc.evidence_name] = (passes + passed, failures + ([] if passed else [test_id(sc, case)]))
 
     def _checks_evidence(self) -> list[Any]:
-        from ..triage import session_checks
-
         return [session_checks(name, passes, failures) for name, (passes, failures) in self.checked.items()]
 
     def _from_reference(self, sc: Scenario, case: Case, name: str | None, run: Runner) -> RunRecord | None:
@@ -263,8 +264,6 @@ class GpuRegressSession:
 
     def _watch(self, sc: Scenario, launch: Launch, name: str, comparator: Comparator) -> None:
         """For --gpuregress-fail-fast: hand the launch its reference, to stop at the first miss."""
-        from ..errors import GpuRegressError
-
         try:
             reference = store.read_reference(self.places.location(name, self.platform.key(sc.platform_tag(launch.config))))
         except GpuRegressError:  # missing or unreadable: the comparison after the run says so

@@ -55,6 +55,12 @@ def _mismatch(path: Path, config: dict[str, Any]) -> str | None:
     if fmt:
         return (f"{path} was recorded in format {fmt!r}, and this pytest-gpuregress reads {RECORD_FORMAT!r}: it "
                 f"cannot be compared; {RERECORD}")
+    return _other_settings(path, recorded, config)
+
+
+def _other_settings(path: Path, recorded: dict[str, Any], config: dict[str, Any]) -> str | None:
+    """The settings an option sets that the reference at ``path`` was recorded with other values of, and the
+    options that reproduce them; None where they match."""
     differing = [(k, recorded[k], config[k]) for k in SETTING_OPTIONS
                  if k in recorded and k in config and recorded[k] != config[k]]
     if not differing:

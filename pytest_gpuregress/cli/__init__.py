@@ -123,8 +123,8 @@ def _print_failure(judgement: Any, reference: Any, run: Any, reference_path: str
     if comparison is not None and not comparison.passed:
         name_findings(comparison)
         print(format_comparison(comparison, scenario=reference.scenario if reference else run.scenario,
-                                platform_key=run.platform_key,
-                                reference_path=reference_path, record_hint=_record_hint(comparator)))
+                                platform_key=run.platform_key, reference_path=reference_path,
+                                record_hint=_record_hint(comparator)))
 
 
 def _record_hint(comparator: Any) -> str:

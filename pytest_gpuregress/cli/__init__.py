@@ -78,34 +78,53 @@ def _record_folder(given: str) -> Path:
 def _compare(args: argparse.Namespace) -> int:
     """Judge a kept run as the plugin did: its scenario's own checks, and against REF where given."""
     from ..scenarios.comparator import for_kept
-    from ..triage.naming import described, name_findings
 
-    if len(args.paths) > 2:
-        raise GpuRegressError(f"compare takes [REF] RUN, not {len(args.paths)} paths")
-    *given, run_path = args.paths
-    run = load_record(_record_folder(run_path))
-    reference = load_record(_record_folder(given[0])) if given else None
+    reference, run = _kept_records(args.paths)
     comparator = for_kept(run, lane=args.lane)
-    has_reference = comparator.scenario is None or comparator.case is None \
-        or comparator.scenario.reference_name(comparator.case) is not None
-    if reference is None and has_reference:
+    judged = _judged_case(comparator)
+    if reference is None and (judged is None or judged[0].reference_name(judged[1]) is not None):
+        run_path = args.paths[-1]
         raise GpuRegressError(f"{run_path} is judged against a reference: gpuregress compare REFERENCE {run_path}")
     judgement = comparator.judge(reference, run)
-    what = f"{comparator.scenario.name} case {comparator.case.id}" if comparator.case and comparator.scenario else run.scenario
+    what = f"{judged[0].name} case {judged[1].id}" if judged else run.scenario
     comparison = judgement.comparison
     if judgement.passed:
         lane = f" within the {comparison.lane} lane ({comparison.lane_reason})" if comparison is not None else ""
         print(f"{what}: passed{lane}")
         return 0
     print(f"{what}: FAILED")
+    _print_failure(judgement, reference, run, args.paths[0], comparator)  # paths[0]: REF, where a comparison failed
+    return 1
+
+
+def _kept_records(paths: list[str]) -> tuple[Any, Any]:
+    """(the reference, or None, and the run) that ``compare [REF] RUN`` names."""
+    if len(paths) > 2:
+        raise GpuRegressError(f"compare takes [REF] RUN, not {len(paths)} paths")
+    *given, run_path = paths
+    run = load_record(_record_folder(run_path))
+    return (load_record(_record_folder(given[0])) if given else None), run
+
+
+def _judged_case(comparator: Any) -> tuple[Any, Any] | None:
+    """(scenario, case) of the built-in case that judged a kept run; None for a user's own run (for_kept gives
+    both or neither)."""
+    sc, case = comparator.scenario, comparator.case
+    return (sc, case) if sc is not None and case is not None else None
+
+
+def _print_failure(judgement: Any, reference: Any, run: Any, reference_path: str, comparator: Any) -> None:
+    """A failed judgement's findings, and a failed comparison's report as the plugin prints it."""
+    from ..triage.naming import described, name_findings
+
     for problem in judgement.problems:
         print(described(problem))
+    comparison = judgement.comparison
     if comparison is not None and not comparison.passed:
         name_findings(comparison)
         print(format_comparison(comparison, scenario=reference.scenario if reference else run.scenario,
-                                platform_key=run.platform_key, reference_path=given[0],
+                                platform_key=run.platform_key, reference_path=reference_path,
                                 record_hint=_record_hint(comparator)))
-    return 1
 
 
 def _record_hint(comparator: Any) -> str:
@@ -114,22 +133,27 @@ def _record_hint(comparator: Any) -> str:
 
     from ..scenarios import test_id
 
-    if comparator.scenario is None or comparator.case is None:
+    judged = _judged_case(comparator)
+    if judged is None:
         return "pytest --gpuregress --gpuregress-record <the test that checks this run>"
-    return shlex.join(["pytest", "--gpuregress", "--gpuregress-record",
-                       f"gpuregress::{test_id(comparator.scenario.name, comparator.case.id)}"])
+    return shlex.join(["pytest", "--gpuregress", "--gpuregress-record", f"gpuregress::{test_id(judged[0].name, judged[1].id)}"])
 
 
 def _scenarios(args: argparse.Namespace) -> int:
     from ..scenarios import registry
 
     for name, scenario in registry().items():
-        module = type(scenario).__module__
-        doc = (type(scenario).__doc__ or (__import__(module, fromlist=["_"]).__doc__ or "")).strip().splitlines()
-        summary = doc[0].replace("``", "").replace("`", "") if doc else ""  # a terminal shows no doc markup
-        summary = re.sub(rf"^Scenario {re.escape(name)}:\s*", "", summary)  # the name is in the first column
-        print(f"{name:<14} {scenario.kind:<9} {module}  {summary}")
+        print(f"{name:<14} {scenario.kind:<9} {type(scenario).__module__}  {_summary(name, scenario)}")
     return 0
+
+
+def _summary(name: str, scenario: Any) -> str:
+    """The first line of the scenario's docstring (else its module's), as a terminal shows it: no doc markup, and
+    not its name, which is in the first column."""
+    module = type(scenario).__module__
+    doc = (type(scenario).__doc__ or (__import__(module, fromlist=["_"]).__doc__ or "")).strip().splitlines()
+    summary = doc[0].replace("``", "").replace("`", "") if doc else ""
+    return re.sub(rf"^Scenario {re.escape(name)}:\s*", "", summary)
 
 
 def _inspect_fp8(args: argparse.Namespace) -> int:
@@ -139,9 +163,7 @@ def _inspect_fp8(args: argparse.Namespace) -> int:
 
     ckpt = checkpoint.read(Path(args.file))
     report = diagnose.diagnose(ckpt)
-    shown = ", ".join(f"{k}={ckpt.metadata[k]}" for k in FP8_METADATA_SHOWN if k in ckpt.metadata) or "none"
-    tags = ", ".join(f"{tag} x{count}" for tag, count in sorted(report.tags.items())) or "none"
-    print(f"{report.path}: {report.tensors} quantized tensors ({tags}); metadata: {shown}")
+    print(_fp8_summary(report, ckpt.metadata))
     for note in report.notes:
         print(f"  note: {note}")
     if not report.tensors:
@@ -155,6 +177,13 @@ def _inspect_fp8(args: argparse.Namespace) -> int:
     for text in texts:
         print("  " + text.replace("\n", "\n  "))
     return 1
+
+
+def _fp8_summary(report: Any, metadata: dict[str, str]) -> str:
+    """The file's quantized tensors by tag, and the quantization metadata it declares."""
+    shown = ", ".join(f"{k}={metadata[k]}" for k in FP8_METADATA_SHOWN if k in metadata) or "none"
+    tags = ", ".join(f"{tag} x{count}" for tag, count in sorted(report.tags.items())) or "none"
+    return f"{report.path}: {report.tensors} quantized tensors ({tags}); metadata: {shown}"
 
 
 def _plot(args: argparse.Namespace) -> int:

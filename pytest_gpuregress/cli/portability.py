@@ -57,7 +57,7 @@ def _device(choice: str) -> str:
 
     if choice == "cuda" and not torch.cuda.is_available():
         raise GpuRegressError(f"--device cuda: torch {torch.__version__} sees no GPU\n  fix: use --device cpu")
-    return "cuda:0" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu"
+    return "cuda:0" if choice != "cpu" and torch.cuda.is_available() else "cpu"
 
 
 def _stack(device: str) -> dict[str, str]:
@@ -65,7 +65,7 @@ def _stack(device: str) -> dict[str, str]:
 
     from ..stack.fingerprint import collect
 
-    section = collect("cuda" if device.startswith("cuda") else "cpu")["device"]
+    section = collect(device.partition(":")[0])["device"]
     name = section.get("cpu_model") if section.get("kind") == "cpu" else section.get("name")
     return {"torch": torch.__version__, "device": device, "device_name": str(name or platform.machine())}
 
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from ..training.models import architecture_digest
 
     device = _device(args.device)
-    set_determinism(0, device_kind="cuda" if device.startswith("cuda") else "cpu", cpu_threads=None)  # TF32 off
+    set_determinism(0, device_kind=device.partition(":")[0], cpu_threads=None)  # TF32 off
     model_config, config_file = load_config(Path(args.config))
     checkpoint = files.read(Path(args.checkpoint))  # the strict parse; evaluate loads the weights through the stack
     evaluation = portable.evaluate(checkpoint, model_config, f"the config {config_file}", device,
@@ -89,22 +89,29 @@ def run(args: argparse.Namespace) -> int:
         write(Path(args.out), summary, evaluation.logits)
         print(f"written: {args.out} (pass it to --against on another machine)")
     if args.against:
-        there, logits_there = read(Path(args.against))
-        if there["architecture"] != summary["architecture"]:
-            raise GpuRegressError(f"{args.against}: written for another model config (architecture "
-                                  f"{there['architecture']}, this config's is {summary['architecture']})\n  fix: "
-                                  "pass the config the other machine used")
-        problems += portable.compare(summary, evaluation.logits, there, logits_there)
-        stack = there.get("stack", {})
-        mine = summary["checksums"]
-        equal = sum(1 for n in mine if there["checksums"].get(n, {}).get("sha256") == mine[n]["sha256"])
-        print(f"against {args.against} ({stack.get('device_name')}, {stack.get('device')}, torch {stack.get('torch')}): "
-              f"logits deviation {portable.deviation_between(evaluation.logits, logits_there):.3g} (tolerance "
-              f"{2 * max(summary['bound'], there['bound']):.3g}); {equal} of {len(mine)} checksums equal")
+        problems += _against(args.against, summary, evaluation.logits)
     for problem in problems:
         print(f"  DIFFERS: {problem}")
     print("SAME" if not problems else f"DIFFERENT: {len(problems)} problem(s)")
     return 1 if problems else 0
+
+
+def _against(path: str, summary: dict[str, Any], logits: np.ndarray) -> list[str]:
+    """How this machine's result differs from the one another machine wrote to ``path`` (--against)."""
+    from ..scenarios.checkpoint import portable
+
+    there, logits_there = read(Path(path))
+    if there["architecture"] != summary["architecture"]:
+        raise GpuRegressError(f"{path}: written for another model config (architecture {there['architecture']}, this "
+                              f"config's is {summary['architecture']})\n  fix: pass the config the other machine used")
+    problems = portable.compare(summary, logits, there, logits_there)
+    stack = there.get("stack", {})
+    mine = summary["checksums"]
+    equal = sum(1 for n in mine if there["checksums"].get(n, {}).get("sha256") == mine[n]["sha256"])
+    print(f"against {path} ({stack.get('device_name')}, {stack.get('device')}, torch {stack.get('torch')}): "
+          f"logits deviation {portable.deviation_between(logits, logits_there):.3g} (tolerance "
+          f"{2 * max(summary['bound'], there['bound']):.3g}); {equal} of {len(mine)} checksums equal")
+    return problems
 
 
 def _print(checkpoint: Any, config_file: Path, summary: dict[str, Any], evaluation: Any) -> None:
@@ -123,9 +130,13 @@ def _print(checkpoint: Any, config_file: Path, summary: dict[str, Any], evaluati
         print(f"deviation from float64 on this machine: {evaluation.deviation:.3g} of the largest logit "
               f"(bound u sqrt(n) (L + 1) = {evaluation.bound:.3g})")
     print("tensor checksums (sha256 of the bytes as loaded; float64 sum):")
-    width = max(len(n) for n in summary["checksums"])
-    for name, entry in summary["checksums"].items():
-        print(f"  {name:<{width}}  {str(entry['shape']):<12} {entry['dtype']:<8} {entry['sha256'][:16]}  {entry['sum']!r}")
+    print("\n".join(_checksum_lines(summary["checksums"])))
+
+
+def _checksum_lines(checksums: dict[str, dict[str, Any]]) -> list[str]:
+    width = max(len(n) for n in checksums)
+    return [f"  {name:<{width}}  {str(entry['shape']):<12} {entry['dtype']:<8} {entry['sha256'][:16]}  {entry['sum']!r}"
+            for name, entry in checksums.items()]
 
 
 def write(path: Path, summary: dict[str, Any], logits: np.ndarray) -> None:

@@ -34,18 +34,27 @@ def add_parsers(sub: Any) -> None:
 
 
 def list_references(args: argparse.Namespace) -> int:
-    folder = Path(args.folder)
-    if not folder.is_dir():
-        raise GpuRegressError(f"{folder}: no such folder; give the folder references are recorded in "
-                              "(--gpuregress-reference-dir)")
+    folder = _reference_folder(args.folder)
     rows = [_row(manifest.parent) for manifest in sorted(folder.glob(f"*/*/{MANIFEST}"))]
     if not rows:
         print(f"{folder}: holds no reference")
         return 0
-    widths = [max(len(row[i]) for row in [HEADER, *rows]) for i in range(len(HEADER))]
-    for row in [HEADER, *rows]:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    print("\n".join(_table([HEADER, *rows])))
     return 0
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    """``rows`` in columns as wide as their widest cell."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+
+
+def _reference_folder(given: str) -> Path:
+    folder = Path(given)
+    if not folder.is_dir():
+        raise GpuRegressError(f"{folder}: no such folder; give the folder references are recorded in "
+                              "(--gpuregress-reference-dir)")
+    return folder
 
 
 def _row(reference: Path) -> tuple[str, ...]:
@@ -54,14 +63,18 @@ def _row(reference: Path) -> tuple[str, ...]:
         record = json.loads((reference / "record.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         return (reference.parent.name, reference.name, "-", "-", f"damaged: {type(exc).__name__}")
-    fingerprint = record.get("fingerprint", {}) if isinstance(record, dict) else {}
+    record = record if isinstance(record, dict) else {}
+    steps = len(record.get("series", {}).get("loss", []))
+    return (reference.parent.name, reference.name, str(manifest.get("recorded_at", "?"))[:16].replace("T", " "),
+            str(steps or "-"), _stack(record.get("fingerprint", {})))
+
+
+def _stack(fingerprint: dict[str, Any]) -> str:
+    """The stack that recorded a reference: torch, transformers, and the CPU (with its kernel set) or GPU."""
     versions, device = fingerprint.get("versions", {}), fingerprint.get("device", {})
     cpu = device.get("kind") == "cpu"
     where = (f"{device.get('cpu_model')} [{device.get('cpu_capability')}]" if cpu else device.get("name")) or "?"
-    stack = f"torch {versions.get('torch', '?')}, transformers {versions.get('transformers', '?')}; {where}"
-    steps = len(record.get("series", {}).get("loss", [])) if isinstance(record, dict) else 0
-    return (reference.parent.name, reference.name, str(manifest.get("recorded_at", "?"))[:16].replace("T", " "),
-            str(steps or "-"), stack)
+    return f"torch {versions.get('torch', '?')}, transformers {versions.get('transformers', '?')}; {where}"
 
 
 def read_names(models: list[str], base: Path) -> set[str]:
@@ -83,10 +96,7 @@ def unread(folder: Path, read: set[str]) -> list[Path]:
 def prune(args: argparse.Namespace) -> int:
     from ..resources import shipped_dir
 
-    folder = Path(args.folder)
-    if not folder.is_dir():
-        raise GpuRegressError(f"{folder}: no such folder; give the folder references are recorded in "
-                              "(--gpuregress-reference-dir)")
+    folder = _reference_folder(args.folder)
     if folder.resolve() == shipped_dir("reference_runs").resolve():
         raise GpuRegressError(f"{folder}: the references shipped with the plugin are not yours to prune")
     found = unread(folder, read_names(args.model, Path.cwd()) | set(args.keep))
@@ -96,10 +106,20 @@ def prune(args: argparse.Namespace) -> int:
     for reference in found:
         print(f"{'deleted' if args.yes else 'unread'}: {reference.parent.name}/{reference.name}")
         if args.yes:
-            shutil.rmtree(reference)
-            if not any(reference.parent.iterdir()):
-                reference.parent.rmdir()
+            _delete(reference)
     if not args.yes:
-        print(f"{len(found)} references no case reads; delete them with: gpuregress prune {folder} --yes"
-              + "".join(f" --model={m}" for m in args.model) + "".join(f" --keep={k}" for k in args.keep))
+        print(f"{len(found)} references no case reads; delete them with: {_prune_command(folder, args)}")
     return 0
+
+
+def _prune_command(folder: Path, args: argparse.Namespace) -> str:
+    """This prune again, deleting."""
+    return (f"gpuregress prune {folder} --yes" + "".join(f" --model={m}" for m in args.model)
+            + "".join(f" --keep={k}" for k in args.keep))
+
+
+def _delete(reference: Path) -> None:
+    """Delete a reference (``<name>/<platform>``), and its name's folder once no platform's is left."""
+    shutil.rmtree(reference)
+    if not any(reference.parent.iterdir()):
+        reference.parent.rmdir()

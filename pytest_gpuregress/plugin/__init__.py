@@ -70,7 +70,7 @@ def pytest_configure(config: pytest.Config) -> None:
     plugin_specs = config.stash.get(PLUGIN_SPECS_KEY, [])
     options = Options.from_config(config, [*BUILTIN_SCENARIO_OPTIONS, *plugin_specs])
     config.stash[OPTIONS_KEY] = options
-    if not options.enabled or getattr(config.option, "help", False):  # --help lists the options; it runs nothing
+    if not _runs(config):
         return
     if PLUGIN_SPECS_KEY not in config.stash:  # registered late (a conftest's pytest_plugins): still check plug-ins
         _plugin_option_specs()
@@ -79,6 +79,11 @@ def pytest_configure(config: pytest.Config) -> None:
     from .collection import take_builtin_arguments
 
     config.stash[BUILTIN_KEY] = take_builtin_arguments(config, options.no_builtin)
+
+
+def _runs(config: pytest.Config) -> bool:
+    """--gpuregress is on, and this is no --help (which lists the options and runs nothing)."""
+    return config.stash[OPTIONS_KEY].enabled and not getattr(config.option, "help", False)
 
 
 def refuse_xdist(config: pytest.Config) -> None:
@@ -193,8 +198,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """After -k, -m and --lf have chosen: launches carry the built-in cases left, and settings are checked before
     any rank starts (a comparison with other settings could only fail, after training)."""
     config = session.config
-    if not config.stash[OPTIONS_KEY].enabled or getattr(config.option, "help", False) \
-            or not config.stash.get(COLLECTED_KEY, False):  # collection failed: its own error says why
+    if not _runs(config) or not config.stash.get(COLLECTED_KEY, False):  # collection failed: its own error says why
         return
     from .collection import unknown_cases
     from .selection import test_id
@@ -202,12 +206,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     from .suite.cases import BuiltinCase
 
     gpuregress = _session(config)
-    chosen = {item.case for item in session.items if isinstance(item, BuiltinCase)}
-    gpuregress.select(chosen)
-    request = config.stash[BUILTIN_KEY]
-    ids = {test_id(sc, case) for sc, case in gpuregress.all_cases()}
-    mismatch = unknown_cases(request, ids) or missing_folder(gpuregress) \
-        or (None if config.stash[OPTIONS_KEY].record else usage_message(gpuregress))
+    gpuregress.selection.select({item.case for item in session.items if isinstance(item, BuiltinCase)})
+    ids = {test_id(sc, case) for sc, case in gpuregress.selection.all_cases()}
+    mismatch = unknown_cases(config.stash[BUILTIN_KEY], ids) or missing_folder(gpuregress) or usage_message(gpuregress)
     if mismatch:
         raise pytest.UsageError(mismatch)
 
@@ -235,12 +236,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     from .collection import header_line
     from .reporting import closing_sections
 
-    sections = closing_sections(config.stash[SESSION_KEY])
-    left_out = header_line(config.stash[BUILTIN_KEY])  # said again at the end: -q and --no-header hide the header
-    if left_out:
-        own = next((lines for title, lines in sections if title == "gpuregress"), None)
-        own.extend(left_out) if own is not None else sections.insert(0, ("gpuregress", left_out))
-    for title, lines in sections:
+    # A built-in suite left out is said again at the end: -q and --no-header hide the header.
+    for title, lines in closing_sections(config.stash[SESSION_KEY], header_line(config.stash[BUILTIN_KEY])):
         terminalreporter.section(title)
         for line in lines:
             terminalreporter.write_line(line)

@@ -57,20 +57,45 @@ class Launches:
 
     def close(self) -> None:
         """Stop pooled rank processes; called once at the end of the pytest session."""
-        if self._launcher is not None and hasattr(self._launcher, "close"):
-            self._launcher.close()
+        close = getattr(self._launcher, "close", None)  # none before the first launch, nor in place
+        if close is not None:
+            close()
 
     def launch(self, sc: Scenario, launch: Launch, faults: list[str]) -> RunRecord:
         """Run ``launch`` of ``sc`` on its ranks now; the merged record, with fault counts and the launch time."""
-        if self.platform.in_place and (launch.env or launch.fresh_ranks
-                                       or launch.world_size not in (None, self.platform.world_size)):
-            # Under torchrun every process already is one rank of one group with one environment.
+        if not self._runs_here(launch):
             raise NotApplicable(f"launch {launch.key!r} of {sc.name!r} needs its own group of ranks "
                                 f"({launch.world_size or self.platform.world_size} ranks, environment {launch.env or 'as is'}), "
                                 "which cannot be started in place under torchrun; run it spawned locally")
+        job = self._job(sc, launch, faults)
+        return self._merged(sc, launch, job, self.launcher.run(job, wall_timeout_s=self.options.timeout))
+
+    def _merged(self, sc: Scenario, launch: Launch, job: Job, result: Any) -> RunRecord:
+        """The ranks' records as one: with its platform key, the launch's time, what listened beyond loopback,
+        the faults' firing counts and the launcher's notes."""
+        record = sc.merge(result.records)
+        record.platform_key = self.platform.key(sc.platform_tag(launch.config))
+        record.timings["launch_wall_s"] = result.wall_s
+        listening = {k: v for rec in result.records for k, v in rec.results.get("listening", {}).items()}
+        if listening:
+            record.results["listening"] = listening
+        if job.faults:
+            count_faults(record, job.faults, result.records)
+        record.notes.extend(result.notes)
+        return record
+
+    def _runs_here(self, launch: Launch) -> bool:
+        """Under torchrun every process already is one rank of one group with one environment: a launch that needs
+        an environment of its own, fresh processes or another world size cannot run in place."""
+        return not self.platform.in_place or not (
+            launch.env or launch.fresh_ranks or launch.world_size not in (None, self.platform.world_size))
+
+    def _job(self, sc: Scenario, launch: Launch, faults: list[str]) -> Job:
+        """What the ranks of ``launch`` are handed: its config, the faults that reach its cases, the fail-fast
+        reference, the timeout."""
         injected = reach.reaching(self.options.inject, self.selection.served_cases(sc, launch.key)) \
             if launch.inject else reach.installed_code(self.options.inject)
-        job = Job(
+        return Job(
             scenario=launch.entry or sc.rank_entry,
             config=launch.config,
             world_size=launch.world_size or self.platform.world_size,
@@ -87,19 +112,6 @@ class Launches:
             fresh_ranks=launch.fresh_ranks or (launch.cold and not self.platform.in_place),
             profile=self.options.kernel_changes != "off",
         )
-        result = self.launcher.run(job, wall_timeout_s=self.options.timeout)
-        record = sc.merge(result.records)
-        record.platform_key = self.platform.key(sc.platform_tag(launch.config))
-        record.timings["launch_wall_s"] = result.wall_s
-        listening: dict[str, Any] = {}
-        for rec in result.records:
-            listening.update(rec.results.get("listening", {}))
-        if listening:
-            record.results["listening"] = listening
-        if job.faults:
-            count_faults(record, job.faults, result.records)
-        record.notes.extend(result.notes)
-        return record
 
     def cached(self, sc: Scenario, launch: Launch) -> RunRecord:
         """Run ``launch`` of ``sc`` once per session, however many cases or experiments ask for it.
@@ -132,24 +144,17 @@ class Launches:
 
     def add_envelope(self, sc: Scenario, launch: Launch, record: RunRecord, faults: list[str]) -> None:
         """Run the noise replicas of ``launch`` and store their spread with ``record`` (record mode only)."""
-        replicas = sc.noise_replicas(launch, self.setup, self.options.replicas)
-        if self.platform.in_place:  # under torchrun a replica cannot bring an environment of its own
-            replicas = [r for r in replicas if not r.env and r.world_size in (None, self.platform.world_size)]
+        replicas = [r for r in sc.noise_replicas(launch, self.setup, self.options.replicas) if self._runs_here(r)]
         if not replicas or any(k.startswith(envelope.PREFIX) for k in record.arrays):
             return
-        replicas, perturbed = self._replicas_that_ran(sc, replicas, faults, record)
-        for replica, run in zip(replicas, perturbed):  # a user's loop that applied none of its perturbation
-            missed = run.results.get("perturbation_not_applied")
-            if missed:
-                record.notes.append(f"noise replica {replica.key}: the loop did not apply {', '.join(missed)}, so it "
-                                    "adds no spread; give Recorder the model (model=) and pass batches through "
-                                    "rec.batch()")
-        record.arrays.update(envelope.measure(record, perturbed))
-        record.results["envelope"] = {"replicas": [r.key for r in replicas], "k": envelope.K,
+        ran = self._replicas_that_ran(sc, replicas, faults, record)
+        record.notes.extend(_unperturbed(ran))
+        record.arrays.update(envelope.measure(record, [run for _, run in ran]))
+        record.results["envelope"] = {"replicas": [replica.key for replica, _ in ran], "k": envelope.K,
                                       "floors": vars(envelope.floors_for(str(record.config.get("dtype", "fp32"))))}
 
     def _replicas_that_ran(self, sc: Scenario, replicas: list[Launch], faults: list[str],
-                           record: RunRecord) -> tuple[list[Launch], list[RunRecord]]:
+                           record: RunRecord) -> list[tuple[Launch, RunRecord]]:
         """Each replica's run. One that only moves the kernel path (an environment of its own) may fail where this
         stack cannot run the case on the lower path at all (torch 2.13's bf16 attention on an AMX CPU forced to
         AVX2): that path is not this stack's, so the envelope comes from the others and the record says why."""
@@ -164,7 +169,7 @@ class Launches:
                 record.notes.append(f"noise replica {replica.key} left out: this stack cannot run the case with "
                                     f"{setting} ({_first_error(str(exc))}); the envelope is measured from the other "
                                     "replicas")
-        return [launch for launch, _ in kept], [run for _, run in kept]
+        return kept
 
     def _save_check_record(self, sc: Scenario, key: str, record: RunRecord) -> None:
         if sc.kind != "check":
@@ -183,6 +188,13 @@ def count_faults(record: RunRecord, texts: list[str], per_rank: list[RunRecord])
     counts = firing.by_rank(texts, [r.results.get(firing.RESULT_KEY, {}) for r in per_rank])
     record.results[firing.RESULT_KEY] = {spec: sum(ranks) for spec, ranks in counts.items()}
     record.notes.extend(firing.notes(texts, counts))
+
+
+def _unperturbed(ran: list[tuple[Launch, RunRecord]]) -> list[str]:
+    """A note for each replica whose loop (a user's) applied none of its perturbation: it adds no spread."""
+    return [f"noise replica {replica.key}: the loop did not apply {', '.join(missed)}, so it adds no spread; give "
+            "Recorder the model (model=) and pass batches through rec.batch()"
+            for replica, run in ran if (missed := run.results.get("perturbation_not_applied"))]
 
 
 def keeping(run: Runner, ran: list[RunRecord]) -> Runner:

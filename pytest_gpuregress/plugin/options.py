@@ -265,7 +265,7 @@ def resolve(config: pytest.Config, spec: OptionSpec) -> Any:
         raw, where = cli, spec.flag
     else:
         ini = config.getini(spec.ini_key)
-        raw, where = (None if ini is None or ini == "" or ini == [] else ini), f"ini key {spec.ini_key} ="
+        raw, where = (None if ini in (None, "", []) else ini), f"ini key {spec.ini_key} ="
     try:
         value = spec.convert(raw, where)
     except BadOptionValue as exc:
@@ -283,7 +283,7 @@ def _value(config: pytest.Config, spec: OptionSpec, then: Then | None) -> Any:
 def _base_of(config: pytest.Config, spec: OptionSpec) -> Path:
     """What an option's relative paths start from: the invocation folder, unless the option says the ini file's
     folder and came from there."""
-    from_ini = spec.ini_relative and config.getoption(spec.dest) is None and config.inipath is not None
+    from_ini = spec.ini_relative and config.getoption(spec.dest) is None
     return config.inipath.parent if from_ini and config.inipath is not None else config.invocation_params.dir
 
 
@@ -295,8 +295,17 @@ def check_reference_dir_argument(config: pytest.Config) -> None:
     if "--gpuregress-reference-dir" not in args[:-1]:
         return
     value = args[args.index("--gpuregress-reference-dir") + 1]
-    if not (config.invocation_params.dir / value).is_dir():
-        return
+    if (config.invocation_params.dir / value).is_dir() and _rootdir_now(config) != (config.rootpath, config.inipath):
+        raise pytest.UsageError(
+            f"--gpuregress-reference-dir {value}: pytest took the directory for a test path while choosing "
+            f"its rootdir ({config.rootpath}) and ini file ({config.inipath}), before this plugin was loaded. "
+            f"Write it as one word: --gpuregress-reference-dir={value}"
+        )
+
+
+def _rootdir_now(config: pytest.Config) -> tuple[Path | None, Path | None]:
+    """(rootdir, ini file) as pytest chooses them now that it knows the option and so its value; (None, None)
+    where its private API cannot tell."""
     from _pytest.config.findpaths import determine_setup
 
     wanted = {
@@ -310,10 +319,5 @@ def check_reference_dir_argument(config: pytest.Config) -> None:
     try:
         rootpath, inipath = determine_setup(**{k: v for k, v in wanted.items() if k in params})[:2]
     except Exception:  # noqa: BLE001 - private API; when in doubt, ask for the safe spelling
-        rootpath, inipath = None, None
-    if (rootpath, inipath) != (config.rootpath, config.inipath):
-        raise pytest.UsageError(
-            f"--gpuregress-reference-dir {value}: pytest took the directory for a test path while choosing "
-            f"its rootdir ({config.rootpath}) and ini file ({config.inipath}), before this plugin was loaded. "
-            f"Write it as one word: --gpuregress-reference-dir={value}"
-        )
+        return None, None
+    return rootpath, inipath

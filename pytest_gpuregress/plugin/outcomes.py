@@ -55,10 +55,18 @@ def summary_table(outcomes: list[Outcome]) -> list[str]:
     if not outcomes:
         return []
     rows = [("scenario", "platform", "lane", "verdict", "worst/tol", "seconds")]
-    rows += [(o.scenario, o.platform_key, o.lane or "-", o.verdict.upper(),
-              "-" if o.worst is None else f"{o.worst:.2g}x", "-" if o.seconds is None else f"{o.seconds:.1f}")
-             for o in outcomes]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["", *("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)]
+    rows += [_row(outcome) for outcome in outcomes]
+    lines = ["", *_columns(rows)]
     lines += [f"reproduce {o.scenario}: {o.reproduce}" for o in outcomes if o.reproduce]
     return lines
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    """``rows`` in columns as wide as their widest cell."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def _row(o: Outcome) -> tuple[str, ...]:
+    return (o.scenario, o.platform_key, o.lane or "-", o.verdict.upper(), "-" if o.worst is None else f"{o.worst:.2g}x",
+            "-" if o.seconds is None else f"{o.seconds:.1f}")

@@ -55,13 +55,7 @@ class CheckPipeline:
         if self.places.recording(name, record.platform_key):
             self._record(record, name, [*extra, *map(described, comparator.own_checks(record))])
             return None
-        loc = self.places.location(name, record.platform_key)
-        try:
-            reference = store.read_reference(loc)
-            store.check_compatible(loc, reference, record)
-        except ReferenceProblem as exc:  # missing, corrupt or foreign: a row in the closing table too
-            self.unusable(exc, name, record.platform_key, loc)
-            raise
+        loc, reference = self._reference(name, record)
         judgement = comparator.judge(reference, record)
         comparison = judgement.comparison
         assert comparison is not None  # judged with a reference
@@ -69,34 +63,54 @@ class CheckPipeline:
         problems = [*extra, *map(described, judgement.problems)]
         self._named(judgement.problems, comparison)
         passed = comparison.passed and not problems
-        kept = self.artifacts.keep(kept_as or name, with_identity(record, comparator), judgement.reference or reference, comparison,
-                                   keep_run=not passed or self.keep_runs, plot=not passed or self.plots)
+        kept = self.artifacts.keep(kept_as or name, with_identity(record, comparator), judgement.reference or reference,
+                                   comparison, keep_run=not passed or self.keep_runs, plot=not passed or self.plots)
         self._summarise(comparator.row_label(name), record, loc.path, judgement, kept, passed)
         if passed:
             return comparison
-        if comparison.passed:
-            raise RegressionFailure("\n".join([*problems, f"(the comparison with the reference {loc.path} passed)",
-                                               *kept.report_lines(loc.path)]))
+        why = f"(the comparison with the reference {loc.path} passed)" if comparison.passed \
+            else self._report(name, record, loc, reference, judgement, explain)
+        raise RegressionFailure("\n".join([*problems, why, *kept.report_lines(loc.path)]))
+
+    def _reference(self, name: str, record: RunRecord) -> tuple[store.ReferenceLocation, RunRecord]:
+        """Where reference ``name`` is read, and the reference, checked to be comparable with ``record``."""
+        loc = self.places.location(name, record.platform_key)
+        try:
+            reference = store.read_reference(loc)
+            store.check_compatible(loc, reference, record)
+        except ReferenceProblem as exc:  # missing, corrupt or foreign: a row in the closing table too
+            self.unusable(exc, name, record.platform_key, loc)
+            raise
+        return loc, reference
+
+    def _report(self, name: str, record: RunRecord, loc: store.ReferenceLocation, reference: RunRecord,
+                judgement: Judgement, explain: Explain | None) -> str:
+        """A failed comparison's report, explained by triage where the case has an explainer."""
+        comparison = judgement.comparison
+        assert comparison is not None
         evidence: list[str] = []
         if explain is not None and comparison.findings:
             # The reference as compared (cut to the steps a fail-fast run ran), and whole: the late window reads
             # the reference's late steps.
-            explained = explain(judgement.reference or reference, comparison, reference, record)
-            evidence = explained.lines
-            if explained.verdict is not None:
-                if explained.verdict.component and explained.verdict.rule:
-                    convict(comparison, explained.verdict.component, explained.verdict.rule)
-                self.figures["triage_verdict"] = explained.verdict.line
-                self.figures["triage_rule"] = explained.verdict.rule
-            self.figures["bisect"] = explained.bisect
+            evidence = self._explained(explain(judgement.reference or reference, comparison, reference, record),
+                                       comparison)
         self._named(judgement.problems, comparison)  # the verdict may have convicted one component for every finding
         report = format_comparison(comparison, scenario=name, platform_key=record.platform_key,
                                    reference_path=str(loc.path), record_hint=loc.record_hint,
                                    record_elsewhere_hint=loc.record_elsewhere_hint) + "\n".join(evidence)
         if comparison.findings and judgement.observed is not None:  # a deviation: what the kernels did sits next to it
             report += "\n" + "\n".join(judgement.observed.evidence())
-        report += "\n" + "\n".join(kept.report_lines(loc.path))
-        raise RegressionFailure("\n".join([*problems, report]) if problems else report)
+        return report
+
+    def _explained(self, explained: Explanation, comparison: Comparison) -> list[str]:
+        """Triage's verdict convicts its component and goes to the test's figures; its evidence is the report's."""
+        verdict = explained.verdict
+        if verdict is not None:
+            if verdict.component and verdict.rule:
+                convict(comparison, verdict.component, verdict.rule)
+            self.figures.update(triage_verdict=verdict.line, triage_rule=verdict.rule)
+        self.figures["bisect"] = explained.bisect
+        return explained.lines
 
     def unusable(self, exc: ReferenceProblem, name: str, platform_key: str, loc: store.ReferenceLocation) -> None:
         """The closing table's row for a reference that cannot be used, with the command that records it."""
@@ -163,27 +177,10 @@ class CheckPipeline:
         """The closing table's row, the test's figures, and the observations' warnings."""
         comparison, observed = judgement.comparison, judgement.observed
         assert comparison is not None and observed is not None
-        loss = record.series.get("loss")
-        detail = f"{record.steps} steps, loss {loss[0]:.4f} -> {loss[-1]:.4f}, " if loss else ""
-        clip = clipping.of(record)
-        detail += f"{clip.describe()}, " if clip is not None else ""
-        detail += f"reference {reference_path}"
-        if comparison.margins:
-            detail += f"; {format_margins(comparison)}"
-        if observed.detail():
-            detail += f"; {observed.detail()}"
-        if comparison.lane == "tolerant":
-            detail += f"; {comparison.lane_reason}"
-        drift = format_drift(comparison) if passed else None
-        if drift:  # a pass whose ops moved: where bitwise drift starts, as information
-            detail += f"; {drift}"
-        worst = max(comparison.margins.values(), default=None)
-        outcome = Outcome(name, record.platform_key, "passed" if passed else "failed", comparison.lane, detail,
-                          [*record.notes, *comparison.notes], worst, record.timings.get("launch_wall_s"),
-                          compare_command(reference_path, kept.run) if kept.run and not passed else "")
+        outcome = _outcome(name, record, reference_path, comparison, observed.detail(), kept, passed)
         add_outcome(self.outcomes, outcome)
         self.figures.update(lane=comparison.lane, platform_key=record.platform_key,
-                            first_differing_step=first_divergence(comparison), worst_over_tolerance=worst,
+                            first_differing_step=first_divergence(comparison), worst_over_tolerance=outcome.worst,
                             seconds=outcome.seconds, plot=kept.plot,
                             stack_changes=[describe_change(*c) for c in comparison.stack_changes] or ["none"],
                             perf=perf.summary(observed.ratios) or None,
@@ -191,3 +188,23 @@ class CheckPipeline:
         # Warned once the outcome is kept: under -W error a warning raises, and must not lose the summary row.
         for category, message in observed.warnings():
             warn_at_test(category(f"{name} {record.platform_key}: {message}"))
+
+
+def _outcome(name: str, record: RunRecord, reference_path: Any, comparison: Comparison, observed: str, kept: Kept,
+             passed: bool) -> Outcome:
+    """The closing table's row of a judged run, with the command that judges a failed one again."""
+    return Outcome(name, record.platform_key, "passed" if passed else "failed", comparison.lane,
+                   _detail(record, reference_path, comparison, observed, passed), [*record.notes, *comparison.notes],
+                   max(comparison.margins.values(), default=None), record.timings.get("launch_wall_s"),
+                   compare_command(reference_path, kept.run) if kept.run and not passed else "")
+
+
+def _detail(record: RunRecord, reference_path: Any, comparison: Comparison, observed: str, passed: bool) -> str:
+    """The summary row's detail: what the run did and its reference, then the margins, what the kernels did, the
+    tolerant lane's reason and, on a pass whose ops moved, where bitwise drift starts (outcomes.detail_parts)."""
+    loss, clip = record.series.get("loss"), clipping.of(record)
+    did = [f"{record.steps} steps, loss {loss[0]:.4f} -> {loss[-1]:.4f}" if loss else "",
+           clip.describe() if clip is not None else "", f"reference {reference_path}"]
+    more = [format_margins(comparison) if comparison.margins else "", observed,
+            comparison.lane_reason if comparison.lane == "tolerant" else "", format_drift(comparison) if passed else ""]
+    return "; ".join(filter(None, [", ".join(filter(None, did)), *more]))

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import Any
 
+from ..option_spec import OptionSpec
 from ..reference import store
 from ..resources import shipped_dir
 from ..scenarios import registry
 from .collection import ROOT
-from .options import Options
+from .options import FIELDS, Options
 from .selection import Selection
 
 
@@ -48,25 +50,16 @@ class ReferencePlaces:
         """The command that records the references ``tests`` (node ids) read, with this run's setup, into ``folder``
         (default: the user's folder)."""
         options = self.options
-        parts = ["pytest", "--gpuregress", "--gpuregress-record", *tests,
-                 f"--gpuregress-reference-dir={folder or self.recording_root}"]
-        if options.steps:
-            parts.append(f"--gpuregress-steps={options.steps}")
-        if options.world_size:
-            parts.append(f"--gpuregress-world-size={options.world_size}")
-        if options.device != "auto":
-            parts.append(f"--gpuregress-device={options.device}")
-        # The models and data shape the config too (a model's cases exist only with its option).
-        parts += [f"--gpuregress-model={m.name if m.shipped else m.source}" for m in options.models]
-        if options.tokens is not None:
-            parts.append(f"--gpuregress-tokens={options.tokens}")
-        # A scenario's own options can shape its config: the hinted command must record the same setup.
+        core = [(FIELDS[name].spec, getattr(options, name)) for name in ("steps", "world_size", "device")]
         specs = {spec.dest: spec for sc in registry().values() for spec in sc.options}
-        for dest, value in sorted(options.scenario_values.items()):
-            spec = specs.get(dest)
-            if spec is not None and value != spec.default:
-                shown = ",".join(value) if isinstance(value, list) else value
-                parts.append(f"{spec.flag}={shown}")
+        parts = ["pytest", "--gpuregress", "--gpuregress-record", *tests,
+                 f"--gpuregress-reference-dir={folder or self.recording_root}", *_changed(core),
+                 # The models and data shape the config too (a model's cases exist only with its option).
+                 *(f"--gpuregress-model={m.name if m.shipped else m.source}" for m in options.models),
+                 *_changed([(FIELDS["tokens"].spec, options.tokens)]),
+                 # A scenario's own options can shape its config: the hinted command must record the same setup.
+                 *_changed([(specs[dest], value) for dest, value in sorted(options.scenario_values.items())
+                            if dest in specs])]
         return shlex.join(parts)
 
     def location(self, name: str, platform_key: str, *, for_writing: bool = False) -> store.ReferenceLocation:
@@ -111,3 +104,10 @@ class ReferencePlaces:
         return sorted(f"{manifest.parent.parent.name}/{manifest.parent.name}"
                       for manifest in self.user_root.glob(f"*/*/{store.MANIFEST}")
                       if manifest.parent.name in platform_keys and manifest.parent.parent.name not in wanted)
+
+
+
+def _changed(given: list[tuple[OptionSpec, Any]]) -> list[str]:
+    """``--flag=value`` for each option given a value other than its default (a list's values joined by commas)."""
+    return [f"{spec.flag}={','.join(value) if isinstance(value, list) else value}"
+            for spec, value in given if value != spec.default]

@@ -35,13 +35,7 @@ def header_lines(session: GpuRegressSession) -> list[str]:
     lines += determinism_lines(plat.device_kind)  # on a GPU, or where determinism cannot be had: why
     session.matched_issues = matching(session.known_issues, fingerprint)  # what a failed case cites
     lines += known_issue_lines(session.matched_issues)
-    mode = "in place under torchrun" if plat.in_place else "spawned locally"
-    doing = "RECORDING" if options.record else "RECORDING missing and comparing" if options.record_missing else "comparing"
-    lines.append(f"gpuregress run: {plat.world_size} {plat.backend} ranks on {plat.device_kind} ({mode}); {doing} "
-                 f"references in {session.places.user_root}"
-                 # an explicit folder means that folder only (places.py): the shipped ones are no fallback then
-                 + ("" if options.record or options.reference_dir is not None
-                    else f" (else shipped: {session.places.shipped_root})"))
+    lines.append(_run_line(session))
     lines += session.selection.rank_header()
     lines.append(f"gpuregress artifacts: {session.output_dir} (failed runs, plots, logs; --gpuregress-artifacts)")
     if options.inject:
@@ -55,6 +49,17 @@ def header_lines(session: GpuRegressSession) -> list[str]:
     for scenario in registry().values():
         lines += scenario.header(session.setup)
     return lines
+
+
+def _run_line(session: GpuRegressSession) -> str:
+    """How the ranks run, and whether this run records or compares references, and where."""
+    options, plat, places = session.options, session.platform, session.places
+    mode = "in place under torchrun" if plat.in_place else "spawned locally"
+    doing = "RECORDING" if options.record else "RECORDING missing and comparing" if options.record_missing else "comparing"
+    # An explicit folder means that folder only (places.py): the shipped ones are no fallback then.
+    shipped = "" if options.record or options.reference_dir is not None else f" (else shipped: {places.shipped_root})"
+    return (f"gpuregress run: {plat.world_size} {plat.backend} ranks on {plat.device_kind} ({mode}); {doing} "
+            f"references in {places.user_root}{shipped}")
 
 
 def attach_figures(item: pytest.Item, report: pytest.TestReport, figures: dict[str, Any]) -> None:
@@ -77,7 +82,6 @@ def cite_known_issues(item: pytest.Item, report: pytest.TestReport, session: Gpu
     """A failed case cites the known issues of this stack (the header's KNOWN ISSUE lines) whose component its
     findings name: the bug may be a known one, with a source and a workaround. The failure stands (a match is a
     warning): the case's numbers say whether the bug hit this run."""
-    from ..components import parts
     from ..stack.fingerprint import collect
     from ..stack.known_issues import cited_lines, matching
 
@@ -86,11 +90,30 @@ def cite_known_issues(item: pytest.Item, report: pytest.TestReport, session: Gpu
     if session.matched_issues is None:  # no header was printed (--no-header): match now, once
         plat = session.platform
         session.matched_issues = matching(session.known_issues, collect(plat.device_kind, plat.backend, plat.world_size))
-    named = {part for name in str(session.figures.get("component") or "").split(", ") for part in parts(name)}
+    named = _components_named(session.figures)
     cited = [issue for issue in session.matched_issues if issue.component in named]
     if cited:
         report.sections.append(("gpuregress known issues", "\n".join(cited_lines(cited))))
         item.user_properties.append(("known_issues", ", ".join(issue.id for issue in cited)))  # JUnit, as the figures
+
+
+def _outcome_lines(session: GpuRegressSession) -> list[str]:
+    """The outcomes and their table, where the artifacts are, and the references no case reads."""
+    lines = [*outcome_lines(session.outcomes), *summary_table(session.outcomes),
+             f"artifacts (failed runs, plots, logs): {session.output_dir}"]
+    unused = session.places.unused({o.platform_key for o in session.outcomes})
+    if unused:
+        lines.append(f"references no case of this configuration reads ({len(unused)}, in {session.places.user_root}): "
+                     f"{', '.join(unused)}; left over from a removed model or case, or read only with an option "
+                     "not given this run (--gpuregress-model ...): delete those no longer wanted")
+    return lines
+
+
+def _components_named(figures: dict[str, Any]) -> set[str]:
+    """The components a case's findings name (its ``component`` figure), each with the parts it is made of."""
+    from ..components import parts
+
+    return {part for name in str(figures.get("component") or "").split(", ") for part in parts(name)}
 
 
 def _junit_value(value: Any) -> Any:
@@ -98,25 +121,20 @@ def _junit_value(value: Any) -> Any:
     return "; ".join(map(str, value)) if isinstance(value, list) else value
 
 
-def closing_sections(session: GpuRegressSession) -> list[tuple[str, list[str]]]:
-    """(section title, lines) of the closing summary: the outcomes and their table, then each scenario's own."""
+def closing_sections(session: GpuRegressSession, left_out: list[str]) -> list[tuple[str, list[str]]]:
+    """(section title, lines) of the closing summary: the outcomes and their table and the header's word on a
+    built-in suite ``left_out``, then each scenario's own."""
+    own = [*(_outcome_lines(session) if session.outcomes else []), *left_out]
+    scenarios = [(f"gpuregress {name}", lines) for name in session.launches.launched
+                 if (lines := _scenario_lines(session, name))]
+    return [("gpuregress", own), *scenarios] if own else scenarios
+
+
+def _scenario_lines(session: GpuRegressSession, name: str) -> list[str]:
+    """Scenario ``name``'s own summary of its launches (a failed one as None), and where its records were kept."""
     from ..scenarios import registry
 
-    sections: list[tuple[str, list[str]]] = []
-    if session.outcomes:
-        lines = [*outcome_lines(session.outcomes), *summary_table(session.outcomes),
-                 f"artifacts (failed runs, plots, logs): {session.output_dir}"]
-        unused = session.places.unused({o.platform_key for o in session.outcomes})
-        if unused:
-            lines.append(f"references no case of this configuration reads ({len(unused)}, in {session.places.user_root}): "
-                         f"{', '.join(unused)}; left over from a removed model or case, or read only with an option "
-                         "not given this run (--gpuregress-model ...): delete those no longer wanted")
-        sections.append(("gpuregress", lines))
     launches = session.launches
-    for name, launched in launches.launched.items():
-        records = {key: (None if isinstance(r, Exception) else r) for key, r in launched.items()}
-        lines = registry()[name].summary(records, session.setup)
-        lines += [f"{key}: record in {path}" for (sc, key), path in launches.saved.items() if sc == name]
-        if lines:
-            sections.append((f"gpuregress {name}", lines))
-    return sections
+    records = {key: (None if isinstance(r, Exception) else r) for key, r in launches.launched[name].items()}
+    lines = registry()[name].summary(records, session.setup)
+    return lines + [f"{key}: record in {path}" for (sc, key), path in launches.saved.items() if sc == name]

@@ -48,9 +48,7 @@ class Selection:
     def runnable_case(self, scenario: str, case_id: str) -> tuple[Scenario, Case]:
         """The case to run, or NotApplicable (a skip) when this run's ranks or faults cannot test it."""
         sc = registry()[scenario]
-        # Cases skipped for want of ranks are not in ``selected``: look them up among all the scenario's cases.
-        case = next((c for c in self.selected.get(scenario, []) if c.id == case_id), None) \
-            or next(c for c in sc.cases(self.setup) if c.id == case_id)
+        case = self._case(sc, case_id)
         shortfall = self.rank_shortfall(case)
         if shortfall:  # a direct call; the built-in suite already skips such cases
             raise NotApplicable(shortfall)
@@ -59,6 +57,11 @@ class Selection:
         if unreached:  # it would run clean, proving nothing about the faults asked for
             raise NotApplicable(unreached)
         return sc, case
+
+    def _case(self, sc: Scenario, case_id: str) -> Case:
+        """The case ``case_id`` of ``sc``: a selected one, else (skipped for want of ranks, so not selected) any."""
+        return next((c for c in self.selected.get(sc.name, []) if c.id == case_id), None) \
+            or next(c for c in sc.cases(self.setup) if c.id == case_id)
 
     def launch_of(self, sc: Scenario, case: Case) -> Launch:
         """The launch that carries ``case``, planned with the cases selected beside it."""
@@ -75,13 +78,11 @@ class Selection:
         return served or sc.cases(self.setup)
 
     def node_ids_for(self, reference: str) -> list[str]:
-        """The node ids that select the built-in cases a recording of ``reference`` runs: those that read it, and
-        the cases of their scenarios that read none (the formats reference stores what its decode and encode
-        cases found). ``gpuregress::fsdp*`` where that pattern selects exactly those, else their ids: a printed
-        record command never re-records another reference (a model's, say)."""
+        """The node ids that select the built-in cases a recording of ``reference`` runs (``_recorded_with``):
+        ``gpuregress::fsdp*`` where that pattern selects exactly those, else their ids: a printed record command
+        never re-records another reference (a model's, say)."""
         cases = [(sc.name, test_id(sc, case), sc.reference_name(case)) for sc, case in self.all_cases()]
-        scenarios = {name for name, _, read in cases if read == reference}
-        ids = [case_id for name, case_id, read in cases if read == reference or (read is None and name in scenarios)]
+        ids = _recorded_with(reference, cases)
         if len(ids) > 1 and [case_id for _, case_id, _ in cases if case_id.startswith(reference)] == ids:
             return [builtin_node_id(f"{reference}*")]
         return [builtin_node_id(i) for i in ids]
@@ -89,3 +90,10 @@ class Selection:
     def reference_names(self) -> set[str]:
         """Every reference some case of this configuration reads, selected or not."""
         return {name for sc, case in self.all_cases() if (name := sc.reference_name(case)) is not None}
+
+
+def _recorded_with(reference: str, cases: list[tuple[str, str, str | None]]) -> list[str]:
+    """Of ``cases`` (scenario, test id, the reference it reads), those that read ``reference``, and the cases of
+    their scenarios that read none (the formats reference stores what its decode and encode cases found)."""
+    scenarios = {name for name, _, read in cases if read == reference}
+    return [case_id for name, case_id, read in cases if read == reference or (read is None and name in scenarios)]

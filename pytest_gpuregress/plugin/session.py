@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..comparison.compare import Comparison
 from ..comparison.judgement import JudgingPolicy
-from ..errors import NotSupported, RankFailure, ReferenceProblem
+from ..errors import GpuRegressError, NotSupported, RankFailure, ReferenceProblem
 from ..evidence import oracle_distance
 from ..faults import check_ranks, firing
 from ..reference import store
@@ -21,7 +22,7 @@ from ..reference.record import RunRecord
 from ..scenarios import Case, Launch, Scenario, Setup, get_scenario
 from ..scenarios.comparator import Comparator, comparator_of
 from ..stack.platforms import Platform, rank_origin, resolve_platform
-from ..triage import own_evidence
+from ..triage import own_evidence, session_checks
 from ..triage.bisect import BisectRequest
 from ..triage.explain import Explanation, explain_failure, measure_oracle_distance
 from .artifacts import Artifacts
@@ -65,17 +66,6 @@ class GpuRegressSession:
                                       lambda: self.launches.writes_references, options.keep_runs, options.plots,
                                       options.record_anyway)
 
-    # --- what the plugin reads -------------------------------------------------------------------
-
-    def all_cases(self) -> list[tuple[Scenario, Case]]:
-        return self.selection.all_cases()
-
-    def select(self, chosen: set[tuple[str, str]]) -> None:
-        self.selection.select(chosen)
-
-    def rank_shortfall(self, case: Case) -> str | None:
-        return self.selection.rank_shortfall(case)
-
     def close(self) -> None:
         self.launches.close()
 
@@ -89,15 +79,14 @@ class GpuRegressSession:
         scenarios do: --gpuregress-fail-fast hands the ranks the reference to stop at the first miss, and
         --gpuregress-record also runs the noise replicas whose spread is stored as the envelope."""
         sc = get_scenario(scenario) if isinstance(scenario, str) else scenario
-        cfg = sc.default_config(self.setup)
-        cfg.update(config or {})
-        launch = Launch("default", cfg, dict(env or {}))
+        launch = Launch("default", {**sc.default_config(self.setup), **(config or {})}, dict(env or {}))
         self.launches.watches.pop((sc.name, launch.key), None)  # an earlier run's reference is not this one's
-        if reference is not None and self.options.fail_fast and not self.options.record:
+        faults = faults or []
+        if reference is not None and self._fails_fast:
             self._watch(sc, launch, reference, Comparator(self.policy))
-        record = self.launches.launch(sc, launch, faults or [])
+        record = self.launches.launch(sc, launch, faults)
         if reference is not None and self.places.recording(reference, record.platform_key) and self.options.replicas:
-            self.launches.add_envelope(sc, launch, record, faults or [])
+            self.launches.add_envelope(sc, launch, record, faults)
         return record
 
     def check(self, record: RunRecord, *, name: str | None = None, extra: list[str] | None = None) -> Comparison | None:
@@ -108,8 +97,9 @@ class GpuRegressSession:
         report when it differs; MissingReference, CorruptReference or ForeignReference when the reference cannot
         be used."""
         __tracebackhide__ = True
-        unfired = [p for p in self._faults_unfired([record.results]) if p not in (extra or [])]
-        return self.pipeline.check(record, name or record.scenario, Comparator(self.policy), [*(extra or []), *unfired])
+        extra = extra or []
+        unfired = [p for p in self._faults_unfired([record.results]) if p not in extra]
+        return self.pipeline.check(record, name or record.scenario, Comparator(self.policy), [*extra, *unfired])
 
     def check_metrics(self, name: str, *, loss: Any, grad_norm: Any = None, clipped_grad_norm: Any = None,
                       param_grad_norms: Any = None, tensors: Any = None, rtol: float | dict[str, float] | None = None,
@@ -118,8 +108,6 @@ class GpuRegressSession:
 
         Arguments: comparison/metrics.py and docs/own-models.md. ``rtol`` puts the comparison in the tolerant lane."""
         __tracebackhide__ = True
-        from dataclasses import replace
-
         from ..comparison import envelope
         from ..comparison.metrics import metrics_record, tolerances
         from ..stack.fingerprint import collect
@@ -143,9 +131,8 @@ class GpuRegressSession:
         sc, case = self.selection.runnable_case(scenario, case_id)
         comparator = comparator_of(sc, case, self.setup, self.policy)
         reference = sc.reference_name(case)
-        if reference is not None and self.options.fail_fast and not self.options.record \
-                and sc.kind == "training" and not self.launches.started(sc, case):
-            self._watch(sc, self.selection.launch_of(sc, case), reference, comparator)
+        if reference is not None and sc.kind == "training":
+            self._watch_case(sc, case, reference, comparator)
         ran: list[RunRecord] = []  # the launches an experiment ran, to count their faults' firings
         record = self._launched(sc, case, reference, ran)
         lacking = sc.unsupported(case, record, self.setup)
@@ -155,22 +142,38 @@ class GpuRegressSession:
         unfired = self._faults_unfired([r.results for r in ran or [record]])
         self.figures.update(sc.properties(case, record, self.setup))
         if reference is None:
-            if not record.platform_key:  # an experiment's own record (triage's): kept under this run's platform
-                record.platform_key = self.platform.key(sc.platform_tag(sc.default_config(self.setup)))
-            self.pipeline.check_without_reference(record, test_id(sc, case), comparator, unfired,
-                                                  judged=lambda passed: self._tally(sc, case, passed))
+            self._check_alone(sc, case, record, comparator, unfired)
             return
-        model = case.data.get("model")
-        if self.places.recording(reference, record.platform_key) and not unfired and not comparator.own_checks(record):
-            if self.options.replicas:
-                self.launches.add_envelope(sc, self.selection.launch_of(sc, case), record, [])
-            # Where a float64 oracle is at hand, store how far step 0 is from it.
-            measure_oracle_distance(sc, self.setup, self.launches.cached, record, model)
-            record.attachments.update(sc.attachments(case, record, self.launches.cached, self.setup))
-        elif oracle_distance.judges_precision(record):  # a bf16 run: held to its reference's precision
-            measure_oracle_distance(sc, self.setup, self.launches.cached, record, model)
+        self._before_judging(sc, case, record, recorded=self.places.recording(reference, record.platform_key)
+                             and not unfired and not comparator.own_checks(record))
         self.pipeline.check(record, reference, comparator, unfired, self._explainer(sc, case),
                             kept_as=test_id(sc, case))
+
+    def _check_alone(self, sc: Scenario, case: Case, record: RunRecord, comparator: Comparator,
+                     unfired: list[str]) -> None:
+        """Judge a case that reads no reference (a check case, an experiment) on its own checks."""
+        __tracebackhide__ = True
+        if not record.platform_key:  # an experiment's own record (triage's): kept under this run's platform
+            record.platform_key = self.platform.key(sc.platform_tag(sc.default_config(self.setup)))
+        self.pipeline.check_without_reference(record, test_id(sc, case), comparator, unfired,
+                                              judged=lambda passed: self._tally(sc, case, passed))
+
+    @property
+    def _fails_fast(self) -> bool:
+        """--gpuregress-fail-fast, which a recording run ignores."""
+        return self.options.fail_fast and not self.options.record
+
+    def _before_judging(self, sc: Scenario, case: Case, record: RunRecord, recorded: bool) -> None:
+        """A record about to be ``recorded`` gets what its reference keeps beside the run: its noise envelope,
+        step 0's distance from a float64 oracle where one is at hand, and the scenario's attachments (a resume
+        checkpoint). A bf16 run to compare is held to its reference's precision: its distance is measured too."""
+        if recorded:
+            if self.options.replicas:
+                self.launches.add_envelope(sc, self.selection.launch_of(sc, case), record, [])
+            measure_oracle_distance(sc, self.setup, self.launches.cached, record, case.data.get("model"))
+            record.attachments.update(sc.attachments(case, record, self.launches.cached, self.setup))
+        elif oracle_distance.judges_precision(record):
+            measure_oracle_distance(sc, self.setup, self.launches.cached, record, case.data.get("model"))
 
     def _launched(self, sc: Scenario, case: Case, reference: str | None, ran: list[RunRecord]) -> RunRecord:
         """The case's record: from its experiment, from its stored reference (a resume), or its launch. A rank that
@@ -181,20 +184,36 @@ class GpuRegressSession:
                 or self._from_reference(sc, case, reference, keeping(self.launches.cached, ran)) \
                 or self.launches.for_case(sc, case)
         except RankFailure as exc:
-            launch = next((la for la in sc.launches([case], self.setup) if la.key == case.launch), None)
-            key = self.platform.key(sc.platform_tag(launch.config if launch else sc.default_config(self.setup)))
-            lacks = NotSupported.backend_lacks(exc) or NotSupported.kernel_path_lacks(exc)
-            if lacks:  # the stack lacks an op the run needs: a capability, not a wrong number
-                add_outcome(self.outcomes, Outcome(reference or sc.name, key, "not supported", detail=lacks))
-                also = ", which the reference's stack ran" if reference is not None and not self.places.recording(
-                    reference, key) else ""
-                forced = os.environ.get("ATEN_CPU_CAPABILITY")
-                path = f", ATEN_CPU_CAPABILITY={forced}" if forced and NotSupported.kernel_path_lacks(exc) else ""
-                raise NotSupported(f"this stack ({self.platform.backend}, torch {_torch_version()}{path}) lacks an op "
-                                   f"{reference or sc.name} needs{also}: {lacks}") from None
-            self._tally(sc, case, passed=False)  # a sweep that crashed passed nothing
-            add_outcome(self.outcomes, Outcome(reference or sc.name, key, "error", detail=str(exc).splitlines()[0]))
+            unsupported = self._failed(sc, case, reference, exc)
+            if unsupported is not None:
+                raise unsupported from None
             raise
+
+    def _failed(self, sc: Scenario, case: Case, reference: str | None, exc: RankFailure) -> NotSupported | None:
+        """A failed launch's row in the closing table; the skip to raise instead where the stack lacks an op the run
+        needs (a capability, not a wrong number)."""
+        key = self._key_alone(sc, case)
+        lacks = NotSupported.backend_lacks(exc) or NotSupported.kernel_path_lacks(exc)
+        if lacks:
+            add_outcome(self.outcomes, Outcome(reference or sc.name, key, "not supported", detail=lacks))
+            return self._lacking(sc, reference, key, lacks, exc)
+        self._tally(sc, case, passed=False)  # a sweep that crashed passed nothing
+        add_outcome(self.outcomes, Outcome(reference or sc.name, key, "error", detail=str(exc).splitlines()[0]))
+        return None
+
+    def _key_alone(self, sc: Scenario, case: Case) -> str:
+        """The platform key of ``case``'s launch planned for it alone, else of the scenario's default config."""
+        launch = next((la for la in sc.launches([case], self.setup) if la.key == case.launch), None)
+        return self.platform.key(sc.platform_tag(launch.config if launch else sc.default_config(self.setup)))
+
+    def _lacking(self, sc: Scenario, reference: str | None, key: str, lacks: str, exc: RankFailure) -> NotSupported:
+        """The skip for a stack that lacks an op the case needs, saying whether its reference's stack ran it."""
+        compared = reference is not None and not self.places.recording(reference, key)
+        also = ", which the reference's stack ran" if compared else ""
+        forced = os.environ.get("ATEN_CPU_CAPABILITY")
+        path = f", ATEN_CPU_CAPABILITY={forced}" if forced and NotSupported.kernel_path_lacks(exc) else ""
+        return NotSupported(f"this stack ({self.platform.backend}, torch {_torch_version()}{path}) lacks an op "
+                            f"{reference or sc.name} needs{also}: {lacks}")
 
     def _explainer(self, sc: Scenario, case: Case) -> Explain:
         """What explains a failed comparison of ``case``: triage's experiments, the session's check scenarios and
@@ -215,8 +234,6 @@ class GpuRegressSession:
             self.checked[sc.evidence_name] = (passes + passed, failures + ([] if passed else [test_id(sc, case)]))
 
     def _checks_evidence(self) -> list[Any]:
-        from ..triage import session_checks
-
         return [session_checks(name, passes, failures) for name, (passes, failures) in self.checked.items()]
 
     def _from_reference(self, sc: Scenario, case: Case, name: str | None, run: Runner) -> RunRecord | None:
@@ -241,10 +258,13 @@ class GpuRegressSession:
             self.figures["faults_fired"] = [f"{spec}: {count}" for spec, count in fired.items()]
         return firing.unfired(results)
 
+    def _watch_case(self, sc: Scenario, case: Case, reference: str, comparator: Comparator) -> None:
+        """For --gpuregress-fail-fast: hand a training case's launch its reference, unless it already ran."""
+        if self._fails_fast and not self.launches.started(sc, case):
+            self._watch(sc, self.selection.launch_of(sc, case), reference, comparator)
+
     def _watch(self, sc: Scenario, launch: Launch, name: str, comparator: Comparator) -> None:
         """For --gpuregress-fail-fast: hand the launch its reference, to stop at the first miss."""
-        from ..errors import GpuRegressError
-
         try:
             reference = store.read_reference(self.places.location(name, self.platform.key(sc.platform_tag(launch.config))))
         except GpuRegressError:  # missing or unreadable: the comparison after the run says so

@@ -10,6 +10,7 @@ run (reference/store.py: check_compatible), where a damaged record.json is repor
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,28 +30,44 @@ def differing_settings(session: GpuRegressSession) -> tuple[list[str], list[str]
     the node ids of those references' cases)."""
     lines: dict[str, str] = {}
     selections: list[str] = []
+    for name, path, config in _compared(session):
+        if str(path) not in lines and (line := _mismatch(path, config)):
+            lines[str(path)] = line
+            selections += session.places.tests_reading(name)
+    return list(lines.values()), selections
+
+
+def _compared(session: GpuRegressSession) -> Iterator[tuple[str, Path, dict[str, Any]]]:
+    """(reference name, its record.json, the launch's config) of each selected training case this run compares."""
     for scenario, cases in session.selection.selected.items():
         sc = registry()[scenario]
         for case in cases if sc.kind == "training" else []:
             name = sc.reference_name(case)
             launch = session.selection.launch_of(sc, case)
             key = session.platform.key(sc.platform_tag(launch.config))
-            if name is None or session.places.recording(name, key):
-                continue
-            path = session.places.location(name, key).path / RECORD_JSON
-            recorded, fmt = _recorded_config(path)
-            differing = [(k, recorded[k], launch.config[k]) for k in SETTING_OPTIONS
-                         if k in recorded and k in launch.config and recorded[k] != launch.config[k]]
-            if (differing or fmt) and str(path) not in lines:
-                if fmt:
-                    lines[str(path)] = (f"{path} was recorded in format {fmt!r}, and this pytest-gpuregress reads "
-                                        f"{RECORD_FORMAT!r}: it cannot be compared; {RERECORD}")
-                else:
-                    what = ", ".join(f"{k} {ref!r} (this run {ours!r})" for k, ref, ours in differing)
-                    options = " ".join(f"{SETTING_OPTIONS[k]}={ref}" for k, ref, _ in differing)
-                    lines[str(path)] = f"{path} was recorded with {what}: compare with it by adding {options}"
-                selections += session.places.tests_reading(name)
-    return list(lines.values()), selections
+            if name is not None and not session.places.recording(name, key):
+                yield name, session.places.location(name, key).path / RECORD_JSON, launch.config
+
+
+def _mismatch(path: Path, config: dict[str, Any]) -> str | None:
+    """Why the reference whose record.json is ``path`` cannot be compared with a launch of ``config``, or None."""
+    recorded, fmt = _recorded_config(path)
+    if fmt:
+        return (f"{path} was recorded in format {fmt!r}, and this pytest-gpuregress reads {RECORD_FORMAT!r}: it "
+                f"cannot be compared; {RERECORD}")
+    return _other_settings(path, recorded, config)
+
+
+def _other_settings(path: Path, recorded: dict[str, Any], config: dict[str, Any]) -> str | None:
+    """The settings an option sets that the reference at ``path`` was recorded with other values of, and the
+    options that reproduce them; None where they match."""
+    differing = [(k, recorded[k], config[k]) for k in SETTING_OPTIONS
+                 if k in recorded and k in config and recorded[k] != config[k]]
+    if not differing:
+        return None
+    what = ", ".join(f"{k} {ref!r} (this run {ours!r})" for k, ref, ours in differing)
+    options = " ".join(f"{SETTING_OPTIONS[k]}={ref}" for k, ref, _ in differing)
+    return f"{path} was recorded with {what}: compare with it by adding {options}"
 
 
 def _recorded_config(path: Path) -> tuple[dict[str, Any], str | None]:
@@ -77,6 +94,8 @@ def missing_folder(session: GpuRegressSession) -> str | None:
 
 def usage_message(session: GpuRegressSession) -> str | None:
     """The usage error for references of other settings, or None when every selected one matches this run's."""
+    if session.options.record:  # a recording run compares with none of them
+        return None
     lines, selections = differing_settings(session)
     if not lines:
         return None

@@ -166,8 +166,8 @@ def keep_first_moved_stack(sc: Scenario, setup: Setup, run: Runner, comparison: 
 
 
 def measure_oracle_distance(sc: Scenario, setup: Setup, run: Runner, record: RunRecord, model: str | None) -> None:
-    """Store in ``record`` its step-0 distance from the float64 oracle (reference/oracle_distance.py) and the
-    oracle's own step 0 (reference/oracle_step0.py), which later runs hold theirs against."""
+    """Store in ``record`` its step-0 distance from the float64 oracle (evidence/oracle_distance.py) and the
+    oracle's own step 0 (evidence/oracle_step0.py), which later runs hold theirs against."""
     from ..evidence import oracle_distance, oracle_step0
 
     oracle = model_code.oracle_launch(sc, setup, model)

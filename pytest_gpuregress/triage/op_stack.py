@@ -1,5 +1,5 @@
-"""The Python stack of the first op that moved (reference/first_moved.py): step 0 re-run on this stack, keeping
-the stack of that one op on its rank (training/op_trace.py, config ``STACK_CONFIG``). With --gpuregress-triage,
+"""The Python stack of the first op that moved (evidence/first_moved.py): step 0 re-run on this stack, keeping
+the stack of that one op on its rank (evidence/op_tracer.py, config ``STACK_CONFIG``). With --gpuregress-triage,
 whose launches it joins: one more short launch of the failing scenario."""
 
 from __future__ import annotations

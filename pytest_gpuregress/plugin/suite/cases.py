@@ -35,7 +35,7 @@ class BuiltinSuite(pytest.Collector):
 
     def collect(self) -> Iterator[BuiltinCase]:
         session = self.session_of()
-        for scenario, case in session.all_cases():
+        for scenario, case in session.selection.all_cases():
             case_id = test_id(scenario, case)
             if not wanted(self.request, case_id):
                 continue
@@ -44,7 +44,7 @@ class BuiltinSuite(pytest.Collector):
             item.add_marker(pytest.mark.gpuregress_training if scenario.kind == "training" else pytest.mark.gpuregress_check)
             for mark in case.marks:
                 item.add_marker(getattr(pytest.mark, mark))
-            shortfall = session.rank_shortfall(case)
+            shortfall = session.selection.rank_shortfall(case)
             if shortfall:  # collected and skipped with the reason: never a silent pass or a missing test
                 item.add_marker(pytest.mark.skip(reason=shortfall))
             yield item

@@ -1,5 +1,5 @@
 """The part of the session's options a verdict depends on (``JudgingPolicy``). A kept run stores it, so that
-``gpuregress compare`` judges the run again exactly as the plugin did. A leaf of reference/: judgement.py and
+``gpuregress compare`` judges the run again exactly as the plugin did. A leaf of comparison/: judgement.py and
 observations.py both read it, without a circle between them."""
 
 from __future__ import annotations

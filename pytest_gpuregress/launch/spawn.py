@@ -55,7 +55,7 @@ class RankOutcome:
 
     def describe(self) -> str:
         where = f"last progress: {self.last_progress or 'none (died before the scenario started)'}"
-        if self.status == "raised":
+        if self.status == "raised" and self.error:  # an empty error file reads as a death, not a KeyError
             return f"rank {self.rank} raised {self.error['type']} ({where})\n{self.error['traceback']}"
         if self.status in ("hung", "stopped"):
             stack = _main_thread_stack(self.stack) or "(no stack dumped)"

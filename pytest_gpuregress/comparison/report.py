@@ -85,8 +85,7 @@ def op_lines(comparison: Comparison) -> list[str]:
 
 
 def format_finding(finding: Finding) -> list[str]:
-    rule = f" (rule {finding.rule})" if finding.rule else ""  # as a check finding's line says which rule named it
-    lines = [f"{tag(finding.component)} {finding.message}{rule}"]
+    lines = [f"{tag(finding.component)} {finding.message}"]
     if finding.worst:
         label = "rel diff" if finding.metric != "step0_grad" else "|d|/max|r|"
         lines += ["    worst entries:", *format_table(finding.worst, label)]

@@ -7,21 +7,15 @@ they run on numpy here and on torch in the ranks. Size ``n`` is elements per ran
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from ...units import human_bytes
 
-# dtype name -> (element bytes, torch attribute)
+# dtype name -> (element bytes, torch attribute); bf16r and fp16r: bf16 and fp16 SUM whose sums round (rounding_values)
 DTYPES: dict[str, tuple[int, str]] = {
-    "fp32": (4, "float32"),
-    "bf16": (2, "bfloat16"),
-    "fp16": (2, "float16"),
-    "int32": (4, "int32"),
-    "fp8e4m3": (1, "float8_e4m3fn"),
-    "fp8e5m2": (1, "float8_e5m2"),
-    "bf16r": (2, "bfloat16"),  # bf16 and fp16 SUM whose sums round (rounding_values)
-    "fp16r": (2, "float16"),
+    "fp32": (4, "float32"), "bf16": (2, "bfloat16"), "fp16": (2, "float16"), "int32": (4, "int32"),
+    "fp8e4m3": (1, "float8_e4m3fn"), "fp8e5m2": (1, "float8_e5m2"), "bf16r": (2, "bfloat16"), "fp16r": (2, "float16"),
 }
 # rounding dtype -> significant bits of its storage dtype (bf16: 8, fp16: 11)
 ROUNDING = {"bf16r": 8, "fp16r": 11}
@@ -30,17 +24,12 @@ REDUCE_OPS = ("sum", "avg", "max", "min", "premul_sum")
 # (op, variant, reduce op, in place)
 KINDS: list[tuple[str, str, str, bool]] = [
     *[("all_reduce", "", r, True) for r in REDUCE_OPS],
-    ("reduce_scatter", "single", "sum", False),
-    ("reduce_scatter", "single", "sum", True),
+    ("reduce_scatter", "single", "sum", False), ("reduce_scatter", "single", "sum", True),
     ("reduce_scatter", "single", "avg", False),
     ("reduce_scatter", "single", "premul_sum", False),  # FSDP2's gradient path with a divide factor
     ("reduce_scatter", "list", "sum", False),
-    ("all_gather", "single", "", False),
-    ("all_gather", "single", "", True),
-    ("all_gather", "list", "", False),
-    ("broadcast", "", "", True),
-    ("all_to_all", "single", "", False),
-    ("all_to_all", "list", "", False),
+    ("all_gather", "single", "", False), ("all_gather", "single", "", True), ("all_gather", "list", "", False),
+    ("broadcast", "", "", True), ("all_to_all", "single", "", False), ("all_to_all", "list", "", False),
 ]
 TAIL = 16  # elements at the end of a buffer that are also checked on their own
 MOVE_ONLY = {"all_gather", "broadcast", "all_to_all"}
@@ -95,19 +84,18 @@ class Case:
         return f"{op}{red} {self.dtype} n={self.n} ({human_bytes(self.nbytes(world))}) {where}{proto}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"op": self.op, "variant": self.variant, "reduce_op": self.reduce_op, "dtype": self.dtype,
-                "n": self.n, "in_place": self.in_place, "protocol": self.protocol}
+        return asdict(self)
 
 
-def sizes(max_bytes: int, elem_bytes: int, world: int, tail_base: int = 1024) -> list[int]:
-    """Powers of two from 1 element up to ``max_bytes`` on the large side, plus tail_base + 1..15."""
+def sizes(max_bytes: int, elem_bytes: int, world: int) -> list[int]:
+    """Powers of two from 1 element up to ``max_bytes`` on the large side, plus 1024 + 1..15."""
     out: list[int] = []
     n = 1
     while n * elem_bytes * world <= max_bytes:
         out.append(n)
         n *= 2
-    if tail_base * elem_bytes * world <= max_bytes:
-        out.extend(tail_base + t for t in range(1, 16))
+    if 1024 * elem_bytes * world <= max_bytes:
+        out.extend(1024 + t for t in range(1, 16))
     return sorted(set(out))
 
 
@@ -116,10 +104,8 @@ PLANNED_ON = {"gloo": "gloo runs every planned op on torch 2.12 and later", "ncc
 
 
 def supported(backend: str, op: str, reduce_op: str, dtype: str, emulated: tuple[str, ...] = ()) -> bool:
-    """What each backend can run, as measured (gloo on torch 2.13: no PREMUL_SUM, no fp8, no int AVG). An older
-    backend that lacks a planned op says so when called: its cases are skipped as not supported (rank.py).
-
-    ``emulated``: ops a fault shim provides (emulate_premul_sum), all-reduce only."""
+    """What each backend can run, as measured (gloo on torch 2.13: no PREMUL_SUM, no fp8, no int AVG); an older
+    backend's lacking op is skipped as not supported when called (rank.py). ``emulated``: a fault shim's ops."""
     is_int = dtype == "int32"
     if dtype in ROUNDING:  # only a sum adds exactly two terms per element (rounding_values)
         return reduce_op == "sum" and op in ("all_reduce", "reduce_scatter")
@@ -130,26 +116,19 @@ def supported(backend: str, op: str, reduce_op: str, dtype: str, emulated: tuple
     return not (reduce_op == "avg" and is_int)
 
 
-def plan(backend: str, world: int, max_bytes: int, dtypes: list[str] | None = None,
-         protocols: list[str] | None = None, emulated: tuple[str, ...] = ()) -> list[Case]:
-    chosen = dtypes or (["fp32", "bf16", "fp16", "int32", *ROUNDING]
-                        + (["fp8e4m3", "fp8e5m2"] if backend == "nccl" else []))
+def plan(backend: str, world: int, max_bytes: int, protocols: list[str] | None = None,
+         emulated: tuple[str, ...] = ()) -> list[Case]:
+    chosen = ["fp32", "bf16", "fp16", "int32", *ROUNDING] + (["fp8e4m3", "fp8e5m2"] if backend == "nccl" else [])
     cases: list[Case] = []
     for protocol in protocols or ["default"]:
         for op, variant, reduce_op, in_place in KINDS:
-            for dtype in chosen:
-                if not supported(backend, op, reduce_op, dtype, emulated):
-                    continue
-                for n in _sizes_of(dtype, max_bytes, world):
-                    cases.append(Case(op, variant, reduce_op, dtype, n, in_place, protocol))
+            for dtype in (d for d in chosen if supported(backend, op, reduce_op, d, emulated)):
+                elem = DTYPES[dtype][0]
+                # a rounding dtype gets a few sizes: the other cases of the dtype already cover every size band
+                ns = [n for n in ROUNDING_SIZES if n * elem * world <= max_bytes] if dtype in ROUNDING \
+                    else sizes(max_bytes, elem, world)
+                cases += [Case(op, variant, reduce_op, dtype, n, in_place, protocol) for n in ns]
     return cases
-
-
-def _sizes_of(dtype: str, max_bytes: int, world: int) -> list[int]:
-    elem = DTYPES[dtype][0]
-    if dtype in ROUNDING:  # a few sizes: the other cases of the dtype already cover every size band
-        return [n for n in ROUNDING_SIZES if n * elem * world <= max_bytes]
-    return sizes(max_bytes, elem, world)
 
 
 LINK_SIZES = (1, 7, 1031, 4096)  # elements per rank per peer: one element, a short tail, odd, a page
@@ -159,9 +138,6 @@ def link_cases() -> list[Case]:
     """The per-link sweep: the ops whose every output element comes from one known rank, fp32, a few sizes."""
     return [Case(op, variant, reduce_op, "fp32", n, in_place)
             for op, variant, reduce_op, in_place in KINDS if op in MOVE_ONLY for n in LINK_SIZES]
-
-
-# --- exactly known inputs and results -----------------------------------------------------------
 
 
 # Largest integer that every code path keeps exact: bf16 (and so every wider type) to 256, e4m3 to
@@ -178,7 +154,6 @@ def value_limit(world: int, dtype: str) -> int:
 
 def rank_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) -> Any:
     """Input element ``idx`` of ``rank``: 1..K, depending on both (idx is an int64 array or tensor).
-
     ``salt`` (the repeat number) changes every value between repeats, so a stale buffer from the
     previous call is wrong, not accidentally right."""
     k = value_limit(world, dtype)
@@ -263,13 +238,6 @@ def premultiplies_average(backend: str, dtype: str, world: int) -> bool:
     return "nccl" in backend and dtype in ("fp32", "bf16", "fp16") and world & (world - 1) != 0
 
 
-def nccl_average_scalar(world: int) -> float:
-    """NCCL's premultiplier for AVG: 1.0/world in double, rounded to float, then to the dtype by the caller."""
-    import numpy as np
-
-    return float(np.float32(1.0 / world))
-
-
 def premul_factor(world: int) -> float:
     """1/world when that is a power of two (FSDP2's divide factor, the path of pytorch#190745), else 0.5."""
     return 1.0 / world if world & (world - 1) == 0 else 0.5
@@ -278,17 +246,11 @@ def premul_factor(world: int) -> float:
 def expected_reduction(idx: Any, world: int, dtype: str, reduce_op: str, reduce: Any, salt: int = 0) -> Any:
     """Closed-form result of reducing element ``idx`` over all ranks. ``reduce(op, a, b)`` combines
     two arrays elementwise for max and min (numpy.maximum or torch.maximum, ...).
-
     For a rounding dtype: the exact sum, in ``unit(dtype)``; the caller rounds it once to the dtype."""
     if dtype in ROUNDING:
-        total = rounding_values(idx, 0, world, dtype, salt)
-        for r in range(1, world):
-            total = total + rounding_values(idx, r, world, dtype, salt)
-        return total
+        return sum(rounding_values(idx, r, world, dtype, salt) for r in range(world))
     if reduce_op in ("avg", "premul_sum"):
-        total = avg_values(idx, 0, world, dtype, salt) * 0
-        for r in range(world):
-            total = total + avg_values(idx, r, world, dtype, salt)
+        total = sum(avg_values(idx, r, world, dtype, salt) for r in range(world))
         return total / world if reduce_op == "avg" else total * premul_factor(world)
     result = rank_values(idx, 0, world, dtype, salt)
     for r in range(1, world):

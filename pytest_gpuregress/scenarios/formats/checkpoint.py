@@ -29,9 +29,6 @@ def stored_codes(name: str, fmt: Format, codes: np.ndarray) -> Stored:
     return Stored(name, fmt.tag, tuple(codes.shape), data.tobytes())
 
 
-# --- the quantized layout ---------------------------------------------------------------------
-
-
 def metadata_for(scheme: Scheme) -> dict[str, str]:
     kind = "mx" if scheme.block else "per_tensor"
     meta = {"format": LAYOUT, "scheme": scheme.id, "quantization": kind,

@@ -335,14 +335,11 @@ def bandwidth_table(cases: list[Case], results: dict[str, dict[str, Any]], world
     wanted = {"protocol": protocol, "dtype": dtype, "op": op, "reduce_op": reduce_op}
     for case in cases:
         res = results.get(case.id)
-        if _timed(res) and all(not want or getattr(case, key) == want for key, want in wanted.items()):
+        # only a case that ran its collective to the end on every rank has a time that means something
+        timed = res is not None and not res.get("error") and not lacks_only(res)
+        if timed and all(not want or getattr(case, key) == want for key, want in wanted.items()):
             lines.append(_bandwidth_row(case, res, world))
     return lines
-
-
-def _timed(result: dict[str, Any] | None) -> bool:
-    """The case ran its collective to the end on every rank: its time means something."""
-    return result is not None and not result.get("error") and not lacks_only(result)
 
 
 def _bandwidth_row(case: Case, res: dict[str, Any], world: int) -> str:

@@ -75,14 +75,13 @@ class FormatsScenario(CheckScenario):
         # The CPU size on every device: number formats do not need model scale, and the host-side
         # oracle and exact checksums stay under a second for its 100k weights; the GPU size's 155M
         # would take minutes per scheme. The device still quantizes, dequantizes and runs the model.
-        size = "cpu"
         parts: dict[str, list[str]] = {}
         for case in cases:
             parts.setdefault(case.data["part"], []).append(case_key(case))
         quantized = list(SCHEMES) if "inspect" in parts or "io" in parts else parts.get("quantized", [])
         if "io" in parts:  # the e5m2 family's files, for the io cases only ("run" is not part of the reference)
             quantized += list(IO_SCHEMES)
-        identity = {"model": "tiny-llama", "model_size": size}
+        identity = {"model": "tiny-llama", "model_size": "cpu"}
         if model is not None:
             identity.update(setup.model(model).config_fields())
         return {
@@ -119,6 +118,7 @@ class FormatsScenario(CheckScenario):
         if case.data["part"] == "io":
             _io_outcome(key, record, problems)
         return problems + _disagreements(case, key, record)
+
     def reference_name(self, case: Case) -> str | None:
         if case.data["part"] not in ("behaviour", "quantized"):
             return None
@@ -159,13 +159,13 @@ SCENARIO = FormatsScenario()
 
 def _io_outcome(key: str, record: RunRecord, problems: list[Problem]) -> None:
     """An io case's known stack issues warn; a path this rank could not try, with nothing wrong, is not applicable."""
-    for issue in judge.io_known_issues(key, record):
-        warn_at_test(judge.KnownStackIssue(issue))
-    skipped = (record.results.get("io", {}).get(key) or {}).get("skipped")
-    if skipped and not problems:
+    result = record.results.get("io", {}).get(key) or {}
+    for text in result.get("known_issues", []):
+        warn_at_test(judge.KnownStackIssue(f"checkpoint I/O {key}: {text}"))
+    if result.get("skipped") and not problems:
         from ...errors import NotApplicable
 
-        raise NotApplicable(f"io-{key}: {skipped}")
+        raise NotApplicable(f"io-{key}: {result['skipped']}")
 
 
 def _disagreements(case: Case, key: str, record: RunRecord) -> list[Problem]:

@@ -23,8 +23,7 @@ _INT_VIEW = {1: "uint8", 2: "int16", 4: "int32"}
 def _reduce_op(dist: Any, name: str, world: int) -> Any:
     if name == "premul_sum":
         return dist._make_nccl_premul_sum(plan.premul_factor(world))
-    return {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
-            "min": dist.ReduceOp.MIN}[name]
+    return getattr(dist.ReduceOp, name.upper())  # SUM, AVG, MAX, MIN
 
 
 class CastMismatch(Exception):

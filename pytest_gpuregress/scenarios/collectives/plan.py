@@ -161,13 +161,10 @@ def rank_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) -> A
 
 
 def avg_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0, premultiplied: bool = False) -> Any:
-    """Inputs whose sum over ranks is world x base, so AVG and PREMUL_SUM(1/world) are exact where the backend
-    sums then divides (gloo) or 1/world is exact.
-
-    ``premultiplied`` (NCCL, RCCL, with 1/world inexact): the rounded terms' sum depends on the algorithm's order,
-    so each element gets two ranks holding 2^e, the rest 0: exact in any order. Two, not one, so a reduction that
-    keeps one rank's value (MAX, a lost peer) fails.
-    """
+    """Inputs whose sum over ranks is world x base, so AVG and PREMUL_SUM(1/world) are exact where the backend sums
+    then divides (gloo) or 1/world is exact. ``premultiplied`` (NCCL, RCCL, with 1/world inexact): the rounded terms'
+    sum depends on the algorithm's order, so each element gets two ranks holding 2^e, the rest 0: exact in any order.
+    Two, not one, so a reduction that keeps one rank's value (MAX, a lost peer) fails."""
     k = value_limit(world, dtype)
     if premultiplied:
         exponent = (idx * 7 + salt * 5) % max(1, k.bit_length() - 1)  # 2 x 2^e stays within the exact range
@@ -210,8 +207,7 @@ def rounding_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) 
     """Inputs (integers in ``unit(dtype)``) whose sum over ranks must round: exactly two nonzero terms per element,
     so any order rounds once, to RNE(a + b). The pairs (``_rounding_pairs``) cover ties to even both ways, which
     truncation and round-half-up each miss, signs and a binade crossing; no sum is 0, and every rank holds a term
-    of 2/world of the elements, so a lost contribution shows.
-    """
+    of 2/world of the elements, so a lost contribution shows."""
     pairs = _rounding_pairs(ROUNDING[dtype])
     first = idx % world
     second = (first + 1 + (idx // world) % max(1, world - 1)) % world  # never ``first`` when world > 1

@@ -1,9 +1,8 @@
 """The collective sweep on one rank: every planned case run and checked bit for bit.
 
 Each collective runs with ``async_op=True`` then ``wait()``, so the call that caused an error raises it. Ranks
-count their own wrong elements and the launcher sums the records: no collective reports on collectives. The
-inputs' casts from float64 are checked against ml_dtypes first, so a wrong cast is named a kernel, not the
-collective.
+count their own wrong elements and the launcher sums the records: no collective reports on collectives. The inputs'
+casts from float64 are checked against ml_dtypes first, so a wrong cast is named a kernel, not the collective.
 """
 
 from __future__ import annotations

@@ -24,9 +24,8 @@ from .catalog import FORMATS, IO_PATHS, IO_SCHEMES, MX_BLOCK, SCHEMES
 
 REFERENCE = "formats"
 
-# Casts and checkpoint files on each device: no optimizer step and no collective. The io cases also read fp8
-# tensors back through the stack's own loaders: each the loaders its path calls (DCP reads its files with
-# torch.load; transformers 5.x with safetensors.safe_open). transformers' fine-grained fp8 layout is e4m3fn only.
+# Casts and checkpoint files on each device. The io cases also read fp8 tensors back through the loaders each path
+# calls (DCP reads its files with torch.load; transformers 5.x with safetensors.safe_open).
 EXERCISED = act.exercises(act.FP8_CODECS, act.FORWARD,
                           summary="no optimizer step and no collective: casts and checkpoint files on each device")
 LOADERS_OF_PATH = {"safetensors": ("safetensors",), "safe_open": ("safe_open",), "torch_load": ("torch_load",),

@@ -1,9 +1,8 @@
 """The quantized checkpoints through the stack's own I/O, the paths users load fp8 and fp4 weights with. Rank side.
 
-Each file the codec wrote goes through safetensors, safe_open, torch_load, dcp and transformers, checked byte
-for byte both ways (docs/formats.md). The stack's functions are looked up through their modules at call time,
-so a fault placed in a loader (faults/loaders.py) is what runs. An error known to known_issues.py is reported by
-name and the path goes on.
+Each file the codec wrote goes through safetensors, safe_open, torch_load, dcp and transformers, checked byte for
+byte both ways (docs/formats.md). The stack's functions are looked up through their modules at call time, so a fault
+placed in a loader (faults/loaders.py) is what runs. An error known to known_issues.py is reported by name.
 """
 
 from __future__ import annotations

@@ -123,12 +123,16 @@ def plan(backend: str, world: int, max_bytes: int, protocols: list[str] | None =
     for protocol in protocols or ["default"]:
         for op, variant, reduce_op, in_place in KINDS:
             for dtype in (d for d in chosen if supported(backend, op, reduce_op, d, emulated)):
-                elem = DTYPES[dtype][0]
-                # a rounding dtype gets a few sizes: the other cases of the dtype already cover every size band
-                ns = [n for n in ROUNDING_SIZES if n * elem * world <= max_bytes] if dtype in ROUNDING \
-                    else sizes(max_bytes, elem, world)
-                cases += [Case(op, variant, reduce_op, dtype, n, in_place, protocol) for n in ns]
+                cases += [Case(op, variant, reduce_op, dtype, n, in_place, protocol)
+                          for n in _sizes_of(dtype, max_bytes, world)]
     return cases
+
+
+def _sizes_of(dtype: str, max_bytes: int, world: int) -> list[int]:
+    elem = DTYPES[dtype][0]
+    if dtype in ROUNDING:  # a few sizes: the other cases of the dtype already cover every size band
+        return [n for n in ROUNDING_SIZES if n * elem * world <= max_bytes]
+    return sizes(max_bytes, elem, world)
 
 
 LINK_SIZES = (1, 7, 1031, 4096)  # elements per rank per peer: one element, a short tail, odd, a page

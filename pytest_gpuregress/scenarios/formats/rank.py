@@ -38,13 +38,18 @@ def measure(plan: dict[str, Any], dev: str, values: np.ndarray) -> tuple[dict[st
             continue
         for part in (p for p in ("decode", "encode") if fmt.id in plan[p]):
             try:
-                if part == "decode":  # every code and the device's values of them
-                    arrays[f"decode/{fmt.id}/codes"], arrays[f"decode/{fmt.id}"] = decode_all(fmt, dev)
-                else:  # the device's codes of the grid ``values``
-                    arrays[f"encode/{fmt.id}"] = device.cast(torch.from_numpy(values).to(dev), fmt).cpu().numpy()
+                arrays.update(_measure_part(part, fmt, dev, values))
             except RuntimeError as exc:  # no kernel for this format on this device: a finding of its case
                 errors[f"{part}-{fmt.id}"] = f"{type(exc).__name__}: {exc}"
     return arrays, unavailable, errors
+
+
+def _measure_part(part: str, fmt: Format, dev: str, values: np.ndarray) -> dict[str, np.ndarray]:
+    """A decode's codes and device values, or an encode's device codes of the grid ``values``."""
+    if part == "decode":
+        codes, decoded = decode_all(fmt, dev)
+        return {f"decode/{fmt.id}/codes": codes, f"decode/{fmt.id}": decoded}
+    return {f"encode/{fmt.id}": device.cast(torch.from_numpy(values).to(dev), fmt).cpu().numpy()}
 
 
 def run(ctx: RankContext) -> RunRecord:

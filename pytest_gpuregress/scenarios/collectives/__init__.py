@@ -156,13 +156,9 @@ class CollectivesScenario(CheckScenario):
 
     def protocol_table(self, records: dict[str, RunRecord | None], setup: Setup) -> list[str]:
         """Which protocol fails at which size band: counts of failing cases; 'did not run' for a failed launch."""
-        rows = []
-        for protocol, record in records.items():
-            if record is None:
-                rows.append(f"  {protocol:<14} did not run")
-                continue
-            counts = _failing_by_band(record, setup.world_size)
-            rows.append(f"  {protocol:<14} " + " ".join(f"{counts[lbl]:>9}" for _, lbl in SIZE_BANDS))
+        rows = [f"  {protocol:<14} " + ("did not run" if record is None else " ".join(
+                    f"{count:>9}" for count in _failing_by_band(record, setup.world_size).values()))
+                for protocol, record in records.items()]
         return ["failing cases by protocol and size band:",
                 f"  {'protocol':<14} " + " ".join(f"{lbl:>9}" for _, lbl in SIZE_BANDS), *rows]
 

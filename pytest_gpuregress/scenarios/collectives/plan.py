@@ -7,21 +7,15 @@ they run on numpy here and on torch in the ranks. Size ``n`` is elements per ran
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from ...units import human_bytes
 
-# dtype name -> (element bytes, torch attribute)
+# dtype name -> (element bytes, torch attribute); bf16r and fp16r: bf16 and fp16 SUM whose sums round (rounding_values)
 DTYPES: dict[str, tuple[int, str]] = {
-    "fp32": (4, "float32"),
-    "bf16": (2, "bfloat16"),
-    "fp16": (2, "float16"),
-    "int32": (4, "int32"),
-    "fp8e4m3": (1, "float8_e4m3fn"),
-    "fp8e5m2": (1, "float8_e5m2"),
-    "bf16r": (2, "bfloat16"),  # bf16 and fp16 SUM whose sums round (rounding_values)
-    "fp16r": (2, "float16"),
+    "fp32": (4, "float32"), "bf16": (2, "bfloat16"), "fp16": (2, "float16"), "int32": (4, "int32"),
+    "fp8e4m3": (1, "float8_e4m3fn"), "fp8e5m2": (1, "float8_e5m2"), "bf16r": (2, "bfloat16"), "fp16r": (2, "float16"),
 }
 # rounding dtype -> significant bits of its storage dtype (bf16: 8, fp16: 11)
 ROUNDING = {"bf16r": 8, "fp16r": 11}
@@ -30,17 +24,12 @@ REDUCE_OPS = ("sum", "avg", "max", "min", "premul_sum")
 # (op, variant, reduce op, in place)
 KINDS: list[tuple[str, str, str, bool]] = [
     *[("all_reduce", "", r, True) for r in REDUCE_OPS],
-    ("reduce_scatter", "single", "sum", False),
-    ("reduce_scatter", "single", "sum", True),
+    ("reduce_scatter", "single", "sum", False), ("reduce_scatter", "single", "sum", True),
     ("reduce_scatter", "single", "avg", False),
     ("reduce_scatter", "single", "premul_sum", False),  # FSDP2's gradient path with a divide factor
     ("reduce_scatter", "list", "sum", False),
-    ("all_gather", "single", "", False),
-    ("all_gather", "single", "", True),
-    ("all_gather", "list", "", False),
-    ("broadcast", "", "", True),
-    ("all_to_all", "single", "", False),
-    ("all_to_all", "list", "", False),
+    ("all_gather", "single", "", False), ("all_gather", "single", "", True), ("all_gather", "list", "", False),
+    ("broadcast", "", "", True), ("all_to_all", "single", "", False), ("all_to_all", "list", "", False),
 ]
 TAIL = 16  # elements at the end of a buffer that are also checked on their own
 MOVE_ONLY = {"all_gather", "broadcast", "all_to_all"}
@@ -95,19 +84,18 @@ class Case:
         return f"{op}{red} {self.dtype} n={self.n} ({human_bytes(self.nbytes(world))}) {where}{proto}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"op": self.op, "variant": self.variant, "reduce_op": self.reduce_op, "dtype": self.dtype,
-                "n": self.n, "in_place": self.in_place, "protocol": self.protocol}
+        return asdict(self)
 
 
-def sizes(max_bytes: int, elem_bytes: int, world: int, tail_base: int = 1024) -> list[int]:
-    """Powers of two from 1 element up to ``max_bytes`` on the large side, plus tail_base + 1..15."""
+def sizes(max_bytes: int, elem_bytes: int, world: int) -> list[int]:
+    """Powers of two from 1 element up to ``max_bytes`` on the large side, plus 1024 + 1..15."""
     out: list[int] = []
     n = 1
     while n * elem_bytes * world <= max_bytes:
         out.append(n)
         n *= 2
-    if tail_base * elem_bytes * world <= max_bytes:
-        out.extend(tail_base + t for t in range(1, 16))
+    if 1024 * elem_bytes * world <= max_bytes:
+        out.extend(1024 + t for t in range(1, 16))
     return sorted(set(out))
 
 
@@ -116,10 +104,8 @@ PLANNED_ON = {"gloo": "gloo runs every planned op on torch 2.12 and later", "ncc
 
 
 def supported(backend: str, op: str, reduce_op: str, dtype: str, emulated: tuple[str, ...] = ()) -> bool:
-    """What each backend can run, as measured (gloo on torch 2.13: no PREMUL_SUM, no fp8, no int AVG). An older
-    backend that lacks a planned op says so when called: its cases are skipped as not supported (rank.py).
-
-    ``emulated``: ops a fault shim provides (emulate_premul_sum), all-reduce only."""
+    """What each backend can run, as measured (gloo on torch 2.13: no PREMUL_SUM, no fp8, no int AVG); an older
+    backend's lacking op is skipped as not supported when called (rank.py). ``emulated``: a fault shim's ops."""
     is_int = dtype == "int32"
     if dtype in ROUNDING:  # only a sum adds exactly two terms per element (rounding_values)
         return reduce_op == "sum" and op in ("all_reduce", "reduce_scatter")
@@ -130,18 +116,15 @@ def supported(backend: str, op: str, reduce_op: str, dtype: str, emulated: tuple
     return not (reduce_op == "avg" and is_int)
 
 
-def plan(backend: str, world: int, max_bytes: int, dtypes: list[str] | None = None,
-         protocols: list[str] | None = None, emulated: tuple[str, ...] = ()) -> list[Case]:
-    chosen = dtypes or (["fp32", "bf16", "fp16", "int32", *ROUNDING]
-                        + (["fp8e4m3", "fp8e5m2"] if backend == "nccl" else []))
+def plan(backend: str, world: int, max_bytes: int, protocols: list[str] | None = None,
+         emulated: tuple[str, ...] = ()) -> list[Case]:
+    chosen = ["fp32", "bf16", "fp16", "int32", *ROUNDING] + (["fp8e4m3", "fp8e5m2"] if backend == "nccl" else [])
     cases: list[Case] = []
     for protocol in protocols or ["default"]:
         for op, variant, reduce_op, in_place in KINDS:
-            for dtype in chosen:
-                if not supported(backend, op, reduce_op, dtype, emulated):
-                    continue
-                for n in _sizes_of(dtype, max_bytes, world):
-                    cases.append(Case(op, variant, reduce_op, dtype, n, in_place, protocol))
+            for dtype in (d for d in chosen if supported(backend, op, reduce_op, d, emulated)):
+                cases += [Case(op, variant, reduce_op, dtype, n, in_place, protocol)
+                          for n in _sizes_of(dtype, max_bytes, world)]
     return cases
 
 
@@ -161,9 +144,6 @@ def link_cases() -> list[Case]:
             for op, variant, reduce_op, in_place in KINDS if op in MOVE_ONLY for n in LINK_SIZES]
 
 
-# --- exactly known inputs and results -----------------------------------------------------------
-
-
 # Largest integer that every code path keeps exact: bf16 (and so every wider type) to 256, e4m3 to
 # 16, e5m2 to 8. fp8 cases only move data, so their values never add up.
 _EXACT_INTEGERS = {"fp8e4m3": 16, "fp8e5m2": 8}
@@ -178,7 +158,6 @@ def value_limit(world: int, dtype: str) -> int:
 
 def rank_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) -> Any:
     """Input element ``idx`` of ``rank``: 1..K, depending on both (idx is an int64 array or tensor).
-
     ``salt`` (the repeat number) changes every value between repeats, so a stale buffer from the
     previous call is wrong, not accidentally right."""
     k = value_limit(world, dtype)
@@ -186,13 +165,10 @@ def rank_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) -> A
 
 
 def avg_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0, premultiplied: bool = False) -> Any:
-    """Inputs whose sum over ranks is world x base, so AVG and PREMUL_SUM(1/world) are exact where the backend
-    sums then divides (gloo) or 1/world is exact.
-
-    ``premultiplied`` (NCCL, RCCL, with 1/world inexact): the rounded terms' sum depends on the algorithm's order,
-    so each element gets two ranks holding 2^e, the rest 0: exact in any order. Two, not one, so a reduction that
-    keeps one rank's value (MAX, a lost peer) fails.
-    """
+    """Inputs whose sum over ranks is world x base, so AVG and PREMUL_SUM(1/world) are exact where the backend sums
+    then divides (gloo) or 1/world is exact. ``premultiplied`` (NCCL, RCCL, with 1/world inexact): the rounded terms'
+    sum depends on the algorithm's order, so each element gets two ranks holding 2^e, the rest 0: exact in any order.
+    Two, not one, so a reduction that keeps one rank's value (MAX, a lost peer) fails."""
     k = value_limit(world, dtype)
     if premultiplied:
         exponent = (idx * 7 + salt * 5) % max(1, k.bit_length() - 1)  # 2 x 2^e stays within the exact range
@@ -235,8 +211,7 @@ def rounding_values(idx: Any, rank: int, world: int, dtype: str, salt: int = 0) 
     """Inputs (integers in ``unit(dtype)``) whose sum over ranks must round: exactly two nonzero terms per element,
     so any order rounds once, to RNE(a + b). The pairs (``_rounding_pairs``) cover ties to even both ways, which
     truncation and round-half-up each miss, signs and a binade crossing; no sum is 0, and every rank holds a term
-    of 2/world of the elements, so a lost contribution shows.
-    """
+    of 2/world of the elements, so a lost contribution shows."""
     pairs = _rounding_pairs(ROUNDING[dtype])
     first = idx % world
     second = (first + 1 + (idx // world) % max(1, world - 1)) % world  # never ``first`` when world > 1
@@ -263,13 +238,6 @@ def premultiplies_average(backend: str, dtype: str, world: int) -> bool:
     return "nccl" in backend and dtype in ("fp32", "bf16", "fp16") and world & (world - 1) != 0
 
 
-def nccl_average_scalar(world: int) -> float:
-    """NCCL's premultiplier for AVG: 1.0/world in double, rounded to float, then to the dtype by the caller."""
-    import numpy as np
-
-    return float(np.float32(1.0 / world))
-
-
 def premul_factor(world: int) -> float:
     """1/world when that is a power of two (FSDP2's divide factor, the path of pytorch#190745), else 0.5."""
     return 1.0 / world if world & (world - 1) == 0 else 0.5
@@ -278,17 +246,11 @@ def premul_factor(world: int) -> float:
 def expected_reduction(idx: Any, world: int, dtype: str, reduce_op: str, reduce: Any, salt: int = 0) -> Any:
     """Closed-form result of reducing element ``idx`` over all ranks. ``reduce(op, a, b)`` combines
     two arrays elementwise for max and min (numpy.maximum or torch.maximum, ...).
-
     For a rounding dtype: the exact sum, in ``unit(dtype)``; the caller rounds it once to the dtype."""
     if dtype in ROUNDING:
-        total = rounding_values(idx, 0, world, dtype, salt)
-        for r in range(1, world):
-            total = total + rounding_values(idx, r, world, dtype, salt)
-        return total
+        return sum(rounding_values(idx, r, world, dtype, salt) for r in range(world))
     if reduce_op in ("avg", "premul_sum"):
-        total = avg_values(idx, 0, world, dtype, salt) * 0
-        for r in range(world):
-            total = total + avg_values(idx, r, world, dtype, salt)
+        total = sum(avg_values(idx, r, world, dtype, salt) for r in range(world))
         return total / world if reduce_op == "avg" else total * premul_factor(world)
     result = rank_values(idx, 0, world, dtype, salt)
     for r in range(1, world):
@@ -373,14 +335,11 @@ def bandwidth_table(cases: list[Case], results: dict[str, dict[str, Any]], world
     wanted = {"protocol": protocol, "dtype": dtype, "op": op, "reduce_op": reduce_op}
     for case in cases:
         res = results.get(case.id)
-        if _timed(res) and all(not want or getattr(case, key) == want for key, want in wanted.items()):
+        # only a case that ran its collective to the end on every rank has a time that means something
+        timed = res is not None and not res.get("error") and not lacks_only(res)
+        if timed and all(not want or getattr(case, key) == want for key, want in wanted.items()):
             lines.append(_bandwidth_row(case, res, world))
     return lines
-
-
-def _timed(result: dict[str, Any] | None) -> bool:
-    """The case ran its collective to the end on every rank: its time means something."""
-    return result is not None and not result.get("error") and not lacks_only(result)
 
 
 def _bandwidth_row(case: Case, res: dict[str, Any], world: int) -> str:

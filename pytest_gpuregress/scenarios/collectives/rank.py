@@ -1,16 +1,15 @@
 """The collective sweep on one rank: every planned case run and checked bit for bit.
 
 Each collective runs with ``async_op=True`` then ``wait()``, so the call that caused an error raises it. Ranks
-count their own wrong elements and the launcher sums the records: no collective reports on collectives. The
-inputs' casts from float64 are checked against ml_dtypes first, so a wrong cast is named a kernel, not the
-collective.
+count their own wrong elements and the launcher sums the records: no collective reports on collectives. The inputs'
+casts from float64 are checked against ml_dtypes first, so a wrong cast is named a kernel, not the collective.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, get_args
+from typing import Any
 
 from ...errors import NotSupported
 from ...reference.record import RunRecord
@@ -23,8 +22,7 @@ _INT_VIEW = {1: "uint8", 2: "int16", 4: "int32"}
 def _reduce_op(dist: Any, name: str, world: int) -> Any:
     if name == "premul_sum":
         return dist._make_nccl_premul_sum(plan.premul_factor(world))
-    return {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
-            "min": dist.ReduceOp.MIN}[name]
+    return getattr(dist.ReduceOp, name.upper())  # SUM, AVG, MAX, MIN
 
 
 class CastMismatch(Exception):
@@ -76,7 +74,8 @@ def _expected_reduction(case: plan.Case, idx: Any, backend: str, world: int, sal
         return _cast(exact, dtype, torch, plan.unit(case.dtype))
     # NCCL, as it documents the algorithm: each input times (T)(float)(1/world), then summed in T. The inputs
     # (plan.avg_values) make every term and every partial sum exact, so this order gives the one right answer.
-    scalar = torch.tensor(plan.nccl_average_scalar(world), dtype=torch.float32).to(dtype).to(idx.device)
+    # NCCL's premultiplier: 1.0/world in double, rounded to float, then to the dtype.
+    scalar = torch.tensor(1.0 / world, dtype=torch.float32).to(dtype).to(idx.device)
     total = None
     for rank in range(world):
         term = _cast(plan.inputs_for(case, idx, rank, world, salt, backend), dtype, torch) * scalar
@@ -161,13 +160,6 @@ class _Buffers:
         return (lambda: dist.all_to_all_single(out, full, async_op=True)), (lambda: out), expected
 
 
-def _prepare(case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> tuple[Any, Any, Any]:
-    """(call, output reader, expected) for one repeat of ``case`` on this rank."""
-    if case.op not in get_args(plan.Op):
-        raise ValueError(f"unknown collective {case.op!r}")
-    return getattr(_Buffers(case, ctx, salt, torch), case.op)()
-
-
 def _wrong_by_sender(case: plan.Case, wrong: Any, world: int) -> dict[int, int]:
     """Wrong elements by the rank that sent them, where each output element has one sender (shared/links.py):
     chunk q of an all-gather or all-to-all output came from rank q, a broadcast from its root. {} for reductions."""
@@ -219,7 +211,7 @@ def _run_case(case: plan.Case, ctx: RankContext, repeats: int, torch: Any) -> di
     times: list[float] = []
     for salt in range(repeats):
         try:
-            call, read, expected = _prepare(case, ctx, salt, torch)
+            call, read, expected = getattr(_Buffers(case, ctx, salt, torch), case.op)()
             times.append(_timed(call, ctx, torch))
             got = read()
         except CastMismatch as exc:  # what the case meant to send was never made: no collective to judge

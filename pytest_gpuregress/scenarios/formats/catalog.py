@@ -45,10 +45,7 @@ BY_TAG: dict[str, Format] = {f.tag: f for f in FORMATS.values()}
 
 def format_named(name: str) -> Format | None:
     """A format by its id, torch name or ml_dtypes name (metadata uses the torch name); None if unknown."""
-    for fmt in FORMATS.values():
-        if name in (fmt.id, fmt.torch_name, fmt.oracle_name):
-            return fmt
-    return None
+    return next((f for f in FORMATS.values() if name in (f.id, f.torch_name, f.oracle_name)), None)
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,6 @@ def stored_codes(name: str, fmt: Format, codes: np.ndarray) -> Stored:
     return Stored(name, fmt.tag, tuple(codes.shape), data.tobytes())
 
 
-# --- the quantized layout ---------------------------------------------------------------------
-
-
 def metadata_for(scheme: Scheme) -> dict[str, str]:
     kind = "mx" if scheme.block else "per_tensor"
     meta = {"format": LAYOUT, "scheme": scheme.id, "quantization": kind,
@@ -70,10 +67,6 @@ class Entry:
         return quantize.dequantize(self.codes, self.scale, self.fmt, self.block)
 
 
-def is_auxiliary(name: str) -> bool:
-    return name.endswith((SCALE, AMAX, "_scale_inv"))
-
-
 def entries(ckpt: Checkpoint) -> list[Entry]:
     """Every fp8/fp4 data tensor with its scale; CheckpointProblem for a missing scale or a tag that
     contradicts the metadata."""
@@ -82,7 +75,7 @@ def entries(ckpt: Checkpoint) -> list[Entry]:
     out = []
     for name, t in ckpt.tensors.items():
         fmt = BY_TAG.get(t.tag)
-        if fmt is None or fmt.id == "e8m0fnu" or is_auxiliary(name):
+        if fmt is None or fmt.id == "e8m0fnu" or name.endswith((SCALE, AMAX, "_scale_inv")):
             continue  # not quantized data (e8m0 only ever holds scales)
         _check_data(ckpt, name, t, fmt, element)
         scale = ckpt.tensors.get(name + SCALE) or ckpt.tensors.get(name + "_scale_inv")

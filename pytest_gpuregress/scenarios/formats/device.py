@@ -40,9 +40,6 @@ def native_fp4_cast() -> bool:
     return True
 
 
-# --- reading and casting ---------------------------------------------------------------------------
-
-
 @fault_point("formats.decode")
 def decode(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
     """float32 values of uint8 ``codes`` (one per element) read as ``fmt``: how the device reads bytes."""
@@ -67,9 +64,6 @@ def format_max(fmt: Format) -> float:
     return float(torch.finfo(torch_dtype(fmt)).max)
 
 
-# --- quantization steps ------------------------------------------------------------------------------
-
-
 @fault_point("formats.fn_to_fnuz")
 def fn_to_fnuz(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3fn codes and scale to e4m3fnuz, as ROCm loaders convert checkpoints (vLLM's
@@ -86,9 +80,6 @@ def mx_scale_exponent(amax: torch.Tensor, fmt: Format) -> torch.Tensor:
     _, exponent = torch.frexp(amax)
     shared = (exponent - 1 - emax).clamp(-E8M0_BIAS, E8M0_BIAS)
     return torch.where(amax > 0, shared, torch.full_like(shared, -E8M0_BIAS))
-
-
-# --- fp4 (e2m1): the codec and the packing of float4_e2m1fn_x2 -------------------------------------
 
 
 def fp4_decode(codes: torch.Tensor) -> torch.Tensor:

@@ -50,9 +50,7 @@ def encode_grid() -> np.ndarray:
     values = np.array([*LITERALS, *(p for fmt in FORMATS.values() for p in _format_points(fmt))], dtype=np.float32)
     _, first = np.unique(values.view(np.uint32), return_index=True)  # by bits: keeps -0.0 beside 0.0
     unique = values[np.sort(first)]
-    unique = np.concatenate([unique[~np.isnan(unique)], np.array([np.nan], dtype=np.float32)])
-    order = np.argsort(unique[:-1], kind="stable")
-    return np.concatenate([unique[:-1][order], unique[-1:]])
+    return np.concatenate([np.sort(unique[~np.isnan(unique)], kind="stable"), np.array([np.nan], dtype=np.float32)])
 
 
 def grid_digest() -> str:

@@ -120,10 +120,8 @@ def quantized_problems(scheme: str, record: RunRecord) -> list[Problem]:
 
 
 def inspect_problems(record: RunRecord) -> list[Problem]:
-    out: list[Problem] = []
-    for scheme, report in record.results.get("inspect", {}).items():
-        out += [CheckFinding("inspect", f"{scheme}.safetensors: {text}") for text in report["findings"]]
-    return out
+    return [CheckFinding("inspect", f"{scheme}.safetensors: {text}")
+            for scheme, report in record.results.get("inspect", {}).items() for text in report["findings"]]
 
 
 def io_problems(path: str, record: RunRecord) -> list[Problem]:
@@ -137,11 +135,6 @@ def io_problems(path: str, record: RunRecord) -> list[Problem]:
         why = " (every scheme ended in a known issue)" if result["known_issues"] else ""
         return [CheckFinding("checkpoint-io", f"{where}: compared no tensor{why}: the path was not exercised")]
     return [CheckFinding("checkpoint-io", f"{where}: {p}") for p in result["problems"]]
-
-
-def io_known_issues(path: str, record: RunRecord) -> list[str]:
-    result = record.results.get("io", {}).get(path) or {}
-    return [f"checkpoint I/O {path}: {text}" for text in result.get("known_issues", [])]
 
 
 def scaled_mm_problems(record: RunRecord) -> list[Problem]:
@@ -180,8 +173,7 @@ def call_rejected(result: dict[str, Any]) -> str:
 def stale_reference(part: str, key: str, reference: RunRecord) -> list[Problem]:
     """The closed-form failures a reference carries for a behaviour (key: format id) or quantized case."""
     if part == "behaviour":
-        fmt = FORMATS[key]
-        return encode_problems(fmt, reference) if f"encode/{key}" in reference.arrays else []
+        return encode_problems(FORMATS[key], reference) if f"encode/{key}" in reference.arrays else []
     return quantized_problems(key, reference) if key in reference.results.get("quantized", {}) else []
 
 

@@ -70,10 +70,8 @@ def same_codes(a: np.ndarray, b: np.ndarray, fmt: Format) -> np.ndarray:
 def identify(codes: np.ndarray, values: np.ndarray, fmt: Format) -> Format | None:
     """Which other format of the same width decodes ``codes`` to exactly ``values``: what the device
     read them as, when it disagrees with ``fmt``."""
-    for other in FORMATS.values():
-        if other is not fmt and other.bits == fmt.bits and same_values(decode(codes, other), values).all():
-            return other
-    return None
+    return next((other for other in FORMATS.values() if other is not fmt and other.bits == fmt.bits
+                 and same_values(decode(codes, other), values).all()), None)
 
 
 def as_float64(values: np.ndarray) -> np.ndarray:

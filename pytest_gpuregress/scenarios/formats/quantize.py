@@ -18,11 +18,9 @@ E8M0_BIAS = 127
 
 @dataclass
 class Quantized:
-    """One tensor's codes (one per element, uint8) and its scales.
-
-    Per tensor: ``scale`` is a float32 scalar, value = decode(code) * scale; ``amax`` is what it was
-    computed from. MX: ``scale`` holds e8m0 codes [rows, blocks], value = decode(code) * 2**(scale - 127).
-    """
+    """One tensor's codes (one per element, uint8) and its scales. Per tensor: ``scale`` is a float32 scalar, value =
+    decode(code) * scale; ``amax`` is what it was computed from. MX: ``scale`` holds e8m0 codes [rows, blocks],
+    value = decode(code) * 2**(scale - 127)."""
 
     codes: np.ndarray
     scale: np.ndarray

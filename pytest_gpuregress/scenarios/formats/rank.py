@@ -36,9 +36,7 @@ def measure(plan: dict[str, Any], dev: str, values: np.ndarray) -> tuple[dict[st
         if reason:
             unavailable[fmt.id] = reason
             continue
-        for part in ("decode", "encode"):
-            if fmt.id not in plan[part]:
-                continue
+        for part in (p for p in ("decode", "encode") if fmt.id in plan[p]):
             try:
                 arrays.update(_measure_part(part, fmt, dev, values))
             except RuntimeError as exc:  # no kernel for this format on this device: a finding of its case

@@ -36,9 +36,6 @@ def batch(shape: tuple[int, int], vocab: int, dev: str) -> torch.Tensor:
     return torch.from_numpy((b * 31 + t * 7 + 3) % vocab).to(dev)
 
 
-# --- on the device ---------------------------------------------------------------------------------------
-
-
 def quantize_on_device(w: torch.Tensor, scheme: Scheme) -> quantize.Quantized:
     """The device's quantization, through ``device``'s functions (which faults replace)."""
     fmt = FORMATS[scheme.element]
@@ -75,9 +72,6 @@ def dequantize_on_device(entry: checkpoint.Entry, codes: torch.Tensor) -> torch.
         factors = device.decode(torch.from_numpy(np.array(entry.scale, dtype=np.uint8)).to(codes.device), device.E8M0)
         return values * factors.repeat_interleave(entry.block, dim=-1)[..., : values.shape[-1]]
     return values * torch.tensor(float(entry.scale), dtype=torch.float32, device=codes.device)
-
-
-# --- closed-form checks ----------------------------------------------------------------------------------
 
 
 def _grouped(problems: dict[str, list[str]], total: int) -> list[str]:
@@ -150,9 +144,6 @@ def check_conversion(name: str, converted: np.ndarray, source: np.ndarray, probl
             "is NaN in e4m3fnuz)")
 
 
-# --- the round trip ----------------------------------------------------------------------------------------
-
-
 def checksum(values: np.ndarray) -> dict[str, float]:
     v = oracle.as_float64(values).reshape(-1)
     if not np.isfinite(v).all():  # fsum refuses inf - inf; NaN and inf are findings anyway
@@ -186,23 +177,17 @@ class RoundTrip:
             out = torch.func.functional_call(self.model, params, args=(), kwargs={"input_ids": self.ids})
         return out.logits.float().cpu().numpy()
 
-    def write(self, scheme: Scheme, problems: dict[str, list[str]]) -> checkpoint.Checkpoint:
-        """Quantize on the device, check against the oracle's quantizer, write atomically, read back."""
+    def write(self, scheme: Scheme, problems: dict[str, list[str]] | None = None) -> checkpoint.Checkpoint:
+        """Quantize on the device, check against the oracle's quantizer, write atomically, read back. Without
+        ``problems``, a checkpoint for the io cases only (catalog.IO_SCHEMES), quantized by the oracle."""
         fmt = FORMATS[scheme.element]
         tensors = []
         for name, w in self.weights.items():
-            got = quantize_on_device(w, scheme)
-            check_codes(name, got, quantize.quantize(w.cpu().numpy(), scheme), scheme, problems)
+            got = want = quantize.quantize(w.cpu().numpy(), scheme)
+            if problems is not None:
+                got = quantize_on_device(w, scheme)
+                check_codes(name, got, want, scheme, problems)
             tensors += checkpoint.quantized_tensors(name, fmt, got, scheme.block)
-        path = self.folder / f"{scheme.id}.safetensors"
-        checkpoint.write(path, tensors, checkpoint.metadata_for(scheme))
-        return checkpoint.read(path)
-
-    def write_oracle(self, scheme: Scheme) -> checkpoint.Checkpoint:
-        """A checkpoint for the io cases only (catalog.IO_SCHEMES): quantized by the oracle, written by the codec."""
-        fmt = FORMATS[scheme.element]
-        tensors = [t for name, w in self.weights.items()
-                   for t in checkpoint.quantized_tensors(name, fmt, quantize.quantize(w.cpu().numpy(), scheme), None)]
         path = self.folder / f"{scheme.id}.safetensors"
         checkpoint.write(path, tensors, checkpoint.metadata_for(scheme))
         return checkpoint.read(path)
@@ -236,7 +221,7 @@ class RoundTrip:
 def run(selected: list[str], config: dict[str, Any], dev: str, workdir: Path, progress: Callable[[str], None],
         io_paths: list[str] | None = None) -> tuple[dict[str, Any], dict[str, Any], dict[str, np.ndarray], dict[str, Any]]:
     """(results per scheme, diagnosis per scheme, logits arrays, stack I/O results per path) for the ``selected``
-    scheme ids; ``io_paths``: the stack's I/O paths (stack_io.PATHS) to put every written file through. Ids of
+    scheme ids; ``io_paths``: the stack's I/O paths (catalog.IO_PATHS) to put every written file through. Ids of
     catalog.IO_SCHEMES among ``selected`` only add the oracle's checkpoint of that scheme to the io paths' files.
 
     A scheme whose round trip raises is a finding of its own case, not a crash of the launch."""
@@ -256,7 +241,7 @@ def run(selected: list[str], config: dict[str, Any], dev: str, workdir: Path, pr
             from . import stack_io
 
             written = {s: checkpoint.read(Path(folder) / f"{s}.safetensors") for s in results if "error" not in results[s]}
-            written.update({s: trip.write_oracle(IO_SCHEMES[s]) for s in IO_SCHEMES if s in selected})
+            written.update({s: trip.write(IO_SCHEMES[s]) for s in IO_SCHEMES if s in selected})
             io = stack_io.run(io_paths, written, trip.model, dev, Path(folder), workdir)
             progress("stack I/O paths done")
     return results, inspected, arrays, io

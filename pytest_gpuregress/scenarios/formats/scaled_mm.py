@@ -100,6 +100,7 @@ def check(dev: str, fmt: Format) -> dict[str, Any]:
     b = torch.from_numpy(b_codes).to(dev).view(dtype).t()
     scale_a = torch.tensor(SCALE_A, dtype=torch.float32, device=dev)
     scale_b = torch.tensor(SCALE_B, dtype=torch.float32, device=dev)
+    head = {"applicable": True, "format": fmt.id, "shape": [M, K, N]}
     try:
         product = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
     # ValueError: torch 2.13's TORCH_CHECK_VALUE ("Invalid scaling configuration"); TypeError: the Python binding.
@@ -107,12 +108,9 @@ def check(dev: str, fmt: Format) -> dict[str, Any]:
         kind = classify(exc, fmt)
         if kind == "error":
             raise  # an illegal address, out of memory, a failed launch: run() reports it as an error, not a refusal
-        said = f"{type(exc).__name__}: {exc}"
-        if kind == "call":  # the plugin's own call is wrong: never blamed on the vendor
-            return {"applicable": True, "format": fmt.id, "shape": [M, K, N], "call_rejected": said}
-        # The stack's kernel library refuses the format (oneDNN on AVX512 CPUs and cuBLASLt refuse e4m3fnuz):
-        # a fact about this stack, reported as a finding by the judge, never a crash of the case.
-        return {"applicable": True, "format": fmt.id, "shape": [M, K, N], "refused": said}
+        # "call": the plugin's own call is wrong, never blamed on the vendor. "refused": the stack's kernel library
+        # refuses the format (oneDNN on AVX512 CPUs and cuBLASLt refuse e4m3fnuz): a finding, never a crash.
+        return {**head, "call_rejected" if kind == "call" else "refused": f"{type(exc).__name__}: {exc}"}
     got = oracle.as_float64(product.cpu().numpy())
     a64 = oracle.decode(a_codes, fmt).astype(np.float64)
     b64 = oracle.decode(b_codes, fmt).astype(np.float64).T
@@ -127,7 +125,7 @@ def check(dev: str, fmt: Format) -> dict[str, Any]:
     bound = gamma * magnitude + 3 * FP32_ROUNDOFF * np.abs(expected)
     error = np.abs(got - expected)
     worst = np.unravel_index(int(np.argmax(error / np.maximum(bound, np.finfo(np.float64).tiny))), error.shape)
-    return {"applicable": True, "format": fmt.id, "shape": [M, K, N], "worst_ratio": float(error[worst] / bound[worst]),
+    return {**head, "worst_ratio": float(error[worst] / bound[worst]),
             "worst_at": [int(i) for i in worst], "expected": float(expected[worst]), "got": float(got[worst]),
             "bound": float(bound[worst]), "non_finite": int((~np.isfinite(got)).sum())}
 

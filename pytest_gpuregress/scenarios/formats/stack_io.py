@@ -1,9 +1,8 @@
 """The quantized checkpoints through the stack's own I/O, the paths users load fp8 and fp4 weights with. Rank side.
 
-Each file the codec wrote goes through safetensors, safe_open, torch_load, dcp and transformers, checked byte
-for byte both ways (docs/formats.md). The stack's functions are looked up through their modules at call time,
-so a fault placed in a loader (faults/loaders.py) is what runs. An error known to known_issues.py is reported by
-name and the path goes on.
+Each file the codec wrote goes through safetensors, safe_open, torch_load, dcp and transformers, checked byte for
+byte both ways (docs/formats.md). The stack's functions are looked up through their modules at call time, so a fault
+placed in a loader (faults/loaders.py) is what runs. An error known to known_issues.py is reported by name.
 """
 
 from __future__ import annotations
@@ -24,14 +23,6 @@ from ...stack.known_issues import parse_version
 from . import checkpoint, device, known_issues, oracle
 from .catalog import BY_TAG, FORMATS, IO_PATHS, Format
 
-PATHS: dict[str, str] = {  # catalog.IO_PATHS, described
-    "safetensors": "safetensors.torch save_file and load_file",
-    "safe_open": "safetensors.safe_open: get_tensor, and get_slice whole and by rows",
-    "torch_load": "torch.save and torch.load(weights_only=True)",
-    "dcp": "torch.distributed.checkpoint save and load, sharded by rows over the ranks",
-    "transformers": "save_pretrained with fp8 weights and weight_scale_inv, and from_pretrained",
-}
-assert tuple(PATHS) == IO_PATHS
 TRANSFORMERS_SCHEME = "fine_grained_e4m3fn"  # transformers' own fp8 layout: e4m3fn codes, a float32 scale per block
 FIX = ("convert e4m3fn to e4m3fnuz with the 0x80 -> 0x00 rewrite and the scale doubled (gpuregress inspect-fp8 says "
        "how), never by reinterpreting the bytes; report the loader's library and version upstream")
@@ -206,15 +197,6 @@ def misread(stored: checkpoint.Stored, read_as: torch.dtype) -> str:
     return f"{text}: the loader reads {written.id} bytes as {other.id}, {change}; fix: {fix(written, other)}"
 
 
-def local_rows(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-# --- the paths ---------------------------------------------------------------------------------------------
-
-
 def via_safetensors(sources: Mapping[str, checkpoint.Checkpoint], folder: Path, dev: str, out: PathResult) -> None:
     import safetensors.torch
 
@@ -295,16 +277,10 @@ def archive_mismatch(path: Path, want: Mapping[str, checkpoint.Stored]) -> dict[
             for name, stored in want.items()}
 
 
-def _rows_of(stored: checkpoint.Stored, rank: int, world: int) -> tuple[int, int]:
-    """[start, stop) of the rows ``rank`` holds under Shard(0): torch.chunk's split, as DTensor's."""
-    rows = stored.shape[0]
-    size = -(-rows // world)
-    return min(rank * size, rows), min((rank + 1) * size, rows)
-
-
 def via_dcp(sources: Mapping[str, checkpoint.Checkpoint], run_dir: Path, dev: str, out: PathResult) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
 
     sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
@@ -316,7 +292,8 @@ def via_dcp(sources: Mapping[str, checkpoint.Checkpoint], run_dir: Path, dev: st
             dcp.save(state, checkpoint_id=str(folder))
             target = {name: _empty_like(t) for name, t in state.items()}
             dcp.load(target, checkpoint_id=str(folder))
-            out.compare(scheme, f"dcp.load (rank {rank} of {world})", {n: local_rows(t) for n, t in target.items()}, mine)
+            local = {n: t.to_local() if isinstance(t, DTensor) else t for n, t in target.items()}
+            out.compare(scheme, f"dcp.load (rank {rank} of {world})", local, mine)
         if sharded:
             dist.barrier()
     if rank == 0:
@@ -333,7 +310,9 @@ def _rank_state(ckpt: checkpoint.Checkpoint, dev: str, rank: int, world: int,
         if not sharded or full.ndim == 0:
             state[name], mine[name] = full, stored
             continue
-        start, stop = _rows_of(stored, rank, world)
+        rows = stored.shape[0]
+        size = -(-rows // world)  # the rows this rank holds under Shard(0): torch.chunk's split, as DTensor's
+        start, stop = min(rank * size, rows), min((rank + 1) * size, rows)
         per_row = len(stored.data) // stored.shape[0]
         mine[name] = checkpoint.Stored(name, stored.tag, (stop - start, *stored.shape[1:]),
                                        stored.data[start * per_row: stop * per_row])
@@ -391,14 +370,6 @@ def block_quantize(name: str, weight: np.ndarray) -> BlockQuantized:
                           values.reshape(rows, cols))
 
 
-def has_fp8_loader() -> bool:
-    try:
-        from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
-    except ImportError:
-        return False
-    return "fp8" in AUTO_QUANTIZER_MAPPING
-
-
 def via_transformers(model: Any, folder: Path, dev: str, out: PathResult) -> None:
     """The decoder layers' linear weights as transformers' fine-grained fp8 checkpoint (many blocks per weight,
     each with its own scale), written by save_pretrained and read back by from_pretrained."""
@@ -429,7 +400,11 @@ def _transformers_skip() -> str | None:
 
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return "under torch.distributed, save_pretrained writes on rank 0 only: rank 0 checks this path"
-    if not has_fp8_loader():
+    try:
+        from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+    except ImportError:
+        AUTO_QUANTIZER_MAPPING = {}
+    if "fp8" not in AUTO_QUANTIZER_MAPPING:
         return f"transformers {transformers.__version__} has no fine-grained fp8 loader (quant_method fp8)"
     return None
 
@@ -526,7 +501,7 @@ def run(paths: list[str], sources: Mapping[str, checkpoint.Checkpoint], model: A
                "torch_load": lambda out: via_torch_load(sources, folder, dev, out),
                "dcp": lambda out: via_dcp(sources, run_dir, dev, out),
                "transformers": lambda out: via_transformers(model, folder, dev, out)}
-    for path in (p for p in PATHS if p in paths):
+    for path in (p for p in IO_PATHS if p in paths):
         out = PathResult(path)
         readers[path](out)
         results[path] = out.as_dict()

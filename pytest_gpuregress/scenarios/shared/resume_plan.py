@@ -1,8 +1,7 @@
-"""Session side of a resume from a reference's own checkpoint (fsdp-resume, lora's resume cases): what a
-recording stores beside the reference, the launch that continues from it, and the comparator.
-
-One wrapper, ``with_resume(Scenario, ResumePlan(...))``: ``ResumeFromReference`` runs before the scenario's own
-code. The ``resume-save`` launch is separate, so the reference's numbers are those of a run without it. torch-free.
+"""Session side of a resume from a reference's own checkpoint (fsdp-resume, lora's resume cases), as one wrapper,
+``with_resume(Scenario, ResumePlan(...))``: what a recording stores beside the reference, the launch that continues
+from it, the comparator. The ``resume-save`` launch is separate, so the reference's numbers are those of a run
+without it. torch-free.
 """
 
 from __future__ import annotations
@@ -67,11 +66,6 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def _root(setup: Setup) -> Path:
-    """Where the resume-save launch writes (shared storage when ranks span machines): --gpuregress-checkpoint-dir."""
-    return Path(setup.option("checkpoint-dir") or tempfile.gettempdir()).resolve()
-
-
 def _note_nondeterminism(record: RunRecord, saved: RunRecord, start: int, label: str) -> None:
     """A note where the checkpoint's own run did not repeat ``record``'s first ``start`` losses bit for bit."""
     first, again = record.series.get("loss", [])[:start], saved.series.get("loss", [])
@@ -81,16 +75,6 @@ def _note_nondeterminism(record: RunRecord, saved: RunRecord, start: int, label:
     record.notes.append(f"resume checkpoint: its run's first {start} steps are not bitwise this run's (from "
                         f"step {step}): this stack is not deterministic, so the checkpoint is a neighbour of "
                         f"the reference's state, and {label} judges from it within tolerances")
-
-
-def merge_resume(merged: RunRecord, records: list[RunRecord]) -> RunRecord:
-    """Every rank's generator digests of a resume launch into ``merged`` (the other pieces are rank 0's), and its
-    late gradients from every rank's shard."""
-    resume = merged.results.get(RESULT_KEY)
-    if resume and "boundary" in resume:
-        resume["boundary"] = merge_boundaries([r.results[RESULT_KEY]["boundary"] for r in records])
-    merged.arrays.update(step0.merge_ranks(records, step0.LATE))
-    return merged
 
 
 @dataclass(frozen=True)
@@ -122,7 +106,8 @@ class ResumePlan:
         if off:
             record.notes.append(f"no resume checkpoint recorded: {off}")
             return {}
-        root = _root(setup)
+        # --gpuregress-checkpoint-dir: shared storage where ranks span machines
+        root = Path(setup.option("checkpoint-dir") or tempfile.gettempdir()).resolve()
         root.mkdir(parents=True, exist_ok=True)
         folder = Path(tempfile.mkdtemp(prefix="gpuregress-resume-", dir=root))
         weakref.finalize(record, shutil.rmtree, str(folder), True)  # once the record (and the store's copy) is done
@@ -257,10 +242,16 @@ class ResumeFromReference(Scenario):
         return self.resume.continue_from(self, case, launch.config, reference, run, setup)
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
-        """A resume launch's records: the default merge and every rank's generator digests and late gradients."""
+        """A resume launch's records: the default merge, every rank's generator digests (the other pieces are rank
+        0's) and late gradients from every rank's shard."""
         if RESULT_KEY not in records[0].results:
             return super().merge(records)
-        return merge_resume(Scenario.merge(self, records), records)
+        merged = Scenario.merge(self, records)
+        resume = merged.results[RESULT_KEY]
+        if "boundary" in resume:
+            resume["boundary"] = merge_boundaries([r.results[RESULT_KEY]["boundary"] for r in records])
+        merged.arrays.update(step0.merge_ranks(records, step0.LATE))
+        return merged
 
     def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
         if is_resume(case):

@@ -27,7 +27,6 @@ if TYPE_CHECKING:  # for annotations only: the session side imports model code w
     from ...training.projections import BlockProjections
 
 DEFAULT_TARGETS = LORA_DEFAULT_TARGETS
-WRAPPERS = ("fsdp2", "accelerate")
 CASE_IDS = {"fsdp2": "fully_shard", "accelerate": "accelerate"}
 # LoRA trains few parameters from a zero lora_B: a larger learning rate than full fine-tuning, no decay.
 # grad_clip 0.2: below the adapter's median gradient norm on the CPU (0.22), so most steps clip.
@@ -99,7 +98,7 @@ class LoraScenario(Scenario):
         return [Case(CASE_IDS[wrapper] + (f"-{model}" if model else ""), launch=wrapper + (f"-{model}" if model else ""),
                      data={"wrapper": wrapper, "model": model}, exercises=exercised(setup, wrapper, model),
                      family=f"{self.name}-{CASE_IDS[wrapper]}" if model else "")
-                for model in [None, *(m.name for m in setup.models)] for wrapper in WRAPPERS]
+                for model in [None, *(m.name for m in setup.models)] for wrapper in CASE_IDS]
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
         # A resume case names its wrapper's launch: one launch per key.

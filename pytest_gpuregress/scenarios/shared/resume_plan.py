@@ -21,7 +21,7 @@ from ...findings import Problem
 from ...reference.record import RunRecord
 from ...stack.platforms import launched_by_torchrun
 from ...units import human_bytes
-from ..base import Case, Launch, Runner, Scenario, Setup
+from ..base import Case, Launch, Runner, Scenario, Setup, test_id
 from ..comparator import Comparator
 from . import late_gradients, resume_comparison
 from .exercised import resumed
@@ -50,11 +50,6 @@ def resume_of(sc: Scenario, case: Case, setup: Setup) -> Case | None:
     """The resume case on ``case``'s launch and reference (``case`` itself where it is one); None: it has none."""
     return next((c for c in sc.cases(setup) if is_resume(c) and c.launch == case.launch
                  and sc.reference_name(c) == sc.reference_name(case)), None)
-
-
-def case_label(sc: Scenario, case: Case) -> str:
-    """The resume case's test id, as notes name it: fsdp-resume, lora-fully_shard-resume."""
-    return f"{sc.name}-{case.id}"
 
 
 def launch_key(role: str, case: Case) -> str:
@@ -99,7 +94,7 @@ class ResumePlan:
         run of its own. {} where another case of this reference saved it already, or it is off here."""
         if ATTACHMENT in record.attachments or record.results.get(resume_comparison.SAVED_KEY):
             return {}
-        label = case_label(sc, case)
+        label = test_id(sc.name, case.id)
         off = self.off_here(setup)
         if launched_by_torchrun():  # each rank is a session of its own there, with a folder of its own to save into
             off = "under torchrun every rank's session would name its own folder; record it spawned locally"
@@ -164,7 +159,7 @@ class ResumePlan:
         if resumed.get("unavailable"):
             raise NotApplicable(f"the resume case is not available on this stack: {resumed['unavailable']}")
         if "step" in resumed:  # the summary row is the reference's: say which run this one is
-            record.notes.append(f"{case_label(sc, case)}: the reference's checkpoint (step {resumed['step']}, written "
+            record.notes.append(f"{test_id(sc.name, case.id)}: the reference's checkpoint (step {resumed['step']}, written "
                                 f"with torch {resumed.get('saved_with_torch')}) loaded on this stack, trained on to "
                                 f"step {config['steps']}")
         return record
@@ -177,7 +172,7 @@ class ResumeComparator(Comparator):
     def row_label(self, reference_name: str) -> str:
         # A continuation shares its reference's folder: the row says it is the resume (fsdp-resume).
         if self.scenario is not None and self.case is not None and is_resume(self.case):
-            return case_label(self.scenario, self.case)
+            return test_id(self.scenario.name, self.case.id)
         return reference_name
 
     def judge(self, reference: RunRecord | None, run: RunRecord) -> Judgement:

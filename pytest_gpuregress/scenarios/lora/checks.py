@@ -1,8 +1,5 @@
-"""The LoRA checks: pure functions from tensors (numpy) to findings. No torch, so they unit-test in milliseconds.
-
-A finding is a small dict (check name, message, facts measured); every message names the adapter tensor and
-the module it targets, e.g. "lora_B of model.layers.1.self_attn.q_proj is all zeros after reload".
-"""
+"""The LoRA checks: pure functions from tensors (numpy) to findings, a small dict (check, message, facts). No torch,
+so they unit-test in milliseconds. Every message names the adapter tensor and the module it targets."""
 
 from __future__ import annotations
 
@@ -93,10 +90,8 @@ def difference(expected: np.ndarray, got: np.ndarray) -> str:
 
 
 def check_frozen(leaked: Mapping[str, int], initial: Mapping[str, str], final: Mapping[str, str]) -> list[Finding]:
-    """``leaked``: base parameter -> first step its gradient was not None; ``initial``/``final``: sha256 per base weight.
-
-    A gradient on a base weight means the library left it trainable ([library]); a change with no gradient ever
-    was written by something else (the optimizer, a collective or a load)."""
+    """``leaked``: base parameter -> first step it had a gradient (the library left it trainable); ``initial``/``final``:
+    sha256 per base weight (a change with no gradient ever: the optimizer, a collective or a load wrote it)."""
     out = [finding("frozen-base", f"frozen base weight {describe(name)} received a gradient at step {step} "
                                   "(only lora_A/lora_B may): the library left it trainable", left_trainable=True)
            for name, step in leaked.items()]

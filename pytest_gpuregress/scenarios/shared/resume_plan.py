@@ -192,10 +192,8 @@ def with_resume(scenario: type[Scenario], plan: ResumePlan) -> type[Scenario]:
 
 
 class ResumeFromReference(Scenario):
-    """The resume from a reference as one wrapper around a training scenario (``with_resume``): it adds
-    ``<case>-resume`` for each case ``resume.resumes`` picks, stores the checkpoint beside that case's reference,
-    skips the resume cases where the checkpoint is off, runs them from the reference, merges and judges them, and
-    keeps triage's reruns from step 0 away from them. Every other case goes on to the scenario's own code."""
+    """The resume from a reference as one wrapper around a training scenario (``with_resume``): ``<case>-resume`` for
+    each case ``resume.resumes`` picks, recorded, run, merged and judged here; every other case is the scenario's."""
 
     resume: ClassVar[ResumePlan]
     comparator_type = ResumeComparator

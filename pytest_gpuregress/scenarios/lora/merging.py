@@ -27,8 +27,7 @@ def check_merge(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, 
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[compute_dtype]
     # W, A and B as the merge sees them: already in the compute dtype. Parameters peft wrapped itself (fused MoE
     # experts: ParamWrapper) merge in a layout of peft's own; the merged logits below judge them.
-    every = {name.removeprefix("base_model.model."): module for name, module in model.named_modules()
-             if hasattr(module, "lora_A") and hasattr(module, "base_layer")}  # targeted module -> its LoRA layer
+    every = _lora_layers(model)
     layers = {module: layer for module, layer in every.items() if not is_parameter_wrapper(layer)}
     # GPT-2's Conv1D stores its weight as [in, out] (peft's fan_in_fan_out): the checks read every weight as
     # [out, in], where the merge is W + s * B @ A.
@@ -46,8 +45,7 @@ def check_merge(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, 
 
     findings, worst_ratio = _weight_findings(layers, base_weights, factors, merged_weights, flipped, dtype)
     # Every adapter's inner dimension bounds the merged logits, the wrapped parameters' too (their merge rounds alike).
-    inner = [base.shape[1] for base in base_weights.values()]
-    inner += [int(layer.in_features) for layer in every.values() if is_parameter_wrapper(layer)]
+    inner = [base.shape[1] for base in base_weights.values()] + _wrapped_inner(every)
     bound = bounds.logits_bound(float(np.max(np.abs(unmerged))), inner, int(cfg["lora_r"]), dtype)
     findings += _logit_findings(findings, unmerged, merged, bound)
     deviation = float(np.max(np.abs(unmerged.astype(np.float64) - merged)))
@@ -63,6 +61,11 @@ def _with_adapter(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str
     for param in model.parameters():  # the compute dtype, as training's mixed-precision policy casts; buffers stay
         param.data = param.data.to(compute_dtype)
     return model
+
+
+def _wrapped_inner(layers: dict[str, Any]) -> list[int]:
+    """The inner dimensions of the parameters peft wrapped itself (fused MoE experts)."""
+    return [int(layer.in_features) for layer in layers.values() if is_parameter_wrapper(layer)]
 
 
 def _weight_findings(layers: dict[str, Any], base_weights: dict[str, np.ndarray],
@@ -97,6 +100,12 @@ def _logit_findings(weight_findings: list[checks.Finding], unmerged: np.ndarray,
         logits = [{**f, "message": f"{f['message']} (the merged weight above, off by an exact factor, explains it)",
                    "facts": arithmetic["facts"]} for f in logits]
     return logits
+
+
+def _lora_layers(model: Any) -> dict[str, Any]:
+    """Targeted module name (without peft's prefix) -> its LoRA layer."""
+    return {name.removeprefix("base_model.model."): module for name, module in model.named_modules()
+            if hasattr(module, "lora_A") and hasattr(module, "base_layer")}
 
 
 def _out_in(weight: Any, flipped: bool) -> Any:

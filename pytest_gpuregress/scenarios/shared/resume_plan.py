@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from ...comparison.judgement import Judgement
 from ...errors import NotApplicable
@@ -89,81 +89,6 @@ class ResumePlan:
         return (f"on GPUs the resume checkpoint is optional for its size ({self.gpu_size}): record and compare it "
                 "with --gpuregress-resume-checkpoint")
 
-    def attachments(self, sc: Scenario, case: Case, record: RunRecord, run: Runner, setup: Setup) -> dict[str, Path]:
-        """Recording ``record``, the reference of the resume case ``case``: the checkpoint, saved after S steps of a
-        run of its own. {} where another case of this reference saved it already, or it is off here."""
-        if ATTACHMENT in record.attachments or record.results.get(resume_comparison.SAVED_KEY):
-            return {}
-        label = test_id(sc.name, case.id)
-        off = self.off_here(setup)
-        if launched_by_torchrun():  # each rank is a session of its own there, with a folder of its own to save into
-            off = "under torchrun every rank's session would name its own folder; record it spawned locally"
-        if off:
-            record.notes.append(f"no resume checkpoint recorded: {off}")
-            return {}
-        # --gpuregress-checkpoint-dir: shared storage where ranks span machines
-        root = Path(setup.option("checkpoint-dir") or tempfile.gettempdir()).resolve()
-        root.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(prefix="gpuregress-resume-", dir=root))
-        weakref.finalize(record, shutil.rmtree, str(folder), True)  # once the record (and the store's copy) is done
-        saved = run(sc, Launch(launch_key("save", case), {**record.config, ROLE: "save", FOLDER: str(folder)},
-                               entry=self.entry))
-        result = saved.results.get(RESULT_KEY, {})
-        if result.get("unavailable"):
-            record.notes.append(f"no resume checkpoint recorded: {result['unavailable']}; {label} will be skipped")
-            return {}
-        start = resume_step(record.config)
-        _note_nondeterminism(record, saved, start, label)
-        size = folder_bytes(folder)
-        record.results[resume_comparison.SAVED_KEY] = {"step": start, "boundary": result["boundary"], "bytes": size}
-        record.notes.append(f"resume checkpoint at step {start}: {human_bytes(size)} in {ATTACHMENT}/")
-        self._late_reference(sc, case, record, folder, run, setup)
-        return {ATTACHMENT: folder}
-
-    def _late_reference(self, sc: Scenario, case: Case, record: RunRecord, folder: Path, run: Runner,
-                        setup: Setup) -> None:
-        """Into ``record``: the gradients of the checkpoint's step, run from the checkpoint on this stack, and their
-        envelope from the noise replicas, each run the same way under its perturbation (late_gradients.py)."""
-        config = {**record.config, ROLE: "continue", FOLDER: str(folder), LATE_ONLY: True}
-        config.pop("perturbation", None)
-        plain = run(sc, Launch(launch_key("late", case), config, entry=self.entry))
-        late = late_gradients.late_arrays(plain)
-        if not late:
-            record.notes.append("no late gradients recorded: the run from the resume checkpoint kept none")
-            return
-        record.arrays.update(late)
-        replicas = [run(sc, Launch(launch_key(f"late-{r.config['perturbation']}", case), r.config, r.env,
-                                   entry=self.entry))
-                    for r in sc.noise_replicas(Launch("late", config), setup, setup.replicas)]
-        if replicas:
-            record.arrays[late_gradients.ENVELOPE] = late_gradients.spread(plain, replicas)
-        record.notes.append(f"late gradients: step {resume_step(record.config)}'s, from the resume checkpoint, "
-                            f"{len(late)} tensors, with the spread of {len(replicas)} noise replicas")
-
-    def continue_from(self, sc: Scenario, case: Case, config: dict[str, Any], reference: Callable[[], RunRecord],
-                      run: Runner, setup: Setup) -> RunRecord:
-        """Comparing the resume case ``case`` (its launch's ``config``): load the reference's checkpoint on this
-        stack and train on to the end, or NotApplicable."""
-        off = self.off_here(setup)
-        if off:
-            raise NotApplicable(off)
-        stored = reference()
-        folder = stored.attachments.get(ATTACHMENT)
-        if folder is None or not stored.results.get(resume_comparison.SAVED_KEY):
-            raise NotApplicable("the reference has no resume checkpoint: re-record it: pytest --gpuregress "
-                                f"--gpuregress-record 'gpuregress::{sc.name}*'")
-        # Cold: the late window reads it as "in a fresh process".
-        record = run(sc, Launch(launch_key("from-reference", case),
-                                {**config, ROLE: "continue", FOLDER: str(folder)}, entry=self.entry, cold=True))
-        resumed = record.results.get(RESULT_KEY, {})
-        if resumed.get("unavailable"):
-            raise NotApplicable(f"the resume case is not available on this stack: {resumed['unavailable']}")
-        if "step" in resumed:  # the summary row is the reference's: say which run this one is
-            record.notes.append(f"{test_id(sc.name, case.id)}: the reference's checkpoint (step {resumed['step']}, written "
-                                f"with torch {resumed.get('saved_with_torch')}) loaded on this stack, trained on to "
-                                f"step {config['steps']}")
-        return record
-
 
 class ResumeComparator(Comparator):
     """The default judgement, but a resume case's continuation is judged (and plotted, and kept) against the
@@ -217,8 +142,55 @@ class ResumeFromReference(Scenario):
         return super().reference_name(case)
 
     def attachments(self, case: Case, record: RunRecord, run: Runner, setup: Setup) -> dict[str, Path]:
+        """Recording ``record``, the reference of ``case``: the checkpoint its resume case continues from, saved after
+        S steps of a run of its own. {} where it has none, another case of this reference saved it, or it is off."""
         resume = resume_of(self, case, setup)
-        return {} if resume is None else self.resume.attachments(self, resume, record, run, setup)
+        if resume is None or ATTACHMENT in record.attachments or record.results.get(resume_comparison.SAVED_KEY):
+            return {}
+        label = test_id(self.name, resume.id)
+        off = self.resume.off_here(setup)
+        if launched_by_torchrun():  # each rank is a session of its own there, with a folder of its own to save into
+            off = "under torchrun every rank's session would name its own folder; record it spawned locally"
+        if off:
+            record.notes.append(f"no resume checkpoint recorded: {off}")
+            return {}
+        # --gpuregress-checkpoint-dir: shared storage where ranks span machines
+        root = Path(setup.option("checkpoint-dir") or tempfile.gettempdir()).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix="gpuregress-resume-", dir=root))
+        weakref.finalize(record, shutil.rmtree, str(folder), True)  # once the record (and the store's copy) is done
+        saved = run(self, Launch(launch_key("save", resume), {**record.config, ROLE: "save", FOLDER: str(folder)},
+                                 entry=self.resume.entry))
+        result = saved.results.get(RESULT_KEY, {})
+        if result.get("unavailable"):
+            record.notes.append(f"no resume checkpoint recorded: {result['unavailable']}; {label} will be skipped")
+            return {}
+        start = resume_step(record.config)
+        _note_nondeterminism(record, saved, start, label)
+        size = folder_bytes(folder)
+        record.results[resume_comparison.SAVED_KEY] = {"step": start, "boundary": result["boundary"], "bytes": size}
+        record.notes.append(f"resume checkpoint at step {start}: {human_bytes(size)} in {ATTACHMENT}/")
+        self._late_reference(resume, record, folder, run, setup)
+        return {ATTACHMENT: folder}
+
+    def _late_reference(self, case: Case, record: RunRecord, folder: Path, run: Runner, setup: Setup) -> None:
+        """Into ``record``: the gradients of the checkpoint's step, run from the checkpoint on this stack, and their
+        envelope from the noise replicas, each run the same way under its perturbation (late_gradients.py)."""
+        config = {**record.config, ROLE: "continue", FOLDER: str(folder), LATE_ONLY: True}
+        config.pop("perturbation", None)
+        plain = run(self, Launch(launch_key("late", case), config, entry=self.resume.entry))
+        late = late_gradients.late_arrays(plain)
+        if not late:
+            record.notes.append("no late gradients recorded: the run from the resume checkpoint kept none")
+            return
+        record.arrays.update(late)
+        replicas = [run(self, Launch(launch_key(f"late-{r.config['perturbation']}", case), r.config, r.env,
+                                     entry=self.resume.entry))
+                    for r in self.noise_replicas(Launch("late", config), setup, setup.replicas)]
+        if replicas:
+            record.arrays[late_gradients.ENVELOPE] = late_gradients.spread(plain, replicas)
+        record.notes.append(f"late gradients: step {resume_step(record.config)}'s, from the resume checkpoint, "
+                            f"{len(late)} tensors, with the spread of {len(replicas)} noise replicas")
 
     def experiment(self, case: Case, run: Runner, setup: Setup) -> RunRecord | None:
         """A resume case is skipped, recording or comparing, where its checkpoint is off (GPUs)."""
@@ -229,10 +201,30 @@ class ResumeFromReference(Scenario):
 
     def from_reference(self, case: Case, reference: Callable[[], RunRecord], run: Runner,
                        setup: Setup) -> RunRecord | None:
+        """Comparing a resume case: the reference's checkpoint loaded on this stack and trained on to the end, or
+        NotApplicable."""
         if not is_resume(case):
             return super().from_reference(case, reference, run, setup)
         [launch] = self.launches([case], setup)
-        return self.resume.continue_from(self, case, launch.config, reference, run, setup)
+        off = self.resume.off_here(setup)
+        if off:
+            raise NotApplicable(off)
+        stored = reference()
+        folder = stored.attachments.get(ATTACHMENT)
+        if folder is None or not stored.results.get(resume_comparison.SAVED_KEY):
+            raise NotApplicable("the reference has no resume checkpoint: re-record it: pytest --gpuregress "
+                                f"--gpuregress-record 'gpuregress::{self.name}*'")
+        # Cold: the late window reads it as "in a fresh process".
+        config = {**launch.config, ROLE: "continue", FOLDER: str(folder)}
+        record = run(self, Launch(launch_key("from-reference", case), config, entry=self.resume.entry, cold=True))
+        resumed = record.results.get(RESULT_KEY, {})
+        if resumed.get("unavailable"):
+            raise NotApplicable(f"the resume case is not available on this stack: {resumed['unavailable']}")
+        if "step" in resumed:  # the summary row is the reference's: say which run this one is
+            record.notes.append(f"{test_id(self.name, case.id)}: the reference's checkpoint (step {resumed['step']}, "
+                                f"written with torch {resumed.get('saved_with_torch')}) loaded on this stack, trained "
+                                f"on to step {launch.config['steps']}")
+        return record
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
         """A resume launch's records: the default merge, every rank's generator digests (the other pieces are rank

@@ -139,8 +139,8 @@ class RankContext:
             from ..comparison.failfast import first_miss, peer_miss
 
             miss = first_miss(self.watch, step, values)
-            # Ranks stop together or not at all: a faulty collective can give them different values,
-            # and a rank that stopped alone would leave its peers waiting in the next step's collective.
+            # Ranks stop together or not at all: one that stopped alone (a faulty collective gave it other values)
+            # would leave its peers waiting in the next step's collective.
             if self.watch.get("agree") and self.world_size > 1 and self._any_rank(miss is not None):
                 miss = miss or peer_miss(self.watch, step)
             self.stopped = miss
@@ -181,8 +181,7 @@ class Scenario:
     kind: ClassVar[str] = "training"
     rank_entry: ClassVar[str] = ""
     options: ClassVar[tuple[OptionSpec, ...]] = ()
-    # True when each rank records only its dim-0 shard of the step-0 gradients (fsdp does), so that
-    # merge() concatenates them; False keeps rank 0's arrays as they are (replicated values).
+    # True: each rank records its dim-0 shard of the step-0 gradients (fsdp), which merge() concatenates.
     step0_sharded: ClassVar[bool] = False
 
     def default_config(self, setup: Setup) -> dict[str, Any]:
@@ -192,13 +191,12 @@ class Scenario:
             config["steps"] = setup.steps
         return config
 
-    # True when the scenario also trains each model of --gpuregress-model (cases, launches and references
-    # of their own, through model_config); False: it runs its own model only.
+    # True: it also trains each model of --gpuregress-model (cases, launches, references of their own: model_config).
     trains_user_models: ClassVar[bool] = False
 
     def model_config(self, setup: Setup, model: str | None) -> dict[str, Any]:
-        """The config with a user's model (``--gpuregress-model``, by name) in place of the scenario's own;
-        ``None``: ``default_config``. Scenarios with ``trains_user_models`` override it."""
+        """The config with a user's model (``--gpuregress-model``, by name; None: ``default_config``) in place of the
+        scenario's own; scenarios with ``trains_user_models`` override it."""
         if model is not None:
             raise NotImplementedError(f"scenario {self.name!r} does not train user models")
         return self.default_config(setup)
@@ -292,8 +290,7 @@ class Scenario:
             return None
         return case.id if case.id == self.name else f"{self.name}-{case.id}"  # namespaced: never another scenario's
 
-    # A Comparator subclass of the scenario's own (scenarios/comparator.py), for a judgement that ``own_findings`` and
-    # ``compare`` cannot express; None: the default, which judges with those two.
+    # A Comparator subclass of its own (comparator.py), for a judgement ``own_findings`` and ``compare`` cannot express.
     comparator_type: ClassVar[type | None] = None
 
     def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:

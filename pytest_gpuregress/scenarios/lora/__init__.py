@@ -1,8 +1,6 @@
-"""Scenario ``lora``: peft LoRA training through accelerate, with the adapter round-tripped.
-
-Cases ``lora-fully_shard`` (torch's FSDP2 directly) and ``lora-accelerate`` (``Accelerator.prepare``), each with
-its own reference and a ``-resume`` case (``RESUME`` below); both run the LoRA checks of checks.py, reported by
-``own_findings()``. Session side, torch-free; training is rank.py. Details: docs/lora.md.
+"""Scenario ``lora``: peft LoRA training, the adapter round-tripped. Cases ``lora-fully_shard`` (torch's FSDP2
+directly) and ``lora-accelerate`` (``Accelerator.prepare``), each with its own reference and a ``-resume`` case
+(``RESUME``), both running the LoRA checks of checks.py. Session side, torch-free; training is rank.py. docs/lora.md.
 """
 
 from __future__ import annotations
@@ -92,9 +90,8 @@ class LoraScenario(Scenario):
         return f"{config.get('dtype', 'fp32')}-{config['wrapper']}"
 
     def cases(self, setup: Setup) -> list[Case]:
-        # Ids name the API, not "fsdp2": `-k fsdp` selects the fsdp scenario, not this one. A user's model
-        # adds its name: lora-fully_shard-mymoe. The tiny Llama's resume cases come last (with_resume):
-        # lora-fully_shard-resume.
+        # Ids name the API, not "fsdp2" (`-k fsdp` selects the fsdp scenario); a user's model adds its name:
+        # lora-fully_shard-mymoe. The tiny Llama's resume cases come last (with_resume): lora-fully_shard-resume.
         return [Case(CASE_IDS[wrapper] + (f"-{model}" if model else ""), launch=wrapper + (f"-{model}" if model else ""),
                      data={"wrapper": wrapper, "model": model}, exercises=exercised(setup, wrapper, model),
                      family=f"{self.name}-{CASE_IDS[wrapper]}" if model else "")

@@ -1,8 +1,5 @@
-"""Rank side: put a peft LoRA adapter on the base model, with platform-independent initial values.
-
-``wrap_with_lora`` is a fault point (fault_points.py: faults/lora.py leaves a base weight trainable,
-as a broken peft release would).
-"""
+"""Rank side: put a peft LoRA adapter on the base model, with platform-independent initial values (``wrap_with_lora``
+is a fault point: faults/lora.py leaves a base weight trainable, as a broken peft release would)."""
 
 from __future__ import annotations
 

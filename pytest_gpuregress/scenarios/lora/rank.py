@@ -1,8 +1,5 @@
-"""The lora scenario on one rank: peft LoRA training of the tiny Llama, then the LoRA checks.
-
-Training is the fsdp scenario's loop (training/loop.py) and records the same metrics, for the adapter
-parameters only; the LoRA checks' findings go into ``results["lora_checks"]``.
-"""
+"""The lora scenario on one rank: peft LoRA training with the shared loop (training/loop.py), recording the fsdp
+scenario's metrics for the adapter parameters only, then the LoRA checks (``results["lora_checks"]``)."""
 
 from __future__ import annotations
 

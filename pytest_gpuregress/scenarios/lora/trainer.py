@@ -1,8 +1,6 @@
-"""Rank side: the lora run's model and trainer, built one way for the training run and for the resume roles
-(rank.py's ``run`` and ``resume``), so a continuation trains exactly what the reference trained.
-
-``adapted``: the peft model before distribution (what the LoRA checks read); ``distribute``: it wrapped
-(wrappers.py) with AdamW, schedule and data, a ``LoraTrainer``. Torch is imported inside the functions.
+"""Rank side: the lora run's model and trainer, built one way for the run and the resume roles, so a continuation
+trains exactly what the reference trained: ``adapted``, the peft model before distribution (what the LoRA checks
+read), then ``distribute``, a ``LoraTrainer`` in its wrapper (wrappers.py). Torch is imported inside the functions.
 """
 
 from __future__ import annotations

@@ -50,7 +50,12 @@ def _load(entry: str, origin: str) -> Scenario:
     """The scenario ``entry`` names. Whatever breaks (a missing module, a syntax error, a raising constructor)
     becomes one ScenarioProblem that says where the scenario came from."""
     try:
-        return _as_scenario(resolve_entry(entry), origin)
+        obj = resolve_entry(entry)
+        scenario = obj() if isinstance(obj, type) else obj
+        if not isinstance(scenario, Scenario) or not scenario.name or not scenario.rank_entry:
+            raise ScenarioProblem(f"{origin}: not a scenario; subclass pytest_gpuregress.scenarios.Scenario and set "
+                                  "name and rank_entry")
+        return scenario
     except ScenarioProblem as exc:
         if origin == entry or str(exc).startswith(origin):  # a built-in, or a message that names it already
             raise
@@ -58,15 +63,6 @@ def _load(entry: str, origin: str) -> Scenario:
     except Exception as exc:  # noqa: BLE001 - a plug-in's own code: any error, reported as its own
         detail = " ".join(str(exc).split())  # one line, whatever the exception's message
         raise ScenarioProblem(f"{origin}: {type(exc).__name__}: {detail}") from None
-
-
-def _as_scenario(obj: Any, origin: str) -> Scenario:
-    scenario = obj() if isinstance(obj, type) else obj
-    if not isinstance(scenario, Scenario) or not scenario.name or not scenario.rank_entry:
-        raise ScenarioProblem(
-            f"{origin}: not a scenario; subclass pytest_gpuregress.scenarios.Scenario and set name and rank_entry"
-        )
-    return scenario
 
 
 def _distribution(ep: metadata.EntryPoint) -> str:
@@ -80,9 +76,8 @@ def _ours(ep: metadata.EntryPoint) -> bool:
 
 @lru_cache(maxsize=1)
 def registry() -> dict[str, Scenario]:
-    """Every scenario by name: the built-ins first (``BUILTIN``, from the package itself), then other packages',
-    registered by an entry point in the group ``gpuregress.scenarios``, in name order. Entry points of this
-    package itself (an older release registered its built-ins so) are skipped: the built-ins come from the code."""
+    """Every scenario by name: the built-ins (``BUILTIN``) first, then other packages' entry points in name order;
+    this package's own entry points (an older release registered its built-ins so) are skipped."""
     found: dict[str, Scenario] = {}
     origins: dict[str, str] = {}
 

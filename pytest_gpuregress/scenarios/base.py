@@ -27,11 +27,11 @@ StepHook = Callable[[int, int], None]  # (rank, step) -> None; faults use it to 
 Runner = Callable[["Scenario", "Launch"], RunRecord]  # the session's run of a launch (cached), as a scenario calls it
 
 
-
 def test_id(scenario: str, case_id: str) -> str:
     """A case's test id (its pytest name, and its node id after ``gpuregress::``): ``fsdp``, ``formats-io-dcp``,
     ``lora-fully_shard-tiny-qwen2``: the scenario's name, then the case's own id where it has one."""
     return case_id if case_id == scenario else f"{scenario}-{case_id}" if case_id else scenario
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -64,11 +64,10 @@ class Case:
     marks: tuple[str, ...] = ()
     launch: str = "default"
     data: dict[str, Any] = field(default_factory=dict)
-    # Ranks the case needs to test anything: 2 for collectives, sharding and resharding. Below it the
-    # case is still collected, and skipped with the reason, rather than passing or vanishing.
+    # Ranks the case needs (2 for collectives and sharding); below it the case is collected and skipped with the reason.
     min_ranks: int = 1
-    # What it runs (activities.py), so faults that act on none of it skip it (faults/reach.py). None: not declared
-    # (a plug-in's case): every fault counts as reaching it, and only the firing count can judge.
+    # What it runs (activities.py), so faults that act on none of it skip it (faults/reach.py). None (a plug-in's
+    # case): every fault counts as reaching it.
     exercises: Exercises | None = field(default=None, compare=False)
     # The column it shares in docs/faults.md's table with cases like it (the sweep's "collectives"); "": its id.
     family: str = field(default="", compare=False)
@@ -81,10 +80,8 @@ class Case:
 
 @dataclass(frozen=True)
 class Launch:
-    """One group of ranks: the config every rank receives, and extra environment for this group only.
-
-    ``world_size`` and ``entry`` override the platform's world size and the scenario's rank entry,
-    for launches that run another scenario's code at another size (N ranks against one)."""
+    """One group of ranks: the config every rank receives, and extra environment for this group only. ``world_size``
+    and ``entry`` override the platform's and the scenario's, for another scenario's code at another size."""
 
     key: str
     config: dict[str, Any]
@@ -93,9 +90,8 @@ class Launch:
     entry: str | None = None
     inject: bool = True  # False: --gpuregress-inject does not apply (the float64 oracle is no stack under test)
     fresh_ranks: bool = False  # True: new processes, never pooled ones (a resume must prove nothing survives in memory)
-    # True: not a pooled process where the launcher pools (spawned runs), and in place under torchrun as it is. A
-    # triage replay: a bug that needs a warmed-up process (a buffer pool, a counter) must not ride into one side
-    # of a comparison and not the other.
+    # True: never a pooled process (a triage replay): a bug that needs a warmed-up process must not ride into one side
+    # of a comparison only. Under torchrun it runs in place as it is.
     cold: bool = False
 
 
@@ -118,11 +114,9 @@ class RankContext:
     watch: dict[str, Any] = field(default_factory=dict)  # --gpuregress-fail-fast: the reference, per step
     stopped: dict[str, Any] | None = None  # the step fail-fast stopped at, and why
     profile: bool = True  # take a kernel inventory of a few steady steps (training/observe.py)
-    # The training step running now (training/loop.py sets it before each one); None outside training. Faults that
-    # start late read it: a continuation from step S runs step S first, with no completed step before it.
+    # The training step running now (training/loop.py sets it); None outside training. Faults that start late read it.
     current_step: int | None = None
-    # The digest of the token batch this rank read last (training/step.py sets it): the step's figures carry every
-    # rank's, summed, so a record keeps one digest of each step's global batch (the data the run trained on).
+    # The digest of the token batch this rank read last (training/step.py): summed over ranks, a step's global batch.
     batch_digest: float | None = None
 
     @property
@@ -136,10 +130,8 @@ class RankContext:
                 fh.write(label + "\n")
 
     def step_done(self, step: int, **values: float) -> bool:
-        """Call after each completed step: records progress and lets injected faults fire.
-
-        ``values``: the step's global metrics (loss, grad_norm). Returns True when the run should
-        stop here, because --gpuregress-fail-fast found them outside the reference's tolerance."""
+        """After each completed step (``values``: its global loss, grad_norm): records progress, lets injected faults fire;
+        True where --gpuregress-fail-fast found the values outside the reference's tolerance and the run should stop."""
         self.progress(f"step {step} done" + "".join(f", {k} {v:.6g}" for k, v in values.items()))
         for hook in self.step_hooks:
             hook(self.rank, step)
@@ -147,8 +139,8 @@ class RankContext:
             from ..comparison.failfast import first_miss, peer_miss
 
             miss = first_miss(self.watch, step, values)
-            # Ranks stop together or not at all: a faulty collective can give them different values,
-            # and a rank that stopped alone would leave its peers waiting in the next step's collective.
+            # Ranks stop together or not at all: one that stopped alone (a faulty collective gave it other values)
+            # would leave its peers waiting in the next step's collective.
             if self.watch.get("agree") and self.world_size > 1 and self._any_rank(miss is not None):
                 miss = miss or peer_miss(self.watch, step)
             self.stopped = miss
@@ -166,7 +158,6 @@ class RankContext:
         return float(value) > 0.5
 
 
-
 class TriageSupport:
     """What triage (pytest_gpuregress/triage) needs of a training scenario, composed by one that supports it
     (``triage = FsdpTriage()``), as torchtitan composes a model's spec: the scenario interface stays small, and
@@ -178,14 +169,9 @@ class TriageSupport:
 
     def message_of(self, param: str, shapes: dict[str, tuple[int, ...]], world_size: int,
                    record: RunRecord | None = None) -> str:
-        """The collective message that carries ``param``'s gradient, e.g. "reduce-scatter of the root group, 128 KiB".
-
-        ``record``: a run of this scenario, whose results may say how it grouped its parameters (None: unknown)."""
+        """The collective message that carries ``param``'s gradient, e.g. "reduce-scatter of the root group, 128 KiB";
+        ``record``: a run whose results may say how it grouped its parameters."""
         return "an unknown collective"
-
-    def explains(self, case: Case) -> bool:
-        """Whether triage's experiments, which rerun training from step 0, may explain a failure of ``case``."""
-        return True
 
 
 class Scenario:
@@ -195,8 +181,7 @@ class Scenario:
     kind: ClassVar[str] = "training"
     rank_entry: ClassVar[str] = ""
     options: ClassVar[tuple[OptionSpec, ...]] = ()
-    # True when each rank records only its dim-0 shard of the step-0 gradients (fsdp does), so that
-    # merge() concatenates them; False keeps rank 0's arrays as they are (replicated values).
+    # True: each rank records its dim-0 shard of the step-0 gradients (fsdp), which merge() concatenates.
     step0_sharded: ClassVar[bool] = False
 
     def default_config(self, setup: Setup) -> dict[str, Any]:
@@ -206,13 +191,12 @@ class Scenario:
             config["steps"] = setup.steps
         return config
 
-    # True when the scenario also trains each model of --gpuregress-model (cases, launches and references
-    # of their own, through model_config); False: it runs its own model only.
+    # True: it also trains each model of --gpuregress-model (cases, launches, references of their own: model_config).
     trains_user_models: ClassVar[bool] = False
 
     def model_config(self, setup: Setup, model: str | None) -> dict[str, Any]:
-        """The config with a user's model (``--gpuregress-model``, by name) in place of the scenario's own;
-        ``None``: ``default_config``. Scenarios with ``trains_user_models`` override it."""
+        """The config with a user's model (``--gpuregress-model``, by name; None: ``default_config``) in place of the
+        scenario's own; scenarios with ``trains_user_models`` override it."""
         if model is not None:
             raise NotImplementedError(f"scenario {self.name!r} does not train user models")
         return self.default_config(setup)
@@ -243,37 +227,33 @@ class Scenario:
     evidence_name: ClassVar[str] = ""
 
     def experiment(self, case: Case, run: Runner, setup: Setup) -> RunRecord | None:
-        """Optional: run ``case``'s launches through ``run`` (cached per launch key) and return one record for
-        ``own_findings``; for cases that need several launches, or another scenario's. None: the usual launch."""
+        """Run ``case``'s launches through ``run`` (cached per key) into one record for ``own_findings``, for cases
+        that need several launches or another scenario's; None (the default): the usual launch."""
         return None
 
     def attachments(self, case: Case, record: RunRecord, run: Runner, setup: Setup) -> dict[str, Path]:
-        """Recording only: folders to store inside ``case``'s reference beside ``record`` (the run being recorded),
-        by name, e.g. a checkpoint a later comparison resumes from (RunRecord.attachments). ``run`` runs any
-        launches that takes. {} by default: nothing beside the record."""
+        """Recording only: folders by name to store in ``case``'s reference beside ``record`` (e.g. a checkpoint a later
+        comparison resumes from); ``run`` runs the launches that takes. {} by default."""
         return {}
 
     def from_reference(self, case: Case, reference: Callable[[], RunRecord],
                        run: Runner, setup: Setup) -> RunRecord | None:
-        """Comparing only: the run of a case that starts from its reference's stored state (``reference()`` reads
-        it, verified, with its attachments), e.g. a resume from the checkpoint ``attachments`` stored; raises
-        NotApplicable where the reference cannot serve. None (the default): the usual launch or ``experiment``."""
+        """Comparing only: the run of ``case`` from its reference's stored state (``reference()`` reads it, verified, with
+        its attachments), or NotApplicable; None (the default): the usual launch or ``experiment``."""
         return None
 
     def oracle_launch(self, setup: Setup, model: str | None) -> Launch | None:
-        """The float64 oracle of step 0 whose distance a recording stores (evidence/oracle_distance.py), for
-        ``model`` (a user's, by name; None: the scenario's own). None (the default): triage's oracle where the
-        scenario composes TriageSupport, else none (lora has its own: the base model with its adapter)."""
+        """The float64 oracle of step 0 whose distance a recording stores, for ``model`` (None: the scenario's own).
+        None (the default): triage's oracle where the scenario composes TriageSupport, else none."""
         return None
 
     def triage_explains(self, case: Case) -> bool:
-        """Whether triage's experiments may explain a failure of ``case``: it supports triage, and the case agrees."""
-        return self.triage is not None and self.triage.explains(case)
+        """Whether triage's experiments, which rerun training from step 0, may explain a failure of ``case``."""
+        return self.triage is not None
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
-        """Combine the per-rank records (index = rank). By default rank 0's, which holds global values;
-        with ``step0_sharded``, the step-0 gradients assembled from every rank's shard (evidence/step0.py).
-        Either way the largest peak memory, every rank's host ops (training/observe.py) and op trace."""
+        """Combine the per-rank records (index = rank): rank 0's, with the largest peak memory, every rank's host ops and
+        op trace, and (``step0_sharded``) the step-0 gradients assembled from every rank's shard."""
         from ..evidence import introduced, op_trace
         from ..training.observe import merge_ranks
 
@@ -304,16 +284,13 @@ class Scenario:
         return {}
 
     def reference_name(self, case: Case) -> str | None:
-        """The stored reference ``case`` is compared with (a folder under the reference root), or None.
-
-        Training scenarios compare every case; a check scenario may compare some cases (say, checksums
-        whose expected values are not known in closed form). Cases of one launch may share a reference."""
+        """The stored reference ``case`` is compared with (a folder under the reference root), or None: training
+        scenarios compare every case, a check scenario may compare some. Cases of one launch may share one."""
         if self.kind != "training":
             return None
         return case.id if case.id == self.name else f"{self.name}-{case.id}"  # namespaced: never another scenario's
 
-    # A Comparator subclass of the scenario's own (scenarios/comparator.py), for a judgement that ``own_findings`` and
-    # ``compare`` cannot express; None: the default, which judges with those two.
+    # A Comparator subclass of its own (comparator.py), for a judgement ``own_findings`` and ``compare`` cannot express.
     comparator_type: ClassVar[type | None] = None
 
     def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:

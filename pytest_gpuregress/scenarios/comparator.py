@@ -45,10 +45,8 @@ class Comparator:
         if self.scenario is not None and self.case is not None and self.setup is not None:
             out += self.scenario.own_findings(self.case, run, self.setup)
         if self.scenario is None or self.scenario.kind == "training":
-            out += kernels.host_op_problems(run)
-            # The run's own consistency, every step: its collectives against their invariants across the ranks, and
-            # its clip against its own norm (evidence/collective_invariants.py, evidence/clipping.py).
-            out += collective_invariants.problems(run.results) + clipping.problems(run)
+            # Every step: its collectives against their invariants across the ranks, its clip against its own norm.
+            out += kernels.host_op_problems(run) + collective_invariants.problems(run.results) + clipping.problems(run)
         return out
 
     def row_label(self, reference_name: str) -> str:
@@ -112,10 +110,8 @@ def with_identity(run: RunRecord, comparator: Comparator) -> RunRecord:
 
 
 def for_kept(run: RunRecord, lane: str | None = None) -> Comparator:
-    """The comparator that judged a kept run (``judged_as``), from the installed scenarios.
-
-    A run without ``judged_as`` (a reference, or a record of an older version) is judged as a user's own
-    training run: losses, gradients and weights. ``lane`` overrides the stored lane."""
+    """The comparator that judged a kept run (``judged_as``), from the installed scenarios; ``lane`` overrides its lane.
+    A run without ``judged_as`` (a reference) is judged as a user's own run: losses, gradients and weights."""
     described = run.results.get(JUDGED_AS) or {}
     policy = JudgingPolicy.from_json(described.get("policy", {}))
     if lane is not None:
@@ -133,9 +129,7 @@ def for_kept(run: RunRecord, lane: str | None = None) -> Comparator:
     if scenario is None:
         raise GpuRegressError(f"the run was judged by scenario {name!r}, which is not installed here "
                               f"(installed: {', '.join(registry())}); install the package that provides it")
-    case_data = dict(described["case"])
-    case_data["marks"] = tuple(case_data.get("marks", ()))
-    setup_data = dict(described["setup"])
-    setup = Setup(**{**setup_data, "tokens": Path(setup_data["tokens"]) if setup_data.get("tokens") else None,
-                     "models": tuple(ModelSpec(**m) for m in setup_data.get("models", ()))})
-    return comparator_of(scenario, Case(**case_data), setup, policy)
+    case, stored = described["case"], described["setup"]
+    setup = Setup(**{**stored, "tokens": Path(stored["tokens"]) if stored.get("tokens") else None,
+                     "models": tuple(ModelSpec(**m) for m in stored.get("models", ()))})
+    return comparator_of(scenario, Case(**{**case, "marks": tuple(case.get("marks", ()))}), setup, policy)

@@ -1,8 +1,6 @@
-"""Scenario ``lora``: peft LoRA training through accelerate, with the adapter round-tripped.
-
-Cases ``lora-fully_shard`` (torch's FSDP2 directly) and ``lora-accelerate`` (``Accelerator.prepare``), each with
-its own reference and a ``-resume`` case (``RESUME`` below); both run the LoRA checks of checks.py, reported by
-``own_findings()``. Session side, torch-free; training is rank.py. Details: docs/lora.md.
+"""Scenario ``lora``: peft LoRA training, the adapter round-tripped. Cases ``lora-fully_shard`` (torch's FSDP2
+directly) and ``lora-accelerate`` (``Accelerator.prepare``), each with its own reference and a ``-resume`` case
+(``RESUME``), both running the LoRA checks of checks.py. Session side, torch-free; training is rank.py. docs/lora.md.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ if TYPE_CHECKING:  # for annotations only: the session side imports model code w
     from ...training.projections import BlockProjections
 
 DEFAULT_TARGETS = LORA_DEFAULT_TARGETS
-WRAPPERS = ("fsdp2", "accelerate")
 CASE_IDS = {"fsdp2": "fully_shard", "accelerate": "accelerate"}
 # LoRA trains few parameters from a zero lora_B: a larger learning rate than full fine-tuning, no decay.
 # grad_clip 0.2: below the adapter's median gradient norm on the CPU (0.22), so most steps clip.
@@ -93,13 +90,12 @@ class LoraScenario(Scenario):
         return f"{config.get('dtype', 'fp32')}-{config['wrapper']}"
 
     def cases(self, setup: Setup) -> list[Case]:
-        # Ids name the API, not "fsdp2": `-k fsdp` selects the fsdp scenario, not this one. A user's model
-        # adds its name: lora-fully_shard-mymoe. The tiny Llama's resume cases come last (with_resume):
-        # lora-fully_shard-resume.
+        # Ids name the API, not "fsdp2" (`-k fsdp` selects the fsdp scenario); a user's model adds its name:
+        # lora-fully_shard-mymoe. The tiny Llama's resume cases come last (with_resume): lora-fully_shard-resume.
         return [Case(CASE_IDS[wrapper] + (f"-{model}" if model else ""), launch=wrapper + (f"-{model}" if model else ""),
                      data={"wrapper": wrapper, "model": model}, exercises=exercised(setup, wrapper, model),
                      family=f"{self.name}-{CASE_IDS[wrapper]}" if model else "")
-                for model in [None, *(m.name for m in setup.models)] for wrapper in WRAPPERS]
+                for model in [None, *(m.name for m in setup.models)] for wrapper in CASE_IDS]
 
     def launches(self, cases: list[Case], setup: Setup) -> list[Launch]:
         # A resume case names its wrapper's launch: one launch per key.

@@ -1,8 +1,5 @@
-"""Rank side: put a peft LoRA adapter on the base model, with platform-independent initial values.
-
-``wrap_with_lora`` is a fault point (fault_points.py: faults/lora.py leaves a base weight trainable,
-as a broken peft release would).
-"""
+"""Rank side: put a peft LoRA adapter on the base model, with platform-independent initial values (``wrap_with_lora``
+is a fault point: faults/lora.py leaves a base weight trainable, as a broken peft release would)."""
 
 from __future__ import annotations
 
@@ -14,15 +11,6 @@ from ...training.seeding import seeded_normal
 from . import checks
 
 
-def lora_config(cfg: dict[str, Any]) -> Any:
-    from peft import LoraConfig
-
-    # No dropout in training: the run must be a pure function of the seed (dropout_check.py says why, and checks
-    # dropout on the trained adapter instead).
-    return LoraConfig(r=int(cfg["lora_r"]), lora_alpha=int(cfg["lora_alpha"]), target_modules=list(cfg["target_modules"]),
-                      lora_dropout=float(cfg.get("lora_dropout", 0.0)), bias="none")
-
-
 def module_targets(model: Any) -> list[str] | None:
     """The ``target_modules`` peft kept for a wrapped ``model`` where it turned others into ``target_parameters``
     (transformers 5's fused MoE experts: ``gate_proj``, ``up_proj``, ``down_proj`` become the experts'
@@ -31,11 +19,6 @@ def module_targets(model: Any) -> list[str] | None:
     if not getattr(config, "target_parameters", None):
         return None
     return sorted(config.target_modules or [])
-
-
-def scale(cfg: dict[str, Any]) -> float:
-    """peft's LoRA scaling, alpha / r."""
-    return int(cfg["lora_alpha"]) / int(cfg["lora_r"])
 
 
 def targeted_modules(model: Any, targets: list[str]) -> list[str]:
@@ -51,9 +34,12 @@ def targeted_modules(model: Any, targets: list[str]) -> list[str]:
 def wrap_with_lora(base: Any, cfg: dict[str, Any]) -> Any:
     """The peft model: base weights frozen, lora_A from the counter-based seed (not torch's RNG), lora_B zero."""
     import torch
-    from peft import get_peft_model
+    from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(base, lora_config(cfg))
+    # No dropout in training: the run must be a pure function of the seed (dropout_check.py checks it instead).
+    model = get_peft_model(base, LoraConfig(r=int(cfg["lora_r"]), lora_alpha=int(cfg["lora_alpha"]),
+                                            target_modules=list(cfg["target_modules"]),
+                                            lora_dropout=float(cfg.get("lora_dropout", 0.0)), bias="none"))
     seed = int(cfg["seed"])
     with torch.no_grad():
         for name, param in model.named_parameters():

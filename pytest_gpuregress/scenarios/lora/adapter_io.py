@@ -1,8 +1,5 @@
-"""Rank side: save the adapter as users do (save_pretrained, safetensors) and reload it into a fresh base model.
-
-Fault points: ``gather_for_save`` and ``write_adapter``. The full tensors the checks compare against come from
-``full_tensor``, a separate path.
-"""
+"""Rank side: save the adapter as users do (save_pretrained, safetensors; fault points ``gather_for_save`` and
+``write_adapter``) and reload it into a fresh base model. The checks' full tensors come from ``full_tensor``."""
 
 from __future__ import annotations
 

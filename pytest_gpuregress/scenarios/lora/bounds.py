@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-UNIT_ROUNDOFF: dict[str, float] = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
-PRECISION_BITS: dict[str, int] = {"fp32": 24, "bf16": 8, "fp16": 11}
+from ...comparison.bounds import UNIT_ROUNDOFF  # 2**-p for p bits of precision
 
 
 def gamma(n: int, u: float) -> float:
@@ -24,11 +23,10 @@ def gamma(n: int, u: float) -> float:
 
 def ulp(values: np.ndarray, dtype: str) -> np.ndarray:
     """The spacing of ``dtype`` numbers at each of ``values`` (normal range; subnormals get the smallest normal's)."""
-    bits = PRECISION_BITS[dtype]
     magnitude = np.abs(values.astype(np.float64))
     smallest_normal = {"fp32": 2.0**-126, "bf16": 2.0**-126, "fp16": 2.0**-14}[dtype]
     _, exponent = np.frexp(np.maximum(magnitude, smallest_normal))  # magnitude = m * 2**e, m in [0.5, 1)
-    return np.ldexp(1.0, exponent - bits)
+    return np.ldexp(UNIT_ROUNDOFF[dtype], exponent)  # 2**(e - p)
 
 
 def merged_weight_bound(merged: np.ndarray, lora_a: np.ndarray, lora_b: np.ndarray, scale: float,
@@ -55,13 +53,11 @@ def merge_excess(merged: np.ndarray, base: np.ndarray, lora_a: np.ndarray, lora_
     error = np.abs(merged.astype(np.float64) - exact)
     bound = merged_weight_bound(merged, lora_a, lora_b, scale, dtype)
     ratio = error / bound
-    worst = np.unravel_index(int(np.argmax(ratio)), ratio.shape) if ratio.size else ()
-    return Excess(
-        count=int(np.count_nonzero(ratio > 1)),
-        worst_ratio=float(ratio[worst]) if ratio.size else 0.0,
-        worst_ulps=float(error[worst] / ulp(merged[worst], dtype)) if ratio.size else 0.0,
-        index=tuple(int(i) for i in worst),
-    )
+    if not ratio.size:
+        return Excess(count=0, worst_ratio=0.0, worst_ulps=0.0, index=())
+    worst = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
+    return Excess(count=int(np.count_nonzero(ratio > 1)), worst_ratio=float(ratio[worst]),
+                  worst_ulps=float(error[worst] / ulp(merged[worst], dtype)), index=tuple(int(i) for i in worst))
 
 
 def merge_factor(merged: np.ndarray, base: np.ndarray, lora_a: np.ndarray, lora_b: np.ndarray, scale: float,

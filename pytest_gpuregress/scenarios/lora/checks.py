@@ -1,8 +1,5 @@
-"""The LoRA checks: pure functions from tensors (numpy) to findings. No torch, so they unit-test in milliseconds.
-
-A finding is a small dict (check name, message, facts measured); every message names the adapter tensor and
-the module it targets, e.g. "lora_B of model.layers.1.self_attn.q_proj is all zeros after reload".
-"""
+"""The LoRA checks: pure functions from tensors (numpy) to findings, a small dict (check, message, facts). No torch,
+so they unit-test in milliseconds. Every message names the adapter tensor and the module it targets."""
 
 from __future__ import annotations
 
@@ -60,15 +57,13 @@ def split_adapter_name(name: str) -> tuple[str, str] | None:
 
 
 def is_adapter(name: str) -> bool:
-    return split_adapter_name(name) is not None
+    return _ADAPTER.match(name) is not None
 
 
 def describe(name: str) -> str:
     """"lora_B of model.layers.1.self_attn.q_proj" for an adapter name; the name without peft's prefix otherwise."""
     parts = split_adapter_name(name)
-    if parts is None:
-        return name.removeprefix("base_model.model.")
-    return f"{parts[1]} of {parts[0]}"
+    return f"{parts[1]} of {parts[0]}" if parts else name.removeprefix("base_model.model.")
 
 
 def canonical(name: str) -> str:
@@ -95,10 +90,8 @@ def difference(expected: np.ndarray, got: np.ndarray) -> str:
 
 
 def check_frozen(leaked: Mapping[str, int], initial: Mapping[str, str], final: Mapping[str, str]) -> list[Finding]:
-    """``leaked``: base parameter -> first step its gradient was not None; ``initial``/``final``: sha256 per base weight.
-
-    A gradient on a base weight means the library left it trainable ([library]); a change with no gradient ever
-    was written by something else (the optimizer, a collective or a load)."""
+    """``leaked``: base parameter -> first step it had a gradient (the library left it trainable); ``initial``/``final``:
+    sha256 per base weight (a change with no gradient ever: the optimizer, a collective or a load wrote it)."""
     out = [finding("frozen-base", f"frozen base weight {describe(name)} received a gradient at step {step} "
                                   "(only lora_A/lora_B may): the library left it trainable", left_trainable=True)
            for name, step in leaked.items()]
@@ -123,13 +116,10 @@ def check_frozen(leaked: Mapping[str, int], initial: Mapping[str, str], final: M
 
 def check_nonzero(adapters: Mapping[str, np.ndarray], targeted: Iterable[str]) -> list[Finding]:
     """Every targeted module has a non-empty lora_A and lora_B, and every lora_B moved away from its zero init."""
-    out: list[Finding] = []
     present = {split_adapter_name(n) for n in adapters}
-    for module in targeted:
-        for which in ("lora_A", "lora_B"):
-            if (module, which) not in present:
-                out.append(finding("adapter-nonzero", f"{which} of {module} is missing: the module is a target "
-                                                      "but has no adapter", missing=True))
+    out = [finding("adapter-nonzero", f"{which} of {module} is missing: the module is a target but has no adapter",
+                   missing=True)
+           for module in targeted for which in ("lora_A", "lora_B") if (module, which) not in present]
     for name, values in adapters.items():
         if values.size == 0:
             out.append(finding("adapter-nonzero", f"{describe(name)} is empty (shape {_shape(values.shape)})"))
@@ -143,13 +133,11 @@ def check_nonzero(adapters: Mapping[str, np.ndarray], targeted: Iterable[str]) -
 
 def check_saved(saved: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray], world_size: int) -> list[Finding]:
     """The saved file (peft's keys) against the gathered full tensors (parameter names)."""
-    out: list[Finding] = []
     expected = {canonical(name): name for name in trained}
-    for key in sorted(set(expected) - set(saved)):
-        out.append(finding("adapter-roundtrip", f"{describe(key)} is missing from the saved adapter"))
-    for key in sorted(set(saved) - set(expected)):
-        if is_adapter(key):
-            out.append(finding("adapter-roundtrip", f"the saved adapter holds {describe(key)}, which was not trained"))
+    out = [finding("adapter-roundtrip", f"{describe(key)} is missing from the saved adapter")
+           for key in sorted(set(expected) - set(saved))]
+    out += [finding("adapter-roundtrip", f"the saved adapter holds {describe(key)}, which was not trained")
+            for key in sorted(set(saved) - set(expected)) if is_adapter(key)]
     out += [f for key, name in expected.items() if key in saved
             for f in _saved_tensor(key, trained[name], saved[key], world_size)]
     return out
@@ -204,7 +192,7 @@ def check_logits(check: str, what: str, expected: np.ndarray, got: np.ndarray, b
 def forward_replaced(model: Any) -> str | None:
     """The function an instance's ``forward`` was replaced with (an autocast or output-casting wrapper a library puts
     on the model it prepares), as ``module.qualname``; None where the model runs its class's own forward."""
-    forward = vars(model).get("forward") if hasattr(model, "__dict__") else None
+    forward = getattr(model, "__dict__", {}).get("forward")
     if forward is None:
         return None
     function = getattr(forward, "__func__", forward)

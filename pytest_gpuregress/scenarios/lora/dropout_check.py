@@ -25,44 +25,37 @@ def check_dropout(fresh_base: Callable[[], Any], trained: dict[str, np.ndarray],
     """The dropout checks on two fresh peft models carrying the trained adapter, with and without dropout."""
     import torch
 
-    with torch.random.fork_rng(devices=[batch.device] if batch.device.type == "cuda" else []):
-        return _checked(fresh_base, trained, cfg, batch)
-
-
-def _checked(fresh_base: Callable[[], Any], trained: dict[str, np.ndarray], cfg: dict[str, Any],
-             batch: Any) -> list[checks.Finding]:
-    import torch
-
     def logits(model: Any) -> np.ndarray:
         with torch.no_grad():
             return adapter_io.to_numpy(model(input_ids=batch).logits.float())
 
-    plain = _adapted(fresh_base(), trained, cfg, 0.0, batch.device).eval()
-    kept = adapter.module_targets(plain)
-    if kept == []:  # every target became a parameter wrapper, and peft takes dropout on none: nothing to exercise
-        return []
-    if kept is not None:  # peft refuses dropout on the parameters it wraps (fused experts): the others carry it
-        cfg = {**cfg, "target_modules": kept}
+    with torch.random.fork_rng(devices=[batch.device] if batch.device.type == "cuda" else []):
         plain = _adapted(fresh_base(), trained, cfg, 0.0, batch.device).eval()
-    dropping = _adapted(fresh_base(), trained, cfg, P, batch.device).eval()
-    findings: list[checks.Finding] = []
-    expected, in_eval = logits(plain), logits(dropping)
-    if not np.array_equal(expected, in_eval):
-        findings.append(checks.finding("dropout", f"in eval mode the adapter with lora_dropout={P} gives other logits "
-                                       f"than without dropout: {checks.difference(expected, in_eval)}"))
-    dropping.train()
-    torch.manual_seed(SEED)
-    first = logits(dropping)
-    torch.manual_seed(SEED)
-    second = logits(dropping)
-    if not np.array_equal(first, second):
-        findings.append(checks.finding("dropout", f"in train mode two forwards after torch.manual_seed({SEED}) give "
-                                       f"other logits ({checks.difference(first, second)}): the masks do not follow "
-                                       "torch's RNG, so no run can be repeated"))
-    if np.array_equal(first, in_eval):
-        findings.append(checks.finding("dropout", f"in train mode lora_dropout={P} changes nothing: the dropout is "
-                                       "never applied"))
-    return findings + _scale(dropping, batch.device) + _placement(dropping, batch.device)
+        kept = adapter.module_targets(plain)
+        if kept == []:  # every target became a parameter wrapper, and peft takes dropout on none: nothing to exercise
+            return []
+        if kept is not None:  # peft refuses dropout on the parameters it wraps (fused experts): the others carry it
+            cfg = {**cfg, "target_modules": kept}
+            plain = _adapted(fresh_base(), trained, cfg, 0.0, batch.device).eval()
+        dropping = _adapted(fresh_base(), trained, cfg, P, batch.device).eval()
+        findings: list[checks.Finding] = []
+        expected, in_eval = logits(plain), logits(dropping)
+        if not np.array_equal(expected, in_eval):
+            findings.append(checks.finding("dropout", f"in eval mode the adapter with lora_dropout={P} gives other "
+                                           f"logits than without dropout: {checks.difference(expected, in_eval)}"))
+        dropping.train()
+        torch.manual_seed(SEED)
+        first = logits(dropping)
+        torch.manual_seed(SEED)
+        second = logits(dropping)
+        if not np.array_equal(first, second):
+            findings.append(checks.finding("dropout", f"in train mode two forwards after torch.manual_seed({SEED}) "
+                                           f"give other logits ({checks.difference(first, second)}): the masks do not "
+                                           "follow torch's RNG, so no run can be repeated"))
+        if np.array_equal(first, in_eval):
+            findings.append(checks.finding("dropout", f"in train mode lora_dropout={P} changes nothing: the dropout is "
+                                           "never applied"))
+        return findings + _scale(dropping, batch.device) + _placement(dropping, batch.device)
 
 
 def _scale(model: Any, device: Any) -> list[checks.Finding]:

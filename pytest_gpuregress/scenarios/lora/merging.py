@@ -1,8 +1,5 @@
-"""Rank side: merge the adapter into the base weights (peft's merge_and_unload) and compare with the unmerged model.
-
-``merge_and_unload`` is a fault point (fault_points.py: faults/lora.py leaves one layer's merged
-weight one ulp off).
-"""
+"""Rank side: merge the adapter into the base weights (peft's merge_and_unload, a fault point) and compare with the
+unmerged model."""
 
 from __future__ import annotations
 
@@ -22,10 +19,8 @@ def merge_and_unload(peft_model: Any) -> Any:
 
 def check_merge(fresh_base: Any, trained: dict[str, np.ndarray], cfg: dict[str, Any], batch: Any,
                 compute_dtype: Any) -> tuple[list[checks.Finding], dict[str, float]]:
-    """Merged against unmerged on a fresh base model carrying the trained adapter: weights and logits.
-
-    Returns the findings and what was measured (largest logit deviation, its bound, the worst merged
-    weight's error as a fraction of its bound), kept in the record to show the bounds are not vacuous."""
+    """Merged against unmerged on a fresh base model carrying the trained adapter: weights and logits. Returns the
+    findings and what was measured (the record keeps it to show the bounds are not vacuous)."""
     import torch
 
     model = _with_adapter(fresh_base, trained, cfg, batch.device, compute_dtype)

@@ -1,8 +1,6 @@
-"""The lora scenario's float64 oracle, on one rank: step 0 of the adapter on the whole global batch in float64.
-
-Built as trainer.py builds the run's model (same seeds), keeping the adapter's gradients under rank.py's keys.
-A recording stores its distance from these, so re-recording over it is allowed only toward float64.
-"""
+"""The lora scenario's float64 oracle, on one rank: step 0 of the adapter on the whole global batch in float64,
+built as trainer.py builds the run's model (same seeds), its gradients under rank.py's keys. A recording stores its
+distance from these, so re-recording over it is allowed only toward float64."""
 
 from __future__ import annotations
 

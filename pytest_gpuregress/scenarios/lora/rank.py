@@ -1,13 +1,11 @@
-"""The lora scenario on one rank: peft LoRA training of the tiny Llama, then the LoRA checks.
-
-Training is the fsdp scenario's loop (training/loop.py) and records the same metrics, for the adapter
-parameters only; the LoRA checks' findings go into ``results["lora_checks"]``.
-"""
+"""The lora scenario on one rank: peft LoRA training with the shared loop (training/loop.py), recording the fsdp
+scenario's metrics for the adapter parameters only, then the LoRA checks (``results["lora_checks"]``)."""
 
 from __future__ import annotations
 
 import hashlib
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,13 +14,14 @@ from ...reference.record import RunRecord, float_digest
 from ..base import RankContext
 from ..shared.resume_roles import Roles
 from . import adapter_io, checks, dropout_check, merging, trainer, wrappers
-from .trainer import build_base  # the round trip, the merge and the dropout check rebuild the base
+from .trainer import build_base
 
 FIXED_BATCH_ROWS = 2  # sequences in the batch whose logits the round trip and the merge compare
-# The resume cases' save and continue roles over the trainer run() trains, under the case's wrapper. The checkpoint
-# is what DCP's get_state_dict gives of the PeftModel (the frozen base and the adapter) and of the torch AdamW under
-# accelerate's wrapper. No LoRA check runs there: a continuation is judged against the reference's last steps only.
-ROLES = Roles("lora", trainer.build)
+# The resume cases' rank entry (the scenario's RESUME): save and continue roles over the trainer run() trains. The
+# checkpoint is what DCP's get_state_dict gives of the PeftModel (the frozen base and the adapter) and of the torch
+# AdamW under accelerate's wrapper. No LoRA check runs there: a continuation is judged against the reference's last
+# steps only.
+resume = Roles("lora", trainer.build).run
 
 
 def _sha(tensor: Any) -> str:
@@ -38,16 +37,16 @@ def run(ctx: RankContext) -> RunRecord:
 
     cfg = ctx.config
     built = trainer.adapted(ctx)
-    model_config, perturbation, peft_model = built.model_config, built.perturbation, built.peft_model
-    base_names = [n for n, _ in peft_model.named_parameters() if not checks.is_adapter(n)]
-    initial_base = {n: _sha(p) for n, p in peft_model.named_parameters() if not checks.is_adapter(n)}
+    base_names = [n for n, _ in built.peft_model.named_parameters() if not checks.is_adapter(n)]
+    initial_base = {n: _sha(p) for n, p in built.peft_model.named_parameters() if not checks.is_adapter(n)}
     ctx.progress("model built")
+
+    def fresh_base() -> Any:  # the round trip, the merge and the dropout check each rebuild the base
+        return build_base(cfg, built.model_config, built.perturbation)
 
     lora = trainer.distribute(ctx, built)
     wrapped = lora.wrapped
-    device = torch.device(ctx.device)
     named = dict(wrapped.peft_model.named_parameters())
-    names, params = lora.names, lora.tracked
     step0: dict[str, np.ndarray] = {}
     leaked: dict[str, int] = {}
 
@@ -56,51 +55,38 @@ def run(ctx: RankContext) -> RunRecord:
             if name not in leaked and named[name].grad is not None:
                 leaked[name] = step
         if step == 0:  # whole gradients, gathered on every rank (a collective)
-            for name, p in zip(names, params):
+            for name, p in zip(lora.names, lora.params):
                 step0[f"step0_grad/{name}"] = adapter_io.to_numpy(p.grad)
 
-    step = lora.step(
-        ctx,
-        inspect=inspect_gradients,
-        # Module paths as peft names them (base_model.model.model.layers.0...); under accelerate on the CPU
-        # the collectives are DDP's (c10d::broadcast_, c10d::allreduce_ per bucket).
-        op_trace=op_tracer(ctx, wrapped.peft_model),
-    )
+    # Module paths as peft names them (base_model.model.model.layers.0...); under accelerate on the CPU the
+    # collectives are DDP's (c10d::broadcast_, c10d::allreduce_ per bucket).
+    step = lora.step(ctx, inspect=inspect_gradients, op_trace=op_tracer(ctx, wrapped.peft_model))
     curves, observer = train_observed(ctx, step, cfg)
     ctx.progress("lora checks")
     trained = lora.weights()  # every rank's slice, gathered
-    final_base = {n: _sha(named[n]) for n in base_names}
-    findings = checks.check_frozen(leaked, initial_base, final_base)
+    findings = checks.check_frozen(leaked, initial_base, {n: _sha(named[n]) for n in base_names})
     findings += checks.check_nonzero(trained, built.targeted)
-    batch = torch.from_numpy(MarkovTokens(vocab_size=model_config.vocab_size, seq_len=int(cfg["seq_len"]),
+    batch = torch.from_numpy(MarkovTokens(vocab_size=built.model_config.vocab_size, seq_len=int(cfg["seq_len"]),
                                           global_batch=FIXED_BATCH_ROWS, seed=int(cfg["data_seed"]) + 1)
-                             .global_batch_at(0)[:, :-1]).to(device)
+                             .global_batch_at(0)[:, :-1]).to(torch.device(ctx.device))
     with torch.no_grad():
         trained_logits = adapter_io.to_numpy(wrapped.model(input_ids=batch).logits.float())
     state = wrapped.state_dict_for_save()  # collective: every rank takes part
     measured: dict[str, float] = {}
     if ctx.rank == 0:
         compute_dtype = torch.bfloat16 if cfg["dtype"] == "bf16" else torch.float32
-        findings += _roundtrip(wrapped, state, trained, trained_logits, cfg, model_config, perturbation, batch,
-                               compute_dtype, ctx.world_size)
-        merge_findings, measured = merging.check_merge(build_base(cfg, model_config, perturbation), trained, cfg,
-                                                       batch, compute_dtype)
-        findings += merge_findings
-        findings += dropout_check.check_dropout(lambda: build_base(cfg, model_config, perturbation), trained, cfg,
-                                                batch)
+        findings += _roundtrip(wrapped, state, trained, trained_logits, fresh_base, batch, compute_dtype,
+                               ctx.world_size)
+        merge_findings, measured = merging.check_merge(fresh_base(), trained, cfg, batch, compute_dtype)
+        findings += merge_findings + dropout_check.check_dropout(fresh_base, trained, cfg, batch)
 
     digests = {name: float_digest(values) for name, values in trained.items()}
     results = {"lora_checks": findings, "lora_checks_run": sorted(checks.CHECKS), "lora_measured": measured}
-    return training_record("lora", ctx, step, curves, observer, names, step0, digests, results)
+    return training_record("lora", ctx, step, curves, observer, lora.names, step0, digests, results)
 
 
-def resume(ctx: RankContext) -> RunRecord:
-    """The rank entry of the resume cases' launches (the lora scenario's ``RESUME``)."""
-    return ROLES.run(ctx)
-
-
-def _roundtrip(wrapped: wrappers.Wrapped, state: dict[str, Any], trained: dict[str, np.ndarray], trained_logits: np.ndarray,
-               cfg: dict[str, Any], model_config: Any, perturbation: str, batch: Any, compute_dtype: Any,
+def _roundtrip(wrapped: wrappers.Wrapped, state: dict[str, Any], trained: dict[str, np.ndarray],
+               trained_logits: np.ndarray, fresh_base: Callable[[], Any], batch: Any, compute_dtype: Any,
                world_size: int) -> list[checks.Finding]:
     """Rank 0: save with save_pretrained, check the file, reload into a fresh base model, check tensors and logits."""
     findings: list[checks.Finding] = []
@@ -112,7 +98,7 @@ def _roundtrip(wrapped: wrappers.Wrapped, state: dict[str, Any], trained: dict[s
         findings += checks.check_saved(adapter_io.read_saved(folder), trained, world_size)
         tensors_kept = not findings
         try:
-            reloaded = adapter_io.reload(build_base(cfg, model_config, perturbation), folder)
+            reloaded = adapter_io.reload(fresh_base(), folder)
         except Exception as exc:  # noqa: BLE001 - e.g. a size mismatch from a sliced save
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             findings.append(checks.finding("adapter-roundtrip", f"PeftModel.from_pretrained failed on the saved "

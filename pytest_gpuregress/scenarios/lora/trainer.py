@@ -1,8 +1,6 @@
-"""Rank side: the lora run's model and trainer, built one way for the training run and for the resume roles
-(rank.py's ``run`` and ``resume``), so a continuation trains exactly what the reference trained.
-
-``adapted``: the peft model before distribution (what the LoRA checks read); ``distribute``: it wrapped
-(wrappers.py) with AdamW, schedule and data, a ``LoraTrainer``. Torch is imported inside the functions.
+"""Rank side: the lora run's model and trainer, built one way for the run and the resume roles, so a continuation
+trains exactly what the reference trained: ``adapted``, the peft model before distribution (what the LoRA checks
+read), then ``distribute``, a ``LoraTrainer`` in its wrapper (wrappers.py). Torch is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -84,20 +82,15 @@ class LoraTrainer(Trainer):
         return self.wrapped.torch_optimizer  # DCP initialises and fills a torch optimizer, not accelerate's wrapper
 
     @property
-    def params(self) -> list[Any]:
-        """The adapter's parameters, paired with ``names`` by the digests (not whatever requires a gradient: a base
-        weight a broken peft left trainable must not shift the pairs)."""
-        return self.tracked
-
-    @property
     def frozen(self) -> list[tuple[str, Any]]:
         """The base weights by name: saved and loaded with the adapter, never trained (state_digests.boundary)."""
         adapter = set(self.names)
         return [(n, p) for n, p in self.wrapped.peft_model.named_parameters() if n not in adapter]
 
     @property
-    def tracked(self) -> list[Any]:
-        """The adapter's parameters in ``names``' order: the ones whose gradient norms the record keeps."""
+    def params(self) -> list[Any]:
+        """The adapter's parameters in ``names``' order, whose gradient norms the record keeps (not whatever requires a
+        gradient: a base weight a broken peft left trainable must not shift the pairs)."""
         named = dict(self.wrapped.peft_model.named_parameters())
         return [named[n] for n in self.names]
 
@@ -117,12 +110,12 @@ class LoraTrainer(Trainer):
             optimization=self.optimization,
             clip=lambda: wrapped.clip(float(ctx.config["grad_clip"])),
             backward=wrapped.backward,
-            tracked=self.tracked,  # the adapters only; the optimizer and the clipping take whatever requires a gradient
+            tracked=self.params,  # the adapters only; the optimizer and the clipping take whatever requires a gradient
             **extra,
         )
 
     def weights(self) -> dict[str, np.ndarray]:
-        return {n: adapter_io.to_numpy(p) for n, p in zip(self.names, self.tracked)}  # every rank's slice, gathered
+        return {n: adapter_io.to_numpy(p) for n, p in zip(self.names, self.params)}  # every rank's slice, gathered
 
 
 def distribute(ctx: RankContext, model: Adapted) -> LoraTrainer:

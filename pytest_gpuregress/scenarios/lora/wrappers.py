@@ -1,8 +1,5 @@
-"""Rank side: the two ways the peft model is distributed, behind one small interface.
-
-``fsdp2``: ``fully_shard`` directly; ``accelerate``: ``Accelerator.prepare``, as the HF Trainer and TRL do
-(accelerate's FSDP2 plugin on GPUs; on the CPU accelerate offers DDP only, so that runs there).
-"""
+"""Rank side: the two ways the peft model is distributed, behind one small interface: ``fsdp2``, ``fully_shard``
+directly; ``accelerate``, ``Accelerator.prepare`` as the HF Trainer and TRL do (FSDP2 on GPUs, DDP on the CPU)."""
 
 from __future__ import annotations
 

@@ -75,17 +75,13 @@ def link_kind(identities: list[dict[str, Any] | None], sender: int, receiver: in
         return f"{backend}, path unknown"
     same_node = a.get("host") == b.get("host") and a.get("node_rank") == b.get("node_rank")
     if a.get("device", "cpu") == "cpu":
-        return _cpu_link(a, b, same_node, backend)
+        span = "" if same_node else f" between {node_label(a)} and {node_label(b)}"
+        return f"{backend} over loopback{span}" if a.get("host") == b.get("host") else f"{backend} over the network{span}"
     if not same_node:
         return f"{backend} over the network between {node_label(a)} and {node_label(b)}"
     code = (a.get("links") or {}).get(str(b.get("smi_index")))
     return f"{backend} within {node_label(a)}: " + (describe_link_code(code) if code else "NVLink, xGMI or PCIe "
                                                      "(the topology was not read)")
-
-
-def _cpu_link(a: dict[str, Any], b: dict[str, Any], same_node: bool, backend: str) -> str:
-    span = "" if same_node else f" between {node_label(a)} and {node_label(b)}"
-    return f"{backend} over loopback{span}" if a.get("host") == b.get("host") else f"{backend} over the network{span}"
 
 
 def _identity(identities: list[dict[str, Any] | None], rank: int) -> dict[str, Any] | None:

@@ -1,8 +1,7 @@
-"""Session side of a resume from a reference's own checkpoint (fsdp-resume, lora's resume cases): what a
-recording stores beside the reference, the launch that continues from it, and the comparator.
-
-One wrapper, ``with_resume(Scenario, ResumePlan(...))``: ``ResumeFromReference`` runs before the scenario's own
-code. The ``resume-save`` launch is separate, so the reference's numbers are those of a run without it. torch-free.
+"""Session side of a resume from a reference's own checkpoint (fsdp-resume, lora's resume cases), as one wrapper,
+``with_resume(Scenario, ResumePlan(...))``: what a recording stores beside the reference, the launch that continues
+from it, the comparator. The ``resume-save`` launch is separate, so the reference's numbers are those of a run
+without it. torch-free.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from ...comparison.judgement import Judgement
 from ...errors import NotApplicable
@@ -22,7 +21,7 @@ from ...findings import Problem
 from ...reference.record import RunRecord
 from ...stack.platforms import launched_by_torchrun
 from ...units import human_bytes
-from ..base import Case, Launch, Runner, Scenario, Setup
+from ..base import Case, Launch, Runner, Scenario, Setup, test_id
 from ..comparator import Comparator
 from . import late_gradients, resume_comparison
 from .exercised import resumed
@@ -53,11 +52,6 @@ def resume_of(sc: Scenario, case: Case, setup: Setup) -> Case | None:
                  and sc.reference_name(c) == sc.reference_name(case)), None)
 
 
-def case_label(sc: Scenario, case: Case) -> str:
-    """The resume case's test id, as notes name it: fsdp-resume, lora-fully_shard-resume."""
-    return f"{sc.name}-{case.id}"
-
-
 def launch_key(role: str, case: Case) -> str:
     """``resume-<role>``, then the case's launch where a scenario has several (lora: one per wrapper)."""
     return f"resume-{role}" if case.launch == "default" else f"resume-{role}-{case.launch}"
@@ -65,11 +59,6 @@ def launch_key(role: str, case: Case) -> str:
 
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
-def _root(setup: Setup) -> Path:
-    """Where the resume-save launch writes (shared storage when ranks span machines): --gpuregress-checkpoint-dir."""
-    return Path(setup.option("checkpoint-dir") or tempfile.gettempdir()).resolve()
 
 
 def _note_nondeterminism(record: RunRecord, saved: RunRecord, start: int, label: str) -> None:
@@ -81,16 +70,6 @@ def _note_nondeterminism(record: RunRecord, saved: RunRecord, start: int, label:
     record.notes.append(f"resume checkpoint: its run's first {start} steps are not bitwise this run's (from "
                         f"step {step}): this stack is not deterministic, so the checkpoint is a neighbour of "
                         f"the reference's state, and {label} judges from it within tolerances")
-
-
-def merge_resume(merged: RunRecord, records: list[RunRecord]) -> RunRecord:
-    """Every rank's generator digests of a resume launch into ``merged`` (the other pieces are rank 0's), and its
-    late gradients from every rank's shard."""
-    resume = merged.results.get(RESULT_KEY)
-    if resume and "boundary" in resume:
-        resume["boundary"] = merge_boundaries([r.results[RESULT_KEY]["boundary"] for r in records])
-    merged.arrays.update(step0.merge_ranks(records, step0.LATE))
-    return merged
 
 
 @dataclass(frozen=True)
@@ -110,80 +89,6 @@ class ResumePlan:
         return (f"on GPUs the resume checkpoint is optional for its size ({self.gpu_size}): record and compare it "
                 "with --gpuregress-resume-checkpoint")
 
-    def attachments(self, sc: Scenario, case: Case, record: RunRecord, run: Runner, setup: Setup) -> dict[str, Path]:
-        """Recording ``record``, the reference of the resume case ``case``: the checkpoint, saved after S steps of a
-        run of its own. {} where another case of this reference saved it already, or it is off here."""
-        if ATTACHMENT in record.attachments or record.results.get(resume_comparison.SAVED_KEY):
-            return {}
-        label = case_label(sc, case)
-        off = self.off_here(setup)
-        if launched_by_torchrun():  # each rank is a session of its own there, with a folder of its own to save into
-            off = "under torchrun every rank's session would name its own folder; record it spawned locally"
-        if off:
-            record.notes.append(f"no resume checkpoint recorded: {off}")
-            return {}
-        root = _root(setup)
-        root.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(prefix="gpuregress-resume-", dir=root))
-        weakref.finalize(record, shutil.rmtree, str(folder), True)  # once the record (and the store's copy) is done
-        saved = run(sc, Launch(launch_key("save", case), {**record.config, ROLE: "save", FOLDER: str(folder)},
-                               entry=self.entry))
-        result = saved.results.get(RESULT_KEY, {})
-        if result.get("unavailable"):
-            record.notes.append(f"no resume checkpoint recorded: {result['unavailable']}; {label} will be skipped")
-            return {}
-        start = resume_step(record.config)
-        _note_nondeterminism(record, saved, start, label)
-        size = folder_bytes(folder)
-        record.results[resume_comparison.SAVED_KEY] = {"step": start, "boundary": result["boundary"], "bytes": size}
-        record.notes.append(f"resume checkpoint at step {start}: {human_bytes(size)} in {ATTACHMENT}/")
-        self._late_reference(sc, case, record, folder, run, setup)
-        return {ATTACHMENT: folder}
-
-    def _late_reference(self, sc: Scenario, case: Case, record: RunRecord, folder: Path, run: Runner,
-                        setup: Setup) -> None:
-        """Into ``record``: the gradients of the checkpoint's step, run from the checkpoint on this stack, and their
-        envelope from the noise replicas, each run the same way under its perturbation (late_gradients.py)."""
-        config = {**record.config, ROLE: "continue", FOLDER: str(folder), LATE_ONLY: True}
-        config.pop("perturbation", None)
-        plain = run(sc, Launch(launch_key("late", case), config, entry=self.entry))
-        late = late_gradients.late_arrays(plain)
-        if not late:
-            record.notes.append("no late gradients recorded: the run from the resume checkpoint kept none")
-            return
-        record.arrays.update(late)
-        replicas = [run(sc, Launch(launch_key(f"late-{r.config['perturbation']}", case), r.config, r.env,
-                                   entry=self.entry))
-                    for r in sc.noise_replicas(Launch("late", config), setup, setup.replicas)]
-        if replicas:
-            record.arrays[late_gradients.ENVELOPE] = late_gradients.spread(plain, replicas)
-        record.notes.append(f"late gradients: step {resume_step(record.config)}'s, from the resume checkpoint, "
-                            f"{len(late)} tensors, with the spread of {len(replicas)} noise replicas")
-
-    def continue_from(self, sc: Scenario, case: Case, config: dict[str, Any], reference: Callable[[], RunRecord],
-                      run: Runner, setup: Setup) -> RunRecord:
-        """Comparing the resume case ``case`` (its launch's ``config``): load the reference's checkpoint on this
-        stack and train on to the end, or NotApplicable."""
-        off = self.off_here(setup)
-        if off:
-            raise NotApplicable(off)
-        stored = reference()
-        folder = stored.attachments.get(ATTACHMENT)
-        if folder is None or not stored.results.get(resume_comparison.SAVED_KEY):
-            raise NotApplicable("the reference has no resume checkpoint: re-record it: pytest --gpuregress "
-                                f"--gpuregress-record 'gpuregress::{sc.name}*'")
-        # Cold: the late window reads it as "in a fresh process".
-        record = run(sc, Launch(launch_key("from-reference", case),
-                                {**config, ROLE: "continue", FOLDER: str(folder)}, entry=self.entry, cold=True))
-        resumed = record.results.get(RESULT_KEY, {})
-        if resumed.get("unavailable"):
-            raise NotApplicable(f"the resume case is not available on this stack: {resumed['unavailable']}")
-        if "step" in resumed:  # the summary row is the reference's: say which run this one is
-            record.notes.append(f"{case_label(sc, case)}: the reference's checkpoint (step {resumed['step']}, written "
-                                f"with torch {resumed.get('saved_with_torch')}) loaded on this stack, trained on to "
-                                f"step {config['steps']}")
-        return record
-
 
 class ResumeComparator(Comparator):
     """The default judgement, but a resume case's continuation is judged (and plotted, and kept) against the
@@ -192,7 +97,7 @@ class ResumeComparator(Comparator):
     def row_label(self, reference_name: str) -> str:
         # A continuation shares its reference's folder: the row says it is the resume (fsdp-resume).
         if self.scenario is not None and self.case is not None and is_resume(self.case):
-            return case_label(self.scenario, self.case)
+            return test_id(self.scenario.name, self.case.id)
         return reference_name
 
     def judge(self, reference: RunRecord | None, run: RunRecord) -> Judgement:
@@ -212,10 +117,8 @@ def with_resume(scenario: type[Scenario], plan: ResumePlan) -> type[Scenario]:
 
 
 class ResumeFromReference(Scenario):
-    """The resume from a reference as one wrapper around a training scenario (``with_resume``): it adds
-    ``<case>-resume`` for each case ``resume.resumes`` picks, stores the checkpoint beside that case's reference,
-    skips the resume cases where the checkpoint is off, runs them from the reference, merges and judges them, and
-    keeps triage's reruns from step 0 away from them. Every other case goes on to the scenario's own code."""
+    """The resume from a reference as one wrapper around a training scenario (``with_resume``): ``<case>-resume`` for
+    each case ``resume.resumes`` picks, recorded, run, merged and judged here; every other case is the scenario's."""
 
     resume: ClassVar[ResumePlan]
     comparator_type = ResumeComparator
@@ -239,8 +142,55 @@ class ResumeFromReference(Scenario):
         return super().reference_name(case)
 
     def attachments(self, case: Case, record: RunRecord, run: Runner, setup: Setup) -> dict[str, Path]:
+        """Recording ``record``, the reference of ``case``: the checkpoint its resume case continues from, saved after
+        S steps of a run of its own. {} where it has none, another case of this reference saved it, or it is off."""
         resume = resume_of(self, case, setup)
-        return {} if resume is None else self.resume.attachments(self, resume, record, run, setup)
+        if resume is None or ATTACHMENT in record.attachments or record.results.get(resume_comparison.SAVED_KEY):
+            return {}
+        label = test_id(self.name, resume.id)
+        off = self.resume.off_here(setup)
+        if launched_by_torchrun():  # each rank is a session of its own there, with a folder of its own to save into
+            off = "under torchrun every rank's session would name its own folder; record it spawned locally"
+        if off:
+            record.notes.append(f"no resume checkpoint recorded: {off}")
+            return {}
+        # --gpuregress-checkpoint-dir: shared storage where ranks span machines
+        root = Path(setup.option("checkpoint-dir") or tempfile.gettempdir()).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix="gpuregress-resume-", dir=root))
+        weakref.finalize(record, shutil.rmtree, str(folder), True)  # once the record (and the store's copy) is done
+        saved = run(self, Launch(launch_key("save", resume), {**record.config, ROLE: "save", FOLDER: str(folder)},
+                                 entry=self.resume.entry))
+        result = saved.results.get(RESULT_KEY, {})
+        if result.get("unavailable"):
+            record.notes.append(f"no resume checkpoint recorded: {result['unavailable']}; {label} will be skipped")
+            return {}
+        start = resume_step(record.config)
+        _note_nondeterminism(record, saved, start, label)
+        size = folder_bytes(folder)
+        record.results[resume_comparison.SAVED_KEY] = {"step": start, "boundary": result["boundary"], "bytes": size}
+        record.notes.append(f"resume checkpoint at step {start}: {human_bytes(size)} in {ATTACHMENT}/")
+        self._late_reference(resume, record, folder, run, setup)
+        return {ATTACHMENT: folder}
+
+    def _late_reference(self, case: Case, record: RunRecord, folder: Path, run: Runner, setup: Setup) -> None:
+        """Into ``record``: the gradients of the checkpoint's step, run from the checkpoint on this stack, and their
+        envelope from the noise replicas, each run the same way under its perturbation (late_gradients.py)."""
+        config = {**record.config, ROLE: "continue", FOLDER: str(folder), LATE_ONLY: True}
+        config.pop("perturbation", None)
+        plain = run(self, Launch(launch_key("late", case), config, entry=self.resume.entry))
+        late = late_gradients.late_arrays(plain)
+        if not late:
+            record.notes.append("no late gradients recorded: the run from the resume checkpoint kept none")
+            return
+        record.arrays.update(late)
+        replicas = [run(self, Launch(launch_key(f"late-{r.config['perturbation']}", case), r.config, r.env,
+                                     entry=self.resume.entry))
+                    for r in self.noise_replicas(Launch("late", config), setup, setup.replicas)]
+        if replicas:
+            record.arrays[late_gradients.ENVELOPE] = late_gradients.spread(plain, replicas)
+        record.notes.append(f"late gradients: step {resume_step(record.config)}'s, from the resume checkpoint, "
+                            f"{len(late)} tensors, with the spread of {len(replicas)} noise replicas")
 
     def experiment(self, case: Case, run: Runner, setup: Setup) -> RunRecord | None:
         """A resume case is skipped, recording or comparing, where its checkpoint is off (GPUs)."""
@@ -251,16 +201,42 @@ class ResumeFromReference(Scenario):
 
     def from_reference(self, case: Case, reference: Callable[[], RunRecord], run: Runner,
                        setup: Setup) -> RunRecord | None:
+        """Comparing a resume case: the reference's checkpoint loaded on this stack and trained on to the end, or
+        NotApplicable."""
         if not is_resume(case):
             return super().from_reference(case, reference, run, setup)
         [launch] = self.launches([case], setup)
-        return self.resume.continue_from(self, case, launch.config, reference, run, setup)
+        off = self.resume.off_here(setup)
+        if off:
+            raise NotApplicable(off)
+        stored = reference()
+        folder = stored.attachments.get(ATTACHMENT)
+        if folder is None or not stored.results.get(resume_comparison.SAVED_KEY):
+            raise NotApplicable("the reference has no resume checkpoint: re-record it: pytest --gpuregress "
+                                f"--gpuregress-record 'gpuregress::{self.name}*'")
+        # Cold: the late window reads it as "in a fresh process".
+        config = {**launch.config, ROLE: "continue", FOLDER: str(folder)}
+        record = run(self, Launch(launch_key("from-reference", case), config, entry=self.resume.entry, cold=True))
+        resumed = record.results.get(RESULT_KEY, {})
+        if resumed.get("unavailable"):
+            raise NotApplicable(f"the resume case is not available on this stack: {resumed['unavailable']}")
+        if "step" in resumed:  # the summary row is the reference's: say which run this one is
+            record.notes.append(f"{test_id(self.name, case.id)}: the reference's checkpoint (step {resumed['step']}, "
+                                f"written with torch {resumed.get('saved_with_torch')}) loaded on this stack, trained "
+                                f"on to step {launch.config['steps']}")
+        return record
 
     def merge(self, records: list[RunRecord]) -> RunRecord:
-        """A resume launch's records: the default merge and every rank's generator digests and late gradients."""
+        """A resume launch's records: the default merge, every rank's generator digests (the other pieces are rank
+        0's) and late gradients from every rank's shard."""
         if RESULT_KEY not in records[0].results:
             return super().merge(records)
-        return merge_resume(Scenario.merge(self, records), records)
+        merged = Scenario.merge(self, records)
+        resume = merged.results[RESULT_KEY]
+        if "boundary" in resume:
+            resume["boundary"] = merge_boundaries([r.results[RESULT_KEY]["boundary"] for r in records])
+        merged.arrays.update(step0.merge_ranks(records, step0.LATE))
+        return merged
 
     def compare(self, reference: RunRecord, record: RunRecord, case: Case, lane: str) -> Comparison:
         if is_resume(case):

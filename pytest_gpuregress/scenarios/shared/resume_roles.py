@@ -63,6 +63,11 @@ class Roles:
     build: Callable[[RankContext], ResumableTrainer]
 
     def run(self, ctx: RankContext) -> RunRecord:
+        from ...training import dcp_safetensors
+
+        unavailable = dcp_safetensors.unavailable()
+        if unavailable:
+            return self._record(ctx, {"unavailable": unavailable})
         return {"save": self.save, "continue": self.resume}[ctx.config[ROLE]](ctx)
 
     def _record(self, ctx: RankContext, results: dict[str, Any], **fields: Any) -> RunRecord:
@@ -71,11 +76,8 @@ class Roles:
 
     def save(self, ctx: RankContext) -> RunRecord:
         """Recording: S steps, the save, the digests of the state saved."""
-        from ...training import dcp_safetensors, resume_checkpoint, state_digests
+        from ...training import resume_checkpoint, state_digests
 
-        unavailable = dcp_safetensors.unavailable()
-        if unavailable:
-            return self._record(ctx, {"unavailable": unavailable})
         start = resume_step(ctx.config)
         trainer = self.build(ctx)
         curves = trainer.train(ctx, range(start), 0, "training to the resume checkpoint")
@@ -84,17 +86,13 @@ class Roles:
                                world_size=ctx.world_size, device_kind=ctx.device_kind)
         # After the save: a save that moves state shows.
         boundary = state_digests.boundary(trainer, start, ctx.device_kind, ctx.rank)
-        return self._record(ctx, {"step": start, "boundary": boundary},
-                            series=curves.series())
+        return self._record(ctx, {"step": start, "boundary": boundary}, series=curves.series())
 
     def resume(self, ctx: RankContext) -> RunRecord:
         """Comparing: the reference's checkpoint loaded on this stack, then steps S to the end."""
-        from ...training import dcp_safetensors, resume_checkpoint, rng_state, state_digests
+        from ...training import resume_checkpoint, rng_state, state_digests
         from ...training.noise import perturb_weights
 
-        unavailable = dcp_safetensors.unavailable()
-        if unavailable:
-            return self._record(ctx, {"unavailable": unavailable})
         trainer = self.build(ctx)
         rng_state.scramble(SCRAMBLE_SEED + ctx.rank, ctx.device_kind)
         state_digests.scramble_frozen(trainer)  # built equal to the saved ones: only a load may restore them

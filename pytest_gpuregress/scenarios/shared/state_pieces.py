@@ -48,8 +48,7 @@ def differs(piece: str, expected: dict[str, str], got: dict[str, str]) -> str:
 
 
 def differing(expected: Digests, got: Digests) -> list[tuple[str, str]]:
-    """(piece, how it differs) for every piece whose items are not the expected ones, in ORDER's order.
-
-    A piece only ``got`` has is not judged: the reference was saved before that piece was digested."""
+    """(piece, how it differs) for every piece whose items are not the expected ones, in ORDER's order; a piece only
+    ``got`` has is not judged (the reference was saved before that piece was digested)."""
     pieces = sorted(expected, key=order)
     return [(piece, why) for piece in pieces if (why := differs(piece, expected.get(piece, {}), got.get(piece, {})))]

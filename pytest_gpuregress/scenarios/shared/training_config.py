@@ -38,9 +38,8 @@ def per_device(**tuned: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def training_config(setup: Setup, common: dict[str, Any], per_device: dict[str, dict[str, Any]],
                     model: str | None = None) -> dict[str, Any]:
-    """A training scenario's config: common values, the device's, the steps asked for, the model's identity.
-
-    ``model``: the name of a user's model (--gpuregress-model) to train instead of the scenario's own."""
+    """A training scenario's config: common values, the device's, the steps asked for, the identity of ``model`` (a
+    user's, --gpuregress-model, trained instead of the scenario's own)."""
     from ...training.models import architecture_of
     from ...training.token_file import describe_for
 

@@ -68,8 +68,6 @@ class Recorder:
         """Steps recorded so far (calls of ``step``)."""
         return len(self.losses)
 
-    # --- per step ----------------------------------------------------------------------------------
-
     def batch(self, rows: Any) -> Any:
         """This rank's batch (rows first) as the run should use it: reversed in a ``reduction_order`` noise
         replica (the same mean, summed in another order), unchanged otherwise. A tensor, a numpy array, or a
@@ -139,8 +137,6 @@ class Recorder:
         self._last = now
         return self.ctx.step_done(self.steps - 1, **reported)
 
-    # --- at the end --------------------------------------------------------------------------------
-
     def weights(self, params: Named) -> None:
         """Record digests of every parameter (trainable or not), by name. *Collective* for FSDP2 parameters.
 
@@ -184,8 +180,6 @@ class Recorder:
                      "median_step_s": median},
             results=results,
         )
-
-    # --- internals ---------------------------------------------------------------------------------
 
     def _perf(self, results: dict[str, Any]) -> float:
         """The median step time after the warm-up steps, and ``results["perf"]``, as the built-in scenarios: no

@@ -121,7 +121,8 @@ class FlightRecorder:
     def _call_queued(self, family: str, size: int, original: Callable[..., Any],
                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Make the call as the caller made it, then keep what says when the GPU has finished it."""
-        self._note_device()
+        if self._device is None:  # the poller binds to it to query CUDA events: no context on GPU 0
+            self._device = _current_cuda_device()
         entry = self._enter(family, size)
         try:
             result = original(*args, **kwargs)
@@ -162,11 +163,6 @@ class FlightRecorder:
             self._write("in", oldest.op, oldest.seq, oldest.size)
         else:
             self._write("out", self._last_op, self.seq, 0)
-
-    def _note_device(self) -> None:
-        # The poller queries CUDA events; bound to the rank's device it creates no context on GPU 0.
-        if self._device is None:
-            self._device = _current_cuda_device()
 
     def _poll(self, interval: float) -> None:
         bound = False

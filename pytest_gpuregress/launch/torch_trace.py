@@ -43,15 +43,6 @@ COMPLETED = "completed"
 REQUEST = "torch_fr_dump_request"  # in the run folder: the launcher asks the ranks for their dumps (spawn.py)
 REQUEST_POLL_S = 0.2  # how often a rank looks for the request, and the launcher for the dumps
 REQUEST_WAIT_S = 10.0  # how long the launcher waits for the ranks' dumps before it kills them
-# torch's Python entry points for a JSON dump of a recorder, per backend, first choice first. torch keeps two
-# recorders: the CPU one ("FlightRecorder CPU" in torch.distributed.debug), which gloo and the functional
-# collectives' host side record into, and NCCL's own ("FlightRecorder NCCL"), which ProcessGroupNCCL (RCCL too)
-# records every collective of into, with its state on the GPU. On NCCL the CPU recorder holds none of them, so a
-# hang's dump must come from NCCL's; where a build lacks it, the CPU one is the fallback.
-_DUMP_FUNCTIONS: dict[str, tuple[str, ...]] = {
-    "nccl": ("_dump_nccl_trace_json", "_dump_fr_trace_json"),
-    "gloo": ("_dump_fr_trace_json",),
-}
 _DTENSOR_API = "/torch/distributed/tensor/_api.py"  # full_tensor() calls redistribute(): name full_tensor
 # Frames of the collective machinery between the code that asked for a collective and ProcessGroupNCCL.
 _PLUMBING = (
@@ -128,18 +119,15 @@ def _fresh(path: Path, since: float) -> bool:
         return False
 
 
-def dump_functions(backend: str) -> tuple[str, ...]:
-    """The names of torch's JSON dump functions to try for ``backend``, first choice first: NCCL's own recorder on
-    NCCL and RCCL ("nccl"), the CPU recorder on gloo."""
-    return _DUMP_FUNCTIONS["nccl" if queues_work(backend) else "gloo"]
-
-
 def dump_json(backend: str = "nccl", c10d: Any = None) -> bytes:
     """This process's flight recorder for ``backend`` as JSON, every entry (the completed ones give each rank's
     sequence). ``c10d``: torch's ``torch._C._distributed_c10d``, or a stand-in."""
     if c10d is None:
         from torch._C import _distributed_c10d as c10d
-    names = dump_functions(backend)
+    # torch keeps two recorders: the CPU one, which gloo and the functional collectives' host side record into, and
+    # NCCL's own, which ProcessGroupNCCL (RCCL too) records every collective into. On NCCL the CPU one holds none of
+    # them, so a hang's dump comes from NCCL's; where a build lacks it, the CPU one is the fallback.
+    names = ("_dump_nccl_trace_json", "_dump_fr_trace_json") if queues_work(backend) else ("_dump_fr_trace_json",)
     for name in names:
         dump = getattr(c10d, name, None)
         if dump is not None:

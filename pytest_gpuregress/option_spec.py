@@ -91,10 +91,8 @@ class OptionSpec:
         return f"{text} (default: {plain(self.default_text())})" if self.takes_value else text
 
     def convert(self, raw: Any, where: str) -> Any:
-        """``raw`` (from the command line or the ini file; None: unset) as this option's type.
-
-        ``where`` names the source in the message of ``BadOptionValue``: the flag, or ``ini key x =``.
-        """
+        """``raw`` (from the command line or the ini file; None: unset) as this option's type; ``where`` names the
+        source in the message of ``BadOptionValue``: the flag, or ``ini key x =``."""
         if raw is None:
             return self.default
         if self.kind in _CONVERT:

@@ -28,10 +28,9 @@ STICKY: dict[str, tuple[str, ...]] = {
 
 
 def sticky_device_error(text: str) -> str | None:
-    """The sticky device error ``text`` reports ("illegal memory access"), or None.
-
-    Recoverable errors are not sticky: out of memory, an invalid argument, a missing kernel image. Nor is
-    the hint torch appends to every CUDA error ("... to enable device-side assertions")."""
+    """The sticky device error ``text`` reports ("illegal memory access"), or None. Out of memory, an invalid argument
+    or a missing kernel image are recoverable, and the hint torch appends to every CUDA error ("... to enable
+    device-side assertions") matches nothing."""
     lowered = text.lower()
     return next((name for name, needles in STICKY.items() if any(n in lowered for n in needles)), None)
 

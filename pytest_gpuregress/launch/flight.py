@@ -67,11 +67,9 @@ class _Queued:
 
 
 class FlightRecorder:
-    """This rank's state file, and wrappers around ``torch.distributed``'s collectives that keep it.
-
-    ``queued``: the backend returns before the device has run a collective (NCCL, RCCL), so completion
-    is read from each collective's ``Work``; ``poll_s`` is how often a thread does that (None: only
-    when ``refresh`` is called)."""
+    """This rank's state file, and wrappers around ``torch.distributed``'s collectives that keep it. ``queued``: the
+    backend returns before the device ran a collective (NCCL, RCCL), so a thread reads completion every ``poll_s``
+    (None: only when ``refresh`` is called)."""
 
     def __init__(self, path: Path, *, queued: bool = False, poll_s: float | None = POLL_S,
                  stream_marker: Callable[[], Callable[[], bool] | None] | None = None) -> None:
@@ -183,12 +181,9 @@ class FlightRecorder:
 
 
 def _compiling() -> bool:
-    try:
-        import torch
+    import torch  # imported already: these wrappers replace torch.distributed's functions
 
-        return bool(torch.compiler.is_compiling())
-    except (ImportError, AttributeError):
-        return False
+    return bool(torch.compiler.is_compiling())
 
 
 def _cuda_stream_marker() -> Callable[[], bool] | None:

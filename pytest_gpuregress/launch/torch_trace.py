@@ -56,21 +56,18 @@ _PLUMBING = (
 
 
 def group_timeout(backend: str, wall_s: float) -> float:
-    """The process group's timeout for a launch the launcher kills after ``wall_s`` seconds.
-
-    NCCL/RCCL: below the limit (half the limit at the least, for short limits), so a hang early in the launch
-    times out and dumps before the kill; later hangs get the dump the launcher asks for at its limit
-    (``request_dumps``). gloo: past it, so the launcher's own report names the hung ranks."""
+    """The process group's timeout for a launch killed after ``wall_s`` s. NCCL/RCCL: below it (at least half), so an
+    early hang times out and dumps before the kill (later ones get the dump ``request_dumps`` asks for); gloo: past
+    it, so the launcher's own report names the hung ranks."""
     if queues_work(backend):
         return max(wall_s - DUMP_MARGIN_S, wall_s / 2)
     return wall_s + GLOO_MARGIN_S
 
 
 def arm(run_dir: Path, backend: str, environ: MutableMapping[str, str] | None = None) -> str | None:
-    """Make torch dump its recorder into ``run_dir`` on a watchdog timeout; the dump's file prefix, or None on
-    gloo (nothing is set there). Values the user set stay; ``environ`` defaults to this process's environment,
-    which torch reads when the group is created (the switch) and when it dumps (the location). Idempotent: a
-    second call for the same folder changes nothing."""
+    """Make torch dump its recorder into ``run_dir`` on a watchdog timeout; the dump's file prefix, or None on gloo.
+    Values the user set stay; ``environ`` (this process's by default) is read by torch when the group is created and
+    when it dumps. Idempotent for the same folder."""
     env = os.environ if environ is None else environ
     if not queues_work(backend):
         return None
@@ -199,10 +196,9 @@ def request_dumps(run_dir: Path, prefix: str, live: Callable[[], list[int]]) -> 
 
 
 def read_dump(path: Path) -> dict[str, Any]:
-    """One rank's dump as plain data. torch 2.13 writes a pickle on a timeout (``dump_fr_trace``); the dump a rank
-    writes on the launcher's request is JSON (``_dump_nccl_trace_json`` on NCCL, ``_dump_fr_trace_json`` on gloo):
-    the same schema from either recorder. Raises ``safe_pickle.UnreadablePickle``
-    (``UnsafePickle`` for a file that names any Python code: nothing in it runs)."""
+    """One rank's dump as plain data: a pickle from torch's watchdog, JSON from a rank the launcher asked (the same
+    schema). Raises ``safe_pickle.UnreadablePickle`` (``UnsafePickle`` for a file that names any Python code:
+    nothing in it runs)."""
     data = path.read_bytes()
     if data.lstrip()[:1] == b"{":
         dump = json.loads(data)

@@ -275,11 +275,7 @@ def serve(rank: int) -> None:
     os._exit(code)
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) != 2 or argv[0] != "--serve":
-        sys.exit("usage: python -m pytest_gpuregress.launch.worker --serve RANK (started by launch/pool.py)")
-    serve(int(argv[1]))
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if len(sys.argv) != 3 or sys.argv[1] != "--serve":
+        sys.exit("usage: python -m pytest_gpuregress.launch.worker --serve RANK (started by launch/pool.py)")
+    serve(int(sys.argv[2]))

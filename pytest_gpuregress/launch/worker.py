@@ -123,17 +123,6 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
     return record, ctx
 
 
-def run_rank(job: Job, rank: int) -> None:
-    """Spawned rank: run, then deliver the record and the done marker before any teardown."""
-    files = RankFiles(Path(job.run_dir), rank)
-    record, ctx = execute_rank(job, rank, rank)
-    record.save(files.record_dir)
-    files.done.write_text("delivered\n")
-    ctx.progress("delivered")
-    for hook in ctx.teardown_hooks:
-        hook()
-
-
 def die_with_parent() -> None:
     """SIGKILL this rank when the launcher dies, even by SIGKILL; a watchdog thread where prctl is missing."""
     parent = int(os.environ.get("GPUREGRESS_PARENT_PID", os.getppid()))
@@ -225,8 +214,13 @@ def serve_job(job_path: Path, rank: int) -> int:
     job = Job.load(job_path)
     files = RankFiles(Path(job.run_dir), rank)
     with _job_stdio(files), _job_directory(job.cwd), _job_environment():
-        try:
-            run_rank(job, rank)
+        try:  # the record and the done marker are delivered before any teardown
+            record, ctx = execute_rank(job, rank, rank)
+            record.save(files.record_dir)
+            files.done.write_text("delivered\n")
+            ctx.progress("delivered")
+            for hook in ctx.teardown_hooks:
+                hook()
             _teardown(job)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
             if not files.done.exists():

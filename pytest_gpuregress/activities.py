@@ -70,10 +70,8 @@ CHECKPOINT_READ = "checkpoint weights read"  # any checkpoint's weights read bac
 
 @dataclass(frozen=True)
 class Exercises:
-    """What one case runs, and why it lacks what a fault might look for.
-
-    ``absent``: activity -> why this case does not run it here (a CPU runs accelerate's DDP, so no adapter shard);
-    ``summary``: what the case runs, in words, when it runs little (the reason most faults do not reach it)."""
+    """What one case runs; ``absent``: activity -> why it does not run it here (a CPU runs accelerate's DDP, so no
+    adapter shard); ``summary``: what it runs, in words, when it runs little (why most faults do not reach it)."""
 
     does: frozenset[str]
     summary: str = ""

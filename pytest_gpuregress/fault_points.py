@@ -1,12 +1,9 @@
-"""What the layers below faults/ need of it: the validated spec a scenario reads, and the fault points.
+"""What the layers below faults/ need of it: ``FaultSpec`` (a parsed ``--gpuregress-inject`` spec), the fault
+points, the mark of the plugin's own collectives and the profiler range of a fault's own work.
 
-``FaultSpec`` is a parsed ``--gpuregress-inject`` spec (faults/ parses and installs it). A function marked
-``@fault_point("checkpoint.apply_optimizer")`` runs as written until a fault ``intercept``s it by name
-(undone through ``ctx.cleanup_hooks``), so no fault patches this project's modules.
-``plugin_own_collectives`` marks the collectives the plugin makes for itself, where no fault acts (a
-``ThreadRegion``, as training/kernels.py marks an emulated host fallback); ``FAULT_REGION`` names the
-profiler range of a fault's own tensor work, which the recorders leave out.
-Neutral, so scenarios and training use it without an import up into faults/ (docs/architecture.md).
+A function marked ``@fault_point("checkpoint.apply_optimizer")`` runs as written until a fault ``intercept``s it by
+name (undone through ``ctx.cleanup_hooks``), so no fault patches this project's modules. Neutral, so scenarios and
+training use it without an import up into faults/ (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -127,7 +124,8 @@ FAULT_REGION = "gpuregress::fault"
 
 
 class ThreadRegion:
-    """A nestable "inside this region" mark, per thread: what a context manager sets and a hook reads."""
+    """A nestable "inside this region" mark, per thread: what a context manager sets and a hook reads (as
+    training/kernels.py marks an emulated host fallback)."""
 
     def __init__(self) -> None:
         self._local = threading.local()

@@ -32,32 +32,20 @@ class BadOptionValue(ValueError):
 
 @dataclass(frozen=True)
 class OptionSpec:
-    """One ``--gpuregress-<name>`` option (``name`` empty: ``--gpuregress`` itself).
-
-    kind: one of ``KINDS``
-    default: the value when neither the command line nor the ini file sets it
-    help: one sentence, lower case, no final full stop: ``pytest --help`` shows it, the docs table starts with it
-    choices: the values a ``choice`` takes
-    minimum, maximum: the accepted range of an int, float or bytes option
-    ini: the ini key when it is not the option's name with underscores (a repeatable option's plural)
-    metavar: what the value is (DIR, FILE, SPEC), shown as ``--gpuregress-x=DIR``
-    shown_default: the default in words (markdown), when the value itself does not say it
-    details: the docs table's further sentences (markdown), after ``help``
-    ini_relative: a path set in the ini file is relative to the ini file's folder, not the invocation's
-    """
+    """One ``--gpuregress-<name>`` option (``name`` empty: ``--gpuregress`` itself)."""
 
     name: str
-    kind: str
-    default: Any
-    help: str
-    choices: tuple[str, ...] = ()
-    minimum: float | None = None
+    kind: str  # one of KINDS
+    default: Any  # the value when neither the command line nor the ini file sets it
+    help: str  # one sentence, lower case, no final full stop: pytest --help shows it, the docs table starts with it
+    choices: tuple[str, ...] = ()  # the values a "choice" takes
+    minimum: float | None = None  # the accepted range of an int, float or bytes option
     maximum: float | None = None
-    ini: str | None = None
-    metavar: str | None = None
-    shown_default: str | None = None
-    details: str = ""
-    ini_relative: bool = False
+    ini: str | None = None  # the ini key when it is not the option's name with underscores (a repeatable one's plural)
+    metavar: str | None = None  # what the value is (DIR, FILE, SPEC), shown as --gpuregress-x=DIR
+    shown_default: str | None = None  # the default in words (markdown), when the value itself does not say it
+    details: str = ""  # the docs table's further sentences (markdown), after help
+    ini_relative: bool = False  # a path set in the ini file is relative to the ini file's folder, not the invocation's
 
     def __post_init__(self) -> None:
         # A plug-in's typo fails where it is written, not at the first run that reads the option.
@@ -103,10 +91,8 @@ class OptionSpec:
         return f"{text} (default: {plain(self.default_text())})" if self.takes_value else text
 
     def convert(self, raw: Any, where: str) -> Any:
-        """``raw`` (from the command line or the ini file; None: unset) as this option's type.
-
-        ``where`` names the source in the message of ``BadOptionValue``: the flag, or ``ini key x =``.
-        """
+        """``raw`` (from the command line or the ini file; None: unset) as this option's type; ``where`` names the
+        source in the message of ``BadOptionValue``: the flag, or ``ini key x =``."""
         if raw is None:
             return self.default
         if self.kind in _CONVERT:

@@ -1,11 +1,9 @@
 """Recorder: what a user's own training loop hands the plugin, without building a RunRecord by hand.
 
-It records what the built-in scenarios record, in the same form (series, per-parameter gradient norms,
-step-0 gradients, digests), reduced the way DDP replicas or FSDP2 shards need, so the same comparison,
-lanes, reports and plots apply. Usage: docs/own-models.md and examples/own_loop/.
-
-Methods marked *collective* must be called on every rank, in the same order. Only ``step`` is required;
-what is not recorded is not compared. Imports torch only inside its methods, on the ranks.
+It records what the built-in scenarios record, in the same form, reduced the way DDP replicas or FSDP2 shards
+need, so the same comparison, lanes, reports and plots apply (docs/own-models.md, examples/own_loop/). Methods
+marked *collective* run on every rank, in the same order. Only ``step`` is required; what is not recorded is
+not compared. Imports torch only inside its methods, on the ranks.
 """
 
 from __future__ import annotations
@@ -35,11 +33,9 @@ class RecorderMisuse(RuntimeError):
 
 
 class Recorder:
-    """Collects one rank's view of a training run; ``record()`` returns the RunRecord for ``gpuregress.check``.
-
-    ``name`` is the record's scenario name. Create it right before the loop: step times count from here.
-    Noise replicas nudge every weight one ulp when ``model`` is given, and reverse batches in ``batch()``.
-    """
+    """One rank's view of a training run; ``record()`` returns the RunRecord for ``gpuregress.check``. ``name``
+    is the record's scenario name. Create it right before the loop: step times count from here. Noise replicas
+    nudge every weight one ulp when ``model`` is given, and reverse batches in ``batch()``."""
 
     def __init__(self, ctx: RankContext, name: str, model: Named | None = None) -> None:
         self.ctx = ctx
@@ -68,8 +64,6 @@ class Recorder:
         """Steps recorded so far (calls of ``step``)."""
         return len(self.losses)
 
-    # --- per step ----------------------------------------------------------------------------------
-
     def batch(self, rows: Any) -> Any:
         """This rank's batch (rows first) as the run should use it: reversed in a ``reduction_order`` noise
         replica (the same mean, summed in another order), unchanged otherwise. A tensor, a numpy array, or a
@@ -95,10 +89,8 @@ class Recorder:
 
     def gradients(self, params: Named) -> None:
         """Record every trainable parameter's gradient norm at this step, and at step 0 its gradient. *Collective.*
-
-        Call after ``backward()`` and before clipping or zeroing, on every step or on none. Replicated
-        gradients are averaged over ranks and FSDP2 shards summed, so a rank whose replica disagrees still
-        moves the value; the norms are all-reduced in ``step``'s collective."""
+        Call after ``backward()`` and before clipping or zeroing, on every step or on none. Replicas are averaged
+        over ranks and FSDP2 shards summed (a disagreeing replica still moves the value), in ``step``'s all-reduce."""
         if self._pending is not None:
             raise RecorderMisuse(f"gradients() called twice in step {self.steps}: call it once per step, after backward()")
         import torch
@@ -111,11 +103,9 @@ class Recorder:
             self._record_step0(named)
 
     def step(self, loss: Any, *, grad_norm: Any = None) -> bool:
-        """Close one training step; return True when the run should stop here. *Collective* (one all-reduce).
-
-        ``loss``: this rank's loss (the record keeps the mean over ranks). ``grad_norm``: the global norm,
-        e.g. from ``clip_grad_norm_``; without it, the norm of this step's ``gradients()``. Give it on every
-        step or on none. True when ``--gpuregress-fail-fast`` found the step outside the reference's tolerance."""
+        """Close one training step; True when ``--gpuregress-fail-fast`` found it outside the reference's tolerance.
+        *Collective* (one all-reduce). ``loss``: this rank's (the record keeps the mean over ranks); ``grad_norm``: the
+        global norm (``clip_grad_norm_``'s), on every step or on none; without it, the norm of ``gradients()``."""
         with_gradients = self._pending is not None
         with_norm = grad_norm is not None or with_gradients
         # The one way they can differ here: gradients() itself refuses a first call after step 0.
@@ -138,8 +128,6 @@ class Recorder:
         self._step_times.append(now - self._last)
         self._last = now
         return self.ctx.step_done(self.steps - 1, **reported)
-
-    # --- at the end --------------------------------------------------------------------------------
 
     def weights(self, params: Named) -> None:
         """Record digests of every parameter (trainable or not), by name. *Collective* for FSDP2 parameters.
@@ -184,8 +172,6 @@ class Recorder:
                      "median_step_s": median},
             results=results,
         )
-
-    # --- internals ---------------------------------------------------------------------------------
 
     def _perf(self, results: dict[str, Any]) -> float:
         """The median step time after the warm-up steps, and ``results["perf"]``, as the built-in scenarios: no

@@ -5,10 +5,8 @@ from __future__ import annotations
 _UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
-def parse_bytes(text: str | int) -> int:
+def parse_bytes(text: str) -> int:
     """'4MiB', '512K', '1G' or a plain number of bytes. Raises ValueError on anything else."""
-    if isinstance(text, int):
-        return text
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     if not t:
         raise ValueError(f"not a size: {text!r}")

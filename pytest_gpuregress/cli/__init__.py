@@ -79,11 +79,14 @@ def _compare(args: argparse.Namespace) -> int:
     """Judge a kept run as the plugin did: its scenario's own checks, and against REF where given."""
     from ..scenarios.comparator import for_kept
 
-    reference, run = _kept_records(args.paths)
+    if len(args.paths) > 2:
+        raise GpuRegressError(f"compare takes [REF] RUN, not {len(args.paths)} paths")
+    *given, run_path = args.paths
+    run = load_record(_record_folder(run_path))
+    reference = load_record(_record_folder(given[0])) if given else None
     comparator = for_kept(run, lane=args.lane)
     judged = _judged_case(comparator)
     if reference is None and (judged is None or judged[0].reference_name(judged[1]) is not None):
-        run_path = args.paths[-1]
         raise GpuRegressError(f"{run_path} is judged against a reference: gpuregress compare REFERENCE {run_path}")
     judgement = comparator.judge(reference, run)
     what = f"{judged[0].name} case {judged[1].id}" if judged else run.scenario
@@ -95,15 +98,6 @@ def _compare(args: argparse.Namespace) -> int:
     print(f"{what}: FAILED")
     _print_failure(judgement, reference, run, args.paths[0], comparator)  # paths[0]: REF, where a comparison failed
     return 1
-
-
-def _kept_records(paths: list[str]) -> tuple[Any, Any]:
-    """(the reference, or None, and the run) that ``compare [REF] RUN`` names."""
-    if len(paths) > 2:
-        raise GpuRegressError(f"compare takes [REF] RUN, not {len(paths)} paths")
-    *given, run_path = paths
-    run = load_record(_record_folder(run_path))
-    return (load_record(_record_folder(given[0])) if given else None), run
 
 
 def _judged_case(comparator: Any) -> tuple[Any, Any] | None:

@@ -130,13 +130,9 @@ def _print(checkpoint: Any, config_file: Path, summary: dict[str, Any], evaluati
         print(f"deviation from float64 on this machine: {evaluation.deviation:.3g} of the largest logit "
               f"(bound u sqrt(n) (L + 1) = {evaluation.bound:.3g})")
     print("tensor checksums (sha256 of the bytes as loaded; float64 sum):")
-    print("\n".join(_checksum_lines(summary["checksums"])))
-
-
-def _checksum_lines(checksums: dict[str, dict[str, Any]]) -> list[str]:
-    width = max(len(n) for n in checksums)
-    return [f"  {name:<{width}}  {str(entry['shape']):<12} {entry['dtype']:<8} {entry['sha256'][:16]}  {entry['sum']!r}"
-            for name, entry in checksums.items()]
+    width = max(len(n) for n in summary["checksums"])
+    for name, entry in summary["checksums"].items():
+        print(f"  {name:<{width}}  {str(entry['shape']):<12} {entry['dtype']:<8} {entry['sha256'][:16]}  {entry['sum']!r}")
 
 
 def write(path: Path, summary: dict[str, Any], logits: np.ndarray) -> None:

@@ -105,21 +105,12 @@ def prune(args: argparse.Namespace) -> int:
         return 0
     for reference in found:
         print(f"{'deleted' if args.yes else 'unread'}: {reference.parent.name}/{reference.name}")
-        if args.yes:
-            _delete(reference)
+        if args.yes:  # the reference (<name>/<platform>), and its name's folder once no platform's is left
+            shutil.rmtree(reference)
+            if not any(reference.parent.iterdir()):
+                reference.parent.rmdir()
     if not args.yes:
-        print(f"{len(found)} references no case reads; delete them with: {_prune_command(folder, args)}")
+        again = "".join(f" --model={m}" for m in args.model) + "".join(f" --keep={k}" for k in args.keep)
+        print(f"{len(found)} references no case reads; delete them with: gpuregress prune {folder} --yes{again}")
     return 0
 
-
-def _prune_command(folder: Path, args: argparse.Namespace) -> str:
-    """This prune again, deleting."""
-    return (f"gpuregress prune {folder} --yes" + "".join(f" --model={m}" for m in args.model)
-            + "".join(f" --keep={k}" for k in args.keep))
-
-
-def _delete(reference: Path) -> None:
-    """Delete a reference (``<name>/<platform>``), and its name's folder once no platform's is left."""
-    shutil.rmtree(reference)
-    if not any(reference.parent.iterdir()):
-        reference.parent.rmdir()

@@ -8,43 +8,31 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-# (what to look for, lower case; the name the report gives it). The runtime's wording and its error
-# enum's name both appear in torch's messages ("CUDA error: an illegal memory access was encountered",
-# "HIP error: hipErrorIllegalAddress").
-STICKY: tuple[tuple[str, str], ...] = (
-    ("illegal memory access", "illegal memory access"),
-    ("cudaerrorillegaladdress", "illegal memory access"),
-    ("hiperrorillegaladdress", "illegal memory access"),
-    ("memory access fault by gpu", "illegal memory access"),  # ROCr's own report of a page fault
-    ("unspecified launch failure", "unspecified launch failure"),
-    ("cudaerrorlaunchfailure", "unspecified launch failure"),
-    ("hiperrorlaunchfailure", "unspecified launch failure"),
-    ("misaligned address", "misaligned address"),
-    ("cudaerrormisalignedaddress", "misaligned address"),
-    ("device-side assert triggered", "device-side assert"),
-    ("cudaerrorassert", "device-side assert"),
-    ("hiperrorassert", "device-side assert"),
-    ("uncorrectable ecc error", "uncorrectable ECC error"),
-    ("cudaerroreccuncorrectable", "uncorrectable ECC error"),
-    ("hiperrorecc", "uncorrectable ECC error"),
-    ("uncorrectable nvlink error", "uncorrectable NVLink error"),
-    ("an illegal instruction was encountered", "illegal instruction"),
-    ("cudaerrorillegalinstruction", "illegal instruction"),
-    ("invalid program counter", "invalid program counter"),
-    ("hardware stack error", "hardware stack error"),
-    ("the launch timed out and was terminated", "kernel launch timeout"),
-    ("cudaerrorlaunchtimeout", "kernel launch timeout"),
-    ("hiperrorlaunchtimeout", "kernel launch timeout"),
-)
+# The name the report gives each, and what to look for (lower case): the runtime's wording and its error enum's
+# name both appear in torch's messages ("CUDA error: an illegal memory access was encountered", "HIP error:
+# hipErrorIllegalAddress").
+STICKY: dict[str, tuple[str, ...]] = {
+    "illegal memory access": ("illegal memory access", "cudaerrorillegaladdress", "hiperrorillegaladdress",
+                              "memory access fault by gpu"),  # the last: ROCr's own report of a page fault
+    "unspecified launch failure": ("unspecified launch failure", "cudaerrorlaunchfailure", "hiperrorlaunchfailure"),
+    "misaligned address": ("misaligned address", "cudaerrormisalignedaddress"),
+    "device-side assert": ("device-side assert triggered", "cudaerrorassert", "hiperrorassert"),
+    "uncorrectable ECC error": ("uncorrectable ecc error", "cudaerroreccuncorrectable", "hiperrorecc"),
+    "uncorrectable NVLink error": ("uncorrectable nvlink error",),
+    "illegal instruction": ("an illegal instruction was encountered", "cudaerrorillegalinstruction"),
+    "invalid program counter": ("invalid program counter",),
+    "hardware stack error": ("hardware stack error",),
+    "kernel launch timeout": ("the launch timed out and was terminated", "cudaerrorlaunchtimeout",
+                              "hiperrorlaunchtimeout"),
+}
 
 
 def sticky_device_error(text: str) -> str | None:
-    """The sticky device error ``text`` reports ("illegal memory access"), or None.
-
-    Recoverable errors are not sticky: out of memory, an invalid argument, a missing kernel image. Nor is
-    the hint torch appends to every CUDA error ("... to enable device-side assertions")."""
+    """The sticky device error ``text`` reports ("illegal memory access"), or None. Out of memory, an invalid argument
+    or a missing kernel image are recoverable, and the hint torch appends to every CUDA error ("... to enable
+    device-side assertions") matches nothing."""
     lowered = text.lower()
-    return next((name for needle, name in STICKY if needle in lowered), None)
+    return next((name for name, needles in STICKY.items() if any(n in lowered for n in needles)), None)
 
 
 def first_sticky(texts: Iterable[str]) -> str | None:

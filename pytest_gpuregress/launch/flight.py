@@ -67,11 +67,9 @@ class _Queued:
 
 
 class FlightRecorder:
-    """This rank's state file, and wrappers around ``torch.distributed``'s collectives that keep it.
-
-    ``queued``: the backend returns before the device has run a collective (NCCL, RCCL), so completion
-    is read from each collective's ``Work``; ``poll_s`` is how often a thread does that (None: only
-    when ``refresh`` is called)."""
+    """This rank's state file, and wrappers around ``torch.distributed``'s collectives that keep it. ``queued``: the
+    backend returns before the device ran a collective (NCCL, RCCL), so a thread reads completion every ``poll_s``
+    (None: only when ``refresh`` is called)."""
 
     def __init__(self, path: Path, *, queued: bool = False, poll_s: float | None = POLL_S,
                  stream_marker: Callable[[], Callable[[], bool] | None] | None = None) -> None:
@@ -121,7 +119,8 @@ class FlightRecorder:
     def _call_queued(self, family: str, size: int, original: Callable[..., Any],
                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Make the call as the caller made it, then keep what says when the GPU has finished it."""
-        self._note_device()
+        if self._device is None:  # the poller binds to it to query CUDA events: no context on GPU 0
+            self._device = _current_cuda_device()
         entry = self._enter(family, size)
         try:
             result = original(*args, **kwargs)
@@ -163,11 +162,6 @@ class FlightRecorder:
         else:
             self._write("out", self._last_op, self.seq, 0)
 
-    def _note_device(self) -> None:
-        # The poller queries CUDA events; bound to the rank's device it creates no context on GPU 0.
-        if self._device is None:
-            self._device = _current_cuda_device()
-
     def _poll(self, interval: float) -> None:
         bound = False
         while not self._stop.wait(interval):
@@ -187,12 +181,9 @@ class FlightRecorder:
 
 
 def _compiling() -> bool:
-    try:
-        import torch
+    import torch  # imported already: these wrappers replace torch.distributed's functions
 
-        return bool(torch.compiler.is_compiling())
-    except (ImportError, AttributeError):
-        return False
+    return bool(torch.compiler.is_compiling())
 
 
 def _cuda_stream_marker() -> Callable[[], bool] | None:

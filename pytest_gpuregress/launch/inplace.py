@@ -59,12 +59,6 @@ def _gather_bytes(payload: bytes, device: str) -> list[bytes]:
     return [c[: int(s.item())].cpu().numpy().tobytes() for c, s in zip(chunks, sizes)]
 
 
-def node_inputs(config: dict[str, Any]) -> dict[str, Any]:
-    """What a launch config says of the files each node reads for itself: the model architectures (config files,
-    factories) and the token data. Temporary folders and install paths may differ between nodes; these may not."""
-    return {k: v for k, v in config.items() if k.endswith("architecture") or k == "tokens"}
-
-
 def _agree_on_inputs(job: Job, local_rank: int) -> None:
     """Every rank's session built its config from its own node's files (a token file, a model config): ranks
     that disagree would train on different data or models and blame the stack. Refuse, naming the keys.
@@ -72,7 +66,10 @@ def _agree_on_inputs(job: Job, local_rank: int) -> None:
     from ..reference.store import config_differences
 
     device = f"cuda:{local_rank}" if job.device_kind == "cuda" else "cpu"
-    inputs = _gather_json(node_inputs(job.config), device)
+    # What the config says of the files each node reads for itself: the model architectures (config files,
+    # factories) and the token data. Temporary folders and install paths may differ between nodes; these may not.
+    mine = {k: v for k, v in job.config.items() if k.endswith("architecture") or k == "tokens"}
+    inputs = _gather_json(mine, device)
     for other, theirs in enumerate(inputs[1:], start=1):
         differences = config_differences(inputs[0], theirs, ("rank 0", f"rank {other}"))
         if differences:
@@ -132,14 +129,10 @@ class InPlaceLauncher:
             raise failure from None
         finally:
             watchdog.cancel()
-        records = []
-        for rank, data in enumerate(everyone):
-            if rank == self.rank:
-                records.append(record)
-                continue
-            other = RunRecord.from_json(data)
-            other.arrays = arrays[rank]
-            records.append(other)
+        records = [RunRecord.from_json(data) for data in everyone]
+        for other, its_arrays in zip(records, arrays):
+            other.arrays = its_arrays
+        records[self.rank] = record
         outcomes = [RankOutcome(rank=r, status="delivered", returncode=None, last_progress=None)
                     for r in range(job.world_size)]
         return LaunchResult(records=records, outcomes=outcomes, wall_s=time.monotonic() - started)

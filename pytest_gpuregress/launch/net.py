@@ -46,14 +46,10 @@ def _socket_inodes(pid: int) -> set[str]:
     return inodes
 
 
-def _decode(hex_addr: str, v6: bool) -> str:
+def _decode(hex_addr: str) -> str:
     addr_hex, port_hex = hex_addr.split(":")
-    raw = bytes.fromhex(addr_hex)
-    if v6:
-        # /proc stores IPv6 as four little-endian 32-bit words
-        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
-    else:
-        raw = raw[::-1]
+    raw = bytes.fromhex(addr_hex)  # /proc stores an address as little-endian 32-bit words: IPv4 one, IPv6 four
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return f"{ipaddress.ip_address(raw)}:{int(port_hex, 16)}"
 
 
@@ -65,7 +61,7 @@ def listening_addresses(pid: int | None = None) -> list[str]:
     except OSError:
         return []
     found: list[str] = []
-    for table, v6 in (("tcp", False), ("tcp6", True)):
+    for table in ("tcp", "tcp6"):
         try:
             lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
         except OSError:
@@ -73,7 +69,7 @@ def listening_addresses(pid: int | None = None) -> list[str]:
         for line in lines:
             cols = line.split()
             if len(cols) > 9 and cols[3] == "0A" and cols[9] in inodes:  # 0A = LISTEN
-                found.append(_decode(cols[1], v6))
+                found.append(_decode(cols[1]))
     return sorted(found)
 
 

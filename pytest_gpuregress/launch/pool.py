@@ -53,15 +53,6 @@ def group_key(job: Job) -> EnvKey:
     return job.world_size, job.device_kind, job.loopback_only, tuple(sorted(env.items()))
 
 
-def kill_process_group(proc: Rank, sig: int = signal.SIGKILL) -> None:
-    with suppress(PermissionError):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:  # not yet a group of its own (a forked rank before its setsid): the rank alone
-            with suppress(ProcessLookupError):
-                os.kill(proc.pid, sig)
-
-
 def _close_stdin(proc: Rank) -> None:
     if proc.stdin is not None:
         with suppress(OSError):
@@ -121,7 +112,11 @@ class RankGroup:
 
     def kill(self) -> None:
         for proc in self.procs:  # also for ranks that exited: children they started may live on
-            kill_process_group(proc)
+            with suppress(PermissionError, ProcessLookupError):
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:  # not yet a group of its own (a forked rank before its setsid): the rank alone
+                    os.kill(proc.pid, signal.SIGKILL)
         for proc in self.procs:
             proc.wait()
             _close_stdin(proc)

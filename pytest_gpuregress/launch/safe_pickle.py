@@ -44,16 +44,15 @@ def loads(data: bytes, what: str = "the pickle") -> Any:
     """The plain data in ``data``; ``UnsafePickle`` naming the first opcode (and global) that is not plain data,
     ``UnreadablePickle`` for a truncated or malformed one."""
     try:
-        for op, arg, pos in pickletools.genops(data):
-            if op.name not in _PLAIN:
-                named = f" ({arg.replace(' ', '.')})" if op.name in ("GLOBAL", "INST") and isinstance(arg, str) else ""
-                raise UnsafePickle(f"refused to read {what}: it holds opcode {op.name}{named} at byte {pos}, which "
-                                   "names or calls Python code; a flight-recorder dump holds only dicts, lists, "
-                                   "strings and numbers, so this file is not one or was altered. Nothing in it ran")
-    except UnsafePickle:
-        raise
+        first = next(((op, arg, pos) for op, arg, pos in pickletools.genops(data) if op.name not in _PLAIN), None)
     except Exception as exc:  # noqa: BLE001 - pickletools raises ValueError, UnicodeDecodeError, ...: all "not a pickle"
         raise UnreadablePickle(f"cannot read {what}: not a well-formed pickle ({exc})") from None
+    if first is not None:
+        op, arg, pos = first
+        named = f" ({arg.replace(' ', '.')})" if op.name in ("GLOBAL", "INST") and isinstance(arg, str) else ""
+        raise UnsafePickle(f"refused to read {what}: it holds opcode {op.name}{named} at byte {pos}, which names or "
+                           "calls Python code; a flight-recorder dump holds only dicts, lists, strings and numbers, so "
+                           "this file is not one or was altered. Nothing in it ran")
     try:
         return _NoGlobals(io.BytesIO(data)).load()
     except UnsafePickle as exc:

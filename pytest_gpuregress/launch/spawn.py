@@ -231,9 +231,17 @@ class SpawnLauncher:
         """Wait for the ranks, then say what became of each: delivered, raised, hung, stopped or died."""
         files = [RankFiles(Path(job.run_dir), r) for r in range(job.world_size)]
         timed_out = self._wait(job, group.procs, files, deadline)
-        if timed_out and torch_trace.queues_work(job.backend):
-            self._request_dumps(job, group.procs, files)
-        _ask_for_stacks(group.procs, files)
+        # NCCL/RCCL at the limit: the ranks dump torch's flight recorder before the kill (its watchdog counts from
+        # when a collective was queued, so it rarely comes first); None on gloo.
+        prefix = torch_trace.arm(Path(job.run_dir), job.backend, rank_environment(job)) if timed_out else None
+        if prefix:
+            torch_trace.request_dumps(Path(job.run_dir), prefix, lambda: _working(group.procs, files))
+        pending = _working(group.procs, files)
+        for rank in pending:  # their Python stacks, before they are killed
+            with suppress(ProcessLookupError):
+                os.kill(group.procs[rank].pid, signal.SIGUSR1)
+        if pending:
+            time.sleep(1.0)
         notes: list[str] = []
         outcomes = [_outcome(rank, proc, f, group, timed_out, notes)
                     for rank, (proc, f) in enumerate(zip(group.procs, files))]
@@ -247,27 +255,16 @@ class SpawnLauncher:
         while True:
             now = time.monotonic()
             if self.on_progress is not None and now >= next_show:
-                shown, next_show = self._show_progress(job, files[0], shown), now + PROGRESS_EVERY_S
+                line, next_show = files[0].last_progress(), now + PROGRESS_EVERY_S
+                if line and line != shown:
+                    left = time_left(line, job, self._pace, now)
+                    self.on_progress(f"{scenario_label(job.scenario)}: {describe_progress(line, job)}{left}")
+                shown = line
             if _settled(procs, files, began, now):
                 return False
             if now > deadline:
                 return True
             time.sleep(POLL_S)
-
-    def _request_dumps(self, job: Job, procs: list[Rank], files: list[RankFiles]) -> None:
-        """NCCL/RCCL at the limit: the ranks dump torch's flight recorder before the kill (its watchdog counts
-        from when a collective was queued, so it rarely comes first)."""
-        prefix = torch_trace.arm(Path(job.run_dir), job.backend, rank_environment(job))
-        if not prefix:
-            return
-        torch_trace.request_dumps(Path(job.run_dir), prefix, lambda: _working(procs, files))
-
-    def _show_progress(self, job: Job, files: RankFiles, shown: str | None) -> str | None:
-        line = files.last_progress()
-        if line and line != shown and self.on_progress is not None:
-            left = time_left(line, job, self._pace, time.monotonic())
-            self.on_progress(f"{scenario_label(job.scenario)}: {describe_progress(line, job)}{left}")
-        return line
 
     def _failure_message(
         self, job: Job, outcomes: list[RankOutcome], failed: list[RankOutcome], wall_timeout_s: float, since: float,
@@ -308,16 +305,6 @@ def _past(began: dict[str, float], what: str, holds: bool, now: float, grace: fl
     return holds and now - began.setdefault(what, now) > grace
 
 
-def _ask_for_stacks(procs: list[Rank], files: list[RankFiles]) -> None:
-    """Ask ranks that are still working for their Python stacks before they are killed."""
-    pending = _working(procs, files)
-    for rank in pending:
-        with suppress(ProcessLookupError):
-            os.kill(procs[rank].pid, signal.SIGUSR1)
-    if pending:
-        time.sleep(1.0)
-
-
 def _working(procs: list[Rank], files: list[RankFiles]) -> list[int]:
     """The ranks still running that have not delivered."""
     return [r for r, (p, f) in enumerate(zip(procs, files)) if p.poll() is None and not f.done.exists()]
@@ -341,6 +328,7 @@ def _outcome(rank: int, proc: Rank, files: RankFiles, group: RankGroup, timed_ou
         outcome.status = "died"
     outcome.log_tail = _tail(files.log) or _tail(group.startup_log(rank))
     return outcome
+
 
 
 def _teardown_note(outcome: RankOutcome, files: RankFiles) -> str | None:

@@ -150,8 +150,6 @@ class Templates:
             self.by_key.popitem()[1].close()
 
 
-# The template process.
-
 def _single_threaded() -> bool:
     """A fork copies only the calling thread: one that holds a lock elsewhere would leave it held forever."""
     return len(os.listdir("/proc/self/task")) == 1 if os.path.isdir("/proc/self/task") else False

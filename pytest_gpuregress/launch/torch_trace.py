@@ -43,15 +43,6 @@ COMPLETED = "completed"
 REQUEST = "torch_fr_dump_request"  # in the run folder: the launcher asks the ranks for their dumps (spawn.py)
 REQUEST_POLL_S = 0.2  # how often a rank looks for the request, and the launcher for the dumps
 REQUEST_WAIT_S = 10.0  # how long the launcher waits for the ranks' dumps before it kills them
-# torch's Python entry points for a JSON dump of a recorder, per backend, first choice first. torch keeps two
-# recorders: the CPU one ("FlightRecorder CPU" in torch.distributed.debug), which gloo and the functional
-# collectives' host side record into, and NCCL's own ("FlightRecorder NCCL"), which ProcessGroupNCCL (RCCL too)
-# records every collective of into, with its state on the GPU. On NCCL the CPU recorder holds none of them, so a
-# hang's dump must come from NCCL's; where a build lacks it, the CPU one is the fallback.
-_DUMP_FUNCTIONS: dict[str, tuple[str, ...]] = {
-    "nccl": ("_dump_nccl_trace_json", "_dump_fr_trace_json"),
-    "gloo": ("_dump_fr_trace_json",),
-}
 _DTENSOR_API = "/torch/distributed/tensor/_api.py"  # full_tensor() calls redistribute(): name full_tensor
 # Frames of the collective machinery between the code that asked for a collective and ProcessGroupNCCL.
 _PLUMBING = (
@@ -65,21 +56,18 @@ _PLUMBING = (
 
 
 def group_timeout(backend: str, wall_s: float) -> float:
-    """The process group's timeout for a launch the launcher kills after ``wall_s`` seconds.
-
-    NCCL/RCCL: below the limit (half the limit at the least, for short limits), so a hang early in the launch
-    times out and dumps before the kill; later hangs get the dump the launcher asks for at its limit
-    (``request_dumps``). gloo: past it, so the launcher's own report names the hung ranks."""
+    """The process group's timeout for a launch killed after ``wall_s`` s. NCCL/RCCL: below it (at least half), so an
+    early hang times out and dumps before the kill (later ones get the dump ``request_dumps`` asks for); gloo: past
+    it, so the launcher's own report names the hung ranks."""
     if queues_work(backend):
         return max(wall_s - DUMP_MARGIN_S, wall_s / 2)
     return wall_s + GLOO_MARGIN_S
 
 
 def arm(run_dir: Path, backend: str, environ: MutableMapping[str, str] | None = None) -> str | None:
-    """Make torch dump its recorder into ``run_dir`` on a watchdog timeout; the dump's file prefix, or None on
-    gloo (nothing is set there). Values the user set stay; ``environ`` defaults to this process's environment,
-    which torch reads when the group is created (the switch) and when it dumps (the location). Idempotent: a
-    second call for the same folder changes nothing."""
+    """Make torch dump its recorder into ``run_dir`` on a watchdog timeout; the dump's file prefix, or None on gloo.
+    Values the user set stay; ``environ`` (this process's by default) is read by torch when the group is created and
+    when it dumps. Idempotent for the same folder."""
     env = os.environ if environ is None else environ
     if not queues_work(backend):
         return None
@@ -128,18 +116,15 @@ def _fresh(path: Path, since: float) -> bool:
         return False
 
 
-def dump_functions(backend: str) -> tuple[str, ...]:
-    """The names of torch's JSON dump functions to try for ``backend``, first choice first: NCCL's own recorder on
-    NCCL and RCCL ("nccl"), the CPU recorder on gloo."""
-    return _DUMP_FUNCTIONS["nccl" if queues_work(backend) else "gloo"]
-
-
 def dump_json(backend: str = "nccl", c10d: Any = None) -> bytes:
     """This process's flight recorder for ``backend`` as JSON, every entry (the completed ones give each rank's
     sequence). ``c10d``: torch's ``torch._C._distributed_c10d``, or a stand-in."""
     if c10d is None:
         from torch._C import _distributed_c10d as c10d
-    names = dump_functions(backend)
+    # torch keeps two recorders: the CPU one, which gloo and the functional collectives' host side record into, and
+    # NCCL's own, which ProcessGroupNCCL (RCCL too) records every collective into. On NCCL the CPU one holds none of
+    # them, so a hang's dump comes from NCCL's; where a build lacks it, the CPU one is the fallback.
+    names = ("_dump_nccl_trace_json", "_dump_fr_trace_json") if queues_work(backend) else ("_dump_fr_trace_json",)
     for name in names:
         dump = getattr(c10d, name, None)
         if dump is not None:
@@ -211,10 +196,9 @@ def request_dumps(run_dir: Path, prefix: str, live: Callable[[], list[int]]) -> 
 
 
 def read_dump(path: Path) -> dict[str, Any]:
-    """One rank's dump as plain data. torch 2.13 writes a pickle on a timeout (``dump_fr_trace``); the dump a rank
-    writes on the launcher's request is JSON (``_dump_nccl_trace_json`` on NCCL, ``_dump_fr_trace_json`` on gloo):
-    the same schema from either recorder. Raises ``safe_pickle.UnreadablePickle``
-    (``UnsafePickle`` for a file that names any Python code: nothing in it runs)."""
+    """One rank's dump as plain data: a pickle from torch's watchdog, JSON from a rank the launcher asked (the same
+    schema). Raises ``safe_pickle.UnreadablePickle`` (``UnsafePickle`` for a file that names any Python code:
+    nothing in it runs)."""
     data = path.read_bytes()
     if data.lstrip()[:1] == b"{":
         dump = json.loads(data)

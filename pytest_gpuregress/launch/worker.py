@@ -14,7 +14,8 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,16 +66,6 @@ def _teardown(job: Job) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def _write_error(files: RankFiles, exc: BaseException) -> None:
-    payload = {
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        "last_progress": files.last_progress(),
-    }
-    atomic.write_json(files.error, payload)
 
 
 def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = True) -> tuple[RunRecord, RankContext]:
@@ -132,17 +123,6 @@ def execute_rank(job: Job, rank: int, local_rank: int, *, init_group: bool = Tru
     return record, ctx
 
 
-def run_rank(job: Job, rank: int) -> None:
-    """Spawned rank: run, then deliver the record and the done marker before any teardown."""
-    files = RankFiles(Path(job.run_dir), rank)
-    record, ctx = execute_rank(job, rank, rank)
-    record.save(files.record_dir)
-    files.done.write_text("delivered\n")
-    ctx.progress("delivered")
-    for hook in ctx.teardown_hooks:
-        hook()
-
-
 def die_with_parent() -> None:
     """SIGKILL this rank when the launcher dies, even by SIGKILL; a watchdog thread where prctl is missing."""
     parent = int(os.environ.get("GPUREGRESS_PARENT_PID", os.getppid()))
@@ -164,94 +144,89 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, name="gpuregress-parent-watchdog", daemon=True).start()
 
 
-class _JobStdio:
+@contextmanager
+def _job_stdio(files: RankFiles) -> Iterator[None]:
     """Send fds 1 and 2 to the job's rank log for the job's duration, and stacks on SIGUSR1 to its file."""
-
-    def __init__(self, files: RankFiles) -> None:
-        self.files = files
-
-    def __enter__(self) -> _JobStdio:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self.saved = (os.dup(1), os.dup(2))
-        log = os.open(self.files.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        self.stack_file = open(self.files.stack, "w")  # noqa: SIM115 - must stay open for faulthandler
-        faulthandler.register(signal.SIGUSR1, file=self.stack_file, all_threads=True)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = (os.dup(1), os.dup(2))
+    log = os.open(files.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    stack_file = open(files.stack, "w")  # noqa: SIM115 - must stay open for faulthandler
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    try:
+        yield
+    finally:
         sys.stdout.flush()
         sys.stderr.flush()
         faulthandler.unregister(signal.SIGUSR1)
-        self.stack_file.close()
-        for fd, saved in zip((1, 2), self.saved):
-            os.dup2(saved, fd)
-            os.close(saved)
+        stack_file.close()
+        for fd, kept in zip((1, 2), saved):
+            os.dup2(kept, fd)
+            os.close(kept)
 
 
-class _JobEnvironment:
-    """Give the next job the environment this rank started with, and no leftover library singletons.
-
-    A scenario may set variables (lora sets LOCAL_WORLD_SIZE) or build process-wide state
-    (accelerate's AcceleratorState keeps the first job's FSDP plugin)."""
-
-    def __enter__(self) -> _JobEnvironment:
-        self.saved = dict(os.environ)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+@contextmanager
+def _job_environment() -> Iterator[None]:
+    """Give the next job the environment this rank started with, and no leftover library singletons: a scenario may
+    set variables (lora sets LOCAL_WORLD_SIZE) or build process-wide state (accelerate's AcceleratorState keeps the
+    first job's FSDP plugin)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
         os.environ.clear()
-        os.environ.update(self.saved)
+        os.environ.update(saved)
         state = sys.modules.get("accelerate.state")
         if state is not None:
             state.AcceleratorState._reset_state(True)
 
 
-class _JobDirectory:
-    """Work in the launcher's directory for one job, and forget the modules imported from it.
-
-    A user's scenario module (``user_scenario:train``) is imported from the launcher's working
-    directory; the next job may come from another directory with a module of the same name."""
-
-    def __init__(self, cwd: str) -> None:
-        self.cwd = cwd
-
-    def __enter__(self) -> _JobDirectory:
-        self.previous = os.getcwd()
-        self.modules = set(sys.modules)
-        if self.cwd:
-            os.chdir(self.cwd)
-            sys.path.insert(0, self.cwd)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.cwd:
-            return
-        root = os.path.join(os.path.realpath(self.cwd), "")
+@contextmanager
+def _job_directory(cwd: str) -> Iterator[None]:
+    """Work in the launcher's directory for one job, and forget the modules imported from it: a user's scenario
+    module (``user_scenario:train``) is imported from there, and the next job may come from another directory with
+    a module of the same name."""
+    previous, modules = os.getcwd(), set(sys.modules)
+    if not cwd:
+        yield
+        return
+    os.chdir(cwd)
+    sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        root = os.path.join(os.path.realpath(cwd), "")
         installed = tuple(os.path.join(os.path.realpath(p), "") for p in {sys.prefix, sys.base_prefix})
-        for name in set(sys.modules) - self.modules:
+        for name in set(sys.modules) - modules:
             where = os.path.realpath(getattr(sys.modules[name], "__file__", None) or "")
             # Installed packages stay (torch cannot be imported twice), even with a venv inside the directory.
             if where.startswith(root) and not where.startswith(installed) and not name.startswith("pytest_gpuregress"):
                 del sys.modules[name]
-        sys.path.remove(self.cwd)
-        os.chdir(self.previous)
+        sys.path.remove(cwd)
+        os.chdir(previous)
 
 
 def serve_job(job_path: Path, rank: int) -> int:
     """Run one job as ``rank``; return 0 when this rank may serve another."""
     job = Job.load(job_path)
     files = RankFiles(Path(job.run_dir), rank)
-    with _JobStdio(files), _JobDirectory(job.cwd), _JobEnvironment():
-        try:
-            run_rank(job, rank)
+    with _job_stdio(files), _job_directory(job.cwd), _job_environment():
+        try:  # the record and the done marker are delivered before any teardown
+            record, ctx = execute_rank(job, rank, rank)
+            record.save(files.record_dir)
+            files.done.write_text("delivered\n")
+            ctx.progress("delivered")
+            for hook in ctx.teardown_hooks:
+                hook()
             _teardown(job)
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the launcher
             if not files.done.exists():
-                _write_error(files, exc)
+                atomic.write_json(files.error, {
+                    "type": type(exc).__name__, "message": str(exc), "last_progress": files.last_progress(),
+                    "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))})
                 return EXIT_SCENARIO_ERROR
             print(f"rank {rank}: teardown failed after delivering results: {exc!r}", file=sys.stderr)
             return EXIT_TEARDOWN_FAILED
@@ -294,11 +269,7 @@ def serve(rank: int) -> None:
     os._exit(code)
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) != 2 or argv[0] != "--serve":
-        sys.exit("usage: python -m pytest_gpuregress.launch.worker --serve RANK (started by launch/pool.py)")
-    serve(int(argv[1]))
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if len(sys.argv) != 3 or sys.argv[1] != "--serve":
+        sys.exit("usage: python -m pytest_gpuregress.launch.worker --serve RANK (started by launch/pool.py)")
+    serve(int(sys.argv[2]))

@@ -25,8 +25,8 @@ def test_only_loopback_addresses_count_as_loopback(address: str, loopback: bool)
 
 def test_proc_net_addresses_decode_as_the_kernel_writes_them() -> None:
     # /proc/net/tcp: IPv4 little-endian; tcp6: four little-endian 32-bit words.
-    assert net._decode("0100007F:7530", v6=False) == "127.0.0.1:30000"
-    assert net._decode("00000000000000000000000001000000:01BB", v6=True) == "::1:443"
+    assert net._decode("0100007F:7530") == "127.0.0.1:30000"
+    assert net._decode("00000000000000000000000001000000:01BB") == "::1:443"
 
 
 def test_a_socket_listening_on_every_interface_is_reported_exposed() -> None:

@@ -299,15 +299,11 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
 }
 
 
-def acts_on_key(spec: FaultSpec) -> str:
-    """The ACTS_ON entry of ``spec``: "kind:mode" where the mode has its own, else the kind's."""
-    mode = spec.get("mode")
-    return f"{spec.kind}:{mode}" if mode is not None and f"{spec.kind}:{mode}" in ACTS_ON else spec.kind
-
-
 def acted_on(spec: FaultSpec) -> frozenset[str]:
-    """The activities ``spec`` acts on, its ``op`` and ``path`` filled in."""
-    return activities_of(acts_on_key(spec), {key: spec.get(key) for key in ("op", "path")})
+    """The activities ``spec`` acts on (its ACTS_ON entry: "kind:mode" where the mode has its own, else the kind's),
+    its ``op`` and ``path`` filled in."""
+    key = f"{spec.kind}:{spec.get('mode')}"
+    return activities_of(key if key in ACTS_ON else spec.kind, {name: spec.get(name) for name in ("op", "path")})
 
 
 def activities_of(key: str, values: dict[str, Any] | None = None) -> frozenset[str]:

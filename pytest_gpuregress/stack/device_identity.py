@@ -45,8 +45,6 @@ def normal_uuid(text: object) -> str | None:
     return value[4:] if value.startswith("gpu-") else value
 
 
-# ---- pure parsers -------------------------------------------------------------------------------
-
 
 def parse_nvidia_ids(text: str) -> list[SmiDevice]:
     """``nvidia-smi --query-gpu=index,pci.bus_id,uuid,serial,name,vbios_version --format=csv,noheader``, a row a GPU."""

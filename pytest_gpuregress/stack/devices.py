@@ -18,9 +18,8 @@ from typing import Any
 from . import smi_bindings
 from .fingerprint_fields import PROBED_FIELDS
 
-# nvidia-smi and amd-smi initialise every GPU when no daemon keeps them initialised (persistence mode off): several
-# seconds on an 8-GPU node, more while 8 ranks start at once. Each probe runs once per process (cached), so a
-# generous limit costs nothing where the tool answers; where it hangs, run_tool stops asking it (_HUNG).
+# Without persistence mode the tools initialise every GPU (seconds on an 8-GPU node): a generous limit, asked once
+# per process; a tool that hangs is not asked again (_HUNG).
 SMI_TIMEOUT_S = 30.0
 # One nvidia-smi call for all three; a driver that predates MIG rejects the whole query (see _smi).
 NVIDIA_QUERY = ("driver_version", "vbios_version", "mig.mode.current")
@@ -51,14 +50,10 @@ def _value(text: object) -> str | None:
     return None if cleaned.lower() in _NOT_A_VALUE else cleaned
 
 
-# ---- pure parsers -----------------------------------------------------------------------------
-
 
 def parse_nvidia_smi(text: str, fields: Sequence[str] = NVIDIA_QUERY) -> list[dict[str, str | None]]:
-    """Rows of ``nvidia-smi --query-gpu=<fields> --format=csv,noheader``, one dict per GPU.
-
-    ``[N/A]`` and ``[Not Supported]`` become None; lines without one cell per field (warnings) are skipped.
-    """
+    """Rows of ``nvidia-smi --query-gpu=<fields> --format=csv,noheader``, one dict per GPU: ``[N/A]`` and
+    ``[Not Supported]`` become None; lines without one cell per field (warnings) are skipped."""
     rows: list[dict[str, str | None]] = []
     for line in text.splitlines():
         cells = line.split(",")
@@ -147,10 +142,8 @@ def dnn_version(value: object, is_rocm: bool) -> str | None:
 
 
 def blas_library(preferred: object, is_rocm: bool, env: Mapping[str, str] | None = None) -> str | None:
-    """The library GPU matmuls go to: cuBLAS / cuBLASLt on CUDA, rocBLAS / hipBLASLt / CK on ROCm.
-    ``preferred`` is torch's ``preferred_blas_library()``; without it the TORCH_BLAS_PREFER_* variables
-    (torch's initial choice) decide; None when neither says.
-    """
+    """The library GPU matmuls go to (cuBLAS / cuBLASLt, rocBLAS / hipBLASLt / CK): torch's ``preferred``
+    library, else the TORCH_BLAS_PREFER_* variables (torch's initial choice); None when neither says."""
     name = getattr(preferred, "name", preferred)
     if isinstance(name, str) and name.lower() in _BLAS_NAMES:
         return _BLAS_NAMES[name.lower()][is_rocm]
@@ -188,11 +181,8 @@ def _json_payload(text: str) -> Any:
     return None
 
 
-# ---- probes -----------------------------------------------------------------------------------
 
-
-# Tools that ran past their timeout in this process: a tool hung once (a wedged driver) is not asked again, so the
-# probes of one process wait SMI_TIMEOUT_S once per tool, not once per query.
+# Tools that ran past their timeout in this process (a wedged driver): each is waited for once, not once per query.
 _HUNG: set[str] = set()
 
 
@@ -225,9 +215,8 @@ def nvidia_query(fields: Sequence[str]) -> list[dict[str, str | None]] | None:
 
 @functools.lru_cache(maxsize=2)
 def smi_facts(is_rocm: bool) -> tuple[str | None, str | None, tuple[str | None, ...]]:
-    """(driver, firmware, per-GPU MIG modes) from the vendor's library or SMI tool, in the tool's words.
-    Cached per process: none can change while it holds the GPU (``smi_facts.cache_clear()`` forgets them).
-    """
+    """(driver, firmware, per-GPU MIG modes) from the vendor's library or SMI tool, in the tool's words; cached:
+    none can change while the process holds the GPU."""
     return _amd_smi_facts() if is_rocm else _nvidia_smi_facts()
 
 
@@ -250,10 +239,7 @@ def _nvidia_smi_facts() -> tuple[str | None, str | None, tuple[str | None, ...]]
 
 
 def probe_device(torch: Any) -> dict[str, Any]:
-    """DEVICE_FIELDS plus ``driver`` (None when the SMI tool gave none) for a CUDA or ROCm device.
-
-    Never raises: each fact that cannot be read is None.
-    """
+    """DEVICE_FIELDS plus ``driver`` for a CUDA or ROCm device. Never raises: a fact that cannot be read is None."""
     is_rocm = bool(getattr(torch.version, "hip", None))
     driver, firmware, modes = _quietly(smi_facts, is_rocm) or (None, None, ())
     return {

@@ -359,10 +359,8 @@ def install(texts: list[str], ctx: Any) -> list[str]:
 
 def install_counted(texts: list[str], ctx: Any) -> list[Firing]:
     """On a rank: install every fault in this process; return the counter of each spec that applies to this rank.
-
-    A collective fault is installed on every rank (its own ``ranks`` filter decides where it fires,
-    so the call sequence stays the same everywhere); other kinds only on the ranks they name. A fault
-    that acts where nothing can count it returns a Firing with ``counted`` False."""
+    A collective fault is installed on every rank (its ``ranks`` filter decides where it fires, so the call
+    sequence stays the same everywhere); other kinds only on the ranks they name."""
     installed = []
     for spec in parse_all(texts):
         if spec.kind != "collective" and spec.ranks is not None and ctx.rank not in spec.ranks:

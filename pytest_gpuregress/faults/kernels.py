@@ -1,8 +1,7 @@
 """Kernel and throughput faults, installed on a rank: what an upgrade does when a fused kernel goes missing.
 
-  sdpa_backend  attention runs on another SDPA backend
-  host_op       an op falls back to the CPU (on a CPU-only build, emulated by a device tag: training/kernels.py)
-  slow_step     the optimizer step sleeps: a slowdown the throughput ratio must show
+sdpa_backend: another SDPA backend; host_op: an op falls back to the CPU (on a CPU-only build emulated by a
+device tag: training/kernels.py); slow_step: the optimizer step sleeps, which the throughput ratio must show.
 """
 
 from __future__ import annotations

@@ -177,8 +177,6 @@ def node_rank(env: dict[str, str] | None = None) -> int:
     return next((int(env[name]) for name in NODE_RANK_VARIABLES if env.get(name, "").isdigit()), 0)
 
 
-# ---- probes (on a rank) -------------------------------------------------------------------------
-
 
 @functools.lru_cache(maxsize=2)
 def smi_devices(is_rocm: bool) -> tuple[SmiDevice, ...]:

@@ -90,11 +90,9 @@ def _amd_smi_version_pairs(text: str) -> list[tuple[str, object]]:
 
 
 def parse_amd_smi_firmware(json_text: str) -> dict[str, str]:
-    """The first GPU's firmware from ``amd-smi firmware --json``, as {fw_id: version} in listed order.
-
-    Accepts the shapes amd-smi releases print: a list of {"gpu", "fw_list"}, a {"gpu_data": [...]}
-    wrapper or one GPU's dict; entries as {"fw_id"|"fw_name", "fw_version"} or wrapped as {"FW 0": {...}}.
-    """
+    """The first GPU's firmware from ``amd-smi firmware --json``, as {fw_id: version} in listed order. Accepts each
+    release's shape: a list of {"gpu", "fw_list"}, a {"gpu_data": [...]} wrapper or one GPU's dict; entries as
+    {"fw_id"|"fw_name", "fw_version"} or wrapped as {"FW 0": {...}}."""
     data = _json_payload(json_text)
     if isinstance(data, dict) and isinstance(data.get("gpu_data"), list):
         data = data["gpu_data"]
@@ -156,11 +154,8 @@ def blas_library(preferred: object, is_rocm: bool, env: Mapping[str, str] | None
 
 
 def mig_state(modes: Sequence[str | None], visible_devices: str | None) -> str | None:
-    """``enabled, instance MIG-...`` / ``enabled`` / ``disabled``, or None where MIG does not apply.
-
-    ``modes`` are the per-GPU ``mig.mode.current`` values; the instance is whatever ``MIG-`` entries
-    CUDA_VISIBLE_DEVICES names (the UUID forms ``MIG-<uuid>`` and ``MIG-GPU-<uuid>/<gi>/<ci>``).
-    """
+    """``enabled, instance MIG-...`` / ``enabled`` / ``disabled`` from the per-GPU ``mig.mode.current`` ``modes`` and
+    the ``MIG-`` entries of CUDA_VISIBLE_DEVICES (``MIG-<uuid>``, ``MIG-GPU-<uuid>/<gi>/<ci>``); None without MIG."""
     instances = [d.strip() for d in (visible_devices or "").split(",") if d.strip().startswith("MIG-")]
     states = sorted({m.strip().lower() for m in modes if _value(m)})
     if not states and not instances:

@@ -102,6 +102,7 @@ class FaultKind:
 
 
 _RANKS = Param("ranks", "only these ranks ('|'-separated)")
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _STEP = Param("int", "the step after which it fires", minimum=0)
 
 KINDS: dict[str, FaultKind] = {k.name: k for k in (
@@ -216,8 +217,7 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                       ("grad_leak", "rank0_slice", "zero_lora_b", "merge_ulp", "merge_scaled_twice", "dropout_in_eval",
                        "dropout_unseeded", "dropout_shared", "forward_wrapped")),
         "layer": Param("int", "decoder layer of the affected module (default 1)"),
-        "proj": Param("choice", "projection of the affected module (default q_proj)",
-                      ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+        "proj": Param("choice", "projection of the affected module (default q_proj)", _PROJECTIONS),
         "ranks": _RANKS, "rank": _RANKS}, required=("mode",), needs_peers=("rank0_slice",)),
     FaultKind("library", ".library:install", "a library release that computes another function from the same "
               "parameters (docs/triage.md); it runs in every launch, the float64 oracle's too", {
@@ -247,8 +247,7 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                       ("optimizer_dropped", "rank0_shard", "chunks_permuted", "tied_key_dropped", "untied",
                        "rng_not_restored", "weights_late", "ulp_nudge")),
         "layer": Param("int", "ulp_nudge: decoder layer of the nudged weight (default 1)"),
-        "proj": Param("choice", "ulp_nudge: projection of the nudged weight (default q_proj)",
-                      ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))},
+        "proj": Param("choice", "ulp_nudge: projection of the nudged weight (default q_proj)", _PROJECTIONS)},
         required=("mode",), needs_peers=("rank0_shard", "chunks_permuted")),
 )}
 

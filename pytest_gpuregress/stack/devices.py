@@ -32,14 +32,9 @@ _PREFER_LT = {**dict.fromkeys(("1", "true", "on", "yes", "y"), "cublaslt"),
               **dict.fromkeys(("0", "false", "off", "no", "n"), "cublas")}
 # torch's BLAS backend names (torch._C._BlasBackend and the strings preferred_blas_library takes)
 # -> the library doing the work, on CUDA and on ROCm (where "Cublas" goes through hipBLAS to rocBLAS).
-_BLAS_NAMES = {
-    "cublas": ("cuBLAS", "rocBLAS"),
-    "hipblas": ("cuBLAS", "rocBLAS"),
-    "cublaslt": ("cuBLASLt", "hipBLASLt"),
-    "hipblaslt": ("cuBLASLt", "hipBLASLt"),
-    "ck": ("CK", "CK"),
-    "default": ("default", "default"),
-}
+_BLAS_NAMES = {**dict.fromkeys(("cublas", "hipblas"), ("cuBLAS", "rocBLAS")),
+               **dict.fromkeys(("cublaslt", "hipblaslt"), ("cuBLASLt", "hipBLASLt")),
+               "ck": ("CK", "CK"), "default": ("default", "default")}
 
 
 def _value(text: object) -> str | None:

@@ -102,6 +102,7 @@ class FaultKind:
 
 
 _RANKS = Param("ranks", "only these ranks ('|'-separated)")
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _STEP = Param("int", "the step after which it fires", minimum=0)
 
 KINDS: dict[str, FaultKind] = {k.name: k for k in (
@@ -216,8 +217,7 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                       ("grad_leak", "rank0_slice", "zero_lora_b", "merge_ulp", "merge_scaled_twice", "dropout_in_eval",
                        "dropout_unseeded", "dropout_shared", "forward_wrapped")),
         "layer": Param("int", "decoder layer of the affected module (default 1)"),
-        "proj": Param("choice", "projection of the affected module (default q_proj)",
-                      ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+        "proj": Param("choice", "projection of the affected module (default q_proj)", _PROJECTIONS),
         "ranks": _RANKS, "rank": _RANKS}, required=("mode",), needs_peers=("rank0_slice",)),
     FaultKind("library", ".library:install", "a library release that computes another function from the same "
               "parameters (docs/triage.md); it runs in every launch, the float64 oracle's too", {
@@ -247,8 +247,7 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                       ("optimizer_dropped", "rank0_shard", "chunks_permuted", "tied_key_dropped", "untied",
                        "rng_not_restored", "weights_late", "ulp_nudge")),
         "layer": Param("int", "ulp_nudge: decoder layer of the nudged weight (default 1)"),
-        "proj": Param("choice", "ulp_nudge: projection of the nudged weight (default q_proj)",
-                      ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))},
+        "proj": Param("choice", "ulp_nudge: projection of the nudged weight (default q_proj)", _PROJECTIONS)},
         required=("mode",), needs_peers=("rank0_shard", "chunks_permuted")),
 )}
 
@@ -299,15 +298,11 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
 }
 
 
-def acts_on_key(spec: FaultSpec) -> str:
-    """The ACTS_ON entry of ``spec``: "kind:mode" where the mode has its own, else the kind's."""
-    mode = spec.get("mode")
-    return f"{spec.kind}:{mode}" if mode is not None and f"{spec.kind}:{mode}" in ACTS_ON else spec.kind
-
-
 def acted_on(spec: FaultSpec) -> frozenset[str]:
-    """The activities ``spec`` acts on, its ``op`` and ``path`` filled in."""
-    return activities_of(acts_on_key(spec), {key: spec.get(key) for key in ("op", "path")})
+    """The activities ``spec`` acts on (its ACTS_ON entry: "kind:mode" where the mode has its own, else the kind's),
+    its ``op`` and ``path`` filled in."""
+    key = f"{spec.kind}:{spec.get('mode')}"
+    return activities_of(key if key in ACTS_ON else spec.kind, {name: spec.get(name) for name in ("op", "path")})
 
 
 def activities_of(key: str, values: dict[str, Any] | None = None) -> frozenset[str]:
@@ -363,10 +358,8 @@ def install(texts: list[str], ctx: Any) -> list[str]:
 
 def install_counted(texts: list[str], ctx: Any) -> list[Firing]:
     """On a rank: install every fault in this process; return the counter of each spec that applies to this rank.
-
-    A collective fault is installed on every rank (its own ``ranks`` filter decides where it fires,
-    so the call sequence stays the same everywhere); other kinds only on the ranks they name. A fault
-    that acts where nothing can count it returns a Firing with ``counted`` False."""
+    A collective fault is installed on every rank (its ``ranks`` filter decides where it fires, so the call
+    sequence stays the same everywhere); other kinds only on the ranks they name."""
     installed = []
     for spec in parse_all(texts):
         if spec.kind != "collective" and spec.ranks is not None and ctx.rank not in spec.ranks:

@@ -1,14 +1,8 @@
 """Checkpoint faults, installed on a rank: the bug classes of docs/faults.md section 3, for scenario checkpoint.
 
-Each mode intercepts one ``checkpoint.*`` fault point and is undone through ``ctx.cleanup_hooks``:
-  optimizer_dropped  apply_optimizer does nothing
-  rank0_shard        ranks other than 0 save elsewhere; rank 0's shard saved as the whole tensor (accelerate #4206)
-  chunks_permuted    at another world size dim-0 chunks load in reverse order (ROCm/Megatron-LM #63)
-  tied_key_dropped   the name a tied tensor is stored under is not saved
-  untied             after the stack's load every tied name has its own copy (transformers#38870)
-  rng_not_restored   the generators are not restored
-  weights_late       apply_model takes effect after the next optimizer step
-  ulp_nudge          one element of one tensor (default model.layers.1.self_attn.q_proj.weight) one ulp up per load
+Each mode (KINDS["checkpoint"] says what it does) intercepts ``checkpoint.*`` fault points, undone through
+``ctx.cleanup_hooks``. Upstream reports: rank0_shard accelerate #4206, chunks_permuted ROCm/Megatron-LM #63,
+untied transformers#38870.
 """
 
 from __future__ import annotations
@@ -25,33 +19,21 @@ MODES = ("optimizer_dropped", "rank0_shard", "chunks_permuted", "tied_key_droppe
          "weights_late", "ulp_nudge")
 
 
-def _intercept(ctx: Any, point: str, wrap: Callable[[Any], Any]) -> None:
-    ctx.cleanup_hooks.append(intercept(point, wrap))
-
-
 def install(spec: FaultSpec, ctx: Any) -> Firing:
-    mode = spec.get("mode")
     firing = Firing(spec.text)  # calls of the fault point the bug changed
-    if mode == "optimizer_dropped":
-        _intercept(ctx, "checkpoint.apply_optimizer", lambda original: lambda trainer, state: firing.fire())
-    elif mode == "rank0_shard":
-        _intercept(ctx, "checkpoint.sharded_save", lambda original: _save_from_rank0_only(original, firing))
-        _intercept(ctx, "checkpoint.gather", lambda original: lambda model: _local_shards(model, firing))
-    elif mode == "chunks_permuted":
-        _intercept(ctx, "checkpoint.sharded_load", lambda original: _permuting(original, firing))
-    elif mode == "tied_key_dropped":
-        _intercept(ctx, "checkpoint.tensors_to_save", lambda original: _dropping_tied_key(original, firing))
-    elif mode == "untied":
-        _intercept(ctx, "checkpoint.stack_load", lambda original: _untying(original, firing))
-    elif mode == "rng_not_restored":
-        _intercept(ctx, "checkpoint.rng_restore", lambda original: lambda states, device_kind: firing.fire())
-    elif mode == "weights_late":
-        _intercept(ctx, "checkpoint.apply_model", lambda original: _one_step_late(original, ctx, firing))
-    elif mode == "ulp_nudge":
-        _intercept(ctx, "checkpoint.after_load",
-                   lambda original: _nudging(original, f"{target_module(spec)}.weight", firing))
-    else:
-        raise ValueError(f"checkpoint fault mode {mode!r}: expected one of {', '.join(MODES)}")
+    wraps: dict[str, tuple[tuple[str, Callable[[Any], Any]], ...]] = {
+        "optimizer_dropped": (("apply_optimizer", lambda original: lambda trainer, state: firing.fire()),),
+        "rank0_shard": (("sharded_save", lambda original: _save_from_rank0_only(original, firing)),
+                        ("gather", lambda original: lambda model: _local_shards(model, firing))),
+        "chunks_permuted": (("sharded_load", lambda original: _permuting(original, firing)),),
+        "tied_key_dropped": (("tensors_to_save", lambda original: _dropping_tied_key(original, firing)),),
+        "untied": (("stack_load", lambda original: _untying(original, firing)),),
+        "rng_not_restored": (("rng_restore", lambda original: lambda states, device_kind: firing.fire()),),
+        "weights_late": (("apply_model", lambda original: _one_step_late(original, ctx, firing)),),
+        "ulp_nudge": (("after_load", lambda original: _nudging(original, f"{target_module(spec)}.weight", firing)),),
+    }
+    for point, wrap in wraps[spec.get("mode")]:
+        ctx.cleanup_hooks.append(intercept(f"checkpoint.{point}", wrap))
     return firing
 
 

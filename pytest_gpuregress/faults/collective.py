@@ -136,20 +136,18 @@ class CollectiveFault:
         key = (family, str(outputs[0].dtype), tuple(tuple(t.shape) for t in outputs))
         previous = self.stale.get(key)
         self.stale[key] = [t.detach().clone() for t in outputs]
-        if fire and previous is not None:
-            self._restore_chunk(outputs, previous)
-            self.firing.fire()
-
-    def _restore_chunk(self, outputs: list[Any], previous: list[Any]) -> None:
+        if not fire or previous is None:
+            return
         chunk = self.spec.get("chunk", -1)
         if len(outputs) > 1:  # list form: one tensor per rank
             outputs[chunk].copy_(previous[chunk])
-            return
-        flat, old = outputs[0].view(-1), previous[0].view(-1)
-        pieces = self.spec.get("pieces", 2)
-        n = flat.numel() // pieces
-        index = chunk % pieces
-        flat[index * n : (index + 1) * n].copy_(old[index * n : (index + 1) * n])
+        else:
+            flat, old = outputs[0].view(-1), previous[0].view(-1)
+            pieces = self.spec.get("pieces", 2)
+            n = flat.numel() // pieces
+            index = chunk % pieces
+            flat[index * n : (index + 1) * n].copy_(old[index * n : (index + 1) * n])
+        self.firing.fire()
 
     def _corrupt(self, outputs: list[Any]) -> bool:
         """Corrupt ``outputs`` as the mode says; False when there was nothing to corrupt (an empty output)."""
@@ -316,11 +314,8 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
 
 
 def install_premul_sum_emulation(spec: FaultSpec, ctx: Any) -> Firing:
-    """Run PREMUL_SUM all-reduces as (input x factor) then SUM, as NCCL does internally.
-
-    Only for backends without PREMUL_SUM (gloo), so a fault on that path can be injected and seen
-    caught on a CPU. Install it before the ``collective`` fault that should corrupt its output.
-    """
+    """Run PREMUL_SUM all-reduces as (input x factor) then SUM, as NCCL does internally, on gloo (which lacks it), so
+    a fault on that path can be seen caught on a CPU. Install it before the ``collective`` fault."""
     import torch.distributed as dist
 
     original = dist.all_reduce

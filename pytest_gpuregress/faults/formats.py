@@ -1,12 +1,7 @@
 """Number-format faults, installed on a rank: the bug classes of docs/faults.md section 2.
 
-Each mode intercepts one ``formats.<function>`` fault point (scenarios/formats/device.py):
-  fn_as_fnuz           e4m3fn bytes read as e4m3fnuz (an NVIDIA checkpoint loaded on MI300)
-  keep_0x80            the e4m3fn -> e4m3fnuz conversion skips the 0x80 -> 0x00 rewrite
-  fnuz_max_448         448, e4m3fn's maximum, used as e4m3fnuz's when computing scales
-  flip_overflow        a saturating cast gives NaN (or inf) on overflow, and the reverse
-  mx_scale_off_by_one  the MX shared exponent is off by ``by`` (default +1)
-The ``loader_*`` modes act in the stack's own loaders instead: faults/loaders.py.
+Each mode (KINDS["format"] says what it does) intercepts one ``formats.<function>`` fault point
+(scenarios/formats/device.py); the ``loader_*`` modes act in the stack's own loaders instead (faults/loaders.py).
 """
 
 from __future__ import annotations
@@ -14,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import BadFaultSpec
 from ..fault_points import intercept
 from . import FaultSpec
 from .firing import Firing
@@ -28,8 +22,6 @@ def install_format(spec: FaultSpec, ctx: Any) -> Firing:
         from . import loaders
 
         return loaders.install(spec, ctx)
-    if mode is None:  # the spec parser checks values, not that a key is present
-        raise BadFaultSpec(f"{spec.text!r}: fault kind 'format' needs mode=, one of {'|'.join(PATCHES)}")
     name, wrap = PATCHES[mode]
     firing = Firing(spec.text)  # calls whose result the bug changed
     ctx.cleanup_hooks.append(intercept(f"formats.{name}", lambda original: wrap(original, spec, firing)))

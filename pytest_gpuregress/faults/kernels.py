@@ -1,8 +1,7 @@
 """Kernel and throughput faults, installed on a rank: what an upgrade does when a fused kernel goes missing.
 
-  sdpa_backend  attention runs on another SDPA backend
-  host_op       an op falls back to the CPU (on a CPU-only build, emulated by a device tag: training/kernels.py)
-  slow_step     the optimizer step sleeps: a slowdown the throughput ratio must show
+sdpa_backend: another SDPA backend; host_op: an op falls back to the CPU (on a CPU-only build emulated by a
+device tag: training/kernels.py); slow_step: the optimizer step sleeps, which the throughput ratio must show.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import time
 from typing import Any
 
 from . import FaultSpec
-from .firing import Firing
+from .fired import Firing, patch
 
 SDPA_BACKENDS = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
 HOST_OPS = ("silu",)
@@ -24,16 +23,16 @@ def install_sdpa_backend(spec: FaultSpec, ctx: Any) -> Firing:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, SDPA_BACKENDS[spec.get("backend", "math")])
-    original = F.scaled_dot_product_attention
     firing = Firing(spec.text)  # attention calls forced onto the backend
 
-    def forced(*args: Any, **kwargs: Any) -> Any:
-        firing.fire()
-        with sdpa_kernel(backend):
-            return original(*args, **kwargs)
+    def wrap(original: Any) -> Any:
+        def forced(*args: Any, **kwargs: Any) -> Any:
+            firing.fire()
+            with sdpa_kernel(backend):
+                return original(*args, **kwargs)
+        return forced
 
-    F.scaled_dot_product_attention = forced
-    ctx.cleanup_hooks.append(lambda: setattr(F, "scaled_dot_product_attention", original))
+    patch(ctx, F, "scaled_dot_product_attention", wrap)
     return firing
 
 

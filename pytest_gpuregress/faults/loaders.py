@@ -76,6 +76,8 @@ def _filling(misread: Misread, load: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _Slice:
+    """A safe_open slice (and, below, handle) whose tensors come back misread; everything else is the real one's."""
+
     def __init__(self, inner: Any, misread: Misread) -> None:
         self._inner, self._misread = inner, misread
 
@@ -86,12 +88,7 @@ class _Slice:
         return getattr(self._inner, name)
 
 
-class _Handle:
-    """A safe_open handle whose tensors come back misread; everything else is the real handle's."""
-
-    def __init__(self, inner: Any, misread: Misread) -> None:
-        self._inner, self._misread = inner, misread
-
+class _Handle(_Slice):
     def __enter__(self) -> _Handle:
         self._inner.__enter__()
         return self
@@ -104,9 +101,6 @@ class _Handle:
 
     def get_slice(self, name: str) -> _Slice:
         return _Slice(self._inner.get_slice(name), self._misread)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 def _opening(misread: Misread, safe_open: Callable[..., Any]) -> Callable[..., Any]:

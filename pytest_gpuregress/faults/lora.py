@@ -1,16 +1,7 @@
 """LoRA faults, installed on a rank: the peft/accelerate bugs the lora scenario's checks exist to catch.
 
-Each mode intercepts one ``lora.*`` fault point (or a stack function) and is undone through ``ctx.cleanup_hooks``:
-  grad_leak          wrap leaves one base weight trainable
-  rank0_slice        each rank's shard saved as the whole adapter (accelerate #4206); fires only when sharded
-  zero_lora_b        write_adapter saves one lora_B as zeros
-  merge_ulp          merge_and_unload leaves one layer's merged weight one ulp up
-  merge_scaled_twice merge_and_unload applies the scaling twice in one layer
-  dropout_in_eval    dropout also drops in eval mode
-  dropout_unseeded   dropout masks come from a generator manual_seed does not reach
-  dropout_shared     lora_dropout is applied to the input the base layer reads too
-  forward_wrapped    wrap leaves the forward replaced by a bf16 autocast, which a reloaded model lacks
-The affected module defaults to model.layers.1.self_attn.q_proj.
+Each mode (KINDS["lora"] says what it does) intercepts one ``lora.*`` fault point or patches a library
+function, undone through ``ctx.cleanup_hooks``; rank0_slice is accelerate #4206.
 """
 
 from __future__ import annotations
@@ -28,16 +19,6 @@ _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "
 def target_module(spec: FaultSpec) -> str:
     proj = spec.get("proj", "q_proj")
     return f"model.layers.{spec.get('layer', 1)}.{_BLOCK[proj]}.{proj}"
-
-
-def _intercept(ctx: Any, point: str, replacement: Any) -> None:
-    ctx.cleanup_hooks.append(intercept(point, replacement))
-
-
-def _accelerator_class() -> Any:
-    from accelerate import Accelerator
-
-    return Accelerator
 
 
 def _sharded_only(firing: Firing) -> Any:
@@ -66,7 +47,7 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
                 model.get_parameter(f"base_model.model.{module}.base_layer.weight").requires_grad_(True)
                 return model
             return wrap_with_lora
-        _intercept(ctx, "lora.wrap", leak)
+        ctx.cleanup_hooks.append(intercept("lora.wrap", leak))
     elif mode == "rank0_slice":
         def local_shards(original: Any) -> Any:
             def gather_for_save(model: Any) -> dict[str, Any]:
@@ -75,8 +56,10 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
                 return {name: (value.to_local() if hasattr(value, "to_local") else value).detach().cpu()
                         for name, value in model.state_dict().items()}
             return gather_for_save
-        _intercept(ctx, "lora.gather_for_save", local_shards)
-        patch(ctx, _accelerator_class(), "get_state_dict", _sharded_only(firing))
+        from accelerate import Accelerator
+
+        ctx.cleanup_hooks.append(intercept("lora.gather_for_save", local_shards))
+        patch(ctx, Accelerator, "get_state_dict", _sharded_only(firing))
     elif mode == "zero_lora_b":
         def zeroing(original: Any) -> Any:
             def write_adapter(peft_model: Any, state_dict: dict[str, Any], folder: str) -> None:
@@ -85,7 +68,7 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
                 firing.fire()
                 original(peft_model, state_dict, folder)
             return write_adapter
-        _intercept(ctx, "lora.write_adapter", zeroing)
+        ctx.cleanup_hooks.append(intercept("lora.write_adapter", zeroing))
     elif mode == "merge_ulp":
         def off_by_one_ulp(original: Any) -> Any:
             def merge_and_unload(peft_model: Any) -> Any:
@@ -98,7 +81,7 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
                 firing.fire()
                 return merged
             return merge_and_unload
-        _intercept(ctx, "lora.merge_and_unload", off_by_one_ulp)
+        ctx.cleanup_hooks.append(intercept("lora.merge_and_unload", off_by_one_ulp))
     elif mode == "merge_scaled_twice":
         def scaled_twice(original: Any) -> Any:
             def merge_and_unload(peft_model: Any) -> Any:
@@ -115,18 +98,17 @@ def install(spec: FaultSpec, ctx: Any) -> Firing:
                 firing.fire()
                 return merged
             return merge_and_unload
-        _intercept(ctx, "lora.merge_and_unload", scaled_twice)
+        ctx.cleanup_hooks.append(intercept("lora.merge_and_unload", scaled_twice))
     elif mode == "forward_wrapped":
-        _intercept(ctx, "lora.wrap", _autocast_forward(firing))
+        ctx.cleanup_hooks.append(intercept("lora.wrap", _autocast_forward(firing)))
     elif mode in ("dropout_in_eval", "dropout_unseeded"):
-        patch(ctx, _dropout_class(), "forward", _broken_dropout(mode, firing))
-    elif mode == "dropout_shared":
+        import torch
+
+        patch(ctx, torch.nn.Dropout, "forward", _broken_dropout(mode, firing))
+    else:  # dropout_shared (the spec parser admits only the modes above)
         from peft.tuners.lora.layer import Linear
 
         patch(ctx, Linear, "forward", _shared_dropout(firing))
-    else:
-        raise ValueError(f"lora fault mode {mode!r}: expected grad_leak, rank0_slice, zero_lora_b, merge_ulp, "
-                         "merge_scaled_twice, dropout_in_eval, dropout_unseeded, dropout_shared or forward_wrapped")
     return firing
 
 
@@ -166,12 +148,6 @@ def _shared_dropout(firing: Firing) -> Any:
             return original(self, x, *args, **kwargs)
         return forward
     return wrap
-
-
-def _dropout_class() -> Any:
-    import torch
-
-    return torch.nn.Dropout
 
 
 def _broken_dropout(mode: str, firing: Firing) -> Any:

@@ -11,22 +11,23 @@ from . import FaultSpec
 from .firing import Firing
 
 
-def _after_step(spec: FaultSpec, action: Callable[[], None], firing: Firing) -> Callable[[int, int], None]:
+def _after_step(spec: FaultSpec, ctx: Any, action: Callable[[], None]) -> Firing:
+    """Run ``action`` after the spec's step (default 1) completes."""
     at_step = spec.get("step", 1)
+    firing = Firing(spec.text)
 
     def hook(rank: int, step: int) -> None:
         if step == at_step:
             firing.fire()  # before it acts: a hang that ends, or a crash caught by the scenario, was still reached
             action()
 
-    return hook
+    ctx.step_hooks.append(hook)
+    return firing
 
 
 def install_hang(spec: FaultSpec, ctx: Any) -> Firing:
     seconds = spec.get("seconds", 3600.0)
-    firing = Firing(spec.text)
-    ctx.step_hooks.append(_after_step(spec, lambda: time.sleep(seconds), firing))
-    return firing
+    return _after_step(spec, ctx, lambda: time.sleep(seconds))
 
 
 def _crash_now(how: str) -> None:
@@ -39,9 +40,7 @@ def _crash_now(how: str) -> None:
 
 def install_crash(spec: FaultSpec, ctx: Any) -> Firing:
     how = spec.get("how", "raise")
-    firing = Firing(spec.text)
-    ctx.step_hooks.append(_after_step(spec, lambda: _crash_now(how), firing))
-    return firing
+    return _after_step(spec, ctx, lambda: _crash_now(how))
 
 
 def install_teardown_abort(spec: FaultSpec, ctx: Any) -> Firing:

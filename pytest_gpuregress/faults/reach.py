@@ -13,7 +13,7 @@ from .. import activities as act
 from ..kinds import DeviceKind
 from ..option_spec import BUILTIN_SCENARIO_OPTIONS
 from ..scenarios import Case, Setup, registry, test_id
-from . import ACTS_ON, FaultSpec, acted_on, activities_of, parse
+from . import ACTS_ON, KINDS, FaultSpec, acted_on, activities_of, parse
 
 
 def reaches(spec: FaultSpec, case: Case) -> bool:
@@ -29,8 +29,6 @@ def reaching(texts: Iterable[str], cases: Sequence[Case]) -> list[str]:
 def installed_code(texts: Iterable[str]) -> list[str]:
     """The specs of ``texts`` whose kind is code installed on the machine (a library release): they run in every
     launch, the float64 oracle's too, where a fault of the stack under test never does."""
-    from . import KINDS
-
     return [t for t in texts if KINDS[parse(t).kind].installed_code]
 
 

@@ -78,11 +78,8 @@ def _route_sdpa(torch: Any, allowed: tuple[str, ...]) -> None:
 
 
 def set_determinism(seed: int, *, device_kind: str, cpu_threads: int | None = 1) -> dict[str, Any]:
-    """Seed every generator and force deterministic kernels; return what was set.
-
-    ``cpu_threads``: intra-op threads per rank. One thread per rank keeps CPU reductions in a fixed
-    order (a different thread count changes float sums) and stops two ranks fighting over cores.
-    """
+    """Seed every generator and force deterministic kernels; return what was set. ``cpu_threads``: intra-op threads
+    per rank; one keeps CPU reductions in a fixed order (another count changes float sums) and ranks off each other's cores."""
     import numpy as np
     import torch
 

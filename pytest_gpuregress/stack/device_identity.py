@@ -45,8 +45,6 @@ def normal_uuid(text: object) -> str | None:
     return value[4:] if value.startswith("gpu-") else value
 
 
-# ---- pure parsers -------------------------------------------------------------------------------
-
 
 def parse_nvidia_ids(text: str) -> list[SmiDevice]:
     """``nvidia-smi --query-gpu=index,pci.bus_id,uuid,serial,name,vbios_version --format=csv,noheader``, a row a GPU."""
@@ -178,8 +176,6 @@ def node_rank(env: dict[str, str] | None = None) -> int:
     env = dict(os.environ) if env is None else env
     return next((int(env[name]) for name in NODE_RANK_VARIABLES if env.get(name, "").isdigit()), 0)
 
-
-# ---- probes (on a rank) -------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=2)

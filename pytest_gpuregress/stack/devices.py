@@ -18,9 +18,8 @@ from typing import Any
 from . import smi_bindings
 from .fingerprint_fields import PROBED_FIELDS
 
-# nvidia-smi and amd-smi initialise every GPU when no daemon keeps them initialised (persistence mode off): several
-# seconds on an 8-GPU node, more while 8 ranks start at once. Each probe runs once per process (cached), so a
-# generous limit costs nothing where the tool answers; where it hangs, run_tool stops asking it (_HUNG).
+# Without persistence mode the tools initialise every GPU (seconds on an 8-GPU node): a generous limit, asked once
+# per process; a tool that hangs is not asked again (_HUNG).
 SMI_TIMEOUT_S = 30.0
 # One nvidia-smi call for all three; a driver that predates MIG rejects the whole query (see _smi).
 NVIDIA_QUERY = ("driver_version", "vbios_version", "mig.mode.current")
@@ -33,14 +32,9 @@ _PREFER_LT = {**dict.fromkeys(("1", "true", "on", "yes", "y"), "cublaslt"),
               **dict.fromkeys(("0", "false", "off", "no", "n"), "cublas")}
 # torch's BLAS backend names (torch._C._BlasBackend and the strings preferred_blas_library takes)
 # -> the library doing the work, on CUDA and on ROCm (where "Cublas" goes through hipBLAS to rocBLAS).
-_BLAS_NAMES = {
-    "cublas": ("cuBLAS", "rocBLAS"),
-    "hipblas": ("cuBLAS", "rocBLAS"),
-    "cublaslt": ("cuBLASLt", "hipBLASLt"),
-    "hipblaslt": ("cuBLASLt", "hipBLASLt"),
-    "ck": ("CK", "CK"),
-    "default": ("default", "default"),
-}
+_BLAS_NAMES = {**dict.fromkeys(("cublas", "hipblas"), ("cuBLAS", "rocBLAS")),
+               **dict.fromkeys(("cublaslt", "hipblaslt"), ("cuBLASLt", "hipBLASLt")),
+               "ck": ("CK", "CK"), "default": ("default", "default")}
 
 
 def _value(text: object) -> str | None:
@@ -51,14 +45,10 @@ def _value(text: object) -> str | None:
     return None if cleaned.lower() in _NOT_A_VALUE else cleaned
 
 
-# ---- pure parsers -----------------------------------------------------------------------------
-
 
 def parse_nvidia_smi(text: str, fields: Sequence[str] = NVIDIA_QUERY) -> list[dict[str, str | None]]:
-    """Rows of ``nvidia-smi --query-gpu=<fields> --format=csv,noheader``, one dict per GPU.
-
-    ``[N/A]`` and ``[Not Supported]`` become None; lines without one cell per field (warnings) are skipped.
-    """
+    """Rows of ``nvidia-smi --query-gpu=<fields> --format=csv,noheader``, one dict per GPU: ``[N/A]`` and
+    ``[Not Supported]`` become None; lines without one cell per field (warnings) are skipped."""
     rows: list[dict[str, str | None]] = []
     for line in text.splitlines():
         cells = line.split(",")
@@ -95,11 +85,9 @@ def _amd_smi_version_pairs(text: str) -> list[tuple[str, object]]:
 
 
 def parse_amd_smi_firmware(json_text: str) -> dict[str, str]:
-    """The first GPU's firmware from ``amd-smi firmware --json``, as {fw_id: version} in listed order.
-
-    Accepts the shapes amd-smi releases print: a list of {"gpu", "fw_list"}, a {"gpu_data": [...]}
-    wrapper or one GPU's dict; entries as {"fw_id"|"fw_name", "fw_version"} or wrapped as {"FW 0": {...}}.
-    """
+    """The first GPU's firmware from ``amd-smi firmware --json``, as {fw_id: version} in listed order. Accepts each
+    release's shape: a list of {"gpu", "fw_list"}, a {"gpu_data": [...]} wrapper or one GPU's dict; entries as
+    {"fw_id"|"fw_name", "fw_version"} or wrapped as {"FW 0": {...}}."""
     data = _json_payload(json_text)
     if isinstance(data, dict) and isinstance(data.get("gpu_data"), list):
         data = data["gpu_data"]
@@ -147,10 +135,8 @@ def dnn_version(value: object, is_rocm: bool) -> str | None:
 
 
 def blas_library(preferred: object, is_rocm: bool, env: Mapping[str, str] | None = None) -> str | None:
-    """The library GPU matmuls go to: cuBLAS / cuBLASLt on CUDA, rocBLAS / hipBLASLt / CK on ROCm.
-    ``preferred`` is torch's ``preferred_blas_library()``; without it the TORCH_BLAS_PREFER_* variables
-    (torch's initial choice) decide; None when neither says.
-    """
+    """The library GPU matmuls go to (cuBLAS / cuBLASLt, rocBLAS / hipBLASLt / CK): torch's ``preferred``
+    library, else the TORCH_BLAS_PREFER_* variables (torch's initial choice); None when neither says."""
     name = getattr(preferred, "name", preferred)
     if isinstance(name, str) and name.lower() in _BLAS_NAMES:
         return _BLAS_NAMES[name.lower()][is_rocm]
@@ -163,11 +149,8 @@ def blas_library(preferred: object, is_rocm: bool, env: Mapping[str, str] | None
 
 
 def mig_state(modes: Sequence[str | None], visible_devices: str | None) -> str | None:
-    """``enabled, instance MIG-...`` / ``enabled`` / ``disabled``, or None where MIG does not apply.
-
-    ``modes`` are the per-GPU ``mig.mode.current`` values; the instance is whatever ``MIG-`` entries
-    CUDA_VISIBLE_DEVICES names (the UUID forms ``MIG-<uuid>`` and ``MIG-GPU-<uuid>/<gi>/<ci>``).
-    """
+    """``enabled, instance MIG-...`` / ``enabled`` / ``disabled`` from the per-GPU ``mig.mode.current`` ``modes`` and
+    the ``MIG-`` entries of CUDA_VISIBLE_DEVICES (``MIG-<uuid>``, ``MIG-GPU-<uuid>/<gi>/<ci>``); None without MIG."""
     instances = [d.strip() for d in (visible_devices or "").split(",") if d.strip().startswith("MIG-")]
     states = sorted({m.strip().lower() for m in modes if _value(m)})
     if not states and not instances:
@@ -188,11 +171,8 @@ def _json_payload(text: str) -> Any:
     return None
 
 
-# ---- probes -----------------------------------------------------------------------------------
 
-
-# Tools that ran past their timeout in this process: a tool hung once (a wedged driver) is not asked again, so the
-# probes of one process wait SMI_TIMEOUT_S once per tool, not once per query.
+# Tools that ran past their timeout in this process (a wedged driver): each is waited for once, not once per query.
 _HUNG: set[str] = set()
 
 
@@ -225,9 +205,8 @@ def nvidia_query(fields: Sequence[str]) -> list[dict[str, str | None]] | None:
 
 @functools.lru_cache(maxsize=2)
 def smi_facts(is_rocm: bool) -> tuple[str | None, str | None, tuple[str | None, ...]]:
-    """(driver, firmware, per-GPU MIG modes) from the vendor's library or SMI tool, in the tool's words.
-    Cached per process: none can change while it holds the GPU (``smi_facts.cache_clear()`` forgets them).
-    """
+    """(driver, firmware, per-GPU MIG modes) from the vendor's library or SMI tool, in the tool's words; cached:
+    none can change while the process holds the GPU."""
     return _amd_smi_facts() if is_rocm else _nvidia_smi_facts()
 
 
@@ -250,10 +229,7 @@ def _nvidia_smi_facts() -> tuple[str | None, str | None, tuple[str | None, ...]]
 
 
 def probe_device(torch: Any) -> dict[str, Any]:
-    """DEVICE_FIELDS plus ``driver`` (None when the SMI tool gave none) for a CUDA or ROCm device.
-
-    Never raises: each fact that cannot be read is None.
-    """
+    """DEVICE_FIELDS plus ``driver`` for a CUDA or ROCm device. Never raises: a fact that cannot be read is None."""
     is_rocm = bool(getattr(torch.version, "hip", None))
     driver, firmware, modes = _quietly(smi_facts, is_rocm) or (None, None, ())
     return {

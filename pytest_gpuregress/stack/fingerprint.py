@@ -155,10 +155,6 @@ def _nccl_version(torch: Any) -> str | None:
         return None
 
 
-def comm_env() -> dict[str, str]:
-    return {k: v for k, v in sorted(os.environ.items()) if schema.recorded_env(k)}
-
-
 def collect(
     device_kind: str = "cpu",
     backend: str | None = None,
@@ -186,7 +182,7 @@ def collect(
             "world_size": world_size,
             "nccl_version": _nccl_version(torch),
             "rccl": bool(getattr(torch.version, "hip", None)),
-            "env": comm_env(),
+            "env": {k: v for k, v in sorted(os.environ.items()) if schema.recorded_env(k)},
         },
         "packages": installed_packages(),
     }

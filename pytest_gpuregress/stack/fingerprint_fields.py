@@ -71,10 +71,8 @@ FIELDS: tuple[Field, ...] = (
 # Environment variables recorded in comm.env: those that can change a collective's or a kernel's numbers.
 COMM_ENV_PREFIXES = ("NCCL_", "RCCL_", "HSA_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_", "ATEN_CPU_CAPABILITY", "MKL_",
                      "ONEDNN_", "DNNL_")
-# Settings that route sockets, log, dump, time or handle errors but do not change a computed number, whoever set
-# them: the plugin arms torch's flight recorder itself (launch/torch_trace.py: a dump location in each launch's own
-# run folder, start events for timing, a trace ring), and a fingerprint that recorded those would never match
-# between two runs. Thread counts are recorded as numerics.num_threads, so OMP_NUM_THREADS is not needed here.
+# Settings that route sockets, log, dump, time or handle errors but change no computed number: the plugin arms
+# torch's flight recorder itself (launch/torch_trace.py), so recording those would match no two runs.
 COMM_ENV_IGNORED = frozenset({
     "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_DEBUG_FILE", "NCCL_DEBUG_SUBSYS",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_DUMP_ON_TIMEOUT",
@@ -85,10 +83,8 @@ COMM_ENV_IGNORED = frozenset({
     "TORCH_NCCL_EXTRA_DUMP_ON_EXEC", "TORCH_NCCL_LOG_CPP_STACK_ON_UNCLEAN_SHUTDOWN", "TORCH_NCCL_RETHROW_CUDA_ERRORS",
     "TORCH_NCCL_PROPAGATE_ERROR", "TORCH_NCCL_CUDA_EVENT_CACHE",
 })
-# The same kinds of setting by their names' parts, for the variables the lists above do not know yet: a file, a
-# folder, logging, tracing, dumps and timing. None of the settings that change numbers (NCCL_PROTO, NCCL_ALGO,
-# RCCL_LL128_FORCE_ENABLE, ATEN_CPU_CAPABILITY, MKL_CBWR...) has such a part. Timeouts stay recorded: they change
-# no number, but a known issue of a hang may name one (NCCL_IB_TIMEOUT), and no launch sets them itself.
+# The same kinds of setting by their names' parts, for variables the lists above do not know yet; no setting that
+# changes numbers (NCCL_PROTO, MKL_CBWR...) has one. Timeouts stay: a known issue of a hang may name one.
 COMM_ENV_IGNORED_PARTS = ("_FILE", "_DIR", "_PATH", "DEBUG", "_LOG", "TRACE", "DUMP", "TIMING", "VERBOSE",
                           "SOCKET_IFNAME", "MONITORING", "HEARTBEAT")
 
@@ -100,11 +96,8 @@ def recorded_env(name: str) -> bool:
         and not any(part in name for part in COMM_ENV_IGNORED_PARTS)
 
 
-# The whole environment (``packages``): every installed distribution by its normalized name, with its version, and
-# "(editable)" or "(local)" where it was installed from a folder or a file rather than an index. What changed lists
-# them all (added, removed, changed); the exact lane keys only on those that can change a computed number: the
-# model, training and array libraries (the versions section already), and the packages that bring kernels of their
-# own or replace the stack's (a tokenizer or a logger that moved keeps the lane).
+# ``packages`` records every installed distribution; the exact lane keys only on those that can change a computed
+# number: kernels of their own or replacements of the stack's (a tokenizer or a logger that moved keeps the lane).
 COMPUTE_PACKAGES = frozenset({
     "kernels", "triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu", "flash-attn", "flash-attn-3",
     "flashinfer-python", "liger-kernel", "xformers", "apex", "bitsandbytes", "torchao", "deepspeed", "megatron-core",
@@ -112,8 +105,8 @@ COMPUTE_PACKAGES = frozenset({
     "intel-extension-for-pytorch", "torch-tensorrt", "tensorrt", "aiter", "quack-kernels", "mkl", "intel-openmp",
     "ml-dtypes", "torchtitan", "torchtune", "opt-einsum",
 })
-# And by a prefix: NVIDIA's CUDA libraries as wheels (nvidia-cublas-cu12, nvidia-cudnn-cu12, nvidia-nccl-cu12: a
-# pip-installed CUDA torch computes with them), Transformer Engine's parts, ROCm's wheels.
+# And by a prefix: NVIDIA's CUDA libraries as wheels (a pip-installed CUDA torch computes with them), Transformer
+# Engine's parts, ROCm's wheels.
 COMPUTE_PREFIXES = ("nvidia-", "transformer-engine", "flash-attn", "rocm-", "triton-")
 
 

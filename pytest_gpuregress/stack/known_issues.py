@@ -65,8 +65,6 @@ class KnownIssue:
         return all(_holds(cond, lookup(fingerprint, field)) for field, cond in self.affects)
 
 
-# ---- matching -------------------------------------------------------------------------------
-
 
 def parse_version(value: object) -> Version | None:
     """A comparable version from what tools report, or None: everything from the first ``+``, ``-`` or blank
@@ -122,8 +120,6 @@ def cited_lines(issues: Iterable[KnownIssue]) -> list[str]:
     return [f"this failure names the {issue.component}, and {issue.id} is a known {issue.component} issue of this "
             f"stack: {issue.symptom} [source: {issue.source}]; workaround: {issue.workaround}" for issue in issues]
 
-
-# ---- loading --------------------------------------------------------------------------------
 
 
 def load_known_issues(user_file: Path | str | None = None) -> list[KnownIssue]:

@@ -57,11 +57,9 @@ def launched_by_torchrun() -> bool:
 
 
 def adopt_srun_environment(env: dict[str, str] | None = None) -> None:
-    """Under ``srun`` with several tasks, give each task torchrun's variables from Slurm's.
-
-    Only inside a job step (SLURM_STEP_NUM_TASKS is set by srun, not by the batch script), so a
-    plain ``pytest --gpuregress`` in an allocation still spawns its own ranks. The rendezvous
-    address is the user's: MASTER_ADDR and MASTER_PORT, as for torchrun's env:// init."""
+    """Under ``srun`` with several tasks, give each task torchrun's variables from Slurm's: only inside a job step
+    (SLURM_STEP_NUM_TASKS), so a plain ``pytest --gpuregress`` in an allocation still spawns its own ranks. The
+    rendezvous address is the user's MASTER_ADDR and MASTER_PORT, as for torchrun's env:// init."""
     env = os.environ if env is None else env
     tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1)
     if tasks < 2 or "RANK" in env or "SLURM_PROCID" not in env or env.get("GPUREGRESS_SPAWNED"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -108,17 +108,21 @@ def _check_names(ckpt: CheckpointFiles, groups: list[list[str]], expected: dict[
                                 f"the config expects {_examples([g[0] for g in missing])})",
                                 "pass the config.json the checkpoint was saved with (--config)")
     if missing:
-        first = missing[0]
-        tied = f" (tied: {' = '.join(first)}; the file holds none of these names)" if len(first) > 1 else ""
-        raise CheckpointProblem(ckpt.path, first[0], f"missing: {config_label} builds a model with this tensor"
-                                f"{tied}; {len(missing)} of {len(groups)} tensors are missing "
-                                f"({_examples([g[0] for g in missing])})",
-                                "save the checkpoint again with every tensor (a tied weight must be stored under "
-                                "one of its names), or pass the config it was saved with")
+        _missing(ckpt, missing, len(groups), config_label)
     if unexpected:
         raise CheckpointProblem(ckpt.file_of(unexpected[0]), unexpected[0], f"{len(unexpected)} tensors that the model "
                                 f"{config_label} builds does not have ({_examples(unexpected)})",
                                 "pass the config.json the checkpoint was saved with (--config)")
+
+
+def _missing(ckpt: CheckpointFiles, missing: list[list[str]], groups: int, config_label: str) -> NoReturn:
+    first = missing[0]
+    tied = f" (tied: {' = '.join(first)}; the file holds none of these names)" if len(first) > 1 else ""
+    raise CheckpointProblem(ckpt.path, first[0], f"missing: {config_label} builds a model with this tensor"
+                            f"{tied}; {len(missing)} of {groups} tensors are missing "
+                            f"({_examples([g[0] for g in missing])})",
+                            "save the checkpoint again with every tensor (a tied weight must be stored under one "
+                            "of its names), or pass the config it was saved with")
 
 
 def _group_tensor(ckpt: CheckpointFiles, group: list[str], expected: dict[str, tuple[int, ...]], declared: Any,

@@ -119,25 +119,25 @@ def run_main(ctx: RankContext) -> RunRecord:
 # --- resume ----------------------------------------------------------------------------------------------
 
 
-def save(ctx: RankContext, tr: trainer.Trainer, prefix: str, step: int) -> Path:
-    """Save into a new shared folder; a save that raises leaves no folder behind (the session never learns its name)."""
+def train_and_save(ctx: RankContext, prefix: str) -> tuple[trainer.Trainer, list[float], Path]:
+    """A new trainer, its first k steps (losses) and its save into a new shared folder; a save that raises leaves
+    no folder behind (the session never learns its name)."""
+    k = plan.resume_at(ctx.config)
+    tr = trainer.build(ctx.config, ctx)
+    losses = trainer.train(tr, range(k), ctx).losses
     folder = shared_folder(ctx, prefix)
     ctx.progress("saving")
     try:
-        trainer_io.save(tr, folder, step, ctx.device_kind)
+        trainer_io.save(tr, folder, k, ctx.device_kind)
     except BaseException:
         if ctx.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
         raise
-    return folder
+    return tr, losses, folder
 
 
 def run_resume_first(ctx: RankContext) -> RunRecord:
-    cfg = ctx.config
-    k = plan.resume_at(cfg)
-    tr = trainer.build(cfg, ctx)
-    losses = trainer.train(tr, range(k), ctx).losses
-    folder = save(ctx, tr, "gpuregress-resume-", k)
+    tr, losses, folder = train_and_save(ctx, "gpuregress-resume-")
     # after the save: a save that changes state shows
     boundary = state_digests.boundary(tr, tr.data.position, ctx.device_kind, ctx.rank)
     return _record(ctx, series={"loss": losses}, results={"folder": str(folder), "boundary": boundary})
@@ -189,11 +189,8 @@ def tensor_hashes(tr: trainer.Trainer, cfg: dict[str, Any]) -> dict[str, dict[st
 
 
 def run_sharded_save(ctx: RankContext) -> RunRecord:
-    cfg = ctx.config
-    tr = trainer.build(cfg, ctx)
-    trainer.train(tr, range(plan.resume_at(cfg)), ctx)
-    folder = save(ctx, tr, "gpuregress-sharded-", plan.resume_at(cfg))
-    return _record(ctx, results={"folder": str(folder), "hashes": tensor_hashes(tr, cfg)})
+    tr, _, folder = train_and_save(ctx, "gpuregress-sharded-")
+    return _record(ctx, results={"folder": str(folder), "hashes": tensor_hashes(tr, ctx.config)})
 
 
 def run_sharded_load(ctx: RankContext) -> RunRecord:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,15 +51,19 @@ class CheckpointScenario(CheckScenario):
             return self._reshard(case, run, setup)
         return None
 
-    def _resume(self, run: Runner, setup: Setup, model: str | None) -> RunRecord:
-        straight = run(self, plan.main_launch(setup, _root(setup), model))
-        first_launch, _ = plan.resume_launches(setup, _root(setup), model=model)
-        first = run(self, first_launch)
-        folder = first.results["folder"]
+    def _save_then_load(self, run: Runner, launches: Callable[[str | None], tuple[Launch, Launch]]
+                        ) -> tuple[RunRecord, RunRecord]:
+        """The saving launch, then the loading one on the folder it saved, which is removed after."""
+        saved = run(self, launches(None)[0])
+        folder = saved.results["folder"]
         try:
-            second = run(self, plan.resume_launches(setup, _root(setup), folder, model)[1])
+            return saved, run(self, launches(folder)[1])
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def _resume(self, run: Runner, setup: Setup, model: str | None) -> RunRecord:
+        straight = run(self, plan.main_launch(setup, _root(setup), model))
+        first, second = self._save_then_load(run, lambda f: plan.resume_launches(setup, _root(setup), f, model))
         k = plan.resume_at(straight.config)
         findings, table = checks.resume_findings(straight, first, second, k)
         record = RunRecord(scenario=self.name, config=straight.config, platform_key=straight.platform_key,
@@ -72,12 +77,7 @@ class CheckpointScenario(CheckScenario):
 
     def _reshard(self, case: Case, run: Runner, setup: Setup) -> RunRecord:
         n, m = int(case.data["save"]), int(case.data["load"])
-        saved = run(self, plan.reshard_launches(case, setup, _root(setup))[0])
-        folder = saved.results["folder"]
-        try:
-            loaded = run(self, plan.reshard_launches(case, setup, _root(setup), folder)[1])
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        saved, loaded = self._save_then_load(run, lambda f: plan.reshard_launches(case, setup, _root(setup), f))
         error = loaded.results.get("load_error")
         findings = ([f"loading at world size {m} failed: {error}"] if error
                     else checks.reshard_findings(saved.results["hashes"], loaded.results["hashes"], n, m))

@@ -107,32 +107,30 @@ def reshard_findings(saved: dict[str, Any], loaded: dict[str, Any], n: int, m: i
 LOSS_TOLERANCE = 1e-6  # the tolerant lane's fp32 loss limit without an envelope (comparison/compare.py)
 
 
-def _curve_deviation(a: np.ndarray, b: np.ndarray, exact: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(relative deviation, where it is a difference) of the loss curve ``b`` from ``a`` of the same length."""
+def _curve_deviation(expected: list[float], got: list[float], exact: bool) -> tuple[np.ndarray, ...]:
+    """(expected, got, relative deviation, where it is a difference) as float64 arrays, of curves of one length."""
+    a, b = np.asarray(expected, dtype=np.float64), np.asarray(got, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         dev = np.abs(a - b) / np.maximum(np.abs(a), np.finfo(np.float64).tiny)
-    return dev, (a.view(np.int64) != b.view(np.int64)) if exact else ~(dev <= LOSS_TOLERANCE)
+    return a, b, dev, (a.view(np.int64) != b.view(np.int64)) if exact else ~(dev <= LOSS_TOLERANCE)
 
 
 def first_curve_difference(expected: list[float], got: list[float], exact: bool) -> int | None:
     """The first step at which ``got`` differs from ``expected`` as curve_findings judges it; None: none does (or
     the lengths differ)."""
-    a, b = np.asarray(expected, dtype=np.float64), np.asarray(got, dtype=np.float64)
-    if len(a) != len(b):
+    if len(expected) != len(got):
         return None
-    bad = _curve_deviation(a, b, exact)[1]
+    bad = _curve_deviation(expected, got, exact)[3]
     return int(np.argmax(bad)) if bad.any() else None
 
 
 def curve_findings(expected: list[float], got: list[float], exact: bool, k: int | None = None,
                    what: str = "the resumed run differs from the straight run") -> list[str]:
     """A loss curve against the one it must equal: bitwise (``exact``) or within LOSS_TOLERANCE.
-
     ``k``: the step at which the run resumed, to say where the first difference lies."""
-    a, b = np.asarray(expected, dtype=np.float64), np.asarray(got, dtype=np.float64)
-    if len(a) != len(b):
-        return [f"loss curve: {len(a)} steps expected, {len(b)} run"]
-    dev, bad = _curve_deviation(a, b, exact)
+    if len(expected) != len(got):
+        return [f"loss curve: {len(expected)} steps expected, {len(got)} run"]
+    a, b, dev, bad = _curve_deviation(expected, got, exact)
     if not bad.any():
         return []
     step = int(np.argmax(bad))
@@ -149,10 +147,8 @@ def curve_findings(expected: list[float], got: list[float], exact: bool, k: int 
 
 def boundary_table(straight: dict[str, dict[str, str]], saved: dict[str, dict[str, str]],
                    loaded: dict[str, dict[str, str]], k: int) -> tuple[list[str], list[str]]:
-    """(the table's lines, the pieces whose loaded state is not the saved state).
-
-    Columns: the straight run's state after k steps, the first run's at its save, the second run's
-    after its load, right before step k. Loaded against saved is the checkpoint's job and must be
+    """(the table's lines, the pieces whose loaded state is not the saved state). Columns: the straight run after
+    k steps, the first run at its save, the second after its load. Loaded against saved is the checkpoint's job,
     exact on any stack; saved against straight differs only where the stack is not deterministic."""
     pieces = sorted(set(straight) | set(saved) | set(loaded), key=piece_order)
     width = max(len(p) for p in pieces) if pieces else 10

@@ -27,7 +27,6 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
     "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
 }
-FLOAT_TAGS = ("F64", "F32", "F16", "BF16")
 TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 

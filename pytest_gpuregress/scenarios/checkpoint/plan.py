@@ -28,28 +28,14 @@ SESSION_ONLY = ("role", "root", "folder", "saved_world", "load_world", "bundle")
 # The CPU size on every device: checkpoint logic does not need model scale, the shipped checkpoint
 # stays small (0.5 MB), and fp32 keeps a round trip's equalities exact on GPUs too.
 COMMON: dict[str, Any] = {
-    "model": MODEL,
-    "tied_model": TIED_MODEL,
-    "model_size": "cpu",
-    "dtype": "fp32",
-    "steps": DEFAULT_STEPS,
-    "seed": 0,
-    "data_seed": 1234,
-    "global_batch": 16,
-    "seq_len": 64,
-    "lr": 3e-3,
-    "warmup_steps": 2,
-    "min_lr_ratio": 0.1,
-    "weight_decay": 0.1,
-    "betas": [0.9, 0.95],
-    "eps": 1e-8,
+    "model": MODEL, "tied_model": TIED_MODEL, "model_size": "cpu", "dtype": "fp32",
+    "steps": DEFAULT_STEPS, "seed": 0, "data_seed": 1234, "global_batch": 16, "seq_len": 64,
+    "lr": 3e-3, "warmup_steps": 2, "min_lr_ratio": 0.1, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-8,
     "grad_clip": 1.0,
     # The data pipeline consumes every RNG, so a generator left unrestored moves the resumed curve:
     # rows shuffled (Python), a random crop (numpy), input tokens replaced (torch CPU), labels
     # dropped (torch on the device).
-    "token_dropout": 0.05,
-    "label_dropout": 0.1,
-    "max_crop": 3,
+    "token_dropout": 0.05, "label_dropout": 0.1, "max_crop": 3,
 }
 
 
@@ -68,8 +54,7 @@ def config(setup: Setup, model: str | None = None) -> dict[str, Any]:
         cfg.update(setup.model(model).config_fields())
     cfg["model_architecture"] = architecture_of(cfg)
     if model is None:
-        tied = tied_fields(cfg)
-        cfg["tied_model_architecture"] = architecture_of(tied)
+        cfg["tied_model_architecture"] = architecture_of(tied_fields(cfg))
     # A user's token sample replaces the synthetic data of the user's models only (training_config.py).
     tokens = describe_for(cfg, setup.tokens if model is not None else None)
     if tokens is not None:

@@ -16,7 +16,7 @@ import numpy as np
 from ...comparison.bounds import step0_bound
 from ...errors import CheckpointProblem
 from . import hooks
-from .files import FLOAT_TAGS, TORCH_NAMES, CheckpointFiles
+from .files import TORCH_NAMES, CheckpointFiles
 
 BATCH = (2, 16)  # rows x tokens of the fixed batch
 
@@ -28,10 +28,9 @@ def fixed_batch(vocab_size: int, rows: int = BATCH[0], length: int = BATCH[1]) -
 
 
 def logits_bound(model_config: Any, length: int = BATCH[1]) -> float:
-    """How far float32 logits may be from float64 ones, relative to the largest: u sqrt(n) (L + 1).
-
-    Triage's bound (comparison/bounds.py): u = 2^-24, n the forward's longest inner product, L + 1 the layers
-    plus the head. Two machines each within it of float64 differ by at most twice it."""
+    """How far float32 logits may be from float64 ones, relative to the largest: u sqrt(n) (L + 1), triage's bound
+    (comparison/bounds.py): u = 2^-24, n the forward's longest inner product, L + 1 the layers plus the head. Two
+    machines each within it of float64 differ by at most twice it."""
     n = max(int(getattr(model_config, "intermediate_size", 0) or 0), int(model_config.hidden_size), length)
     return step0_bound("fp32", n, int(model_config.num_hidden_layers))
 
@@ -149,7 +148,7 @@ def _group_tensor(ckpt: CheckpointFiles, group: list[str], expected: dict[str, t
 
 def _check_dtype(ckpt: CheckpointFiles, name: str, tag: str, declared: Any, config_label: str) -> None:
     """CheckpointProblem where a weight is no float tensor, or not of the dtype the config declares."""
-    if tag not in FLOAT_TAGS:
+    if tag not in TORCH_NAMES:  # the float tags
         raise CheckpointProblem(ckpt.file_of(name), name, f"dtype {tag}: a weight must be a float tensor",
                                 "export the checkpoint again with float weights")
     if declared is not None and TORCH_NAMES[tag] != declared:
@@ -253,15 +252,11 @@ def evaluate(ckpt: CheckpointFiles, model_config: Any, config_label: str, device
     stored = match(ckpt, model, model_config, config_label)  # the strict reader's view: clear errors, file checksums
     load(model, ckpt)  # the model's weights: what the stack's loader made of the same files
     ids = fixed_batch(int(model_config.vocab_size))
-    deviation = None
-    logits64 = None
-    if with_float64:
-        logits64 = _forward(in_float64(copy.deepcopy(model)), ids, "cpu")
+    logits64 = _forward(in_float64(copy.deepcopy(model)), ids, "cpu") if with_float64 else None
     model = model.to(device)
     logits = _forward(model, ids, device).astype(np.float32)
+    deviation = None if logits64 is None else deviation_between(logits, logits64)
     problems: list[str] = []
-    if logits64 is not None:
-        deviation = deviation_between(logits, logits64)
     checksums, file_checksums = {}, {}
     for name, values in stored.items():
         loaded = held(model, name, values)

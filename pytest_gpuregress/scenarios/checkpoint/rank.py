@@ -14,11 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ...errors import GpuRegressError
 from ...reference.record import RunRecord, float_digest
 from ...training import rng_state as rng
+from ...training import state_digests
+from ...training.state_digests import full_tensors, sha, to_numpy
 from ..base import RankContext
-from . import checks, files, full_state, plan, portable, state, trainer, trainer_io
+from . import checks, files, full_state, plan, portable, trainer, trainer_io
 
 SCRAMBLE_SEED = 987_654_321  # generators before a load: a value no run seeds with
 
@@ -50,13 +54,6 @@ def shared_folder(ctx: RankContext, prefix: str) -> Path:
     return Path(bytes(buffer.cpu().numpy()).decode())
 
 
-def _is_deterministic() -> bool:
-    """Strict deterministic algorithms (the CPU): only then must a resumed curve be bitwise equal."""
-    import torch
-
-    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
-
-
 # --- main ------------------------------------------------------------------------------------------------
 
 
@@ -67,7 +64,7 @@ def _roundtrip(ctx: RankContext, tr: trainer.Trainer, model: dict[str, Any], wit
 
     from ...training.models import blueprint, describe_model
 
-    trained = {name: state.to_numpy(p) for name, p in zip(tr.names, tr.params)}  # every rank's shard: collective
+    trained = {name: to_numpy(p) for name, p in zip(tr.names, tr.params)}  # every rank's shard: collective
     trained_logits = full_state.logits_of(tr.model, tr.device, tr.data.source.vocab_size)  # collective
     gathered = full_state.gather(tr.model)  # collective
     if ctx.rank != 0:
@@ -89,12 +86,14 @@ def _roundtrip(ctx: RankContext, tr: trainer.Trainer, model: dict[str, Any], wit
 
 
 def run_main(ctx: RankContext) -> RunRecord:
+    import torch
+
     cfg = ctx.config
     k, steps = plan.resume_at(cfg), int(cfg["steps"])
     tr = trainer.build(cfg, ctx)
     ctx.progress("model built")
     first = trainer.train(tr, range(k), ctx)
-    boundary = state.boundary(tr, ctx.device_kind, ctx.rank)
+    boundary = state_digests.boundary(tr, tr.data.position, ctx.device_kind, ctx.rank)
     rest = trainer.train(tr, range(k, steps), ctx)
     series = {"loss": first.losses + rest.losses, "grad_norm": first.grad_norms + rest.grad_norms,
               **trainer.data_series(tr, first, rest)}
@@ -109,35 +108,38 @@ def run_main(ctx: RankContext) -> RunRecord:
         tied_out = _roundtrip(ctx, tied, tied_cfg, with_bundle=False)
     arrays = main.pop("bundle_arrays", {})
     digests = {n[len(files.BUNDLE_PREFIX):]: float_digest(v) for n, v in arrays.items() if n.startswith(files.BUNDLE_PREFIX)}
-    return _record(ctx, series=series, arrays=arrays,
-                   param_names=list(tr.names), digests=digests,
+    # Strict deterministic algorithms (the CPU): only then must a resumed curve be bitwise equal.
+    deterministic = torch.are_deterministic_algorithms_enabled() and \
+        not torch.is_deterministic_algorithms_warn_only_enabled()
+    return _record(ctx, series=series, arrays=arrays, param_names=list(tr.names), digests=digests,
                    results={"boundary": boundary, "full_state_dict": main, "tied": tied_out,
-                            "deterministic": _is_deterministic()})
+                            "deterministic": deterministic})
 
 
 # --- resume ----------------------------------------------------------------------------------------------
 
 
-def save(ctx: RankContext, tr: trainer.Trainer, prefix: str, step: int) -> Path:
-    """Save into a new shared folder; a save that raises leaves no folder behind (the session never learns its name)."""
+def train_and_save(ctx: RankContext, prefix: str) -> tuple[trainer.Trainer, list[float], Path]:
+    """A new trainer, its first k steps (losses) and its save into a new shared folder; a save that raises leaves
+    no folder behind (the session never learns its name)."""
+    k = plan.resume_at(ctx.config)
+    tr = trainer.build(ctx.config, ctx)
+    losses = trainer.train(tr, range(k), ctx).losses
     folder = shared_folder(ctx, prefix)
     ctx.progress("saving")
     try:
-        trainer_io.save(tr, folder, step, ctx.device_kind)
+        trainer_io.save(tr, folder, k, ctx.device_kind)
     except BaseException:
         if ctx.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
         raise
-    return folder
+    return tr, losses, folder
 
 
 def run_resume_first(ctx: RankContext) -> RunRecord:
-    cfg = ctx.config
-    k = plan.resume_at(cfg)
-    tr = trainer.build(cfg, ctx)
-    losses = trainer.train(tr, range(k), ctx).losses
-    folder = save(ctx, tr, "gpuregress-resume-", k)
-    boundary = state.boundary(tr, ctx.device_kind, ctx.rank)  # after the save: a save that changes state shows
+    tr, losses, folder = train_and_save(ctx, "gpuregress-resume-")
+    # after the save: a save that changes state shows
+    boundary = state_digests.boundary(tr, tr.data.position, ctx.device_kind, ctx.rank)
     return _record(ctx, series={"loss": losses}, results={"folder": str(folder), "boundary": boundary})
 
 
@@ -159,7 +161,7 @@ def run_resume_second(ctx: RankContext) -> RunRecord:
     tr = _loaded(ctx, with_rng=True)
     if isinstance(tr, RunRecord):
         return tr
-    boundary = state.boundary(tr, ctx.device_kind, ctx.rank)  # what step k is about to see
+    boundary = state_digests.boundary(tr, tr.data.position, ctx.device_kind, ctx.rank)  # what step k is about to see
     losses = trainer.train(tr, range(k, steps), ctx).losses
     return _record(ctx, series={"loss": losses}, results={"boundary": boundary})
 
@@ -167,16 +169,28 @@ def run_resume_second(ctx: RankContext) -> RunRecord:
 # --- sharded ---------------------------------------------------------------------------------------------
 
 
-def _chunks(cfg: dict[str, Any]) -> int:
-    return max(int(cfg["saved_world"]), int(cfg["load_world"]))
+def chunk_hashes(values: np.ndarray, chunks: int) -> list[str]:
+    """sha256 of each of ``chunks`` pieces along dim 0, cut as FSDP2 cuts shards (torch.chunk)."""
+    if values.ndim == 0 or chunks <= 1:
+        return [sha(values)]
+    size = -(-values.shape[0] // chunks)
+    return [sha(values[i : i + size]) for i in range(0, values.shape[0], size)]
+
+
+def tensor_hashes(tr: trainer.Trainer, cfg: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """piece -> parameter -> {sha256, shape, chunks}: what a reshard must preserve, whole tensors gathered so they
+    do not depend on the world size. Collective."""
+    chunks = max(int(cfg["saved_world"]), int(cfg["load_world"]))
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for piece, name, values in full_tensors(tr):
+        out.setdefault(piece, {})[name] = {"sha256": sha(values), "shape": list(values.shape),
+                                           "chunks": chunk_hashes(values, chunks)}
+    return out
 
 
 def run_sharded_save(ctx: RankContext) -> RunRecord:
-    cfg = ctx.config
-    tr = trainer.build(cfg, ctx)
-    trainer.train(tr, range(plan.resume_at(cfg)), ctx)
-    folder = save(ctx, tr, "gpuregress-sharded-", plan.resume_at(cfg))
-    return _record(ctx, results={"folder": str(folder), "hashes": state.tensor_hashes(tr, _chunks(cfg))})
+    tr, _, folder = train_and_save(ctx, "gpuregress-sharded-")
+    return _record(ctx, results={"folder": str(folder), "hashes": tensor_hashes(tr, ctx.config)})
 
 
 def run_sharded_load(ctx: RankContext) -> RunRecord:
@@ -184,7 +198,7 @@ def run_sharded_load(ctx: RankContext) -> RunRecord:
     tr = _loaded(ctx, with_rng=False)
     if isinstance(tr, RunRecord):
         return tr
-    return _record(ctx, results={"hashes": state.tensor_hashes(tr, _chunks(ctx.config))})
+    return _record(ctx, results={"hashes": tensor_hashes(tr, ctx.config)})
 
 
 # --- portability -----------------------------------------------------------------------------------------

@@ -26,17 +26,12 @@ def save(state: dict[str, Any], folder: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     tensors_only(state)
-    staged = staging(folder)
+    staged = folder.with_name(f".{folder.name}.staging")  # named after ``folder``: the same on every rank
     dcp.save(state, checkpoint_id=str(staged))
     dist.barrier()  # every shard is written before the folder becomes visible
     if dist.get_rank() == 0:
         atomic.replace_dir(staged, folder)
     dist.barrier()
-
-
-def staging(folder: Path) -> Path:
-    """The staging folder every rank writes into: named after ``folder``, the same on every rank."""
-    return folder.with_name(f".{folder.name}.staging")
 
 
 @fault_point("checkpoint.sharded_load")

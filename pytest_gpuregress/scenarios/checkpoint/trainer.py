@@ -65,19 +65,18 @@ class StochasticBatches:
 class Trainer(FsdpTrainer):
     """The shared FSDP2 trainer (shared/trainer.py) over ``StochasticBatches``, with this scenario's step."""
 
-    def loss(self, ctx: Any = None) -> Any:
+    def loss(self, ctx: Any) -> Any:
         """This rank's loss on the next global batch; advances the data position. The batch's digest goes to
         ``ctx.batch_digest`` for the step's figures (training/loop.py): the series the reference compares."""
         import torch
 
         inputs, labels = self.data.next(self.rank, self.world_size, self.device)
-        if ctx is not None:
-            ctx.batch_digest = batch_digest(torch.cat([inputs.reshape(-1), labels.reshape(-1)]))
+        ctx.batch_digest = batch_digest(torch.cat([inputs.reshape(-1), labels.reshape(-1)]))
         logits = self.model(input_ids=inputs).logits
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                  ignore_index=IGNORE)
 
-    def step(self, ctx: Any = None, batch_of: Any = int, **extra: Any) -> TrainStep:
+    def step(self, ctx: Any, batch_of: Any = int, **extra: Any) -> TrainStep:
         """The shared training step (training/loop.py) over this trainer: every parameter clipped, none tracked; the
         batch is the data's next, whatever the step's number."""
         max_norm = float(self.data.config["grad_clip"])
@@ -97,10 +96,8 @@ def build(cfg: dict[str, Any], ctx: Any) -> Trainer:
 
 
 def train(trainer: Trainer, steps: range, ctx: Any) -> loop.Curves:
-    """Run ``steps`` (their numbers are only for progress reports); return their curves.
-
-    ``ctx.step_done`` gets the step numbers only (progress lines, injected step faults): fail-fast does
-    not stop a checkpoint run."""
+    """Run ``steps`` (their numbers are only for progress reports); return their curves. ``ctx.step_done`` gets the
+    step numbers only (progress lines, injected step faults): fail-fast does not stop a checkpoint run."""
     return loop.train(ctx, trainer.step(ctx), steps, report_metrics=False, stop_when_told=False)
 
 

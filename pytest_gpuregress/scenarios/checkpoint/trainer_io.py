@@ -14,7 +14,8 @@ from ...reference import atomic
 from ...training import resume_checkpoint
 from ...training import rng_state as rng
 from ...training.resume_checkpoint import apply_model, apply_optimizer, detached_copies, read_json
-from . import hooks, sharded, state
+from ...training.state_digests import scheduler_state
+from . import hooks, sharded
 from .trainer import Trainer
 
 FORMAT = "gpuregress-trainer-checkpoint/1"
@@ -46,21 +47,17 @@ def save(trainer: Trainer, folder: Path, step: int, device_kind: str) -> None:
         atomic.write_json(folder / TRAINER_JSON, {
             "format": FORMAT, "step": step, "world_size": trainer.world_size,
             "param_groups": optim_state["param_groups"],
-            "scheduler": state.scheduler_state(trainer),
+            "scheduler": scheduler_state(trainer),
             "data_position": trainer.data.position,
         })
     dist.barrier()
-
-
-def read_meta(folder: Path) -> dict[str, Any]:
-    return resume_checkpoint.read_meta(folder, FORMAT, SAVE_AGAIN)
 
 
 def load(trainer: Trainer, folder: Path, *, with_rng: bool, device_kind: str) -> dict[str, Any]:
     """Restore a freshly built trainer from ``folder`` at this run's world size; return trainer.json. Collective.
 
     ``with_rng``: restore this rank's generators too (only meaningful at the world size that saved)."""
-    meta = read_meta(folder)
+    meta = resume_checkpoint.read_meta(folder, FORMAT, SAVE_AGAIN)
     model_state, optim_state = _state_dicts(trainer)
     loaded = {"model": detached_copies(model_state), "optim": detached_copies(optim_state["state"])}
     sharded.load(loaded, folder / TENSORS, int(meta["world_size"]))

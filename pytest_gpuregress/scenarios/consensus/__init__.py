@@ -18,7 +18,7 @@ from ..base import Case, CheckScenario, Launch, Setup
 from ..shared import links
 from . import report
 from .digest import HASH_ARRAY, STATS_ARRAY, hex_hashes
-from .vote import Vote, from_results
+from .vote import Device, Vote, vote
 
 COLLECTIVES_ENTRY = "pytest_gpuregress.scenarios.collectives.rank:run"
 WORKLOAD = {"seed": 0, "steps": 6, "width": 32, "hidden": 64, "classes": 10, "batch": 16, "lr": 1e-2,
@@ -122,7 +122,9 @@ def link_inputs(record: RunRecord) -> tuple[dict[str, Any], list[Any], int]:
 
 
 def vote_of(record: RunRecord) -> Vote:
-    return from_results(record.results["consensus"])
+    consensus = record.results["consensus"]
+    return vote([Device.from_json(d) for d in consensus["devices"]], consensus.get("names", []),
+                consensus.get("kinds", []))
 
 
 SCENARIO = ConsensusScenario()

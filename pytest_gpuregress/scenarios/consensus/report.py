@@ -12,7 +12,7 @@ from ...stack.device_identity import node_label
 from ...stack.fingerprint import describe_change
 from .digest import BYTES_PER_TENSOR, split_name
 from .group_key import describe_key, key_diff
-from .vote import AGREES, DISSENTS, Device, Difference, Group, Vote, first_difference
+from .vote import AGREES, DISSENTS, NO_MAJORITY, Device, Difference, Group, Vote, first_difference
 
 PART_NAMES = {"train": "training", "gemm": "GEMM/reduction battery", "cast": "format casts"}
 RERUN = "pytest --gpuregress --gpuregress-consensus 'gpuregress::consensus*'"
@@ -167,7 +167,7 @@ def failures(vote: Vote) -> list[CheckFinding]:
             suspect_nodes = whole_nodes(group)
             out += [CheckFinding("consensus", dissent_message(vote, group, d, _node(d) in suspect_nodes))
                     for d in group.dissenters]
-        elif group.outcome not in (AGREES, "alone"):
+        elif group.outcome == NO_MAJORITY:
             out.append(CheckFinding("consensus", no_majority_message(vote, group)))
     return out
 

@@ -143,9 +143,3 @@ def vote(devices: list[Device], names: list[str], kinds: list[str]) -> Vote:
         group.results = sorted(by_result.values(), key=lambda ds: (-len(ds), ds[0].rank))
     groups = sorted(by_key.values(), key=lambda g: (-len(g.devices), g.devices[0].rank))
     return Vote(list(names), list(kinds), groups)
-
-
-def from_results(consensus: dict[str, Any]) -> Vote:
-    """The vote over a merged record's ``results["consensus"]``."""
-    devices = [Device.from_json(d) for d in consensus["devices"]]
-    return vote(devices, consensus.get("names", []), consensus.get("kinds", []))

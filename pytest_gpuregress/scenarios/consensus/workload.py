@@ -92,10 +92,8 @@ def cast_grid(generator: torch.Generator) -> Any:
 
 
 def casts(device: str, config: dict[str, Any], digests: Digests) -> None:
-    """The float32 grid cast to bf16, fp16 and each fp8 format this torch has, and every fp8 code decoded.
-
-    torch's own casts, not the formats scenario's codec: that one loads ml_dtypes for its oracle, 1.5 s per
-    process, which a fleet of devices would pay once each for nothing."""
+    """The float32 grid cast to bf16, fp16 and each fp8 format this torch has, and every fp8 code decoded. torch's
+    own casts, not the formats scenario's codec: its ml_dtypes oracle costs 1.5 s per process, for nothing here."""
     grid = cast_grid(torch.Generator().manual_seed(int(config["seed"]) + 2)).to(device)
     codes = torch.arange(256, dtype=torch.int64).to(torch.uint8).to(device)
     for dtype_name in CAST_FORMATS:

@@ -52,7 +52,23 @@ class FsdpTriage(TriageSupport):
 
     def message_of(self, param: str, shapes: dict[str, tuple[int, ...]], world_size: int,
                    record: RunRecord | None = None) -> str:
-        return reduce_scatter_message(param, shapes, world_size, record)
+        """The reduce-scatter that carries ``param``'s gradient: one per fully_shard unit ``record``'s run wrapped,
+        in the run's reduce dtype (fp32, or bf16 in the CPU bf16 lane), each parameter padded on dim 0 to a multiple
+        of the world size, as FSDP2 shards it."""
+        from ...training.fsdp2 import RESULT_KEY, group_label, reduce_dtype_of, reduce_scatter_bytes, unit_of
+        from ...units import human_bytes
+
+        units = record.results.get(RESULT_KEY) if record is not None else None  # the units rank.py kept
+        path = unit_of(param, units) if isinstance(units, dict) and units else None
+        if record is None or path is None:  # no size guessed: a size is what triage reasons from
+            why = "not among the run's recorded units" if isinstance(units, dict) else "the run recorded no units"
+            return f"reduce-scatter of the fully_shard unit that holds it ({why})"
+        unit = units[path]
+        # The recorded size holds at the record's world size; at another (triage's one rank), recount it.
+        size = unit["bytes"] if record.world_size == world_size else \
+            reduce_scatter_bytes(unit["params"], shapes, world_size, reduce_dtype_of(record.config))
+        word = "bf16 " if reduce_dtype_of(record.config) == "bf16" else ""  # the CPU bf16 lane; fp32 says nothing
+        return f"{word}reduce-scatter of {group_label(path)}, {human_bytes(int(size))}"
 
 
 class FsdpScenario(Scenario):
@@ -126,42 +142,6 @@ class FsdpScenario(Scenario):
         """An MoE model's expert load: the busiest expert's share of the routed token slots (1/experts when even)."""
         load = record.results.get("expert_load")
         return {"busiest_expert_share": round(max(max(row) for row in load), 4)} if load else {}
-
-
-
-def recorded_units(record: RunRecord | None) -> dict[str, dict[str, Any]] | None:
-    """The fully_shard units ``record`` kept (rank.py); None where there is no record."""
-    from ...training.fsdp2 import RESULT_KEY
-
-    units = record.results.get(RESULT_KEY) if record is not None else None
-    return units if isinstance(units, dict) else None
-
-
-def reduce_scatter_message(param: str, shapes: dict[str, tuple[int, ...]], world_size: int,
-                           record: RunRecord | None = None) -> str:
-    """The reduce-scatter that carries ``param``'s gradient: one per fully_shard unit ``record``'s run wrapped, in
-    the run's reduce dtype (fp32, or bf16 in the CPU bf16 lane), each parameter padded on dim 0 to a multiple of
-    the world size, as FSDP2 shards it."""
-    from ...training.fsdp2 import group_label, reduce_dtype_of, reduce_scatter_bytes, unit_of
-    from ...units import human_bytes
-
-    units = recorded_units(record)
-    path = unit_of(param, units) if units else None
-    if units is None or record is None or path is None:  # no size guessed: a size is what triage reasons from
-        why = "the run recorded no units" if units is None else "not among the run's recorded units"
-        return f"reduce-scatter of the fully_shard unit that holds it ({why})"
-    unit = units[path]
-    # The recorded size holds at the record's world size; at another (triage's one rank), recount it.
-    size = unit["bytes"] if record.world_size == world_size else \
-        reduce_scatter_bytes(unit["params"], shapes, world_size, reduce_dtype_of(record.config))
-    return f"{_dtype_word(record)}reduce-scatter of {group_label(path)}, {human_bytes(int(size))}"
-
-
-def _dtype_word(record: RunRecord | None) -> str:
-    """"bf16 " where the run reduced its gradients in bf16 (the CPU bf16 lane); "" for fp32, the usual case."""
-    from ...training.fsdp2 import reduce_dtype_of
-
-    return "bf16 " if record is not None and reduce_dtype_of(record.config) == "bf16" else ""
 
 
 SCENARIO = with_resume(FsdpScenario, RESUME)()

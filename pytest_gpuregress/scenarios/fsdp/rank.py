@@ -37,12 +37,9 @@ def model(ctx: RankContext, cfg: dict[str, Any], model_config: Any) -> Any:
 
 SPEC = TrainingSpec(model)  # the run below and its resume roles build the same trainer
 ROLES = Roles("fsdp", SPEC.build)  # fsdp-resume's save and continue roles (shared/resume_roles.py)
-
-
-def resume(ctx: RankContext) -> RunRecord:
-    """The rank entry of fsdp-resume's launches (the scenario's ``RESUME``): on the recording stack the continuation
-    repeats the reference's last steps bit for bit, which the e2e test checks."""
-    return ROLES.run(ctx)
+# The rank entry of fsdp-resume's launches (the scenario's ``RESUME``): on the recording stack the continuation
+# repeats the reference's last steps bit for bit, which the e2e test checks.
+resume = ROLES.run
 
 
 def run(ctx: RankContext) -> RunRecord:

@@ -1,9 +1,7 @@
-"""The reference store: ``<root>/<scenario>/<platform-key>/``, each reference record.json,
-tensors.safetensors and a sha256 manifest.json (attachments' files included).
-
-Writes are staged and swapped in whole (atomic.replace_dir) under a lock on the scenario folder, replace
-a reference only when told to (``--gpuregress-record``), and first restore or clean what a crash left.
-Reads ignore leftovers. docs/architecture.md, "The reference store".
+"""The reference store: ``<root>/<scenario>/<platform-key>/`` holds record.json, tensors.safetensors and a sha256
+manifest.json (attachments' files included). Writes are staged and swapped in whole under a lock on the scenario
+folder, replace only on ``--gpuregress-record``, and first restore or clean what a crash left; reads ignore
+leftovers. docs/architecture.md, "The reference store".
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ class ReferenceLocation:
     scenario: str
     platform_key: str
     record_hint: str = "pytest --gpuregress --gpuregress-record"
-    # The command that records this stack's reference into another folder, keeping this one: where the reference
-    # cannot judge this stack (the model's code changed) and the old stack still needs it.
+    # How to record this stack's reference elsewhere, keeping this one (which the old stack still needs).
     record_elsewhere_hint: str = ""
 
     @property
@@ -96,8 +93,7 @@ def _copy_attachments(record: RunRecord, staged: Path) -> list[Path]:
 
 
 def _attachment_of(listed: str) -> str | None:
-    """The attachment folder a manifest entry lies in (``resume`` for ``resume/trainer.json``); None when it is
-    not inside one, or would leave the reference."""
+    """The attachment folder of a manifest entry (``resume`` for ``resume/trainer.json``); None outside one."""
     parts = listed.split("/")
     if len(parts) < 2 or any(part in ("", ".", "..") for part in parts) or "\\" in listed:
         return None
@@ -121,10 +117,8 @@ def _restore_moved_aside(loc: ReferenceLocation) -> None:
 
 
 def read_reference(loc: ReferenceLocation) -> RunRecord:
-    """Load and verify a reference. Raises MissingReference or CorruptReference naming the file.
-
-    Names are not checked here: ``gpuregress show DIR`` reads whatever folder it is pointed at.
-    The plugin checks them where it builds a location (check_names)."""
+    """Load and verify a reference; MissingReference or CorruptReference name the file. Names are not checked:
+    ``gpuregress show DIR`` reads any folder (the plugin checks them, check_names)."""
     target = loc.path
     if not target.exists() and target.parent.is_dir():
         with atomic.locked(target.parent):  # waits out a live writer between its two renames
@@ -144,8 +138,8 @@ def read_reference(loc: ReferenceLocation) -> RunRecord:
 
 
 def _verified_files(loc: ReferenceLocation, manifest_path: Path) -> list[str]:
-    """Check every file the manifest lists against its sha256, and that its kept folders hold nothing else; the
-    kept folders (a DCP checkpoint's) by name. Raises CorruptReference naming the file."""
+    """Check every listed file's sha256, and that the kept folders hold nothing else; return those folders.
+    Raises CorruptReference naming the file."""
     files = _listed_files(loc, manifest_path)
     for name, expected in files.items():
         _check_sha256(loc, loc.path / name, expected)
@@ -174,8 +168,7 @@ def _check_sha256(loc: ReferenceLocation, path: Path, expected: Any) -> None:
 
 
 def _listed_files(loc: ReferenceLocation, manifest_path: Path) -> dict[str, Any]:
-    """The manifest's files and their sha256: the record's two files, and others only inside an attachment
-    folder. Raises CorruptReference where the manifest is not a reference's or lists any other file."""
+    """The manifest's files and sha256s: the record's two, others only inside attachments; else CorruptReference."""
     manifest = read_json(manifest_path)
     if manifest.get("format") != STORE_FORMAT:
         raise CorruptReference(
@@ -191,8 +184,8 @@ def _listed_files(loc: ReferenceLocation, manifest_path: Path) -> dict[str, Any]
 
 
 def _beside(loc: ReferenceLocation) -> str:
-    """Where the scenario's folder holds references of other platforms (another world size or precision): say so,
-    with the option that selects a world size, so that a run with too few devices does not read as 'never recorded'."""
+    """Name the scenario's references of another world size or precision, with the option selecting a world size:
+    a run with too few devices must not read as 'never recorded'."""
     folder = loc.path.parent
     others = sorted(p.name for p in folder.iterdir() if p.name != loc.platform_key and (p / MANIFEST).exists()
                     and _differs_in_size_or_precision(p.name, loc.platform_key)) if folder.is_dir() else []
@@ -240,8 +233,7 @@ LOCATION_KEYS = frozenset({"tokens.file", "tokens.factory", "model_file", "model
 
 def config_differences(ref: dict[str, Any], run: dict[str, Any], labels: tuple[str, str] = ("reference", "this run"),
                        prefix: str = "") -> list[str]:
-    """What two configs disagree on, as "config <key>: reference <a>, this run <b>" lines; where an input
-    lives (LOCATION_KEYS) is not a difference."""
+    """What two configs disagree on, as "config <key>: reference <a>, this run <b>" lines (not LOCATION_KEYS)."""
     out: list[str] = []
     for key in sorted(set(ref) | set(run)):
         if f"{prefix}{key}" in LOCATION_KEYS:

@@ -75,9 +75,8 @@ class MarkovTokens:
 
 @dataclass
 class TokenFileBatches:
-    """Global batches of windows from a token stream (a user's file, or a factory's ids), with the synthetic data's
-    interface: step s, sample i reads the window numbered ``s * global_batch + i``, wrapping around, so the
-    global batch is fixed as with the synthetic data."""
+    """Global batches of windows from a token stream (a user's file, a factory's ids): step s, sample i reads
+    window ``s * global_batch + i``, wrapping around, so the global batch is fixed as with the synthetic data."""
 
     stream: np.ndarray
     vocab_size: int
@@ -99,8 +98,8 @@ class TokenFileBatches:
 
 
 def open_tokens(described: dict[str, Any], vocab_size: int, seq_len: int, global_batch: int) -> TokenFileBatches:
-    """On a rank: the batches of the file (or factory) a config describes; refuses data that changed since the
-    session read it (or another file at that path on another node): its reference would not be this data's."""
+    """On a rank: the batches of a config's file (or factory); refuses data changed since the session read it (or
+    another file at that path on another node)."""
     if described.get("factory"):
         from .factory import factory_model
 
@@ -118,8 +117,7 @@ def open_tokens(described: dict[str, Any], vocab_size: int, seq_len: int, global
 
 
 def token_source(cfg: dict[str, Any], vocab_size: int) -> Any:
-    """A training scenario's data: the user's token file where the config names one (training/token_file.py),
-    else the synthetic Markov chain. Either has ``global_batch_at(step)`` and ``rank_batch(step, rank, world)``."""
+    """A training scenario's data: the config's token file (token_file.py), else the synthetic Markov chain."""
     if cfg.get("tokens"):
         return open_tokens(cfg["tokens"], vocab_size, int(cfg["seq_len"]), int(cfg["global_batch"]))
     return MarkovTokens(vocab_size=vocab_size, seq_len=int(cfg["seq_len"]), global_batch=int(cfg["global_batch"]),

@@ -21,8 +21,8 @@ TINY_LLAMA_GPU_PARAMETERS = 155_730_944
 
 
 def config_path(name: str, size: str) -> Path:
-    """The config file of model ``name`` at ``size`` (cpu or gpu): a shipped model's, or ``name`` itself when
-    it is a user's config file (``--gpuregress-model``) or a folder holding a ``config.json``."""
+    """The config file of model ``name`` at ``size`` (cpu or gpu): a shipped model's, or the user's file (or folder
+    holding a ``config.json``) ``name`` is."""
     users = _user_config(name)
     if users is not None:
         return users
@@ -38,8 +38,7 @@ def config_path(name: str, size: str) -> Path:
 
 
 def _user_config(name: str) -> Path | None:
-    """The config file a path names (the file, or the config.json of a folder); None for a bare name (the zoo's) or
-    a path that holds none."""
+    """The config file a path names (the file, or a folder's config.json); None for a bare name or no such file."""
     candidate = Path(name)
     if not (candidate.is_absolute() or "/" in name or candidate.suffix == ".json"):
         return None
@@ -74,10 +73,8 @@ NOT_ARCHITECTURE = frozenset({"transformers_version", "_name_or_path", "torch_dt
 
 
 def architecture_digest(name: str, size: str) -> str:
-    """A short hash of what the model is: its config file without version stamps and run switches.
-
-    Read from the file, not from a transformers config object, whose serialised form gains new
-    defaults with every release. Stored with references: a different architecture is foreign."""
+    """A short hash of the config file without version stamps and run switches, stored with references (another
+    architecture is foreign). Read from the file: a transformers config gains defaults every release."""
     import hashlib
     import json
 
@@ -106,10 +103,8 @@ def build_causal_lm(config: Any, seed: int) -> Any:
         silence_modules(model)
         return model
     switch_off(config)  # training/dropout.py: masks cannot be compared across ranks or stacks
-    # Parameters are made on the meta device, so the library's own init (thrown away: every parameter is
-    # seeded below) costs nothing; buffers are computed as usual (meta_build.py). Whatever the library draws
-    # while building stays out of the training's generators: a release that initialises in another order,
-    # or a model built the plain way after all, changes nothing.
+    # Parameters on meta (meta_build.py): the library's init, overwritten below, costs nothing. What it draws
+    # stays out of the training's generators, so its init order, or a plain build after all, changes nothing.
     with isolated_generators(), torch.device("cpu"):
         model, _ = without_init(lambda: AutoModelForCausalLM.from_config(config))  # float32, torch's default dtype
     silence_modules(model)
@@ -134,9 +129,8 @@ def isolated_generators() -> Iterator[None]:
 
 
 def blueprint(cfg: dict[str, Any]) -> Any:
-    """What a scenario config's model is built from: the transformers config of a shipped model or a user's
-    config file, or the user's factory (``model_factory``, a FactoryModel with the same fields the scenarios
-    read: vocab_size, num_hidden_layers)."""
+    """What a scenario config's model is built from: a transformers config (shipped or the user's), or the user's
+    factory (``model_factory``: a FactoryModel with the fields the scenarios read)."""
     if cfg.get("model_factory"):
         from .factory import factory_model
 
@@ -145,9 +139,8 @@ def blueprint(cfg: dict[str, Any]) -> Any:
 
 
 def ties_embeddings(cfg: dict[str, Any]) -> bool | None:
-    """Whether a scenario config's model ties its input and output embeddings, as its transformers config says
-    (``tie_word_embeddings``, the text config's in a multimodal one); None for a factory's model, or a config
-    that cannot be read here (the comparison then judges the layout alone)."""
+    """Whether a scenario config's model ties its embeddings (``tie_word_embeddings``, a multimodal one's text
+    config's); None for a factory's model or an unreadable config (the comparison then judges the layout alone)."""
     if cfg.get("model_factory") or "model_size" not in cfg:
         return None
     try:

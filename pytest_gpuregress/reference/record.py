@@ -81,9 +81,8 @@ class RunRecord:
         try:
             record = cls.from_json(data)
         except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptReference(
-                json_path, f"missing or malformed field: {exc!r}", "re-record it (--gpuregress-record)"
-            ) from exc
+            raise CorruptReference(json_path, f"missing or malformed field: {exc!r}",
+                                   "re-record it (--gpuregress-record)") from exc
         record.arrays = _read_tensors(tensor_path)
         return record
 
@@ -128,9 +127,8 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     try:
         return dict(load_file(str(path)))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise CorruptReference(
-            path, f"not a readable safetensors file ({exc})", "restore it from git or re-record it"
-        ) from exc
+        raise CorruptReference(path, f"not a readable safetensors file ({exc})",
+                               "restore it from git or re-record it") from exc
 
 
 def float_digest(values: np.ndarray) -> dict[str, Any]:

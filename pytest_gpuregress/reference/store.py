@@ -54,9 +54,8 @@ def write_reference(loc: ReferenceLocation, record: RunRecord, *, overwrite: boo
     with atomic.locked(target.parent):  # a live writer's staging folder is not a leftover
         _restore_moved_aside(loc)  # before the overwrite check: a moved-aside reference still counts
         if (target / MANIFEST).exists() and not overwrite:
-            raise ReferenceExists(
-                target, "a reference is already stored here", "pass --gpuregress-record to replace it on purpose"
-            )
+            raise ReferenceExists(target, "a reference is already stored here",
+                                  "pass --gpuregress-record to replace it on purpose")
         atomic.remove_leftovers(target)
         _write_staged(target, record)
     return target
@@ -106,11 +105,9 @@ def _restore_moved_aside(loc: ReferenceLocation) -> None:
     try:
         restored_from = atomic.restore_orphan(target)
     except OSError as exc:
-        raise MissingReference(
-            target,
-            f"an interrupted recording moved this reference aside and it could not be put back ({exc})",
-            f"rename the newest {target.parent / ('.' + target.name + atomic.OLD)}* folder to {target.name}",
-        ) from exc
+        raise MissingReference(target, f"an interrupted recording moved this reference aside and it could not be put "
+                               f"back ({exc})", f"rename the newest {target.parent / ('.' + target.name + atomic.OLD)}* "
+                               f"folder to {target.name}") from exc
     if restored_from is not None:
         warnings.warn(f"gpuregress: {target}: put back the reference an interrupted recording had moved aside "
                       f"to {restored_from.name}", RuntimeWarning, stacklevel=3)
@@ -126,11 +123,8 @@ def read_reference(loc: ReferenceLocation) -> RunRecord:
     manifest_path = target / MANIFEST
     if not manifest_path.exists():
         what = "no reference recorded" if not target.exists() else "directory has no manifest.json"
-        raise MissingReference(
-            target,
-            f"{what} for scenario {loc.scenario!r} on platform {loc.platform_key!r}{_beside(loc)}",
-            f"record one on a known-good stack: {loc.record_hint}",
-        )
+        raise MissingReference(target, f"{what} for scenario {loc.scenario!r} on platform {loc.platform_key!r}"
+                               f"{_beside(loc)}", f"record one on a known-good stack: {loc.record_hint}")
     folders = _verified_files(loc, manifest_path)
     record = RunRecord.load(target)
     record.attachments = {folder: target / folder for folder in folders}
@@ -159,23 +153,17 @@ def _check_sha256(loc: ReferenceLocation, path: Path, expected: Any) -> None:
         raise CorruptReference(path, "file listed in manifest.json is missing", f"re-record it: {loc.record_hint}")
     actual = atomic.sha256_file(path)
     if actual != expected:
-        raise CorruptReference(
-            path,
-            f"sha256 {actual[:12]}… does not match manifest.json ({str(expected)[:12]}…): "
-            "the file was truncated, edited or partly copied",
-            f"restore it from version control, or re-record it: {loc.record_hint}",
-        )
+        raise CorruptReference(path, f"sha256 {actual[:12]}… does not match manifest.json ({str(expected)[:12]}…): "
+                               "the file was truncated, edited or partly copied",
+                               f"restore it from version control, or re-record it: {loc.record_hint}")
 
 
 def _listed_files(loc: ReferenceLocation, manifest_path: Path) -> dict[str, Any]:
     """The manifest's files and sha256s: the record's two, others only inside attachments; else CorruptReference."""
     manifest = read_json(manifest_path)
     if manifest.get("format") != STORE_FORMAT:
-        raise CorruptReference(
-            manifest_path,
-            f"not a pytest-gpuregress reference manifest (format {manifest.get('format')!r})",
-            f"remove the directory or re-record it: {loc.record_hint}",
-        )
+        raise CorruptReference(manifest_path, f"not a pytest-gpuregress reference manifest (format "
+                               f"{manifest.get('format')!r})", f"remove the directory or re-record it: {loc.record_hint}")
     files = manifest.get("files")
     own = {RECORD_JSON, TENSORS_FILE}
     if not isinstance(files, dict) or not own <= set(files) or any(_attachment_of(n) is None for n in set(files) - own):
@@ -220,11 +208,9 @@ def check_compatible(loc: ReferenceLocation, reference: RunRecord, run: RunRecor
         problems.append(f"world size: reference {reference.world_size}, this run {run.world_size}")
     problems.extend(config_differences(reference.config, run.config))
     if problems:
-        raise ForeignReference(
-            loc.path / RECORD_JSON,
-            "reference was recorded for a different setup:\n    " + "\n    ".join(problems),
-            "run with the reference's settings, or record a reference for this setup: " + loc.record_hint,
-        )
+        raise ForeignReference(loc.path / RECORD_JSON,
+                               "reference was recorded for a different setup:\n    " + "\n    ".join(problems),
+                               "run with the reference's settings, or record a reference for this setup: " + loc.record_hint)
 
 
 # Where an input lives on this machine, not what it is (its sha256 beside it says that): never foreign.

@@ -17,16 +17,15 @@ import numpy as np
 
 from ..errors import BadTokens
 from .counter_rng import hash_words, unit_float
+from .factory import factory_model
 from .token_file import load_tokens
 
 
 def rank_slice(batch: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     """This rank's contiguous slice of a step's global batch."""
     if len(batch) % world_size:
-        raise ValueError(
-            f"global batch {len(batch)} is not divisible by world size {world_size}; "
-            "choose a world size that divides it or change the model's global_batch"
-        )
+        raise ValueError(f"global batch {len(batch)} is not divisible by world size {world_size}; "
+                         "choose a world size that divides it or change the model's global_batch")
     per_rank = len(batch) // world_size
     return batch[rank * per_rank : (rank + 1) * per_rank]
 
@@ -101,8 +100,6 @@ def open_tokens(described: dict[str, Any], vocab_size: int, seq_len: int, global
     """On a rank: the batches of a config's file (or factory); refuses data changed since the session read it (or
     another file at that path on another node)."""
     if described.get("factory"):
-        from .factory import factory_model
-
         where: object = described["factory"]
         stream = factory_model(str(where)).tokens
         fix = "return the same token ids from every call of the factory"

@@ -19,6 +19,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadModel
+from .fsdp2 import decoder_layers
+from .meta_build import without_init
+from .projections import survey
+from .seeding import seed_parameters
 
 DEFAULT_STD = 0.02  # the initializer_range of the shipped configs
 
@@ -107,9 +111,6 @@ class FactoryModel:
     def build(self, seed: int) -> Any:
         """A fresh fp32 CPU model seeded as the shipped ones (std: its ``config.initializer_range``, else 0.02);
         its own init runs on meta parameters where the factory allows (meta_build.py)."""
-        from .meta_build import without_init
-        from .seeding import seed_parameters
-
         model, _ = without_init(self.empty)
         std = getattr(getattr(model, "config", None), "initializer_range", None)
         seed_parameters(model, seed, float(std) if isinstance(std, (int, float)) else DEFAULT_STD)
@@ -127,9 +128,6 @@ class FactoryModel:
     @functools.cached_property
     def _facts(self) -> Facts:
         """What the model is, from one sizing call of the factory; BadModel where the scenarios cannot train it."""
-        from .fsdp2 import decoder_layers
-        from .projections import survey
-
         model, extra = self._sizing_call()
         vocab = self._vocab_size(model)
         try:

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import BadModel, UnsafeName
 from ..reference.names import safe_component
 from ..resources import shipped_dir
-from .factory import is_factory
+from .factory import factory_model, is_factory
 from .models import config_path
 from .observe import proc_bytes
 from .projections import BlockProjections, PeftTargets, matches, peft_targets, survey
@@ -48,8 +48,6 @@ class ModelSpec:
     def module_names(self, device_kind: str) -> frozenset[str]:
         """Every module's full name (what LoRA targets match, as peft does: the name or a dotted suffix of it)."""
         if self.factory:
-            from .factory import factory_model
-
             return factory_model(self.source).module_names
         return module_names(self.config_file(device_kind))
 
@@ -60,8 +58,6 @@ class ModelSpec:
     def projections(self, device_kind: str) -> BlockProjections:
         """The linear projections of its decoder layers: what the lora scenario targets by default."""
         if self.factory:
-            from .factory import factory_model
-
             return factory_model(self.source).projections
         return block_projections(self.config_file(device_kind))
 
@@ -124,8 +120,6 @@ def parse_models(values: list[str], base: Path) -> tuple[ModelSpec, ...]:
 def check_model(spec: ModelSpec, device_kind: str, world_size: int = 1) -> None:
     """Build the config and the model on the meta device; check its parameter count against this device's memory."""
     if spec.factory:
-        from .factory import factory_model
-
         _check_size(spec.source, factory_model(spec.source).parameters, device_kind, world_size)  # on the meta device
         return
     import torch

@@ -10,9 +10,12 @@ from typing import Any
 import numpy as np
 
 from ..resources import shipped_dir
+from .dropout import silence_modules, switch_off
+from .factory import FactoryModel, factory_model
 
 # Below this module, so that factory.py uses them without importing it back; still found here by their callers.
 from .fsdp2 import decoder_layers as decoder_layers
+from .meta_build import without_init
 from .seeding import seed_parameters
 from .seeding import seeded_normal as seeded_normal
 
@@ -30,10 +33,8 @@ def config_path(name: str, size: str) -> Path:
     path = root / name / size / "config.json"
     if not path.is_file():
         known = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-        raise FileNotFoundError(
-            f"{path}: no such model config; known models: {known}. "
-            "Pass a transformers config file (or a folder containing config.json) instead."
-        )
+        raise FileNotFoundError(f"{path}: no such model config; known models: {known}. "
+                                "Pass a transformers config file (or a folder containing config.json) instead.")
     return path
 
 
@@ -93,10 +94,6 @@ def build_causal_lm(config: Any, seed: int) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .dropout import silence_modules, switch_off
-    from .factory import FactoryModel
-    from .meta_build import without_init
-
     if isinstance(config, FactoryModel):
         with isolated_generators():
             model = config.build(seed)
@@ -132,8 +129,6 @@ def blueprint(cfg: dict[str, Any]) -> Any:
     """What a scenario config's model is built from: a transformers config (shipped or the user's), or the user's
     factory (``model_factory``: a FactoryModel with the fields the scenarios read)."""
     if cfg.get("model_factory"):
-        from .factory import factory_model
-
         return factory_model(str(cfg["model_factory"]))
     return load_config(model_source(cfg), cfg["model_size"])
 
@@ -162,7 +157,5 @@ def describe_model(cfg: dict[str, Any]) -> str:
 def architecture_of(cfg: dict[str, Any]) -> str:
     """The identity of a scenario config's model: its config file's digest, or a factory model's structure."""
     if cfg.get("model_factory"):
-        from .factory import factory_model
-
         return factory_model(str(cfg["model_factory"])).digest
     return architecture_digest(model_source(cfg), cfg["model_size"])

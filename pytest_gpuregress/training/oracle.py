@@ -17,6 +17,9 @@ import numpy as np
 from ..evidence import step0
 from ..evidence.oracle_step0 import MODE_KEY
 from ..reference.record import RunRecord
+from .data import token_source
+from .models import blueprint, build_causal_lm
+from .moe import in_float64
 from .seeding import usable_cpus
 
 MODE = "float64 throughout"
@@ -58,9 +61,6 @@ def float64_step0(model: Any, cfg: dict[str, Any], vocab_size: int) -> tuple[flo
     slow), and what the record keeps of the mode: its name and the ops that were not float64."""
     import torch
 
-    from .data import token_source
-    from .moe import in_float64
-
     torch.set_num_threads(usable_cpus())
     model = in_float64(model)
     tokens = torch.from_numpy(token_source(cfg, vocab_size).global_batch_at(0))
@@ -74,8 +74,6 @@ def float64_step0(model: Any, cfg: dict[str, Any], vocab_size: int) -> tuple[flo
 def run(ctx) -> RunRecord:  # type: ignore[no-untyped-def]
     """Rank entry (one rank): build the model as the scenario does, in float64, and take step 0's gradients."""
     import torch
-
-    from .models import blueprint, build_causal_lm
 
     cfg = ctx.config
     model_config = blueprint(cfg)

@@ -11,6 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .fsdp2 import decoder_layers
+from .moe import num_experts
+
 # Config fields that hold an MoE's number of routed experts, across transformers architectures.
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -95,8 +98,6 @@ def is_projection(module: Any) -> bool:
 
 def expert_count(model: Any) -> int | None:
     """The number of routed experts the model's config declares, or None for a dense model."""
-    from .moe import num_experts
-
     return num_experts(getattr(model, "config", None), EXPERT_COUNT_FIELDS) or None
 
 
@@ -132,8 +133,6 @@ def _targeted(linear: tuple[Projection, ...], every: list[str]) -> tuple[dict[Pr
 def _block_weights(model: Any) -> tuple[dict[str, list[str]], ...]:
     """The decoder layers' (projections, routers, other weight matrices), each path in a block -> full names."""
     import torch
-
-    from .fsdp2 import decoder_layers
 
     experts = expert_count(model)
     full_names = {id(module): name for name, module in model.named_modules()}

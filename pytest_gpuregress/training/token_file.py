@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadTokens
+from .models import blueprint
 
 TENSOR_NAMES = ("input_ids", "tokens")
 
@@ -73,8 +74,6 @@ def describe(path: Path, vocab_size: int, seq_len: int, whose: str = "the model"
 def describe_for(cfg: dict[str, Any], tokens: Path | None) -> dict[str, Any] | None:
     """The ``tokens`` entry of a training config, checked against its model's vocabulary: the user's file
     (--gpuregress-tokens), else the ids a factory model returns, else None (the synthetic data)."""
-    from .models import blueprint
-
     if tokens is None and not cfg.get("model_factory"):
         return None
     model = blueprint(cfg)

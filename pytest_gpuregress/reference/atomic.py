@@ -29,9 +29,8 @@ def _fsync_dir(path: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -66,10 +65,8 @@ def sha256_file(path: Path) -> str:
 
 
 def replace_dir(staged: Path, target: Path) -> None:
-    """Swap a fully written staging directory into place, with one ``renameat2(RENAME_EXCHANGE)`` where
-    the kernel and filesystem can (no instant without ``target``). A crash before the old content at
-    ``staged`` is removed leaves it as a ``.new-*`` leftover for the next write to clean.
-    """
+    """Swap a fully written staging directory into place: one ``renameat2(RENAME_EXCHANGE)`` where possible (no
+    instant without ``target``). A crash before ``staged`` (now the old content) goes leaves a ``.new-*`` leftover."""
     target.parent.mkdir(parents=True, exist_ok=True)
     if not target.exists():
         os.rename(staged, target)  # nothing to keep: one rename is atomic on its own
@@ -83,10 +80,8 @@ def replace_dir(staged: Path, target: Path) -> None:
 
 
 def _swap_with_restore(staged: Path, target: Path) -> None:
-    """The fallback without RENAME_EXCHANGE: two renames, the old directory put back if the second fails.
-    A crash between them leaves it whole under ``.<name>.old-<id>`` for ``restore_orphan``; a reader at
-    that instant finds nothing, which only RENAME_EXCHANGE rules out.
-    """
+    """Without RENAME_EXCHANGE: two renames, the old directory put back if the second fails. A crash between
+    leaves it under ``.<name>.old-<id>`` for ``restore_orphan``; a reader then finds nothing."""
     backup = target.with_name(f".{target.name}{OLD}{uuid.uuid4().hex}")
     os.rename(target, backup)
     try:
@@ -188,9 +183,7 @@ def remove_leftovers(target: Path) -> list[Path]:
 
 def restore_orphan(target: Path) -> Path | None:
     """Put back an old directory a crash left under ``.<name>.old-*`` with no ``target``; return where it was.
-
-    Hold ``locked(target.parent)``: a live fallback writer holds it between its two renames.
-    """
+    Hold ``locked(target.parent)``: a live fallback writer holds it between its two renames."""
     if target.exists() or not target.parent.is_dir():
         return None
     moved = _aside_pattern(target, re.escape(OLD))
@@ -205,10 +198,8 @@ def restore_orphan(target: Path) -> Path | None:
 
 @contextlib.contextmanager
 def locked(folder: Path) -> Iterator[None]:
-    """An exclusive flock on ``folder`` itself (no lock file to commit), released when the process dies.
-
-    Best effort: where flock is missing or refused (some network filesystems), writes go unlocked.
-    """
+    """An exclusive flock on ``folder`` itself (no lock file to commit), released when the process dies. Best
+    effort: where flock is missing or refused (some network filesystems), writes go unlocked."""
     try:
         import fcntl
 
@@ -217,10 +208,8 @@ def locked(folder: Path) -> Iterator[None]:
         yield
         return
     try:
-        try:
+        with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            pass
         yield
     finally:
         os.close(fd)  # closing the last descriptor releases the lock

@@ -16,9 +16,8 @@ REORDERED = ("this run registers the model's parameters in another order than th
 
 
 def param_grad_norms(reference: RunRecord, run: RunRecord) -> tuple[np.ndarray | None, str | None]:
-    """``run``'s per-parameter gradient norms with its columns in ``reference``'s order of names, and a note where
-    that order differs from the run's own; the run's array as it is where the names cannot be paired (no names, or
-    other names: the model's layout changed, which the comparison says on its own)."""
+    """``run``'s per-parameter gradient norms in ``reference``'s order of names, and a note where that differs; as
+    they are where names cannot be paired (none, or others: a layout change the comparison reports itself)."""
     got = run.arrays.get(KEY)
     names, own = list(reference.param_names), list(run.param_names)
     if got is None or not names or names == own:

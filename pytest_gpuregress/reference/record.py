@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,8 @@ TENSORS_FILE = "tensors.safetensors"
 
 @dataclass
 class RunRecord:
-    """Results of one scenario run: per-step ``series`` (float64), named numpy ``arrays``, final-weight
-    ``digests``, JSON-serialisable ``results``, and ``attachments`` (folders a reference keeps beside its two
-    files, e.g. ``resume``; the store copies them and lists their files in the manifest).
-    """
+    """Results of one scenario run: per-step ``series`` (float64), named numpy ``arrays``, final-weight ``digests``,
+    JSON ``results``, and ``attachments`` (folders such as ``resume`` the store keeps beside the two files)."""
 
     scenario: str
     config: dict[str, Any]
@@ -50,20 +49,7 @@ class RunRecord:
         return len(self.series.get("loss", []))
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "format": RECORD_FORMAT,
-            "scenario": self.scenario,
-            "config": self.config,
-            "platform_key": self.platform_key,
-            "world_size": self.world_size,
-            "fingerprint": self.fingerprint,
-            "series": {k: [float(x) for x in v] for k, v in self.series.items()},
-            "param_names": self.param_names,
-            "digests": self.digests,
-            "timings": self.timings,
-            "results": self.results,
-            "notes": self.notes,
-        }
+        return {"format": RECORD_FORMAT, **{key: read(getattr(self, key)) for key, read in _JSON_FIELDS.items()}}
 
     def save(self, directory: Path) -> list[Path]:
         """Write record.json and tensors.safetensors into ``directory``; return the paths."""
@@ -79,20 +65,9 @@ class RunRecord:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunRecord:
-        """The inverse of ``to_json`` (without arrays). Raises KeyError, TypeError or ValueError."""
-        return cls(
-            scenario=str(data["scenario"]),
-            config=dict(data["config"]),
-            platform_key=str(data["platform_key"]),
-            world_size=int(data["world_size"]),
-            fingerprint=dict(data.get("fingerprint", {})),
-            series={k: [float(x) for x in v] for k, v in data.get("series", {}).items()},
-            param_names=list(data.get("param_names", [])),
-            digests=dict(data.get("digests", {})),
-            timings=dict(data.get("timings", {})),
-            results=dict(data.get("results", {})),
-            notes=list(data.get("notes", [])),
-        )
+        """The inverse of ``to_json`` (without arrays); only ``_REQUIRED`` fields must be there. Raises KeyError,
+        TypeError or ValueError."""
+        return cls(**{key: read(data[key]) for key, read in _JSON_FIELDS.items() if key in data or key in _REQUIRED})
 
     @classmethod
     def load(cls, directory: Path) -> RunRecord:
@@ -106,11 +81,22 @@ class RunRecord:
         try:
             record = cls.from_json(data)
         except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptReference(
-                json_path, f"missing or malformed field: {exc!r}", "re-record it (--gpuregress-record)"
-            ) from exc
+            raise CorruptReference(json_path, f"missing or malformed field: {exc!r}",
+                                   "re-record it (--gpuregress-record)") from exc
         record.arrays = _read_tensors(tensor_path)
         return record
+
+
+def _float_series(series: dict[str, Any]) -> dict[str, list[float]]:
+    return {k: [float(x) for x in v] for k, v in series.items()}
+
+
+# record.json's fields besides "format", each with what reads it back (and writes it: the same conversion).
+_JSON_FIELDS: dict[str, Callable[[Any], Any]] = {
+    "scenario": str, "config": dict, "platform_key": str, "world_size": int, "fingerprint": dict,
+    "series": _float_series, "param_names": list, "digests": dict, "timings": dict, "results": dict, "notes": list,
+}
+_REQUIRED = ("scenario", "config", "platform_key", "world_size")  # the others default to empty when absent
 
 
 def other_format(data: dict[str, Any]) -> str | None:
@@ -141,16 +127,13 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     try:
         return dict(load_file(str(path)))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise CorruptReference(
-            path, f"not a readable safetensors file ({exc})", "restore it from git or re-record it"
-        ) from exc
+        raise CorruptReference(path, f"not a readable safetensors file ({exc})",
+                               "restore it from git or re-record it") from exc
 
 
 def float_digest(values: np.ndarray) -> dict[str, Any]:
-    """sha256 of the raw bytes, plus float64 sums a tolerant comparison can read.
-
-    ``sum`` and ``abs_sum`` give the magnitude; ``signed_dot`` (the sum of w[i] times a fixed +-1
-    pattern) moves when signs flip or elements trade places, which neither sum notices."""
+    """sha256 of the raw bytes, plus float64 sums a tolerant comparison reads: ``sum`` and ``abs_sum`` the
+    magnitude; ``signed_dot`` (w[i] times a fixed +-1 pattern) moves when signs flip or elements swap."""
     flat = np.ascontiguousarray(values)
     as64 = flat.astype(np.float64)
     index = np.arange(as64.size, dtype=np.uint64)

@@ -1,9 +1,7 @@
-"""The reference store: ``<root>/<scenario>/<platform-key>/``, each reference record.json,
-tensors.safetensors and a sha256 manifest.json (attachments' files included).
-
-Writes are staged and swapped in whole (atomic.replace_dir) under a lock on the scenario folder, replace
-a reference only when told to (``--gpuregress-record``), and first restore or clean what a crash left.
-Reads ignore leftovers. docs/architecture.md, "The reference store".
+"""The reference store: ``<root>/<scenario>/<platform-key>/`` holds record.json, tensors.safetensors and a sha256
+manifest.json (attachments' files included). Writes are staged and swapped in whole under a lock on the scenario
+folder, replace only on ``--gpuregress-record``, and first restore or clean what a crash left; reads ignore
+leftovers. docs/architecture.md, "The reference store".
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ class ReferenceLocation:
     scenario: str
     platform_key: str
     record_hint: str = "pytest --gpuregress --gpuregress-record"
-    # The command that records this stack's reference into another folder, keeping this one: where the reference
-    # cannot judge this stack (the model's code changed) and the old stack still needs it.
+    # How to record this stack's reference elsewhere, keeping this one (which the old stack still needs).
     record_elsewhere_hint: str = ""
 
     @property
@@ -57,9 +54,8 @@ def write_reference(loc: ReferenceLocation, record: RunRecord, *, overwrite: boo
     with atomic.locked(target.parent):  # a live writer's staging folder is not a leftover
         _restore_moved_aside(loc)  # before the overwrite check: a moved-aside reference still counts
         if (target / MANIFEST).exists() and not overwrite:
-            raise ReferenceExists(
-                target, "a reference is already stored here", "pass --gpuregress-record to replace it on purpose"
-            )
+            raise ReferenceExists(target, "a reference is already stored here",
+                                  "pass --gpuregress-record to replace it on purpose")
         atomic.remove_leftovers(target)
         _write_staged(target, record)
     return target
@@ -96,8 +92,7 @@ def _copy_attachments(record: RunRecord, staged: Path) -> list[Path]:
 
 
 def _attachment_of(listed: str) -> str | None:
-    """The attachment folder a manifest entry lies in (``resume`` for ``resume/trainer.json``); None when it is
-    not inside one, or would leave the reference."""
+    """The attachment folder of a manifest entry (``resume`` for ``resume/trainer.json``); None outside one."""
     parts = listed.split("/")
     if len(parts) < 2 or any(part in ("", ".", "..") for part in parts) or "\\" in listed:
         return None
@@ -110,21 +105,17 @@ def _restore_moved_aside(loc: ReferenceLocation) -> None:
     try:
         restored_from = atomic.restore_orphan(target)
     except OSError as exc:
-        raise MissingReference(
-            target,
-            f"an interrupted recording moved this reference aside and it could not be put back ({exc})",
-            f"rename the newest {target.parent / ('.' + target.name + atomic.OLD)}* folder to {target.name}",
-        ) from exc
+        raise MissingReference(target, f"an interrupted recording moved this reference aside and it could not be put "
+                               f"back ({exc})", f"rename the newest {target.parent / ('.' + target.name + atomic.OLD)}* "
+                               f"folder to {target.name}") from exc
     if restored_from is not None:
         warnings.warn(f"gpuregress: {target}: put back the reference an interrupted recording had moved aside "
                       f"to {restored_from.name}", RuntimeWarning, stacklevel=3)
 
 
 def read_reference(loc: ReferenceLocation) -> RunRecord:
-    """Load and verify a reference. Raises MissingReference or CorruptReference naming the file.
-
-    Names are not checked here: ``gpuregress show DIR`` reads whatever folder it is pointed at.
-    The plugin checks them where it builds a location (check_names)."""
+    """Load and verify a reference; MissingReference or CorruptReference name the file. Names are not checked:
+    ``gpuregress show DIR`` reads any folder (the plugin checks them, check_names)."""
     target = loc.path
     if not target.exists() and target.parent.is_dir():
         with atomic.locked(target.parent):  # waits out a live writer between its two renames
@@ -132,11 +123,8 @@ def read_reference(loc: ReferenceLocation) -> RunRecord:
     manifest_path = target / MANIFEST
     if not manifest_path.exists():
         what = "no reference recorded" if not target.exists() else "directory has no manifest.json"
-        raise MissingReference(
-            target,
-            f"{what} for scenario {loc.scenario!r} on platform {loc.platform_key!r}{_beside(loc)}",
-            f"record one on a known-good stack: {loc.record_hint}",
-        )
+        raise MissingReference(target, f"{what} for scenario {loc.scenario!r} on platform {loc.platform_key!r}"
+                               f"{_beside(loc)}", f"record one on a known-good stack: {loc.record_hint}")
     folders = _verified_files(loc, manifest_path)
     record = RunRecord.load(target)
     record.attachments = {folder: target / folder for folder in folders}
@@ -144,8 +132,8 @@ def read_reference(loc: ReferenceLocation) -> RunRecord:
 
 
 def _verified_files(loc: ReferenceLocation, manifest_path: Path) -> list[str]:
-    """Check every file the manifest lists against its sha256, and that its kept folders hold nothing else; the
-    kept folders (a DCP checkpoint's) by name. Raises CorruptReference naming the file."""
+    """Check every listed file's sha256, and that the kept folders hold nothing else; return those folders.
+    Raises CorruptReference naming the file."""
     files = _listed_files(loc, manifest_path)
     for name, expected in files.items():
         _check_sha256(loc, loc.path / name, expected)
@@ -165,24 +153,17 @@ def _check_sha256(loc: ReferenceLocation, path: Path, expected: Any) -> None:
         raise CorruptReference(path, "file listed in manifest.json is missing", f"re-record it: {loc.record_hint}")
     actual = atomic.sha256_file(path)
     if actual != expected:
-        raise CorruptReference(
-            path,
-            f"sha256 {actual[:12]}… does not match manifest.json ({str(expected)[:12]}…): "
-            "the file was truncated, edited or partly copied",
-            f"restore it from version control, or re-record it: {loc.record_hint}",
-        )
+        raise CorruptReference(path, f"sha256 {actual[:12]}… does not match manifest.json ({str(expected)[:12]}…): "
+                               "the file was truncated, edited or partly copied",
+                               f"restore it from version control, or re-record it: {loc.record_hint}")
 
 
 def _listed_files(loc: ReferenceLocation, manifest_path: Path) -> dict[str, Any]:
-    """The manifest's files and their sha256: the record's two files, and others only inside an attachment
-    folder. Raises CorruptReference where the manifest is not a reference's or lists any other file."""
+    """The manifest's files and sha256s: the record's two, others only inside attachments; else CorruptReference."""
     manifest = read_json(manifest_path)
     if manifest.get("format") != STORE_FORMAT:
-        raise CorruptReference(
-            manifest_path,
-            f"not a pytest-gpuregress reference manifest (format {manifest.get('format')!r})",
-            f"remove the directory or re-record it: {loc.record_hint}",
-        )
+        raise CorruptReference(manifest_path, f"not a pytest-gpuregress reference manifest (format "
+                               f"{manifest.get('format')!r})", f"remove the directory or re-record it: {loc.record_hint}")
     files = manifest.get("files")
     own = {RECORD_JSON, TENSORS_FILE}
     if not isinstance(files, dict) or not own <= set(files) or any(_attachment_of(n) is None for n in set(files) - own):
@@ -191,8 +172,8 @@ def _listed_files(loc: ReferenceLocation, manifest_path: Path) -> dict[str, Any]
 
 
 def _beside(loc: ReferenceLocation) -> str:
-    """Where the scenario's folder holds references of other platforms (another world size or precision): say so,
-    with the option that selects a world size, so that a run with too few devices does not read as 'never recorded'."""
+    """Name the scenario's references of another world size or precision, with the option selecting a world size:
+    a run with too few devices must not read as 'never recorded'."""
     folder = loc.path.parent
     others = sorted(p.name for p in folder.iterdir() if p.name != loc.platform_key and (p / MANIFEST).exists()
                     and _differs_in_size_or_precision(p.name, loc.platform_key)) if folder.is_dir() else []
@@ -227,11 +208,9 @@ def check_compatible(loc: ReferenceLocation, reference: RunRecord, run: RunRecor
         problems.append(f"world size: reference {reference.world_size}, this run {run.world_size}")
     problems.extend(config_differences(reference.config, run.config))
     if problems:
-        raise ForeignReference(
-            loc.path / RECORD_JSON,
-            "reference was recorded for a different setup:\n    " + "\n    ".join(problems),
-            "run with the reference's settings, or record a reference for this setup: " + loc.record_hint,
-        )
+        raise ForeignReference(loc.path / RECORD_JSON,
+                               "reference was recorded for a different setup:\n    " + "\n    ".join(problems),
+                               "run with the reference's settings, or record a reference for this setup: " + loc.record_hint)
 
 
 # Where an input lives on this machine, not what it is (its sha256 beside it says that): never foreign.
@@ -240,8 +219,7 @@ LOCATION_KEYS = frozenset({"tokens.file", "tokens.factory", "model_file", "model
 
 def config_differences(ref: dict[str, Any], run: dict[str, Any], labels: tuple[str, str] = ("reference", "this run"),
                        prefix: str = "") -> list[str]:
-    """What two configs disagree on, as "config <key>: reference <a>, this run <b>" lines; where an input
-    lives (LOCATION_KEYS) is not a difference."""
+    """What two configs disagree on, as "config <key>: reference <a>, this run <b>" lines (not LOCATION_KEYS)."""
     out: list[str] = []
     for key in sorted(set(ref) | set(run)):
         if f"{prefix}{key}" in LOCATION_KEYS:

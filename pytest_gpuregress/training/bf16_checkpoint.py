@@ -20,7 +20,7 @@ SHOWN = 3  # problems named per reader
 
 
 def round_trip(weights: Mapping[str, Any], folder: Path) -> dict[str, Any]:
-    """Write ``weights`` (whole tensors) as bf16 into ``folder`` and read them back through every path of PATHS."""
+    """Write ``weights`` (whole tensors) as bf16 into ``folder``; read them back through every path of PATHS."""
     import torch
 
     written = {name: w.detach().to(torch.bfloat16).contiguous().cpu() for name, w in weights.items()}

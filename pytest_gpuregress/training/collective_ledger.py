@@ -55,9 +55,8 @@ def _float64(tensor: Any) -> Any:
 
 
 def _sums(tensors: list[Any], offset: int = 0) -> tuple[float, float, float, int, float]:
-    """Float64 sum, sum of |x| and sum of x^2 over ``tensors``, one hash of their bits in order (each tensor's
-    digest hash, tensor_digest.py, chained), and their position-weighted sum from global position ``offset``
-    (``weighted_sum``): one float64 copy of each tensor serves both sums."""
+    """Float64 sum, sum of |x| and of x^2, the chained digest hashes (tensor_digest.py) and the position-weighted
+    sum from ``offset`` (``weighted_sum``) over ``tensors``: one float64 copy of each serves both sums."""
     import torch
 
     total = absolute = squares = weighted = 0.0
@@ -102,9 +101,8 @@ def _weighted(flat: Any, offset: int) -> float:
 
 
 def weighted_sum(tensors: list[Any], offset: int = 0) -> float:
-    """Sum of w(offset + j) x_j over ``tensors`` taken as one flat sequence starting at global position ``offset``
-    (an all-gather's input sits at its rank's place in the output, a reduce-scatter's output at its rank's place in
-    the input)."""
+    """Sum of w(offset + j) x_j over ``tensors`` as one flat sequence from global position ``offset`` (an
+    all-gather's input sits at its rank's place in the output; a reduce-scatter's output in the input)."""
     import torch
 
     total = 0.0
@@ -178,7 +176,8 @@ class Ledger:
             try:
                 outputs = _tensors(bound.get(out_key))
                 inputs = _tensors(bound.get(in_key)) if in_key else outputs
-                in_at, out_at = _offsets(family, _group_rank(bound.get("group")), inputs, outputs)
+                group_rank = int(dist.get_rank(bound.get("group") or dist.group.WORLD))
+                in_at, out_at = _offsets(family, group_rank, inputs, outputs)
                 with unwatched():  # the ledger's reads are not ops of the step: the op trace must not see them
                     before = _sums(inputs, in_at)  # before the call: an in-place collective overwrites its input
                 work = original(*args, **kwargs)
@@ -202,17 +201,14 @@ class Ledger:
         return lambda: setattr(dist, name, original)
 
     def results(self) -> dict[str, Any]:
-        """Gather every rank's rows (the plugin's own collectives) and judge them: on every rank the same summary,
-        for the record's results. Collective: every rank calls it after its last step."""
+        """Every rank's rows gathered and judged: the same summary on every rank. Collective, after the last step."""
         import torch
         import torch.distributed as dist
 
         world = dist.get_world_size()
         mine = torch.tensor(np.array(self.rows, dtype=np.float64).reshape(-1, len(invariants.COLUMNS)))
         gathered = _gather_rows(mine, world)
-        # The string tables are the same on every rank but for the groups, which each rank met in its own order:
-        # gathered as their rank lists, they are mapped to one table.
-        tables = self._gather_groups(world)
+        tables = self._gather_groups(world)  # each rank met the groups in its own order: mapped to one table
         groups: list[str] = []
         rows: dict[int, np.ndarray] = {}
         for rank, table in enumerate(gathered):
@@ -236,8 +232,8 @@ class Ledger:
 
 
 def _gather_rows(values: Any, world: int) -> list[Any]:
-    """Every rank's ``values`` (a CPU tensor whose first dimension differs between ranks), in rank order, padded for
-    the all-gather and cut back. Collective, through the plugin's own collectives."""
+    """Every rank's ``values`` (a CPU tensor, first dimension differing between ranks), in rank order, padded for
+    the all-gather and cut back. Collective (the plugin's own)."""
     import torch
     import torch.distributed as dist
 
@@ -249,12 +245,6 @@ def _gather_rows(values: Any, world: int) -> list[Any]:
         gathered = [torch.zeros_like(padded) for _ in range(world)]
         dist.all_gather(gathered, padded)
     return [g[:int(s)] for g, s in zip(gathered, sizes)]
-
-
-def _group_rank(group: Any) -> int:
-    import torch.distributed as dist
-
-    return int(dist.get_rank(group or dist.group.WORLD))
 
 
 @contextmanager

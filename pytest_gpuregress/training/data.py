@@ -17,16 +17,15 @@ import numpy as np
 
 from ..errors import BadTokens
 from .counter_rng import hash_words, unit_float
+from .factory import factory_model
 from .token_file import load_tokens
 
 
 def rank_slice(batch: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     """This rank's contiguous slice of a step's global batch."""
     if len(batch) % world_size:
-        raise ValueError(
-            f"global batch {len(batch)} is not divisible by world size {world_size}; "
-            "choose a world size that divides it or change the model's global_batch"
-        )
+        raise ValueError(f"global batch {len(batch)} is not divisible by world size {world_size}; "
+                         "choose a world size that divides it or change the model's global_batch")
     per_rank = len(batch) // world_size
     return batch[rank * per_rank : (rank + 1) * per_rank]
 
@@ -75,9 +74,8 @@ class MarkovTokens:
 
 @dataclass
 class TokenFileBatches:
-    """Global batches of windows from a token stream (a user's file, or a factory's ids), with the synthetic data's
-    interface: step s, sample i reads the window numbered ``s * global_batch + i``, wrapping around, so the
-    global batch is fixed as with the synthetic data."""
+    """Global batches of windows from a token stream (a user's file, a factory's ids): step s, sample i reads
+    window ``s * global_batch + i``, wrapping around, so the global batch is fixed as with the synthetic data."""
 
     stream: np.ndarray
     vocab_size: int
@@ -99,11 +97,9 @@ class TokenFileBatches:
 
 
 def open_tokens(described: dict[str, Any], vocab_size: int, seq_len: int, global_batch: int) -> TokenFileBatches:
-    """On a rank: the batches of the file (or factory) a config describes; refuses data that changed since the
-    session read it (or another file at that path on another node): its reference would not be this data's."""
+    """On a rank: the batches of a config's file (or factory); refuses data changed since the session read it (or
+    another file at that path on another node)."""
     if described.get("factory"):
-        from .factory import factory_model
-
         where: object = described["factory"]
         stream = factory_model(str(where)).tokens
         fix = "return the same token ids from every call of the factory"
@@ -118,8 +114,7 @@ def open_tokens(described: dict[str, Any], vocab_size: int, seq_len: int, global
 
 
 def token_source(cfg: dict[str, Any], vocab_size: int) -> Any:
-    """A training scenario's data: the user's token file where the config names one (training/token_file.py),
-    else the synthetic Markov chain. Either has ``global_batch_at(step)`` and ``rank_batch(step, rank, world)``."""
+    """A training scenario's data: the config's token file (token_file.py), else the synthetic Markov chain."""
     if cfg.get("tokens"):
         return open_tokens(cfg["tokens"], vocab_size, int(cfg["seq_len"]), int(cfg["global_batch"]))
     return MarkovTokens(vocab_size=vocab_size, seq_len=int(cfg["seq_len"]), global_batch=int(cfg["global_batch"]),

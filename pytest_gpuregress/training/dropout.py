@@ -51,9 +51,8 @@ def silence_modules(model: Any) -> dict[str, float]:
 
 @functools.lru_cache(maxsize=16)
 def config_file_dropout(path: str) -> tuple[tuple[str, float], ...]:
-    """The stochastic fields the config file itself sets (session side: no model is built). Read from the file,
-    not through transformers: a release that adds a field with a positive default must not change the stored
-    config, which would make the reference foreign; training switches such defaults off all the same."""
+    """The stochastic fields the config file itself sets (session side). Not through transformers: a new positive
+    default must not change the stored config (a foreign reference); training switches it off all the same."""
     import json
     from types import SimpleNamespace
 

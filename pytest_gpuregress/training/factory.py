@@ -19,6 +19,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadModel
+from .fsdp2 import decoder_layers
+from .meta_build import without_init
+from .projections import survey
+from .seeding import seed_parameters
 
 DEFAULT_STD = 0.02  # the initializer_range of the shipped configs
 
@@ -52,14 +56,12 @@ def resolve(entry: str) -> Any:
 
 @dataclass(frozen=True)
 class Facts:
-    """What a factory's model is, from one sizing call: the fields the scenarios read of a transformers config
-    (the same names, so one code path serves both), and its identity."""
+    """What a factory's model is (one sizing call): the fields of a transformers config the scenarios read, and
+    its identity."""
 
     vocab_size: int
     num_hidden_layers: int
-    # The longest inner product a weight matrix takes part in (its last dimension): what the float32 error bounds
-    # (checkpoint/portable.py) read a config's hidden and intermediate sizes for.
-    hidden_size: int
+    hidden_size: int  # the longest inner product of a weight matrix (its last dim), for checkpoint/portable.py's bounds
     returns_tokens: bool
     digest: str  # of its structure: parameter names, shapes, dtypes and module classes
     parameters: int
@@ -83,8 +85,8 @@ class FactoryModel:
         return self.entry.rsplit(":", 1)[1]
 
     def _call(self, device: str) -> tuple[Any, Any]:
-        """(module, what came with it or None) from one call of the factory on ``device``, with torch's generators
-        seeded and restored after: the factory's own random draws repeat, and touch no caller's stream."""
+        """(module, what came with it or None) from one factory call on ``device``, torch's generators seeded and
+        restored after: its draws repeat and touch no caller's stream."""
         import torch
 
         with torch.random.fork_rng(devices=[]), torch.device(device):
@@ -107,20 +109,15 @@ class FactoryModel:
         return _with_logits_output(self._call("cpu")[0].float())
 
     def build(self, seed: int) -> Any:
-        """A fresh model, initialised from ``seed`` as the shipped models are, fp32 on the CPU: N(0, std^2) with the
-        model's ``config.initializer_range`` where it has one, else 0.02. Its own init code runs on meta
-        parameters where the factory allows (meta_build.py), else as the factory wrote it."""
-        from .meta_build import without_init
-        from .seeding import seed_parameters
-
+        """A fresh fp32 CPU model seeded as the shipped ones (std: its ``config.initializer_range``, else 0.02);
+        its own init runs on meta parameters where the factory allows (meta_build.py)."""
         model, _ = without_init(self.empty)
         std = getattr(getattr(model, "config", None), "initializer_range", None)
         seed_parameters(model, seed, float(std) if isinstance(std, (int, float)) else DEFAULT_STD)
         return model
 
     def _sizing_call(self) -> tuple[Any, Any]:
-        """One call of the factory on the meta device (no memory for its weights), or on the CPU where the factory
-        cannot run on meta."""
+        """One factory call on the meta device (no memory for weights), or on the CPU where it cannot run there."""
         try:
             return self._call("meta")
         except BadModel as exc:
@@ -131,9 +128,6 @@ class FactoryModel:
     @functools.cached_property
     def _facts(self) -> Facts:
         """What the model is, from one sizing call of the factory; BadModel where the scenarios cannot train it."""
-        from .fsdp2 import decoder_layers
-        from .projections import survey
-
         model, extra = self._sizing_call()
         vocab = self._vocab_size(model)
         try:
@@ -171,8 +165,7 @@ class FactoryModel:
 
     @functools.cached_property
     def tokens(self) -> np.ndarray | None:
-        """The token ids the factory returns with its model (one int64 stream), or None: from a call on the CPU,
-        made only for a factory that returns them."""
+        """The token ids the factory returns with its model (one int64 stream, from a CPU call), or None."""
         import torch
 
         if not self._facts.returns_tokens:
@@ -205,8 +198,7 @@ class FactoryModel:
 
 
 def factory_model(entry: str) -> FactoryModel:
-    """One FactoryModel per entry and working directory (a pooled rank serves sessions from several): its
-    facts are computed once."""
+    """One FactoryModel (its facts computed once) per entry and working directory: a pooled rank serves several."""
     return _factory_model(entry, os.getcwd())
 
 
@@ -216,10 +208,8 @@ def _factory_model(entry: str, cwd: str) -> FactoryModel:
 
 
 def _with_logits_output(model: Any) -> Any:
-    """Make a module that returns a logits tensor return ``CausalLMOutput(logits=...)``, as the scenarios expect.
-
-    A forward hook, not a wrapper module, so parameter names stay the factory's; transformers' output
-    classes are pytrees, so FSDP2 still finds the tensor inside to hook its backward."""
+    """Make a module that returns logits return ``CausalLMOutput(logits=...)``: a forward hook, so parameter names
+    stay the factory's; the output class is a pytree, so FSDP2 still hooks the tensor's backward."""
     from transformers.modeling_outputs import CausalLMOutput
 
     def to_output(module: Any, args: Any, output: Any) -> Any:

@@ -36,11 +36,8 @@ def shard_units(model: Any) -> list[tuple[str, Any]]:
 
 
 def unit_params(model: Any, units: list[tuple[str, Any]]) -> dict[str, list[str]]:
-    """Unit path -> the names (as ``model.named_parameters`` gives them) of the parameters it shards.
-
-    As fully_shard does: a unit takes its module's parameters that no unit wrapped before it, so the
-    root keeps only what no decoder layer holds. Call it before wrapping: fully_shard replaces the
-    parameter objects this matches by identity."""
+    """Unit path -> the names of the parameters it shards: as fully_shard, its module's that no earlier unit took
+    (the root keeps what no decoder layer holds). Call it before wrapping: it matches parameter objects."""
     names = {id(param): name for name, param in model.named_parameters()}
     taken: set[int] = set()
     owned: dict[str, list[str]] = {}
@@ -87,9 +84,8 @@ def reduce_dtype_of(config: dict[str, Any]) -> str:
 
 
 def mixed_precision(config: dict[str, Any]) -> Any:
-    """The policy of a run's compute dtype: bf16 parameters for "bf16", with gradients reduced in fp32 (GPUs,
-    torchtitan's default) or in bf16 where the config's ``reduce_dtype`` says so (the CPU bf16 lane: FSDP2's own
-    default when only ``param_dtype`` is set, which many users run). None for anything else: fp32 throughout."""
+    """For "bf16": bf16 parameters, gradients reduced in fp32 (torchtitan's default) or in bf16 where
+    ``reduce_dtype`` says so (the CPU bf16 lane: FSDP2's default with only ``param_dtype`` set). Else None."""
     if config.get("dtype") != "bf16":
         return None
     import torch
@@ -99,14 +95,11 @@ def mixed_precision(config: dict[str, Any]) -> Any:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
 
 
-def shard(units: Sequence[tuple[str, Any]], *, mp_policy: Any = None,
-          reshard_after_forward: bool | None = None) -> None:
-    """``fully_shard`` every (path, module) of ``units``, in order: the root must come last.
-
-    ``mp_policy``: a MixedPrecisionPolicy (``mixed_precision``), None for fp32 throughout.
-    ``reshard_after_forward``: as fully_shard takes it; None is torch's default."""
+def shard(units: Sequence[tuple[str, Any]], *, mp_policy: Any = None) -> None:
+    """``fully_shard`` every (path, module) of ``units``, in order (the root last), under ``mp_policy`` (a
+    MixedPrecisionPolicy from ``mixed_precision``; None: fp32 throughout)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     for _path, module in units:
-        fully_shard(module, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mp_policy=policy, reshard_after_forward=None)

@@ -19,8 +19,8 @@ def shard_dim_over_world(tensor: Any, world_size: int) -> int | None:
 
 
 def local_part(tensor: Any, world_size: int) -> tuple[Any, bool]:
-    """(this rank's part, whether parts add up over ranks). An FSDP2 shard gives its local shard; any other
-    DTensor is gathered whole (a collective); a plain tensor is a replica."""
+    """(this rank's part, whether parts add up over ranks): an FSDP2 shard's local shard, any other DTensor
+    gathered (collective), a plain tensor as a replica."""
     if not hasattr(tensor, "to_local"):
         return tensor, False
     if shard_dim_over_world(tensor, world_size) is not None:
@@ -29,8 +29,8 @@ def local_part(tensor: Any, world_size: int) -> tuple[Any, bool]:
 
 
 def squared_norms(params: list[Any], world_size: int, device: Any) -> list[Any]:
-    """Each parameter's squared gradient norm (a float64 0-dim tensor on ``device``), scaled so that the sum
-    over ranks is the global value. Call after ``backward()``: before clipping, or after it for the clipped norm."""
+    """Each parameter's squared gradient norm (float64 0-dim on ``device``), scaled so that its sum over ranks is
+    the global one."""
     import torch
 
     squares = []

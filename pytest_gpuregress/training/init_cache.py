@@ -77,8 +77,8 @@ class InitCache:
         return self.root / key[:2] / f"{key}.safetensors"
 
     def load_into(self, entry: Entry, out: np.ndarray) -> bool:
-        """Read the entry's values into ``out`` (C-contiguous, of the entry's dtype and shape): True where the file
-        is there, whole and matching; else False, ``out`` holding anything."""
+        """Read the entry's values into ``out`` (C-contiguous, its dtype and shape): True where the file is whole
+        and matching; else False, ``out`` holding anything."""
         path = self.path(entry)
         try:
             with open(path, "rb") as fh:
@@ -100,14 +100,12 @@ class InitCache:
         out = np.empty(entry.shape, dtype=entry.dtype)
         return out if self.load_into(entry, out) else None
 
-    def prune(self, unused_days: float = UNUSED_DAYS, now: float | None = None) -> int:
-        """Delete entries no launch has read or written for ``unused_days`` (other code identities' and other
-        models' left behind: the cache would otherwise only grow, 0.6 GB per GPU-size model and seed), and
-        temporary files and locks a killed rank left for over an hour. The number of files deleted."""
-        now = time.time() if now is None else now
-        deleted = 0
+    def prune(self) -> int:
+        """Delete entries unused for ``UNUSED_DAYS`` (else the cache only grows, 0.6 GB per GPU-size model and seed),
+        and temporary files and locks a killed rank left over an hour ago; return how many files went."""
+        now, deleted = time.time(), 0
         for path in self.root.glob("*/*"):
-            stale = unused_days * 86400 if path.suffix == ".safetensors" else 3600  # else .tmp, .lock
+            stale = UNUSED_DAYS * 86400 if path.suffix == ".safetensors" else 3600  # else .tmp, .lock
             with contextlib.suppress(OSError):
                 if now - path.stat().st_mtime > stale:
                     path.unlink()
@@ -115,8 +113,7 @@ class InitCache:
         return deleted
 
     def store(self, entry: Entry, values: np.ndarray) -> None:
-        """Write the entry atomically; a cache that cannot be written (read-only, full) is only not written. The
-        first write of a process prunes what no launch used lately."""
+        """Write the entry atomically (a read-only or full cache is just not written); a process's first write prunes."""
         if not _pruned.is_set():
             _pruned.set()
             self.prune()
@@ -139,8 +136,8 @@ class InitCache:
 
     @contextlib.contextmanager
     def claim(self, entry: Entry, wait: bool) -> Iterator[bool]:
-        """Whether this process computes ``entry`` now: True holding the entry's lock (or where locks cannot be
-        had: then each process computes its own), False where another process holds it and ``wait`` is off."""
+        """Whether this process computes ``entry`` now: True holding its lock (or where there are no locks), False
+        where another process holds it and ``wait`` is off."""
         lock = self.path(entry).with_suffix(".lock")
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
@@ -155,9 +152,8 @@ class InitCache:
 
 
 def _header(fh: BinaryIO, entry: Entry, size: int) -> dict[str, str] | None:
-    """The metadata of a safetensors file holding exactly the entry's one tensor of ``size`` bytes, the file
-    positioned at its data; None for any other file. Read (and written) here, not by the safetensors package,
-    so the values go straight between the file and the parameter's memory, with no intermediate copy."""
+    """The metadata of a safetensors file holding exactly the entry's tensor of ``size`` bytes, positioned at its
+    data; None for any other file. Parsed here, not by safetensors, so values go straight into the parameter."""
     head = fh.read(8)
     if len(head) != 8:
         return None
@@ -190,9 +186,8 @@ def _flock(fd: int, wait: bool) -> bool:
 
 def fetch(cache: InitCache, entries: Iterable[tuple[Entry, np.ndarray]],
           compute: Callable[[Entry], np.ndarray]) -> None:
-    """Fill each entry's array (C-contiguous, its dtype and shape): from the cache, or computed and stored. An
-    entry another process is computing comes last, read once that process has written it (computed here if it
-    has not)."""
+    """Fill each entry's array (C-contiguous, its dtype and shape) from the cache, or compute and store it. One
+    another process is computing comes last, read once written (computed here if it was not)."""
     later = []
     for entry, out in entries:
         if cache.load_into(entry, out):

@@ -54,9 +54,8 @@ def host_fallback() -> AbstractContextManager[None]:
 
 
 def short_kernel(name: str) -> str:
-    """A device kernel's name, readable: no return type or parameter list, and of its template arguments only
-    the first, which names the configuration of a generic wrapper (``cutlass::Kernel2<cutlass_80_tensorop_...>``,
-    ``vectorized_elementwise_kernel<4>``)."""
+    """A device kernel's name without return type, parameters and all template arguments but the first, which names
+    a generic wrapper's configuration (``cutlass::Kernel2<cutlass_80_tensorop_...>``)."""
     name = re.sub(r"^void ", "", name.strip())
     outer, bracket, rest = name.partition("<")
     if not bracket:
@@ -103,8 +102,8 @@ def inventory_from_events(events: Any) -> dict[str, dict[str, Any]]:
 
 def add_inventory(into: dict[str, dict[str, Any]], found: dict[str, dict[str, Any]],
                   calls: Callable[[int, int], int] = operator.add) -> None:
-    """Fold the inventory ``found`` into ``into``: each op's kernels united, its calls combined by ``calls``
-    (added over the steps of one rank; the largest over ranks, which ran the same steps)."""
+    """Fold the inventory ``found`` into ``into``: kernels united, calls combined by ``calls`` (added over one
+    rank's steps; the largest over ranks, which ran the same steps)."""
     for op, entry in found.items():
         merged = into.setdefault(op, {"dispatch": [], "kernels": [], "calls": 0})
         merged["dispatch"] = sorted(set(merged["dispatch"]) | set(entry["dispatch"]))
@@ -157,9 +156,8 @@ def _host_watcher() -> Any:
 
 
 class KernelWindow:
-    """Profiles the steps run inside ``capture()`` and watches those inside ``watch_host()``; ``inventory``
-    and ``host_ops`` hold what they saw. Never both in one step: under a dispatch mode the profiler sees
-    composite ops already decomposed, and the inventory would change with the watching."""
+    """Profiles the steps inside ``capture()`` into ``inventory``, watches those inside ``watch_host()`` into
+    ``host_ops``; never both in one step (under a dispatch mode the profiler sees composites decomposed)."""
 
     def __init__(self, device_kind: str) -> None:
         self.accelerator = "cuda" if device_kind == "cuda" else emulated_accelerator()

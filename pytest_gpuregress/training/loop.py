@@ -63,8 +63,7 @@ class StepResult:
 
 
 def take_step(parts: TrainStep, step: int, ctx: Any) -> StepResult:
-    """One optimizer step on the rank ``ctx`` describes. *Collective*: clipping and the all-reduce of the step's
-    figures."""
+    """One optimizer step on the rank ``ctx`` describes. Collective: clipping and the all-reduce of the figures."""
     import torch
     import torch.distributed as dist
 
@@ -98,8 +97,7 @@ def take_step(parts: TrainStep, step: int, ctx: Any) -> StepResult:
 
 @dataclass
 class Curves:
-    """What the loop gives back: per step, the loss, the gradient norm (before and after clipping) and each tracked
-    parameter's norm."""
+    """Per step: the loss, the gradient norm before and after clipping, each tracked parameter's norm."""
 
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
@@ -117,8 +115,7 @@ class Curves:
         self.batch_digests.append(result.batch_digest)
 
     def series(self) -> dict[str, list[float]]:
-        """The record's per-step series: the loss, the gradient norm before clipping and after it, and the digest
-        of each step's global token batch where every step's is known (evidence/data_change.py)."""
+        """The record's per-step series; the token batches' digests only where every step's is known."""
         out = {"loss": self.losses, "grad_norm": self.grad_norms, "clipped_grad_norm": self.clipped_norms}
         if self.batch_digests and all(d is not None for d in self.batch_digests):
             out[BATCH_DIGEST] = [float(d) for d in self.batch_digests if d is not None]
@@ -131,10 +128,8 @@ class Curves:
 
 def train(ctx: Any, parts: TrainStep, steps: Iterable[int], *, observer: StepObserver | None = None,
           progress: str | None = None, report_metrics: bool = True, stop_when_told: bool = True) -> Curves:
-    """Run ``steps`` (their numbers go to ``ctx.step_done`` and to ``parts``); return their curves.
-
-    ``report_metrics`` False: ``ctx.step_done`` gets the step number only. ``stop_when_told``: stop after
-    the step at which fail-fast stopped the run."""
+    """Run ``steps``; return their curves. ``report_metrics`` False: ``ctx.step_done`` gets the step number only;
+    ``stop_when_told``: stop after the step at which fail-fast stopped the run."""
     if progress is not None:
         ctx.progress(progress)
     curves = Curves()
@@ -158,8 +153,8 @@ def train(ctx: Any, parts: TrainStep, steps: Iterable[int], *, observer: StepObs
 
 
 def train_observed(ctx: Any, parts: TrainStep, config: dict[str, Any]) -> tuple[Curves, StepObserver]:
-    """Every step of a training config (``steps``), timed and profiled (its tokens per step: global batch x
-    sequence length); the curves, and the observer finished across the ranks: what ``training_record`` takes."""
+    """Every step of a training config, timed and profiled; the curves and the finished observer, for
+    ``training_record``."""
     steps = int(config["steps"])
     observer = StepObserver(ctx, steps, tokens_per_step=int(config["global_batch"]) * int(config["seq_len"]))
     curves = train(ctx, parts, range(steps), observer=observer, progress="training")

@@ -37,8 +37,8 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def on_meta(model: Any) -> list[str]:
-    """The names of ``model``'s buffers, and of tensors its modules keep as plain attributes (a mask made from a
-    weight), left on the meta device: values the plain build would have computed."""
+    """``model``'s buffers and plain tensor attributes (a mask made from a weight) left on meta: values only the
+    plain build computes."""
     import torch
 
     left = [name for name, buffer in model.named_buffers() if buffer.device.type == "meta"]
@@ -67,10 +67,8 @@ def materialise(model: Any, device: str = "cpu") -> None:
 
 
 def without_init(make: Callable[[], M], device: str = "cpu") -> tuple[M, bool]:
-    """``make()``'s model with uninitialised parameters on ``device``, and True; or, where the model cannot be
-    built with its parameters on the meta device, ``make()`` built the plain way (its init run), and False.
-
-    Every parameter must be overwritten afterwards: seeding.seed_parameters does."""
+    """(``make()``'s model with uninitialised parameters on ``device``, True); or, where it cannot be built on
+    meta parameters, (the plain build, False). Overwrite every parameter afterwards (seeding.seed_parameters)."""
     try:
         with parameters_on_meta():
             model = make()

@@ -16,8 +16,9 @@ from typing import Any
 from ..errors import BadModel, UnsafeName
 from ..reference.names import safe_component
 from ..resources import shipped_dir
-from .factory import is_factory
+from .factory import factory_model, is_factory
 from .models import config_path
+from .observe import proc_bytes
 from .projections import BlockProjections, PeftTargets, matches, peft_targets, survey
 
 # fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter, before activations. FSDP2 spreads
@@ -40,36 +41,30 @@ class ModelSpec:
         return str(config_path(self.name, "gpu" if device_kind == "cuda" else "cpu")) if self.shipped else self.source
 
     def config_fields(self) -> dict[str, str]:
-        """What a scenario config says of this model: its name, and where a rank finds it (a config file
-        or a factory; a zoo model is found by its name)."""
+        """A scenario config's fields for it: its name, and its config file or factory (a zoo model: by name)."""
         where = {"model_factory": self.source} if self.factory else {} if self.shipped else {"model_file": self.source}
         return {"model": self.name, **where}
 
     def module_names(self, device_kind: str) -> frozenset[str]:
         """Every module's full name (what LoRA targets match, as peft does: the name or a dotted suffix of it)."""
         if self.factory:
-            from .factory import factory_model
-
             return factory_model(self.source).module_names
         return module_names(self.config_file(device_kind))
 
     def peft_targets(self, device_kind: str, targets: Sequence[str]) -> PeftTargets | None:
-        """What peft adapts for ``targets``; None for a factory's model (not a transformers architecture peft
-        converts)."""
+        """What peft adapts for ``targets``; None for a factory's model (no architecture peft converts)."""
         return None if self.factory else peft_targets_of(self.config_file(device_kind), tuple(targets))
 
     def projections(self, device_kind: str) -> BlockProjections:
         """The linear projections of its decoder layers: what the lora scenario targets by default."""
         if self.factory:
-            from .factory import factory_model
-
             return factory_model(self.source).projections
         return block_projections(self.config_file(device_kind))
 
 
 def parse_model(value: str, base: Path) -> ModelSpec:
-    """``value`` as given on the command line or in the ini file: a config file or its folder (relative to
-    ``base``), or the name of a model of the zoo in ``models/`` (``tiny-moe``)."""
+    """``value`` from the command line or ini file: a factory, a config file or its folder (relative to ``base``),
+    or a zoo model's name (``tiny-moe``)."""
     text = value.strip()
     if is_factory(text) and not (base / text).exists():
         return ModelSpec(_named(text.rsplit(":", 1)[1], text), text, factory=True)
@@ -123,11 +118,8 @@ def parse_models(values: list[str], base: Path) -> tuple[ModelSpec, ...]:
 
 
 def check_model(spec: ModelSpec, device_kind: str, world_size: int = 1) -> None:
-    """Build what can be built without training: the config, and the model on the meta device, whose
-    parameter count is checked against the memory this device has."""
+    """Build the config and the model on the meta device; check its parameter count against this device's memory."""
     if spec.factory:
-        from .factory import factory_model
-
         _check_size(spec.source, factory_model(spec.source).parameters, device_kind, world_size)  # on the meta device
         return
     import torch
@@ -162,33 +154,19 @@ def _check_size(source: str, params: int, device_kind: str, world_size: int) -> 
 
 
 def available_memory(device_kind: str) -> int | None:
-    """Bytes for one rank's model: the smallest memory of the local GPUs (their total: asking each for its free
-    memory would open a context on every GPU in this process, taking memory the ranks need), or the
-    machine's available RAM."""
+    """Bytes for one rank's model: the smallest local GPU's total memory (asking for free memory would open a
+    context on every GPU, taking memory the ranks need), or the machine's available RAM."""
     if device_kind == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             return None
         return min(int(torch.cuda.get_device_properties(i).total_memory) for i in range(torch.cuda.device_count()))
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-@functools.lru_cache(maxsize=16)
-def _meta_model(source: str) -> Any:
-    """The model a config file describes, built on the meta device (no memory for its weights), once per file.
-    Read only: a wrap changes a model in place (``_built_on_meta`` gives one to change)."""
-    return _built_on_meta(source)
+    return proc_bytes("MemAvailable", "/proc/meminfo")
 
 
 def _built_on_meta(source: str) -> Any:
+    """The model a config file describes, built on the meta device (no memory for its weights)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -196,10 +174,13 @@ def _built_on_meta(source: str) -> Any:
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source, local_files_only=True))
 
 
+# Once per file, read only: a wrap changes a model in place (``_built_on_meta`` gives one to change).
+_meta_model = functools.lru_cache(maxsize=16)(_built_on_meta)
+
+
 @functools.lru_cache(maxsize=16)
 def module_names(source: str) -> frozenset[str]:
-    """Every module's full name in the model a config file describes (``model.layers.0.self_attn.q_proj``):
-    what LoRA targets are matched against."""
+    """Every module's full name (``model.layers.0.self_attn.q_proj``) in a config file's model: LoRA's match set."""
     return frozenset(name for name, _ in _meta_model(source).named_modules() if name)
 
 
@@ -216,6 +197,5 @@ def peft_targets_of(source: str, targets: tuple[str, ...]) -> PeftTargets:
 
 
 def targets_present(targets: list[str], names: frozenset[str]) -> list[str]:
-    """The LoRA targets that name a module, matched as peft matches them: the whole name or a dotted suffix
-    (``q_proj``, ``mlp.down_proj``)."""
+    """The LoRA targets that name a module, matched as peft does (``projections.matches``)."""
     return [t for t in targets if any(matches(t, n) for n in names)]

@@ -10,9 +10,12 @@ from typing import Any
 import numpy as np
 
 from ..resources import shipped_dir
+from .dropout import silence_modules, switch_off
+from .factory import FactoryModel, factory_model
 
 # Below this module, so that factory.py uses them without importing it back; still found here by their callers.
 from .fsdp2 import decoder_layers as decoder_layers
+from .meta_build import without_init
 from .seeding import seed_parameters
 from .seeding import seeded_normal as seeded_normal
 
@@ -21,8 +24,8 @@ TINY_LLAMA_GPU_PARAMETERS = 155_730_944
 
 
 def config_path(name: str, size: str) -> Path:
-    """The config file of model ``name`` at ``size`` (cpu or gpu): a shipped model's, or ``name`` itself when
-    it is a user's config file (``--gpuregress-model``) or a folder holding a ``config.json``."""
+    """The config file of model ``name`` at ``size`` (cpu or gpu): a shipped model's, or the user's file (or folder
+    holding a ``config.json``) ``name`` is."""
     users = _user_config(name)
     if users is not None:
         return users
@@ -30,16 +33,13 @@ def config_path(name: str, size: str) -> Path:
     path = root / name / size / "config.json"
     if not path.is_file():
         known = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-        raise FileNotFoundError(
-            f"{path}: no such model config; known models: {known}. "
-            "Pass a transformers config file (or a folder containing config.json) instead."
-        )
+        raise FileNotFoundError(f"{path}: no such model config; known models: {known}. "
+                                "Pass a transformers config file (or a folder containing config.json) instead.")
     return path
 
 
 def _user_config(name: str) -> Path | None:
-    """The config file a path names (the file, or the config.json of a folder); None for a bare name (the zoo's) or
-    a path that holds none."""
+    """The config file a path names (the file, or a folder's config.json); None for a bare name or no such file."""
     candidate = Path(name)
     if not (candidate.is_absolute() or "/" in name or candidate.suffix == ".json"):
         return None
@@ -74,10 +74,8 @@ NOT_ARCHITECTURE = frozenset({"transformers_version", "_name_or_path", "torch_dt
 
 
 def architecture_digest(name: str, size: str) -> str:
-    """A short hash of what the model is: its config file without version stamps and run switches.
-
-    Read from the file, not from a transformers config object, whose serialised form gains new
-    defaults with every release. Stored with references: a different architecture is foreign."""
+    """A short hash of the config file without version stamps and run switches, stored with references (another
+    architecture is foreign). Read from the file: a transformers config gains defaults every release."""
     import hashlib
     import json
 
@@ -96,20 +94,14 @@ def build_causal_lm(config: Any, seed: int) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .dropout import silence_modules, switch_off
-    from .factory import FactoryModel
-    from .meta_build import without_init
-
     if isinstance(config, FactoryModel):
         with isolated_generators():
             model = config.build(seed)
         silence_modules(model)
         return model
     switch_off(config)  # training/dropout.py: masks cannot be compared across ranks or stacks
-    # Parameters are made on the meta device, so the library's own init (thrown away: every parameter is
-    # seeded below) costs nothing; buffers are computed as usual (meta_build.py). Whatever the library draws
-    # while building stays out of the training's generators: a release that initialises in another order,
-    # or a model built the plain way after all, changes nothing.
+    # Parameters on meta (meta_build.py): the library's init, overwritten below, costs nothing. What it draws
+    # stays out of the training's generators, so its init order, or a plain build after all, changes nothing.
     with isolated_generators(), torch.device("cpu"):
         model, _ = without_init(lambda: AutoModelForCausalLM.from_config(config))  # float32, torch's default dtype
     silence_modules(model)
@@ -134,20 +126,16 @@ def isolated_generators() -> Iterator[None]:
 
 
 def blueprint(cfg: dict[str, Any]) -> Any:
-    """What a scenario config's model is built from: the transformers config of a shipped model or a user's
-    config file, or the user's factory (``model_factory``, a FactoryModel with the same fields the scenarios
-    read: vocab_size, num_hidden_layers)."""
+    """What a scenario config's model is built from: a transformers config (shipped or the user's), or the user's
+    factory (``model_factory``: a FactoryModel with the fields the scenarios read)."""
     if cfg.get("model_factory"):
-        from .factory import factory_model
-
         return factory_model(str(cfg["model_factory"]))
     return load_config(model_source(cfg), cfg["model_size"])
 
 
 def ties_embeddings(cfg: dict[str, Any]) -> bool | None:
-    """Whether a scenario config's model ties its input and output embeddings, as its transformers config says
-    (``tie_word_embeddings``, the text config's in a multimodal one); None for a factory's model, or a config
-    that cannot be read here (the comparison then judges the layout alone)."""
+    """Whether a scenario config's model ties its embeddings (``tie_word_embeddings``, a multimodal one's text
+    config's); None for a factory's model or an unreadable config (the comparison then judges the layout alone)."""
     if cfg.get("model_factory") or "model_size" not in cfg:
         return None
     try:
@@ -169,7 +157,5 @@ def describe_model(cfg: dict[str, Any]) -> str:
 def architecture_of(cfg: dict[str, Any]) -> str:
     """The identity of a scenario config's model: its config file's digest, or a factory model's structure."""
     if cfg.get("model_factory"):
-        from .factory import factory_model
-
         return factory_model(str(cfg["model_factory"])).digest
     return architecture_digest(model_source(cfg), cfg["model_size"])

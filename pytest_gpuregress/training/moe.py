@@ -59,11 +59,8 @@ def _router_class(model: Any) -> Any:
 
 
 def router_modules(model: Any) -> list[tuple[int, Any]]:
-    """(decoder layer index, router module) of every MoE layer, in layer order.
-
-    A router is an instance of the class transformers records router logits from; failing that
-    (a model without ``_can_record_outputs``), a module named ``gate`` or ``router`` inside an
-    ``mlp``/``block_sparse_moe`` block."""
+    """(decoder layer index, router) of every MoE layer, in order: instances of the class transformers records
+    router logits from, else (no ``_can_record_outputs``) an ``mlp``/``block_sparse_moe`` block's ``gate``/``router``."""
     cls = _router_class(model)
     found: dict[int, Any] = {}
     for name, module in model.named_modules():
@@ -90,8 +87,7 @@ def _selected(output: Any, top_k: int) -> Any:
 
 
 def mean_expert_load(model: Any, input_ids: Any, device: Any) -> Any:
-    """``expert_load`` averaged over the group's ranks, as a tensor on ``device``. Reduced on the rank's own
-    device: an NCCL or RCCL group cannot all-reduce a CPU tensor. Every rank must call it."""
+    """``expert_load`` averaged over the ranks (collective), on ``device``: NCCL cannot all-reduce a CPU tensor."""
     import torch
     import torch.distributed as dist
 
@@ -101,15 +97,12 @@ def mean_expert_load(model: Any, input_ids: Any, device: Any) -> Any:
 
 
 def expert_load(model: Any, input_ids: Any) -> np.ndarray:
-    """[MoE layers, experts] float64: the share of routed token-slots each expert receives on ``input_ids``.
-
-    Each row sums to 1 (an even router gives 1/experts). One forward under ``no_grad`` in eval mode (no
-    router jitter), modes restored after. Raises ValueError when the model has no routers."""
+    """[MoE layers, experts] float64: each expert's share of routed token-slots on ``input_ids`` (rows sum to 1).
+    One ``no_grad`` forward in eval mode (no router jitter), modes restored. ValueError without routers."""
     routers = router_modules(model)
     if not routers:
         raise ValueError(f"{type(model).__name__} has no MoE router modules: expert_load needs a Mixture-of-Experts model")
-    config = getattr(model, "config", None)
-    default_k = _field(config, "num_experts_per_tok") if config is not None else None
+    default_k = _field(getattr(model, "config", None), "num_experts_per_tok")
     counts: dict[int, Any] = {}
     handles = [router.register_forward_hook(_tally(counts, layer, router, default_k)) for layer, router in routers]
     try:
@@ -147,8 +140,7 @@ def _tally(counts: dict[int, Any], layer: int, router: Any, default_k: Any) -> A
 
 
 def _eval_forward(model: Any, input_ids: Any) -> None:
-    """One forward of ``input_ids`` (a batch, or one sequence) on the model's device, in eval mode under
-    ``no_grad``; every module's mode restored after."""
+    """One ``no_grad`` eval-mode forward of ``input_ids`` (a batch or a sequence); every module's mode restored."""
     import torch
 
     tokens = input_ids if torch.is_tensor(input_ids) else torch.as_tensor(np.asarray(input_ids))

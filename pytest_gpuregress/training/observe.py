@@ -57,12 +57,9 @@ class StepObserver:
             yield
             self.times[step] = time.perf_counter() - started
         if step == 0:
-            # The peak is the training's from step 1 on. Step 0 is the op trace's (evidence/op_tracer.py): its
-            # float64 digests and the outputs it holds until the next op would count as training memory, and
-            # pausing the meter around the digests alone would miss the latter. Step 1 on holds all step 0
-            # does (weights, gradients, the optimizer state step 0 made), so nothing of the training is lost,
-            # and the figure is the same with the trace on or off. Perf is judged only with steady steps, so
-            # never from a run that stopped after step 0.
+            # The peak counts from step 1: step 0's op trace (evidence/op_tracer.py) holds digests and outputs that
+            # are not training memory, and step 1 on holds all step 0 made, so the figure is the same with the
+            # trace on or off. Perf is judged on steady steps only, never on a run that stopped after step 0.
             self._memory.restart()
 
     def steady_times(self) -> list[float]:
@@ -70,11 +67,9 @@ class StepObserver:
         return [t for s, t in self.times.items() if s >= WARMUP_STEPS]
 
     def finish(self, world_size: int) -> None:
-        """After the last step, on every rank: read the peak memory, then time an all-reduce the size of a few
-        gradient buckets (a collective, so every rank calls it; its buffer is not counted as training memory)."""
+        """After the last step, on every rank: read the peak memory, then (a collective, its buffer not counted)
+        time an all-reduce of a few gradient buckets where the figures will be judged (comparison/perf.py)."""
         self.peak_bytes = self._memory.peak()
-        # Only where the figures will be judged: a short run's ratios never are (comparison/perf.py), and the
-        # all-reduces would cost every short launch of a suite. Every rank ran the same steps, so all agree.
         if world_size > 1 and len(self.steady_times()) >= BANDWIDTH_MIN_STEADY_STEPS:
             self._ctx.progress("measuring the all-reduce bus bandwidth")
             with plugin_own_collectives():  # a probe of the plugin's, not the training: no fault acts on it
@@ -110,8 +105,8 @@ class StepObserver:
 
 
 class PeakMemory:
-    """What this run's training adds at its peak: the device's peak allocation, or on the CPU the peak RSS
-    above the RSS at the start (the torch import and what earlier jobs of a pooled rank left are not the run's)."""
+    """What this run's training adds at its peak: the device's peak allocation, or the peak RSS above the start's
+    (the torch import and earlier jobs of a pooled rank are not the run's)."""
 
     def __init__(self, device_kind: str, device: str) -> None:
         self.device_kind, self.device = device_kind, device
@@ -121,7 +116,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(device)
             self.kind, self.baseline = "device memory, peak allocated", 0
             return
-        self.baseline = _status_bytes("VmRSS") or 0
+        self.baseline = proc_bytes("VmRSS") or 0
         try:
             _reset_rss_peak()
             self.kind = "peak RSS growth of this run"
@@ -129,8 +124,7 @@ class PeakMemory:
             self.kind = "peak RSS growth since the rank started"
 
     def restart(self) -> None:
-        """Peak from now on (the allocation or RSS of this moment counts, what came before no more): the
-        training's steps after the traced step 0. Without clear_refs the RSS peak since the start stays."""
+        """Count the peak from now on (without clear_refs the RSS peak since the start stays)."""
         if self.device_kind == "cuda":
             import torch
 
@@ -143,7 +137,7 @@ class PeakMemory:
             import torch
 
             return int(torch.cuda.max_memory_allocated(self.device))
-        return max(0, (_status_bytes("VmHWM") or 0) - self.baseline)
+        return max(0, (proc_bytes("VmHWM") or 0) - self.baseline)
 
 
 def _reset_rss_peak() -> None:
@@ -152,10 +146,10 @@ def _reset_rss_peak() -> None:
         fh.write("5")
 
 
-def _status_bytes(field: str) -> int | None:
-    """A size from /proc/self/status (VmRSS, VmHWM), in bytes; None where there is none."""
+def proc_bytes(field: str, path: str = "/proc/self/status") -> int | None:
+    """A size in kB from a /proc file (VmRSS, VmHWM; /proc/meminfo's MemAvailable), in bytes; None where none."""
     try:
-        with open("/proc/self/status") as fh:
+        with open(path) as fh:
             for line in fh:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
@@ -186,8 +180,8 @@ def measure_bus_bandwidth(device: str, world_size: int, device_kind: str) -> flo
 
 
 def merge_ranks(records: list[Any]) -> dict[str, Any]:
-    """Results of every rank folded into rank 0's: the largest peak memory, every rank's host ops, and every
-    rank's kernels (a rank on another build, or with a fault of its own, must show in the inventory)."""
+    """Every rank's results folded into one: the largest peak memory, every rank's host ops and kernels (a rank on
+    another build, or with a fault of its own, must show in the inventory)."""
     merged: dict[str, Any] = {}
     for key, merge in _MERGES.items():
         found = [r.results[key] for r in records if key in r.results]

@@ -77,8 +77,7 @@ def warmup_cosine(optimizer: Any, schedule: Schedule) -> Any:
     import torch
 
     steps, warmup, min_ratio = schedule.steps, schedule.warmup, schedule.min_ratio
-    # A plain function, not a callable object: LambdaLR's state dict then holds no state of it (a checkpoint
-    # saves the scheduler's state dict).
+    # A plain function, not a callable object: LambdaLR's state dict (which checkpoints save) then holds none of it.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, warmup, min_ratio))
 
 

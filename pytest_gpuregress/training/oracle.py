@@ -1,21 +1,9 @@
-"""The float64 oracle: step 0 of a training scenario's model and global batch, in float64 on the CPU.
+"""The float64 oracle: step 0 of a training scenario's model and global batch, in float64 on the CPU, in one
+process with no sharding or faults; a real run's step 0 must agree within its dtype's bound (triage/scenario.py).
 
-One process, no sharding, no faults. A real run's step 0 must agree within a bound set by its compute
-dtype (triage/scenario.py). ``float64_step0`` is shared with the lora scenario's oracle.
-
-It is computed in float64 throughout, even where the model's own code asks for less. transformers'
-``LlamaRMSNorm`` computes every norm after ``hidden_states.to(torch.float32)``, and its rotary embedding
-computes its angles with ``.float()``: a model cast to float64 still rounds there to float32, so an oracle
-that merely casts the model is float32 at its norms. ``float64_throughout`` runs a dispatch mode (below
-autograd, so the backward pass is held to it too) that turns every op's request for a lower floating dtype
-(``dtype=float32``: ``_to_copy``, a factory) into float64, and lists the ops that still produced a lower one:
-the oracle's record says which, if any, were not float64.
-
-    with float64_throughout() as mode:
-        loss = ...; loss.backward()
-    mode.not_float64    # ["aten::..."], [] where every floating output was float64
-
-MODE is stored with a reference's oracle step 0 (evidence/oracle_step0.py).
+A model cast to float64 still rounds to float32 where its code asks (``LlamaRMSNorm``'s ``.to(torch.float32)``,
+rotary ``.float()``): ``float64_throughout`` is a dispatch mode (below autograd, so backward too) that makes each
+such request float64 and lists the ops that still produced a lower dtype, for the record (oracle_step0.py).
 """
 
 from __future__ import annotations
@@ -29,6 +17,9 @@ import numpy as np
 from ..evidence import step0
 from ..evidence.oracle_step0 import MODE_KEY
 from ..reference.record import RunRecord
+from .data import token_source
+from .models import blueprint, build_causal_lm
+from .moe import in_float64
 from .seeding import usable_cpus
 
 MODE = "float64 throughout"
@@ -66,14 +57,9 @@ def float64_throughout() -> Iterator[Any]:
 
 
 def float64_step0(model: Any, cfg: dict[str, Any], vocab_size: int) -> tuple[float, dict[str, Any]]:
-    """``model`` in float64 (its experts by the eager loop): the loss of step 0's whole global batch, backward
-    done, every op in float64 (``float64_throughout``); and what the record keeps of the mode: its name and the
-    ops that were not float64. Uses every core it may (usable_cpus): float64 on the GPU model is slow, and
-    summation order barely matters here."""
+    """Step 0's loss on the whole global batch, backward done, all in float64 (on every usable CPU: float64 is
+    slow), and what the record keeps of the mode: its name and the ops that were not float64."""
     import torch
-
-    from .data import token_source
-    from .moe import in_float64
 
     torch.set_num_threads(usable_cpus())
     model = in_float64(model)
@@ -88,8 +74,6 @@ def float64_step0(model: Any, cfg: dict[str, Any], vocab_size: int) -> tuple[flo
 def run(ctx) -> RunRecord:  # type: ignore[no-untyped-def]
     """Rank entry (one rank): build the model as the scenario does, in float64, and take step 0's gradients."""
     import torch
-
-    from .models import blueprint, build_causal_lm
 
     cfg = ctx.config
     model_config = blueprint(cfg)

@@ -11,6 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .fsdp2 import decoder_layers
+from .moe import num_experts
+
 # Config fields that hold an MoE's number of routed experts, across transformers architectures.
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -43,9 +46,8 @@ class BlockProjections:
 
 @dataclass(frozen=True)
 class PeftTargets:
-    """What peft really adapted for a list of ``target_modules``: transformers 5 fuses an MoE's experts into 3-D
-    parameters, and peft then moves ``gate_proj``-style targets onto them (``target_parameters``), which takes
-    those names off every Linear they matched elsewhere (a dense MLP, a shared expert)."""
+    """What peft really adapted for ``target_modules``: on transformers 5's fused 3-D experts it moves
+    ``gate_proj``-style targets to ``target_parameters``, off every Linear they matched elsewhere."""
 
     modules: frozenset[str]  # full names of the modules given an adapter
     parameters: frozenset[str]  # full names of the parameters peft wrapped itself (ParamWrapper)
@@ -54,14 +56,12 @@ class PeftTargets:
 
 
 def is_parameter_wrapper(module: Any) -> bool:
-    """peft's ParamWrapper: an adapter on one parameter of a module (``target_parameters``, or a fused MoE experts
-    module that ``gate_proj``-style targets reach), with no weight of its own."""
+    """peft's ParamWrapper: an adapter on one parameter of a module (``target_parameters``, fused MoE experts)."""
     return hasattr(module, "lora_A") and hasattr(module, "parameter_name")
 
 
 def peft_targets(model: Any, targets: Sequence[str]) -> PeftTargets:
-    """Wrap ``model`` (changed in place: pass a fresh one; the meta device will do) as the lora scenario does, and
-    read what peft adapted. Raises what peft raises for targets it refuses."""
+    """Wrap ``model`` in place (a fresh one; meta will do) as the lora scenario does, and read what peft adapted."""
     import warnings
 
     from peft import LoraConfig, get_peft_model
@@ -98,17 +98,13 @@ def is_projection(module: Any) -> bool:
 
 def expert_count(model: Any) -> int | None:
     """The number of routed experts the model's config declares, or None for a dense model."""
-    from .moe import num_experts
-
     return num_experts(getattr(model, "config", None), EXPERT_COUNT_FIELDS) or None
 
 
 def is_router(module: Any, experts: int | None) -> bool:
-    """In an MoE model (``experts`` set), a module that scores experts rather than projecting activations: a Linear
-    with one output per expert (Mixtral's ``mlp.gate`` before transformers 5), a router module's expert-by-hidden
-    weight (its ``TopKRouter`` since), or a one-output Linear, the gate of a single expert (Qwen2-MoE's
-    ``shared_expert_gate``, whose sigmoid scales the shared expert). An adapter on any of them changes which
-    experts run, or how much of one, not what a projection computes."""
+    """In an MoE model (``experts`` set), a module that scores experts: a Linear with one output per expert
+    (Mixtral's ``mlp.gate`` before transformers 5), a router's expert-by-hidden weight (``TopKRouter``), or a
+    one-output Linear (Qwen2-MoE's ``shared_expert_gate``, scaling the shared expert)."""
     if experts is None:
         return False
     if is_projection(module):
@@ -135,11 +131,8 @@ def _targeted(linear: tuple[Projection, ...], every: list[str]) -> tuple[dict[Pr
 
 
 def _block_weights(model: Any) -> tuple[dict[str, list[str]], ...]:
-    """The weights of the decoder layers, each group by path in a block -> every layer's full name: (projections,
-    routers, weight matrices of other modules)."""
+    """The decoder layers' (projections, routers, other weight matrices), each path in a block -> full names."""
     import torch
-
-    from .fsdp2 import decoder_layers
 
     experts = expert_count(model)
     full_names = {id(module): name for name, module in model.named_modules()}
@@ -162,9 +155,8 @@ def _block_weights(model: Any) -> tuple[dict[str, list[str]], ...]:
 
 def left_out(found: BlockProjections, targets: Sequence[str], asked: bool,
              peft: PeftTargets | None = None) -> dict[str, list[str]]:
-    """What of the blocks ``targets`` leaves without an adapter, by why (the reasons above): block paths.
-    ``asked``: the targets are the user's, so a projection they miss is theirs to add. ``peft``: what peft really
-    adapted for them, where it was asked (its moves onto fused expert parameters count, both ways)."""
+    """Block paths ``targets`` leaves without an adapter, by reason; ``asked``: they are the user's (a miss is
+    theirs to add); ``peft``: what peft really adapted for them, where known."""
     missed, moved = _unadapted(found, targets, peft)
     wrapped = peft.parameters if peft is not None else frozenset()
     why = {NOT_ASKED if asked else CLASHING: missed, PEFT_MOVED: moved,
@@ -175,8 +167,7 @@ def left_out(found: BlockProjections, targets: Sequence[str], asked: bool,
 
 def _unadapted(found: BlockProjections, targets: Sequence[str],
                peft: PeftTargets | None) -> tuple[list[Projection], list[Projection]]:
-    """The projections left without an adapter: (those ``targets`` misses, those peft moved it off, onto fused
-    expert parameters)."""
+    """The projections without an adapter: (those ``targets`` miss, those peft moved it off onto fused experts)."""
     missed = [p for p in (*found.linear, *found.clashing) if not _covered(p, targets, peft)]
     if peft is None:
         return missed, []
@@ -195,8 +186,8 @@ def _covered(projection: Projection, targets: Sequence[str], peft: PeftTargets |
 
 
 def _target_for(projection: Projection, allowed: frozenset[str], every: Sequence[str]) -> str:
-    """The name that selects this projection in every layer and nothing to leave alone (a router, a module outside
-    the blocks such as the lm_head): its leaf name, else its path in the block, else "" (none does)."""
+    """Its leaf name, else its path in the block, whichever selects it in every layer and nothing to leave alone
+    (a router, the lm_head); else "" (none does)."""
     for target in (projection.path.rsplit(".", 1)[-1], projection.path):
         if all(n in allowed for n in every if matches(target, n)):
             return target

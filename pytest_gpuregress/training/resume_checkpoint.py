@@ -21,24 +21,15 @@ TENSORS = "tensors"
 TRAINER_JSON = "trainer.json"
 
 
-class Trainable(Protocol):
-    """A model and its optimizer: what loaded state is applied to."""
-
-    model: Any
-
-    @property
-    def optimizer(self) -> Any: ...
-
-
 @fault_point("checkpoint.apply_model")
-def apply_model(trainer: Trainable, model_state: dict[str, Any]) -> None:
+def apply_model(trainer: Resumable, model_state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     set_model_state_dict(trainer.model, model_state)
 
 
 @fault_point("checkpoint.apply_optimizer")
-def apply_optimizer(trainer: Trainable, optim_state: dict[str, Any]) -> None:
+def apply_optimizer(trainer: Resumable, optim_state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state)
@@ -108,9 +99,8 @@ def detached_copies(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def load(trainer: Resumable, folder: Path, *, rank: int, device_kind: str) -> dict[str, Any]:
-    """Restore a freshly built trainer from ``folder`` (read only); return trainer.json. Collective.
-
-    The generators are this rank's as saved, so the world size must be the one that saved."""
+    """Restore a fresh trainer from ``folder`` (read only); return trainer.json. Collective. The generators are
+    this rank's as saved: the world size must be the saving one's."""
     meta = read_meta(folder)
     if not dcp_safetensors.shard_files(folder / TENSORS):
         raise CheckpointProblem(folder / TENSORS, None, "no safetensors shard here", "record the reference again")

@@ -19,9 +19,8 @@ from .init_cache import Entry, InitCache, default_root, fetch
 
 
 def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity mask where the OS has one (taskset, a batch scheduler's
-    cpuset, a launcher's binding), else every CPU. More threads than that would only take turns on them; this
-    sizes the host-side thread pools (seeding, the float64 oracle)."""
+    """The CPUs this process may run on (its affinity mask where the OS has one, else all): the size of host-side
+    thread pools (seeding, the float64 oracle)."""
     try:
         return len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):  # macOS and Windows have no sched_getaffinity
@@ -35,10 +34,8 @@ CACHED_DTYPES = ("float32", "float64", "float16")  # those numpy (and so the cac
 
 
 def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> np.ndarray:
-    """N(0, std^2) samples keyed by (seed, name), identical on every platform.
-
-    Box-Muller over pairs of counter hashes, block by block (threads for a large array), each element
-    through the same float64 operations as one whole-array pass: test_init_cost.py compares the two."""
+    """N(0, std^2) samples keyed by (seed, name), identical on every platform: Box-Muller over pairs of counter
+    hashes, block by block (threaded), each element through the same float64 ops as one whole-array pass."""
     count = int(np.prod(shape)) if shape else 1
     key = zlib.crc32(name.encode())
     half = (count + 1) // 2
@@ -68,10 +65,8 @@ def seeded_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> n
 
 
 def seed_parameters(model: Any, seed: int, std: float, cache: InitCache | None | Literal["env"] = "env") -> None:
-    """Every parameter from (seed, its name): N(0, std^2) weights, zero biases, unit normalisation gains.
-
-    ``cache``: where large parameters' values are kept between launches; "env", the folder the environment
-    names (init_cache.default_root); None, none."""
+    """Every parameter from (seed, its name): N(0, std^2) weights, zero biases, unit norm gains. ``cache`` keeps
+    large ones between launches: "env", the environment's folder (init_cache.default_root); None, none."""
     import torch
 
     # Normalisation gains start at 1: by name (norm.weight, layernorm.weight) or by module class (GPT-2's
@@ -91,8 +86,8 @@ def seed_parameters(model: Any, seed: int, std: float, cache: InitCache | None |
 
 
 def initialise(seed: int, std: float, named: list[tuple[str, Any]], cache: InitCache | None) -> None:
-    """Write each of ``named``'s seeded values, in its dtype, into the parameter (under no_grad): small ones
-    computed, large ones read from ``cache`` where it holds them, else computed and stored there."""
+    """Write each of ``named``'s seeded values, in its dtype, into the parameter (under no_grad); large ones via
+    ``cache``."""
     import torch
 
     def cacheable(param: Any) -> bool:
@@ -121,17 +116,15 @@ def dtype_name(dtype: Any) -> str:
 
 
 def default_cache() -> InitCache | None:
-    """The cache in the folder the environment names, or None where it is switched off or the code's source
-    cannot be read (its identity is part of every key)."""
+    """The cache in the environment's folder; None where it is off or the code's source cannot be read."""
     root, code = default_root(), code_identity()
     return InitCache(root, code) if root is not None and code is not None else None
 
 
 @functools.lru_cache(maxsize=1)
 def code_identity() -> str | None:
-    """What seeded values depend on besides their entry: the code that computes them (its source), and the maths
-    under numpy (its version, the SIMD paths it may dispatch to, the C library), so a cache shared by unlike
-    machines or versions never hands one the other's values. None where the source cannot be read."""
+    """What seeded values depend on besides their entry: the source computing them, numpy's version, SIMD paths
+    and C library, so unlike machines never share values; None where the source cannot be read."""
     import hashlib
     import importlib
     import inspect

@@ -68,9 +68,8 @@ def param_groups(state: TrainingState) -> list[dict[str, Any]]:
 
 
 def boundary(state: TrainingState, data_position: int, device_kind: str, rank: int) -> dict[str, dict[str, str]]:
-    """piece -> item -> sha256 of everything a resumed run must restore. Collective (the tensors).
-
-    The generators are this rank's only (items "rank<r>"); the session merges every rank's."""
+    """piece -> item -> sha256 of all a resumed run must restore. Collective. Generators: this rank's only
+    (items "rank<r>"); the session merges every rank's."""
     out: dict[str, dict[str, str]] = {}
     for piece, name, values in full_tensors(state):
         # The step count is shown as it is: "5.0 -> 1.0" says more than two hashes.
@@ -98,10 +97,8 @@ def scramble_frozen(state: TrainingState) -> None:
 
 def as_saved(digests: dict[str, dict[str, str]], state: TrainingState, saved_groups: list[dict[str, Any]],
              saved_scheduler: dict[str, Any]) -> None:
-    """Digest the param groups and the scheduler over the keys the checkpoint saved, in place.
-
-    Another torch may add a key with its default on load (an optimizer option, a scheduler field): that is
-    not a piece the checkpoint lost, and would make every cross-stack load differ from what it saved."""
+    """Digest the param groups and scheduler over the keys the checkpoint saved, in place: another torch may add a
+    key with its default on load, which is no piece the checkpoint lost."""
     live = param_groups(state)
     digests["optimizer.param_groups"] = {
         f"group{i}": json_sha({k: group.get(k) for k in saved if k != "params"})

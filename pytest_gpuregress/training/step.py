@@ -12,14 +12,12 @@ from .data import MarkovTokens
 from .noise import apply_batch_order
 
 EMULATE_WORLD = "emulate_world"  # config key: the world a one-rank run stands in for
-
-
 BATCH_DIGEST_BITS = 44  # a rank's batch digest: summed over up to 512 ranks, still exact in a float64
 
 
 def rank_tokens(data: MarkovTokens, step: int, ctx: Any, perturbation: str, device: Any) -> Any:
-    """This rank's slice of the step's global batch, in the order a noise replica asks for, on ``device``; its
-    digest is kept as ``ctx.batch_digest`` for the step's figures (training/loop.py)."""
+    """This rank's slice of the step's global batch on ``device``, in a noise replica's order; its digest goes to
+    ``ctx.batch_digest`` (training/loop.py)."""
     tokens = _tokens(data, step, ctx.rank, ctx.world_size, perturbation, device)
     ctx.batch_digest = batch_digest(tokens)
     return tokens

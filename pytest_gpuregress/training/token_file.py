@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BadTokens
+from .models import blueprint
 
 TENSOR_NAMES = ("input_ids", "tokens")
 
@@ -65,19 +66,14 @@ def _safetensors_tokens(path: Path) -> np.ndarray:
 
 @functools.lru_cache(maxsize=8)  # every case and launch asks for its config: read and hash the file once
 def describe(path: Path, vocab_size: int, seq_len: int, whose: str = "the model") -> dict[str, Any]:
-    """What a scenario's config keeps of the file: where it is, and what it is (its hash and size).
-
-    Only ``sha256`` and ``count`` are the data's identity; ``file`` is where this machine finds it
-    (a reference recorded elsewhere, from a copy at another path, is not foreign)."""
+    """What a scenario's config keeps of the file: ``sha256`` and ``count`` (its identity), and ``file``, where this
+    machine finds it (a copy at another path is not foreign)."""
     return {"file": str(path.resolve()), **identity(load_tokens(path), vocab_size, seq_len, path, whose=whose)}
 
 
 def describe_for(cfg: dict[str, Any], tokens: Path | None) -> dict[str, Any] | None:
-    """The ``tokens`` entry of a training scenario's config: the user's file (--gpuregress-tokens), else the
-    ids a factory model returns with itself, else None (the synthetic data). Checked against the
-    vocabulary of the model ``cfg`` trains."""
-    from .models import blueprint
-
+    """The ``tokens`` entry of a training config, checked against its model's vocabulary: the user's file
+    (--gpuregress-tokens), else the ids a factory model returns, else None (the synthetic data)."""
     if tokens is None and not cfg.get("model_factory"):
         return None
     model = blueprint(cfg)

@@ -89,7 +89,7 @@ class FakeProc:
 
 def test_the_rss_peak_leaves_out_the_op_traces_temporaries(monkeypatch: pytest.MonkeyPatch) -> None:
     proc = FakeProc(rss=300 * MIB)  # torch and the rank's earlier jobs: not the run's
-    monkeypatch.setattr(observe, "_status_bytes", proc.status)
+    monkeypatch.setattr(observe, "proc_bytes", proc.status)
     monkeypatch.setattr(observe, "_reset_rss_peak", proc.clear_refs)
     observer = observe.StepObserver(ctx_on("cpu"), 8, tokens_per_step=64)
     run_steps(observer, 8, proc.alloc, proc.free, tracer_bytes=400 * MIB)
@@ -105,7 +105,7 @@ def test_without_clear_refs_the_rss_peak_is_the_one_since_the_start(monkeypatch:
     def refused() -> None:
         raise PermissionError("clear_refs")
 
-    monkeypatch.setattr(observe, "_status_bytes", proc.status)
+    monkeypatch.setattr(observe, "proc_bytes", proc.status)
     monkeypatch.setattr(observe, "_reset_rss_peak", refused)
     observer = observe.StepObserver(ctx_on("cpu"), 8, tokens_per_step=64)
     run_steps(observer, 8, proc.alloc, proc.free, tracer_bytes=400 * MIB)

@@ -25,6 +25,7 @@ from ..triage.explain import Explanation
 from ..triage.naming import component_of, convict, described, name_findings
 from ..warn import warn_at_test
 from .artifacts import Artifacts, Kept, compare_command
+from .options import Options
 from .outcomes import Outcome, add_outcome
 from .places import ReferencePlaces
 
@@ -34,15 +35,13 @@ Explain = Callable[[RunRecord, Comparison, RunRecord, RunRecord], Explanation]
 
 class CheckPipeline:
     def __init__(self, places: ReferencePlaces, artifacts: Artifacts, outcomes: list[Outcome], figures: dict[str, Any],
-                 writes_references: Callable[[], bool], keep_runs: bool, plots: bool, record_anyway: bool) -> None:
+                 writes_references: Callable[[], bool], options: Options) -> None:
         self.places = places
         self.artifacts = artifacts
         self.outcomes = outcomes
         self.figures = figures  # the current test's key figures (cleared per test by the plugin)
         self.writes_references = writes_references  # False on torchrun ranks other than 0
-        self.keep_runs = keep_runs
-        self.plots = plots
-        self.record_anyway = record_anyway  # --gpuregress-record-anyway: over a reference closer to float64 too
+        self.options = options  # keep_runs, plots, record_anyway (over a reference closer to float64 too)
         self._recorded: dict[Any, RunRecord] = {}
 
     def check(self, record: RunRecord, name: str, comparator: Comparator, extra: list[str],
@@ -64,7 +63,7 @@ class CheckPipeline:
         self._named(judgement.problems, comparison)
         passed = comparison.passed and not problems
         kept = self.artifacts.keep(kept_as or name, with_identity(record, comparator), judgement.reference or reference,
-                                   comparison, keep_run=not passed or self.keep_runs, plot=not passed or self.plots)
+                                   comparison, keep_run=not passed or self.options.keep_runs, plot=not passed or self.options.plots)
         self._summarise(comparator.row_label(name), record, loc.path, judgement, kept, passed)
         if passed:
             return comparison
@@ -128,7 +127,7 @@ class CheckPipeline:
         self._named(found)
         judged(not own)
         problems = [*extra, *own]
-        if not problems and not self.keep_runs:
+        if not problems and not self.options.keep_runs:
             return
         kept = self.artifacts.keep_run(name, with_identity(record, comparator))
         if not problems:
@@ -167,7 +166,7 @@ class CheckPipeline:
         except ReferenceProblem:  # a damaged reference vouches for nothing: replace it
             return ["the reference replaced could not be read, so the distance from float64 was not judged"]
         judged = oracle_distance.judge_rerecording(old, record, tolerant_limits(old)[0]["step0_grad"])
-        if not judged.allowed and not self.record_anyway:
+        if not judged.allowed and not self.options.record_anyway:
             raise RegressionFailure(judged.refusal(name, record.platform_key))
         overridden = f" ({oracle_distance.OVERRIDE_FLAG}: recorded anyway)" if not judged.allowed else ""
         return [f"re-recorded: {judged.reason}{overridden}"]
@@ -177,7 +176,12 @@ class CheckPipeline:
         """The closing table's row, the test's figures, and the observations' warnings."""
         comparison, observed = judgement.comparison, judgement.observed
         assert comparison is not None and observed is not None
-        outcome = _outcome(name, record, reference_path, comparison, observed.detail(), kept, passed)
+        # The closing table's row, with the command that judges a failed run again.
+        outcome = Outcome(name, record.platform_key, "passed" if passed else "failed", comparison.lane,
+                          _detail(record, reference_path, comparison, observed.detail(), passed),
+                          [*record.notes, *comparison.notes], max(comparison.margins.values(), default=None),
+                          record.timings.get("launch_wall_s"),
+                          compare_command(reference_path, kept.run) if kept.run and not passed else "")
         add_outcome(self.outcomes, outcome)
         self.figures.update(lane=comparison.lane, platform_key=record.platform_key,
                             first_differing_step=first_divergence(comparison), worst_over_tolerance=outcome.worst,
@@ -188,15 +192,6 @@ class CheckPipeline:
         # Warned once the outcome is kept: under -W error a warning raises, and must not lose the summary row.
         for category, message in observed.warnings():
             warn_at_test(category(f"{name} {record.platform_key}: {message}"))
-
-
-def _outcome(name: str, record: RunRecord, reference_path: Any, comparison: Comparison, observed: str, kept: Kept,
-             passed: bool) -> Outcome:
-    """The closing table's row of a judged run, with the command that judges a failed one again."""
-    return Outcome(name, record.platform_key, "passed" if passed else "failed", comparison.lane,
-                   _detail(record, reference_path, comparison, observed, passed), [*record.notes, *comparison.notes],
-                   max(comparison.margins.values(), default=None), record.timings.get("launch_wall_s"),
-                   compare_command(reference_path, kept.run) if kept.run and not passed else "")
 
 
 def _detail(record: RunRecord, reference_path: Any, comparison: Comparison, observed: str, passed: bool) -> str:

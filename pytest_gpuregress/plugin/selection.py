@@ -52,10 +52,11 @@ class Selection:
         shortfall = self.rank_shortfall(case)
         if shortfall:  # a direct call; the built-in suite already skips such cases
             raise NotApplicable(shortfall)
-        unreached = reach.unreached_reason(self.inject, case, test_id(sc, case), self._all_by_id) \
-            if self.inject else None  # without faults every case runs: no need to list them
-        if unreached:  # it would run clean, proving nothing about the faults asked for
-            raise NotApplicable(unreached)
+        if self.inject:  # without faults every case runs: no need to list them
+            unreached = reach.unreached_reason(self.inject, case, test_id(sc, case),
+                                               lambda: [(test_id(s, c), c) for s, c in self.all_cases()])
+            if unreached:  # it would run clean, proving nothing about the faults asked for
+                raise NotApplicable(unreached)
         return sc, case
 
     def _case(self, sc: Scenario, case_id: str) -> Case:
@@ -68,9 +69,6 @@ class Selection:
         cases = self.selected.get(sc.name) or [case]
         return next(la for la in sc.launches(cases, self.setup) if la.key == case.launch)
 
-    def _all_by_id(self) -> list[tuple[str, Case]]:
-        return [(test_id(sc, case), case) for sc, case in self.all_cases()]
-
     def served_cases(self, sc: Scenario, launch_key: str) -> list[Case]:
         """The selected cases ``launch_key`` carries; where none is (a launch another scenario's experiment runs,
         triage's of fsdp), every case of the scenario it could carry."""
@@ -82,7 +80,10 @@ class Selection:
         ``gpuregress::fsdp*`` where that pattern selects exactly those, else their ids: a printed record command
         never re-records another reference (a model's, say)."""
         cases = [(sc.name, test_id(sc, case), sc.reference_name(case)) for sc, case in self.all_cases()]
-        ids = _recorded_with(reference, cases)
+        # Those that read ``reference``, and the cases of their scenarios that read none (the formats reference
+        # stores what its decode and encode cases found).
+        scenarios = {name for name, _, read in cases if read == reference}
+        ids = [case_id for name, case_id, read in cases if read == reference or (read is None and name in scenarios)]
         if len(ids) > 1 and [case_id for _, case_id, _ in cases if case_id.startswith(reference)] == ids:
             return [builtin_node_id(f"{reference}*")]
         return [builtin_node_id(i) for i in ids]
@@ -91,9 +92,3 @@ class Selection:
         """Every reference some case of this configuration reads, selected or not."""
         return {name for sc, case in self.all_cases() if (name := sc.reference_name(case)) is not None}
 
-
-def _recorded_with(reference: str, cases: list[tuple[str, str, str | None]]) -> list[str]:
-    """Of ``cases`` (scenario, test id, the reference it reads), those that read ``reference``, and the cases of
-    their scenarios that read none (the formats reference stores what its decode and encode cases found)."""
-    scenarios = {name for name, _, read in cases if read == reference}
-    return [case_id for name, case_id, read in cases if read == reference or (read is None and name in scenarios)]

@@ -54,17 +54,13 @@ class Artifacts:
         kept = Kept()
         if keep_run:
             kept.run = self.keep_run(name, record)
-        if plot and record.series:
-            kept.plot, kept.plot_note = self._plot(name, record, reference, comparison)
-        return kept
-
-    def _plot(self, name: str, record: RunRecord, reference: RunRecord,
-              comparison: Comparison) -> tuple[Path | None, str | None]:
-        """(the comparison's plot, None), or (None, why there is none)."""
+        if not plot or not record.series:
+            return kept
         try:
-            return plot_comparison(reference, record, self.root / name / f"{record.platform_key}.png", comparison,
-                                   title=name), None
+            kept.plot = plot_comparison(reference, record, self.root / name / f"{record.platform_key}.png", comparison,
+                                        title=name)
         except PlotsUnavailable as exc:
-            return None, str(exc)
+            kept.plot_note = str(exc)
         except Exception as exc:  # noqa: BLE001 - the findings matter more than their picture
-            return None, f"the plot failed: {type(exc).__name__}: {exc}"
+            kept.plot_note = f"the plot failed: {type(exc).__name__}: {exc}"
+        return kept

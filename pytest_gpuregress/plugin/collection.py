@@ -53,14 +53,19 @@ def take_builtin_arguments(config: pytest.Config, leave_out: bool) -> BuiltinReq
     invocation_dir = config.invocation_params.dir
     named = [a for a in config.args if _names_builtin(a, invocation_dir, config.rootpath)]
     config.args = [a for a in config.args if a not in named]
-    if named:  # the cases ``gpuregress::<case>`` names; all of them where a bare ``gpuregress`` is among them
-        ids = [a.split("::", 1)[1] for a in named if "::" in a]
-        return BuiltinRequest(True, None if len(ids) < len(named) else frozenset(ids))
+    if named:
+        return _naming(named)
     if config.option.file_or_dir:  # paths the user gave: only those, as pytest always does
         given = " ".join(config.option.file_or_dir)
         return BuiltinRequest(False, left_out_by=f"the paths given ({given}) narrow collection; name {ROOT} among "
                                                  "them to add the built-in cases")
     return BuiltinRequest(not leave_out, left_out_by="--gpuregress-no-builtin" if leave_out else "")
+
+
+def _naming(named: list[str]) -> BuiltinRequest:
+    """The cases ``gpuregress::<case>`` arguments name; all of them where a bare ``gpuregress`` is among them."""
+    ids = [a.split("::", 1)[1] for a in named if "::" in a]
+    return BuiltinRequest(True, None if len(ids) < len(named) else frozenset(ids))
 
 
 def header_line(request: BuiltinRequest) -> list[str]:

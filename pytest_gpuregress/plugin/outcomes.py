@@ -54,11 +54,8 @@ def summary_table(outcomes: list[Outcome]) -> list[str]:
     """One row per scenario, then the command that reproduces each verdict that is not a pass."""
     if not outcomes:
         return []
-    rows = [("scenario", "platform", "lane", "verdict", "worst/tol", "seconds")]
-    rows += [_row(outcome) for outcome in outcomes]
-    lines = ["", *_columns(rows)]
-    lines += [f"reproduce {o.scenario}: {o.reproduce}" for o in outcomes if o.reproduce]
-    return lines
+    rows = [("scenario", "platform", "lane", "verdict", "worst/tol", "seconds"), *map(_row, outcomes)]
+    return ["", *_columns(rows), *(f"reproduce {o.scenario}: {o.reproduce}" for o in outcomes if o.reproduce)]
 
 
 def _columns(rows: list[tuple[str, ...]]) -> list[str]:

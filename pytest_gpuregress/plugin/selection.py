@@ -80,10 +80,7 @@ class Selection:
         ``gpuregress::fsdp*`` where that pattern selects exactly those, else their ids: a printed record command
         never re-records another reference (a model's, say)."""
         cases = [(sc.name, test_id(sc, case), sc.reference_name(case)) for sc, case in self.all_cases()]
-        # Those that read ``reference``, and the cases of their scenarios that read none (the formats reference
-        # stores what its decode and encode cases found).
-        scenarios = {name for name, _, read in cases if read == reference}
-        ids = [case_id for name, case_id, read in cases if read == reference or (read is None and name in scenarios)]
+        ids = _recorded_with(reference, cases)
         if len(ids) > 1 and [case_id for _, case_id, _ in cases if case_id.startswith(reference)] == ids:
             return [builtin_node_id(f"{reference}*")]
         return [builtin_node_id(i) for i in ids]
@@ -92,3 +89,10 @@ class Selection:
         """Every reference some case of this configuration reads, selected or not."""
         return {name for sc, case in self.all_cases() if (name := sc.reference_name(case)) is not None}
 
+
+
+def _recorded_with(reference: str, cases: list[tuple[str, str, str | None]]) -> list[str]:
+    """Of ``cases`` (scenario, test id, the reference it reads), those that read ``reference``, and the cases of
+    their scenarios that read none (the formats reference stores what its decode and encode cases found)."""
+    scenarios = {name for name, _, read in cases if read == reference}
+    return [case_id for name, case_id, read in cases if read == reference or (read is None and name in scenarios)]

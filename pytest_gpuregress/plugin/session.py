@@ -126,9 +126,8 @@ class GpuRegressSession:
         sc, case = self.selection.runnable_case(scenario, case_id)
         comparator = comparator_of(sc, case, self.setup, self.policy)
         reference = sc.reference_name(case)
-        # For --gpuregress-fail-fast: hand a training case's launch its reference, unless it already ran.
-        if reference is not None and sc.kind == "training" and self._fails_fast and not self.launches.started(sc, case):
-            self._watch(sc, self.selection.launch_of(sc, case), reference, comparator)
+        if reference is not None and sc.kind == "training":
+            self._watch_case(sc, case, reference, comparator)
         ran: list[RunRecord] = []  # the launches an experiment ran, to count their faults' firings
         record = self._launched(sc, case, reference, ran)
         lacking = sc.unsupported(case, record, self.setup)
@@ -254,6 +253,11 @@ class GpuRegressSession:
         if fired:
             self.figures["faults_fired"] = [f"{spec}: {count}" for spec, count in fired.items()]
         return firing.unfired(results)
+
+    def _watch_case(self, sc: Scenario, case: Case, reference: str, comparator: Comparator) -> None:
+        """For --gpuregress-fail-fast: hand a training case's launch its reference, unless it already ran."""
+        if self._fails_fast and not self.launches.started(sc, case):
+            self._watch(sc, self.selection.launch_of(sc, case), reference, comparator)
 
     def _watch(self, sc: Scenario, launch: Launch, name: str, comparator: Comparator) -> None:
         """For --gpuregress-fail-fast: hand the launch its reference, to stop at the first miss."""

@@ -48,17 +48,11 @@ def _compared(session: GpuRegressSession) -> Iterator[tuple[str, Path, dict[str,
 
 def _mismatch(path: Path, config: dict[str, Any]) -> str | None:
     """Why the reference whose record.json is ``path`` cannot be compared with a launch of ``config``, and the
-    options that reproduce its settings; None where it can, or where the file is missing or damaged (the full read
-    after the run names it)."""
-    try:
-        data = read_json(path)
-    except CorruptReference:
-        return None
-    fmt = other_format(data)
+    options that reproduce its settings; None where it can."""
+    recorded, fmt = _recorded_config(path)
     if fmt:
         return (f"{path} was recorded in format {fmt!r}, and this pytest-gpuregress reads {RECORD_FORMAT!r}: it "
                 f"cannot be compared; {RERECORD}")
-    recorded = data.get("config") if isinstance(data.get("config"), dict) else {}
     differing = [(k, recorded[k], config[k]) for k in SETTING_OPTIONS
                  if k in recorded and k in config and recorded[k] != config[k]]
     if not differing:
@@ -66,6 +60,17 @@ def _mismatch(path: Path, config: dict[str, Any]) -> str | None:
     what = ", ".join(f"{k} {ref!r} (this run {ours!r})" for k, ref, ours in differing)
     options = " ".join(f"{SETTING_OPTIONS[k]}={ref}" for k, ref, _ in differing)
     return f"{path} was recorded with {what}: compare with it by adding {options}"
+
+
+def _recorded_config(path: Path) -> tuple[dict[str, Any], str | None]:
+    """(the recorded config, its format where this version does not read it, else None); ({}, None) where the file
+    is missing or damaged: the full read after the run names it."""
+    try:
+        data = read_json(path)
+    except CorruptReference:
+        return {}, None
+    config = data.get("config")
+    return (config if isinstance(config, dict) else {}), other_format(data)
 
 
 def missing_folder(session: GpuRegressSession) -> str | None:

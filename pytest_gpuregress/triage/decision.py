@@ -174,17 +174,11 @@ def _one_rank(evidence: Evidence) -> Decision | None:
     culprit = evidence.culprit
     if culprit is None or culprit.entry is None or culprit.world < 2 or culprit.also_on:
         return None
-    if culprit.site != "compute" or _follows_the_data(evidence):
+    if culprit.site != "compute" or evidence.status("equivalence") == "clean":
         return None
     return "device", (f"rank {culprit.rank} alone: {culprit.describe()}; the same op of the other "
                       f"{culprit.world - 1} rank{'s' if culprit.world > 2 else ''} kept within drift, and no "
                       "collective had run on its inputs: one device's own compute (a kernel on that GPU, or the GPU)")
-
-
-def _follows_the_data(evidence: Evidence) -> bool:
-    """Equivalence ran and was clean: one rank that replays each rank's micro-batch in turn computed what the N ranks
-    did, so a difference on one rank followed that rank's data, not its device."""
-    return evidence.status("equivalence") == "clean"
 
 
 def _late_gradients_past_checked_collectives(evidence: Evidence) -> Decision | None:

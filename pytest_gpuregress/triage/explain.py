@@ -91,9 +91,11 @@ def _late_window_of(sc: Scenario, setup: Setup, run: Runner, full: RunRecord, co
 
 
 def _explained(found: Verdict, experiments: Sequence[Experiment]) -> Explanation:
-    bisected = _bisect_line(experiments)
-    return Explanation(found, [*report(found.line, list(experiments)), *bisected],
-                       bisected[0] if bisected else None)
+    """The verdict and the report's lines, with the ``bisect:`` line where a bisect ran."""
+    ran = next((e for e in experiments if e.name == "bisect"), None)
+    bisected = [] if ran is None else [f"bisect: {ran.detail}" if ran.status in ("named", "no revert restores")
+                                       else f"bisect {ran.status}: {ran.detail}"]
+    return Explanation(found, [*report(found.line, list(experiments)), *bisected], bisected[0] if bisected else None)
 
 
 def _bisected(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, comparison: Comparison,
@@ -102,15 +104,6 @@ def _bisected(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, com
     if bisect is None or case is None:
         return []
     return [bisect_failure(sc, setup, run, reference, comparison, case, bisect)]
-
-
-def _bisect_line(experiments: Sequence[Experiment]) -> list[str]:
-    """The report's ``bisect:`` line, where a bisect ran."""
-    found = next((e for e in experiments if e.name == "bisect"), None)
-    if found is None:
-        return []
-    return [f"bisect: {found.detail}" if found.status in ("named", "no revert restores")
-            else f"bisect {found.status}: {found.detail}"]
 
 
 def _without_experiments(library: Experiment | None, comparison: Comparison,

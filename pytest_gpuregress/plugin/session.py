@@ -25,11 +25,10 @@ from ..stack.platforms import Platform, rank_origin, resolve_platform
 from ..triage import own_evidence, session_checks
 from ..triage.bisect import BisectRequest
 from ..triage.explain import Explanation, explain_failure, measure_oracle_distance
-from .artifacts import Artifacts
 from .launches import Launches, Runner, keeping
 from .options import Options
 from .outcomes import Outcome, add_outcome
-from .pipeline import CheckPipeline, Explain
+from .pipeline import Artifacts, CheckPipeline, Explain
 from .places import ReferencePlaces
 from .selection import Selection, test_id
 

@@ -9,17 +9,18 @@ from typing import TYPE_CHECKING
 
 from ..comparison.compare import Comparison, Finding
 from ..errors import NotApplicable
+from ..evidence.op_trace import STACK_CONFIG, STACK_KEY
 from ..reference.record import RunRecord
-from ..scenarios import Case, Scenario, Setup
-from . import Experiment, Runner, cheap_evidence, divergence_start, model_code, report, verdict
+from ..scenarios import Case, Launch, Scenario, Setup
+from . import Experiment, Runner, cheap_evidence, divergence_start, model_code, model_suffix, report, verdict
 from . import late_window as window
 from .bisect import BisectRequest, bisect_failure
 from .decision import RULE_BY_ID
 from .flips import flip
 from .naming import finding_of, judged_against_themselves
-from .op_stack import keep_stack
 
 if TYPE_CHECKING:
+    from ..evidence.first_moved import FirstMoved
     from .decision import Verdict
 
 
@@ -156,6 +157,26 @@ def keep_first_moved_stack(sc: Scenario, setup: Setup, run: Runner, comparison: 
         moved.stack.extend(keep_stack(sc, setup, run, moved, model))
     except Exception as exc:  # noqa: BLE001 - a stack is a help for the bug report, never worth losing the failure
         moved.stack.append(f"its Python stack: the re-run of step 0 failed ({type(exc).__name__}: {exc})")
+
+
+def keep_stack(sc: Scenario, setup: Setup, run: Runner, moved: FirstMoved, model: str | None = None) -> list[str]:
+    """The lines to report of the first op that moved: its Python stack, and for a backward op where its autograd
+    node was made, from step 0 re-run keeping that one op's stack on its rank (evidence/op_tracer.py)."""
+    config = {**sc.model_config(setup, model), "steps": 1, STACK_CONFIG: [moved.rank, moved.entry_index]}
+    kept = run(sc, Launch(f"op-stack-{moved.rank}-{moved.entry_index}{model_suffix(model)}", config)).results.get(STACK_KEY)
+    if not kept:
+        return ["its Python stack: the re-run of step 0 kept none"]
+    expected = moved.entry.op if moved.entry is not None else None
+    if kept.get("op") != expected:  # the re-run's ops came in another order: its stack would be another op's
+        return [f"its Python stack: the re-run of step 0 ran {kept.get('op')} there, not {expected}: not kept"]
+    lines = ["its Python stack (step 0 re-run on this stack):", *_frames(kept["stack"])]
+    if kept.get("forward_stack"):
+        lines += ["where its autograd node was made, in the forward:", *_frames(kept["forward_stack"])]
+    return lines
+
+
+def _frames(stack: list[str]) -> list[str]:
+    return [line.rstrip() for frame in stack for line in frame.splitlines() if line.strip()]
 
 
 def measure_oracle_distance(sc: Scenario, setup: Setup, run: Runner, record: RunRecord, model: str | None) -> None:

@@ -146,8 +146,7 @@ class _LateConfigure:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:
-    options = config.stash.get(OPTIONS_KEY, None)
-    if options is None or not options.enabled:
+    if SESSION_KEY not in config.stash:  # built with --gpuregress only
         return None
     from .collection import header_line
     from .reporting import header_lines

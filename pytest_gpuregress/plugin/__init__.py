@@ -21,7 +21,6 @@ SESSION_KEY = pytest.StashKey["GpuRegressSession"]()
 OPTIONS_KEY = pytest.StashKey[Options]()
 BUILTIN_KEY: pytest.StashKey[BuiltinRequest] = pytest.StashKey()
 COLLECTED_KEY = pytest.StashKey[bool]()
-FIXTURES = {"gpuregress"}
 MARKERS = {
     "gpuregress": "a numerics regression test of pytest-gpuregress; runs only with --gpuregress",
     "gpuregress_training": "a built-in or plug-in training scenario, compared with its stored reference",
@@ -84,10 +83,8 @@ def _runs(config: pytest.Config) -> bool:
 
 
 def refuse_xdist(config: pytest.Config) -> None:
-    """Stop a --gpuregress run that pytest-xdist would spread over workers, naming the fix.
-
-    The cases share the machine's devices, the launches several cases read, and one closing table: spread
-    over workers, each would start its own ranks on the same GPUs and print a part of the summary."""
+    """Stop a --gpuregress run that pytest-xdist would spread over workers (each would start its own ranks on the
+    same GPUs and print a part of the summary), naming the fix."""
     workers = getattr(config.option, "numprocesses", None)
     if hasattr(config, "workerinput") or workers not in (None, 0, "0"):
         raise pytest.UsageError(
@@ -175,7 +172,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.stash[COLLECTED_KEY] = True  # reached only when every path was collected
     skip = pytest.mark.skip(reason="gpuregress test: pass --gpuregress to run it")
     for item in items:
-        if FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("gpuregress") is not None:
+        if "gpuregress" in getattr(item, "fixturenames", ()) or item.get_closest_marker("gpuregress") is not None:
             item.add_marker(pytest.mark.gpuregress if enabled else skip)
 
 

@@ -8,6 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ..components import parts
+from ..launch.net import exposed_addresses
+from ..scenarios import registry
+from ..stack.determinism import header_lines as determinism_lines
+from ..stack.fingerprint import collect
+from ..stack.fingerprint import header_lines as fingerprint_lines
+from ..stack.known_issues import cited_lines, matching
+from ..stack.known_issues import header_lines as known_issue_lines
 from .outcomes import outcome_lines, summary_table
 
 if TYPE_CHECKING:
@@ -21,14 +29,6 @@ JUNIT_FIGURES = ("lane", "component", "triage_verdict", "triage_rule", "bisect",
 
 
 def header_lines(session: GpuRegressSession) -> list[str]:
-    from ..launch.net import exposed_addresses
-    from ..scenarios import registry
-    from ..stack.determinism import header_lines as determinism_lines
-    from ..stack.fingerprint import collect
-    from ..stack.fingerprint import header_lines as fingerprint_lines
-    from ..stack.known_issues import header_lines as known_issue_lines
-    from ..stack.known_issues import matching
-
     options, plat = session.options, session.platform
     fingerprint = collect(plat.device_kind, plat.backend, plat.world_size)
     lines = fingerprint_lines(fingerprint)
@@ -84,10 +84,6 @@ def cite_known_issues(item: pytest.Item, report: pytest.TestReport, session: Gpu
     """A failed case cites the known issues of this stack (the header's KNOWN ISSUE lines) whose component its
     findings name: the bug may be a known one, with a source and a workaround. The failure stands (a match is a
     warning): the case's numbers say whether the bug hit this run."""
-    from ..components import parts
-    from ..stack.fingerprint import collect
-    from ..stack.known_issues import cited_lines, matching
-
     if not report.failed:
         return
     if session.matched_issues is None:  # no header was printed (--no-header): match now, once
@@ -124,8 +120,6 @@ def closing_sections(session: GpuRegressSession, left_out: list[str]) -> list[tu
 
 def _scenario_lines(session: GpuRegressSession, name: str) -> list[str]:
     """Scenario ``name``'s own summary of its launches (a failed one as None), and where its records were kept."""
-    from ..scenarios import registry
-
     launches = session.launches
     records = {key: (None if isinstance(r, Exception) else r) for key, r in launches.launched[name].items()}
     lines = registry()[name].summary(records, session.setup)

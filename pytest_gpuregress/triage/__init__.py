@@ -216,11 +216,8 @@ def session_checks(name: str, passed: int, failed: list[str]) -> Experiment:
 
 
 def first_moved_evidence(comparison: Comparison) -> Experiment | None:
-    """The op of step 0 that gave another answer (``Comparison.culprit``): the first that moved in the exact lane,
-    the first that introduced a difference beyond drift in the tolerant one (never plain drift). It convicts by
-    what the op is: collective (or FSDP2's copies around one), optimizer, compute kernel, or data for an integer
-    input no op made. A changed op sequence, or drift alone, convicts nothing.
-    """
+    """The op of step 0 that gave another answer (``Comparison.culprit``), convicting by what the op is (naming.py:
+    op_component); a changed op sequence, or drift alone (the tolerant lane), convicts nothing."""
     if comparison.first_moved is None:
         return None
     moved = comparison.culprit

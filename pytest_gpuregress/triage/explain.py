@@ -39,10 +39,9 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
                     case: Case | None = None, checks: Sequence[Experiment] = (),
                     whole_reference: RunRecord | None = None,
                     bisect: BisectRequest | None = None) -> Explanation:
-    """The verdict on a failed comparison, with the report's lines of evidence (docs/triage.md: the experiments, in
-    order). ``checks``: what the session's check scenarios say; ``whole_reference``: the reference uncut where a
-    fail-fast run cut ``reference``. A code change decides only where no experiment convicts this stack: a collective
-    or kernel bug of an upgrade that also changed a library must not be buried under "record a reference"."""
+    """The verdict on a failed comparison, with the report's lines of evidence (docs/triage.md). ``checks``: what the
+    session's check scenarios say; ``whole_reference``: ``reference`` uncut by fail-fast. A code change decides only
+    where no experiment convicts this stack: an upgrade's kernel bug must not be buried under "record a reference"."""
     from ..evidence import model_layout
 
     # The layout finding: the model's code changed, or the library built another model than the config asks.
@@ -109,10 +108,8 @@ def _bisected(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, com
 
 def _without_experiments(library: Experiment | None, comparison: Comparison,
                          evidence: list[Experiment]) -> Explanation:
-    """For a scenario triage runs no experiments for (lora, a resume): the decision from what there is (the run's
-    own checks, the op of step 0 that introduced the difference, the model's code, a bisect). A round trip's or a
-    format's finding keeps its name, the code change evidence beside it. Where nothing decides, the sparsity of the
-    step-0 gradients is no evidence: their findings name both a kernel and a collective."""
+    """For a scenario triage runs no experiments for (lora, a resume): the decision from the run's own checks, its
+    first moved op, the model's code and a bisect. A round trip's or a format's finding keeps its own name."""
     if judged_against_themselves(comparison):
         return Explanation(None, ["", f"also: {library.detail}"] if library is not None else [])
     if library is not None:

@@ -250,7 +250,7 @@ class CheckPipeline:
 
 def _detail(record: RunRecord, reference_path: Any, comparison: Comparison, observed: str, passed: bool) -> str:
     """The summary row's detail: what the run did and its reference, then the margins, what the kernels did, the
-    tolerant lane's reason and, on a pass whose ops moved, where bitwise drift starts (outcomes.detail_parts)."""
+    tolerant lane's reason and, on a pass whose ops moved, where bitwise drift starts (outcomes.outcome_lines)."""
     loss, clip = record.series.get("loss"), clipping.of(record)
     did = [f"{record.steps} steps, loss {loss[0]:.4f} -> {loss[-1]:.4f}" if loss else "",
            clip.describe() if clip is not None else "", f"reference {reference_path}"]

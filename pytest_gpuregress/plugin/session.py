@@ -32,8 +32,6 @@ from .pipeline import Artifacts, CheckPipeline, Explain
 from .places import ReferencePlaces
 from .selection import Selection, test_id
 
-__all__ = ["GpuRegressSession", "Outcome", "test_id"]
-
 
 class GpuRegressSession:
     def __init__(self, options: Options, rootpath: Path, output_dir: Path | None = None) -> None:

@@ -21,19 +21,12 @@ SESSION_KEY = pytest.StashKey["GpuRegressSession"]()
 OPTIONS_KEY = pytest.StashKey[Options]()
 BUILTIN_KEY: pytest.StashKey[BuiltinRequest] = pytest.StashKey()
 COLLECTED_KEY = pytest.StashKey[bool]()
-FIXTURES = {"gpuregress"}
 MARKERS = {
     "gpuregress": "a numerics regression test of pytest-gpuregress; runs only with --gpuregress",
     "gpuregress_training": "a built-in or plug-in training scenario, compared with its stored reference",
     "gpuregress_check": "a case of a check scenario, judged against its closed-form result",
 }
 PLUGIN_SPECS_KEY = pytest.StashKey[list[OptionSpec]]()  # plug-in scenarios' options, declared with --gpuregress
-
-
-def _enabled_early(config: pytest.Config) -> bool:
-    """--gpuregress on the command line (addopts included) or in the ini file, before the full parse."""
-    cli = getattr(config.known_args_namespace, ENABLED.dest, None)
-    return bool(cli if cli is not None else config.getini(ENABLED.ini_key))
 
 
 def _plugin_option_specs() -> list[OptionSpec]:
@@ -58,7 +51,10 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
 
 def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser) -> None:
     # The first hook that knows the flag yet still comes before the full parse: options declared here parse.
-    specs = _plugin_option_specs() if _enabled_early(early_config) else []
+    # --gpuregress on the command line (addopts included) or in the ini file.
+    cli = getattr(early_config.known_args_namespace, ENABLED.dest, None)
+    enabled = cli if cli is not None else early_config.getini(ENABLED.ini_key)
+    specs = _plugin_option_specs() if enabled else []
     add_options(parser, specs)
     early_config.stash[PLUGIN_SPECS_KEY] = specs
 
@@ -87,10 +83,8 @@ def _runs(config: pytest.Config) -> bool:
 
 
 def refuse_xdist(config: pytest.Config) -> None:
-    """Stop a --gpuregress run that pytest-xdist would spread over workers, naming the fix.
-
-    The cases share the machine's devices, the launches several cases read, and one closing table: spread
-    over workers, each would start its own ranks on the same GPUs and print a part of the summary."""
+    """Stop a --gpuregress run that pytest-xdist would spread over workers (each would start its own ranks on the
+    same GPUs and print a part of the summary), naming the fix."""
     workers = getattr(config.option, "numprocesses", None)
     if hasattr(config, "workerinput") or workers not in (None, 0, "0"):
         raise pytest.UsageError(
@@ -107,13 +101,11 @@ def pytest_runtest_call(item: pytest.Item) -> Any:
     try:
         return (yield)
     except NotApplicable as exc:
-        message = f"{'not supported' if isinstance(exc, NotSupported) else 'not applicable'}: {exc}"
-        skip = True
+        skipped, message = True, f"{'not supported' if isinstance(exc, NotSupported) else 'not applicable'}: {exc}"
     except (GpuRegressError, RegressionFailure) as exc:
         kind = "regression" if isinstance(exc, RegressionFailure) else type(exc).__name__
-        message = f"gpuregress {kind}: {exc}"
-        skip = False
-    if skip:
+        skipped, message = False, f"gpuregress {kind}: {exc}"
+    if skipped:
         pytest.skip(message)
     pytest.fail(message, pytrace=False)  # outside the except block: no chained traceback
 
@@ -123,7 +115,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if SESSION_KEY in item.config.stash:
         from .collection import typed_node_id
 
-        session = _session(item.config)
+        session = item.config.stash[SESSION_KEY]
         session.figures.clear()
         session.places.current_test = typed_node_id(item)  # a user's check names its reference: this test reads it
 
@@ -134,13 +126,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.when == "call" and SESSION_KEY in item.config.stash:
         from .reporting import attach_figures, cite_known_issues
 
-        attach_figures(item, report, _session(item.config).figures)
-        cite_known_issues(item, report, _session(item.config))
+        attach_figures(item, report, item.config.stash[SESSION_KEY].figures)
+        cite_known_issues(item, report, item.config.stash[SESSION_KEY])
     return report
-
-
-def _session(config: pytest.Config) -> GpuRegressSession:
-    return config.stash[SESSION_KEY]
 
 
 class _LateConfigure:
@@ -155,13 +143,12 @@ class _LateConfigure:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:
-    options = config.stash.get(OPTIONS_KEY, None)
-    if options is None or not options.enabled:
+    if SESSION_KEY not in config.stash:  # built with --gpuregress only
         return None
     from .collection import header_line
     from .reporting import header_lines
 
-    return header_lines(_session(config)) + header_line(config.stash[BUILTIN_KEY])
+    return header_lines(config.stash[SESSION_KEY]) + header_line(config.stash[BUILTIN_KEY])
 
 
 @pytest.hookimpl(wrapper=True)
@@ -175,13 +162,8 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Any:
         from .suite.cases import BuiltinSuite
 
         report.result.append(BuiltinSuite.from_parent(collector, name=ROOT, nodeid=ROOT, request=request,
-                                                       session_of=lambda: _session(collector.config)))
+                                                       session_of=lambda: collector.config.stash[SESSION_KEY]))
     return report
-
-
-def _wants_gpuregress(item: pytest.Item) -> bool:
-    names = set(getattr(item, "fixturenames", ()))
-    return bool(names & FIXTURES) or item.get_closest_marker("gpuregress") is not None
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: `-m gpuregress` selects the project's tests that use it too
@@ -190,7 +172,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.stash[COLLECTED_KEY] = True  # reached only when every path was collected
     skip = pytest.mark.skip(reason="gpuregress test: pass --gpuregress to run it")
     for item in items:
-        if _wants_gpuregress(item):
+        if "gpuregress" in getattr(item, "fixturenames", ()) or item.get_closest_marker("gpuregress") is not None:
             item.add_marker(pytest.mark.gpuregress if enabled else skip)
 
 
@@ -205,7 +187,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     from .settings_check import missing_folder, usage_message
     from .suite.cases import BuiltinCase
 
-    gpuregress = _session(config)
+    gpuregress = config.stash[SESSION_KEY]
     gpuregress.selection.select({item.case for item in session.items if isinstance(item, BuiltinCase)})
     ids = {test_id(sc, case) for sc, case in gpuregress.selection.all_cases()}
     mismatch = unknown_cases(config.stash[BUILTIN_KEY], ids) or missing_folder(gpuregress) or usage_message(gpuregress)
@@ -222,7 +204,7 @@ def gpuregress(request: pytest.FixtureRequest) -> GpuRegressSession:
     options = request.config.stash[OPTIONS_KEY]
     if not options.enabled:
         pytest.skip("gpuregress test: pass --gpuregress to run it")
-    return _session(request.config)
+    return request.config.stash[SESSION_KEY]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -29,24 +29,22 @@ def build_session(config: pytest.Config, options: Options) -> GpuRegressSession:
         raise pytest.UsageError(f"--gpuregress-inject: {exc}") from None
     except BadKnownIssues as exc:
         raise pytest.UsageError(f"gpuregress_known_issues: {exc}") from None
-    _to_the_terminal(config, session)
+    # Where ranks speak on the terminal: a rank in place that times out stops pytest's capture, so its last words
+    # reach the console; spawned ranks print their progress.
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        session.launches.uncapture = lambda: capture.suspend_global_capture(in_=False)
+    session.launches.progress = progress_printer(config)
     for mark in sorted({m for _, case in session.selection.all_cases() for m in case.marks}):
         config.addinivalue_line("markers", f"{mark}: a mark of a gpuregress scenario case")
     return session
 
 
-def _to_the_terminal(config: pytest.Config, session: GpuRegressSession) -> None:
-    """Where ranks speak on the terminal: a rank in place that times out stops pytest's capture, so its last words
-    reach the console; spawned ranks print their progress."""
-    capture = config.pluginmanager.getplugin("capturemanager")
-    if capture is not None:
-        session.launches.uncapture = lambda: capture.suspend_global_capture(in_=False)
-    session.launches.progress = progress_printer(config)
-
-
 def _check_models_and_tokens(session: GpuRegressSession) -> None:
-    """The user's models build (on the meta device) and fit; the token file reads and fits their vocabularies."""
+    """The user's models build (on the meta device) and fit; the token file reads and fits their vocabularies: every
+    config that trains on a token sample (the user's file, a factory's ids) describes it, so it is read now."""
     from ..errors import BadTokens
+    from ..scenarios import registry
     from ..training.model_specs import check_model
 
     options = session.options
@@ -56,17 +54,11 @@ def _check_models_and_tokens(session: GpuRegressSession) -> None:
                         "add --gpuregress-model=<your config.json or module:factory>, or leave the option out")
     for model in options.models:
         check_model(model, session.platform.device_kind, session.platform.world_size)
-    if options.tokens is not None or any(m.factory for m in options.models):
-        _read_token_samples(session)
-
-
-def _read_token_samples(session: GpuRegressSession) -> None:
-    """Every config that trains on a token sample (the user's file, a factory's ids) describes it: read it now."""
-    from ..scenarios import registry
-
+    if options.tokens is None and not any(m.factory for m in options.models):
+        return
     for scenario in registry().values():
         scenario.default_config(session.setup)
-        for model in session.options.models if scenario.trains_user_models else ():
+        for model in options.models if scenario.trains_user_models else ():
             scenario.model_config(session.setup, model.name)
 
 

@@ -129,7 +129,7 @@ class Launches:
 
     def for_case(self, sc: Scenario, case: Case) -> RunRecord:
         """The merged record of the launch that carries ``case``: run on first use, then served from the cache."""
-        if case.launch in self.launched.get(sc.name, {}):  # planning the launch again would cost a sweep dearly
+        if self.started(sc, case):  # planning the launch again would cost a sweep dearly
             return self.served(sc.name, case.launch)
         return self.cached(sc, self.selection.launch_of(sc, case))
 
@@ -148,7 +148,10 @@ class Launches:
         if not replicas or any(k.startswith(envelope.PREFIX) for k in record.arrays):
             return
         ran = self._replicas_that_ran(sc, replicas, faults, record)
-        record.notes.extend(_unperturbed(ran))
+        # A replica whose loop (a user's) applied none of its perturbation adds no spread.
+        record.notes.extend(f"noise replica {replica.key}: the loop did not apply {', '.join(missed)}, so it adds no "
+                            "spread; give Recorder the model (model=) and pass batches through rec.batch()"
+                            for replica, run in ran if (missed := run.results.get("perturbation_not_applied")))
         record.arrays.update(envelope.measure(record, [run for _, run in ran]))
         record.results["envelope"] = {"replicas": [replica.key for replica, _ in ran], "k": envelope.K,
                                       "floors": vars(envelope.floors_for(str(record.config.get("dtype", "fp32"))))}
@@ -188,13 +191,6 @@ def count_faults(record: RunRecord, texts: list[str], per_rank: list[RunRecord])
     counts = firing.by_rank(texts, [r.results.get(firing.RESULT_KEY, {}) for r in per_rank])
     record.results[firing.RESULT_KEY] = {spec: sum(ranks) for spec, ranks in counts.items()}
     record.notes.extend(firing.notes(texts, counts))
-
-
-def _unperturbed(ran: list[tuple[Launch, RunRecord]]) -> list[str]:
-    """A note for each replica whose loop (a user's) applied none of its perturbation: it adds no spread."""
-    return [f"noise replica {replica.key}: the loop did not apply {', '.join(missed)}, so it adds no spread; give "
-            "Recorder the model (model=) and pass batches through rec.batch()"
-            for replica, run in ran if (missed := run.results.get("perturbation_not_applied"))]
 
 
 def keeping(run: Runner, ran: list[RunRecord]) -> Runner:

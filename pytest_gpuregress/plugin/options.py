@@ -53,10 +53,6 @@ def _models(values: list[str], base: Path) -> tuple[ModelSpec, ...]:
         raise pytest.UsageError(str(exc)) from None
 
 
-def _as_tuple(values: list[str], base: Path) -> tuple[str, ...]:
-    return tuple(values)
-
-
 class Options:
     """This session's option values, read-only (all defaults when --gpuregress is off). The fields' order is the
     docs'. ``Options(steps=8)`` sets some and leaves the rest at their defaults."""
@@ -104,7 +100,8 @@ class Options:
         "inject", "list", (), "inject a fault into every rank, to prove the detectors fire on your stack; "
         "repeatable", metavar="SPEC",
         details="Specs are checked before any rank starts; the kinds and their keys are in "
-        "`pytest_gpuregress/faults/__init__.py`, the bug classes they emulate in [faults.md](faults.md)."), _as_tuple)
+        "`pytest_gpuregress/faults/__init__.py`, the bug classes they emulate in [faults.md](faults.md)."),
+        lambda values, base: tuple(values))
     replicas: int = option(OptionSpec(
         "replicas", "int", DEFAULT_REPLICAS, f"noise replicas run when recording a training reference (0 to "
         f"{len(PERTURBATIONS)}; 0 records no envelope); their spread sets the tolerant lane's limits",
@@ -218,9 +215,14 @@ class Options:
     def from_config(cls, config: pytest.Config, scenario_specs: Iterable[OptionSpec] = ()) -> Options:
         if not resolve(config, ENABLED):  # off: the other values are not read, so not judged
             return cls()
+        from ..errors import BadFaultSpec
+
         values = {name: _value(config, *declared) for name, declared in FIELDS.items()}
         options = cls(**values, scenario_values={spec.dest: resolve(config, spec) for spec in scenario_specs})
-        _check_faults(options)
+        try:
+            options.faults  # noqa: B018 - parsed now, so a bad spec stops the session before any rank starts
+        except BadFaultSpec as exc:
+            raise pytest.UsageError(f"--gpuregress-inject: {exc}") from None
         return options
 
 
@@ -228,15 +230,6 @@ class Options:
 FIELDS: dict[str, Declared] = {name: value for name, value in vars(Options).items() if isinstance(value, Declared)}
 CORE_OPTIONS: tuple[OptionSpec, ...] = tuple(declared.spec for declared in FIELDS.values())
 ENABLED = CORE_OPTIONS[0]  # --gpuregress itself
-
-
-def _check_faults(options: Options) -> None:
-    from ..errors import BadFaultSpec
-
-    try:
-        options.faults  # noqa: B018 - parsed now, so a bad spec stops the session before any rank starts
-    except BadFaultSpec as exc:
-        raise pytest.UsageError(f"--gpuregress-inject: {exc}") from None
 
 
 def add_options(parser: pytest.Parser, specs: Iterable[OptionSpec]) -> None:

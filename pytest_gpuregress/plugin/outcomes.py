@@ -30,35 +30,26 @@ def add_outcome(outcomes: list[Outcome], outcome: Outcome) -> None:
 
 
 def outcome_lines(outcomes: list[Outcome]) -> list[str]:
-    """Per outcome: one short line (the case, its verdict and lane, the steps and loss), then its details and notes
-    on indented lines, one each, so no line runs on for several terminal lines."""
+    """Per outcome: one short line (the case, its verdict and lane, what the run did), then its detail's other parts
+    (the reference, the margins, perf, the lane's reason) and its notes on indented lines, one each, so no line runs
+    on for several terminal lines. A detail reads "8 steps, loss a -> b, reference PATH; worst/limit ...; perf ..."."""
     lines = []
     for outcome in outcomes:
         lane = f" [{outcome.lane} lane]" if outcome.lane else ""
-        head, *details = detail_parts(outcome.detail)
-        lines.append(f"{outcome.scenario} {outcome.platform_key}: {outcome.verdict.upper()}{lane} {head}".rstrip())
-        lines += [f"    {part}" for part in details]
+        first, *rest = outcome.detail.split("; ")
+        did, _, reference = first.partition(", reference ")
+        lines.append(f"{outcome.scenario} {outcome.platform_key}: {outcome.verdict.upper()}{lane} {did}".rstrip())
+        lines += [f"    {part}" for part in [*([f"reference {reference}"] if reference else []), *rest]]
         lines += [f"    note: {note}" for note in outcome.notes]
     return lines
-
-
-def detail_parts(detail: str) -> list[str]:
-    """An outcome's detail ("8 steps, loss a -> b, clipping ..., reference PATH; worst/limit ...; perf ...") as its
-    parts: what the run did first, then the reference, the margins, perf and the lane's reason each on its own."""
-    first, *rest = detail.split("; ")
-    did, _, reference = first.partition(", reference ")
-    return [did, *([f"reference {reference}"] if reference else []), *rest]
 
 
 def summary_table(outcomes: list[Outcome]) -> list[str]:
     """One row per scenario, then the command that reproduces each verdict that is not a pass."""
     if not outcomes:
         return []
-    rows = [("scenario", "platform", "lane", "verdict", "worst/tol", "seconds")]
-    rows += [_row(outcome) for outcome in outcomes]
-    lines = ["", *_columns(rows)]
-    lines += [f"reproduce {o.scenario}: {o.reproduce}" for o in outcomes if o.reproduce]
-    return lines
+    rows = [("scenario", "platform", "lane", "verdict", "worst/tol", "seconds"), *map(_row, outcomes)]
+    return ["", *_columns(rows), *(f"reproduce {o.scenario}: {o.reproduce}" for o in outcomes if o.reproduce)]
 
 
 def _columns(rows: list[tuple[str, ...]]) -> list[str]:

@@ -1,18 +1,23 @@
 """One case's data flow, top to bottom: record it, or read its reference, judge it (the scenario's comparator),
 keep what a later look needs, write its summary row and figures, warn, explain a failure, and report.
 
-The judgement itself is the comparator's (scenarios/comparator.py): this module only acts on it.
+The judgement itself is the comparator's (scenarios/comparator.py): this module only acts on it. What a comparison
+leaves behind (``Artifacts``): ``runs/<name>/<platform-key>/`` (the run, for ``gpuregress compare``) and its
+``.png`` plot; a failed run is always kept and plotted, a passed one only with --gpuregress-keep-runs or --gpuregress-plots.
 """
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..comparison import perf
 from ..comparison.compare import Comparison, tolerant_limits
 from ..comparison.judgement import Judgement
-from ..comparison.plot import first_divergence
+from ..comparison.plot import PlotsUnavailable, first_divergence, plot_comparison
 from ..comparison.report import format_comparison, format_drift, format_margins
 from ..errors import MissingReference, ReferenceProblem, RegressionFailure
 from ..evidence import clipping, oracle_distance
@@ -24,7 +29,7 @@ from ..stack.fingerprint import describe_change
 from ..triage.explain import Explanation
 from ..triage.naming import component_of, convict, described, name_findings
 from ..warn import warn_at_test
-from .artifacts import Artifacts, Kept, compare_command
+from .options import Options
 from .outcomes import Outcome, add_outcome
 from .places import ReferencePlaces
 
@@ -32,17 +37,65 @@ from .places import ReferencePlaces
 Explain = Callable[[RunRecord, Comparison, RunRecord, RunRecord], Explanation]
 
 
+@dataclass
+class Kept:
+    """Where a comparison's run and plot went, or why there is no plot."""
+
+    run: Path | None = None
+    plot: Path | None = None
+    plot_note: str | None = None
+
+    def report_lines(self, reference: Path) -> list[str]:
+        lines = []
+        if self.run is not None:
+            lines.append(f"this run's record: {self.run}")
+            lines.append(f"reproduce the comparison: {compare_command(reference, self.run)}")
+        if self.plot is not None:
+            lines.append(f"plot: {self.plot}")
+        elif self.plot_note:
+            lines.append(f"plot: none ({self.plot_note})")
+        return lines
+
+
+def compare_command(reference: Path | None, run: Path) -> str:
+    """The command that judges ``run`` again as the plugin did: against ``reference``, or alone for a check case."""
+    return shlex.join(["gpuregress", "compare", *([str(reference)] if reference is not None else []), str(run)])
+
+
+class Artifacts:
+    def __init__(self, root: Path) -> None:
+        self.root = root / "runs"
+
+    def keep_run(self, name: str, record: RunRecord) -> Path:
+        return store.write_reference(store.ReferenceLocation(self.root, name, record.platform_key), record, overwrite=True)
+
+    def keep(self, name: str, record: RunRecord, reference: RunRecord, comparison: Comparison, *,
+             keep_run: bool, plot: bool) -> Kept:
+        kept = Kept()
+        if keep_run:
+            kept.run = self.keep_run(name, record)
+        if not plot or not record.series:
+            return kept
+        try:
+            kept.plot = plot_comparison(reference, record, self.root / name / f"{record.platform_key}.png", comparison,
+                                        title=name)
+        except PlotsUnavailable as exc:
+            kept.plot_note = str(exc)
+        except Exception as exc:  # noqa: BLE001 - the findings matter more than their picture
+            kept.plot_note = f"the plot failed: {type(exc).__name__}: {exc}"
+        return kept
+
+
+
 class CheckPipeline:
     def __init__(self, places: ReferencePlaces, artifacts: Artifacts, outcomes: list[Outcome], figures: dict[str, Any],
-                 writes_references: Callable[[], bool], keep_runs: bool, plots: bool, record_anyway: bool) -> None:
+                 writes_references: Callable[[], bool], options: Options) -> None:
         self.places = places
         self.artifacts = artifacts
         self.outcomes = outcomes
         self.figures = figures  # the current test's key figures (cleared per test by the plugin)
         self.writes_references = writes_references  # False on torchrun ranks other than 0
-        self.keep_runs = keep_runs
-        self.plots = plots
-        self.record_anyway = record_anyway  # --gpuregress-record-anyway: over a reference closer to float64 too
+        self.options = options  # keep_runs, plots, record_anyway (over a reference closer to float64 too)
         self._recorded: dict[Any, RunRecord] = {}
 
     def check(self, record: RunRecord, name: str, comparator: Comparator, extra: list[str],
@@ -64,7 +117,7 @@ class CheckPipeline:
         self._named(judgement.problems, comparison)
         passed = comparison.passed and not problems
         kept = self.artifacts.keep(kept_as or name, with_identity(record, comparator), judgement.reference or reference,
-                                   comparison, keep_run=not passed or self.keep_runs, plot=not passed or self.plots)
+                                   comparison, keep_run=not passed or self.options.keep_runs, plot=not passed or self.options.plots)
         self._summarise(comparator.row_label(name), record, loc.path, judgement, kept, passed)
         if passed:
             return comparison
@@ -128,7 +181,7 @@ class CheckPipeline:
         self._named(found)
         judged(not own)
         problems = [*extra, *own]
-        if not problems and not self.keep_runs:
+        if not problems and not self.options.keep_runs:
             return
         kept = self.artifacts.keep_run(name, with_identity(record, comparator))
         if not problems:
@@ -167,7 +220,7 @@ class CheckPipeline:
         except ReferenceProblem:  # a damaged reference vouches for nothing: replace it
             return ["the reference replaced could not be read, so the distance from float64 was not judged"]
         judged = oracle_distance.judge_rerecording(old, record, tolerant_limits(old)[0]["step0_grad"])
-        if not judged.allowed and not self.record_anyway:
+        if not judged.allowed and not self.options.record_anyway:
             raise RegressionFailure(judged.refusal(name, record.platform_key))
         overridden = f" ({oracle_distance.OVERRIDE_FLAG}: recorded anyway)" if not judged.allowed else ""
         return [f"re-recorded: {judged.reason}{overridden}"]
@@ -177,7 +230,12 @@ class CheckPipeline:
         """The closing table's row, the test's figures, and the observations' warnings."""
         comparison, observed = judgement.comparison, judgement.observed
         assert comparison is not None and observed is not None
-        outcome = _outcome(name, record, reference_path, comparison, observed.detail(), kept, passed)
+        # The closing table's row, with the command that judges a failed run again.
+        outcome = Outcome(name, record.platform_key, "passed" if passed else "failed", comparison.lane,
+                          _detail(record, reference_path, comparison, observed.detail(), passed),
+                          [*record.notes, *comparison.notes], max(comparison.margins.values(), default=None),
+                          record.timings.get("launch_wall_s"),
+                          compare_command(reference_path, kept.run) if kept.run and not passed else "")
         add_outcome(self.outcomes, outcome)
         self.figures.update(lane=comparison.lane, platform_key=record.platform_key,
                             first_differing_step=first_divergence(comparison), worst_over_tolerance=outcome.worst,
@@ -190,18 +248,9 @@ class CheckPipeline:
             warn_at_test(category(f"{name} {record.platform_key}: {message}"))
 
 
-def _outcome(name: str, record: RunRecord, reference_path: Any, comparison: Comparison, observed: str, kept: Kept,
-             passed: bool) -> Outcome:
-    """The closing table's row of a judged run, with the command that judges a failed one again."""
-    return Outcome(name, record.platform_key, "passed" if passed else "failed", comparison.lane,
-                   _detail(record, reference_path, comparison, observed, passed), [*record.notes, *comparison.notes],
-                   max(comparison.margins.values(), default=None), record.timings.get("launch_wall_s"),
-                   compare_command(reference_path, kept.run) if kept.run and not passed else "")
-
-
 def _detail(record: RunRecord, reference_path: Any, comparison: Comparison, observed: str, passed: bool) -> str:
     """The summary row's detail: what the run did and its reference, then the margins, what the kernels did, the
-    tolerant lane's reason and, on a pass whose ops moved, where bitwise drift starts (outcomes.detail_parts)."""
+    tolerant lane's reason and, on a pass whose ops moved, where bitwise drift starts (outcomes.outcome_lines)."""
     loss, clip = record.series.get("loss"), clipping.of(record)
     did = [f"{record.steps} steps, loss {loss[0]:.4f} -> {loss[-1]:.4f}" if loss else "",
            clip.describe() if clip is not None else "", f"reference {reference_path}"]

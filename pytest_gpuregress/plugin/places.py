@@ -73,9 +73,7 @@ class ReferencePlaces:
         if for_writing or self.options.reference_dir is not None or (user.path / store.MANIFEST).exists():
             return user
         shipped = store.ReferenceLocation(self.shipped_root, name, platform_key, hint, elsewhere)
-        if (shipped.path / store.MANIFEST).exists():
-            return shipped
-        return user
+        return shipped if (shipped.path / store.MANIFEST).exists() else user
 
     def tests_reading(self, name: str) -> list[str]:
         """The node ids that select the tests reading ``name``: the built-in cases that do, and the project's tests
@@ -88,10 +86,8 @@ class ReferencePlaces:
     def recording(self, name: str, platform_key: str) -> bool:
         """Whether this run writes the reference ``name``: --gpuregress-record, or --gpuregress-record-missing and
         no reference exists where this run would read it."""
-        if self.options.record:
-            return True
-        if not self.options.record_missing:
-            return False
+        if self.options.record or not self.options.record_missing:
+            return self.options.record
         return not (self.location(name, platform_key).path / store.MANIFEST).exists()
 
     def unused(self, platform_keys: set[str]) -> list[str]:
@@ -104,7 +100,6 @@ class ReferencePlaces:
         return sorted(f"{manifest.parent.parent.name}/{manifest.parent.name}"
                       for manifest in self.user_root.glob(f"*/*/{store.MANIFEST}")
                       if manifest.parent.name in platform_keys and manifest.parent.parent.name not in wanted)
-
 
 
 def _changed(given: list[tuple[OptionSpec, Any]]) -> list[str]:

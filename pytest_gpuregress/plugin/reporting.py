@@ -8,6 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ..components import parts
+from ..launch.net import exposed_addresses
+from ..scenarios import registry
+from ..stack.determinism import header_lines as determinism_lines
+from ..stack.fingerprint import collect
+from ..stack.fingerprint import header_lines as fingerprint_lines
+from ..stack.known_issues import cited_lines, matching
+from ..stack.known_issues import header_lines as known_issue_lines
 from .outcomes import outcome_lines, summary_table
 
 if TYPE_CHECKING:
@@ -21,14 +29,6 @@ JUNIT_FIGURES = ("lane", "component", "triage_verdict", "triage_rule", "bisect",
 
 
 def header_lines(session: GpuRegressSession) -> list[str]:
-    from ..launch.net import exposed_addresses
-    from ..scenarios import registry
-    from ..stack.determinism import header_lines as determinism_lines
-    from ..stack.fingerprint import collect
-    from ..stack.fingerprint import header_lines as fingerprint_lines
-    from ..stack.known_issues import header_lines as known_issue_lines
-    from ..stack.known_issues import matching
-
     options, plat = session.options, session.platform
     fingerprint = collect(plat.device_kind, plat.backend, plat.world_size)
     lines = fingerprint_lines(fingerprint)
@@ -65,7 +65,9 @@ def _run_line(session: GpuRegressSession) -> str:
 def attach_figures(item: pytest.Item, report: pytest.TestReport, figures: dict[str, Any]) -> None:
     """The test's key figures as JUnit properties (they reach JUnit through the teardown report, as
     record_property's do) and, with pytest-html installed, the plot and the stack's changes as extras."""
-    item.user_properties.extend((k, _junit_value(figures[k])) for k in JUNIT_FIGURES if figures.get(k) is not None)
+    # A list (the stack's changes) as one attribute value: "torch 2.12.0 -> 2.13.0; device.cpu_model: ...".
+    item.user_properties.extend((k, "; ".join(map(str, v)) if isinstance(v, list) else v)
+                                for k in JUNIT_FIGURES if (v := figures.get(k)) is not None)
     try:
         from pytest_html import extras
     except ImportError:
@@ -82,15 +84,13 @@ def cite_known_issues(item: pytest.Item, report: pytest.TestReport, session: Gpu
     """A failed case cites the known issues of this stack (the header's KNOWN ISSUE lines) whose component its
     findings name: the bug may be a known one, with a source and a workaround. The failure stands (a match is a
     warning): the case's numbers say whether the bug hit this run."""
-    from ..stack.fingerprint import collect
-    from ..stack.known_issues import cited_lines, matching
-
     if not report.failed:
         return
     if session.matched_issues is None:  # no header was printed (--no-header): match now, once
         plat = session.platform
         session.matched_issues = matching(session.known_issues, collect(plat.device_kind, plat.backend, plat.world_size))
-    named = _components_named(session.figures)
+    # The components its findings name (its ``component`` figure), each with the parts it is made of.
+    named = {part for name in str(session.figures.get("component") or "").split(", ") for part in parts(name)}
     cited = [issue for issue in session.matched_issues if issue.component in named]
     if cited:
         report.sections.append(("gpuregress known issues", "\n".join(cited_lines(cited))))
@@ -109,18 +109,6 @@ def _outcome_lines(session: GpuRegressSession) -> list[str]:
     return lines
 
 
-def _components_named(figures: dict[str, Any]) -> set[str]:
-    """The components a case's findings name (its ``component`` figure), each with the parts it is made of."""
-    from ..components import parts
-
-    return {part for name in str(figures.get("component") or "").split(", ") for part in parts(name)}
-
-
-def _junit_value(value: Any) -> Any:
-    """A list (the stack's changes) as one attribute value: "torch 2.12.0 -> 2.13.0; device.cpu_model: ..."."""
-    return "; ".join(map(str, value)) if isinstance(value, list) else value
-
-
 def closing_sections(session: GpuRegressSession, left_out: list[str]) -> list[tuple[str, list[str]]]:
     """(section title, lines) of the closing summary: the outcomes and their table and the header's word on a
     built-in suite ``left_out``, then each scenario's own."""
@@ -132,8 +120,6 @@ def closing_sections(session: GpuRegressSession, left_out: list[str]) -> list[tu
 
 def _scenario_lines(session: GpuRegressSession, name: str) -> list[str]:
     """Scenario ``name``'s own summary of its launches (a failed one as None), and where its records were kept."""
-    from ..scenarios import registry
-
     launches = session.launches
     records = {key: (None if isinstance(r, Exception) else r) for key, r in launches.launched[name].items()}
     lines = registry()[name].summary(records, session.setup)

@@ -52,10 +52,11 @@ class Selection:
         shortfall = self.rank_shortfall(case)
         if shortfall:  # a direct call; the built-in suite already skips such cases
             raise NotApplicable(shortfall)
-        unreached = reach.unreached_reason(self.inject, case, test_id(sc, case), self._all_by_id) \
-            if self.inject else None  # without faults every case runs: no need to list them
-        if unreached:  # it would run clean, proving nothing about the faults asked for
-            raise NotApplicable(unreached)
+        if self.inject:  # without faults every case runs: no need to list them
+            unreached = reach.unreached_reason(self.inject, case, test_id(sc, case),
+                                               lambda: [(test_id(s, c), c) for s, c in self.all_cases()])
+            if unreached:  # it would run clean, proving nothing about the faults asked for
+                raise NotApplicable(unreached)
         return sc, case
 
     def _case(self, sc: Scenario, case_id: str) -> Case:
@@ -67,9 +68,6 @@ class Selection:
         """The launch that carries ``case``, planned with the cases selected beside it."""
         cases = self.selected.get(sc.name) or [case]
         return next(la for la in sc.launches(cases, self.setup) if la.key == case.launch)
-
-    def _all_by_id(self) -> list[tuple[str, Case]]:
-        return [(test_id(sc, case), case) for sc, case in self.all_cases()]
 
     def served_cases(self, sc: Scenario, launch_key: str) -> list[Case]:
         """The selected cases ``launch_key`` carries; where none is (a launch another scenario's experiment runs,
@@ -90,6 +88,7 @@ class Selection:
     def reference_names(self) -> set[str]:
         """Every reference some case of this configuration reads, selected or not."""
         return {name for sc, case in self.all_cases() if (name := sc.reference_name(case)) is not None}
+
 
 
 def _recorded_with(reference: str, cases: list[tuple[str, str, str | None]]) -> list[str]:

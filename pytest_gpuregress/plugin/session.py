@@ -25,20 +25,12 @@ from ..stack.platforms import Platform, rank_origin, resolve_platform
 from ..triage import own_evidence, session_checks
 from ..triage.bisect import BisectRequest
 from ..triage.explain import Explanation, explain_failure, measure_oracle_distance
-from .artifacts import Artifacts
 from .launches import Launches, Runner, keeping
 from .options import Options
 from .outcomes import Outcome, add_outcome
-from .pipeline import CheckPipeline, Explain
+from .pipeline import Artifacts, CheckPipeline, Explain
 from .places import ReferencePlaces
 from .selection import Selection, test_id
-
-__all__ = ["GpuRegressSession", "Outcome", "test_id"]
-
-
-def policy_of(options: Options) -> JudgingPolicy:
-    return JudgingPolicy(lane=options.lane, kernel_changes=options.kernel_changes, perf=options.perf,
-                         perf_slowdown=options.perf_slowdown, perf_memory=options.perf_memory)
 
 
 class GpuRegressSession:
@@ -52,7 +44,8 @@ class GpuRegressSession:
                            world_size=self.platform.world_size, steps=options.steps, faults=options.faults,
                            options=dict(options.scenario_values), tokens=options.tokens, models=options.models,
                            replicas=options.replicas)
-        self.policy = policy_of(options)
+        self.policy = JudgingPolicy(lane=options.lane, kernel_changes=options.kernel_changes, perf=options.perf,
+                                    perf_slowdown=options.perf_slowdown, perf_memory=options.perf_memory)
         self.figures: dict[str, Any] = {}  # the current test's key figures, for JUnit properties and HTML extras
         self.outcomes: list[Outcome] = []
         # Check cases that are evidence on other failures (the collective sweep): name -> (passed, failed ids).
@@ -63,8 +56,7 @@ class GpuRegressSession:
         self.places = ReferencePlaces(options, rootpath, self.selection)
         self.launches = Launches(options, self.platform, self.setup, self.selection, self.output_dir)
         self.pipeline = CheckPipeline(self.places, Artifacts(self.output_dir), self.outcomes, self.figures,
-                                      lambda: self.launches.writes_references, options.keep_runs, options.plots,
-                                      options.record_anyway)
+                                      lambda: self.launches.writes_references, options)
 
     def close(self) -> None:
         self.launches.close()
@@ -167,13 +159,12 @@ class GpuRegressSession:
         """A record about to be ``recorded`` gets what its reference keeps beside the run: its noise envelope,
         step 0's distance from a float64 oracle where one is at hand, and the scenario's attachments (a resume
         checkpoint). A bf16 run to compare is held to its reference's precision: its distance is measured too."""
+        if recorded and self.options.replicas:
+            self.launches.add_envelope(sc, self.selection.launch_of(sc, case), record, [])
+        if recorded or oracle_distance.judges_precision(record):
+            measure_oracle_distance(sc, self.setup, self.launches.cached, record, case.data.get("model"))
         if recorded:
-            if self.options.replicas:
-                self.launches.add_envelope(sc, self.selection.launch_of(sc, case), record, [])
-            measure_oracle_distance(sc, self.setup, self.launches.cached, record, case.data.get("model"))
             record.attachments.update(sc.attachments(case, record, self.launches.cached, self.setup))
-        elif oracle_distance.judges_precision(record):
-            measure_oracle_distance(sc, self.setup, self.launches.cached, record, case.data.get("model"))
 
     def _launched(self, sc: Scenario, case: Case, reference: str | None, ran: list[RunRecord]) -> RunRecord:
         """The case's record: from its experiment, from its stored reference (a resume), or its launch. A rank that
@@ -208,11 +199,13 @@ class GpuRegressSession:
 
     def _lacking(self, sc: Scenario, reference: str | None, key: str, lacks: str, exc: RankFailure) -> NotSupported:
         """The skip for a stack that lacks an op the case needs, saying whether its reference's stack ran it."""
+        import torch
+
         compared = reference is not None and not self.places.recording(reference, key)
         also = ", which the reference's stack ran" if compared else ""
         forced = os.environ.get("ATEN_CPU_CAPABILITY")
         path = f", ATEN_CPU_CAPABILITY={forced}" if forced and NotSupported.kernel_path_lacks(exc) else ""
-        return NotSupported(f"this stack ({self.platform.backend}, torch {_torch_version()}{path}) lacks an op "
+        return NotSupported(f"this stack ({self.platform.backend}, torch {torch.__version__}{path}) lacks an op "
                             f"{reference or sc.name} needs{also}: {lacks}")
 
     def _explainer(self, sc: Scenario, case: Case) -> Explain:
@@ -270,9 +263,3 @@ class GpuRegressSession:
         except GpuRegressError:  # missing or unreadable: the comparison after the run says so
             reference = None
         self.launches.watches[(sc.name, launch.key)] = comparator.watch(reference)
-
-
-def _torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)

@@ -1,11 +1,9 @@
 """Before any rank starts: a stored reference recorded with other run settings than this run's.
 
-Comparing a 300-step run with a reference of 100 steps can only fail, and only after training. So after
-collection, each selected case's reference config is read (record.json only, no tensors) and compared with the
-launch's on the settings an option sets. A mismatch stops the session as a usage error that prints the options
-reproducing the reference's settings first, and re-recording into a folder of its own only second: overwriting
-the reference would lose what the old stack computed. Every other config difference is still reported after the
-run (reference/store.py: check_compatible), where a damaged record.json is reported too.
+Comparing a 300-step run with a 100-step reference can only fail, after training: each selected case's record.json
+is read now and compared on the settings an option sets. The usage error offers the options reproducing the
+reference's settings first, re-recording into a folder of its own second (overwriting would lose the old stack's
+numbers). Every other config difference is reported after the run (reference/store.py: check_compatible).
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ SETTING_OPTIONS = {"steps": "--gpuregress-steps"}
 
 
 def differing_settings(session: GpuRegressSession) -> tuple[list[str], list[str]]:
-    """(one line per selected reference whose recorded settings differ from this run's, with the options to use;
-    the node ids of those references' cases)."""
+    """(a line per selected reference recorded with other settings, with the options to use; their cases' node ids)."""
     lines: dict[str, str] = {}
     selections: list[str] = []
     for name, path, config in _compared(session):
@@ -50,17 +47,12 @@ def _compared(session: GpuRegressSession) -> Iterator[tuple[str, Path, dict[str,
 
 
 def _mismatch(path: Path, config: dict[str, Any]) -> str | None:
-    """Why the reference whose record.json is ``path`` cannot be compared with a launch of ``config``, or None."""
+    """Why the reference whose record.json is ``path`` cannot be compared with a launch of ``config``, and the
+    options that reproduce its settings; None where it can."""
     recorded, fmt = _recorded_config(path)
     if fmt:
         return (f"{path} was recorded in format {fmt!r}, and this pytest-gpuregress reads {RECORD_FORMAT!r}: it "
                 f"cannot be compared; {RERECORD}")
-    return _other_settings(path, recorded, config)
-
-
-def _other_settings(path: Path, recorded: dict[str, Any], config: dict[str, Any]) -> str | None:
-    """The settings an option sets that the reference at ``path`` was recorded with other values of, and the
-    options that reproduce them; None where they match."""
     differing = [(k, recorded[k], config[k]) for k in SETTING_OPTIONS
                  if k in recorded and k in config and recorded[k] != config[k]]
     if not differing:

@@ -216,11 +216,8 @@ def session_checks(name: str, passed: int, failed: list[str]) -> Experiment:
 
 
 def first_moved_evidence(comparison: Comparison) -> Experiment | None:
-    """The op of step 0 that gave another answer (``Comparison.culprit``): the first that moved in the exact lane,
-    the first that introduced a difference beyond drift in the tolerant one (never plain drift). It convicts by
-    what the op is: collective (or FSDP2's copies around one), optimizer, compute kernel, or data for an integer
-    input no op made. A changed op sequence, or drift alone, convicts nothing.
-    """
+    """The op of step 0 that gave another answer (``Comparison.culprit``), convicting by what the op is (naming.py:
+    op_component); a changed op sequence, or drift alone (the tolerant lane), convicts nothing."""
     if comparison.first_moved is None:
         return None
     moved = comparison.culprit
@@ -237,21 +234,17 @@ def verdict(comparison: Comparison | None, experiments: list[Experiment], rules:
     """The verdict of the first rule of decision.RULES (or ``rules``) whose evidence is there; inconclusive (its
     component None) where none is: the findings then keep their own names, and the line says what is known."""
     evidence = Evidence(comparison, {e.name: e for e in experiments})
-    _add_the_comparisons_own(evidence.compared, evidence.by_name)
+    # What the comparison itself shows, beside the experiments: the kernels that changed since the reference, and
+    # the first op of step 0 that moved.
+    changed = evidence.compared.kernel_changes
+    if changed:
+        evidence.by_name["kernels"] = Experiment("kernels", "changed", f"{len(changed)} ops run other kernels than in "
+                                                 f"the reference, first {changed[0]}", component="kernel")
+    moved = first_moved_evidence(evidence.compared)
+    if moved is not None:
+        evidence.by_name[moved.name] = moved
     _divergence(evidence.compared, experiments, evidence.by_name)
     return decide(evidence, evidence.quote(*evidence.by_name), rules)
-
-
-def _add_the_comparisons_own(comparison: Comparison, by_name: dict[str, Experiment]) -> None:
-    """What the comparison itself shows, beside the experiments: the kernels that changed since the reference, and
-    the first op of step 0 that moved."""
-    changed = comparison.kernel_changes
-    if changed:
-        by_name["kernels"] = Experiment("kernels", "changed", f"{len(changed)} ops run other kernels than in the "
-                                        f"reference, first {changed[0]}", component="kernel")
-    moved = first_moved_evidence(comparison)
-    if moved is not None:
-        by_name[moved.name] = moved
 
 
 def _divergence(comparison: Comparison, experiments: list[Experiment], by_name: dict[str, Experiment]) -> None:

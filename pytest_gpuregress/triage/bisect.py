@@ -251,14 +251,9 @@ def requires(package: str) -> list[str]:
         listed = metadata.requires(package) or []
     except metadata.PackageNotFoundError:
         return []
-    out = []
-    for requirement in listed:
-        if re.search(r"\bextra\s*==", requirement):  # an extra's requirement: not what the package needs to run
-            continue
-        found = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
-        if found:
-            out.append(canonical(found.group(1)))
-    return out
+    # An extra's requirement is not what the package needs to run.
+    found = (re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", r) for r in listed if not re.search(r"\bextra\s*==", r))
+    return [canonical(name.group(1)) for name in found if name]
 
 
 def wheelhouse_has(wheelhouse: Path | None, package: str, version: str) -> bool:

@@ -174,17 +174,11 @@ def _one_rank(evidence: Evidence) -> Decision | None:
     culprit = evidence.culprit
     if culprit is None or culprit.entry is None or culprit.world < 2 or culprit.also_on:
         return None
-    if culprit.site != "compute" or _follows_the_data(evidence):
+    if culprit.site != "compute" or evidence.status("equivalence") == "clean":
         return None
     return "device", (f"rank {culprit.rank} alone: {culprit.describe()}; the same op of the other "
                       f"{culprit.world - 1} rank{'s' if culprit.world > 2 else ''} kept within drift, and no "
                       "collective had run on its inputs: one device's own compute (a kernel on that GPU, or the GPU)")
-
-
-def _follows_the_data(evidence: Evidence) -> bool:
-    """Equivalence ran and was clean: one rank that replays each rank's micro-batch in turn computed what the N ranks
-    did, so a difference on one rank followed that rank's data, not its device."""
-    return evidence.status("equivalence") == "clean"
 
 
 def _late_gradients_past_checked_collectives(evidence: Evidence) -> Decision | None:
@@ -205,10 +199,8 @@ def _culprit_at_step0(evidence: Evidence) -> Decision | None:
 
 
 def _code_changed(evidence: Evidence) -> Decision | None:
-    """Ops of step 0 were inserted or removed (not merely relabelled) in one package's code, and step 0 differs: that
-    package's code computes otherwise (a norm that lost its float32 upcast runs one cast fewer), whatever kernels
-    its new ops now reach. Not where an op of torch's backend choices came or went (an SDPA backend): the same call
-    then runs other ops, and the kernels' rule decides."""
+    """That package's code computes otherwise (a norm that lost its float32 upcast runs one cast fewer), whatever
+    kernels its new ops reach. Not where one of torch's backends was swapped (SDPA): the kernels' rule decides."""
     comparison = evidence.compared
     if not comparison.changed_code or evidence.first_step != 0 or comparison.swapped_backend:
         return None
@@ -241,10 +233,8 @@ def _less_precise_same_code(evidence: Evidence) -> Decision | None:
 
 
 def _registration_order(evidence: Evidence) -> Decision | None:
-    """The run registers the model's parameters in another order (the same names, shapes and initial values) and
-    step 0's gradients are bitwise the reference's: every sum over the parameters (the clip's total norm, the
-    recorded norms) follows the order of registration, so its last bits move, and the training with them. The
-    model's code changed; no kernel, collective or update did."""
+    """Every sum over the parameters (the clip's total norm, the recorded norms) follows the order of registration,
+    so its last bits move: the model's code changed; no kernel, collective or update did."""
     comparison = evidence.compared
     if not comparison.reordered or comparison.lane != "exact" or evidence.finding("step0_grad") is not None:
         return None

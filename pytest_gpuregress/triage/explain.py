@@ -9,17 +9,18 @@ from typing import TYPE_CHECKING
 
 from ..comparison.compare import Comparison, Finding
 from ..errors import NotApplicable
+from ..evidence.op_trace import STACK_CONFIG, STACK_KEY
 from ..reference.record import RunRecord
-from ..scenarios import Case, Scenario, Setup
-from . import Experiment, Runner, cheap_evidence, divergence_start, model_code, report, verdict
+from ..scenarios import Case, Launch, Scenario, Setup
+from . import Experiment, Runner, cheap_evidence, divergence_start, model_code, model_suffix, report, verdict
 from . import late_window as window
 from .bisect import BisectRequest, bisect_failure
 from .decision import RULE_BY_ID
 from .flips import flip
 from .naming import finding_of, judged_against_themselves
-from .op_stack import keep_stack
 
 if TYPE_CHECKING:
+    from ..evidence.first_moved import FirstMoved
     from .decision import Verdict
 
 
@@ -38,10 +39,9 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
                     case: Case | None = None, checks: Sequence[Experiment] = (),
                     whole_reference: RunRecord | None = None,
                     bisect: BisectRequest | None = None) -> Explanation:
-    """The verdict on a failed comparison, with the report's lines of evidence (docs/triage.md: the experiments, in
-    order). ``checks``: what the session's check scenarios say; ``whole_reference``: the reference uncut where a
-    fail-fast run cut ``reference``. A code change decides only where no experiment convicts this stack: a collective
-    or kernel bug of an upgrade that also changed a library must not be buried under "record a reference"."""
+    """The verdict on a failed comparison, with the report's lines of evidence (docs/triage.md). ``checks``: what the
+    session's check scenarios say; ``whole_reference``: ``reference`` uncut by fail-fast. A code change decides only
+    where no experiment convicts this stack: an upgrade's kernel bug must not be buried under "record a reference"."""
     from ..evidence import model_layout
 
     # The layout finding: the model's code changed, or the library built another model than the config asks.
@@ -91,9 +91,11 @@ def _late_window_of(sc: Scenario, setup: Setup, run: Runner, full: RunRecord, co
 
 
 def _explained(found: Verdict, experiments: Sequence[Experiment]) -> Explanation:
-    bisected = _bisect_line(experiments)
-    return Explanation(found, [*report(found.line, list(experiments)), *bisected],
-                       bisected[0] if bisected else None)
+    """The verdict and the report's lines, with the ``bisect:`` line where a bisect ran."""
+    ran = next((e for e in experiments if e.name == "bisect"), None)
+    bisected = [] if ran is None else [f"bisect: {ran.detail}" if ran.status in ("named", "no revert restores")
+                                       else f"bisect {ran.status}: {ran.detail}"]
+    return Explanation(found, [*report(found.line, list(experiments)), *bisected], bisected[0] if bisected else None)
 
 
 def _bisected(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, comparison: Comparison,
@@ -104,21 +106,10 @@ def _bisected(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, com
     return [bisect_failure(sc, setup, run, reference, comparison, case, bisect)]
 
 
-def _bisect_line(experiments: Sequence[Experiment]) -> list[str]:
-    """The report's ``bisect:`` line, where a bisect ran."""
-    found = next((e for e in experiments if e.name == "bisect"), None)
-    if found is None:
-        return []
-    return [f"bisect: {found.detail}" if found.status in ("named", "no revert restores")
-            else f"bisect {found.status}: {found.detail}"]
-
-
 def _without_experiments(library: Experiment | None, comparison: Comparison,
                          evidence: list[Experiment]) -> Explanation:
-    """For a scenario triage runs no experiments for (lora, a resume): the decision from what there is (the run's
-    own checks, the op of step 0 that introduced the difference, the model's code, a bisect). A round trip's or a
-    format's finding keeps its name, the code change evidence beside it. Where nothing decides, the sparsity of the
-    step-0 gradients is no evidence: their findings name both a kernel and a collective."""
+    """For a scenario triage runs no experiments for (lora, a resume): the decision from the run's own checks, its
+    first moved op, the model's code and a bisect. A round trip's or a format's finding keeps its own name."""
     if judged_against_themselves(comparison):
         return Explanation(None, ["", f"also: {library.detail}"] if library is not None else [])
     if library is not None:
@@ -163,6 +154,26 @@ def keep_first_moved_stack(sc: Scenario, setup: Setup, run: Runner, comparison: 
         moved.stack.extend(keep_stack(sc, setup, run, moved, model))
     except Exception as exc:  # noqa: BLE001 - a stack is a help for the bug report, never worth losing the failure
         moved.stack.append(f"its Python stack: the re-run of step 0 failed ({type(exc).__name__}: {exc})")
+
+
+def keep_stack(sc: Scenario, setup: Setup, run: Runner, moved: FirstMoved, model: str | None = None) -> list[str]:
+    """The lines to report of the first op that moved: its Python stack, and for a backward op where its autograd
+    node was made, from step 0 re-run keeping that one op's stack on its rank (evidence/op_tracer.py)."""
+    config = {**sc.model_config(setup, model), "steps": 1, STACK_CONFIG: [moved.rank, moved.entry_index]}
+    kept = run(sc, Launch(f"op-stack-{moved.rank}-{moved.entry_index}{model_suffix(model)}", config)).results.get(STACK_KEY)
+    if not kept:
+        return ["its Python stack: the re-run of step 0 kept none"]
+    expected = moved.entry.op if moved.entry is not None else None
+    if kept.get("op") != expected:  # the re-run's ops came in another order: its stack would be another op's
+        return [f"its Python stack: the re-run of step 0 ran {kept.get('op')} there, not {expected}: not kept"]
+    lines = ["its Python stack (step 0 re-run on this stack):", *_frames(kept["stack"])]
+    if kept.get("forward_stack"):
+        lines += ["where its autograd node was made, in the forward:", *_frames(kept["forward_stack"])]
+    return lines
+
+
+def _frames(stack: list[str]) -> list[str]:
+    return [line.rstrip() for frame in stack for line in frame.splitlines() if line.strip()]
 
 
 def measure_oracle_distance(sc: Scenario, setup: Setup, run: Runner, record: RunRecord, model: str | None) -> None:

@@ -16,7 +16,7 @@ from .decision import first_step as earliest
 from .naming import finding_of, sparse
 
 if TYPE_CHECKING:
-    from ..comparison.compare import Comparison, Finding
+    from ..comparison.compare import Comparison
 
 LOAD_METRICS = ("resume_load", "resume_state")
 # The window's step whose loss first shows the update of step S (the window counts from S: its step 0 is S's own
@@ -43,8 +43,11 @@ def judged(first_step: int, saved_step: int, window: Comparison, compared: bool 
     where = f"step {saved_step}'s gradients, computed on this stack from the reference's own state at step {saved_step}"
     if late:
         more = f" (and {len(late) - 1} more tensors)" if len(late) > 1 else ""
+        # A few wrong elements are a collective's signature (a message's tail, one protocol's slot), as step 0's
+        # findings are named; wrong nearly everywhere is a backward kernel or a collective that scales all it
+        # carries, which one launch from the checkpoint cannot tell apart.
         return Experiment(NAME, "differs", f"{where}, differ from the reference's: {late[0].message}{more}",
-                          component=convicted(late[0]))
+                          component="collective" if sparse(late[0]) else "kernel or collective")
     if saved_step < first_step:
         return Experiment(NAME, "before the divergence", f"{where}, match the reference's, but the run diverges "
                                                          f"only at step {first_step}: this clears nothing")
@@ -78,9 +81,3 @@ def _after(where: str, first_step: int, window: Comparison) -> Experiment:
                                                 f"{shown} steps of warm-up in a process, could do this as much as "
                                                 "an update a little off; this convicts nothing")
 
-
-def convicted(late: Finding) -> str:
-    """What wrong late gradients convict. A few wrong elements are a collective's signature (a message's tail, one
-    protocol's slot), as step 0's findings are named; wrong nearly everywhere is a backward kernel or a collective
-    that scales all it carries, which one launch from the checkpoint cannot tell apart."""
-    return "collective" if sparse(late) else "kernel or collective"

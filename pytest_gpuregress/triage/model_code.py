@@ -63,11 +63,8 @@ ORACLE_LIBRARIES = ("transformers", "peft")
 
 def suspect(change: CodeChange, recorded: dict[str, str | None], installed: dict[str, str | None],
             culprit: FirstMoved | None = None, changed_code: Sequence[str] = ()) -> tuple[str, str]:
-    """(the component the moved oracle points at, why). What moved decides: an op called with other arguments
-    names the package that called it; the same op, inputs and arguments giving another answer is a kernel (torch's);
-    ops inserted or removed name the package that runs them. Only else do the gradients that moved (peft for
-    adapters alone, else transformers) and the changed versions say which library.
-    """
+    """(the component the moved oracle points at, why): the op that introduced it (its caller, or its kernel), else
+    the package whose ops were inserted or removed, else the gradients that moved and the changed versions."""
     site = culprit.site if culprit is not None else None
     if culprit is not None and site == "called otherwise":
         return str(op_component(culprit)), culprit.describe()

@@ -62,7 +62,7 @@ def test_without_matplotlib_the_plot_says_how_to_get_it(monkeypatch: pytest.Monk
 
 def test_without_matplotlib_a_failure_report_says_how_to_get_plots(monkeypatch: pytest.MonkeyPatch,
                                                                   tmp_path: Path) -> None:
-    from pytest_gpuregress.plugin.artifacts import Artifacts
+    from pytest_gpuregress.plugin.pipeline import Artifacts
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     reference, run = diverging_pair()

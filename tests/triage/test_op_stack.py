@@ -1,4 +1,4 @@
-"""triage/op_stack.py: the Python stack of the first op that moved comes from a one-step re-run that keeps that
+"""triage/explain.py (keep_stack): the Python stack of the first op that moved comes from a one-step re-run that keeps that
 op's stack, and is reported only where the re-run reached the same op there."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 
 from pytest_gpuregress.evidence.first_moved import FirstMoved
 from pytest_gpuregress.evidence.op_trace import STACK_CONFIG, STACK_KEY, TraceOp
-from pytest_gpuregress.triage.op_stack import keep_stack
+from pytest_gpuregress.triage.explain import keep_stack
 
 
 def _moved(op: str = "aten::mm") -> FirstMoved:

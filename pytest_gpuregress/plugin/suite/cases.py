@@ -19,10 +19,6 @@ from ..selection import test_id
 if TYPE_CHECKING:
     from ..session import GpuRegressSession
 
-def _source_of(scenario: object) -> str:
-    """The file of the scenario's module, else this one's (an inline pytest run may have unloaded the module)."""
-    return getattr(sys.modules.get(type(scenario).__module__), "__file__", None) or __file__
-
 
 class BuiltinSuite(pytest.Collector):
     """The built-in cases; ``request``: which of them the command line named."""
@@ -39,8 +35,9 @@ class BuiltinSuite(pytest.Collector):
             case_id = test_id(scenario, case)
             if not wanted(self.request, case_id):
                 continue
-            item = BuiltinCase.from_parent(self, name=case_id, scenario=scenario.name, case_id=case.id,
-                                           source=_source_of(scenario))
+            # The file of the scenario's module, else this one's (an inline pytest run may have unloaded the module).
+            source = getattr(sys.modules.get(type(scenario).__module__), "__file__", None) or __file__
+            item = BuiltinCase.from_parent(self, name=case_id, scenario=scenario.name, case_id=case.id, source=source)
             item.add_marker(pytest.mark.gpuregress_training if scenario.kind == "training" else pytest.mark.gpuregress_check)
             for mark in case.marks:
                 item.add_marker(getattr(pytest.mark, mark))

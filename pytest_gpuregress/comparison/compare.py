@@ -86,20 +86,17 @@ class Comparison:
     first_moved: FirstMoved | None = None
     # (ranks, ops per rank) where both records traced step 0 and no op moved: "no drift", said as information.
     equal_trace: tuple[int, int] | None = None
-    # The tolerant lane's op of step 0 that introduced a difference beyond drift (evidence/introduced.py); None where none
-    # did.
+    # The tolerant lane's op of step 0 that introduced a difference beyond drift (evidence/introduced.py), or None.
     introduced: FirstMoved | None = None
     introduced_rule: str = ""  # what "beyond drift" meant: the reference's thresholds, in words
-    # Where the culprit is a compute op that went wrong at some input shapes and not at others: the line that names
-    # them (introduced.shape_dependence); a kernel picked by shape.
+    # Where the culprit is a compute op wrong at some input shapes only: the line naming them (shape_dependence).
     shape_note: str | None = None
     # What changed in step 0's op sequence (trace_pairs.notes): ops relabelled, inserted, removed or replaced, one
     # note per kind and place, from the lowest rank whose sequence changed. The analysis pairs the ops around them.
     sequence_notes: list[str] = field(default_factory=list)
     # The packages whose code runs the ops inserted, removed or replaced in step 0 (trace_pairs.changed_code).
     changed_code: list[str] = field(default_factory=list)
-    # An op of torch's backend choices among them (trace_pairs.swapped_backend): the sequence changed under the same
-    # call, so the changed code is no library's evidence.
+    # An op among torch's backend choices (trace_pairs.swapped_backend): the same call, so no library's evidence.
     swapped_backend: str | None = None
     # (ops paired, ops of this run) of step 0's trace on the lowest rank whose sequence changed: where less than half
     # is paired, the op that introduced the difference is no evidence on its own (triage/decision.py).
@@ -125,6 +122,10 @@ class Comparison:
     def passed(self) -> bool:
         return not self.findings
 
+    def finding(self, *metrics: str) -> Finding | None:
+        """The first finding of one of ``metrics``."""
+        return next((f for f in self.findings if f.metric in metrics), None)
+
 
 def choose_lane(reference: RunRecord, run: RunRecord, requested: str = "auto") -> tuple[str, str]:
     changed = fp.numerics_diff(reference.fingerprint, run.fingerprint)
@@ -144,11 +145,6 @@ def ulps32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.abs(_ordinal(a, 32) - _ordinal(b, 32))
 
 
-def ulps64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Distance in float64 units in the last place: for values (losses, norms) that float32 cannot tell apart."""
-    return np.abs(_ordinal(a, 64) - _ordinal(b, 64))
-
-
 def _ordinal(x: np.ndarray, bits: int) -> np.ndarray:
     """Floats of ``bits`` bits as integers in their order, in a type wide enough for their differences: int64 for
     float32's, Python's own integers (exact: the ordinals span 2**64) for float64's."""
@@ -163,7 +159,7 @@ def ulp_distance(got: float, expected: float) -> str:
     apart = int(ulps32(np.float64(got), np.float64(expected)))
     if apart or got == expected or got != got or expected != expected:
         return f"{apart} ulp32"
-    return f"{int(ulps64(np.float64(got), np.float64(expected)))} ulp64, within one float32 ulp"
+    return f"{int(abs(_ordinal(np.float64(got), 64) - _ordinal(np.float64(expected), 64)))} ulp64, within one float32 ulp"
 
 
 def _bits_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -382,22 +378,15 @@ def _digests_differ(ref: RunRecord, run: RunRecord, lane: str,
 
 def gradients_moved_first(findings: list[Finding], lane: str) -> bool:
     """Whether a step's gradients differ while its loss (computed before them, from the same weights) is bitwise
-    equal: the gradients were computed wrong, which no optimizer step explains.
-
-    Exact lane only: in the tolerant lane a per-parameter norm can cross its own limit steps before the loss does,
-    so the order of first findings proves nothing. A clip that moved first is ``clip_moved_first``'s.
-    """
+    equal: computed wrong, which no optimizer step explains. Exact lane only: in the tolerant lane a per-parameter
+    norm can cross its own limit before the loss does. A clip that moved first is ``clip_moved_first``'s."""
     if lane != "exact" or clip_moved_first(findings) is not None:
         return False
-    gradient_step, loss_step = _first_step(findings, "param_grad_norm"), _first_step(findings, "loss")
-    return gradient_step < loss_step < _NO_STEP
+    first = {f.metric: f.step for f in reversed(findings) if f.step is not None}  # each metric's first step
+    return first.get("param_grad_norm", _NO_STEP) < first.get("loss", _NO_STEP) < _NO_STEP
 
 
 _NO_STEP = float("inf")  # a metric with no finding at a step moved at no step
-
-
-def _first_step(findings: list[Finding], metric: str) -> float:
-    return next((f.step for f in findings if f.metric == metric and f.step is not None), _NO_STEP)
 
 
 def clip_moved_first(findings: list[Finding]) -> Finding | None:
@@ -442,10 +431,9 @@ def compare_training(
     reference: RunRecord, run: RunRecord, *, lane: str = "auto", tolerances: Tolerances | None = None,
     tied: bool | None = None,
 ) -> Comparison:
-    """Compare two training records (losses, gradient norms, step-0 gradients, final weights).
-
-    ``tolerances`` replaces the envelope and the fixed limits with explicit ones. ``tied``: whether the model's
-    config ties its input and output embeddings, which a tie that differs from the reference's is judged by."""
+    """Compare two training records (losses, gradient norms, step-0 gradients, final weights). ``tolerances``
+    replaces the envelope and the fixed limits with explicit ones; ``tied``: whether the model's config ties its
+    input and output embeddings, which a tie that differs from the reference's is judged by."""
     chosen, reason = choose_lane(reference, run, lane)
     limits, source = tolerant_limits(reference, tolerances)
     findings, margins = _metric_findings(reference, run, chosen, limits)

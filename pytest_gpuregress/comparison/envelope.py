@@ -74,11 +74,9 @@ def rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def digest_deviation(run: dict, ref: dict) -> float:
-    """How far final-weight digests moved: magnitude (abs_sum), sign (sum) and arrangement (signed_dot).
-
-    Signed sums are measured against the tensor's L2 norm, not its |sum|: a flipped sign moves them
-    by about 2 x ||w||, which stays visible however large the tensor (|sum| grows like n, ||w|| like
-    sqrt(n))."""
+    """How far final-weight digests moved: magnitude (abs_sum), sign (sum) and arrangement (signed_dot). Signed sums
+    are measured against the tensor's L2 norm, not its |sum|: a flipped sign moves them by about 2 x ||w||, which
+    stays visible however large the tensor (|sum| grows like n, ||w|| like sqrt(n))."""
     magnitude = float(rel(np.asarray(run["abs_sum"]), np.asarray(ref["abs_sum"])))
     scale = max(abs(float(ref["l2"])), float(np.finfo(np.float64).tiny))
     signed = [abs(float(run[k]) - float(ref[k])) / scale for k in ("sum", "signed_dot") if k in run and k in ref]
@@ -119,9 +117,8 @@ def _digest_deviations(reference: RunRecord, run: RunRecord) -> np.ndarray | Non
 
 def step0_limit(reference: RunRecord, name: str, bound: float) -> np.ndarray | float:
     """Where ``step0_deviation`` against ``reference`` must stay for two computations that differ only in rounding,
-    each element within ``bound`` (bounds.py): ``bound`` per element of a whole tensor, and per block of a large one
-    the bound of its sum (``step0.block_bound_scale``), so a GPU-size gradient compared in blocks is held to what
-    its elements are."""
+    each element within ``bound`` (bounds.py): ``bound`` per element of a whole tensor, per block of a large one the
+    bound of its sum (``step0.block_bound_scale``), so a gradient compared in blocks is held to its elements'."""
     found = step0.full_or_blocks(reference, name)
     if found is None or found[0] != step0.BLOCK_PREFIX:
         return bound
@@ -129,10 +126,9 @@ def step0_limit(reference: RunRecord, name: str, bound: float) -> np.ndarray | f
 
 
 def measure(base: RunRecord, replicas: list[RunRecord]) -> dict[str, np.ndarray]:
-    """The envelope arrays: per metric, the largest deviation any replica reached.
-
-    Along steps the spread is made non-decreasing (a running maximum): chaos only grows, and a
-    step where the replicas happened to agree is no reason to demand more there than before it."""
+    """The envelope arrays: per metric, the largest deviation any replica reached. Along steps the spread is made
+    non-decreasing (a running maximum): chaos only grows, and a step where the replicas happened to agree is no
+    reason to demand more there than before it."""
     spread: dict[str, np.ndarray] = {}
     for replica in replicas:
         for metric, dev in deviations(base, replica).items():

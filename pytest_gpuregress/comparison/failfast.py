@@ -20,10 +20,9 @@ WATCHED = ("loss", "grad_norm")  # what each step reports to the ranks' vote (tr
 
 
 def watch_from(reference: RunRecord | None, limits: dict[str, Any]) -> dict[str, Any]:
-    """What ranks need to judge each step: reference values and limits per watched metric (JSON-ready).
-
-    ``agree``: the ranks vote every step, so they stop together; set even without a reference
-    (a rank that cannot read it must still vote, or its peers would wait for it)."""
+    """What ranks need to judge each step: reference values and limits per watched metric (JSON-ready). ``agree``:
+    the ranks vote every step, so they stop together; set even without a reference (a rank that cannot read it
+    must still vote, or its peers would wait for it)."""
     watch: dict[str, Any] = {"agree": True}
     if reference is None:
         return watch

@@ -22,8 +22,7 @@ if TYPE_CHECKING:
 class Judgement:
     """One run judged: ``comparison`` against its reference (None for a check case), ``problems`` that fail it
     besides the comparison's findings (the scenario's own checks, host ops, a fail-fast stop, kernel or perf
-    failures under the policy), and ``reference`` as compared (cut to a fail-fast run's steps).
-    """
+    failures under the policy), and ``reference`` as compared (cut to a fail-fast run's steps)."""
 
     comparison: Comparison | None
     problems: list[Problem] = field(default_factory=list)

@@ -44,34 +44,22 @@ def format_drift(comparison: Comparison) -> str | None:
         ranks, ops = comparison.equal_trace
         return (f"no bitwise drift (information): all {ops} ops of step 0 equal the reference's on {ranks} "
                 f"rank{'s' if ranks != 1 else ''}")
-    notes = sequence_line(comparison)
+    notes = ("op sequence changed (information, the ops around each change are paired): "
+             + ", ".join(comparison.sequence_notes)) if comparison.sequence_notes else None
     if moved is None:
         return notes
     drift = f"bitwise drift (information): {moved.describe()}"
     return f"{drift}; {notes}" if notes else drift
 
 
-def sequence_line(comparison: Comparison) -> str | None:
-    """For a pass: what changed in step 0's op sequence, in one line (information), or None."""
-    if not comparison.sequence_notes:
-        return None
-    return "op sequence changed (information, the ops around each change are paired): " + \
-        ", ".join(comparison.sequence_notes)
-
-
-def sequence_lines(comparison: Comparison) -> list[str]:
-    """For a failure: what changed in step 0's op sequence, a note a line; the analysis went on past each change."""
-    if not comparison.sequence_notes:
-        return []
-    return ["op sequence changed since the reference (the ops around each change are paired, and the analysis "
-            "goes on past it):", *(f"    {note}" for note in comparison.sequence_notes)]
-
-
 def op_lines(comparison: Comparison) -> list[str]:
     """Which op of step 0 gave another answer: what a bug report names. In the exact lane the first op that
     moved; in the tolerant lane the op that introduced a difference, and where legitimate drift began."""
     moved, culprit = comparison.first_moved, comparison.culprit
-    sequence = sequence_lines(comparison)
+    # what changed in step 0's op sequence, a note a line: the analysis went on past each change
+    sequence = ["op sequence changed since the reference (the ops around each change are paired, and the analysis "
+                "goes on past it):", *(f"    {note}" for note in comparison.sequence_notes)] \
+        if comparison.sequence_notes else []
     if moved is None:
         return ["", *sequence] if sequence else []
     shape = [f"    {comparison.shape_note}"] if comparison.shape_note else []
@@ -128,7 +116,7 @@ def format_comparison(
 def _record_advice(comparison: Comparison, record_hint: str, record_elsewhere_hint: str) -> str:
     """What to record: over the reference if the new numbers are right; where the model's code changed, a reference
     of this stack's own in another folder, as the model finding says (the old stack keeps its reference)."""
-    layout = next((f for f in comparison.findings if f.metric == model_layout.METRIC), None)
+    layout = comparison.finding(model_layout.METRIC)
     if layout is not None:
         if model_layout.is_tie(layout.metric, layout.facts):
             return (f"record nothing: {model_layout.BUILT_OTHERWISE} (the first finding); report it to "

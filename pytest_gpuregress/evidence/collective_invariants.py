@@ -3,8 +3,7 @@
 A replay starts a fresh process, where a bug needing a warmed-up one (a reused buffer pool, a counter) does not
 recur; so the ranks' per-call ledger rows (training/collective_ledger.py) are set side by side after training:
 equal output bits, sums kept exactly or within rounding, and position-weighted sums that catch swapped elements.
-The invariants and the rounding bound: docs/triage.md, "Collectives by their own invariants".
-"""
+The invariants and the rounding bound: docs/triage.md, "Collectives by their own invariants"."""
 
 from __future__ import annotations
 

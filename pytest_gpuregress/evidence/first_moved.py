@@ -14,10 +14,10 @@ from typing import Literal
 import numpy as np
 
 from ..reference.record import RunRecord
-from .op_trace import INPUT_OP, ROOT, RankTrace, TraceOp, ranks
+from .op_trace import COLLECTIVES, INPUT_OP, ROOT, RankTrace, TraceOp, ranks
 from .trace_pairs import Pairing, differing_fields, pair
 
-COLLECTIVE_NAMESPACES = ("c10d::", "_c10d_functional::", "c10d_functional::", "fsdp::")
+COLLECTIVE_NAMESPACES = (*COLLECTIVES, "fsdp::")
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,9 @@ class FirstMoved:
 
     @property
     def site(self) -> str | None:
-        """Where the op that moved sits, as a fact (triage/naming.py names the component): ``tokens`` (integers a
-        step read), ``input`` (a float input: a weight or buffer), ``collective``, ``update`` (the clip and the
-        optimizer step), ``called otherwise`` (other non-tensor arguments than the reference's), ``compute``; None
-        for a changed op sequence."""
+        """Where the op that moved sits, as a fact (triage/naming.py names the component): ``tokens`` (integers a step
+        read), ``input`` (a weight or buffer), ``collective``, ``update`` (the clip and the optimizer step), ``called
+        otherwise`` (other non-tensor arguments than the reference's), ``compute``; None for a changed sequence."""
         if self.kind != "moved" or self.entry is None:
             return None
         if self.entry.op == INPUT_OP:
@@ -72,16 +71,12 @@ class FirstMoved:
 
     def describe(self) -> str:
         """One line: "first difference: aten::mm in model.layers.0.mlp.up_proj (forward), ... bitwise equal"."""
-        called = self._called_otherwise()
-        return self._describe() + (f"; {called}" if called else "")
-
-    def _called_otherwise(self) -> str:
         if not self.arguments_changed:
-            return ""
+            return self._describe()
         assert self.entry is not None and self.reference is not None
         whose = f"{self.caller}'s code" if self.caller else "the code that calls it"
-        return f"it was called with other arguments: {self.reference.arguments or 'none'} in the reference, " \
-               f"{self.entry.arguments or 'none'} now: {whose} calls it otherwise"
+        return f"{self._describe()}; it was called with other arguments: {self.reference.arguments or 'none'} in " \
+               f"the reference, {self.entry.arguments or 'none'} now: {whose} calls it otherwise"
 
     def _describe(self) -> str:
         on = sorted((self.rank, *self.also_on))
@@ -131,16 +126,11 @@ def holds_integers(entry: TraceOp) -> bool:
                                        for shape in entry.outputs)
 
 
-def _module(entry: TraceOp) -> str:
-    if entry.module == ROOT:
-        return "the root module"
-    return entry.module or "no module"
-
-
 def _name(entry: TraceOp) -> str:
     region = f"; {entry.region}" if entry.region.startswith("FSDP::") else ""
     what = "an input" if entry.op == INPUT_OP else entry.op
-    return f"{what} in {_module(entry)} ({entry.phase}{region})"
+    module = "the root module" if entry.module == ROOT else entry.module or "no module"
+    return f"{what} in {module} ({entry.phase}{region})"
 
 
 def _shapes(entry: TraceOp) -> str:
@@ -231,9 +221,8 @@ def equal_traces(reference: RunRecord, run: RunRecord,
 def first_moved(reference: RunRecord, run: RunRecord, *, sequence: bool = True,
                 paired: dict[int, tuple[RankTrace, RankTrace, Pairing]] | None = None) -> FirstMoved | None:
     """The first op of step 0 whose output moved, over every rank both records traced; None when every paired op
-    is bitwise equal (and, with ``sequence``, the sequence did not change), or when either record has no trace
-    (older references have none). ``sequence``: a changed op sequence counts as the first difference (the exact
-    lane); without it, the first paired op that moved (the tolerant lane's drift)."""
+    is bitwise equal or either record has no trace. ``sequence``: a changed op sequence counts as the first
+    difference too (the exact lane); without it, the first paired op that moved (the tolerant lane's drift)."""
     paired = pairings(reference, run) if paired is None else paired
     found = {r: first_in_rank(ref, got, p, sequence=sequence) for r, (ref, got, p) in paired.items()}
     moved = {r: f for r, f in found.items() if f is not None}

@@ -14,12 +14,11 @@ from typing import Any
 import numpy as np
 
 from ..reference.record import RunRecord
-from .first_moved import FirstMoved, bits_equal, pairings, relative_per_output
-from .op_trace import INPUT_OP, RESULT_KEY, RankTrace, TraceOp, ranks
+from .first_moved import COLLECTIVE_NAMESPACES, FirstMoved, bits_equal, pairings, relative_per_output
+from .op_trace import COLLECTIVES, INPUT_OP, RESULT_KEY, RankTrace, TraceOp, ranks
 from .trace_pairs import Pairing
 
 INTRODUCED_KEY = "introduced"  # under results["op_trace"]: the thresholds the reference was recorded with
-_CROSS_RANK = ("c10d::", "_c10d_functional::", "c10d_functional::")  # outputs that hold other ranks' inputs
 # Units of rounding per dtype (torch's abbreviations, as the trace's shape texts write them).
 _EPSILON = {"f64": 2.0**-52, "f32": 2.0**-23, "tf32": 2.0**-10, "bf16": 2.0**-7, "f16": 2.0**-10,
             "f8e4m3fn": 2.0**-3, "f8e4m3fnuz": 2.0**-3, "f8e5m2": 2.0**-2, "f8e5m2fnuz": 2.0**-2}
@@ -57,7 +56,6 @@ FEW_BUCKETS = 8  # "a few elements": a bf16 AVG's 8-element tail (NVIDIA/nccl#19
 INPUT_RELAX = 0.25  # an input's floor, against its output's: a reduce-scatter's input holds N times its elements
 SPIKE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "aten::mv",
              "aten::addmv", "aten::_grouped_mm", "aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat")
-SPIKE_NAMESPACES = ("c10d::", "_c10d_functional::", "c10d_functional::", "fsdp::")
 
 
 def stored_thresholds(reference: RunRecord) -> Thresholds | None:
@@ -153,11 +151,9 @@ class _Moves:
         return float((found / self.epsilons[index]).max(initial=0.0)) if found is not None else 0.0
 
     def spikes(self, index: int, thresholds: Thresholds, relax: float = 1.0) -> list[tuple[float, float]]:
-        """(peak bucket move, its ratio to the median bucket's) per output of entry ``index`` whose sketch shows a few
-        elements wrong amid drift: at most FEW_BUCKETS moved past the floor and ``spike_ratio`` x the median (a whole
-        row moving, as a one-token change does, moves many). ``relax`` lowers the floor to ask it of an input. An
-        unpaired entry has its nearest paired ancestors' spikes.
-        """
+        """(peak bucket move, its ratio to the median bucket's) per output of entry ``index`` (an unpaired one: its
+        nearest paired ancestors) whose sketch shows a few elements wrong amid drift: at most FEW_BUCKETS past the
+        floor and ``spike_ratio`` x the median (a one-token change moves many). ``relax`` lowers the floor for an input."""
         if thresholds.spike_ratio is None:
             return []
         out = []
@@ -233,7 +229,7 @@ def _input_sides(index: int, trace: RankTrace, moves: _Moves,
     same collective at that place (ranks whose traces differ, as MoE routing makes them, are left out rather than
     paired with another op)."""
     entry = trace.entry(index)
-    if not entry.op.startswith(_CROSS_RANK):
+    if not entry.op.startswith(COLLECTIVES):
         return [(trace, moves)]
     return [(trace, moves), *((other, other_moves) for other, other_moves in others
                               if index < len(other_moves) and other.entry(index).identity == entry.identity)]
@@ -260,7 +256,7 @@ def _spiked(index: int, trace: RankTrace, moves: _Moves, others: list[tuple[Rank
     dense drift (SPIKE_OPS, collectives) whose sketch has a bucket far past the others, while no input's does (an
     input that came with one passed it on). A collective's inputs are every rank's that ran it."""
     op = trace.entry(index).op
-    if not (op in SPIKE_OPS or op.startswith(SPIKE_NAMESPACES)) or not moves.spikes(index, thresholds):
+    if not (op in SPIKE_OPS or op.startswith(COLLECTIVE_NAMESPACES)) or not moves.spikes(index, thresholds):
         return False
     return not any(rank_moves.spikes(source, thresholds, relax=INPUT_RELAX)
                    for rank_trace, rank_moves in _input_sides(index, trace, moves, others)

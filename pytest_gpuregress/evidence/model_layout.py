@@ -108,10 +108,9 @@ def library_changes(reference: RunRecord, run: RunRecord) -> list[str]:
 
 
 def layout_change(reference: RunRecord, run: RunRecord) -> str | None:
-    """The model finding's message when the parameter layouts differ, else None. Gradients that are only
-    missing, with no model library changed, are no model change: a stack fault can leave a parameter without
-    a step-0 gradient, and the usual findings must name it. A parameter the model no longer has at all (no final
-    weight either) is a change of the model's definition."""
+    """The model finding's message when the parameter layouts differ, else None. Gradients only missing, with no
+    model library changed, are no model change (a stack fault can leave a parameter without one, and the usual
+    findings must name it); a parameter with no final weight either is a change of the model's definition."""
     before, after = layout(reference), layout(run)
     change = what_changed(before, after)
     if change is None:
@@ -136,10 +135,9 @@ def adapters_only(reference: RunRecord, run: RunRecord) -> bool:
 
 
 def tie_built_otherwise(reference: RunRecord, run: RunRecord, tied: bool | None) -> tuple[str, str] | None:
-    """(the library that built it, message) where the layouts differ by the output head alone: tied to the
-    input embeddings on one side only (``tied``: the config's tie_word_embeddings, None where it has none).
-    Building against the config is a library's fault, never a layout to re-record over; None otherwise.
-    """
+    """(the library that built it, message) where the layouts differ by the output head alone: tied to the input
+    embeddings on one side only (``tied``: the config's tie_word_embeddings, None where it has none). Building
+    against the config is a library's fault, never a layout to re-record over; None otherwise."""
     if tied is None:
         return None
     before, after = layout(reference), layout(run)

@@ -25,9 +25,7 @@ def _scalar_text(value: Any) -> str | None:
 
     if isinstance(value, (bool, int)):
         return str(value)
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, str):
+    if isinstance(value, (float, str)):
         return repr(value)
     if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return str(value)

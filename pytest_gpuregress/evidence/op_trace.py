@@ -21,6 +21,7 @@ TRACE_CONFIG = "op_trace"  # a launch config key: false where no trace is compar
 ARRAY_PREFIX = "op_trace/"
 PHASES = ("forward", "backward", "clip", "optimizer")
 INPUT_OP = "<input>"
+COLLECTIVES = ("c10d::", "_c10d_functional::", "c10d_functional::")  # ops whose outputs hold other ranks' inputs
 ROOT = "(root)"  # the module path of the model itself, and of FSDP2's root unit; "" is no module at all
 FORMAT = 1
 _OP, _MODULE, _REGION, _PHASE, _INPUTS, _OUTPUTS = range(6)
@@ -132,10 +133,6 @@ class RankTrace:
                 _kept(packages, lambda found: [at(p) for p in found]))
         return cls(list(table), np.array(ops), np.array(outputs), np.array(rows, dtype=np.float64).reshape(-1, 3),
                    np.array(hashes, dtype=np.int64), backend, hash_kind, seconds, error, *kept)
-
-    @property
-    def has_sketches(self) -> bool:
-        return self.sketch is not None
 
     def __len__(self) -> int:
         return len(self.ops)

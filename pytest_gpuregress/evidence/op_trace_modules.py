@@ -53,10 +53,8 @@ def _grad_fns(tensors: Iterable[Any]) -> list[Any]:
 
 
 def label_graph(outputs: Iterable[Any], inputs: Iterable[Any], path: str) -> None:
-    """Label the autograd nodes between a module's ``outputs`` and its ``inputs`` with ``path``, where unlabelled.
-
-    The walk stops at the inputs' nodes and at nodes labelled by a module outside this one (made before it
-    ran): it never walks the graph of earlier layers."""
+    """Label the autograd nodes between a module's ``outputs`` and its ``inputs`` with ``path``, where unlabelled. The
+    walk stops at the inputs' nodes and at nodes labelled by a module outside this one: never earlier layers'."""
     # Nodes by identity, each kept alive for the walk: some torch releases (2.11) hand out a new Python wrapper of a
     # node at every access, and a wrapper freed early lends its id to the next one, which would read as seen.
     stop = {id(node): node for node in _grad_fns(inputs)}

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..fault_points import FAULT_REGION
 from .op_arguments import arguments_text, calling_package
-from .op_trace import INPUT_OP, PHASES, STACK_CONFIG, STACK_KEY, TRACE_CONFIG, RankTrace
+from .op_trace import COLLECTIVES, INPUT_OP, PHASES, STACK_CONFIG, STACK_KEY, TRACE_CONFIG, RankTrace
 from .op_trace_modes import op_watch
 from .op_trace_modules import ModulePaths, ParameterLineage, fsdp_unit, tensors_in
 from .tensor_digest import HASH_KIND, digest_and_sketch
@@ -38,7 +38,6 @@ _FILLED_OUTPUTS = {"fsdp::all_gather_copy_in": (0,), "aten::_scaled_dot_product_
                    "aten::_scaled_dot_product_efficient_attention": (0, 1),
                    "aten::_scaled_dot_product_cudnn_attention": (0, 1), "aten::_flash_attention_forward": (0, 1),
                    "aten::_efficient_attention_forward": (0, 1)}
-_COLLECTIVES = ("c10d::", "_c10d_functional::", "c10d_functional::")
 _MAX_INPUTS_SHOWN = 4
 _STACK_FRAMES = 30
 # Frames a kept stack leaves out: the tracer's own, the launcher's below the scenario, and decorators' wrappers.
@@ -290,7 +289,7 @@ class OpTracer:
         filled = _FILLED_OUTPUTS.get(name)
         kept = [outputs[i] for i in filled if i < len(outputs)] if filled else outputs
         sources = sorted({i for i in map(self._storages.writer, inputs) if i is not None})  # before it writes
-        collective = name.startswith(_COLLECTIVES)
+        collective = name.startswith(COLLECTIVES)
         # A collective's arguments name its group, which another stack may number otherwise: not kept.
         self._add(name, module, inputs_text(inputs), kept, sources, collective=collective,
                   arguments="" if collective else arguments_text(func, args, kwargs), package=self._package(module))
@@ -434,10 +433,8 @@ def at_step(tracer: OpTracer | None, step: int) -> OpTracer | NoTrace:
 
 def for_rank(ctx: Any, model: Any) -> OpTracer | None:
     """The tracer of a training scenario's rank; in the re-run that explains a failure (config ``STACK_CONFIG``:
-    [rank, entry]) it keeps the Python stack of that entry on that rank.
-
-    None (no trace) in launches no trace is compared for: a recording's noise replicas (config ``perturbation``)
-    and triage's experiments (config ``TRACE_CONFIG`` false)."""
+    [rank, entry]) it keeps the Python stack of that entry on that rank. None where no trace is compared: a
+    recording's noise replicas (config ``perturbation``), triage's experiments (config ``TRACE_CONFIG`` false)."""
     if ctx.config.get("perturbation") or not ctx.config.get(TRACE_CONFIG, True):
         return None
     rank, index = ctx.config.get(STACK_CONFIG) or (None, None)

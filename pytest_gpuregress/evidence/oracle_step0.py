@@ -54,10 +54,9 @@ def attach(record: RunRecord, oracle: RunRecord) -> None:
 
 
 def _relative(now: list[float], then: list[float]) -> float:
-    total, abs_total, max_abs = (float(v) for v in then)
-    moves = [abs(now[0] - total) / abs_total if abs_total else abs(now[0] - total),
-             abs(now[1] - abs_total) / abs_total if abs_total else abs(now[1] - abs_total),
-             abs(now[2] - max_abs) / max_abs if max_abs else abs(now[2] - max_abs)]
+    """The largest move of a digest [sum, sum |x|, max |x|]: the sums over sum |x|, max |x| over itself."""
+    scales = (float(then[1]), float(then[1]), float(then[2]))
+    moves = [abs(a - float(b)) / scale if scale else abs(a - float(b)) for a, b, scale in zip(now, then, scales)]
     return float(np.nan_to_num(max(moves), nan=np.inf))
 
 

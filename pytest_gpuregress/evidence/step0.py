@@ -169,8 +169,7 @@ def step0_deviation(run: RunRecord, reference: RunRecord, name: str) -> np.ndarr
 def block_bound_scale(ref: np.ndarray) -> np.ndarray:
     """Per block: how many times an element's rounding bound its block's sum may differ by (unit: max |x|).
     Independent errors grow like sqrt(sum x_i^2) (comparison/bounds.py's model), at most sqrt(max |x| x sum |x|);
-    never below 1, a one-element block being that element.
-    """
+    never below 1, a one-element block being that element."""
     scale = max(float(ref[:, _MAX_ABS].max()) if ref.size else 0.0, float(np.finfo(np.float32).tiny))
     return np.maximum(1.0, np.sqrt(np.abs(ref[:, _MAX_ABS] * ref[:, _ABS_SUM])) / scale)
 

@@ -36,30 +36,26 @@ def bits_as_int64(flat: Any) -> Any:
 
 
 def digest(tensor: Any) -> tuple[float, float, float, int]:
-    """(sum, sum of |x|, max |x|) in float64, and the bits hash, of ``tensor`` (read only, on its device).
-
-    A CPU tensor of a dtype numpy has is read in place through numpy: a few calls instead of a dozen torch
-    ops (the trace digests hundreds of small outputs). The hash is the same either way; the float64 sums may
-    differ in their last bits, which is why equality is judged by the hash (evidence/first_moved.py)."""
-    if tensor.device.type not in ("cpu", "meta"):
-        wait_for_writers(tensor.device)
-    if tensor.device.type == "cpu" and tensor.dtype in _numpy_dtypes():
-        # A copy: numpy's view of a tensor's own storage would make that storage non-resizable, and FSDP2
-        # frees its unsharded parameters by resizing their storage to 0.
-        return numpy_digest(tensor.detach().clone(memory_format=_contiguous()).numpy())
-    return torch_digest(tensor)
+    """(sum, sum of |x|, max |x|) in float64, and the bits hash, of ``tensor`` (read only, on its device)."""
+    return digest_and_sketch(tensor, sketch=False)[0]
 
 
-def digest_and_sketch(tensor: Any) -> tuple[tuple[float, float, float, int], Any]:
+def digest_and_sketch(tensor: Any, *, sketch: bool = True) -> tuple[tuple[float, float, float, int], Any]:
     """``digest(tensor)`` and, for a floating tensor of SKETCH_MIN_ELEMENTS or more, its ``sketch`` (a float64
-    numpy array of SKETCH_BUCKETS signed sums); None otherwise. A CPU tensor numpy can read is copied once for
-    both; on a device both are computed there and only the numbers cross."""
+    numpy array of SKETCH_BUCKETS signed sums); None otherwise (and with ``sketch`` false). On a device both are
+    computed there and only the numbers cross."""
+    import torch
+
     floating = tensor.is_floating_point() and not tensor.is_complex()
-    wanted = floating and tensor.numel() >= SKETCH_MIN_ELEMENTS
+    wanted = sketch and floating and tensor.numel() >= SKETCH_MIN_ELEMENTS
     if tensor.device.type not in ("cpu", "meta"):
         wait_for_writers(tensor.device)
     if tensor.device.type == "cpu" and tensor.dtype in _numpy_dtypes():
-        values = tensor.detach().clone(memory_format=_contiguous()).numpy()
+        # Read through numpy: a few calls instead of a dozen torch ops (the trace digests hundreds of small outputs).
+        # The hash is the same either way; the float64 sums may differ in their last bits, which is why equality is
+        # judged by the hash (evidence/first_moved.py). A copy, once for both: numpy's view of a tensor's own
+        # storage would make it non-resizable, and FSDP2 frees its unsharded parameters by resizing it to 0.
+        values = tensor.detach().clone(memory_format=torch.contiguous_format).numpy()
         return numpy_digest(values), numpy_sketch(values) if wanted else None
     return torch_digest(tensor), torch_sketch(tensor) if wanted else None
 
@@ -90,11 +86,9 @@ def torch_sketch(tensor: Any) -> Any:
 
 
 def wait_for_writers(device: Any) -> None:
-    """Wait until every stream of ``device`` has finished: an output may still be written on a side stream the
-    reading stream has not waited for. FSDP2 at world size 1 copies the reduce-scatter's input into its output on
-    the reduce-scatter stream, and the trace digests that output in the next op's hook, on the default stream,
-    before the program's own wait: the digest would race the copy and differ from run to run. Step 0 only, so
-    a whole-device synchronisation costs little; it changes no number the training computes."""
+    """Wait until every stream of ``device`` has finished: FSDP2 at world size 1 copies into the reduce-scatter's output
+    on its own stream, and the next op's hook digests it on the default stream before the program's own wait, racing
+    the copy. Step 0 only, so a whole-device synchronisation costs little; it changes no number the training computes."""
     import torch
 
     backend = getattr(torch, device.type, None)  # torch.cuda (ROCm too), torch.xpu, torch.mps
@@ -141,12 +135,6 @@ def torch_digest(tensor: Any) -> tuple[float, float, float, int]:
     return total, abs_total, max_abs, int(row[3:].view(torch.int64)[0])
 
 
-def _contiguous() -> Any:
-    import torch
-
-    return torch.contiguous_format
-
-
 def _numpy_dtypes() -> frozenset[Any]:
     import torch
 
@@ -166,16 +154,12 @@ def numpy_hash(values: Any) -> int:
     return total - (1 << 64) if total >= 1 << 63 else total
 
 
-@functools.lru_cache(maxsize=32)
-def _cached_weights(size: int) -> Any:
-    return _weights_of(size)
-
-
 def _weights(size: int) -> Any:
     """(2 i + 1) K mod 2**64 for i < size; kept for the small sizes a trace meets again and again."""
-    return _cached_weights(size) if size <= 1 << 20 else _weights_of(size)
+    return _weights_of(size) if size <= 1 << 20 else _weights_of.__wrapped__(size)
 
 
+@functools.lru_cache(maxsize=32)
 def _weights_of(size: int) -> Any:
     import numpy as np
 

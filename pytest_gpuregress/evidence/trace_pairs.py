@@ -64,13 +64,9 @@ class Pairing:
         return min(starts) if starts else None
 
 
-def _key(entry: TraceOp, *, with_module: bool) -> tuple[str, ...]:
-    identity = entry.identity  # (op, module, phase, inputs, *outputs)
-    return identity if with_module else (identity[0], *identity[2:])
-
-
 def _keys(trace: RankTrace, with_module: bool) -> list[tuple[str, ...]]:
-    return [_key(trace.entry(i), with_module=with_module) for i in range(len(trace))]
+    identities = (trace.entry(i).identity for i in range(len(trace)))  # (op, module, phase, inputs, *outputs)
+    return [key if with_module else (key[0], *key[2:]) for key in identities]
 
 
 def _matched(a: list[tuple[str, ...]], b: list[tuple[str, ...]]) -> list[tuple[str, int, int, int, int]]:
@@ -124,10 +120,6 @@ def _ops(entries: list[TraceOp]) -> str:
     return named + (f" and {more} other kinds" if more > 0 else "")
 
 
-def _plural(n: int, word: str = "op") -> str:
-    return f"{n} {word}{'s' if n != 1 else ''}"
-
-
 FIELDS = ("op", "module", "phase", "inputs", "outputs")
 
 
@@ -146,7 +138,7 @@ def notes(pairing: Pairing, reference: RankTrace, run: RankTrace) -> list[str]:
     """What changed in the op sequence, one short note per kind of change and place (layers folded), most frequent
     first; empty where nothing did. The analysis pairs the ops around each change and goes on past it."""
     found = _changes(pairing, reference, run)
-    lines = [f"{_plural(n)} {text[0] if n == 1 else text[1]}" for text, n in found.most_common(_NOTES_SHOWN)]
+    lines = [f"{n} op {text[0]}" if n == 1 else f"{n} ops {text[1]}" for text, n in found.most_common(_NOTES_SHOWN)]
     hidden = len(found) - _NOTES_SHOWN
     if hidden > 0:
         lines.append(f"and {hidden} other changes")
@@ -188,10 +180,9 @@ def _stretch_changes(ref: list[TraceOp], got: list[TraceOp], *, replaced: bool) 
 
 
 def changed_code(pairing: Pairing, reference: RankTrace, run: RankTrace) -> list[str]:
-    """The packages whose code runs the ops that were inserted, removed or replaced (not merely relabelled), first
-    met first, torch last: where step 0's op sequence changed, whose code changed it. Torch's own ops (FSDP2's
-    copies, a module of torch.nn) change along with what calls them, so torch is named first only where it alone
-    changed. [] for traces that do not keep them."""
+    """The packages whose code runs the ops inserted, removed or replaced (not merely relabelled), first met first,
+    torch last: torch's own ops (FSDP2's copies, a module of torch.nn) change along with what calls them, so it
+    is named first only where it alone changed. [] for traces that do not keep them."""
     found: dict[str, None] = {}
     for stretch in pairing.stretches:
         entries = [run.entry(j) for j in stretch.run] + [reference.entry(i) for i in stretch.ref]

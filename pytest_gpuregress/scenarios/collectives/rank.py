@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ...errors import NotSupported
@@ -83,6 +84,12 @@ def _expected_reduction(case: plan.Case, idx: Any, backend: str, world: int, sal
     return total
 
 
+# Inputs and expected values of the sweep's current group of cases (one dtype, one size), keyed by dtype, size,
+# repeat, offset and what they are: the ops share them, and making them (int64 modulo, float64 casts checked against
+# ml_dtypes) cost more than the collectives themselves. ``run`` groups the cases and empties it between groups.
+_MADE: dict[tuple[Any, ...], Any] = {}
+
+
 class _Buffers:
     """One repeat of one case on this rank: its inputs, blank outputs and expected values, built as the case's
     op needs them. Each op's method returns (call, output reader, expected)."""
@@ -93,12 +100,20 @@ class _Buffers:
         self.case, self.ctx, self.salt, self.torch, self.dist = case, ctx, salt, torch, dist
         self.dtype = getattr(torch, plan.DTYPES[case.dtype][1])
         self.w, self.r, self.n = ctx.world_size, ctx.rank, case.n
-        self.idx = torch.arange(case.n, dtype=torch.int64, device=ctx.device)
+
+    def _made(self, key: tuple[Any, ...], make: Callable[[Any], Any]) -> Any:
+        """``make(index)`` for the elements from ``key``'s offset on, made once per sweep group (``_MADE``)."""
+        key = (self.case.dtype, self.n, self.salt, *key)
+        if key not in _MADE:
+            _MADE[key] = make(self.torch.arange(key[3], key[3] + self.n, dtype=self.torch.int64, device=self.ctx.device))
+        return _MADE[key]
 
     def values(self, offset: int, rank: int) -> Any:
-        case = self.case
-        return _cast(plan.inputs_for(case, self.idx + offset, rank, self.w, self.salt, self.ctx.backend), self.dtype,
-                     self.torch, plan.unit(case.dtype))
+        """A fresh copy of ``rank``'s inputs from element ``offset``: collectives write into their inputs."""
+        case, inputs = self.case, "avg" if self.case.reduce_op in ("avg", "premul_sum") else "plain"
+        return self._made((offset, rank, inputs, case.reduce_op if inputs == "avg" else ""), lambda idx: _cast(
+            plan.inputs_for(case, idx, rank, self.w, self.salt, self.ctx.backend), self.dtype, self.torch,
+            plan.unit(case.dtype))).clone()
 
     def chunks(self, rank: int) -> list[Any]:
         return [self.values(q * self.n, rank) for q in range(self.w)]
@@ -110,8 +125,8 @@ class _Buffers:
         return self.torch.maximum(a, b) if op == "max" else self.torch.minimum(a, b)
 
     def reduced(self, offset: int) -> Any:
-        return _expected_reduction(self.case, self.idx + offset, self.ctx.backend, self.w, self.salt, self.dtype,
-                                   self.reduce, self.torch)
+        return self._made((offset, "reduced", self.case.reduce_op), lambda idx: _expected_reduction(
+            self.case, idx, self.ctx.backend, self.w, self.salt, self.dtype, self.reduce, self.torch))
 
     def all_reduce(self) -> tuple[Any, Any, Any]:
         t = self.values(0, self.r)
@@ -235,7 +250,10 @@ def run(ctx: RankContext) -> RunRecord:
     results: dict[str, Any] = {}
     # "link_sweep": the consensus scenario's small per-link sweep (plan.link_cases), planned here as in the session
     cases = plan.link_cases() if ctx.config.get("link_sweep") else [plan.Case(**c) for c in ctx.config["cases"]]
-    for number, case in enumerate(cases):
+    # Grouped by dtype and size, so the ops of one group share its inputs (_MADE); results are keyed by case.
+    for number, case in enumerate(sorted(cases, key=lambda c: (c.dtype, c.n))):
+        if _MADE and next(iter(_MADE))[:2] != (case.dtype, case.n):
+            _MADE.clear()
         results[case.id] = _run_case(case, ctx, repeats, torch)
         if number % 50 == 0:
             ctx.progress(f"case {number} of {len(cases)}: {case.id}")

@@ -19,8 +19,8 @@ import pytest_gpuregress
 from .conftest import collected
 
 PACKAGE = Path(pytest_gpuregress.__file__).parent
-# 'gpuregress::NAME*' in a string the plugin prints; {sc.name} is a training scenario's.
-ADVICE = re.compile(r"'gpuregress::(\{sc\.name\}|[\w-]+)\*'")
+# 'gpuregress::NAME*' in a string the plugin prints; {sc.name} or {self.name} is a training scenario's.
+ADVICE = re.compile(r"'gpuregress::(\{(?:sc|self)\.name\}|[\w-]+)\*'")
 # "pytest --gpuregress ... -k NAME" or "(-k NAME)": a -k the plugin would print as advice (over "..." f"..." too)
 K_ADVICE = re.compile(r"""(?:pytest --gpuregress(?:[^"\n]|"\s*f?")*?|\()-k (\{sc\.name\}|\w+)""")
 OPTIONS_FOR = {"consensus": ["--gpuregress-consensus"]}  # cases that exist only with their option
@@ -31,7 +31,7 @@ def printed_patterns() -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         for name in ADVICE.findall(path.read_text()):
-            for each in (["fsdp", "lora"] if name == "{sc.name}" else [name]):
+            for each in (["fsdp", "lora"] if name in ("{sc.name}", "{self.name}") else [name]):
                 found.setdefault(each, []).append(str(path.relative_to(PACKAGE)))
     return found
 

@@ -84,29 +84,24 @@ def _expected_reduction(case: plan.Case, idx: Any, backend: str, world: int, sal
     return total
 
 
-# Inputs and expected values of the sweep's current group of cases (one dtype, one size), keyed by dtype, size,
-# repeat, offset and what they are: the ops share them, and making them (int64 modulo, float64 casts checked against
-# ml_dtypes) cost more than the collectives themselves. ``run`` groups the cases and empties it between groups.
-_MADE: dict[tuple[Any, ...], Any] = {}
-
-
 class _Buffers:
     """One repeat of one case on this rank: its inputs, blank outputs and expected values, built as the case's
     op needs them. Each op's method returns (call, output reader, expected)."""
 
-    def __init__(self, case: plan.Case, ctx: RankContext, salt: int, torch: Any) -> None:
+    def __init__(self, case: plan.Case, ctx: RankContext, salt: int, torch: Any, made: dict[tuple, Any]) -> None:
         import torch.distributed as dist
 
-        self.case, self.ctx, self.salt, self.torch, self.dist = case, ctx, salt, torch, dist
+        self.case, self.ctx, self.salt, self.torch, self.dist, self.made = case, ctx, salt, torch, dist, made
         self.dtype = getattr(torch, plan.DTYPES[case.dtype][1])
         self.w, self.r, self.n = ctx.world_size, ctx.rank, case.n
 
     def _made(self, key: tuple[Any, ...], make: Callable[[Any], Any]) -> Any:
-        """``make(index)`` for the elements from ``key``'s offset on, made once per sweep group (``_MADE``)."""
+        """``make(index)`` for the elements from ``key``'s offset on, made once per group of cases (``run``)."""
         key = (self.case.dtype, self.n, self.salt, *key)
-        if key not in _MADE:
-            _MADE[key] = make(self.torch.arange(key[3], key[3] + self.n, dtype=self.torch.int64, device=self.ctx.device))
-        return _MADE[key]
+        if key not in self.made:
+            index = self.torch.arange(key[3], key[3] + self.n, dtype=self.torch.int64, device=self.ctx.device)
+            self.made[key] = make(index)
+        return self.made[key]
 
     def values(self, offset: int, rank: int) -> Any:
         """A fresh copy of ``rank``'s inputs from element ``offset``: collectives write into their inputs."""
@@ -219,14 +214,14 @@ def _tally(result: dict[str, Any], case: plan.Case, ctx: RankContext, got: Any, 
                            "got": float(got.reshape(-1)[i].float()), "repeat": salt}
 
 
-def _run_case(case: plan.Case, ctx: RankContext, repeats: int, torch: Any) -> dict[str, Any]:
+def _run_case(case: plan.Case, ctx: RankContext, repeats: int, torch: Any, made: dict[tuple, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"case": case.to_json(), "nbytes": case.nbytes(ctx.world_size), "wrong": 0,
                               "tail_wrong": 0, "bad_repeats": 0, "repeats": repeats, "first": None,
                               "error": None, "unsupported": None, "time_s": 0.0, "links": {}}
     times: list[float] = []
     for salt in range(repeats):
         try:
-            call, read, expected = getattr(_Buffers(case, ctx, salt, torch), case.op)()
+            call, read, expected = getattr(_Buffers(case, ctx, salt, torch, made), case.op)()
             times.append(_timed(call, ctx, torch))
             got = read()
         except CastMismatch as exc:  # what the case meant to send was never made: no collective to judge
@@ -250,11 +245,13 @@ def run(ctx: RankContext) -> RunRecord:
     results: dict[str, Any] = {}
     # "link_sweep": the consensus scenario's small per-link sweep (plan.link_cases), planned here as in the session
     cases = plan.link_cases() if ctx.config.get("link_sweep") else [plan.Case(**c) for c in ctx.config["cases"]]
-    # Grouped by dtype and size, so the ops of one group share its inputs (_MADE); results are keyed by case.
+    # Cases grouped by dtype and size: the ops of a group share its inputs and expected values, made once and
+    # cast-checked once (making them costs more than the collectives). Results are keyed by case, as before.
+    made: dict[tuple, Any] = {}
     for number, case in enumerate(sorted(cases, key=lambda c: (c.dtype, c.n))):
-        if _MADE and next(iter(_MADE))[:2] != (case.dtype, case.n):
-            _MADE.clear()
-        results[case.id] = _run_case(case, ctx, repeats, torch)
+        if made and next(iter(made))[:2] != (case.dtype, case.n):
+            made.clear()
+        results[case.id] = _run_case(case, ctx, repeats, torch, made)
         if number % 50 == 0:
             ctx.progress(f"case {number} of {len(cases)}: {case.id}")
     # Who this rank is (host, node, device, its GPU links), so a wrong link can be named (scenarios/shared/links.py).

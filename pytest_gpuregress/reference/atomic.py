@@ -164,9 +164,8 @@ def leftovers(target: Path) -> list[Path]:
         return []
     aside = _aside_pattern(target, f"{re.escape(NEW)}|{re.escape(OLD)}")
     found = [p for p in folder.iterdir() if aside.fullmatch(p.name)]
-    for where in (folder, target):  # write_bytes' temp files: .<file>.<id>.tmp
-        if where.is_dir():
-            found += [p for p in where.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp") and p.is_file()]
+    for where in (folder, target):  # write_bytes' temp files: .<file>.<id>.tmp (none in a target not there)
+        found += [p for p in where.glob(".*.tmp") if p.is_file()]
     return sorted(found)
 
 

@@ -183,10 +183,10 @@ def remove_leftovers(target: Path) -> list[Path]:
 def restore_orphan(target: Path) -> Path | None:
     """Put back an old directory a crash left under ``.<name>.old-*`` with no ``target``; return where it was.
     Hold ``locked(target.parent)``: a live fallback writer holds it between its two renames."""
-    if target.exists() or not target.parent.is_dir():
+    if target.exists():
         return None
     moved = _aside_pattern(target, re.escape(OLD))
-    aside = [p for p in target.parent.iterdir() if moved.fullmatch(p.name) and p.is_dir()]
+    aside = [p for p in target.parent.glob(".*") if moved.fullmatch(p.name) and p.is_dir()]  # none in a missing folder
     if not aside:
         return None
     newest = max(aside, key=lambda p: p.stat().st_mtime_ns)

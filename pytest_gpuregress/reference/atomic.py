@@ -160,12 +160,10 @@ def _aside_pattern(target: Path, kinds: str) -> re.Pattern[str]:
 def leftovers(target: Path) -> list[Path]:
     """What interrupted writes of ``target`` left beside it: staging and moved-aside folders, temp files."""
     folder = target.parent
-    if not folder.is_dir():
-        return []
     aside = _aside_pattern(target, f"{re.escape(NEW)}|{re.escape(OLD)}")
-    found = [p for p in folder.iterdir() if aside.fullmatch(p.name)]
-    for where in (folder, target):  # write_bytes' temp files: .<file>.<id>.tmp (none in a target not there)
-        found += [p for p in where.glob(".*.tmp") if p.is_file()]
+    # Globs find nothing in a folder not there. write_bytes' temp files: .<file>.<id>.tmp
+    found = [p for p in folder.glob(".*") if aside.fullmatch(p.name)]
+    found += [p for where in (folder, target) for p in where.glob(".*.tmp") if p.is_file()]
     return sorted(found)
 
 

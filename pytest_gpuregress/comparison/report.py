@@ -48,8 +48,7 @@ def format_drift(comparison: Comparison) -> str | None:
              + ", ".join(comparison.sequence_notes)) if comparison.sequence_notes else None
     if moved is None:
         return notes
-    drift = f"bitwise drift (information): {moved.describe()}"
-    return f"{drift}; {notes}" if notes else drift
+    return "; ".join(filter(None, [f"bitwise drift (information): {moved.describe()}", notes]))
 
 
 def op_lines(comparison: Comparison) -> list[str]:

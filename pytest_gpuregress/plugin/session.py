@@ -159,12 +159,14 @@ class GpuRegressSession:
         """A record about to be ``recorded`` gets what its reference keeps beside the run: its noise envelope,
         step 0's distance from a float64 oracle where one is at hand, and the scenario's attachments (a resume
         checkpoint). A bf16 run to compare is held to its reference's precision: its distance is measured too."""
-        if recorded and self.options.replicas:
+        if not recorded:
+            if oracle_distance.judges_precision(record):
+                measure_oracle_distance(sc, self.setup, self.launches.cached, record, case.data.get("model"))
+            return
+        if self.options.replicas:
             self.launches.add_envelope(sc, self.selection.launch_of(sc, case), record, [])
-        if recorded or oracle_distance.judges_precision(record):
-            measure_oracle_distance(sc, self.setup, self.launches.cached, record, case.data.get("model"))
-        if recorded:
-            record.attachments.update(sc.attachments(case, record, self.launches.cached, self.setup))
+        measure_oracle_distance(sc, self.setup, self.launches.cached, record, case.data.get("model"))
+        record.attachments.update(sc.attachments(case, record, self.launches.cached, self.setup))
 
     def _launched(self, sc: Scenario, case: Case, reference: str | None, ran: list[RunRecord]) -> RunRecord:
         """The case's record: from its experiment, from its stored reference (a resume), or its launch. A rank that

@@ -160,13 +160,10 @@ def _aside_pattern(target: Path, kinds: str) -> re.Pattern[str]:
 def leftovers(target: Path) -> list[Path]:
     """What interrupted writes of ``target`` left beside it: staging and moved-aside folders, temp files."""
     folder = target.parent
-    if not folder.is_dir():
-        return []
     aside = _aside_pattern(target, f"{re.escape(NEW)}|{re.escape(OLD)}")
-    found = [p for p in folder.iterdir() if aside.fullmatch(p.name)]
-    for where in (folder, target):  # write_bytes' temp files: .<file>.<id>.tmp
-        if where.is_dir():
-            found += [p for p in where.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp") and p.is_file()]
+    # Globs find nothing in a folder not there. write_bytes' temp files: .<file>.<id>.tmp
+    found = [p for p in folder.glob(".*") if aside.fullmatch(p.name)]
+    found += [p for where in (folder, target) for p in where.glob(".*.tmp") if p.is_file()]
     return sorted(found)
 
 
@@ -184,10 +181,10 @@ def remove_leftovers(target: Path) -> list[Path]:
 def restore_orphan(target: Path) -> Path | None:
     """Put back an old directory a crash left under ``.<name>.old-*`` with no ``target``; return where it was.
     Hold ``locked(target.parent)``: a live fallback writer holds it between its two renames."""
-    if target.exists() or not target.parent.is_dir():
+    if target.exists():
         return None
     moved = _aside_pattern(target, re.escape(OLD))
-    aside = [p for p in target.parent.iterdir() if moved.fullmatch(p.name) and p.is_dir()]
+    aside = [p for p in target.parent.glob(".*") if moved.fullmatch(p.name) and p.is_dir()]  # none in a missing folder
     if not aside:
         return None
     newest = max(aside, key=lambda p: p.stat().st_mtime_ns)

@@ -137,7 +137,7 @@ def _verified_files(loc: ReferenceLocation, manifest_path: Path) -> list[str]:
     files = _listed_files(loc, manifest_path)
     for name, expected in files.items():
         _check_sha256(loc, loc.path / name, expected)
-    folders = sorted({folder for name in files if (folder := _attachment_of(name)) is not None})
+    folders = sorted(set(map(_attachment_of, files)) - {None})
     for folder in folders:  # a file slipped into a kept folder would be read with it: DCP reads every shard there
         unlisted = [p for p in sorted((loc.path / folder).rglob("*"))
                     if p.relative_to(loc.path).as_posix() not in files and (p.is_file() or p.is_symlink())]

@@ -82,7 +82,7 @@ def _parse_amd_list_text(text: str) -> list[SmiDevice]:
     for line in text.splitlines():
         label, sep, raw = (part.strip() for part in line.partition(":"))
         label = label.upper()
-        if sep and label == "GPU" and raw.isdigit():
+        if label == "GPU" and raw.isdigit():  # raw is "" without a ":"
             devices.append({"index": int(raw)})
         elif sep and devices and label in _AMD_LIST_FIELDS:
             name, read = _AMD_LIST_FIELDS[label]

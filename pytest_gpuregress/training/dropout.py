@@ -22,7 +22,7 @@ def stochastic_fields(config: Any) -> dict[str, float]:
     for name, value in sorted(vars(config).items()):
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and STOCHASTIC_FIELD.search(name):
             found[name] = float(value)
-        elif name == "text_config" and value is not None and hasattr(value, "__dict__"):
+        elif name == "text_config" and hasattr(value, "__dict__"):  # None has no __dict__
             found.update({f"{name}.{k}": v for k, v in stochastic_fields(value).items()})
     return found
 

@@ -118,7 +118,7 @@ class Curves:
         """The record's per-step series; the token batches' digests only where every step's is known."""
         out = {"loss": self.losses, "grad_norm": self.grad_norms, "clipped_grad_norm": self.clipped_norms}
         if self.batch_digests and all(d is not None for d in self.batch_digests):
-            out[BATCH_DIGEST] = [float(d) for d in self.batch_digests if d is not None]
+            out[BATCH_DIGEST] = [float(d) for d in self.batch_digests]  # type: ignore[arg-type]
         return out
 
     def param_norms(self, tracked: int) -> np.ndarray:

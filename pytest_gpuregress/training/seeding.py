@@ -69,14 +69,14 @@ def seed_parameters(model: Any, seed: int, std: float, cache: InitCache | None |
     large ones between launches: "env", the environment's folder (init_cache.default_root); None, none."""
     import torch
 
-    # Normalisation gains start at 1: by name (norm.weight, layernorm.weight) or by module class (GPT-2's
+    # Normalisation gains start at 1: by name (*norm.weight) or by module class (GPT-2's
     # ln_1, ln_f are LayerNorms); for the shipped models both rules pick the same parameters.
     gains = {f"{module_name}.weight" if module_name else "weight" for module_name, module in model.named_modules()
              if "Norm" in type(module).__name__}
     seeded = []
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight") or name in gains:
+            if name.endswith("norm.weight") or name in gains:  # covers layernorm.weight
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()

@@ -24,14 +24,12 @@ def load_tokens(path: Path) -> np.ndarray:
     if not path.is_file():
         raise BadTokens(path, "no such file", "pass the path of a .npy or .safetensors file of token ids")
     suffix = path.suffix.lower()
+    read = _READERS.get(suffix)
+    if read is None:
+        raise BadTokens(path, f"unknown file type {suffix or '(none)'!r}",
+                        "save the ids with numpy.save (.npy) or safetensors (.safetensors)")
     try:
-        if suffix == ".npy":
-            values = np.load(path, allow_pickle=False)
-        elif suffix == ".safetensors":
-            values = _safetensors_tokens(path)
-        else:
-            raise BadTokens(path, f"unknown file type {suffix or '(none)'!r}",
-                            "save the ids with numpy.save (.npy) or safetensors (.safetensors)")
+        values = read(path)
     except (ValueError, OSError) as exc:
         raise BadTokens(path, f"not a readable {suffix} file ({str(exc).splitlines()[0]})",
                         "write it again with numpy.save or safetensors.numpy.save_file") from None
@@ -62,6 +60,9 @@ def _safetensors_tokens(path: Path) -> np.ndarray:
             return tensors[name]
     raise BadTokens(path, f"holds {len(tensors)} tensors ({', '.join(sorted(tensors))}) and none is named "
                           f"{' or '.join(TENSOR_NAMES)}", "name the token ids input_ids, or save only them")
+
+
+_READERS = {".npy": functools.partial(np.load, allow_pickle=False), ".safetensors": _safetensors_tokens}
 
 
 @functools.lru_cache(maxsize=8)  # every case and launch asks for its config: read and hash the file once

@@ -98,8 +98,8 @@ def _files_of(path: Path) -> tuple[list[Path], str]:
         return _shards_of(path / INDEX), ""
     if (path / SINGLE).is_file():
         return [path / SINGLE], ""
-    if path.is_dir() and sorted(path.glob("*.safetensors")):
-        return sorted(path.glob("*.safetensors")), ""
+    if shards := sorted(path.glob("*.safetensors")):  # empty for a file or a missing path
+        return shards, ""
     what = "no such file or folder" if not path.exists() else "no .safetensors file in this folder"
     raise CheckpointProblem(path, None, what, "pass a .safetensors file, or a folder holding model.safetensors "
                             "or the shards of model.safetensors.index.json")

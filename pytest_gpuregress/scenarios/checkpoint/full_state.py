@@ -145,7 +145,7 @@ def check_ties(model: Any, groups: list[list[str]]) -> list[str]:
     """Each tied group is one tensor in the reloaded model: the same storage, not equal copies."""
     state = model.state_dict(keep_vars=True)
     findings = []
-    for group in (g for g in groups if len(g) > 1):
+    for group in groups:  # a group of one name is one storage: never a finding
         storages = {state[name].data_ptr() for name in group}
         if len(storages) > 1:
             same = all(state[n].detach().cpu().numpy().tobytes() == state[group[0]].detach().cpu().numpy().tobytes()

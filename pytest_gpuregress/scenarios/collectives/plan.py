@@ -304,11 +304,9 @@ def problem(case: Case, result: dict[str, Any], world: int) -> str | None:
     """None when the case is right, or when the backend lacks its op (``unsupported``: nothing computed, nothing
     wrong); otherwise the failure message naming what a user needs."""
     what = case.describe(world)
-    if lacks_only(result):
-        return None
     if result.get("error"):
         return f"{what}: raised {result['error']}"
-    if not result["wrong"]:
+    if not result["wrong"]:  # also where only ``lacks_only``: it has neither an error nor a wrong element
         return None
     first = result["first"] or {}
     intermittent = (f"on {result['bad_repeats']} of {result['repeats']} repeats (intermittent)"

@@ -84,7 +84,7 @@ def overflows(values: np.ndarray, fmt: Format) -> np.ndarray:
 
 def number(v: float) -> str:
     """448, -240, 0.5, 2^-127: short and exact for the values these formats hold."""
-    if math.isnan(v) or math.isinf(v):
+    if not math.isfinite(v):
         return repr(v)
     if v == int(v) and abs(v) < 1e7:
         return str(int(v)) if v or math.copysign(1.0, v) > 0 else "-0"

@@ -182,8 +182,9 @@ def quantized_findings(scheme: str, reference: RunRecord, record: RunRecord, lan
     now = record.results.get("quantized", {}).get(scheme)
     if now is not None and "error" in now:
         return []  # the verdict reports it
-    if before is None or now is None or "error" in before:
-        where = "the reference" if before is None or "error" in before else "this run"
+    stale = before is None or "error" in before
+    if stale or now is None:
+        where = "the reference" if stale else "this run"
         return [Finding("quantized", f"{scheme}: {where} holds no results for this scheme; "
                         "record the reference with every formats case ('gpuregress::formats*')")]
     return _checksums(scheme, before["tensors"], now["tensors"]) + _logits(scheme, reference, record, lane)

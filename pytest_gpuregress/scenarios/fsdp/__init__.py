@@ -59,8 +59,8 @@ class FsdpTriage(TriageSupport):
         from ...units import human_bytes
 
         units = record.results.get(RESULT_KEY) if record is not None else None  # the units rank.py kept
-        path = unit_of(param, units) if isinstance(units, dict) and units else None
-        if record is None or path is None:  # no size guessed: a size is what triage reasons from
+        path = unit_of(param, units) if isinstance(units, dict) else None  # None without a record, too
+        if path is None:  # no size guessed: a size is what triage reasons from
             why = "not among the run's recorded units" if isinstance(units, dict) else "the run recorded no units"
             return f"reduce-scatter of the fully_shard unit that holds it ({why})"
         unit = units[path]

@@ -96,14 +96,16 @@ def check_frozen(leaked: Mapping[str, int], initial: Mapping[str, str], final: M
                                   "(only lora_A/lora_B may): the library left it trainable", left_trainable=True)
            for name, step in leaked.items()]
     for name, digest in initial.items():
+        if final.get(name) == digest:
+            continue
         if name not in final:
             out.append(finding("frozen-base", f"base weight {describe(name)} is missing after training",
                                left_trainable=True))
-        elif final[name] != digest and name in leaked:
+        elif name in leaked:
             out.append(finding("frozen-base", f"base weight {describe(name)} changed during training: it is no longer "
                                               "bit-identical to its initial digest, stepped with the gradient it "
                                               f"received from step {leaked[name]}", left_trainable=True))
-        elif final[name] != digest:
+        else:
             out.append(finding("frozen-base", f"base weight {describe(name)} changed during training without ever "
                                               "receiving a gradient: no longer bit-identical to its initial digest "
                                               "(an optimizer stepping it anyway, or a collective or load writing "

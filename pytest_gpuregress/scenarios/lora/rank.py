@@ -37,8 +37,8 @@ def run(ctx: RankContext) -> RunRecord:
 
     cfg = ctx.config
     built = trainer.adapted(ctx)
-    base_names = [n for n, _ in built.peft_model.named_parameters() if not checks.is_adapter(n)]
     initial_base = {n: _sha(p) for n, p in built.peft_model.named_parameters() if not checks.is_adapter(n)}
+    base_names = list(initial_base)
     ctx.progress("model built")
 
     def fresh_base() -> Any:  # the round trip, the merge and the dropout check each rebuild the base

@@ -106,24 +106,21 @@ def findings(results: dict[str, dict[str, Any]], identities: list[dict[str, Any]
     drain = ("What to do: rerun the sweep ('gpuregress::collectives*') to see whether it repeats; drain the node(s) named and "
              "run their link diagnostics (NVIDIA: dcgmi diag and nvidia-smi nvlink -e; AMD: the RVS xGMI/PEQT tests; "
              "between nodes: the NICs' counters and cables).")
-    if verdict == "link":
-        sender, receiver = pairs[0]
-        said = (f"link {_rank(identities, sender)} -> {_rank(identities, receiver)} "
-                f"({link_kind(identities, sender, receiver, backend)}) delivers wrong data: {evidence}; every other "
-                f"pair of the {world} ranks is clean. {drain}")
-    elif verdict == "sender":
-        said = (f"{_rank(identities, pairs[0][0])}'s data arrives wrong at every peer: {evidence}; the sender's "
-                f"device or send path, not one link. {drain}")
-    elif verdict == "receiver":
-        said = (f"{_rank(identities, pairs[0][1])} receives every peer's data wrong: {evidence}; its receive "
-                f"path or memory, not one link. {drain}")
-    elif verdict == "every":
-        said = (f"every pair of the {world} ranks delivers wrong data: {evidence}; the collective itself "
-                "(its library, protocol or algorithm), not one link: see the sweep's per-case failures "
-                "('gpuregress::collectives*')")
-    else:
-        listed = ", ".join(f"{s} -> {d}: {counts[(s, d)]}" for s, d in pairs)
-        said = f"wrong data on {len(pairs)} links (sender -> receiver: wrong elements): {listed}; {evidence}. {drain}"
+    sender, receiver = pairs[0]
+    listed = ", ".join(f"{s} -> {d}: {counts[(s, d)]}" for s, d in pairs)
+    said = {
+        "link": (f"link {_rank(identities, sender)} -> {_rank(identities, receiver)} "
+                 f"({link_kind(identities, sender, receiver, backend)}) delivers wrong data: {evidence}; every other "
+                 f"pair of the {world} ranks is clean. {drain}"),
+        "sender": (f"{_rank(identities, sender)}'s data arrives wrong at every peer: {evidence}; the sender's "
+                   f"device or send path, not one link. {drain}"),
+        "receiver": (f"{_rank(identities, receiver)} receives every peer's data wrong: {evidence}; its receive "
+                     f"path or memory, not one link. {drain}"),
+        "every": (f"every pair of the {world} ranks delivers wrong data: {evidence}; the collective itself "
+                  "(its library, protocol or algorithm), not one link: see the sweep's per-case failures "
+                  "('gpuregress::collectives*')"),
+        "several": f"wrong data on {len(pairs)} links (sender -> receiver: wrong elements): {listed}; {evidence}. {drain}",
+    }[verdict]
     return [CheckFinding("links", said, {"pattern": verdict})]
 
 

@@ -278,18 +278,17 @@ def _first_in_rank(trace: RankTrace, moves: _Moves, others: list[tuple[RankTrace
                    thresholds: Thresholds) -> tuple[int, float] | None:
     """(entry index, what its inputs explain) of the first entry that introduced a difference, or None."""
     drifted = False
-    for index in range(len(moves)):
-        if not moves.paired(index):
-            continue  # no partner in the reference: nothing to measure; what reads it is judged by its ancestors
+    # an entry without a partner in the reference has nothing to measure: what reads it is judged by its ancestors
+    for index in filter(moves.paired, range(len(moves))):
         entry = trace.entry(index)
         if entry.op == INPUT_OP and moves.changed[index] and all(epsilon(s) >= 1.0 for s in entry.outputs):
             return index, 0.0  # integers read from outside the trace (tokens) that changed: they never drift
         if _spiked(index, trace, moves, others, thresholds):  # a few elements wrong: the whole digest dilutes them
             return index, explained(_inputs_moved(index, trace, moves, others), float(moves.sizes[index].max()))
         if moves.ulps(index) < thresholds.floor_ulps:
-            drifted = drifted or moves.relative(index) > 0
+            drifted |= moves.relative(index) > 0
             continue
-        if trace.entry(index).op == INPUT_OP:
+        if entry.op == INPUT_OP:
             if not drifted:
                 return index, 0.0  # a tensor no op made (tokens, weights) moved that far, before any op: the data
             continue  # made by what the trace does not see (a collective's wait) from values that drifted already

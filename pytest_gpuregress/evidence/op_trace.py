@@ -142,7 +142,7 @@ class RankTrace:
         first, last = int(self._first[index]), int(self._first[index + 1])
         text = self.strings
         sketches: tuple[np.ndarray | None, ...] = ()
-        if self.sketch is not None and self.sketch_rows is not None:
+        if self.sketch is not None:  # __post_init__ keeps sketch and sketch_rows both or neither
             sketches = tuple(self.sketch[r].astype(np.float64) if r >= 0 else None
                              for r in self.sketch_rows[first:last])
         arguments = text[int(self.arguments[index])] if self.arguments is not None else None
@@ -162,7 +162,7 @@ class RankTrace:
                prefix + "hash": self.hashes}
         if self.has_sources:
             out.update({prefix + "source_counts": self.source_counts, prefix + "sources": self.sources})
-        if self.sketch is not None and self.sketch_rows is not None:
+        if self.sketch is not None:
             out.update({prefix + "sketch": self.sketch, prefix + "sketch_rows": self.sketch_rows})
         if self.arguments is not None and self.packages is not None:
             out.update({prefix + "arguments": self.arguments, prefix + "packages": self.packages})
@@ -194,17 +194,15 @@ def ranks(record: RunRecord) -> dict[int, RankTrace]:
         return {}
     out: dict[int, RankTrace] = {}
     for key, data in stored.get("ranks", {}).items():
-        found = [record.arrays.get(f"{ARRAY_PREFIX}rank{key}/{name}") for name in ("ops", "outputs", "digest", "hash")]
-        if any(a is None for a in found) or data.get("format") != FORMAT or data.get("error"):
+        found = [record.arrays.get(f"{ARRAY_PREFIX}rank{key}/{name}") for name in (
+            "ops", "outputs", "digest", "hash", "source_counts", "sources", "sketch", "sketch_rows", "arguments",
+            "packages")]
+        if any(a is None for a in found[:4]) or data.get("format") != FORMAT or data.get("error"):
             continue  # a trace of another format, or one the rank could not finish: nothing to compare
-        ops, outputs, digest, hashes = found
-        counts, sources, sketch, sketch_rows, arguments, packages = (
-            record.arrays.get(f"{ARRAY_PREFIX}rank{key}/{name}")
-            for name in ("source_counts", "sources", "sketch", "sketch_rows", "arguments", "packages"))
+        ops, outputs, digest, hashes, *kept = found
         out[int(key)] = RankTrace(list(data["strings"]), ops, outputs, np.asarray(digest, dtype=np.float64).reshape(-1, 3),
                                   np.asarray(hashes, dtype=np.int64), str(data.get("backend", "")),
-                                  str(data.get("hash", "")), float(data.get("seconds", 0.0)), None, counts, sources,
-                                  sketch, sketch_rows, arguments, packages)
+                                  str(data.get("hash", "")), float(data.get("seconds", 0.0)), None, *kept)
     return out
 
 

@@ -278,18 +278,18 @@ def _first_in_rank(trace: RankTrace, moves: _Moves, others: list[tuple[RankTrace
                    thresholds: Thresholds) -> tuple[int, float] | None:
     """(entry index, what its inputs explain) of the first entry that introduced a difference, or None."""
     drifted = False
-    for index in range(len(moves)):
-        if not moves.paired(index):
-            continue  # no partner in the reference: nothing to measure; what reads it is judged by its ancestors
+    # an entry without a partner in the reference has nothing to measure: what reads it is judged by its ancestors
+    for index in filter(moves.paired, range(len(moves))):
         entry = trace.entry(index)
-        if entry.op == INPUT_OP and moves.changed[index] and all(epsilon(s) >= 1.0 for s in entry.outputs):
+        # an output's epsilon is its dtype's where that is 1 or more (an input's coarser rounding is below 1)
+        if entry.op == INPUT_OP and moves.changed[index] and (moves.epsilons[index] >= 1.0).all():
             return index, 0.0  # integers read from outside the trace (tokens) that changed: they never drift
         if _spiked(index, trace, moves, others, thresholds):  # a few elements wrong: the whole digest dilutes them
             return index, explained(_inputs_moved(index, trace, moves, others), float(moves.sizes[index].max()))
         if moves.ulps(index) < thresholds.floor_ulps:
-            drifted = drifted or moves.relative(index) > 0
+            drifted |= moves.relative(index) > 0
             continue
-        if trace.entry(index).op == INPUT_OP:
+        if entry.op == INPUT_OP:
             if not drifted:
                 return index, 0.0  # a tensor no op made (tokens, weights) moved that far, before any op: the data
             continue  # made by what the trace does not see (a collective's wait) from values that drifted already
@@ -398,10 +398,10 @@ def _shapes_both_ways(traced: Traced, rank: int, culprit: TraceOp) -> tuple[Coun
     thresholds, trace, moves, others = traced.thresholds, traced.run[rank], traced.moves[rank], traced.others(rank)
     wrong: Counter[str] = Counter()
     right: Counter[str] = Counter()
-    for index in range(len(moves)):
+    for index in filter(moves.paired, range(len(moves))):
         entry = trace.entry(index)
         # The same op in the same pass: a backward-only bug must not read as one of the forward's shapes.
-        if (entry.op, entry.phase) != (culprit.op, culprit.phase) or not moves.paired(index):
+        if (entry.op, entry.phase) != (culprit.op, culprit.phase):
             continue
         inputs = _inputs_moved(index, trace, moves, others)
         if _introduces(index, inputs, moves, thresholds) is not None:

@@ -23,12 +23,10 @@ def _scalar_text(value: Any) -> str | None:
     (a process group, a generator)."""
     import torch
 
-    if isinstance(value, (bool, int)):
+    if isinstance(value, (bool, int, torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return str(value)
     if isinstance(value, (float, str)):
         return repr(value)
-    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
-        return str(value)
     if isinstance(value, (list, tuple)) and value:
         texts = [_scalar_text(v) for v in value]
         return None if any(t is None for t in texts) else f"[{', '.join(texts)}]"  # type: ignore[arg-type]

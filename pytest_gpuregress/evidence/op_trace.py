@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain, repeat
 from typing import Any
 
 import numpy as np
@@ -111,28 +112,27 @@ class RankTrace:
         def at(text: str) -> int:
             return table.setdefault(text, len(table))
 
-        ops, outputs, rows, hashes, sketch, sketch_rows = [], [], [], [], [], []
-        for index, ((op, module, region, phase, inputs, shapes), found) in enumerate(zip(entries, digests)):
+        ops, outputs, digested, kept_rows = [], [], [], []
+        for (op, module, region, phase, inputs, shapes), found, kept in zip(
+                entries, digests, sketches if sketches is not None else repeat(())):
             ops.append([at(op), at(module), at(region), at(phase), at(inputs), len(shapes)])
-            outputs += [at(s) for s in shapes]
-            kept = sketches[index] if sketches is not None else ()
-            for i in range(len(shapes)):  # an output never digested (its op raised) reads as NaN
-                total, abs_total, max_abs, hashed = found[i] if i < len(found) else (np.nan, np.nan, np.nan, 0)
-                rows.append((total, abs_total, max_abs))
-                hashes.append(hashed)
-                row = kept[i] if i < len(kept) else None
-                sketch_rows.append(len(sketch) if row is not None else -1)
-                if row is not None:
-                    sketch.append(row)
+            outputs += map(at, shapes)
+            # an output never digested (its op raised) reads as NaN; one never sketched keeps no row
+            digested += [*found, *[(np.nan, np.nan, np.nan, 0)] * len(shapes)][:len(shapes)]
+            kept_rows += [*kept, *[None] * len(shapes)][:len(shapes)]
+        sketch = [row for row in kept_rows if row is not None]
+        present = np.array([row is not None for row in kept_rows], dtype=bool)
+        sketch_rows = np.where(present, np.cumsum(present) - 1, -1).astype(np.int32)
         width = len(sketch[0]) if sketch else 0
-        kept = (_kept(sources, lambda found: [len(s) for s in found]),
-                _kept(sources, lambda found: [i for s in found for i in s]),
+        kept = (_kept(sources, lambda found: list(map(len, found))),
+                _kept(sources, lambda found: list(chain.from_iterable(found))),
                 _kept(sketches, lambda _: np.array(sketch, dtype=np.float32).reshape(len(sketch), width)),
                 _kept(sketches, lambda _: sketch_rows),
-                _kept(arguments, lambda found: [at(a) for a in found]),  # before the strings are read off the table
-                _kept(packages, lambda found: [at(p) for p in found]))
-        return cls(list(table), np.array(ops), np.array(outputs), np.array(rows, dtype=np.float64).reshape(-1, 3),
-                   np.array(hashes, dtype=np.int64), backend, hash_kind, seconds, error, *kept)
+                _kept(arguments, lambda found: list(map(at, found))),  # before the strings are read off the table
+                _kept(packages, lambda found: list(map(at, found))))
+        return cls(list(table), np.array(ops), np.array(outputs),
+                   np.array([d[:3] for d in digested], dtype=np.float64).reshape(-1, 3),
+                   np.array([d[3] for d in digested], dtype=np.int64), backend, hash_kind, seconds, error, *kept)
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -142,7 +142,7 @@ class RankTrace:
         first, last = int(self._first[index]), int(self._first[index + 1])
         text = self.strings
         sketches: tuple[np.ndarray | None, ...] = ()
-        if self.sketch is not None and self.sketch_rows is not None:
+        if self.sketch is not None:  # __post_init__ keeps sketch and sketch_rows both or neither
             sketches = tuple(self.sketch[r].astype(np.float64) if r >= 0 else None
                              for r in self.sketch_rows[first:last])
         arguments = text[int(self.arguments[index])] if self.arguments is not None else None
@@ -162,7 +162,7 @@ class RankTrace:
                prefix + "hash": self.hashes}
         if self.has_sources:
             out.update({prefix + "source_counts": self.source_counts, prefix + "sources": self.sources})
-        if self.sketch is not None and self.sketch_rows is not None:
+        if self.sketch is not None:
             out.update({prefix + "sketch": self.sketch, prefix + "sketch_rows": self.sketch_rows})
         if self.arguments is not None and self.packages is not None:
             out.update({prefix + "arguments": self.arguments, prefix + "packages": self.packages})
@@ -194,17 +194,15 @@ def ranks(record: RunRecord) -> dict[int, RankTrace]:
         return {}
     out: dict[int, RankTrace] = {}
     for key, data in stored.get("ranks", {}).items():
-        found = [record.arrays.get(f"{ARRAY_PREFIX}rank{key}/{name}") for name in ("ops", "outputs", "digest", "hash")]
-        if any(a is None for a in found) or data.get("format") != FORMAT or data.get("error"):
+        found = [record.arrays.get(f"{ARRAY_PREFIX}rank{key}/{name}") for name in (
+            "ops", "outputs", "digest", "hash", "source_counts", "sources", "sketch", "sketch_rows", "arguments",
+            "packages")]
+        if any(a is None for a in found[:4]) or data.get("format") != FORMAT or data.get("error"):
             continue  # a trace of another format, or one the rank could not finish: nothing to compare
-        ops, outputs, digest, hashes = found
-        counts, sources, sketch, sketch_rows, arguments, packages = (
-            record.arrays.get(f"{ARRAY_PREFIX}rank{key}/{name}")
-            for name in ("source_counts", "sources", "sketch", "sketch_rows", "arguments", "packages"))
+        ops, outputs, digest, hashes, *kept = found
         out[int(key)] = RankTrace(list(data["strings"]), ops, outputs, np.asarray(digest, dtype=np.float64).reshape(-1, 3),
                                   np.asarray(hashes, dtype=np.int64), str(data.get("backend", "")),
-                                  str(data.get("hash", "")), float(data.get("seconds", 0.0)), None, counts, sources,
-                                  sketch, sketch_rows, arguments, packages)
+                                  str(data.get("hash", "")), float(data.get("seconds", 0.0)), None, *kept)
     return out
 
 

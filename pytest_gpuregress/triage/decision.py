@@ -14,7 +14,7 @@ from typing import Any
 from ..comparison.compare import Comparison, Finding
 from ..evidence import model_layout
 from ..evidence.oracle_distance import PRECISION_METRIC as PRECISION
-from .naming import GRADIENTS, finding_of, op_component
+from .naming import GRADIENTS, op_component
 
 Experiment = Any  # triage's Experiment (name, status, detail, component, convicts): typed there, read here
 
@@ -61,7 +61,7 @@ class Evidence:
         return first_step(self.compared)
 
     def finding(self, *metrics: str) -> Finding | None:
-        return finding_of(self.compared, *metrics)
+        return self.compared.finding(*metrics)
 
     def status(self, name: str) -> str | None:
         found = self.by_name.get(name)

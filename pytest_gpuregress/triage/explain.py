@@ -17,7 +17,7 @@ from . import late_window as window
 from .bisect import BisectRequest, bisect_failure
 from .decision import RULE_BY_ID
 from .flips import flip
-from .naming import finding_of, judged_against_themselves
+from .naming import judged_against_themselves
 
 if TYPE_CHECKING:
     from ..evidence.first_moved import FirstMoved
@@ -45,7 +45,7 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
     from ..evidence import model_layout
 
     # The layout finding: the model's code changed, or the library built another model than the config asks.
-    layout = finding_of(comparison, model_layout.METRIC)
+    layout = comparison.finding(model_layout.METRIC)
     library = None if layout is not None else model_code.experiment(sc, setup, run, reference, model, comparison)
     full = whole_reference or reference
     if not run_experiments:

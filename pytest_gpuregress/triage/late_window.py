@@ -13,7 +13,7 @@ from ..scenarios.shared.late_gradients import METRIC as LATE_GRAD
 from . import LATE_WINDOW as NAME
 from . import Experiment
 from .decision import first_step as earliest
-from .naming import finding_of, sparse
+from .naming import sparse
 
 if TYPE_CHECKING:
     from ..comparison.compare import Comparison
@@ -35,7 +35,7 @@ def judged(first_step: int, saved_step: int, window: Comparison, compared: bool 
     if not compared:
         return Experiment(NAME, "not applicable", "the reference keeps no gradients of its checkpoint's step "
                                                   "(recorded before they were kept): re-record it to have the window")
-    load = finding_of(window, *LOAD_METRICS)
+    load = window.finding(*LOAD_METRICS)
     if load is not None:  # the state is not the reference's: its gradients judge the load, not the divergence
         return Experiment(NAME, "not applicable", f"the reference's checkpoint did not load as saved on this stack "
                                                   f"({load.message}); the resume case judges the load")

@@ -148,11 +148,6 @@ SPARSE_FRACTION = {"elements": 0.05, "blocks": 0.5}
 GRADIENTS = ("step0_grad", "late_grad")  # gradients judged element by element: step 0's, and a resume's step S's
 
 
-def finding_of(comparison: Comparison, *metrics: str) -> Finding | None:
-    """The first finding of ``comparison`` of one of ``metrics``."""
-    return next((f for f in comparison.findings if f.metric in metrics), None)
-
-
 def _layout(finding: Finding, comparison: Comparison) -> str | None:
     if finding.metric != LAYOUT:
         return None
@@ -161,12 +156,12 @@ def _layout(finding: Finding, comparison: Comparison) -> str | None:
 
 
 def _follows_layout(finding: Finding, comparison: Comparison) -> str | None:
-    layout = finding_of(comparison, LAYOUT)
+    layout = comparison.finding(LAYOUT)
     return None if layout is None or finding.metric == "data" else _layout(layout, comparison)
 
 
 def _follows_data(finding: Finding, comparison: Comparison) -> str | None:
-    changed = finding_of(comparison, "data")
+    changed = comparison.finding("data")
     if changed is None or finding.metric == ROUND_TRIP or changed.step is None:
         return None
     return "data" if finding.step is None or finding.step >= changed.step else None
@@ -185,14 +180,14 @@ def sparse(finding: Finding) -> bool:
 def _step0(finding: Finding, comparison: Comparison) -> str | None:
     """A step-0 gradient (or a resume's first gradients, judged as step 0's) names the collective where few of its
     elements moved, a kernel where nearly all did; every later finding follows from the first one that moved."""
-    moved = finding if finding.metric in GRADIENTS else finding_of(comparison, *GRADIENTS)
+    moved = finding if finding.metric in GRADIENTS else comparison.finding(*GRADIENTS)
     return None if moved is None else "collective" if sparse(moved) else "kernel"
 
 
 def _later(finding: Finding, comparison: Comparison) -> str:
     """No step-0 gradient moved: a loss wrong at step 0 is a kernel or a collective; gradients wrong while the loss of
     their step is bitwise equal were computed wrong (exact lane); else the update or a collective carrying weights."""
-    loss = finding_of(comparison, "loss")
+    loss = comparison.finding("loss")
     if loss is not None and loss.step == 0:
         return "kernel or collective"
     return "collective or kernel" if gradients_moved_first(comparison.findings, comparison.lane) \
@@ -202,7 +197,7 @@ def _later(finding: Finding, comparison: Comparison) -> str:
 def _reordered(finding: Finding, comparison: Comparison) -> str | None:
     """Where the run registers its parameters in another order (the exact lane) and no step-0 gradient moved: sums
     over the parameters (the clip's norm, the recorded norms) follow the order; the model's code changed."""
-    if not comparison.reordered or comparison.lane != "exact" or finding_of(comparison, "step0_grad") is not None:
+    if not comparison.reordered or comparison.lane != "exact" or comparison.finding("step0_grad") is not None:
         return None
     return "model"
 

@@ -6,9 +6,16 @@ import re
 from types import SimpleNamespace
 
 from pytest_gpuregress.comparison.bounds import step0_bound
+from pytest_gpuregress.comparison.compare import Comparison
 from pytest_gpuregress.triage import Experiment, shard_owner, verdict
 
 from ..conftest import compare_named, make_record
+
+
+class _Compared(SimpleNamespace):
+    """A stand-in Comparison: the fields a rule reads, and its first-finding lookup."""
+
+    finding = Comparison.finding
 
 
 def _late_divergence():  # type: ignore[no-untyped-def]
@@ -133,12 +140,12 @@ def test_a_collective_that_introduced_step_0s_difference_outranks_the_clip_that_
         return TraceOp(40, op, "(root)", "", "backward", "f32[1024]", ("f32[1024]",), np.zeros((1, 3)), np.zeros(1))
 
     allreduce = FirstMoved(1, "moved", entry("c10d::allreduce_"), entry("c10d::allreduce_"), 39, 1.0, 2)
-    comparison = SimpleNamespace(findings=[SimpleNamespace(step=0, metric="step0_grad")], culprit=allreduce, paired_ops=None)
+    comparison = _Compared(findings=[SimpleNamespace(step=0, metric="step0_grad")], culprit=allreduce, paired_ops=None)
     clip = Experiment("clip", "inconsistent", "the clip reported another norm ...", component="optimizer")
     first = Experiment("first moved op", "differs", allreduce.describe(), component="collective")
     found = decide(Evidence(comparison, {"clip": clip, "first moved op": first}))  # type: ignore[arg-type]
     assert (found.component, found.rule) == ("collective", "collective-at-step0") and "c10d::allreduce_" in found.quoted
-    later = SimpleNamespace(findings=[SimpleNamespace(step=5, metric="loss")], culprit=None, paired_ops=None)
+    later = _Compared(findings=[SimpleNamespace(step=5, metric="loss")], culprit=None, paired_ops=None)
     assert decide(Evidence(later, {"clip": clip})).rule == "clip"  # type: ignore[arg-type]
 
 
@@ -150,7 +157,7 @@ def test_ops_added_in_one_packages_code_name_it_unless_a_backend_of_torchs_was_s
     from pytest_gpuregress.triage.decision import Evidence, _code_changed, _less_precise_same_code
 
     def evidence(swapped: str | None) -> Evidence:
-        comparison = SimpleNamespace(changed_code=["transformers", "torch"], swapped_backend=swapped,
+        comparison = _Compared(changed_code=["transformers", "torch"], swapped_backend=swapped,
                                      sequence_notes=["26 ops of the reference no longer run in `norm`"],
                                      findings=[Found("step0_precision", "further", step=0)])
         return Evidence(comparison, {})  # type: ignore[arg-type]
@@ -186,9 +193,9 @@ def test_an_op_found_among_too_few_paired_ops_decides_nothing_alone_and_the_verd
     first = Experiment("first moved op", "differs", "aten::mm in q_proj", component="kernel")
     same = {"findings": [SimpleNamespace(step=0, metric="loss")], "culprit": kernel_op, "changed_code": [],
             "swapped_backend": None, "new_dtypes": [], "reordered": False}
-    paired = SimpleNamespace(**same, paired_ops=(400, 728))
+    paired = _Compared(**same, paired_ops=(400, 728))
     assert decide(Evidence(paired, {"first moved op": first})).rule == "culprit-at-step0"  # type: ignore[arg-type]
-    unpaired = SimpleNamespace(**same, paired_ops=(314, 728))
+    unpaired = _Compared(**same, paired_ops=(314, 728))
     found = decide(Evidence(unpaired, {"first moved op": first}))  # type: ignore[arg-type]
     assert (found.component, found.rule) == (None, None)
     assert "only 314 of this run's 728 ops of step 0 could be paired" in found.line
@@ -230,7 +237,7 @@ def test_gradients_exactly_world_size_times_the_reference_are_a_divide_skipped()
 
     def gradients(factor_is: str | None) -> SimpleNamespace:
         grad = SimpleNamespace(metric="late_grad", step=None, factor=2.0, factor_is=factor_is)
-        return SimpleNamespace(findings=[grad, grad], culprit=None, paired_ops=None, changed_code=[],
+        return _Compared(findings=[grad, grad], culprit=None, paired_ops=None, changed_code=[],
                                swapped_backend=None, new_dtypes=[], reordered=False)
 
     alone = decide(Evidence(gradients("the world size 2"), {}))  # type: ignore[arg-type]

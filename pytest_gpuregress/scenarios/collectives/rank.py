@@ -105,8 +105,8 @@ class _Buffers:
 
     def values(self, offset: int, rank: int) -> Any:
         """A fresh copy of ``rank``'s inputs from element ``offset``: collectives write into their inputs."""
-        case, inputs = self.case, "avg" if self.case.reduce_op in ("avg", "premul_sum") else "plain"
-        return self._made((offset, rank, inputs, case.reduce_op if inputs == "avg" else ""), lambda idx: _cast(
+        case = self.case  # inputs differ by reduce op only for avg and premul_sum (plan.inputs_for)
+        return self._made((offset, rank, case.reduce_op if case.reduce_op in ("avg", "premul_sum") else ""), lambda idx: _cast(
             plan.inputs_for(case, idx, rank, self.w, self.salt, self.ctx.backend), self.dtype, self.torch,
             plan.unit(case.dtype))).clone()
 

@@ -127,11 +127,16 @@ def test_label_graph_labels_a_modules_nodes_and_stops_at_its_inputs_and_at_other
     label_graph([out], [earlier], "layers.1")
     assert out.grad_fn.metadata[LABEL] == "layers.1" and inner.grad_fn.metadata[LABEL] == "layers.1.mlp"
     assert earlier.grad_fn.metadata[LABEL] == "layers.0"
+    unlabelled = x * 4  # an input made outside every module (the loop's own op)
+    label_graph([unlabelled.cos()], [unlabelled], "layers.3")
+    assert LABEL not in unlabelled.grad_fn.metadata  # the walk stops at the inputs' nodes
     foreign = x * 3
     foreign.grad_fn.metadata[LABEL] = "layers.5"  # another module's node: the walk stops there
     last = foreign.sin()
     label_graph([last], [], "layers.2")
     assert last.grad_fn.metadata[LABEL] == "layers.2" and foreign.grad_fn.metadata[LABEL] == "layers.5"
+    accumulate_x = foreign.grad_fn.next_functions[0][0]  # past both stops: x's own node, never reached
+    assert type(accumulate_x).__name__ == "AccumulateGrad" and LABEL not in accumulate_x.metadata
 
 
 def test_parameter_lineage_names_a_parameter_its_gradient_and_what_ops_made_from_them() -> None:

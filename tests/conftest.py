@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import fcntl
 import os
+import random
 import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import transformers.models.qwen2_moe.modeling_qwen2_moe  # noqa: F401,E402
 
 from pytest_gpuregress.comparison.compare import Comparison, compare_training
 from pytest_gpuregress.reference.record import RunRecord
+from pytest_gpuregress.stack import determinism
 from pytest_gpuregress.triage.naming import name_findings
 
 
@@ -201,3 +203,37 @@ LONGEST_FIRST = ("test_shipped_references.py", "test_main_job.py", "test_worker_
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+
+
+# The process-wide variables set_determinism may set (torch_state removes them).
+DETERMINISM_ENV = ("CUBLAS_WORKSPACE_CONFIG", "ROCBLAS_DEFAULT_ATOMICS_MODE", determinism.MODE_VARIABLE)
+
+
+def sdpa_switches() -> dict[str, bool]:
+    return {b: getattr(torch.backends.cuda, f"{b}_sdp_enabled")() for b in determinism.SDPA_BACKENDS}
+
+
+@pytest.fixture
+def torch_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """set_determinism changes process-wide state: every piece of it is put back after each test."""
+    for name in DETERMINISM_ENV:
+        monkeypatch.delenv(name, raising=False)  # and removed again if set_determinism sets it
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: None)  # no CUDA to seed on a CPU build
+    saved: dict[str, Any] = {
+        "threads": torch.get_num_threads(), "det": torch.are_deterministic_algorithms_enabled(),
+        "warn": torch.is_deterministic_algorithms_warn_only_enabled(), "sdpa": sdpa_switches(),
+        "cudnn": (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32),
+        "tf32": torch.backends.cuda.matmul.allow_tf32, "precision": torch.get_float32_matmul_precision(),
+        "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()),
+    }
+    yield
+    torch.set_num_threads(saved["threads"])
+    torch.use_deterministic_algorithms(saved["det"], warn_only=saved["warn"])
+    for backend, on in saved["sdpa"].items():
+        getattr(torch.backends.cuda, f"enable_{backend}_sdp")(on)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = saved["cudnn"]
+    torch.backends.cuda.matmul.allow_tf32 = saved["tf32"]
+    torch.set_float32_matmul_precision(saved["precision"])
+    torch.set_rng_state(saved["rng"][0])
+    random.setstate(saved["rng"][1])
+    np.random.set_state(saved["rng"][2])

@@ -22,9 +22,8 @@ from pytest_gpuregress.launch.job import Job
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.stack.platforms import launched_by_torchrun
 
-from ..stack.test_determinism import torch_state  # noqa: F401 - autouse: execute_rank sets process-wide determinism
-
 ENTRY = f"{__name__}:one_rank"
+pytestmark = pytest.mark.usefixtures("torch_state")  # tests/conftest.py: execute_rank sets process-wide determinism
 
 
 def one_rank(ctx: Any) -> RunRecord:

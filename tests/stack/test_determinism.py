@@ -7,12 +7,9 @@ No GPU here: CUDA and ROCm are emulated by the inputs set_determinism reads (``d
 from __future__ import annotations
 
 import json
-import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -21,44 +18,16 @@ from pytest_gpuregress.stack import determinism
 from pytest_gpuregress.stack.determinism import set_determinism
 from pytest_gpuregress.stack.fingerprint import collect, numerics_diff
 
-from ..conftest import make_record
+from ..conftest import make_record, sdpa_switches
 
 SHIPPED = Path(__file__).parents[2] / "reference_runs" / "fsdp" / "cpu-gloo-w2-fp32" / "record.json"
-ENV = ("CUBLAS_WORKSPACE_CONFIG", "ROCBLAS_DEFAULT_ATOMICS_MODE", determinism.MODE_VARIABLE)
 # The numerics fields set_determinism sets: none may differ from the shipped CPU reference's.
 DETERMINISM_FIELDS = {"numerics.sdpa_backends", "numerics.tf32_matmul", "numerics.tf32_cudnn", "numerics.num_threads",
                       "numerics.float32_matmul_precision", "numerics.deterministic_algorithms",
                       "numerics.cudnn_deterministic", "numerics.cudnn_benchmark", "numerics.cublas_workspace_config"}
 
 
-def _sdpa_switches() -> dict[str, bool]:
-    return {b: getattr(torch.backends.cuda, f"{b}_sdp_enabled")() for b in determinism.SDPA_BACKENDS}
-
-
-@pytest.fixture(autouse=True)
-def torch_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """set_determinism changes process-wide state: every piece of it is put back after each test."""
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)  # and removed again if set_determinism sets it
-    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: None)  # no CUDA to seed on a CPU build
-    saved: dict[str, Any] = {
-        "threads": torch.get_num_threads(), "det": torch.are_deterministic_algorithms_enabled(),
-        "warn": torch.is_deterministic_algorithms_warn_only_enabled(), "sdpa": _sdpa_switches(),
-        "cudnn": (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32),
-        "tf32": torch.backends.cuda.matmul.allow_tf32, "precision": torch.get_float32_matmul_precision(),
-        "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()),
-    }
-    yield
-    torch.set_num_threads(saved["threads"])
-    torch.use_deterministic_algorithms(saved["det"], warn_only=saved["warn"])
-    for backend, on in saved["sdpa"].items():
-        getattr(torch.backends.cuda, f"enable_{backend}_sdp")(on)
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = saved["cudnn"]
-    torch.backends.cuda.matmul.allow_tf32 = saved["tf32"]
-    torch.set_float32_matmul_precision(saved["precision"])
-    torch.set_rng_state(saved["rng"][0])
-    random.setstate(saved["rng"][1])
-    np.random.set_state(saved["rng"][2])
+pytestmark = pytest.mark.usefixtures("torch_state")  # tests/conftest.py: set_determinism's state put back
 
 
 def _as(monkeypatch: pytest.MonkeyPatch, hip: str | None) -> None:
@@ -80,14 +49,14 @@ def test_cpu_keeps_the_values_of_every_recorded_key_and_adds_new_ones(monkeypatc
     assert {k: switches[k] for k in recorded} == recorded  # a reference from before these keys stays exact
     assert {k: switches[k] for k in added} == added and set(switches) == set(recorded) | set(added)
     assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
-    assert all(_sdpa_switches().values())  # the CPU flash kernel is deterministic: it stays allowed
+    assert all(sdpa_switches().values())  # the CPU flash kernel is deterministic: it stays allowed
 
 
 def test_cuda_is_strict_and_sends_attention_to_the_math_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     _as(monkeypatch, None)
     switches = set_determinism(0, device_kind="cuda")
     assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
-    assert _sdpa_switches() == {"cudnn": False, "flash": False, "math": True, "mem_efficient": False}
+    assert sdpa_switches() == {"cudnn": False, "flash": False, "math": True, "mem_efficient": False}
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
     assert switches["platform"] == "cuda" and switches["sdpa_backends"] == "math" and switches["warn_only"] is False
     assert switches["cublas_workspace_config"] == ":4096:8" and switches["tf32"] is False
@@ -101,7 +70,7 @@ def test_rocm_is_strict_on_math_attention_and_turns_off_rocblas_atomics(monkeypa
     _as(monkeypatch, "6.4.43482")
     switches = set_determinism(0, device_kind="cuda")
     assert not torch.is_deterministic_algorithms_warn_only_enabled()
-    assert _sdpa_switches() == {"cudnn": False, "flash": False, "math": True, "mem_efficient": False}
+    assert sdpa_switches() == {"cudnn": False, "flash": False, "math": True, "mem_efficient": False}
     assert switches["platform"] == "rocm" and switches["rocblas_atomics_mode"] == "0" and switches["deterministic"]
 
 
@@ -119,7 +88,7 @@ def test_without_determinism_a_gpu_runs_warn_only_and_says_why(
     switches = set_determinism(0, device_kind="cuda")
     assert torch.is_deterministic_algorithms_warn_only_enabled() and switches["warn_only"] is True
     assert switches["deterministic"] is False and said in switches["nondeterministic_reason"]
-    assert _sdpa_switches()["math"] and not _sdpa_switches()["flash"]  # still as deterministic as it can be
+    assert sdpa_switches()["math"] and not sdpa_switches()["flash"]  # still as deterministic as it can be
     [line] = determinism.header_lines("cuda")
     assert "NOT deterministic" in line and said in line and "tolerant lane" in line
 

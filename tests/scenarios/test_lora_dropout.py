@@ -3,35 +3,15 @@ on a real tiny Llama in process; each emulated dropout bug caught by name, and t
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import pytest
 
-from pytest_gpuregress import faults
 from pytest_gpuregress.findings import CheckFinding
-from pytest_gpuregress.scenarios.lora import checks
 from pytest_gpuregress.scenarios.lora.dropout_check import check_dropout
 from pytest_gpuregress.triage.naming import rule_for
 
-
-@pytest.fixture(scope="module")
-def tiny() -> dict[str, Any]:
-    import torch
-
-    from pytest_gpuregress.scenarios.lora import DEFAULT_TARGETS, adapter
-    from pytest_gpuregress.training.models import blueprint, build_causal_lm
-
-    cfg = {"model": "tiny-llama", "model_size": "cpu", "seed": 0, "lora_r": 8, "lora_alpha": 16,
-           "target_modules": list(DEFAULT_TARGETS)}
-    model_config = blueprint(cfg)
-    peft_model = adapter.wrap_with_lora(build_causal_lm(model_config, seed=0), cfg)
-    rng = np.random.default_rng(0)  # a trained adapter: lora_B away from zero, so the dropped input shows
-    trained = {name: (rng.standard_normal(tuple(p.shape)) * 0.05).astype(np.float32)
-               for name, p in peft_model.named_parameters() if checks.is_adapter(name)}
-    batch = torch.randint(0, model_config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    return {"base": lambda: build_causal_lm(model_config, seed=0), "trained": trained, "cfg": cfg, "batch": batch}
+from .conftest import injected
 
 
 def _checked(tiny: dict[str, Any]) -> list[str]:
@@ -48,13 +28,8 @@ def test_peft_dropout_on_this_stack_passes(tiny: dict[str, Any]) -> None:
     ("dropout_shared", "the adapter's dropout reaches the input the base path shares"),
 ])
 def test_a_dropout_bug_is_caught_by_name(tiny: dict[str, Any], mode: str, expected: str) -> None:
-    ctx = SimpleNamespace(rank=0, world_size=1, device_kind="cpu", cleanup_hooks=[], step_hooks=[], teardown_hooks=[])
-    (installed,) = faults.install_counted([f"lora:mode={mode}"], ctx)
-    try:
+    with injected(f"lora:mode={mode}") as installed:
         found = _checked(tiny)
-    finally:
-        for undo in reversed(ctx.cleanup_hooks):
-            undo()
     assert installed.count > 0
     assert any(expected in message for message in found), found
     assert {rule_for(CheckFinding("dropout", message)).id for message in found} == {"lora-dropout"}

@@ -151,6 +151,17 @@ def test_a_tensor_changed_in_the_shard_file_is_named_by_the_state_digests(folder
     assert trainer.train(STEPS - SAVED_AT) != saved.continued
 
 
+def test_a_key_missing_from_the_shard_is_a_checkpoint_problem(folder: Path) -> None:
+    """A weight absent from the shard: DCP's own error (a BaseException, which an ``except Exception`` would miss)
+    comes out as a CheckpointProblem naming the tensors folder and the key."""
+    rewrite_shard(folder, {"model.2.bias": None})
+    with pytest.raises(CheckpointProblem) as caught:
+        loaded(folder)
+    assert caught.value.path == str(folder / resume_checkpoint.TENSORS)
+    assert caught.value.problem.startswith("DCP cannot load it: rank 0: RuntimeError")
+    assert caught.value.problem.endswith("model.2.bias.")
+
+
 @pytest.mark.parametrize(("damage", "problem"), [
     ("no trainer.json", "missing"),
     ("trainer.json not JSON", "not JSON"),

@@ -17,6 +17,7 @@ from pytest_gpuregress.faults import install_counted
 from pytest_gpuregress.scenarios.base import RankContext, Setup
 from pytest_gpuregress.scenarios.checkpoint import plan, sharded, trainer, trainer_io
 from pytest_gpuregress.training import rng_state, state_digests
+from pytest_gpuregress.training.resume_checkpoint import read_meta
 
 pytestmark = pytest.mark.usefixtures("kept_generators")
 
@@ -83,7 +84,7 @@ def test_the_folder_holds_tensors_generators_and_trainer_json_last(saved: Saved)
     """The layout: DCP's tensors, this rank's generators, trainer.json with the step, world size and data position."""
     assert sorted(p.name for p in saved.folder.iterdir()) == ["rng-rank0.json", trainer_io.TENSORS, trainer_io.TRAINER_JSON]
     sharded.verify(saved.folder / trainer_io.TENSORS)
-    meta = trainer_io.resume_checkpoint.read_meta(saved.folder, trainer_io.FORMAT)
+    meta = read_meta(saved.folder, trainer_io.FORMAT)
     assert (meta["step"], meta["world_size"], meta["data_position"]) == (SAVED_AT, 1, SAVED_AT)
     assert meta["scheduler"]["last_epoch"] == SAVED_AT
 

@@ -76,6 +76,30 @@ def record() -> RunRecord:
     return make_record()
 
 
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """An in-process gloo world of one rank (a FileStore, no port), for rank code that needs a process group:
+    FSDP2's fully_shard, DCP, the trainers. Destroyed after the module."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def kept_generators() -> Iterator[None]:
+    """Python's, numpy's and torch's generators put back after a test that seeds, scrambles or restores them."""
+    from pytest_gpuregress.training import rng_state
+
+    states = rng_state.capture("cpu")
+    yield
+    rng_state.restore(states, "cpu")
+
+
 def record_references(root: Path, *args: str) -> Path:
     """Record references under ``root/refs`` through the real command line; ``args`` select and size the run."""
     refs = root / "refs"

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..evidence import data_change, model_layout, oracle_distance, step0
+from ..evidence import data_change, model_layout, oracle_distance, oracle_step0, step0
 from ..evidence.first_moved import FirstMoved, equal_traces, first_moved, pairings
 from ..evidence.introduced import Traced, describe_thresholds, introduced_at, shape_dependence
 from ..evidence.trace_pairs import changed_code, new_dtypes, swapped_backend
@@ -440,6 +440,13 @@ def compare_training(
     less_precise = oracle_distance.precision_problem(reference, run)  # step 0 further from float64 than the reference
     precision = [] if less_precise is None else [
         Finding(oracle_distance.PRECISION_METRIC, less_precise, step=0, tensor="every step-0 gradient")]
+    # The float64 oracle's step 0 moves ~1e-15 with kernels and collectives: past that, the code computes another
+    # function, which a bf16 run's wide tolerant limits and its distance from this stack's (equally wrong) oracle miss.
+    code = oracle_step0.kept_change(reference, run)
+    if code is not None:
+        precision.append(Finding(oracle_step0.METRIC, code.describe(), step=0, tensor=code.tensor,
+                                 distance=code.relative, tolerance=oracle_step0.CODE_CHANGE))
+        margins[oracle_step0.METRIC] = code.relative / oracle_step0.CODE_CHANGE
     findings = [*_model_findings(reference, run, tied), *findings, *precision]
     comparison = Comparison(chosen, reason, findings, fp.diff(reference.fingerprint, run.fingerprint), margins, source,
                             adamw=run.config.get("adamw"))

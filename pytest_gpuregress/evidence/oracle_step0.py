@@ -21,6 +21,7 @@ MODE_KEY = "oracle_mode"  # in an oracle's own record: which oracle it computed 
 # float64 step 0 moves ~1e-15 with the kernels; a library change that alters the math moves it past 1e-6 (an
 # RMSNorm epsilon of 1e-5 for 1e-6 moves it 5e-6). The oracle's gradients are kept in float32: 6e-8 per element.
 CODE_CHANGE = 1e-6
+METRIC = "step0_oracle"  # the comparison's finding where the kept oracles differ (kept_change)
 
 
 @dataclass(frozen=True)
@@ -64,14 +65,25 @@ def code_change(reference: RunRecord, oracle: RunRecord) -> CodeChange | None:
     """How the oracle's step 0 on this stack moved from the reference's, where it moved past ``CODE_CHANGE``;
     None where it did not, where the reference keeps none (recorded before it was kept), or where the
     parameters differ (another layout: evidence/model_layout.py names that)."""
-    kept = reference.results.get(RESULT_KEY)
+    return _moved(reference.results.get(RESULT_KEY), digest(oracle))
+
+
+def kept_change(reference: RunRecord, run: RunRecord) -> CodeChange | None:
+    """``code_change`` from what both records keep: a run compared with its float64 distance measured (a bf16 run)
+    keeps its oracle's step 0 as a reference does. None where either keeps none, or their oracles differ in mode."""
+    kept, now = reference.results.get(RESULT_KEY), run.results.get(RESULT_KEY)
+    if not isinstance(kept, dict) or not isinstance(now, dict) or kept.get("mode") != now.get("mode"):
+        return None
+    return _moved(kept, now)
+
+
+def _moved(kept: Any, now: dict[str, Any]) -> CodeChange | None:
     if not isinstance(kept, dict) or not isinstance(kept.get("grads"), dict):
         return None
-    now = digest(oracle)
     if set(now["grads"]) != set(kept["grads"]) or not now["grads"]:
         return None
     moves = {name: _relative(now["grads"][name], kept["grads"][name]) for name in now["grads"]}
-    moves_loss = _loss_move(now["loss"], float(kept.get("loss", float("nan"))))
+    moves_loss = _loss_move(float(now["loss"]), float(kept.get("loss", float("nan"))))
     worst = max(moves, key=lambda name: moves[name])
     tensor, relative = (worst, moves[worst]) if moves[worst] >= moves_loss else ("loss", moves_loss)
     if not relative > CODE_CHANGE:

@@ -231,9 +231,10 @@ KINDS: dict[str, FaultKind] = {k.name: k for k in (
                                           "torch_rand_shift: torch's CPU generator draws one number more before each "
                                           "torch.rand, so every random stream after it shifts; rmsnorm_no_upcast: "
                                           "transformers' LlamaRMSNorm normalises a bf16 input in bf16, without its "
-                                          "float32 upcast",
+                                          "float32 upcast; rmsnorm_default_eps: transformers' LlamaRMSNorm adds its "
+                                          "own default epsilon (1e-6), not the config's",
                                 ("rope_interleaved", "lora_rslora", "untied", "numpy_searchsorted",
-                                 "accelerate_divisor", "torch_rand_shift", "rmsnorm_no_upcast")),
+                                 "accelerate_divisor", "torch_rand_shift", "rmsnorm_no_upcast", "rmsnorm_default_eps")),
               }, required=("mode",), installed_code=True),
     FaultKind("checkpoint", ".checkpoint:install", "a checkpoint bug of docs/faults.md section 3, for scenario checkpoint and "
               "the resume cases of fsdp and lora "
@@ -285,6 +286,7 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
     "library:accelerate_divisor": (act.ACCELERATE_BACKWARD,),
     "library:torch_rand_shift": (act.RANDOM_STREAMS,),
     "library:rmsnorm_no_upcast": (act.BF16_CAST,),  # bf16 training; fp32 and float64 norms compute as before
+    "library:rmsnorm_default_eps": (act.LLAMA_FORWARD,),
     "lora": (act.ADAPTER_SAVE,),
     "lora:rank0_slice": (act.ADAPTER_SHARDS,),
     "checkpoint:optimizer_dropped": (act.OPTIMIZER_STATE_LOAD,),

@@ -82,6 +82,7 @@ PATHS: dict[str, str] = {
     "format:loader_fn_as_fnuz": "no e4m3fn tensor loaded through the stack's {path} loader (the formats io cases)",
     "format:loader_e5m2_as_e4m3fn": "no e5m2 tensor loaded through the stack's {path} loader (the formats io cases)",
     "library:rope_interleaved": "no rotary embedding of transformers' Llama applied (modeling_llama.rotate_half)",
+    "library:rmsnorm_default_eps": "no RMSNorm of transformers' Llama applied (LlamaRMSNorm.forward)",
     "library:lora_rslora": "no LoRA adapter made by peft (LoraLayer.update_layer)",
     "library:untied": "no model whose config ties its embeddings built (PreTrainedModel.tie_weights; the zoo's "
                       "tiny-llama-tied is one: --gpuregress-model=tiny-llama-tied)",

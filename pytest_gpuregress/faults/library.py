@@ -89,6 +89,21 @@ def _norm_without_upcast(firing: Firing, original: Any) -> Any:
     return forward
 
 
+def _norm_default_eps(firing: Firing, original: Any) -> Any:
+    def forward(self: Any, hidden_states: Any) -> Any:
+        configured, self.variance_epsilon = self.variance_epsilon, DEFAULT_EPS
+        firing.fire()
+        try:
+            return original(self, hidden_states)
+        finally:
+            self.variance_epsilon = configured
+
+    return forward
+
+
+DEFAULT_EPS = 1e-6  # LlamaRMSNorm's own default, which the tiny models' config (1e-5) replaces
+
+
 def _rand_shifted(firing: Firing, original: Any) -> Any:
     def rand(*size: Any, **kwargs: Any) -> Any:
         import torch
@@ -111,6 +126,7 @@ PATCHES: dict[str, tuple[str, str, str, Callable[[Firing, Any], Any]]] = {
     "numpy_searchsorted": ("numpy", "", "searchsorted", _searchsorted_off),
     "accelerate_divisor": ("accelerate", "Accelerator", "backward", _divides_by_processes),
     "rmsnorm_no_upcast": ("transformers.models.llama.modeling_llama", "LlamaRMSNorm", "forward", _norm_without_upcast),
+    "rmsnorm_default_eps": ("transformers.models.llama.modeling_llama", "LlamaRMSNorm", "forward", _norm_default_eps),
     "torch_rand_shift": ("torch", "", "rand", _rand_shifted),
 }
 

@@ -14,6 +14,7 @@ from ..comparison.compare import ROUND_TRIP, clip_moved_first, gradients_moved_f
 from ..components import tag
 from ..evidence.model_layout import METRIC as LAYOUT
 from ..evidence.oracle_distance import PRECISION_METRIC as PRECISION
+from ..evidence.oracle_step0 import METRIC as ORACLE_MOVED
 from ..findings import CheckFinding, Problem
 
 if TYPE_CHECKING:
@@ -248,6 +249,8 @@ FINDING_RULES: tuple[FindingRule, ...] = (
                 "quantization", _metric(("quantized", "checksums", "logits"), "quantization")),
     FindingRule("less-precise", "step 0 is further from float64 than the reference's", "kernel or library",
                 _metric((PRECISION,), "kernel or library")),
+    FindingRule("oracle-moved", "the float64 oracle's step 0 differs from the one kept with the reference",
+                "kernel or library", _metric((ORACLE_MOVED,), "kernel or library")),
     FindingRule("clip-moved-first", "the norm after clipping moved before anything else", "optimizer",
                 _clip_moved_first),
     FindingRule("step0-sparse-or-dense", "step-0 gradients wrong in a few elements (under 5%, or half the blocks): "

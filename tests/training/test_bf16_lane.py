@@ -124,9 +124,9 @@ def _compare(pytester: pytest.Pytester, refs: Path, *extra: str) -> pytest.RunRe
                               f"--gpuregress-reference-dir={refs}", "-k", "fsdp-bf16", *extra)
 
 
-@pytest.mark.full_tier  # end to end with spawned ranks: a recording and three comparisons
-def test_the_bf16_lane_passes_clean_and_names_a_wrong_cast_and_a_wrong_bf16_reduction(pytester: pytest.Pytester,
-                                                                                      bf16_reference: Path) -> None:
+@pytest.mark.full_tier  # end to end with spawned ranks: a recording and five comparisons
+def test_the_bf16_lane_passes_clean_and_names_a_wrong_cast_reduction_loader_and_function(pytester: pytest.Pytester,
+                                                                                    bf16_reference: Path) -> None:
     clean = _compare(pytester, bf16_reference)
     clean.assert_outcomes(passed=1)
     clean.stdout.fnmatch_lines(["fsdp cpu-gloo-w2-bf16: PASSED [[]exact lane[]] 8 steps*"])
@@ -145,6 +145,14 @@ def test_the_bf16_lane_passes_clean_and_names_a_wrong_cast_and_a_wrong_bf16_redu
     loader.stdout.fnmatch_lines(["*[[]checkpoint[]] bf16 checkpoint of the trained weights (* tensors) through "
                                  "safetensors: * came back as torch.float16, written as torch.bfloat16*"])
     assert "through torch_load" in loader.stdout.str() and "through safe_open" in loader.stdout.str()
+
+    # Another function, computed in float64 too (an RMSNorm epsilon): within the tolerant lane's bf16 limits, and named
+    # by the float64 oracle kept with the run against the reference's.
+    eps = _compare(pytester, bf16_reference, "--gpuregress-inject=library:mode=rmsnorm_default_eps",
+                   "--gpuregress-lane=tolerant")
+    eps.assert_outcomes(failed=1)
+    eps.stdout.fnmatch_lines(["[[]library: transformers[]] the float64 oracle's step 0 on this stack differs *",
+                              "*worst/limit*step0_oracle *x*"])
 
 
 @pytest.mark.full_tier

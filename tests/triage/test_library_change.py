@@ -305,3 +305,26 @@ def test_a_view_with_other_strides_alone_is_no_call_with_other_arguments() -> No
     sliced = moved("self@1:[64, 2]", "self@32:[64, 1]")
     assert sliced.arguments_changed and op_component(sliced) == "library: transformers"
     assert moved("alpha=3", "alpha=2").arguments_changed
+
+
+def test_a_bf16_run_whose_kept_oracle_moved_fails_though_its_own_limits_pass() -> None:
+    """A kernel computing another function computes it in float64 too: the run is no further from this stack's oracle
+    than the reference from its own, and bf16's wide limits pass. The oracle kept with the run against the one kept
+    with the reference fails it (rule oracle-moved); an oracle that moved by rounding, or another oracle, does not."""
+    from pytest_gpuregress.comparison.compare import compare_training
+    from pytest_gpuregress.triage.naming import name_findings
+
+    reference = kept(make_record(), oracle())
+    same_run = kept(make_record(), oracle(noise=1e-12))
+    clean = compare_training(reference, same_run)
+    assert clean.findings == [] and oracle_step0.METRIC not in clean.margins
+    moved = name_findings(compare_training(reference, kept(make_record(), oracle(noise=1e-3))))
+    [finding] = moved.findings
+    assert (finding.metric, finding.step, finding.tensor) == (oracle_step0.METRIC, 0, Q_PROJ)
+    assert (finding.component, finding.rule) == ("kernel or library", "oracle-moved")
+    assert finding.distance == pytest.approx(1e-3, rel=1e-6) and finding.tolerance == oracle_step0.CODE_CHANGE
+    assert moved.margins[oracle_step0.METRIC] == pytest.approx(1e3, rel=1e-6)
+    other_mode = kept(make_record(), oracle(noise=1e-3))
+    other_mode.results[oracle_step0.RESULT_KEY]["mode"] = {"mode": "lora adapters", "not_float64": []}
+    assert compare_training(reference, other_mode).findings == []  # another oracle: not comparable
+    assert compare_training(make_record(), kept(make_record(), oracle(noise=1e-3))).findings == []  # none kept

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -76,18 +77,27 @@ def record() -> RunRecord:
     return make_record()
 
 
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """An in-process gloo world of one rank (a FileStore, no port), for rank code that needs a process group:
-    FSDP2's fully_shard, DCP, the trainers. Destroyed after the module."""
+@contextmanager
+def gloo_world_of_one(folder: Path) -> Iterator[None]:
+    """An in-process gloo world of one rank (a FileStore in ``folder``, no port), for rank code that needs a process
+    group: FSDP2's fully_shard, DCP, the trainers. Destroyed on the way out."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(str(folder / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``gloo_world_of_one`` for a test module (its module-scoped fixtures train in it), its store outside any
+    test's tmp_path."""
+    with gloo_world_of_one(tmp_path_factory.mktemp("store")):
+        yield
 
 
 @pytest.fixture

@@ -7,8 +7,12 @@ Torch is imported inside the functions, but ``unavailable`` may run anywhere.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from ..errors import CheckpointProblem
 
 SUFFIX = ".safetensors"
 
@@ -50,6 +54,29 @@ def load(state: dict[str, Any], folder: Path) -> None:
 
     tensors_only(state)
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
+
+
+@contextmanager
+def refused_as_problem(folder: Path, fix: str) -> Iterator[None]:
+    """DCP's refusal to load (CheckpointException, a BaseException that a caller's ``except Exception`` misses) as a
+    CheckpointProblem naming ``folder`` and the first failing rank's own error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        raise CheckpointProblem(folder, None, f"DCP cannot load it: {_rank_error(exc)}", fix) from None
+
+
+def _rank_error(exc: BaseException) -> str:
+    """DCP's CheckpointException told by the first failing rank's own error, which says what failed ("rank 0:
+    RuntimeError: Missing key in checkpoint state_dict: ...")."""
+    for rank, failure in sorted(getattr(exc, "failures", {}).items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
+        lines = str(inner).strip().splitlines()
+        return f"rank {rank}: {type(inner).__name__}: {lines[0] if lines else ''}"
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def shard_files(folder: Path) -> list[Path]:

@@ -104,28 +104,13 @@ def load(trainer: Resumable, folder: Path, *, rank: int, device_kind: str) -> di
     meta = read_meta(folder)
     if not dcp_safetensors.shard_files(folder / TENSORS):
         raise CheckpointProblem(folder / TENSORS, None, "no safetensors shard here", "record the reference again")
-    from torch.distributed.checkpoint.api import CheckpointException
-
     model_state, optim_state = _state_dicts(trainer)
     loaded = {"model": detached_copies(model_state), "optim": detached_copies(optim_state["state"])}
-    try:
+    with dcp_safetensors.refused_as_problem(folder / TENSORS, "record the reference again"):
         dcp_safetensors.load(loaded, folder / TENSORS)
-    except CheckpointException as exc:  # a BaseException: the resume role's ``except Exception`` would miss it
-        raise CheckpointProblem(folder / TENSORS, None, f"DCP cannot load it: {_rank_error(exc)}",
-                                "record the reference again") from None
     apply_model(trainer, loaded["model"])
     apply_optimizer(trainer, {"state": loaded["optim"], "param_groups": meta["param_groups"]})
     trainer.scheduler.load_state_dict({**trainer.scheduler.state_dict(), **meta["scheduler"]})
     rng_state.restore(read_json(rng_file(folder, rank), f"generator state of rank {rank}"), device_kind)
     return meta
 
-
-def _rank_error(exc: BaseException) -> str:
-    """DCP's CheckpointException told by the first failing rank's own error, which says what failed ("rank 0:
-    RuntimeError: Missing key in checkpoint state_dict: ...")."""
-    for rank, failure in sorted(getattr(exc, "failures", {}).items()):
-        inner = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
-        lines = str(inner).strip().splitlines()
-        return f"rank {rank}: {type(inner).__name__}: {lines[0] if lines else ''}"
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__

@@ -15,6 +15,8 @@ from pytest_gpuregress.fault_points import Wrapper, intercept
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios.base import RankContext, Setup
 
+from ..conftest import gloo_world_of_one
+
 ONE_CPU_RANK = Setup(device_kind="cpu", backend="gloo", world_size=1)
 # The module the lora faults act on by default (faults/lora.py target_module: layer 1, q_proj).
 FAULTED_MODULE = "model.layers.1.self_attn.q_proj"
@@ -34,26 +36,6 @@ def rank_context(config: dict[str, Any], run_dir: Path) -> RankContext:
     """Rank 0 of a one-rank CPU world running ``config``, without the kernel inventory."""
     return RankContext(rank=0, world_size=1, local_rank=0, device_kind="cpu", backend="gloo", config=config,
                        run_dir=run_dir, profile=False)
-
-
-@contextmanager
-def gloo_world_of_one(folder: Path) -> Iterator[None]:
-    """torch.distributed initialised with one gloo rank (a FileStore in ``folder``), destroyed on the way out."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(folder / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    with gloo_world_of_one(tmp_path):
-        yield
 
 
 @contextmanager

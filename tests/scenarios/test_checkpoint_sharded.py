@@ -56,6 +56,16 @@ def test_a_second_save_replaces_the_folder_whole(saved: Path) -> None:
     assert all(torch.equal(t, torch.full((4, 3), 2.0)) for t in loaded["model"].values())
 
 
+def test_a_tensor_the_checkpoint_lacks_is_a_checkpoint_problem_not_a_crash(saved: Path) -> None:
+    """DCP refuses a load that asks for a tensor the save never wrote with a CheckpointException, a BaseException the
+    scenario's ``except`` would miss: it comes back as a CheckpointProblem naming the folder and the tensor."""
+    wants_more = state(fill=0.0)
+    wants_more["model"]["f"] = torch.zeros(4, 3)
+    with pytest.raises(CheckpointProblem) as refused:
+        sharded.load(wants_more, saved, saved_world=1)
+    assert str(saved) in str(refused.value) and "model.f" in str(refused.value)
+
+
 def test_a_missing_shard_is_named_with_the_tensors_it_held(saved: Path) -> None:
     """Deleting the shard file: verify names that file, the number of tensors whose chunks it held, and three."""
     shard = shard_of(saved)

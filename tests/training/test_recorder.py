@@ -8,14 +8,12 @@ the wrapping and the optimizer are the built-in scenarios' own (training/fsdp2.p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from pytest_gpuregress import Recorder
 from pytest_gpuregress.comparison import failfast
@@ -70,16 +68,6 @@ def train(ctx: RankContext, model: torch.nn.Module, *, nudge_step: int | None = 
     rec.weights(model)
     rec.tensor("probe", model(torch.ones(3, 4)).detach())
     return rec.record()
-
-
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_losses_alone_make_a_record(tmp_path: Path) -> None:

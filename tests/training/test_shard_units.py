@@ -9,12 +9,9 @@ config classes, built in-process: nothing is downloaded, and only the last test 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios.fsdp import SCENARIO as FSDP
@@ -101,15 +98,6 @@ def test_the_size_is_recounted_for_another_world_size() -> None:
     assert padded > fp32_bytes(model.get_submodule("transformer.h.0"))  # 32 rows pad to 33 at 3 ranks
     assert FSDP.triage.message_of("transformer.h.0.mlp.c_fc.bias", shapes, 3, record) == \
         f"reduce-scatter of group transformer.h.0, {human_bytes(padded)}"
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_the_units_hold_what_fsdp2_itself_groups(one_rank_group: None) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from ...errors import CheckpointProblem
 from ...fault_points import fault_point
 from ...reference import atomic
-from ...training.dcp_safetensors import tensors_only
+from ...training.dcp_safetensors import refused_as_problem, tensors_only
 
 METADATA = ".metadata"
 
@@ -43,7 +43,8 @@ def load(state: dict[str, Any], folder: Path, saved_world: int) -> None:
 
     tensors_only(state)
     verify(folder)
-    dcp.load(state, checkpoint_id=str(folder))
+    with refused_as_problem(folder, "save it again"):
+        dcp.load(state, checkpoint_id=str(folder))
 
 
 def verify(folder: Path) -> None:

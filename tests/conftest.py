@@ -121,7 +121,7 @@ def record_references(root: Path, *args: str) -> Path:
 
 
 FSDP_STEPS = "8"
-# The fsdp case alone: tests/triage/test_triage.py runs the triage cases, tests/scenarios/test_fsdp_resume_e2e.py the
+# The fsdp case alone: tests/triage/test_triage.py runs the triage cases, tests/scenarios/fsdp/test_fsdp_resume_e2e.py the
 # resume case.
 FSDP_ONLY = "fsdp and not triage and not resume and not bf16"
 

@@ -1,5 +1,5 @@
 """The one object that judges a case's runs: what a kept run stores of it, and how ``gpuregress compare`` gets it
-back. End to end, the printed commands fail and pass kept runs in tests/scenarios/test_formats_e2e.py,
+back. End to end, the printed commands fail and pass kept runs in tests/scenarios/formats/test_formats_e2e.py,
 test_lora_e2e.py and test_checkpoint_e2e.py."""
 
 from __future__ import annotations

@@ -185,7 +185,7 @@ def test_one_lora_targets_option_serves_models_with_different_module_names(tmp_p
     assert LORA.model_config(setup, "tiny-gpt2")["target_modules"] == ["c_attn"]
     from pytest_gpuregress.errors import NotApplicable
 
-    # Without the option each model targets its own projections (tests/scenarios/test_lora_targets.py); with it, a model
+    # Without the option each model targets its own projections (tests/scenarios/lora/test_lora_targets.py); with it, a model
     # that has none of the names is not applicable, and the message says how to serve both.
     default = Setup("cpu", "gloo", 2, models=(gpt2,))
     assert LORA.model_config(default, "tiny-gpt2")["target_modules"] == ["c_attn", "c_proj", "c_fc"]

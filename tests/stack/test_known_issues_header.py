@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from pytest_gpuregress.plugin import reporting
 from pytest_gpuregress.stack import fingerprint
 
 
@@ -21,6 +22,8 @@ def fake_mi350(monkeypatch: pytest.MonkeyPatch, env: dict[str, str] | None = Non
         return fp
 
     monkeypatch.setattr(fingerprint, "collect", collect)
+    # plugin/reporting.py binds collect at its import, which a test module of this process may already have done
+    monkeypatch.setattr(reporting, "collect", collect)
 
 
 def header(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:

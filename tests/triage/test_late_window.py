@@ -1,6 +1,6 @@
 """The late window (triage/late_window.py): a divergence after a clean step 0 judged from the reference's own late
 checkpoint, without launching ranks. The session side (the resume case's launch, run once for both cases) is
-tests/scenarios/test_fsdp_resume_e2e.py's."""
+tests/scenarios/fsdp/test_fsdp_resume_e2e.py's."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ EXAMPLES = 4
 # layer's output x (1 + 1e-7), the size of legitimate kernel drift (docs/faults.md section 4), moves
 # them by at most 4.7e-7; the mildest number-format fault (an MX scale one exponent too large) by
 # 4.5e-2, the others by 0.37 or more, or to NaN. 1e-4 sits 200x above the one and 400x below the
-# other; tests/scenarios/test_formats_scenario.py checks both sides.
+# other; tests/scenarios/formats/test_formats_scenario.py checks both sides.
 LOGITS_TOLERANCE = 1e-4
 
 

@@ -1,7 +1,7 @@
 """The independent oracle: ml_dtypes, the numpy dtype library maintained with JAX. torch-free.
 
 Every decode and round-to-nearest-even encode is ml_dtypes'; nothing is hand-written but the fp4 nibble
-packing (the file codec's). tests/scenarios/test_formats_oracle.py pins OCP spec codes, so the oracle is checked.
+packing (the file codec's). tests/scenarios/formats/test_formats_oracle.py pins OCP spec codes, so the oracle is checked.
 """
 
 from __future__ import annotations

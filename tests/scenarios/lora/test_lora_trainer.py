@@ -16,7 +16,7 @@ from pytest_gpuregress.scenarios.lora.adapter_io import to_numpy
 from pytest_gpuregress.scenarios.lora.trainer import Adapted, LoraTrainer, adapted, build, build_base, distribute
 from pytest_gpuregress.scenarios.shared.trainer import Trainer
 
-from .conftest import rank_context, tiny_lora_config
+from ..conftest import rank_context, tiny_lora_config
 
 LAYERS = ("model.layers.0", "model.layers.1")
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",

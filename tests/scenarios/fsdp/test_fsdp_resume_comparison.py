@@ -24,7 +24,7 @@ from pytest_gpuregress.scenarios.comparator import comparator_of
 from pytest_gpuregress.scenarios.shared import late_gradients, resume_comparison
 from pytest_gpuregress.triage.naming import name_findings
 
-from ..conftest import make_record
+from ...conftest import make_record
 
 START = 4
 

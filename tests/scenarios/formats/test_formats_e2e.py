@@ -3,7 +3,7 @@
 The comparisons run against a copy of the CPU reference this repository ships
 (reference_runs/formats), so they also prove that it is current for this stack; after a change to
 the scenario, re-record it (docs/formats.md). Faults go in through ``--gpuregress-inject``, so their
-installers run on the ranks. tests/scenarios/test_formats_scenario.py covers every fault in-process; here the
+installers run on the ranks. tests/scenarios/formats/test_formats_scenario.py covers every fault in-process; here the
 point is the whole path, the messages and the warn mode.
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 from pytest_gpuregress.resources import shipped_dir
 
-from ..conftest import kept_run_passes, reproduced
+from ...conftest import kept_run_passes, reproduced
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_sensitive]
 FLIP = "--gpuregress-inject=format:mode=flip_overflow"

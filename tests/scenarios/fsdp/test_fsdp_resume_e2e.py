@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import FSDP_ONLY, FSDP_STEPS, reproduced, summary_of
+from ...conftest import FSDP_ONLY, FSDP_STEPS, reproduced, summary_of
 
 pytestmark = pytest.mark.slow
 

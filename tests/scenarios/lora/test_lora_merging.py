@@ -13,7 +13,7 @@ from pytest_gpuregress.scenarios.lora import checks
 from pytest_gpuregress.scenarios.lora.merging import check_merge, merge_and_unload
 from pytest_gpuregress.triage.naming import rule_for
 
-from .conftest import FAULTED_MODULE, injected, intercepting
+from ..conftest import FAULTED_MODULE, injected, intercepting
 
 SCALE = 16 / 8  # lora_alpha / lora_r of the tiny config
 MODULES = 2 * 7  # the tiny Llama's two decoder layers, seven projections each

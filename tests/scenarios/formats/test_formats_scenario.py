@@ -1,6 +1,6 @@
 """The formats scenario in this process: the rank code on the CPU, each fault of docs/faults.md
 section 2 injected through its real installer, judged by the scenario's own verdicts and
-reference comparisons. (tests/scenarios/test_formats_e2e.py drives the same through ``pytest --gpuregress``
+reference comparisons. (tests/scenarios/formats/test_formats_e2e.py drives the same through ``pytest --gpuregress``
 on two spawned ranks.)"""
 
 from __future__ import annotations

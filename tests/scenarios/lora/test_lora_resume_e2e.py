@@ -22,7 +22,7 @@ from pytest_gpuregress.scenarios import registry
 from pytest_gpuregress.scenarios.base import Launch, Setup
 from pytest_gpuregress.scenarios.shared import resume_comparison
 
-from ..conftest import make_record, record_references, reproduced
+from ...conftest import make_record, record_references, reproduced
 
 STEPS = "8"
 PLATFORM = "cpu-gloo-w2-fp32"

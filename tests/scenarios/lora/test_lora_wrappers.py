@@ -13,7 +13,7 @@ import pytest
 from pytest_gpuregress.scenarios.lora import adapter, checks
 from pytest_gpuregress.scenarios.lora.wrappers import Wrapped, build
 
-from .conftest import FAULTED_MODULE, tiny_lora_config
+from ..conftest import FAULTED_MODULE, tiny_lora_config
 
 LEAKED = f"base_model.model.{FAULTED_MODULE}.base_layer.weight"
 

@@ -21,7 +21,7 @@ from pytest_gpuregress.scenarios.lora.adapter_io import (
     write_adapter,
 )
 
-from .conftest import FAULTED_MODULE, injected
+from ..conftest import FAULTED_MODULE, injected
 
 
 def trained_model(tiny: dict[str, Any]) -> Any:

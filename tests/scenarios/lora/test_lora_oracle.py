@@ -16,7 +16,7 @@ from pytest_gpuregress.scenarios import resolve_entry
 from pytest_gpuregress.scenarios.lora import checks
 from pytest_gpuregress.scenarios.lora.oracle import ENTRY, launch, run
 
-from .conftest import rank_context, tiny_lora_config
+from ..conftest import rank_context, tiny_lora_config
 
 
 def oracle_of(tmp_path: Path, **changes: object) -> RunRecord:

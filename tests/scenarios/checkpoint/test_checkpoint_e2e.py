@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import kept_run_passes, record_references, reproduced
+from ...conftest import kept_run_passes, record_references, reproduced
 
 pytestmark = pytest.mark.slow
 

@@ -233,7 +233,7 @@ def test_the_docs_table_of_check_rules_is_triages() -> None:
 
     from pytest_gpuregress.triage import naming as scenario_checks
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "lora.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "lora.md").read_text()
     begin, end = "<!-- check-rules:begin -->", "<!-- check-rules:end -->"
     assert text[text.index(begin) + len(begin):text.index(end)].strip().splitlines() == scenario_checks.markdown_table()
     assert set(scenario_checks.CHECKS) == set(checks.CHECKS)  # every check a run makes has a rule that names it

@@ -2,7 +2,7 @@
 
 One short reference (8 steps, no noise replicas) is recorded once for both wrappers; every test
 compares against a copy. Each fault is caught with its check's name, tensor and module in the message.
-The resume cases are tests/scenarios/test_lora_resume_e2e.py's.
+The resume cases are tests/scenarios/lora/test_lora_resume_e2e.py's.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import kept_run_passes, record_references, reproduced
+from ...conftest import kept_run_passes, record_references, reproduced
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,8 @@ from pytest_gpuregress.training.model_specs import ModelSpec, block_projections,
 from pytest_gpuregress.training.models import config_path
 from pytest_gpuregress.training.projections import NOT_ASKED, NOT_LINEAR, ROUTER, survey
 
-REFERENCES = Path(__file__).resolve().parents[2] / "reference_runs"
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "factory_model"
+REFERENCES = Path(__file__).resolve().parents[3] / "reference_runs"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "factory_model"
 TINY = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "use_cache": False}
 

@@ -1,7 +1,7 @@
 """The consensus scenario end to end: CPU processes emulate devices (and torchrun agents nodes).
 
 All full tier: a session of 4 rank processes costs about 20 s of CPU (13 s wall on 2 idle cores, 33 s on
-loaded ones); the fast tier runs the same rank code in-process (tests/scenarios/test_consensus.py). One pytest session
+loaded ones); the fast tier runs the same rank code in-process (tests/scenarios/consensus/test_consensus.py). One pytest session
 of 4 ranks is shared by the first three tests. Its built-in cases run clean (4 devices
 agree; every link delivers); in the same session and the same pool of ranks a test file runs the workload with a
 one-ulp matmul fault in rank 2, and the link sweep with rank 1's data to rank 0 corrupted, and writes what the

@@ -314,7 +314,7 @@ def test_the_protocol_that_ran_is_said_where_it_is_not_the_one_asked_for(rccl: b
     Simple's results LL128's."""
     from pytest_gpuregress.scenarios.collectives import protocol_ran
 
-    from ..conftest import make_record
+    from ...conftest import make_record
 
     record = make_record()
     record.fingerprint = {"device": {"kind": "cuda", "arch": arch}, "comm": {"backend": "nccl", "rccl": rccl, "env": env}}
@@ -334,7 +334,7 @@ def test_a_cast_that_breaks_the_sweeps_own_inputs_is_a_kernel_not_the_collective
     from pytest_gpuregress.scenarios.base import Case
     from pytest_gpuregress.scenarios.collectives import rank
 
-    from ..conftest import make_record
+    from ...conftest import make_record
 
     values = torch.tensor([16.1875, 3.0], dtype=torch.float64)  # 16.1875 rounds to 16.25 in bf16, cuts to 16.125
     assert rank._cast(values, torch.bfloat16, torch).tolist() == [16.25, 3.0]

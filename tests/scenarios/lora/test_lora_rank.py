@@ -20,8 +20,8 @@ from pytest_gpuregress.scenarios.lora.adapter_io import gather_for_save, to_nump
 from pytest_gpuregress.scenarios.lora.rank import _roundtrip, run
 from pytest_gpuregress.triage.naming import rule_for
 
-from ..conftest import gloo_world_of_one
-from .conftest import FAULTED_MODULE, injected, intercepting, rank_context, tiny_lora_config
+from ...conftest import gloo_world_of_one
+from ..conftest import FAULTED_MODULE, injected, intercepting, rank_context, tiny_lora_config
 
 ADAPTER_TENSORS = 2 * 7 * 2  # lora_A and lora_B of seven projections in each of the tiny Llama's two layers
 Q_A = f"base_model.model.{FAULTED_MODULE}.lora_A.default.weight"

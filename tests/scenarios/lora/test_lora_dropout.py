@@ -11,7 +11,7 @@ from pytest_gpuregress.findings import CheckFinding
 from pytest_gpuregress.scenarios.lora.dropout_check import check_dropout
 from pytest_gpuregress.triage.naming import rule_for
 
-from .conftest import injected
+from ..conftest import injected
 
 
 def _checked(tiny: dict[str, Any]) -> list[str]:

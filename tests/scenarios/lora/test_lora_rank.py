@@ -64,9 +64,10 @@ def test_a_base_weight_left_trainable_is_caught_in_a_run(tmp_path: Path) -> None
     assert len(frozen) == 2 and all(base in f["message"] for f in frozen)
     assert "gradient at step 0" in frozen[0]["message"] and "changed" in frozen[1]["message"]
     assert named(frozen) == {("library: peft", "lora-base-left-trainable")}
-    # Its consequence: the trained model's base moved, a fresh base did not, so the reloaded logits differ from
-    # the trained ones though every adapter tensor came back. No other check fires.
-    assert [f["check"] for f in findings if f not in frozen] == ["adapter-roundtrip"]
+    # The trained model's base moved and a fresh base did not: the reloaded logits would differ whatever the
+    # checkpoint, so the round trip judges its tensors only, which came back. No other check fires, and nothing
+    # blames a library's wrapper for what the leak did.
+    assert [f for f in findings if f not in frozen] == []
 
 
 # --- the adapter round trip ----------------------------------------------------------------------------

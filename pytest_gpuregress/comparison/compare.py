@@ -22,7 +22,7 @@ from ..reference import by_name
 from ..reference.record import RunRecord
 from ..stack import fingerprint as fp
 from ..stack.determinism import nondeterminism
-from .envelope import METRICS, SERIES, MetricLimits, digest_deviation, floors_for, limit, rel
+from .envelope import MAGNITUDE, METRICS, SERIES, MetricLimits, digest_deviation, floors_for, limit, magnitude_deviation, rel
 from .envelope import PREFIX as ENVELOPE_PREFIX
 
 WORST_ROWS = 8
@@ -344,36 +344,41 @@ def arithmetic_of(factor: float | None, world_size: int) -> str | None:
     return None
 
 
-def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, float]) -> Checked:
+def _final_weights(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, float],
+                   magnitudes: dict[str, float]) -> Checked:
+    """Final weights past their limit: in the tolerant lane each tensor's digests against final_weights' limit, and its
+    |sum| against its own (``magnitudes``: the weight_magnitude envelope's, else final_weights')."""
     if not ref.digests:
         return [], None
-    bad, margin = _digests_differ(ref, run, lane, limits)
+    bad, margin = _digests_differ(ref, run, lane, limits, magnitudes)
     if not bad:
         return [], margin
     name, exact = bad[0][0], lane == "exact"
     message = (f"final_weights: {len(bad)} of {len(ref.digests)} parameters differ after the last step "
                f"({'sha256' if exact else 'sum, |sum| and signed checksum'}); largest: {name} "
-               f"(rel {bad[0][3]:.3g}" + ("" if exact else f" > tol {limits[name]:.3g}") + ")")
+               f"(rel {bad[0][3]:.3g}" + ("" if exact else f" > tol {bad[0][4]:.3g}") + ")")
     return [Finding("final_weights", message, tensor=name, size=str(ref.digests[name].get("shape")), distance=bad[0][3],
-                    tolerance=0.0 if exact else limits[name], worst=bad[:WORST_ROWS])], margin
+                    tolerance=0.0 if exact else bad[0][4], worst=[row[:4] for row in bad[:WORST_ROWS]])], margin
 
 
-def _digests_differ(ref: RunRecord, run: RunRecord, lane: str,
-                    limits: dict[str, float]) -> tuple[list[tuple[str, float, float, float]], float]:
-    """The final weights that differ, as (name, |sum| expected, |sum| got, deviation) rows, the largest first (one the
-    run lacks: inf), and the margin of those it has."""
-    bad: list[tuple[str, float, float, float]] = []
+def _digests_differ(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str, float],
+                    magnitudes: dict[str, float]) -> tuple[list[tuple[str, float, float, float, float]], float]:
+    """The final weights that differ, as (name, |sum| expected, |sum| got, deviation, its limit) rows, the largest
+    beyond its limit first (one the run lacks: inf), and the margin of those it has. A magnitude past its own limit
+    is reported by that measure."""
+    bad: list[tuple[str, float, float, float, float]] = []
     margin = 0.0
     for name in sorted(ref.digests):
         rd, gd = ref.digests[name], run.digests.get(name)
         if gd is None:
-            bad.append((name, float("nan"), float("nan"), float("inf")))
+            bad.append((name, float("nan"), float("nan"), float("inf"), 0.0))
             continue
-        dev = digest_deviation(gd, rd)
-        margin = max(margin, dev / limits[name] if dev > 0 else 0.0)
-        if (rd["sha256"] != gd["sha256"]) if lane == "exact" else not dev <= limits[name]:
-            bad.append((name, float(rd["abs_sum"]), float(gd["abs_sum"]), dev))
-    return sorted(bad, key=lambda row: -row[3]), margin
+        checked = [(digest_deviation(gd, rd), limits[name]), (magnitude_deviation(gd, rd), magnitudes[name])]
+        dev, tol = max(checked, key=lambda pair: pair[0] / pair[1] if pair[1] else float("inf"))
+        margin = max(margin, dev / tol if dev > 0 else 0.0)
+        if (rd["sha256"] != gd["sha256"]) if lane == "exact" else not dev <= tol:
+            bad.append((name, float(rd["abs_sum"]), float(gd["abs_sum"]), dev, tol))
+    return sorted(bad, key=lambda row: -(row[3] / row[4]) if row[4] else -float("inf")), margin
 
 
 def gradients_moved_first(findings: list[Finding], lane: str) -> bool:
@@ -416,14 +421,18 @@ def tolerant_limits(reference: RunRecord, tolerances: Tolerances | None = None) 
     names, digests = step0.names(reference), sorted(reference.digests)
     has_envelope = tolerances is None and any(k.startswith(ENVELOPE_PREFIX) for k in reference.arrays)
     param = reference.arrays.get("param_grad_norm")
-    shapes = {"step0_grad": len(names), "final_weights": len(digests), "param_grad_norm": 0 if param is None else param.shape,
+    shapes = {"step0_grad": len(names), "final_weights": len(digests), MAGNITUDE: len(digests),
+              "param_grad_norm": 0 if param is None else param.shape,
               **{metric: len(reference.series.get(metric, [])) for metric in SERIES}}  # of the fixed limits
     out: dict[str, Any] = {}
     for metric in METRICS:
         enveloped = limit(reference, metric, floors.of(metric)) if has_envelope else None
+        if enveloped is None and metric == MAGNITUDE and has_envelope:  # no envelope of its own: final_weights'
+            enveloped = out["final_weights"]
         out[metric] = np.full(shapes[metric], fixed.of(metric), dtype=np.float64) if enveloped is None else enveloped
     out["step0_grad"] = dict(zip(names, out["step0_grad"].tolist()))
-    out["final_weights"] = dict(zip(digests, out["final_weights"].tolist()))
+    for metric in ("final_weights", MAGNITUDE):
+        out[metric] = dict(zip(digests, out[metric].tolist()))
     return out, "envelope" if has_envelope else "fixed"
 
 
@@ -465,7 +474,7 @@ def _metric_findings(reference: RunRecord, run: RunRecord, lane: str,
     checked |= {metric: _series(metric, reference.series[metric], run.series.get(metric, []), lane, limits[metric])
                 for metric in SERIES if metric in reference.series}
     checked["param_grad_norm"] = _param_grad_norms(reference, run, lane, limits["param_grad_norm"])
-    checked["final_weights"] = _final_weights(reference, run, lane, limits["final_weights"])
+    checked["final_weights"] = _final_weights(reference, run, lane, limits["final_weights"], limits[MAGNITUDE])
     findings = [finding for found, _ in checked.values() for finding in found]
     return findings, {metric: margin for metric, (_, margin) in checked.items() if margin is not None}
 

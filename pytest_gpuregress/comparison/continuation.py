@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..reference.record import RunRecord
-from .envelope import PER_STEP
+from .envelope import MAGNITUDE, PER_STEP
 from .envelope import PREFIX as ENVELOPE_PREFIX
 
-WHOLE_RUN = ("final_weights",)  # metrics of the run's end, the same for a continuation
+WHOLE_RUN = ("final_weights", MAGNITUDE)  # metrics of the run's end, the same for a continuation
 
 
 def from_step(reference: RunRecord, start: int) -> RunRecord:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,11 @@ K = 10.0
 # before it are right).
 SERIES = ("loss", "grad_norm", "clipped_grad_norm")
 PER_STEP = (*SERIES, "param_grad_norm")  # metrics stored one row per step
-METRICS = (*PER_STEP, "step0_grad", "final_weights")  # every metric a training comparison judges
+# The final weights' magnitudes (|sum| per tensor) have an envelope of their own: chaos moves the signed sums by
+# about its elementwise spread but |sum| by far less, while a systematic change (a weight decay skipped) moves |sum|
+# first. Where a reference keeps no such envelope, magnitudes are held to final_weights' limit, as they always are.
+MAGNITUDE = "weight_magnitude"
+METRICS = (*PER_STEP, "step0_grad", "final_weights", MAGNITUDE)  # every metric a training comparison judges
 
 
 @dataclass(frozen=True)
@@ -46,10 +51,14 @@ class MetricLimits:
     step0_grad: float
     final_weights: float
     clipped_grad_norm: float | None = None  # None: grad_norm's (the same quantity, after clipping)
+    weight_magnitude: float | None = None  # None: final_weights' (a part of what that metric measures)
 
     def of(self, metric: str) -> float:
         value = getattr(self, metric)
-        return self.grad_norm if value is None else float(value)
+        return self.of(SHARES_LIMIT[metric]) if value is None else float(value)
+
+
+SHARES_LIMIT = {"clipped_grad_norm": "grad_norm", MAGNITUDE: "final_weights"}  # a metric without a limit of its own
 
 
 # fp32: two float32 ulps (2.4e-7 relative): a floor that covers rounding, and stays 50x below the
@@ -73,11 +82,16 @@ def rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(a) != np.isnan(b), np.inf, np.nan_to_num(out, nan=0.0, posinf=np.inf))
 
 
+def magnitude_deviation(run: dict, ref: dict) -> float:
+    """How far a final weight's magnitude moved: |sum| relative."""
+    return float(rel(np.asarray(run["abs_sum"]), np.asarray(ref["abs_sum"])))
+
+
 def digest_deviation(run: dict, ref: dict) -> float:
     """How far final-weight digests moved: magnitude (abs_sum), sign (sum) and arrangement (signed_dot). Signed sums
     are measured against the tensor's L2 norm, not its |sum|: a flipped sign moves them by about 2 x ||w||, which
     stays visible however large the tensor (|sum| grows like n, ||w|| like sqrt(n))."""
-    magnitude = float(rel(np.asarray(run["abs_sum"]), np.asarray(ref["abs_sum"])))
+    magnitude = magnitude_deviation(run, ref)
     scale = max(abs(float(ref["l2"])), float(np.finfo(np.float64).tiny))
     signed = [abs(float(run[k]) - float(ref[k])) / scale for k in ("sum", "signed_dot") if k in run and k in ref]
     value = max([magnitude, *signed])
@@ -92,6 +106,7 @@ def deviations(reference: RunRecord, run: RunRecord) -> dict[str, np.ndarray]:
     found = {metric: _relative(ref, got) for metric, (ref, got) in pairs.items()}
     found["step0_grad"] = _step0_largest(reference, run)
     found["final_weights"] = _digest_deviations(reference, run)
+    found[MAGNITUDE] = _digest_deviations(reference, run, magnitude_deviation)
     return {metric: dev for metric, dev in found.items() if dev is not None}
 
 
@@ -108,11 +123,12 @@ def _step0_largest(reference: RunRecord, run: RunRecord) -> np.ndarray | None:
     return np.asarray([float(d.max()) if d.size else 0.0 for d in per_tensor])  # type: ignore[union-attr]
 
 
-def _digest_deviations(reference: RunRecord, run: RunRecord) -> np.ndarray | None:
-    """Each final weight's ``digest_deviation``, by name; None where the run lacks one."""
+def _digest_deviations(reference: RunRecord, run: RunRecord,
+                       measure: Callable[[dict, dict], float] = digest_deviation) -> np.ndarray | None:
+    """Each final weight's deviation (``digest_deviation``, or ``measure``), by name; None where the run lacks one."""
     if not reference.digests or not set(reference.digests) <= set(run.digests):
         return None
-    return np.asarray([digest_deviation(run.digests[n], reference.digests[n]) for n in sorted(reference.digests)])
+    return np.asarray([measure(run.digests[n], reference.digests[n]) for n in sorted(reference.digests)])
 
 
 def step0_limit(reference: RunRecord, name: str, bound: float) -> np.ndarray | float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from pytest_gpuregress.comparison import envelope
 from pytest_gpuregress.comparison.compare import compare_training
@@ -168,3 +169,33 @@ def test_a_kernel_path_this_stack_cannot_run_is_left_out_of_the_envelope_with_th
     launches.launch = every_launch_fails  # type: ignore[method-assign]
     with pytest.raises(RankFailure, match="rank 1 died"):
         launches.add_envelope(get_scenario("fsdp"), Launch("main", {}), make_record(), [])
+
+
+def _weights_record(weights: np.ndarray) -> object:
+    record = make_record()
+    record.digests = {"w": float_digest(weights)}
+    return record
+
+
+def test_a_systematic_magnitude_change_fails_inside_the_chaotic_spread_of_the_signed_sums() -> None:
+    """A weight decay skipped grows |w| by about 1% while bf16 chaos moves each element (and so the signed sums) by
+    about 2% of |w| and |sum| by far less: final_weights' own envelope is too wide to see it, the magnitude's own
+    envelope is not. A reference without that envelope holds magnitudes to final_weights' limit, as before."""
+    rng = np.random.default_rng(0)
+    weights = rng.normal(size=2048)
+    base = _weights_record(weights)
+    replicas = [_weights_record(weights + 0.02 * np.abs(weights) * rng.choice([-1.0, 1.0], size=weights.size))
+                for _ in range(3)]
+    spread = envelope.measure(base, replicas)
+    assert spread[envelope.PREFIX + envelope.MAGNITUDE][0] < 0.1 * spread[envelope.PREFIX + "final_weights"][0]
+    base.arrays.update(spread)
+    chaotic = _weights_record(weights + 0.02 * np.abs(weights) * rng.choice([-1.0, 1.0], size=weights.size))
+    assert compare_training(base, chaotic, lane="tolerant").passed
+    decay_skipped = _weights_record(weights * 1.01 + 0.02 * np.abs(weights) * rng.choice([-1.0, 1.0], size=weights.size))
+    failed = compare_training(base, decay_skipped, lane="tolerant")
+    [finding] = failed.findings
+    assert (finding.metric, finding.tensor) == ("final_weights", "w")
+    assert finding.distance == pytest.approx(0.01, rel=0.2) and finding.tolerance < finding.distance
+    older = _weights_record(weights)
+    older.arrays.update({k: v for k, v in spread.items() if not k.endswith(envelope.MAGNITUDE)})
+    assert compare_training(older, decay_skipped, lane="tolerant").passed  # final_weights' limit: too wide to see it

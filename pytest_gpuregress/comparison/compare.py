@@ -427,12 +427,10 @@ def tolerant_limits(reference: RunRecord, tolerances: Tolerances | None = None) 
     out: dict[str, Any] = {}
     for metric in METRICS:
         enveloped = limit(reference, metric, floors.of(metric)) if has_envelope else None
-        if enveloped is None and metric == MAGNITUDE and has_envelope:  # no envelope of its own: final_weights'
-            enveloped = out["final_weights"]
         out[metric] = np.full(shapes[metric], fixed.of(metric), dtype=np.float64) if enveloped is None else enveloped
     out["step0_grad"] = dict(zip(names, out["step0_grad"].tolist()))
-    for metric in ("final_weights", MAGNITUDE):
-        out[metric] = dict(zip(digests, out[metric].tolist()))
+    out["final_weights"] = dict(zip(digests, out["final_weights"].tolist()))
+    out[MAGNITUDE] = dict(zip(digests, out[MAGNITUDE].tolist()))
     return out, "envelope" if has_envelope else "fixed"
 
 

@@ -157,6 +157,9 @@ def measure(base: RunRecord, replicas: list[RunRecord]) -> dict[str, np.ndarray]
 
 
 def limit(reference: RunRecord, metric: str, floor: float) -> np.ndarray | None:
-    """K x the stored spread + floor, shaped like the metric's deviations; None without an envelope."""
+    """K x the stored spread + floor, shaped like the metric's deviations; None without an envelope. Magnitudes a
+    reference recorded before their own envelope are held to final_weights'."""
     spread = reference.arrays.get(PREFIX + metric)
+    if spread is None and metric == MAGNITUDE:
+        spread = reference.arrays.get(PREFIX + "final_weights")
     return None if spread is None else K * spread.astype(np.float64) + floor

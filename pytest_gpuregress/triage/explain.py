@@ -46,8 +46,8 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
 
     # The layout finding: the model's code changed, or the library built another model than the config asks.
     layout = comparison.finding(model_layout.METRIC)
-    library = None if layout is not None else model_code.experiment(sc, setup, run, reference, model, comparison)
-    full = whole_reference or reference
+    full = whole_reference or reference  # a continuation's reference keeps no results: the oracle kept is the whole's
+    library = None if layout is not None else model_code.experiment(sc, setup, run, full, model, comparison)
     if not run_experiments:
         evidence = [*checks, *_bisected(sc, setup, run, full, comparison, case, bisect)]
         return _layout_decides(comparison, layout, evidence) or _without_experiments(library, comparison, evidence)

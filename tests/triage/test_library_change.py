@@ -328,3 +328,27 @@ def test_a_bf16_run_whose_kept_oracle_moved_fails_though_its_own_limits_pass() -
     other_mode.results[oracle_step0.RESULT_KEY]["mode"] = {"mode": "lora adapters", "not_float64": []}
     assert compare_training(reference, other_mode).findings == []  # another oracle: not comparable
     assert compare_training(make_record(), kept(make_record(), oracle(noise=1e-3))).findings == []  # none kept
+
+
+def test_a_continuation_is_judged_by_the_oracle_kept_with_the_whole_reference() -> None:
+    """A resume case compares with the reference from its checkpoint's step on, which keeps no results: the oracle
+    kept with the whole reference still convicts the model's code (rule model-code), not 'inconclusive'."""
+    from pytest_gpuregress.triage.explain import explain_failure
+
+    from ..conftest import compare_named
+
+    launch = Launch("triage-oracle", {})
+    scenario = SimpleNamespace(oracle_launch=lambda setup, model: launch, triage=None)
+    whole = kept(make_record(), oracle())
+    continuation = make_record()  # as comparison/continuation.py gives it: results dropped
+    moved = make_record()
+    moved.series["loss"] = [x * 1.01 for x in moved.series["loss"]]
+    comparison = compare_named(continuation, moved, lane="tolerant")
+    assert comparison.findings and not continuation.results
+
+    def explained(whole_reference: RunRecord | None) -> Any:
+        return explain_failure(scenario, SimpleNamespace(), lambda sc, la: oracle(noise=1e-3), continuation,  # type: ignore[arg-type]
+                               comparison, None, flips=False, run_experiments=False, whole_reference=whole_reference)
+
+    assert explained(whole).verdict.rule == "model-code"
+    assert explained(None).verdict.rule != "model-code"  # the continuation alone keeps no oracle to judge against

@@ -67,7 +67,7 @@ def test_the_lane_reason_names_every_library_change_first_however_many_device_fi
     assert all(text in reason for text in named), reason
     assert max(reason.index(text) for text in named) < reason.index("device.arch")  # software first
     assert "device.blas_library: None -> openblas" in reason  # the BLAS is software: never cut
-    assert "and 1 more (all in the failure report and JUnit's stack_changes)" in reason, reason  # 4 hardware fields, 3 shown
+    assert "and 1 more (" in reason and "stack_changes)" in reason, reason  # 4 hardware fields, 3 shown
     report = _report(cmp)  # the failure report lists every change
     assert all(f"  {text}" in report for text in named) and "device.cpu_capability: AVX2 -> AVX512" in report
 

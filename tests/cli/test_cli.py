@@ -49,7 +49,8 @@ def test_a_path_that_is_not_there_is_a_typo_not_a_reference_to_re_record(tmp_pat
     assert f"{tmp_path / 'nope'}: no such file or folder" in err and "re-record" not in err
     (tmp_path / "record.json").write_text("{}")
     assert main(["show", str(tmp_path / "record.json")]) == 2
-    assert "not a folder; give the folder that holds record.json" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'record.json'}: not a folder" in err and "holds record.json" in err
 
 
 def test_version_is_the_installed_distributions(capsys: pytest.CaptureFixture[str]) -> None:

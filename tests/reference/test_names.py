@@ -23,11 +23,12 @@ def test_typical_names_are_accepted(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["../x", "a/b", "..", ".", "", "x y", "/abs", "a\\b", ".hidden", "x\n", "é", None, 3])
 def test_unsafe_names_are_refused_naming_the_value_and_where_it_came_from(name: object) -> None:
+    where = "reference name (the name= given to gpuregress.check())"
     with pytest.raises(UnsafeName) as info:
-        safe_component(name, "reference name (the name= given to gpuregress.check())")
+        safe_component(name, where)
     message = str(info.value)
     assert isinstance(info.value, GpuRegressError)  # the plugin shows these as one line, without a traceback
-    assert f"reference name (the name= given to gpuregress.check()) {name!r}" in message
+    assert f"{where} {name!r}" in message
     assert "use only letters, digits" in message and "\n" not in message
 
 

@@ -79,6 +79,7 @@ def test_the_rank_that_never_entered_the_collective_is_the_culprit(tmp_path: Pat
     assert heading.startswith("torch's flight recorder")
     assert said.startswith(f"rank 0 waits in {waiting.label} for rank 1: rank 1 never entered it (")
     assert said.endswith("(its last: nccl:scatter #5, completed)")
+    assert "1 Float, from _get_total_norm (" in said  # named with its caller
     assert text.splitlines()[-1] == f"dumps: {prefix}0, {prefix}1"
 
 
@@ -89,6 +90,7 @@ def test_a_hang_in_full_tensor_is_named_with_its_caller() -> None:
     assert (waiting.op, waiting.seq, waiting.sizes) == ("nccl:all_gather", 3, "2x2 Float")
     assert waiting.origin.startswith("full_tensor (")
     assert line is not None and line.startswith(f"rank 0 waits in {waiting.label} for rank 1")
+    assert "2x2 Float, from full_tensor (" in line  # named with its caller
 
 
 @pytest.mark.parametrize(("states", "expected"), [

@@ -34,8 +34,9 @@ K = 10.0
 # before it are right).
 SERIES = ("loss", "grad_norm", "clipped_grad_norm")
 PER_STEP = (*SERIES, "param_grad_norm")  # metrics stored one row per step
-# The final weights' magnitudes (|sum| per tensor) have an envelope of their own: chaos moves the signed sums by
-# about its elementwise spread but |sum| by far less, while a systematic change (a weight decay skipped) moves |sum|
+# The final weights' magnitudes (each tensor's sum of |w|) have an envelope of their own: chaos moves the signed sums
+# by about its elementwise spread but the sum of |w| by far less, while a systematic change (a weight decay skipped)
+# moves it
 # first. Where a reference keeps no such envelope, magnitudes are held to final_weights' limit, as they always are.
 MAGNITUDE = "weight_magnitude"
 METRICS = (*PER_STEP, "step0_grad", "final_weights", MAGNITUDE)  # every metric a training comparison judges
@@ -83,7 +84,7 @@ def rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def magnitude_deviation(run: dict, ref: dict) -> float:
-    """How far a final weight's magnitude moved: |sum| relative."""
+    """How far a final weight's magnitude moved: its sum of |w|, relative."""
     return float(rel(np.asarray(run["abs_sum"]), np.asarray(ref["abs_sum"])))
 
 

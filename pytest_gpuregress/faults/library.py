@@ -89,19 +89,22 @@ def _norm_without_upcast(firing: Firing, original: Any) -> Any:
     return forward
 
 
+DEFAULT_EPS = 1e-6  # LlamaRMSNorm's own default, which the tiny models' config (1e-5) replaces
+
+
 def _norm_default_eps(firing: Firing, original: Any) -> Any:
     def forward(self: Any, hidden_states: Any) -> Any:
-        configured, self.variance_epsilon = self.variance_epsilon, DEFAULT_EPS
+        configured = self.variance_epsilon
+        if configured == DEFAULT_EPS:  # a model configured with the default: the fault changes nothing there
+            return original(self, hidden_states)
         firing.fire()
+        self.variance_epsilon = DEFAULT_EPS
         try:
             return original(self, hidden_states)
         finally:
             self.variance_epsilon = configured
 
     return forward
-
-
-DEFAULT_EPS = 1e-6  # LlamaRMSNorm's own default, which the tiny models' config (1e-5) replaces
 
 
 def _rand_shifted(firing: Firing, original: Any) -> Any:

@@ -71,12 +71,14 @@ def refused_as_problem(folder: Path, fix: str) -> Iterator[None]:
 def _rank_error(exc: BaseException) -> str:
     """DCP's CheckpointException told by the first failing rank's own error, which says what failed ("rank 0:
     RuntimeError: Missing key in checkpoint state_dict: ...")."""
-    for rank, failure in sorted(getattr(exc, "failures", {}).items()):
-        inner = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
-        lines = str(inner).strip().splitlines()
-        return f"rank {rank}: {type(inner).__name__}: {lines[0] if lines else ''}"
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+    failures = getattr(exc, "failures", None) or {}
+    if not failures:
+        lines = str(exc).strip().splitlines()
+        return lines[0] if lines else type(exc).__name__
+    rank, failure = min(failures.items())
+    inner = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
+    lines = str(inner).strip().splitlines()
+    return f"rank {rank}: {type(inner).__name__}: {lines[0] if lines else ''}"
 
 
 def shard_files(folder: Path) -> list[Path]:

@@ -106,11 +106,12 @@ def load(trainer: Resumable, folder: Path, *, rank: int, device_kind: str) -> di
         raise CheckpointProblem(folder / TENSORS, None, "no safetensors shard here", "record the reference again")
     model_state, optim_state = _state_dicts(trainer)
     loaded = {"model": detached_copies(model_state), "optim": detached_copies(optim_state["state"])}
-    with dcp_safetensors.refused_as_problem(folder / TENSORS, "record the reference again"):
+    # The files passed their manifest: a refusal is this stack's DCP not reading what the reference's stack wrote.
+    with dcp_safetensors.refused_as_problem(folder / TENSORS, "a checkpoint bug of this stack: report it against "
+                                            "torch.distributed.checkpoint, with the torch versions on both sides"):
         dcp_safetensors.load(loaded, folder / TENSORS)
     apply_model(trainer, loaded["model"])
     apply_optimizer(trainer, {"state": loaded["optim"], "param_groups": meta["param_groups"]})
     trainer.scheduler.load_state_dict({**trainer.scheduler.state_dict(), **meta["scheduler"]})
     rng_state.restore(read_json(rng_file(folder, rank), f"generator state of rank {rank}"), device_kind)
     return meta
-

@@ -40,13 +40,14 @@ def explain_failure(sc: Scenario, setup: Setup, run: Runner, reference: RunRecor
                     whole_reference: RunRecord | None = None,
                     bisect: BisectRequest | None = None) -> Explanation:
     """The verdict on a failed comparison, with the report's lines of evidence (docs/triage.md). ``checks``: what the
-    session's check scenarios say; ``whole_reference``: ``reference`` uncut by fail-fast. A code change decides only
+    session's check scenarios say; ``whole_reference``: ``reference`` as stored, uncut by fail-fast or a continuation's
+    first step (its results keep the oracle). A code change decides only
     where no experiment convicts this stack: an upgrade's kernel bug must not be buried under "record a reference"."""
     from ..evidence import model_layout
 
     # The layout finding: the model's code changed, or the library built another model than the config asks.
     layout = comparison.finding(model_layout.METRIC)
-    full = whole_reference or reference  # a continuation's reference keeps no results: the oracle kept is the whole's
+    full = whole_reference or reference
     library = None if layout is not None else model_code.experiment(sc, setup, run, full, model, comparison)
     if not run_experiments:
         evidence = [*checks, *_bisected(sc, setup, run, full, comparison, case, bisect)]

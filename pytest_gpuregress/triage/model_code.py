@@ -32,7 +32,7 @@ def experiment(sc: Scenario, setup: Setup, run: Runner, reference: RunRecord, mo
 
     launch = oracle_launch(sc, setup, model)
     kept = reference.results.get(oracle_step0.RESULT_KEY)
-    if launch is None or not isinstance(kept, dict) or (kept.get("mode") or {}).get("mode") != MODE:
+    if launch is None or oracle_step0.mode_of(kept) != MODE:
         return None  # no oracle, or another one than this plugin computes: its change would be the oracle's own
     try:
         change = oracle_step0.code_change(reference, run(sc, launch))

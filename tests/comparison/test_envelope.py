@@ -179,7 +179,7 @@ def _weights_record(weights: np.ndarray) -> object:
 
 def test_a_systematic_magnitude_change_fails_inside_the_chaotic_spread_of_the_signed_sums() -> None:
     """A weight decay skipped grows |w| by about 1% while bf16 chaos moves each element (and so the signed sums) by
-    about 2% of |w| and |sum| by far less: final_weights' own envelope is too wide to see it, the magnitude's own
+    about 2% of |w| and their sum of |w| by far less: final_weights' own envelope is too wide to see it, the magnitude's own
     envelope is not. A reference without that envelope holds magnitudes to final_weights' limit, as before."""
     rng = np.random.default_rng(0)
     weights = rng.normal(size=2048)

@@ -15,7 +15,7 @@ import pytest
 
 from pytest_gpuregress.comparison.compare import Comparison, Finding
 from pytest_gpuregress.comparison.report import format_comparison
-from pytest_gpuregress.evidence import oracle_step0
+from pytest_gpuregress.evidence import data_change, oracle_step0
 from pytest_gpuregress.evidence.first_moved import FirstMoved
 from pytest_gpuregress.evidence.op_trace import TraceOp
 from pytest_gpuregress.faults import KINDS, parse
@@ -327,6 +327,14 @@ def test_a_bf16_run_whose_kept_oracle_moved_fails_though_its_own_limits_pass() -
     other_mode = kept(make_record(), oracle(noise=1e-3))
     other_mode.results[oracle_step0.RESULT_KEY]["mode"] = {"mode": "lora adapters", "not_float64": []}
     assert compare_training(reference, other_mode).findings == []  # another oracle: not comparable
+    escaped = kept(make_record(), oracle(noise=1e-3))  # an op that escaped float64 now: the code's change, judged
+    escaped.results[oracle_step0.RESULT_KEY]["mode"] = {"mode": "float64 throughout", "not_float64": ["aten::mm"]}
+    assert [f.metric for f in compare_training(reference, escaped).findings] == [oracle_step0.METRIC]
+    other_data = kept(make_record(), oracle(noise=1e-3))  # other token batches move the oracle too: data says so
+    other_data.series[data_change.BATCH_DIGEST] = [1.0] * 5
+    other_data_reference = kept(make_record(), oracle())
+    other_data_reference.series[data_change.BATCH_DIGEST] = [2.0] * 5
+    assert [f.metric for f in compare_training(other_data_reference, other_data).findings] == ["data"]
     assert compare_training(make_record(), kept(make_record(), oracle(noise=1e-3))).findings == []  # none kept
 
 

@@ -43,7 +43,7 @@ def load(state: dict[str, Any], folder: Path, saved_world: int) -> None:
 
     tensors_only(state)
     verify(folder)
-    with refused_as_problem(folder, "save it again"):
+    with refused_as_problem(folder, "this run wrote it: the stack's save and load disagree (a checkpoint bug)"):
         dcp.load(state, checkpoint_id=str(folder))
 
 

@@ -64,7 +64,8 @@ def run(ctx: RankContext) -> RunRecord:
     curves, observer = train_observed(ctx, step, cfg)
     ctx.progress("lora checks")
     trained = lora.weights()  # every rank's slice, gathered
-    findings = checks.check_frozen(leaked, initial_base, {n: _sha(named[n]) for n in base_names})
+    final_base = {n: _sha(named[n]) for n in base_names}
+    findings = checks.check_frozen(leaked, initial_base, final_base)
     findings += checks.check_nonzero(trained, built.targeted)
     batch = torch.from_numpy(MarkovTokens(vocab_size=built.model_config.vocab_size, seq_len=int(cfg["seq_len"]),
                                           global_batch=FIXED_BATCH_ROWS, seed=int(cfg["data_seed"]) + 1)
@@ -75,9 +76,9 @@ def run(ctx: RankContext) -> RunRecord:
     measured: dict[str, float] = {}
     if ctx.rank == 0:
         compute_dtype = torch.bfloat16 if cfg["dtype"] == "bf16" else torch.float32
-        # A base that moved in training (the frozen-base findings) is not the fresh one the reload rebuilds: the
+        # A base that moved in training (a frozen-base finding) is not the fresh one the reload rebuilds: the
         # reloaded logits would differ whatever the checkpoint, so only its tensors are judged then.
-        base_moved = any(f["check"] == "frozen-base" for f in findings)
+        base_moved = final_base != initial_base
         findings += _roundtrip(wrapped, state, trained, None if base_moved else trained_logits, fresh_base, batch,
                                compute_dtype, ctx.world_size)
         merge_findings, measured = merging.check_merge(fresh_base(), trained, cfg, batch, compute_dtype)

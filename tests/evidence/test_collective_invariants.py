@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pytest_gpuregress.evidence import collective_invariants as inv
-from pytest_gpuregress.triage.naming import described
+from pytest_gpuregress.triage.naming import component_of, described, rule_for
 
 OPS = ["all_gather", "all_reduce", "all_to_all", "broadcast", "reduce_scatter"]
 REDUCTIONS = ["none", "sum", "avg", "max", "min", "product", "premul_sum", "other"]
@@ -39,8 +39,10 @@ def test_an_all_gather_whose_ranks_hold_other_bits_names_the_rank_whose_sum_is_o
     stale = row(100, 7, "all_gather", inputs=(2.0, 2.0, 4.0), outputs=(2.5, 3.0, 5.0), bits=12)
     found = judge({0: [stale], 1: [good]})
     assert len(found) == 1 and found[0].ranks == (0,) and found[0].step == 100
-    assert found[0].describe().startswith("step 100: all_gather call 7 of process group [0,1]: the ranks' outputs "
-                                          "have different bits")
+    assert (found[0].op, found[0].seq, found[0].group) == ("all_gather", 7, "0,1")
+    assert found[0].what.startswith("the ranks' outputs have different bits")
+    said = found[0].describe()
+    assert said.startswith("step 100: all_gather call 7 ") and "of process group [0,1]: " in said
 
 
 def test_a_reduce_scatter_output_off_by_one_element_breaks_the_sum_and_rounding_does_not() -> None:
@@ -145,5 +147,7 @@ def test_fsdp2s_collectives_through_the_ledger_name_a_late_one_rank_fault_at_its
         assert (first["step"], first["op"]) == (4, "reduce_scatter") and "not each in its place" in first["what"]
         return
     assert (first["step"], first["op"], first["ranks"]) == (3, "all_gather", [0]), verdicts[0]
-    problem = described(inv.problems({inv.RESULT_KEY: verdicts[0]})[0])
-    assert problem.startswith("[collective] a collective broke its own invariant in this run") and "step 3:" in problem
+    found = inv.problems({inv.RESULT_KEY: verdicts[0]})[0]
+    assert (rule_for(found).id, component_of(found)) == ("collective-invariants", "collective")
+    problem = described(found)
+    assert problem.startswith("[collective] ") and "broke its own invariant" in problem and "step 3:" in problem

@@ -42,8 +42,7 @@ def test_a_shifted_random_stream_is_named_with_its_step_and_the_version_that_mov
     assert stream_changes(reference, run) == [("torch_cpu", 1)]
     text = finding_text(reference, run, 1)
     assert "token batch of step 1 differs" in text and "2 of 3 steps' batches" in text
-    assert "torch's CPU generator (which input tokens are replaced, and by what) from step 1, torch 2.13.0 -> 2.14.1" \
-        in text
+    assert "torch's CPU generator" in text and "from step 1, torch 2.13.0 -> 2.14.1" in text
     findings = [Finding("loss", "loss moved"), Finding("checkpoint", "bundle differs")]
     assert data_finding(reference, run, findings)
     assert named(findings) == [("data", "data-changed"), ("data", "follows-data"), ("data", "follows-data")]
@@ -60,13 +59,14 @@ def test_streams_are_listed_earliest_first() -> None:
 
 def test_other_batches_with_every_stream_the_same_blame_the_pipelines_own_code() -> None:
     text = finding_text(record([1.0, 2.0], draws(2)), record([1.0, 9.0], draws(2)), 1)
-    assert ("every random stream rank 0 keeps drew the same numbers: the pipeline's own code changed, or another "
-            "rank's draws did") in text
+    assert stream_changes(record([1.0, 2.0], draws(2)), record([1.0, 9.0], draws(2))) == []
+    assert "every random stream rank 0 keeps" in text and "drew the same numbers" in text
+    assert "the pipeline's own code changed" in text
 
 
 def test_a_pipeline_without_streams_names_what_made_the_batches() -> None:
     text = finding_text(record([1.0, 2.0]), record([4.0, 2.0]), 0)
-    assert "the batches come from the synthetic Markov chain of training/data.py, drawn with numpy 2.4.6" in text
+    assert "synthetic Markov chain" in text and "drawn with numpy 2.4.6" in text
 
 
 def test_a_record_without_batch_digests_is_no_change() -> None:
@@ -93,5 +93,5 @@ def test_changed_tokens_are_named_by_what_made_them_not_as_a_random_stream() -> 
     run = record([1.0, 9.0], draws(2, shifted_from=1, stream="tokens"))
     run.config["tokens"] = "/data/tokens.bin"
     text = finding_text(reference, run, 1)
-    assert "the tokens themselves differ from step 1: they come from the token file /data/tokens.bin" in text
+    assert "tokens themselves differ from step 1" in text and "the token file /data/tokens.bin" in text
     assert "random streams" not in text

@@ -89,14 +89,21 @@ def test_a_gemm_error_after_drift_is_introduced_at_its_matmul_and_drift_is_infor
     assert culprit is not None and culprit.entry is not None
     assert (culprit.entry.op, culprit.entry.module, op_component(culprit)) == ("aten::mm", DOWN_PROJ, "kernel")
     assert comparison.first_moved is not None and comparison.first_moved.entry.module == UP_PROJ  # drift first
+    assert (culprit.label, culprit.entry.phase, comparison.first_moved.entry.phase) == \
+        ("introduced at", "forward", "forward")
+    # its output moved 1e-3 relative, 8.39e3 ulps, against its inputs' move (as the report prints them)
+    assert (f"{culprit.relative:.1e}", f"{culprit.ulps:.3g}") == ("1.0e-03", "8.39e+03")
+    assert culprit.inputs_relative is not None and culprit.inputs_relative < culprit.relative / 1000
     text = report(comparison)
-    assert f"introduced at: aten::mm in {DOWN_PROJ} (forward)" in text
-    assert "its output moved 1.0e-03 relative (8.39e+03 ulps) against" in text, text
-    assert f"drift begins at: aten::mm in {UP_PROJ} (forward)" in text
+    assert culprit.describe() in text and "1.0e-03 relative (8.39e+03 ulps)" in text, text
+    assert culprit.describe().startswith("introduced at: ") and f"drift begins at: aten::mm in {UP_PROJ}" in text
     run.series = {k: [v * (1 + 1e-3) for v in vals] for k, vals in run.series.items()}  # step 0 fails too
-    found = triage.verdict(compare_named(reference, run, lane="tolerant"), CLEAN_EXPERIMENTS)
-    component, line = found.component, found.line
-    assert component == "kernel" and f"first moved op differs: aten::mm in {DOWN_PROJ}" in line
+    failing = compare_named(reference, run, lane="tolerant")
+    found = triage.verdict(failing, CLEAN_EXPERIMENTS)
+    assert failing.culprit is not None and failing.culprit.entry is not None
+    assert (failing.culprit.entry.op, failing.culprit.entry.module) == ("aten::mm", DOWN_PROJ)
+    assert (found.component, found.rule) == ("kernel", "culprit-at-step0")
+    assert f"differs: aten::mm in {DOWN_PROJ}" in found.line
 
 
 def test_a_gemm_error_at_one_shape_only_depends_on_the_shape_and_the_report_names_the_shapes(
@@ -104,7 +111,9 @@ def test_a_gemm_error_at_one_shape_only_depends_on_the_shape_and_the_report_name
     gate = UP_PROJ.replace("up_proj", "gate_proj")  # the same shape as up_proj: [tokens, 64] x [64, 176]
     comparison = compare_named(reference, traced(scaled(gate, 1e-3), scaled(UP_PROJ, 1e-3)), lane="tolerant")
     note = comparison.shape_note
-    assert note is not None and note.startswith("depends on the shape: aten::mm introduced a difference at "), note
+    assert comparison.culprit is not None and comparison.culprit.entry is not None
+    assert comparison.culprit.entry.op == "aten::mm"
+    assert note is not None and note.startswith("depends on the shape: aten::mm "), note
     wrong, right = note.split(", and none at ")
     assert "x f32[64, 176] (2 ops)" in wrong and "x f32[64, 64]" in right and "f32[64, 176]" not in right
     assert f"    {note}" in report(comparison)
@@ -124,13 +133,18 @@ def test_drift_alone_introduces_nothing_and_convicts_nothing(reference: RunRecor
     comparison = compare_named(reference, traced(scaled(UP_PROJ, 1e-7)), lane="tolerant")
     assert not comparison.passed and comparison.first_moved is not None and comparison.culprit is None
     text = report(comparison)
-    assert "introduced at: no op of step 0 moved beyond drift (an output moved at least 32 ulps" in text
+    stored = introduced.stored_thresholds(reference)
+    assert stored is not None and stored.floor_ulps == 32
+    assert comparison.introduced_rule == introduced.describe_thresholds(reference)
+    assert "introduced at: no op of step 0" in text
+    assert f"({comparison.introduced_rule})" in text
     assert f"drift begins at: aten::mm in {UP_PROJ}" in text
     evidence = triage.first_moved_evidence(comparison)
     assert evidence is not None and evidence.status == "drift only" and not evidence.convicts
     found = triage.verdict(comparison, CLEAN_EXPERIMENTS)
     component, line = found.component, found.line
-    assert component != "kernel" and "first moved op drift only: no op of step 0 moved beyond drift" in line
+    assert (component, found.rule) == (None, None)
+    assert evidence.detail in found.evidence and found.evidence in line
 
 
 def test_the_exact_lane_still_names_the_first_op_that_moved(reference: RunRecord) -> None:
@@ -284,13 +298,17 @@ def test_a_changed_op_sequence_is_a_note_and_the_analysis_goes_on_past_it() -> N
     culprit = comparison.culprit
     assert culprit is not None and culprit.entry is not None and culprit.entry.op == "c10d::_reduce_scatter_base_"
     assert op_component(culprit) == "collective" and comparison.sequence_notes[0] == note
-    assert comparison.sequence_notes[1] == ("only 2 of this run's 3 ops could be paired with the reference's: the "
-                                            "analysis covers those")
+    assert comparison.paired_ops == (2, 3)
+    assert comparison.sequence_notes[1].startswith("only 2 of this run's 3 ops could be paired")
     # In the exact lane a changed sequence is the first difference, named with the field that differs.
     exact = compare_named(ref, rewritten(3.0), lane="exact")
     assert exact.culprit is not None and exact.culprit.kind == "sequence"
-    assert exact.culprit.describe().startswith("the op sequence changed at op 1: aten::mul in m (backward): "
-                                               "op aten::mul -> aten::sigmoid")
+    changed = exact.culprit
+    assert changed.entry is not None and changed.reference is not None and changed.entry_index == 1
+    assert (changed.reference.op, changed.entry.op, changed.entry.module, changed.entry.phase) == \
+        ("aten::mul", "aten::sigmoid", "m", "backward")
+    said = changed.describe()
+    assert said.startswith("the op sequence changed at op 1: ") and ": op aten::mul -> aten::sigmoid" in said
 
 
 def test_a_collective_on_ranks_whose_traces_differ_weighs_only_the_ranks_that_ran_it() -> None:

@@ -37,10 +37,14 @@ def test_a_fused_to_per_expert_layout_is_the_models_code_not_a_kernel() -> None:
     comparison = compare_named(reference, run, lane="exact")
     first = comparison.findings[0]
     assert first.component == "model" and first.metric == "model"
-    assert first.message.startswith("the model's code changed with transformers 5.24.0 -> 4.57.6: 1 parameters "
-                                    "fused -> per-module as 8 (the same 384 values, e.g. "
-                                    f"{FUSED} [4, 12, 8] -> model.layers.0.mlp.experts.0.w1.weight [6, 8])")
-    assert "record a reference for this stack with --gpuregress-record" in first.message
+    assert model_layout.library_changes(reference, run) == ["transformers 5.24.0 -> 4.57.6"]
+    before, after = model_layout.layout(reference), model_layout.layout(run)
+    assert set(before) - set(after) == {FUSED} and len(set(after) - set(before)) == 8
+    assert before[FUSED] == (4, 12, 8) and after["model.layers.0.mlp.experts.0.w1.weight"] == (6, 8)
+    # the line names the libraries, how the layout moved (the same values regrouped) and to record anew
+    assert first.message.startswith("the model's code changed with ") and "transformers 5.24.0 -> 4.57.6: " in first.message
+    assert "1 parameters fused -> per-module as 8" in first.message and "(the same 384 values" in first.message
+    assert f"{FUSED} [4, 12, 8] -> " in first.message and "--gpuregress-record" in first.message
     assert {f.component for f in comparison.findings} == {"model"}  # the loss that moved too: never a kernel
 
 
@@ -59,7 +63,7 @@ def test_the_report_of_a_changed_model_advises_a_folder_of_its_own_not_overwriti
     comparison = compare_named(moe_record(False, "5.24.0"), moe_record(True, "4.57.6"), lane="exact")
     text = format_comparison(comparison, scenario="fsdp", platform_key="cpu-gloo-w2-fp32", reference_path="REF",
                              record_hint="OVERWRITE", record_elsewhere_hint="ELSEWHERE")
-    assert "record it into another folder, keeping this one: ELSEWHERE" in text and "OVERWRITE" not in text
+    assert "keeping this one: ELSEWHERE" in text and "OVERWRITE" not in text
     plain = compare_named(moe_record(False, "5.24.0"), moe_record(False, "5.24.0"), lane="exact")
     plain.findings = comparison.findings[1:]  # the same differences without a layout change
     text = format_comparison(plain, scenario="fsdp", platform_key="cpu-gloo-w2-fp32", reference_path="REF",
@@ -97,8 +101,9 @@ def test_kernels_that_moved_with_a_model_library_alone_are_named_the_models_code
 
     reference, run = moe_record(False, "5.24.0"), moe_record(False, "4.57.6")
     cause = model_code_cause(reference, run)
-    assert cause == ("the model's code changed with transformers 5.24.0 -> 4.57.6: the op sequence of a step moved "
-                     "with it, not a kernel library (the model component)")
+    assert model_layout.library_changes(reference, run) == ["transformers 5.24.0 -> 4.57.6"]
+    assert cause.startswith("the model's code changed with ") and "transformers 5.24.0 -> 4.57.6: " in cause
+    assert "not a kernel library" in cause and cause.endswith("(the model component)")
     assert kernels.report_lines(["aten::bmm: its own kernel -> mkl"], cause)[0].startswith(
         "kernels changed since the reference (1 ops; the model's code changed with transformers")
     run.fingerprint["versions"]["torch"] = "2.14.1"  # torch moved too: the kernels may be its
@@ -118,8 +123,10 @@ def test_a_parameter_the_model_no_longer_has_is_its_definition_and_a_lora_adapte
                          arrays={f"step0_grad/{n}": np.full((8, 8), 0.5, dtype=np.float32) for n in full},
                          digests={n: {"sha256": "x", "sum": 1.0, "abs_sum": 2.0, "l2": 1.0, "shape": [8, 8]} for n in full})
     reference, run = lora_record(True), lora_record(False)
-    assert model_layout.layout_change(reference, run).startswith("the model's definition changed: 2 parameters only "
-                                                                 "in the reference")
+    assert model_layout.library_changes(reference, run) == []  # no library moved: the definition did
+    change = model_layout.layout_change(reference, run)
+    assert change is not None and change.startswith("the model's definition changed: ")
+    assert "2 parameters only in the reference" in change
     assert model_layout.adapters_only(reference, run)
     comparison = compare_named(reference, run, lane="exact")
     assert (comparison.findings[0].component, comparison.findings[0].rule) == ("library: peft", "layout")
@@ -144,7 +151,10 @@ def test_gradients_only_missing_on_an_unchanged_library_stack_keep_the_usual_ver
     comparison = compare_named(reference, run, lane="exact")
     assert comparison.findings and all(f.component != "model" for f in comparison.findings)
     run.fingerprint["versions"]["transformers"] = "5.25.0"
-    assert model_layout.layout_change(reference, run).startswith("the model's code changed with transformers 5.24.0 -> 5.25.0")
+    assert model_layout.library_changes(reference, run) == ["transformers 5.24.0 -> 5.25.0"]
+    change = model_layout.layout_change(reference, run)
+    assert change is not None and change.startswith("the model's code changed with ")
+    assert "transformers 5.24.0 -> 5.25.0: " in change
 
 
 def test_kernels_that_moved_with_other_stack_changes_are_not_blamed_on_the_model() -> None:
@@ -171,8 +181,9 @@ def test_a_head_untied_against_the_config_is_the_librarys_and_never_a_re_record(
     comparison = compare_named(tied_record(False), tied_record(True), lane="exact", tied=True)
     first = comparison.findings[0]
     assert (first.metric, first.component) == ("model", "library: transformers")
-    assert first.message.startswith("the model's config ties the input and output embeddings (tie_word_embeddings: "
-                                    "true), but this stack built lm_head.weight as a tensor of its own")
+    assert first.facts == {"built_by": "transformers"}
+    assert first.message.startswith("the model's config ties the input and output")
+    assert "(tie_word_embeddings: true)" in first.message and "lm_head.weight as a tensor of its own" in first.message
     assert {f.component for f in comparison.findings} == {"library: transformers"}
     text = format_comparison(comparison, scenario="fsdp", platform_key="cpu-gloo-w2-fp32", reference_path="REF",
                              record_hint="OVERWRITE", record_elsewhere_hint="ELSEWHERE")

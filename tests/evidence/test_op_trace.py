@@ -25,6 +25,7 @@ from pytest_gpuregress.triage.naming import op_component
 from ..conftest import FSDP_ONLY, FSDP_STEPS, compare_named, make_record
 
 UP_PROJ = "model.layers.0.mlp.up_proj"
+RS = "c10d::_reduce_scatter_base_"
 
 
 def traced_step0(*, faults: tuple[str, ...] = (), backend: str = "auto", rank: int = 0, hook: Any = None,
@@ -219,8 +220,12 @@ def test_each_op_keeps_its_scalar_arguments_and_the_package_whose_code_ran_it(cl
     assert moved is not None and moved.entry is not None and moved.arguments_changed
     assert (moved.entry.op, moved.entry.module) == ("aten::add", "model.layers.0.input_layernorm")
     assert op_component(moved) == "library: transformers"
-    assert moved.describe().endswith("; it was called with other arguments: other=1e-05 in the reference, "
-                                     "other=0.0001 now: transformers's code calls it otherwise")
+    assert moved.reference is not None and (moved.reference.arguments, moved.entry.arguments) == \
+        ("other=1e-05", "other=0.0001")
+    assert (moved.site, moved.caller) == ("called otherwise", "transformers")
+    said = moved.describe()  # the line names both calls and whose code made them
+    assert f"{moved.reference.arguments} in the reference, {moved.entry.arguments} now" in said
+    assert said.endswith("transformers's code calls it otherwise")
 
 
 def test_changed_tokens_are_named_as_an_input_and_a_changed_op_sequence_as_such(clean: RunRecord) -> None:
@@ -249,17 +254,27 @@ def test_the_report_names_the_op_and_triage_convicts_its_component(clean: RunRec
     assert not comparison.passed and comparison.first_moved is not None
     text = format_comparison(comparison, scenario="fsdp", platform_key="cpu-gloo-w2-fp32", reference_path="ref",
                              record_hint="record it")
-    assert f"first difference: aten::mm in {UP_PROJ} (forward)" in text
+    first = comparison.first_moved
+    assert first.entry is not None and (first.label, first.entry.op, first.entry.module, first.entry.phase) == \
+        ("first difference", "aten::mm", UP_PROJ, "forward")
+    assert first.describe() in text
     clean_experiments = [triage.Experiment("equivalence", "clean", ""), triage.Experiment("oracle", "clean", "")]
     found = triage.verdict(comparison, clean_experiments)
     component, line = found.component, found.line
-    assert component == "kernel" and f"first moved op differs: aten::mm in {UP_PROJ}" in line
+    culprit = comparison.culprit
+    assert culprit is not None and culprit.entry is not None and (culprit.entry.op, culprit.entry.module) == \
+        ("aten::mm", UP_PROJ)
+    assert (component, found.rule) == ("kernel", "culprit-at-step0") and "first moved op differs: aten::mm in" in line
     lr_changed = traced_step0(faults=("lr_scale:factor=1.01",))
     lr_changed.series = {k: [vals[0], *(v * (1 + 1e-3) for v in vals[1:])] for k, vals in lr_changed.series.items()}
     optimizer = compare_named(clean, lr_changed, lane="exact")
     found = triage.verdict(optimizer, clean_experiments)
     component, line = found.component, found.line
-    assert component == "optimizer" and "first moved op differs: aten::mul_ in model.embed_tokens.weight" in line
+    culprit = optimizer.culprit
+    assert culprit is not None and culprit.entry is not None
+    assert (culprit.entry.op, culprit.entry.module, culprit.entry.phase) == \
+        ("aten::mul_", "model.embed_tokens.weight", "optimizer")
+    assert (component, found.rule) == ("optimizer", "culprit-at-step0") and "first moved op differs: aten::mul_" in line
 
 
 def test_a_tolerant_pass_with_moved_ops_says_where_bitwise_drift_starts(clean: RunRecord) -> None:
@@ -336,8 +351,8 @@ def test_a_corrupted_reduce_scatter_is_named_at_the_collective_in_the_backward_o
     assert (moved.entry.op, moved.entry.module, moved.entry.phase) == \
         ("c10d::_reduce_scatter_base_", "model.layers.1", "backward")
     assert (moved.rank, moved.also_on, moved.world) == (0, (1,), 2)
-    assert "c10d::_reduce_scatter_base_ in model.layers.1 (backward; FSDP::post_backward_reduce (model.layers.1))" \
-        in moved.describe()
+    region = f"FSDP::post_backward_reduce ({moved.entry.module})"
+    assert moved.entry.region == region and f"(backward; {region})" in moved.describe()
 
 
 @pytest.mark.full_tier
@@ -349,10 +364,11 @@ def test_end_to_end_the_failure_names_the_reduce_scatter_and_triage_keeps_its_st
                                 f"--gpuregress-inject={fault}", "--gpuregress-triage")
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
-    assert "first difference: c10d::_reduce_scatter_base_ in the root module (backward; FSDP::post_backward_reduce)" \
-        in out, out[-6000:]
-    assert "triage verdict: collective." in out and "first moved op differs: c10d::_reduce_scatter_base_" in out
-    assert "its Python stack (step 0 re-run on this stack):" in out and "_fsdp_collectives.py" in out
+    first = next((line for line in out.splitlines() if f"first difference: {RS}" in line), "")
+    assert " in the root module " in first, out[-6000:]
+    assert "(backward; FSDP::post_backward_reduce)" in first
+    assert "triage verdict: collective." in out and f"first moved op differs: {RS}" in out
+    assert "its Python stack" in out and "_fsdp_collectives.py" in out
     assert os.sep in out  # file paths of the stack's frames
 
 
@@ -373,7 +389,10 @@ def test_legitimate_drift_at_step_0_convicts_nothing_when_the_failure_starts_lat
     assert component == "optimizer", line
     evidence = triage.first_moved_evidence(comparison)
     assert evidence is not None and evidence.status == "drift only" and not evidence.convicts
-    assert "it begins at aten::mm in model.layers.0.mlp.up_proj" in line
+    drift = comparison.first_moved
+    assert drift.entry is not None and (drift.entry.op, drift.entry.module) == ("aten::mm", UP_PROJ)
+    assert drift.describe().removeprefix("first difference: ") in evidence.detail and evidence.detail in line
+    assert found.rule == "late-window-reproduced"
     assert triage.verdict(comparison, experiments[:2]).component is None  # without the window: no kernel, no optimizer
 
 

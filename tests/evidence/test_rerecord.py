@@ -28,7 +28,7 @@ def _with_distances(**per_tensor: float) -> RunRecord:
 def test_a_run_no_further_from_float64_within_the_noise_may_replace_the_reference() -> None:
     old, new = _with_distances(a=2e-7, b=3e-7), _with_distances(a=2.5e-7, b=1e-7)
     judged = oracle_distance.judge_rerecording(old, new, {"a": 1e-7, "b": 1e-7})
-    assert judged.allowed and judged.reason.startswith("no further from float64 within the measured noise")
+    assert judged.allowed and judged.worse == [] and judged.reason.startswith("no further from float64")
 
 
 def test_a_run_further_from_float64_is_refused_naming_both_distances_and_the_override() -> None:
@@ -36,8 +36,9 @@ def test_a_run_further_from_float64_is_refused_naming_both_distances_and_the_ove
     judged = oracle_distance.judge_rerecording(old, new, {"a": 1e-6, "b": 1e-6})
     assert not judged.allowed and [w[0] for w in judged.worse] == ["a"]
     text = judged.refusal("fsdp", "cpu-gloo-w2-fp32")
-    assert "not re-recording 'fsdp' on cpu-gloo-w2-fp32: 1 of 2 step-0 gradients moved further" in text
-    assert "a: 2e-07 -> 2e-05 from float64 (allowed up to 1.2e-06)" in text
+    assert judged.worse == [("a", 2e-7, 2e-5, 1e-6)]
+    assert text.startswith("not re-recording 'fsdp' on cpu-gloo-w2-fp32: ") and "1 of 2 step-0 gradients" in text
+    assert "a: 2e-07 -> 2e-05 from float64" in text and "(allowed up to 1.2e-06)" in text
     assert oracle_distance.OVERRIDE_FLAG in text
 
 
@@ -80,7 +81,7 @@ def test_re_recording_is_refused_for_a_worse_stack_and_accepted_for_a_clean_othe
     assert "--gpuregress-record-anyway" in worse.stdout and manifest.read_bytes() == before  # left as it was
     other = record("--gpuregress-replicas=0", env={"ATEN_CPU_CAPABILITY": "default"})  # a clean, different stack
     assert other.returncode == 0, other.stdout[-2000:]
-    assert "re-recorded: no further from float64 within the measured noise" in other.stdout
+    assert "re-recorded: no further from float64" in other.stdout and "within the measured noise" in other.stdout
     forced = record("--gpuregress-inject=linear_noise:rel=1e-5", "--gpuregress-record-anyway", "--gpuregress-replicas=0")
     assert forced.returncode == 0, forced.stdout[-2000:]
-    assert "(--gpuregress-record-anyway: recorded anyway)" in forced.stdout
+    assert "(--gpuregress-record-anyway: " in forced.stdout and ": recorded anyway)" in forced.stdout

@@ -52,7 +52,8 @@ def test_one_wrong_element_is_located_to_its_block_with_the_deviation_it_has(gra
     assert worst == element // step0.BLOCK
     expected = abs(float(grad[150, 3])) * 1e-4 / float(np.abs(grad).max())
     assert dev[worst] == pytest.approx(expected, rel=1e-3)  # as sharp as the whole tensor's element
-    assert step0.block_label(blocks_from(grad, 2), worst, SHAPE).startswith(f"block {worst} (elements {worst * 1024}..")
+    label = step0.block_label(blocks_from(grad, 2), worst, SHAPE)
+    assert label.startswith(f"block {worst} ") and f"(elements {worst * 1024}.." in label
 
 
 def test_a_nan_in_one_block_is_an_infinite_deviation(grad: np.ndarray) -> None:
@@ -87,7 +88,12 @@ def test_the_comparison_reports_a_block_and_a_collective(grad: np.ndarray) -> No
     assert not [f for f in clean.findings if f.metric == "step0_grad"]
     found = [f for f in compare_named(ref, run, lane="exact").findings if f.metric == "step0_grad"]
     assert len(found) == 1 and found[0].component == "collective"
-    assert "1 blocks differ" in found[0].message and "block 11 (elements 11264..12287, from (146, 22))" in found[0].message
+    (where, *_), = found[0].worst  # the one differing block, located to its elements and their 2-d index
+    assert (found[0].tensor, found[0].unit, found[0].fraction) == ("a.weight", "blocks", pytest.approx(1 / 23))
+    block = (150 * SHAPE[1] + 3) // step0.BLOCK  # the wrong element's block, its first element's 2-d index
+    first = block * step0.BLOCK
+    assert where == f"block {block} (elements {first}..{first + 1023}, from {divmod(first, SHAPE[1])})"
+    assert "1 blocks differ" in found[0].message and where in found[0].message
 
 
 BIG_GRADIENTS = '''

@@ -84,7 +84,7 @@ def test_a_wrapper_module_is_one_note_and_the_ops_past_it_are_still_paired(refer
     assert comparison.changed_code == []  # relabelled, not changed: no package's code runs other ops
     assert comparison.new_dtypes == []  # and nothing computes in another precision
     text = report(comparison)
-    assert "introduced at: no op of step 0 moved beyond drift" in text
+    assert "introduced at: no op of step 0" in text
     assert "op sequence changed since the reference" in text
 
 
@@ -120,7 +120,7 @@ def test_an_autocast_a_library_set_on_the_model_is_another_precision_not_a_kerne
     assert comparison.new_dtypes == ["bf16"], comparison.sequence_notes
     found = verdict(comparison, [])
     assert (found.component, found.rule) == ("library", "other-precision"), found.line
-    assert "ops of step 0 now compute in bf16, which no op of the reference did" in found.quoted
+    assert "now compute in bf16" in found.quoted
 
 
 def test_past_the_wrapper_a_gemm_error_is_introduced_at_its_matmul(reference: RunRecord) -> None:
@@ -143,7 +143,9 @@ def test_one_wrong_element_of_a_gemm_is_introduced_at_its_matmul_through_drift(r
     assert (culprit.entry.op, culprit.entry.module, culprit.entry.phase) == \
         ("aten::mm", UP_PROJ.replace("up_proj", "gate_proj"), "forward")
     assert culprit.relative < 1e-7 and culprit.spike[0] >= introduced.DEFAULT.spike_floor_ulps
-    assert "a few of its output's elements moved: one bucket of its sketch by" in report(comparison)
+    said = report(comparison)
+    assert "a few of its output's elements moved" in said and "one bucket of its sketch" in said
+    assert f"sketch by {culprit.spike[0]:.3g} ulps" in said
 
 
 def test_a_one_token_gradient_change_propagating_through_a_gemm_is_not_pinned_on_it(reference: RunRecord) -> None:

@@ -35,7 +35,7 @@ def late_grad(fraction: float) -> Finding:
 def test_gradients_computed_wrong_from_the_reference_state_convict_their_component() -> None:
     experiment = judged(2, 6, window(late_grad(0.001), late_grad(0.001)))
     assert (experiment.status, experiment.component) == ("differs", "collective")
-    assert "step 6's gradients, computed on this stack from the reference's own state at step 6" in experiment.detail
+    assert "step 6's gradients" in experiment.detail and "own state at step 6" in experiment.detail
     assert "(and 1 more tensors)" in experiment.detail
     found = verdict(late_divergence(), [*CLEARED, experiment])
     component, line = found.component, found.line
@@ -70,9 +70,9 @@ def test_a_loss_that_moves_only_steps_after_the_right_update_says_what_else_coul
     later = Finding("loss", "loss: first differing step 9 of 75 ...", step=9)
     experiment = judged(2, 6, window(later))
     assert experiment.status == "reproduced later" and experiment.component is None
-    assert "but only from the window's step 9: a later batch's gradients" in experiment.detail
+    assert "only from the window's step 9" in experiment.detail
     found = verdict(late_divergence(), [*CLEARED, experiment])
-    assert found.component is None and "what would settle it: a run on the reference's own stack" in found.quoted
+    assert (found.component, found.rule) == (None, None) and "a run on the reference's own stack" in found.quoted
 
 
 def test_a_window_that_leaves_its_limits_late_convicts_the_update_where_the_run_diverged_from_its_first_update() -> None:
@@ -81,7 +81,7 @@ def test_a_window_that_leaves_its_limits_late_convicts_the_update_where_the_run_
     late = Finding("loss", "loss: first differing step 5 of 75 ...", step=5)
     experiment = judged(1, 6, window(late, lane="tolerant"))
     assert (experiment.status, experiment.component) == ("reproduced", "optimizer")
-    assert "the run itself diverged from its first update on (step 1" in experiment.detail
+    assert "from its first update on (step 1" in experiment.detail
     assert judged(2, 6, window(late, lane="tolerant")).component is None  # a later start: nothing
     # The exact lane: an update error moves the window's bits at its step 1, so a later move convicts nothing.
     assert judged(1, 6, window(late)).component is None
@@ -95,7 +95,7 @@ def test_a_divergence_that_does_not_recur_in_a_fresh_process_is_no_proof_against
     found = verdict(late_divergence(), [*CLEARED, experiment])
     component, line = found.component, found.line
     assert component is None and "inconclusive" in line and "late window did not reproduce" in line
-    assert "what would settle it: the divergence needs a warmed-up process" in found.quoted  # the experiment named
+    assert "what would settle it" in found.quoted and "needs a warmed-up process" in found.quoted  # the experiment
     flipped = Experiment("flip world size 1", "stayed", "worst deviation 30x -> 29x its limit")
     assert "what would settle it" not in verdict(late_divergence(), [*CLEARED, experiment, flipped]).quoted
     # The run's own collective invariants decide where they broke: in-run evidence, no replay needed.

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpuregress.evidence.model_layout import BUILT_OTHERWISE
+
 from ..conftest import FSDP_ONLY, FSDP_STEPS, record_references
 
 pytestmark = [pytest.mark.slow, pytest.mark.full_tier]
@@ -34,11 +36,11 @@ def test_a_rope_change_in_transformers_is_the_library_not_a_kernel(fsdp_referenc
     assert done.returncode == 1, done.stdout[-4000:]
     assert tags(done.stdout) == {"[library: transformers]"}, done.stdout[-4000:]
     verdict = next((line for line in done.stdout.splitlines() if line.startswith("triage verdict:")), "")
-    assert verdict.startswith("triage verdict: library: transformers. "), done.stdout[-6000:]
-    assert "model code differs: the float64 oracle's step 0 on this stack differs" in verdict
+    assert verdict.startswith("triage verdict: library: transformers."), done.stdout[-6000:]
+    assert "model code differs: " in verdict and "oracle's step 0 on this stack differs" in verdict
     # the first op that moved reads another view of the same tensor (the odd features): called otherwise
     assert "it was called with other arguments" in verdict and "Decided by rule called-otherwise (" in verdict
-    assert "the model's code changed with transformers: check its release notes" in done.stdout
+    assert "code changed with transformers" in done.stdout and "transformers: check its release notes" in done.stdout
     assert "record them as the reference" not in done.stdout
 
 
@@ -53,12 +55,12 @@ def test_a_lora_scaling_change_in_peft_is_the_library_not_a_kernel(lora_referenc
     assert done.returncode == 1, done.stdout[-4000:]
     assert tags(done.stdout) == {"[library: peft]"}, done.stdout[-4000:]  # the merge check agrees with the forward
     verdict = next((line for line in done.stdout.splitlines() if line.startswith("triage verdict:")), "")
-    assert verdict.startswith("triage verdict: library: peft. Evidence: "), done.stdout[-6000:]
+    assert verdict.startswith("triage verdict: library: peft. "), done.stdout[-6000:]
     assert "model code differs: the float64 oracle's step 0" in verdict, verdict
     # the op says whose code it was: the oracle's move and the scale peft passed agree
-    assert "it was called with other arguments: other=2.0 in the reference, other=5.65685424949238 now: peft's " \
-           "code calls it otherwise" in verdict
-    assert "the model's code changed with peft: check its release notes" in done.stdout
+    assert "called with other arguments: other=2.0" in verdict and "other=2.0 in the reference, " in verdict
+    assert "other=5.65685424949238 now: peft's code" in verdict and "peft's code calls it otherwise" in verdict
+    assert "code changed with peft: " in done.stdout and "peft: check its release notes" in done.stdout
     assert "record them as the reference" not in done.stdout
 
 
@@ -71,9 +73,9 @@ def test_a_library_that_calls_an_op_with_another_divisor_is_named_by_the_op_not_
     assert done.returncode == 1, done.stdout[-4000:]
     verdict = next((line for line in done.stdout.splitlines() if line.startswith("triage verdict:")), "")
     assert verdict.startswith("triage verdict: library: accelerate. "), done.stdout[-6000:]
-    assert "Decided by rule called-otherwise (the op that introduced the difference was called with other arguments" in verdict
-    assert "it was called with other arguments: other=1 in the reference, other=2 now: accelerate's code calls it " \
-           "otherwise" in done.stdout
+    assert "Decided by rule called-otherwise (" in verdict and "(the op that introduced the difference" in verdict
+    assert "called with other arguments: other=1 in" in done.stdout
+    assert "other=1 in the reference, other=2 now: " in done.stdout and "accelerate's code calls it otherwise" in done.stdout
     assert "[kernel]" not in done.stdout
 
 
@@ -85,12 +87,13 @@ def test_a_tied_model_built_untied_is_the_library_judged_against_its_config_neve
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1, done.stdout[-4000:]
     assert tags(done.stdout) == {"[library: transformers]"}, done.stdout[-4000:]
-    assert "[library: transformers] the model's config ties the input and output embeddings (tie_word_embeddings: " \
-           "true), but this stack built lm_head.weight as a tensor of its own" in done.stdout
+    assert "[library: transformers] the model's config ties the input" in done.stdout
+    assert "embeddings (tie_word_embeddings: true)" in done.stdout
+    assert "but this stack built lm_head.weight" in done.stdout and "lm_head.weight as a tensor of its own" in done.stdout
     verdict = next(line for line in done.stdout.splitlines() if line.startswith("triage verdict:"))
     assert verdict.startswith("triage verdict: library: transformers. ") and "Decided by rule model-layout (" in verdict
-    assert verdict.endswith(": the library did not build what the model's config asks (the first finding), so the runs "
-                            "start from other weights")
-    assert "record nothing: the library did not build what the model's config asks (the first finding); report it " \
-           "to transformers" in done.stdout
+    assert verdict.endswith("so the runs start from other weights")
+    assert f": {BUILT_OTHERWISE} (the first finding), so the runs" in verdict
+    assert f"record nothing: {BUILT_OTHERWISE} (the first finding)" in done.stdout
+    assert "; report it to transformers" in done.stdout
     assert "--gpuregress-record" not in done.stdout.split("what changed in the stack")[1].split("triage verdict")[0]

@@ -41,11 +41,13 @@ def test_the_re_run_keeps_one_step_and_the_stack_of_that_op_on_its_rank() -> Non
     (launch,) = launches
     assert launch.config["steps"] == 1 and launch.config[STACK_CONFIG] == [1, 7]
     assert lines[0].startswith("its Python stack") and '  File "model.py", line 3, in forward' in lines
-    assert "where its autograd node was made, in the forward:" in lines
+    assert any(line.startswith("where its autograd node was made") for line in lines)
 
 
 def test_a_re_run_that_reached_another_op_there_reports_no_stack() -> None:
     lines = keep_stack(Scenario(), SimpleNamespace(), _runner({"op": "aten::add", "stack": ["x"]}, []), _moved())
-    assert lines == ["its Python stack: the re-run of step 0 ran aten::add there, not aten::mm: not kept"]
+    (line,) = lines
+    assert line.startswith("its Python stack: ") and "ran aten::add there, not aten::mm" in line
     lines = keep_stack(Scenario(), SimpleNamespace(), _runner(None, []), _moved())
-    assert lines == ["its Python stack: the re-run of step 0 kept none"]
+    (line,) = lines
+    assert line.startswith("its Python stack: ") and line.endswith(" kept none")

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from pytest_gpuregress.comparison.bounds import step0_bound
 from pytest_gpuregress.comparison.compare import Comparison
 from pytest_gpuregress.triage import Experiment, shard_owner, verdict
+from pytest_gpuregress.triage.decision import RULE_BY_ID
 
 from ..conftest import compare_named, make_record
 
@@ -34,7 +35,8 @@ def test_equivalence_alone_convicts_a_collective() -> None:
     experiments = [Experiment("equivalence", "differs", "x", component="collective"), Experiment("oracle", "clean", "y")]
     found = verdict(None, experiments)
     component, line = found.component, found.line
-    assert component == "collective" and line.startswith("triage verdict: collective. Evidence: equivalence differs")
+    assert (component, found.rule, found.quoted) == ("collective", "equivalence", "equivalence differs: x")
+    assert line.startswith("triage verdict: collective. ") and f"Evidence: {found.evidence}. " in line
 
 
 def test_both_clean_and_a_later_divergence_without_a_window_is_inconclusive_not_the_optimizer() -> None:
@@ -83,8 +85,9 @@ def test_the_collective_sweep_of_the_session_is_evidence_never_a_conviction() ->
     found = verdict(_late_divergence(), experiments)
     component, line = found.component, found.line
     # A failing sweep beside it convicts nothing (the two may fail for causes of their own).
-    assert component is None
-    assert "collective sweep fails too: 1 of 11 of its cases failed in this session, first collectives-" in line
+    assert (component, found.rule) == (None, None)
+    sweep = f"{failing.name} fails too: {failing.detail}"
+    assert sweep in found.evidence and found.evidence in line
 
 
 def test_the_docs_table_of_rules_is_the_decision_tables() -> None:
@@ -118,7 +121,9 @@ def test_in_run_evidence_outranks_the_experiments_and_is_quoted() -> None:
     found = verdict(None, [oracle, broke])
     component, line = found.component, found.line
     assert (component, found.rule) == ("collective", "collective-invariants")
-    assert "Decided by rule collective-invariants (a collective broke its own invariant" in line
+    assert found.quoted == f"{broke.name} broke: {broke.detail}"
+    rule = RULE_BY_ID["collective-invariants"]
+    assert f"Decided by rule {rule.id} ({rule.evidence})" in line
     named = Experiment("bisect", "named", "transformers 5.25.0 -> 5.24.0 restores step 0 ...",
                        component="library: transformers")
     assert verdict(None, [oracle, broke, named]).component == "library: transformers"

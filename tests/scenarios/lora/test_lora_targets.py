@@ -79,7 +79,7 @@ HEADER = re.compile(r"gpuregress lora (?P<kind>targets|left out|peft moved) \((?
 
 
 def header_facts(lines: list[str]) -> list[tuple[str, str, object]]:
-    """Each header line as (kind, model, what it lists): targets a list of names, left out {why: module paths}, peft
+    """Each header line as (kind, model, what it lists): targets a list of names, left out [(why, module paths)], peft
     moved (the targets moved, the fused parameters they moved onto). A line of another form fails the test."""
     out: list[tuple[str, str, object]] = []
     for line in lines:
@@ -89,7 +89,7 @@ def header_facts(lines: list[str]) -> list[tuple[str, str, object]]:
         if kind == "targets":
             facts: object = said.split(", ")
         elif kind == "left out":
-            facts = {why: paths.split(", ") for why, _, paths in (part.rpartition(": ") for part in said.split("; "))}
+            facts = [(why, paths.split(", ")) for why, _, paths in (part.rpartition(": ") for part in said.split("; "))]
         else:
             moved = re.fullmatch(r"(.+) onto the fused expert parameters (.+) \(target_parameters, .+\)", said)
             assert moved is not None, line
@@ -139,10 +139,10 @@ def test_the_header_says_what_peft_did_where_it_moves_targets_onto_fused_experts
     facts = header_facts(lines)
     assert facts[1] == ("peft moved", "tiny-deepseek", (done.moved, done.into))
     assert "transformers 5's MoE layout" in lines[1]
-    assert facts[2] == ("left out", "tiny-deepseek", {
-        PEFT_MOVED: ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.shared_experts.gate_proj",
-                     "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"],
-        ROUTER: ["mlp.gate"]})
+    assert facts[2] == ("left out", "tiny-deepseek", [
+        (PEFT_MOVED, ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.shared_experts.gate_proj",
+                      "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"]),
+        (ROUTER, ["mlp.gate"])])
     assert NOT_LINEAR not in lines[2]  # the fused experts are adapted: peft wrapped their parameters
 
 
@@ -174,18 +174,18 @@ def test_the_header_names_the_targets_and_what_the_users_targets_leave_out(tmp_p
     setup = setup_with(tmp_path, phi3(tmp_path), targets=["q_proj", "v_proj", "qkv_proj"])
     assert header_facts(SCENARIO.header(setup)) == [
         ("targets", "tiny-llama", ["q_proj", "v_proj"]),
-        ("left out", "tiny-llama", {NOT_ASKED: ["self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-                                                "mlp.down_proj"]}),
+        ("left out", "tiny-llama", [(NOT_ASKED, ["self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                 "mlp.down_proj"])]),
         ("targets", "tiny-phi3", ["qkv_proj"]),
-        ("left out", "tiny-phi3", {NOT_ASKED: ["self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]}),
+        ("left out", "tiny-phi3", [(NOT_ASKED, ["self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"])]),
     ]
     # With no option the tiny Llama's line is the defaults, the zoo MoE says what LoRA cannot reach.
     zoo = setup_with(tmp_path, Path("tiny-moe"))
     assert header_facts(SCENARIO.header(zoo)) == [
         ("targets", "tiny-llama", list(DEFAULT_TARGETS)),
         ("targets", "tiny-moe", list(DEFAULT_TARGETS)),
-        ("left out", "tiny-moe", {NOT_LINEAR: ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-                                  ROUTER: ["mlp.gate", "mlp.shared_expert_gate"]}),
+        ("left out", "tiny-moe", [(NOT_LINEAR, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+                                  (ROUTER, ["mlp.gate", "mlp.shared_expert_gate"])]),
     ]
     absent = setup_with(tmp_path, targets=["c_attn"])
     [(kind, model, said)] = header_facts(SCENARIO.header(absent)[:1])

@@ -17,7 +17,7 @@ from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios.base import Case, Setup
 from pytest_gpuregress.scenarios.formats import SCENARIO, judge, scaled_mm, summary
 from pytest_gpuregress.scenarios.formats.catalog import FORMATS
-from pytest_gpuregress.triage.naming import described
+from pytest_gpuregress.triage.naming import component_of, described
 
 CUDA = Setup("cuda", "nccl", 1)
 CASE = Case("scaled_mm", data={"part": "scaled_mm"})
@@ -90,7 +90,8 @@ def test_torchs_argument_checks_are_the_plugins_error_not_a_finding(
     with pytest.raises(CallRejected) as raised:
         SCENARIO.own_findings(CASE, record_of(result), CUDA)
     text = str(raised.value)
-    assert text.startswith("the plugin called torch._scaled_mm wrongly for e4m3fnuz [64, 128, 48] on gfx942: ")
+    called = re.match(r"the plugin called torch._scaled_mm wrongly for (\w+) (\[[\d, ]+\]) on (\w+): ", text)
+    assert called is not None and called.groups() == ("e4m3fnuz", "[64, 128, 48]", "gfx942"), text
     assert message in text and "bug of pytest-gpuregress" in text and "[kernel]" not in text
     assert summary.scaled_mm_lines(record_of(result), on_cpu=False) == [f"  {text}"]
 
@@ -100,8 +101,12 @@ def test_the_stack_refusing_the_format_or_the_device_is_a_finding(
         monkeypatch: pytest.MonkeyPatch, kind: type[Exception], message: str) -> None:
     result = run_on_gpu(monkeypatch, kind, message)
     assert result["refused"] == f"{kind.__name__}: {message}"
-    (finding,) = map(described, SCENARIO.own_findings(CASE, record_of(result), CUDA))
-    assert finding.startswith("[kernel] this stack's torch._scaled_mm does not accept e4m3fnuz on gfx942: ")
+    (problem,) = SCENARIO.own_findings(CASE, record_of(result), CUDA)
+    assert not isinstance(problem, str) and problem.check == "scaled-mm" and component_of(problem) == "kernel"
+    assert problem.message == judge.refusal(result)
+    refused = re.match(r"this stack's torch._scaled_mm does not accept (\w+) on (\w+): (.+?); ", problem.message)
+    assert refused is not None and refused.groups() == ("e4m3fnuz", "gfx942", result["refused"]), problem.message
+    assert described(problem).startswith("[kernel] this stack's ")
 
 
 @pytest.mark.parametrize(("kind", "message"), KERNEL_ERRORS)
@@ -109,8 +114,11 @@ def test_a_failing_kernel_is_still_the_runs_error(monkeypatch: pytest.MonkeyPatc
                                                   message: str) -> None:
     result = run_on_gpu(monkeypatch, kind, message, "e4m3fn", "sm_90")
     assert result["error"] == f"{kind.__name__}: {message}" and "call_rejected" not in result
-    (finding,) = map(described, SCENARIO.own_findings(CASE, record_of(result), CUDA))
-    assert finding.startswith("[kernel] torch._scaled_mm e4m3fn on sm_90 raised ")
+    (problem,) = SCENARIO.own_findings(CASE, record_of(result), CUDA)
+    assert not isinstance(problem, str) and problem.check == "scaled-mm" and component_of(problem) == "kernel"
+    raised = re.fullmatch(r"torch._scaled_mm (\w+) on (\w+) raised (.+)", problem.message)
+    assert raised is not None and raised.groups() == ("e4m3fn", "sm_90", result["error"]), problem.message
+    assert described(problem).startswith("[kernel] torch._scaled_mm ")
 
 
 def test_the_real_cpu_argument_checks_are_classified_as_the_call(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@ record that carries the difference its fault would leave.
 from __future__ import annotations
 
 import copy
+import re
 from types import SimpleNamespace
 
 from pytest_gpuregress import fault_points, faults
@@ -14,7 +15,7 @@ from pytest_gpuregress.faults import checkpoint as checkpoint_faults
 from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios.base import Setup
 from pytest_gpuregress.scenarios.checkpoint import checks, plan
-from pytest_gpuregress.scenarios.shared.state_pieces import merge_boundaries
+from pytest_gpuregress.scenarios.shared.state_pieces import differing, merge_boundaries
 
 
 def hashes(**overrides: list[str]) -> dict[str, dict[str, dict[str, object]]]:
@@ -25,26 +26,53 @@ def hashes(**overrides: list[str]) -> dict[str, dict[str, dict[str, object]]]:
             for piece in ("model", "optimizer.exp_avg")}
 
 
+# What a reshard finding says, field by field: the piece and tensor, its shape, the two world sizes, and why.
+RESHARD = re.compile(r"(?P<piece>\S+) of (?P<name>\w+) (?P<shape>\[[\d, ]+\]): the full-tensor hash differs after "
+                     r"saving at world size (?P<n>\d+) and loading at (?P<m>\d+); (?P<why>.+)")
+PERMUTED = re.compile(r"its (?P<chunks>\d+) chunks along dim 0 come back in the order (?P<order>\[[\d, ]+\]): chunks "
+                      r"permuted when resharding (?P<n>\d+) -> (?P<m>\d+)")
+
+
+NOT_RESTORED = re.compile(r"(?P<piece>\S+) after the load is not the saved state \((?P<why>.+)\)")
+
+
+def not_restored(findings: list[str]) -> list[tuple[str, str]]:
+    """(piece, how it differs) of each finding that says a piece of state was not restored."""
+    return [(m["piece"], m["why"]) for m in map(NOT_RESTORED.fullmatch, findings) if m]
+
+
+def reshard_facts(found: list[str]) -> list[dict[str, str]]:
+    """Each finding's fields, read back with RESHARD (a finding of another form fails the test)."""
+    matched = [RESHARD.fullmatch(line) for line in found]
+    assert all(matched), found
+    return [m.groupdict() for m in matched if m]
+
+
 def test_reshard_of_unchanged_tensors_is_silent() -> None:
     assert checks.reshard_findings(hashes(), hashes(), 2, 1) == []
 
 
 def test_reshard_names_chunks_that_come_back_permuted() -> None:
+    assert checks._permutation(["e0", "e1"], ["e1", "e0"]) == [1, 0]
     found = checks.reshard_findings(hashes(), hashes(embed=["e1", "e0"]), 2, 1)
-    assert found == [
-        "model of embed [4, 2]: the full-tensor hash differs after saving at world size 2 and loading at 1; its 2 "
-        "chunks along dim 0 come back in the order [1, 0]: chunks permuted when resharding 2 -> 1",
-        "optimizer.exp_avg of embed [4, 2]: the full-tensor hash differs after saving at world size 2 and loading at 1;"
-        " its 2 chunks along dim 0 come back in the order [1, 0]: chunks permuted when resharding 2 -> 1"]
+    facts = reshard_facts(found)
+    assert [(f["piece"], f["name"], f["shape"], f["n"], f["m"]) for f in facts] == \
+        [("model", "embed", "[4, 2]", "2", "1"), ("optimizer.exp_avg", "embed", "[4, 2]", "2", "1")]
+    whys = [PERMUTED.fullmatch(f["why"]) for f in facts]
+    assert all(w is not None and w.groupdict() == {"chunks": "2", "order": "[1, 0]", "n": "2", "m": "1"} for w in whys)
 
 
 def test_reshard_names_a_chunk_that_changed_and_a_piece_that_is_gone() -> None:
     loaded = hashes(norm=["n0", "zz"])
     del loaded["optimizer.exp_avg"]["embed"]
     found = checks.reshard_findings(hashes(), loaded, 1, 2)
-    assert "model of norm [4, 2]: the full-tensor hash differs after saving at world size 1 and loading at 2; 1 of its 2 " \
-           "chunks along dim 0 differ" in found
-    assert "optimizer.exp_avg of embed is missing after the load" in found
+    assert checks._permutation(["n0", "n1"], ["n0", "zz"]) is None  # another chunk, not the saved ones reordered
+    missing = [line for line in found if not RESHARD.fullmatch(line)]
+    assert [line.split(" is missing ") for line in missing] == [["optimizer.exp_avg of embed", "after the load"]]
+    changed = reshard_facts([line for line in found if line not in missing])
+    assert [f["piece"] for f in changed] == ["model", "optimizer.exp_avg"]
+    assert all({**f, "piece": ""} == {"piece": "", "name": "norm", "shape": "[4, 2]", "n": "1", "m": "2",
+                                      "why": "1 of its 2 chunks along dim 0 differ"} for f in changed)
 
 
 def sha(tag: str) -> str:
@@ -77,33 +105,45 @@ def test_a_resume_that_restores_everything_passes() -> None:
 
 def test_an_unrestored_generator_is_named_with_its_ranks_and_the_first_resumed_step() -> None:
     loaded = boundary(**{"rng.numpy": {"rank0": sha("x0"), "rank1": sha("x1")}})
-    findings, table = checks.resume_findings(*records(loaded, [4.71, 4.6, 4.5]), k=3)
-    assert findings[0] == "rng.numpy after the load is not the saved state (2 of 2 ranks differ, first rank0)"
-    assert findings[1].startswith("loss curve: the resumed run differs from the straight run from step 3 (the first "
-                                  "step after the resume): expected 4.7, got 4.71")
+    straight, first, second = records(loaded, [4.71, 4.6, 4.5])
+    why = "2 of 2 ranks differ, first rank0"
+    assert differing(boundary(), loaded) == [("rng.numpy", why)]
+    assert checks.first_curve_difference(straight.series["loss"], [*first.series["loss"], *second.series["loss"]],
+                                         exact=True) == 3
+    findings, table = checks.resume_findings(straight, first, second, k=3)
+    assert not_restored(findings[:1]) == [("rng.numpy", why)] and len(not_restored(findings)) == 1
+    assert findings[1].startswith("loss curve: ") and " from step 3 " in findings[1]
+    assert "(the first step after the resume)" in findings[1]
+    assert "expected 4.7, got 4.71 " in findings[1]
     rows = {line.split()[0]: line for line in table[2:]}
-    assert rows["rng.numpy"].endswith("DIFFERS: 2 of 2 ranks differ, first rank0")
+    assert rows["rng.numpy"].endswith(f"DIFFERS: {why}")
     assert all(rows[p].endswith("same") for p in rows if p != "rng.numpy")
 
 
 def test_a_dropped_optimizer_state_shows_its_step_count() -> None:
     loaded = boundary(**{"optimizer.step": {"embed": "1.0", "norm": "1.0"}})
+    expected = [("optimizer.step", "2 of 2 tensors differ, first embed: 5.0 -> 1.0")]
+    assert differing(boundary(), loaded) == expected
     findings, _ = checks.resume_findings(*records(loaded), k=3)
-    assert findings == ["optimizer.step after the load is not the saved state (2 of 2 tensors differ, first embed: "
-                        "5.0 -> 1.0)"]
+    assert len(findings) == 1 and not_restored(findings) == expected
 
 
 def test_a_data_position_not_restored_is_named() -> None:
-    findings, _ = checks.resume_findings(*records(boundary(**{"data.position": {"position": "0"}})), k=3)
-    assert findings == ["data.position after the load is not the saved state (1 of 1 entries differ, first position: "
-                        "5 -> 0)"]
+    loaded = boundary(**{"data.position": {"position": "0"}})
+    expected = [("data.position", "1 of 1 entries differ, first position: 5 -> 0")]
+    assert differing(boundary(), loaded) == expected
+    findings, _ = checks.resume_findings(*records(loaded), k=3)
+    assert len(findings) == 1 and not_restored(findings) == expected
 
 
 def test_curves_are_bitwise_on_a_deterministic_stack_and_within_tolerance_elsewhere() -> None:
     drift = [4.7 * (1 + 1e-8), 4.6, 4.5]
     assert checks.resume_findings(*records(boundary(), drift, deterministic=False), k=3) == ([], [])
+    losses = records(boundary(), drift)[0].series["loss"]
+    assert checks.first_curve_difference(losses, [*losses[:3], *drift], exact=True) == 3
+    assert checks.first_curve_difference(losses, [*losses[:3], *drift], exact=False) is None
     findings, _ = checks.resume_findings(*records(boundary(), drift, deterministic=True), k=3)
-    assert findings[0].startswith("loss curve: the resumed run differs from the straight run from step 3")
+    assert findings[0].startswith("loss curve: ") and " from step 3 " in findings[0]
     assert "bitwise (a deterministic stack)" in findings[0]
 
 

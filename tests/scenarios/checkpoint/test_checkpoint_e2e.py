@@ -7,6 +7,7 @@ class, with the piece of state named: a parameter, ``optimizer.exp_avg``, ``rng.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,11 @@ pytestmark = pytest.mark.slow
 
 PLATFORM = "cpu-gloo-w2-fp32"
 NUDGED = "model.layers.1.self_attn.q_proj.weight"  # ulp_nudge's default tensor
+TIED = ["model.embed_tokens.weight", "lm_head.weight"]  # the tiny tied Llama's tie group
+# A reshard finding as the report prints it, read back into its fields.
+PERMUTED = re.compile(r"\[checkpoint\] sharded-(\d)to(\d): (\S+) of (\S+) (\[[\d, ]+\]): the full-tensor hash differs after "
+                      r"saving at world size (\d) and loading at (\d); its (\d+) chunks along dim 0 come back in the "
+                      r"order (\[[\d, ]+\]): chunks permuted when resharding (\d) -> (\d)")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +78,9 @@ def test_resume_names_each_piece_a_fault_left_unrestored(pytester: pytest.Pytest
     }
     for piece, how in named.items():
         assert f"[checkpoint] resume: {piece} after the load is not the saved state ({how}" in out, piece
-    assert "the resumed run differs from the straight run from step 5 (the first step after the resume)" in out
+    first = re.search(r"the resumed run differs from the straight run from step (\d+) \(the first step after the resume\)",
+                      out)
+    assert first is not None and first[1] == "5", out
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and len(line.split()) > 4}
     assert rows["lr_scheduler"].endswith("same") and rows["data.position"].endswith("same")
     assert not list((pytester.path / "checkpoints").iterdir())
@@ -80,42 +88,49 @@ def test_resume_names_each_piece_a_fault_left_unrestored(pytester: pytest.Pytest
 
 def test_a_shard_written_from_rank_0_only_is_named(pytester: pytest.Pytester, refs: Path) -> None:
     out = inject(pytester, refs, "full-state-dict or sharded-2to1", "rank0_shard", failed=2)
-    assert ("[checkpoint] full-state-dict: model.embed_tokens.weight saved with shape [128, 64], the model's is "
-            "[256, 64]: the file holds one rank's shard, not the whole tensor") in out
-    assert "[checkpoint] sharded-2to1: loading at world size 1 failed: " in out
-    assert "/tensors/__1_0.distcp: missing: the metadata lists chunks of " in out
-    assert "fix: every rank must write its shard into the same folder (shared storage)" in out
+    sliced = re.search(r"\[checkpoint\] full-state-dict: (\S+) saved with shape (\[[\d, ]+\]), the model's is "
+                       r"(\[[\d, ]+\]): the file holds one rank's shard", out)
+    assert sliced is not None and sliced.groups() == ("model.embed_tokens.weight", "[128, 64]", "[256, 64]"), out
+    failed_load = re.search(r"\[checkpoint\] sharded-(\d)to(\d): loading at world size (\d) failed: ", out)
+    assert failed_load is not None and failed_load.groups() == ("2", "1", "1"), out
+    assert "/tensors/__1_0.distcp: missing: " in out and "the metadata lists chunks" in out
+    assert "fix: every rank must write its shard" in out and "(shared storage)" in out
     assert "Traceback" not in out
 
 
 def test_chunks_permuted_when_resharding_are_named_both_ways(pytester: pytest.Pytester, refs: Path) -> None:
     out = inject(pytester, refs, "sharded", "chunks_permuted", failed=2)
-    for n, m in ((2, 1), (1, 2)):
+    named = set(PERMUTED.findall(out))
+    for n, m in (("2", "1"), ("1", "2")):
         for piece in ("model", "optimizer.exp_avg", "optimizer.exp_avg_sq"):
-            assert (f"[checkpoint] sharded-{n}to{m}: {piece} of model.embed_tokens.weight [256, 64]: the full-tensor "
-                    f"hash differs after saving at world size {n} and loading at {m}; its 2 chunks along dim 0 come "
-                    f"back in the order [1, 0]: chunks permuted when resharding {n} -> {m}") in out
+            # the case, the piece and tensor, its shape, both world sizes, the chunk order, and both again
+            assert (n, m, piece, "model.embed_tokens.weight", "[256, 64]", n, m, "2", "[1, 0]", n, m) in named, piece
 
 
 def test_a_tied_key_dropped_on_save_is_named(pytester: pytest.Pytester, refs: Path) -> None:
     out = inject(pytester, refs, "tied", "tied_key_dropped", failed=1)
     assert reproduced(out) == [1]  # the printed command judges the kept run as the test did
-    assert ("[checkpoint] tied: model.embed_tokens.weight is missing from the saved file (tied: "
-            "model.embed_tokens.weight = lm_head.weight; none of these names is in the file)") in out
-    assert "tensor 'model.embed_tokens.weight': missing: the config" in out
+    dropped = re.search(r"\[checkpoint\] tied: (\S+) is missing from the saved file \(tied: (.+?); none of these "
+                        r"names is in the file\)", out)
+    assert dropped is not None and dropped.groups() == (TIED[0], " = ".join(TIED)), out
+    missing = re.search(r"tensor '(\S+)': missing: the config", out)
+    assert missing is not None and missing[1] == TIED[0], out
 
 
 def test_a_tie_lost_on_load_is_named(pytester: pytest.Pytester, refs: Path) -> None:
     out = inject(pytester, refs, "tied", "untied", failed=1)
-    assert ("[checkpoint] tied: the tie model.embed_tokens.weight = lm_head.weight is lost after reload: 2 tensors "
-            "(equal copies), not one storage under both names") in out
+    lost = re.search(r"\[checkpoint\] tied: the tie (.+?) is lost after reload: (\d+) tensors \(equal copies\), "
+                     r"not one storage", out)
+    assert lost is not None and lost.groups() == (" = ".join(TIED), "2"), out
 
 
 def test_a_one_ulp_nudge_after_load_is_named_by_the_round_trip_and_by_portability(pytester: pytest.Pytester,
                                                                                   refs: Path) -> None:
     out = inject(pytester, refs, "full-state-dict or portability", "ulp_nudge", failed=2)
-    assert f"[checkpoint] full-state-dict: {NUDGED} after reload: 1 of 4096 elements differ, first at (0, 0): " in out
-    assert f"[checkpoint] portability: {NUDGED}: the tensor the model holds after the load is not the file's" in out
+    nudged = re.search(rf"\[checkpoint\] full-state-dict: {re.escape(NUDGED)} after reload: (\d+) of (\d+) elements "
+                       r"differ, first at \(([\d, ]+)\): ", out)
+    assert nudged is not None and nudged.groups() == ("1", "4096", "0, 0"), out
+    assert f"[checkpoint] portability: {NUDGED}: the tensor the model holds after the load" in out
     assert f"[checkpoint] portability: {NUDGED}: checksum differs" in out
 
 
@@ -127,14 +142,16 @@ def test_a_shifted_random_stream_is_data_named_by_its_stream_not_the_checkpoint(
     result = run(pytester, refs, "full-state-dict", "--gpuregress-inject=library:mode=torch_rand_shift")
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
-    assert ("[data] data: the token batch of step 0 differs from the reference's (its digest), 10 of 10 steps' "
-            "batches do") in out
+    batch = re.search(r"\[data\] data: the token batch of step (\d+) differs from the reference's \(its digest\), "
+                      r"(\d+) of (\d+) steps' batches do", out)
+    assert batch is not None and batch.groups() == ("0", "10", "10"), out
     # On the CPU the device's generator is the CPU's: both streams shifted.
-    assert ("the data pipeline's random streams drew other numbers: torch's CPU generator (which input tokens are "
-            "replaced, and by what) from step 0; torch's generator on the device (which labels are dropped) from "
-            "step 0") in out
-    assert "triage verdict: data. Decided by rule data (" in out
-    assert "[data] loss curve: this run differs from the reference from step 0" in out
+    streams = re.search(r"the data pipeline's random streams drew other numbers: torch's CPU generator \(.+?\) from step "
+                        r"(\d+); torch's generator on the device \(.+?\) from step (\d+)", out)
+    assert streams is not None and streams.groups() == ("0", "0"), out
+    assert "triage verdict: data." in out and "Decided by rule data (" in out
+    curve = re.search(r"\[data\] loss curve: this run differs from the reference from step (\d+)", out)
+    assert curve is not None and curve[1] == "0", out
     assert "[checkpoint]" not in out and "Python's random generator" not in out
 
 
@@ -145,7 +162,7 @@ def test_a_damaged_bundle_is_one_clear_error(pytester: pytest.Pytester, refs: Pa
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
     assert f"[checkpoint] portability: {tensors}: sha256 " in out and "does not match manifest.json" in out
-    assert "fix: restore it from version control, or re-record it" in out and "Traceback" not in out
+    assert "fix: restore it from version control" in out and "re-record it" in out and "Traceback" not in out
 
 
 @pytest.mark.full_tier
@@ -156,6 +173,6 @@ def test_a_curve_that_moves_before_the_save_is_no_checkpoints_doing(pytester: py
                  "--gpuregress-inject=collective:op=reduce_scatter,mode=scale,rel=1e-2")
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
-    assert "[unknown] loss curve: this run differs from the reference from step " in out
-    assert "every step of it ran before the checkpoint was saved, so it is no checkpoint's doing" in out
+    assert re.search(r"\[unknown\] loss curve: this run differs from the reference from step \d+", out), out
+    assert "ran before the checkpoint was saved" in out and "no checkpoint's doing" in out
     assert "[checkpoint]" not in out and "triage verdict: checkpoint" not in out

@@ -55,6 +55,26 @@ def nudging_loader(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 NUDGE_SEEN = "1 of 64 elements differ, first at (0,): 1.0 -> 1.0000001192092896, 1 ulp"
+# A finding's fields: a tensor the model holds otherwise than the file (portable.evaluate), a tie lost (full_state).
+NOT_HELD = re.compile(r"(?P<tensor>\S+): the tensor the model holds after the load is not the file's "
+                      r"\((?P<count>\d+) of (?P<of>\d+) elements differ, first at \((?P<at>[\d, ]*)\): "
+                      r"(?P<was>[0-9.]+) -> (?P<now>[0-9.]+), (?P<ulps>\d+) ulps?\)")
+TIE_LOST = re.compile(r"the tie (?P<names>.+) is lost after reload: (?P<tensors>\d+) tensors \(equal copies\), not one "
+                      r"storage under both names")
+
+
+def not_held(findings: list[str]) -> list[dict[str, str]]:
+    return [m.groupdict() for m in map(NOT_HELD.fullmatch, findings) if m]
+
+
+def lost_ties(findings: list[str]) -> list[tuple[list[str], int]]:
+    """(the tied names, how many tensors they are now) of each finding; a finding of another form fails the test."""
+    matched = [TIE_LOST.fullmatch(f) for f in findings]
+    assert all(matched), findings
+    return [(m["names"].split(" = "), int(m["tensors"])) for m in matched if m]
+
+
+TIED = ["model.embed_tokens.weight", "lm_head.weight"]
 
 
 # --- 1. the full-state-dict and tied reloads go through safetensors.torch.load_model ---------------------
@@ -97,9 +117,7 @@ def test_a_loader_that_unties_is_caught_by_the_tie_check(tmp_path: Path, monkeyp
         return result
 
     monkeypatch.setattr(safetensors.torch, "load_model", untying_load_model)
-    assert roundtrip(TIED_CONFIG, tmp_path) == [
-        "the tie model.embed_tokens.weight = lm_head.weight is lost after reload: 2 tensors (equal copies), not one "
-        "storage under both names"]
+    assert lost_ties(roundtrip(TIED_CONFIG, tmp_path)) == [(TIED, 2)]
 
 
 def test_the_untied_fault_breaks_the_tie_after_the_stacks_load_and_is_caught(tmp_path: Path) -> None:
@@ -111,8 +129,7 @@ def test_the_untied_fault_breaks_the_tie_after_the_stacks_load_and_is_caught(tmp
         for undo in reversed(ctx.cleanup_hooks):
             undo()
     assert firing.count == 1
-    assert findings == ["the tie model.embed_tokens.weight = lm_head.weight is lost after reload: 2 tensors (equal "
-                        "copies), not one storage under both names"]
+    assert lost_ties(findings) == [(TIED, 2)]
 
 
 def test_the_stacks_refusal_is_one_checkpoint_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,8 +139,10 @@ def test_the_stacks_refusal_is_one_checkpoint_problem(tmp_path: Path, monkeypatc
     monkeypatch.setattr(safetensors.torch, "load_model", refusing_load_model)
     findings = roundtrip(CONFIG, tmp_path)
     assert len(findings) == 1 and findings[0].startswith("reloading the saved file failed: ")
-    assert "safetensors.torch.load_model(strict=True) refused it: Error(s) in loading state_dict for " \
-           "LlamaForCausalLM: Missing key(s): \"x\"" in findings[0] and "\n  fix: " in findings[0]
+    refused = re.search(r"(\S+)\(strict=True\) refused it: Error\(s\) in loading state_dict for (\w+): (.+)",
+                        findings[0])
+    assert refused is not None and refused.groups()[:2] == ("safetensors.torch.load_model", "LlamaForCausalLM")
+    assert refused.group(3).startswith('Missing key(s): "x"') and "\n  fix: " in findings[0]
 
 
 # --- 2. the bundle keeps the file the stack wrote, as the stack reads it ----------------------------------
@@ -173,8 +192,8 @@ def test_the_checksums_compare_the_stacks_load_with_the_files_own_bytes(checkpoi
                                    with_float64=False)
     assert nudging_loader == [str(checkpoint)]
     assert evaluation.checksums[NUDGED]["sha256"] != evaluation.file_checksums[NUDGED]
-    assert evaluation.problems == [f"{NUDGED}: the tensor the model holds after the load is not the file's "
-                                   f"({NUDGE_SEEN})"]
+    assert len(evaluation.problems) == 1 and not_held(evaluation.problems) == [
+        {"tensor": NUDGED, "count": "1", "of": "64", "at": "0,", "was": "1.0", "now": "1.0000001192092896", "ulps": "1"}]
 
 
 def test_a_tied_checkpoint_loads_through_the_stack_with_its_tie(tmp_path: Path) -> None:
@@ -208,8 +227,8 @@ def test_the_portability_case_on_the_shipped_bundle_passes_clean() -> None:
 def test_the_portability_case_loads_the_bundle_through_the_stack(nudging_loader: list[str]) -> None:
     findings = list(portability_findings())
     assert nudging_loader == [str(BUNDLE / files.BUNDLE_TENSORS)]
-    assert any(f.startswith(f"{NUDGED}: the tensor the model holds after the load is not the file's (1 of 64 "
-                            "elements differ, first at (0,): ") and f.endswith(", 1 ulp)") for f in findings), findings
+    held = [{k: f[k] for k in ("tensor", "count", "of", "at", "ulps")} for f in not_held(findings)]
+    assert held == [{"tensor": NUDGED, "count": "1", "of": "64", "at": "0,", "ulps": "1"}], findings
     assert any(f.startswith(f"{NUDGED}: checksum differs") for f in findings)  # against the recorded checksum too
 
 
@@ -219,8 +238,10 @@ def test_the_cli_loads_the_bundle_through_the_stack(nudging_loader: list[str],
     assert main(args) == 1
     printed = capsys.readouterr().out
     assert nudging_loader == [str(BUNDLE / files.BUNDLE_TENSORS)]
-    assert re.search(rf"DIFFERS: {re.escape(NUDGED)}: the tensor the model holds after the load is not the file's "
-                     r"\(1 of 64 elements differ, first at \(0,\): [0-9.]+ -> [0-9.]+, 1 ulp\)", printed), printed
+    line = re.search("DIFFERS: " + NOT_HELD.pattern, printed)
+    assert line is not None, printed
+    assert {k: line[k] for k in ("tensor", "count", "of", "at", "ulps")} == {
+        "tensor": NUDGED, "count": "1", "of": "64", "at": "0,", "ulps": "1"}
 
 
 def test_the_cli_on_the_shipped_bundle_passes_clean(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ one-ulp matmul fault (faults/matmul.py). Synthetic devices and recorded tool out
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,16 @@ from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios.consensus import SCENARIO, merge_devices, report, vote_of
 from pytest_gpuregress.scenarios.consensus.digest import Digests, entry_name, names_digest
 from pytest_gpuregress.scenarios.consensus.group_key import group_key, key_diff
-from pytest_gpuregress.scenarios.consensus.vote import AGREES, DISSENTS, NO_MAJORITY, Device, first_difference, vote
+from pytest_gpuregress.scenarios.consensus.vote import (
+    AGREES,
+    ALONE,
+    DISSENTS,
+    NO_MAJORITY,
+    Device,
+    Difference,
+    first_difference,
+    vote,
+)
 from pytest_gpuregress.scenarios.shared import links
 from pytest_gpuregress.stack import device_identity as identity
 from pytest_gpuregress.triage.naming import described
@@ -45,6 +55,13 @@ def gpu(rank: int, node: int = 0, local: int | None = None, hashes: list[str] | 
                   tuple(abs(s) * 4 for s in sums))
 
 
+def against_consensus(result: Any, device: Device) -> Difference | None:
+    """Where ``device`` first differs from the result it is measured against (the consensus, or the largest)."""
+    group = next(g for g in result.groups if any(d is device for d in g.devices))
+    other = group.compared_with(device)
+    return None if other is None else first_difference(device, other)
+
+
 def one_ulp_up(value: float) -> float:
     return float(np.nextafter(np.float32(value), np.float32(np.inf)))
 
@@ -65,39 +82,52 @@ def test_a_dissenting_gpu_is_named_with_node_index_bus_uuid_and_its_first_differ
     assert result.outcome == DISSENTS
     group = result.groups[0]
     assert group.dissenters == [bad] and group.outcome_of(bad) == DISSENTS
-    [message] = printed(report.failures, result)
-    assert message.startswith("[device] local 5 (cuda:5, smi GPU 5, bus 0000:1d:00.0, "
-                              "uuid GPU-00000013-aaaa-bbbb-cccc-dddddddddddd) on node 12 (gpu-node-12) disagrees with "
-                              "the other 13 devices of its model and stack (NVIDIA H100 80GB HBM3 (sm_90), CUDA 12.8, "
-                              "driver 570.124.06, torch 2.13.0): 13 of 14 hold the consensus"), message
-    assert "differs first at training step 1, loss (float32[]): 2.25000024 vs 2.25 (+1 ulp float32), 2 of 5 tensors " \
-           "differ" in message
+    assert len(group.majority or []) == 13
+    # First at digest 2 (step 1's loss), one float32 ulp up; 2 of the 5 digests differ.
+    assert against_consensus(result, bad) == Difference(2, one_ulp_up(2.25), 2.25, 9.0, 2, 5)
+    assert result.names[2] == entry_name("train", "loss", 1) and result.kinds[2] == "float32[]"
+    [finding] = report.failures(result)
+    assert finding.check == "consensus"
+    message = described(finding)
+    who, _, said = message.partition(" disagrees with the other 13 devices of its model and stack ")
+    assert who.startswith("[device] local 5 (cuda:5, ") and who.endswith(" on node 12 (gpu-node-12)"), message
+    assert all(part in who for part in ("smi GPU 5", "bus 0000:1d:00.0", f"uuid {bad.identity['uuid']}"))
+    assert all(part in said for part in ("(NVIDIA H100 80GB HBM3 (sm_90), ", "CUDA 12.8", "driver 570.124.06",
+                                         "torch 2.13.0", "13 of 14 hold the consensus")), message
+    assert "at training step 1, loss (float32[]): " in said and "2.25000024 vs 2.25 (+1 ulp float32)" in said
+    assert "2 of 5 tensors differ" in said
     assert "drain node 12 (gpu-node-12)" in message and "dcgmi diag -r 3" in message
     row = next(r for r in report.rows(result) if r[2] == DISSENTS)
     assert row[1] == "node 12 (gpu-node-12)" and row[3].startswith("training step 1, loss")
-    assert report.by_node(result) == ["  node 12 (gpu-node-12): 1 of 1 devices dissent"]
+    assert report.by_node(result) == [f"  {row[1]}: 1 of 1 devices dissent"]
     props = report.properties(result)
     assert props["consensus_verdict"] == "dissent" and props["consensus_devices"] == 14
     assert props["consensus_dissenters"] == [report.where(bad)]
 
 
 def test_a_tensor_that_differs_says_by_how_much_relative_to_its_magnitude() -> None:
-    result = vote([gpu(0), gpu(1), gpu(2, hashes=["a0", "b0x", "a1", "b1", "c0"], sums=[2.5, 10.001, 2.25, 9.0, 100.0])],
-                  NAMES, KINDS)
+    odd = gpu(2, hashes=["a0", "b0x", "a1", "b1", "c0"], sums=[2.5, 10.001, 2.25, 9.0, 100.0])
+    result = vote([gpu(0), gpu(1), odd], NAMES, KINDS)
+    difference = against_consensus(result, odd)
+    assert difference == Difference(1, 10.001, 10.0, 40.0, 1, 5)
+    assert abs(difference.relative - 2.5e-05) < 1e-12  # |10.001 - 10| / 40 (the sum of |x|), not / 10
     [message] = printed(report.failures, result)
-    assert "training step 0, grad 0.weight (float32[64, 32]): sum 10.001 vs 10 (2.5e-05 of its magnitude), 1 of 5" \
-           in message
+    assert "training step 0, " in message and "grad 0.weight (float32[64, 32])" in message
+    assert "sum 10.001 vs 10 " in message and "(2.5e-05 of its magnitude)" in message
 
 
 def test_two_devices_that_differ_have_no_majority_and_both_results_are_shown() -> None:
     first, second = gpu(0), gpu(1, hashes=["a0", "b0", "a1", "b1", "c0x"], sums=[*CLEAN[1][:4], 100.5])
     result = vote([first, second], NAMES, KINDS)
     assert result.outcome == NO_MAJORITY and result.groups[0].majority is None
+    assert [[d.rank for d in devices] for devices in result.groups[0].results] == [[0], [1]]
+    assert first_difference(second, first) == Difference(4, 100.5, 100.0, 400.0, 1, 5)  # the GEMM battery's matmul
+    assert result.names[4] == entry_name("gemm", "matmul float32 127x253x61")
     [message] = printed(report.failures, result)
-    assert message.startswith("[device] no majority among the 2 devices of NVIDIA H100 80GB HBM3")
+    assert message.startswith("[device] no majority ") and "the 2 devices of NVIDIA H100" in message
     assert "result 1 (1 device): local 0 (cuda:0" in message and "result 2 (1 device): local 1 (cuda:1" in message
-    assert "differs from result 1 first at GEMM/reduction battery, matmul float32 127x253x61" in message
-    assert "run on more devices of this model and stack" in message
+    assert "first at GEMM/reduction battery, " in message and "matmul float32 127x253x61" in message
+    assert "run on more devices" in message
     assert [r[2] for r in report.rows(result)] == [NO_MAJORITY, NO_MAJORITY]
 
 
@@ -105,7 +135,9 @@ def test_an_even_split_along_two_nodes_says_the_split_follows_the_nodes() -> Non
     node0 = [gpu(r, node=0, local=r) for r in range(2)]
     node1 = [gpu(2 + r, node=1, local=r, hashes=["a0x", *CLEAN[0][1:]]) for r in range(2)]
     [message] = printed(report.failures, vote([*node0, *node1], NAMES, KINDS))
-    assert message.startswith("[device] no majority among the 4 devices") and "result 2 (2 devices)" in message
+    assert message.startswith("[device] no majority ") and "the 4 devices" in message
+    assert "result 2 (2 devices)" in message
+    assert report._split_by_node(vote([*node0, *node1], NAMES, KINDS).groups[0])
     assert "the split follows the nodes" in message
     across = [node0[0], gpu(1, node=0, local=1, hashes=node1[0].hashes), node1[0], gpu(3, node=1, local=1)]
     [mixed] = printed(report.failures, vote(across, NAMES, KINDS))  # 2 against 2, each result on both nodes
@@ -119,10 +151,12 @@ def test_devices_of_another_stack_are_listed_apart_never_outvoted_and_the_split_
     result = vote([gpu(0), gpu(1), gpu(2), missed], NAMES, KINDS)
     assert [len(g.devices) for g in result.groups] == [3, 1]
     assert result.groups[1].outcome_of(missed) == "alone" and printed(report.failures, result) == []
+    assert key_diff(result.groups[0].key, result.groups[1].key) == [("device.driver", "570.124.06", "550.54.15")]
     [split] = report.stack_splits(result)
-    assert split.startswith("1 device(s) of NVIDIA H100 80GB HBM3 on node 1 (gpu-node-01) run another stack than "
-                            "the other 3 of that model (device.driver: 570.124.06 -> 550.54.15)")
-    assert "group 2 (1 devices, alone; listed apart, never outvoted)" in "\n".join(report.table(result))
+    assert split.startswith("1 device(s) of NVIDIA H100 ") and " on node 1 (gpu-node-01) " in split, split
+    assert "the other 3 of that model" in split and "device.driver: 570.124.06 -> 550.54.15" in split
+    heading = next(line for line in report.table(result) if line.startswith("group 2 "))
+    assert heading.startswith(f"group 2 (1 devices, {ALONE}; ") and "never outvoted" in heading
     # Another model is apart too, and no stack split: a mixed fleet is no finding.
     a100 = gpu(4, key={**H100, "device.name": "NVIDIA A100-SXM4-80GB", "device.arch": "sm_80"}, hashes=["y"] * 5)
     assert report.stack_splits(vote([gpu(0), gpu(1), a100], NAMES, KINDS)) == []
@@ -133,9 +167,13 @@ def test_a_dissenter_with_odd_firmware_says_so() -> None:
                       tuple(CLEAN[1]), "vbios 96.00.74.00.01") for r in range(3)]
     odd = Device(3, gpu(3).identity, dict(H100), names_digest(NAMES), ("a0x", *CLEAN[0][1:]), tuple(CLEAN[1]),
                  tuple(CLEAN[1]), "vbios 96.00.61.00.01")
-    [message] = printed(report.failures, vote([*devices, odd], NAMES, KINDS))
-    assert "Its firmware (vbios 96.00.61.00.01) is none of the consensus devices' (vbios 96.00.74.00.01)." in message
-    assert "training step 0, loss (float32[]): other bits, equal float64 sums, 1 of 5 tensors differ" in message
+    result = vote([*devices, odd], NAMES, KINDS)
+    assert against_consensus(result, odd) == Difference(0, 2.5, 2.5, 2.5, 1, 5)  # other bits, the same sum
+    [message] = printed(report.failures, result)
+    assert "Its firmware (vbios 96.00.61.00.01)" in message
+    assert "consensus devices' (vbios 96.00.74.00.01)." in message
+    assert "training step 0, loss (float32[])" in message and "other bits, equal float64 sums" in message
+    assert "1 of 5 tensors differ" in message
 
 
 def test_a_device_that_ran_another_workload_is_told_apart() -> None:
@@ -143,15 +181,17 @@ def test_a_device_that_ran_another_workload_is_told_apart() -> None:
     difference = first_difference(other, gpu(0))
     assert difference is not None and difference.index is None
     [message] = printed(report.failures, vote([gpu(0), gpu(1), other], NAMES, KINDS))
-    assert "another workload: its list of tensors differs" in message
+    assert "another workload: " in message and "its list of tensors differs" in message
 
 
 def test_a_whole_node_that_dissents_is_suspected_as_a_node() -> None:
     devices = [gpu(r, node=r // 2, local=r % 2) for r in range(4)]
     devices += [gpu(4 + r, node=2, local=r, hashes=["a0", "b0x", "a1", "b1", "c0"]) for r in range(2)]
-    messages = printed(report.failures, vote(devices, NAMES, KINDS))
-    assert len(messages) == 2 and all("every device of node 2 (gpu-node-02) in this group dissents" in m
-                                      for m in messages)
+    result = vote(devices, NAMES, KINDS)
+    assert report.whole_nodes(result.groups[0]) == {(2, "gpu-node-02")}
+    messages = printed(report.failures, result)
+    assert len(messages) == 2 and all("every device of node 2 (gpu-node-02)" in m for m in messages)
+    assert all("dissents: suspect the node" in m for m in messages)
 
 
 def test_the_group_key_is_the_device_model_and_stack_without_collectives() -> None:
@@ -186,7 +226,9 @@ def test_merged_records_carry_every_devices_digests_and_vote_from_them() -> None
     assert [d.rank for d in result.groups[0].dissenters] == [2]
     assert result.names == ["train|0|loss", "cast||grid to bfloat16"] and result.kinds[1] == "bfloat16[4]"
     lines = SCENARIO.summary({"devices": merged}, None)  # type: ignore[arg-type]
-    assert lines[0].startswith("consensus over 3 devices in 1 group(s): 2 agree, 1 dissent; 2 tensors a device, ")
+    figures = re.match(r"consensus over (\d+) devices in (\d+) group\(s\): (\d+) agree, (\d+) dissent; "
+                       r"(\d+) tensors a device, ", lines[0])
+    assert figures is not None and figures.groups() == ("3", "1", "2", "1", "2"), lines[0]
     assert any("DISSENTS" in line and "training step 0, loss" in line for line in lines)
 
 
@@ -284,10 +326,16 @@ def cpu_rank(rank: int, node: int = 0) -> dict:
 
 
 def test_a_single_corrupted_peer_names_its_link() -> None:
-    [message] = printed(links.findings, sweep_results({"1->0": 6}), [cpu_rank(0), cpu_rank(1)], 2, "gloo")
-    assert message.startswith("[collective] link rank 1 (node 0 (vm), local 1) -> rank 0 (node 0 (vm), local 0) "
-                              "(gloo over loopback) delivers wrong data: 6 wrong elements in 1 of 2 cases"), message
-    assert "every other pair of the 2 ranks is clean" in message
+    results, ranks = sweep_results({"1->0": 6}), [cpu_rank(0), cpu_rank(1)]
+    [finding] = links.findings(results, ranks, 2, "gloo")
+    assert finding.check == "links" and finding.facts == {"pattern": "link"}
+    message = described(finding)
+    head, _, rest = message.partition(" (gloo over loopback) delivers wrong data: ")
+    link = r"\[collective\] link rank (\d) \(node (\d) \(vm\), local (\d)\) -> rank (\d) \(node (\d) \(vm\), local (\d)\)"
+    named = re.fullmatch(link, head)
+    assert named is not None and named.groups() == ("1", "0", "1", "0", "0", "0"), message  # sender, then receiver
+    assert rest.startswith("6 wrong elements in 1 of 2 cases"), message
+    assert "every other pair of the 2 ranks" in rest and "is clean" in rest
 
 
 def test_link_attribution_tells_a_link_from_a_sender_a_receiver_and_the_collective() -> None:
@@ -303,10 +351,12 @@ def test_link_attribution_tells_a_link_from_a_sender_a_receiver_and_the_collecti
 def test_a_gpu_link_is_named_from_the_topology_and_across_nodes_as_the_network() -> None:
     gpus = [{**cpu_rank(r), "device": f"cuda:{r}", "smi_index": r, "links": {"1": "NV18"} if r == 0 else {}}
             for r in range(2)]
-    assert links.link_kind(gpus, 0, 1, "nccl") == "nccl within node 0 (vm): NVLink (18 links bonded, NV18)"
-    assert links.link_kind(gpus, 1, 0, "nccl").endswith("NVLink, xGMI or PCIe (the topology was not read)")
+    assert links.link_kind(gpus, 0, 1, "nccl").split(": ") == ["nccl within node 0 (vm)", "NVLink (18 links bonded, NV18)"]
+    unread = links.link_kind(gpus, 1, 0, "nccl")
+    assert unread.startswith("nccl within node 0 (vm): ") and unread.endswith("(the topology was not read)")
     far = [gpus[0], {**gpus[1], "host": "other", "node_rank": 1}]
-    assert links.link_kind(far, 1, 0, "nccl") == "nccl over the network between node 1 (other) and node 0 (vm)"
+    assert links.link_kind(far, 1, 0, "nccl").split(" between ") == ["nccl over the network",
+                                                                    "node 1 (other) and node 0 (vm)"]
     assert links.link_kind([cpu_rank(0), cpu_rank(1, node=1)], 1, 0, "gloo") == \
         "gloo over loopback between node 1 (vm) and node 0 (vm)"
 
@@ -322,7 +372,9 @@ def test_the_sweeps_own_failure_message_counts_wrong_elements_by_link() -> None:
         {case.id: {"case": case.to_json(), "nbytes": 56, "wrong": 0, "tail_wrong": 0, "bad_repeats": 0, "repeats": 3,
                    "first": None, "error": None, "time_s": 0.0, "links": {}}}])
     assert merged[case.id]["links"] == {"1->0": 6}
-    assert plan.problem(case, merged[case.id], 2).endswith("; wrong elements by link (sender -> receiver): 1 -> 0: 6")
+    problem = plan.problem(case, merged[case.id], 2)
+    by_link = re.search(r"; wrong elements by link \(sender -> receiver\): (\d+) -> (\d+): (\d+)$", problem or "")
+    assert by_link is not None and by_link.groups() == ("1", "0", "6"), problem
 
 
 def test_the_sweep_counts_wrong_elements_by_their_sender() -> None:
@@ -387,7 +439,8 @@ def test_ranks_run_in_process_vote_and_the_one_with_a_one_ulp_matmul_is_named(tm
     merged = SCENARIO.merge(records)
     assert merged.results["consensus"]["devices"][0]["tensors"] == 13 + 20 + 12  # a step's loss, 6 grads, 6 weights
     [message] = map(described, SCENARIO.own_findings(Case("devices"), merged, Setup("cpu", "gloo", 3)))
-    assert message.startswith("[device] local 2 (cpu process, rank 2) on node 0 (") and "2 of 3 hold" in message
+    assert message.startswith("[device] local 2 (cpu process, rank 2)") and " on node 0 (" in message
+    assert "2 of 3 hold" in message
     assert "differs first at training step 0, " in message
     differing = [row for row in report.rows(vote_of(merged)) if row[2] == DISSENTS]
     assert len(differing) == 1 and "format casts" not in differing[0][3]

@@ -49,7 +49,7 @@ def test_a_cast_switched_from_saturating_to_nan_fails_by_name_and_nothing_else_d
     ])
     out = result.stdout.str()
     assert "INTERNALERROR" not in out and "Traceback" not in out
-    assert "gpuregress formats: torch._scaled_mm (fp8 matrix multiply): not applicable on the cpu" in out
+    assert "gpuregress formats: torch._scaled_mm " in out and "not applicable on the cpu" in out
     # The printed command fails the kept run again; a passing case's kept run passes through the same command.
     assert reproduced(out) == [1]
     assert kept_run_passes(artifacts, "formats-decode-e4m3fn", "cpu-gloo-w2-fp32") == 0

@@ -7,6 +7,7 @@ microscaling (MX) specification (v1.0), and from AMD's fnuz formats: they check 
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -105,9 +106,13 @@ def test_a_behaviour_change_is_reported_by_name() -> None:
     nan_on_overflow = grid.behaviours(values, oracle.encode(values, E4M3FN), E4M3FN)
     assert grid.describe(saturating["overflow"]) == "saturates to 448"
     assert grid.behaviour_changes(saturating, saturating, E4M3FN) == []
+    assert grid.describe(nan_on_overflow["overflow"]) == grid.describe(nan_on_overflow["negative overflow"]) == "gives NaN"
     changes = grid.behaviour_changes(saturating, nan_on_overflow, E4M3FN)
-    assert "overflow to e4m3fn now gives NaN; the reference saturated to 448" in changes
-    assert "negative overflow to e4m3fn now gives NaN; the reference saturated to -448" in changes
+    changed = {m[1]: (m[2], m[3]) for m in (re.fullmatch(r"(.+) to e4m3fn now (.+); the reference (.+)", c)
+                                            for c in changes) if m}
+    assert len(changed) == len(changes), changes  # each change names its class, what it does now and did before
+    assert changed["overflow"] == ("gives NaN", "saturated to 448")
+    assert changed["negative overflow"] == ("gives NaN", "saturated to -448")
     assert not any(c.startswith("NaN") for c in changes)  # NaN stays NaN either way
 
 

@@ -6,6 +6,7 @@ on two spawned ranks.)"""
 from __future__ import annotations
 
 import copy
+import re
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from pytest_gpuregress.reference.record import RunRecord
 from pytest_gpuregress.scenarios.base import RankContext, Setup
 from pytest_gpuregress.scenarios.formats import SCENARIO, device, judge, oracle, rank, scaled_mm
 from pytest_gpuregress.scenarios.formats.catalog import FORMATS
-from pytest_gpuregress.triage.naming import described
+from pytest_gpuregress.triage.naming import component_of, described
 
 pytestmark = pytest.mark.cpu_sensitive  # .ci/run runs these again on a lower CPU kernel path
 
@@ -139,7 +140,8 @@ def test_warn_mode_passes_a_behaviour_change_and_still_shows_it(clean: RunRecord
                for w in caught)
     lines = SCENARIO.summary({"default": record}, WARN)
     start = lines.index("format behaviours that changed since the reference (--gpuregress-format-changes=warn, not failed):")
-    assert "  overflow to e4m3fn now gives NaN; the reference saturated to 448" in lines[start:]
+    assert any(line.startswith("  overflow to e4m3fn now gives NaN; ") and line.endswith(" saturated to 448")
+               for line in lines[start:])
     record.results.pop("warned")
 
 
@@ -161,9 +163,13 @@ def test_ranks_that_measure_differently_are_named(clean: RunRecord) -> None:
     merged = SCENARIO.merge([copy.deepcopy(clean), faulted("format:mode=mx_scale_off_by_one")])
     case = next(c for c in SCENARIO.cases(CPU) if c.id == "quantized-mx_fp4_e2m1fn")
     assert list(merged.results["rank_disagreements"]["quantized-mx_fp4_e2m1fn"]) == ["1"]
-    (problem,) = map(described, SCENARIO.own_findings(case, merged, CPU))
-    assert problem.startswith("[format] quantized-mx_fp4_e2m1fn: rank 1 measured otherwise than rank 0: the devices "
-                              "of this machine disagree; its own findings: mx_fp4_e2m1fn: e8m0 block scales")
+    theirs = merged.results["rank_disagreements"]["quantized-mx_fp4_e2m1fn"]["1"][0]
+    assert theirs.startswith("mx_fp4_e2m1fn: e8m0 block scales")  # rank 1's own first finding
+    (finding,) = SCENARIO.own_findings(case, merged, CPU)
+    assert not isinstance(finding, str) and finding.check == "format"
+    problem = described(finding)
+    assert problem.startswith("[format] quantized-mx_fp4_e2m1fn: rank 1 ") and "otherwise than rank 0: " in problem
+    assert "the devices of this machine disagree; " in problem and f"its own findings: {theirs}" in problem
 
 
 def _linear_times(factor: float) -> Callable[[], None]:
@@ -182,25 +188,35 @@ def test_logits_tolerance_sits_between_kernel_drift_and_a_fault(clean: RunRecord
         undo()
     assert judged(clean, drifted, lane="tolerant") == {}
     exact = judged(clean, drifted, lane="exact")["quantized-mx_fp8_e4m3fn"]
-    assert any("logits on the fixed batch differ (bitwise)" in message for message in exact)
+    assert any("logits on the fixed batch differ" in message and "(bitwise)" in message for message in exact)
+    [bitwise] = [f for f in judge.quantized_findings("mx_fp8_e4m3fn", clean, drifted, "exact") if f.metric == "logits"]
+    assert "(bitwise)" in bitwise.message and bitwise.expected != bitwise.got
     mx = judge.quantized_findings("mx_fp8_e4m3fn", clean, faulted("format:mode=mx_scale_off_by_one"), "tolerant")
-    assert any("logits on the fixed batch differ (max |diff|/max|ref|" in f.message for f in mx)
+    [logits] = [f for f in mx if f.metric == "logits"]
+    worst = re.search(r"logits on the fixed batch differ \(max \|diff\|/max\|ref\| (\S+) > ", logits.message)
+    assert worst is not None and float(worst.group(1)) > judge.LOGITS_TOLERANCE, logits.message
 
 
 def test_a_reference_that_fails_its_own_checks_vouches_for_nothing(clean: RunRecord) -> None:
     case = next(c for c in SCENARIO.cases(CPU) if c.id == "quantized-per_tensor_e4m3fnuz")
     bad_reference = faulted("format:mode=fnuz_max_448")
-    messages = [f.message for f in SCENARIO.compare(bad_reference, clean, case, "auto").findings]
-    assert any(m.startswith("the reference itself fails: per_tensor_e4m3fnuz") for m in messages)
+    findings = SCENARIO.compare(bad_reference, clean, case, "auto").findings
+    assert any(f.metric == "reference" and f.message.startswith("the reference itself fails: ")
+               and "per_tensor_e4m3fnuz" in f.message for f in findings)
 
 
 def test_summary_and_header_on_the_cpu(clean: RunRecord) -> None:
     text = "\n".join(SCENARIO.summary({"default": clean}, CPU))
     assert "e4m3fn    overflow saturates to 448" in text and "e4m3fnuz  overflow gives NaN" in text
-    assert "torch._scaled_mm (fp8 matrix multiply): not applicable on the cpu" in text
+    assert "torch._scaled_mm (fp8 matrix multiply)" in text and "not applicable on the cpu" in text
     assert "has no float4_e2m1fn_x2 cast" in text
-    assert SCENARIO.header(CPU) == ["gpuregress formats: " + "torch._scaled_mm (fp8 matrix multiply): not applicable on "
-                                    "the cpu; it runs on GPUs with fp8 matrix multiply (sm_89+, gfx942+)"]
+    [header] = SCENARIO.header(CPU)
+    assert header.startswith("gpuregress formats: torch._scaled_mm ") and "not applicable on the cpu; " in header
+    assert header.endswith("fp8 matrix multiply (sm_89+, gfx942+)")
+
+
+REFUSED = "itensor_view_from_dense expects float/bfloat16/half/int8/fp8 tensor inputFloat8_e4m3fnuz"
+CRASHED = "CUDA error: an illegal memory access was encountered"
 
 
 def scaled_mm_findings(result: dict[str, object]) -> list[str]:
@@ -217,8 +233,9 @@ def test_the_gpu_scaled_mm_check_itself_runs_on_the_cpu(monkeypatch: pytest.Monk
     assert scaled_mm_findings(result) == []
     fnuz = {**scaled_mm.check("cpu", FORMATS["e4m3fnuz"]), "arch": "cpu"}
     if "refused" in fnuz:
-        (finding,) = scaled_mm_findings(fnuz)
-        assert finding.startswith("[kernel] this stack's torch._scaled_mm does not accept e4m3fnuz on cpu: ")
+        (finding,) = judge.scaled_mm_problems(RunRecord("formats", {}, "", 1, results={"scaled_mm": fnuz}))
+        assert not isinstance(finding, str) and finding.check == "scaled-mm" and component_of(finding) == "kernel"
+        assert finding.message == judge.refusal(fnuz) and "does not accept e4m3fnuz on cpu: " in finding.message
     else:
         assert 0 < fnuz["worst_ratio"] <= 1e-3 and scaled_mm_findings(fnuz) == []
     real = torch._scaled_mm
@@ -235,26 +252,31 @@ def test_a_scaled_mm_that_refuses_the_devices_fp8_format_is_a_finding_not_a_cras
     from pytest_gpuregress.scenarios.formats import summary
 
     def refuses_fnuz(a: torch.Tensor, b: torch.Tensor, **kwargs: object) -> torch.Tensor:
-        raise RuntimeError("itensor_view_from_dense expects float/bfloat16/half/int8/fp8 tensor inputFloat8_e4m3fnuz")
+        raise RuntimeError(REFUSED)
 
     monkeypatch.setattr(scaled_mm, "fp8_matmul_format", lambda dev: (FORMATS["e4m3fnuz"], "gfx942"))
     monkeypatch.setattr(torch, "_scaled_mm", refuses_fnuz)
     result = scaled_mm.run("cpu")  # the rank's own entry, as on the GPU
-    assert result["refused"].startswith("RuntimeError: itensor_view_from_dense expects")
+    assert result["refused"] == f"RuntimeError: {REFUSED}"
+    (refused,) = judge.scaled_mm_problems(RunRecord("formats", {}, "", 1, results={"scaled_mm": result}))
+    assert not isinstance(refused, str) and refused.check == "scaled-mm" and component_of(refused) == "kernel"
     (finding,) = scaled_mm_findings(result)
-    assert finding.startswith("[kernel] this stack's torch._scaled_mm does not accept e4m3fnuz on gfx942: "
-                              "RuntimeError: itensor_view_from_dense"), finding
+    assert finding.startswith("[kernel] this stack's torch._scaled_mm ") and "e4m3fnuz on gfx942: " in finding
+    assert f"does not accept e4m3fnuz on gfx942: {result['refused']}; " in finding, finding
     record = RunRecord("formats", {}, "", 1, results={"scaled_mm": result})
     assert summary.scaled_mm_lines(record, on_cpu=False) == ["  " + judge.refusal(result)]
     assert finding == f"[kernel] {judge.refusal(result)} (rule fp8-matmul)"
 
     def crashes(a: torch.Tensor, b: torch.Tensor, **kwargs: object) -> torch.Tensor:
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        raise RuntimeError(CRASHED)
 
     monkeypatch.setattr(torch, "_scaled_mm", crashes)  # a kernel that fails is an error, not the format refused
     failed = scaled_mm.run("cpu")
-    assert "refused" not in failed and failed["error"].startswith("RuntimeError: CUDA error: an illegal memory access")
-    assert scaled_mm_findings(failed)[0].startswith("[kernel] torch._scaled_mm e4m3fnuz on gfx942 raised RuntimeError")
+    assert "refused" not in failed and failed["error"] == f"RuntimeError: {CRASHED}"
+    (raised,) = judge.scaled_mm_problems(RunRecord("formats", {}, "", 1, results={"scaled_mm": failed}))
+    assert not isinstance(raised, str) and raised.check == "scaled-mm"
+    assert scaled_mm_findings(failed)[0].startswith("[kernel] torch._scaled_mm ")
+    assert f"e4m3fnuz on gfx942 raised {failed['error']}" in raised.message
 
 
 def test_fp4_is_reported_as_going_through_the_scenario_codec() -> None:

@@ -8,6 +8,7 @@ other paths still run; an unknown one fails its path."""
 
 from __future__ import annotations
 
+import re
 import tempfile
 import types
 from pathlib import Path
@@ -41,6 +42,25 @@ def io_results(paths: list[str], schemes: list[str] = E4M3FN, *specs: str) -> tu
         for undo in reversed(ctx.cleanup_hooks):
             undo()
     return io, [f.count for f in firings]
+
+
+# A path's problem line, field by field (stack_io.PathResult.report), and a misread's (stack_io.misread).
+REPORTED = re.compile(r"(?P<scheme>\w+): (?P<call>.+?): (?P<bad>\d+) of (?P<of>\d+) tensors; first (?P<tensor>\S+): "
+                      r"(?P<problem>.+)")
+MISREAD = re.compile(r"written as (?P<written>\S+) \((?P<tag>\w+)\), read back as (?P<read>\S+): the loader reads "
+                     r"(?P<bytes_of>\w+) bytes as (?P<as_of>\w+), (?P<change>.+?); fix: (?P<fix>.+)")
+
+
+def reported(problem: str) -> dict[str, str]:
+    found = REPORTED.fullmatch(problem)
+    assert found is not None, problem
+    return found.groupdict()
+
+
+def misread(problem: str) -> dict[str, str]:
+    found = MISREAD.fullmatch(reported(problem)["problem"])
+    assert found is not None, problem
+    return found.groupdict()
 
 
 def verdict(path: str, io: dict[str, Any]) -> list[str]:
@@ -79,10 +99,15 @@ def test_an_e5m2_as_e4m3fn_misread_inside_each_real_loader_is_caught_and_named(p
     problems = verdict(path, io)
     assert problems and all(": per_tensor_e5m2: " in p for p in problems)  # the e4m3fn and e5m2fnuz files read right
     problem = problems[0]
-    assert problem.startswith(f"[checkpoint] {path} (")
-    assert ": per_tensor_e5m2: " in problem and "first model.embed_tokens.weight: written as torch.float8_e5m2 " \
-        "(F8_E5M2), read back as torch.float8_e4m3fn: the loader reads e5m2 bytes as e4m3fn, values change by no " \
-        "single factor (code 0x" in problem
+    assert problem.startswith(f"[checkpoint] {path} (") and io[path]["problems"][0] in problem
+    first = reported(io[path]["problems"][0])
+    assert (first["scheme"], first["tensor"]) == ("per_tensor_e5m2", "model.embed_tokens.weight")
+    facts = misread(io[path]["problems"][0])
+    assert {k: facts[k] for k in ("written", "tag", "read", "bytes_of", "as_of")} == {
+        "written": "torch.float8_e5m2", "tag": "F8_E5M2", "read": "torch.float8_e4m3fn", "bytes_of": "e5m2",
+        "as_of": "e4m3fn"}
+    assert facts["change"].startswith("values change by no single factor "), facts["change"]
+    assert re.match(r".* \(code 0x[0-9A-F]{2} is \S+ in e5m2, \S+ in e4m3fn\)$", facts["change"]), facts["change"]
 
 
 def test_a_load_file_that_hands_e5m2_back_as_e4m3fn_fails_io_safetensors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,10 +125,16 @@ def test_a_load_file_that_hands_e5m2_back_as_e4m3fn_fails_io_safetensors(monkeyp
     io, _ = io_results(["safetensors"], E5M2)
     [problem] = verdict("safetensors", io)
     assert problem.startswith("[checkpoint] safetensors (safetensors ")
-    assert "per_tensor_e5m2: load_file: 17 of 51 tensors; first model.embed_tokens.weight: written as " \
-           "torch.float8_e5m2 (F8_E5M2), read back as torch.float8_e4m3fn: the loader reads e5m2 bytes as e4m3fn" \
-           in problem
-    assert "fix: the loader must hand F8_E5M2 tensors back as torch.float8_e5m2" in problem
+    [raw] = io["safetensors"]["problems"]
+    assert raw in problem
+    first = reported(raw)
+    assert {k: first[k] for k in ("scheme", "call", "bad", "of", "tensor")} == {
+        "scheme": "per_tensor_e5m2", "call": "load_file", "bad": "17", "of": "51", "tensor": "model.embed_tokens.weight"}
+    facts = misread(raw)
+    assert (facts["written"], facts["tag"], facts["read"]) == ("torch.float8_e5m2", "F8_E5M2", "torch.float8_e4m3fn")
+    assert (facts["bytes_of"], facts["as_of"]) == ("e5m2", "e4m3fn")
+    handed = re.match(r"the loader must hand (\w+) tensors back as (\S+),", facts["fix"])
+    assert handed is not None and handed.groups() == ("F8_E5M2", "torch.float8_e5m2"), facts["fix"]
 
 
 def test_a_loader_that_hands_e5m2fnuz_back_as_e5m2_is_named_with_the_factor(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,8 +149,11 @@ def test_a_loader_that_hands_e5m2fnuz_back_as_e5m2_is_named_with_the_factor(monk
     monkeypatch.setattr(torch, "load", fnuz_as_fn)
     io, _ = io_results(["torch_load"], E5M2)
     [problem] = io["torch_load"]["problems"]
-    assert problem.startswith("per_tensor_e5m2fnuz: torch.load(weights_only=True): 17 of 51 tensors;")
-    assert "the loader reads e5m2fnuz bytes as e5m2, every value 2x (factor 2)" in problem
+    first = reported(problem)
+    assert (first["scheme"], first["call"], first["bad"], first["of"]) == \
+        ("per_tensor_e5m2fnuz", "torch.load(weights_only=True)", "17", "51")
+    facts = misread(problem)
+    assert (facts["bytes_of"], facts["as_of"], facts["change"]) == ("e5m2fnuz", "e5m2", "every value 2x (factor 2)")
 
 
 def test_a_misread_in_torch_load_shows_through_dcp_which_loads_with_it() -> None:
@@ -148,7 +182,8 @@ def test_a_known_failure_of_the_installed_loader_is_named_and_the_other_paths_st
     io, _ = io_results(["safetensors", "torch_load"], ["per_tensor_e4m3fn", "mx_fp8_e4m3fn"])
     assert io["safetensors"]["problems"] == []
     [issue] = io["safetensors"]["known_issues"]
-    assert "mx_fp8_e4m3fn: load_file: known issue safetensors-e8m0-keyerror of safetensors" in issue
+    assert issue.split(": ")[:2] == ["mx_fp8_e4m3fn", "load_file"], issue
+    assert "known issue safetensors-e8m0-keyerror " in issue
     assert io["safetensors"]["checked"] > 0 and io["torch_load"]["checked"] > 0  # the rest still ran
     with pytest.warns(judge.KnownStackIssue, match="safetensors-e8m0-keyerror"):
         assert verdict("safetensors", io) == []
@@ -162,9 +197,10 @@ def test_an_unknown_failure_of_a_loader_fails_its_path(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(torch, "load", broken)
     io, _ = io_results(["torch_load"])
+    assert io["torch_load"]["problems"] == ["per_tensor_e4m3fn: torch.load raised RuntimeError: storage is corrupt"]
+    assert io["torch_load"]["library"].split()[0] == "torch"
     assert verdict("torch_load", io) == [
-        "[checkpoint] torch_load (torch " + io["torch_load"]["library"].split()[-1] + "): per_tensor_e4m3fn: "
-        "torch.load raised RuntimeError: storage is corrupt (rule checkpoint-io)"]
+        f"[checkpoint] torch_load ({io['torch_load']['library']}): {io['torch_load']['problems'][0]} (rule checkpoint-io)"]
 
 
 def test_a_path_that_compared_nothing_fails_and_one_that_could_not_run_is_skipped_with_the_reason() -> None:
@@ -258,7 +294,10 @@ def test_a_torch_save_whose_file_is_wrong_fails_even_when_its_load_undoes_it(mon
     monkeypatch.setattr(torch, "load", lambda *a, **k: flip(real_load(*a, **k)))
     io, _ = io_results(["torch_load"])
     [problem] = io["torch_load"]["problems"]
-    assert "torch.save: 17 of 51 tensors; first model.embed_tokens.weight: its bytes are in no storage" in problem
+    first = reported(problem)
+    assert {k: first[k] for k in ("scheme", "call", "bad", "of", "tensor")} == {
+        "scheme": "per_tensor_e4m3fn", "call": "torch.save", "bad": "17", "of": "51", "tensor": "model.embed_tokens.weight"}
+    assert first["problem"].startswith("its bytes are in no storage"), problem
 
 
 def test_slices_from_the_middle_the_end_and_by_column_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,18 +348,18 @@ def test_transformers_reading_the_wrong_blocks_scale_is_caught(monkeypatch: pyte
     monkeypatch.setattr(finegrained_fp8.Fp8Dequantize, "_dequantize_one", transposed)
     io, _ = io_results(["transformers"])
     [problem] = io["transformers"]["problems"]
-    assert "from_pretrained" in problem and "dequantized values differ from the oracle's code x block scale" in problem
+    assert "from_pretrained" in problem and "dequantized values differ" in problem and "code x block scale" in problem
 
 
 def test_a_transformers_refusal_is_a_finding_not_a_skip(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import LlamaForCausalLM
 
+    refusal = "weight_scale_inv does not match weight_block_size of the quantization_config"
+
     def refuses(*args: Any, **kwargs: Any) -> Any:
-        raise ValueError("weight_scale_inv does not match weight_block_size of the quantization_config")
+        raise ValueError(refusal)
 
     monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", refuses)
     io, _ = io_results(["transformers"])
     assert io["transformers"]["skipped"] is None
-    assert io["transformers"]["problems"] == ["fine_grained_e4m3fn: from_pretrained raised ValueError: "
-                                              "weight_scale_inv does not match weight_block_size of the "
-                                              "quantization_config"]
+    assert io["transformers"]["problems"] == [f"fine_grained_e4m3fn: from_pretrained raised ValueError: {refusal}"]

@@ -6,6 +6,7 @@ clean and with a loader that reads e4m3fn bytes as e4m3fnuz. ml_dtypes is the or
 from __future__ import annotations
 
 import contextlib
+import re
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,18 @@ from pytest_gpuregress.scenarios.formats.stack_io import BLOCK, PathResult, mism
 
 VALUES = np.array([0.5, -1.25, 3.0, 0.015625, -448.0, 0.0, 7.5, -0.09375], dtype=np.float32)  # exact in e4m3fn and e5m2
 PATHS = ["safetensors", "safe_open", "torch_load", "dcp"]
+# The lines stack_io writes, read back into their fields: a misread (the dtypes, both formats, what changed, the fix),
+# bytes that differ (how many, where, the two bytes), and a path's report of one call.
+MISREAD = re.compile(r"written as (\S+) \((\w+)\), read back as (\S+): the loader reads (\w+) bytes as (\w+), "
+                     r"(.+?); (fix: .+)")
+BYTES = re.compile(r"(\d+) of (\d+) bytes differ, first at byte (\d+): 0x([0-9A-F]{2}) written, 0x([0-9A-F]{2}) read")
+REPORTED = re.compile(r"(\w+): (.+?): (\d+) of (\d+) tensors; first (\S+): (.+)")
+
+
+def fields(pattern: re.Pattern[str], text: str | None, whole: bool = True) -> tuple[str, ...]:
+    found = (pattern.fullmatch if whole else pattern.search)(text or "")
+    assert found is not None, text
+    return found.groups()
 
 
 def codes(values: np.ndarray, dtype: type) -> bytes:
@@ -64,9 +77,10 @@ def test_fp8_bytes_read_as_the_other_vendors_flavour_are_named_with_the_oracles_
     (ratio,) = set(after[nonzero] / before[nonzero])
     assert ratio == (0.5 if written == "e4m3fn" else 2.0)
     text = mismatch(stored, as_torch(stored, getattr(torch, f"float8_{read_as}")))
-    assert text is not None
-    assert text.startswith(f"written as torch.float8_{written} ({tag}), read back as torch.float8_{read_as}")
-    assert f"the loader reads {written} bytes as {read_as}, every value {ratio:g}x (factor 2)" in text and fix in text
+    said = fields(MISREAD, text)
+    assert said[:6] == (f"torch.float8_{written}", tag, f"torch.float8_{read_as}", written, read_as,
+                        f"every value {ratio:g}x (factor 2)")
+    assert said[6].startswith(fix), said[6]
 
 
 def test_e5m2_bytes_read_as_e4m3fn_change_by_no_single_factor_and_one_code_shows_it() -> None:
@@ -76,8 +90,11 @@ def test_e5m2_bytes_read_as_e4m3fn_change_by_no_single_factor_and_one_code_shows
     text = mismatch(stored, as_torch(stored, torch.float8_e4m3fn))
     first = data[0]
     e5m2, e4m3 = decoded(data, ml_dtypes.float8_e5m2)[0], decoded(data, ml_dtypes.float8_e4m3fn)[0]
-    assert text is not None and "the loader reads e5m2 bytes as e4m3fn" in text
-    assert f"code 0x{first:02X} is {e5m2:g} in e5m2, {e4m3:g} in e4m3fn" in text
+    said = fields(MISREAD, text)
+    assert said[3:5] == ("e5m2", "e4m3fn")
+    code = re.fullmatch(r"values change by no single factor \(code 0x([0-9A-F]{2}) is (\S+) in e5m2, (\S+) in e4m3fn\)",
+                        said[5])
+    assert code is not None and code.groups() == (f"{first:02X}", f"{e5m2:g}", f"{e4m3:g}"), said[5]
 
 
 def test_the_right_dtype_with_scaled_values_is_a_misread_copied_into_the_right_dtype() -> None:
@@ -91,7 +108,7 @@ def test_the_right_dtype_with_scaled_values_is_a_misread_copied_into_the_right_d
     one_wrong = bytearray(stored.data)
     one_wrong[2] ^= 0x01
     text = mismatch(stored, as_torch(checkpoint.Stored("w", "F8_E4M3", (2, 4), bytes(one_wrong)), torch.float8_e4m3fn))
-    assert text == f"1 of 8 bytes differ, first at byte 2: 0x{stored.data[2]:02X} written, 0x{one_wrong[2]:02X} read"
+    assert fields(BYTES, text) == ("1", "8", "2", f"{stored.data[2]:02X}", f"{one_wrong[2]:02X}")
     assert mismatch(stored, as_torch(stored, torch.float8_e4m3fn).reshape(4, 2)) == "shape [4, 2], written [2, 4]"
 
 
@@ -101,7 +118,8 @@ def test_a_file_the_stack_wrote_is_checked_tensor_by_tensor(tmp_path: Path) -> N
     assert stack_io.file_mismatch(stored, stored) is None
     assert stack_io.file_mismatch(stored, None) == "not in the file it wrote"
     fnuz = checkpoint.Stored("w", "F8_E4M3FNUZ", (2, 4), stored.data)
-    assert stack_io.file_mismatch(stored, fnuz) == "written as F8_E4M3FNUZ [2, 4], the tensor is F8_E4M3 [2, 4]"
+    tags = re.compile(r"written as (\w+) (\[[\d, ]+\]), the tensor is (\w+) (\[[\d, ]+\])")
+    assert fields(tags, stack_io.file_mismatch(stored, fnuz)) == ("F8_E4M3FNUZ", "[2, 4]", "F8_E4M3", "[2, 4]")
     assert stack_io.differing_bytes(b"\x01\x02", b"\x01") == "1 bytes where 2 were written"
     path = tmp_path / "torch_save.pt"
     torch.save({"w": stack_io.native(stored, "cpu")}, path)
@@ -136,7 +154,8 @@ def test_a_wrong_block_scale_or_a_misread_of_the_codes_is_named(blocks: stack_io
     assert wrong_scale is not None and "every value 2x (factor 2)" in wrong_scale
     fnuz = stack_io._dequantized_as(blocks.codes.codes(), blocks, stack_io.FORMATS["e4m3fnuz"])
     misread = stack_io.loaded_mismatch(name, blocks, {name: torch.from_numpy(fnuz)})
-    assert misread is not None and "reads e4m3fn bytes as e4m3fnuz, every value 0.5x" in misread
+    assert fields(re.compile(r"reads (\w+) bytes as (\w+), every value (\S+)x"), misread, whole=False) == \
+        ("e4m3fn", "e4m3fnuz", "0.5")
     kept = stack_io.native(blocks.codes, "cpu")
     right = stack_io.native(blocks.scales, "cpu")
     assert stack_io.loaded_mismatch(name, blocks, {name: kept, blocks.scales.name: right}) is None
@@ -156,7 +175,8 @@ def test_an_error_of_the_stack_is_a_problem_unless_it_is_a_known_issue_on_the_ta
         raise fp4
     with out.attempt("per_tensor_e4m3fn", "torch.save", frozenset({"F8_E4M3"})):
         raise KeyError("F8_E4M3")
-    assert len(out.known_issues) == 1 and "known issue torch-fp4-deterministic of torch" in out.known_issues[0]
+    [issue] = out.known_issues
+    assert issue.split(": ")[:2] == ["mx_fp4_e2m1fn", "torch.load"] and "known issue torch-fp4-deterministic " in issue
     assert [p.split(" raised ")[0] for p in out.problems] == ["per_tensor_e4m3fn: torch.load", "per_tensor_e4m3fn: torch.save"]
     assert out.problems[1].endswith("raised KeyError: 'F8_E4M3'")
     result = out.as_dict()
@@ -167,7 +187,8 @@ def test_a_dcp_failure_is_described_by_the_first_ranks_own_exception() -> None:
     """DCP wraps each rank's exception: the description names the rank and its error, not the wrapper's text."""
     wrapped = Exception("CheckpointException ranks:dict_keys([1, 0])")
     wrapped.failures = {1: ValueError("late"), 0: (TypeError("size mismatch\nmore"), None)}  # type: ignore[attr-defined]
-    assert stack_io.describe_error(wrapped) == "Exception (rank 0): TypeError: size mismatch"
+    ranked = re.compile(r"(\w+) \(rank (\d+)\): (\w+): (.*)")
+    assert fields(ranked, stack_io.describe_error(wrapped)) == ("Exception", "0", "TypeError", "size mismatch")
     assert stack_io.describe_error(OSError()) == "OSError: "
 
 
@@ -210,7 +231,9 @@ def test_a_loader_that_reads_e4m3fn_as_e4m3fnuz_fails_its_path_only(source: dict
     with injected("format:mode=loader_fn_as_fnuz,path=safetensors") as (firing,):
         results = stack_io.run(PATHS, source, None, "cpu", tmp_path, tmp_path)
     (problem,) = results["safetensors"]["problems"]
-    assert problem.startswith("per_tensor_e4m3fn: load_file: 2 of 4 tensors; first model.w: written as torch.float8_e4m3fn")
-    assert "read back as torch.float8_e4m3fnuz" in problem and "factor 2" in problem
+    said = fields(REPORTED, problem)
+    assert said[:5] == ("per_tensor_e4m3fn", "load_file", "2", "4", "model.w")
+    assert fields(MISREAD, said[5])[:5] == ("torch.float8_e4m3fn", "F8_E4M3", "torch.float8_e4m3fnuz", "e4m3fn", "e4m3fnuz")
+    assert "factor 2" in problem
     assert firing.count == 2
     assert all(results[path]["problems"] == [] for path in PATHS if path != "safetensors")

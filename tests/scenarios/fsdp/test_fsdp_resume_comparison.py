@@ -22,6 +22,7 @@ from pytest_gpuregress.scenarios import registry
 from pytest_gpuregress.scenarios.base import Launch, Setup
 from pytest_gpuregress.scenarios.comparator import comparator_of
 from pytest_gpuregress.scenarios.shared import late_gradients, resume_comparison
+from pytest_gpuregress.scenarios.shared.state_pieces import differing
 from pytest_gpuregress.triage.naming import name_findings
 
 from ...conftest import make_record
@@ -92,14 +93,17 @@ def test_optimizer_state_dropped_on_load_is_named_piece_by_piece() -> None:
     run = continuation(ref, loaded)
     run.series["loss"][1] *= 1.01  # what a wrong optimizer state does to the next steps
     findings = named(resume_comparison.compare, ref, run, "auto").findings
-    assert [f.message for f in findings[:3]] == [
-        "resume: optimizer.exp_avg after loading the reference's checkpoint is not the state it saved at step 4 "
-        "(2 of 2 tensors differ, first a.weight)",
-        "resume: optimizer.exp_avg_sq after loading the reference's checkpoint is not the state it saved at step 4 "
-        "(2 of 2 tensors differ, first a.weight)",
-        "resume: optimizer.step after loading the reference's checkpoint is not the state it saved at step 4 "
-        "(2 of 2 tensors differ, first a.weight: 4.0 -> 1.0)"]
-    assert findings[3].message.startswith("resumed at step 4 (steps counted from there): loss: first differing step 1")
+    assert [(f.metric, f.tensor, f.step) for f in findings[:3]] == [
+        ("resume_state", "optimizer.exp_avg", 4), ("resume_state", "optimizer.exp_avg_sq", 4),
+        ("resume_state", "optimizer.step", 4)]
+    whys = [why for _, why in differing(boundary(), loaded)]
+    assert whys[:2] == ["2 of 2 tensors differ, first a.weight"] * 2 and whys[2].endswith(" a.weight: 4.0 -> 1.0")
+    for finding, why in zip(findings[:3], whys):
+        assert finding.message.startswith(f"resume: {finding.tensor} after loading the reference's ")
+        assert finding.message.endswith(f" saved at step 4 ({why})"), finding.message
+    curve = findings[3]
+    assert (curve.metric, curve.step, curve.facts.get("after_broken_load")) == ("loss", 1, True)
+    assert curve.message.startswith("resumed at step 4 ") and "first differing step 1" in curve.message
     assert {f.component for f in findings} == {"checkpoint"}  # the curve follows from the broken load
 
 
@@ -108,7 +112,9 @@ def test_a_generator_not_restored_is_named_with_its_rank() -> None:
     loaded = boundary()
     loaded["rng.numpy"] = {"rank0": "n0", "rank1": "scrambled"}
     [finding] = named(resume_comparison.compare, ref, continuation(ref, loaded), "auto").findings
-    assert finding.tensor == "rng.numpy" and "(1 of 2 ranks differ, first rank1: n1 -> scrambled)" in finding.message
+    [(piece, why)] = differing(boundary(), loaded)
+    assert piece == "rng.numpy" and why.startswith("1 of 2 ranks ") and why.endswith("rank1: n1 -> scrambled")
+    assert (finding.metric, finding.tensor) == ("resume_state", piece) and finding.message.endswith(f"({why})")
 
 
 def test_a_continuation_that_moved_on_a_sound_load_names_the_step_as_usual() -> None:
@@ -117,7 +123,8 @@ def test_a_continuation_that_moved_on_a_sound_load_names_the_step_as_usual() -> 
     run.series["loss"][2] *= 1 + 1e-9
     [finding] = named(resume_comparison.compare, ref, run, "exact").findings
     assert finding.metric == "loss" and finding.step == 2 and finding.component != "checkpoint"
-    assert finding.message.startswith("resumed at step 4 (steps counted from there): loss: first differing step 2 of 4")
+    assert finding.message.startswith("resumed at step 4 ") and "(steps counted from there)" in finding.message
+    assert "first differing step 2 of 4" in finding.message and not finding.facts.get("after_broken_load")
     assert named(resume_comparison.compare, ref, run, "tolerant").findings == []  # 1e-9 is inside the envelope's limit
 
 

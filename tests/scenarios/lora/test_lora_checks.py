@@ -45,20 +45,21 @@ def test_adapter_names_are_described_by_tensor_and_module() -> None:
 
 
 def test_frozen_base_names_the_leaking_and_the_changed_weight_and_what_moved_it() -> None:
-    found = messages(checks.check_frozen({BASE_Q: 0}, {BASE_Q: "aa", "x.weight": "bb"}, {BASE_Q: "cc", "x.weight": "bb"}))
-    assert found == [
-        f"[library: peft] lora check 'frozen-base': frozen base weight {MODULE}.base_layer.weight received a gradient at "
-        "step 0 (only lora_A/lora_B may): the library left it trainable",
-        f"[library: peft] lora check 'frozen-base': base weight {MODULE}.base_layer.weight changed during training: it is "
-        "no longer bit-identical to its initial digest, stepped with the gradient it received from step 0",
-    ]
-    assert rules(checks.check_frozen({BASE_Q: 0}, {BASE_Q: "aa"}, {BASE_Q: "cc"})) == \
-        [("library: peft", "lora-base-left-trainable")] * 2
-    assert rules(checks.check_frozen({}, {BASE_Q: "aa"}, {BASE_Q: "cc"})) == [("optimizer or collective", "lora-base-moved")]
-    written = messages(checks.check_frozen({}, {BASE_Q: "aa"}, {BASE_Q: "cc"}))  # no gradient, yet it moved
-    assert written == [f"[optimizer or collective] lora check 'frozen-base': base weight {MODULE}.base_layer.weight "
-                       "changed during training without ever receiving a gradient: no longer bit-identical to its "
-                       "initial digest (an optimizer stepping it anyway, or a collective or load writing into it)"]
+    base = f"{MODULE}.base_layer.weight"
+    found = checks.check_frozen({BASE_Q: 0}, {BASE_Q: "aa", "x.weight": "bb"}, {BASE_Q: "cc", "x.weight": "bb"})
+    assert [(f["check"], f["facts"]) for f in found] == [("frozen-base", {"left_trainable": True})] * 2
+    assert rules(found) == [("library: peft", "lora-base-left-trainable")] * 2
+    leaked, stepped = messages(found)  # the leak, then the move it made: each names the weight and the step
+    assert leaked.startswith(f"[library: peft] lora check 'frozen-base': frozen base weight {base} "), leaked
+    assert "received a gradient at step 0 " in leaked and leaked.endswith("the library left it trainable")
+    assert stepped.startswith(f"[library: peft] lora check 'frozen-base': base weight {base} "), stepped
+    assert "changed during training: " in stepped and stepped.endswith("the gradient it received from step 0")
+    moved = checks.check_frozen({}, {BASE_Q: "aa"}, {BASE_Q: "cc"})  # no gradient, yet it moved
+    assert [(f["check"], f["facts"]) for f in moved] == [("frozen-base", {})]
+    assert rules(moved) == [("optimizer or collective", "lora-base-moved")]
+    [written] = messages(moved)
+    assert written.startswith(f"[optimizer or collective] lora check 'frozen-base': base weight {base} "), written
+    assert "without ever receiving a gradient" in written and "no longer bit-identical" in written
     assert checks.check_frozen({}, {BASE_Q: "aa"}, {BASE_Q: "aa"}) == []
 
 
@@ -67,12 +68,16 @@ def test_nonzero_finds_missing_empty_and_zero_adapters() -> None:
     assert checks.check_nonzero(tensors, [MODULE]) == []
     tensors[Q_B] = np.zeros_like(tensors[Q_B])
     tensors[Q_A] = np.zeros((0, 64), np.float32)
-    found = messages(checks.check_nonzero(tensors, [MODULE, "model.layers.0.mlp.up_proj"]))
-    assert "lora_A of model.layers.0.mlp.up_proj is missing: the module is a target but has no adapter" in found[0]
-    missing = CheckFinding.of(checks.check_nonzero(tensors, [MODULE, "model.layers.0.mlp.up_proj"])[0])
+    up = "model.layers.0.mlp.up_proj"
+    raw = checks.check_nonzero(tensors, [MODULE, up])
+    assert [(f["check"], f["facts"]) for f in raw] == [("adapter-nonzero", {"missing": True})] * 2 + \
+        [("adapter-nonzero", {})] * 2
+    found = messages(raw)
+    assert f"lora_A of {up} is missing: " in found[0] and f"lora_B of {up} is missing: " in found[1]
+    missing = CheckFinding.of(raw[0])
     assert rule_for(missing).id == "lora-adapter-missing"  # no adapter built at all: peft's, not the optimizer's
-    assert any(f"lora_A of {MODULE} is empty (shape [0, 64])" in m for m in found)
-    assert any(f"lora_B of {MODULE} is all zeros after training" in m for m in found)
+    assert any(f"lora_A of {MODULE} is empty" in m and m.endswith("(shape [0, 64])") for m in found)
+    assert any(f"lora_B of {MODULE} is all zeros" in m and m.endswith(" after training") for m in found)
 
 
 def test_saved_slice_zeros_and_missing_keys_are_named() -> None:
@@ -80,12 +85,16 @@ def test_saved_slice_zeros_and_missing_keys_are_named() -> None:
     good = {checks.canonical(n): v for n, v in full.items()}
     assert checks.check_saved(good, full, world_size=2) == []
     sliced = {**good, checks.canonical(Q_A): full[Q_A][:4]}
-    assert messages(checks.check_saved(sliced, full, 2)) == [
-        f"[checkpoint] lora check 'sharded-save': lora_A of {MODULE} saved with shape [4, 64], the full tensor is "
-        "[8, 64]: the save holds one rank's slice, not every rank's"]
+    found = checks.check_saved(sliced, full, 2)
+    assert [f["check"] for f in found] == ["sharded-save"] and rules(found) == [("checkpoint", "lora-sharded-save")]
+    [sliced_line] = messages(found)
+    assert f"lora_A of {MODULE} saved with shape [4, 64]" in sliced_line and "full tensor is [8, 64]" in sliced_line
+    assert sliced_line.endswith("one rank's slice, not every rank's"), sliced_line
     zeroed = {**good, SAVED_Q_B: np.zeros_like(full[Q_B])}
-    assert messages(checks.check_saved(zeroed, full, 2)) == [
-        f"[checkpoint] lora check 'adapter-roundtrip': lora_B of {MODULE} is all zeros in the saved file"]
+    found = checks.check_saved(zeroed, full, 2)
+    assert rules(found) == [("checkpoint", "lora-adapter-roundtrip")]
+    assert [(f["check"], f["message"]) for f in found] == [("adapter-roundtrip", f"lora_B of {MODULE} is all zeros "
+                                                                                 "in the saved file")]
     nudged = {**good, SAVED_Q_B: np.nextafter(full[Q_B], np.float32(1))}
     assert "differs in 512 of 512 elements" in messages(checks.check_saved(nudged, full, 2))[0]
     assert "is missing from the saved adapter" in messages(checks.check_saved({SAVED_Q_B: full[Q_B]}, full, 2))[0]
@@ -94,8 +103,10 @@ def test_saved_slice_zeros_and_missing_keys_are_named() -> None:
 def test_reloaded_zeros_read_as_the_issue_says() -> None:
     full = trained()
     assert checks.check_reloaded(dict(full), full) == []
-    found = messages(checks.check_reloaded({**full, Q_B: np.zeros_like(full[Q_B])}, full))
-    assert found == [f"[checkpoint] lora check 'adapter-roundtrip': lora_B of {MODULE} is all zeros after reload"]
+    found = checks.check_reloaded({**full, Q_B: np.zeros_like(full[Q_B])}, full)
+    assert rules(found) == [("checkpoint", "lora-adapter-roundtrip")]
+    assert [(f["check"], f["message"]) for f in found] == [("adapter-roundtrip", f"{checks.describe(Q_B)} is all zeros "
+                                                                                 "after reload")]
 
 
 def test_logits_check_is_bitwise_at_bound_zero() -> None:
@@ -205,16 +216,18 @@ def test_target_option_overrides_the_default() -> None:
 
 
 def test_verdict_formats_findings_and_flags_checks_that_did_not_run() -> None:
+    zeros = f"{checks.describe(Q_B)} is all zeros after reload"
     record = RunRecord(scenario="lora", config={}, platform_key="", world_size=2,
-                       results={"lora_checks": [checks.finding("adapter-roundtrip", f"lora_B of {MODULE} is all zeros "
-                                                                                     "after reload")],
+                       results={"lora_checks": [checks.finding("adapter-roundtrip", zeros)],
                                 "lora_checks_run": sorted(set(checks.CHECKS) - {"merge"})})
     problems = SCENARIO.own_findings(SCENARIO.cases(CPU)[0], record, CPU)
-    assert problems == [CheckFinding("adapter-roundtrip", f"lora_B of {MODULE} is all zeros after reload", scope="lora check"),
+    assert problems == [CheckFinding("adapter-roundtrip", zeros, scope="lora check"),
                         CheckFinding("lora-missing", "lora checks did not run: merge")]
-    assert described(problems[1]) == "[checkpoint] lora checks did not run: merge (rule lora-checks-missing)"
-    assert described(problems[0]) == (f"[checkpoint] lora check 'adapter-roundtrip': lora_B of {MODULE} is all zeros "
-                                      "after reload (rule lora-adapter-roundtrip)")
+    named = [rule_for(p) for p in problems if isinstance(p, CheckFinding)]
+    assert [(r.component, r.id) for r in named] == [("checkpoint", "lora-adapter-roundtrip"),
+                                                     ("checkpoint", "lora-checks-missing")]
+    assert described(problems[1]) == f"[checkpoint] {problems[1].message} (rule lora-checks-missing)"
+    assert described(problems[0]) == f"[checkpoint] lora check 'adapter-roundtrip': {zeros} (rule lora-adapter-roundtrip)"
 
 
 def test_lora_fault_specs_are_validated() -> None:

@@ -6,6 +6,7 @@ was targeted and what was left out. Models are built on the meta device: no weig
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,29 @@ def meta_model(config_dir: Path) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir, local_files_only=True))
 
 
+HEADER = re.compile(r"gpuregress lora (?P<kind>targets|left out|peft moved) \((?P<model>[\w-]+)\): (?P<said>.+)")
+
+
+def header_facts(lines: list[str]) -> list[tuple[str, str, object]]:
+    """Each header line as (kind, model, what it lists): targets a list of names, left out [(why, module paths)], peft
+    moved (the targets moved, the fused parameters they moved onto). A line of another form fails the test."""
+    out: list[tuple[str, str, object]] = []
+    for line in lines:
+        found = HEADER.fullmatch(line)
+        assert found is not None, line
+        kind, said = found["kind"], found["said"]
+        if kind == "targets":
+            facts: object = said.split(", ")
+        elif kind == "left out":
+            facts = [(why, paths.split(", ")) for why, _, paths in (part.rpartition(": ") for part in said.split("; "))]
+        else:
+            moved = re.fullmatch(r"(.+) onto the fused expert parameters (.+) \(target_parameters, .+\)", said)
+            assert moved is not None, line
+            facts = (tuple(moved[1].split(", ")), tuple(moved[2].split(", ")))
+        out.append((kind, found["model"], facts))
+    return out
+
+
 def test_a_phi3_model_targets_its_fused_projections(tmp_path: Path) -> None:
     setup = setup_with(tmp_path, phi3(tmp_path))
     targets = SCENARIO.model_config(setup, "tiny-phi3")["target_modules"]
@@ -112,11 +136,13 @@ def test_the_header_says_what_peft_did_where_it_moves_targets_onto_fused_experts
     assert done.parameters == {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"}
     assert "model.layers.0.mlp.gate_proj" not in done.modules and "model.layers.0.self_attn.q_proj" in done.modules
     lines = SCENARIO.target_lines(setup, "tiny-deepseek")
-    assert lines[1] == ("gpuregress lora peft moved (tiny-deepseek): gate_proj, up_proj, down_proj onto the fused "
-                        "expert parameters down_proj, gate_up_proj (target_parameters, transformers 5's MoE layout)")
-    assert lines[2] == (f"gpuregress lora left out (tiny-deepseek): {PEFT_MOVED}: mlp.gate_proj, mlp.up_proj, "
-                        "mlp.down_proj, mlp.shared_experts.gate_proj, mlp.shared_experts.up_proj, "
-                        f"mlp.shared_experts.down_proj; {ROUTER}: mlp.gate")
+    facts = header_facts(lines)
+    assert facts[1] == ("peft moved", "tiny-deepseek", (done.moved, done.into))
+    assert "transformers 5's MoE layout" in lines[1]
+    assert facts[2] == ("left out", "tiny-deepseek", [
+        (PEFT_MOVED, ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.shared_experts.gate_proj",
+                      "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"]),
+        (ROUTER, ["mlp.gate"])])
     assert NOT_LINEAR not in lines[2]  # the fused experts are adapted: peft wrapped their parameters
 
 
@@ -146,24 +172,25 @@ def test_the_builtin_and_zoo_models_keep_the_targets_their_references_store(tmp_
 
 def test_the_header_names_the_targets_and_what_the_users_targets_leave_out(tmp_path: Path) -> None:
     setup = setup_with(tmp_path, phi3(tmp_path), targets=["q_proj", "v_proj", "qkv_proj"])
-    assert SCENARIO.header(setup) == [
-        "gpuregress lora targets (tiny-llama): q_proj, v_proj",
-        f"gpuregress lora left out (tiny-llama): {NOT_ASKED}: self_attn.k_proj, self_attn.o_proj, mlp.gate_proj, "
-        "mlp.up_proj, mlp.down_proj",
-        "gpuregress lora targets (tiny-phi3): qkv_proj",
-        f"gpuregress lora left out (tiny-phi3): {NOT_ASKED}: self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj",
+    assert header_facts(SCENARIO.header(setup)) == [
+        ("targets", "tiny-llama", ["q_proj", "v_proj"]),
+        ("left out", "tiny-llama", [(NOT_ASKED, ["self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                 "mlp.down_proj"])]),
+        ("targets", "tiny-phi3", ["qkv_proj"]),
+        ("left out", "tiny-phi3", [(NOT_ASKED, ["self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"])]),
     ]
     # With no option the tiny Llama's line is the defaults, the zoo MoE says what LoRA cannot reach.
     zoo = setup_with(tmp_path, Path("tiny-moe"))
-    assert SCENARIO.header(zoo) == [
-        f"gpuregress lora targets (tiny-llama): {', '.join(DEFAULT_TARGETS)}",
-        f"gpuregress lora targets (tiny-moe): {', '.join(DEFAULT_TARGETS)}",
-        f"gpuregress lora left out (tiny-moe): {NOT_LINEAR}: mlp.experts.gate_up_proj, mlp.experts.down_proj; "
-        f"{ROUTER}: mlp.gate, mlp.shared_expert_gate",
+    assert header_facts(SCENARIO.header(zoo)) == [
+        ("targets", "tiny-llama", list(DEFAULT_TARGETS)),
+        ("targets", "tiny-moe", list(DEFAULT_TARGETS)),
+        ("left out", "tiny-moe", [(NOT_LINEAR, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+                                  (ROUTER, ["mlp.gate", "mlp.shared_expert_gate"])]),
     ]
     absent = setup_with(tmp_path, targets=["c_attn"])
-    assert SCENARIO.header(absent)[0] == ("gpuregress lora targets (tiny-llama): none (c_attn: no module of that "
-                                          "name): lora is not applicable")
+    [(kind, model, said)] = header_facts(SCENARIO.header(absent)[:1])
+    assert (kind, model) == ("targets", "tiny-llama") and isinstance(said, list) and len(said) == 1
+    assert said[0].startswith("none (c_attn: no module") and said[0].endswith("): lora is not applicable"), said
 
 
 class Block(torch.nn.Module):

@@ -366,8 +366,8 @@ def _digests_differ(ref: RunRecord, run: RunRecord, lane: str, limits: dict[str,
                     magnitudes: dict[str, float]) -> tuple[list[tuple[str, float, float, float, float, str]], float]:
     """The final weights that differ, as (name, sum of |w| expected, got, deviation, its limit, the measure) rows, the
     furthest past its limit first (the exact lane: the largest deviation; a tensor the run lacks: inf), and the
-    margin of those it has. Each tensor is
-    judged by the measure nearer its limit: the checksums against final_weights', sum of |w| against its own."""
+    margin of those it has. Each tensor is judged by the measure nearer its limit: the checksums against
+    final_weights', its sum of |w| against its own."""
     bad: list[tuple[str, float, float, float, float, str]] = []
     margin = 0.0
     for name in sorted(ref.digests):

@@ -36,8 +36,7 @@ SERIES = ("loss", "grad_norm", "clipped_grad_norm")
 PER_STEP = (*SERIES, "param_grad_norm")  # metrics stored one row per step
 # The final weights' magnitudes (each tensor's sum of |w|) have an envelope of their own: chaos moves the signed sums
 # by about its elementwise spread but the sum of |w| by far less, while a systematic change (a weight decay skipped)
-# moves it
-# first. Where a reference keeps no such envelope, magnitudes are held to final_weights' limit, as they always are.
+# moves it first. Where a reference keeps no such envelope, magnitudes are held to final_weights' limit (``limit``).
 MAGNITUDE = "weight_magnitude"
 METRICS = (*PER_STEP, "step0_grad", "final_weights", MAGNITUDE)  # every metric a training comparison judges
 
